@@ -1,0 +1,3 @@
+from ditforge.cli import main
+
+raise SystemExit(main())
