@@ -1,0 +1,100 @@
+"""The ``ditforge`` command: the only place that parses argv.
+
+User errors (``UserError``) print one line on stderr and exit with code 2; Ctrl-C exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+
+from ditforge.config import DataConfig, ModelConfig, TrainConfig, build_config
+from ditforge.errors import UserError
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field (flat names, as OpenDiT's), help text from the field's metadata.
+
+    Defaults are suppressed so that only flags given on the command line override the config file.
+    """
+    for cls in (ModelConfig, DataConfig, TrainConfig):
+        group = parser.add_argument_group(cls.__name__.removesuffix("Config").lower())
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True):
+                continue
+            kind = hints[f.name]
+            if isinstance(kind, types.UnionType):  # X | None
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            default = f.default
+            help_text = f"{f.metadata['help']}" + ("" if default is None else f" (default: {default})")
+            kwargs = dict(default=argparse.SUPPRESS, help=help_text)
+            if kind is bool:
+                group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kwargs)
+            else:
+                group.add_argument(f"--{f.name}", type=kind, choices=f.metadata.get("choices"), **kwargs)
+
+
+def _labels(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,1,2, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ditforge", description="Train and sample Diffusion Transformers (DiT).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a DiT (default: a small DiT on the built-in digits, on the CPU)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train.add_argument("--config", default=argparse.SUPPRESS, help="YAML file of settings (flags override it)")
+    _add_config_flags(train)
+
+    s = sub.add_parser("sample", help="draw class-conditional samples from a checkpoint",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--ckpt", required=True, help="run folder (newest checkpoint), checkpoint folder, "
+                   ".safetensors file, or an official DiT .pt state dict")
+    s.add_argument("--model", help="model name, overriding the checkpoint's (e.g. DiT-XL/2)")
+    s.add_argument("--image_size", type=int, help="input size, overriding the checkpoint's")
+    who = s.add_mutually_exclusive_group()
+    who.add_argument("--class_labels", type=_labels, help="labels to draw, e.g. 0,1,2")
+    who.add_argument("--num_samples", type=int, help="draw N samples, labels cycling over the classes")
+    s.add_argument("--cfg_scale", type=float, default=4.0, help="classifier-free guidance scale (1: no guidance)")
+    s.add_argument("--num_sampling_steps", type=int, default=250, help="respaced diffusion steps")
+    s.add_argument("--sampler", default="ddpm", choices=("ddpm", "ddim"), help="reverse process")
+    s.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0: deterministic)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the noise")
+    s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")
+    s.add_argument("--out", default="samples.png", help="PNG grid to write")
+    s.add_argument("--save_npz", help="also write samples (N,H,W,C uint8) and labels (N,) to this .npz")
+    s.add_argument("--no_ema", dest="use_ema", action="store_false", help="use the raw weights, not the EMA")
+    s.add_argument("--device", default="auto", help="cuda | cpu | auto")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    command = args.pop("command")
+    try:
+        if command == "train":
+            from ditforge.train.trainer import train
+
+            config_file = args.pop("config", None)
+            train(build_config(config_file, args))
+        elif command == "sample":
+            from ditforge.sample import SampleConfig, sample
+
+            sample(SampleConfig(**args))
+    except UserError as e:
+        print(f"ditforge {command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ditforge {command}: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,145 @@
+"""Typed run configuration: defaults, then an optional YAML file, then command-line flags; validated once.
+
+Each field's ``help`` is also its command-line help, so ``ditforge train --help`` and this file cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ditforge.errors import UserError
+
+MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16")
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class ModelConfig:
+    model: str = _f("DiT-T/2", "model name: DiT-{T,S,B,L,XL}/{1,2,4,8}, e.g. DiT-XL/2")
+    num_classes: int | None = _f(None, "number of class labels (default: from the data)")
+    learn_sigma: bool = _f(True, "predict the variance too (hybrid loss of Improved DDPM)")
+    class_dropout_prob: float = _f(0.1, "label dropout probability for classifier-free guidance")
+    in_channels: int | None = _f(None, "input channels (default: from the data)", cli=False)
+    input_size: int | None = _f(None, "spatial input size of the model (default: --image_size)", cli=False)
+
+
+@dataclass
+class DataConfig:
+    data: str = _f("digits", "'digits' (built-in) or an image folder ROOT/<class>/<image>")
+    image_size: int | None = _f(None, "image side in pixels (digits: 8; required for image folders)")
+    random_flip: bool | None = _f(None, "random horizontal flips (default: on for image folders, off for digits)")
+    num_workers: int = _f(2, "data loader worker processes (0: load in the main process)")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = _f(128, "global batch size (all processes together)")
+    max_steps: int | None = _f(None, "optimizer steps to run (default: 3000, or --epochs)")
+    epochs: int | None = _f(None, "epochs to run instead of --max_steps")
+    lr: float = _f(3e-4, "AdamW learning rate (DiT's paper used 1e-4 at batch 256)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
+    max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0: no clipping)")
+    mixed_precision: str = _f("auto", "compute precision: fp32 | bf16 | fp16 | auto (bf16 on GPU, fp32 on CPU)",
+                              choices=MIXED_PRECISION)
+    grad_checkpoint: bool = _f(False, "activation checkpointing of every transformer block")
+    ema_decay: float = _f(0.9999, "EMA decay; the effective decay is min(decay, (1+k)/(10+k)) at step k")
+    ckpt_every: int = _f(1000, "save a checkpoint every N steps (and always at the end or on Ctrl-C)")
+    keep_last: int = _f(2, "keep the newest K checkpoints")
+    log_every: int = _f(50, "write metrics every N steps")
+    sample_every: int = _f(1000, "write a grid of EMA samples every N steps (0: only at the end)")
+    seed: int = _f(0, "seed of all randomness (initialisation, data order, noise)")
+    outputs: str | None = _f(None, "run folder (default: outputs/<data>-<model>-<time>)")
+    resume: str | None = _f(None, "'auto' (continue the run in --outputs if it has a checkpoint) or a run or "
+                                  "checkpoint folder to continue from")
+    device: str = _f("auto", "cuda | cpu | auto")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def field_section() -> dict[str, str]:
+    """Map every field name to its section; names are unique across sections so flags can be flat."""
+    return {f.name: sec for sec, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)}
+
+
+def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults, then ``file`` (YAML, flat or with model/data/train sections), then ``overrides`` (flat).
+
+    Raises:
+        UserError: unreadable file, unknown keys, or invalid values (see ``validate``).
+    """
+    where = field_section()
+    values: dict[str, Any] = {}
+    if file is not None:
+        try:
+            loaded = yaml.safe_load(Path(file).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise UserError(f"--config: cannot read {file}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"--config: {file} must hold a mapping of settings")
+        for key, value in loaded.items():
+            if key in _SECTION_CLASSES and isinstance(value, dict):
+                values.update(value)
+            else:
+                values[key] = value
+        unknown = sorted(set(values) - set(where))
+        if unknown:
+            raise UserError(f"--config: unknown settings in {file}: {', '.join(unknown)}")
+    values.update(overrides or {})
+    sections: dict[str, dict] = {s: {} for s in _SECTION_CLASSES}
+    for key, value in values.items():
+        if key not in where:
+            raise UserError(f"unknown setting {key!r}")
+        sections[where[key]][key] = value
+    cfg = RunConfig(**{s: _SECTION_CLASSES[s](**v) for s, v in sections.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
+    t = cfg.train
+    positive = {"batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
+                "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
+                "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes}
+    for name, value in positive.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise UserError(f"--{name}: expected a positive integer, got {value!r}")
+    for name, value in {"warmup_steps": t.warmup_steps, "sample_every": t.sample_every,
+                        "num_workers": cfg.data.num_workers}.items():
+        if not isinstance(value, int) or value < 0:
+            raise UserError(f"--{name}: expected an integer >= 0, got {value!r}")
+    if t.max_steps is not None and t.epochs is not None:
+        raise UserError("--max_steps and --epochs: give one, not both")
+    if not t.lr > 0:
+        raise UserError(f"--lr: expected a positive number, got {t.lr}")
+    if not 0 <= t.ema_decay < 1:
+        raise UserError(f"--ema_decay: expected a number in [0, 1), got {t.ema_decay}")
+    if not 0 <= cfg.model.class_dropout_prob < 1:
+        raise UserError(f"--class_dropout_prob: expected a number in [0, 1), got {cfg.model.class_dropout_prob}")
+    if t.mixed_precision not in MIXED_PRECISION:
+        raise UserError(f"--mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, got {t.mixed_precision}")
+    if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
+        raise UserError(f"--device: expected cuda, cpu or auto, got {t.device}")
+    from ditforge.models import model_spec  # raises UserError for unknown names
+
+    model_spec(cfg.model.model)

@@ -1,0 +1,114 @@
+"""ImageFolder-style data: ``ROOT/<class name>/<image>``, one sub-folder per class (sorted names -> labels)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from ditforge.errors import UserError
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+log = logging.getLogger(__name__)
+
+
+def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:
+    """Resize the short side to ``image_size`` and crop the centre square; (H, W, 3) uint8.
+
+    Halves the image with a box filter while it is at least twice the target, then resizes with bicubic
+    (the ADM / DiT recipe, ``center_crop_arr`` in facebookresearch/DiT train.py).
+    """
+    while min(*pil_image.size) >= 2 * image_size:
+        pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
+    scale = image_size / min(*pil_image.size)
+    pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC)
+    arr = np.asarray(pil_image)
+    top, left = (arr.shape[0] - image_size) // 2, (arr.shape[1] - image_size) // 2
+    return arr[top : top + image_size, left : left + image_size]
+
+
+class ImageFolderDataset(Dataset):
+    """Images under ``root/<class>/``, centre-cropped and resized to ``image_size``, scaled to [-1, 1].
+
+    Items are ``(image (3, S, S) float32, label int)``. An image that cannot be read at training time is
+    logged (and appended to ``bad_samples_path`` as JSON lines when set) and replaced by the next readable
+    one, so one bad file never stops a long run.
+
+    Raises:
+        UserError: ``root`` missing or not a folder, no class sub-folders, or no images at all.
+    """
+
+    in_channels = 3
+    max_substitutions = 16
+
+    def __init__(self, root: str | Path, image_size: int, bad_samples_path: str | Path | None = None):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise UserError(f"--data: {root} is not a folder (expected ROOT/<class>/<image> or 'digits')")
+        self.classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        if not self.classes:
+            raise UserError(f"--data: {root} has no class sub-folders (expected ROOT/<class>/<image>)")
+        self.samples = [
+            (str(f), label)
+            for label, name in enumerate(self.classes)
+            for f in sorted((self.root / name).rglob("*"))
+            if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()
+        ]
+        if not self.samples:
+            raise UserError(f"--data: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) under {root}")
+        self.num_classes = len(self.classes)
+        self.image_size = image_size
+        self.bad_samples_path = bad_samples_path
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def load(self, i: int) -> torch.Tensor:
+        """Read, crop and scale image ``i``: (3, S, S) float32 in [-1, 1]. Raises OSError/ValueError if unreadable."""
+        with Image.open(self.samples[i][0]) as img:
+            arr = center_crop_arr(img.convert("RGB"), self.image_size)
+        return torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1).float().div(127.5).sub(1.0)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        for k in range(self.max_substitutions):
+            j = (i + k) % len(self.samples)
+            try:
+                return self.load(j), self.samples[j][1]
+            except (OSError, ValueError, SyntaxError) as e:  # PIL raises all three on bad files
+                self._report_bad(self.samples[j][0], e)
+        raise RuntimeError(f"{self.max_substitutions} unreadable images in a row from {self.samples[i][0]}")
+
+    def _report_bad(self, path: str, error: Exception) -> None:
+        log.warning("skipping unreadable image %s: %s", path, error)
+        if self.bad_samples_path is not None:
+            with open(self.bad_samples_path, "a") as f:
+                f.write(json.dumps({"path": path, "error": f"{type(error).__name__}: {error}"}) + "\n")
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(N, C, H, W) float in [-1, 1] -> (N, H, W, C) uint8 (values clamped)."""
+    x = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return x.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def save_grid(images: np.ndarray, path: str | Path, nrow: int, upscale: int = 1, pad: int = 1) -> None:
+    """Write (N, H, W, C) uint8 images as one PNG grid of ``nrow`` per row, each enlarged ``upscale`` times
+    (nearest neighbour, so small images stay sharp). Written to a temporary name, then renamed."""
+    n, h, w, c = images.shape
+    rows = -(-n // nrow)
+    grid = np.zeros((rows * (h + pad) + pad, nrow * (w + pad) + pad, c), dtype=np.uint8)
+    for i, img in enumerate(images):
+        r, q = divmod(i, nrow)
+        grid[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + q * (w + pad) : pad + q * (w + pad) + w] = img
+    pil = Image.fromarray(grid[..., 0] if c == 1 else grid)
+    if upscale > 1:
+        pil = pil.resize((pil.width * upscale, pil.height * upscale), resample=Image.NEAREST)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pil.save(tmp, format="PNG")
+    tmp.replace(path)

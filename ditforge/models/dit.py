@@ -1,0 +1,152 @@
+"""DiT: Diffusion Transformer with adaLN-Zero blocks (Peebles & Xie, "Scalable Diffusion Models with
+Transformers", ICCV 2023).
+
+Parameter names, shapes and initialisation equal facebookresearch/DiT ``models.py``, so official checkpoints
+(e.g. DiT-XL-2-256x256.pt) load with ``strict=True`` and give the same outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ditforge.models.layers import Attention, LabelEmbedder, Mlp, PatchEmbed, TimestepEmbedder, sincos_2d
+from ditforge.ops import modulate
+
+
+class DiTBlock(nn.Module):
+    """adaLN-Zero transformer block (paper section 3.2, figure 3).
+
+    The conditioning vector c regresses shift/scale/gate for the attention and MLP branches;
+    ``x = x + gate_msa * attn(modulate(LN(x), shift_msa, scale_msa))``, likewise for the MLP.
+    The regression layer is zero-initialised, so every block starts as the identity.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """x: (B, N, D) tokens, c: (B, D) conditioning -> (B, N, D)."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated LayerNorm then a linear map to p*p*C_out values per token; (B, N, D) -> (B, N, p*p*C_out)."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+class DiT(nn.Module):
+    """Class-conditional Diffusion Transformer.
+
+    Args:
+        input_size: spatial size H = W of the input (latent or pixel), divisible by ``patch_size``.
+        patch_size: patch edge p; the sequence has (H/p)^2 tokens.
+        in_channels: C of the input.
+        hidden_size, depth, num_heads, mlp_ratio: transformer width, number of blocks, heads, MLP ratio.
+        class_dropout_prob: label dropout for classifier-free guidance; > 0 adds the null label row.
+        num_classes: number of classes; label ``num_classes`` is the null (unconditional) label.
+        learn_sigma: predict the variance too, so C_out = 2 C (Nichol & Dhariwal 2021).
+    """
+
+    def __init__(
+        self,
+        input_size: int = 32,
+        patch_size: int = 2,
+        in_channels: int = 4,
+        hidden_size: int = 1152,
+        depth: int = 28,
+        num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        class_dropout_prob: float = 0.1,
+        num_classes: int = 1000,
+        learn_sigma: bool = True,
+    ):
+        super().__init__()
+        self.learn_sigma = learn_sigma
+        self.in_channels = in_channels
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.patch_size = patch_size
+        self.num_heads = num_heads
+        self.num_classes = num_classes
+
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        num_patches = self.x_embedder.num_patches
+        # Fixed sin-cos embedding, kept as a frozen parameter (not a buffer) to match the official state dict.
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """Initialisation of the reference code: xavier-uniform linears, N(0, 0.02) embedders, adaLN-Zero."""
+
+        def _basic_init(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.constant_(module.bias, 0)
+
+        self.apply(_basic_init)
+        self.pos_embed.data.copy_(sincos_2d(self.pos_embed.shape[-1], self.x_embedder.grid_size).unsqueeze(0))
+        w = self.x_embedder.proj.weight.data
+        nn.init.xavier_uniform_(w.view([w.shape[0], -1]))
+        nn.init.constant_(self.x_embedder.proj.bias, 0)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        for block in self.blocks:
+            nn.init.constant_(block.adaLN_modulation[-1].weight, 0)
+            nn.init.constant_(block.adaLN_modulation[-1].bias, 0)
+        nn.init.constant_(self.final_layer.adaLN_modulation[-1].weight, 0)
+        nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
+        nn.init.constant_(self.final_layer.linear.weight, 0)
+        nn.init.constant_(self.final_layer.linear.bias, 0)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, p*p*C_out) -> (B, C_out, H, W); inverse of the patch embedding's token order."""
+        c, p = self.out_channels, self.patch_size
+        h = w = int(x.shape[1] ** 0.5)
+        x = x.reshape(x.shape[0], h, w, p, p, c)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(x.shape[0], c, h * p, w * p)
+
+    def forward(
+        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Predict noise (and the variance interpolation when ``learn_sigma``).
+
+        Args:
+            x: (B, C, H, W) noisy input.
+            t: (B,) int64 diffusion timesteps.
+            y: (B,) int64 class labels; ``num_classes`` is the null label.
+            force_drop_ids: optional (B,) bool, labels to replace by the null label (label dropout decided
+                outside the model, e.g. from a per-step generator); otherwise dropout draws its own coins in
+                training mode.
+
+        Returns:
+            (B, C_out, H, W), C_out = 2C when ``learn_sigma`` (first C: epsilon, last C: variance values).
+        """
+        x = self.x_embedder(x) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
+        for block in self.blocks:
+            x = block(x, c)
+        return self.unpatchify(self.final_layer(x, c))
