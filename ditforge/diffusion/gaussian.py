@@ -43,7 +43,10 @@ def space_timesteps(num_timesteps: int, section_counts: str | int) -> list[int]:
         if count < 1 or size < count:
             raise ValueError(f"cannot take {count} steps from a section of {size} diffusion steps")
         stride = 1 if count <= 1 else (size - 1) / (count - 1)
-        steps += [start + round(stride * j) for j in range(count)]
+        cur = 0.0
+        for _ in range(count):  # accumulated, not stride * j: ties round as in guided-diffusion
+            steps.append(start + round(cur))
+            cur += stride
         start += size
     return sorted(set(steps))
 
@@ -196,8 +199,9 @@ class GaussianDiffusion:
             eps = model_output.double()
             # Fixed large variance: beta_t, with beta~_1 at t = 0 (as guided-diffusion's FIXED_LARGE).
             large = torch.cat([self.posterior_variance[1:2], self.betas[1:]])
-            variance = self._extract(large, t, n).expand_as(eps)
-            log_variance = torch.log(variance)
+            variance = self._extract(large, t, n)
+            log_variance = torch.log(variance).expand_as(eps)  # log before expanding: B logs, not B*C*H*W
+            variance = variance.expand_as(eps)
         pred_xstart = self.predict_xstart_from_eps(x_t, t, eps)
         if clip_denoised:
             pred_xstart = pred_xstart.clamp(-1, 1)
