@@ -41,10 +41,10 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    batch_size: int = _f(128, "global batch size (all processes together)")
-    max_steps: int | None = _f(None, "optimizer steps to run (default: 3000, or --epochs)")
+    batch_size: int = _f(64, "global batch size (all processes together)")
+    max_steps: int | None = _f(None, "optimizer steps to run (default: 1000, or --epochs)")
     epochs: int | None = _f(None, "epochs to run instead of --max_steps")
-    lr: float = _f(3e-4, "AdamW learning rate (DiT's paper used 1e-4 at batch 256)")
+    lr: float | None = _f(None, "AdamW learning rate (default: 1e-4 as DiT's paper; 1e-3 for the tiny DiT-T)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
     max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0: no clipping)")
@@ -55,7 +55,7 @@ class TrainConfig:
     ckpt_every: int = _f(1000, "save a checkpoint every N steps (and always at the end or on Ctrl-C)")
     keep_last: int = _f(2, "keep the newest K checkpoints")
     log_every: int = _f(50, "write metrics every N steps")
-    sample_every: int = _f(1000, "write a grid of EMA samples every N steps (0: only at the end)")
+    sample_every: int = _f(500, "write a grid of EMA samples every N steps (0: only at the end)")
     seed: int = _f(0, "seed of all randomness (initialisation, data order, noise)")
     outputs: str | None = _f(None, "run folder (default: outputs/<data>-<model>-<time>)")
     resume: str | None = _f(None, "'auto' (continue the run in --outputs if it has a checkpoint) or a run or "
@@ -130,7 +130,7 @@ def validate(cfg: RunConfig) -> None:
             raise UserError(f"--{name}: expected an integer >= 0, got {value!r}")
     if t.max_steps is not None and t.epochs is not None:
         raise UserError("--max_steps and --epochs: give one, not both")
-    if not t.lr > 0:
+    if t.lr is not None and not t.lr > 0:
         raise UserError(f"--lr: expected a positive number, got {t.lr}")
     if not 0 <= t.ema_decay < 1:
         raise UserError(f"--ema_decay: expected a number in [0, 1), got {t.ema_decay}")

@@ -192,7 +192,9 @@ def train(cfg: RunConfig) -> Path:
         raise UserError(f"--num_classes {m.num_classes}: the data has {dataset.num_classes} classes")
     m.in_channels, m.input_size = dataset.in_channels, dataset.image_size
     steps_per_epoch = len(dataset) // t.batch_size
-    max_steps = t.max_steps or (t.epochs * max(steps_per_epoch, 1) if t.epochs else 3000)
+    max_steps = t.max_steps or (t.epochs * max(steps_per_epoch, 1) if t.epochs else 1000)
+    if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
+        t.lr = 1e-3 if m.model.startswith("DiT-T/") else 1e-4
 
     torch.manual_seed(t.seed)
     model = create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -99,27 +98,31 @@ def _assert_close_rel(actual, expected, rel):
     torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * scale)
 
 
-_RANDOMISED: dict[tuple, tuple] = {}
-
-
-def _randomised_pair(name, dtype=torch.float64):
-    """Cached (ditforge, reference) in eval mode, in ``dtype``, holding the same random weights.
+@pytest.fixture(scope="module")
+def randomised_pair():
+    """``get(name, dtype)`` -> (ditforge, reference) in eval mode, in ``dtype``, holding the same random weights.
 
     The reference is randomised in float64 and its state dict is loaded into ditforge's model with
     ``strict=True``; the float32 pair holds the float64 values rounded to float32 (load_state_dict casts).
+    Pairs are cached for the module (an S pair in float64 is ~0.5 GB) and freed at its end.
     """
-    key = (name, dtype)
-    if key not in _RANDOMISED:
-        if dtype == torch.float64:
-            ours, ref = _uninitialised_pair(name, torch.float64)
-            _randomise_(ref, seed=sum(map(ord, name)))
-        else:
+    cache: dict[tuple, tuple] = {}
+
+    def get(name, dtype):
+        key = (name, dtype)
+        if key not in cache:
             ours, ref = _uninitialised_pair(name, dtype)
-            ref.load_state_dict(_randomised_pair(name, torch.float64)[1].state_dict(), strict=True)
-        ours.load_state_dict(ref.state_dict(), strict=True)
-        assert all(p.dtype == dtype for p in [*ours.parameters(), *ref.parameters()])
-        _RANDOMISED[key] = (ours.eval(), ref.eval())
-    return _RANDOMISED[key]
+            if dtype == torch.float64:
+                _randomise_(ref, seed=sum(map(ord, name)))
+            else:
+                ref.load_state_dict(get(name, torch.float64)[1].state_dict(), strict=True)
+            ours.load_state_dict(ref.state_dict(), strict=True)
+            assert all(p.dtype == dtype for p in [*ours.parameters(), *ref.parameters()])
+            cache[key] = (ours.eval(), ref.eval())
+        return cache[key]
+
+    yield get
+    cache.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,8 +181,8 @@ def test_output_shape_real_forward(name, learn_sigma):
 
 
 @pytest.mark.parametrize("name", SMALL_NAMES)
-def test_forward_matches_official_float64(name):
-    ours, ref = _randomised_pair(name, torch.float64)
+def test_forward_matches_official_float64(name, randomised_pair):
+    ours, ref = randomised_pair(name, torch.float64)
     x, t, y = _inputs(name, dtype=torch.float64)
     with torch.no_grad():
         expected = ref(x, t, y)
@@ -190,8 +193,8 @@ def test_forward_matches_official_float64(name):
 
 
 @pytest.mark.parametrize("name", SMALL_NAMES)
-def test_forward_matches_official_float32(name):
-    ours, ref = _randomised_pair(name, torch.float32)
+def test_forward_matches_official_float32(name, randomised_pair):
+    ours, ref = randomised_pair(name, torch.float32)
     x, t, y = _inputs(name, seed=1)
     with torch.no_grad():
         expected = ref(x, t, y)
@@ -213,8 +216,8 @@ def test_forward_matches_official_learn_sigma_false():
     _assert_close_rel(actual, expected, 1e-10)  # float64: see test_forward_matches_official_float64
 
 
-def test_official_state_dict_round_trip_is_lossless():
-    ours, ref = _randomised_pair("DiT-T/4", torch.float32)
+def test_official_state_dict_round_trip_is_lossless(randomised_pair):
+    ours, ref = randomised_pair("DiT-T/4", torch.float32)
     back = reference_dit("DiT-T/4", input_size=_input_size("DiT-T/4"), in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
     back.load_state_dict(ours.state_dict(), strict=True)
     for key, value in ref.state_dict().items():
@@ -222,11 +225,11 @@ def test_official_state_dict_round_trip_is_lossless():
 
 
 @pytest.mark.parametrize("guidance_channels", [3, None])
-def test_cfg_matches_official_forward_with_cfg(guidance_channels):
+def test_cfg_matches_official_forward_with_cfg(guidance_channels, randomised_pair):
     """ditforge's guided_model (cond + uncond in one batch) equals the official forward_with_cfg."""
     from ditforge.diffusion.samplers import guided_model
 
-    ours, ref = _randomised_pair("DiT-T/2", torch.float64)
+    ours, ref = randomised_pair("DiT-T/2", torch.float64)
     x, t, y = _inputs("DiT-T/2", batch=3, dtype=torch.float64)
     y[-1] = 3  # conditional labels only
     cfg_scale = 4.0
@@ -306,8 +309,8 @@ def test_timestep_embedding_matches_official(dim):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_force_drop_ids_replaces_labels_by_null():
-    ours, ref = _randomised_pair("DiT-T/2", torch.float32)
+def test_force_drop_ids_replaces_labels_by_null(randomised_pair):
+    ours, ref = randomised_pair("DiT-T/2", torch.float32)
     x, t, y = _inputs("DiT-T/2", batch=4)
     y[-1] = 2
     drop = torch.tensor([True, False, True, False])
