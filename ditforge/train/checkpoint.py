@@ -78,8 +78,9 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:07d}"
+    for stale in root.glob(".tmp-step-*"):  # left by a save that crashed; one writer per run
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-step-{step:07d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(_tensors(model), tmp / "model.safetensors")
     save_file(_tensors(ema), tmp / "ema.safetensors")

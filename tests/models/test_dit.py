@@ -35,6 +35,16 @@ INPUT_SIZE = 16  # meta-device layout tests: grid 8x8 (patch 2), 4x4 (patch 4), 
 SMALL_NAMES = ["DiT-S/2", "DiT-S/4", "DiT-S/8", "DiT-T/1", "DiT-T/2", "DiT-T/4", "DiT-T/8"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread for this module: on 2 shared CPU cores, 2 OpenMP threads contend with other
+    processes and run several times slower. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _input_size(name: str) -> int:
     """Input size for real forward passes: 16 tokens for patch 1, 2, 4 and 4 tokens for patch 8 (speed)."""
     return {1: 4, 2: 8, 4: 16, 8: 16}[int(name.rsplit("/", 1)[1])]
@@ -218,7 +228,8 @@ def test_forward_matches_official_learn_sigma_false():
 
 def test_official_state_dict_round_trip_is_lossless(randomised_pair):
     ours, ref = randomised_pair("DiT-T/4", torch.float32)
-    back = reference_dit("DiT-T/4", input_size=_input_size("DiT-T/4"), in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
+    back = reference_dit("DiT-T/4", input_size=_input_size("DiT-T/4"), in_channels=IN_CHANNELS,
+                         num_classes=NUM_CLASSES)
     back.load_state_dict(ours.state_dict(), strict=True)
     for key, value in ref.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
@@ -274,7 +285,7 @@ def test_fresh_model_initialisation(name):
 def test_initialisation_statistics_match_official():
     """Per parameter: zeros where the official init has zeros, same spread (xavier / N(0, 0.02)) elsewhere."""
     torch.manual_seed(0)
-    ours, ref = _pair("DiT-S/2")
+    ours, ref = _pair("DiT-T/2")
     ref_sd = ref.state_dict()
     for key, value in ours.state_dict().items():
         expected = ref_sd[key]
@@ -283,9 +294,10 @@ def test_initialisation_statistics_match_official():
         elif key == "pos_embed":
             continue  # deterministic, checked exactly in test_fresh_model_initialisation
         else:
-            # independent draws of the same distribution; numel >= 3840 so the std agrees within ~5%
+            # independent draws of the same distribution; numel >= 2112, so the stds agree within ~5% (3 sigma)
             assert value.std().item() == pytest.approx(expected.std().item(), rel=0.1), key
-            assert value.abs().max().item() <= 1.1 * expected.abs().max().item() + 1e-3, key
+            # same family: uniform (xavier) has max|w|/std = sqrt(3) ~ 1.73, a normal over >= 2112 draws ~ 3.5
+            assert (value.abs().max() / value.std() < 2.5) == (expected.abs().max() / expected.std() < 2.5), key
 
 
 @pytest.mark.parametrize("dim,grid", [(384, 8), (192, 16), (1152, 4), (8, 3), (64, 1)])
