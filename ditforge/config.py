@@ -6,6 +6,7 @@ Each field's ``help`` is also its command-line help, so ``ditforge train --help`
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ class DataConfig:
     data: str = _f("digits", "'digits' (built-in) or an image folder ROOT/<class>/<image>")
     image_size: int | None = _f(None, "image side in pixels (digits: 8; required for image folders)")
     random_flip: bool | None = _f(None, "random horizontal flips (default: on for image folders, off for digits)")
-    num_workers: int = _f(2, "data loader worker processes (0: load in the main process)")
+    num_workers: int | None = _f(None, "data loader worker processes (default: 0 for digits, which lives in "
+                                       "memory, 4 for image folders)")
 
 
 @dataclass
@@ -93,7 +95,7 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
         try:
             loaded = yaml.safe_load(Path(file).read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
-            raise UserError(f"--config: cannot read {file}: {e}") from None
+            raise UserError(f"--config: cannot read {file}: {' '.join(str(e).split())}") from None
         if not isinstance(loaded, dict):
             raise UserError(f"--config: {file} must hold a mapping of settings")
         for key, value in loaded.items():
@@ -106,13 +108,35 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
             raise UserError(f"--config: unknown settings in {file}: {', '.join(unknown)}")
     values.update(overrides or {})
     sections: dict[str, dict] = {s: {} for s in _SECTION_CLASSES}
+    types_ = {name: hint for cls in _SECTION_CLASSES.values() for name, hint in typing.get_type_hints(cls).items()}
     for key, value in values.items():
         if key not in where:
             raise UserError(f"unknown setting {key!r}")
-        sections[where[key]][key] = value
+        sections[where[key]][key] = _coerce(key, value, types_[key])
     cfg = RunConfig(**{s: _SECTION_CLASSES[s](**v) for s, v in sections.items()})
     validate(cfg)
     return cfg
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Check a value from a file or flag against the field's type; numbers written as strings (YAML 1.1
+    reads ``1e-4`` as a string) are converted. Raises UserError naming the setting."""
+    allowed = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
+    if value is None and type(None) in typing.get_args(hint):
+        return None
+    kind = allowed[0]
+    try:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+    except ValueError:
+        pass
+    raise UserError(f"--{name}: expected {kind.__name__}, got {value!r}")
 
 
 def validate(cfg: RunConfig) -> None:
@@ -126,7 +150,7 @@ def validate(cfg: RunConfig) -> None:
             raise UserError(f"--{name}: expected a positive integer, got {value!r}")
     for name, value in {"warmup_steps": t.warmup_steps, "sample_every": t.sample_every,
                         "num_workers": cfg.data.num_workers}.items():
-        if not isinstance(value, int) or value < 0:
+        if value is not None and (not isinstance(value, int) or value < 0):
             raise UserError(f"--{name}: expected an integer >= 0, got {value!r}")
     if t.max_steps is not None and t.epochs is not None:
         raise UserError("--max_steps and --epochs: give one, not both")

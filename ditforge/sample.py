@@ -86,8 +86,12 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     """
     if cfg.sampler not in SAMPLERS:
         raise UserError(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {cfg.sampler}")
-    if cfg.num_sampling_steps < 1 or cfg.num_sampling_steps > 1000:
-        raise UserError(f"--num_sampling_steps: expected 1..1000, got {cfg.num_sampling_steps}")
+    if not 2 <= cfg.num_sampling_steps <= 1000:
+        raise UserError(f"--num_sampling_steps: expected 2..1000, got {cfg.num_sampling_steps}")
+    for name in ("num_samples", "batch_size"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name}: expected a positive integer, got {value}")
     device = resolve_device(cfg.device)
     model, spec = load_model(cfg.ckpt, cfg.model, cfg.image_size, cfg.use_ema)
     if spec["in_channels"] not in (1, 3):

@@ -27,7 +27,7 @@ def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:
         pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
     scale = image_size / min(*pil_image.size)
     pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC)
-    arr = np.asarray(pil_image)
+    arr = np.array(pil_image)
     top, left = (arr.shape[0] - image_size) // 2, (arr.shape[1] - image_size) // 2
     return arr[top : top + image_size, left : left + image_size]
 

@@ -7,16 +7,24 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
 from ditforge.errors import UserError
 
 
+def derive_seed(*keys: int) -> int:
+    """A well-mixed 32-bit seed from integer keys (numpy's SeedSequence hash), e.g. (seed, step) or
+    (seed, epoch): distinct keys give unrelated streams, and the CPU generator, which keeps only 32 bits of
+    its seed, sees every bit of every key."""
+    return int(np.random.SeedSequence([k % 2**63 for k in keys]).generate_state(1)[0])
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's slice of each global batch, forever (epoch after epoch), from ``start_step`` on.
 
-    Epoch e is ``randperm(num_samples)`` under seed ``seed + e``; its first ``steps_per_epoch * global_batch``
+    Epoch e is ``randperm(num_samples)`` under seed ``derive_seed(seed, e)``; its first ``steps_per_epoch * global_batch``
     indices form the global batches (the incomplete tail is dropped, as DiT's ``drop_last=True``).
     Rank r of W takes positions ``[r * B/W, (r + 1) * B/W)`` of every global batch of size B.
 
@@ -38,7 +46,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def global_batch_indices(self, step: int) -> torch.Tensor:
         """Indices (global_batch,) int64 of the whole global batch at ``step``."""
         epoch, pos = divmod(step, self.steps_per_epoch)
-        perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+        perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(derive_seed(self.seed, epoch)))
         return perm[pos * self.global_batch : (pos + 1) * self.global_batch]
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -87,8 +87,9 @@ def save_checkpoint(
     opt_tensors, opt_meta = optimizer_to_flat(optimizer)
     save_file(opt_tensors, tmp / "optimizer.safetensors", metadata=opt_meta)
     (tmp / "meta.json").write_text(json.dumps({"format_version": FORMAT_VERSION, "step": step, **meta}, indent=1))
-    if final.exists():  # the same step saved again (e.g. Ctrl-C right after a periodic save)
-        shutil.rmtree(final)
+    if final.exists():  # the same step saved again (Ctrl-C right after a periodic save): same state, keep it
+        shutil.rmtree(tmp)
+        return final
     os.replace(tmp, final)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
@@ -183,7 +184,8 @@ def load_weights(path: str | Path, use_ema: bool = True) -> tuple[dict[str, torc
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for bad or unsafe pickles; all mean "not a state dict"
-        raise UserError(f"--ckpt: {path} is not a readable PyTorch state dict ({type(e).__name__}: {e})") from None
+        detail = " ".join(str(e).split())[:200]
+        raise UserError(f"--ckpt: {path} is not a readable PyTorch state dict ({type(e).__name__}: {detail})") from None
     if isinstance(obj, dict) and "ema" in obj and isinstance(obj["ema"], dict):
         obj = obj["ema"] if use_ema else obj.get("model", obj["ema"])
     if not isinstance(obj, dict) or not all(torch.is_tensor(v) for v in obj.values()):

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,7 +26,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ditforge.config import RunConfig
-from ditforge.data import GlobalBatchSampler, build_dataset
+from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset
+from ditforge.data.sampler import derive_seed
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import GaussianDiffusion, create_diffusion, guided_model, sample_loop
 from ditforge.errors import UserError
@@ -67,7 +71,7 @@ def step_randomness(
 ) -> StepRandomness:
     """Counter-based randomness: drawn for the whole global batch from a generator seeded by (seed, step),
     then sliced for this rank, so a step sees the same numbers whatever the number of processes."""
-    g = torch.Generator(device=device).manual_seed((seed * 2**32 + step) % 2**63)
+    g = torch.Generator(device=device).manual_seed(derive_seed(seed, step))
     noise = torch.randn((global_batch, *sample_shape), generator=g, device=device)
     t = torch.randint(0, num_timesteps, (global_batch,), generator=g, device=device)
     drop = torch.rand(global_batch, generator=g, device=device) < drop_prob
@@ -177,15 +181,15 @@ def train(cfg: RunConfig) -> Path:
     if resume_from is None and ckpt_io.list_checkpoints(run_dir):
         raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, "
                         "or choose another folder")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "samples").mkdir(exist_ok=True)
     device = resolve_device(t.device)
     amp_dtype = resolve_precision(t.mixed_precision, device)
-
     dataset = build_dataset(cfg.data.data, cfg.data.image_size, run_dir / "bad_samples.jsonl")
     cfg.data.image_size = dataset.image_size
+    in_memory = cfg.data.data in BUILTIN_DATASETS
     if cfg.data.random_flip is None:
-        cfg.data.random_flip = cfg.data.data not in ("digits",)
+        cfg.data.random_flip = not in_memory  # flipped digits are other symbols
+    if cfg.data.num_workers is None:
+        cfg.data.num_workers = 0 if in_memory else 4
     if m.num_classes is None:
         m.num_classes = dataset.num_classes
     elif m.num_classes < dataset.num_classes:
@@ -211,7 +215,10 @@ def train(cfg: RunConfig) -> Path:
         start_step = _load_training_state(resume_from, model, ema, optimizer, scaler)
         log.info("resumed from %s at step %d", resume_from, start_step)
     parallelize(model, grad_checkpoint=t.grad_checkpoint)
+    (run_dir / "samples").mkdir(parents=True, exist_ok=True)
     _write_config(run_dir / "config.yaml", cfg)
+    if resume_from is not None:
+        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
 
     sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, start_step=start_step)
     loader = DataLoader(
@@ -237,13 +244,15 @@ def train(cfg: RunConfig) -> Path:
         save_grid(to_uint8(images), run_dir / "samples" / f"step-{step:07d}.png", nrow=8,
                   upscale=max(1, 64 // m.input_size))
 
-    step = start_step
+    step, stepped = start_step, False
     window: dict[str, torch.Tensor] = {}
     window_start, window_steps = time.perf_counter(), 0
     bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None)
+    interrupted = _DeferredInterrupt()
     try:
         batches = iter(loader)
         while step < max_steps:
+            interrupted.check()
             x, y = next(batches)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             rnd = step_randomness(t.seed, step, t.batch_size, sample_shape, diffusion.num_timesteps,
@@ -253,8 +262,9 @@ def train(cfg: RunConfig) -> Path:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
             out = train_step(model, diffusion, optimizer, scaler, x, y, rnd, amp_dtype, t.max_grad_norm)
+            stepped = True
             update_ema(ema, model, ema_decay_at(t.ema_decay, step))
-            step += 1
+            step, stepped = step + 1, False
             window_steps += 1
             for k, v in out.items():
                 window[k] = window.get(k, 0) + v
@@ -278,16 +288,55 @@ def train(cfg: RunConfig) -> Path:
                 save(step)
     except KeyboardInterrupt:
         bar.close()
+        if stepped:  # the optimizer already took this step: finish it, so the checkpoint is step-consistent
+            update_ema(ema, model, ema_decay_at(t.ema_decay, step))
+            step += 1
         path = save(step)
         log.warning("interrupted at step %d; checkpoint saved to %s", step, path)
         raise
     finally:
+        interrupted.restore()
         metrics.close()
     bar.close()
     write_samples(step)
     path = save(step)
     log.info("finished %d steps; checkpoint %s, samples in %s", step, path, run_dir / "samples")
     return run_dir
+
+
+class _DeferredInterrupt:
+    """Turns the first Ctrl-C into a flag checked between steps, so a step is never cut in half (e.g.
+    between the optimizer update and the EMA update); a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+        log.warning("Ctrl-C: finishing this step and saving a checkpoint (press again to stop at once)")
+
+    def check(self) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records logged after ``step`` (by a run that died before its next checkpoint), atomically."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
 
 def _load_training_state(ckpt: Path, model, ema, optimizer, scaler) -> int:

@@ -1,0 +1,93 @@
+"""Shared fixtures for the trainer, data, CLI and sampling tests.
+
+Nothing here is autouse: the model and diffusion tests are unaffected. Modules opt in with
+``pytestmark = pytest.mark.usefixtures("one_thread")``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tiny, fast settings shared by every training run in the tests (2 CPU cores, whole suite must stay fast).
+TINY = ["--model", "DiT-T/2", "--data", "digits", "--batch_size", "16", "--num_workers", "0",
+        "--sample_every", "0", "--log_every", "1", "--mixed_precision", "fp32", "--device", "cpu"]
+
+
+def tiny_train_argv(outputs: Path | str, *extra: str) -> list[str]:
+    """argv for ``ditforge train`` with the tiny settings; later flags override earlier ones."""
+    return ["train", *TINY, "--outputs", str(outputs), *extra]
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on 2 shared cores, 2 OpenMP threads spin against other processes and are many
+    times slower. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fast_grid(monkeypatch):
+    """The end-of-run EMA sample grid (80 images, 100 DDPM steps with guidance) takes ~30 s for DiT-T/2 on
+    one CPU core; in-process runs draw it with 2 steps instead (1 step cannot be respaced: see test_sample.py). Everything else about it (labels, file,
+    size) is unchanged. The subprocess smoke test in test_cli.py draws the real one."""
+    from ditforge.train import trainer
+
+    monkeypatch.setattr(trainer, "sample_grid", functools.partial(trainer.sample_grid, num_steps=2))
+
+
+@pytest.fixture
+def train_run(one_thread, fast_grid):
+    """Call ``ditforge.cli.main(['train', ...])`` in-process with the tiny settings; returns the run folder."""
+    from ditforge import cli
+
+    def run(outputs: Path, *extra: str) -> Path:
+        rc = cli.main(tiny_train_argv(outputs, *extra))
+        assert rc == 0
+        return Path(outputs)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """One finished 3-step DiT-T/2 run on digits (checkpoints at steps 2 and 3), shared read-only by tests
+    that only inspect a run. Tests that change a run copy it first."""
+    from ditforge import cli
+    from ditforge.train import trainer
+
+    out = tmp_path_factory.mktemp("tiny_run") / "run"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(trainer, "sample_grid", functools.partial(trainer.sample_grid, num_steps=2))
+            rc = cli.main(tiny_train_argv(out, "--max_steps", "3", "--ckpt_every", "2", "--keep_last", "2",
+                                          "--lr", "1e-3"))
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0
+    return out
+
+
+@pytest.fixture
+def subprocess_env() -> dict:
+    """Environment for ``python -m ditforge`` subprocesses: one thread, this checkout importable."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+@pytest.fixture
+def tiny_argv():
+    """The function ``tiny_train_argv`` (fixtures, not imports, so no module name can clash)."""
+    return tiny_train_argv
