@@ -12,7 +12,7 @@ import sys
 import types
 import typing
 
-from ditforge.config import DataConfig, ModelConfig, TrainConfig, build_config
+from ditforge.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig, build_config
 from ditforge.errors import UserError
 
 
@@ -21,7 +21,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
     Defaults are suppressed so that only flags given on the command line override the config file.
     """
-    for cls in (ModelConfig, DataConfig, TrainConfig):
+    for cls in (ModelConfig, DataConfig, TrainConfig, ParallelConfig):
         group = parser.add_argument_group(cls.__name__.removesuffix("Config").lower())
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--save_npz", help="also write samples (N,H,W,C uint8) and labels (N,) to this .npz")
     s.add_argument("--no_ema", dest="use_ema", action="store_false", help="use the raw weights, not the EMA")
     s.add_argument("--device", default="auto", help="cuda | cpu | auto")
+
+    e = sub.add_parser("export", help="consolidate a (sharded) checkpoint into one safetensors file",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e.add_argument("--ckpt", required=True, help="run folder (newest checkpoint) or checkpoint folder")
+    e.add_argument("--out", required=True, help="the .safetensors file to write (the run config goes in its metadata)")
+    e.add_argument("--no_ema", dest="use_ema", action="store_false", help="export the raw weights, not the EMA")
     return parser
 
 
@@ -91,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             from ditforge.sample import SampleConfig, sample
 
             sample(SampleConfig(**args))
+        elif command == "export":
+            from ditforge.sample import export
+
+            export(**args)
     except UserError as e:
         print(f"ditforge {command}: error: {e}", file=sys.stderr)
         return 2

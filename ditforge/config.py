@@ -16,6 +16,7 @@ import yaml
 from ditforge.errors import UserError
 
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16")
+PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -57,7 +58,7 @@ class TrainConfig:
     ckpt_every: int = _f(1000, "save a checkpoint every N steps (and always at the end or on Ctrl-C)")
     keep_last: int = _f(2, "keep the newest K checkpoints")
     log_every: int = _f(50, "write metrics every N steps")
-    sample_every: int = _f(500, "write a grid of EMA samples every N steps (0: only at the end)")
+    sample_every: int = _f(500, "write a grid of EMA samples every N steps and at the end (0: none)")
     seed: int = _f(0, "seed of all randomness (initialisation, data order, noise)")
     outputs: str | None = _f(None, "run folder (default: outputs/<data>-<model>-<time>)")
     resume: str | None = _f(None, "'auto' (continue the run in --outputs if it has a checkpoint) or a run or "
@@ -66,16 +67,29 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    plugin: str = _f("auto", "data parallelism: ddp | zero2 (sharded gradients and optimizer states) | fsdp "
+                             "(ZeRO-3, parameters sharded too) | auto (zero2 with several processes)",
+                     choices=PLUGINS)
+    grad_accum_steps: int = _f(1, "micro-batches per optimizer step on each process (the global batch stays "
+                                  "--batch_size)")
+    grad_reduce_dtype: str = _f("fp32", "dtype of the gradient reduction across processes: fp32 | bf16",
+                                choices=("fp32", "bf16"))
+    async_checkpoint: bool = _f(False, "write checkpoints in the background while training goes on")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-_SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+_SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig}
 
 
 def field_section() -> dict[str, str]:
@@ -142,7 +156,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
 def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train
-    positive = {"batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
+    positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
                 "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
                 "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes}
     for name, value in positive.items():
@@ -160,6 +174,8 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--ema_decay: expected a number in [0, 1), got {t.ema_decay}")
     if not 0 <= cfg.model.class_dropout_prob < 1:
         raise UserError(f"--class_dropout_prob: expected a number in [0, 1), got {cfg.model.class_dropout_prob}")
+    if cfg.parallel.plugin not in PLUGINS:
+        raise UserError(f"--plugin: expected one of {', '.join(PLUGINS)}, got {cfg.parallel.plugin}")
     if t.mixed_precision not in MIXED_PRECISION:
         raise UserError(f"--mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, got {t.mixed_precision}")
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):

@@ -14,8 +14,8 @@ from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import SAMPLERS, create_diffusion, guided_model, sample_loop
 from ditforge.errors import UserError
 from ditforge.models import create_model, infer_dit_config
-from ditforge.train.checkpoint import load_weights
-from ditforge.train.trainer import resolve_device
+from ditforge.parallel.mesh import resolve_device
+from ditforge.train.checkpoint import export_safetensors, load_weights, read_checkpoint_weights
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,14 @@ def load_model(ckpt: str, model_name: str | None = None, image_size: int | None 
 
     Returns:
         (model in eval mode on the CPU, model settings dict with model, input_size, in_channels,
-        num_classes, learn_sigma).
+        num_classes, learn_sigma, and ``run_config``: the saved run config, or None).
 
     Raises:
         UserError: unreadable checkpoint, or weights that do not fit the (overridden) model.
     """
     state, config = load_weights(ckpt, use_ema)
+    if config is None and isinstance(state, Path):
+        raise UserError(f"--ckpt {ckpt}: the checkpoint's meta.json has no config")
     spec = dict(config["model"]) if config else infer_dit_config(state)
     if model_name is not None:
         spec["model"] = model_name
@@ -62,12 +64,15 @@ def load_model(ckpt: str, model_name: str | None = None, image_size: int | None 
         spec["input_size"] = image_size
     model = create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
                          spec["learn_sigma"], spec.get("class_dropout_prob", 0.1))
+    if isinstance(state, Path):  # a DCP checkpoint folder: read its (gathered) tensors into this model's shapes
+        state = read_checkpoint_weights(state, model.state_dict(), use_ema)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
         detail = " ".join(str(e).split())[:300]
         raise UserError(f"--ckpt {ckpt}: weights do not fit {spec['model']} at input size "
                         f"{spec['input_size']} ({detail})") from None
+    spec["run_config"] = config
     return model.eval(), spec
 
 
@@ -124,6 +129,16 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         _save_npz(cfg.save_npz, images, np.asarray(labels, dtype=np.int64))
     log.info("wrote %d samples to %s%s", len(images), cfg.out, f" and {cfg.save_npz}" if cfg.save_npz else "")
     return images
+
+
+def export(ckpt: str, out: str, use_ema: bool = True) -> Path:
+    """``ditforge export``: consolidate a checkpoint (sharded or not) into one safetensors file for sampling,
+    with the run config in its metadata. Returns the file written."""
+    model, spec = load_model(ckpt, use_ema=use_ema)
+    config = spec.pop("run_config") or {"model": spec}
+    export_safetensors(model.state_dict(), config, Path(out))
+    log.info("wrote %s weights of %s to %s", "EMA" if use_ema else "raw", spec["model"], out)
+    return Path(out)
 
 
 def _save_npz(path: str, samples: np.ndarray, labels: np.ndarray) -> None:

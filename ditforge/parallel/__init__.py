@@ -1,23 +1,91 @@
-"""Apply parallelism, activation checkpointing and compile to a model from outside (as torchtitan does)."""
+"""Apply data parallelism and activation checkpointing to a model from outside (as torchtitan does):
+the model code knows nothing of them."""
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from ditforge.parallel.mesh import Dist
 
 
-def parallelize(model: nn.Module, grad_checkpoint: bool = False) -> nn.Module:
-    """Prepare ``model`` for training without touching its code.
+def resolve_plugin(plugin: str, world_size: int) -> str:
+    """``auto`` is ``zero2`` with several processes (OpenDiT's default) and ``none`` in one."""
+    if world_size == 1:
+        return "none"
+    return "zero2" if plugin in ("auto", "none") else plugin
+
+
+def parallelize(
+    model: nn.Module,
+    dist: Dist,
+    plugin: str = "none",
+    grad_checkpoint: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Prepare ``model`` for (distributed) training without touching its code.
 
     Args:
-        model: a model with a ``blocks`` ModuleList (every DiT).
-        grad_checkpoint: recompute each transformer block's activations in the backward pass
-            (Chen et al. 2016), trading about one extra forward for activation memory of one block.
+        model: a model with a ``blocks`` ModuleList (every DiT), fp32, on ``dist.device``.
+        plugin: ``none`` (one process), ``ddp`` (DistributedDataParallel: all replicated, gradients
+            all-reduced), ``zero2`` (FSDP2 ``fully_shard`` with ``reshard_after_forward=False``: gradients
+            and optimizer states sharded, parameters gathered once per step and kept through the backward),
+            ``fsdp`` (ZeRO-3: parameters resharded after the forward and gathered again for the backward).
+        grad_checkpoint: recompute each block's activations in the backward (Chen et al. 2016).
+        param_dtype: dtype of the gathered parameters under zero2/fsdp (the compute dtype); the sharded fp32
+            parameters stay the optimizer's master weights.
+        reduce_dtype: dtype of the gradient reduction (fp32 by default; bf16 halves its traffic).
 
     Returns:
-        The same model, modified in place. State-dict keys are unchanged (the wrapper strips its prefix).
+        The model to train: the same module (fully_shard works in place) or a DDP wrapper around it.
+        State-dict keys of the plain model are reachable through torch.distributed.checkpoint.state_dict.
     """
     if grad_checkpoint:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
+    if plugin == "ddp":
+        ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+        if reduce_dtype == torch.bfloat16:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            ddp.register_comm_hook(None, bf16_compress_hook)
+        return ddp
+    if plugin in ("zero2", "fsdp"):
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        reshard = plugin == "fsdp"
+        for block in model.blocks:
+            fully_shard(block, mesh=dist.mesh, reshard_after_forward=reshard, mp_policy=mp)
+        # The root's own parameters (embedders, final layer) are used last in the forward: keep them.
+        fully_shard(model, mesh=dist.mesh, reshard_after_forward=False, mp_policy=mp)
     return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model under a DDP wrapper (FSDP2 modules are the model itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Skip the gradient reduction on all but the last micro-batch of an accumulated step."""
+    if enabled:
+        return contextlib.nullcontext()
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    if isinstance(model, FSDPModule):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: FSDPModule):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,99 +1,169 @@
-"""Checkpoints: a folder per step with safetensors files and a JSON manifest; nothing needs pickle to load.
+"""Checkpoints with torch.distributed.checkpoint (DCP): every rank writes its own shards, any world size and
+any plugin can load them (DCP reshards), saves can run in the background, and a crash never corrupts the
+last good checkpoint.
 
 Layout of ``RUN/checkpoints/step-0000100/``:
-    model.safetensors      the trained weights (official DiT key names)
-    ema.safetensors        the EMA weights
-    optimizer.safetensors  optimizer state tensors; its hyper-parameters in the file's metadata
-    meta.json              step, the resolved config, grad-scaler state, format version
+    .metadata, __<rank>_0.distcp   DCP: ``model``, ``optimizer`` and ``ema`` state, keyed by the plain model's
+                                   parameter names (the official DiT names), sharded as they were in training
+    meta.json                      step, the resolved config, grad-scaler state, world size and plugin
 
-The folder is written under a temporary name and renamed when complete, so a crash mid-save never leaves
-a checkpoint that looks whole. Randomness in training is counter-based (derived from the seed and the
-step), so (seed, step) is the whole RNG state.
+The folder is written under a temporary name and renamed by rank 0 once every rank's data and DCP's
+metadata are on disk. Randomness in training is counter-based (derived from the seed and the step), so
+(seed, step) is the whole RNG state, and the data position is the step.
+
+DCP's ``.metadata`` is a pickle; it is read here with an unpickler that admits only DCP's metadata classes
+and a few torch types, so loading a checkpoint runs no code. ``ditforge export`` writes one safetensors file.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import re
 import shutil
+import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ditforge.errors import UserError
+from ditforge.parallel.ema import EMA
+from ditforge.parallel.mesh import Dist
 
-FORMAT_VERSION = 1
+# DCP says so whenever it runs without a process group, which is how one process saves and loads on purpose.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def _tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what DCP's metadata holds; anything else (code) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") and not name.startswith("__"):
+            return super().find_class(module, name)
+        if (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                              ("collections", "OrderedDict")}:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
 
 
-def optimizer_to_flat(opt_state: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Split ``optimizer.state_dict()`` into safetensors tensors (``state.<param>.<name>``) and JSON metadata."""
-    tensors, scalars = {}, {}
-    for pid, state in opt_state["state"].items():
-        for name, value in state.items():
-            if torch.is_tensor(value):
-                tensors[f"state.{pid}.{name}"] = value.detach().cpu().contiguous()
-            else:
-                scalars[f"{pid}.{name}"] = value
-    return tensors, {"param_groups": json.dumps(opt_state["param_groups"]), "scalars": json.dumps(scalars)}
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with the restricted metadata unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
+        try:
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        except (OSError, pickle.UnpicklingError, EOFError) as e:
+            raise UserError(f"{self.path}: unreadable checkpoint metadata ({e})") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
-def optimizer_from_flat(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
-    """Inverse of ``optimizer_to_flat``: a dict ``optimizer.load_state_dict`` accepts."""
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        _, pid, name = key.split(".", 2)
-        state.setdefault(int(pid), {})[name] = value
-    for key, value in json.loads(metadata.get("scalars", "{}")).items():
-        pid, name = key.split(".", 1)
-        state.setdefault(int(pid), {})[name] = value
-    return {"state": state, "param_groups": json.loads(metadata["param_groups"])}
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA) -> dict[str, Any]:
+    """The state DCP saves and loads in place: model and optimizer by plain parameter names, and the EMA."""
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "ema": ema.state_dict(),
+    }
 
 
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    model: dict[str, torch.Tensor],
-    ema: dict[str, torch.Tensor],
-    optimizer: dict,
-    meta: dict[str, Any],
-    keep_last: int,
-) -> Path:
-    """Write ``run_dir/checkpoints/step-<step>`` atomically and delete all but the newest ``keep_last``.
+class Checkpointer:
+    """Saves ``RUN/checkpoints/step-*`` collectively, synchronously or in the background, atomically.
 
     Args:
-        model, ema: state dicts; optimizer: ``optimizer.state_dict()``; meta: JSON-able extras (config, ...).
-
-    Returns:
-        The checkpoint folder.
+        run_dir: the run folder. keep_last: how many complete checkpoints to keep.
+        async_save: return as soon as the state is staged in host memory and write it in a background
+            thread (``dcp.async_save``); the next save, or ``wait()``, completes the previous one.
+        d: this process's ``Dist``; a separate gloo group carries the background save's collectives so they
+            never interleave with training's.
     """
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:07d}"
-    for stale in root.glob(".tmp-step-*"):  # left by a save that crashed; one writer per run
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-step-{step:07d}-{os.getpid()}"
-    tmp.mkdir()
-    save_file(_tensors(model), tmp / "model.safetensors")
-    save_file(_tensors(ema), tmp / "ema.safetensors")
-    opt_tensors, opt_meta = optimizer_to_flat(optimizer)
-    save_file(opt_tensors, tmp / "optimizer.safetensors", metadata=opt_meta)
-    (tmp / "meta.json").write_text(json.dumps({"format_version": FORMAT_VERSION, "step": step, **meta}, indent=1))
-    if final.exists():  # the same step saved again (Ctrl-C right after a periodic save): same state, keep it
-        shutil.rmtree(tmp)
+
+    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, d: Dist):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last, self.async_save, self.dist = keep_last, async_save, d
+        self.group = dist.new_group(backend="gloo") if d.mesh is not None else None
+        self.pending: tuple[Future, Path, Path, dict] | None = None
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Save ``state`` (see ``training_state``) and ``meta`` as step ``step``; returns the final folder."""
+        self.wait()
+        final = self.root / f"step-{step:07d}"
+        if final.exists():  # the same step saved again (Ctrl-C right after a periodic save): same state
+            return final
+        tmp = self.root / f".tmp-step-{step:07d}"
+        if self.dist.is_main:
+            for stale in self.root.glob(".tmp-step-*"):  # left by a save that crashed
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.dist.barrier()
+        meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                    no_dist=self.group is None)
+            self.pending = (future, tmp, final, meta)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.group is None)
+            self._finish(tmp, final, meta)
         return final
-    os.replace(tmp, final)
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+    def wait(self) -> None:
+        """Complete a background save: wait for its writes, then publish it."""
+        if self.pending is not None:
+            future, tmp, final, meta = self.pending
+            self.pending = None
+            future.result()
+            self._finish(tmp, final, meta)
+
+    def _finish(self, tmp: Path, final: Path, meta: dict) -> None:
+        # On rank 0, DCP returns once every rank's data and the global metadata are written.
+        if self.dist.is_main:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.root.parent)[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA) -> dict:
+    """Load model, optimizer and EMA from a checkpoint folder into the (possibly sharded) training objects,
+    whatever world size and plugin saved it. Returns the checkpoint's meta.json.
+
+    Raises:
+        UserError: unreadable checkpoint, or one whose tensors do not fit the configured model.
+    """
+    meta = read_meta(ckpt)
+    state = training_state(model, optimizer, ema)
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=not dist.is_initialized())
+    except (RuntimeError, ValueError, KeyError) as e:  # DCP reports shape or key mismatches in many types
+        detail = " ".join(str(e).split())[:300]
+        raise UserError(f"--resume: {ckpt} does not fit the configured model ({detail})") from None
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    return meta
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -138,29 +208,29 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{path}: unreadable safetensors file ({e})") from None
 
 
-def read_optimizer(ckpt: Path) -> dict:
-    """The optimizer state dict saved in a checkpoint folder."""
-    from safetensors import safe_open
-
-    path = Path(ckpt) / "optimizer.safetensors"
+def read_checkpoint_weights(ckpt: Path, skeleton: dict[str, torch.Tensor], use_ema: bool = True) -> dict:
+    """Full (unsharded) EMA or model weights of a DCP checkpoint, read in one process into ``skeleton``
+    (a plain model's state dict, whose tensors are overwritten and returned)."""
+    key = "ema" if use_ema else "model"
+    state = {key: skeleton}
     try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, SafetensorError) as e:
-        raise UserError(f"{path}: unreadable safetensors file ({e})") from None
-    return optimizer_from_flat(tensors, metadata)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
+    except (RuntimeError, ValueError, KeyError) as e:
+        detail = " ".join(str(e).split())[:300]
+        raise UserError(f"--ckpt: {ckpt} does not fit the model ({detail})") from None
+    return state[key]
 
 
-def load_weights(path: str | Path, use_ema: bool = True) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """Model weights for sampling or export, and the saved run config when there is one.
+def load_weights(path: str | Path, use_ema: bool = True) -> tuple[dict[str, torch.Tensor] | Path, dict | None]:
+    """Weights for sampling or export, and the saved run config when there is one.
 
     Accepts a run folder (its newest checkpoint), a checkpoint folder, a ``.safetensors`` file (written by
-    ``ditforge train`` or ``export``), or an official DiT ``.pt`` state dict (read with
-    ``torch.load(weights_only=True)``: no code runs; a DiT ``train.py`` checkpoint gives its ``ema``).
+    ``ditforge export``), or an official DiT ``.pt`` state dict (read with ``torch.load(weights_only=True)``:
+    no code runs; a DiT ``train.py`` checkpoint gives its ``ema``).
 
     Returns:
-        (state_dict, config dict or None). The config is ``RunConfig.to_dict()`` of the run that saved it.
+        (state_dict, config dict or None), or for a DCP checkpoint (its folder, config): its tensors are read
+        with ``read_checkpoint_weights`` once the model they fit is built.
 
     Raises:
         UserError: missing or unreadable file, or a file that holds no state dict.
@@ -168,8 +238,7 @@ def load_weights(path: str | Path, use_ema: bool = True) -> tuple[dict[str, torc
     p = Path(path)
     if p.is_dir():
         ckpt = resolve_checkpoint(p)
-        name = "ema.safetensors" if use_ema else "model.safetensors"
-        return read_tensors(ckpt / name), read_meta(ckpt).get("config")
+        return ckpt, read_meta(ckpt).get("config")
     if not p.is_file():
         raise UserError(f"--ckpt: {path} does not exist")
     if p.suffix == ".safetensors":
@@ -191,3 +260,14 @@ def load_weights(path: str | Path, use_ema: bool = True) -> tuple[dict[str, torc
     if not isinstance(obj, dict) or not all(torch.is_tensor(v) for v in obj.values()):
         raise UserError(f"--ckpt: {path} does not hold a state dict of tensors")
     return obj, None
+
+
+def export_safetensors(state: dict[str, torch.Tensor], config: dict | None, out: Path) -> None:
+    """Write one consolidated safetensors file (the run config in its metadata), atomically."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"config": json.dumps(config)})
+    os.replace(tmp, out)

@@ -8,7 +8,6 @@ the weights, the hybrid loss of Improved DDPM with learned sigma, label dropout 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -20,8 +19,10 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -32,20 +33,13 @@ from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import GaussianDiffusion, create_diffusion, guided_model, sample_loop
 from ditforge.errors import UserError
 from ditforge.models import create_model
-from ditforge.parallel import parallelize
+from ditforge.parallel import gradient_sync, parallelize, resolve_plugin, unwrap
+from ditforge.parallel.ema import EMA
+from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train.logging import MetricsLog
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu. Raises UserError for cuda without a GPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA GPU is available")
-    return torch.device(name)
 
 
 def resolve_precision(name: str, device: torch.device) -> torch.dtype:
@@ -81,13 +75,6 @@ def step_randomness(
     return StepRandomness(noise[sl], t[sl], drop[sl], flip[sl])
 
 
-@torch.no_grad()
-def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    """ema <- decay * ema + (1 - decay) * model over trainable parameters (Polyak averaging)."""
-    pairs = [(e, p) for e, p in zip(ema.parameters(), model.parameters()) if p.requires_grad]
-    torch._foreach_lerp_([e for e, _ in pairs], [p.detach() for _, p in pairs], 1.0 - decay)
-
-
 def ema_decay_at(decay: float, step: int) -> float:
     """Warm-up of the EMA decay, min(decay, (1 + k) / (10 + k)) (TensorFlow's ExponentialMovingAverage
     with num_updates), so short runs average over a useful window instead of their random start."""
@@ -102,32 +89,46 @@ def learning_rate(cfg: RunConfig, step: int) -> float:
 
 def train_step(
     model: nn.Module, diffusion: GaussianDiffusion, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, x: torch.Tensor, y: torch.Tensor, rnd: StepRandomness,
+    scaler: torch.amp.GradScaler | None, micro_batches: list[tuple[torch.Tensor, torch.Tensor, StepRandomness]],
     amp_dtype: torch.dtype, max_grad_norm: float,
-) -> dict[str, float | torch.Tensor]:
-    """One optimizer step on the diffusion loss. Returns the mean loss terms and the gradient norm as
-    0-dim tensors (no host sync here: the caller reads them when it logs)."""
-    x = torch.where(rnd.flip[:, None, None, None], x.flip(-1), x)
+) -> dict[str, torch.Tensor]:
+    """One optimizer step over this process's micro-batches, on the diffusion loss.
+
+    The loss of each micro-batch is its sum over samples divided by this process's whole batch, so the
+    accumulated gradient is this process's mean; DDP / FSDP then average over processes, which gives the
+    mean over the global batch whatever the world size. Gradients are reduced only after the last
+    micro-batch. Returns this process's mean loss terms and the global gradient norm as 0-dim tensors (no
+    host sync here: the caller reads them when it logs).
+    """
+    local_batch = sum(len(x) for x, _, _ in micro_batches)
     autocast = (
-        torch.autocast(x.device.type, dtype=amp_dtype) if amp_dtype != torch.float32 else contextlib.nullcontext()
+        torch.autocast(micro_batches[0][0].device.type, dtype=amp_dtype)
+        if amp_dtype != torch.float32 else contextlib.nullcontext()
     )
-    with autocast:
-        terms = diffusion.training_losses(lambda xt, tt: model(xt, tt, y, force_drop_ids=rnd.drop), x, rnd.t, rnd.noise)
-    loss = terms["loss"].mean()
+    sums: dict[str, torch.Tensor] = {}
+    for i, (x, y, rnd) in enumerate(micro_batches):
+        x = torch.where(rnd.flip[:, None, None, None], x.flip(-1), x)
+        with gradient_sync(model, i == len(micro_batches) - 1):
+            with autocast:
+                terms = diffusion.training_losses(
+                    lambda xt, tt: model(xt, tt, y, force_drop_ids=rnd.drop), x, rnd.t, rnd.noise
+                )
+            loss = terms["loss"].sum() / local_batch
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        for k, v in terms.items():
+            sums[k] = sums.get(k, 0) + v.detach().sum()
     if scaler is not None:
-        scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-    else:
-        loss.backward()
-    clip = max_grad_norm if max_grad_norm > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {k: v.detach().mean() for k, v in terms.items()} | {"grad_norm": grad_norm.detach()}
+    return {k: v / local_batch for k, v in sums.items()} | {"grad_norm": grad_norm.detach()}
 
 
 @torch.no_grad()
@@ -144,9 +145,12 @@ def sample_grid(
     return sample_loop(diffusion, fn, noise, "ddpm", clip_denoised=True, generator=g)
 
 
-def _default_outputs(cfg: RunConfig) -> str:
+def _default_outputs(cfg: RunConfig, d: Dist) -> str:
     data = Path(cfg.data.data).name or "data"
-    return str(Path("outputs") / f"{data}-{cfg.model.model.replace('/', '-')}-{datetime.now():%Y%m%d-%H%M%S}")
+    name = [str(Path("outputs") / f"{data}-{cfg.model.model.replace('/', '-')}-{datetime.now():%Y%m%d-%H%M%S}")]
+    if d.mesh is not None:  # every rank must write into the folder rank 0 named
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
 
 
 def _find_resume(cfg: RunConfig) -> Path | None:
@@ -163,26 +167,51 @@ def _find_resume(cfg: RunConfig) -> Path | None:
     return ckpt
 
 
-def train(cfg: RunConfig) -> Path:
-    """Train a DiT as configured; returns the run folder.
+def _mean_over_processes(values: dict[str, torch.Tensor], d: Dist) -> dict[str, float]:
+    """Average 0-dim tensors over all processes (one all-reduce) and read them on the host."""
+    keys = sorted(values)
+    stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+    if d.mesh is not None:
+        stacked = stacked.to(d.device)
+        dist.all_reduce(stacked)
+        stacked /= d.world_size
+    return dict(zip(keys, stacked.tolist()))
 
-    Writes ``config.yaml``, ``metrics.jsonl`` (step, loss, mse, vb, lr, grad_norm, samples_per_sec, ...),
-    ``samples/step-*.png`` and ``checkpoints/step-*/``; a checkpoint is saved every ``ckpt_every`` steps, at
-    the end, and on Ctrl-C (then KeyboardInterrupt is re-raised).
+
+def train(cfg: RunConfig) -> Path:
+    """Train a DiT as configured, in this process or as one of torchrun's; returns the run folder.
+
+    Writes (rank 0) ``config.yaml``, ``metrics.jsonl`` (step, loss, mse, vb, lr, grad_norm, samples_per_sec,
+    ...), ``samples/step-*.png`` and ``checkpoints/step-*/`` (every rank its shards); a checkpoint is saved
+    every ``ckpt_every`` steps, at the end, and on Ctrl-C (then KeyboardInterrupt is re-raised).
 
     Raises:
-        UserError: bad data, model or checkpoint settings.
+        UserError: bad data, model, parallelism or checkpoint settings.
     """
-    t, m = cfg.train, cfg.model
+    d = init_distributed(cfg.train.device)
+    try:
+        return _train(cfg, d)
+    finally:
+        shutdown(d)
+
+
+def _train(cfg: RunConfig, d: Dist) -> Path:
+    t, m, par = cfg.train, cfg.model, cfg.parallel
     resume_from = _find_resume(cfg)
     if t.outputs is None:
-        t.outputs = _default_outputs(cfg)
+        t.outputs = _default_outputs(cfg, d)
     run_dir = Path(t.outputs)
     if resume_from is None and ckpt_io.list_checkpoints(run_dir):
         raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, "
                         "or choose another folder")
-    device = resolve_device(t.device)
+    device = d.device
     amp_dtype = resolve_precision(t.mixed_precision, device)
+    plugin = resolve_plugin(par.plugin, d.world_size)
+    par.plugin = plugin
+    per_step = d.world_size * par.grad_accum_steps
+    if t.batch_size % per_step:
+        raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.world_size} processes x "
+                        f"--grad_accum_steps {par.grad_accum_steps}")
     dataset = build_dataset(cfg.data.data, cfg.data.image_size, run_dir / "bad_samples.jsonl")
     cfg.data.image_size = dataset.image_size
     in_memory = cfg.data.data in BUILTIN_DATASETS
@@ -200,27 +229,41 @@ def train(cfg: RunConfig) -> Path:
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
         t.lr = 1e-3 if m.model.startswith("DiT-T/") else 1e-4
 
-    torch.manual_seed(t.seed)
+    torch.manual_seed(t.seed)  # the same initial weights on every rank
     model = create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob)
-    ema = copy.deepcopy(model).requires_grad_(False)
     model.to(device).train()
-    ema.to(device).eval()
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999),
-        fused=device.type == "cuda",
-    )
-    scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
+    reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
+    model = parallelize(model, d, plugin, t.grad_checkpoint,
+                        param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype)
+    ema = EMA(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999),
+                                  fused=device.type == "cuda")
+    scaler = None
+    if amp_dtype == torch.float16:
+        if plugin in ("zero2", "fsdp"):  # found-inf must agree across ranks that hold different shards
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(device.type)
+        else:
+            scaler = torch.amp.GradScaler(device.type)
     start_step = 0
     if resume_from is not None:
-        start_step = _load_training_state(resume_from, model, ema, optimizer, scaler)
-        log.info("resumed from %s at step %d", resume_from, start_step)
-    parallelize(model, grad_checkpoint=t.grad_checkpoint)
-    (run_dir / "samples").mkdir(parents=True, exist_ok=True)
-    _write_config(run_dir / "config.yaml", cfg)
-    if resume_from is not None:
-        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        meta = ckpt_io.load_training_state(resume_from, model, optimizer, ema)
+        start_step = int(meta["step"])
+        if scaler is not None and meta.get("scaler"):
+            scaler.load_state_dict(meta["scaler"])
+        if d.is_main:
+            log.info("resumed from %s at step %d (saved by %s processes, plugin %s)", resume_from, start_step,
+                     meta.get("world_size", 1), meta.get("plugin", "none"))
+    if d.is_main:
+        (run_dir / "samples").mkdir(parents=True, exist_ok=True)
+        _write_config(run_dir / "config.yaml", cfg)
+        if resume_from is not None:
+            _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    d.barrier()
+    checkpointer = ckpt_io.Checkpointer(run_dir, t.keep_last, par.async_checkpoint, d)
 
-    sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, start_step=start_step)
+    sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.rank, d.world_size, start_step)
     loader = DataLoader(
         dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
         persistent_workers=cfg.data.num_workers > 0,
@@ -228,26 +271,36 @@ def train(cfg: RunConfig) -> Path:
     diffusion = create_diffusion(None, m.learn_sigma)
     sample_shape = (m.in_channels, m.input_size, m.input_size)
     grid_labels = torch.arange(m.num_classes, device=device).repeat_interleave(8 if m.num_classes <= 10 else 1)[:80]
-    drop_prob = m.class_dropout_prob
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("%s (%.2fM parameters) on %s, %s compute, %d steps of batch %d, run folder %s", m.model,
-             n_params / 1e6, device, str(amp_dtype).removeprefix("torch."), max_steps, t.batch_size, run_dir)
+    grid_model = None
+    metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
+    if d.is_main:
+        n_params = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
+        log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %d, "
+                 "run folder %s", m.model, n_params / 1e6, d.world_size, device.type, plugin,
+                 str(amp_dtype).removeprefix("torch."), max_steps, t.batch_size, run_dir)
 
     def save(step: int) -> Path:
-        meta = {"config": cfg.to_dict(), "scaler": scaler.state_dict() if scaler is not None else None}
-        return ckpt_io.save_checkpoint(run_dir, step, model.state_dict(), ema.state_dict(),
-                                       optimizer.state_dict(), meta, t.keep_last)
+        meta = {"config": cfg.to_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
+                "world_size": d.world_size, "plugin": plugin}
+        return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema), meta)
 
     def write_samples(step: int) -> None:
-        images = sample_grid(ema, grid_labels, sample_shape, seed=t.seed, learn_sigma=m.learn_sigma)
+        nonlocal grid_model
+        weights = ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
+        if not d.is_main:
+            return
+        if grid_model is None:
+            grid_model = create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma,
+                                      m.class_dropout_prob).to(device).eval()
+        grid_model.load_state_dict(weights)
+        images = sample_grid(grid_model, grid_labels, sample_shape, seed=t.seed, learn_sigma=m.learn_sigma)
         save_grid(to_uint8(images), run_dir / "samples" / f"step-{step:07d}.png", nrow=8,
                   upscale=max(1, 64 // m.input_size))
 
     step, stepped = start_step, False
     window: dict[str, torch.Tensor] = {}
     window_start, window_steps = time.perf_counter(), 0
-    bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None)
+    bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None if d.is_main else True)
     interrupted = _DeferredInterrupt()
     try:
         batches = iter(loader)
@@ -256,30 +309,32 @@ def train(cfg: RunConfig) -> Path:
             x, y = next(batches)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             rnd = step_randomness(t.seed, step, t.batch_size, sample_shape, diffusion.num_timesteps,
-                                  drop_prob, device)
+                                  m.class_dropout_prob, device, d.rank, d.world_size)
             if not cfg.data.random_flip:
                 rnd.flip.zero_()
+            micro = [(xc, yc, StepRandomness(*parts)) for xc, yc, *parts in zip(
+                *(v.chunk(par.grad_accum_steps) for v in (x, y, rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
-            out = train_step(model, diffusion, optimizer, scaler, x, y, rnd, amp_dtype, t.max_grad_norm)
+            out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm)
             stepped = True
-            update_ema(ema, model, ema_decay_at(t.ema_decay, step))
+            ema.update(model, ema_decay_at(t.ema_decay, step))
             step, stepped = step + 1, False
             window_steps += 1
             for k, v in out.items():
                 window[k] = window.get(k, 0) + v
             bar.update(1)
             if step % t.log_every == 0 or step == max_steps:
-                record = {k: float(v) / window_steps for k, v in window.items()}
+                record = {k: v / window_steps for k, v in _mean_over_processes(window, d).items()}
                 elapsed = time.perf_counter() - window_start
-                record |= {"step": step, "lr": learning_rate(cfg, step - 1),
-                           "samples_per_sec": window_steps * t.batch_size / elapsed,
+                record |= {"lr": learning_rate(cfg, step - 1), "samples_per_sec": window_steps * t.batch_size / elapsed,
                            "epoch": step / max(steps_per_epoch, 1)}
                 if device.type == "cuda":
                     record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 if not math.isfinite(record["loss"]):
                     raise RuntimeError(f"loss is {record['loss']} at step {step}; lower --lr or use bf16/fp32")
-                metrics.write({"step": record.pop("step"), **record})
+                if metrics is not None:
+                    metrics.write({"step": step, **record})
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
                 window, window_start, window_steps = {}, time.perf_counter(), 0
             if t.sample_every and step % t.sample_every == 0 and step < max_steps:
@@ -289,18 +344,23 @@ def train(cfg: RunConfig) -> Path:
     except KeyboardInterrupt:
         bar.close()
         if stepped:  # the optimizer already took this step: finish it, so the checkpoint is step-consistent
-            update_ema(ema, model, ema_decay_at(t.ema_decay, step))
+            ema.update(model, ema_decay_at(t.ema_decay, step))
             step += 1
         path = save(step)
+        checkpointer.wait()
         log.warning("interrupted at step %d; checkpoint saved to %s", step, path)
         raise
     finally:
         interrupted.restore()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     bar.close()
-    write_samples(step)
+    if t.sample_every:
+        write_samples(step)
     path = save(step)
-    log.info("finished %d steps; checkpoint %s, samples in %s", step, path, run_dir / "samples")
+    checkpointer.wait()
+    if d.is_main:
+        log.info("finished %d steps; checkpoint %s, samples in %s", step, path, run_dir / "samples")
     return run_dir
 
 
@@ -337,21 +397,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
-
-
-def _load_training_state(ckpt: Path, model, ema, optimizer, scaler) -> int:
-    """Load weights, EMA, optimizer and scaler from a checkpoint folder; returns its step."""
-    meta = ckpt_io.read_meta(ckpt)
-    for module, name in ((model, "model.safetensors"), (ema, "ema.safetensors")):
-        try:
-            module.load_state_dict(ckpt_io.read_tensors(ckpt / name))
-        except RuntimeError as e:
-            first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
-            raise UserError(f"--resume: {ckpt / name} does not fit the configured model ({first})") from None
-    optimizer.load_state_dict(ckpt_io.read_optimizer(ckpt))
-    if scaler is not None and meta.get("scaler"):
-        scaler.load_state_dict(meta["scaler"])
-    return int(meta["step"])
 
 
 def _write_config(path: Path, cfg: RunConfig) -> None:

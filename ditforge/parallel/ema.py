@@ -1,0 +1,59 @@
+"""EMA of the model weights that lives where the weights live: under ZeRO-2 / FSDP each rank keeps and
+updates only its shard (the parameters are DTensors and so is the EMA), under DDP or one process a full copy.
+
+OpenDiT's sharded EMA does the same on Colossal-AI: each GPU computes and stores its part of the EMA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """The parameter name of the plain model: wrappers' prefixes (DDP, compile, checkpointing) removed."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class EMA:
+    """Polyak average ``ema <- decay * ema + (1 - decay) * weights`` of every trainable parameter.
+
+    Holds a copy of every parameter (frozen ones too, so the EMA state dict is a whole model state dict)
+    with the same placement as the model's: DTensor shards under ``fully_shard``, plain tensors otherwise.
+    ``state_dict()`` returns those tensors (for torch.distributed.checkpoint); ``full_state_dict()``
+    gathers them into plain CPU tensors (a collective: every rank must call it).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.shadow: dict[str, torch.Tensor] = {}
+        self.trainable: list[str] = []
+        for name, p in model.named_parameters():
+            key = canonical_name(name)
+            self.shadow[key] = p.detach().clone()
+            if p.requires_grad:
+                self.trainable.append(key)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, decay: float) -> None:
+        params = {canonical_name(n): p for n, p in model.named_parameters()}
+        ema = [_local(self.shadow[k]) for k in self.trainable]
+        torch._foreach_lerp_(ema, [_local(params[k].detach()) for k in self.trainable], 1.0 - decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.shadow
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in self.shadow.items()}
+
+    def copy_to(self, model: nn.Module) -> None:
+        """Load the gathered EMA into a plain (unsharded, unwrapped) model, e.g. for sampling."""
+        model.load_state_dict(self.full_state_dict())

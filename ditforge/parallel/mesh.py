@@ -1,0 +1,68 @@
+"""Process group and DeviceMesh set-up from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ditforge.errors import UserError
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu. Raises UserError for cuda without a GPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA GPU is available")
+    return torch.device(name)
+
+
+@dataclass
+class Dist:
+    """Where this process stands: its rank, the world size, its device and the data-parallel mesh (dim ``dp``).
+
+    ``mesh`` is None in a single process (no process group is created then).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.mesh is not None:
+            dist.barrier()
+
+
+def init_distributed(device: str = "auto") -> Dist:
+    """Join the process group torchrun set up (NCCL on GPUs, gloo on CPUs) and build a 1-D ``dp`` mesh.
+
+    Without torchrun (WORLD_SIZE unset or 1) returns a single-process ``Dist`` and starts nothing.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(device=resolve_device(device))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
+    return Dist(rank=rank, world_size=world, local_rank=local_rank, device=dev, mesh=mesh)
+
+
+def shutdown(d: Dist) -> None:
+    """Leave the process group (if this process joined one)."""
+    if d.mesh is not None and dist.is_initialized():
+        dist.destroy_process_group()
