@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -107,6 +108,13 @@ class Checkpointer:
         self.keep_last, self.async_save, self.dist = keep_last, async_save, d
         self.group = dist.new_group(backend="gloo") if d.mesh is not None else None
         self.pending: tuple[Future, Path, Path, dict] | None = None
+        self.staging: Future | None = None
+        # On GPUs the copy to (cached, pinned) host memory runs on its own stream while training goes on;
+        # ``wait_for_staging`` (an optimizer pre-step hook) holds back only the next weight update.
+        self.stager = None
+        if async_save and d.device.type == "cuda":
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=True))
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Save ``state`` (see ``training_state``) and ``meta`` as step ``step``; returns the final folder."""
@@ -122,19 +130,30 @@ class Checkpointer:
         self.dist.barrier()
         meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                    no_dist=self.group is None)
+            result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                    no_dist=self.group is None, async_stager=self.stager)
+            if isinstance(result, Future):
+                future = result
+            else:  # AsyncSaveResponse: staging and writing complete separately
+                self.staging, future = result.staging_completion, result.upload_completion
             self.pending = (future, tmp, final, meta)
         else:
             dcp.save(state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.group is None)
             self._finish(tmp, final, meta)
         return final
 
+    def wait_for_staging(self) -> None:
+        """Block until the state being saved is copied off the device (before it is next modified)."""
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
+
     def wait(self) -> None:
         """Complete a background save: wait for its writes, then publish it."""
         if self.pending is not None:
             future, tmp, final, meta = self.pending
             self.pending = None
+            self.wait_for_staging()
             future.result()
             self._finish(tmp, final, meta)
 

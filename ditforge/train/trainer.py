@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -33,7 +32,7 @@ from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import GaussianDiffusion, create_diffusion, guided_model, sample_loop
 from ditforge.errors import UserError
 from ditforge.models import create_model
-from ditforge.parallel import gradient_sync, parallelize, resolve_plugin, unwrap
+from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
@@ -90,7 +89,7 @@ def learning_rate(cfg: RunConfig, step: int) -> float:
 def train_step(
     model: nn.Module, diffusion: GaussianDiffusion, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None, micro_batches: list[tuple[torch.Tensor, torch.Tensor, StepRandomness]],
-    amp_dtype: torch.dtype, max_grad_norm: float,
+    amp_dtype: torch.dtype, max_grad_norm: float, d: Dist,
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this process's micro-batches, on the diffusion loss.
 
@@ -119,9 +118,7 @@ def train_step(
             sums[k] = sums.get(k, 0) + v.detach().sum()
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else math.inf)
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_grad_norm_(model, max_grad_norm, d)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -262,6 +259,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
             _truncate_metrics(run_dir / "metrics.jsonl", start_step)
     d.barrier()
     checkpointer = ckpt_io.Checkpointer(run_dir, t.keep_last, par.async_checkpoint, d)
+    optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
 
     sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.rank, d.world_size, start_step)
     loader = DataLoader(
@@ -316,7 +314,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
                 *(v.chunk(par.grad_accum_steps) for v in (x, y, rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
-            out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm)
+            out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d)
             stepped = True
             ema.update(model, ema_decay_at(t.ema_decay, step))
             step, stepped = step + 1, False

@@ -1,0 +1,123 @@
+"""Data-parallel training of DiT-XL/2 at 256px (4x32x32 latents, synthetic) per plugin through ditforge's
+own parallelize / EMA / train_step / Checkpointer: images/sec per GPU, scaling against one GPU, peak memory
+and the memory of weights + optimizer states + EMA per GPU; and how long a checkpoint save blocks training,
+synchronous against asynchronous.
+
+Usage: bash benchmarks/multi_gpu.sh OUT_DIR      (runs 1 GPU, then all GPUs, and prints the table)
+       torchrun --nproc_per_node N benchmarks/multi_gpu.py --plugins ddp,zero2,fsdp --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ditforge.diffusion import create_diffusion
+from ditforge.models import create_model
+from ditforge.parallel import parallelize
+from ditforge.parallel.ema import EMA
+from ditforge.parallel.mesh import init_distributed, shutdown
+from ditforge.train import checkpoint as ckpt_io
+from ditforge.train.trainer import StepRandomness, step_randomness, train_step
+
+
+def max_over_ranks(value: float, device) -> float:
+    t = torch.tensor([value], device=device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def run_plugin(d, plugin, model_name, batch_per_gpu, steps, warmup, save_dir):
+    device = d.device
+    torch.manual_seed(0)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = create_model(model_name, 32, 4, 1000).to(device).train()
+    model = parallelize(model, d, plugin, False, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ema = EMA(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0, fused=True)
+    diffusion = create_diffusion(None)
+    global_batch = batch_per_gpu * d.world_size
+    x = torch.randn(batch_per_gpu, 4, 32, 32, device=device)
+    y = torch.randint(0, 1000, (batch_per_gpu,), device=device)
+    times = []
+    for i in range(warmup + steps):
+        rnd = step_randomness(0, i, global_batch, (4, 32, 32), 1000, 0.1, device, d.rank, d.world_size)
+        if d.world_size > 1:
+            dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        train_step(model, diffusion, opt, None, [(x, y, rnd)], torch.bfloat16, 1.0, d)
+        ema.update(model, 0.9999)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(max_over_ranks(start.elapsed_time(end) / 1e3, device))
+    step_s = sorted(times)[len(times) // 2]
+    static_gib = max_over_ranks(torch.cuda.memory_allocated() / 2**30, device)  # weights + Adam + EMA, no grads
+    row = {"plugin": plugin, "gpus": d.world_size, "batch_per_gpu": batch_per_gpu, "step_ms": step_s * 1e3,
+           "images_per_sec_per_gpu": batch_per_gpu / step_s,
+           "peak_memory_gib": max_over_ranks(torch.cuda.max_memory_allocated() / 2**30, device),
+           "weights_optimizer_ema_gib": static_gib}
+    if save_dir is not None:
+        state = ckpt_io.training_state(model, opt, ema)
+        for mode in ("sync", "async"):
+            root = Path(save_dir) / f"{plugin}-{mode}"
+            cp = ckpt_io.Checkpointer(root, keep_last=2, async_save=mode == "async", d=d)
+            hook = opt.register_step_pre_hook(lambda *_: cp.wait_for_staging())
+            for k in (1, 2):  # the second save shows the steady state (pinned host buffers already allocated)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                cp.save(k, state, {"bench": True})
+                # Training goes on: one more step, which waits for the copy off the GPU before it updates.
+                rnd = step_randomness(0, 99, global_batch, (4, 32, 32), 1000, 0.1, device, d.rank, d.world_size)
+                train_step(model, diffusion, opt, None, [(x, y, rnd)], torch.bfloat16, 1.0, d)
+                torch.cuda.synchronize()
+                blocked = time.perf_counter() - t0 - step_s
+                cp.wait()
+                total = time.perf_counter() - t0 - step_s
+            hook.remove()
+            row[f"save_{mode}_blocking_s"] = max_over_ranks(blocked, device)
+            row[f"save_{mode}_total_s"] = max_over_ranks(total, device)
+            if d.is_main:
+                shutil.rmtree(root, ignore_errors=True)
+    del model, ema, opt
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="DiT-XL/2")
+    p.add_argument("--plugins", default="ddp,zero2,fsdp")
+    p.add_argument("--batch_per_gpu", type=int, default=64)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--save_plugin", default="zero2", help="plugin whose checkpoint save is timed ('' for none)")
+    p.add_argument("--save_dir", default=None)
+    p.add_argument("--json")
+    args = p.parse_args()
+    d = init_distributed("cuda")
+    rows = []
+    save_root = args.save_dir or tempfile.mkdtemp()
+    for plugin in args.plugins.split(","):
+        save = save_root if plugin == args.save_plugin else None
+        rows.append(run_plugin(d, plugin, args.model, args.batch_per_gpu, args.steps, args.warmup, save))
+        if d.is_main:
+            print(json.dumps(rows[-1]), flush=True)
+    if d.is_main and args.json:
+        env = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "cuda": torch.version.cuda, "gpus": d.world_size}
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    shutdown(d)
+
+
+if __name__ == "__main__":
+    main()
