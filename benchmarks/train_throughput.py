@@ -11,7 +11,6 @@ Writes a JSON file with --json and prints a Markdown table last.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import time
@@ -20,7 +19,9 @@ import torch
 
 from ditforge.diffusion import create_diffusion
 from ditforge.models import create_model
-from ditforge.train.trainer import step_randomness, train_step, update_ema
+from ditforge.parallel.ema import EMA
+from ditforge.parallel.mesh import Dist
+from ditforge.train.trainer import step_randomness, train_step
 
 PEAK_FLOPS = 989e12
 
@@ -32,7 +33,7 @@ def measure(name: str, precision: str, batch: int, steps: int, warmup: int) -> d
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = create_model(name, 32, 4, 1000).to(device).train()
-    ema = copy.deepcopy(model).requires_grad_(False)
+    ema = EMA(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0, fused=True)
     diffusion = create_diffusion(None)
     x = torch.randn(batch, 4, 32, 32, device=device)
@@ -43,8 +44,8 @@ def measure(name: str, precision: str, batch: int, steps: int, warmup: int) -> d
         rnd = step_randomness(0, i, batch, (4, 32, 32), 1000, 0.1, device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = train_step(model, diffusion, opt, None, x, y, rnd, amp, 1.0)
-        update_ema(ema, model, 0.9999)
+        out = train_step(model, diffusion, opt, None, [(x, y, rnd)], amp, 1.0, Dist(device=device))
+        ema.update(model, 0.9999)
         end.record()
         torch.cuda.synchronize()
         if i >= warmup:

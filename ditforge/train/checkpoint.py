@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -108,13 +108,12 @@ class Checkpointer:
         self.keep_last, self.async_save, self.dist = keep_last, async_save, d
         self.group = dist.new_group(backend="gloo") if d.mesh is not None else None
         self.pending: tuple[Future, Path, Path, dict] | None = None
-        self.staging: Future | None = None
-        # On GPUs the copy to (cached, pinned) host memory runs on its own stream while training goes on;
-        # ``wait_for_staging`` (an optimizer pre-step hook) holds back only the next weight update.
-        self.stager = None
-        if async_save and d.device.type == "cuda":
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=True))
+        # On GPUs an async save copies the state into pinned host buffers (allocated once, reused by every
+        # save) on a side stream while the next forward/backward runs; ``wait_for_staging`` (an optimizer
+        # pre-step hook) holds back only the next weight update, then starts the background write.
+        self.host_state: dict[str, Any] | None = None
+        self.stream = torch.cuda.Stream(d.device) if async_save and d.device.type == "cuda" else None
+        self.staged: tuple[torch.cuda.Event, Path, Path, dict] | None = None
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Save ``state`` (see ``training_state``) and ``meta`` as step ``step``; returns the final folder."""
@@ -129,13 +128,18 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self.dist.barrier()
         meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
-        if self.async_save:
-            result = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                    no_dist=self.group is None, async_stager=self.stager)
-            if isinstance(result, Future):
-                future = result
-            else:  # AsyncSaveResponse: staging and writing complete separately
-                self.staging, future = result.staging_completion, result.upload_completion
+        if self.stream is not None:
+            if self.host_state is None:
+                self.host_state = _create_cpu_state_dict(state, pin_memory=True)
+            self.stream.wait_stream(torch.cuda.current_stream(self.dist.device))
+            with torch.cuda.stream(self.stream):
+                _copy_state_dict(state, self.host_state, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+            self.staged = (copied, tmp, final, meta)
+        elif self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                    no_dist=self.group is None)
             self.pending = (future, tmp, final, meta)
         else:
             dcp.save(state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.group is None)
@@ -143,17 +147,22 @@ class Checkpointer:
         return final
 
     def wait_for_staging(self) -> None:
-        """Block until the state being saved is copied off the device (before it is next modified)."""
-        if self.staging is not None:
-            self.staging.result()
-            self.staging = None
+        """Block until the state being saved is copied off the device (call before it is next modified),
+        then start writing the host copy in the background."""
+        if self.staged is not None:
+            copied, tmp, final, meta = self.staged
+            self.staged = None
+            copied.synchronize()
+            future = dcp.async_save(self.host_state, checkpoint_id=str(tmp), process_group=self.group,
+                                    no_dist=self.group is None, async_stager=_AlreadyStaged())
+            self.pending = (future, tmp, final, meta)
 
     def wait(self) -> None:
         """Complete a background save: wait for its writes, then publish it."""
+        self.wait_for_staging()
         if self.pending is not None:
             future, tmp, final, meta = self.pending
             self.pending = None
-            self.wait_for_staging()
             future.result()
             self._finish(tmp, final, meta)
 
@@ -164,6 +173,22 @@ class Checkpointer:
             os.replace(tmp, final)
             for old in list_checkpoints(self.root.parent)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+class _AlreadyStaged:
+    """An ``AsyncStager`` for a state dict that already lives in host buffers nobody writes to until the
+    save completes: DCP writes it as it is, with no second copy."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA) -> dict:
