@@ -53,7 +53,3 @@ class EMA:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in self.shadow.items()}
-
-    def copy_to(self, model: nn.Module) -> None:
-        """Load the gathered EMA into a plain (unsharded, unwrapped) model, e.g. for sampling."""
-        model.load_state_dict(self.full_state_dict())

@@ -1,0 +1,132 @@
+"""Helpers of the multi-process tests: real ``torchrun`` launches of ``ditforge train`` (gloo on CPU), the
+single-process reference runs they are compared with, reading runs back, and the stated tolerances.
+
+Every run uses fp32 on the CPU, one OpenMP thread per process, no sample grids and a metrics record per step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+# What every run shares (model, batch, steps and plugin are per test).
+COMMON = ["--data", "digits", "--device", "cpu", "--mixed_precision", "fp32", "--sample_every", "0",
+          "--log_every", "1", "--num_workers", "0", "--seed", "0"]
+
+
+def dist_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # never join a group this pytest process may belong to
+    return env
+
+
+def torchrun_cmd(nproc: int, outputs: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "-m", "ditforge", "train", *COMMON, "--outputs", str(outputs), *args]
+
+
+def torchrun(nproc: int, outputs: Path, *args: str, timeout: float = 300) -> Path:
+    """Run ``ditforge train`` under torchrun with ``nproc`` processes; returns the run folder."""
+    outputs = Path(outputs)
+    outputs.parent.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(torchrun_cmd(nproc, outputs, *args), env=dist_env(), cwd=outputs.parent,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"torchrun x{nproc} {args} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return outputs
+
+
+def run_single(outputs: Path, *args: str) -> Path:
+    """The same training in this process (no torchrun, one thread): the reference."""
+    from ditforge import cli
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc = cli.main(["train", *COMMON, "--outputs", str(outputs), *args])
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0
+    return Path(outputs)
+
+
+@dataclass
+class RunResult:
+    records: list[dict]  # metrics.jsonl
+    model: dict[str, torch.Tensor]  # final raw weights, gathered into a plain model's state dict
+    ema: dict[str, torch.Tensor]  # final EMA weights, likewise
+    meta: dict  # the final checkpoint's meta.json
+
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.records}
+
+
+def read_run(run: Path, model_name: str, step: int | None = None, drop_checkpoints: bool = False) -> RunResult:
+    """Metrics and the (final, or ``step``'s) checkpoint's weights of a run, read into create_model's
+    state-dict layout whatever the world size and plugin that wrote them."""
+    from ditforge.models import create_model
+    from ditforge.train.checkpoint import list_checkpoints, read_checkpoint_weights, read_meta
+    from ditforge.train.logging import read_metrics
+
+    ckpts = list_checkpoints(run)
+    ckpt = ckpts[-1] if step is None else run / "checkpoints" / f"step-{step:07d}"
+    result = RunResult(
+        read_metrics(run / "metrics.jsonl"),
+        read_checkpoint_weights(ckpt, create_model(model_name, 8, 1, 10).state_dict(), use_ema=False),
+        read_checkpoint_weights(ckpt, create_model(model_name, 8, 1, 10).state_dict(), use_ema=True),
+        read_meta(ckpt),
+    )
+    if drop_checkpoints:  # a DiT-S/2 checkpoint (weights, EMA, Adam moments) is ~0.5 GB: keep the disk free
+        shutil.rmtree(run / "checkpoints")
+    return result
+
+
+# fp32 everywhere, so the runs differ only in the order of floating-point reductions (gradient all-reduce or
+# reduce-scatter, the loss and grad-norm means over processes, micro-batch sums): differences of a few ulps,
+# ~1e-7 relative. Adam divides each update by the running RMS of its gradient, so such differences are not
+# amplified over 5 steps (measured by hand: fsdp x2 vs one process, losses equal to 1e-10 relative, EMA to
+# 7e-9 absolute). 1e-6 relative on the losses and 1e-5 absolute on weights of size ~0.02-1 leave an order of
+# magnitude of margin and still catch any real error (a wrong gradient average or a skipped micro-batch moves
+# the losses at the 1e-3 level and the weights by ~lr = 1e-3 or 1e-4 per step).
+LOSS_RTOL = 1e-6
+WEIGHT_ATOL = 1e-5
+# The global gradient norm is a sum of ~10^7 squares reduced in a different order per plugin (DTensor partial
+# sums under zero2/fsdp): 1e-5 relative.
+GRAD_NORM_RTOL = 1e-5
+
+
+def assert_same_losses(got: list[dict], ref: list[dict], steps: list[int] | None = None) -> None:
+    ref_by_step = {r["step"]: r for r in ref}
+    got_steps = [r["step"] for r in got]
+    assert got_steps == (steps if steps is not None else sorted(ref_by_step)), got_steps
+    for r in got:
+        want = ref_by_step[r["step"]]
+        for key in ("loss", "mse", "vb"):
+            assert r[key] == pytest.approx(want[key], rel=LOSS_RTOL, abs=0), (r["step"], key, r[key], want[key])
+        assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=GRAD_NORM_RTOL), (r["step"], "grad_norm")
+        assert r["lr"] == want["lr"]
+
+
+def assert_same_weights(got: dict, ref: dict, atol: float = WEIGHT_ATOL) -> float:
+    assert got.keys() == ref.keys()
+    worst = 0.0
+    for k in ref:
+        assert got[k].shape == ref[k].shape and got[k].dtype == ref[k].dtype == torch.float32, k
+        diff = (got[k] - ref[k]).abs().max().item()
+        assert diff <= atol, f"{k}: max abs diff {diff:.3g} > {atol}"
+        worst = max(worst, diff)
+    return worst
+
+
+# The tiny model of the tests that the issue does not pin to DiT-S/2.
+TINY = ["--model", "DiT-T/2", "--batch_size", "16"]

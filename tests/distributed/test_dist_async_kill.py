@@ -1,0 +1,72 @@
+"""Background (async) checkpoints survive a hard kill: SIGKILL of a 2-process FSDP run while a save is in flight
+leaves only complete, loadable ``step-*`` folders, and ``--resume auto`` continues from the newest.
+
+The in-process, deterministic counterpart (a storage writer that fails in the background) is in
+tests/train/test_trainer.py (test_async_save_failure_publishes_nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from ditforge.models import create_model
+from ditforge.train.checkpoint import list_checkpoints, read_checkpoint_weights
+from ditforge.train.logging import read_metrics
+from dist_helpers import LOSS_RTOL, TINY, dist_env, run_single, torchrun_cmd
+
+
+@pytest.mark.slow
+def test_sigkill_during_async_save(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        torchrun_cmd(2, run, *TINY, "--plugin", "fsdp", "--async_checkpoint", "--ckpt_every", "1",
+                     "--max_steps", "200"),
+        env=dist_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group: the launcher and both ranks die together
+    )
+    root = run / "checkpoints"
+    in_flight = published = None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            names = [p.name for p in root.iterdir()] if root.is_dir() else []
+            published = sorted(n for n in names if n.startswith("step-"))
+            in_flight = sorted(n for n in names if n.startswith(".tmp-step-"))
+            if published and in_flight:
+                break
+            time.sleep(0.02)
+        alive = proc.poll() is None
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    assert alive, f"the run ended before a save was caught in flight:\n{err[-4000:]}"
+    assert published and in_flight, f"no save seen in flight within 180 s:\n{err[-4000:]}"
+
+    # every published checkpoint is complete: manifest, DCP metadata and all shards readable
+    ckpts = list_checkpoints(run)
+    assert ckpts and all(c.name.startswith("step-") for c in ckpts)
+    for ckpt in ckpts:
+        meta = json.loads((ckpt / "meta.json").read_text())
+        assert ckpt.name == f"step-{meta['step']:07d}" and meta["world_size"] == 2 and meta["plugin"] == "fsdp"
+        for use_ema in (True, False):
+            read_checkpoint_weights(ckpt, create_model("DiT-T/2", 8, 1, 10).state_dict(), use_ema)
+    assert list(root.glob(".tmp-step-*"))  # the interrupted save was not published
+    last = json.loads((ckpts[-1] / "meta.json").read_text())["step"]
+    before = {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
+
+    # resume the killed run in one process for one more step
+    run_single(run, *TINY, "--resume", "auto", "--max_steps", str(last + 1), "--ckpt_every", "1000")
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, last + 2))  # records after the checkpoint were dropped
+    assert list_checkpoints(run)[-1].name == f"step-{last + 1:07d}"
+    assert not list(root.glob(".tmp-step-*"))  # the stale temporary folder was cleaned up
+    if last + 1 in before:  # the killed run had logged this step: the resumed one repeats it exactly
+        assert records[-1]["loss"] == pytest.approx(before[last + 1]["loss"], rel=LOSS_RTOL)
