@@ -41,7 +41,7 @@ def run_plugin(d, plugin, model_name, batch_per_gpu, steps, warmup, save_dir):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = create_model(model_name, 32, 4, 1000).to(device).train()
-    model = parallelize(model, d, plugin, False, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parallelize(model, d, plugin, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ema = EMA(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0, fused=True)
     diffusion = create_diffusion(None)

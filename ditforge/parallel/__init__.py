@@ -27,6 +27,7 @@ def parallelize(
     dist: Dist,
     plugin: str = "none",
     grad_checkpoint: bool = False,
+    compile: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
@@ -39,6 +40,8 @@ def parallelize(
             and optimizer states sharded, parameters gathered once per step and kept through the backward),
             ``fsdp`` (ZeRO-3: parameters resharded after the forward and gathered again for the backward).
         grad_checkpoint: recompute each block's activations in the backward (Chen et al. 2016).
+        compile: ``torch.compile`` each block in place (after checkpointing, before sharding, as torchtitan
+            orders them); every block has the same code, so it compiles once.
         param_dtype: dtype of the gathered parameters under zero2/fsdp (the compute dtype); the sharded fp32
             parameters stay the optimizer's master weights.
         reduce_dtype: dtype of the gradient reduction (fp32 by default; bf16 halves its traffic).
@@ -50,6 +53,9 @@ def parallelize(
     if grad_checkpoint:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
+    if compile:
+        for block in model.blocks:
+            block.compile()
     if plugin == "ddp":
         ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
         if reduce_dtype == torch.bfloat16:
