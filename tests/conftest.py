@@ -23,6 +23,12 @@ def tiny_train_argv(outputs: Path | str, *extra: str) -> list[str]:
     return ["train", *TINY, "--outputs", str(outputs), *extra]
 
 
+def pytest_configure(config):
+    # DCP warns whenever it saves or loads without a process group, which is how one process does it on purpose;
+    # ditforge.train.checkpoint silences it, but pytest re-installs the warning filters for every test.
+    config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled:UserWarning")
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread: on 2 shared cores, 2 OpenMP threads spin against other processes and are many
@@ -35,16 +41,17 @@ def one_thread():
 
 @pytest.fixture
 def fast_grid(monkeypatch):
-    """The end-of-run EMA sample grid (80 images, 100 DDPM steps with guidance) takes ~30 s for DiT-T/2 on
-    one CPU core; in-process runs draw it with 2 steps instead (1 step cannot be respaced: see test_sample.py). Everything else about it (labels, file,
-    size) is unchanged. The subprocess smoke test in test_cli.py draws the real one."""
+    """An EMA sample grid (80 images, 100 DDPM steps with guidance) takes ~30 s for DiT-T/2 on one CPU core;
+    in-process runs that ask for grids (``--sample_every N``) draw them with 2 steps instead (1 step cannot be
+    respaced: see test_sample.py). Everything else about them (labels, file, size) is unchanged. The
+    subprocess smoke test in test_cli.py draws a real one. Runs with ``--sample_every 0`` draw none."""
     from ditforge.train import trainer
 
     monkeypatch.setattr(trainer, "sample_grid", functools.partial(trainer.sample_grid, num_steps=2))
 
 
 @pytest.fixture
-def train_run(one_thread, fast_grid):
+def train_run(one_thread):
     """Call ``ditforge.cli.main(['train', ...])`` in-process with the tiny settings; returns the run folder."""
     from ditforge import cli
 
@@ -58,19 +65,16 @@ def train_run(one_thread, fast_grid):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
-    """One finished 3-step DiT-T/2 run on digits (checkpoints at steps 2 and 3), shared read-only by tests
-    that only inspect a run. Tests that change a run copy it first."""
+    """One finished 3-step DiT-T/2 run on digits (checkpoints at steps 2 and 3, no sample grids), shared
+    read-only by tests that only inspect a run. Tests that change a run copy it first."""
     from ditforge import cli
-    from ditforge.train import trainer
 
     out = tmp_path_factory.mktemp("tiny_run") / "run"
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(trainer, "sample_grid", functools.partial(trainer.sample_grid, num_steps=2))
-            rc = cli.main(tiny_train_argv(out, "--max_steps", "3", "--ckpt_every", "2", "--keep_last", "2",
-                                          "--lr", "1e-3"))
+        rc = cli.main(tiny_train_argv(out, "--max_steps", "3", "--ckpt_every", "2", "--keep_last", "2",
+                                      "--lr", "1e-3"))
     finally:
         torch.set_num_threads(before)
     assert rc == 0
@@ -85,6 +89,21 @@ def subprocess_env() -> dict:
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def plain_weights(ckpt: Path, use_ema: bool = True, model: str = "DiT-T/2", input_size: int = 8) -> dict:
+    """A checkpoint's full EMA (or raw) weights in create_model's state-dict layout (digits: 1 channel, 10
+    classes)."""
+    from ditforge.models import create_model
+    from ditforge.train.checkpoint import read_checkpoint_weights
+
+    return read_checkpoint_weights(ckpt, create_model(model, input_size, 1, 10).state_dict(), use_ema)
+
+
+@pytest.fixture
+def ckpt_weights():
+    """The function ``plain_weights``."""
+    return plain_weights
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from ditforge.parallel.mesh import Dist
 
 
 def resolve_plugin(plugin: str, world_size: int) -> str:
-    """``auto`` is ``zero2`` with several processes (OpenDiT's default) and ``none`` in one."""
+    """The plugin that runs: ``none`` in one process whatever was asked (there is nothing to distribute);
+    with several processes ``auto`` or ``none`` become ``zero2`` (OpenDiT's default)."""
     if world_size == 1:
         return "none"
     return "zero2" if plugin in ("auto", "none") else plugin
@@ -83,6 +84,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dist: Dist) -> torch.Tens
     ``max_norm`` <= 0 only measures.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     squares = torch.stack(torch._foreach_norm(local, 2.0)).float().pow(2).sum()
     if grads and isinstance(grads[0], DTensor):

@@ -10,14 +10,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+_WRAPPER_SEGMENTS = {"_orig_mod", "_checkpoint_wrapped_module"}  # torch.compile, activation checkpointing
 
 
 def canonical_name(name: str) -> str:
-    """The parameter name of the plain model: wrappers' prefixes (DDP, compile, checkpointing) removed."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """The parameter name of the plain model: DDP's leading ``module.`` and the path segments that compile
+    and checkpoint wrappers insert removed."""
+    name = name.removeprefix("module.")
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

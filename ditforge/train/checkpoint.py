@@ -12,7 +12,8 @@ metadata are on disk. Randomness in training is counter-based (derived from the 
 (seed, step) is the whole RNG state, and the data position is the step.
 
 DCP's ``.metadata`` is a pickle; it is read here with an unpickler that admits only DCP's metadata classes
-and a few torch types, so loading a checkpoint runs no code. ``ditforge export`` writes one safetensors file.
+and torch dtypes, and the optimizer's non-tensor entries with ``torch.load(weights_only=True)``, so loading
+a checkpoint runs no code. ``ditforge export`` writes one safetensors file.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -53,19 +57,38 @@ FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "_MEM_FORMAT_ENCODING", "MetadataIndex", "StorageMeta")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("collections", "OrderedDict")}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP's metadata holds; anything else (code) is refused."""
+    """Admits exactly the classes DCP's metadata holds (and torch dtypes); anything else, code included,
+    is refused. Dotted names are refused too: they would reach attributes of an admitted module."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") and not name.startswith("__"):
-            return super().find_class(module, name)
-        if (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                              ("collections", "OrderedDict")}:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if "." not in name:
+            if (module, name) in _METADATA_CLASSES:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading non-tensor entries (optimizer hyper-parameters) with
+    ``torch.load(weights_only=True)`` instead of a full unpickle."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -97,15 +120,16 @@ class Checkpointer:
 
     Args:
         run_dir: the run folder. keep_last: how many complete checkpoints to keep.
+        last_step: the step of the checkpoint the run resumed from (saving that step again is a no-op).
         async_save: return as soon as the state is staged in host memory and write it in a background
             thread (``dcp.async_save``); the next save, or ``wait()``, completes the previous one.
         d: this process's ``Dist``; a separate gloo group carries the background save's collectives so they
             never interleave with training's.
     """
 
-    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, d: Dist):
+    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, d: Dist, last_step: int | None = None):
         self.root = Path(run_dir) / "checkpoints"
-        self.keep_last, self.async_save, self.dist = keep_last, async_save, d
+        self.keep_last, self.async_save, self.dist, self.last_step = keep_last, async_save, d, last_step
         self.group = dist.new_group(backend="gloo") if d.mesh is not None else None
         self.pending: tuple[Future, Path, Path, dict] | None = None
         # On GPUs an async save copies the state into pinned host buffers (allocated once, reused by every
@@ -113,14 +137,15 @@ class Checkpointer:
         # pre-step hook) holds back only the next weight update, then starts the background write.
         self.host_state: dict[str, Any] | None = None
         self.stream = torch.cuda.Stream(d.device) if async_save and d.device.type == "cuda" else None
-        self.staged: tuple[torch.cuda.Event, Path, Path, dict] | None = None
+        self.staged: tuple[torch.cuda.Event, dict, Path, Path, dict] | None = None
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Save ``state`` (see ``training_state``) and ``meta`` as step ``step``; returns the final folder."""
         self.wait()
         final = self.root / f"step-{step:07d}"
-        if final.exists():  # the same step saved again (Ctrl-C right after a periodic save): same state
+        if step == self.last_step:  # saved already (Ctrl-C right after a periodic save): the same state
             return final
+        self.last_step = step
         tmp = self.root / f".tmp-step-{step:07d}"
         if self.dist.is_main:
             for stale in self.root.glob(".tmp-step-*"):  # left by a save that crashed
@@ -133,10 +158,12 @@ class Checkpointer:
                 self.host_state = _create_cpu_state_dict(state, pin_memory=True)
             self.stream.wait_stream(torch.cuda.current_stream(self.dist.device))
             with torch.cuda.stream(self.stream):
-                _copy_state_dict(state, self.host_state, non_blocking=True)
+                # Tensors go into the cached buffers; the returned dict also carries this save's non-tensor
+                # values (e.g. the optimizer's current learning rate).
+                staged = _copy_state_dict(state, self.host_state, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record()
-            self.staged = (copied, tmp, final, meta)
+            self.staged = (copied, staged, tmp, final, meta)
         elif self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
                                     no_dist=self.group is None)
@@ -150,10 +177,10 @@ class Checkpointer:
         """Block until the state being saved is copied off the device (call before it is next modified),
         then start writing the host copy in the background."""
         if self.staged is not None:
-            copied, tmp, final, meta = self.staged
+            copied, staged, tmp, final, meta = self.staged
             self.staged = None
             copied.synchronize()
-            future = dcp.async_save(self.host_state, checkpoint_id=str(tmp), process_group=self.group,
+            future = dcp.async_save(staged, checkpoint_id=str(tmp), process_group=self.group,
                                     no_dist=self.group is None, async_stager=_AlreadyStaged())
             self.pending = (future, tmp, final, meta)
 
@@ -201,13 +228,21 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
     meta = read_meta(ckpt)
     state = training_state(model, optimizer, ema)
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=not dist.is_initialized())
-    except (RuntimeError, ValueError, KeyError) as e:  # DCP reports shape or key mismatches in many types
-        detail = " ".join(str(e).split())[:300]
-        raise UserError(f"--resume: {ckpt} does not fit the configured model ({detail})") from None
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(),
+                 no_dist=not dist.is_initialized())
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as e:  # DCP's mismatch errors vary
+        raise UserError(f"--resume: {ckpt} does not fit the configured model ({_describe(e)})") from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     return meta
+
+
+def _describe(e: BaseException) -> str:
+    """One line for a load error; DCP wraps each rank's exception (and its traceback) in CheckpointException."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner = next(iter(e.failures.values()))
+        e = getattr(inner, "exception", inner)
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -258,10 +293,9 @@ def read_checkpoint_weights(ckpt: Path, skeleton: dict[str, torch.Tensor], use_e
     key = "ema" if use_ema else "model"
     state = {key: skeleton}
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
-    except (RuntimeError, ValueError, KeyError) as e:
-        detail = " ".join(str(e).split())[:300]
-        raise UserError(f"--ckpt: {ckpt} does not fit the model ({detail})") from None
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(), no_dist=True)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+        raise UserError(f"--ckpt: {ckpt} does not fit the model ({_describe(e)})") from None
     return state[key]
 
 

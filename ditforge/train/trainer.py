@@ -161,6 +161,11 @@ def _find_resume(cfg: RunConfig) -> Path | None:
     ckpt = ckpt_io.resolve_checkpoint(t.resume)
     if t.outputs is None:
         t.outputs = str(ckpt.parent.parent)
+    step = int(ckpt_io.read_meta(ckpt)["step"])
+    newer = [p.name for p in ckpt_io.list_checkpoints(Path(t.outputs)) if int(p.name.split("-")[1]) > step]
+    if newer:
+        raise UserError(f"--resume {ckpt}: {t.outputs} holds newer checkpoints ({', '.join(newer)}); resume into "
+                        "another --outputs folder so the two histories do not mix")
     return ckpt
 
 
@@ -258,13 +263,14 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         if resume_from is not None:
             _truncate_metrics(run_dir / "metrics.jsonl", start_step)
     d.barrier()
-    checkpointer = ckpt_io.Checkpointer(run_dir, t.keep_last, par.async_checkpoint, d)
+    checkpointer = ckpt_io.Checkpointer(run_dir, t.keep_last, par.async_checkpoint, d,
+                                        last_step=start_step if resume_from is not None else None)
     optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
 
     sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.rank, d.world_size, start_step)
     loader = DataLoader(
         dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
-        persistent_workers=cfg.data.num_workers > 0,
+        persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
     )
     diffusion = create_diffusion(None, m.learn_sigma)
     sample_shape = (m.in_channels, m.input_size, m.input_size)
@@ -300,10 +306,12 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     window_start, window_steps = time.perf_counter(), 0
     bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None if d.is_main else True)
     interrupted = _DeferredInterrupt()
+    # Its own gloo group: the checkpointer's may be busy in a background save's collectives.
+    control_group = dist.new_group(backend="gloo") if d.mesh is not None else None
     try:
         batches = iter(loader)
         while step < max_steps:
-            interrupted.check()
+            interrupted.check(control_group)
             x, y = next(batches)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             rnd = step_randomness(t.seed, step, t.batch_size, sample_shape, diffusion.num_timesteps,
@@ -316,6 +324,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
                 group["lr"] = learning_rate(cfg, step)
             out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d)
             stepped = True
+            checkpointer.wait_for_staging()  # a skipped fp16 step runs no pre-step hook; the EMA changes next
             ema.update(model, ema_decay_at(t.ema_decay, step))
             step, stepped = step + 1, False
             window_steps += 1
@@ -378,13 +387,25 @@ class _DeferredInterrupt:
         self.pending = True
         log.warning("Ctrl-C: finishing this step and saving a checkpoint (press again to stop at once)")
 
-    def check(self) -> None:
-        if self.pending:
+    def check(self, group: dist.ProcessGroup | None = None) -> None:
+        """Raise KeyboardInterrupt on every rank if any rank was interrupted (torchrun may signal only some
+        ranks, e.g. only one host's); a tiny all-reduce on ``group`` (gloo) per step makes them agree."""
+        pending = self.pending
+        if group is not None:
+            flag = torch.tensor([int(pending)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            pending = bool(flag.item())
+        if pending:
             raise KeyboardInterrupt
 
     def restore(self) -> None:
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    """Data-loader workers leave Ctrl-C to the trainer, which finishes the step and saves."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -21,14 +21,45 @@ from ditforge.train.logging import read_metrics
 from dist_helpers import LOSS_RTOL, TINY, dist_env, run_single, torchrun_cmd
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc: torchrun starts each worker in a session of its own, so
+    killing the launcher's process group alone would leave the workers running)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's process group and every worker's (as a power cut or the OOM killer would)."""
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
 def test_sigkill_during_async_save(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
         torchrun_cmd(2, run, *TINY, "--plugin", "fsdp", "--async_checkpoint", "--ckpt_every", "1",
                      "--max_steps", "200"),
         env=dist_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,  # its own process group: the launcher and both ranks die together
+        start_new_session=True,  # its own process group, killed as a whole (with the workers' own groups)
     )
     root = run / "checkpoints"
     in_flight = published = None
@@ -42,10 +73,8 @@ def test_sigkill_during_async_save(tmp_path):
                 break
             time.sleep(0.02)
         alive = proc.poll() is None
-        os.killpg(proc.pid, signal.SIGKILL)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_all(proc)
         _, err = proc.communicate(timeout=60)
     assert alive, f"the run ended before a save was caught in flight:\n{err[-4000:]}"
     assert published and in_flight, f"no save seen in flight within 180 s:\n{err[-4000:]}"
@@ -61,6 +90,7 @@ def test_sigkill_during_async_save(tmp_path):
     assert list(root.glob(".tmp-step-*"))  # the interrupted save was not published
     last = json.loads((ckpts[-1] / "meta.json").read_text())["step"]
     before = {r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
+    print(f"killed with {published} published, {in_flight} in flight, metrics up to step {max(before)}")
 
     # resume the killed run in one process for one more step
     run_single(run, *TINY, "--resume", "auto", "--max_steps", str(last + 1), "--ckpt_every", "1000")
