@@ -240,8 +240,8 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
 def _describe(e: BaseException) -> str:
     """One line for a load error; DCP wraps each rank's exception (and its traceback) in CheckpointException."""
     if isinstance(e, CheckpointException) and e.failures:
-        inner = next(iter(e.failures.values()))
-        e = getattr(inner, "exception", inner)
+        inner = next(iter(e.failures.values()))  # (exception, traceback frames) or a wrapper of them
+        e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exception", inner)
     return " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
 
