@@ -91,8 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         if command == "train":
             from ditforge.train.trainer import train
 
+            from ditforge.train.checkpoint import find_resume, read_meta
+
             config_file = args.pop("config", None)
-            train(build_config(config_file, args))
+            # Resuming continues the saved run: its settings are the base; a file and flags still override.
+            ckpt, _ = find_resume(args.get("resume"), args.get("outputs"))
+            base = read_meta(ckpt).get("config") if ckpt is not None else None
+            if base is not None:
+                base["train"] = {k: v for k, v in base["train"].items() if k not in ("resume", "outputs")}
+            train(build_config(config_file, args, base))
         elif command == "sample":
             from ditforge.sample import SampleConfig, sample
 

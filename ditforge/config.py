@@ -98,14 +98,17 @@ def field_section() -> dict[str, str]:
     return {f.name: sec for sec, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)}
 
 
-def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults, then ``file`` (YAML, flat or with model/data/train sections), then ``overrides`` (flat).
+def build_config(
+    file: str | Path | None = None, overrides: dict[str, Any] | None = None, base: dict | None = None
+) -> RunConfig:
+    """Defaults, then ``base`` (a saved ``RunConfig.to_dict()``, e.g. of the run being resumed), then ``file``
+    (YAML, flat or with sections), then ``overrides`` (flat).
 
     Raises:
         UserError: unreadable file, unknown keys, or invalid values (see ``validate``).
     """
     where = field_section()
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {k: v for section in (base or {}).values() for k, v in section.items() if k in where}
     if file is not None:
         try:
             loaded = yaml.safe_load(Path(file).read_text()) or {}
@@ -118,7 +121,7 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
                 values.update(value)
             else:
                 values[key] = value
-        unknown = sorted(set(values) - set(where))
+        unknown = sorted(set(loaded_keys(loaded)) - set(where))
         if unknown:
             raise UserError(f"--config: unknown settings in {file}: {', '.join(unknown)}")
     values.update(overrides or {})
@@ -152,6 +155,12 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     except ValueError:
         pass
     raise UserError(f"--{name}: expected {kind.__name__}, got {value!r}")
+
+
+def loaded_keys(loaded: dict) -> list[str]:
+    """Setting names in a config file, flat or inside sections."""
+    return [k for key, value in loaded.items()
+            for k in (value if key in _SECTION_CLASSES and isinstance(value, dict) else [key])]
 
 
 def validate(cfg: RunConfig) -> None:

@@ -245,6 +245,29 @@ def _describe(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
 
+def find_resume(resume: str | None, outputs: str | None) -> tuple[Path | None, str | None]:
+    """The checkpoint ``--resume`` names (``auto``: the newest in ``outputs``, if any) and the run folder to
+    write to (``outputs``, or the resumed checkpoint's run folder).
+
+    Raises:
+        UserError: nothing to resume at the path, or ``outputs`` holds checkpoints newer than the one named
+            (two histories would mix).
+    """
+    if resume is None:
+        return None, outputs
+    if resume == "auto":
+        found = list_checkpoints(Path(outputs)) if outputs else []
+        return (found[-1] if found else None), outputs
+    ckpt = resolve_checkpoint(resume)
+    outputs = outputs or str(ckpt.parent.parent)
+    step = int(read_meta(ckpt)["step"])
+    newer = [p.name for p in list_checkpoints(Path(outputs)) if int(p.name.split("-")[1]) > step]
+    if newer:
+        raise UserError(f"--resume {ckpt}: {outputs} holds newer checkpoints ({', '.join(newer)}); resume into "
+                        "another --outputs folder so the two histories do not mix")
+    return ckpt, outputs
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoint folders of a run, oldest first."""
     root = Path(run_dir) / "checkpoints"

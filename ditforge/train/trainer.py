@@ -150,25 +150,6 @@ def _default_outputs(cfg: RunConfig, d: Dist) -> str:
     return name[0]
 
 
-def _find_resume(cfg: RunConfig) -> Path | None:
-    """The checkpoint to resume from, or None for a fresh run; fills ``outputs`` when resuming a path."""
-    t = cfg.train
-    if t.resume is None:
-        return None
-    if t.resume == "auto":
-        found = ckpt_io.list_checkpoints(Path(t.outputs)) if t.outputs else []
-        return found[-1] if found else None
-    ckpt = ckpt_io.resolve_checkpoint(t.resume)
-    if t.outputs is None:
-        t.outputs = str(ckpt.parent.parent)
-    step = int(ckpt_io.read_meta(ckpt)["step"])
-    newer = [p.name for p in ckpt_io.list_checkpoints(Path(t.outputs)) if int(p.name.split("-")[1]) > step]
-    if newer:
-        raise UserError(f"--resume {ckpt}: {t.outputs} holds newer checkpoints ({', '.join(newer)}); resume into "
-                        "another --outputs folder so the two histories do not mix")
-    return ckpt
-
-
 def _mean_over_processes(values: dict[str, torch.Tensor], d: Dist) -> dict[str, float]:
     """Average 0-dim tensors over all processes (one all-reduce) and read them on the host."""
     keys = sorted(values)
@@ -199,7 +180,7 @@ def train(cfg: RunConfig) -> Path:
 
 def _train(cfg: RunConfig, d: Dist) -> Path:
     t, m, par = cfg.train, cfg.model, cfg.parallel
-    resume_from = _find_resume(cfg)
+    resume_from, t.outputs = ckpt_io.find_resume(t.resume, t.outputs)
     if t.outputs is None:
         t.outputs = _default_outputs(cfg, d)
     run_dir = Path(t.outputs)
