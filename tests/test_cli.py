@@ -90,13 +90,15 @@ def _image_folder(root):
     return root
 
 
-def _existing_run(tmp_path):
+def _existing_run(tmp_path, steps=(5,)):
     import torch
 
     from ditforge.parallel.mesh import Dist
     from ditforge.train.checkpoint import Checkpointer
 
-    Checkpointer(tmp_path / "run", keep_last=2, async_save=False, d=Dist()).save(5, {"x": torch.zeros(2)}, {})
+    checkpointer = Checkpointer(tmp_path / "run", keep_last=5, async_save=False, d=Dist())
+    for step in steps:
+        checkpointer.save(step, {"x": torch.zeros(2)}, {})
     return []
 
 
@@ -124,6 +126,10 @@ CASES = {
                                             ["--batch_size 16", "--grad_accum_steps 3"]),
     "grad_accum_steps_0": (lambda tmp: ["--grad_accum_steps", "0"], ["--grad_accum_steps"]),
     "reuse_outputs": (lambda tmp: _existing_run(tmp), ["--resume auto", "run"]),
+    # resuming step 2 into the folder that already holds step 3 would mix two histories
+    "resume_older_checkpoint_into_its_run": (
+        lambda tmp: [*_existing_run(tmp, (2, 3)), "--resume", str(tmp / "run" / "checkpoints" / "step-0000002")],
+        ["--resume", "step-0000002", "step-0000003"]),
 }
 
 
@@ -159,21 +165,32 @@ def test_user_errors(tiny_argv, tmp_path, capsys, monkeypatch, case):
     assert list_checkpoints(tmp_path / "run") == before  # nothing trained or saved
 
 
-# ditforge/train/checkpoint.py:160-161 (load_training_state) and :217-218 (read_checkpoint_weights) catch
-# RuntimeError/ValueError/KeyError around dcp.load, but DCP wraps every failure of its plan/read steps in
-# torch.distributed.checkpoint.api.CheckpointException, a BaseException: shape/key mismatches (and the
-# UserError of SafeFileSystemReader) escape as a traceback with exit code 1 instead of one line and exit 2.
-DCP_ERROR_BUG = ("ditforge/train/checkpoint.py:161,218 do not catch DCP's CheckpointException (a BaseException "
-                 "wrapping every load failure): a traceback and exit 1, not a one-line error and exit 2")
-
-
-@pytest.mark.xfail(strict=True, reason=DCP_ERROR_BUG)
 def test_resume_checkpoint_of_another_model(tiny_run, tiny_argv, tmp_path, capsys):
+    # DCP reports a mismatch as CheckpointException, a BaseException wrapping the rank's error: still one line
     rc = cli.main(tiny_argv(tmp_path / "run", "--model", "DiT-T/4", "--max_steps", "4", "--resume", str(tiny_run)))
     assert rc == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("ditforge train: error: --resume") and "step-0000003" in line
     assert "\n" not in line
+
+
+def test_resume_continues_the_saved_settings(tiny_run, tmp_path, one_thread):
+    """Resuming with no other flags keeps the saved run's settings (batch 16, no grids, ...); flags override."""
+    ckpt = tiny_run / "checkpoints" / "step-0000002"
+    out = tmp_path / "resumed"
+    assert cli.main(["train", "--resume", str(ckpt), "--outputs", str(out), "--max_steps", "3",
+                     "--ckpt_every", "5"]) == 0
+    saved = yaml.safe_load((tiny_run / "config.yaml").read_text())
+    now = yaml.safe_load((out / "config.yaml").read_text())
+    for section in saved:
+        for key, value in saved[section].items():
+            if key not in ("resume", "outputs", "ckpt_every"):
+                assert now[section][key] == value, (section, key)
+    assert now["train"]["ckpt_every"] == 5 and now["train"]["batch_size"] == 16
+    # and the resumed step 3 is the original run's step 3
+    assert read_metrics(out / "metrics.jsonl")[-1]["loss"] == pytest.approx(
+        read_metrics(tiny_run / "metrics.jsonl")[2]["loss"], rel=1e-6)
+    assert list((out / "samples").iterdir()) == []
 
 
 @pytest.mark.parametrize("args,flag,prog", [(["--batch_size", "abc"], "--batch_size", "ditforge train"),

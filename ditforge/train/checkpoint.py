@@ -18,6 +18,7 @@ a checkpoint runs no code. ``ditforge export`` writes one safetensors file.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -145,10 +146,9 @@ class Checkpointer:
         final = self.root / f"step-{step:07d}"
         if step == self.last_step:  # saved already (Ctrl-C right after a periodic save): the same state
             return final
-        self.last_step = step
         tmp = self.root / f".tmp-step-{step:07d}"
         if self.dist.is_main:
-            for stale in self.root.glob(".tmp-step-*"):  # left by a save that crashed
+            for stale in [*self.root.glob(".tmp-step-*"), *self.root.glob(".tmp-delete-*")]:  # left by a crash
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.dist.barrier()
@@ -169,8 +169,10 @@ class Checkpointer:
                                     no_dist=self.group is None)
             self.pending = (future, tmp, final, meta)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.group is None)
+            with _interrupts_unwrapped():
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.group is None)
             self._finish(tmp, final, meta)
+        self.last_step = step  # (a background save that fails later clears it again in ``wait``)
         return final
 
     def wait_for_staging(self) -> None:
@@ -190,7 +192,12 @@ class Checkpointer:
         if self.pending is not None:
             future, tmp, final, meta = self.pending
             self.pending = None
-            future.result()
+            try:
+                with _interrupts_unwrapped():
+                    future.result()
+            except BaseException:
+                self.last_step = None  # not published: saving this step again must really save
+                raise
             self._finish(tmp, final, meta)
 
     def _finish(self, tmp: Path, final: Path, meta: dict) -> None:
@@ -199,7 +206,22 @@ class Checkpointer:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             os.replace(tmp, final)
             for old in list_checkpoints(self.root.parent)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                doomed = old.with_name(f".tmp-delete-{old.name}")  # out of the listing before it is half gone
+                os.replace(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _interrupts_unwrapped():
+    """DCP wraps every exception of a save, Ctrl-C included, in CheckpointException (a BaseException);
+    let a KeyboardInterrupt be one again, so the trainer and the CLI treat it as Ctrl-C."""
+    try:
+        yield
+    except CheckpointException as e:
+        inner = [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in e.failures.values()]
+        if any(isinstance(x, KeyboardInterrupt) for x in inner):
+            raise KeyboardInterrupt from None
+        raise
 
 
 class _AlreadyStaged:

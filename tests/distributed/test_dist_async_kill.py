@@ -1,5 +1,6 @@
-"""Background (async) checkpoints survive a hard kill: SIGKILL of a 2-process FSDP run while a save is in flight
-leaves only complete, loadable ``step-*`` folders, and ``--resume auto`` continues from the newest.
+"""Interrupted multi-process runs. Background (async) checkpoints survive a hard kill: SIGKILL of a 2-process
+FSDP run while a save is in flight leaves only complete, loadable ``step-*`` folders, and ``--resume auto``
+continues from the newest. Ctrl-C reaching only one rank stops every rank at the same step with a checkpoint.
 
 The in-process, deterministic counterpart (a storage writer that fails in the background) is in
 tests/train/test_trainer.py (test_async_save_failure_publishes_nothing).
@@ -18,7 +19,7 @@ import pytest
 from ditforge.models import create_model
 from ditforge.train.checkpoint import list_checkpoints, read_checkpoint_weights
 from ditforge.train.logging import read_metrics
-from dist_helpers import LOSS_RTOL, TINY, dist_env, run_single, torchrun_cmd
+from dist_helpers import LOSS_RTOL, TINY, assert_same_losses, dist_env, read_run, run_single, torchrun_cmd
 
 
 def _descendants(pid: int) -> list[int]:
@@ -100,3 +101,58 @@ def test_sigkill_during_async_save(tmp_path):
     assert not list(root.glob(".tmp-step-*"))  # the stale temporary folder was cleaned up
     if last + 1 in before:  # the killed run had logged this step: the resumed one repeats it exactly
         assert records[-1]["loss"] == pytest.approx(before[last + 1]["loss"], rel=LOSS_RTOL)
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    for pid in _descendants(launcher):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and b"ditforge" in open(f"/proc/{pid}/cmdline", "rb").read():
+            return pid
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
+def test_ctrl_c_on_one_rank_stops_all_with_a_checkpoint(tmp_path, tiny_reference):
+    """SIGINT to rank 1 only (as when only one host's processes are signalled): both ranks finish the step,
+    agree to stop, save one consistent checkpoint together and exit."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        torchrun_cmd(2, run, *TINY, "--plugin", "fsdp", "--ckpt_every", "1000", "--max_steps", "200"),
+        env=dist_env(), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline, target = time.monotonic() + 180, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = run / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                target = _rank_pid(proc.pid, 1)
+                if target is not None:
+                    os.kill(target, signal.SIGINT)
+                    break
+            time.sleep(0.05)
+        assert target is not None, "rank 1 not found, or the run ended early"
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _kill_all(proc)
+        if proc.poll() is None:
+            proc.communicate(timeout=60)
+    # both ranks stopped through the Ctrl-C path (torchrun then reports their exit code 130 as a failure)
+    assert err.count("ditforge train: interrupted") == 2, err[-4000:]
+    assert "interrupted at step" in err and "exitcode  : 130" in err, err[-4000:]
+    ckpts = list_checkpoints(run)
+    assert len(ckpts) == 1, err[-4000:]
+    got = read_run(run, "DiT-T/2")
+    k = got.meta["step"]
+    assert k >= 2 and got.meta["world_size"] == 2
+    # the checkpoint holds the state after exactly k steps: the metrics stop there, and the run is the
+    # uninterrupted one (the single-process reference covers steps 1-5)
+    assert [r["step"] for r in got.records] == list(range(1, k + 1))
+    _, ref = tiny_reference
+    common = min(k, 5)
+    assert_same_losses(got.records[:common], ref.records, steps=list(range(1, common + 1)))
