@@ -67,8 +67,13 @@ def parallelize(
     if plugin in ("zero2", "fsdp"):
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         reshard = plugin == "fsdp"
-        for block in model.blocks:
-            fully_shard(block, mesh=dist.mesh, reshard_after_forward=reshard, mp_policy=mp)
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            # The last block is the first one the backward needs: resharding it would only gather it again.
+            fully_shard(block, mesh=dist.mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=mp)
+        if reshard:  # gather two blocks ahead in the backward, so each gather hides behind more compute
+            for i, block in enumerate(blocks):
+                block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
         # The root's own parameters (embedders, final layer) are used last in the forward: keep them.
         fully_shard(model, mesh=dist.mesh, reshard_after_forward=False, mp_policy=mp)
     return model
