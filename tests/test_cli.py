@@ -278,3 +278,29 @@ def test_data_error_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
     rc = cli.main(["train", "--data", str(tmp_path / "nowhere"), "--image_size", "16", "--max_steps", "1"])
     assert rc == 2
     assert not (tmp_path / "outputs").exists()
+
+
+def test_sigterm_saves_and_exits_130(tmp_path):
+    """A scheduler's SIGTERM is handled like Ctrl-C: the step in flight finishes, a checkpoint of exactly the
+    completed steps is written, and the process exits with 130."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ditforge", "train", "--model", "DiT-T/8", "--max_steps", "100000", "--batch_size",
+         "16", "--log_every", "1", "--sample_every", "0", "--device", "cpu", "--outputs", str(run)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    ckpts = sorted((run / "checkpoints").glob("step-*"))
+    assert len(ckpts) == 1
+    step = json.loads((ckpts[0] / "meta.json").read_text())["step"]
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert step >= logged[-1] >= 2  # every logged step is in the checkpoint; nothing half-done

@@ -166,7 +166,7 @@ def train(cfg: RunConfig) -> Path:
 
     Writes (rank 0) ``config.yaml``, ``metrics.jsonl`` (step, loss, mse, vb, lr, grad_norm, samples_per_sec,
     ...), ``samples/step-*.png`` and ``checkpoints/step-*/`` (every rank its shards); a checkpoint is saved
-    every ``ckpt_every`` steps, at the end, and on Ctrl-C (then KeyboardInterrupt is re-raised).
+    every ``ckpt_every`` steps, at the end, and on Ctrl-C or SIGTERM (then KeyboardInterrupt is re-raised).
 
     Raises:
         UserError: bad data, model, parallelism or checkpoint settings.
@@ -353,20 +353,24 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
 
 
 class _DeferredInterrupt:
-    """Turns the first Ctrl-C into a flag checked between steps, so a step is never cut in half (e.g.
-    between the optimizer update and the EMA update); a second Ctrl-C interrupts at once."""
+    """Turns the first Ctrl-C (SIGINT) or SIGTERM (a scheduler's preemption notice) into a flag checked
+    between steps, so a step is never cut in half (e.g. between the optimizer update and the EMA update) and
+    the run saves a checkpoint; a second signal interrupts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.pending = False
-        self.previous = None
+        self.previous = {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
         if self.pending:
             raise KeyboardInterrupt
         self.pending = True
-        log.warning("Ctrl-C: finishing this step and saving a checkpoint (press again to stop at once)")
+        log.warning("%s: finishing this step and saving a checkpoint (again to stop at once)",
+                    signal.Signals(signum).name)
 
     def check(self, group: dist.ProcessGroup | None = None) -> None:
         """Raise KeyboardInterrupt on every rank if any rank was interrupted (torchrun may signal only some
@@ -380,8 +384,8 @@ class _DeferredInterrupt:
             raise KeyboardInterrupt
 
     def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 def _ignore_sigint(worker_id: int) -> None:
