@@ -19,6 +19,7 @@ import torch
 
 from ditforge.diffusion import create_diffusion
 from ditforge.models import create_model
+from ditforge.ops.attention import set_attention_backend
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
 from ditforge.train.trainer import step_randomness, train_step
@@ -27,9 +28,12 @@ PEAK_FLOPS = 989e12
 
 
 def measure(name: str, precision: str, batch: int, steps: int, warmup: int) -> dict:
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    amp = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}[precision]
+    """``precision``: fp32 | tf32 | bf16, with ``-flashattn`` appended for --enable_flashattn."""
+    base, _, flashattn = precision.partition("-")
+    set_attention_backend(bool(flashattn))
+    torch.backends.cuda.matmul.allow_tf32 = base == "tf32"
+    torch.backends.cudnn.allow_tf32 = base == "tf32"
+    amp = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}[base]
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = create_model(name, 32, 4, 1000).to(device).train()
@@ -64,7 +68,7 @@ def measure(name: str, precision: str, batch: int, steps: int, warmup: int) -> d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="DiT-XL/2")
-    p.add_argument("--precisions", default="fp32,tf32,bf16")
+    p.add_argument("--precisions", default="fp32,tf32,bf16,bf16-flashattn")
     p.add_argument("--batch_sizes", default="32,64")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

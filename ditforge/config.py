@@ -54,6 +54,7 @@ class TrainConfig:
     mixed_precision: str = _f("auto", "compute precision: fp32 | bf16 | fp16 | auto (bf16 on GPU, fp32 on CPU)",
                               choices=MIXED_PRECISION)
     grad_checkpoint: bool = _f(False, "activation checkpointing of every transformer block")
+    enable_flashattn: bool = _f(False, "attention through the fastest exact kernel (cuDNN, then Flash) on GPUs")
     compile: bool = _f(False, "torch.compile every transformer block (the first steps are slow while it compiles)")
     ema_decay: float = _f(0.9999, "EMA decay; the effective decay is min(decay, (1+k)/(10+k)) at step k")
     ckpt_every: int = _f(1000, "save a checkpoint every N steps (and always at the end or on Ctrl-C)")

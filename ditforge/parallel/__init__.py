@@ -4,6 +4,7 @@ the model code knows nothing of them."""
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from torch import nn
@@ -12,7 +13,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ditforge.ops.attention import set_attention_backend
 from ditforge.parallel.mesh import Dist
+
+log = logging.getLogger(__name__)
 
 
 def resolve_plugin(plugin: str, world_size: int) -> str:
@@ -29,6 +33,7 @@ def parallelize(
     plugin: str = "none",
     grad_checkpoint: bool = False,
     compile: bool = False,
+    enable_flashattn: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
@@ -41,6 +46,7 @@ def parallelize(
             and optimizer states sharded, parameters gathered once per step and kept through the backward),
             ``fsdp`` (ZeRO-3: parameters resharded after the forward and gathered again for the backward).
         grad_checkpoint: recompute each block's activations in the backward (Chen et al. 2016).
+        enable_flashattn: route attention through the fastest exact SDPA backend (``ops.attention``).
         compile: ``torch.compile`` each block in place (after checkpointing, before sharding, as torchtitan
             orders them); every block has the same code, so it compiles once.
         param_dtype: dtype of the gathered parameters under zero2/fsdp (the compute dtype); the sharded fp32
@@ -51,6 +57,7 @@ def parallelize(
         The model to train: the same module (fully_shard works in place) or a DDP wrapper around it.
         State-dict keys of the plain model are reachable through torch.distributed.checkpoint.state_dict.
     """
+    log.info("attention: %s", set_attention_backend(enable_flashattn))
     if grad_checkpoint:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)

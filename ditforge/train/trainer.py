@@ -216,7 +216,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     model = create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob)
     model.to(device).train()
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
-    model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile,
+    model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, t.enable_flashattn,
                         param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype)
     ema = EMA(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999),
