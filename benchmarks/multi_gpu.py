@@ -25,7 +25,7 @@ from ditforge.parallel import parallelize
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
-from ditforge.train.trainer import StepRandomness, step_randomness, train_step
+from ditforge.train.trainer import step_randomness, train_step
 
 
 def max_over_ranks(value: float, device) -> float:

@@ -211,6 +211,12 @@ class Checkpointer:
                 shutil.rmtree(doomed, ignore_errors=True)
 
 
+def _rank_failures(e: CheckpointException) -> list[BaseException]:
+    """The exceptions DCP collected from the ranks; each arrives as (exception, traceback frames) or as a
+    wrapper holding ``.exception``."""
+    return [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in e.failures.values()]
+
+
 @contextlib.contextmanager
 def _interrupts_unwrapped():
     """DCP wraps every exception of a save, Ctrl-C included, in CheckpointException (a BaseException);
@@ -218,8 +224,7 @@ def _interrupts_unwrapped():
     try:
         yield
     except CheckpointException as e:
-        inner = [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in e.failures.values()]
-        if any(isinstance(x, KeyboardInterrupt) for x in inner):
+        if any(isinstance(x, KeyboardInterrupt) for x in _rank_failures(e)):
             raise KeyboardInterrupt from None
         raise
 
@@ -262,8 +267,7 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
 def _describe(e: BaseException) -> str:
     """One line for a load error; DCP wraps each rank's exception (and its traceback) in CheckpointException."""
     if isinstance(e, CheckpointException) and e.failures:
-        inner = next(iter(e.failures.values()))  # (exception, traceback frames) or a wrapper of them
-        e = inner[0] if isinstance(inner, tuple) else getattr(inner, "exception", inner)
+        e = _rank_failures(e)[0]
     return " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
 
