@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from ditforge.models.layers import Attention, LabelEmbedder, Mlp, PatchEmbed, TimestepEmbedder, sincos_2d
-from ditforge.ops import modulate
+from ditforge.ops import gated_residual, layernorm_modulate
+
+NORM_EPS = 1e-6  # LayerNorm epsilon of the reference code
 
 
 class DiTBlock(nn.Module):
@@ -19,23 +21,22 @@ class DiTBlock(nn.Module):
 
     The conditioning vector c regresses shift/scale/gate for the attention and MLP branches;
     ``x = x + gate_msa * attn(modulate(LN(x), shift_msa, scale_msa))``, likewise for the MLP.
-    The regression layer is zero-initialised, so every block starts as the identity.
+    The regression layer is zero-initialised, so every block starts as the identity. The LayerNorms have no
+    parameters (as in the reference), so they are calls of ``ops.layernorm_modulate``, which fused kernels can
+    replace, not modules.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
         super().__init__()
-        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True)
-        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """x: (B, N, D) tokens, c: (B, D) conditioning -> (B, N, D)."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
-        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
-        return x
+        x = gated_residual(x, self.attn(layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS)), gate_msa)
+        return gated_residual(x, self.mlp(layernorm_modulate(x, shift_mlp, scale_mlp, NORM_EPS)), gate_mlp)
 
 
 class FinalLayer(nn.Module):
@@ -43,13 +44,12 @@ class FinalLayer(nn.Module):
 
     def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
         super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
-        return self.linear(modulate(self.norm_final(x), shift, scale))
+        return self.linear(layernorm_modulate(x, shift, scale, NORM_EPS))
 
 
 class DiT(nn.Module):

@@ -1,6 +1,7 @@
-"""Operators every model calls through: one seam for attention, reference versions of fused kernels."""
+"""Operators every model calls through: one seam for attention, the adaLN operators (reference PyTorch
+versions, or fused Triton kernels chosen from outside)."""
 
 from ditforge.ops.attention import attention
-from ditforge.ops.modulate import modulate
+from ditforge.ops.modulate import gated_residual, layernorm_modulate, modulate
 
-__all__ = ["attention", "modulate"]
+__all__ = ["attention", "gated_residual", "layernorm_modulate", "modulate"]

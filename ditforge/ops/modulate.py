@@ -1,8 +1,14 @@
-"""adaLN modulation (reference PyTorch version; fused kernels share this signature)."""
+"""adaLN operators: LayerNorm + modulate, and the gated residual.
+
+Each has a plain PyTorch reference; fused Triton kernels with the same signature replace them when
+``parallelize`` calls ``set_kernels`` (``--enable_modulate_kernel``, ``--enable_layernorm_kernel``), so model
+code never branches on them.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -18,3 +24,77 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
         (B, N, D), dtype of the inputs' type promotion.
     """
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def layernorm_modulate_reference(
+    x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None, eps: float = 1e-6
+) -> torch.Tensor:
+    """LayerNorm without affine parameters over the last dim, then ``modulate`` (plain LayerNorm when
+    ``shift`` and ``scale`` are None).
+
+    Source: ``modulate(self.norm1(x), shift, scale)`` in facebookresearch/DiT models.py (Ba et al. 2016 for
+    LayerNorm: ``(x - mean) / sqrt(var + eps)``, biased variance).
+
+    Args:
+        x: (B, N, D) tokens.
+        shift, scale: (B, D) or both None.
+        eps: added to the variance.
+
+    Returns:
+        (B, N, D), dtype as PyTorch's ``layer_norm`` then ``modulate`` give (fp32 statistics under autocast).
+    """
+    h = F.layer_norm(x, x.shape[-1:], eps=eps)
+    return h if shift is None else modulate(h, shift, scale)
+
+
+def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """adaLN-Zero's gated residual ``x + gate * y``, gate broadcast over tokens (DiT paper section 3.2).
+
+    Args:
+        x: (B, N, D) residual stream; y: (B, N, D) branch output; gate: (B, D).
+
+    Returns:
+        (B, N, D) in the promoted dtype of the inputs.
+    """
+    return x + gate.unsqueeze(1) * y
+
+
+_layernorm_modulate = layernorm_modulate_reference
+_gated_residual = gated_residual_reference
+
+
+def set_kernels(enable_modulate_kernel: bool = False, enable_layernorm_kernel: bool = False) -> str:
+    """Choose the implementations behind ``layernorm_modulate`` and ``gated_residual``.
+
+    ``enable_layernorm_kernel``: LayerNorm runs as one Triton kernel (fp32 statistics), modulate in PyTorch.
+    ``enable_modulate_kernel``: LayerNorm and modulate run as one Triton pass, and so does the gated residual.
+    Neither: the PyTorch references. Returns a description for the log.
+
+    Raises:
+        RuntimeError: a kernel was asked for but Triton cannot run here (no GPU and no ``TRITON_INTERPRET=1``).
+    """
+    global _layernorm_modulate, _gated_residual
+    if not (enable_modulate_kernel or enable_layernorm_kernel):
+        _layernorm_modulate, _gated_residual = layernorm_modulate_reference, gated_residual_reference
+        return "PyTorch LayerNorm and modulate"
+    from ditforge.ops import fused
+
+    if enable_modulate_kernel:
+        _layernorm_modulate, _gated_residual = fused.layernorm_modulate, fused.gated_residual
+        return "Triton: fused LayerNorm + modulate, fused gated residual"
+    _layernorm_modulate = fused.layernorm_then_modulate
+    _gated_residual = gated_residual_reference
+    return "Triton: LayerNorm; PyTorch modulate"
+
+
+def layernorm_modulate(
+    x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None, eps: float = 1e-6
+) -> torch.Tensor:
+    """LayerNorm (no affine) then adaLN modulate; see ``layernorm_modulate_reference`` for shapes and math.
+    Runs the implementation chosen by ``set_kernels``."""
+    return _layernorm_modulate(x, shift, scale, eps)
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x + gate * y``; see ``gated_residual_reference``. Runs the implementation chosen by ``set_kernels``."""
+    return _gated_residual(x, y, gate)
