@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ditforge.atomic import atomic_path
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import SAMPLERS, create_diffusion, guided_model, sample_loop
 from ditforge.errors import UserError
@@ -142,8 +142,5 @@ def export(ckpt: str, out: str, use_ema: bool = True) -> Path:
 
 
 def _save_npz(path: str, samples: np.ndarray, labels: np.ndarray) -> None:
-    path_ = Path(path)
-    path_.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path_.with_name(f".{path_.name}.tmp.npz")
-    np.savez(tmp, samples=samples, labels=labels)
-    os.replace(tmp, path_)
+    with atomic_path(path, suffix=".npz") as tmp:  # np.savez appends .npz to other names
+        np.savez(tmp, samples=samples, labels=labels)

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ditforge.atomic import atomic_path
 from ditforge.errors import UserError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -108,7 +109,5 @@ def save_grid(images: np.ndarray, path: str | Path, nrow: int, upscale: int = 1,
     pil = Image.fromarray(grid[..., 0] if c == 1 else grid)
     if upscale > 1:
         pil = pil.resize((pil.width * upscale, pil.height * upscale), resample=Image.NEAREST)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pil.save(tmp, format="PNG")
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        pil.save(tmp, format="PNG")

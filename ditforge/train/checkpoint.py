@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ditforge.atomic import atomic_path
 from ditforge.errors import UserError
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
@@ -393,8 +394,5 @@ def export_safetensors(state: dict[str, torch.Tensor], config: dict | None, out:
     """Write one consolidated safetensors file (the run config in its metadata), atomically."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"config": json.dumps(config)})
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"config": json.dumps(config)})

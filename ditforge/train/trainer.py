@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from ditforge.atomic import atomic_path
 from ditforge.config import RunConfig
 from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset
 from ditforge.data.sampler import derive_seed
@@ -42,10 +43,11 @@ log = logging.getLogger(__name__)
 
 
 def resolve_precision(name: str, device: torch.device) -> torch.dtype:
-    """Compute dtype for autocast: fp32 | bf16 | fp16; ``auto`` is bf16 on CUDA, fp32 on CPU."""
+    """Compute dtype for autocast: fp32 | bf16 | fp16; ``auto`` is bf16 on CUDA, fp32 on CPU; fp8 computes in
+    bf16 around its float8 matrix products."""
     if name == "auto":
         name = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[name]
 
 
 @dataclass
@@ -106,7 +108,7 @@ def train_step(
     )
     sums: dict[str, torch.Tensor] = {}
     for i, (x, y, rnd) in enumerate(micro_batches):
-        x = torch.where(rnd.flip[:, None, None, None], x.flip(-1), x)
+        x = torch.where(rnd.flip.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x)  # images and videos
         with gradient_sync(model, i == len(micro_batches) - 1):
             with autocast:
                 terms = diffusion.training_losses(
@@ -216,8 +218,10 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     model = create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob)
     model.to(device).train()
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
-    model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, t.enable_flashattn,
-                        param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype)
+    model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
+                        param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype,
+                        enable_modulate_kernel=t.enable_modulate_kernel,
+                        enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8")
     ema = EMA(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999),
                                   fused=device.type == "cuda")
@@ -398,12 +402,10 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in keep))
 
 
 def _write_config(path: Path, cfg: RunConfig) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
