@@ -15,7 +15,7 @@ import yaml
 
 from ditforge.errors import UserError
 
-MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16")
+MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 
 
@@ -51,10 +51,16 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
     max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0: no clipping)")
-    mixed_precision: str = _f("auto", "compute precision: fp32 | bf16 | fp16 | auto (bf16 on GPU, fp32 on CPU)",
-                              choices=MIXED_PRECISION)
-    grad_checkpoint: bool = _f(False, "activation checkpointing of every transformer block")
+    mixed_precision: str = _f("auto", "compute precision: fp32 | bf16 | fp16 | fp8 (bf16, with float8 matrix "
+                                      "products in the blocks' linear layers; torchao, H100-class GPU) | auto "
+                                      "(bf16 on GPU, fp32 on CPU)", choices=MIXED_PRECISION)
+    grad_checkpoint: str = _f("none", "activation checkpointing: none | full (every block; the bare flag) | "
+                                      "every-K (every K-th block) | op (keep matmul and attention outputs, "
+                                      "recompute the element-wise ops)", const="full")
     enable_flashattn: bool = _f(False, "attention through the fastest exact kernel (cuDNN, then Flash) on GPUs")
+    enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "
+                                             "and the gated residual")
+    enable_layernorm_kernel: bool = _f(False, "LayerNorm as a Triton kernel (modulate stays in PyTorch)")
     compile: bool = _f(False, "torch.compile every transformer block (the first steps are slow while it compiles)")
     ema_decay: float = _f(0.9999, "EMA decay; the effective decay is min(decay, (1+k)/(10+k)) at step k")
     ckpt_every: int = _f(1000, "save a checkpoint every N steps (and always at the end or on Ctrl-C)")
@@ -128,9 +134,13 @@ def build_config(
     values.update(overrides or {})
     sections: dict[str, dict] = {s: {} for s in _SECTION_CLASSES}
     types_ = {name: hint for cls in _SECTION_CLASSES.values() for name, hint in typing.get_type_hints(cls).items()}
+    consts = {f.name: f.metadata["const"] for cls in _SECTION_CLASSES.values() for f in dataclasses.fields(cls)
+              if "const" in f.metadata}
     for key, value in values.items():
         if key not in where:
             raise UserError(f"unknown setting {key!r}")
+        if key in consts and isinstance(value, bool):  # `grad_checkpoint: true` (and older saved configs)
+            value = consts[key] if value else "none"
         sections[where[key]][key] = _coerce(key, value, types_[key])
     cfg = RunConfig(**{s: _SECTION_CLASSES[s](**v) for s, v in sections.items()})
     validate(cfg)
@@ -192,5 +202,8 @@ def validate(cfg: RunConfig) -> None:
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
         raise UserError(f"--device: expected cuda, cpu or auto, got {t.device}")
     from ditforge.models import model_spec  # raises UserError for unknown names
+    from ditforge.parallel import parse_checkpoint_policy
+
+    parse_checkpoint_policy(t.grad_checkpoint)
 
     model_spec(cfg.model.model)

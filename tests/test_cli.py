@@ -194,7 +194,7 @@ def test_resume_continues_the_saved_settings(tiny_run, tmp_path, one_thread):
 
 
 @pytest.mark.parametrize("args,flag,prog", [(["--batch_size", "abc"], "--batch_size", "ditforge train"),
-                                            (["--mixed_precision", "fp8"], "--mixed_precision", "ditforge train"),
+                                            (["--mixed_precision", "fp4"], "--mixed_precision", "ditforge train"),
                                             (["--plugin", "zero3"], "--plugin", "ditforge train"),
                                             (["--grad_reduce_dtype", "fp8"], "--grad_reduce_dtype", "ditforge train"),
                                             (["--no_such_flag"], "--no_such_flag", "ditforge")])

@@ -14,17 +14,26 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # forward: cuDNN 165, Flash 124, memory-efficient 50, math 11 TFLOP/s); math last so any input still runs.
 FAST_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                  SDPBackend.MATH]
+ATTENTION_BACKENDS = ("auto", "fast", "math")
 _preferred: list[SDPBackend] | None = None
 
 
-def set_attention_backend(enable_flashattn: bool) -> str:
-    """Route attention through the fastest exact kernel PyTorch has (``--enable_flashattn``), or leave the
-    choice to PyTorch's default order. Returns a description for the log."""
+def set_attention_backend(backend: str = "auto") -> str:
+    """Choose the SDPA kernels behind ``attention``: ``fast`` (``--enable_flashattn``) the fastest exact kernel
+    PyTorch has, in ``FAST_BACKENDS`` order; ``math`` the unfused reference computation (materialises the
+    N x N scores, as the original DiT code did; the baseline row of ``ditforge bench``); ``auto`` PyTorch's
+    default order. Returns a description for the log.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
     global _preferred
-    _preferred = FAST_BACKENDS if enable_flashattn else None
-    if not enable_flashattn:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: expected one of {ATTENTION_BACKENDS}")
+    _preferred = {"auto": None, "fast": FAST_BACKENDS, "math": [SDPBackend.MATH]}[backend]
+    if _preferred is None:
         return "PyTorch's default SDPA order"
-    return "SDPA, in order: " + ", ".join(b.name.lower() for b in FAST_BACKENDS)
+    return "SDPA, in order: " + ", ".join(b.name.lower() for b in _preferred)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import re
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -13,7 +15,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ditforge.errors import UserError
 from ditforge.ops.attention import set_attention_backend
+from ditforge.ops.modulate import set_kernels
 from ditforge.parallel.mesh import Dist
 
 log = logging.getLogger(__name__)
@@ -27,15 +31,104 @@ def resolve_plugin(plugin: str, world_size: int) -> str:
     return "zero2" if plugin in ("auto", "none") else plugin
 
 
+CHECKPOINT_POLICIES = "none | full | every-K | op"
+_EVERY = re.compile(r"^every-([1-9][0-9]*)$")
+
+
+def parse_checkpoint_policy(policy: str) -> tuple[str, int]:
+    """``--grad_checkpoint`` value -> (kind, k): ``none``, ``full`` (every block), ``every-K`` (blocks
+    0, K, 2K, ...: 1/K of the recomputation for 1/K of the saving), ``op`` (every block, but the outputs of
+    matrix products and attention are kept and only the cheap element-wise ops are recomputed; torchtitan's
+    op-level selective checkpointing).
+
+    Raises:
+        UserError: any other value (names the flag and the choices).
+    """
+    if policy in ("none", "full", "op"):
+        return policy, 1
+    m = _EVERY.match(policy)
+    if not m:
+        raise UserError(f"--grad_checkpoint: expected one of {CHECKPOINT_POLICIES}, got {policy!r}")
+    return "every", int(m.group(1))
+
+
+# Ops whose outputs op-level selective checkpointing keeps: the matrix products and attention (expensive to
+# recompute); LayerNorm, modulate, GELU and residuals are recomputed (cheap, and most of the activations).
+_SAVED_OPS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _op_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_op_policy)
+
+
+def apply_grad_checkpoint(model: nn.Module, policy: str) -> None:
+    """Wrap ``model.blocks`` for activation checkpointing (Chen et al. 2016) by ``policy`` (see
+    ``parse_checkpoint_policy``); the state-dict keys do not change."""
+    kind, k = parse_checkpoint_policy(policy)
+    if kind == "none":
+        return
+    for i, block in enumerate(model.blocks):
+        if kind == "op":
+            model.blocks[i] = checkpoint_wrapper(block, context_fn=_selective_context)
+        elif i % k == 0:
+            model.blocks[i] = checkpoint_wrapper(block)
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper or newer
+
+
+def apply_fp8(model: nn.Module, device: torch.device) -> int:
+    """Swap the transformer blocks' big linear layers (qkv, proj, fc1, fc2) for torchao's float8 training
+    linears (dynamic tensorwise scaling: e4m3 forward, e5m2 gradients; Micikevicius et al. 2022, "FP8
+    Formats for Deep Learning"). The adaLN regressions (M = batch rows) and embedders stay bf16: too small
+    to gain. Parameter names, shapes and fp32 master weights do not change. Returns the number swapped.
+
+    Raises:
+        UserError: no CUDA device with FP8 tensor cores, or torchao is not installed.
+    """
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        raise UserError("--mixed_precision fp8: needs a CUDA GPU with FP8 tensor cores (compute capability "
+                        f">= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}, e.g. H100)")
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        raise UserError("--mixed_precision fp8: needs torchao (pip install 'ditforge[fp8]')") from None
+
+    def big_linear(module: nn.Module, fqn: str) -> bool:
+        return (isinstance(module, nn.Linear) and fqn.startswith("blocks.") and "adaLN" not in fqn
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    before = sum(type(m) is nn.Linear for m in model.modules())
+    convert_to_float8_training(model, module_filter_fn=big_linear)
+    return before - sum(type(m) is nn.Linear for m in model.modules())
+
+
 def parallelize(
     model: nn.Module,
     dist: Dist,
     plugin: str = "none",
-    grad_checkpoint: bool = False,
+    grad_checkpoint: str = "none",
     compile: bool = False,
-    enable_flashattn: bool = False,
+    attention: str = "auto",
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
+    enable_modulate_kernel: bool = False,
+    enable_layernorm_kernel: bool = False,
+    fp8: bool = False,
 ) -> nn.Module:
     """Prepare ``model`` for (distributed) training without touching its code.
 
@@ -45,10 +138,14 @@ def parallelize(
             all-reduced), ``zero2`` (FSDP2 ``fully_shard`` with ``reshard_after_forward=False``: gradients
             and optimizer states sharded, parameters gathered once per step and kept through the backward),
             ``fsdp`` (ZeRO-3: parameters resharded after the forward and gathered again for the backward).
-        grad_checkpoint: recompute each block's activations in the backward (Chen et al. 2016).
-        enable_flashattn: route attention through the fastest exact SDPA backend (``ops.attention``).
+        grad_checkpoint: activation checkpointing policy, ``none | full | every-K | op``
+            (``parse_checkpoint_policy``).
         compile: ``torch.compile`` each block in place (after checkpointing, before sharding, as torchtitan
             orders them); every block has the same code, so it compiles once.
+        attention: SDPA kernels behind ``ops.attention``: ``auto`` | ``fast`` (``--enable_flashattn``) |
+            ``math``.
+        enable_modulate_kernel, enable_layernorm_kernel: fused Triton adaLN kernels (``ops.set_kernels``).
+        fp8: float8 matrix products in the blocks' big linear layers (``apply_fp8``).
         param_dtype: dtype of the gathered parameters under zero2/fsdp (the compute dtype); the sharded fp32
             parameters stay the optimizer's master weights.
         reduce_dtype: dtype of the gradient reduction (fp32 by default; bf16 halves its traffic).
@@ -57,10 +154,11 @@ def parallelize(
         The model to train: the same module (fully_shard works in place) or a DDP wrapper around it.
         State-dict keys of the plain model are reachable through torch.distributed.checkpoint.state_dict.
     """
-    log.info("attention: %s", set_attention_backend(enable_flashattn))
-    if grad_checkpoint:
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = checkpoint_wrapper(block)
+    log.info("attention: %s", set_attention_backend(attention))
+    log.info("adaLN: %s", set_kernels(enable_modulate_kernel, enable_layernorm_kernel))
+    if fp8:
+        log.info("fp8: %d linear layers run float8 matrix products", apply_fp8(model, dist.device))
+    apply_grad_checkpoint(model, grad_checkpoint)
     if compile:
         for block in model.blocks:
             block.compile()

@@ -614,9 +614,10 @@ def test_mixed_precision_cpu(train_run, tmp_path, precision):
         assert meta["scaler"] is None
 
 
-def test_grad_checkpoint_same_losses(train_run, every_step_run, tmp_path):
+@pytest.mark.parametrize("policy", [[], ["every-2"], ["op"]], ids=["bare-flag-full", "every-2", "op"])
+def test_grad_checkpoint_same_losses(train_run, every_step_run, tmp_path, policy):
     plain = every_step_run
-    ckpt = train_run(tmp_path / "gc", "--max_steps", "3", "--grad_checkpoint")
+    ckpt = train_run(tmp_path / "gc", "--max_steps", "3", "--grad_checkpoint", *policy)
     for x, y in zip(read_metrics(plain / "metrics.jsonl"), read_metrics(ckpt / "metrics.jsonl"), strict=True):
         # recomputed activations are bit-identical on CPU; 1e-5 relative allows for op-order changes
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
@@ -626,7 +627,7 @@ def test_grad_checkpoint_same_losses(train_run, every_step_run, tmp_path):
     assert {k for k in a if not k.startswith("ema.")} == {k for k in b if not k.startswith("ema.")}
     _assert_state_close(_weights(_ckpt(ckpt, 3), False), _weights(_ckpt(plain, 3), False), atol=1e-5)
     cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
-    assert cfg["train"]["grad_checkpoint"] is True
+    assert cfg["train"]["grad_checkpoint"] == (policy[0] if policy else "full")
 
 
 @pytest.mark.parametrize("name", ["blocks.0._checkpoint_wrapped_module.attn.qkv.weight",
