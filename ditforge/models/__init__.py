@@ -1,4 +1,8 @@
-"""Model registry: the paper's DiT configurations by name, and ``create_model``."""
+"""Model registry: the paper's DiT configurations and OpenDiT's video DiT (vDiT) by name, and ``create_model``.
+
+Image models ``DiT-{T,S,B,L,XL}/{p}`` take (B, C, H, W); video models ``vDiT-{T,S,B,L,XL}/{t}{h}{w}`` take
+(B, C, T, H, W) (``is_video_model`` tells them apart).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from torch import nn
 
 from ditforge.errors import UserError
 from ditforge.models.dit import DiT
+from ditforge.models.video import VideoDiT
 
 # (depth, hidden_size, num_heads), from Table 1 of Peebles & Xie 2023. "T" (tiny) is ours, for CPU runs.
 DIT_SIZES = {
@@ -18,21 +23,45 @@ DIT_SIZES = {
     "XL": (28, 1152, 16),
 }
 PATCH_SIZES = (1, 2, 4, 8)
+# Image models, all listed; video models (5 sizes x 64 patch shapes) are described by VIDEO_MODEL_PATTERN.
 MODEL_NAMES = [f"DiT-{s}/{p}" for s in DIT_SIZES for p in PATCH_SIZES]
+VIDEO_MODEL_PATTERN = "vDiT-{T,S,B,L,XL}/{t}{h}{w} with t, h, w each in {1,2,4,8} (e.g. vDiT-XL/222, vDiT-T/122)"
 _NAME = re.compile(r"^DiT-(T|S|B|L|XL)/(\d+)$")
+_VIDEO_NAME = re.compile(r"^vDiT-(T|S|B|L|XL)/([1248])([1248])([1248])$")
 
 
 def model_spec(name: str) -> dict:
-    """Keyword arguments of ``DiT`` for a registered name such as ``"DiT-XL/2"``.
+    """Constructor keyword arguments for a registered name.
+
+    ``"DiT-XL/2"`` -> ``dict(depth=28, hidden_size=1152, num_heads=16, patch_size=2)`` (for ``DiT``);
+    ``"vDiT-XL/222"`` -> the same with ``patch_size=(2, 2, 2)``, the (t, h, w) tuple (for ``VideoDiT``).
+    Sizes from Table 1 of Peebles & Xie 2023 (plus our tiny T); vDiT after OpenDiT.
 
     Raises:
-        UserError: unknown name (the message lists the known ones).
+        UserError: unknown name (the message lists the DiT names and the vDiT pattern).
     """
     m = _NAME.match(name)
-    if not m or int(m.group(2)) not in PATCH_SIZES:
-        raise UserError(f"--model: unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}")
+    if m and int(m.group(2)) in PATCH_SIZES:
+        patch_size = int(m.group(2))
+    else:
+        m = _VIDEO_NAME.match(name)
+        if not m:
+            raise UserError(
+                f"--model: unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}, or {VIDEO_MODEL_PATTERN}"
+            )
+        patch_size = tuple(int(g) for g in m.groups()[1:])
     depth, hidden, heads = DIT_SIZES[m.group(1)]
-    return dict(depth=depth, hidden_size=hidden, num_heads=heads, patch_size=int(m.group(2)))
+    return dict(depth=depth, hidden_size=hidden, num_heads=heads, patch_size=patch_size)
+
+
+def is_video_model(name: str) -> bool:
+    """True for a registered video model (``vDiT-...``: input (B, C, T, H, W)), False for an image ``DiT-...``.
+
+    Raises:
+        UserError: unknown name, as ``model_spec``.
+    """
+    model_spec(name)
+    return _VIDEO_NAME.match(name) is not None
 
 
 def create_model(
@@ -42,22 +71,50 @@ def create_model(
     num_classes: int,
     learn_sigma: bool = True,
     class_dropout_prob: float = 0.1,
+    num_frames: int | None = None,
 ) -> nn.Module:
-    """Build a registered DiT.
+    """Build a registered DiT or vDiT.
 
     Args:
-        name: e.g. ``"DiT-XL/2"`` (sizes T, S, B, L, XL; patch 1, 2, 4, 8).
-        input_size: spatial size of the (latent or pixel) input, divisible by the patch size.
+        name: e.g. ``"DiT-XL/2"`` (sizes T, S, B, L, XL; patch 1, 2, 4, 8) or ``"vDiT-XL/222"`` (patch (t, h, w),
+            each 1, 2, 4 or 8).
+        input_size: spatial size H = W of the (latent or pixel) input, divisible by the (spatial) patch size.
         in_channels: input channels C; the output has 2C channels when ``learn_sigma``.
         num_classes: number of class labels (the null label is ``num_classes``).
+        num_frames: T of the (latent) video, divisible by t; required for vDiT, must be None for DiT.
 
     Returns:
-        A ``DiT`` in fp32 on the CPU, initialised as the reference code does.
+        A ``DiT`` (or ``VideoDiT``) in fp32 on the current default device (the CPU unless a ``torch.device``
+        context says otherwise), initialised as the reference code does.
 
     Raises:
-        UserError: unknown name, or an input size the patch size does not divide.
+        UserError: unknown name (``--model``); an input size the patch size does not divide (``--image_size``);
+            a missing, non-positive or indivisible frame count for vDiT, or a frame count for DiT
+            (``--num_frames``).
     """
     spec = model_spec(name)
+    if is_video_model(name):
+        t, h, w = spec["patch_size"]
+        if num_frames is None:
+            raise UserError(f"--num_frames: {name} is a video model; give the number of (latent) frames")
+        if num_frames < 1 or num_frames % t:
+            raise UserError(
+                f"--num_frames: {num_frames} frames are not a positive multiple of the temporal patch size {t} "
+                f"of {name}"
+            )
+        if input_size % h or input_size % w:
+            raise UserError(f"--image_size: input size {input_size} is not divisible by the patch size of {name}")
+        return VideoDiT(
+            input_size=input_size,
+            num_frames=num_frames,
+            in_channels=in_channels,
+            num_classes=num_classes,
+            learn_sigma=learn_sigma,
+            class_dropout_prob=class_dropout_prob,
+            **spec,
+        )
+    if num_frames is not None:
+        raise UserError(f"--num_frames: {name} is an image model; frames apply to video models ({VIDEO_MODEL_PATTERN})")
     if input_size % spec["patch_size"]:
         raise UserError(f"--image_size: input size {input_size} is not divisible by the patch size of {name}")
     return DiT(
@@ -70,7 +127,16 @@ def create_model(
     )
 
 
-__all__ = ["DiT", "create_model", "model_spec", "infer_dit_config", "MODEL_NAMES"]
+__all__ = [
+    "DiT",
+    "VideoDiT",
+    "create_model",
+    "model_spec",
+    "is_video_model",
+    "infer_dit_config",
+    "MODEL_NAMES",
+    "VIDEO_MODEL_PATTERN",
+]
 
 
 def infer_dit_config(state_dict: dict) -> dict:
@@ -87,6 +153,8 @@ def infer_dit_config(state_dict: dict) -> dict:
     """
     try:
         proj = state_dict["x_embedder.proj.weight"]
+        if proj.dim() != 4:  # a vDiT (Conv3d) state dict: its frames and patch shape need the run's config
+            raise UserError("--ckpt: a video (vDiT) state dict; its run's config.yaml is needed to rebuild it")
         hidden, in_channels, patch = proj.shape[0], proj.shape[1], proj.shape[2]
         depth = len({k.split(".")[1] for k in state_dict if k.startswith("blocks.")})
         table_rows = state_dict["y_embedder.embedding_table.weight"].shape[0]

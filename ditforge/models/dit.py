@@ -7,10 +7,21 @@ Parameter names, shapes and initialisation equal facebookresearch/DiT ``models.p
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from ditforge.models.layers import Attention, LabelEmbedder, Mlp, PatchEmbed, TimestepEmbedder, sincos_2d
+from ditforge.models.layers import (
+    Attention,
+    LabelEmbedder,
+    Mlp,
+    PatchEmbed,
+    TimestepEmbedder,
+    sincos_2d,
+    unpatchify,
+)
 from ditforge.ops import gated_residual, layernorm_modulate
 
 NORM_EPS = 1e-6  # LayerNorm epsilon of the reference code
@@ -40,11 +51,16 @@ class DiTBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm then a linear map to p*p*C_out values per token; (B, N, D) -> (B, N, p*p*C_out)."""
+    """adaLN-modulated LayerNorm then a linear map to P*C_out values per token; (B, N, D) -> (B, N, P*C_out).
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+    ``patch_size`` is the official square patch edge p (P = p*p), or a sequence of patch edges such as (p, p) or
+    a video patch (t, h, w), whose product is the patch volume P.
+    """
+
+    def __init__(self, hidden_size: int, patch_size: int | Sequence[int], out_channels: int):
         super().__init__()
-        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        volume = patch_size * patch_size if isinstance(patch_size, int) else math.prod(patch_size)
+        self.linear = nn.Linear(hidden_size, volume * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -55,8 +71,14 @@ class FinalLayer(nn.Module):
 class DiT(nn.Module):
     """Class-conditional Diffusion Transformer.
 
+    Subclasses for other inputs (``ditforge.models.video.VideoDiT``) override the two hooks
+    ``_build_x_embedder`` (patch embedding: its ``num_patches``, ``grid_shape`` and ``patch_shape`` drive the
+    position embedding, final layer, ``unpatchify`` and ``flops_per_sample``) and ``_fixed_pos_embed``; the
+    blocks, conditioning, initialisation, forward and FLOP count are shared, written once here.
+
     Args:
-        input_size: spatial size H = W of the input (latent or pixel), divisible by ``patch_size``.
+        input_size: spatial size H = W of the input (latent or pixel), divisible by ``patch_size`` (passed as is
+            to ``_build_x_embedder``; VideoDiT passes (T, H, W)).
         patch_size: patch edge p; the sequence has (H/p)^2 tokens.
         in_channels: C of the input.
         hidden_size, depth, num_heads, mlp_ratio: transformer width, number of blocks, heads, MLP ratio.
@@ -86,15 +108,23 @@ class DiT(nn.Module):
         self.num_heads = num_heads
         self.num_classes = num_classes
 
-        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+        self.x_embedder = self._build_x_embedder(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
         num_patches = self.x_embedder.num_patches
         # Fixed sin-cos embedding, kept as a frozen parameter (not a buffer) to match the official state dict.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.final_layer = FinalLayer(hidden_size, self.x_embedder.patch_shape, self.out_channels)
         self.initialize_weights()
+
+    def _build_x_embedder(self, input_size, patch_size, in_channels: int, hidden_size: int) -> nn.Module:
+        """The patch embedding (hook): ``PatchEmbed``, a Conv2d of kernel = stride = p."""
+        return PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
+
+    def _fixed_pos_embed(self) -> torch.Tensor:
+        """The fixed position embedding (hook): 2-D sin-cos of MAE / DiT, float32 (N, D)."""
+        return sincos_2d(self.pos_embed.shape[-1], self.x_embedder.grid_size)
 
     def initialize_weights(self) -> None:
         """Initialisation of the reference code: xavier-uniform linears, N(0, 0.02) embedders, adaLN-Zero."""
@@ -106,7 +136,7 @@ class DiT(nn.Module):
                     nn.init.constant_(module.bias, 0)
 
         self.apply(_basic_init)
-        self.pos_embed.data.copy_(sincos_2d(self.pos_embed.shape[-1], self.x_embedder.grid_size).unsqueeze(0))
+        self.pos_embed.data.copy_(self._fixed_pos_embed().unsqueeze(0))
         w = self.x_embedder.proj.weight.data
         nn.init.xavier_uniform_(w.view([w.shape[0], -1]))
         nn.init.constant_(self.x_embedder.proj.bias, 0)
@@ -124,24 +154,35 @@ class DiT(nn.Module):
     def flops_per_sample(self) -> int:
         """Forward FLOPs for one sample (a multiply-add counts 2), matrix products only.
 
-        Per block: 24 N D^2 (qkv, proj, 4x MLP) + 4 N^2 D (q k^T and attention x v) + 12 D^2 (adaLN);
-        plus patch embedding, final layer and embedders. DiT-XL/2 at 32x32 latents: ~237 GFLOP
-        (the paper's 118.6 "Gflops" counts multiply-adds once). Training is ~3x the forward.
+        With N tokens, width D, patch volume P (p*p, or t*h*w for VideoDiT), C in / C_out out channels:
+        per block 24 N D^2 (qkv, proj, 4x MLP) + 4 N^2 D (q k^T and attention x v) + 12 D^2 (adaLN);
+        patch embedding 2 N P C D; timestep MLP 2 (256 D + D^2); final layer 2 N D P C_out + 4 D^2 (its adaLN).
+        DiT-XL/2 at 32x32 latents (N = 256): ~237 GFLOP (the paper's 118.6 "Gflops" counts multiply-adds once).
+        vDiT-XL/222 at 16x32x32 latents (N = 8 * 16 * 16 = 2048): 2,368,508,166,144 ~ 2.37 TFLOP (10x DiT-XL/2
+        for 8x the tokens: the attention term grows with N^2).
+        Training is ~3x the forward.
         """
         D, N = self.pos_embed.shape[-1], self.x_embedder.num_patches
-        p, C = self.patch_size, self.in_channels
+        P, C = math.prod(self.x_embedder.patch_shape), self.in_channels
         block = 24 * N * D * D + 4 * N * N * D + 12 * D * D
-        embed = 2 * N * p * p * C * D + 2 * (self.t_embedder.frequency_embedding_size * D + D * D)
-        final = 2 * N * D * p * p * self.out_channels + 4 * D * D
+        embed = 2 * N * P * C * D + 2 * (self.t_embedder.frequency_embedding_size * D + D * D)
+        final = 2 * N * D * P * self.out_channels + 4 * D * D
         return len(self.blocks) * block + embed + final
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, p*p*C_out) -> (B, C_out, H, W); inverse of the patch embedding's token order."""
-        c, p = self.out_channels, self.patch_size
-        h = w = int(x.shape[1] ** 0.5)
-        x = x.reshape(x.shape[0], h, w, p, p, c)
-        x = torch.einsum("nhwpqc->nchpwq", x)
-        return x.reshape(x.shape[0], c, h * p, w * p)
+        """(B, N, P*C_out) -> (B, C_out, H, W) (VideoDiT: (B, C_out, T, H, W)); inverse of the patch embedding's
+        token order (``layers.unpatchify``). Raises ValueError for tokens of another grid or width."""
+        return unpatchify(x, self.x_embedder.grid_shape, self.x_embedder.patch_shape, self.out_channels)
+
+    def embed_conditions(
+        self, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Conditioning vector c = timestep embedding + label embedding (label dropout as in ``forward``).
+
+        t: (B,) int64, y: (B,) int64 -> (B, D) in the parameters' dtype. The one place that combines conditions,
+        for subclasses that add others.
+        """
+        return self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
 
     def forward(
         self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None
@@ -149,7 +190,7 @@ class DiT(nn.Module):
         """Predict noise (and the variance interpolation when ``learn_sigma``).
 
         Args:
-            x: (B, C, H, W) noisy input.
+            x: (B, C, H, W) noisy input; (B, C, T, H, W) for VideoDiT.
             t: (B,) int64 diffusion timesteps.
             y: (B,) int64 class labels; ``num_classes`` is the null label.
             force_drop_ids: optional (B,) bool, labels to replace by the null label (label dropout decided
@@ -157,10 +198,11 @@ class DiT(nn.Module):
                 training mode.
 
         Returns:
-            (B, C_out, H, W), C_out = 2C when ``learn_sigma`` (first C: epsilon, last C: variance values).
+            (B, C_out, H, W) ((B, C_out, T, H, W) for VideoDiT), C_out = 2C when ``learn_sigma`` (first C:
+            epsilon, last C: variance values).
         """
         x = self.x_embedder(x) + self.pos_embed
-        c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
+        c = self.embed_conditions(t, y, force_drop_ids)
         for block in self.blocks:
             x = block(x, c)
         return self.unpatchify(self.final_layer(x, c))

@@ -7,6 +7,7 @@ Module and parameter names follow facebookresearch/DiT (which uses timm's ``Atte
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -81,18 +82,102 @@ class LabelEmbedder(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Patchify: (B, C, H, W) -> (B, (H/p)(W/p), D) with a stride-p convolution (ViT, Dosovitskiy et al. 2021)."""
+    """Patchify: (B, C, H, W) -> (B, (H/p)(W/p), D) with a stride-p convolution (ViT, Dosovitskiy et al. 2021).
+
+    Tokens are in row-major (H', W') order. ``grid_shape`` = (H/p, W/p) and ``patch_shape`` = (p, p) describe
+    the layout for ``unpatchify``; ``grid_size`` = H/p is the square grid's edge.
+
+    Raises:
+        ValueError: ``img_size`` not divisible by ``patch_size``.
+    """
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int, bias: bool = True):
         super().__init__()
         if img_size % patch_size:
             raise ValueError(f"input size {img_size} is not divisible by patch size {patch_size}")
         self.grid_size = img_size // patch_size
+        self.grid_shape = (self.grid_size, self.grid_size)
+        self.patch_shape = (patch_size, patch_size)
         self.num_patches = self.grid_size**2
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class PatchEmbed3D(nn.Module):
+    """3-D patchify: (B, C, T, H, W) -> (B, (T/t)(H/h)(W/w), D) with a Conv3d of kernel = stride = (t, h, w).
+
+    The video counterpart of ``PatchEmbed`` (tubelet embedding of ViViT, Arnab et al. 2021; the patch embedding
+    of OpenDiT's vDiT). Tokens are in row-major (T', H', W') order: token ``(i * H' + j) * W' + k`` is the patch
+    starting at frame ``i t``, row ``j h``, column ``k w``. ``grid_shape`` = (T', H', W'), ``patch_shape`` =
+    (t, h, w), ``num_patches`` = T' H' W'.
+
+    Args:
+        input_size: (T, H, W) of the input.
+        patch_size: (t, h, w) patch edges.
+        in_chans, embed_dim: C and D.
+
+    Raises:
+        ValueError: sizes that are not 3-tuples, or a size its patch edge does not divide.
+    """
+
+    def __init__(
+        self,
+        input_size: Sequence[int],
+        patch_size: Sequence[int],
+        in_chans: int,
+        embed_dim: int,
+        bias: bool = True,
+    ):
+        super().__init__()
+        input_size, patch_size = tuple(int(n) for n in input_size), tuple(int(p) for p in patch_size)
+        if len(input_size) != 3 or len(patch_size) != 3:
+            raise ValueError(f"expected (T, H, W) input and (t, h, w) patch sizes, got {input_size}, {patch_size}")
+        for axis, n, p in zip(("frames", "height", "width"), input_size, patch_size):
+            if p < 1 or n < 1 or n % p:
+                raise ValueError(f"input {axis} {n} is not divisible by patch size {p}")
+        self.grid_shape = tuple(n // p for n, p in zip(input_size, patch_size))
+        self.patch_shape = patch_size
+        self.num_patches = math.prod(self.grid_shape)
+        self.proj = nn.Conv3d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, T, H, W) -> (B, T' H' W', D)."""
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+def unpatchify(x: torch.Tensor, grid_shape: Sequence[int], patch_shape: Sequence[int], channels: int) -> torch.Tensor:
+    """Inverse of the patch embeddings' token order, in any number of dimensions.
+
+    Token ``n`` (row-major over ``grid_shape``) holds its patch's values in (``*patch_shape``, C) order, i.e.
+    value ``[(dt h + dh) w + dw] C + c`` of a 3-D token, ``(dh p + dw) C + c`` of a 2-D one. For 2-D this is the
+    official DiT ``unpatchify`` (``einsum('nhwpqc->nchpwq')``); for 3-D it is OpenDiT's vDiT layout.
+
+    Args:
+        x: (B, prod(grid_shape), prod(patch_shape) * channels), any dtype.
+        grid_shape: token grid, (H', W') or (T', H', W').
+        patch_shape: patch edges, (p, p) or (t, h, w).
+        channels: C.
+
+    Returns:
+        (B, C, *(g * p for each axis)), e.g. (B, C, T, H, W); same dtype.
+
+    Raises:
+        ValueError: ``x`` does not have the token count or width the shapes imply.
+    """
+    k = len(grid_shape)
+    if len(patch_shape) != k or x.dim() != 3:
+        raise ValueError(f"unpatchify: grid {tuple(grid_shape)}, patch {tuple(patch_shape)}, tokens {tuple(x.shape)}")
+    if x.shape[1] != math.prod(grid_shape) or x.shape[2] != math.prod(patch_shape) * channels:
+        raise ValueError(
+            f"unpatchify: tokens {tuple(x.shape)} do not match grid {tuple(grid_shape)}, "
+            f"patch {tuple(patch_shape)} and {channels} channels"
+        )
+    x = x.reshape(x.shape[0], *grid_shape, *patch_shape, channels)
+    # axes: 0 batch, 1..k grid, k+1..2k patch, 2k+1 channel -> (B, C, g_0, p_0, g_1, p_1, ...)
+    x = x.permute(0, 2 * k + 1, *(a for i in range(k) for a in (1 + i, 1 + k + i)))
+    return x.reshape(x.shape[0], channels, *(g * p for g, p in zip(grid_shape, patch_shape)))
 
 
 class Attention(nn.Module):
@@ -151,4 +236,34 @@ def sincos_2d(embed_dim: int, grid_size: int) -> torch.Tensor:
     coords = torch.arange(grid_size, dtype=torch.float64)
     grid_h, grid_w = torch.meshgrid(coords, coords, indexing="ij")
     emb = torch.cat([sincos_1d(embed_dim // 2, grid_w), sincos_1d(embed_dim // 2, grid_h)], dim=1)
+    return emb.float()
+
+
+def sincos_3d(embed_dim: int, grid: Sequence[int]) -> torch.Tensor:
+    """Fixed 3-D sin-cos position embedding for a (T', H', W') token grid, row-major tokens; float32 (T'H'W', D).
+
+    Channel split (OpenDiT's ``get_3d_sincos_pos_embed``, after MAE's 2-D embedding): the first D/4 channels
+    encode the frame index i, the next 3D/8 the column index k, the last 3D/8 the row index j (the 3D/4
+    spatial channels are ``sincos_2d(3D/4, ...)``'s layout, w first). Each part is ``sincos_1d`` of its width:
+    token ``(i H' + j) W' + k`` gets ``[sincos_1d(D/4, i) | sincos_1d(3D/8, k) | sincos_1d(3D/8, j)]``.
+    Computed in float64, returned as float32.
+
+    Raises:
+        ValueError: ``grid`` is not three positive sizes, or D is not a multiple of 16 (each of the three
+            parts needs an even width: D/4 and 3D/8 even).
+    """
+    grid = tuple(int(g) for g in grid)
+    if len(grid) != 3 or min(grid) < 1:
+        raise ValueError(f"3-D sin-cos embedding needs a (T', H', W') grid of positive sizes, got {grid}")
+    if embed_dim % 16:
+        raise ValueError(
+            f"3-D sin-cos embedding width must be a multiple of 16 (D/4 time, 3D/8 width and 3D/8 height "
+            f"channels, each even), got {embed_dim}"
+        )
+    d_time, d_space = embed_dim // 4, embed_dim // 4 * 3
+    axes = [torch.arange(g, dtype=torch.float64) for g in grid]
+    grid_t, grid_h, grid_w = torch.meshgrid(*axes, indexing="ij")
+    emb = torch.cat(
+        [sincos_1d(d_time, grid_t), sincos_1d(d_space // 2, grid_w), sincos_1d(d_space // 2, grid_h)], dim=1
+    )
     return emb.float()
