@@ -12,16 +12,17 @@ import sys
 import types
 import typing
 
-from ditforge.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig, build_config
+from ditforge.config import BenchConfig, DataConfig, ModelConfig, ParallelConfig, TrainConfig, build_config
 from ditforge.errors import UserError
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = (ModelConfig, DataConfig, TrainConfig,
+                                                                        ParallelConfig)) -> None:
     """One flag per config field (flat names, as OpenDiT's), help text from the field's metadata.
 
     Defaults are suppressed so that only flags given on the command line override the config file.
     """
-    for cls in (ModelConfig, DataConfig, TrainConfig, ParallelConfig):
+    for cls in classes:
         group = parser.add_argument_group(cls.__name__.removesuffix("Config").lower())
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -77,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no_ema", dest="use_ema", action="store_false", help="use the raw weights, not the EMA")
     s.add_argument("--device", default="auto", help="cuda | cpu | auto")
 
+    b = sub.add_parser("bench", help="time training step by step of the speed-ups (fp32 -> bf16 -> fast attention "
+                       "-> fused kernels -> compile -> FP8) on synthetic data; prints a table, writes JSON",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_config_flags(b, (BenchConfig,))
+
     e = sub.add_parser("export", help="consolidate a (sharded) checkpoint into one safetensors file",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     e.add_argument("--ckpt", required=True, help="run folder (newest checkpoint) or checkpoint folder")
@@ -106,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             from ditforge.sample import SampleConfig, sample
 
             sample(SampleConfig(**args))
+        elif command == "bench":
+            from ditforge.bench import bench
+
+            bench(BenchConfig(**args))
         elif command == "export":
             from ditforge.sample import export
 

@@ -25,7 +25,9 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    model: str = _f("DiT-T/2", "model name: DiT-{T,S,B,L,XL}/{1,2,4,8}, e.g. DiT-XL/2")
+    model: str = _f("DiT-T/2", "model name: DiT-{T,S,B,L,XL}/{1,2,4,8}, e.g. DiT-XL/2; video "
+                               "models vDiT-{T,S,B,L,XL}/{t}{h}{w} such as vDiT-XL/222 run in `ditforge bench` "
+                               "(no video data loader yet)")
     num_classes: int | None = _f(None, "number of class labels (default: from the data)")
     learn_sigma: bool = _f(True, "predict the variance too (hybrid loss of Improved DDPM)")
     class_dropout_prob: float = _f(0.1, "label dropout probability for classifier-free guidance")
@@ -84,6 +86,31 @@ class ParallelConfig:
     grad_reduce_dtype: str = _f("fp32", "dtype of the gradient reduction across processes: fp32 | bf16",
                                 choices=("fp32", "bf16"))
     async_checkpoint: bool = _f(False, "write checkpoints in the background while training goes on")
+
+
+@dataclass
+class BenchConfig:
+    """Settings of ``ditforge bench`` (flags of the same names; see ``ditforge bench --help``)."""
+
+    model: str = _f("DiT-XL/2", "model name, e.g. DiT-XL/2 or vDiT-XL/222")
+    image_size: int = _f(256, "image side in pixels; the latent side is image_size / vae_downsample")
+    num_frames: int | None = _f(None, "frames per video (video models; default 16)")
+    in_channels: int = _f(4, "latent channels (4: Stable Diffusion's VAE)")
+    vae_downsample: int = _f(8, "spatial VAE factor (1: pixel space)")
+    num_classes: int = _f(1000, "class labels of the synthetic data")
+    batch_size: int = _f(64, "samples per step")
+    steps: int = _f(20, "timed steps per row (the median is reported)")
+    warmup: int = _f(5, "untimed steps first (compilation, autotuning)")
+    rows: str = _f("abcdef", "which rows to run, e.g. abc")
+    grad_checkpoint: str = _f("none", "activation checkpointing in every row: none | full | every-K | op",
+                              const="full")
+    find_max_batch: bool = _f(False, "also search the largest batch that fits with the last row's "
+                                      "settings (CUDA only)")
+    peak_tflops: float | None = _f(None, "peak dense bf16 TFLOP/s for MFU (default: from the GPU's "
+                                           "name)")
+    outputs: str = _f("outputs", "folder for the JSON result")
+    device: str = _f("auto", "cuda | cpu | auto")
+    seed: int = _f(0, "seed of the weights and the synthetic data")
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ditforge.data.sampler import derive_seed
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import GaussianDiffusion, create_diffusion, guided_model, sample_loop
 from ditforge.errors import UserError
-from ditforge.models import create_model
+from ditforge.models import create_model, is_video_model
 from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
@@ -214,6 +214,9 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
         t.lr = 1e-3 if m.model.startswith("DiT-T/") else 1e-4
 
+    if is_video_model(m.model):
+        raise UserError(f"--model {m.model} is a video model; --data {cfg.data.data} holds images "
+                        "(use `ditforge bench` to time video models)")
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     model = create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob)
     model.to(device).train()

@@ -1,0 +1,304 @@
+"""``ditforge bench``: the single-GPU ablation, one row per cumulative speed-up (as OpenDiT's ablation).
+
+Each row trains the chosen model for a few steps on synthetic data of the right shape through the trainer's
+own ``train_step`` (diffusion loss, AdamW, clipping, EMA), so what is timed is what ``ditforge train`` runs:
+
+    a  the original DiT recipe: fp32, PyTorch LayerNorm and modulate, unfused (math) attention
+    b  + bf16 autocast
+    c  + fastest exact attention (``--enable_flashattn``: SDPA cuDNN, then Flash)
+    d  + fused adaLN Triton kernels (``--enable_modulate_kernel``)
+    e  + ``torch.compile`` of the blocks (``--compile``)
+    f  + FP8 matrix products in the blocks' linear layers (``--mixed_precision fp8``)
+
+A row whose feature cannot run here (no GPU for Triton or FP8, torchao missing) is reported as skipped with
+the reason, and the rows after it go on without that feature.
+
+MFU = 3 x forward FLOPs per sample x samples/sec / peak dense bf16 FLOP/s of the GPU (3x: the backward
+costs two forwards; recomputation under activation checkpointing is not counted, the usual convention).
+The forward FLOPs are the model's ``flops_per_sample()`` (matrix products, a multiply-add counts 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from ditforge.atomic import atomic_path
+from ditforge.config import BenchConfig
+from ditforge.diffusion import create_diffusion
+from ditforge.errors import UserError
+from ditforge.models import create_model, is_video_model
+from ditforge.ops.attention import set_attention_backend
+from ditforge.ops.modulate import set_kernels
+from ditforge.parallel import FP8_MIN_CAPABILITY, parallelize, parse_checkpoint_policy
+from ditforge.parallel.ema import EMA
+from ditforge.parallel.mesh import Dist, resolve_device
+from ditforge.train.trainer import step_randomness, train_step
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peak (no sparsity), FLOP/s, from the vendors' datasheets; matched on the device name.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                   "B200": 2250e12}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one row turns on (cumulative over the rows before it)."""
+
+    precision: str = "fp32"  # fp32 | bf16 | fp8
+    attention: str = "math"  # ops.attention backend: math | fast
+    kernels: bool = False
+    compile: bool = False
+
+
+ROWS: list[tuple[str, str, dict]] = [
+    ("a", "original DiT recipe: fp32, PyTorch adaLN, math attention", {}),
+    ("b", "+ bf16 autocast", {"precision": "bf16"}),
+    ("c", "+ fast attention (cuDNN/Flash SDPA)", {"attention": "fast"}),
+    ("d", "+ fused adaLN Triton kernels", {"kernels": True}),
+    ("e", "+ torch.compile", {"compile": True}),
+    ("f", "+ FP8 linears (torchao)", {"precision": "fp8"}),
+]
+
+
+def why_not(change: dict, device: torch.device) -> str | None:
+    """The reason a row's change cannot run on ``device``, or None."""
+    if change.get("kernels") and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1)"
+    if change.get("precision") == "fp8":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+            return "FP8 needs a CUDA GPU with FP8 tensor cores (e.g. H100)"
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            return "torchao is not installed"
+    return None
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
+    """Dense bf16 peak of the device in FLOP/s (``PEAK_BF16_FLOPS`` by name), or None when unknown (CPU)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def _sample_shape(cfg: BenchConfig) -> tuple[int, ...]:
+    side = cfg.image_size // cfg.vae_downsample
+    if is_video_model(cfg.model):
+        return (cfg.in_channels, cfg.num_frames or 16, side, side)
+    return (cfg.in_channels, side, side)
+
+
+def _build(cfg: BenchConfig, s: Settings, device: torch.device):
+    shape = _sample_shape(cfg)
+    torch.manual_seed(cfg.seed)
+    frames = {"num_frames": shape[1]} if len(shape) == 4 else {}
+    model = create_model(cfg.model, shape[-1], cfg.in_channels, cfg.num_classes, **frames).to(device).train()
+    flops = model.flops_per_sample()
+    tokens = model.x_embedder.num_patches
+    amp = torch.float32 if s.precision == "fp32" else torch.bfloat16
+    model = parallelize(model, Dist(device=device), "none", cfg.grad_checkpoint, s.compile, s.attention,
+                        enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8")
+    return model, amp, flops, tokens, shape
+
+
+def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, steps: int, warmup: int) -> dict:
+    """Train ``warmup + steps`` steps at ``batch``; returns the median step time (s) of the timed steps, the
+    peak allocated memory (GiB), FLOPs per sample and tokens per sample. Raises torch.OutOfMemoryError."""
+    model, amp, flops, tokens, shape = _build(cfg, s, device)
+    ema = EMA(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
+    diffusion = create_diffusion(None)
+    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    x = torch.randn((batch, *shape), generator=g, device=device)
+    y = torch.randint(0, cfg.num_classes, (batch,), generator=g, device=device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for step in range(warmup + steps):
+        rnd = step_randomness(cfg.seed, step, batch, shape, diffusion.num_timesteps, 0.1, device)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        train_step(model, diffusion, opt, None, [(x, y, rnd)], amp, 1.0, Dist(device=device))
+        ema.update(model, 0.9999)
+        if cuda:
+            end.record()
+            end.synchronize()  # per-step events; the sync only waits for work already queued
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            elapsed = time.perf_counter() - t0
+        if step >= warmup:
+            times.append(elapsed)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    del model, ema, opt
+    return dict(step_time_s=statistics.median(times), peak_memory_gib=peak, flops=flops, tokens=tokens)
+
+
+def find_max_batch(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> int:
+    """The largest batch ``b <= limit`` with ``fits(b)``, assuming fitting is monotone in ``b``: doubling
+    from ``start`` until a batch fails (or bisecting below ``start`` if it fails), then bisection between the
+    last fit and the first failure. Returns 0 if not even 1 fits."""
+    lo, hi = 0, max(1, min(start, limit))  # invariant once bracketed: fits(lo) or lo == 0; not fits(hi)
+    if fits(hi):
+        lo, hi = hi, limit + 1
+        while lo * 2 <= limit:
+            if not fits(lo * 2):
+                hi = lo * 2
+                break
+            lo *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def bench(cfg: BenchConfig) -> dict:
+    """Run the ablation rows and print the table; writes ``OUTPUTS/bench-<model>-<time>.json`` (atomically).
+
+    Returns:
+        dict(env=..., config=..., rows=[dict(row, label, status, reason, images_per_sec, tokens_per_sec,
+        step_time_ms, mfu, peak_memory_gib, speedup)], max_batch=...).
+
+    Raises:
+        UserError: bad settings (unknown model or rows, sizes that do not divide, a bad checkpoint policy).
+    """
+    validate(cfg)
+    device = resolve_device(cfg.device)
+    peak = peak_flops(device, cfg.peak_tflops)
+    settings = Settings()
+    results = []
+    for key, label, change in ROWS:
+        reason = why_not(change, device)
+        if key not in cfg.rows:
+            if reason is None:
+                settings = replace(settings, **change)  # cumulative even over rows not shown
+            continue
+        row = dict(row=key, label=label, status="skipped", reason=reason)
+        if reason is None:
+            settings = replace(settings, **change)
+            log.info("row %s: %s", key, label)
+            try:
+                m = run_steps(cfg, settings, device, cfg.batch_size, cfg.steps, cfg.warmup)
+            except torch.OutOfMemoryError:
+                row["reason"] = f"out of memory at batch {cfg.batch_size}"
+            else:
+                per_sec = cfg.batch_size / m["step_time_s"]
+                row.update(status="ok", reason=None, images_per_sec=per_sec, tokens_per_sec=per_sec * m["tokens"],
+                           step_time_ms=m["step_time_s"] * 1e3, peak_memory_gib=m["peak_memory_gib"],
+                           mfu=3 * m["flops"] * per_sec / peak if peak else None)
+            finally:
+                _reset(device)
+        results.append(row)
+    base = next((r for r in results if r["row"] == "a" and r["status"] == "ok"), None)
+    for r in results:
+        r["speedup"] = r["images_per_sec"] / base["images_per_sec"] if base and r["status"] == "ok" else None
+    out = dict(env=environment(device, peak), config=asdict(cfg), rows=results)
+    if cfg.find_max_batch:
+        if device.type != "cuda":
+            raise UserError("--find_max_batch: needs a CUDA device (on the CPU there is no memory limit to find)")
+        out["max_batch"] = dict(settings=asdict(settings), batch=find_max_batch(
+            lambda b: _fits(cfg, settings, device, b), cfg.batch_size))
+    print(format_table(out))
+    path = Path(cfg.outputs) / f"bench-{cfg.model.replace('/', '-')}-{datetime.now():%Y%m%d-%H%M%S}.json"
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(out, indent=1))
+    log.info("wrote %s", path)
+    return out
+
+
+def _fits(cfg: BenchConfig, s: Settings, device: torch.device, batch: int) -> bool:
+    try:
+        run_steps(cfg, s, device, batch, steps=1, warmup=1)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        _reset(device)
+
+
+def _reset(device: torch.device) -> None:
+    set_attention_backend()
+    set_kernels()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def validate(cfg: BenchConfig) -> None:
+    """Raises UserError naming the flag for unknown rows, non-positive sizes or a bad checkpoint policy."""
+    for name in ("image_size", "in_channels", "vae_downsample", "num_classes", "batch_size", "steps"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
+    if cfg.warmup < 0:
+        raise UserError(f"--warmup: expected an integer >= 0, got {cfg.warmup}")
+    known = "".join(k for k, _, _ in ROWS)
+    if not cfg.rows or set(cfg.rows) - set(known):
+        raise UserError(f"--rows: expected letters of {known!r}, got {cfg.rows!r}")
+    if cfg.image_size % cfg.vae_downsample:
+        raise UserError(f"--image_size {cfg.image_size} is not divisible by --vae_downsample {cfg.vae_downsample}")
+    parse_checkpoint_policy(cfg.grad_checkpoint)
+    shape = _sample_shape(cfg)
+    with torch.device("meta"):  # checks the model name and that the patch sizes divide, allocating nothing
+        create_model(cfg.model, shape[-1], cfg.in_channels, cfg.num_classes,
+                     **({"num_frames": shape[1]} if len(shape) == 4 else {}))
+
+
+def environment(device: torch.device, peak: float | None) -> dict:
+    """Date, device and software versions for the record."""
+    env = dict(date=datetime.now().isoformat(timespec="seconds"), torch=torch.__version__,
+               python=platform.python_version(), device=device.type, peak_bf16_tflops=peak / 1e12 if peak else None)
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+    return env
+
+
+def format_table(result: dict) -> str:
+    """The rows as a Markdown table (skipped rows say why)."""
+    cfg, env = result["config"], result["env"]
+    video = is_video_model(cfg["model"])
+    head = (f"{cfg['model']} at {cfg['image_size']}px" + (f" x {cfg['num_frames'] or 16} frames" if video else "")
+            + f", batch {cfg['batch_size']}, {env.get('gpu', env['device'])}, torch {env['torch']}")
+    lines = [head, "",
+             "| row | configuration | samples/s | tokens/s | step (ms) | MFU | peak mem (GiB) | speed-up |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+
+    def fmt(v, spec, unit=""):
+        return "-" if v is None else format(v, spec) + unit
+
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['row']} | {r['label']} | skipped: {r['reason']} | | | | | |")
+            continue
+        lines.append(f"| {r['row']} | {r['label']} | {r['images_per_sec']:.1f} | {r['tokens_per_sec']:,.0f} | "
+                     f"{r['step_time_ms']:.1f} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} | "
+                     f"{fmt(r['peak_memory_gib'], '.1f')} | {fmt(r['speedup'], '.2f')}x |")
+    if "max_batch" in result:
+        lines.append(f"\nlargest batch that fits with the last row's settings: {result['max_batch']['batch']}")
+    return "\n".join(lines)

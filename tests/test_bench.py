@@ -1,0 +1,97 @@
+"""``ditforge bench`` on the CPU: the table's arithmetic, skipped rows, the JSON, the max-batch search and
+the FLOP count behind MFU (checked against PyTorch's own FLOP counter)."""
+
+import itertools
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ditforge import cli
+from ditforge.bench import find_max_batch
+from ditforge.models import create_model
+from ditforge.ops.attention import set_attention_backend
+
+TINY = ["bench", "--model", "DiT-T/2", "--image_size", "64", "--batch_size", "2", "--steps", "2", "--warmup", "1",
+        "--num_classes", "10", "--device", "cpu"]
+
+
+def test_bench_table_and_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # so the kernel row must say why it is skipped
+    assert cli.main([*TINY, "--rows", "abdf", "--peak_tflops", "1", "--outputs", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    [path] = tmp_path.glob("bench-DiT-T-2-*.json")
+    result = json.loads(path.read_text())
+    rows = {r["row"]: r for r in result["rows"]}
+    assert list(rows) == ["a", "b", "d", "f"]
+    assert rows["d"]["status"] == "skipped" and "CUDA" in rows["d"]["reason"]
+    assert rows["f"]["status"] == "skipped" and "FP8" in rows["f"]["reason"]
+    assert "skipped: Triton kernels need a CUDA GPU" in table and "| a | original DiT recipe" in table
+    # 64 px / 8 = 8x8 latents, patch 2: 16 tokens; MFU against the given 1 TFLOP/s peak, 3x the forward
+    flops = create_model("DiT-T/2", 8, 4, 10).flops_per_sample()
+    for key in "ab":
+        r = rows[key]
+        assert r["status"] == "ok" and r["images_per_sec"] > 0
+        assert r["tokens_per_sec"] == pytest.approx(16 * r["images_per_sec"])
+        assert r["step_time_ms"] * r["images_per_sec"] == pytest.approx(2 * 1000)
+        assert r["mfu"] == pytest.approx(3 * flops * r["images_per_sec"] / 1e12)
+        assert r["peak_memory_gib"] is None  # not measured on the CPU
+    assert rows["a"]["speedup"] == 1.0
+    assert rows["b"]["speedup"] == pytest.approx(rows["b"]["images_per_sec"] / rows["a"]["images_per_sec"])
+    assert result["env"]["torch"] == torch.__version__ and result["config"]["batch_size"] == 2
+
+
+@pytest.mark.parametrize("model,size,frames", [("DiT-T/2", 8, None), ("DiT-S/4", 16, None), ("vDiT-T/222", 8, 4),
+                                               ("vDiT-T/124", 8, 3)])
+def test_flops_per_sample_equals_pytorch_flop_counter(model, size, frames):
+    """The forward FLOPs behind MFU equal what PyTorch's FlopCounterMode counts (matrix products,
+    convolution and attention; a multiply-add is 2). The math attention backend runs attention as two
+    batched matrix products, which the counter sees (it has no formula for the fused CPU kernel)."""
+    net = create_model(model, size, 4, 10, num_frames=frames)
+    x = torch.randn(3, 4, *([frames] if frames else []), size, size)
+    t, y = torch.randint(0, 1000, (3,)), torch.randint(0, 10, (3,))
+    try:
+        set_attention_backend("math")
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            net(x, t, y)
+    finally:
+        set_attention_backend()
+    assert counter.get_total_flops() == 3 * net.flops_per_sample()
+
+
+def test_find_max_batch_equals_brute_force():
+    for true_max, start, limit in itertools.product(range(0, 41), (1, 3, 8, 64), (40, 50)):
+        calls = []
+
+        def fits(b):
+            calls.append(b)
+            assert 1 <= b <= limit
+            return b <= true_max
+
+        assert find_max_batch(fits, start, limit) == min(true_max, limit)
+        assert len(calls) <= 2 * limit.bit_length() + 2  # doubling then bisection, not a linear scan
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--rows", "abz"], "--rows: expected letters of 'abcdef'"),
+    (["--image_size", "60"], "--image_size 60 is not divisible by --vae_downsample 8"),
+    (["--model", "DiT-Q/2"], "--model: unknown model"),
+    (["--grad_checkpoint", "sometimes"], "--grad_checkpoint: expected one of"),
+    (["--steps", "0"], "--steps: expected a positive integer"),
+    (["--find_max_batch", "--rows", "a"], "--find_max_batch: needs a CUDA device"),
+])
+def test_bench_bad_settings_are_one_line_errors(tmp_path, capsys, args, message):
+    assert cli.main([*TINY, "--outputs", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ditforge bench: error: ") and message in err[-1]
+
+
+def test_fp8_training_on_cpu_says_what_it_needs(tiny_argv, tmp_path, capsys):
+    assert cli.main(tiny_argv(tmp_path / "run", "--mixed_precision", "fp8")) == 2
+    assert "--mixed_precision fp8: needs a CUDA GPU with FP8 tensor cores" in capsys.readouterr().err
+
+
+def test_train_refuses_a_video_model_on_image_data(tiny_argv, tmp_path, capsys):
+    assert cli.main(tiny_argv(tmp_path / "run", "--model", "vDiT-T/122")) == 2
+    assert "--model vDiT-T/122 is a video model; --data digits holds images" in capsys.readouterr().err
