@@ -59,7 +59,7 @@ class Settings:
     precision: str = "fp32"  # fp32 | bf16 | fp8
     attention: str = "math"  # ops.attention backend: math | fast
     kernels: bool = False
-    compile: bool = False
+    compile: bool = False  # in cfg.compile_mode
 
 
 ROWS: list[tuple[str, str, dict]] = [
@@ -111,7 +111,8 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
     flops = model.flops_per_sample()
     tokens = model.x_embedder.num_patches
     amp = torch.float32 if s.precision == "fp32" else torch.bfloat16
-    model = parallelize(model, Dist(device=device), "none", cfg.grad_checkpoint, s.compile, s.attention,
+    model = parallelize(model, Dist(device=device), "none", cfg.grad_checkpoint,
+                        cfg.compile_mode if s.compile else "none", s.attention,
                         enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8")
     return model, amp, flops, tokens, shape
 
@@ -192,6 +193,8 @@ def bench(cfg: BenchConfig) -> dict:
             if reason is None:
                 settings = replace(settings, **change)  # cumulative even over rows not shown
             continue
+        if key == "e" and cfg.compile_mode != "default":
+            label += f" (mode {cfg.compile_mode})"
         row = dict(row=key, label=label, status="skipped", reason=reason)
         if reason is None:
             settings = replace(settings, **change)

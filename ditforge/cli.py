@@ -37,7 +37,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = (ModelCo
             if kind is bool:
                 group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kwargs)
             elif "const" in f.metadata:  # a bare flag means `const`, e.g. --grad_checkpoint = full
-                group.add_argument(f"--{f.name}", nargs="?", const=f.metadata["const"], **kwargs)
+                group.add_argument(f"--{f.name}", nargs="?", const=f.metadata["const"],
+                                   choices=f.metadata.get("choices"), **kwargs)
             else:
                 group.add_argument(f"--{f.name}", type=kind, choices=f.metadata.get("choices"), **kwargs)
 

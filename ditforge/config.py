@@ -17,6 +17,7 @@ from ditforge.errors import UserError
 
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -63,7 +64,10 @@ class TrainConfig:
     enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "
                                              "and the gated residual")
     enable_layernorm_kernel: bool = _f(False, "LayerNorm as a Triton kernel (modulate stays in PyTorch)")
-    compile: bool = _f(False, "torch.compile every transformer block (the first steps are slow while it compiles)")
+    compile: str = _f("none", "torch.compile every transformer block (the first steps are slow while it "
+                              "compiles): none | default (the bare flag) | max-autotune-no-cudagraphs | "
+                              "reduce-overhead or max-autotune (with CUDA graphs: static shapes, one process)",
+                      const="default", choices=COMPILE_MODES)
     ema_decay: float = _f(0.9999, "EMA decay; the effective decay is min(decay, (1+k)/(10+k)) at step k")
     ckpt_every: int = _f(1000, "save a checkpoint every N steps (and always at the end or on Ctrl-C)")
     keep_last: int = _f(2, "keep the newest K checkpoints")
@@ -102,6 +106,7 @@ class BenchConfig:
     steps: int = _f(20, "timed steps per row (the median is reported)")
     warmup: int = _f(5, "untimed steps first (compilation, autotuning)")
     rows: str = _f("abcdef", "which rows to run, e.g. abc")
+    compile_mode: str = _f("default", "torch.compile mode of the compile rows", choices=COMPILE_MODES[1:])
     grad_checkpoint: str = _f("none", "activation checkpointing in every row: none | full | every-K | op",
                               const="full")
     find_max_batch: bool = _f(False, "also search the largest batch that fits with the last row's "
@@ -226,6 +231,8 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--plugin: expected one of {', '.join(PLUGINS)}, got {cfg.parallel.plugin}")
     if t.mixed_precision not in MIXED_PRECISION:
         raise UserError(f"--mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, got {t.mixed_precision}")
+    if t.compile not in COMPILE_MODES:
+        raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {t.compile}")
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
         raise UserError(f"--device: expected cuda, cpu or auto, got {t.device}")
     from ditforge.models import model_spec  # raises UserError for unknown names

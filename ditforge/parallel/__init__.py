@@ -122,7 +122,7 @@ def parallelize(
     dist: Dist,
     plugin: str = "none",
     grad_checkpoint: str = "none",
-    compile: bool = False,
+    compile: str = "none",
     attention: str = "auto",
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
@@ -140,8 +140,9 @@ def parallelize(
             ``fsdp`` (ZeRO-3: parameters resharded after the forward and gathered again for the backward).
         grad_checkpoint: activation checkpointing policy, ``none | full | every-K | op``
             (``parse_checkpoint_policy``).
-        compile: ``torch.compile`` each block in place (after checkpointing, before sharding, as torchtitan
-            orders them); every block has the same code, so it compiles once.
+        compile: ``torch.compile`` mode for each block, compiled in place (after checkpointing, before
+            sharding, as torchtitan orders them; every block has the same code, so it compiles once), or
+            ``none``. ``reduce-overhead`` / ``max-autotune`` add CUDA graphs (static shapes).
         attention: SDPA kernels behind ``ops.attention``: ``auto`` | ``fast`` (``--enable_flashattn``) |
             ``math``.
         enable_modulate_kernel, enable_layernorm_kernel: fused Triton adaLN kernels (``ops.set_kernels``).
@@ -159,9 +160,9 @@ def parallelize(
     if fp8:
         log.info("fp8: %d linear layers run float8 matrix products", apply_fp8(model, dist.device))
     apply_grad_checkpoint(model, grad_checkpoint)
-    if compile:
+    if compile != "none":
         for block in model.blocks:
-            block.compile()
+            block.compile(mode=None if compile == "default" else compile)
     if plugin == "ddp":
         ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
         if reduce_dtype == torch.bfloat16:

@@ -17,7 +17,7 @@ from ditforge.parallel.mesh import Dist
 def test_compile_keeps_state_dict_keys():
     model = create_model("DiT-T/2", 8, 1, 10)
     keys = list(model.state_dict())
-    assert list(parallelize(model, Dist(), "none", grad_checkpoint="full", compile=True).state_dict()) == keys
+    assert list(parallelize(model, Dist(), "none", grad_checkpoint="full", compile="default").state_dict()) == keys
 
 
 @pytest.mark.slow
@@ -87,3 +87,20 @@ def test_op_policy_recomputes_only_elementwise_ops():
     for policy in ("full", "op"):
         for a, b in zip(grads[policy], grads["none"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("value,expected", [(True, "default"), (False, "none"), ("max-autotune", "max-autotune"),
+                                            ("none", "none")])
+def test_compile_setting_accepts_modes_and_booleans(value, expected):
+    """`compile: true` in a config file (and configs saved before modes existed) means the default mode."""
+    from ditforge.config import build_config
+
+    assert build_config(overrides={"compile": value}).train.compile == expected
+
+
+def test_unknown_compile_mode_names_the_flag():
+    from ditforge.config import build_config
+    from ditforge.errors import UserError
+
+    with pytest.raises(UserError, match="--compile: expected one of none, default"):
+        build_config(overrides={"compile": "turbo"})
