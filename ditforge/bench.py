@@ -10,8 +10,9 @@ own ``train_step`` (diffusion loss, AdamW, clipping, EMA), so what is timed is w
     e  + ``torch.compile`` of the blocks (``--compile``)
     f  + FP8 matrix products in the blocks' linear layers (``--mixed_precision fp8``)
 
-A row whose feature cannot run here (no GPU for Triton or FP8, torchao missing) is reported as skipped with
-the reason, and the rows after it go on without that feature.
+Rows are cumulative over the rows chosen with ``--rows`` (``abce``: compile without the fused kernels). A row
+whose feature cannot run here (no GPU for Triton or FP8, torchao missing) is reported as skipped with the
+reason, and the rows after it go on without that feature.
 
 MFU = 3 x forward FLOPs per sample x samples/sec / peak dense bf16 FLOP/s of the GPU (3x: the backward
 costs two forwards; recomputation under activation checkpointing is not counted, the usual convention).
@@ -188,11 +189,9 @@ def bench(cfg: BenchConfig) -> dict:
     settings = Settings()
     results = []
     for key, label, change in ROWS:
-        reason = why_not(change, device)
-        if key not in cfg.rows:
-            if reason is None:
-                settings = replace(settings, **change)  # cumulative even over rows not shown
+        if key not in cfg.rows:  # rows are cumulative over the chosen ones: --rows abce is compile without kernels
             continue
+        reason = why_not(change, device)
         if key == "e" and cfg.compile_mode != "default":
             label += f" (mode {cfg.compile_mode})"
         row = dict(row=key, label=label, status="skipped", reason=reason)

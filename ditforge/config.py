@@ -105,7 +105,8 @@ class BenchConfig:
     batch_size: int = _f(64, "samples per step")
     steps: int = _f(20, "timed steps per row (the median is reported)")
     warmup: int = _f(5, "untimed steps first (compilation, autotuning)")
-    rows: str = _f("abcdef", "which rows to run, e.g. abc")
+    rows: str = _f("abcdef", "which rows to run, cumulative over the chosen ones (abce: compile without the "
+                             "fused kernels)")
     compile_mode: str = _f("default", "torch.compile mode of the compile rows", choices=COMPILE_MODES[1:])
     grad_checkpoint: str = _f("none", "activation checkpointing in every row: none | full | every-K | op",
                               const="full")
