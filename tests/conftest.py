@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton decides when a kernel module is imported whether its kernels are compiled or interpreted: without a
+# GPU the kernel tests (tests/kernels) run them under Triton's CPU interpreter, set before anything imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tiny, fast settings shared by every training run in the tests (2 CPU cores, whole suite must stay fast).
 TINY = ["--model", "DiT-T/2", "--data", "digits", "--batch_size", "16", "--num_workers", "0",
         "--sample_every", "0", "--log_every", "1", "--mixed_precision", "fp32", "--device", "cpu"]

@@ -95,3 +95,12 @@ def test_fp8_training_on_cpu_says_what_it_needs(tiny_argv, tmp_path, capsys):
 def test_train_refuses_a_video_model_on_image_data(tiny_argv, tmp_path, capsys):
     assert cli.main(tiny_argv(tmp_path / "run", "--model", "vDiT-T/122")) == 2
     assert "--model vDiT-T/122 is a video model; --data digits holds images" in capsys.readouterr().err
+
+
+def test_kernel_flags_without_triton_runtime_are_one_line_errors(tiny_argv, tmp_path, capsys, monkeypatch):
+    """On a CPU without Triton's interpreter the kernel flags fail at start, naming the flag."""
+    from ditforge.ops import fused
+
+    monkeypatch.setattr(fused, "_interpreting", lambda: False)
+    assert cli.main(tiny_argv(tmp_path / "run", "--enable_modulate_kernel")) == 2
+    assert "--enable_modulate_kernel: Triton kernels need a CUDA GPU" in capsys.readouterr().err

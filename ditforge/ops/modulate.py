@@ -68,10 +68,8 @@ def set_kernels(enable_modulate_kernel: bool = False, enable_layernorm_kernel: b
 
     ``enable_layernorm_kernel``: LayerNorm runs as one Triton kernel (fp32 statistics), modulate in PyTorch.
     ``enable_modulate_kernel``: LayerNorm and modulate run as one Triton pass, and so does the gated residual.
-    Neither: the PyTorch references. Returns a description for the log.
-
-    Raises:
-        RuntimeError: a kernel was asked for but Triton cannot run here (no GPU and no ``TRITON_INTERPRET=1``).
+    Neither: the PyTorch references. Returns a description for the log. The kernels raise RuntimeError on
+    their first call if Triton cannot run (``ditforge.ops.fused.check_triton`` checks up front).
     """
     global _layernorm_modulate, _gated_residual
     if not (enable_modulate_kernel or enable_layernorm_kernel):

@@ -156,6 +156,14 @@ def parallelize(
         State-dict keys of the plain model are reachable through torch.distributed.checkpoint.state_dict.
     """
     log.info("attention: %s", set_attention_backend(attention))
+    if enable_modulate_kernel or enable_layernorm_kernel:
+        from ditforge.ops.fused import check_triton
+
+        try:
+            check_triton(dist.device)
+        except RuntimeError as e:
+            flag = "--enable_modulate_kernel" if enable_modulate_kernel else "--enable_layernorm_kernel"
+            raise UserError(f"{flag}: {e}") from None
     log.info("adaLN: %s", set_kernels(enable_modulate_kernel, enable_layernorm_kernel))
     if fp8:
         log.info("fp8: %d linear layers run float8 matrix products", apply_fp8(model, dist.device))
