@@ -1,0 +1,105 @@
+"""Where a training step's GPU time goes: ``torch.profiler`` over a few steps of a ``ditforge bench`` row,
+kernels grouped by kind (matrix products, attention, adaLN kernels, other element-wise, optimizer + EMA).
+
+    PYTHONPATH=. python benchmarks/profile_step.py --model DiT-XL/2 --rows abcde [--batch_size 64]
+
+``--rows`` picks the row's settings as in ``ditforge bench`` (cumulative); the last letter is profiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ditforge.bench import ROWS, Settings, _build
+from ditforge.config import BenchConfig
+from ditforge.diffusion import create_diffusion
+from ditforge.parallel.ema import EMA
+from ditforge.parallel.mesh import Dist
+from ditforge.train.trainer import step_randomness, train_step
+
+KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor kernels on Hopper
+    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax")),
+    ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "splitk")),
+    ("adaln kernels", ("layernorm_modulate", "gated_residual")),
+    ("optimizer + ema", ("adam", "lerp", "foreach", "multi_tensor", "norm_kernel")),
+    ("layernorm", ("layer_norm", "layernorm")),
+    ("inductor fused", ("triton_",)),
+]
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other element-wise")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="DiT-XL/2")
+    p.add_argument("--image_size", type=int, default=256)
+    p.add_argument("--num_frames", type=int)
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--rows", default="abcde")
+    p.add_argument("--grad_checkpoint", default="none")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out")
+    args = p.parse_args()
+    cfg = BenchConfig(model=args.model, image_size=args.image_size, num_frames=args.num_frames,
+                      batch_size=args.batch_size, grad_checkpoint=args.grad_checkpoint)
+    s = Settings()
+    for key, _, change in ROWS:
+        if key in args.rows:
+            s = replace(s, **change)
+    device = torch.device("cuda")
+    model, amp, flops, tokens, shape = _build(cfg, s, device)
+    ema, d = EMA(model), Dist(device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    diffusion = create_diffusion(None)
+    x = torch.randn((cfg.batch_size, *shape), device=device)
+    y = torch.randint(0, 1000, (cfg.batch_size,), device=device)
+
+    def step(i):
+        rnd = step_randomness(0, i, cfg.batch_size, shape, 1000, 0.1, device)
+        train_step(model, diffusion, opt, None, [(x, y, rnd)], amp, 1.0, d)
+        ema.update(model, 0.9999)
+
+    for i in range(5):
+        step(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for i in range(args.steps):
+            step(5 + i)
+        end.record()
+        torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / args.steps
+    per_kernel = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.key] += e.device_time_total / args.steps / 1e3  # ms per step
+    total = sum(per_kernel.values())
+    per_kind = defaultdict(float)
+    for name, ms in per_kernel.items():
+        per_kind[kind(name)] += ms
+    print(f"{args.model} batch {cfg.batch_size}, settings {s}: GPU kernel time {total:.1f} ms per step, "
+          f"wall {wall:.1f} ms per step (GPU idle {100 * (1 - total / wall):.0f}%)")
+    print("| kind | ms/step | share |\n|---|---:|---:|")
+    for k, ms in sorted(per_kind.items(), key=lambda kv: -kv[1]):
+        print(f"| {k} | {ms:.1f} | {100 * ms / total:.1f}% |")
+    print("\ntop kernels:\n| kernel | kind | ms/step |\n|---|---|---:|")
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:20]
+    for name, ms in top:
+        print(f"| {name[:90]} | {kind(name)} | {ms:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(settings=str(s), total_ms=total, per_kind=per_kind, top=top), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
