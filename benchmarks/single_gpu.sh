@@ -1,21 +1,34 @@
 #!/usr/bin/env bash
-# Single-GPU speed, in one device call: the Triton kernel tests on the GPU, the kernel micro-benchmark, then
-# `ditforge bench` for DiT-XL/2 (256px) and vDiT-XL/222 (16 frames x 256px). Results land in $OUT (or
-# benchmarks/results). torchao (FP8) comes as a wheel carried in .whl/ when the machine lacks it:
-#   pip download --no-deps -d .whl torchao
-# Usage: bash benchmarks/single_gpu.sh [image|video|all]
+# Single-GPU speed through the device tool, in two calls of under 10 minutes each:
+#   image: Triton kernel tests on the GPU, the kernel micro-benchmark, `ditforge bench` for DiT-XL/2 (256px):
+#          the ablation a-f, compile without the fused kernels (rows bce), the fast rows with op-level
+#          activation checkpointing, and a profile of row e
+#   video: `ditforge bench` for vDiT-XL/222 (16 frames x 256px), FP8 on compile without the fused kernels and
+#          --find_max_batch for DiT-XL/2, vDiT compile without the fused kernels
+# Results land in $OUT (or benchmarks/results). torchao (FP8) comes as a wheel carried in .whl/ when the machine
+# lacks it:  pip download --no-deps -d .whl torchao
+# Usage: bash benchmarks/single_gpu.sh image|video
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
 out=${OUT:-benchmarks/results}
-what=${1:-all}
-python -c "import torchao" 2>/dev/null || pip install -q --no-deps .whl/torchao-*.whl || echo "torchao: not installed"
+python -c "import torchao" 2>/dev/null || python -m pip install -q --no-deps .whl/torchao-*.whl 2>&1 | tail -2
+python -c "import torchao.float8; print('torchao', torchao.__version__)" 2>&1 | tail -2 || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-if [[ $what == image || $what == all ]]; then
-    python -m pytest -q -x tests/kernels 2>&1 | tail -3
+bench="python -m ditforge bench --outputs $out"
+case $1 in
+image)
+    python -m pytest -q -x tests/kernels 2>&1 | tail -1
     python benchmarks/adaln_kernels.py --out "$out/adaln_kernels.json"
-    python -m ditforge bench --model DiT-XL/2 --image_size 256 --batch_size 64 --outputs "$out"
-fi
-if [[ $what == video || $what == all ]]; then
-    python -m ditforge bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --outputs "$out"
-fi
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --steps 10 --warmup 3
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcdef --grad_checkpoint op --steps 10 --warmup 3
+    python benchmarks/profile_step.py --model DiT-XL/2 --rows abcde --out "$out/profile_dit_xl2_row_e.json"
+    ;;
+video)
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --steps 10 --warmup 3
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 10 --warmup 3
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcd --steps 2 --warmup 1 --find_max_batch
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bce --steps 10 --warmup 3
+    ;;
+esac

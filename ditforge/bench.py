@@ -300,7 +300,7 @@ def format_table(result: dict) -> str:
             continue
         lines.append(f"| {r['row']} | {r['label']} | {r['images_per_sec']:.1f} | {r['tokens_per_sec']:,.0f} | "
                      f"{r['step_time_ms']:.1f} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} | "
-                     f"{fmt(r['peak_memory_gib'], '.1f')} | {fmt(r['speedup'], '.2f')}x |")
+                     f"{fmt(r['peak_memory_gib'], '.1f')} | {fmt(r['speedup'], '.2f', 'x')} |")
     if "max_batch" in result:
         lines.append(f"\nlargest batch that fits with the last row's settings: {result['max_batch']['batch']}")
     return "\n".join(lines)
