@@ -93,6 +93,8 @@ def create_model(
             (``--num_frames``).
     """
     spec = model_spec(name)
+    common = dict(input_size=input_size, in_channels=in_channels, num_classes=num_classes, learn_sigma=learn_sigma,
+                  class_dropout_prob=class_dropout_prob, **spec)
     if is_video_model(name):
         t, h, w = spec["patch_size"]
         if num_frames is None:
@@ -104,27 +106,12 @@ def create_model(
             )
         if input_size % h or input_size % w:
             raise UserError(f"--image_size: input size {input_size} is not divisible by the patch size of {name}")
-        return VideoDiT(
-            input_size=input_size,
-            num_frames=num_frames,
-            in_channels=in_channels,
-            num_classes=num_classes,
-            learn_sigma=learn_sigma,
-            class_dropout_prob=class_dropout_prob,
-            **spec,
-        )
+        return VideoDiT(num_frames=num_frames, **common)
     if num_frames is not None:
         raise UserError(f"--num_frames: {name} is an image model; frames apply to video models ({VIDEO_MODEL_PATTERN})")
     if input_size % spec["patch_size"]:
         raise UserError(f"--image_size: input size {input_size} is not divisible by the patch size of {name}")
-    return DiT(
-        input_size=input_size,
-        in_channels=in_channels,
-        num_classes=num_classes,
-        learn_sigma=learn_sigma,
-        class_dropout_prob=class_dropout_prob,
-        **spec,
-    )
+    return DiT(**common)
 
 
 __all__ = [

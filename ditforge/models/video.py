@@ -45,35 +45,11 @@ class VideoDiT(DiT):
             (``sincos_3d``) or of ``num_heads``.
     """
 
-    def __init__(
-        self,
-        input_size: int = 32,
-        num_frames: int = 16,
-        patch_size: Sequence[int] = (2, 2, 2),
-        in_channels: int = 4,
-        hidden_size: int = 1152,
-        depth: int = 28,
-        num_heads: int = 16,
-        mlp_ratio: float = 4.0,
-        class_dropout_prob: float = 0.1,
-        num_classes: int = 1000,
-        learn_sigma: bool = True,
-    ):
+    def __init__(self, input_size: int = 32, num_frames: int = 16, patch_size: Sequence[int] = (2, 2, 2), **dit_kwargs):
         patch_size = tuple(int(p) for p in patch_size)
         if len(patch_size) != 3:
             raise ValueError(f"vDiT patch size must be (t, h, w), got {patch_size}")
-        super().__init__(
-            input_size=(num_frames, input_size, input_size),
-            patch_size=patch_size,
-            in_channels=in_channels,
-            hidden_size=hidden_size,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
-            class_dropout_prob=class_dropout_prob,
-            num_classes=num_classes,
-            learn_sigma=learn_sigma,
-        )
+        super().__init__(input_size=(num_frames, input_size, input_size), patch_size=patch_size, **dit_kwargs)
         self.num_frames = num_frames
 
     def _build_x_embedder(self, input_size, patch_size, in_channels: int, hidden_size: int) -> nn.Module:
