@@ -132,27 +132,32 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    # One mark per step boundary, read after the last step: the CPU runs ahead as in training (no sync per
+    # step), and step i takes marks[i + 1] - marks[i]. CUDA events on a GPU, the host clock on a CPU.
+    marks = []
     for step in range(warmup + steps):
+        if step >= warmup:
+            marks.append(_mark(cuda))
         rnd = step_randomness(cfg.seed, step, batch, shape, diffusion.num_timesteps, 0.1, device)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            t0 = time.perf_counter()
         train_step(model, diffusion, opt, None, [(x, y, rnd)], amp, 1.0, Dist(device=device))
         ema.update(model, 0.9999)
-        if cuda:
-            end.record()
-            end.synchronize()  # per-step events; the sync only waits for work already queued
-            elapsed = start.elapsed_time(end) / 1e3
-        else:
-            elapsed = time.perf_counter() - t0
-        if step >= warmup:
-            times.append(elapsed)
+    marks.append(_mark(cuda))
+    if cuda:
+        marks[-1].synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    else:
+        times = [b - a for a, b in zip(marks, marks[1:])]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     del model, ema, opt
     return dict(step_time_s=statistics.median(times), peak_memory_gib=peak, flops=flops, tokens=tokens)
+
+
+def _mark(cuda: bool):
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def find_max_batch(fits: Callable[[int], bool], start: int, limit: int = 1 << 16) -> int:

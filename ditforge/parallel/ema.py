@@ -36,6 +36,7 @@ class EMA:
     def __init__(self, model: nn.Module):
         self.shadow: dict[str, torch.Tensor] = {}
         self.trainable: list[str] = []
+        self._pairs: tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None = None
         for name, p in model.named_parameters():
             key = canonical_name(name)
             self.shadow[key] = p.detach().clone()
@@ -44,9 +45,12 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module, decay: float) -> None:
-        params = {canonical_name(n): p for n, p in model.named_parameters()}
-        ema = [_local(self.shadow[k]) for k in self.trainable]
-        torch._foreach_lerp_(ema, [_local(params[k].detach()) for k in self.trainable], 1.0 - decay)
+        if self._pairs is None or self._pairs[0] is not model:  # name matching once, not every step
+            params = {canonical_name(n): p for n, p in model.named_parameters()}
+            self._pairs = (model, [_local(self.shadow[k]) for k in self.trainable],
+                           [_local(params[k].detach()) for k in self.trainable])
+        _, ema, weights = self._pairs
+        torch._foreach_lerp_(ema, weights, 1.0 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shadow

@@ -102,6 +102,9 @@ def train_step(
     host sync here: the caller reads them when it logs).
     """
     local_batch = sum(len(x) for x, _, _ in micro_batches)
+    # A new iteration for compiled CUDA graphs (--compile reduce-overhead / max-autotune): lets them replay
+    # instead of falling back while the previous step's graphs look pending. A no-op without them.
+    torch.compiler.cudagraph_mark_step_begin()
     autocast = (
         torch.autocast(micro_batches[0][0].device.type, dtype=amp_dtype)
         if amp_dtype != torch.float32 else contextlib.nullcontext()
