@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Single-GPU speed through the device tool, in two calls of under 10 minutes each:
 #   image: Triton kernel tests on the GPU, the kernel micro-benchmark, `ditforge bench` for DiT-XL/2 (256px):
-#          the ablation a-f, compile without the fused kernels (rows bce), the fast rows with op-level
-#          activation checkpointing, and a profile of row e
-#   video: `ditforge bench` for vDiT-XL/222 (16 frames x 256px), FP8 on compile without the fused kernels and
-#          --find_max_batch for DiT-XL/2, vDiT compile without the fused kernels
+#          the ablation a-f, compile without the fused kernels with CUDA graphs (rows bce, reduce-overhead),
+#          and with op-level activation checkpointing
+#   video: `ditforge bench` for vDiT-XL/222 (16 frames x 256px; rows a and b run out of memory), FP8 on
+#          compile without the fused kernels and --find_max_batch for DiT-XL/2
+#   profile: benchmarks/profile_step.py for the compiled rows of both models
 # Results land in $OUT (or benchmarks/results). torchao (FP8) comes as a wheel carried in .whl/ when the machine
 # lacks it:  pip download --no-deps -d .whl torchao
 # Usage: bash benchmarks/single_gpu.sh image|video
@@ -21,14 +22,17 @@ image)
     python -m pytest -q -x tests/kernels 2>&1 | tail -1
     python benchmarks/adaln_kernels.py --out "$out/adaln_kernels.json"
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64
-    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --steps 10 --warmup 3
-    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcdef --grad_checkpoint op --steps 10 --warmup 3
-    python benchmarks/profile_step.py --model DiT-XL/2 --rows abcde --out "$out/profile_dit_xl2_row_e.json"
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --compile_mode reduce-overhead --steps 10
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --grad_checkpoint op --steps 10 --warmup 3
+    ;;
+profile)
+    python benchmarks/profile_step.py --model DiT-XL/2 --rows bce --out "$out/profile_dit_xl2_compile.json"
+    python benchmarks/profile_step.py --model vDiT-XL/222 --num_frames 16 --batch_size 8 --rows bce \
+        --out "$out/profile_vdit_xl222_compile.json"
     ;;
 video)
-    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --steps 10 --warmup 3
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows cdef --steps 10 --warmup 3
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 10 --warmup 3
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcd --steps 2 --warmup 1 --find_max_batch
-    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bce --steps 10 --warmup 3
     ;;
 esac
