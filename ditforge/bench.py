@@ -120,7 +120,8 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
 
 def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, steps: int, warmup: int) -> dict:
     """Train ``warmup + steps`` steps at ``batch``; returns the median step time (s) of the timed steps, the
-    peak allocated memory (GiB), FLOPs per sample and tokens per sample. Raises torch.OutOfMemoryError."""
+    peak allocated memory (GiB), FLOPs per sample, tokens per sample and the loss of every step. Raises
+    torch.OutOfMemoryError."""
     model, amp, flops, tokens, shape = _build(cfg, s, device)
     ema = EMA(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
@@ -134,13 +135,14 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
         torch.cuda.reset_peak_memory_stats(device)
     # One mark per step boundary, read after the last step: the CPU runs ahead as in training (no sync per
     # step), and step i takes marks[i + 1] - marks[i]. CUDA events on a GPU, the host clock on a CPU.
-    marks = []
+    marks, losses = [], []
     for step in range(warmup + steps):
         if step >= warmup:
             marks.append(_mark(cuda))
         rnd = step_randomness(cfg.seed, step, batch, shape, diffusion.num_timesteps, 0.1, device)
-        train_step(model, diffusion, opt, None, [(x, y, rnd)], amp, 1.0, Dist(device=device))
+        terms = train_step(model, diffusion, opt, None, [(x, y, rnd)], amp, 1.0, Dist(device=device))
         ema.update(model, 0.9999)
+        losses.append(terms["loss"])
     marks.append(_mark(cuda))
     if cuda:
         marks[-1].synchronize()
@@ -149,7 +151,10 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
         times = [b - a for a, b in zip(marks, marks[1:])]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     del model, ema, opt
-    return dict(step_time_s=statistics.median(times), peak_memory_gib=peak, flops=flops, tokens=tokens)
+    # Every row sees the same weights, data, noise and timesteps: the losses show whether a speed-up changed
+    # what is computed (e.g. FP8 against bf16), not only how fast.
+    return dict(step_time_s=statistics.median(times), peak_memory_gib=peak, flops=flops, tokens=tokens,
+                losses=torch.stack(losses).double().tolist())
 
 
 def _mark(cuda: bool):
@@ -211,7 +216,8 @@ def bench(cfg: BenchConfig) -> dict:
                 per_sec = cfg.batch_size / m["step_time_s"]
                 row.update(status="ok", reason=None, images_per_sec=per_sec, tokens_per_sec=per_sec * m["tokens"],
                            step_time_ms=m["step_time_s"] * 1e3, peak_memory_gib=m["peak_memory_gib"],
-                           mfu=3 * m["flops"] * per_sec / peak if peak else None)
+                           mfu=3 * m["flops"] * per_sec / peak if peak else None, losses=m["losses"],
+                           final_loss=sum(m["losses"][-3:]) / len(m["losses"][-3:]))
             finally:
                 _reset(device)
         results.append(row)
@@ -293,19 +299,20 @@ def format_table(result: dict) -> str:
     head = (f"{cfg['model']} at {cfg['image_size']}px" + (f" x {cfg['num_frames'] or 16} frames" if video else "")
             + f", batch {cfg['batch_size']}, {env.get('gpu', env['device'])}, torch {env['torch']}")
     lines = [head, "",
-             "| row | configuration | samples/s | tokens/s | step (ms) | MFU | peak mem (GiB) | speed-up |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| row | configuration | samples/s | tokens/s | step (ms) | MFU | peak mem (GiB) | speed-up | loss |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def fmt(v, spec, unit=""):
         return "-" if v is None else format(v, spec) + unit
 
     for r in result["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['row']} | {r['label']} | skipped: {r['reason']} | | | | | |")
+            lines.append(f"| {r['row']} | {r['label']} | skipped: {r['reason']} | | | | | | |")
             continue
         lines.append(f"| {r['row']} | {r['label']} | {r['images_per_sec']:.1f} | {r['tokens_per_sec']:,.0f} | "
                      f"{r['step_time_ms']:.1f} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} | "
-                     f"{fmt(r['peak_memory_gib'], '.1f')} | {fmt(r['speedup'], '.2f', 'x')} |")
+                     f"{fmt(r['peak_memory_gib'], '.1f')} | {fmt(r['speedup'], '.2f', 'x')} | "
+                     f"{fmt(r.get('final_loss'), '.4f')} |")
     if "max_batch" in result:
         lines.append(f"\nlargest batch that fits with the last row's settings: {result['max_batch']['batch']}")
     return "\n".join(lines)

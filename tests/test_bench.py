@@ -38,6 +38,8 @@ def test_bench_table_and_json(tmp_path, monkeypatch, capsys):
         assert r["mfu"] == pytest.approx(3 * flops * r["images_per_sec"] / 1e12)
         assert r["peak_memory_gib"] is None  # not measured on the CPU
     assert rows["a"]["speedup"] == 1.0
+    # same weights, data and noise in every row: fp32 and bf16 losses agree to bf16 accuracy, step by step
+    assert len(rows["a"]["losses"]) == 3 and rows["b"]["losses"] == pytest.approx(rows["a"]["losses"], rel=0.05)
     assert rows["b"]["speedup"] == pytest.approx(rows["b"]["images_per_sec"] / rows["a"]["images_per_sec"])
     assert result["env"]["torch"] == torch.__version__ and result["config"]["batch_size"] == 2
 
