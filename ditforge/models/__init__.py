@@ -72,8 +72,13 @@ def create_model(
     learn_sigma: bool = True,
     class_dropout_prob: float = 0.1,
     num_frames: int | None = None,
+    text_dim: int | None = None,
+    qk_norm: bool = False,
 ) -> nn.Module:
     """Build a registered DiT or vDiT.
+
+    ``text_dim`` (the text encoder's width) makes it text-conditioned (cross-attention to caption tokens, caption
+    dropout with ``class_dropout_prob``; see ``DiT``); ``qk_norm`` normalises queries and keys.
 
     Args:
         name: e.g. ``"DiT-XL/2"`` (sizes T, S, B, L, XL; patch 1, 2, 4, 8) or ``"vDiT-XL/222"`` (patch (t, h, w),
@@ -94,7 +99,7 @@ def create_model(
     """
     spec = model_spec(name)
     common = dict(input_size=input_size, in_channels=in_channels, num_classes=num_classes, learn_sigma=learn_sigma,
-                  class_dropout_prob=class_dropout_prob, **spec)
+                  class_dropout_prob=class_dropout_prob, text_dim=text_dim, qk_norm=qk_norm, **spec)
     if is_video_model(name):
         t, h, w = spec["patch_size"]
         if num_frames is None:

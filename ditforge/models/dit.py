@@ -15,6 +15,8 @@ from torch import nn
 
 from ditforge.models.layers import (
     Attention,
+    CaptionEmbedder,
+    CrossAttention,
     LabelEmbedder,
     Mlp,
     PatchEmbed,
@@ -35,18 +37,27 @@ class DiTBlock(nn.Module):
     The regression layer is zero-initialised, so every block starts as the identity. The LayerNorms have no
     parameters (as in the reference), so they are calls of ``ops.layernorm_modulate``, which fused kernels can
     replace, not modules.
+
+    ``cross_attention``: text-conditioned blocks add ``x = x + cross_attn(x, caption tokens)`` between the
+    self-attention and the MLP, without modulation, as PixArt-alpha's blocks do. ``qk_norm``: see ``Attention``.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, cross_attention: bool = False,
+                 qk_norm: bool = False):
         super().__init__()
-        self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True)
+        self.attn = Attention(hidden_size, num_heads=num_heads, qkv_bias=True, qk_norm=qk_norm)
+        self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm) if cross_attention else None
         self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """x: (B, N, D) tokens, c: (B, D) conditioning -> (B, N, D)."""
+    def forward(self, x: torch.Tensor, c: torch.Tensor,
+                context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: (B, N, D) tokens, c: (B, D) conditioning, context: (caption tokens (B, L, D), mask (B, L) bool)
+        for text-conditioned blocks -> (B, N, D)."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
         x = gated_residual(x, self.attn(layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS)), gate_msa)
+        if self.cross_attn is not None:
+            x = x + self.cross_attn(x, *context)
         return gated_residual(x, self.mlp(layernorm_modulate(x, shift_mlp, scale_mlp, NORM_EPS)), gate_mlp)
 
 
@@ -82,9 +93,13 @@ class DiT(nn.Module):
         patch_size: patch edge p; the sequence has (H/p)^2 tokens.
         in_channels: C of the input.
         hidden_size, depth, num_heads, mlp_ratio: transformer width, number of blocks, heads, MLP ratio.
-        class_dropout_prob: label dropout for classifier-free guidance; > 0 adds the null label row.
+        class_dropout_prob: label (or caption) dropout for classifier-free guidance; > 0 adds the null label row.
         num_classes: number of classes; label ``num_classes`` is the null (unconditional) label.
         learn_sigma: predict the variance too, so C_out = 2 C (Nichol & Dhariwal 2021).
+        text_dim: None for class conditioning (the paper's DiT, official layout); the width D_text of text-encoder
+            states for text conditioning (PixArt-alpha style: ``y_embedder`` is a ``CaptionEmbedder``, every
+            block cross-attends to the caption tokens, c is the timestep embedding alone).
+        qk_norm: LayerNorm on queries and keys in every attention (adds ``q_norm``/``k_norm`` parameters).
     """
 
     def __init__(
@@ -99,6 +114,8 @@ class DiT(nn.Module):
         class_dropout_prob: float = 0.1,
         num_classes: int = 1000,
         learn_sigma: bool = True,
+        text_dim: int | None = None,
+        qk_norm: bool = False,
     ):
         super().__init__()
         self.learn_sigma = learn_sigma
@@ -110,11 +127,16 @@ class DiT(nn.Module):
 
         self.x_embedder = self._build_x_embedder(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
-        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        self.text_dim = text_dim
+        if text_dim is None:
+            self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        else:
+            self.y_embedder = CaptionEmbedder(text_dim, hidden_size, class_dropout_prob)
         num_patches = self.x_embedder.num_patches
         # Fixed sin-cos embedding, kept as a frozen parameter (not a buffer) to match the official state dict.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
-        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio, text_dim is not None, qk_norm)
+                                     for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, self.x_embedder.patch_shape, self.out_channels)
         self.initialize_weights()
 
@@ -140,19 +162,29 @@ class DiT(nn.Module):
         w = self.x_embedder.proj.weight.data
         nn.init.xavier_uniform_(w.view([w.shape[0], -1]))
         nn.init.constant_(self.x_embedder.proj.bias, 0)
-        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        if self.text_dim is None:
+            nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        else:  # PixArt-alpha: N(0, 0.02) caption projection; zero cross-attention output, so blocks start as identity
+            nn.init.normal_(self.y_embedder.y_proj.fc1.weight, std=0.02)
+            nn.init.normal_(self.y_embedder.y_proj.fc2.weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
         for block in self.blocks:
             nn.init.constant_(block.adaLN_modulation[-1].weight, 0)
             nn.init.constant_(block.adaLN_modulation[-1].bias, 0)
+            if block.cross_attn is not None:
+                nn.init.constant_(block.cross_attn.proj.weight, 0)
+                nn.init.constant_(block.cross_attn.proj.bias, 0)
         nn.init.constant_(self.final_layer.adaLN_modulation[-1].weight, 0)
         nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
         nn.init.constant_(self.final_layer.linear.weight, 0)
         nn.init.constant_(self.final_layer.linear.bias, 0)
 
-    def flops_per_sample(self) -> int:
+    def flops_per_sample(self, text_tokens: int = 0) -> int:
         """Forward FLOPs for one sample (a multiply-add counts 2), matrix products only.
+
+        Text models add, for L = ``text_tokens`` caption tokens of width D_t: per block 4 N D^2 (q, output
+        projections) + 4 L D^2 (k, v) + 4 N L D (cross-attention), and 2 L (D_t D + D^2) for the caption projection.
 
         With N tokens, width D, patch volume P (p*p, or t*h*w for VideoDiT), C in / C_out out channels:
         per block 24 N D^2 (qkv, proj, 4x MLP) + 4 N^2 D (q k^T and attention x v) + 12 D^2 (adaLN);
@@ -167,6 +199,10 @@ class DiT(nn.Module):
         block = 24 * N * D * D + 4 * N * N * D + 12 * D * D
         embed = 2 * N * P * C * D + 2 * (self.t_embedder.frequency_embedding_size * D + D * D)
         final = 2 * N * D * P * self.out_channels + 4 * D * D
+        if self.text_dim is not None:
+            L = text_tokens
+            block += 4 * N * D * D + 4 * L * D * D + 4 * N * L * D
+            embed += 2 * L * (self.text_dim * D + D * D)
         return len(self.blocks) * block + embed + final
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,34 +211,42 @@ class DiT(nn.Module):
         return unpatchify(x, self.x_embedder.grid_shape, self.x_embedder.patch_shape, self.out_channels)
 
     def embed_conditions(
-        self, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Conditioning vector c = timestep embedding + label embedding (label dropout as in ``forward``).
+        self, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
+        y_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The conditioning vector c and the cross-attention context (dropout as in ``forward``).
 
-        t: (B,) int64, y: (B,) int64 -> (B, D) in the parameters' dtype. The one place that combines conditions,
-        for subclasses that add others.
+        Class models: c = timestep embedding + label embedding (B, D), context None. Text models: c = timestep
+        embedding, context = (caption tokens (B, L, D), mask (B, L) bool) from ``CaptionEmbedder``.
         """
-        return self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
+        if self.text_dim is None:
+            return self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids), None
+        if y_mask is None:
+            raise ValueError("text-conditioned DiT needs y_mask, the (B, L) bool mask of the caption tokens")
+        return self.t_embedder(t), self.y_embedder(y, y_mask, self.training, force_drop_ids)
 
     def forward(
-        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None
+        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
+        y_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predict noise (and the variance interpolation when ``learn_sigma``).
 
         Args:
             x: (B, C, H, W) noisy input; (B, C, T, H, W) for VideoDiT.
             t: (B,) int64 diffusion timesteps.
-            y: (B,) int64 class labels; ``num_classes`` is the null label.
-            force_drop_ids: optional (B,) bool, labels to replace by the null label (label dropout decided
-                outside the model, e.g. from a per-step generator); otherwise dropout draws its own coins in
-                training mode.
+            y: (B,) int64 class labels (``num_classes`` is the null label); for text models the text-encoder
+                states (B, L, D_text).
+            force_drop_ids: optional (B,) bool, labels (captions) to replace by the null label (caption) (dropout
+                decided outside the model, e.g. from a per-step generator); otherwise dropout draws its own coins
+                in training mode.
+            y_mask: (B, L) bool, the real caption tokens (text models only).
 
         Returns:
             (B, C_out, H, W) ((B, C_out, T, H, W) for VideoDiT), C_out = 2C when ``learn_sigma`` (first C:
             epsilon, last C: variance values).
         """
         x = self.x_embedder(x) + self.pos_embed
-        c = self.embed_conditions(t, y, force_drop_ids)
+        c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
         for block in self.blocks:
-            x = block(x, c)
+            x = block(x, c, context)
         return self.unpatchify(self.final_layer(x, c))

@@ -184,31 +184,101 @@ class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection (timm layout: ``qkv``, ``proj``).
 
     (B, N, D) -> (B, N, D); the softmax attention itself goes through ``ditforge.ops.attention``.
+    ``qk_norm``: LayerNorm over each head's queries and keys before the product (``q_norm``, ``k_norm``, as
+    timm; Dehghani et al. 2023, ViT-22B), which keeps attention logits bounded in long video training.
     """
 
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, qk_norm: bool = False):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"hidden size {dim} is not divisible by {num_heads} heads")
         self.num_heads = num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.q_norm, self.k_norm = _qk_norms(dim // num_heads, qk_norm)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, D = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        out = attention(qkv[0], qkv[1], qkv[2])
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        out = attention(self.q_norm(q), self.k_norm(k), v)
         return self.proj(out.transpose(1, 2).reshape(B, N, D))
 
 
-class Mlp(nn.Module):
-    """Transformer MLP: fc1 -> GELU (tanh approximation, as DiT) -> fc2. (B, N, D) -> (B, N, D)."""
+def _qk_norms(head_dim: int, enabled: bool) -> tuple[nn.Module, nn.Module]:
+    if not enabled:
+        return nn.Identity(), nn.Identity()
+    return nn.LayerNorm(head_dim, eps=1e-6), nn.LayerNorm(head_dim, eps=1e-6)
 
-    def __init__(self, in_features: int, hidden_features: int):
+
+class CrossAttention(nn.Module):
+    """Multi-head cross-attention from image/video tokens to text tokens (PixArt-alpha, Chen et al. 2023,
+    section 2.3; ``MultiHeadCrossAttention`` of its reference code): q from x, k and v from the context.
+
+    ``forward(x, context, mask)``: x (B, N, D), context (B, L, D) (caption tokens already projected to D),
+    mask (B, L) bool (True = a real token) -> (B, N, D). ``qk_norm`` as in ``Attention``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"hidden size {dim} is not divisible by {num_heads} heads")
+        self.num_heads = num_heads
+        self.q_linear = nn.Linear(dim, dim)
+        self.kv_linear = nn.Linear(dim, dim * 2)
+        self.q_norm, self.k_norm = _qk_norms(dim // num_heads, qk_norm)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        H, L = self.num_heads, context.shape[1]
+        q = self.q_linear(x).reshape(B, N, H, D // H).transpose(1, 2)
+        k, v = self.kv_linear(context).reshape(B, L, 2, H, D // H).permute(2, 0, 3, 1, 4)
+        out = attention(self.q_norm(q), self.k_norm(k), v, mask)
+        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+
+
+class CaptionEmbedder(nn.Module):
+    """Text-encoder states -> caption tokens of width D, with caption dropout for classifier-free guidance.
+
+    Projection: Linear -> GELU(tanh) -> Linear (PixArt-alpha's ``CaptionEmbedder``). In a dropped caption (coin
+    flip with ``dropout_prob`` in training, or ``force_drop_ids``) every token becomes one learned null token
+    (``null_caption``, (1, D_text)); softmax attention over copies of one token equals attention to it alone,
+    so the unconditional branch does not depend on the text encoder, the caption or its length (PixArt learns
+    a full-length null sequence instead).
+
+    ``forward(states, mask, train, force_drop_ids)``: states (B, L, D_text) float, mask (B, L) bool ->
+    (tokens (B, L, D), mask (B, L) bool).
+    """
+
+    def __init__(self, text_dim: int, hidden_size: int, dropout_prob: float):
+        super().__init__()
+        self.y_proj = Mlp(text_dim, hidden_size, out_features=hidden_size)
+        self.null_caption = nn.Parameter(torch.randn(1, text_dim) / text_dim**0.5)
+        self.dropout_prob = dropout_prob
+
+    def forward(
+        self, states: torch.Tensor, mask: torch.Tensor, train: bool, force_drop_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if force_drop_ids is not None:
+            drop = force_drop_ids == 1
+        elif train and self.dropout_prob > 0:
+            drop = torch.rand(states.shape[0], device=states.device) < self.dropout_prob
+        else:
+            drop = None
+        if drop is not None:  # attending to any number of identical null tokens is attending to one
+            states = torch.where(drop[:, None, None], self.null_caption.to(states.dtype), states)
+        return self.y_proj(states), mask
+
+
+class Mlp(nn.Module):
+    """Transformer MLP: fc1 -> GELU (tanh approximation, as DiT) -> fc2. (B, N, D_in) -> (B, N, D_out),
+    D_out = ``out_features`` or D_in."""
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None):
         super().__init__()
         self.fc1 = nn.Linear(in_features, hidden_features)
         self.act = nn.GELU(approximate="tanh")
-        self.fc2 = nn.Linear(hidden_features, in_features)
+        self.fc2 = nn.Linear(hidden_features, out_features or in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))

@@ -36,18 +36,21 @@ def set_attention_backend(backend: str = "auto") -> str:
     return "SDPA, in order: " + ", ".join(b.name.lower() for b in _preferred)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Exact softmax attention, softmax(q k^T / sqrt(d)) v (Vaswani et al. 2017, eq. 1).
 
     Args:
         q: (B, H, Nq, Dh) queries, any float dtype.
         k, v: (B, H, Nk, Dh) keys and values, same dtype as ``q``.
+        mask: optional (B, Nk) bool, True for keys to attend to (padding of text tokens is False); every row
+            needs at least one True.
 
     Returns:
         (B, H, Nq, Dh) in the dtype of ``q``. Runs PyTorch's ``scaled_dot_product_attention``, with the
         backend order set by ``set_attention_backend`` (every backend is exact; they differ in speed).
     """
+    attn_mask = None if mask is None else mask[:, None, None, :]
     if _preferred is None:
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     with sdpa_kernel(_preferred, set_priority=True):
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
