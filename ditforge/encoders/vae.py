@@ -1,0 +1,260 @@
+"""Image/video autoencoders: a frozen diffusers ``AutoencoderKL`` (latent space) or the identity (pixel space).
+
+Both share one interface: ``encode(x) -> latents``, ``decode(latents) -> x``, and the properties
+``latent_channels``, ``downsample`` and ``scaling_factor``. Images are (B, C, H, W), videos (B, C, T, H, W), pixels
+in [-1, 1]. Videos go through the 2-D autoencoder frame by frame (T folded into the batch), in chunks of
+``micro_batch`` frames to bound memory, as Open-Sora and Latte do with SD's VAE.
+
+Latents follow diffusers' convention (Stable Diffusion's "scale factor", Rombach et al. 2022, Sec. 4.3.2 / App. G):
+``latents = (z - shift_factor) * scaling_factor`` on encode and ``z = latents / scaling_factor + shift_factor`` on
+decode, with both factors read from the VAE's config (sd-vae-ft-ema / sd-vae-ft-mse: 0.18215 and no shift; SD3 /
+FLUX VAEs: a shift too). ``sample=True`` draws ``z = mean + std * eps`` from the encoder's diagonal Gaussian, as
+fast-DiT's ``extract_features.py`` does with ``latent_dist.sample()``; ``sample=False`` takes the mean.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ditforge.errors import UserError
+
+FLAG = "--vae"
+DEFAULT_MICRO_BATCH = 16
+
+
+def _fold(x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """(B, C, H, W) -> itself, None; (B, C, T, H, W) -> (B*T, C, H, W) in (b, t) order, T."""
+    if x.ndim == 4:
+        return x, None
+    if x.ndim == 5:
+        b, c, t, h, w = x.shape
+        return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w), t
+    raise ValueError(f"expected images (B, C, H, W) or videos (B, C, T, H, W), got shape {tuple(x.shape)}")
+
+
+def _unfold(y: torch.Tensor, t: int | None) -> torch.Tensor:
+    """Inverse of ``_fold``: (B*T, C, H, W) -> (B, C, T, H, W) when t is not None."""
+    if t is None:
+        return y
+    bt, c, h, w = y.shape
+    return y.reshape(bt // t, t, c, h, w).permute(0, 2, 1, 3, 4).contiguous()
+
+
+def _check_input(x: torch.Tensor, channels: int, downsample: int, what: str, source: str) -> None:
+    if x.ndim not in (4, 5):
+        raise ValueError(f"expected {what} (B, C, H, W) or (B, C, T, H, W), got shape {tuple(x.shape)}")
+    if x.shape[1] != channels:
+        raise ValueError(f"expected {channels} channels in dim 1 of the {what}, got shape {tuple(x.shape)}")
+    h, w = x.shape[-2:]
+    if h % downsample or w % downsample:
+        raise UserError(f"--image_size: frames of {h}x{w} are not divisible by the VAE's downsample factor "
+                        f"{downsample} ({FLAG} {source})")
+
+
+class VAE:
+    """A frozen diffusers ``AutoencoderKL`` (eval, ``requires_grad_(False)``, run under ``torch.no_grad``).
+
+    A plain class, not an ``nn.Module``, so it never joins a denoiser's parameters or checkpoints. Build it with
+    ``load_vae``, or wrap an ``AutoencoderKL`` directly: ``VAE(model)``.
+
+    Attributes:
+        model: the ``AutoencoderKL``.
+        micro_batch: frames (or images) per encoder/decoder call; the default for ``encode``/``decode``.
+        path: the folder it was loaded from ("" when wrapped directly).
+    """
+
+    def __init__(self, model, micro_batch: int = DEFAULT_MICRO_BATCH, path: str = ""):
+        self.model = model.eval().requires_grad_(False)
+        self.micro_batch = int(micro_batch)
+        self.path = path
+        shift = getattr(model.config, "shift_factor", None)
+        self._shift = float(shift) if shift is not None else 0.0
+        self._scale = float(getattr(model.config, "scaling_factor", 1.0))
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the latents (4 for SD's VAE)."""
+        return int(self.model.config.latent_channels)
+
+    @property
+    def in_channels(self) -> int:
+        """Channels of the pixels (3)."""
+        return int(self.model.config.in_channels)
+
+    @property
+    def downsample(self) -> int:
+        """Spatial factor H / h = 2 ** (len(block_out_channels) - 1) (8 for SD's VAE)."""
+        return 2 ** (len(self.model.config.block_out_channels) - 1)
+
+    @property
+    def scaling_factor(self) -> float:
+        """Multiplies latents on encode, divides them on decode (0.18215 for SD's VAE)."""
+        return self._scale
+
+    @property
+    def shift_factor(self) -> float:
+        """Subtracted before scaling on encode, added back on decode (0 unless the config has one: SD3, FLUX)."""
+        return self._shift
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "VAE":
+        """Moves (and casts) the weights in place; returns self."""
+        self.model.to(device=device, dtype=dtype)
+        return self
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None, sample: bool = True,
+               micro_batch: int | None = None) -> torch.Tensor:
+        """Pixels -> scaled latents.
+
+        Args:
+            x: images (B, 3, H, W) or videos (B, 3, T, H, W), pixels in [-1, 1]; any float dtype and device (cast to
+                the VAE's). H and W divisible by ``downsample``.
+            generator: the random source for ``sample=True`` (the device it lives on decides where the noise is
+                drawn, as ``diffusers.utils.torch_utils.randn_tensor`` does).
+            sample: True draws ``z ~ N(mean, std^2)`` from the posterior; False returns the mean.
+            micro_batch: frames per encoder call (None: ``self.micro_batch``). The result does not depend on it:
+                the noise for ``sample=True`` is drawn once for all frames, in (b, t) order, so with one image batch
+                it equals diffusers' ``latent_dist.sample(generator)``.
+
+        Returns:
+            latents (B, latent_channels, h, w) or (B, latent_channels, T, h, w), h = H / downsample, in the VAE's
+            dtype on its device: ``(z - shift_factor) * scaling_factor``.
+
+        Raises:
+            UserError naming ``--image_size`` when H or W is not divisible by ``downsample``; ValueError for a
+            wrong rank or channel count.
+        """
+        _check_input(x, self.in_channels, self.downsample, "pixels", self.path)
+        frames, t = _fold(x.to(device=self.device, dtype=self.dtype))
+        step = int(micro_batch or self.micro_batch)
+        means, stds = [], []
+        for i in range(0, frames.shape[0], step):
+            dist = self.model.encode(frames[i:i + step]).latent_dist
+            means.append(dist.mean)
+            stds.append(dist.std)
+        z = torch.cat(means)
+        if sample:
+            from diffusers.utils.torch_utils import randn_tensor
+
+            eps = randn_tensor(z.shape, generator=generator, device=z.device, dtype=z.dtype)
+            z = z + torch.cat(stds) * eps
+        return _unfold((z - self._shift) * self._scale, t)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor:
+        """Scaled latents -> pixels.
+
+        Args:
+            latents: (B, latent_channels, h, w) or (B, latent_channels, T, h, w), as ``encode`` returns them.
+            micro_batch: frames per decoder call (None: ``self.micro_batch``); the result does not depend on it.
+
+        Returns:
+            pixels (B, 3, H, W) or (B, 3, T, H, W), H = h * downsample, nominally in [-1, 1] but not clamped, in the
+            VAE's dtype on its device: ``decoder(latents / scaling_factor + shift_factor)``.
+        """
+        _check_input(latents, self.latent_channels, 1, "latents", self.path)
+        frames, t = _fold(latents.to(device=self.device, dtype=self.dtype))
+        frames = frames / self._scale + self._shift
+        step = int(micro_batch or self.micro_batch)
+        out = [self.model.decode(frames[i:i + step]).sample for i in range(0, frames.shape[0], step)]
+        return _unfold(torch.cat(out), t)
+
+    def __repr__(self) -> str:
+        return (f"VAE(path={self.path!r}, latent_channels={self.latent_channels}, downsample={self.downsample}, "
+                f"scaling_factor={self.scaling_factor}, shift_factor={self.shift_factor}, dtype={self.dtype}, "
+                f"device={self.device})")
+
+
+class IdentityVAE:
+    """Pixel space behind the VAE interface: ``encode`` and ``decode`` return their input (moved/cast to
+    ``device``/``dtype``); ``latent_channels`` = ``channels``, ``downsample`` = 1, ``scaling_factor`` = 1."""
+
+    def __init__(self, channels: int = 3, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.channels = int(channels)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.micro_batch = DEFAULT_MICRO_BATCH
+        self.path = "none"
+
+    latent_channels = property(lambda self: self.channels)
+    in_channels = property(lambda self: self.channels)
+    downsample = property(lambda self: 1)
+    scaling_factor = property(lambda self: 1.0)
+    shift_factor = property(lambda self: 0.0)
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "IdentityVAE":
+        self.device = torch.device(device) if device is not None else self.device
+        self.dtype = dtype or self.dtype
+        return self
+
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None, sample: bool = True,
+               micro_batch: int | None = None) -> torch.Tensor:
+        """x (B, C, H, W) or (B, C, T, H, W) -> x on ``device`` in ``dtype`` (generator, sample ignored)."""
+        _check_input(x, self.channels, 1, "pixels", self.path)
+        return x.to(device=self.device, dtype=self.dtype)
+
+    def decode(self, latents: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor:
+        """latents -> latents on ``device`` in ``dtype``."""
+        _check_input(latents, self.channels, 1, "latents", self.path)
+        return latents.to(device=self.device, dtype=self.dtype)
+
+    def __repr__(self) -> str:
+        return f"IdentityVAE(channels={self.channels}, dtype={self.dtype}, device={self.device})"
+
+
+def load_vae(path: str | Path | None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+             micro_batch: int = DEFAULT_MICRO_BATCH, pixel_channels: int = 3) -> VAE | IdentityVAE:
+    """Loads a frozen ``AutoencoderKL`` from a local folder, or the identity for pixel space.
+
+    Args:
+        path: a diffusers ``AutoencoderKL`` folder as written by ``save_pretrained`` (config.json with
+            ``"_class_name": "AutoencoderKL"`` and the weights, e.g. stabilityai/sd-vae-ft-ema downloaded
+            beforehand), or a diffusers pipeline folder with a ``vae/`` subfolder; loaded with
+            ``AutoencoderKL.from_pretrained(path, local_files_only=True)``. None or "none": ``IdentityVAE``.
+        device, dtype: where the weights go and their dtype (float32 default; SD's VAE is fine in bfloat16).
+        micro_batch: frames per encoder/decoder call (memory bound).
+        pixel_channels: the identity's channel count (1 for grey digits); ignored for an AutoencoderKL.
+
+    Returns:
+        VAE or IdentityVAE (same interface).
+
+    Raises:
+        UserError naming ``--vae`` and the path: missing folder, no config.json, a config of another class, or
+        weights that fail to load.
+    """
+    if path is None or str(path).lower() == "none":
+        return IdentityVAE(pixel_channels, device, dtype)
+    shown = str(path)
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise UserError(f"{FLAG} {shown}: no such folder (expected a local diffusers AutoencoderKL folder, or "
+                        "'none' for pixel space; nothing is downloaded)")
+    if not (root / "config.json").is_file() and (root / "vae" / "config.json").is_file():
+        root = root / "vae"
+    try:
+        class_name = json.loads((root / "config.json").read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"{FLAG} {shown}: no readable config.json ({type(e).__name__}); expected a diffusers "
+                        "AutoencoderKL folder") from None
+    if class_name != "AutoencoderKL":
+        raise UserError(f"{FLAG} {shown}: config.json describes {class_name!r}, expected 'AutoencoderKL'")
+
+    from diffusers import AutoencoderKL  # deferred: importing diffusers takes seconds
+
+    try:
+        model = AutoencoderKL.from_pretrained(str(root), local_files_only=True, torch_dtype=dtype)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise UserError(f"{FLAG} {shown}: could not load the AutoencoderKL ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    return VAE(model.to(device), micro_batch=micro_batch, path=shown)
