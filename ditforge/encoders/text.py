@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ditforge.encoders.frozen import FrozenModel
 from ditforge.errors import UserError
 
 FLAG = "--text_encoder"
@@ -82,7 +83,7 @@ def _read_model_type(model_dir: Path, path) -> str:
     return model_type
 
 
-class TextEncoder:
+class TextEncoder(FrozenModel):
     """A frozen text encoder (eval mode, ``requires_grad_(False)``, run under ``torch.no_grad``) and its tokenizer.
 
     A plain class, not an ``nn.Module``: it never becomes part of a denoiser's parameters, state dict, DDP/FSDP
@@ -113,19 +114,10 @@ class TextEncoder:
         """D_text, the width of the states (384 for MiniLM, 4096 for T5-v1.1-XXL, 768 for CLIP ViT-L/14)."""
         return int(self.model.config.hidden_size)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
     def to(self, device=None, dtype: torch.dtype | None = None) -> "TextEncoder":
-        """Moves (and casts) the weights in place; returns self."""
-        self.model.to(device=device, dtype=dtype)
+        """Moves (and casts) the weights in place (the cached empty-caption states are dropped); returns self."""
         self._null = None
-        return self
+        return super().to(device, dtype)
 
     def tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """The tokenizer's ``input_ids`` and ``attention_mask``, both int64 (B, L), padded on the right to the

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ditforge.encoders.frozen import FrozenModel
 from ditforge.errors import UserError
 
 FLAG = "--vae"
@@ -54,7 +55,7 @@ def _check_input(x: torch.Tensor, channels: int, downsample: int, what: str, sou
                         f"{downsample} ({FLAG} {source})")
 
 
-class VAE:
+class VAE(FrozenModel):
     """A frozen diffusers ``AutoencoderKL`` (eval, ``requires_grad_(False)``, run under ``torch.no_grad``).
 
     A plain class, not an ``nn.Module``, so it never joins a denoiser's parameters or checkpoints. Build it with
@@ -98,19 +99,6 @@ class VAE:
     def shift_factor(self) -> float:
         """Subtracted before scaling on encode, added back on decode (0 unless the config has one: SD3, FLUX)."""
         return self._shift
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    def to(self, device=None, dtype: torch.dtype | None = None) -> "VAE":
-        """Moves (and casts) the weights in place; returns self."""
-        self.model.to(device=device, dtype=dtype)
-        return self
 
     @torch.no_grad()
     def encode(self, x: torch.Tensor, generator: torch.Generator | None = None, sample: bool = True,
