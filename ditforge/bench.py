@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import statistics
 import time
@@ -41,10 +40,11 @@ from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.ops.attention import set_attention_backend
 from ditforge.ops.modulate import set_kernels
-from ditforge.parallel import FP8_MIN_CAPABILITY, parallelize, parse_checkpoint_policy
+from ditforge.ops.fused import check_triton
+from ditforge.parallel import fp8_unavailable, parallelize, parse_checkpoint_policy
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist, resolve_device
-from ditforge.train.trainer import step_randomness, train_step
+from ditforge.train.trainer import resolve_precision, step_randomness, train_step
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +74,15 @@ ROWS: list[tuple[str, str, dict]] = [
 
 
 def why_not(change: dict, device: torch.device) -> str | None:
-    """The reason a row's change cannot run on ``device``, or None."""
-    if change.get("kernels") and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1)"
-    if change.get("precision") == "fp8":
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-            return "FP8 needs a CUDA GPU with FP8 tensor cores (e.g. H100)"
+    """The reason a row's change cannot run on ``device``, or None (the checks the trainer makes at start)."""
+    if change.get("kernels"):
         try:
-            import torchao.float8  # noqa: F401
-        except ImportError:
-            return "torchao is not installed"
+            check_triton(device)
+        except RuntimeError as e:
+            return str(e)
+    if change.get("precision") == "fp8":
+        reason = fp8_unavailable(device)
+        return reason and f"FP8 {reason}"
     return None
 
 
@@ -111,7 +110,7 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
     model = create_model(cfg.model, shape[-1], cfg.in_channels, cfg.num_classes, **frames).to(device).train()
     flops = model.flops_per_sample()
     tokens = model.x_embedder.num_patches
-    amp = torch.float32 if s.precision == "fp32" else torch.bfloat16
+    amp = resolve_precision(s.precision, device)
     model = parallelize(model, Dist(device=device), "none", cfg.grad_checkpoint,
                         cfg.compile_mode if s.compile else "none", s.attention,
                         enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8")

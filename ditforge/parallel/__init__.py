@@ -91,6 +91,18 @@ def apply_grad_checkpoint(model: nn.Module, policy: str) -> None:
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper or newer
 
 
+def fp8_unavailable(device: torch.device) -> str | None:
+    """Why FP8 training cannot run on ``device`` ("needs ..."), or None when it can."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        return (f"needs a CUDA GPU with FP8 tensor cores (compute capability >= {FP8_MIN_CAPABILITY[0]}."
+                f"{FP8_MIN_CAPABILITY[1]}, e.g. H100)")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "needs torchao (pip install 'ditforge[fp8]')"
+    return None
+
+
 def apply_fp8(model: nn.Module, device: torch.device) -> int:
     """Swap the transformer blocks' big linear layers (qkv, proj, fc1, fc2) for torchao's float8 training
     linears (dynamic tensorwise scaling: e4m3 forward, e5m2 gradients; Micikevicius et al. 2022, "FP8
@@ -100,13 +112,10 @@ def apply_fp8(model: nn.Module, device: torch.device) -> int:
     Raises:
         UserError: no CUDA device with FP8 tensor cores, or torchao is not installed.
     """
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        raise UserError("--mixed_precision fp8: needs a CUDA GPU with FP8 tensor cores (compute capability "
-                        f">= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}, e.g. H100)")
-    try:
-        from torchao.float8 import convert_to_float8_training
-    except ImportError:
-        raise UserError("--mixed_precision fp8: needs torchao (pip install 'ditforge[fp8]')") from None
+    reason = fp8_unavailable(device)
+    if reason:
+        raise UserError(f"--mixed_precision fp8: {reason}")
+    from torchao.float8 import convert_to_float8_training
 
     def big_linear(module: nn.Module, fqn: str) -> bool:
         return (isinstance(module, nn.Linear) and fqn.startswith("blocks.") and "adaLN" not in fqn
