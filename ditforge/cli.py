@@ -59,23 +59,37 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=argparse.SUPPRESS, help="YAML file of settings (flags override it)")
     _add_config_flags(train)
 
-    s = sub.add_parser("sample", help="draw class-conditional samples from a checkpoint",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser("sample", help="draw samples from a checkpoint: a PNG grid (image models) or an MP4 and a "
+                       "GIF per prompt or label (video models)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--ckpt", required=True, help="run folder (newest checkpoint), checkpoint folder, "
                    ".safetensors file, or an official DiT .pt state dict")
     s.add_argument("--model", help="model name, overriding the checkpoint's (e.g. DiT-XL/2)")
-    s.add_argument("--image_size", type=int, help="input size, overriding the checkpoint's")
+    s.add_argument("--image_size", type=int, help="image (frame) side in pixels, overriding the checkpoint's (the "
+                   "model's input is this / the VAE's downsample factor)")
+    s.add_argument("--num_frames", type=int, help="video models: frames to generate (latent frames; the VAE "
+                   "decodes frame by frame), overriding the checkpoint's")
+    s.add_argument("--prompt", action="append", help="text-conditioned models: a prompt; repeat the flag for "
+                   "more (one sample each)")
+    s.add_argument("--prompt_file", help="text-conditioned models: a UTF-8 file of prompts, one per non-empty "
+                   "line (after any --prompt)")
     who = s.add_mutually_exclusive_group()
-    who.add_argument("--class_labels", type=_labels, help="labels to draw, e.g. 0,1,2")
-    who.add_argument("--num_samples", type=int, help="draw N samples, labels cycling over the classes")
+    who.add_argument("--class_labels", type=_labels, help="class-conditional models: labels to draw, e.g. 0,1,2")
+    who.add_argument("--num_samples", type=int, default=argparse.SUPPRESS, help="class-conditional models: draw "
+                     "N samples, labels cycling over the classes (default: one per class)")
     s.add_argument("--cfg_scale", type=float, default=4.0, help="classifier-free guidance scale (1: no guidance)")
-    s.add_argument("--num_sampling_steps", type=int, default=250, help="respaced diffusion steps")
+    s.add_argument("--num_sampling_steps", type=int, default=250, help="respaced diffusion steps (2..1000)")
     s.add_argument("--sampler", default="ddpm", choices=("ddpm", "ddim"), help="reverse process")
     s.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0: deterministic)")
     s.add_argument("--seed", type=int, default=0, help="seed of the noise")
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")
-    s.add_argument("--out", default="samples.png", help="PNG grid to write")
-    s.add_argument("--save_npz", help="also write samples (N,H,W,C uint8) and labels (N,) to this .npz")
+    s.add_argument("--out", default=argparse.SUPPRESS, help="image models: the PNG grid to write (default "
+                   "samples.png); video models: the folder for NNN-<prompt or class-K>.mp4 and a .gif preview of "
+                   "each (default samples)")
+    s.add_argument("--fps", type=int, default=8, help="video models: frames per second of the MP4 and GIF")
+    s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
+                   "(needed for an official DiT .pt: e.g. sd-vae-ft-ema)")
+    s.add_argument("--save_npz", help="also write samples (N,H,W,C or N,T,H,W,C uint8) and labels (N,) or "
+                   "prompts (N,) to this .npz")
     s.add_argument("--no_ema", dest="use_ema", action="store_false", help="use the raw weights, not the EMA")
     s.add_argument("--device", default="auto", help="cuda | cpu | auto")
 

@@ -1,8 +1,10 @@
-"""``ditforge sample``: load a checkpoint, draw class-conditional samples with guidance, write PNG / NPZ."""
+"""``ditforge sample``: load a checkpoint, draw guided samples for class labels or text prompts, decode them with
+the run's VAE, and write a PNG grid (image models) or one MP4 + GIF per sample (video models)."""
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,124 +13,311 @@ import torch
 
 from ditforge.atomic import atomic_path
 from ditforge.data.images import save_grid, to_uint8
-from ditforge.diffusion import SAMPLERS, create_diffusion, guided_model, sample_loop
+from ditforge.diffusion import SAMPLERS, generate
+from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
 from ditforge.errors import UserError
-from ditforge.models import create_model, infer_dit_config
+from ditforge.models import create_model, infer_dit_config, is_video_model
 from ditforge.parallel.mesh import resolve_device
 from ditforge.train.checkpoint import export_safetensors, load_weights, read_checkpoint_weights
 
 log = logging.getLogger(__name__)
 
+# Keys of a run config's "model" section that older configs lack, and what they meant then.
+SPEC_DEFAULTS = dict(condition="class", text_encoder=None, text_max_length=None, vae="none", qk_norm=False,
+                     num_frames=None, text_dim=None, class_dropout_prob=0.1)
+
 
 @dataclass
 class SampleConfig:
-    """Settings of ``ditforge sample`` (see ``ditforge sample --help``)."""
+    """Settings of ``ditforge sample`` (see ``ditforge sample --help``).
+
+    ``prompt`` / ``prompt_file`` are for text-conditioned models, ``class_labels`` / ``num_samples`` for class
+    models. ``image_size`` is the output side in pixels (the model's input size is ``image_size`` / the VAE's
+    downsample factor); ``num_frames`` overrides a video model's (latent) frame count. ``out`` defaults to
+    ``samples.png`` (image models: a PNG grid) or ``samples`` (video models: a folder of MP4s and GIFs).
+    """
 
     ckpt: str
     model: str | None = None
     image_size: int | None = None
     class_labels: list[int] | None = None
     num_samples: int | None = None
+    prompt: list[str] | None = None
+    prompt_file: str | None = None
+    num_frames: int | None = None
     cfg_scale: float = 4.0
     num_sampling_steps: int = 250
     sampler: str = "ddpm"
     eta: float = 0.0
     seed: int = 0
     batch_size: int = 256
-    out: str = "samples.png"
+    out: str | None = None
     save_npz: str | None = None
+    fps: int = 8
+    vae: str | None = None
     use_ema: bool = True
     device: str = "auto"
 
 
-def load_model(ckpt: str, model_name: str | None = None, image_size: int | None = None, use_ema: bool = True):
-    """Build the model a checkpoint was trained as and load its weights (strict).
-
-    ``ckpt`` is anything ``load_weights`` accepts. Model, size and conditioning come from the saved config,
-    or, for an official DiT .pt, from the tensor shapes; ``model_name`` / ``image_size`` override them.
-
-    Returns:
-        (model in eval mode on the CPU, model settings dict with model, input_size, in_channels,
-        num_classes, learn_sigma, and ``run_config``: the saved run config, or None).
-
-    Raises:
-        UserError: unreadable checkpoint, or weights that do not fit the (overridden) model.
-    """
+def _read(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:
+    """(weights or DCP folder, model settings with ``SPEC_DEFAULTS`` filled in and ``run_config``)."""
     state, config = load_weights(ckpt, use_ema)
     if config is None and isinstance(state, Path):
         raise UserError(f"--ckpt {ckpt}: the checkpoint's meta.json has no config")
     spec = dict(config["model"]) if config else infer_dit_config(state)
-    if model_name is not None:
-        spec["model"] = model_name
-    if image_size is not None:
-        spec["input_size"] = image_size
+    for key, value in SPEC_DEFAULTS.items():
+        if spec.get(key) is None:
+            spec[key] = value
+    spec["run_config"] = config
+    return state, spec
+
+
+def _build(ckpt: str, state: dict | Path, spec: dict, use_ema: bool, rebuild_fixed: bool = False) -> torch.nn.Module:
+    """The model ``spec`` describes, with the checkpoint's weights (strict). ``rebuild_fixed``: keep the model's
+    own values of its untrained parameters (the fixed sin-cos position embeddings, ``requires_grad=False``)
+    instead of the checkpoint's, which were computed for another token grid."""
     model = create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
-                         spec["learn_sigma"], spec.get("class_dropout_prob", 0.1))
+                         spec["learn_sigma"], spec["class_dropout_prob"], num_frames=spec["num_frames"],
+                         text_dim=spec["text_dim"], qk_norm=spec["qk_norm"])
+    own = model.state_dict()
+    fixed = {k for k, p in model.named_parameters() if not p.requires_grad} if rebuild_fixed else set()
     if isinstance(state, Path):  # a DCP checkpoint folder: read its (gathered) tensors into this model's shapes
-        state = read_checkpoint_weights(state, model.state_dict(), use_ema)
+        state = read_checkpoint_weights(state, {k: v for k, v in own.items() if k not in fixed}, use_ema)
+    state = {**{k: v for k, v in state.items() if k not in fixed}, **{k: own[k] for k in fixed}}
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
         detail = " ".join(str(e).split())[:300]
+        frames = f", {spec['num_frames']} frames" if spec["num_frames"] is not None else ""
         raise UserError(f"--ckpt {ckpt}: weights do not fit {spec['model']} at input size "
-                        f"{spec['input_size']} ({detail})") from None
-    spec["run_config"] = config
-    return model.eval(), spec
+                        f"{spec['input_size']}{frames} ({detail})") from None
+    return model.eval()
+
+
+def load_model(ckpt: str, model_name: str | None = None, input_size: int | None = None, use_ema: bool = True,
+               num_frames: int | None = None):
+    """Build the model a checkpoint was trained as and load its weights (strict).
+
+    ``ckpt`` is anything ``load_weights`` accepts. Model, size, frames and conditioning come from the saved config
+    (older configs lack some keys: ``SPEC_DEFAULTS`` fills them: class conditioning, no VAE, no QK-norm), or, for
+    an official DiT .pt, from the tensor shapes. ``model_name`` / ``input_size`` (the model's spatial input, in
+    latent pixels) / ``num_frames`` (a video model's latent frames) override them; a new frame count rebuilds the
+    fixed sin-cos position embedding for the new token grid (it is not learned; all other weights are independent
+    of the frame count).
+
+    Returns:
+        (model in eval mode on the CPU, model settings dict with model, input_size, in_channels, num_classes,
+        learn_sigma, class_dropout_prob, condition, text_encoder, text_max_length, vae, qk_norm, num_frames,
+        text_dim, and ``run_config``: the saved run config, or None).
+
+    Raises:
+        UserError: unreadable checkpoint, bad overrides (``create_model``'s errors), or weights that do not fit
+            the (overridden) model.
+    """
+    state, spec = _read(ckpt, use_ema)
+    if model_name is not None:
+        spec["model"] = model_name
+    if input_size is not None:
+        spec["input_size"] = input_size
+    rebuild = num_frames is not None and num_frames != spec["num_frames"]
+    if num_frames is not None:
+        if not is_video_model(spec["model"]):
+            raise UserError(f"--num_frames: {spec['model']} is an image model; frames apply to video models")
+        spec["num_frames"] = num_frames
+    return _build(ckpt, state, spec, use_ema, rebuild), spec
+
+
+def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str]:
+    """The prompts of ``--prompt`` (in order), then those of ``--prompt_file`` (one per non-empty line, stripped).
+
+    Raises:
+        UserError: an empty ``--prompt``; a prompt file that is missing, unreadable, not UTF-8, or has no prompt.
+    """
+    out = []
+    for p in prompts or []:
+        if not p.strip():
+            raise UserError("--prompt: empty prompt")
+        out.append(p.strip())
+    if prompt_file is not None:
+        try:
+            lines = Path(prompt_file).read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise UserError(f"--prompt_file {prompt_file}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--prompt_file {prompt_file}: unreadable ({type(e).__name__}: {e})") from None
+        found = [line.strip() for line in lines if line.strip()]
+        if not found:
+            raise UserError(f"--prompt_file {prompt_file}: no prompts (expected one prompt per non-empty line)")
+        out.extend(found)
+    return out
+
+
+def slug(text: str, max_len: int = 48) -> str:
+    """A file-name part for a prompt: lower-case ASCII letters and digits, other runs as one ``-``, at most
+    ``max_len`` characters; ``"prompt"`` when nothing is left. ``"A red car, at night!"`` -> ``a-red-car-at-night``."""
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:max_len].rstrip("-")
+    return s or "prompt"
+
+
+def _load_vae(cfg: SampleConfig, spec: dict, device: torch.device) -> VAE | IdentityVAE:
+    """The run's VAE (``--vae`` overrides it); the identity for pixel-space models (1 or 3 channels)."""
+
+    path = cfg.vae if cfg.vae is not None else spec["vae"]
+    channels = spec["in_channels"]
+    if str(path).lower() == "none":
+        if channels not in (1, 3):
+            raise UserError(f"--vae: the model works on {channels}-channel latents and {cfg.ckpt} names no VAE; "
+                            "pass --vae FOLDER (a local diffusers AutoencoderKL, e.g. sd-vae-ft-ema) to decode them")
+        return load_vae("none", device, pixel_channels=channels)
+    vae = load_vae(path, device)
+    if vae.latent_channels != channels:
+        raise UserError(f"--vae {path}: its latents have {vae.latent_channels} channels, the model's {channels}")
+    return vae
+
+
+def _encode_prompts(cfg: SampleConfig, spec: dict, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states (N, L, D_text) float32, mask (N, L) bool) on ``device``, in batches padded to one length L."""
+    from ditforge.encoders.text import load_text_encoder, pad_states
+
+    try:
+        encoder = load_text_encoder(spec["text_encoder"], device, torch.float32, spec["text_max_length"])
+    except UserError as e:
+        raise UserError(f"--ckpt {cfg.ckpt}: cannot load the run's text encoder: {e}") from None
+    if encoder.hidden_size != spec["text_dim"]:
+        raise UserError(f"--ckpt {cfg.ckpt}: the text encoder {encoder.path} gives {encoder.hidden_size}-wide "
+                        f"states, the model expects {spec['text_dim']}")
+    parts = [encoder.encode(prompts[i : i + cfg.batch_size]) for i in range(0, len(prompts), cfg.batch_size)]
+    length = max(s.shape[1] for s, _ in parts)
+    padded = [pad_states(s, m, length) for s, m in parts]
+    return torch.cat([s for s, _ in padded]).float(), torch.cat([m for _, m in padded])
+
+
+def _to_frames(pixels: torch.Tensor) -> np.ndarray:
+    """(B, C, T, H, W) float in [-1, 1] -> (B, T, H, W, C) uint8 (clamped)."""
+    b, c, t, h, w = pixels.shape
+    return to_uint8(pixels.transpose(1, 2).reshape(b * t, c, h, w)).reshape(b, t, h, w, c)
 
 
 def sample(cfg: SampleConfig) -> np.ndarray:
-    """Draw images and write ``cfg.out`` (PNG grid) and, if set, ``cfg.save_npz``.
+    """Draw samples and write them.
 
-    Labels: ``class_labels`` as given, else ``num_samples`` labels cycling 0, 1, ..., C-1, else one per class.
-    The NPZ holds ``samples`` (N, H, W, C) uint8 and ``labels`` (N,) int64.
+    Conditions: text models take ``prompt`` then the lines of ``prompt_file``, one sample per prompt, encoded by
+    the run's text encoder; class models take ``class_labels`` as given, else ``num_samples`` labels cycling
+    0, 1, ..., C-1, else one per class. Sampling: ``ditforge.diffusion.generate`` (respaced DDPM or DDIM, guidance
+    against the dropped condition, a progress bar per batch), from ``seed``; latents are decoded by the run's VAE
+    (or ``cfg.vae``).
+
+    Writes: image models a PNG grid at ``out`` (default ``samples.png``); video models, into the folder ``out``
+    (default ``samples``), ``NNN-<slug of the prompt>.mp4`` (or ``NNN-class-K.mp4``) and a ``.gif`` preview beside
+    it for sample NNN (see ``write_video`` / ``write_gif`` for the size rule). ``save_npz`` also writes
+    ``samples`` (N, H, W, C) or (N, T, H, W, C) uint8, and ``labels`` (N,) int64 or ``prompts`` (N,) str.
 
     Returns:
-        The samples as (N, H, W, C) uint8.
+        The samples as (N, H, W, C) uint8, or (N, T, H, W, C) for video models.
 
     Raises:
-        UserError: bad checkpoint, labels outside [0, num_classes), unknown sampler, or a latent-space model
-            (sampling to pixels needs the VAE of a later release).
+        UserError: bad checkpoint or settings; a text model without a prompt or a class model with one (naming
+            ``--prompt``); labels outside [0, num_classes); a missing or empty prompt file; latents without a
+            known VAE (naming ``--vae``); an image size the VAE does not divide.
     """
     if cfg.sampler not in SAMPLERS:
         raise UserError(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {cfg.sampler}")
     if not 2 <= cfg.num_sampling_steps <= 1000:
         raise UserError(f"--num_sampling_steps: expected 2..1000, got {cfg.num_sampling_steps}")
-    for name in ("num_samples", "batch_size"):
+    for name in ("num_samples", "batch_size", "fps", "image_size", "num_frames"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UserError(f"--{name}: expected a positive integer, got {value}")
+    prompts = read_prompts(cfg.prompt, cfg.prompt_file)
     device = resolve_device(cfg.device)
-    model, spec = load_model(cfg.ckpt, cfg.model, cfg.image_size, cfg.use_ema)
-    if spec["in_channels"] not in (1, 3):
-        raise UserError(f"--ckpt {cfg.ckpt}: the model works on {spec['in_channels']}-channel latents; decoding "
-                        "them to images needs a VAE, which this version does not support yet")
-    num_classes = spec["num_classes"]
-    if cfg.class_labels is not None:
-        labels = list(cfg.class_labels)
+    state, spec = _read(cfg.ckpt, cfg.use_ema)
+    if cfg.model is not None:
+        spec["model"] = cfg.model
+    video = is_video_model(spec["model"])
+    text = spec["text_dim"] is not None
+    if text and not prompts:
+        raise UserError(f"--prompt: {cfg.ckpt} is a text-conditioned model; give --prompt \"...\" (repeatable) "
+                        "or --prompt_file FILE")
+    if text and (cfg.class_labels is not None or cfg.num_samples is not None):
+        raise UserError("--class_labels/--num_samples: the model is text-conditioned; give --prompt or --prompt_file")
+    if not text and prompts:
+        raise UserError(f"--prompt: {cfg.ckpt} is a class-conditional model; give --class_labels or --num_samples")
+    labels: list[int] = []
+    if not text:
+        num_classes = spec["num_classes"]
+        if cfg.class_labels is not None:
+            labels = list(cfg.class_labels)
+        else:
+            labels = [i % num_classes for i in range(cfg.num_samples or num_classes)]
+        bad = [c for c in labels if not 0 <= c < num_classes]
+        if bad or not labels:
+            raise UserError(f"--class_labels: expected labels in 0..{num_classes - 1}, got {bad or 'none'}")
+    out = Path(cfg.out if cfg.out is not None else ("samples" if video else "samples.png"))
+    if video and out.suffix.lower() in (".png", ".jpg", ".mp4", ".gif", ".npz"):
+        raise UserError(f"--out {out}: a video model writes a folder of .mp4 and .gif files; give a folder name")
+
+    vae = _load_vae(cfg, spec, device)
+    if cfg.image_size is not None:
+        if cfg.image_size % vae.downsample:
+            raise UserError(f"--image_size {cfg.image_size}: not divisible by the VAE's downsample factor "
+                            f"{vae.downsample}")
+        spec["input_size"] = cfg.image_size // vae.downsample
+    rebuild = cfg.num_frames is not None and cfg.num_frames != spec["num_frames"]
+    if cfg.num_frames is not None:
+        if not video:
+            raise UserError(f"--num_frames: {spec['model']} is an image model; frames apply to video models")
+        spec["num_frames"] = cfg.num_frames
+    model = _build(cfg.ckpt, state, spec, cfg.use_ema, rebuild).to(device)
+    del state
+
+    if text:
+        y, y_mask = _encode_prompts(cfg, spec, prompts, device)
+        names = [slug(p) for p in prompts]
     else:
-        labels = [i % num_classes for i in range(cfg.num_samples or num_classes)]
-    bad = [c for c in labels if not 0 <= c < num_classes]
-    if bad or not labels:
-        raise UserError(f"--class_labels: expected labels in 0..{num_classes - 1}, got {bad or 'none'}")
-    model.to(device)
-    diffusion = create_diffusion(str(cfg.num_sampling_steps), spec["learn_sigma"])
-    shape = (spec["in_channels"], spec["input_size"], spec["input_size"])
+        table = model.y_embedder.embedding_table.num_embeddings
+        if cfg.cfg_scale != 1.0 and table <= spec["num_classes"]:
+            raise UserError("--cfg_scale: the model has no null label (trained without label dropout), so it "
+                            "cannot be guided; use --cfg_scale 1")
+        y, y_mask = torch.tensor(labels, dtype=torch.long, device=device), None
+        names = [f"class-{c}" for c in labels]
+    s = spec["input_size"]
+    shape = (spec["in_channels"], spec["num_frames"], s, s) if video else (spec["in_channels"], s, s)
     g = torch.Generator(device=device).manual_seed(cfg.seed)
-    chunks = []
-    for start in range(0, len(labels), cfg.batch_size):
-        y = torch.tensor(labels[start : start + cfg.batch_size], device=device)
-        noise = torch.randn((len(y), *shape), generator=g, device=device)
-        fn = guided_model(model, y, cfg.cfg_scale, num_classes)
-        x = sample_loop(diffusion, fn, noise, cfg.sampler, cfg.eta, clip_denoised=True, generator=g, progress=True)
-        chunks.append(to_uint8(x))
-    images = np.concatenate(chunks)
-    nrow = min(len(labels), num_classes if cfg.class_labels is None else 8)
-    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    save_grid(images, cfg.out, nrow=nrow, upscale=max(1, 64 // spec["input_size"]))
+    latents = generate(model, y, shape, y_mask=y_mask, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_sampling_steps,
+                       sampler=cfg.sampler, eta=cfg.eta, learn_sigma=spec["learn_sigma"], generator=g,
+                       batch_size=cfg.batch_size, clip_denoised=isinstance(vae, IdentityVAE), progress=True)
+    del model
+    convert = _to_frames if video else to_uint8
+    samples = np.concatenate([convert(vae.decode(latents[i : i + cfg.batch_size]).float())
+                              for i in range(0, len(latents), cfg.batch_size)])
+    if video:
+        _write_videos(samples, out, names, cfg.fps)
+    else:
+        nrow = min(len(samples), 8 if text or cfg.class_labels is not None else spec["num_classes"])
+        save_grid(samples, out, nrow=nrow, upscale=max(1, 64 // samples.shape[1]))
+        log.info("wrote %d samples (%dx%d) to %s", len(samples), samples.shape[2], samples.shape[1], out)
     if cfg.save_npz:
-        _save_npz(cfg.save_npz, images, np.asarray(labels, dtype=np.int64))
-    log.info("wrote %d samples to %s%s", len(images), cfg.out, f" and {cfg.save_npz}" if cfg.save_npz else "")
-    return images
+        extra = {"prompts": np.array(prompts, dtype=str)} if text else {"labels": np.asarray(labels, dtype=np.int64)}
+        _save_npz(cfg.save_npz, samples=samples, **extra)
+        log.info("wrote %s", cfg.save_npz)
+    return samples
+
+
+def _write_videos(videos: np.ndarray, folder: Path, names: list[str], fps: int) -> None:
+    """Write (N, T, H, W, C) uint8 videos as ``folder/NNN-name.mp4`` plus ``.gif`` (grey is repeated to RGB)."""
+    from ditforge.data.video import display_scale, write_gif, write_video
+
+    width = max(3, len(str(len(videos) - 1)))
+    for i, (frames, name) in enumerate(zip(videos, names)):
+        if frames.shape[-1] == 1:
+            frames = frames.repeat(3, axis=-1)
+        stem = folder / f"{i:0{width}d}-{name}"
+        write_video(frames, stem.with_suffix(".mp4"), fps)
+        write_gif(frames, stem.with_suffix(".gif"), fps)
+        k = display_scale(*frames.shape[1:3])
+        log.info("wrote %s.mp4 and .gif: %d frames of %dx%d (shown %dx enlarged) at %d fps", stem, len(frames),
+                 frames.shape[2], frames.shape[1], k, fps)
+    log.info("wrote %d videos to %s", len(videos), folder)
 
 
 def export(ckpt: str, out: str, use_ema: bool = True) -> Path:
@@ -141,6 +330,6 @@ def export(ckpt: str, out: str, use_ema: bool = True) -> Path:
     return Path(out)
 
 
-def _save_npz(path: str, samples: np.ndarray, labels: np.ndarray) -> None:
+def _save_npz(path: str, **arrays: np.ndarray) -> None:
     with atomic_path(path, suffix=".npz") as tmp:  # np.savez appends .npz to other names
-        np.savez(tmp, samples=samples, labels=labels)
+        np.savez(tmp, **arrays)

@@ -312,7 +312,7 @@ def test_latent_checkpoint_needs_vae(tmp_path, capsys):
     rc = cli.main(["sample", "--ckpt", str(tmp_path / "latent.pt"), "--num_sampling_steps", "2",
                    "--out", str(tmp_path / "x.png"), "--device", "cpu"])
     assert rc == 2
-    assert "VAE" in _one_line_error(capsys)
+    assert "--vae" in _one_line_error(capsys)  # pass --vae FOLDER
     assert not (tmp_path / "x.png").exists()
 
 

@@ -361,3 +361,122 @@ def build_video_dataset(data: str, num_frames: int, frame_interval: int, image_s
         return VideoDataset(clips_rows(), num_frames, frame_interval, image_size, bad_samples_path, seed,
                             name="clips")
     return VideoDataset(data, num_frames, frame_interval, image_size, bad_samples_path, seed)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writing videos (``ditforge sample``)
+
+MIN_DISPLAY_SIDE = 64  # written videos and GIFs are enlarged until their shorter side has at least this many pixels
+
+
+def display_scale(height: int, width: int) -> int:
+    """The integer factor k by which ``write_video`` and ``write_gif`` enlarge frames of ``height`` x ``width``:
+    the smallest k >= 1 with ``k * min(height, width) >= 64`` (8 px -> 8, 12 px -> 6, 64 px and up -> 1)."""
+    return max(1, -(-MIN_DISPLAY_SIDE // min(height, width)))
+
+
+def _check_frames(frames: np.ndarray) -> None:
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"expected uint8 frames (T, H, W, 3), got {getattr(frames, 'dtype', type(frames))} "
+                         f"{getattr(frames, 'shape', '')}")
+    if frames.shape[0] < 1 or frames.shape[1] < 1 or frames.shape[2] < 1:
+        raise ValueError(f"expected at least one frame of at least 1x1 pixels, got shape {frames.shape}")
+
+
+def _enlarge(frames: np.ndarray) -> np.ndarray:
+    """(T, H, W, 3) -> (T, kH, kW, 3), nearest neighbour (each pixel becomes a k x k block), k = display_scale."""
+    k = display_scale(frames.shape[1], frames.shape[2])
+    return frames if k == 1 else frames.repeat(k, axis=1).repeat(k, axis=2)
+
+
+_ENCODER: str | None = None
+
+
+def video_encoder() -> str:
+    """The encoder ``write_video`` uses: ``libx264`` (H.264) when this PyAV/FFmpeg build has it, else ``mpeg4``
+    (MPEG-4 part 2, in every FFmpeg build)."""
+    global _ENCODER
+    if _ENCODER is None:
+        try:
+            av.codec.Codec("libx264", "w")
+            _ENCODER = "libx264"
+        except (av.FFmpegError, ValueError):  # UnknownCodecError is a ValueError
+            _ENCODER = "mpeg4"
+    return _ENCODER
+
+
+def write_video(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
+    """Write frames as a video file (MP4 for ``.mp4``; the container follows the suffix), atomically.
+
+    Encoding: ``video_encoder()`` (H.264 via libx264, CRF 18, else MPEG-4 part 2 at a high bit rate), pixel format
+    yuv420p (what players expect), constant ``fps`` frames per second, one frame per input frame.
+
+    Size rule (yuv420p needs even sides; players show tiny videos as specks): frames are first enlarged by the
+    integer factor k = ``display_scale(H, W)`` (the smallest k with k * min(H, W) >= 64; nearest neighbour, so
+    each pixel becomes a k x k block), then an odd side is padded by one row / column at the bottom / right that
+    repeats the last one. The video is ``(kH + (kH % 2)) x (kW + (kW % 2))``: 8x8 frames -> 64x64, 12x12 -> 72x72,
+    65x65 -> 66x66, 128x96 -> 128x96.
+
+    Args:
+        frames: (T, H, W, 3) uint8 RGB.
+        path: the file to write (its folder is created); written under a temporary name, then renamed.
+        fps: frames per second, >= 1.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        ValueError: frames not uint8 (T, H, W, 3) with T, H, W >= 1, or fps < 1. av.FFmpegError: encoding failed.
+    """
+    _check_frames(frames)
+    if int(fps) != fps or fps < 1:
+        raise ValueError(f"fps must be a positive integer, got {fps}")
+    big = _enlarge(frames)
+    pad_h, pad_w = big.shape[1] % 2, big.shape[2] % 2
+    if pad_h or pad_w:
+        big = np.pad(big, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    height, width = big.shape[1:3]
+    path = Path(path)
+    codec = video_encoder()
+    with atomic_path(path, suffix=path.suffix) as tmp:  # the suffix tells FFmpeg the container
+        with av.open(str(tmp), mode="w") as container:
+            stream = container.add_stream(codec, rate=int(fps))
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            if codec == "libx264":
+                stream.options = {"crf": "18"}
+            else:
+                stream.bit_rate = max(1_000_000, 8 * width * height * int(fps))
+            for array in big:
+                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(array), format="rgb24")
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode())  # flush the delayed frames
+    return path
+
+
+def write_gif(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
+    """Write frames as a looping animated GIF (Pillow), atomically: a preview that shows inline almost anywhere.
+
+    Frames are enlarged by the same integer factor k as ``write_video`` (``display_scale``; nearest neighbour; no
+    padding: GIF takes any size), so the GIF is kH x kW. Each frame shows ``1000 / fps`` ms (Pillow rounds to whole
+    ms; GIF itself stores hundredths of a second), ``loop=0`` repeats forever. Colours are reduced to a 256-colour
+    palette per frame by Pillow. Pillow merges consecutive identical frames into one longer frame.
+
+    Args:
+        frames: (T, H, W, 3) uint8 RGB.
+        path: the file to write (its folder is created); written under a temporary name, then renamed.
+        fps: frames per second, > 0.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        ValueError: frames not uint8 (T, H, W, 3), or fps <= 0.
+    """
+    _check_frames(frames)
+    if not fps > 0:
+        raise ValueError(f"fps must be positive, got {fps}")
+    images = [Image.fromarray(np.ascontiguousarray(f)) for f in _enlarge(frames)]
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], loop=0, duration=1000 / fps)
+    return path

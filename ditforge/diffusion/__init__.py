@@ -1,6 +1,6 @@
 """Gaussian diffusion (schedules, q_sample, posterior, losses) and the DDPM / DDIM samplers."""
 
 from ditforge.diffusion.gaussian import GaussianDiffusion, create_diffusion
-from ditforge.diffusion.samplers import SAMPLERS, guided_model, sample_loop
+from ditforge.diffusion.samplers import SAMPLERS, generate, guided_model, sample_loop
 
-__all__ = ["GaussianDiffusion", "create_diffusion", "guided_model", "sample_loop", "SAMPLERS"]
+__all__ = ["GaussianDiffusion", "create_diffusion", "generate", "guided_model", "sample_loop", "SAMPLERS"]

@@ -1,8 +1,9 @@
-"""Ancestral DDPM and DDIM sampling loops with classifier-free guidance.
+"""Ancestral DDPM and DDIM sampling loops with classifier-free guidance, and ``generate`` (noise -> samples).
 
 Sources: Ho et al. 2020 (ancestral sampling, Algorithm 2), Song et al. 2021 ("DDIM", eq. 12 with eta),
 Ho & Salimans 2022 (classifier-free guidance); loops as in guided-diffusion's ``p_sample_loop`` and
-``ddim_sample_loop``.
+``ddim_sample_loop``; ``generate`` as facebookresearch/DiT ``sample.py`` (respaced diffusion, 2B guided batch).
+No I/O here: writing files is ``ditforge.sample``'s job.
 """
 
 from __future__ import annotations
@@ -10,32 +11,57 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn
+from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn, create_diffusion
 
 SAMPLERS = ("ddpm", "ddim")
 
 
 def guided_model(
-    model: torch.nn.Module, y: torch.Tensor, cfg_scale: float, null_label: int, guidance_channels: int | None = None
+    model: torch.nn.Module, y: torch.Tensor, cfg_scale: float, y_mask: torch.Tensor | None = None,
+    guidance_channels: int | None = None,
 ) -> ModelFn:
-    """Wrap a class-conditional model as ``(x, t) -> output`` with classifier-free guidance.
+    """Wrap a conditional model as ``(x, t) -> output`` with classifier-free guidance.
 
-    The conditional and unconditional passes run as one batch of 2B. On the epsilon channels,
+    The conditional and unconditional passes run as one batch of 2B: ``model(cat[x, x], cat[t, t], cat[y, y],
+    force_drop_ids=cat[False * B, True * B], y_mask=cat[y_mask, y_mask])``. The unconditional half is the same
+    condition with every row dropped, i.e. what the model learnt under label / caption dropout: for class
+    models the null label ``num_classes`` (exactly the official DiT ``forward_with_cfg`` input ``y_null``), for
+    text models the learned null caption. On the epsilon channels
     ``eps = eps_uncond + cfg_scale * (eps_cond - eps_uncond)`` (Ho & Salimans 2022, eq. 6); the learned-variance
-    channels come from the conditional pass. ``cfg_scale == 1`` runs the conditional model alone.
+    channels come from the conditional pass. ``cfg_scale == 1`` runs the conditional model alone (B rows, no
+    ``force_drop_ids``).
 
     Args:
-        model: ``model(x, t, y)`` -> (B, C_out, H, W).
-        y: (B,) int64 labels.
-        guidance_channels: guide only the first k channels; ``None`` guides all eps channels. The official
-            DiT sampler guides 3 of 4 latent channels; pass 3 to reproduce it.
+        model: ``model(x, t, y, force_drop_ids=None, y_mask=None)`` -> (B, C_out, ...) (``DiT.forward``);
+            ``y_mask`` is passed only when given, so class models need not accept it.
+        y: (B,) int64 labels, or (B, L, D_text) text-encoder states.
+        cfg_scale: guidance scale s (1: no guidance; 0: the unconditional model).
+        y_mask: (B, L) bool caption mask of text states; None for labels.
+        guidance_channels: guide only the first k channels; ``None`` guides all eps channels (C = input
+            channels). The official DiT sampler guides 3 of 4 latent channels; pass 3 to reproduce it.
+
+    Returns:
+        ``fn(x (B, C, ...) float, t (B,) int64) -> (B, C_out, ...)`` in the model's output dtype.
+
+    Raises:
+        TypeError: ``y_mask`` neither a tensor nor None (e.g. a null label passed where the removed ``null_label``
+            argument was).
     """
+    if y_mask is not None and not isinstance(y_mask, torch.Tensor):
+        raise TypeError(f"y_mask must be a (B, L) bool tensor or None, got {type(y_mask).__name__} (guided_model "
+                        "has no null_label argument any more: the unconditional half is force_drop_ids=True)")
+    cond_kwargs = {} if y_mask is None else {"y_mask": y_mask}
     if cfg_scale == 1.0:
-        return lambda x, t: model(x, t, y)
-    y_null = torch.full_like(y, null_label)
+        return lambda x, t: model(x, t, y, **cond_kwargs)
+    b = y.shape[0]
+    y2 = torch.cat([y, y])
+    drop = torch.arange(2 * b, device=y.device) >= b  # False: conditional half, True: dropped (unconditional) half
+    kwargs = {"force_drop_ids": drop}
+    if y_mask is not None:
+        kwargs["y_mask"] = torch.cat([y_mask, y_mask])
 
     def fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        out = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, y_null]))
+        out = model(torch.cat([x, x]), torch.cat([t, t]), y2, **kwargs)
         cond, uncond = out.chunk(2)
         k = x.shape[1] if guidance_channels is None else guidance_channels
         guided = uncond[:, :k] + cfg_scale * (cond[:, :k] - uncond[:, :k])
@@ -54,6 +80,7 @@ def sample_loop(
     clip_denoised: bool = False,
     generator: torch.Generator | None = None,
     progress: bool = False,
+    desc: str | None = None,
 ) -> torch.Tensor:
     """Run the reverse process from x_T = ``noise`` down to x_0.
 
@@ -63,6 +90,7 @@ def sample_loop(
         noise: (B, C, ...) starting noise, float32.
         sampler: ``"ddpm"`` (ancestral, learned or fixed variance) or ``"ddim"`` (``eta`` = 0 is deterministic).
         generator: source of the per-step noise; same generator state, same samples.
+        progress: show a tqdm bar over the steps (on stderr); ``desc`` labels it (default "<sampler> sampling").
 
     Returns:
         (B, C, ...) float32 samples.
@@ -74,7 +102,7 @@ def sample_loop(
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
     x = noise
     steps = range(diffusion.num_timesteps - 1, -1, -1)
-    for i in tqdm(steps, desc=f"{sampler} sampling", disable=not progress, leave=False):
+    for i in tqdm(steps, desc=desc or f"{sampler} sampling", disable=not progress, leave=False):
         t = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
         out = diffusion.p_mean_variance(model_fn(x, diffusion.model_timesteps(t)), x, t, clip_denoised)
         z = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype).double()
@@ -89,3 +117,76 @@ def sample_loop(
             x_prev = x_prev + (i > 0) * sigma * z
         x = x_prev.to(noise.dtype)
     return x
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    y: torch.Tensor,
+    shape: tuple[int, ...],
+    *,
+    y_mask: torch.Tensor | None = None,
+    cfg_scale: float = 4.0,
+    num_steps: int = 250,
+    sampler: str = "ddpm",
+    eta: float = 0.0,
+    learn_sigma: bool = True,
+    generator: torch.Generator | None = None,
+    batch_size: int | None = None,
+    clip_denoised: bool = True,
+    guidance_channels: int | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Draw one sample per condition row: respaced diffusion, classifier-free guidance, in batches.
+
+    The shared sampler of ``ditforge sample`` and the trainer's periodic sample grids. The starting noise of all
+    N samples is drawn first, as one (N, *shape) tensor from ``generator`` (so sample i starts from the same
+    x_T whatever ``batch_size``); then each batch of ``batch_size`` rows runs ``sample_loop`` with the same
+    generator for its per-step noise. Same generator state and settings -> same samples (on the same device).
+    With ``batch_size`` >= N this is exactly ``noise = randn((N, *shape), generator)`` then one
+    ``sample_loop(create_diffusion(str(num_steps), learn_sigma), guided_model(...), noise, ...)``.
+
+    Args:
+        model: a conditional DiT / vDiT in eval mode (see ``guided_model``), on ``y``'s device.
+        y: (N,) int64 labels, or (N, L, D_text) text-encoder states.
+        shape: the shape of one sample, e.g. (C, H, W) or (C, T, H, W) (latent or pixel).
+        y_mask: (N, L) bool caption mask for text states; None for labels.
+        cfg_scale: guidance scale (1: no guidance, B rows per model call instead of 2B).
+        num_steps: sampling steps; the 1000-step training process is respaced to them (2..1000).
+        sampler, eta: ``"ddpm"`` (ancestral) or ``"ddim"`` with ``eta`` (0: deterministic), see ``sample_loop``.
+        learn_sigma: the model predicts the variance too (C_out = 2C).
+        generator: random source, on ``y``'s device (None: the global RNG).
+        batch_size: samples per ``sample_loop`` (each model call sees 2 x that with guidance); None: all N.
+        clip_denoised: clamp predicted x_0 to [-1, 1] (right for pixels; DiT's sampler uses False for VAE
+            latents, which are not bounded so).
+        guidance_channels: see ``guided_model``.
+        progress: a tqdm bar over the steps of each batch.
+
+    Returns:
+        (N, *shape) float32 samples on ``y``'s device.
+
+    Raises:
+        ValueError: unknown sampler, ``num_steps`` outside 2..1000, ``batch_size`` < 1, or ``y_mask`` rows
+            that do not match ``y``.
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
+    if not 2 <= num_steps <= 1000:
+        raise ValueError(f"num_steps must be in 2..1000 (1 step cannot be respaced), got {num_steps}")
+    n = y.shape[0]
+    if y_mask is not None and y_mask.shape[0] != n:
+        raise ValueError(f"y_mask has {y_mask.shape[0]} rows, y has {n}")
+    batch_size = n if batch_size is None else batch_size
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    device = y.device
+    diffusion = create_diffusion(str(num_steps), learn_sigma)
+    noise = torch.randn((n, *shape), generator=generator, device=device, dtype=torch.float32)
+    out = []
+    batches = range(0, n, batch_size)
+    for j, start in enumerate(batches):
+        rows = slice(start, start + batch_size)
+        fn = guided_model(model, y[rows], cfg_scale, None if y_mask is None else y_mask[rows], guidance_channels)
+        desc = f"{sampler} sampling" + (f" (batch {j + 1}/{len(batches)})" if len(batches) > 1 else "")
+        out.append(sample_loop(diffusion, fn, noise[rows], sampler, eta, clip_denoised, generator, progress, desc))
+    return torch.cat(out).float()

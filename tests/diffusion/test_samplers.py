@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ditforge.diffusion import SAMPLERS, create_diffusion, guided_model, sample_loop
+from ditforge.diffusion import SAMPLERS, create_diffusion, generate, guided_model, sample_loop
 
 
 @pytest.fixture(autouse=True)
@@ -333,15 +333,19 @@ def toy_cond_np(x, t, y, C_out):
 
 
 class ToyCondModel(torch.nn.Module):
-    """model(x, t, y) in float64 matching ``toy_cond_np``; records the batch sizes and labels it is called with."""
+    """model(x, t, y, force_drop_ids) in float64 matching ``toy_cond_np``; dropped rows (force_drop_ids True) get
+    the null label NUM_CLASSES, as DiT's LabelEmbedder does. Records the batch size, the labels in effect (after
+    dropping), t, x and force_drop_ids of every call."""
 
     def __init__(self, C_out):
         super().__init__()
         self.C_out = C_out
         self.calls = []
 
-    def forward(self, x, t, y):
-        self.calls.append((x.shape[0], y.clone(), t.clone(), x.clone()))
+    def forward(self, x, t, y, force_drop_ids=None):
+        if force_drop_ids is not None:
+            y = torch.where(force_drop_ids == 1, NUM_CLASSES, y)
+        self.calls.append((x.shape[0], y.clone(), t.clone(), x.clone(), force_drop_ids))
         out = toy_cond_np(x.double().numpy(), t.numpy(), y.numpy(), self.C_out)
         return torch.from_numpy(out)
 
@@ -356,11 +360,12 @@ def test_guided_model_combination(cfg_scale, seed):
     t = torch.from_numpy(rng.integers(0, 1000, size=B))
     y = torch.from_numpy(rng.integers(0, NUM_CLASSES, size=B))
     model = ToyCondModel(2 * C)
-    out = guided_model(model, y, cfg_scale, NUM_CLASSES)(x, t).numpy()
-    # one batched call of 2B: (x, x), (t, t), (y, null)
+    out = guided_model(model, y, cfg_scale)(x, t).numpy()
+    # one batched call of 2B: (x, x), (t, t), (y, y) with the second half dropped, i.e. (y, null)
     assert len(model.calls) == 1
-    n, ys, ts, xs = model.calls[0]
+    n, ys, ts, xs, drop = model.calls[0]
     assert n == 2 * B
+    assert drop.dtype == torch.bool and drop.tolist() == [False] * B + [True] * B
     assert ys.tolist() == y.tolist() + [NUM_CLASSES] * B
     assert torch.equal(ts, torch.cat([t, t])) and torch.equal(xs, torch.cat([x, x]))
     cond = toy_cond_np(x.numpy(), t.numpy(), y.numpy(), 2 * C)
@@ -379,7 +384,7 @@ def test_guided_model_guidance_channels(k):
     x = torch.from_numpy(rng.standard_normal((B, C, 2, 2)))
     t = torch.from_numpy(rng.integers(0, 1000, size=B))
     y = torch.from_numpy(rng.integers(0, NUM_CLASSES, size=B))
-    out = guided_model(ToyCondModel(2 * C), y, s, NUM_CLASSES, guidance_channels=k)(x, t).numpy()
+    out = guided_model(ToyCondModel(2 * C), y, s, guidance_channels=k)(x, t).numpy()
     cond = toy_cond_np(x.numpy(), t.numpy(), y.numpy(), 2 * C)
     uncond = toy_cond_np(x.numpy(), t.numpy(), np.full(B, NUM_CLASSES), 2 * C)
     np.testing.assert_allclose(out[:, :k], uncond[:, :k] + s * (cond[:, :k] - uncond[:, :k]), rtol=1e-12, atol=1e-14)
@@ -393,7 +398,7 @@ def test_guided_model_fixed_sigma_guides_all_channels():
     x = torch.from_numpy(rng.standard_normal((B, C, 2, 2)))
     t = torch.from_numpy(rng.integers(0, 1000, size=B))
     y = torch.from_numpy(rng.integers(0, NUM_CLASSES, size=B))
-    out = guided_model(ToyCondModel(C), y, s, NUM_CLASSES)(x, t).numpy()
+    out = guided_model(ToyCondModel(C), y, s)(x, t).numpy()
     cond = toy_cond_np(x.numpy(), t.numpy(), y.numpy(), C)
     uncond = toy_cond_np(x.numpy(), t.numpy(), np.full(B, NUM_CLASSES), C)
     assert out.shape == (B, C, 2, 2)
@@ -407,9 +412,9 @@ def test_guided_model_scale_one_single_conditional_call():
     t = torch.from_numpy(rng.integers(0, 1000, size=B))
     y = torch.from_numpy(rng.integers(0, NUM_CLASSES, size=B))
     model = ToyCondModel(2 * C)
-    fn = guided_model(model, y, 1.0, NUM_CLASSES)
+    fn = guided_model(model, y, 1.0)
     out = fn(x, t).numpy()
-    assert len(model.calls) == 1 and model.calls[0][0] == B
+    assert len(model.calls) == 1 and model.calls[0][0] == B and model.calls[0][4] is None  # nothing dropped
     assert torch.equal(model.calls[0][1], y)
     np.testing.assert_allclose(out, toy_cond_np(x.numpy(), t.numpy(), y.numpy(), 2 * C), rtol=1e-12, atol=1e-14)
     fn(x, t)
@@ -425,7 +430,9 @@ def test_guided_sampling_end_to_end_with_oracles():
     points = rng.uniform(-0.3, 0.3, size=(NUM_CLASSES + 1, C, 2, 2))  # row NUM_CLASSES is the null label
 
     class PointOracleModel(torch.nn.Module):
-        def forward(self, x, t, y):
+        def forward(self, x, t, y, force_drop_ids=None):
+            if force_drop_ids is not None:
+                y = torch.where(force_drop_ids, NUM_CLASSES, y)
             ab = col(ABAR[t.numpy()], x.ndim)
             x0 = points[y.numpy()]
             eps = (x.double().numpy() - np.sqrt(ab) * x0) / np.sqrt(1 - ab)
@@ -433,7 +440,110 @@ def test_guided_sampling_end_to_end_with_oracles():
 
     y = torch.tensor([0, 3, 7, 9])
     d = create_diffusion("25", learn_sigma=False)
-    out = sample_loop(d, guided_model(PointOracleModel(), y, s, NUM_CLASSES), randn((4, C, 2, 2), 77), "ddim")
+    out = sample_loop(d, guided_model(PointOracleModel(), y, s), randn((4, C, 2, 2), 77), "ddim")
     u = points[NUM_CLASSES]
     expect = u + s * (points[y.numpy()] - u)
     np.testing.assert_allclose(out.double().numpy(), expect, rtol=0, atol=1e-4)
+
+
+class ToyTextModel(torch.nn.Module):
+    """model(x, t, states, force_drop_ids, y_mask) in float64: dropped rows see every token replaced by a fixed
+    null token (as DiT's CaptionEmbedder), and the output depends on the masked mean of the tokens."""
+
+    def __init__(self, D):
+        super().__init__()
+        self.null = np.random.default_rng(90).standard_normal(D)
+        self.calls = []
+
+    def forward(self, x, t, y, force_drop_ids=None, y_mask=None):
+        self.calls.append((y.clone(), y_mask.clone(), force_drop_ids))
+        return torch.from_numpy(toy_text_np(x.numpy(), t.numpy(), y.numpy(), y_mask.numpy(),
+                                            None if force_drop_ids is None else force_drop_ids.numpy(), self.null))
+
+
+def toy_text_np(x, t, states, mask, drop, null):
+    states = states.copy()
+    if drop is not None:
+        states[drop] = null
+    m = mask[..., None].astype(np.float64)
+    pooled = (states * m).sum(1) / m.sum(1)  # (B, D)
+    feat = col(pooled.sum(1), x.ndim)
+    return np.tanh(x * (1 + 0.1 * feat) + 1e-3 * col(t.astype(np.float64), x.ndim))
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.5])
+def test_guided_model_text_states(cfg_scale):
+    # The unconditional half is the same captions with every row dropped (the null caption), masks doubled.
+    rng = np.random.default_rng(91)
+    B, L, D, C = 3, 5, 4, 2
+    x = torch.from_numpy(rng.standard_normal((B, C, 2, 2)))
+    t = torch.from_numpy(rng.integers(0, 1000, size=B))
+    states = torch.from_numpy(rng.standard_normal((B, L, D)))
+    mask = torch.from_numpy(np.arange(L)[None] < rng.integers(1, L + 1, size=(B, 1)))
+    model = ToyTextModel(D)
+    out = guided_model(model, states, cfg_scale, y_mask=mask)(x, t).numpy()
+    cond = toy_text_np(x.numpy(), t.numpy(), states.numpy(), mask.numpy(), None, model.null)
+    if cfg_scale == 1.0:
+        assert model.calls[0][2] is None and torch.equal(model.calls[0][1], mask)
+        np.testing.assert_allclose(out, cond, rtol=1e-12, atol=1e-14)
+        return
+    ys, masks, drop = model.calls[0]
+    assert torch.equal(ys, torch.cat([states, states])) and torch.equal(masks, torch.cat([mask, mask]))
+    assert drop.tolist() == [False] * B + [True] * B
+    uncond = toy_text_np(x.numpy(), t.numpy(), states.numpy(), mask.numpy(), np.ones(B, bool), model.null)
+    np.testing.assert_allclose(out, uncond + cfg_scale * (cond - uncond), rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generate: noise -> guided, respaced, batched sampling
+# ----------------------------------------------------------------------------------------------------------
+def _labels(seed, n):
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, NUM_CLASSES, size=n))
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_generate_is_noise_then_sample_loop(sampler):
+    # Reference: the explicit recipe (all starting noise first, then one guided sample_loop on the same generator).
+    C, n, seed = 2, 5, int(np.random.default_rng().integers(0, 2**31))
+    y = _labels(92, n)
+    got = generate(ToyCondModel(2 * C), y, (C, 3, 3), cfg_scale=2.5, num_steps=6, sampler=sampler, eta=0.5,
+                   learn_sigma=True, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn((n, C, 3, 3), generator=g)
+    ref = sample_loop(create_diffusion("6", True), guided_model(ToyCondModel(2 * C), y, 2.5), noise, sampler, 0.5,
+                      True, g)
+    assert got.dtype == torch.float32 and got.shape == (n, C, 3, 3)
+    assert torch.equal(got, ref)
+
+
+def test_generate_batches():
+    # Batches of 2 + 2 + 1: starting noise drawn for all 5 first, then each batch's loop on the same generator.
+    C, n, seed = 1, 5, int(np.random.default_rng().integers(0, 2**31))
+    y = _labels(93, n)
+    model = ToyCondModel(C)
+    got = generate(model, y, (C, 2, 2), cfg_scale=3.0, num_steps=4, learn_sigma=False,
+                   generator=torch.Generator().manual_seed(seed), batch_size=2)
+    assert {c[0] for c in model.calls} == {4, 2}  # 2B rows per guided call
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn((n, C, 2, 2), generator=g)
+    d = create_diffusion("4", False)
+    ref = torch.cat([sample_loop(d, guided_model(ToyCondModel(C), y[i:i + 2], 3.0), noise[i:i + 2], "ddpm", 0.0,
+                                 True, g) for i in range(0, n, 2)])
+    assert torch.equal(got, ref)
+
+
+def test_generate_deterministic_and_seed_dependent():
+    y = _labels(94, 3)
+
+    def run(seed):
+        return generate(ToyCondModel(2), y, (1, 2, 2), num_steps=5, generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_steps=1), dict(num_steps=1001), dict(sampler="euler"),
+                                    dict(batch_size=0), dict(y_mask=torch.ones(2, 3, dtype=torch.bool))])
+def test_generate_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        generate(ToyCondModel(2), _labels(95, 3), (1, 2, 2), **{"num_steps": 4, **kwargs})
