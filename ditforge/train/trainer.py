@@ -143,7 +143,7 @@ def sample_grid(
     g = torch.Generator(device=device).manual_seed(seed)
     noise = torch.randn((len(labels), *shape), generator=g, device=device)
     diffusion = create_diffusion(str(num_steps), learn_sigma)
-    fn = guided_model(model, labels, cfg_scale, model.num_classes)
+    fn = guided_model(model, labels, cfg_scale)
     return sample_loop(diffusion, fn, noise, "ddpm", clip_denoised=True, generator=g)
 
 
