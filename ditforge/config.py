@@ -17,6 +17,7 @@ from ditforge.errors import UserError
 
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
+CONDITIONS = ("auto", "class", "text")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -26,20 +27,37 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    model: str = _f("DiT-T/2", "model name: DiT-{T,S,B,L,XL}/{1,2,4,8}, e.g. DiT-XL/2; video "
-                               "models vDiT-{T,S,B,L,XL}/{t}{h}{w} such as vDiT-XL/222 run in `ditforge bench` "
-                               "(no video data loader yet)")
+    model: str | None = _f(None, "model name: DiT-{T,S,B,L,XL}/{1,2,4,8} (e.g. DiT-XL/2) for images; for videos "
+                                 "vDiT-{T,S,B,L,XL}/{t}{h}{w} (3-D patches, full attention, e.g. vDiT-XL/222) or "
+                                 "STDiT-{T,S,B,L,XL}/{p} (spatial and temporal attention, e.g. STDiT-XL/2) "
+                                 "(default: DiT-T/2 for images, vDiT-T/244 for videos)")
+    condition: str = _f("auto", "conditioning: class (labels) | text (cross-attention to caption states) | auto "
+                                "(text for video data, class for images)", choices=CONDITIONS)
+    text_encoder: str | None = _f(None, "local Hugging Face folder of the caption encoder (T5, CLIP or BERT-like; "
+                                        "default: the shipped all-MiniLM-L6-v2)")
+    text_max_length: int | None = _f(None, "caption tokens kept, special tokens included (default: the "
+                                           "encoder's: T5 120, CLIP 77, MiniLM 256)")
+    vae: str = _f("none", "local diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema) to train on its latents "
+                          "(video: frame by frame), or none for pixel space")
+    qk_norm: bool = _f(False, "LayerNorm on the queries and keys of every attention (stability of large models)")
     num_classes: int | None = _f(None, "number of class labels (default: from the data)")
     learn_sigma: bool = _f(True, "predict the variance too (hybrid loss of Improved DDPM)")
     class_dropout_prob: float = _f(0.1, "label dropout probability for classifier-free guidance")
     in_channels: int | None = _f(None, "input channels (default: from the data)", cli=False)
     input_size: int | None = _f(None, "spatial input size of the model (default: --image_size)", cli=False)
+    num_frames: int | None = _f(None, "frames of the model's input (video models: --num_frames)", cli=False)
+    text_dim: int | None = _f(None, "width of the caption states (text conditioning; from the encoder)", cli=False)
 
 
 @dataclass
 class DataConfig:
-    data: str = _f("digits", "'digits' (built-in) or an image folder ROOT/<class>/<image>")
-    image_size: int | None = _f(None, "image side in pixels (digits: 8; required for image folders)")
+    data: str = _f("digits", "digits (built-in 8x8 images) | clips (built-in captioned videos) | a video CSV "
+                             "(path,text[,num_frames,fps,height,width]; see `ditforge preprocess`) | an image "
+                             "folder ROOT/<class>/<image> | a features folder of `ditforge extract-features`")
+    image_size: int | None = _f(None, "image (frame) side in pixels (digits: 8; clips: 32; required otherwise)")
+    num_frames: int | None = _f(None, "frames per video clip (video data; default 16)")
+    frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
+                                "stride that fits")
     random_flip: bool | None = _f(None, "random horizontal flips (default: on for image folders, off for digits)")
     num_workers: int | None = _f(None, "data loader worker processes (default: 0 for digits, which lives in "
                                        "memory, 4 for image folders)")
@@ -50,7 +68,7 @@ class TrainConfig:
     batch_size: int = _f(64, "global batch size (all processes together)")
     max_steps: int | None = _f(None, "optimizer steps to run (default: 1000, or --epochs)")
     epochs: int | None = _f(None, "epochs to run instead of --max_steps")
-    lr: float | None = _f(None, "AdamW learning rate (default: 1e-4 as DiT's paper; 1e-3 for the tiny DiT-T)")
+    lr: float | None = _f(None, "AdamW learning rate (default: 1e-4 as DiT's paper; 1e-3 for the tiny DiT-T and vDiT-T)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
     max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0: no clipping)")
@@ -212,7 +230,9 @@ def validate(cfg: RunConfig) -> None:
     t = cfg.train
     positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
                 "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
-                "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes}
+                "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes,
+                "num_frames": cfg.data.num_frames, "frame_interval": cfg.data.frame_interval,
+                "text_max_length": cfg.model.text_max_length}
     for name, value in positive.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise UserError(f"--{name}: expected a positive integer, got {value!r}")
@@ -232,6 +252,8 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--plugin: expected one of {', '.join(PLUGINS)}, got {cfg.parallel.plugin}")
     if t.mixed_precision not in MIXED_PRECISION:
         raise UserError(f"--mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, got {t.mixed_precision}")
+    if cfg.model.condition not in CONDITIONS:
+        raise UserError(f"--condition: expected one of {', '.join(CONDITIONS)}, got {cfg.model.condition}")
     if t.compile not in COMPILE_MODES:
         raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {t.compile}")
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
@@ -241,4 +263,5 @@ def validate(cfg: RunConfig) -> None:
 
     parse_checkpoint_policy(t.grad_checkpoint)
 
-    model_spec(cfg.model.model)
+    if cfg.model.model is not None:
+        model_spec(cfg.model.model)

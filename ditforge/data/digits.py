@@ -22,6 +22,8 @@ class DigitsDataset(Dataset):
     num_classes = 10
     in_channels = 1
     image_size = 8
+    class_captions = [f"a handwritten digit {w}" for w in
+                      "zero one two three four five six seven eight nine".split()]  # for --condition text
 
     def __init__(self) -> None:
         self.images, self.labels = load_digits_arrays()

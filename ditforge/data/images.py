@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -86,7 +87,8 @@ def load_or_substitute(i: int, n: int, load: Callable[[int], T], report: Callabl
 class ImageFolderDataset(Dataset):
     """Images under ``root/<class>/``, centre-cropped and resized to ``image_size``, scaled to [-1, 1].
 
-    Items are ``(image (3, S, S) float32, label int)``. An image that cannot be read at training time is
+    Items are ``(image (3, S, S) float32, label int)``; ``class_captions`` are the folder names with ``_`` and
+    ``-`` as spaces (captions for ``--condition text``). An image that cannot be read at training time is
     logged (and recorded once in ``bad_samples_path`` as a JSON line when set, see ``report_bad_samples``) and
     replaced by the next readable one, so one bad file never stops a long run.
 
@@ -113,6 +115,7 @@ class ImageFolderDataset(Dataset):
         if not self.samples:
             raise UserError(f"--data: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) under {root}")
         self.num_classes = len(self.classes)
+        self.class_captions = [" ".join(re.split(r"[_\-\s]+", name)).strip() for name in self.classes]
         self.image_size = image_size
         self.bad_samples_path = bad_samples_path
 
@@ -145,16 +148,19 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
 
 
 def save_grid(images: np.ndarray, path: str | Path, nrow: int, upscale: int = 1, pad: int = 1) -> None:
-    """Write (N, H, W, C) uint8 images as one PNG grid of ``nrow`` per row, each enlarged ``upscale`` times
-    (nearest neighbour, so small images stay sharp). Written to a temporary name, then renamed."""
+    """Write (N, H, W, C) uint8 images as one PNG grid (``make_grid``). Written to a temporary name, then renamed."""
+    grid = make_grid(images, nrow, upscale, pad)
+    with atomic_path(path) as tmp:
+        Image.fromarray(grid[..., 0] if grid.shape[-1] == 1 else grid).save(tmp, format="PNG")
+
+
+def make_grid(images: np.ndarray, nrow: int, upscale: int = 1, pad: int = 1) -> np.ndarray:
+    """(N, H, W, C) uint8 images -> one (GH, GW, C) uint8 grid of ``nrow`` per row with ``pad`` black pixels
+    between them, enlarged ``upscale`` times (nearest neighbour, so small images stay sharp)."""
     n, h, w, c = images.shape
     rows = -(-n // nrow)
     grid = np.zeros((rows * (h + pad) + pad, nrow * (w + pad) + pad, c), dtype=np.uint8)
     for i, img in enumerate(images):
         r, q = divmod(i, nrow)
         grid[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + q * (w + pad) : pad + q * (w + pad) + w] = img
-    pil = Image.fromarray(grid[..., 0] if c == 1 else grid)
-    if upscale > 1:
-        pil = pil.resize((pil.width * upscale, pil.height * upscale), resample=Image.NEAREST)
-    with atomic_path(path) as tmp:
-        pil.save(tmp, format="PNG")
+    return grid.repeat(upscale, axis=0).repeat(upscale, axis=1) if upscale > 1 else grid

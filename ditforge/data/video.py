@@ -244,12 +244,15 @@ class VideoDataset(Dataset):
     a video with fewer than T frames is too short (a bad sample). The start frame is uniform in the valid
     range from a generator seeded by ``derive_seed(seed, index)`` (the same clip of sample ``index`` every time
     it is read, on any process), or the middle of the range (``(max_start) // 2``) with ``random_start=False``.
+    So ``cache=True`` (keep decoded clips in memory; the built-in ``clips`` does) changes nothing but speed.
 
     Each frame is resized with Pillow as DiT's ``center_crop_arr`` does for images (box-filter halving while
     the short side is at least twice ``image_size``, then bicubic, which antialiases) and centre-cropped.
 
-    Items are dicts: ``video`` (3, T, S, S) float32 in [-1, 1] (``uint8 / 127.5 - 1``), ``text`` str,
-    ``index`` int (the sample actually returned, which is a substitute when ``index`` was bad).
+    Items are dicts: ``video`` (3, T, S, S) float32 in [-1, 1] (``uint8 / 127.5 - 1``), ``text`` str, ``label``
+    int (the caption's index in ``classes``, the sorted distinct captions: class-conditional training on e.g.
+    UCF101, whose captions are the action classes), ``index`` int (the sample actually returned, which is a
+    substitute when ``index`` was bad).
 
     Bad input never stops a run. Rows whose file is missing (or whose ``path`` is empty or row is cut short)
     are dropped at start, counted in ``num_dropped`` and recorded in ``bad_samples_path`` (JSON lines with the
@@ -265,7 +268,7 @@ class VideoDataset(Dataset):
 
     def __init__(self, source: str | Path | Sequence[Mapping[str, str]], num_frames: int, frame_interval: int,
                  image_size: int, bad_samples_path: str | Path | None = None, seed: int = 0,
-                 random_start: bool = True, name: str | None = None):
+                 random_start: bool = True, name: str | None = None, cache: bool = False):
         for flag, value in (("--num_frames", num_frames), ("--frame_interval", frame_interval),
                             ("--image_size", image_size)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -308,8 +311,12 @@ class VideoDataset(Dataset):
         if not self.paths:
             raise UserError(f"--data: {self.name} has no valid rows ({len(rows)} rows, {len(dropped)} with a "
                             "missing file or no path/text; expected rows path,text naming existing video files)")
+        self.classes = sorted(set(self.texts))  # distinct captions as class labels (UCF101: the action classes)
+        self.num_classes = len(self.classes)
+        self._label = {text: i for i, text in enumerate(self.classes)}
         self.max_substitutions = len(self.paths)  # every sample may be tried before giving up
         self._bad: dict[int, str] = {}  # known bad samples of this process (index -> error): not decoded again
+        self._cache: dict[int, torch.Tensor] | None = {} if cache else None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -328,15 +335,20 @@ class VideoDataset(Dataset):
         """
         if index in self._bad:
             raise BadVideo(f"found bad before ({self._bad[index]})")
+        if self._cache is not None and index in self._cache:
+            return self._cache[index]
         frames, _ = read_clip(self.paths[index], self.num_frames, self.frame_interval,
                               lambda m: self.start_frame(index, m))
         arr = np.stack([center_crop_arr(Image.fromarray(f), self.image_size) for f in frames])  # (T, S, S, 3)
-        return torch.from_numpy(arr).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
+        clip = torch.from_numpy(arr).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
+        if self._cache is not None:
+            self._cache[index] = clip
+        return clip
 
     def __getitem__(self, index: int) -> dict:
         j, video = load_or_substitute(index, len(self.paths), self.load, self._report_bad, DECODE_ERRORS,
                                       self.max_substitutions, "unusable videos")
-        return {"video": video, "text": self.texts[j], "index": j}
+        return {"video": video, "text": self.texts[j], "label": self._label[self.texts[j]], "index": j}
 
     def _report_bad(self, j: int, error: Exception) -> None:
         if j in self._bad:
@@ -359,7 +371,7 @@ def build_video_dataset(data: str, num_frames: int, frame_interval: int, image_s
         from ditforge.data.clips import clips_rows
 
         return VideoDataset(clips_rows(), num_frames, frame_interval, image_size, bad_samples_path, seed,
-                            name="clips")
+                            name="clips", cache=True)
     return VideoDataset(data, num_frames, frame_interval, image_size, bad_samples_path, seed)
 
 

@@ -123,6 +123,27 @@ class VAE(FrozenModel):
             UserError naming ``--image_size`` when H or W is not divisible by ``downsample``; ValueError for a
             wrong rank or channel count.
         """
+        z, std, t = self._posterior(x, micro_batch)
+        if sample:
+            from diffusers.utils.torch_utils import randn_tensor
+
+            eps = randn_tensor(z.shape, generator=generator, device=z.device, dtype=z.dtype)
+            z = z + std * eps
+        return _unfold((z - self._shift) * self._scale, t)
+
+    @torch.no_grad()
+    def encode_moments(self, x: torch.Tensor, micro_batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pixels -> the posterior of the scaled latents, N(mean, std^2), for drawing latents later (training draws
+        a fresh ``mean + std * eps`` every step, whether the moments come from here or from stored features).
+
+        Args and shapes as ``encode``. Returns (mean, std), both (B, latent_channels, [T,] h, w) in the VAE's dtype:
+        ``(mean_z - shift_factor) * scaling_factor`` and ``std_z * scaling_factor``.
+        """
+        z, std, t = self._posterior(x, micro_batch)
+        return _unfold((z - self._shift) * self._scale, t), _unfold(std * self._scale, t)
+
+    def _posterior(self, x: torch.Tensor, micro_batch: int | None) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Unscaled posterior mean and std of the frames (folded to (B*T, c, h, w)), and T (None for images)."""
         _check_input(x, self.in_channels, self.downsample, "pixels", self.path)
         frames, t = _fold(x.to(device=self.device, dtype=self.dtype))
         step = int(micro_batch or self.micro_batch)
@@ -131,13 +152,7 @@ class VAE(FrozenModel):
             dist = self.model.encode(frames[i:i + step]).latent_dist
             means.append(dist.mean)
             stds.append(dist.std)
-        z = torch.cat(means)
-        if sample:
-            from diffusers.utils.torch_utils import randn_tensor
-
-            eps = randn_tensor(z.shape, generator=generator, device=z.device, dtype=z.dtype)
-            z = z + torch.cat(stds) * eps
-        return _unfold((z - self._shift) * self._scale, t)
+        return torch.cat(means), torch.cat(stds), t
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor:
@@ -191,6 +206,11 @@ class IdentityVAE:
         """x (B, C, H, W) or (B, C, T, H, W) -> x on ``device`` in ``dtype`` (generator, sample ignored)."""
         _check_input(x, self.channels, 1, "pixels", self.path)
         return x.to(device=self.device, dtype=self.dtype)
+
+    def encode_moments(self, x: torch.Tensor, micro_batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x -> (x on ``device`` in ``dtype``, zeros like it): pixels are their own, noiseless, posterior."""
+        x = self.encode(x)
+        return x, torch.zeros_like(x)
 
     def decode(self, latents: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor:
         """latents -> latents on ``device`` in ``dtype``."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
@@ -29,8 +30,10 @@ from ditforge.atomic import atomic_path
 from ditforge.config import RunConfig
 from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset
 from ditforge.data.sampler import derive_seed
-from ditforge.data.images import save_grid, to_uint8
-from ditforge.diffusion import GaussianDiffusion, create_diffusion, guided_model, sample_loop
+from ditforge.data.images import make_grid, save_grid, to_uint8
+from ditforge.data.video import write_gif
+from ditforge.encoders.batch import BatchEncoder, as_batch, build_batch_encoder
+from ditforge.diffusion import GaussianDiffusion, create_diffusion, generate
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
@@ -56,24 +59,27 @@ class StepRandomness:
 
     noise: torch.Tensor  # like x
     t: torch.Tensor  # (B,) int64 timesteps
-    drop: torch.Tensor  # (B,) bool, labels replaced by the null label
+    drop: torch.Tensor  # (B,) bool, labels (captions) replaced by the null label (caption)
     flip: torch.Tensor  # (B,) bool, horizontal flips
+    eps: torch.Tensor | None = None  # like x: the VAE posterior's noise (latents = mean + std * eps), or None
 
 
 def step_randomness(
     seed: int, step: int, global_batch: int, sample_shape: tuple[int, ...], num_timesteps: int,
-    drop_prob: float, device: torch.device, rank: int = 0, world_size: int = 1,
+    drop_prob: float, device: torch.device, rank: int = 0, world_size: int = 1, latent_noise: bool = False,
 ) -> StepRandomness:
     """Counter-based randomness: drawn for the whole global batch from a generator seeded by (seed, step),
-    then sliced for this rank, so a step sees the same numbers whatever the number of processes."""
+    then sliced for this rank, so a step sees the same numbers whatever the number of processes (and
+    whether the latents are encoded on the fly or read from stored features). ``latent_noise`` adds ``eps``."""
     g = torch.Generator(device=device).manual_seed(derive_seed(seed, step))
     noise = torch.randn((global_batch, *sample_shape), generator=g, device=device)
     t = torch.randint(0, num_timesteps, (global_batch,), generator=g, device=device)
     drop = torch.rand(global_batch, generator=g, device=device) < drop_prob
     flip = torch.rand(global_batch, generator=g, device=device) < 0.5
+    eps = torch.randn((global_batch, *sample_shape), generator=g, device=device) if latent_noise else None
     local = global_batch // world_size
     sl = slice(rank * local, (rank + 1) * local)
-    return StepRandomness(noise[sl], t[sl], drop[sl], flip[sl])
+    return StepRandomness(noise[sl], t[sl], drop[sl], flip[sl], eps[sl] if latent_noise else None)
 
 
 def ema_decay_at(decay: float, step: int) -> float:
@@ -90,10 +96,14 @@ def learning_rate(cfg: RunConfig, step: int) -> float:
 
 def train_step(
     model: nn.Module, diffusion: GaussianDiffusion, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, micro_batches: list[tuple[torch.Tensor, torch.Tensor, StepRandomness]],
+    scaler: torch.amp.GradScaler | None, micro_batches: list[tuple[torch.Tensor, dict, StepRandomness]],
     amp_dtype: torch.dtype, max_grad_norm: float, d: Dist,
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this process's micro-batches, on the diffusion loss.
+
+    A micro-batch is (x0 (B, C, [T,] H, W) latents or pixels, the model's condition keywords (``{"y": labels}``
+    or ``{"y": text states, "y_mask": mask}``, see ``BatchEncoder.conditioning``), its ``StepRandomness``).
+    Flips apply to x0 (for VAE latents: flipping the latents, as an approximation of encoding flipped pixels).
 
     The loss of each micro-batch is its sum over samples divided by this process's whole batch, so the
     accumulated gradient is this process's mean; DDP / FSDP then average over processes, which gives the
@@ -110,12 +120,12 @@ def train_step(
         if amp_dtype != torch.float32 else contextlib.nullcontext()
     )
     sums: dict[str, torch.Tensor] = {}
-    for i, (x, y, rnd) in enumerate(micro_batches):
+    for i, (x, cond, rnd) in enumerate(micro_batches):
         x = torch.where(rnd.flip.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x)  # images and videos
         with gradient_sync(model, i == len(micro_batches) - 1):
             with autocast:
                 terms = diffusion.training_losses(
-                    lambda xt, tt: model(xt, tt, y, force_drop_ids=rnd.drop), x, rnd.t, rnd.noise
+                    lambda xt, tt: model(xt, tt, **cond, force_drop_ids=rnd.drop), x, rnd.t, rnd.noise
                 )
             loss = terms["loss"].sum() / local_batch
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -135,21 +145,54 @@ def train_step(
 
 @torch.no_grad()
 def sample_grid(
-    model: nn.Module, labels: torch.Tensor, shape: tuple[int, ...], seed: int, cfg_scale: float = 4.0,
-    num_steps: int = 100, learn_sigma: bool = True,
+    model: nn.Module, cond: dict[str, torch.Tensor], shape: tuple[int, ...], seed: int, cfg_scale: float = 4.0,
+    num_steps: int = 100, learn_sigma: bool = True, clip_denoised: bool = True,
 ) -> torch.Tensor:
-    """Draw one image per label with DDPM (respaced to ``num_steps``) and guidance; (N, C, H, W) in [-1, 1]."""
-    device = labels.device
-    g = torch.Generator(device=device).manual_seed(seed)
-    noise = torch.randn((len(labels), *shape), generator=g, device=device)
-    diffusion = create_diffusion(str(num_steps), learn_sigma)
-    fn = guided_model(model, labels, cfg_scale)
-    return sample_loop(diffusion, fn, noise, "ddpm", clip_denoised=True, generator=g)
+    """Draw one sample per condition row (``cond`` as ``BatchEncoder.conditioning``) with DDPM respaced to
+    ``num_steps`` and guidance; (N, *shape) float32 (pixels in [-1, 1] or latents)."""
+    y = cond["y"]
+    g = torch.Generator(device=y.device).manual_seed(seed)
+    return generate(model, y, shape, y_mask=cond.get("y_mask"), cfg_scale=cfg_scale, num_steps=num_steps,
+                    learn_sigma=learn_sigma, generator=g, clip_denoised=clip_denoised)
+
+
+def _create_model(cfg: RunConfig) -> nn.Module:
+    m = cfg.model
+    return create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob,
+                        num_frames=m.num_frames, text_dim=m.text_dim, qk_norm=m.qk_norm)
+
+
+def _grid_conditioning(cfg: RunConfig, dataset, inputs: BatchEncoder, device: torch.device) -> dict:
+    """What the periodic samples show: every class (up to 80 images, 8 each for 10 or fewer classes), or the
+    first 8 distinct captions of the data (4 for videos)."""
+    m = cfg.model
+    if m.condition == "class":
+        n = 8 if m.num_classes <= 10 else 1
+        return {"y": torch.arange(m.num_classes, device=device).repeat_interleave(n)[:80]}
+    captions = list(dict.fromkeys(getattr(dataset, "texts", None) or dataset.class_captions))
+    captions = captions[:4 if m.num_frames else 8]
+    if inputs.text_encoder is None:  # features: their captions were encoded before; load the encoder to sample
+        from ditforge.encoders import load_text_encoder
+
+        inputs = BatchEncoder("text", text_encoder=load_text_encoder(m.text_encoder, device,
+                                                                     max_length=m.text_max_length))
+    return inputs.conditioning({"text": captions}, device)
+
+
+def _decode(cfg: RunConfig, inputs: BatchEncoder, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Samples -> pixels through the run's VAE (loaded here when the run reads features)."""
+    vae = inputs.vae
+    if vae is None:
+        from ditforge.encoders import load_vae
+
+        vae = inputs.vae = load_vae(cfg.model.vae, device, pixel_channels=cfg.model.in_channels)
+    return vae.decode(x).float()
 
 
 def _default_outputs(cfg: RunConfig, d: Dist) -> str:
     data = Path(cfg.data.data).name or "data"
-    name = [str(Path("outputs") / f"{data}-{cfg.model.model.replace('/', '-')}-{datetime.now():%Y%m%d-%H%M%S}")]
+    model = f"{cfg.model.model.replace('/', '-')}-" if cfg.model.model else ""
+    name = [str(Path("outputs") / f"{data}-{model}{datetime.now():%Y%m%d-%H%M%S}")]
     if d.mesh is not None:  # every rank must write into the folder rank 0 named
         dist.broadcast_object_list(name, src=0)
     return name[0]
@@ -200,28 +243,31 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if t.batch_size % per_step:
         raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.world_size} processes x "
                         f"--grad_accum_steps {par.grad_accum_steps}")
-    dataset = build_dataset(cfg.data.data, cfg.data.image_size, run_dir / "bad_samples.jsonl")
-    cfg.data.image_size = dataset.image_size
-    in_memory = cfg.data.data in BUILTIN_DATASETS
+    dataset = build_dataset(cfg.data.data, cfg.data.image_size, run_dir / "bad_samples.jsonl", cfg.data.num_frames,
+                            cfg.data.frame_interval, t.seed)
+    video = getattr(dataset, "num_frames", None) is not None
+    if m.model is None:
+        m.model = "vDiT-T/244" if video else "DiT-T/2"
+    if is_video_model(m.model) != video:
+        raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
+                        f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
+    inputs = build_batch_encoder(cfg, dataset, device, amp_dtype if device.type == "cuda" else torch.float32)
+    in_memory = cfg.data.data in BUILTIN_DATASETS  # clips: decoded once, kept in memory
     if cfg.data.random_flip is None:
-        cfg.data.random_flip = not in_memory  # flipped digits are other symbols
+        cfg.data.random_flip = cfg.data.data != "digits"  # flipped digits are other symbols
     if cfg.data.num_workers is None:
         cfg.data.num_workers = 0 if in_memory else 4
     if m.num_classes is None:
         m.num_classes = dataset.num_classes
-    elif m.num_classes < dataset.num_classes:
+    elif m.num_classes < dataset.num_classes and m.condition == "class":
         raise UserError(f"--num_classes {m.num_classes}: the data has {dataset.num_classes} classes")
-    m.in_channels, m.input_size = dataset.in_channels, dataset.image_size
     steps_per_epoch = len(dataset) // t.batch_size
     max_steps = t.max_steps or (t.epochs * max(steps_per_epoch, 1) if t.epochs else 1000)
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
-        t.lr = 1e-3 if m.model.startswith("DiT-T/") else 1e-4
+        t.lr = 1e-3 if "-T/" in m.model else 1e-4
 
-    if is_video_model(m.model):
-        raise UserError(f"--model {m.model} is a video model; --data {cfg.data.data} holds images "
-                        "(use `ditforge bench` to time video models)")
     torch.manual_seed(t.seed)  # the same initial weights on every rank
-    model = create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob)
+    model = _create_model(cfg)
     model.to(device).train()
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
@@ -264,9 +310,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
     )
     diffusion = create_diffusion(None, m.learn_sigma)
-    sample_shape = (m.in_channels, m.input_size, m.input_size)
-    grid_labels = torch.arange(m.num_classes, device=device).repeat_interleave(8 if m.num_classes <= 10 else 1)[:80]
-    grid_model = None
+    sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
+    grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
     if d.is_main:
         n_params = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
@@ -280,17 +325,25 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema), meta)
 
     def write_samples(step: int) -> None:
-        nonlocal grid_model
+        nonlocal grid_model, grid_cond
         weights = ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
         if not d.is_main:
             return
         if grid_model is None:
-            grid_model = create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma,
-                                      m.class_dropout_prob).to(device).eval()
+            grid_model = _create_model(cfg).to(device).eval()
+            grid_cond = _grid_conditioning(cfg, dataset, inputs, device)
         grid_model.load_state_dict(weights)
-        images = sample_grid(grid_model, grid_labels, sample_shape, seed=t.seed, learn_sigma=m.learn_sigma)
-        save_grid(to_uint8(images), run_dir / "samples" / f"step-{step:07d}.png", nrow=8,
-                  upscale=max(1, 64 // m.input_size))
+        x = sample_grid(grid_model, grid_cond, sample_shape, seed=t.seed, learn_sigma=m.learn_sigma,
+                        clip_denoised=m.vae == "none")  # VAE latents are not bounded to [-1, 1]
+        pixels = _decode(cfg, inputs, x, device)
+        name = run_dir / "samples" / f"step-{step:07d}"
+        if video:  # a GIF of grids: frame k of every sample side by side
+            frames = to_uint8(pixels.transpose(1, 2).flatten(0, 1)).reshape(len(x), pixels.shape[2], *pixels.shape[-2:], -1)
+            grids = [make_grid(frames[:, k], nrow=min(len(x), 4), upscale=max(1, 64 // cfg.data.image_size))
+                     for k in range(frames.shape[1])]
+            write_gif(np.stack(grids), name.with_suffix(".gif"), fps=8)
+        else:
+            save_grid(to_uint8(pixels), name.with_suffix(".png"), nrow=8, upscale=max(1, 64 // cfg.data.image_size))
 
     step, stepped = start_step, False
     window: dict[str, torch.Tensor] = {}
@@ -303,14 +356,19 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         batches = iter(loader)
         while step < max_steps:
             interrupted.check(control_group)
-            x, y = next(batches)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            batch = as_batch(next(batches))
+            mean, std = inputs.moments(batch, device)
+            cond = inputs.conditioning(batch, device)
             rnd = step_randomness(t.seed, step, t.batch_size, sample_shape, diffusion.num_timesteps,
-                                  m.class_dropout_prob, device, d.rank, d.world_size)
+                                  m.class_dropout_prob, device, d.rank, d.world_size, latent_noise=std is not None)
+            x = inputs.draw(mean, std, rnd.eps)
             if not cfg.data.random_flip:
                 rnd.flip.zero_()
-            micro = [(xc, yc, StepRandomness(*parts)) for xc, yc, *parts in zip(
-                *(v.chunk(par.grad_accum_steps) for v in (x, y, rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
+            k = par.grad_accum_steps
+            conds = [dict(zip(cond, parts)) for parts in zip(*(v.chunk(k) for v in cond.values()))]
+            rnds = [StepRandomness(*parts, None) for parts in zip(*(v.chunk(k) for v in
+                                                                     (rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
+            micro = list(zip(x.chunk(k), conds, rnds))
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
             out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d)

@@ -250,7 +250,7 @@ def test_cfg_matches_official_forward_with_cfg(guidance_channels, randomised_pai
             torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, torch.full_like(y, NUM_CLASSES)]), cfg_scale,
             guidance_channels=k,
         )[: len(x)]
-        actual = guided_model(ours, y, cfg_scale, NUM_CLASSES, guidance_channels=guidance_channels)(x, t)
+        actual = guided_model(ours, y, cfg_scale, guidance_channels=guidance_channels)(x, t)
     _assert_close_rel(actual, expected, 1e-10)  # float64: see test_forward_matches_official_float64
 
 

@@ -1,0 +1,153 @@
+"""From a data loader's batch to what the denoiser trains on: the latent posterior and the condition.
+
+One place for both ways of feeding a run (encoding pixels and captions on the fly, or reading features that
+``ditforge extract-features`` stored), so that the two give the same training loss for the same seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ditforge.encoders.text import TextEncoder, pad_states
+from ditforge.encoders.vae import VAE, IdentityVAE
+
+
+def as_batch(raw) -> dict:
+    """A loader batch as a dict: image data sets yield ``(pixels, labels)`` pairs; video and feature data sets
+    yield dicts already (``video`` is renamed ``x``). Keys: see ``BatchEncoder``."""
+    if isinstance(raw, Mapping):
+        batch = dict(raw)
+        if "video" in batch:
+            batch["x"] = batch.pop("video")
+        return batch
+    x, label = raw
+    return {"x": x, "label": label}
+
+
+class BatchEncoder:
+    """Turns batches into the denoiser's inputs.
+
+    A batch (``as_batch``) holds either pixels ``x`` (B, C, H, W) or (B, C, T, H, W) float in [-1, 1], or stored
+    features ``mean`` and ``std`` (the scaled latent posterior, see ``VAE.encode_moments``); and either ``label``
+    (B,) int64, ``text`` (B captions), or stored ``text_states`` (B, L, D_text) with ``text_mask`` (B, L) bool.
+
+    Args:
+        condition: "class" or "text".
+        vae: the frozen autoencoder (``IdentityVAE`` for pixel space); None when only features are read.
+        text_encoder: the frozen caption encoder (text condition with captions); None otherwise.
+        text_length: L, the caption states are padded to (static shapes for compiled and CUDA-graphed steps);
+            the encoder's ``max_length`` when None.
+        class_captions: caption of each class label, for text conditioning on labelled images
+            (e.g. "a handwritten digit seven").
+    """
+
+    def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,
+                 text_length: int | None = None, class_captions: Sequence[str] | None = None):
+        if condition not in ("class", "text"):
+            raise ValueError(f"condition must be 'class' or 'text', got {condition!r}")
+        self.condition = condition
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.text_length = text_length or (text_encoder.max_length if text_encoder is not None else None)
+        self.class_captions = list(class_captions) if class_captions is not None else None
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether latents are drawn from a posterior with noise (a VAE), not given exactly (pixel space)."""
+        return self.vae is not None and not isinstance(self.vae, IdentityVAE)
+
+    @torch.no_grad()
+    def moments(self, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scaled latent posterior: (mean, std) float32 on ``device``, std None in pixel space."""
+        if "mean" in batch:
+            std = batch.get("std")
+            return batch["mean"].to(device, torch.float32), (std.to(device, torch.float32) if std is not None else None)
+        if self.vae is None:
+            raise ValueError("a batch of pixels needs a VAE (or IdentityVAE)")
+        if not self.stochastic:
+            return batch["x"].to(device, torch.float32), None
+        mean, std = self.vae.encode_moments(batch["x"])
+        return mean.to(device, torch.float32), std.to(device, torch.float32)
+
+    @staticmethod
+    def draw(mean: torch.Tensor, std: torch.Tensor | None, eps: torch.Tensor | None) -> torch.Tensor:
+        """Latents x0 = mean + std * eps (the reparameterised posterior sample; ``mean`` when std is None)."""
+        return mean if std is None else mean + std * eps
+
+    @torch.no_grad()
+    def encode_captions(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Captions -> (states (B, L, D_text) float32, mask (B, L) bool), padded to ``text_length``."""
+        if self.text_encoder is None:
+            raise ValueError("text conditioning on captions needs a text encoder")
+        states, mask = self.text_encoder.encode(list(texts))
+        states, mask = pad_states(states.float(), mask, self.text_length)
+        return states, mask
+
+    @torch.no_grad()
+    def conditioning(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
+        """Keyword arguments of the denoiser for the condition: ``{"y": labels (B,) int64}`` or
+        ``{"y": states (B, L, D_text) float32, "y_mask": (B, L) bool}``, on ``device``."""
+        if self.condition == "class":
+            return {"y": torch.as_tensor(batch["label"]).to(device)}
+        if "text_states" in batch:
+            states, mask = batch["text_states"], batch["text_mask"]
+        else:
+            texts = batch.get("text")
+            if texts is None:
+                if self.class_captions is None:
+                    raise ValueError("text conditioning needs captions, text states or class captions")
+                texts = [self.class_captions[int(i)] for i in batch["label"]]
+            states, mask = self.encode_captions(texts)
+        return {"y": states.to(device, torch.float32), "y_mask": mask.to(device)}
+
+
+def build_batch_encoder(cfg, dataset, device: torch.device, dtype: torch.dtype) -> BatchEncoder:
+    """Load the encoders a run needs and fill in what follows from them and the data, in ``cfg`` (a
+    ``RunConfig``; the resolved values are saved with the run, so sampling rebuilds the same model and encoders).
+
+    Resolves ``--condition auto`` (text for video data, class for images), sets the model's ``in_channels``,
+    ``input_size`` (image_size / the VAE's downsample), ``num_frames``, ``text_dim`` and ``text_max_length``.
+    A features folder fixes all of them (its encoders are not loaded: the features are already encoded).
+
+    Args:
+        dataset: from ``ditforge.data.build_dataset``.
+        device, dtype: where the encoders run, and the text encoder's weight dtype (the VAE stays float32).
+
+    Raises:
+        UserError: a VAE whose downsample does not divide ``--image_size``; ``--condition`` other than the
+            features'; encoder loading errors (see ``load_vae``, ``load_text_encoder``).
+    """
+    from ditforge.encoders.text import load_text_encoder
+    from ditforge.encoders.vae import load_vae
+    from ditforge.errors import UserError
+
+    m, data = cfg.model, cfg.data
+    stored = getattr(dataset, "manifest", None)
+    if stored is not None:  # features: everything was decided when they were extracted
+        if m.condition not in ("auto", stored["condition"]):
+            raise UserError(f"--condition {m.condition}: the features in {data.data} were extracted for "
+                            f"{stored['condition']} conditioning")
+        for key in ("condition", "vae", "text_encoder", "text_max_length", "text_dim", "in_channels", "input_size",
+                    "num_frames"):
+            setattr(m, key, stored[key])
+        data.image_size, data.num_frames = stored["image_size"], stored["num_frames"]
+        return BatchEncoder(m.condition, text_length=m.text_max_length)
+    video = getattr(dataset, "num_frames", None) is not None
+    if m.condition == "auto":
+        m.condition = "text" if video else "class"
+    vae = load_vae(m.vae, device, torch.float32, pixel_channels=dataset.in_channels)
+    if dataset.image_size % vae.downsample:
+        raise UserError(f"--image_size {dataset.image_size} is not divisible by the downsample factor "
+                        f"{vae.downsample} of --vae {m.vae}")
+    text_encoder = None
+    if m.condition == "text":
+        text_encoder = load_text_encoder(m.text_encoder, device, dtype, m.text_max_length)
+        m.text_max_length, m.text_dim = text_encoder.max_length, text_encoder.hidden_size
+    else:
+        m.text_max_length = m.text_dim = None
+    data.image_size = dataset.image_size
+    data.num_frames = dataset.num_frames if video else None
+    m.in_channels, m.input_size, m.num_frames = vae.latent_channels, dataset.image_size // vae.downsample, data.num_frames
+    return BatchEncoder(m.condition, vae, text_encoder, class_captions=getattr(dataset, "class_captions", None))
