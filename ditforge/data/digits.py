@@ -22,6 +22,7 @@ class DigitsDataset(Dataset):
     num_classes = 10
     in_channels = 1
     image_size = 8
+    random_flip = False  # the default of --random_flip: flipped digits are other symbols
     class_captions = [f"a handwritten digit {w}" for w in
                       "zero one two three four five six seven eight nine".split()]  # for --condition text
 

@@ -254,7 +254,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     inputs = build_batch_encoder(cfg, dataset, device, amp_dtype if device.type == "cuda" else torch.float32)
     in_memory = cfg.data.data in BUILTIN_DATASETS  # clips: decoded once, kept in memory
     if cfg.data.random_flip is None:
-        cfg.data.random_flip = cfg.data.data != "digits"  # flipped digits are other symbols
+        cfg.data.random_flip = getattr(dataset, "random_flip", True)
     if cfg.data.num_workers is None:
         cfg.data.num_workers = 0 if in_memory else 4
     if m.num_classes is None:
