@@ -1,7 +1,8 @@
-"""Model registry: the paper's DiT configurations and OpenDiT's video DiT (vDiT) by name, and ``create_model``.
+"""Model registry: the paper's DiT configurations, OpenDiT's video DiT (vDiT) and Open-Sora v1.0's STDiT by name,
+and ``create_model``.
 
-Image models ``DiT-{T,S,B,L,XL}/{p}`` take (B, C, H, W); video models ``vDiT-{T,S,B,L,XL}/{t}{h}{w}`` take
-(B, C, T, H, W) (``is_video_model`` tells them apart).
+Image models ``DiT-{T,S,B,L,XL}/{p}`` take (B, C, H, W); video models ``vDiT-{T,S,B,L,XL}/{t}{h}{w}`` and
+``STDiT-{T,S,B,L,XL}/{p}`` take (B, C, T, H, W) (``is_video_model`` tells them apart).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import nn
 
 from ditforge.errors import UserError
 from ditforge.models.dit import DiT
-from ditforge.models.video import VideoDiT
+from ditforge.models.video import STDiT, VideoDiT, inflate_image_state_dict
 
 # (depth, hidden_size, num_heads), from Table 1 of Peebles & Xie 2023. "T" (tiny) is ours, for CPU runs.
 DIT_SIZES = {
@@ -26,42 +27,46 @@ PATCH_SIZES = (1, 2, 4, 8)
 # Image models, all listed; video models (5 sizes x 64 patch shapes) are described by VIDEO_MODEL_PATTERN.
 MODEL_NAMES = [f"DiT-{s}/{p}" for s in DIT_SIZES for p in PATCH_SIZES]
 VIDEO_MODEL_PATTERN = "vDiT-{T,S,B,L,XL}/{t}{h}{w} with t, h, w each in {1,2,4,8} (e.g. vDiT-XL/222, vDiT-T/122)"
+STDIT_MODEL_PATTERN = "STDiT-{T,S,B,L,XL}/{p} with p in {1,2,4,8} (e.g. STDiT-XL/2; patches (1, p, p))"
 _NAME = re.compile(r"^DiT-(T|S|B|L|XL)/(\d+)$")
 _VIDEO_NAME = re.compile(r"^vDiT-(T|S|B|L|XL)/([1248])([1248])([1248])$")
+_STDIT_NAME = re.compile(r"^STDiT-(T|S|B|L|XL)/([1248])$")
 
 
 def model_spec(name: str) -> dict:
     """Constructor keyword arguments for a registered name.
 
     ``"DiT-XL/2"`` -> ``dict(depth=28, hidden_size=1152, num_heads=16, patch_size=2)`` (for ``DiT``);
-    ``"vDiT-XL/222"`` -> the same with ``patch_size=(2, 2, 2)``, the (t, h, w) tuple (for ``VideoDiT``).
-    Sizes from Table 1 of Peebles & Xie 2023 (plus our tiny T); vDiT after OpenDiT.
+    ``"vDiT-XL/222"`` -> the same with ``patch_size=(2, 2, 2)``, the (t, h, w) tuple (for ``VideoDiT``);
+    ``"STDiT-XL/2"`` -> the same with ``patch_size=(1, 2, 2)`` (for ``STDiT``).
+    Sizes from Table 1 of Peebles & Xie 2023 (plus our tiny T); vDiT after OpenDiT, STDiT after Open-Sora v1.0.
 
     Raises:
-        UserError: unknown name (the message lists the DiT names and the vDiT pattern).
+        UserError: unknown name (the message lists the DiT names and the vDiT and STDiT patterns).
     """
     m = _NAME.match(name)
     if m and int(m.group(2)) in PATCH_SIZES:
         patch_size = int(m.group(2))
-    else:
-        m = _VIDEO_NAME.match(name)
-        if not m:
-            raise UserError(
-                f"--model: unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}, or {VIDEO_MODEL_PATTERN}"
-            )
+    elif m := _VIDEO_NAME.match(name):
         patch_size = tuple(int(g) for g in m.groups()[1:])
+    elif m := _STDIT_NAME.match(name):
+        patch_size = (1, int(m.group(2)), int(m.group(2)))
+    else:
+        raise UserError(f"--model: unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}, or "
+                        f"{VIDEO_MODEL_PATTERN}, or {STDIT_MODEL_PATTERN}")
     depth, hidden, heads = DIT_SIZES[m.group(1)]
     return dict(depth=depth, hidden_size=hidden, num_heads=heads, patch_size=patch_size)
 
 
 def is_video_model(name: str) -> bool:
-    """True for a registered video model (``vDiT-...``: input (B, C, T, H, W)), False for an image ``DiT-...``.
+    """True for a registered video model (``vDiT-...``, ``STDiT-...``: input (B, C, T, H, W)), False for an image
+    ``DiT-...``.
 
     Raises:
         UserError: unknown name, as ``model_spec``.
     """
     model_spec(name)
-    return _VIDEO_NAME.match(name) is not None
+    return _VIDEO_NAME.match(name) is not None or _STDIT_NAME.match(name) is not None
 
 
 def create_model(
@@ -75,26 +80,27 @@ def create_model(
     text_dim: int | None = None,
     qk_norm: bool = False,
 ) -> nn.Module:
-    """Build a registered DiT or vDiT.
+    """Build a registered DiT, vDiT or STDiT.
 
     ``text_dim`` (the text encoder's width) makes it text-conditioned (cross-attention to caption tokens, caption
     dropout with ``class_dropout_prob``; see ``DiT``); ``qk_norm`` normalises queries and keys.
 
     Args:
-        name: e.g. ``"DiT-XL/2"`` (sizes T, S, B, L, XL; patch 1, 2, 4, 8) or ``"vDiT-XL/222"`` (patch (t, h, w),
-            each 1, 2, 4 or 8).
+        name: e.g. ``"DiT-XL/2"`` (sizes T, S, B, L, XL; patch 1, 2, 4, 8), ``"vDiT-XL/222"`` (patch (t, h, w),
+            each 1, 2, 4 or 8) or ``"STDiT-XL/2"`` (patch (1, p, p)).
         input_size: spatial size H = W of the (latent or pixel) input, divisible by the (spatial) patch size.
         in_channels: input channels C; the output has 2C channels when ``learn_sigma``.
         num_classes: number of class labels (the null label is ``num_classes``).
-        num_frames: T of the (latent) video, divisible by t; required for vDiT, must be None for DiT.
+        num_frames: T of the (latent) video, divisible by t (STDiT: any positive T); required for vDiT and
+            STDiT, must be None for DiT.
 
     Returns:
-        A ``DiT`` (or ``VideoDiT``) in fp32 on the current default device (the CPU unless a ``torch.device``
+        A ``DiT`` (or ``VideoDiT``, ``STDiT``) in fp32 on the current default device (the CPU unless a ``torch.device``
         context says otherwise), initialised as the reference code does.
 
     Raises:
         UserError: unknown name (``--model``); an input size the patch size does not divide (``--image_size``);
-            a missing, non-positive or indivisible frame count for vDiT, or a frame count for DiT
+            a missing, non-positive or indivisible frame count for vDiT or STDiT, or a frame count for DiT
             (``--num_frames``).
     """
     spec = model_spec(name)
@@ -111,9 +117,10 @@ def create_model(
             )
         if input_size % h or input_size % w:
             raise UserError(f"--image_size: input size {input_size} is not divisible by the patch size of {name}")
-        return VideoDiT(num_frames=num_frames, **common)
+        return (STDiT if _STDIT_NAME.match(name) else VideoDiT)(num_frames=num_frames, **common)
     if num_frames is not None:
-        raise UserError(f"--num_frames: {name} is an image model; frames apply to video models ({VIDEO_MODEL_PATTERN})")
+        raise UserError(f"--num_frames: {name} is an image model; frames apply to video models ({VIDEO_MODEL_PATTERN}; "
+                        f"{STDIT_MODEL_PATTERN})")
     if input_size % spec["patch_size"]:
         raise UserError(f"--image_size: input size {input_size} is not divisible by the patch size of {name}")
     return DiT(**common)
@@ -122,12 +129,15 @@ def create_model(
 __all__ = [
     "DiT",
     "VideoDiT",
+    "STDiT",
+    "inflate_image_state_dict",
     "create_model",
     "model_spec",
     "is_video_model",
     "infer_dit_config",
     "MODEL_NAMES",
     "VIDEO_MODEL_PATTERN",
+    "STDIT_MODEL_PATTERN",
 ]
 
 
@@ -141,12 +151,14 @@ def infer_dit_config(state_dict: dict) -> dict:
         dict(model, input_size, in_channels, num_classes, learn_sigma, class_dropout_prob).
 
     Raises:
-        UserError: not a DiT state dict, or a depth/width that no registered size has.
+        UserError: not a DiT state dict, a video (vDiT or STDiT: Conv3d patch embedding) state dict, or a
+            depth/width that no registered size has.
     """
     try:
         proj = state_dict["x_embedder.proj.weight"]
-        if proj.dim() != 4:  # a vDiT (Conv3d) state dict: its frames and patch shape need the run's config
-            raise UserError("--ckpt: a video (vDiT) state dict; its run's config.yaml is needed to rebuild it")
+        if proj.dim() != 4:  # a vDiT or STDiT (Conv3d) state dict: its frames and patch shape need the run's config
+            kind = "STDiT" if "pos_embed_temporal" in state_dict else "vDiT"
+            raise UserError(f"--ckpt: a video ({kind}) state dict; its run's config.yaml is needed to rebuild it")
         hidden, in_channels, patch = proj.shape[0], proj.shape[1], proj.shape[2]
         depth = len({k.split(".")[1] for k in state_dict if k.startswith("blocks.")})
         table_rows = state_dict["y_embedder.embedding_table.weight"].shape[0]
