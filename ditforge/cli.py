@@ -17,8 +17,10 @@ from ditforge.errors import UserError
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = (ModelConfig, DataConfig, TrainConfig,
-                                                                        ParallelConfig)) -> None:
-    """One flag per config field (flat names, as OpenDiT's), help text from the field's metadata.
+                                                                        ParallelConfig),
+                      only: tuple[str, ...] | None = None) -> None:
+    """One flag per config field (flat names, as OpenDiT's), help text from the field's metadata; with ``only``,
+    just the fields of those names.
 
     Defaults are suppressed so that only flags given on the command line override the config file.
     """
@@ -26,7 +28,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = (ModelCo
         group = parser.add_argument_group(cls.__name__.removesuffix("Config").lower())
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if not f.metadata.get("cli", True):
+            if not f.metadata.get("cli", True) or (only is not None and f.name not in only):
                 continue
             kind = hints[f.name]
             if isinstance(kind, types.UnionType):  # X | None
@@ -110,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
                      "the class name; folder: any tree of videos, caption from <stem>.txt beside each or its name")
     pre.add_argument("root", help="the folder of videos")
     pre.add_argument("--out", required=True, help="the CSV to write (paths in it relative to its folder)")
+
+    fx = sub.add_parser("extract-features", help="encode a data set once (VAE latent posterior, caption states) "
+                        "into safetensors shards; train on them with --data DIR",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    fx.add_argument("--out", required=True, help="the folder to write (features.json + shard-NNNNN.safetensors); "
+                    "must not hold features already")
+    fx.add_argument("--batch_size", type=int, default=32, help="samples per encoder batch")
+    fx.add_argument("--shard_size", type=int, default=1024, help="samples per shard file")
+    _add_config_flags(fx, (DataConfig, ModelConfig, TrainConfig),
+                      only=("data", "image_size", "num_frames", "frame_interval", "num_workers", "condition", "vae",
+                            "text_encoder", "text_max_length", "device", "seed"))
     return parser
 
 
@@ -147,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
 
             run = preprocess_ucf101 if args["kind"] == "ucf101" else preprocess_folder
             print(run(args["root"], args["out"]))
+        elif command == "extract-features":
+            from ditforge.data.features import extract_features, read_manifest
+
+            out, batch_size, shard_size = args.pop("out"), args.pop("batch_size"), args.pop("shard_size")
+            cfg = build_config(None, args)
+            folder = extract_features(cfg, out, batch_size, shard_size, device=cfg.train.device)
+            print(f"wrote {read_manifest(folder)['num_samples']} samples to {folder}")
     except UserError as e:
         print(f"ditforge {command}: error: {e}", file=sys.stderr)
         return 2
