@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ditforge.bench import ROWS, Settings, _build
+from ditforge.bench import ROWS, Settings, _build, synthetic_condition
 from ditforge.config import BenchConfig
 from ditforge.diffusion import create_diffusion
 from ditforge.parallel.ema import EMA
@@ -47,10 +47,13 @@ def main() -> None:
     p.add_argument("--rows", default="abcde")
     p.add_argument("--grad_checkpoint", default="none")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--text_dim", type=int, default=0)
+    p.add_argument("--text_tokens", type=int, default=120)
     p.add_argument("--out")
     args = p.parse_args()
     cfg = BenchConfig(model=args.model, image_size=args.image_size, num_frames=args.num_frames,
-                      batch_size=args.batch_size, grad_checkpoint=args.grad_checkpoint)
+                      batch_size=args.batch_size, grad_checkpoint=args.grad_checkpoint, text_dim=args.text_dim,
+                      text_tokens=args.text_tokens)
     s = Settings()
     for key, _, change in ROWS:
         if key in args.rows:
@@ -61,11 +64,11 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     diffusion = create_diffusion(None)
     x = torch.randn((cfg.batch_size, *shape), device=device)
-    y = torch.randint(0, 1000, (cfg.batch_size,), device=device)
+    cond = synthetic_condition(cfg, cfg.batch_size, device, torch.Generator(device=device).manual_seed(0))
 
     def step(i):
         rnd = step_randomness(0, i, cfg.batch_size, shape, 1000, 0.1, device)
-        train_step(model, diffusion, opt, None, [(x, y, rnd)], amp, 1.0, d)
+        train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, d)
         ema.update(model, 0.9999)
 
     for i in range(5):

@@ -6,9 +6,12 @@
 #   video: `ditforge bench` for vDiT-XL/222 (16 frames x 256px; rows a and b run out of memory), FP8 on
 #          compile without the fused kernels and --find_max_batch for DiT-XL/2
 #   profile: benchmarks/profile_step.py for the compiled rows of both models
+#   t2v: text-to-video training (cross-attention to 120 synthetic T5-XXL-width caption states, bf16) for
+#        vDiT-XL/222 and STDiT-XL/2 at 16 frames x 256px (latents 4x16x32x32): rows b-e (b, bf16 with math
+#        attention, is there for its precision: rows are cumulative over the chosen ones)
 # Results land in $OUT (or benchmarks/results). torchao (FP8) comes as a wheel carried in .whl/ when the machine
 # lacks it:  pip download --no-deps -d .whl torchao
-# Usage: bash benchmarks/single_gpu.sh image|video
+# Usage: bash benchmarks/single_gpu.sh image|video|profile|t2v vDiT-XL/222|STDiT-XL/2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -34,5 +37,9 @@ video)
     $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows cdef --steps 10 --warmup 3
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 10 --warmup 3
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcd --steps 2 --warmup 1 --find_max_batch
+    ;;
+t2v)
+    $bench --model "$2" --batch_size 8 --num_frames 16 --image_size 256 --text_dim 4096 --text_tokens 120 \
+        --rows bcde --steps 10 --warmup 3
     ;;
 esac

@@ -107,14 +107,26 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
     shape = _sample_shape(cfg)
     torch.manual_seed(cfg.seed)
     frames = {"num_frames": shape[1]} if len(shape) == 4 else {}
-    model = create_model(cfg.model, shape[-1], cfg.in_channels, cfg.num_classes, **frames).to(device).train()
-    flops = model.flops_per_sample()
+    model = create_model(cfg.model, shape[-1], cfg.in_channels, cfg.num_classes, text_dim=cfg.text_dim or None,
+                         **frames).to(device).train()
+    flops = model.flops_per_sample(cfg.text_tokens if cfg.text_dim else 0)
     tokens = model.x_embedder.num_patches
     amp = resolve_precision(s.precision, device)
     model = parallelize(model, Dist(device=device), "none", cfg.grad_checkpoint,
                         cfg.compile_mode if s.compile else "none", s.attention,
                         enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8")
     return model, amp, flops, tokens, shape
+
+
+def synthetic_condition(cfg: BenchConfig, batch: int, device: torch.device, g: torch.Generator) -> dict:
+    """The model's condition keywords for ``batch`` synthetic samples: labels (B,) int64, or with ``text_dim``
+    caption states (B, text_tokens, text_dim) float32 of random real lengths, zero-padded as the trainer pads."""
+    if not cfg.text_dim:
+        return {"y": torch.randint(0, cfg.num_classes, (batch,), generator=g, device=device)}
+    lengths = torch.randint(1, cfg.text_tokens + 1, (batch, 1), generator=g, device=device)
+    mask = torch.arange(cfg.text_tokens, device=device) < lengths
+    states = torch.randn((batch, cfg.text_tokens, cfg.text_dim), generator=g, device=device) * mask[..., None]
+    return {"y": states, "y_mask": mask}
 
 
 def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, steps: int, warmup: int) -> dict:
@@ -127,7 +139,7 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     diffusion = create_diffusion(None)
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randn((batch, *shape), generator=g, device=device)
-    y = torch.randint(0, cfg.num_classes, (batch,), generator=g, device=device)
+    cond = synthetic_condition(cfg, batch, device, g)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -139,7 +151,7 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
         if step >= warmup:
             marks.append(_mark(cuda))
         rnd = step_randomness(cfg.seed, step, batch, shape, diffusion.num_timesteps, 0.1, device)
-        terms = train_step(model, diffusion, opt, None, [(x, {"y": y}, rnd)], amp, 1.0, Dist(device=device))
+        terms = train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, Dist(device=device))
         ema.update(model, 0.9999)
         losses.append(terms["loss"])
     marks.append(_mark(cuda))
@@ -257,11 +269,13 @@ def _reset(device: torch.device) -> None:
 
 def validate(cfg: BenchConfig) -> None:
     """Raises UserError naming the flag for unknown rows, non-positive sizes or a bad checkpoint policy."""
-    for name in ("image_size", "in_channels", "vae_downsample", "num_classes", "batch_size", "steps"):
+    for name in ("image_size", "in_channels", "vae_downsample", "num_classes", "batch_size", "steps", "text_tokens"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
     if cfg.warmup < 0:
         raise UserError(f"--warmup: expected an integer >= 0, got {cfg.warmup}")
+    if cfg.text_dim < 0:
+        raise UserError(f"--text_dim: expected an integer >= 0, got {cfg.text_dim}")
     known = "".join(k for k, _, _ in ROWS)
     if not cfg.rows or set(cfg.rows) - set(known):
         raise UserError(f"--rows: expected letters of {known!r}, got {cfg.rows!r}")
@@ -296,6 +310,7 @@ def format_table(result: dict) -> str:
     cfg, env = result["config"], result["env"]
     video = is_video_model(cfg["model"])
     head = (f"{cfg['model']} at {cfg['image_size']}px" + (f" x {cfg['num_frames'] or 16} frames" if video else "")
+            + (f", text {cfg['text_tokens']} x {cfg['text_dim']}" if cfg.get("text_dim") else "")
             + f", batch {cfg['batch_size']}, {env.get('gpu', env['device'])}, torch {env['torch']}")
     lines = [head, "",
              "| row | configuration | samples/s | tokens/s | step (ms) | MFU | peak mem (GiB) | speed-up | loss |",

@@ -59,8 +59,8 @@ class DataConfig:
     frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
                                 "stride that fits")
     random_flip: bool | None = _f(None, "random horizontal flips (default: on for image folders, off for digits)")
-    num_workers: int | None = _f(None, "data loader worker processes (default: 0 for digits, which lives in "
-                                       "memory, 4 for image folders)")
+    num_workers: int | None = _f(None, "data loader worker processes (default: 0 for digits and clips, which "
+                                       "live in memory, and for features; 4 for image folders and CSVs)")
 
 
 @dataclass
@@ -120,6 +120,10 @@ class BenchConfig:
     in_channels: int = _f(4, "latent channels (4: Stable Diffusion's VAE)")
     vae_downsample: int = _f(8, "spatial VAE factor (1: pixel space)")
     num_classes: int = _f(1000, "class labels of the synthetic data")
+    text_dim: int = _f(0, "caption-state width for text conditioning (cross-attention) on synthetic states, e.g. "
+                          "4096 as T5-XXL's; 0: class labels")
+    text_tokens: int = _f(120, "caption tokens per sample with --text_dim (120: PixArt-alpha's and Open-Sora's "
+                               "T5 length); each sample's real length is drawn in [1, text_tokens]")
     batch_size: int = _f(64, "samples per step")
     steps: int = _f(20, "timed steps per row (the median is reported)")
     warmup: int = _f(5, "untimed steps first (compilation, autotuning)")

@@ -3,6 +3,7 @@ the FLOP count behind MFU (checked against PyTorch's own FLOP counter)."""
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -108,3 +109,18 @@ def test_kernel_flags_without_triton_runtime_are_one_line_errors(tiny_argv, tmp_
     monkeypatch.setattr(fused, "_interpreting", lambda: False)
     assert cli.main(tiny_argv(tmp_path / "run", "--enable_modulate_kernel")) == 2
     assert "--enable_modulate_kernel: Triton kernels need a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_text_conditioning_counts_the_caption_tokens(tmp_path):
+    """--text_dim trains the cross-attention model on synthetic caption states; MFU counts its FLOPs (the
+    FlopCounter test of text models lives with the models' tests), and the losses are those of train_step."""
+    args = [*TINY, "--rows", "a", "--text_dim", "24", "--text_tokens", "5", "--peak_tflops", "1",
+            "--outputs", str(tmp_path)]
+    assert cli.main(args) == 0
+    [path] = tmp_path.glob("bench-DiT-T-2-*.json")
+    [row] = json.loads(path.read_text())["rows"]
+    flops = create_model("DiT-T/2", 8, 4, 10, text_dim=24).flops_per_sample(text_tokens=5)
+    assert flops > create_model("DiT-T/2", 8, 4, 10).flops_per_sample()
+    assert row["status"] == "ok" and row["mfu"] == pytest.approx(3 * flops * row["images_per_sec"] / 1e12)
+    assert all(math.isfinite(v) for v in row["losses"])
+    assert cli.main([*TINY, "--text_dim", "-1", "--outputs", str(tmp_path)]) == 2

@@ -52,6 +52,7 @@ class BatchEncoder:
         self.text_encoder = text_encoder
         self.text_length = text_length or (text_encoder.max_length if text_encoder is not None else None)
         self.class_captions = list(class_captions) if class_captions is not None else None
+        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def stochastic(self) -> bool:
@@ -76,14 +77,30 @@ class BatchEncoder:
         """Latents x0 = mean + std * eps (the reparameterised posterior sample; ``mean`` when std is None)."""
         return mean if std is None else mean + std * eps
 
+    CACHE_SIZE = 1024  # captions; data sets with few distinct captions (UCF101: 101) are encoded once each
+
     @torch.no_grad()
     def encode_captions(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Captions -> (states (B, L, D_text) float32, mask (B, L) bool), padded to ``text_length``."""
+        """Captions -> (states (B, L, D_text) float32, mask (B, L) bool), padded to ``text_length``.
+
+        The states of the first ``CACHE_SIZE`` distinct captions are kept (trimmed to their tokens), so data
+        with repeated captions runs the text encoder once per caption; a caption's states do not depend on its
+        batch (``TextEncoder.encode``), so cached and fresh states are equal.
+        """
         if self.text_encoder is None:
             raise ValueError("text conditioning on captions needs a text encoder")
-        states, mask = self.text_encoder.encode(list(texts))
-        states, mask = pad_states(states.float(), mask, self.text_length)
-        return states, mask
+        missing = list(dict.fromkeys(t for t in texts if t not in self._cache))
+        if missing:
+            states, mask = self.text_encoder.encode(missing)
+            fresh = {t: (s[:int(m.sum())].float(), m[:int(m.sum())]) for t, s, m in zip(missing, states, mask)}
+            if len(self._cache) + len(fresh) > self.CACHE_SIZE:
+                return self._pad([fresh.get(t) or self._cache[t] for t in texts])
+            self._cache.update(fresh)
+        return self._pad([self._cache[t] for t in texts])
+
+    def _pad(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        padded = [pad_states(s[None], m[None], self.text_length) for s, m in items]
+        return torch.cat([s for s, _ in padded]), torch.cat([m for _, m in padded])
 
     @torch.no_grad()
     def conditioning(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:

