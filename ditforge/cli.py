@@ -12,7 +12,7 @@ import sys
 import types
 import typing
 
-from ditforge.config import BenchConfig, DataConfig, ModelConfig, ParallelConfig, TrainConfig, build_config
+from ditforge.config import SEQUENCE_PARALLEL_TYPES, BenchConfig, DataConfig, ModelConfig, ParallelConfig, TrainConfig, build_config
 from ditforge.errors import UserError
 
 
@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompts (N,) to this .npz")
     s.add_argument("--no_ema", dest="use_ema", action="store_false", help="use the raw weights, not the EMA")
     s.add_argument("--device", default="auto", help="cuda | cpu | auto")
+    s.add_argument("--sequence_parallel_size", type=int, default=1, help="under torchrun: split every sample's "
+                   "tokens over this many processes (all of them)")
+    s.add_argument("--sequence_parallel_type", default="auto", choices=SEQUENCE_PARALLEL_TYPES,
+                   help="how the split sequence attends (see `ditforge train --help`)")
 
     b = sub.add_parser("bench", help="time training step by step of the speed-ups (fp32 -> bf16 -> fast attention "
                        "-> fused kernels -> compile -> FP8) on synthetic data; prints a table, writes JSON",

@@ -18,6 +18,7 @@ from ditforge.errors import UserError
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 CONDITIONS = ("auto", "class", "text")
+SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "usp")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -108,6 +109,12 @@ class ParallelConfig:
     grad_reduce_dtype: str = _f("fp32", "dtype of the gradient reduction across processes: fp32 | bf16",
                                 choices=("fp32", "bf16"))
     async_checkpoint: bool = _f(False, "write checkpoints in the background while training goes on")
+    sequence_parallel_size: int = _f(1, "split every sample's token sequence over this many processes (long "
+                                        "videos); the other factor of the world size is data parallelism")
+    sequence_parallel_type: str = _f("auto", "how split sequences attend: ulysses (all-to-all to split heads) | "
+                                             "ring (K/V passed around a ring) | fastseq (all-gathered K/V) | usp "
+                                             "(Ulysses inside groups, ring across) | auto",
+                                     choices=SEQUENCE_PARALLEL_TYPES)
 
 
 @dataclass
@@ -232,7 +239,8 @@ def loaded_keys(loaded: dict) -> list[str]:
 def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train
-    positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
+    positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps,
+                "sequence_parallel_size": cfg.parallel.sequence_parallel_size, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
                 "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
                 "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes,
                 "num_frames": cfg.data.num_frames, "frame_interval": cfg.data.frame_interval,
@@ -256,6 +264,9 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--plugin: expected one of {', '.join(PLUGINS)}, got {cfg.parallel.plugin}")
     if t.mixed_precision not in MIXED_PRECISION:
         raise UserError(f"--mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, got {t.mixed_precision}")
+    if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:
+        raise UserError(f"--sequence_parallel_type: expected one of {', '.join(SEQUENCE_PARALLEL_TYPES)}, got "
+                        f"{cfg.parallel.sequence_parallel_type}")
     if cfg.model.condition not in CONDITIONS:
         raise UserError(f"--condition: expected one of {', '.join(CONDITIONS)}, got {cfg.model.condition}")
     if t.compile not in COMPILE_MODES:

@@ -17,7 +17,9 @@ from ditforge.diffusion import SAMPLERS, generate
 from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
 from ditforge.errors import UserError
 from ditforge.models import create_model, infer_dit_config, is_video_model
-from ditforge.parallel.mesh import resolve_device
+from ditforge.ops.attention import set_sequence_attention
+from ditforge.parallel.mesh import Dist, init_distributed, shutdown
+from ditforge.parallel.sequence_shard import apply_sequence_parallel, resolve_sequence_parallel_type
 from ditforge.train.checkpoint import export_safetensors, load_weights, read_checkpoint_weights
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ class SampleConfig:
     vae: str | None = None
     use_ema: bool = True
     device: str = "auto"
+    sequence_parallel_size: int = 1
+    sequence_parallel_type: str = "auto"
 
 
 def _read(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:
@@ -212,8 +216,12 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     it for sample NNN (see ``write_video`` / ``write_gif`` for the size rule). ``save_npz`` also writes
     ``samples`` (N, H, W, C) or (N, T, H, W, C) uint8, and ``labels`` (N,) int64 or ``prompts`` (N,) str.
 
+    Under torchrun with ``sequence_parallel_size`` = the number of processes, every process draws the same
+    noise and runs its slice of each sample's tokens (``apply_sequence_parallel``); process 0 writes.
+
     Returns:
-        The samples as (N, H, W, C) uint8, or (N, T, H, W, C) for video models.
+        The samples as (N, H, W, C) uint8, or (N, T, H, W, C) for video models (an empty array on processes
+        other than 0 under torchrun).
 
     Raises:
         UserError: bad checkpoint or settings; a text model without a prompt or a class model with one (naming
@@ -229,7 +237,20 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         if value is not None and value < 1:
             raise UserError(f"--{name}: expected a positive integer, got {value}")
     prompts = read_prompts(cfg.prompt, cfg.prompt_file)
-    device = resolve_device(cfg.device)
+    d = init_distributed(cfg.device, cfg.sequence_parallel_size)
+    try:
+        return _sample(cfg, prompts, d)
+    finally:
+        set_sequence_attention(None)
+        shutdown(d)
+
+
+def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
+    if d.world_size != d.sp_size:
+        raise UserError(f"--sequence_parallel_size {cfg.sequence_parallel_size}: under torchrun, `ditforge sample` "
+                        f"splits every sample over all {d.world_size} processes; give --sequence_parallel_size "
+                        f"{d.world_size}")
+    device = d.device
     state, spec = _read(cfg.ckpt, cfg.use_ema)
     if cfg.model is not None:
         spec["model"] = cfg.model
@@ -269,6 +290,11 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         spec["num_frames"] = cfg.num_frames
     model = _build(cfg.ckpt, state, spec, cfg.use_ema, rebuild).to(device)
     del state
+    if d.sp_mesh is not None:  # every process draws the same noise; each runs its slice of the tokens
+        variant = resolve_sequence_parallel_type(cfg.sequence_parallel_type, model.num_heads, d.sp_size)
+        apply_sequence_parallel(model, d, variant)
+        if d.is_main:
+            log.info("sequence parallelism: %s over %d processes", variant, d.sp_size)
 
     if text:
         y, y_mask = _encode_prompts(cfg, spec, prompts, device)
@@ -285,8 +311,10 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     latents = generate(model, y, shape, y_mask=y_mask, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_sampling_steps,
                        sampler=cfg.sampler, eta=cfg.eta, learn_sigma=spec["learn_sigma"], generator=g,
-                       batch_size=cfg.batch_size, clip_denoised=isinstance(vae, IdentityVAE), progress=True)
+                       batch_size=cfg.batch_size, clip_denoised=isinstance(vae, IdentityVAE), progress=d.is_main)
     del model
+    if not d.is_main:
+        return np.empty(0, dtype=np.uint8)
     convert = _to_frames if video else to_uint8
     samples = np.concatenate([convert(vae.decode(latents[i : i + cfg.batch_size]).float())
                               for i in range(0, len(latents), cfg.batch_size)])

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ditforge.ops import attention
+from ditforge.ops import attention, self_attention
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -183,7 +183,8 @@ def unpatchify(x: torch.Tensor, grid_shape: Sequence[int], patch_shape: Sequence
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection (timm layout: ``qkv``, ``proj``).
 
-    (B, N, D) -> (B, N, D); the softmax attention itself goes through ``ditforge.ops.attention``.
+    (B, N, D) -> (B, N, D); the softmax attention itself goes through ``ditforge.ops.self_attention`` (the seam
+    where sequence parallelism plugs in).
     ``qk_norm``: LayerNorm over each head's queries and keys before the product (``q_norm``, ``k_norm``, as
     timm; Dehghani et al. 2023, ViT-22B), which keeps attention logits bounded in long video training.
     """
@@ -200,7 +201,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, D = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        out = attention(self.q_norm(q), self.k_norm(k), v)
+        out = self_attention(self.q_norm(q), self.k_norm(k), v)
         return self.proj(out.transpose(1, 2).reshape(B, N, D))
 
 

@@ -6,6 +6,9 @@ branches on them.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -16,6 +19,37 @@ FAST_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBack
                  SDPBackend.MATH]
 ATTENTION_BACKENDS = ("auto", "fast", "math")
 _preferred: list[SDPBackend] | None = None
+# Self-attention over a token sequence that is split across processes (sequence parallelism), installed by
+# ``ditforge.parallel.sequence_shard``; None: the sequence is whole and ``self_attention`` is ``attention``.
+_split_sequence_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+def set_sequence_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> None:
+    """Install (or with None remove) the attention of a split sequence used by ``self_attention``."""
+    global _split_sequence_attention
+    _split_sequence_attention = fn
+
+
+@contextlib.contextmanager
+def whole_sequences():
+    """Within the block, ``self_attention`` is plain attention whatever is installed: for a model that one
+    process runs alone (e.g. rank 0 drawing sample grids during a sequence-parallel run)."""
+    global _split_sequence_attention
+    saved, _split_sequence_attention = _split_sequence_attention, None
+    try:
+        yield
+    finally:
+        _split_sequence_attention = saved
+
+
+def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of the model's token sequence over itself: ``attention(q, k, v)``, or, under sequence
+    parallelism, this process's queries over the whole sequence's keys (q, k, v hold this process's shard of
+    the tokens; the installed function communicates). Cross-attention to caption tokens, which every process
+    holds whole, calls ``attention`` directly. Shapes as ``attention``."""
+    if _split_sequence_attention is None:
+        return attention(q, k, v)
+    return _split_sequence_attention(q, k, v)
 
 
 def set_attention_backend(backend: str = "auto") -> str:

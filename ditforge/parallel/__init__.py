@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ditforge.errors import UserError
-from ditforge.ops.attention import set_attention_backend
+from ditforge.ops.attention import set_attention_backend, set_sequence_attention
 from ditforge.ops.modulate import set_kernels
 from ditforge.parallel.mesh import Dist
 
@@ -138,6 +138,7 @@ def parallelize(
     enable_modulate_kernel: bool = False,
     enable_layernorm_kernel: bool = False,
     fp8: bool = False,
+    sequence_parallel_type: str = "auto",
 ) -> nn.Module:
     """Prepare ``model`` for (distributed) training without touching its code.
 
@@ -159,12 +160,22 @@ def parallelize(
         param_dtype: dtype of the gathered parameters under zero2/fsdp (the compute dtype); the sharded fp32
             parameters stay the optimizer's master weights.
         reduce_dtype: dtype of the gradient reduction (fp32 by default; bf16 halves its traffic).
+        sequence_parallel_type: with ``dist.sp_mesh`` (``--sequence_parallel_size`` > 1), how the split
+            sequence attends (``apply_sequence_parallel``): ulysses | ring | fastseq | usp | auto.
 
     Returns:
         The model to train: the same module (fully_shard works in place) or a DDP wrapper around it.
         State-dict keys of the plain model are reachable through torch.distributed.checkpoint.state_dict.
     """
     log.info("attention: %s", set_attention_backend(attention))
+    set_sequence_attention(None)
+    if dist.sp_mesh is not None:
+        from ditforge.parallel.sequence_shard import apply_sequence_parallel, resolve_sequence_parallel_type
+
+        variant = resolve_sequence_parallel_type(sequence_parallel_type, model.num_heads, dist.sp_size)
+        apply_sequence_parallel(model, dist, variant)
+        log.info("sequence parallelism: %s over %d processes (x %d data-parallel)", variant, dist.sp_size,
+                 dist.dp_size)
     if enable_modulate_kernel or enable_layernorm_kernel:
         from ditforge.ops.fused import check_triton
 

@@ -23,7 +23,10 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass
 class Dist:
-    """Where this process stands: its rank, the world size, its device and the data-parallel mesh (dim ``dp``).
+    """Where this process stands: its rank, the world size, its device, the 1-D mesh over all processes
+    (``mesh``, dim ``dp``: parameters, gradients and checkpoints are sharded or reduced over every process),
+    and, under sequence parallelism, its place on the 2-D mesh ``sp_mesh`` (dims ``dp``, ``sp``): processes
+    of one ``sp`` group share each sample, split along its tokens; the ``dp`` coordinate picks the samples.
 
     ``mesh`` is None in a single process (no process group is created then).
     """
@@ -33,6 +36,20 @@ class Dist:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     mesh: DeviceMesh | None = None
+    sp_mesh: DeviceMesh | None = None
+
+    @property
+    def sp_size(self) -> int:
+        return self.sp_mesh["sp"].size() if self.sp_mesh is not None else 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel width: how many different slices of the global batch are processed at once."""
+        return self.world_size // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.sp_mesh["dp"].get_local_rank() if self.sp_mesh is not None else self.rank
 
     @property
     def is_main(self) -> bool:
@@ -43,12 +60,19 @@ class Dist:
             dist.barrier()
 
 
-def init_distributed(device: str = "auto") -> Dist:
-    """Join the process group torchrun set up (NCCL on GPUs, gloo on CPUs) and build a 1-D ``dp`` mesh.
+def init_distributed(device: str = "auto", sequence_parallel_size: int = 1) -> Dist:
+    """Join the process group torchrun set up (NCCL on GPUs, gloo on CPUs) and build a 1-D ``dp`` mesh, and
+    with ``sequence_parallel_size`` > 1 the 2-D (``dp``, ``sp``) mesh, consecutive ranks in one ``sp`` group
+    (on one host first: sequence parallelism communicates every layer).
 
     Without torchrun (WORLD_SIZE unset or 1) returns a single-process ``Dist`` and starts nothing.
+
+    Raises:
+        UserError: a sequence-parallel size that does not divide the number of processes.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % sequence_parallel_size:
+        raise UserError(f"--sequence_parallel_size {sequence_parallel_size} does not divide the {world} processes")
     if world == 1:
         return Dist(device=resolve_device(device))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -59,7 +83,11 @@ def init_distributed(device: str = "auto") -> Dist:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
-    return Dist(rank=rank, world_size=world, local_rank=local_rank, device=dev, mesh=mesh)
+    sp_mesh = None
+    if sequence_parallel_size > 1:
+        sp_mesh = init_device_mesh(dev.type, (world // sequence_parallel_size, sequence_parallel_size),
+                                   mesh_dim_names=("dp", "sp"))
+    return Dist(rank=rank, world_size=world, local_rank=local_rank, device=dev, mesh=mesh, sp_mesh=sp_mesh)
 
 
 def shutdown(d: Dist) -> None:

@@ -35,6 +35,7 @@ from ditforge.encoders.batch import BatchEncoder, as_batch, build_batch_encoder
 from ditforge.diffusion import GaussianDiffusion, create_diffusion, generate
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
+from ditforge.ops.attention import whole_sequences
 from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
@@ -218,7 +219,7 @@ def train(cfg: RunConfig) -> Path:
     Raises:
         UserError: bad data, model, parallelism or checkpoint settings.
     """
-    d = init_distributed(cfg.train.device)
+    d = init_distributed(cfg.train.device, cfg.parallel.sequence_parallel_size)
     try:
         return _train(cfg, d)
     finally:
@@ -238,9 +239,9 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     amp_dtype = resolve_precision(t.mixed_precision, device)
     plugin = resolve_plugin(par.plugin, d.world_size)
     par.plugin = plugin
-    per_step = d.world_size * par.grad_accum_steps
+    per_step = d.dp_size * par.grad_accum_steps
     if t.batch_size % per_step:
-        raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.world_size} processes x "
+        raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.dp_size} data-parallel processes x "
                         f"--grad_accum_steps {par.grad_accum_steps}")
     dataset = build_dataset(cfg.data.data, cfg.data.image_size, run_dir / "bad_samples.jsonl", cfg.data.num_frames,
                             cfg.data.frame_interval, t.seed)
@@ -273,7 +274,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
                         param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype,
                         enable_modulate_kernel=t.enable_modulate_kernel,
-                        enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8")
+                        enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8",
+                        sequence_parallel_type=par.sequence_parallel_type)
     ema = EMA(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999),
                                   fused=device.type == "cuda")
@@ -304,7 +306,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
                                         last_step=start_step if resume_from is not None else None)
     optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
 
-    sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.rank, d.world_size, start_step)
+    sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
     loader = DataLoader(
         dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
         persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
@@ -333,8 +335,9 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
             grid_model = _create_model(cfg).to(device).eval()
             grid_cond = _grid_conditioning(cfg, dataset, inputs, device)
         grid_model.load_state_dict(weights)
-        x = sample_grid(grid_model, grid_cond, sample_shape, seed=t.seed, learn_sigma=m.learn_sigma,
-                        clip_denoised=m.vae == "none")  # VAE latents are not bounded to [-1, 1]
+        with whole_sequences():  # rank 0 alone: no sequence-parallel attention
+            x = sample_grid(grid_model, grid_cond, sample_shape, seed=t.seed, learn_sigma=m.learn_sigma,
+                            clip_denoised=m.vae == "none")  # VAE latents are not bounded to [-1, 1]
         pixels = _decode(cfg, inputs, x, device)
         name = run_dir / "samples" / f"step-{step:07d}"
         if video:  # a GIF of grids: frame k of every sample side by side
@@ -362,7 +365,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
             mean, std = inputs.moments(batch, device)
             cond = inputs.conditioning(batch, device)
             rnd = step_randomness(t.seed, step, t.batch_size, sample_shape, diffusion.num_timesteps,
-                                  m.class_dropout_prob, device, d.rank, d.world_size, latent_noise=std is not None)
+                                  m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
             x = inputs.draw(mean, std, rnd.eps)
             if not cfg.data.random_flip:
                 rnd.flip.zero_()

@@ -1,0 +1,119 @@
+"""Sequence parallelism on several GPUs: a DiT-XL-size video model (vDiT-XL/122: width 1152, 28 blocks, 16 heads)
+trained on one long sample per step, by variant and sequence length, in one torchrun:
+
+    torchrun --nproc_per_node 4 benchmarks/sequence_parallel.py --out results.json
+
+Rows: ``none`` (every GPU trains its own sample: data parallelism, the per-GPU baseline; out of memory where
+one GPU cannot hold the sequence) and each sequence-parallel variant over all GPUs. Columns: median step time,
+tokens/s per GPU, peak memory per GPU, and the time NCCL kernels ran per step (torch.profiler; they may overlap
+compute). bf16 autocast, fast attention, fused adaLN kernels, FSDP over all GPUs, no compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from datetime import datetime
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
+
+from ditforge.diffusion import create_diffusion
+from ditforge.models import create_model
+from ditforge.parallel import parallelize
+from ditforge.parallel.mesh import Dist
+from ditforge.train.trainer import step_randomness, train_step
+
+SHAPES = {8192: (32, 32), 32768: (32, 64), 65536: (64, 64)}  # tokens -> (latent frames, latent side); patch 1x2x2
+
+
+def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int) -> dict:
+    frames, side = SHAPES[tokens]
+    torch.manual_seed(0)
+    model = create_model("vDiT-XL/122", side, 4, 1000, num_frames=frames).to(d.device).train()
+    model = parallelize(model, d, "fsdp", attention="fast", param_dtype=torch.bfloat16, enable_modulate_kernel=True,
+                        sequence_parallel_type=variant if variant != "none" else "auto")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    diffusion = create_diffusion(None)
+    shape = (4, frames, side, side)
+    x = torch.randn((1, *shape), device=d.device)
+    y = torch.zeros(1, dtype=torch.long, device=d.device)
+
+    def step(i: int) -> None:
+        rnd = step_randomness(0, i, d.dp_size, shape, 1000, 0.1, d.device, d.dp_rank, d.dp_size)
+        train_step(model, diffusion, opt, None, [(x, {"y": y}, rnd)], torch.bfloat16, 1.0, d)
+
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup):
+        step(i)
+    times = []
+    for i in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step(warmup + i)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(warmup + steps)
+        torch.cuda.synchronize()
+    comm = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e3
+    t = statistics.median(times)
+    per_gpu = tokens / t / d.sp_size  # one sample of `tokens` per sp group per step
+    return dict(variant=variant, tokens=tokens, step_s=t, tokens_per_s_per_gpu=per_gpu,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30, nccl_ms=comm)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", default="8192,32768,65536")
+    p.add_argument("--variants", default="none,fastseq,ulysses,ring,usp")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out")
+    args = p.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl")
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for variant in args.variants.split(","):
+            sp = 1 if variant == "none" else world
+            sp_mesh = init_device_mesh("cuda", (world // sp, sp), mesh_dim_names=("dp", "sp")) if sp > 1 else None
+            d = Dist(rank=rank, world_size=world, local_rank=rank, device=device, mesh=mesh, sp_mesh=sp_mesh)
+            try:
+                row = run(d, variant, tokens, args.steps, args.warmup)
+            except torch.OutOfMemoryError:
+                row = dict(variant=variant, tokens=tokens, error="out of memory")
+            except (ValueError, RuntimeError) as e:
+                row = dict(variant=variant, tokens=tokens, error=" ".join(str(e).split())[:120])
+            torch.cuda.empty_cache()
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0:
+        print(f"\nvDiT-XL/122, {world} x {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n")
+        print("| tokens | variant | step (s) | tokens/s per GPU | peak GiB per GPU | NCCL ms/step |")
+        print("|---:|---|---:|---:|---:|---:|")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['tokens']:,} | {r['variant']} | {r['error']} | | | |")
+            else:
+                print(f"| {r['tokens']:,} | {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+                      f"{r['peak_gib']:.1f} | {r['nccl_ms']:.1f} |")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(date=datetime.now().isoformat(timespec="seconds"), world=world,
+                               gpu=torch.cuda.get_device_name(device), torch=torch.__version__, rows=rows), f,
+                          indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

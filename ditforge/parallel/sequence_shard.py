@@ -1,0 +1,142 @@
+"""Sequence parallelism applied from outside the model (the model code knows nothing of it).
+
+Every process of an ``sp`` group holds the same samples. After the patch and position embeddings (which each
+process computes whole), a forward pre-hook on the first block keeps this process's contiguous slice of the
+tokens, padded at the end so that every process holds ``ceil(N / sp)``; the blocks then run on the slice:
+adaLN, LayerNorm, MLP and the final layer are per token, conditioning (timestep, label, caption tokens for
+cross-attention) is whole on every process, and only self-attention communicates (through the seam
+``ops.self_attention``, with the padding masked as keys). A forward hook on the final layer all-gathers its
+output (P * C_out values per token, a fraction of the width D) and drops the padding, so the loss and
+``unpatchify`` see the whole sample.
+
+Gradients: every process computes the same loss on the gathered output; the gather's backward sums the
+copies' gradients over the group (a reduce-scatter), so each process holds sp times its slice's share of every
+parameter gradient, and the data-parallel average over all dp x sp processes (DDP, ZeRO-2 or FSDP over the
+whole world) gives exactly the gradient of one process running the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from ditforge.errors import UserError
+from ditforge.ops.attention import set_sequence_attention
+from ditforge.parallel.mesh import Dist
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(B, n, C) slices of the sp group -> (B, sp * n, C) in rank order; backward: the gradient summed over
+    the group, this rank's slice (a reduce-scatter; all-reduce + slice where the backend has no reduce-scatter,
+    as gloo)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group = ctx.group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        grad = grad.contiguous()
+        n = grad.shape[1] // size
+        if dist.get_backend(group) == "nccl":
+            out = torch.empty_like(grad[:, :n])
+            dist.reduce_scatter(out, list(grad.chunk(size, dim=1)), group=group)  # chunks are views: no copies
+            return out, None
+        dist.all_reduce(grad, group=group)
+        return grad[:, rank * n:(rank + 1) * n].contiguous(), None
+
+
+class SequenceShard:
+    """The hooks and attention of sequence parallelism on one model (see the module docstring).
+
+    Args:
+        group: the sp process group (this process's row of the (dp, sp) mesh); the slices are in its rank order.
+        variant: ``ulysses`` | ``ring`` | ``fastseq`` | ``usp`` (see ``ditforge.parallel.sequence``).
+        attention_group: what ``sequence_parallel_attention`` takes: ``group``, or for ``usp`` the 2-D
+            (``ring``, ``ulysses``) mesh over the same processes (its flattened rank is the rank in ``group``).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, variant: str, attention_group=None):
+        self.group = group
+        self.variant = variant
+        self.attention_group = group if attention_group is None else attention_group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.valid: torch.Tensor | None = None  # this forward's local key mask (B, n), None when nothing is padding
+        self.length = 0  # N, the whole sequence of this forward
+
+    def split(self, module: nn.Module, args: tuple) -> tuple:
+        """Forward pre-hook of the first block: its input tokens (B, N, D) -> this process's (B, n, D)."""
+        x, *rest = args
+        b, n_total = x.shape[:2]
+        n = -(-n_total // self.size)
+        self.length = n_total
+        if n * self.size != n_total:
+            x = torch.nn.functional.pad(x, (0, 0, 0, n * self.size - n_total))
+            positions = torch.arange(self.rank * n, (self.rank + 1) * n, device=x.device)
+            self.valid = (positions < n_total).expand(b, n)
+        else:
+            self.valid = None
+        return (x[:, self.rank * n:(self.rank + 1) * n], *rest)
+
+    def gather(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        """Forward hook of the final layer: this process's (B, n, P*C) -> the whole (B, N, P*C)."""
+        return _GatherSequence.apply(out, self.group)[:, :self.length]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from ditforge.parallel.sequence import sequence_parallel_attention
+
+        return sequence_parallel_attention(q, k, v, self.valid, self.attention_group, self.variant)
+
+
+def usp_ulysses_size(num_heads: int, size: int) -> int:
+    """The Ulysses degree U of ``usp`` over ``size`` processes: the largest divisor of ``size`` below it that
+    divides the heads, so the ring degree ``size / U`` is at least 2 (the hybrid; Fang & Zhao 2024 put
+    Ulysses inside a host and the ring across hosts). 1 (a pure ring) when no such divisor exists."""
+    return max(u for u in range(1, size) if size % u == 0 and num_heads % u == 0) if size > 1 else 1
+
+
+def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> SequenceShard:
+    """Split ``model``'s token sequence over ``d``'s sp groups (hooks on ``model.blocks[0]`` and
+    ``model.final_layer``, attention through ``ops.self_attention``); every process must call it (``usp``
+    builds its (dp, ring, ulysses) mesh here). Returns the installed ``SequenceShard``.
+
+    Raises:
+        UserError: an STDiT (its spatial and temporal attentions need whole frames and whole token columns:
+            not supported yet), or Ulysses with a head count that the group size does not divide.
+    """
+    from ditforge.models.video import STDiT
+
+    group, size = d.sp_mesh["sp"].get_group(), d.sp_size
+    if isinstance(model, STDiT):
+        raise UserError("--sequence_parallel_size: STDiT models cannot be split along the sequence yet (their "
+                        "spatial and temporal attentions need whole frames); use a vDiT")
+    if variant == "ulysses" and model.num_heads % size:
+        raise UserError(f"--sequence_parallel_type ulysses: {model.num_heads} heads are not divisible by "
+                        f"--sequence_parallel_size {size}; use ring, fastseq or usp")
+    attention_group = None
+    if variant == "usp":
+        u = usp_ulysses_size(model.num_heads, size)
+        mesh = init_device_mesh(d.device.type, (d.dp_size, size // u, u), mesh_dim_names=("dp", "ring", "ulysses"))
+        attention_group = mesh["ring", "ulysses"]
+    shard = SequenceShard(group, variant, attention_group)
+    model.blocks[0].register_forward_pre_hook(shard.split)
+    model.final_layer.register_forward_hook(shard.gather)
+    set_sequence_attention(shard.attention)
+    return shard
+
+
+def resolve_sequence_parallel_type(variant: str, num_heads: int, size: int) -> str:
+    """``auto`` -> ``ulysses`` when the heads divide among the group (one all-to-all each way per attention,
+    the least traffic at small group sizes), else ``ring``; other names as given."""
+    if variant != "auto":
+        return variant
+    return "ulysses" if num_heads % size == 0 else "ring"
