@@ -1,0 +1,162 @@
+"""Sequence-parallel attention (ditforge.parallel.sequence): ulysses, ring and fastseq on 2 and 4 gloo ranks,
+usp on 4 (2 x 2), spawned from this test (no torchrun).
+
+Reference: the single-process float64 attention of the whole (padded) sequence with its key padding mask,
+computed in each worker from the same random global q, k, v and upstream gradient, sliced to the rank's
+contiguous shard (rank r holds positions [r * N_local, (r + 1) * N_local)). Each case pads a global length
+that does not divide by the world size; one case leaves whole ranks holding only padding, one adds
+per-sample key holes (text-style padding inside the sequence).
+
+Tolerance (float32): max |got - ref| / max |ref| < 1e-5 on the output (valid query rows; padded rows must
+only be finite) and on dq, dk, dv of the whole shard. The upstream gradient is zero on padded query rows, as
+a masked loss makes it. float32 rounding of these sizes (Dh = 8, N <= 17) is ~1e-7 relative; a wrong block,
+a lost mask or a missing gradient hop is O(1). bfloat16 runs are checked at 3e-2 (bf16 eps 7.8e-3).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+RTOL = 1e-5
+RTOL_BF16 = 3e-2
+B, H, DH = 2, 4, 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cases(world: int) -> list[tuple[str, int, int, bool]]:
+    """(name, global N, N_local, key holes) per world size; every N is padded to world * N_local."""
+    pad_ranks = (3, 3) if world == 2 else (5, 3)  # rank 1 of 2 / ranks 2 and 3 of 4 hold only padding
+    return [("uneven", 3 * world + 1, 4, False), ("pad-ranks", *pad_ranks, False),
+            ("holes", 4 * world - 1, 4, True), ("no-mask", 3 * world, 3, False)]
+
+
+def _reference(q, k, v, valid, g):
+    """float64 full-sequence attention with key mask; returns (out, dq, dk, dv)."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if valid is not None:
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.softmax(s, dim=-1) @ v
+    out.backward(g.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _check(rank, world, seed, variant, group, case, dtype=torch.float32, heads=H, device="cpu", **kw) -> None:
+    from ditforge.parallel.sequence import sequence_parallel_attention
+
+    name, n, nl, holes = case
+    total = world * nl
+    gen = torch.Generator().manual_seed(seed)  # identical global tensors on every rank
+    q, k, v, g = (torch.randn(B, heads, total, DH, generator=gen) for _ in range(4))
+    valid = torch.arange(total)[None, :].expand(B, total) < n
+    if holes:  # per-sample padding: sample 0 shorter (the last shard is padding for it alone, so blocks
+        # without a valid key meet rows that have had none yet: lse -inf on both sides of a merge);
+        # sample 1 has random padding keys inside the sequence too (first key kept)
+        valid = valid.clone()
+        valid[0, n - nl - 1 :] = False
+        valid[1] &= torch.rand(total, generator=gen) > 0.4
+        valid[1, 0] = True
+    g = g * valid[:, None, :, None]  # a masked loss sends no gradient into padded query rows
+    use_mask = name != "no-mask"
+    ref = _reference(q, k, v, valid if use_mask else None, g)
+
+    sl = slice(rank * nl, (rank + 1) * nl)
+    ql, kl, vl = (t[:, :, sl].to(device, dtype).requires_grad_() for t in (q, k, v))
+    vloc = valid[:, sl].to(device) if use_mask else None
+    out = sequence_parallel_attention(ql, kl, vl, vloc, group, variant, **kw)
+    out.backward(g[:, :, sl].to(device, dtype))
+    tag = f"{variant} world={world} case={name} dtype={dtype} seed={seed} rank={rank} {kw}"
+    assert out.shape == ql.shape and out.dtype == dtype, tag
+    assert torch.isfinite(out).all(), f"{tag}: non-finite output"
+    rows = valid[:, sl][:, None, :, None]
+    tol = RTOL if dtype == torch.float32 else RTOL_BF16
+    errs = {"out": _rel(out.detach().cpu() * rows, ref[0][:, :, sl] * rows)}
+    for key, got, want in zip(("dq", "dk", "dv"), (ql.grad, kl.grad, vl.grad), ref[1:]):
+        errs[key] = _rel(got.cpu(), want[:, :, sl])
+    assert all(e < tol for e in errs.values()), f"{tag}: relative errors {errs} (tolerance {tol})"
+
+
+def _worker(rank: int, world: int, port: int, base_seed: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ditforge.parallel.sequence import sequence_parallel_attention
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        seed = base_seed
+        setups = [(variant, None) for variant in ("ulysses", "ring", "fastseq")]
+        if world == 4:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+            setups += [("usp", mesh), ("usp", (mesh.get_group("ulysses"), mesh.get_group("ring")))]
+        for variant, group in setups:
+            for case in _cases(world):
+                seed += 1
+                _check(rank, world, seed, variant, group, case)
+            seed += 1
+            _check(rank, world, seed, variant, group, _cases(world)[0], dtype=torch.bfloat16)
+        # a 1-D DeviceMesh as the group; FastSeq gathered in 3 uneven head chunks
+        mesh1 = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+        for variant in ("ulysses", "ring", "fastseq"):
+            seed += 1
+            _check(rank, world, seed, variant, mesh1, _cases(world)[2])
+        _check(rank, world, seed + 1, "fastseq", None, _cases(world)[0], fastseq_chunks=3)
+        # ring and fastseq take head counts that Ulysses cannot split
+        _check(rank, world, seed + 2, "ring", None, _cases(world)[0], heads=3)
+        _check(rank, world, seed + 3, "fastseq", None, _cases(world)[0], heads=3)
+
+        # heads not divisible by the Ulysses size: a clear error, raised before any communication
+        x = torch.randn(B, 3, 4, DH)
+        with pytest.raises(ValueError, match="--sequence_parallel_size"):
+            sequence_parallel_attention(x, x, x, None, None, "ulysses")
+        if world == 4:
+            with pytest.raises(ValueError, match="--sequence_parallel_size"):
+                sequence_parallel_attention(x, x, x, None, mesh, "usp")
+        with pytest.raises(ValueError, match="usp"):
+            sequence_parallel_attention(x, x, x, None, None, "usp")  # usp needs two groups
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_attention_matches_single_process(world):
+    base_seed = int.from_bytes(os.urandom(3), "little") * 1000  # fresh inputs every run (seed in messages)
+    t0 = time.perf_counter()
+    mp.spawn(_worker, args=(world, _free_port(), base_seed), nprocs=world, join=True)
+    print(f"world {world}: {time.perf_counter() - t0:.1f} s (base seed {base_seed})")
+
+
+def test_communication_formulas():
+    """The byte counts of the README table, against their derivations at N = 32k, D = 1152, bf16."""
+    from ditforge.parallel.sequence import communication_bytes_per_layer as cb
+
+    n, d = 32768, 1152
+    nd = n * d * 2  # one full-sequence activation in bf16: 75,497,472 bytes
+    assert cb("ulysses", n, d, 2) == nd * 4 // 4  # 4 all-to-alls of N D / 2, half of each leaves the rank
+    assert cb("ulysses", n, d, 4) == nd * 4 * 3 // 16
+    for p in (2, 4, 8):
+        assert cb("ring", n, d, p) == cb("fastseq", n, d, p) == 2 * nd * (p - 1) // p
+        assert cb("fastseq_input", n, d, p) == nd * (p - 1) // p
+        assert cb("usp", n, d, p, ulysses_size=p) == cb("ulysses", n, d, p)
+        assert cb("usp", n, d, p, ulysses_size=1) == cb("ring", n, d, p)
+    assert cb("usp", n, d, 4, ulysses_size=2) == nd // 4 * (4 * 1 // 2 + 2 * 1)
+    assert cb("ring", n, d, 4, backward=True) == 2 * nd * 3 // 4 + 2 * n * d * 4
+    assert cb("ulysses", n, d, 1) == cb("ring", n, d, 1) == 0
