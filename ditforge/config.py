@@ -113,7 +113,8 @@ class ParallelConfig:
                                         "videos); the other factor of the world size is data parallelism")
     sequence_parallel_type: str = _f("auto", "how split sequences attend: ulysses (all-to-all to split heads) | "
                                              "ring (K/V passed around a ring) | fastseq (all-gathered K/V) | usp "
-                                             "(Ulysses inside groups, ring across) | auto",
+                                             "(Ulysses inside groups, ring across) | auto (ulysses when the heads "
+                                             "divide, else fastseq)",
                                      choices=SEQUENCE_PARALLEL_TYPES)
 
 
