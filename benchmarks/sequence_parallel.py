@@ -31,7 +31,7 @@ from ditforge.train.trainer import step_randomness, train_step
 SHAPES = {8192: (32, 32), 32768: (32, 64), 65536: (64, 64)}  # tokens -> (latent frames, latent side); patch 1x2x2
 
 
-def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int) -> dict:
+def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int, top: int = 0) -> dict:
     frames, side = SHAPES[tokens]
     torch.manual_seed(0)
     model = create_model("vDiT-XL/122", side, 4, 1000, num_frames=frames).to(d.device).train()
@@ -62,6 +62,12 @@ def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int) -> dict:
         step(warmup + steps)
         torch.cuda.synchronize()
     comm = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e3
+    if top and d.rank == 0:  # where the profiled step's GPU time went
+        kernels = sorted(((e.device_time_total / 1e3, e.key) for e in prof.key_averages()
+                          if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
+        print(f"{variant} {tokens}: GPU kernel time {sum(ms for ms, _ in kernels):.0f} ms", flush=True)
+        for ms, name in kernels[:top]:
+            print(f"  {ms:8.1f} ms  {name[:100]}", flush=True)
     t = statistics.median(times)
     per_gpu = tokens / t / d.sp_size  # one sample of `tokens` per sp group per step
     return dict(variant=variant, tokens=tokens, step_s=t, tokens_per_s_per_gpu=per_gpu,
@@ -75,6 +81,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out")
+    p.add_argument("--top", type=int, default=0, help="print the N slowest kernels of each profiled step")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -88,7 +95,7 @@ def main() -> None:
             sp_mesh = init_device_mesh("cuda", (world // sp, sp), mesh_dim_names=("dp", "sp")) if sp > 1 else None
             d = Dist(rank=rank, world_size=world, local_rank=rank, device=device, mesh=mesh, sp_mesh=sp_mesh)
             try:
-                row = run(d, variant, tokens, args.steps, args.warmup)
+                row = run(d, variant, tokens, args.steps, args.warmup, args.top)
             except torch.OutOfMemoryError:
                 row = dict(variant=variant, tokens=tokens, error="out of memory")
             except (ValueError, RuntimeError) as e:
