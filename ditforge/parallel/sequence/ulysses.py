@@ -100,7 +100,10 @@ def seq_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Proce
     b, h, n, dh = q.shape
     x = torch.stack([q, k, v]).view(3, b, p, h // p, n, dh).permute(2, 0, 1, 3, 4, 5)  # (P dest, 3, B, H/P, n, Dh)
     y = all_to_all(x, group)  # (P src = token shard, 3, B, H/P, n, Dh)
-    return y.permute(1, 2, 3, 0, 4, 5).reshape(3, b, h // p, p * n, dh)
+    # Tokens-major memory (B, N, H, Dh), viewed as (B, H, N, Dh), as the model's own q, k, v are: cuDNN's SDPA
+    # takes that layout and not contiguous (B, H, N, Dh), where PyTorch falls back to Flash, 1.5x slower on
+    # H200 at 32k tokens (benchmarks/sequence_parallel.py --top).
+    return y.permute(1, 2, 0, 4, 3, 5).reshape(3, b, p * n, h // p, dh).transpose(2, 3)
 
 
 def heads_to_seq(o: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
