@@ -43,7 +43,7 @@ class ModelConfig:
     qk_norm: bool = _f(False, "LayerNorm on the queries and keys of every attention (stability of large models)")
     num_classes: int | None = _f(None, "number of class labels (default: from the data)")
     learn_sigma: bool = _f(True, "predict the variance too (hybrid loss of Improved DDPM)")
-    class_dropout_prob: float = _f(0.1, "label dropout probability for classifier-free guidance")
+    class_dropout_prob: float = _f(0.1, "label (or caption) dropout probability for classifier-free guidance")
     in_channels: int | None = _f(None, "input channels (default: from the data)", cli=False)
     input_size: int | None = _f(None, "spatial input size of the model (default: --image_size)", cli=False)
     num_frames: int | None = _f(None, "frames of the model's input (video models: --num_frames)", cli=False)
