@@ -104,11 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_config_flags(b, (BenchConfig,))
 
-    e = sub.add_parser("export", help="consolidate a (sharded) checkpoint into one safetensors file",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e = sub.add_parser("export", help="consolidate a (sharded) checkpoint into one safetensors file, or write a "
+                       "diffusers DiTPipeline folder", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     e.add_argument("--ckpt", required=True, help="run folder (newest checkpoint) or checkpoint folder")
-    e.add_argument("--out", required=True, help="the .safetensors file to write (the run config goes in its metadata)")
+    e.add_argument("--out", required=True, help="the .safetensors file to write (the run config goes in its "
+                   "metadata), or the folder for --format diffusers")
     e.add_argument("--no_ema", dest="use_ema", action="store_false", help="export the raw weights, not the EMA")
+    e.add_argument("--format", choices=("safetensors", "diffusers"), default="safetensors",
+                   help="diffusers: a folder that diffusers' DiTPipeline.from_pretrained loads (image class-conditional "
+                   "DiT only; transformer/, DDIM scheduler/, vae/)")
+    e.add_argument("--vae", default=None, help="--format diffusers: the local diffusers AutoencoderKL folder to put in "
+                   "the pipeline (default: the run's VAE)")
 
     pre = sub.add_parser("preprocess", help="write the video CSV (path,text,num_frames,fps,height,width) of a "
                          "folder of videos, for --data", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -156,9 +162,19 @@ def main(argv: list[str] | None = None) -> int:
 
             bench(BenchConfig(**args))
         elif command == "export":
-            from ditforge.sample import export
+            fmt, vae = args.pop("format"), args.pop("vae")
+            if fmt == "diffusers":
+                from ditforge.interop import export_diffusers
+                from ditforge.sample import load_model
 
-            export(**args)
+                model, spec = load_model(args["ckpt"], use_ema=args["use_ema"])
+                export_diffusers(model, spec, args["out"], vae)
+            else:
+                if vae is not None:
+                    raise UserError("--vae: only --format diffusers puts a VAE in the export")
+                from ditforge.sample import export
+
+                export(**args)
         elif command == "preprocess":
             from ditforge.data.preprocess import preprocess_folder, preprocess_ucf101
 

@@ -353,7 +353,8 @@ def load_weights(path: str | Path, use_ema: bool = True) -> tuple[dict[str, torc
     """Weights for sampling or export, and the saved run config when there is one.
 
     Accepts a run folder (its newest checkpoint), a checkpoint folder, a ``.safetensors`` file (written by
-    ``ditforge export``), or an official DiT ``.pt`` state dict (read with ``torch.load(weights_only=True)``:
+    ``ditforge export``), a diffusers DiT folder (``ditforge.interop.load_diffusers``: a ``DiTPipeline`` folder or
+    its ``transformer/``), or an official DiT ``.pt`` state dict (read with ``torch.load(weights_only=True)``:
     no code runs; a DiT ``train.py`` checkpoint gives its ``ema``).
 
     Returns:
@@ -365,6 +366,10 @@ def load_weights(path: str | Path, use_ema: bool = True) -> tuple[dict[str, torc
     """
     p = Path(path)
     if p.is_dir():
+        from ditforge.interop import is_diffusers_folder, load_diffusers
+
+        if is_diffusers_folder(p):  # written by `ditforge export --format diffusers`, or a diffusers DiT
+            return load_diffusers(p)
         ckpt = resolve_checkpoint(p)
         return ckpt, read_meta(ckpt).get("config")
     if not p.is_file():
