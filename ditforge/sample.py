@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
 from ditforge.data.images import save_grid, to_uint8
+from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import SAMPLERS, generate
 from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
 from ditforge.errors import UserError
@@ -179,9 +181,9 @@ def _load_vae(cfg: SampleConfig, spec: dict, device: torch.device) -> VAE | Iden
     return vae
 
 
-def _encode_prompts(cfg: SampleConfig, spec: dict, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(states (N, L, D_text) float32, mask (N, L) bool) on ``device``, in batches padded to one length L."""
-    from ditforge.encoders.text import load_text_encoder, pad_states
+def _load_encoder(cfg: SampleConfig, spec: dict, device):
+    """The run's text encoder (float32, on ``device``), checked against the model's text width."""
+    from ditforge.encoders.text import load_text_encoder
 
     try:
         encoder = load_text_encoder(spec["text_encoder"], device, torch.float32, spec["text_max_length"])
@@ -190,8 +192,20 @@ def _encode_prompts(cfg: SampleConfig, spec: dict, prompts: list[str], device) -
     if encoder.hidden_size != spec["text_dim"]:
         raise UserError(f"--ckpt {cfg.ckpt}: the text encoder {encoder.path} gives {encoder.hidden_size}-wide "
                         f"states, the model expects {spec['text_dim']}")
-    parts = [encoder.encode(prompts[i : i + cfg.batch_size]) for i in range(0, len(prompts), cfg.batch_size)]
-    length = max(s.shape[1] for s, _ in parts)
+    return encoder
+
+
+def _encode_prompts(cfg: SampleConfig, spec: dict, prompts: list[str], device, encoder=None,
+                    one_by_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states (N, L, D_text) float32, mask (N, L) bool) on ``device``, in batches padded to one length L.
+    ``one_by_one``: encode each prompt alone and pad to the encoder's ``max_length``, so a prompt's states do
+    not depend on which prompts share its batch (streaming and resuming)."""
+    from ditforge.encoders.text import pad_states
+
+    encoder = encoder if encoder is not None else _load_encoder(cfg, spec, device)
+    step = 1 if one_by_one else cfg.batch_size
+    parts = [encoder.encode(prompts[i : i + step]) for i in range(0, len(prompts), step)]
+    length = encoder.max_length if one_by_one else max(s.shape[1] for s, _ in parts)
     padded = [pad_states(s, m, length) for s, m in parts]
     return torch.cat([s for s, _ in padded]).float(), torch.cat([m for _, m in padded])
 
@@ -207,26 +221,37 @@ def sample(cfg: SampleConfig) -> np.ndarray:
 
     Conditions: text models take ``prompt`` then the lines of ``prompt_file``, one sample per prompt, encoded by
     the run's text encoder; class models take ``class_labels`` as given, else ``num_samples`` labels cycling
-    0, 1, ..., C-1, else one per class. Sampling: ``ditforge.diffusion.generate`` (respaced DDPM or DDIM, guidance
-    against the dropped condition, a progress bar per batch), from ``seed``; latents are decoded by the run's VAE
-    (or ``cfg.vae``).
+    0, 1, ..., C-1, else one per class. Sampling: ``ditforge.diffusion.generate`` (``sampler``: respaced DDPM or
+    DDIM, or diffusers' DPM-Solver++ / Euler; guidance against the dropped condition; a progress bar per batch);
+    latents are decoded by the run's VAE (or ``cfg.vae``).
 
     Writes: image models a PNG grid at ``out`` (default ``samples.png``); video models, into the folder ``out``
     (default ``samples``), ``NNN-<slug of the prompt>.mp4`` (or ``NNN-class-K.mp4``) and a ``.gif`` preview beside
     it for sample NNN (see ``write_video`` / ``write_gif`` for the size rule). ``save_npz`` also writes
     ``samples`` (N, H, W, C) or (N, T, H, W, C) uint8, and ``labels`` (N,) int64 or ``prompts`` (N,) str.
+    Noise: one generator seeded ``seed`` draws all starting noise, then the per-step noise (``generate``'s
+    ``generator`` convention).
+
+    Streaming (``prompt_file`` given, and a video model or an ``out`` not ending in ``.png``; ``out`` defaults to
+    the folder ``samples``): the prompts (``prompt`` ones first) run in batches of ``batch_size``; each sample is
+    written as soon as its batch is decoded, to ``out/NNN-<slug>.png`` (image models, one PNG of the sample's own
+    size) or ``.mp4`` + ``.gif`` (video models; the GIF last); a tqdm bar counts samples. A sample whose file(s)
+    exist is skipped, so re-running the same command resumes. Sample i uses ``generate``'s ``seeds`` convention
+    with seed ``derive_seed(seed, i)`` and its prompt encoded alone, so it is the same whatever ``batch_size`` and
+    whichever samples were skipped. ``save_npz`` is refused then.
 
     Under torchrun with ``sequence_parallel_size`` = the number of processes, every process draws the same
     noise and runs its slice of each sample's tokens (``apply_sequence_parallel``); process 0 writes.
 
     Returns:
         The samples as (N, H, W, C) uint8, or (N, T, H, W, C) for video models (an empty array on processes
-        other than 0 under torchrun).
+        other than 0 under torchrun); when streaming, only those drawn in this run (M <= N, in prompt order).
 
     Raises:
         UserError: bad checkpoint or settings; a text model without a prompt or a class model with one (naming
             ``--prompt``); labels outside [0, num_classes); a missing or empty prompt file; latents without a
-            known VAE (naming ``--vae``); an image size the VAE does not divide.
+            known VAE (naming ``--vae``); an image size the VAE does not divide; ``save_npz`` when streaming; a
+            diffusers sampler without diffusers installed (naming ``--sampler``).
     """
     if cfg.sampler not in SAMPLERS:
         raise UserError(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {cfg.sampler}")
@@ -273,9 +298,14 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         bad = [c for c in labels if not 0 <= c < num_classes]
         if bad or not labels:
             raise UserError(f"--class_labels: expected labels in 0..{num_classes - 1}, got {bad or 'none'}")
-    out = Path(cfg.out if cfg.out is not None else ("samples" if video else "samples.png"))
+    default_out = "samples" if video or cfg.prompt_file is not None else "samples.png"
+    out = Path(cfg.out if cfg.out is not None else default_out)
     if video and out.suffix.lower() in (".png", ".jpg", ".mp4", ".gif", ".npz"):
         raise UserError(f"--out {out}: a video model writes a folder of .mp4 and .gif files; give a folder name")
+    stream = cfg.prompt_file is not None and (video or out.suffix.lower() != ".png")
+    if stream and cfg.save_npz:
+        raise UserError(f"--save_npz: not with --prompt_file streaming into the folder {out} (one file per sample, "
+                        "resumable); give --out FILE.png for one grid and an .npz (image models), or drop --save_npz")
 
     vae = _load_vae(cfg, spec, device)
     if cfg.image_size is not None:
@@ -296,6 +326,8 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         if d.is_main:
             log.info("sequence parallelism: %s over %d processes", variant, d.sp_size)
 
+    if stream:
+        return _stream(cfg, d, model, vae, spec, prompts, out, video)
     if text:
         y, y_mask = _encode_prompts(cfg, spec, prompts, device)
         names = [slug(p) for p in prompts]
@@ -331,20 +363,73 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     return samples
 
 
-def _write_videos(videos: np.ndarray, folder: Path, names: list[str], fps: int) -> None:
-    """Write (N, T, H, W, C) uint8 videos as ``folder/NNN-name.mp4`` plus ``.gif`` (grey is repeated to RGB)."""
+def _sample_shape(spec: dict, video: bool) -> tuple[int, ...]:
+    s = spec["input_size"]
+    return (spec["in_channels"], spec["num_frames"], s, s) if video else (spec["in_channels"], s, s)
+
+
+def _stream(cfg: SampleConfig, d: Dist, model, vae, spec: dict, prompts: list[str], out: Path,
+            video: bool) -> np.ndarray:
+    """Streaming ``--prompt_file`` sampling: one output per prompt, written as soon as its batch is decoded;
+    prompts whose output exists are skipped (so a re-run resumes). Sample i is drawn from the seeds
+    ``derive_seed(seed, i)`` (``generate(seeds=...)``) with its prompt encoded alone, so it does not depend on
+    ``batch_size`` or on which prompts were skipped. Returns the samples drawn now, (M, ...) uint8."""
+    device = d.device
+    width = max(3, len(str(len(prompts) - 1)))
+    stems = [out / f"{i:0{width}d}-{slug(p)}" for i, p in enumerate(prompts)]
+    exts = (".mp4", ".gif") if video else (".png",)
+    todo = [i for i, stem in enumerate(stems) if not all(stem.with_suffix(e).exists() for e in exts)]
+    if d.is_main:
+        log.info("%d of %d prompts to draw into %s (%d done already)", len(todo), len(prompts), out,
+                 len(prompts) - len(todo))
+    encoder = _load_encoder(cfg, spec, device) if todo else None
+    shape = _sample_shape(spec, video)
+    convert = _to_frames if video else to_uint8
+    drawn = []
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="sample", desc="samples",
+               disable=not d.is_main)
+    for start in range(0, len(todo), cfg.batch_size):
+        rows = todo[start : start + cfg.batch_size]
+        y, y_mask = _encode_prompts(cfg, spec, [prompts[i] for i in rows], device, encoder, one_by_one=True)
+        latents = generate(model, y, shape, y_mask=y_mask, cfg_scale=cfg.cfg_scale,
+                           num_steps=cfg.num_sampling_steps, sampler=cfg.sampler, eta=cfg.eta,
+                           learn_sigma=spec["learn_sigma"], seeds=[derive_seed(cfg.seed, i) for i in rows],
+                           batch_size=len(rows), clip_denoised=isinstance(vae, IdentityVAE), progress=d.is_main)
+        if d.is_main:
+            samples = convert(vae.decode(latents).float())
+            for i, sample_i in zip(rows, samples):
+                if video:
+                    _write_video_files(sample_i, stems[i], cfg.fps)
+                else:
+                    save_grid(sample_i[None], stems[i].with_suffix(".png"), nrow=1, pad=0)
+            drawn.append(samples)
+        bar.update(len(rows))
+    bar.close()
+    if d.is_main:
+        log.info("wrote %d new samples to %s", sum(len(a) for a in drawn), out)
+    return np.concatenate(drawn) if drawn else np.empty(0, dtype=np.uint8)
+
+
+def _write_video_files(frames: np.ndarray, stem: Path, fps: int) -> None:
+    """Write (T, H, W, C) uint8 frames as ``stem.mp4`` and ``stem.gif`` (grey is repeated to RGB); the GIF is
+    written last, so an existing GIF marks a complete pair."""
     from ditforge.data.video import display_scale, write_gif, write_video
 
+    if frames.shape[-1] == 1:
+        frames = frames.repeat(3, axis=-1)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    write_video(frames, stem.with_suffix(".mp4"), fps)
+    write_gif(frames, stem.with_suffix(".gif"), fps)
+    k = display_scale(*frames.shape[1:3])
+    log.info("wrote %s.mp4 and .gif: %d frames of %dx%d (shown %dx enlarged) at %d fps", stem, len(frames),
+             frames.shape[2], frames.shape[1], k, fps)
+
+
+def _write_videos(videos: np.ndarray, folder: Path, names: list[str], fps: int) -> None:
+    """Write (N, T, H, W, C) uint8 videos as ``folder/NNN-name.mp4`` plus ``.gif`` (grey is repeated to RGB)."""
     width = max(3, len(str(len(videos) - 1)))
     for i, (frames, name) in enumerate(zip(videos, names)):
-        if frames.shape[-1] == 1:
-            frames = frames.repeat(3, axis=-1)
-        stem = folder / f"{i:0{width}d}-{name}"
-        write_video(frames, stem.with_suffix(".mp4"), fps)
-        write_gif(frames, stem.with_suffix(".gif"), fps)
-        k = display_scale(*frames.shape[1:3])
-        log.info("wrote %s.mp4 and .gif: %d frames of %dx%d (shown %dx enlarged) at %d fps", stem, len(frames),
-                 frames.shape[2], frames.shape[1], k, fps)
+        _write_video_files(frames, folder / f"{i:0{width}d}-{name}", fps)
     log.info("wrote %d videos to %s", len(videos), folder)
 
 

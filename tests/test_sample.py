@@ -383,7 +383,7 @@ def test_bad_sampling_steps(tiny_run, tmp_path, capsys):
 
 def test_bad_sampler_is_an_argparse_error(tiny_run, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        _sample_rc(tiny_run, tmp_path, "--sampler", "euler")
+        _sample_rc(tiny_run, tmp_path, "--sampler", "heun")
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("ditforge sample: error:") and "Traceback" not in err

@@ -1,6 +1,9 @@
-"""Gaussian diffusion (schedules, q_sample, posterior, losses) and the DDPM / DDIM samplers."""
+"""Gaussian diffusion (schedules, q_sample, posterior, losses), the DDPM / DDIM samplers and diffusers'
+DPM-Solver++ / Euler solvers."""
 
 from ditforge.diffusion.gaussian import GaussianDiffusion, create_diffusion
-from ditforge.diffusion.samplers import SAMPLERS, generate, guided_model, sample_loop
+from ditforge.diffusion.samplers import (DIFFUSERS_SAMPLERS, OWN_SAMPLERS, SAMPLERS, diffusers_scheduler, generate,
+                                         guided_model, sample_loop, solver_loop)
 
-__all__ = ["GaussianDiffusion", "create_diffusion", "generate", "guided_model", "sample_loop", "SAMPLERS"]
+__all__ = ["GaussianDiffusion", "create_diffusion", "generate", "guided_model", "sample_loop", "solver_loop",
+           "diffusers_scheduler", "SAMPLERS", "OWN_SAMPLERS", "DIFFUSERS_SAMPLERS"]

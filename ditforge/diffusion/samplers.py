@@ -1,19 +1,118 @@
-"""Ancestral DDPM and DDIM sampling loops with classifier-free guidance, and ``generate`` (noise -> samples).
+"""Ancestral DDPM and DDIM sampling loops with classifier-free guidance, diffusers' DPM-Solver++ and Euler
+solvers on DiT's schedule, and ``generate`` (noise -> samples).
 
 Sources: Ho et al. 2020 (ancestral sampling, Algorithm 2), Song et al. 2021 ("DDIM", eq. 12 with eta),
 Ho & Salimans 2022 (classifier-free guidance); loops as in guided-diffusion's ``p_sample_loop`` and
-``ddim_sample_loop``; ``generate`` as facebookresearch/DiT ``sample.py`` (respaced diffusion, 2B guided batch).
+``ddim_sample_loop``; ``generate`` as facebookresearch/DiT ``sample.py`` (respaced diffusion, 2B guided batch). ``"dpm++"``
+(Lu et al. 2022, DPM-Solver++ 2M) and ``"euler"`` (Karras et al. 2022, Euler on the sigma ODE) are diffusers'
+``DPMSolverMultistepScheduler`` / ``EulerDiscreteScheduler``, driven as diffusers' pipelines drive them.
 No I/O here: writing files is ``ditforge.sample``'s job.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from tqdm.auto import tqdm
 
 from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn, create_diffusion
+from ditforge.errors import UserError
 
-SAMPLERS = ("ddpm", "ddim")
+OWN_SAMPLERS = ("ddpm", "ddim")
+DIFFUSERS_SAMPLERS = ("dpm++", "euler")
+SAMPLERS = OWN_SAMPLERS + DIFFUSERS_SAMPLERS
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def randn_like_rows(x: torch.Tensor, generator: Generators) -> torch.Tensor:
+    """Standard normal noise shaped like ``x`` (same dtype, device): from one generator (None: the global RNG),
+    or, given a sequence of B generators, row i from ``generator[i]`` (as diffusers' ``randn_tensor``), so a
+    row's noise does not depend on the other rows."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    if len(generator) != x.shape[0]:
+        raise ValueError(f"{len(generator)} generators for {x.shape[0]} rows")
+    return torch.cat([torch.randn((1, *x.shape[1:]), generator=g, device=x.device, dtype=x.dtype)
+                      for g in generator])
+
+
+def diffusers_scheduler(sampler: str, num_train_timesteps: int = 1000):
+    """diffusers' scheduler for ``sampler`` on DiT's training schedule.
+
+    Both: ``num_train_timesteps`` linear betas 1e-4..0.02 (``beta_schedule="linear"``, as ``linear_betas``),
+    epsilon prediction, ``timestep_spacing="trailing"`` (integer timesteps from T - 1 down with an even stride,
+    so the model only sees timesteps it was trained on; Lin et al. 2024). ``"dpm++"``:
+    ``DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2)`` (second-order multistep,
+    first order on the last steps as diffusers' default ``lower_order_final``); ``"euler"``:
+    ``EulerDiscreteScheduler`` (no churn: deterministic).
+
+    Raises:
+        UserError: diffusers is not installed (naming ``--sampler``).
+        ValueError: ``sampler`` is not one of ``DIFFUSERS_SAMPLERS``.
+    """
+    if sampler not in DIFFUSERS_SAMPLERS:
+        raise ValueError(f"not a diffusers sampler: {sampler!r}; expected one of {DIFFUSERS_SAMPLERS}")
+    try:
+        from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
+    except ImportError as e:
+        raise UserError(f"--sampler {sampler}: needs diffusers (pip install diffusers), which cannot be imported "
+                        f"({e}); --sampler ddpm and ddim work without it") from None
+    common = dict(num_train_timesteps=num_train_timesteps, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
+                  prediction_type="epsilon", timestep_spacing="trailing")
+    if sampler == "dpm++":
+        return DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2, **common)
+    return EulerDiscreteScheduler(**common)
+
+
+@torch.no_grad()
+def solver_loop(
+    model_fn: ModelFn,
+    noise: torch.Tensor,
+    sampler: str,
+    num_steps: int,
+    generator: Generators = None,
+    progress: bool = False,
+    desc: str | None = None,
+    callback=None,
+) -> torch.Tensor:
+    """Run a diffusers solver (``"dpm++"`` or ``"euler"``) from ``noise`` to x_0, as diffusers' pipelines do.
+
+    ``set_timesteps(num_steps)``; x = noise * ``init_noise_sigma`` (1 for DPM-Solver++, sqrt(sigma_max^2 + 1)
+    for Euler); per timestep t: eps = the first C channels of ``model_fn(scale_model_input(x, t), t)`` (learned
+    variance channels are dropped, as ``DiTPipeline`` does), x = ``step(eps, t, x, generator=...)``. Host syncs:
+    only those inside the schedulers (``set_begin_index(0)`` spares the step-index lookup).
+
+    Args:
+        model_fn: (x (B, C, ...), t (B,) int64 original timesteps) -> (B, C or 2C, ...) (see ``guided_model``).
+        noise: (B, C, ...) float starting noise N(0, I) (unscaled).
+        sampler: ``"dpm++"`` or ``"euler"``.
+        num_steps: solver steps (model calls), 1..1000.
+        generator: passed to ``step`` (Euler draws its unused churn noise from it; DPM-Solver++ draws nothing);
+            a sequence of B generators gives each row its own.
+        callback: called as ``callback(i, t, x)`` after step i with the new x (tests compare intermediates).
+
+    Returns:
+        (B, C, ...) samples in ``noise``'s dtype.
+
+    Raises:
+        UserError: diffusers missing. ValueError: unknown sampler.
+    """
+    sched = diffusers_scheduler(sampler)
+    sched.set_timesteps(num_steps, device=noise.device)
+    sched.set_begin_index(0)
+    x = noise * sched.init_noise_sigma
+    c = noise.shape[1]
+    gen = generator if generator is None or isinstance(generator, torch.Generator) else list(generator)
+    for i, t in enumerate(tqdm(sched.timesteps, desc=desc or f"{sampler} sampling", disable=not progress,
+                               leave=False)):
+        t_model = t.to(torch.long).expand(x.shape[0])  # trailing spacing: integer-valued (Euler keeps floats)
+        out = model_fn(sched.scale_model_input(x, t), t_model)
+        x = sched.step(out[:, :c], t, x, generator=gen, return_dict=False)[0]
+        if callback is not None:
+            callback(i, t, x)
+    return x.to(noise.dtype)
 
 
 def guided_model(
@@ -78,7 +177,7 @@ def sample_loop(
     sampler: str = "ddpm",
     eta: float = 0.0,
     clip_denoised: bool = False,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     progress: bool = False,
     desc: str | None = None,
 ) -> torch.Tensor:
@@ -89,23 +188,25 @@ def sample_loop(
         model_fn: (x_t, original timesteps) -> model output (see ``guided_model``).
         noise: (B, C, ...) starting noise, float32.
         sampler: ``"ddpm"`` (ancestral, learned or fixed variance) or ``"ddim"`` (``eta`` = 0 is deterministic).
-        generator: source of the per-step noise; same generator state, same samples.
+        generator: source of the per-step noise (drawn only where used: DDPM, DDIM with ``eta`` > 0); same
+            generator state, same samples. A sequence of B generators draws row i's noise from the i-th.
         progress: show a tqdm bar over the steps (on stderr); ``desc`` labels it (default "<sampler> sampling").
 
     Returns:
         (B, C, ...) float32 samples.
 
     Raises:
-        ValueError: unknown sampler.
+        ValueError: unknown sampler (the diffusers solvers run in ``solver_loop``).
     """
-    if sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
+    if sampler not in OWN_SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; expected one of {OWN_SAMPLERS}")
+    noisy = sampler == "ddpm" or eta > 0
     x = noise
     steps = range(diffusion.num_timesteps - 1, -1, -1)
     for i in tqdm(steps, desc=desc or f"{sampler} sampling", disable=not progress, leave=False):
         t = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
         out = diffusion.p_mean_variance(model_fn(x, diffusion.model_timesteps(t)), x, t, clip_denoised)
-        z = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype).double()
+        z = randn_like_rows(x, generator).double() if noisy else None
         if sampler == "ddpm":
             x_prev = out.mean + (i > 0) * torch.exp(0.5 * out.log_variance) * z
         else:
@@ -114,7 +215,8 @@ def sample_loop(
             sigma = eta * ((1 - abar_prev) / (1 - abar)).sqrt() * (1 - abar / abar_prev).sqrt()
             eps = diffusion.predict_eps_from_xstart(x, t, out.pred_xstart)
             x_prev = out.pred_xstart * abar_prev.sqrt() + (1 - abar_prev - sigma**2).sqrt() * eps
-            x_prev = x_prev + (i > 0) * sigma * z
+            if noisy:
+                x_prev = x_prev + (i > 0) * sigma * z
         x = x_prev.to(noise.dtype)
     return x
 
@@ -132,19 +234,28 @@ def generate(
     eta: float = 0.0,
     learn_sigma: bool = True,
     generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
     batch_size: int | None = None,
     clip_denoised: bool = True,
     guidance_channels: int | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
-    """Draw one sample per condition row: respaced diffusion, classifier-free guidance, in batches.
+    """Draw one sample per condition row: respaced diffusion or a diffusers solver, classifier-free guidance,
+    in batches.
 
-    The shared sampler of ``ditforge sample`` and the trainer's periodic sample grids. The starting noise of all
-    N samples is drawn first, as one (N, *shape) tensor from ``generator`` (so sample i starts from the same
-    x_T whatever ``batch_size``); then each batch of ``batch_size`` rows runs ``sample_loop`` with the same
-    generator for its per-step noise. Same generator state and settings -> same samples (on the same device).
-    With ``batch_size`` >= N this is exactly ``noise = randn((N, *shape), generator)`` then one
-    ``sample_loop(create_diffusion(str(num_steps), learn_sigma), guided_model(...), noise, ...)``.
+    The shared sampler of ``ditforge sample`` and the trainer's periodic sample grids. Two noise conventions:
+
+    - ``generator`` (or neither: the global RNG): the starting noise of all N samples is drawn first, as one
+      (N, *shape) tensor from ``generator`` (so sample i starts from the same x_T whatever ``batch_size``);
+      then each batch runs its loop with the same generator for its per-step noise. With ``batch_size`` >= N
+      this is exactly ``noise = randn((N, *shape), generator)`` then one ``sample_loop(create_diffusion(
+      str(num_steps), learn_sigma), guided_model(...), noise, ...)`` (or ``solver_loop``).
+    - ``seeds`` (one int per row): row i has its own generator ``torch.Generator(device).manual_seed(seeds[i])``
+      that draws its starting noise (``randn(shape)``) and then its per-step noise; so sample i depends only on
+      its condition and seed, not on ``batch_size`` or the other rows (up to the float rounding of batched
+      matmuls). ``ditforge sample --prompt_file`` uses ``seeds[i] = derive_seed(seed, i)`` to resume.
+
+    Same seeds / generator state and settings -> same samples (on the same device).
 
     Args:
         model: a conditional DiT / vDiT in eval mode (see ``guided_model``), on ``y``'s device.
@@ -152,13 +263,16 @@ def generate(
         shape: the shape of one sample, e.g. (C, H, W) or (C, T, H, W) (latent or pixel).
         y_mask: (N, L) bool caption mask for text states; None for labels.
         cfg_scale: guidance scale (1: no guidance, B rows per model call instead of 2B).
-        num_steps: sampling steps; the 1000-step training process is respaced to them (2..1000).
-        sampler, eta: ``"ddpm"`` (ancestral) or ``"ddim"`` with ``eta`` (0: deterministic), see ``sample_loop``.
+        num_steps: sampling steps: our samplers respace the 1000-step training process to them (2..1000); the
+            diffusers solvers take that many solver steps (model calls).
+        sampler, eta: ``"ddpm"`` (ancestral, learned variance) or ``"ddim"`` with ``eta`` (0: deterministic), see
+            ``sample_loop``; ``"dpm++"`` or ``"euler"`` (diffusers, ``eta`` unused), see ``solver_loop``.
         learn_sigma: the model predicts the variance too (C_out = 2C).
-        generator: random source, on ``y``'s device (None: the global RNG).
-        batch_size: samples per ``sample_loop`` (each model call sees 2 x that with guidance); None: all N.
+        generator: random source, on ``y``'s device (None: the global RNG); not with ``seeds``.
+        seeds: N per-sample seeds (see above); not with ``generator``.
+        batch_size: samples per loop (each model call sees 2 x that with guidance); None: all N.
         clip_denoised: clamp predicted x_0 to [-1, 1] (right for pixels; DiT's sampler uses False for VAE
-            latents, which are not bounded so).
+            latents, which are not bounded so). Our samplers only; the diffusers solvers never clip.
         guidance_channels: see ``guided_model``.
         progress: a tqdm bar over the steps of each batch.
 
@@ -166,8 +280,9 @@ def generate(
         (N, *shape) float32 samples on ``y``'s device.
 
     Raises:
-        ValueError: unknown sampler, ``num_steps`` outside 2..1000, ``batch_size`` < 1, or ``y_mask`` rows
-            that do not match ``y``.
+        ValueError: unknown sampler, ``num_steps`` outside 2..1000, ``batch_size`` < 1, ``y_mask`` rows
+            that do not match ``y``, ``seeds`` of the wrong length or given with ``generator``.
+        UserError: a diffusers solver without diffusers installed.
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
@@ -176,17 +291,29 @@ def generate(
     n = y.shape[0]
     if y_mask is not None and y_mask.shape[0] != n:
         raise ValueError(f"y_mask has {y_mask.shape[0]} rows, y has {n}")
+    if seeds is not None and (generator is not None or len(seeds) != n):
+        raise ValueError(f"seeds: expected {n} seeds and no generator, got {len(seeds)} seeds"
+                         + (" and a generator" if generator is not None else ""))
     batch_size = n if batch_size is None else batch_size
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     device = y.device
-    diffusion = create_diffusion(str(num_steps), learn_sigma)
-    noise = torch.randn((n, *shape), generator=generator, device=device, dtype=torch.float32)
+    if seeds is None:
+        gens: list | None = None
+        noise = torch.randn((n, *shape), generator=generator, device=device, dtype=torch.float32)
+    else:
+        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        noise = torch.cat([torch.randn((1, *shape), generator=g, device=device, dtype=torch.float32) for g in gens])
+    diffusion = create_diffusion(str(num_steps), learn_sigma) if sampler in OWN_SAMPLERS else None
     out = []
     batches = range(0, n, batch_size)
     for j, start in enumerate(batches):
         rows = slice(start, start + batch_size)
         fn = guided_model(model, y[rows], cfg_scale, None if y_mask is None else y_mask[rows], guidance_channels)
         desc = f"{sampler} sampling" + (f" (batch {j + 1}/{len(batches)})" if len(batches) > 1 else "")
-        out.append(sample_loop(diffusion, fn, noise[rows], sampler, eta, clip_denoised, generator, progress, desc))
+        g = generator if gens is None else gens[rows]
+        if diffusion is not None:
+            out.append(sample_loop(diffusion, fn, noise[rows], sampler, eta, clip_denoised, g, progress, desc))
+        else:
+            out.append(solver_loop(fn, noise[rows], sampler, num_steps, g, progress, desc))
     return torch.cat(out).float()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ditforge.diffusion import SAMPLERS, create_diffusion, generate, guided_model, sample_loop
+from ditforge.diffusion import OWN_SAMPLERS, SAMPLERS, create_diffusion, generate, guided_model, sample_loop
 
 
 @pytest.fixture(autouse=True)
@@ -308,10 +308,11 @@ def test_sample_loop_model_sees_original_timesteps():
 
 
 def test_unknown_sampler_raises():
-    assert set(SAMPLERS) == {"ddpm", "ddim"}
+    assert set(SAMPLERS) == {"ddpm", "ddim", "dpm++", "euler"}
     d = create_diffusion("5", learn_sigma=False)
-    with pytest.raises(ValueError):
-        sample_loop(d, lambda x, t: x, randn((1, 1, 2, 2), 61), "euler")
+    for name in ("euler", "dpm++", "heun"):  # the diffusers solvers run in solver_loop, not sample_loop
+        with pytest.raises(ValueError):
+            sample_loop(d, lambda x, t: x, randn((1, 1, 2, 2), 61), name)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -501,7 +502,7 @@ def _labels(seed, n):
     return torch.from_numpy(np.random.default_rng(seed).integers(0, NUM_CLASSES, size=n))
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", OWN_SAMPLERS)
 def test_generate_is_noise_then_sample_loop(sampler):
     # Reference: the explicit recipe (all starting noise first, then one guided sample_loop on the same generator).
     C, n, seed = 2, 5, int(np.random.default_rng().integers(0, 2**31))
@@ -532,6 +533,26 @@ def test_generate_batches():
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("sampler,eta", [("ddpm", 0.0), ("ddim", 0.5)])
+def test_generate_per_sample_seeds(sampler, eta):
+    # seeds: row i's starting and per-step noise come from its own generator manual_seed(seeds[i]); the reference
+    # runs each row alone with that recipe. Exact (float64 toy model; rows do not mix), whatever batch_size.
+    C, n = 2, 5
+    y = _labels(95, n)
+    seeds = [int(s) for s in np.random.default_rng().integers(0, 2**31, size=n)]
+    kw = dict(cfg_scale=2.0, num_steps=5, sampler=sampler, eta=eta, learn_sigma=True)
+    got = generate(ToyCondModel(2 * C), y, (C, 2, 2), seeds=seeds, batch_size=2, **kw)
+    d = create_diffusion("5", True)
+    for i in range(n):
+        g = torch.Generator().manual_seed(seeds[i])
+        noise = torch.randn((1, C, 2, 2), generator=g)
+        ref = sample_loop(d, guided_model(ToyCondModel(2 * C), y[i:i + 1], 2.0), noise, sampler, eta, True, g)
+        assert torch.equal(got[i:i + 1], ref)
+    assert torch.equal(got, generate(ToyCondModel(2 * C), y, (C, 2, 2), seeds=seeds, batch_size=5, **kw))
+    sub = generate(ToyCondModel(2 * C), y[[1, 3]], (C, 2, 2), seeds=[seeds[1], seeds[3]], **kw)
+    assert torch.equal(sub, got[[1, 3]])  # skipping rows does not change the others
+
+
 def test_generate_deterministic_and_seed_dependent():
     y = _labels(94, 3)
 
@@ -542,7 +563,8 @@ def test_generate_deterministic_and_seed_dependent():
     assert not torch.equal(run(1), run(2))
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_steps=1), dict(num_steps=1001), dict(sampler="euler"),
+@pytest.mark.parametrize("kwargs", [dict(num_steps=1), dict(num_steps=1001), dict(sampler="heun"),
+                                    dict(seeds=[1, 2]), dict(seeds=[1, 2, 3], generator=torch.Generator()),
                                     dict(batch_size=0), dict(y_mask=torch.ones(2, 3, dtype=torch.bool))])
 def test_generate_bad_arguments(kwargs):
     with pytest.raises(ValueError):
