@@ -73,14 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt", action="append", help="text-conditioned models: a prompt; repeat the flag for "
                    "more (one sample each)")
     s.add_argument("--prompt_file", help="text-conditioned models: a UTF-8 file of prompts, one per non-empty "
-                   "line (after any --prompt)")
+                   "line (after any --prompt); streams them in batches into the --out folder (default samples), one "
+                   "NNN-<prompt>.png (or .mp4 + .gif) per prompt written as soon as done, skipping those that exist "
+                   "(re-run to resume); --out FILE.png instead writes one grid (image models)")
     who = s.add_mutually_exclusive_group()
     who.add_argument("--class_labels", type=_labels, help="class-conditional models: labels to draw, e.g. 0,1,2")
     who.add_argument("--num_samples", type=int, default=argparse.SUPPRESS, help="class-conditional models: draw "
                      "N samples, labels cycling over the classes (default: one per class)")
     s.add_argument("--cfg_scale", type=float, default=4.0, help="classifier-free guidance scale (1: no guidance)")
     s.add_argument("--num_sampling_steps", type=int, default=250, help="respaced diffusion steps (2..1000)")
-    s.add_argument("--sampler", default="ddpm", choices=("ddpm", "ddim"), help="reverse process")
+    s.add_argument("--sampler", default="ddpm", choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
+                   "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
+                   "dpm++ (DPM-Solver++ 2M) and euler are diffusers' schedulers on DiT's schedule (needs diffusers; "
+                   "~20 steps suffice)")
     s.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0: deterministic)")
     s.add_argument("--seed", type=int, default=0, help="seed of the noise")
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")
