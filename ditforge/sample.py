@@ -21,7 +21,7 @@ from ditforge.errors import UserError
 from ditforge.models import create_model, infer_dit_config, is_video_model
 from ditforge.ops.attention import set_sequence_attention
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
-from ditforge.parallel.sequence_shard import apply_sequence_parallel, resolve_sequence_parallel_type
+from ditforge.parallel.sequence.shard import apply_sequence_parallel, resolve_sequence_parallel_type
 from ditforge.train.checkpoint import export_safetensors, load_weights, read_checkpoint_weights
 
 log = logging.getLogger(__name__)

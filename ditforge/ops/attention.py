@@ -20,7 +20,7 @@ FAST_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBack
 ATTENTION_BACKENDS = ("auto", "fast", "math")
 _preferred: list[SDPBackend] | None = None
 # Self-attention over a token sequence that is split across processes (sequence parallelism), installed by
-# ``ditforge.parallel.sequence_shard``; None: the sequence is whole and ``self_attention`` is ``attention``.
+# ``ditforge.parallel.sequence.shard``; None: the sequence is whole and ``self_attention`` is ``attention``.
 _split_sequence_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 

@@ -170,7 +170,7 @@ def parallelize(
     log.info("attention: %s", set_attention_backend(attention))
     set_sequence_attention(None)
     if dist.sp_mesh is not None:
-        from ditforge.parallel.sequence_shard import apply_sequence_parallel, resolve_sequence_parallel_type
+        from ditforge.parallel.sequence.shard import apply_sequence_parallel, resolve_sequence_parallel_type
 
         variant = resolve_sequence_parallel_type(sequence_parallel_type, model.num_heads, dist.sp_size)
         apply_sequence_parallel(model, dist, variant)

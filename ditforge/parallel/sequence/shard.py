@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ditforge.errors import UserError
 from ditforge.ops.attention import set_sequence_attention
 from ditforge.parallel.mesh import Dist
+from ditforge.parallel.sequence import sequence_parallel_attention
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -92,8 +93,6 @@ class SequenceShard:
         return _GatherSequence.apply(out, self.group)[:, :self.length]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from ditforge.parallel.sequence import sequence_parallel_attention
-
         return sequence_parallel_attention(q, k, v, self.valid, self.attention_group, self.variant)
 
 
