@@ -19,7 +19,7 @@ from ditforge.diffusion import SAMPLERS, generate
 from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
 from ditforge.errors import UserError
 from ditforge.models import create_model, infer_dit_config, is_video_model
-from ditforge.ops.attention import set_sequence_attention
+from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.parallel.sequence.shard import apply_sequence_parallel, resolve_sequence_parallel_type
 from ditforge.train.checkpoint import export_safetensors, load_weights, read_checkpoint_weights
@@ -267,6 +267,7 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         return _sample(cfg, prompts, d)
     finally:
         set_sequence_attention(None)
+        set_frame_exchange(None)
         shutdown(d)
 
 

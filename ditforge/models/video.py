@@ -20,7 +20,7 @@ from torch import nn
 
 from ditforge.models.dit import NORM_EPS, DiT, DiTBlock
 from ditforge.models.layers import Attention, PatchEmbed3D, sincos_1d, sincos_2d, sincos_3d
-from ditforge.ops import gated_residual, layernorm_modulate
+from ditforge.ops import frames_to_positions, gated_residual, layernorm_modulate, positions_to_frames
 
 
 class VideoDiT(DiT):
@@ -71,8 +71,11 @@ class STDiTBlock(DiTBlock):
     """DiT block with factorised spatial and temporal self-attention (Open-Sora v1.0's ``STDiTBlock``).
 
     Tokens (B, N, D) are in (T', S) row-major order, N = T' S (T' frames after patching, S = H' W' tokens per
-    frame); both are fixed at construction (the model knows its grid), so the call is DiT's ``block(x, c,
-    context)`` and ``parallelize`` wraps these blocks as it wraps DiT's. With DiT's per-block adaLN-Zero
+    frame); S is fixed at construction and T' = N / S, so the call is DiT's ``block(x, c, context)`` and
+    ``parallelize`` wraps these blocks as it wraps DiT's. Under sequence parallelism a process holds whole
+    frames (T' local): the attention within frames is local, and ``ops.frames_to_positions`` /
+    ``positions_to_frames`` (identities otherwise) exchange frames for token columns around the attention
+    across frames. With DiT's per-block adaLN-Zero
     (``adaLN_modulation`` (B, D) -> six (B, D) chunks) instead of Open-Sora's PixArt-style shared table:
 
         x = x + gate_msa * attn(modulate(LN(x), shift_msa, scale_msa))     attention within each frame, (B T', S, D)
@@ -106,17 +109,21 @@ class STDiTBlock(DiTBlock):
         """x: (B, N, D) tokens, c: (B, D) conditioning, context: (caption tokens (B, L, D), mask (B, L) bool) for
         text-conditioned blocks, tpe: optional (1, T', D) added to the temporal attention's input -> (B, N, D)."""
         B, N, D = x.shape
-        T, S = self.num_frames, self.num_spatial
-        if N != T * S:
-            raise ValueError(f"STDiT block built for {T} frames x {S} tokens got {N} tokens")
+        S = self.num_spatial
+        if N % S:  # N = T' S, or this process's whole frames under sequence parallelism
+            raise ValueError(f"STDiT block built for {S} tokens per frame got {N} tokens")
+        T = N // S
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
         h = layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS)
         h = self.attn(h.reshape(B * T, S, D)).reshape(B, N, D)  # each frame attends within itself
         x = gated_residual(x, h, gate_msa)
-        h = x.reshape(B, T, S, D).transpose(1, 2).reshape(B * S, T, D)  # each position attends across frames
+        h = frames_to_positions(x.reshape(B, T, S, D))  # (B, T', S_local, D): whole columns of positions
+        Tf, Sl = h.shape[1], h.shape[2]
+        h = h.transpose(1, 2).reshape(B * Sl, Tf, D)  # each position attends across frames
         if tpe is not None:
             h = h + tpe
-        h = self.attn_temp(h).reshape(B, S, T, D).transpose(1, 2).reshape(B, N, D)
+        h = self.attn_temp(h).reshape(B, Sl, Tf, D).transpose(1, 2)
+        h = positions_to_frames(h).reshape(B, N, D)
         x = gated_residual(x, h, gate_msa)
         if self.cross_attn is not None:
             x = x + self.cross_attn(x, *context)

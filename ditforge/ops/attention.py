@@ -30,16 +30,41 @@ def set_sequence_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tenso
     _split_sequence_attention = fn
 
 
+# Under sequence parallelism of a model that attends within and across frames (STDiT), each process holds
+# whole frames; these exchange them for whole token columns (all frames of a slice of the positions) around
+# the attention across frames, and back. Installed by ``ditforge.parallel.sequence.shard``; None: identity.
+_frame_exchange: tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None = None
+
+
+def set_frame_exchange(fns: tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+                       | None) -> None:
+    """Install (or with None remove) the (frames_to_positions, positions_to_frames) pair."""
+    global _frame_exchange
+    _frame_exchange = fns
+
+
+def frames_to_positions(x: torch.Tensor) -> torch.Tensor:
+    """(B, T_local, S, D), this process's frames -> (B, T, S_local, D), all frames of its positions; the
+    identity when the sequence is whole."""
+    return x if _frame_exchange is None else _frame_exchange[0](x)
+
+
+def positions_to_frames(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``frames_to_positions``: (B, T, S_local, D) -> (B, T_local, S, D)."""
+    return x if _frame_exchange is None else _frame_exchange[1](x)
+
+
 @contextlib.contextmanager
 def whole_sequences():
     """Within the block, ``self_attention`` is plain attention whatever is installed: for a model that one
     process runs alone (e.g. rank 0 drawing sample grids during a sequence-parallel run)."""
-    global _split_sequence_attention
-    saved, _split_sequence_attention = _split_sequence_attention, None
+    global _split_sequence_attention, _frame_exchange
+    saved = _split_sequence_attention, _frame_exchange
+    _split_sequence_attention = _frame_exchange = None
     try:
         yield
     finally:
-        _split_sequence_attention = saved
+        _split_sequence_attention, _frame_exchange = saved
 
 
 def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ditforge.errors import UserError
-from ditforge.ops.attention import set_attention_backend, set_sequence_attention
+from ditforge.ops.attention import set_attention_backend, set_frame_exchange, set_sequence_attention
 from ditforge.ops.modulate import set_kernels
 from ditforge.parallel.mesh import Dist
 
@@ -169,6 +169,7 @@ def parallelize(
     """
     log.info("attention: %s", set_attention_backend(attention))
     set_sequence_attention(None)
+    set_frame_exchange(None)
     if dist.sp_mesh is not None:
         from ditforge.parallel.sequence.shard import apply_sequence_parallel, resolve_sequence_parallel_type
 

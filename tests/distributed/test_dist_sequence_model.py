@@ -29,9 +29,16 @@ from ditforge.parallel.mesh import Dist
 FRAMES, SIZE = 3, 6
 
 
-def _model() -> torch.nn.Module:
+# STDiT-S/2 on 4 frames of 4x4 latents: 4 frames x 4 tokens, split by whole frames and by token columns.
+STDIT_FRAMES, STDIT_SIZE = 4, 4
+
+
+def _model(kind: str = "vdit") -> torch.nn.Module:
     torch.manual_seed(0)
-    model = create_model("vDiT-S/122", SIZE, 4, 10, num_frames=FRAMES, text_dim=16)
+    if kind == "stdit":
+        model = create_model("STDiT-S/2", STDIT_SIZE, 4, 10, num_frames=STDIT_FRAMES, text_dim=16)
+    else:
+        model = create_model("vDiT-S/122", SIZE, 4, 10, num_frames=FRAMES, text_dim=16)
     with torch.no_grad():  # every parameter random, so adaLN-Zero's zeros cannot hide a wrong path
         g = torch.Generator().manual_seed(1)
         for p in model.parameters():
@@ -39,13 +46,14 @@ def _model() -> torch.nn.Module:
     return model
 
 
-def _inputs():
+def _inputs(kind: str = "vdit"):
+    frames, size = (STDIT_FRAMES, STDIT_SIZE) if kind == "stdit" else (FRAMES, SIZE)
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 4, FRAMES, SIZE, SIZE, generator=g)
+    x = torch.randn(2, 4, frames, size, size, generator=g)
     t = torch.randint(0, 1000, (2,), generator=g)
     y = torch.randn(2, 5, 16, generator=g)
     mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
-    up = torch.randn(2, 8, FRAMES, SIZE, SIZE, generator=g)
+    up = torch.randn(2, 8, frames, size, size, generator=g)
     return x, t, y, mask, up
 
 
@@ -53,7 +61,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _worker(rank: int, world: int, port: int, variant: str, out: dict) -> None:
+def _worker(rank: int, world: int, port: int, variant: str, kind: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -62,10 +70,10 @@ def _worker(rank: int, world: int, port: int, variant: str, out: dict) -> None:
 
         sp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "sp"))
         d = Dist(rank=rank, world_size=world, sp_mesh=sp_mesh)
-        model = parallelize(_model(), d, "none", sequence_parallel_type=variant)
+        model = parallelize(_model(kind), d, "none", sequence_parallel_type=variant)
         seen = []  # the split is really on: later blocks see this process's slice of the tokens
         model.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
-        x, t, y, mask, up = _inputs()
+        x, t, y, mask, up = _inputs(kind)
         y_out = model(x, t, y, y_mask=mask)
         (y_out * up).sum().backward()
         grads = _grads(model)
@@ -75,9 +83,10 @@ def _worker(rank: int, world: int, port: int, variant: str, out: dict) -> None:
         if rank == 0:
             out.update(output=y_out.detach(), grads=grads, local_tokens=seen)
     finally:
-        from ditforge.ops.attention import set_sequence_attention
+        from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
 
         set_sequence_attention(None)
+        set_frame_exchange(None)
         dist.destroy_process_group()
 
 
@@ -87,24 +96,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def reference():
-    model = _model()
-    x, t, y, mask, up = _inputs()
+def _reference(kind: str):
+    model = _model(kind)
+    x, t, y, mask, up = _inputs(kind)
     y_out = model(x, t, y, y_mask=mask)
     (y_out * up).sum().backward()
     return y_out.detach(), _grads(model)
 
 
-@pytest.mark.parametrize("variant,world", [("ulysses", 2), ("ring", 2), ("fastseq", 2), ("ring", 4),
-                                           ("fastseq", 4), ("usp", 4)])
-def test_split_model_equals_whole(reference, variant, world):
+@pytest.mark.parametrize("kind,variant,world", [("vdit", "ulysses", 2), ("vdit", "ring", 2), ("vdit", "fastseq", 2),
+                                                ("vdit", "ring", 4), ("vdit", "fastseq", 4), ("vdit", "usp", 4),
+                                                ("stdit", "auto", 2), ("stdit", "auto", 4)])
+def test_split_model_equals_whole(kind, variant, world):
+    """vDiT: 27 tokens, the last process padded. STDiT: whole frames per process, columns for the temporal
+    attention (its temporal projections are random here, so the exchange is exercised)."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(world, _free_port(), variant, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), variant, kind, out), nprocs=world, join=True)
         output, grads = out["output"], dict(out["grads"])
-        assert out["local_tokens"] == [-(-FRAMES * (SIZE // 2) ** 2 // world)]  # 14 or 7 of the 27
-    ref_out, ref_grads = reference
+        tokens = STDIT_FRAMES * (STDIT_SIZE // 2) ** 2 if kind == "stdit" else FRAMES * (SIZE // 2) ** 2
+        assert out["local_tokens"] == [-(-tokens // world)]  # the blocks see this process's slice
+    ref_out, ref_grads = _reference(kind)
     torch.testing.assert_close(output, ref_out, rtol=0, atol=1e-5 * ref_out.abs().max().item())
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():

@@ -246,7 +246,7 @@ def test_block_equals_explicit_reference(cross, qk_norm, with_tpe):
         actual = block(x, c, context, tpe)
         expected = _reference_block(block, x, c, context, tpe, heads, T, S)
     _assert_close_rel(actual, expected, 1e-10)
-    with pytest.raises(ValueError, match="3 frames x 4 tokens got 11 tokens"):
+    with pytest.raises(ValueError, match="4 tokens per frame got 11 tokens"):
         block(x[:, :11], c, context)
 
 

@@ -23,9 +23,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ditforge.errors import UserError
-from ditforge.ops.attention import set_sequence_attention
+from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist
 from ditforge.parallel.sequence import sequence_parallel_attention
+from ditforge.parallel.sequence.ulysses import all_to_all
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -96,6 +97,23 @@ class SequenceShard:
         return sequence_parallel_attention(q, k, v, self.valid, self.attention_group, self.variant)
 
 
+def _frames_to_positions(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, T_local, S, D) -> (B, P T_local, S / P, D): slice j of the positions goes to rank j, frames come
+    back in rank order (= global frame order); autograd: the inverse all-to-all."""
+    p = dist.get_world_size(group)
+    b, t, s, d = x.shape
+    y = all_to_all(x.reshape(b, t, p, s // p, d).permute(2, 0, 1, 3, 4), group)  # (P src frames, B, t, s/P, D)
+    return y.permute(1, 0, 2, 3, 4).reshape(b, p * t, s // p, d)
+
+
+def _positions_to_frames(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of ``_frames_to_positions``: (B, T, S_local, D) -> (B, T / P, P S_local, D)."""
+    p = dist.get_world_size(group)
+    b, t, s, d = x.shape
+    y = all_to_all(x.reshape(b, p, t // p, s, d).permute(1, 0, 2, 3, 4), group)  # (P src positions, B, t/P, s, D)
+    return y.permute(1, 2, 0, 3, 4).reshape(b, t // p, p * s, d)
+
+
 def usp_ulysses_size(num_heads: int, size: int) -> int:
     """The Ulysses degree U of ``usp`` over ``size`` processes: the largest divisor of ``size`` below it that
     divides the heads, so the ring degree ``size / U`` is at least 2 (the hybrid; Fang & Zhao 2024 put
@@ -108,16 +126,28 @@ def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> Sequence
     ``model.final_layer``, attention through ``ops.self_attention``); every process must call it (``usp``
     builds its (dp, ring, ulysses) mesh here). Returns the installed ``SequenceShard``.
 
+    An STDiT is split by whole frames instead (the contiguous token slices are whole frames when the frames
+    divide among the processes): its attention within frames is local, and around its attention across
+    frames an all-to-all exchanges frames for token columns and back (``ops.frames_to_positions``; the
+    scheme of Open-Sora's sequence-parallel STDiT); ``variant`` does not apply to it.
+
     Raises:
-        UserError: an STDiT (its spatial and temporal attentions need whole frames and whole token columns:
-            not supported yet), or Ulysses with a head count that the group size does not divide.
+        UserError: an STDiT whose frames or tokens per frame the group size does not divide, or Ulysses with a
+            head count that the group size does not divide.
     """
     from ditforge.models.video import STDiT
 
     group, size = d.sp_mesh["sp"].get_group(), d.sp_size
     if isinstance(model, STDiT):
-        raise UserError("--sequence_parallel_size: STDiT models cannot be split along the sequence yet (their "
-                        "spatial and temporal attentions need whole frames); use a vDiT")
+        frames, spatial = model.x_embedder.grid_shape[0], model.blocks[0].num_spatial
+        if frames % size or spatial % size:
+            raise UserError(f"--sequence_parallel_size {size}: an STDiT is split by frames and by token columns; "
+                            f"its {frames} frames and {spatial} tokens per frame must both divide by it")
+        shard = SequenceShard(group, variant)
+        model.blocks[0].register_forward_pre_hook(shard.split)
+        model.final_layer.register_forward_hook(shard.gather)
+        set_frame_exchange((lambda x: _frames_to_positions(x, group), lambda x: _positions_to_frames(x, group)))
+        return shard
     if variant == "ulysses" and model.num_heads % size:
         raise UserError(f"--sequence_parallel_type ulysses: {model.num_heads} heads are not divisible by "
                         f"--sequence_parallel_size {size}; use ring, fastseq or usp")
