@@ -101,7 +101,8 @@ class DiT(nn.Module):
             block cross-attends to the caption tokens; c is the timestep embedding plus the masked mean of the
             caption tokens, a pooled text vector in adaLN as SD3 (Esser et al. 2024, section 3.1) and Hunyuan-DiT
             use; PixArt-alpha has none: on the built-in clips, a vDiT-T without it had not learned to follow
-            the captions after 1,000 steps, with it the samples matched their captions after 500).
+            the captions after 1,000 steps, with it the samples matched their captions under every sampler and seed
+            tried after 1,000 (after 500, under some).
         qk_norm: LayerNorm on queries and keys in every attention (adds ``q_norm``/``k_norm`` parameters).
     """
 
