@@ -6,6 +6,7 @@ Nothing here is autouse: the model and diffusion tests are unaffected. Modules o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -34,14 +35,30 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled:UserWarning")
 
 
-@pytest.fixture
-def one_thread():
+@contextlib.contextmanager
+def _single_thread():
     """One intra-op thread: on 2 shared cores, 2 OpenMP threads spin against other processes and are many
     times slower. Restored afterwards."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test (``_single_thread``)."""
+    with _single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """One intra-op thread for a whole module, its module-scoped fixtures included (``_single_thread``)."""
+    with _single_thread():
+        yield
 
 
 @pytest.fixture

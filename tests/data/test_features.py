@@ -28,20 +28,11 @@ from ditforge.errors import UserError
 from ditforge.train.logging import read_metrics
 from ditforge.train.trainer import train
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 SIZE, FRAMES, INTERVAL = 16, 4, 2
 CAPTIONS = ["a red ball rolls to the left", "waves", "a small grey cat jumps over a wooden fence in the garden",
             "snow falls on a quiet street at night"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread_module():
-    """One intra-op thread for the module fixtures too (they run before the per-test ``one_thread``)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _frames(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -35,14 +35,7 @@ INPUT_SIZE = 16  # meta-device layout tests: grid 8x8 (patch 2), 4x4 (patch 4), 
 SMALL_NAMES = ["DiT-S/2", "DiT-S/4", "DiT-S/8", "DiT-T/1", "DiT-T/2", "DiT-T/4", "DiT-T/8"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread for this module: on 2 shared CPU cores, 2 OpenMP threads contend with other
-    processes and run several times slower. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _input_size(name: str) -> int:

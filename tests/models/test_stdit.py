@@ -45,13 +45,7 @@ NUM_CLASSES = 10
 TEXT_DIM = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread (2 shared CPU cores: 2 OpenMP threads contend and run slower). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @torch.no_grad()

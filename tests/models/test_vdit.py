@@ -37,13 +37,7 @@ IN_CHANNELS = 4
 NUM_CLASSES = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread (2 shared CPU cores: 2 OpenMP threads contend and run slower). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @torch.no_grad()
@@ -140,6 +134,19 @@ def _tiny_video_dit(*, num_frames, input_size, patch_size, in_channels=IN_CHANNE
                     learn_sigma=learn_sigma)
 
 
+def _reference_tokens(video: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """(B, C, T, H, W) -> (B, N, t h w C), element by element (see the test below for the layout)."""
+    B, C, T, H, W = video.shape
+    t, h, w = patch
+    Tg, Hg, Wg = T // t, H // h, W // w
+    tokens = torch.empty(B, Tg * Hg * Wg, t * h * w * C)
+    for i, j, k, dt, dh, dw, c in itertools.product(range(Tg), range(Hg), range(Wg), range(t), range(h), range(w),
+                                                     range(C)):
+        tokens[:, (i * Hg + j) * Wg + k, ((dt * h + dh) * w + dw) * C + c] = video[:, c, i * t + dt, j * h + dh,
+                                                                                   k * w + dw]
+    return tokens
+
+
 @pytest.mark.parametrize("patch", [(2, 2, 3), (1, 2, 2), (4, 1, 2)])
 def test_unpatchify_inverts_the_token_layout(patch):
     """Tokens laid out element by element: token (i H' + j) W' + k, value ((dt h + dh) w + dw) C + c holds
@@ -149,27 +156,15 @@ def test_unpatchify_inverts_the_token_layout(patch):
     t, h, w = patch
     gen = torch.Generator().manual_seed(sum(patch))
     video = torch.randn(B, C, T, H, W, generator=gen)
-    Tg, Hg, Wg = T // t, H // h, W // w
-    tokens = torch.empty(B, Tg * Hg * Wg, t * h * w * C)
-    for i, j, k, dt, dh, dw, c in itertools.product(range(Tg), range(Hg), range(Wg), range(t), range(h), range(w),
-                                                     range(C)):
-        tokens[:, (i * Hg + j) * Wg + k, ((dt * h + dh) * w + dw) * C + c] = video[:, c, i * t + dt, j * h + dh,
-                                                                                   k * w + dw]
-    assert torch.equal(unpatchify(tokens, (Tg, Hg, Wg), patch, C), video)
+    assert torch.equal(unpatchify(_reference_tokens(video, patch), (T // t, H // h, W // w), patch, C), video)
 
 
 def test_model_unpatchify_inverts_the_token_layout():
     """The same through VideoDiT.unpatchify (square frames, C_out = C without learned sigma)."""
     B, C, T, S, patch = 2, 3, 4, 6, (2, 3, 1)
-    t, h, w = patch
     model = _tiny_video_dit(num_frames=T, input_size=S, patch_size=patch, in_channels=C, learn_sigma=False)
     video = torch.randn(B, C, T, S, S, generator=torch.Generator().manual_seed(5))
-    Tg, Hg, Wg = T // t, S // h, S // w
-    tokens = torch.empty(B, Tg * Hg * Wg, t * h * w * C)
-    for i, j, k, dt, dh, dw, c in itertools.product(range(Tg), range(Hg), range(Wg), range(t), range(h), range(w),
-                                                     range(C)):
-        tokens[:, (i * Hg + j) * Wg + k, ((dt * h + dh) * w + dw) * C + c] = video[:, c, i * t + dt, j * h + dh,
-                                                                                   k * w + dw]
+    tokens = _reference_tokens(video, patch)
     assert torch.equal(model.unpatchify(tokens), video)
     with pytest.raises(ValueError, match="do not match"):
         model.unpatchify(tokens[:, :-1])
