@@ -210,12 +210,6 @@ def _encode_prompts(cfg: SampleConfig, spec: dict, prompts: list[str], device, e
     return torch.cat([s for s, _ in padded]).float(), torch.cat([m for _, m in padded])
 
 
-def _to_frames(pixels: torch.Tensor) -> np.ndarray:
-    """(B, C, T, H, W) float in [-1, 1] -> (B, T, H, W, C) uint8 (clamped)."""
-    b, c, t, h, w = pixels.shape
-    return to_uint8(pixels.transpose(1, 2).reshape(b * t, c, h, w)).reshape(b, t, h, w, c)
-
-
 def sample(cfg: SampleConfig) -> np.ndarray:
     """Draw samples and write them.
 
@@ -348,8 +342,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     del model
     if not d.is_main:
         return np.empty(0, dtype=np.uint8)
-    convert = _to_frames if video else to_uint8
-    samples = np.concatenate([convert(vae.decode(latents[i : i + cfg.batch_size]).float())
+    samples = np.concatenate([to_uint8(vae.decode(latents[i : i + cfg.batch_size]).float())
                               for i in range(0, len(latents), cfg.batch_size)])
     if video:
         _write_videos(samples, out, names, cfg.fps)
@@ -385,7 +378,6 @@ def _stream(cfg: SampleConfig, d: Dist, model, vae, spec: dict, prompts: list[st
                  len(prompts) - len(todo))
     encoder = _load_encoder(cfg, spec, device) if todo else None
     shape = _sample_shape(spec, video)
-    convert = _to_frames if video else to_uint8
     drawn = []
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="sample", desc="samples",
                disable=not d.is_main)
@@ -397,7 +389,7 @@ def _stream(cfg: SampleConfig, d: Dist, model, vae, spec: dict, prompts: list[st
                            learn_sigma=spec["learn_sigma"], seeds=[derive_seed(cfg.seed, i) for i in rows],
                            batch_size=len(rows), clip_denoised=isinstance(vae, IdentityVAE), progress=d.is_main)
         if d.is_main:
-            samples = convert(vae.decode(latents).float())
+            samples = to_uint8(vae.decode(latents).float())
             for i, sample_i in zip(rows, samples):
                 if video:
                     _write_video_files(sample_i, stems[i], cfg.fps)

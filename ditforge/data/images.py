@@ -142,9 +142,10 @@ class ImageFolderDataset(Dataset):
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(N, C, H, W) float in [-1, 1] -> (N, H, W, C) uint8 (values clamped)."""
+    """Images (N, C, H, W) or videos (N, C, T, H, W), float in [-1, 1] -> (N, H, W, C) or (N, T, H, W, C) uint8
+    (values clamped; channels last)."""
     x = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return x.permute(0, 2, 3, 1).cpu().numpy()
+    return x.movedim(1, -1).cpu().numpy()
 
 
 def save_grid(images: np.ndarray, path: str | Path, nrow: int, upscale: int = 1, pad: int = 1) -> None:

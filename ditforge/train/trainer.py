@@ -343,7 +343,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         if video:  # a GIF of grids: frame k of every sample side by side
             from ditforge.data.video import write_gif  # PyAV: ditforge[video]
 
-            frames = to_uint8(pixels.transpose(1, 2).flatten(0, 1)).reshape(len(x), pixels.shape[2], *pixels.shape[-2:], -1)
+            frames = to_uint8(pixels)  # (N, T, H, W, C)
             grids = [make_grid(frames[:, k], nrow=min(len(x), 4), upscale=max(1, 64 // cfg.data.image_size))
                      for k in range(frames.shape[1])]
             write_gif(np.stack(grids), name.with_suffix(".gif"), fps=8)
