@@ -15,6 +15,9 @@ import yaml
 
 from ditforge.errors import UserError
 
+if typing.TYPE_CHECKING:
+    import torch
+
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 CONDITIONS = ("auto", "class", "text")
@@ -235,6 +238,22 @@ def loaded_keys(loaded: dict) -> list[str]:
     """Setting names in a config file, flat or inside sections."""
     return [k for key, value in loaded.items()
             for k in (value if key in _SECTION_CLASSES and isinstance(value, dict) else [key])]
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """``--device`` value (or a ``torch.device``) -> ``torch.device``: ``auto`` is cuda when available, else cpu.
+
+    Raises:
+        UserError: cuda asked on a machine without a GPU.
+    """
+    import torch  # deferred: the command line's --help should not pay for importing torch
+
+    name = str(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA GPU is available")
+    return torch.device(name)
 
 
 def validate(cfg: RunConfig) -> None:

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
+from ditforge.config import resolve_device
 from ditforge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -55,16 +56,6 @@ def _manifest_name() -> str:
     from ditforge.data import FEATURES_MANIFEST
 
     return FEATURES_MANIFEST
-
-
-def _resolve_device(name: str | torch.device) -> torch.device:
-    """``auto`` -> cuda when available, else cpu. Raises UserError naming --device for cuda without a GPU."""
-    name = str(name)
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA GPU is available")
-    return torch.device(name)
 
 
 def _local_path(value: str | None) -> str | None:
@@ -162,7 +153,7 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
     data = cfg.data
     if is_features(data.data):
         raise UserError(f"--data {data.data} holds features already; extract from the images or videos")
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     dataset = build_dataset(data.data, data.image_size, out / "bad_samples.jsonl", data.num_frames,
                             data.frame_interval, cfg.train.seed)
     inputs = build_batch_encoder(cfg, dataset, dev, torch.float32)
