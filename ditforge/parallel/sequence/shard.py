@@ -26,34 +26,28 @@ from ditforge.errors import UserError
 from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist
 from ditforge.parallel.sequence import sequence_parallel_attention
-from ditforge.parallel.sequence.ulysses import all_to_all
+from ditforge.parallel.sequence.ulysses import _all_gather_single, _reduce_scatter_single, all_to_all
 
 
 class _GatherSequence(torch.autograd.Function):
     """(B, n, C) slices of the sp group -> (B, sp * n, C) in rank order; backward: the gradient summed over
-    the group, this rank's slice (a reduce-scatter; all-reduce + slice where the backend has no reduce-scatter,
-    as gloo)."""
+    the group, this rank's slice (a reduce-scatter). The collectives work on the sequence dim moved to the
+    front, with the single-tensor all-gather / reduce-scatter that FastSeq uses."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        size = dist.get_world_size(group)
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        local = x.transpose(0, 1).contiguous()  # (n, B, C)
+        out = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
+        _all_gather_single(out, local, group)
+        return out.transpose(0, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        group = ctx.group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        grad = grad.contiguous()
-        n = grad.shape[1] // size
-        if dist.get_backend(group) == "nccl":
-            out = torch.empty_like(grad[:, :n])
-            dist.reduce_scatter(out, list(grad.chunk(size, dim=1)), group=group)  # chunks are views: no copies
-            return out, None
-        dist.all_reduce(grad, group=group)
-        return grad[:, rank * n:(rank + 1) * n].contiguous(), None
+        full = grad.transpose(0, 1).contiguous()  # (sp n, B, C)
+        out = full.new_empty((full.shape[0] // dist.get_world_size(ctx.group), *full.shape[1:]))
+        _reduce_scatter_single(out, full, ctx.group)
+        return out.transpose(0, 1), None
 
 
 class SequenceShard:
