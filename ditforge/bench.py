@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_path
-from ditforge.config import BenchConfig, resolve_device
+from ditforge.config import BenchConfig, resolve_device, resolve_precision
 from ditforge.diffusion import create_diffusion
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
@@ -44,7 +44,7 @@ from ditforge.ops.fused import check_triton
 from ditforge.parallel import fp8_unavailable, parallelize, parse_checkpoint_policy
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
-from ditforge.train.trainer import resolve_precision, step_randomness, train_step
+from ditforge.train.trainer import step_randomness, train_step
 
 log = logging.getLogger(__name__)
 

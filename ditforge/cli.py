@@ -12,7 +12,8 @@ import sys
 import types
 import typing
 
-from ditforge.config import SEQUENCE_PARALLEL_TYPES, BenchConfig, DataConfig, ModelConfig, ParallelConfig, TrainConfig, build_config
+from ditforge.config import (COMPILE_MODES, SEQUENCE_PARALLEL_TYPES, BenchConfig, DataConfig, ModelConfig,
+                             ParallelConfig, TrainConfig, build_config)
 from ditforge.errors import UserError
 
 
@@ -103,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokens over this many processes (all of them)")
     s.add_argument("--sequence_parallel_type", default="auto", choices=SEQUENCE_PARALLEL_TYPES,
                    help="how the split sequence attends (see `ditforge train --help`)")
+    fast = s.add_argument_group("speed", "every speed-up: --mixed_precision bf16 (the default on GPUs) --compile "
+                                "--enable_flashattn --enable_modulate_kernel")
+    fast.add_argument("--mixed_precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                      help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU)")
+    fast.add_argument("--compile", nargs="?", const="reduce-overhead", default="none", choices=COMPILE_MODES,
+                      help="torch.compile the model with static shapes; the bare flag is reduce-overhead (one CUDA "
+                      "graph per model call; the first batch is slow while it compiles)")
+    fast.add_argument("--enable_flashattn", action="store_true", help="attention through the fastest exact kernel "
+                      "(cuDNN, then Flash)")
+    fast.add_argument("--enable_modulate_kernel", action="store_true", help="fused Triton LayerNorm + adaLN "
+                      "modulate and gated-residual kernels")
+    fast.add_argument("--enable_layernorm_kernel", action="store_true", help="LayerNorm as a Triton kernel")
+    fast.add_argument("--pab", action="store_true", help="Pyramid Attention Broadcast (video models): recompute "
+                      "spatial / temporal / cross-attention only every 2 / 3 / 5 steps in the middle of the "
+                      "schedule (timesteps 100-800, 100-900 for cross); not with --compile")
+    s.add_argument("--guidance_channels", type=int, help="guide only the first K latent channels (the official DiT "
+                   "sampler guides 3 of 4); default: all")
+    s.add_argument("--cfg_interval", type=int, nargs=2, metavar=("LOW", "HIGH"), help="apply guidance only at "
+                   "timesteps LOW..HIGH (of 0..999; Kynkaanniemi et al. 2024), the conditional model alone "
+                   "elsewhere (half the compute there)")
 
     b = sub.add_parser("bench", help="time training step by step of the speed-ups (fp32 -> bf16 -> fast attention "
                        "-> fused kernels -> compile -> FP8) on synthetic data; prints a table, writes JSON",

@@ -256,6 +256,16 @@ def resolve_device(name: str | torch.device) -> torch.device:
     return torch.device(name)
 
 
+def resolve_precision(name: str, device: torch.device) -> torch.dtype:
+    """``--mixed_precision`` -> compute dtype: fp32 | bf16 | fp16; ``auto`` is bf16 on CUDA (where supported),
+    fp32 on CPU; fp8 computes in bf16 around its float8 matrix products."""
+    import torch
+
+    if name == "auto":
+        name = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[name]
+
+
 def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train

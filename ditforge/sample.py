@@ -15,13 +15,14 @@ from tqdm.auto import tqdm
 from ditforge.atomic import atomic_path
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.data.sampler import derive_seed
+from ditforge.config import COMPILE_MODES, resolve_precision
 from ditforge.diffusion import SAMPLERS, generate
+from ditforge.diffusion.pab import PABConfig
 from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
 from ditforge.errors import UserError
 from ditforge.models import create_model, infer_dit_config, is_video_model
 from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
-from ditforge.parallel.sequence.shard import apply_sequence_parallel, resolve_sequence_parallel_type
 from ditforge.train.checkpoint import export_safetensors, load_weights, read_checkpoint_weights
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class SampleConfig:
     models. ``image_size`` is the output side in pixels (the model's input size is ``image_size`` / the VAE's
     downsample factor); ``num_frames`` overrides a video model's (latent) frame count. ``out`` defaults to
     ``samples.png`` (image models: a PNG grid) or ``samples`` (video models: a folder of MP4s and GIFs).
+    Speed: ``mixed_precision`` (auto: bf16 on CUDA), ``compile``, ``enable_*`` as ``prepare_model``; ``pab`` turns
+    on Pyramid Attention Broadcast with ``PABConfig``'s defaults.
     """
 
     ckpt: str
@@ -63,6 +66,14 @@ class SampleConfig:
     device: str = "auto"
     sequence_parallel_size: int = 1
     sequence_parallel_type: str = "auto"
+    mixed_precision: str = "auto"
+    compile: str = "none"
+    enable_flashattn: bool = False
+    enable_modulate_kernel: bool = False
+    enable_layernorm_kernel: bool = False
+    guidance_channels: int | None = None
+    cfg_interval: tuple[int, int] | None = None
+    pab: bool = False
 
 
 def _read(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:
@@ -76,6 +87,52 @@ def _read(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:
             spec[key] = value
     spec["run_config"] = config
     return state, spec
+
+
+def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto", compile: str = "none",
+                  enable_flashattn: bool = False, enable_modulate_kernel: bool = False,
+                  enable_layernorm_kernel: bool = False, sequence_parallel_type: str = "auto") -> torch.nn.Module:
+    """Make a loaded model fast for sampling; returns the module to call (the same one, or its compiled wrapper).
+
+    - weights cast to the compute dtype (``mixed_precision``: fp32 | bf16 | fp16; ``auto``: bf16 on CUDA, fp32 on
+      CPU): inference keeps no float32 master copy, so every step reads half the bytes and autocast's per-call
+      weight casts are gone (diffusers' pipelines do the same with ``torch_dtype``). Inputs are cast by the
+      embedders; ``GuidedModel`` combines the guided outputs in float32.
+    - attention kernels, fused adaLN kernels and sequence parallelism (``dist.sp_mesh``) as in training
+      (``ditforge.parallel.parallelize``, no optimizer-side wrapping);
+    - ``compile``: ``torch.compile`` of the whole model with static shapes (``dynamic=False``: one graph per batch
+      shape, captured once). ``reduce-overhead`` and ``max-autotune`` replay it as a CUDA graph: the 28-block
+      forward of a DiT-XL becomes one launch, which is what makes small batches fast (diffusers' DiTPipeline at
+      batch 1 is bound by kernel launches, not arithmetic). Each call marks a new CUDA-graph step and returns a
+      copy, so outputs stay valid after the next call.
+
+    Args:
+        model: an eval-mode DiT / vDiT / STDiT (float32, any device).
+        d: the process's ``Dist`` (device, sequence-parallel mesh).
+
+    Raises:
+        UserError: fp8 asked (not a sampling precision), or a fused kernel without Triton on the device.
+    """
+    from ditforge.parallel import parallelize
+
+    if mixed_precision not in ("auto", "fp32", "bf16", "fp16"):
+        raise UserError(f"--mixed_precision: expected auto | fp32 | bf16 | fp16 for sampling, got {mixed_precision}")
+    dtype = resolve_precision(mixed_precision, d.device)
+    model = model.to(device=d.device, dtype=dtype).eval().requires_grad_(False)
+    model = parallelize(model, d, attention="fast" if enable_flashattn else "auto",
+                        enable_modulate_kernel=enable_modulate_kernel, enable_layernorm_kernel=enable_layernorm_kernel,
+                        sequence_parallel_type=sequence_parallel_type)
+    if compile == "none":
+        return model
+    compiled = torch.compile(model, mode=None if compile == "default" else compile, dynamic=False)
+    if compile not in ("reduce-overhead", "max-autotune") or d.device.type != "cuda":
+        return compiled
+
+    def call(*args, **kwargs) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs).clone()
+
+    return call
 
 
 def _build(ckpt: str, state: dict | Path, spec: dict, use_ema: bool, rebuild_fixed: bool = False) -> torch.nn.Module:
@@ -175,10 +232,10 @@ def _load_vae(cfg: SampleConfig, spec: dict, device: torch.device) -> VAE | Iden
             raise UserError(f"--vae: the model works on {channels}-channel latents and {cfg.ckpt} names no VAE; "
                             "pass --vae FOLDER (a local diffusers AutoencoderKL, e.g. sd-vae-ft-ema) to decode them")
         return load_vae("none", device, pixel_channels=channels)
-    vae = load_vae(path, device)
+    vae = load_vae(path, device, resolve_precision(cfg.mixed_precision, device))  # decoded in the model's precision
     if vae.latent_channels != channels:
         raise UserError(f"--vae {path}: its latents have {vae.latent_channels} channels, the model's {channels}")
-    return vae
+    return vae.compile() if cfg.compile != "none" else vae
 
 
 def _load_encoder(cfg: SampleConfig, spec: dict, device):
@@ -245,7 +302,7 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         UserError: bad checkpoint or settings; a text model without a prompt or a class model with one (naming
             ``--prompt``); labels outside [0, num_classes); a missing or empty prompt file; latents without a
             known VAE (naming ``--vae``); an image size the VAE does not divide; ``save_npz`` when streaming; a
-            diffusers sampler without diffusers installed (naming ``--sampler``).
+            diffusers sampler without diffusers installed (naming ``--sampler``); ``pab`` with ``compile``; a ``cfg_interval`` outside 0..999 or ``guidance_channels`` beyond the model's channels.
     """
     if cfg.sampler not in SAMPLERS:
         raise UserError(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {cfg.sampler}")
@@ -255,6 +312,17 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UserError(f"--{name}: expected a positive integer, got {value}")
+    if cfg.compile not in COMPILE_MODES:
+        raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {cfg.compile}")
+    if cfg.pab and cfg.compile != "none":
+        raise UserError(f"--pab with --compile {cfg.compile}: PAB switches attention on and off from step to step "
+                        "in Python, which a compiled graph (and a CUDA graph's reused outputs) would not follow; "
+                        "drop --compile (PAB pays off on long videos, where kernel launches do not dominate)")
+    if cfg.cfg_interval is not None and not 0 <= cfg.cfg_interval[0] <= cfg.cfg_interval[1] <= 999:
+        raise UserError(f"--cfg_interval: expected LOW HIGH timesteps with 0 <= LOW <= HIGH <= 999, got "
+                        f"{' '.join(map(str, cfg.cfg_interval))}")
+    if cfg.guidance_channels is not None and cfg.guidance_channels < 1:
+        raise UserError(f"--guidance_channels: expected a positive channel count, got {cfg.guidance_channels}")
     prompts = read_prompts(cfg.prompt, cfg.prompt_file)
     d = init_distributed(cfg.device, cfg.sequence_parallel_size)
     try:
@@ -313,13 +381,18 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         if not video:
             raise UserError(f"--num_frames: {spec['model']} is an image model; frames apply to video models")
         spec["num_frames"] = cfg.num_frames
-    model = _build(cfg.ckpt, state, spec, cfg.use_ema, rebuild).to(device)
+    if cfg.guidance_channels is not None and cfg.guidance_channels > spec["in_channels"]:
+        raise UserError(f"--guidance_channels {cfg.guidance_channels}: the model has {spec['in_channels']} channels")
+    model = _build(cfg.ckpt, state, spec, cfg.use_ema, rebuild)
     del state
-    if d.sp_mesh is not None:  # every process draws the same noise; each runs its slice of the tokens
-        variant = resolve_sequence_parallel_type(cfg.sequence_parallel_type, model.num_heads, d.sp_size)
-        apply_sequence_parallel(model, d, variant)
-        if d.is_main:
-            log.info("sequence parallelism: %s over %d processes", variant, d.sp_size)
+    if not text:
+        table = model.y_embedder.embedding_table.num_embeddings
+        if cfg.cfg_scale != 1.0 and table <= spec["num_classes"]:
+            raise UserError("--cfg_scale: the model has no null label (trained without label dropout), so it "
+                            "cannot be guided; use --cfg_scale 1")
+    # Under sequence parallelism every process draws the same noise and runs its slice of the tokens.
+    model = prepare_model(model, d, cfg.mixed_precision, cfg.compile, cfg.enable_flashattn,
+                          cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.sequence_parallel_type)
 
     if stream:
         return _stream(cfg, d, model, vae, spec, prompts, out, video)
@@ -327,18 +400,11 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         y, y_mask = _encode_prompts(cfg, spec, prompts, device)
         names = [slug(p) for p in prompts]
     else:
-        table = model.y_embedder.embedding_table.num_embeddings
-        if cfg.cfg_scale != 1.0 and table <= spec["num_classes"]:
-            raise UserError("--cfg_scale: the model has no null label (trained without label dropout), so it "
-                            "cannot be guided; use --cfg_scale 1")
         y, y_mask = torch.tensor(labels, dtype=torch.long, device=device), None
         names = [f"class-{c}" for c in labels]
-    s = spec["input_size"]
-    shape = (spec["in_channels"], spec["num_frames"], s, s) if video else (spec["in_channels"], s, s)
+    shape = _sample_shape(spec, video)
     g = torch.Generator(device=device).manual_seed(cfg.seed)
-    latents = generate(model, y, shape, y_mask=y_mask, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_sampling_steps,
-                       sampler=cfg.sampler, eta=cfg.eta, learn_sigma=spec["learn_sigma"], generator=g,
-                       batch_size=cfg.batch_size, clip_denoised=isinstance(vae, IdentityVAE), progress=d.is_main)
+    latents = _generate(cfg, d, model, spec, vae, shape, y, y_mask, generator=g, batch_size=cfg.batch_size)
     del model
     if not d.is_main:
         return np.empty(0, dtype=np.uint8)
@@ -355,6 +421,17 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         _save_npz(cfg.save_npz, samples=samples, **extra)
         log.info("wrote %s", cfg.save_npz)
     return samples
+
+
+def _generate(cfg: SampleConfig, d: Dist, model, spec: dict, vae, shape: tuple[int, ...], y: torch.Tensor,
+              y_mask: torch.Tensor | None, **noise) -> torch.Tensor:
+    """``generate`` with the command's sampler, guidance and PAB settings; ``noise``: generator or seeds, and
+    batch_size. Pixel-space samples are clipped to [-1, 1] at each step, latents are not."""
+    return generate(model, y, shape, y_mask=y_mask, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_sampling_steps,
+                    sampler=cfg.sampler, eta=cfg.eta, learn_sigma=spec["learn_sigma"],
+                    clip_denoised=isinstance(vae, IdentityVAE), guidance_channels=cfg.guidance_channels,
+                    cfg_interval=cfg.cfg_interval, pab=PABConfig() if cfg.pab else None, progress=d.is_main,
+                    **noise)
 
 
 def _sample_shape(spec: dict, video: bool) -> tuple[int, ...]:
@@ -384,10 +461,8 @@ def _stream(cfg: SampleConfig, d: Dist, model, vae, spec: dict, prompts: list[st
     for start in range(0, len(todo), cfg.batch_size):
         rows = todo[start : start + cfg.batch_size]
         y, y_mask = _encode_prompts(cfg, spec, [prompts[i] for i in rows], device, encoder, one_by_one=True)
-        latents = generate(model, y, shape, y_mask=y_mask, cfg_scale=cfg.cfg_scale,
-                           num_steps=cfg.num_sampling_steps, sampler=cfg.sampler, eta=cfg.eta,
-                           learn_sigma=spec["learn_sigma"], seeds=[derive_seed(cfg.seed, i) for i in rows],
-                           batch_size=len(rows), clip_denoised=isinstance(vae, IdentityVAE), progress=d.is_main)
+        latents = _generate(cfg, d, model, spec, vae, shape, y, y_mask,
+                            seeds=[derive_seed(cfg.seed, i) for i in rows], batch_size=len(rows))
         if d.is_main:
             samples = to_uint8(vae.decode(latents).float())
             for i, sample_i in zip(rows, samples):

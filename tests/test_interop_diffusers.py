@@ -15,7 +15,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 from ditforge.diffusion import create_diffusion  # noqa: E402
-from ditforge.diffusion.samplers import guided_model, sample_loop  # noqa: E402
+from ditforge.diffusion.samplers import GuidedModel, sample_loop  # noqa: E402
 from ditforge.encoders.vae import load_vae  # noqa: E402
 from ditforge.errors import UserError  # noqa: E402
 from ditforge.interop import export_diffusers, load_diffusers, use_official_timestep_frequencies  # noqa: E402
@@ -135,7 +135,7 @@ def test_pipeline_gives_same_image(exported):
     assert diffusion.timestep_map.tolist() == list(range(0, 1000, 100))
     noise = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(seed))
     y = torch.tensor(labels)
-    latents = sample_loop(diffusion, guided_model(model, y, 4.0), noise, "ddim", eta=0.0, clip_denoised=False)
+    latents = sample_loop(diffusion, GuidedModel(model, y, 4.0), noise, "ddim", eta=0.0, clip_denoised=False)
     pixels = load_vae(str(out / "vae")).decode(latents)
     ours = (pixels / 2 + 0.5).clamp(0, 1)
     assert theirs.shape == ours.shape == (2, 3, 16, 16)

@@ -18,7 +18,7 @@ from PIL import Image
 from ditforge import cli
 from ditforge.data.images import to_uint8
 from ditforge.data.video import display_scale, write_gif, write_video
-from ditforge.diffusion import generate, guided_model
+from ditforge.diffusion import generate, GuidedModel
 from ditforge.encoders.vae import load_vae
 from ditforge.models import create_model
 from ditforge.sample import load_model, slug
@@ -299,7 +299,7 @@ def test_text_guidance_equals_separate_cond_and_uncond_calls(encoder):
     x, t = torch.randn(3, 3, 8, 8), torch.randint(0, 1000, (3,))
     s = 3.5
     with torch.no_grad():
-        got = guided_model(model, states, s, y_mask=mask)(x, t)
+        got = GuidedModel(model, states, s, y_mask=mask)(x, t)
         cond = model(x, t, states, force_drop_ids=torch.zeros(3, dtype=torch.bool), y_mask=mask)
         uncond = model(x, t, states, force_drop_ids=torch.ones(3, dtype=torch.bool), y_mask=mask)
     assert (cond - uncond).abs().max() > 1e-2  # the caption matters
@@ -312,7 +312,7 @@ def test_label_guidance_equals_explicit_null_label_formula():
     x, t, y = torch.randn(4, 3, 4, 8, 8), torch.randint(0, 1000, (4,)), torch.tensor([0, 6, 3, 3])
     s = 2.0
     with torch.no_grad():
-        got = guided_model(model, y, s)(x, t)
+        got = GuidedModel(model, y, s)(x, t)
         cond, uncond = model(x, t, y), model(x, t, torch.full_like(y, 7))  # 7 = num_classes: the null label
     torch.testing.assert_close(got[:, :3], uncond[:, :3] + s * (cond[:, :3] - uncond[:, :3]), rtol=0, atol=1e-5)
     torch.testing.assert_close(got[:, 3:], cond[:, 3:], rtol=0, atol=1e-5)

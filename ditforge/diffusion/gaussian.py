@@ -113,6 +113,7 @@ class GaussianDiffusion:
         self.num_timesteps = len(betas)
         self.learn_sigma = learn_sigma
         self.timestep_map = torch.tensor(timestep_map if timestep_map is not None else range(len(betas)))
+        self.original_timesteps: list[int] = self.timestep_map.tolist()  # host copy: loops read it without syncs
         self.betas = betas
         alphas = 1.0 - betas
         self.alphas_cumprod = torch.cumprod(alphas, 0)
@@ -129,6 +130,14 @@ class GaussianDiffusion:
         )
         self.posterior_mean_coef1 = betas * self.alphas_cumprod_prev.sqrt() / (1.0 - self.alphas_cumprod)
         self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * alphas.sqrt() / (1.0 - self.alphas_cumprod)
+
+    def to(self, device: torch.device | str) -> "GaussianDiffusion":
+        """Move the schedule tables to ``device`` (in place; returns self). Sampling loops do this once, so
+        that no step copies a table from host memory (a pageable host-to-device copy synchronises the stream)."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
 
     @staticmethod
     def _extract(table: torch.Tensor, t: torch.Tensor, ndim: int) -> torch.Tensor:

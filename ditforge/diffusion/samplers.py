@@ -11,13 +11,17 @@ No I/O here: writing files is ``ditforge.sample``'s job.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn, create_diffusion
 from ditforge.errors import UserError
+
+if TYPE_CHECKING:
+    from ditforge.diffusion.pab import PABConfig
 
 OWN_SAMPLERS = ("ddpm", "ddim")
 DIFFUSERS_SAMPLERS = ("dpm++", "euler")
@@ -76,6 +80,7 @@ def solver_loop(
     progress: bool = False,
     desc: str | None = None,
     callback=None,
+    on_step: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Run a diffusers solver (``"dpm++"`` or ``"euler"``) from ``noise`` to x_0, as diffusers' pipelines do.
 
@@ -85,13 +90,14 @@ def solver_loop(
     only those inside the schedulers (``set_begin_index(0)`` spares the step-index lookup).
 
     Args:
-        model_fn: (x (B, C, ...), t (B,) int64 original timesteps) -> (B, C or 2C, ...) (see ``guided_model``).
+        model_fn: (x (B, C, ...), t (B,) int64 original timesteps) -> (B, C or 2C, ...) (see ``GuidedModel``).
         noise: (B, C, ...) float starting noise N(0, I) (unscaled).
         sampler: ``"dpm++"`` or ``"euler"``.
         num_steps: solver steps (model calls), 1..1000.
         generator: passed to ``step`` (Euler draws its unused churn noise from it; DPM-Solver++ draws nothing);
             a sequence of B generators gives each row its own.
         callback: called as ``callback(i, t, x)`` after step i with the new x (tests compare intermediates).
+        on_step: called with each step's timestep (host int) before its model call (``GuidedModel.step``, PAB).
 
     Returns:
         (B, C, ...) samples in ``noise``'s dtype.
@@ -105,8 +111,11 @@ def solver_loop(
     x = noise * sched.init_noise_sigma
     c = noise.shape[1]
     gen = generator if generator is None or isinstance(generator, torch.Generator) else list(generator)
+    host_timesteps = sched.timesteps.tolist()  # one copy before the loop, none inside it
     for i, t in enumerate(tqdm(sched.timesteps, desc=desc or f"{sampler} sampling", disable=not progress,
                                leave=False)):
+        if on_step is not None:
+            on_step(round(host_timesteps[i]))
         t_model = t.to(torch.long).expand(x.shape[0])  # trailing spacing: integer-valued (Euler keeps floats)
         out = model_fn(sched.scale_model_input(x, t), t_model)
         x = sched.step(out[:, :c], t, x, generator=gen, return_dict=False)[0]
@@ -115,20 +124,22 @@ def solver_loop(
     return x.to(noise.dtype)
 
 
-def guided_model(
-    model: torch.nn.Module, y: torch.Tensor, cfg_scale: float, y_mask: torch.Tensor | None = None,
-    guidance_channels: int | None = None,
-) -> ModelFn:
-    """Wrap a conditional model as ``(x, t) -> output`` with classifier-free guidance.
+class GuidedModel:
+    """A conditional model as ``(x, t) -> output`` with classifier-free guidance.
 
     The conditional and unconditional passes run as one batch of 2B: ``model(cat[x, x], cat[t, t], cat[y, y],
     force_drop_ids=cat[False * B, True * B], y_mask=cat[y_mask, y_mask])``. The unconditional half is the same
     condition with every row dropped, i.e. what the model learnt under label / caption dropout: for class
     models the null label ``num_classes`` (exactly the official DiT ``forward_with_cfg`` input ``y_null``), for
     text models the learned null caption. On the epsilon channels
-    ``eps = eps_uncond + cfg_scale * (eps_cond - eps_uncond)`` (Ho & Salimans 2022, eq. 6); the learned-variance
-    channels come from the conditional pass. ``cfg_scale == 1`` runs the conditional model alone (B rows, no
-    ``force_drop_ids``).
+    ``eps = eps_uncond + cfg_scale * (eps_cond - eps_uncond)`` (Ho & Salimans 2022, eq. 6), computed in at least
+    float32 whatever the model's dtype; the learned-variance channels come from the conditional pass.
+    ``cfg_scale == 1`` runs the conditional model alone (B rows, no ``force_drop_ids``).
+
+    Guidance interval (Kynkaanniemi et al. 2024, "Applying Guidance in a Limited Interval Improves Sample and
+    Distribution Quality in Diffusion Models"): with ``cfg_interval = (low, high)`` the guided 2B batch runs
+    only at original timesteps low <= t <= high; at the others the conditional model runs alone (B rows, half
+    the compute). The sampling loop announces each step's timestep with ``step(t)`` before the call.
 
     Args:
         model: ``model(x, t, y, force_drop_ids=None, y_mask=None)`` -> (B, C_out, ...) (``DiT.forward``);
@@ -138,35 +149,46 @@ def guided_model(
         y_mask: (B, L) bool caption mask of text states; None for labels.
         guidance_channels: guide only the first k channels; ``None`` guides all eps channels (C = input
             channels). The official DiT sampler guides 3 of 4 latent channels; pass 3 to reproduce it.
+        cfg_interval: (low, high) original timesteps (0..999, inclusive) where guidance applies; None: all.
 
-    Returns:
-        ``fn(x (B, C, ...) float, t (B,) int64) -> (B, C_out, ...)`` in the model's output dtype.
+    Call: ``fn(x (B, C, ...) float, t (B,) int64) -> (B, C_out, ...)`` in the model's output dtype promoted to at
+    least float32.
 
     Raises:
-        TypeError: ``y_mask`` neither a tensor nor None (e.g. a null label passed where the removed ``null_label``
-            argument was).
+        TypeError: ``y_mask`` neither a tensor nor None.
+        ValueError: ``cfg_interval`` not 0 <= low <= high <= 999.
     """
-    if y_mask is not None and not isinstance(y_mask, torch.Tensor):
-        raise TypeError(f"y_mask must be a (B, L) bool tensor or None, got {type(y_mask).__name__} (guided_model "
-                        "has no null_label argument any more: the unconditional half is force_drop_ids=True)")
-    cond_kwargs = {} if y_mask is None else {"y_mask": y_mask}
-    if cfg_scale == 1.0:
-        return lambda x, t: model(x, t, y, **cond_kwargs)
-    b = y.shape[0]
-    y2 = torch.cat([y, y])
-    drop = torch.arange(2 * b, device=y.device) >= b  # False: conditional half, True: dropped (unconditional) half
-    kwargs = {"force_drop_ids": drop}
-    if y_mask is not None:
-        kwargs["y_mask"] = torch.cat([y_mask, y_mask])
 
-    def fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        out = model(torch.cat([x, x]), torch.cat([t, t]), y2, **kwargs)
-        cond, uncond = out.chunk(2)
-        k = x.shape[1] if guidance_channels is None else guidance_channels
-        guided = uncond[:, :k] + cfg_scale * (cond[:, :k] - uncond[:, :k])
+    def __init__(self, model: torch.nn.Module, y: torch.Tensor, cfg_scale: float, y_mask: torch.Tensor | None = None,
+                 guidance_channels: int | None = None, cfg_interval: tuple[int, int] | None = None):
+        if y_mask is not None and not isinstance(y_mask, torch.Tensor):
+            raise TypeError(f"y_mask must be a (B, L) bool tensor or None, got {type(y_mask).__name__}")
+        if cfg_interval is not None and not 0 <= cfg_interval[0] <= cfg_interval[1] <= 999:
+            raise ValueError(f"cfg_interval must be (low, high) with 0 <= low <= high <= 999, got {cfg_interval}")
+        self.model, self.y, self.y_mask = model, y, y_mask
+        self.cfg_scale, self.guidance_channels, self.cfg_interval = cfg_scale, guidance_channels, cfg_interval
+        self.guided = cfg_scale != 1.0
+        if self.guided:
+            b = y.shape[0]
+            self.guided_kwargs = {"force_drop_ids": torch.arange(2 * b, device=y.device) >= b}  # True: uncond half
+            if y_mask is not None:
+                self.guided_kwargs["y_mask"] = torch.cat([y_mask, y_mask])
+            self.y2 = torch.cat([y, y])
+
+    def step(self, timestep: int) -> None:
+        """The original timestep of the next call (host int: deciding needs no device sync)."""
+        low, high = self.cfg_interval or (0, 999)
+        self.guided = self.cfg_scale != 1.0 and low <= timestep <= high
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if not self.guided:
+            out = self.model(x, t, self.y, **({} if self.y_mask is None else {"y_mask": self.y_mask}))
+            return out.to(torch.promote_types(out.dtype, torch.float32))
+        out = self.model(torch.cat([x, x]), torch.cat([t, t]), self.y2, **self.guided_kwargs)
+        cond, uncond = out.to(torch.promote_types(out.dtype, torch.float32)).chunk(2)
+        k = x.shape[1] if self.guidance_channels is None else self.guidance_channels
+        guided = uncond[:, :k] + self.cfg_scale * (cond[:, :k] - uncond[:, :k])
         return torch.cat([guided, cond[:, k:]], dim=1)
-
-    return fn
 
 
 @torch.no_grad()
@@ -180,17 +202,22 @@ def sample_loop(
     generator: Generators = None,
     progress: bool = False,
     desc: str | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Run the reverse process from x_T = ``noise`` down to x_0.
 
     Args:
         diffusion: the (usually respaced) process; its steps are the sampling steps.
-        model_fn: (x_t, original timesteps) -> model output (see ``guided_model``).
+        model_fn: (x_t, original timesteps) -> model output (see ``GuidedModel``).
         noise: (B, C, ...) starting noise, float32.
         sampler: ``"ddpm"`` (ancestral, learned or fixed variance) or ``"ddim"`` (``eta`` = 0 is deterministic).
         generator: source of the per-step noise (drawn only where used: DDPM, DDIM with ``eta`` > 0); same
             generator state, same samples. A sequence of B generators draws row i's noise from the i-th.
         progress: show a tqdm bar over the steps (on stderr); ``desc`` labels it (default "<sampler> sampling").
+        on_step: called with each step's original timestep (host int) before its model call.
+
+    No host syncs inside the loop: the schedule tables are moved to ``noise``'s device first
+    (``diffusion.to``, in place) and per-step coefficients are indexed there.
 
     Returns:
         (B, C, ...) float32 samples.
@@ -201,9 +228,12 @@ def sample_loop(
     if sampler not in OWN_SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {OWN_SAMPLERS}")
     noisy = sampler == "ddpm" or eta > 0
+    diffusion.to(noise.device)
     x = noise
     steps = range(diffusion.num_timesteps - 1, -1, -1)
     for i in tqdm(steps, desc=desc or f"{sampler} sampling", disable=not progress, leave=False):
+        if on_step is not None:
+            on_step(diffusion.original_timesteps[i])
         t = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
         out = diffusion.p_mean_variance(model_fn(x, diffusion.model_timesteps(t)), x, t, clip_denoised)
         z = randn_like_rows(x, generator).double() if noisy else None
@@ -238,6 +268,8 @@ def generate(
     batch_size: int | None = None,
     clip_denoised: bool = True,
     guidance_channels: int | None = None,
+    cfg_interval: tuple[int, int] | None = None,
+    pab: PABConfig | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
     """Draw one sample per condition row: respaced diffusion or a diffusers solver, classifier-free guidance,
@@ -249,7 +281,7 @@ def generate(
       (N, *shape) tensor from ``generator`` (so sample i starts from the same x_T whatever ``batch_size``);
       then each batch runs its loop with the same generator for its per-step noise. With ``batch_size`` >= N
       this is exactly ``noise = randn((N, *shape), generator)`` then one ``sample_loop(create_diffusion(
-      str(num_steps), learn_sigma), guided_model(...), noise, ...)`` (or ``solver_loop``).
+      str(num_steps), learn_sigma), GuidedModel(...), noise, ...)`` (or ``solver_loop``).
     - ``seeds`` (one int per row): row i has its own generator ``torch.Generator(device).manual_seed(seeds[i])``
       that draws its starting noise (``randn(shape)``) and then its per-step noise; so sample i depends only on
       its condition and seed, not on ``batch_size`` or the other rows (up to the float rounding of batched
@@ -258,7 +290,7 @@ def generate(
     Same seeds / generator state and settings -> same samples (on the same device).
 
     Args:
-        model: a conditional DiT / vDiT in eval mode (see ``guided_model``), on ``y``'s device.
+        model: a conditional DiT / vDiT in eval mode (see ``GuidedModel``), on ``y``'s device.
         y: (N,) int64 labels, or (N, L, D_text) text-encoder states.
         shape: the shape of one sample, e.g. (C, H, W) or (C, T, H, W) (latent or pixel).
         y_mask: (N, L) bool caption mask for text states; None for labels.
@@ -273,7 +305,9 @@ def generate(
         batch_size: samples per loop (each model call sees 2 x that with guidance); None: all N.
         clip_denoised: clamp predicted x_0 to [-1, 1] (right for pixels; DiT's sampler uses False for VAE
             latents, which are not bounded so). Our samplers only; the diffusers solvers never clip.
-        guidance_channels: see ``guided_model``.
+        guidance_channels, cfg_interval: see ``GuidedModel``.
+        pab: Pyramid Attention Broadcast settings (``ditforge.diffusion.pab``): attention outputs reused across
+            neighbouring steps (the cache is dropped between batches); None: every step computes everything.
         progress: a tqdm bar over the steps of each batch.
 
     Returns:
@@ -307,13 +341,30 @@ def generate(
     diffusion = create_diffusion(str(num_steps), learn_sigma) if sampler in OWN_SAMPLERS else None
     out = []
     batches = range(0, n, batch_size)
-    for j, start in enumerate(batches):
-        rows = slice(start, start + batch_size)
-        fn = guided_model(model, y[rows], cfg_scale, None if y_mask is None else y_mask[rows], guidance_channels)
-        desc = f"{sampler} sampling" + (f" (batch {j + 1}/{len(batches)})" if len(batches) > 1 else "")
-        g = generator if gens is None else gens[rows]
-        if diffusion is not None:
-            out.append(sample_loop(diffusion, fn, noise[rows], sampler, eta, clip_denoised, g, progress, desc))
-        else:
-            out.append(solver_loop(fn, noise[rows], sampler, num_steps, g, progress, desc))
+    with contextlib.ExitStack() as stack:
+        cache = None
+        if pab is not None:
+            from ditforge.diffusion.pab import PyramidAttentionBroadcast
+
+            cache = stack.enter_context(PyramidAttentionBroadcast(model, pab))
+        for j, start in enumerate(batches):
+            rows = slice(start, start + batch_size)
+            fn = GuidedModel(model, y[rows], cfg_scale, None if y_mask is None else y_mask[rows], guidance_channels,
+                             cfg_interval)
+            hooks = [fn.step]
+            if cache is not None:
+                cache.reset()
+                hooks.append(cache.step)
+
+            def on_step(t: int, hooks=hooks) -> None:
+                for hook in hooks:
+                    hook(t)
+
+            desc = f"{sampler} sampling" + (f" (batch {j + 1}/{len(batches)})" if len(batches) > 1 else "")
+            g = generator if gens is None else gens[rows]
+            if diffusion is not None:
+                out.append(sample_loop(diffusion, fn, noise[rows], sampler, eta, clip_denoised, g, progress, desc,
+                                       on_step))
+            else:
+                out.append(solver_loop(fn, noise[rows], sampler, num_steps, g, progress, desc, on_step=on_step))
     return torch.cat(out).float()

@@ -173,6 +173,12 @@ class VAE(FrozenModel):
         out = [self.model.decode(frames[i:i + step]).sample for i in range(0, frames.shape[0], step)]
         return _unfold(torch.cat(out), t)
 
+    def compile(self) -> VAE:
+        """``torch.compile`` the decoder in place (static shapes; inductor fuses its GroupNorm + SiLU pairs); no CUDA
+        graphs, since ``decode`` keeps the outputs of several micro-batch calls. Returns self."""
+        self.model.decoder.compile(dynamic=False)
+        return self
+
     def __repr__(self) -> str:
         return (f"VAE(path={self.path!r}, latent_channels={self.latent_channels}, downsample={self.downsample}, "
                 f"scaling_factor={self.scaling_factor}, shift_factor={self.shift_factor}, dtype={self.dtype}, "

@@ -102,7 +102,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)
+        return self.proj(x.to(self.proj.weight.dtype)).flatten(2).transpose(1, 2)  # float32 noise, bf16 model
 
 
 class PatchEmbed3D(nn.Module):
@@ -143,8 +143,8 @@ class PatchEmbed3D(nn.Module):
         self.proj = nn.Conv3d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, T, H, W) -> (B, T' H' W', D)."""
-        return self.proj(x).flatten(2).transpose(1, 2)
+        """(B, C, T, H, W) -> (B, T' H' W', D), in the weights' dtype."""
+        return self.proj(x.to(self.proj.weight.dtype)).flatten(2).transpose(1, 2)
 
 
 def unpatchify(x: torch.Tensor, grid_shape: Sequence[int], patch_shape: Sequence[int], channels: int) -> torch.Tensor:
@@ -266,8 +266,9 @@ class CaptionEmbedder(nn.Module):
             drop = torch.rand(states.shape[0], device=states.device) < self.dropout_prob
         else:
             drop = None
+        states = states.to(self.null_caption.dtype)  # float32 encoder states into a model cast to bf16
         if drop is not None:  # attending to any number of identical null tokens is attending to one
-            states = torch.where(drop[:, None, None], self.null_caption.to(states.dtype), states)
+            states = torch.where(drop[:, None, None], self.null_caption, states)
         return self.y_proj(states), mask
 
 

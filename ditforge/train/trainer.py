@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
-from ditforge.config import RunConfig
+from ditforge.config import RunConfig, resolve_precision
 from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
@@ -43,14 +43,6 @@ from ditforge.train import checkpoint as ckpt_io
 from ditforge.train.logging import MetricsLog
 
 log = logging.getLogger(__name__)
-
-
-def resolve_precision(name: str, device: torch.device) -> torch.dtype:
-    """Compute dtype for autocast: fp32 | bf16 | fp16; ``auto`` is bf16 on CUDA, fp32 on CPU; fp8 computes in
-    bf16 around its float8 matrix products."""
-    if name == "auto":
-        name = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[name]
 
 
 @dataclass

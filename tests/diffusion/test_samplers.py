@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ditforge.diffusion import OWN_SAMPLERS, SAMPLERS, create_diffusion, generate, guided_model, sample_loop
+from ditforge.diffusion import OWN_SAMPLERS, SAMPLERS, create_diffusion, generate, GuidedModel, sample_loop
 
 
 @pytest.fixture(autouse=True)
@@ -353,7 +353,7 @@ class ToyCondModel(torch.nn.Module):
 
 @pytest.mark.parametrize("cfg_scale", [1.5, 4.0])
 @pytest.mark.parametrize("seed", [70, 71])
-def test_guided_model_combination(cfg_scale, seed):
+def test_GuidedModel_combination(cfg_scale, seed):
     # tolerance: rtol 1e-12 (float64 throughout)
     rng = np.random.default_rng(seed)
     B, C = 5, 4
@@ -361,7 +361,7 @@ def test_guided_model_combination(cfg_scale, seed):
     t = torch.from_numpy(rng.integers(0, 1000, size=B))
     y = torch.from_numpy(rng.integers(0, NUM_CLASSES, size=B))
     model = ToyCondModel(2 * C)
-    out = guided_model(model, y, cfg_scale)(x, t).numpy()
+    out = GuidedModel(model, y, cfg_scale)(x, t).numpy()
     # one batched call of 2B: (x, x), (t, t), (y, y) with the second half dropped, i.e. (y, null)
     assert len(model.calls) == 1
     n, ys, ts, xs, drop = model.calls[0]
@@ -378,14 +378,14 @@ def test_guided_model_combination(cfg_scale, seed):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_guided_model_guidance_channels(k):
+def test_GuidedModel_guidance_channels(k):
     # Only the first k channels are guided (DiT's official sampler: k = 3 of 4); the rest come from cond.
     rng = np.random.default_rng(72 + k)
     B, C, s = 3, 4, 3.0
     x = torch.from_numpy(rng.standard_normal((B, C, 2, 2)))
     t = torch.from_numpy(rng.integers(0, 1000, size=B))
     y = torch.from_numpy(rng.integers(0, NUM_CLASSES, size=B))
-    out = guided_model(ToyCondModel(2 * C), y, s, guidance_channels=k)(x, t).numpy()
+    out = GuidedModel(ToyCondModel(2 * C), y, s, guidance_channels=k)(x, t).numpy()
     cond = toy_cond_np(x.numpy(), t.numpy(), y.numpy(), 2 * C)
     uncond = toy_cond_np(x.numpy(), t.numpy(), np.full(B, NUM_CLASSES), 2 * C)
     np.testing.assert_allclose(out[:, :k], uncond[:, :k] + s * (cond[:, :k] - uncond[:, :k]), rtol=1e-12, atol=1e-14)
@@ -393,27 +393,27 @@ def test_guided_model_guidance_channels(k):
     assert np.abs(out[:, k:C] - (uncond[:, k:C] + s * (cond[:, k:C] - uncond[:, k:C]))).max() > 1e-3
 
 
-def test_guided_model_fixed_sigma_guides_all_channels():
+def test_GuidedModel_fixed_sigma_guides_all_channels():
     rng = np.random.default_rng(74)
     B, C, s = 3, 2, 2.5
     x = torch.from_numpy(rng.standard_normal((B, C, 2, 2)))
     t = torch.from_numpy(rng.integers(0, 1000, size=B))
     y = torch.from_numpy(rng.integers(0, NUM_CLASSES, size=B))
-    out = guided_model(ToyCondModel(C), y, s)(x, t).numpy()
+    out = GuidedModel(ToyCondModel(C), y, s)(x, t).numpy()
     cond = toy_cond_np(x.numpy(), t.numpy(), y.numpy(), C)
     uncond = toy_cond_np(x.numpy(), t.numpy(), np.full(B, NUM_CLASSES), C)
     assert out.shape == (B, C, 2, 2)
     np.testing.assert_allclose(out, uncond + s * (cond - uncond), rtol=1e-12, atol=1e-14)
 
 
-def test_guided_model_scale_one_single_conditional_call():
+def test_GuidedModel_scale_one_single_conditional_call():
     rng = np.random.default_rng(75)
     B, C = 4, 3
     x = torch.from_numpy(rng.standard_normal((B, C, 2, 2)))
     t = torch.from_numpy(rng.integers(0, 1000, size=B))
     y = torch.from_numpy(rng.integers(0, NUM_CLASSES, size=B))
     model = ToyCondModel(2 * C)
-    fn = guided_model(model, y, 1.0)
+    fn = GuidedModel(model, y, 1.0)
     out = fn(x, t).numpy()
     assert len(model.calls) == 1 and model.calls[0][0] == B and model.calls[0][4] is None  # nothing dropped
     assert torch.equal(model.calls[0][1], y)
@@ -441,7 +441,7 @@ def test_guided_sampling_end_to_end_with_oracles():
 
     y = torch.tensor([0, 3, 7, 9])
     d = create_diffusion("25", learn_sigma=False)
-    out = sample_loop(d, guided_model(PointOracleModel(), y, s), randn((4, C, 2, 2), 77), "ddim")
+    out = sample_loop(d, GuidedModel(PointOracleModel(), y, s), randn((4, C, 2, 2), 77), "ddim")
     u = points[NUM_CLASSES]
     expect = u + s * (points[y.numpy()] - u)
     np.testing.assert_allclose(out.double().numpy(), expect, rtol=0, atol=1e-4)
@@ -473,7 +473,7 @@ def toy_text_np(x, t, states, mask, drop, null):
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.5])
-def test_guided_model_text_states(cfg_scale):
+def test_GuidedModel_text_states(cfg_scale):
     # The unconditional half is the same captions with every row dropped (the null caption), masks doubled.
     rng = np.random.default_rng(91)
     B, L, D, C = 3, 5, 4, 2
@@ -482,7 +482,7 @@ def test_guided_model_text_states(cfg_scale):
     states = torch.from_numpy(rng.standard_normal((B, L, D)))
     mask = torch.from_numpy(np.arange(L)[None] < rng.integers(1, L + 1, size=(B, 1)))
     model = ToyTextModel(D)
-    out = guided_model(model, states, cfg_scale, y_mask=mask)(x, t).numpy()
+    out = GuidedModel(model, states, cfg_scale, y_mask=mask)(x, t).numpy()
     cond = toy_text_np(x.numpy(), t.numpy(), states.numpy(), mask.numpy(), None, model.null)
     if cfg_scale == 1.0:
         assert model.calls[0][2] is None and torch.equal(model.calls[0][1], mask)
@@ -511,7 +511,7 @@ def test_generate_is_noise_then_sample_loop(sampler):
                    learn_sigma=True, generator=torch.Generator().manual_seed(seed))
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((n, C, 3, 3), generator=g)
-    ref = sample_loop(create_diffusion("6", True), guided_model(ToyCondModel(2 * C), y, 2.5), noise, sampler, 0.5,
+    ref = sample_loop(create_diffusion("6", True), GuidedModel(ToyCondModel(2 * C), y, 2.5), noise, sampler, 0.5,
                       True, g)
     assert got.dtype == torch.float32 and got.shape == (n, C, 3, 3)
     assert torch.equal(got, ref)
@@ -528,7 +528,7 @@ def test_generate_batches():
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((n, C, 2, 2), generator=g)
     d = create_diffusion("4", False)
-    ref = torch.cat([sample_loop(d, guided_model(ToyCondModel(C), y[i:i + 2], 3.0), noise[i:i + 2], "ddpm", 0.0,
+    ref = torch.cat([sample_loop(d, GuidedModel(ToyCondModel(C), y[i:i + 2], 3.0), noise[i:i + 2], "ddpm", 0.0,
                                  True, g) for i in range(0, n, 2)])
     assert torch.equal(got, ref)
 
@@ -546,7 +546,7 @@ def test_generate_per_sample_seeds(sampler, eta):
     for i in range(n):
         g = torch.Generator().manual_seed(seeds[i])
         noise = torch.randn((1, C, 2, 2), generator=g)
-        ref = sample_loop(d, guided_model(ToyCondModel(2 * C), y[i:i + 1], 2.0), noise, sampler, eta, True, g)
+        ref = sample_loop(d, GuidedModel(ToyCondModel(2 * C), y[i:i + 1], 2.0), noise, sampler, eta, True, g)
         assert torch.equal(got[i:i + 1], ref)
     assert torch.equal(got, generate(ToyCondModel(2 * C), y, (C, 2, 2), seeds=seeds, batch_size=5, **kw))
     sub = generate(ToyCondModel(2 * C), y[[1, 3]], (C, 2, 2), seeds=[seeds[1], seeds[3]], **kw)

@@ -19,7 +19,7 @@ from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteS
 from ditforge.diffusion import DIFFUSERS_SAMPLERS, GaussianDiffusion, diffusers_scheduler, generate  # noqa: E402
 from ditforge.diffusion import sample_loop, solver_loop  # noqa: E402
 from ditforge.diffusion.gaussian import linear_betas  # noqa: E402
-from ditforge.diffusion.samplers import guided_model  # noqa: E402
+from ditforge.diffusion.samplers import GuidedModel  # noqa: E402
 from ditforge.errors import UserError  # noqa: E402
 
 NUM_CLASSES = 6
@@ -88,7 +88,7 @@ def test_solver_matches_diffusers_step_by_step(sampler, steps, cfg):
     noise = torch.randn((B, C, 3, 3), generator=torch.Generator().manual_seed(seed))
     ours_model, ref_model = ToyEps(C, seed), ToyEps(C, seed)
     got = []
-    out = solver_loop(guided_model(ours_model, y, cfg), noise, sampler, steps, callback=lambda i, t, x: got.append(x))
+    out = solver_loop(GuidedModel(ours_model, y, cfg), noise, sampler, steps, callback=lambda i, t, x: got.append(x))
     ref = _reference(sampler, ref_model, noise, y, cfg, steps)
     assert len(got) == len(ref) == steps
     for a, b in zip(got, ref):
@@ -134,7 +134,7 @@ def test_generate_with_solver_seeds(sampler):
     g = torch.Generator().manual_seed(11)
     got = generate(ToyEps(C, 7), y, (C, 2, 2), generator=torch.Generator().manual_seed(11), **kw)
     noise = torch.randn((B, C, 2, 2), generator=g)
-    ref = solver_loop(guided_model(ToyEps(C, 7), y, 3.0), noise, sampler, 6, g)
+    ref = solver_loop(GuidedModel(ToyEps(C, 7), y, 3.0), noise, sampler, 6, g)
     assert torch.equal(got, ref)
 
 
@@ -174,7 +174,7 @@ def test_our_ddim_matches_diffusers_ddim(n, eta):
     y = torch.from_numpy(np.random.default_rng(seed).integers(0, NUM_CLASSES, size=B))
     noise = torch.randn((B, C, 3, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     ours_model = ToyEps(C, seed)
-    out = sample_loop(_leading_process(n), guided_model(ours_model, y, cfg), noise, "ddim", eta=eta,
+    out = sample_loop(_leading_process(n), GuidedModel(ours_model, y, cfg), noise, "ddim", eta=eta,
                       generator=torch.Generator().manual_seed(seed + 1))
     sched = DDIMScheduler(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
                           prediction_type="epsilon", timestep_spacing="leading", steps_offset=0,

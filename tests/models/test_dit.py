@@ -230,8 +230,8 @@ def test_official_state_dict_round_trip_is_lossless(randomised_pair):
 
 @pytest.mark.parametrize("guidance_channels", [3, None])
 def test_cfg_matches_official_forward_with_cfg(guidance_channels, randomised_pair):
-    """ditforge's guided_model (cond + uncond in one batch) equals the official forward_with_cfg."""
-    from ditforge.diffusion.samplers import guided_model
+    """ditforge's GuidedModel (cond + uncond in one batch) equals the official forward_with_cfg."""
+    from ditforge.diffusion.samplers import GuidedModel
 
     ours, ref = randomised_pair("DiT-T/2", torch.float64)
     x, t, y = _inputs("DiT-T/2", batch=3, dtype=torch.float64)
@@ -243,7 +243,7 @@ def test_cfg_matches_official_forward_with_cfg(guidance_channels, randomised_pai
             torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, torch.full_like(y, NUM_CLASSES)]), cfg_scale,
             guidance_channels=k,
         )[: len(x)]
-        actual = guided_model(ours, y, cfg_scale, guidance_channels=guidance_channels)(x, t)
+        actual = GuidedModel(ours, y, cfg_scale, guidance_channels=guidance_channels)(x, t)
     _assert_close_rel(actual, expected, 1e-10)  # float64: see test_forward_matches_official_float64
 
 
