@@ -13,8 +13,11 @@ with the final output O and log-sum-exp L saved, each block's probabilities are 
 P = exp(S - L), which is exact per block; dQ accumulates locally, while dK/dV accumulators (float32)
 travel round the ring with their K/V block and, after P hops, arrive back at the block's owner.
 
-The per-block kernel here is plain PyTorch in float32 (it materialises one N_local x N_local score block
-per head, never the full N x N): exact on every device, but not a fused flash kernel.
+Per-block kernels: on CUDA in fp16/bf16, blocks without padding keys run PyTorch's fused FlashAttention-2
+forward and backward ops (``aten::_scaled_dot_product_flash_attention[_backward]``, giving the block's output
+and lse; the backward takes the final O and L, exactly as ring-flash-attention calls flash-attn). Blocks with
+padding keys, float32 inputs and CPUs run plain PyTorch in float32, which materialises one
+N_local x N_local score block per head (never the full N x N).
 """
 
 from __future__ import annotations
@@ -76,6 +79,26 @@ def block_backward(q, k, v, mask, scale, lse, do, delta):
     return dq, dk, dv
 
 
+def _flash_ok(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    dh = q.shape[-1]
+    return mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dh % 8 == 0 and dh <= 256
+
+
+def flash_block_forward(q, k, v, scale):
+    """Fused block forward: (out float32, lse float32 (B, H, Nq), aux for the backward)."""
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+    return r[0].float(), r[1], (r[2], r[3], r[6], r[7])
+
+
+def flash_block_backward(q, k, v, scale, out, lse, dout, aux):
+    """Fused block backward with the final output ``out`` and lse: (dq, dk, dv) float32."""
+    cum_q, cum_k, seed, offset = aux
+    n_q, n_k = q.shape[2], k.shape[2]
+    g = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, n_q, n_k, 0.0, False, seed, offset, scale=scale)
+    return tuple(t.float() for t in g)
+
+
 def _ring_peers(group: ProcessGroup) -> tuple[int, int, int, int]:
     p, r = dist.get_world_size(group), dist.get_rank(group)
     return p, r, dist.get_global_rank(group, (r + 1) % p), dist.get_global_rank(group, (r - 1) % p)
@@ -94,39 +117,46 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _block_mask(mask: torch.Tensor | None, j: int, n: int) -> torch.Tensor | None:
-    return None if mask is None else mask[:, j * n : (j + 1) * n]
+def _block_mask(mask: torch.Tensor | None, j: int, n: int, full: tuple[bool, ...]) -> torch.Tensor | None:
+    """Block j's key mask, None when it has no padding key."""
+    return None if mask is None or full[j] else mask[:, j * n : (j + 1) * n]
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, group, has_keys):
+    def forward(ctx, q, k, v, mask, group, has_keys, full):
         p, r, nxt, prv = _ring_peers(group)
         n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        aux = None
         for s in range(p):
             works = None
             if s + 1 < p:  # issue the next block's transfer before computing this one
                 kv_next, works = _shift(kv, nxt, prv, group, _KV_TAG)
             j = (r - s) % p
             if has_keys[j]:
-                out_b, lse_b = block_forward(q, kv[0], kv[1], _block_mask(mask, j, n), scale)
+                mask_b = _block_mask(mask, j, n, full)
+                if _flash_ok(q, mask_b):
+                    out_b, lse_b, aux = flash_block_forward(q, kv[0], kv[1], scale)
+                else:
+                    out_b, lse_b = block_forward(q, kv[0], kv[1], mask_b, scale)
                 out, lse = merge(out, lse, out_b, lse_b)
             if works is not None:
                 _wait(works)
                 kv = kv_next
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
-        ctx.group, ctx.has_keys = group, has_keys
+        ctx.group, ctx.has_keys, ctx.full, ctx.aux = group, has_keys, full, aux
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *m = ctx.saved_tensors
         mask = m[0] if m else None
-        group, has_keys = ctx.group, ctx.has_keys
+        group, has_keys, full = ctx.group, ctx.has_keys, ctx.full
+        dout = dout.contiguous()
         p, r, nxt, prv = _ring_peers(group)
         n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[-1])
         do = dout.float()
@@ -140,7 +170,11 @@ class _RingAttention(torch.autograd.Function):
                 kv_next, kv_works = _shift(kv, nxt, prv, group, _KV_TAG)
             j = (r - s) % p
             if has_keys[j]:
-                dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], _block_mask(mask, j, n), scale, lse, do, delta)
+                mask_b = _block_mask(mask, j, n, full)
+                if _flash_ok(q, mask_b):
+                    dq_b, dk_b, dv_b = flash_block_backward(q, kv[0], kv[1], scale, out, lse, dout, ctx.aux)
+                else:
+                    dq_b, dk_b, dv_b = block_backward(q, kv[0], kv[1], mask_b, scale, lse, do, delta)
                 dq += dq_b
                 mine = torch.stack([dk_b, dv_b])
             else:
@@ -161,7 +195,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_next
         _wait(dkv_works)  # our own block's dK/dV, from every rank
         dkv, dkv_sent = dkv_recv, None
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention_full_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -171,10 +205,12 @@ def ring_attention_full_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     p = dist.get_world_size(group)
     n = q.shape[2]
     if mask is None:
-        has_keys = [True] * p
-    else:  # one host sync per call: skip blocks that are padding in every sample
-        has_keys = mask.view(mask.shape[0], p, n).any(dim=2).any(dim=0).tolist()
-    return _RingAttention.apply(q, k, v, mask, group, tuple(has_keys))
+        has_keys = full = (True,) * p
+    else:  # one host sync per call: skip blocks that are padding in every sample, run full ones unmasked
+        blocks = mask.view(mask.shape[0], p, n)
+        flags = torch.stack([blocks.any(dim=2).any(dim=0), blocks.all(dim=2).all(dim=0)]).tolist()
+        has_keys, full = tuple(flags[0]), tuple(flags[1])
+    return _RingAttention.apply(q, k, v, mask, group, has_keys, full)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
