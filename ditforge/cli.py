@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokens over this many processes (all of them)")
     s.add_argument("--sequence_parallel_type", default="auto", choices=SEQUENCE_PARALLEL_TYPES,
                    help="how the split sequence attends (see `ditforge train --help`)")
-    fast = s.add_argument_group("speed", "every speed-up: --mixed_precision bf16 (the default on GPUs) --compile "
-                                "--enable_flashattn --enable_modulate_kernel")
+    fast = s.add_argument_group("speed", "the fastest measured setting on GPUs: --compile --enable_flashattn (bf16 "
+                                "is the default there); under --compile the fused adaLN kernels gained nothing "
+                                "(inductor fuses the same operations)")
     fast.add_argument("--mixed_precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                       help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU)")
     fast.add_argument("--compile", nargs="?", const="reduce-overhead", default="none", choices=COMPILE_MODES,
