@@ -74,6 +74,7 @@ class SampleConfig:
     guidance_channels: int | None = None
     cfg_interval: tuple[int, int] | None = None
     pab: bool = False
+    cfg_parallel: bool = False
 
 
 def _read(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:
@@ -292,7 +293,9 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     whichever samples were skipped. ``save_npz`` is refused then.
 
     Under torchrun with ``sequence_parallel_size`` = the number of processes, every process draws the same
-    noise and runs its slice of each sample's tokens (``apply_sequence_parallel``); process 0 writes.
+    noise and runs its slice of each sample's tokens (``apply_sequence_parallel``); process 0 writes. With
+    ``cfg_parallel`` the processes are 2 x ``sequence_parallel_size``: the conditional and the unconditional halves
+    of the guided batch run on the two halves of them (``GuidedModel``'s ``cfg_group``).
 
     Returns:
         The samples as (N, H, W, C) uint8, or (N, T, H, W, C) for video models (an empty array on processes
@@ -334,10 +337,13 @@ def sample(cfg: SampleConfig) -> np.ndarray:
 
 
 def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
-    if d.world_size != d.sp_size:
-        raise UserError(f"--sequence_parallel_size {cfg.sequence_parallel_size}: under torchrun, `ditforge sample` "
-                        f"splits every sample over all {d.world_size} processes; give --sequence_parallel_size "
-                        f"{d.world_size}")
+    cfg_ways = 2 if cfg.cfg_parallel else 1
+    if d.world_size != d.sp_size * cfg_ways:
+        raise UserError(f"--sequence_parallel_size {cfg.sequence_parallel_size}"
+                        + (" with --cfg_parallel" if cfg.cfg_parallel else "")
+                        + f": under torchrun, `ditforge sample` splits every sample over all {d.world_size} processes "
+                        f"(sequence parallel size x 2 with --cfg_parallel); give --sequence_parallel_size "
+                        f"{max(1, d.world_size // cfg_ways)}" + (" or drop --cfg_parallel" if cfg.cfg_parallel else ""))
     device = d.device
     state, spec = _read(cfg.ckpt, cfg.use_ema)
     if cfg.model is not None:
@@ -425,13 +431,17 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
 
 def _generate(cfg: SampleConfig, d: Dist, model, spec: dict, vae, shape: tuple[int, ...], y: torch.Tensor,
               y_mask: torch.Tensor | None, **noise) -> torch.Tensor:
-    """``generate`` with the command's sampler, guidance and PAB settings; ``noise``: generator or seeds, and
-    batch_size. Pixel-space samples are clipped to [-1, 1] at each step, latents are not."""
+    """``generate`` with the command's sampler, guidance, PAB and CFG-parallel settings; ``noise``: generator or
+    seeds, and batch_size. Pixel-space samples are clipped to [-1, 1] at each step, latents are not. With
+    ``cfg_parallel`` the two halves of the guided batch run on the two rows of the (dp, sp) mesh."""
+    cfg_group = None
+    if cfg.cfg_parallel:
+        cfg_group = (d.sp_mesh["dp"] if d.sp_mesh is not None else d.mesh).get_group()
     return generate(model, y, shape, y_mask=y_mask, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_sampling_steps,
                     sampler=cfg.sampler, eta=cfg.eta, learn_sigma=spec["learn_sigma"],
                     clip_denoised=isinstance(vae, IdentityVAE), guidance_channels=cfg.guidance_channels,
-                    cfg_interval=cfg.cfg_interval, pab=PABConfig() if cfg.pab else None, progress=d.is_main,
-                    **noise)
+                    cfg_interval=cfg.cfg_interval, pab=PABConfig() if cfg.pab else None, cfg_group=cfg_group,
+                    progress=d.is_main, **noise)
 
 
 def _sample_shape(spec: dict, video: bool) -> tuple[int, ...]:

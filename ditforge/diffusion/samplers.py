@@ -15,6 +15,7 @@ import contextlib
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn, create_diffusion
@@ -141,6 +142,10 @@ class GuidedModel:
     only at original timesteps low <= t <= high; at the others the conditional model runs alone (B rows, half
     the compute). The sampling loop announces each step's timestep with ``step(t)`` before the call.
 
+    CFG parallelism (``cfg_group``, a process group of 2): process 0 of the group runs the conditional half, process
+    1 the unconditional one, B rows each, and the halves are all-gathered before they are combined; both
+    processes then hold the same guided output (the loop around runs identically on both).
+
     Args:
         model: ``model(x, t, y, force_drop_ids=None, y_mask=None)`` -> (B, C_out, ...) (``DiT.forward``);
             ``y_mask`` is passed only when given, so class models need not accept it.
@@ -150,30 +155,38 @@ class GuidedModel:
         guidance_channels: guide only the first k channels; ``None`` guides all eps channels (C = input
             channels). The official DiT sampler guides 3 of 4 latent channels; pass 3 to reproduce it.
         cfg_interval: (low, high) original timesteps (0..999, inclusive) where guidance applies; None: all.
+        cfg_group: a 2-process group to split the guided batch over (see above); None: one 2B call.
 
     Call: ``fn(x (B, C, ...) float, t (B,) int64) -> (B, C_out, ...)`` in the model's output dtype promoted to at
     least float32.
 
     Raises:
         TypeError: ``y_mask`` neither a tensor nor None.
-        ValueError: ``cfg_interval`` not 0 <= low <= high <= 999.
+        ValueError: ``cfg_interval`` not 0 <= low <= high <= 999; a ``cfg_group`` not of 2 processes.
     """
 
     def __init__(self, model: torch.nn.Module, y: torch.Tensor, cfg_scale: float, y_mask: torch.Tensor | None = None,
-                 guidance_channels: int | None = None, cfg_interval: tuple[int, int] | None = None):
+                 guidance_channels: int | None = None, cfg_interval: tuple[int, int] | None = None,
+                 cfg_group: dist.ProcessGroup | None = None):
         if y_mask is not None and not isinstance(y_mask, torch.Tensor):
             raise TypeError(f"y_mask must be a (B, L) bool tensor or None, got {type(y_mask).__name__}")
         if cfg_interval is not None and not 0 <= cfg_interval[0] <= cfg_interval[1] <= 999:
             raise ValueError(f"cfg_interval must be (low, high) with 0 <= low <= high <= 999, got {cfg_interval}")
         self.model, self.y, self.y_mask = model, y, y_mask
         self.cfg_scale, self.guidance_channels, self.cfg_interval = cfg_scale, guidance_channels, cfg_interval
-        self.guided = cfg_scale != 1.0
-        if self.guided:
+        self.guided, self.cfg_group = cfg_scale != 1.0, cfg_group
+        if cfg_group is not None and dist.get_world_size(cfg_group) != 2:
+            raise ValueError(f"cfg_group must hold 2 processes, got {dist.get_world_size(cfg_group)}")
+        if self.guided and cfg_group is None:
             b = y.shape[0]
             self.guided_kwargs = {"force_drop_ids": torch.arange(2 * b, device=y.device) >= b}  # True: uncond half
             if y_mask is not None:
                 self.guided_kwargs["y_mask"] = torch.cat([y_mask, y_mask])
             self.y2 = torch.cat([y, y])
+        elif self.guided:  # this process's half: rank 1 of the group drops every condition
+            drop = torch.full((y.shape[0],), dist.get_rank(cfg_group) == 1, device=y.device)
+            self.guided_kwargs = {"force_drop_ids": drop, **({} if y_mask is None else {"y_mask": y_mask})}
+            self.y2 = y
 
     def step(self, timestep: int) -> None:
         """The original timestep of the next call (host int: deciding needs no device sync)."""
@@ -184,7 +197,13 @@ class GuidedModel:
         if not self.guided:
             out = self.model(x, t, self.y, **({} if self.y_mask is None else {"y_mask": self.y_mask}))
             return out.to(torch.promote_types(out.dtype, torch.float32))
-        out = self.model(torch.cat([x, x]), torch.cat([t, t]), self.y2, **self.guided_kwargs)
+        if self.cfg_group is None:
+            out = self.model(torch.cat([x, x]), torch.cat([t, t]), self.y2, **self.guided_kwargs)
+        else:
+            half = self.model(x, t, self.y2, **self.guided_kwargs).contiguous()
+            halves = [torch.empty_like(half) for _ in range(2)]
+            dist.all_gather(halves, half, group=self.cfg_group)
+            out = torch.cat(halves)
         cond, uncond = out.to(torch.promote_types(out.dtype, torch.float32)).chunk(2)
         k = x.shape[1] if self.guidance_channels is None else self.guidance_channels
         guided = uncond[:, :k] + self.cfg_scale * (cond[:, :k] - uncond[:, :k])
@@ -270,6 +289,7 @@ def generate(
     guidance_channels: int | None = None,
     cfg_interval: tuple[int, int] | None = None,
     pab: PABConfig | None = None,
+    cfg_group: dist.ProcessGroup | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
     """Draw one sample per condition row: respaced diffusion or a diffusers solver, classifier-free guidance,
@@ -305,7 +325,7 @@ def generate(
         batch_size: samples per loop (each model call sees 2 x that with guidance); None: all N.
         clip_denoised: clamp predicted x_0 to [-1, 1] (right for pixels; DiT's sampler uses False for VAE
             latents, which are not bounded so). Our samplers only; the diffusers solvers never clip.
-        guidance_channels, cfg_interval: see ``GuidedModel``.
+        guidance_channels, cfg_interval, cfg_group: see ``GuidedModel``.
         pab: Pyramid Attention Broadcast settings (``ditforge.diffusion.pab``): attention outputs reused across
             neighbouring steps (the cache is dropped between batches); None: every step computes everything.
         progress: a tqdm bar over the steps of each batch.
@@ -350,7 +370,7 @@ def generate(
         for j, start in enumerate(batches):
             rows = slice(start, start + batch_size)
             fn = GuidedModel(model, y[rows], cfg_scale, None if y_mask is None else y_mask[rows], guidance_channels,
-                             cfg_interval)
+                             cfg_interval, cfg_group)
             hooks = [fn.step]
             if cache is not None:
                 cache.reset()

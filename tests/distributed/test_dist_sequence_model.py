@@ -175,3 +175,40 @@ def test_sample_sp2_equals_sp1(tmp_path):
     assert one.shape == two.shape == (2, FRAMES, SIZE, SIZE, 3)
     diff = np.abs(one.astype(int) - two.astype(int))
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
+
+
+def test_sample_cfg_parallel_equals_one_process(tmp_path):
+    """`ditforge sample --cfg_parallel` under torchrun (2 processes: conditional and unconditional halves apart)
+    writes the one-process samples (uint8, a rounding flip of 1 allowed on a few values)."""
+    import numpy as np
+
+    from ditforge import cli
+    from ditforge.train.checkpoint import export_safetensors
+
+    config = {"model": dict(model="DiT-S/2", condition="class", text_encoder=None, text_max_length=None, vae="none",
+                            qk_norm=False, num_classes=10, learn_sigma=True, class_dropout_prob=0.1, in_channels=3,
+                            input_size=8, num_frames=None, text_dim=None),
+              "data": dict(image_size=8)}
+    model = create_model("DiT-S/2", 8, 3, 10)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(4)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ckpt = tmp_path / "m.safetensors"
+    export_safetensors(model.state_dict(), config, ckpt)
+    common = ["sample", "--ckpt", str(ckpt), "--class_labels", "1,2,3", "--num_sampling_steps", "4",
+              "--device", "cpu", "--seed", "6", "--cfg_scale", "4"]
+    assert cli.main([*common, "--out", str(tmp_path / "one.png"), "--save_npz", str(tmp_path / "one.npz")]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ditforge",
+           *common, "--out", str(tmp_path / "two.png"), "--save_npz", str(tmp_path / "two.npz"), "--cfg_parallel"]
+    p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    one, two = np.load(tmp_path / "one.npz")["samples"], np.load(tmp_path / "two.npz")["samples"]
+    assert one.shape == two.shape == (3, 8, 8, 3) and one.std() > 5  # non-constant images
+    diff = np.abs(one.astype(int) - two.astype(int))
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.99
+    # without --cfg_parallel, 2 processes would each need half a sequence-parallel sample: refused
+    bad = [c for c in cmd if c != "--cfg_parallel"]
+    p = subprocess.run(bad, env=dist_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "--sequence_parallel_size 1" in p.stderr
