@@ -12,8 +12,8 @@ import sys
 import types
 import typing
 
-from ditforge.config import (COMPILE_MODES, SEQUENCE_PARALLEL_TYPES, BenchConfig, DataConfig, ModelConfig,
-                             ParallelConfig, TrainConfig, build_config)
+from ditforge.config import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, BenchConfig, DataConfig,
+                             ModelConfig, ParallelConfig, TrainConfig, build_config)
 from ditforge.errors import UserError
 
 
@@ -101,17 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no_ema", dest="use_ema", action="store_false", help="use the raw weights, not the EMA")
     s.add_argument("--device", default="auto", help="cuda | cpu | auto")
     s.add_argument("--sequence_parallel_size", type=int, default=1, help="under torchrun: split every sample's "
-                   "tokens over this many processes (all of them)")
+                   "tokens over this many processes (all of them; half of them with --cfg_parallel)")
     s.add_argument("--sequence_parallel_type", default="auto", choices=SEQUENCE_PARALLEL_TYPES,
                    help="how the split sequence attends (see `ditforge train --help`)")
     fast = s.add_argument_group("speed", "the fastest measured setting on GPUs: --compile --enable_flashattn (bf16 "
                                 "is the default there); under --compile the fused adaLN kernels gained nothing "
                                 "(inductor fuses the same operations)")
-    fast.add_argument("--mixed_precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+    fast.add_argument("--mixed_precision", default="auto", choices=SAMPLING_PRECISIONS,
                       help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU)")
     fast.add_argument("--compile", nargs="?", const="reduce-overhead", default="none", choices=COMPILE_MODES,
-                      help="torch.compile the model with static shapes; the bare flag is reduce-overhead (one CUDA "
-                      "graph per model call; the first batch is slow while it compiles)")
+                      help="torch.compile the model with static shapes, and the VAE decoder; the bare flag is "
+                      "reduce-overhead (one CUDA graph per model call); the first batch and the first decode are slow "
+                      "while they compile")
     fast.add_argument("--enable_flashattn", action="store_true", help="attention through the fastest exact kernel "
                       "(cuDNN, then Flash)")
     fast.add_argument("--enable_modulate_kernel", action="store_true", help="fused Triton LayerNorm + adaLN "

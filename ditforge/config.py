@@ -19,6 +19,7 @@ if typing.TYPE_CHECKING:
     import torch
 
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
+SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # weights are cast for sampling; fp8 is training-only
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 CONDITIONS = ("auto", "class", "text")
 SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "usp")

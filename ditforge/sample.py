@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from tqdm.auto import tqdm
 from ditforge.atomic import atomic_path
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.data.sampler import derive_seed
-from ditforge.config import COMPILE_MODES, resolve_precision
+from ditforge.config import COMPILE_MODES, SAMPLING_PRECISIONS, resolve_precision
 from ditforge.diffusion import SAMPLERS, generate
 from ditforge.diffusion.pab import PABConfig
 from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
@@ -90,10 +91,16 @@ def _read(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:
     return state, spec
 
 
+def _check_precision(name: str) -> None:
+    if name not in SAMPLING_PRECISIONS:
+        raise UserError(f"--mixed_precision: expected {' | '.join(SAMPLING_PRECISIONS)} for sampling, got {name}")
+
+
 def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto", compile: str = "none",
                   enable_flashattn: bool = False, enable_modulate_kernel: bool = False,
-                  enable_layernorm_kernel: bool = False, sequence_parallel_type: str = "auto") -> torch.nn.Module:
-    """Make a loaded model fast for sampling; returns the module to call (the same one, or its compiled wrapper).
+                  enable_layernorm_kernel: bool = False, sequence_parallel_type: str = "auto") -> Callable:
+    """Make a loaded model fast for sampling; returns what to call like the model: the same module, its compiled
+    wrapper, or (CUDA graphs) a function around that.
 
     - weights cast to the compute dtype (``mixed_precision``: fp32 | bf16 | fp16; ``auto``: bf16 on CUDA, fp32 on
       CPU): inference keeps no float32 master copy, so every step reads half the bytes and autocast's per-call
@@ -116,8 +123,7 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
     """
     from ditforge.parallel import parallelize
 
-    if mixed_precision not in ("auto", "fp32", "bf16", "fp16"):
-        raise UserError(f"--mixed_precision: expected auto | fp32 | bf16 | fp16 for sampling, got {mixed_precision}")
+    _check_precision(mixed_precision)
     dtype = resolve_precision(mixed_precision, d.device)
     model = model.to(device=d.device, dtype=dtype).eval().requires_grad_(False)
     model = parallelize(model, d, attention="fast" if enable_flashattn else "auto",
@@ -305,7 +311,9 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         UserError: bad checkpoint or settings; a text model without a prompt or a class model with one (naming
             ``--prompt``); labels outside [0, num_classes); a missing or empty prompt file; latents without a
             known VAE (naming ``--vae``); an image size the VAE does not divide; ``save_npz`` when streaming; a
-            diffusers sampler without diffusers installed (naming ``--sampler``); ``pab`` with ``compile``; a ``cfg_interval`` outside 0..999 or ``guidance_channels`` beyond the model's channels.
+            diffusers sampler without diffusers installed (naming ``--sampler``); ``pab`` with ``compile``; ``compile`` with
+            sequence or CFG parallelism; ``cfg_parallel`` without guidance or with the wrong process count; a
+            ``cfg_interval`` outside 0..999 or ``guidance_channels`` beyond the model's channels.
     """
     if cfg.sampler not in SAMPLERS:
         raise UserError(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {cfg.sampler}")
@@ -315,8 +323,14 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UserError(f"--{name}: expected a positive integer, got {value}")
+    _check_precision(cfg.mixed_precision)
     if cfg.compile not in COMPILE_MODES:
         raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {cfg.compile}")
+    if cfg.compile != "none" and (cfg.sequence_parallel_size > 1 or cfg.cfg_parallel):
+        raise UserError(f"--compile {cfg.compile}: not with --sequence_parallel_size > 1 or --cfg_parallel "
+                        "(collectives inside a compiled, CUDA-graph-replayed model are untested); drop --compile")
+    if cfg.cfg_parallel and cfg.cfg_scale == 1.0:
+        raise UserError("--cfg_parallel: --cfg_scale 1 runs no unconditional pass to put on the second GPU")
     if cfg.pab and cfg.compile != "none":
         raise UserError(f"--pab with --compile {cfg.compile}: PAB switches attention on and off from step to step "
                         "in Python, which a compiled graph (and a CUDA graph's reused outputs) would not follow; "
@@ -337,13 +351,13 @@ def sample(cfg: SampleConfig) -> np.ndarray:
 
 
 def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
-    cfg_ways = 2 if cfg.cfg_parallel else 1
-    if d.world_size != d.sp_size * cfg_ways:
-        raise UserError(f"--sequence_parallel_size {cfg.sequence_parallel_size}"
-                        + (" with --cfg_parallel" if cfg.cfg_parallel else "")
-                        + f": under torchrun, `ditforge sample` splits every sample over all {d.world_size} processes "
-                        f"(sequence parallel size x 2 with --cfg_parallel); give --sequence_parallel_size "
-                        f"{max(1, d.world_size // cfg_ways)}" + (" or drop --cfg_parallel" if cfg.cfg_parallel else ""))
+    if cfg.cfg_parallel and d.world_size != 2 * d.sp_size:
+        raise UserError(f"--cfg_parallel: needs 2 x --sequence_parallel_size ({2 * d.sp_size}) processes under "
+                        f"torchrun, got {d.world_size}")
+    if not cfg.cfg_parallel and d.world_size != d.sp_size:
+        raise UserError(f"--sequence_parallel_size {cfg.sequence_parallel_size}: under torchrun, `ditforge sample` "
+                        f"splits every sample over all {d.world_size} processes; give --sequence_parallel_size "
+                        f"{d.world_size} (or --cfg_parallel with half of that)")
     device = d.device
     state, spec = _read(cfg.ckpt, cfg.use_ema)
     if cfg.model is not None:

@@ -80,6 +80,8 @@ def test_cfg_interval_guides_inside_only():
         assert torch.equal(cond_only(x, t), model(x, t, y))
     with pytest.raises(ValueError, match="cfg_interval"):
         GuidedModel(model, y, 4.0, cfg_interval=(700, 300))
+    with pytest.raises(ValueError, match="guidance_channels"):
+        GuidedModel(model, y, 4.0, guidance_channels=5)(x, t)  # 4 input channels; 5..8 are the variance's
 
 
 def test_pab_through_generate():
@@ -108,6 +110,10 @@ def test_pab_through_generate():
     (dict(compile="fast"), "--compile"),
     (dict(cfg_interval=(800, 100)), "--cfg_interval"),
     (dict(guidance_channels=0), "--guidance_channels"),
+    (dict(mixed_precision="fp8"), "--mixed_precision"),
+    (dict(compile="default", sequence_parallel_size=2), "--compile"),
+    (dict(cfg_parallel=True, cfg_scale=1.0), "--cfg_parallel"),
+    (dict(cfg_parallel=True), "--cfg_parallel: needs 2"),  # one process, not two
 ])
 def test_sample_refuses_bad_speed_flags(flags, message):
     with pytest.raises(UserError, match=message):

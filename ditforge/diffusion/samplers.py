@@ -98,7 +98,8 @@ def solver_loop(
         generator: passed to ``step`` (Euler draws its unused churn noise from it; DPM-Solver++ draws nothing);
             a sequence of B generators gives each row its own.
         callback: called as ``callback(i, t, x)`` after step i with the new x (tests compare intermediates).
-        on_step: called with each step's timestep (host int) before its model call (``GuidedModel.step``, PAB).
+        on_step: called with each step's timestep (host int) before its model call (default: ``model_fn.step``
+            when it has one, e.g. ``GuidedModel``).
 
     Returns:
         (B, C, ...) samples in ``noise``'s dtype.
@@ -113,6 +114,7 @@ def solver_loop(
     c = noise.shape[1]
     gen = generator if generator is None or isinstance(generator, torch.Generator) else list(generator)
     host_timesteps = sched.timesteps.tolist()  # one copy before the loop, none inside it
+    on_step = on_step if on_step is not None else getattr(model_fn, "step", None)
     for i, t in enumerate(tqdm(sched.timesteps, desc=desc or f"{sampler} sampling", disable=not progress,
                                leave=False)):
         if on_step is not None:
@@ -162,7 +164,8 @@ class GuidedModel:
 
     Raises:
         TypeError: ``y_mask`` neither a tensor nor None.
-        ValueError: ``cfg_interval`` not 0 <= low <= high <= 999; a ``cfg_group`` not of 2 processes.
+        ValueError: ``cfg_interval`` not 0 <= low <= high <= 999; a ``cfg_group`` not of 2 processes;
+            ``guidance_channels`` < 1 (or, at the call, above C).
     """
 
     def __init__(self, model: torch.nn.Module, y: torch.Tensor, cfg_scale: float, y_mask: torch.Tensor | None = None,
@@ -172,6 +175,8 @@ class GuidedModel:
             raise TypeError(f"y_mask must be a (B, L) bool tensor or None, got {type(y_mask).__name__}")
         if cfg_interval is not None and not 0 <= cfg_interval[0] <= cfg_interval[1] <= 999:
             raise ValueError(f"cfg_interval must be (low, high) with 0 <= low <= high <= 999, got {cfg_interval}")
+        if guidance_channels is not None and guidance_channels < 1:
+            raise ValueError(f"guidance_channels must be positive, got {guidance_channels}")
         self.model, self.y, self.y_mask = model, y, y_mask
         self.cfg_scale, self.guidance_channels, self.cfg_interval = cfg_scale, guidance_channels, cfg_interval
         self.guided, self.cfg_group = cfg_scale != 1.0, cfg_group
@@ -206,6 +211,8 @@ class GuidedModel:
             out = torch.cat(halves)
         cond, uncond = out.to(torch.promote_types(out.dtype, torch.float32)).chunk(2)
         k = x.shape[1] if self.guidance_channels is None else self.guidance_channels
+        if k > x.shape[1]:  # the channels beyond C are the learned variance's, never guided
+            raise ValueError(f"guidance_channels {k} exceeds the model's {x.shape[1]} input channels")
         guided = uncond[:, :k] + self.cfg_scale * (cond[:, :k] - uncond[:, :k])
         return torch.cat([guided, cond[:, k:]], dim=1)
 
@@ -233,7 +240,8 @@ def sample_loop(
         generator: source of the per-step noise (drawn only where used: DDPM, DDIM with ``eta`` > 0); same
             generator state, same samples. A sequence of B generators draws row i's noise from the i-th.
         progress: show a tqdm bar over the steps (on stderr); ``desc`` labels it (default "<sampler> sampling").
-        on_step: called with each step's original timestep (host int) before its model call.
+        on_step: called with each step's original timestep (host int) before its model call (default:
+            ``model_fn.step`` when it has one, e.g. ``GuidedModel``'s guidance interval).
 
     No host syncs inside the loop: the schedule tables are moved to ``noise``'s device first
     (``diffusion.to``, in place) and per-step coefficients are indexed there.
@@ -248,6 +256,7 @@ def sample_loop(
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {OWN_SAMPLERS}")
     noisy = sampler == "ddpm" or eta > 0
     diffusion.to(noise.device)
+    on_step = on_step if on_step is not None else getattr(model_fn, "step", None)
     x = noise
     steps = range(diffusion.num_timesteps - 1, -1, -1)
     for i in tqdm(steps, desc=desc or f"{sampler} sampling", disable=not progress, leave=False):
@@ -322,7 +331,8 @@ def generate(
         learn_sigma: the model predicts the variance too (C_out = 2C).
         generator: random source, on ``y``'s device (None: the global RNG); not with ``seeds``.
         seeds: N per-sample seeds (see above); not with ``generator``.
-        batch_size: samples per loop (each model call sees 2 x that with guidance); None: all N.
+        batch_size: samples per loop (a guided model call sees 2 x that, or that on each of a ``cfg_group``'s
+            processes; outside ``cfg_interval``, that); None: all N.
         clip_denoised: clamp predicted x_0 to [-1, 1] (right for pixels; DiT's sampler uses False for VAE
             latents, which are not bounded so). Our samplers only; the diffusers solvers never clip.
         guidance_channels, cfg_interval, cfg_group: see ``GuidedModel``.
@@ -335,7 +345,8 @@ def generate(
 
     Raises:
         ValueError: unknown sampler, ``num_steps`` outside 2..1000, ``batch_size`` < 1, ``y_mask`` rows
-            that do not match ``y``, ``seeds`` of the wrong length or given with ``generator``.
+            that do not match ``y``, ``seeds`` of the wrong length or given with ``generator``; ``GuidedModel``'s
+            (``cfg_interval``, ``cfg_group``, ``guidance_channels``); PAB on a model without ``blocks``.
         UserError: a diffusers solver without diffusers installed.
     """
     if sampler not in SAMPLERS:

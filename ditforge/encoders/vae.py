@@ -174,9 +174,11 @@ class VAE(FrozenModel):
         return _unfold(torch.cat(out), t)
 
     def compile(self) -> VAE:
-        """``torch.compile`` the decoder in place (static shapes; inductor fuses its GroupNorm + SiLU pairs); no CUDA
-        graphs, since ``decode`` keeps the outputs of several micro-batch calls. Returns self."""
-        self.model.decoder.compile(dynamic=False)
+        """``torch.compile`` the decoder in place (inductor fuses its GroupNorm + SiLU pairs); no CUDA graphs, since
+        ``decode`` keeps the outputs of several micro-batch calls. Shapes are static until a second batch size
+        appears (a shorter last micro-batch), then the batch dimension turns dynamic: one recompile, not one per
+        size. Returns self."""
+        self.model.decoder.compile()
         return self
 
     def __repr__(self) -> str:

@@ -16,7 +16,7 @@ travel round the ring with their K/V block and, after P hops, arrive back at the
 Per-block kernels: on CUDA in fp16/bf16, blocks without padding keys run PyTorch's fused FlashAttention-2
 forward and backward ops (``aten::_scaled_dot_product_flash_attention[_backward]``, giving the block's output
 and lse; the backward takes the final O and L, exactly as ring-flash-attention calls flash-attn). Blocks with
-padding keys, float32 inputs and CPUs run plain PyTorch in float32, which materialises one
+padding keys, float32 inputs, pre-Ampere GPUs and CPUs run plain PyTorch in float32, which materialises one
 N_local x N_local score block per head (never the full N x N).
 """
 
@@ -81,7 +81,8 @@ def block_backward(q, k, v, mask, scale, lse, do, delta):
 
 def _flash_ok(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     dh = q.shape[-1]
-    return mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dh % 8 == 0 and dh <= 256
+    return (mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dh % 8 == 0 and dh <= 256
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)  # FlashAttention-2 needs Ampere or newer
 
 
 def flash_block_forward(q, k, v, scale):
