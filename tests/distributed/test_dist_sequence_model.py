@@ -141,37 +141,47 @@ def test_train_dp2_sp2_equals_one_process(tmp_path):
         torch.testing.assert_close(split.model[name], w, rtol=0, atol=1e-5)
 
 
-def test_sample_sp2_equals_sp1(tmp_path):
-    """`ditforge sample` under torchrun with --sequence_parallel_size 2 writes the video one process writes for
-    the same seed (uint8 after decoding: equal up to a rounding flip of 1 on a few values)."""
+def _sample_one_and_two(tmp_path, model_spec: dict, data: dict, seed: int, args: list[str], two_flags: list[str],
+                        out_suffix: str = ""):
+    """Export a checkpoint of ``model_spec``'s model with random weights (every trainable parameter N(0, 0.05^2),
+    seeded), run `ditforge sample` with ``args`` once in this process and once under torchrun with 2 processes and
+    ``two_flags``. Returns (samples of one, samples of two (uint8), the torchrun command, its stderr)."""
     import numpy as np
 
     from ditforge import cli
     from ditforge.train.checkpoint import export_safetensors
 
-    # vDiT-S/122 in pixel space (3 channels), 27 tokens: odd, so the second process holds a padding token
-    config = {"model": dict(model="vDiT-S/122", condition="class", text_encoder=None, text_max_length=None,
-                            vae="none", qk_norm=False, num_classes=10, learn_sigma=True, class_dropout_prob=0.1,
-                            in_channels=3, input_size=SIZE, num_frames=FRAMES, text_dim=None),
-              "data": dict(image_size=SIZE, num_frames=FRAMES, frame_interval=1)}
-    model = create_model("vDiT-S/122", SIZE, 3, 10, num_frames=FRAMES)
+    spec = dict(condition="class", text_encoder=None, text_max_length=None, vae="none", qk_norm=False,
+                num_classes=10, learn_sigma=True, class_dropout_prob=0.1, in_channels=3, text_dim=None, **model_spec)
+    model = create_model(spec["model"], spec["input_size"], 3, 10, num_frames=spec["num_frames"])
     with torch.no_grad():
-        g = torch.Generator().manual_seed(3)
+        g = torch.Generator().manual_seed(seed)
         for p in model.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     ckpt = tmp_path / "m.safetensors"
-    export_safetensors(model.state_dict(), config, ckpt)
-    common = ["sample", "--ckpt", str(ckpt), "--class_labels", "1,2", "--num_sampling_steps", "4",
-              "--device", "cpu", "--seed", "5"]
-    assert cli.main([*common, "--out", str(tmp_path / "one"), "--save_npz", str(tmp_path / "one.npz")]) == 0
+    export_safetensors(model.state_dict(), {"model": spec, "data": data}, ckpt)
+    common = ["sample", "--ckpt", str(ckpt), "--num_sampling_steps", "4", "--device", "cpu", *args]
+    one_out, two_out = tmp_path / f"one{out_suffix}", tmp_path / f"two{out_suffix}"
+    assert cli.main([*common, "--out", str(one_out), "--save_npz", str(tmp_path / "one.npz")]) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ditforge",
-           *common, "--out", str(tmp_path / "two"), "--save_npz", str(tmp_path / "two.npz"),
-           "--sequence_parallel_size", "2", "--sequence_parallel_type", "ring"]
+           *common, "--out", str(two_out), "--save_npz", str(tmp_path / "two.npz"), *two_flags]
     p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
-    assert "sequence parallelism: ring over 2 processes" in p.stderr
-    one, two = np.load(tmp_path / "one.npz")["samples"], np.load(tmp_path / "two.npz")["samples"]
+    return np.load(tmp_path / "one.npz")["samples"], np.load(tmp_path / "two.npz")["samples"], cmd, p.stderr
+
+
+def test_sample_sp2_equals_sp1(tmp_path):
+    """`ditforge sample` under torchrun with --sequence_parallel_size 2 writes the video one process writes for
+    the same seed (uint8 after decoding: equal up to a rounding flip of 1 on a few values)."""
+    import numpy as np
+
+    # vDiT-S/122 in pixel space (3 channels), 27 tokens: odd, so the second process holds a padding token
+    one, two, _, stderr = _sample_one_and_two(
+        tmp_path, dict(model="vDiT-S/122", input_size=SIZE, num_frames=FRAMES),
+        dict(image_size=SIZE, num_frames=FRAMES, frame_interval=1), 3, ["--class_labels", "1,2", "--seed", "5"],
+        ["--sequence_parallel_size", "2", "--sequence_parallel_type", "ring"])
+    assert "sequence parallelism: ring over 2 processes" in stderr
     assert one.shape == two.shape == (2, FRAMES, SIZE, SIZE, 3)
     diff = np.abs(one.astype(int) - two.astype(int))
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
@@ -182,29 +192,9 @@ def test_sample_cfg_parallel_equals_one_process(tmp_path):
     writes the one-process samples (uint8, a rounding flip of 1 allowed on a few values)."""
     import numpy as np
 
-    from ditforge import cli
-    from ditforge.train.checkpoint import export_safetensors
-
-    config = {"model": dict(model="DiT-S/2", condition="class", text_encoder=None, text_max_length=None, vae="none",
-                            qk_norm=False, num_classes=10, learn_sigma=True, class_dropout_prob=0.1, in_channels=3,
-                            input_size=8, num_frames=None, text_dim=None),
-              "data": dict(image_size=8)}
-    model = create_model("DiT-S/2", 8, 3, 10)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(4)
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    ckpt = tmp_path / "m.safetensors"
-    export_safetensors(model.state_dict(), config, ckpt)
-    common = ["sample", "--ckpt", str(ckpt), "--class_labels", "1,2,3", "--num_sampling_steps", "4",
-              "--device", "cpu", "--seed", "6", "--cfg_scale", "4"]
-    assert cli.main([*common, "--out", str(tmp_path / "one.png"), "--save_npz", str(tmp_path / "one.npz")]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ditforge",
-           *common, "--out", str(tmp_path / "two.png"), "--save_npz", str(tmp_path / "two.npz"), "--cfg_parallel"]
-    p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    one, two = np.load(tmp_path / "one.npz")["samples"], np.load(tmp_path / "two.npz")["samples"]
+    one, two, cmd, _ = _sample_one_and_two(
+        tmp_path, dict(model="DiT-S/2", input_size=8, num_frames=None), dict(image_size=8), 4,
+        ["--class_labels", "1,2,3", "--seed", "6", "--cfg_scale", "4"], ["--cfg_parallel"], out_suffix=".png")
     assert one.shape == two.shape == (3, 8, 8, 3) and one.std() > 5  # non-constant images
     diff = np.abs(one.astype(int) - two.astype(int))
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
