@@ -12,17 +12,15 @@ No I/O here: writing files is ``ditforge.sample``'s job.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn, create_diffusion
+from ditforge.diffusion.pab import PABConfig, PyramidAttentionBroadcast
 from ditforge.errors import UserError
-
-if TYPE_CHECKING:
-    from ditforge.diffusion.pab import PABConfig
 
 OWN_SAMPLERS = ("ddpm", "ddim")
 DIFFUSERS_SAMPLERS = ("dpm++", "euler")
@@ -177,11 +175,12 @@ class GuidedModel:
             raise ValueError(f"cfg_interval must be (low, high) with 0 <= low <= high <= 999, got {cfg_interval}")
         if guidance_channels is not None and guidance_channels < 1:
             raise ValueError(f"guidance_channels must be positive, got {guidance_channels}")
-        self.model, self.y, self.y_mask = model, y, y_mask
+        self.model, self.y = model, y
         self.cfg_scale, self.guidance_channels, self.cfg_interval = cfg_scale, guidance_channels, cfg_interval
         self.guided, self.cfg_group = cfg_scale != 1.0, cfg_group
         if cfg_group is not None and dist.get_world_size(cfg_group) != 2:
             raise ValueError(f"cfg_group must hold 2 processes, got {dist.get_world_size(cfg_group)}")
+        self.cond_kwargs = {} if y_mask is None else {"y_mask": y_mask}
         if self.guided and cfg_group is None:
             b = y.shape[0]
             self.guided_kwargs = {"force_drop_ids": torch.arange(2 * b, device=y.device) >= b}  # True: uncond half
@@ -190,7 +189,7 @@ class GuidedModel:
             self.y2 = torch.cat([y, y])
         elif self.guided:  # this process's half: rank 1 of the group drops every condition
             drop = torch.full((y.shape[0],), dist.get_rank(cfg_group) == 1, device=y.device)
-            self.guided_kwargs = {"force_drop_ids": drop, **({} if y_mask is None else {"y_mask": y_mask})}
+            self.guided_kwargs = {"force_drop_ids": drop, **self.cond_kwargs}
             self.y2 = y
 
     def step(self, timestep: int) -> None:
@@ -200,7 +199,7 @@ class GuidedModel:
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         if not self.guided:
-            out = self.model(x, t, self.y, **({} if self.y_mask is None else {"y_mask": self.y_mask}))
+            out = self.model(x, t, self.y, **self.cond_kwargs)
             return out.to(torch.promote_types(out.dtype, torch.float32))
         if self.cfg_group is None:
             out = self.model(torch.cat([x, x]), torch.cat([t, t]), self.y2, **self.guided_kwargs)
@@ -337,7 +336,7 @@ def generate(
             latents, which are not bounded so). Our samplers only; the diffusers solvers never clip.
         guidance_channels, cfg_interval, cfg_group: see ``GuidedModel``.
         pab: Pyramid Attention Broadcast settings (``ditforge.diffusion.pab``): attention outputs reused across
-            neighbouring steps (the cache is dropped between batches); None: every step computes everything.
+            neighbouring steps (one cache per batch); None: every step computes everything.
         progress: a tqdm bar over the steps of each batch.
 
     Returns:
@@ -372,27 +371,19 @@ def generate(
     diffusion = create_diffusion(str(num_steps), learn_sigma) if sampler in OWN_SAMPLERS else None
     out = []
     batches = range(0, n, batch_size)
-    with contextlib.ExitStack() as stack:
-        cache = None
-        if pab is not None:
-            from ditforge.diffusion.pab import PyramidAttentionBroadcast
+    for j, start in enumerate(batches):
+        rows = slice(start, start + batch_size)
+        fn = GuidedModel(model, y[rows], cfg_scale, None if y_mask is None else y_mask[rows], guidance_channels,
+                         cfg_interval, cfg_group)
+        desc = f"{sampler} sampling" + (f" (batch {j + 1}/{len(batches)})" if len(batches) > 1 else "")
+        g = generator if gens is None else gens[rows]
+        # PAB's cache lives for one batch (its shapes)
+        with PyramidAttentionBroadcast(model, pab) if pab is not None else contextlib.nullcontext() as cache:
+            def both_steps(t: int, fn=fn, cache=cache) -> None:
+                fn.step(t)
+                cache.step(t)
 
-            cache = stack.enter_context(PyramidAttentionBroadcast(model, pab))
-        for j, start in enumerate(batches):
-            rows = slice(start, start + batch_size)
-            fn = GuidedModel(model, y[rows], cfg_scale, None if y_mask is None else y_mask[rows], guidance_channels,
-                             cfg_interval, cfg_group)
-            hooks = [fn.step]
-            if cache is not None:
-                cache.reset()
-                hooks.append(cache.step)
-
-            def on_step(t: int, hooks=hooks) -> None:
-                for hook in hooks:
-                    hook(t)
-
-            desc = f"{sampler} sampling" + (f" (batch {j + 1}/{len(batches)})" if len(batches) > 1 else "")
-            g = generator if gens is None else gens[rows]
+            on_step = both_steps if cache is not None else None  # None: the loops call fn.step themselves
             if diffusion is not None:
                 out.append(sample_loop(diffusion, fn, noise[rows], sampler, eta, clip_denoised, g, progress, desc,
                                        on_step))
