@@ -77,7 +77,7 @@ def test_sample_reproducible_and_equals_diffusers(saved, vae):
     b = vae.encode(x, generator=torch.Generator().manual_seed(7), sample=True, micro_batch=1)
     c = vae.encode(x, generator=torch.Generator().manual_seed(8), sample=True)
     mean = vae.encode(x, sample=False)
-    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)  # the noise does not depend on micro_batch
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the noise does not depend on micro_batch
     assert (a - mean).abs().mean() > 0.1 and (a - c).abs().mean() > 0.1
     with torch.no_grad():
         ref = model.encode(x).latent_dist.sample(generator=torch.Generator().manual_seed(7))
@@ -86,18 +86,19 @@ def test_sample_reproducible_and_equals_diffusers(saved, vae):
 
 def test_video_is_encoded_frame_by_frame(vae):
     b, t = 2, 5
+    # chunks of other sizes: float32 convolutions sum in a batch-size-dependent order (~1e-6 on some CPUs)
     video = _pixels(b, 3, t, 16, 16, seed=4)
     z = vae.encode(video, sample=False)  # micro_batch 3: 10 frames in chunks 3, 3, 3, 1
     assert z.shape == (b, 4, t, 8, 8)
     for i in range(t):
-        torch.testing.assert_close(z[:, :, i], vae.encode(video[:, :, i], sample=False), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(vae.encode(video, sample=False, micro_batch=10), z, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(z[:, :, i], vae.encode(video[:, :, i], sample=False), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vae.encode(video, sample=False, micro_batch=10), z, atol=1e-5, rtol=1e-5)
 
     g = torch.Generator().manual_seed(5)
     sampled = vae.encode(video, generator=g, sample=True)
     g2 = torch.Generator().manual_seed(5)
     again = vae.encode(video, generator=g2, sample=True, micro_batch=4)
-    torch.testing.assert_close(sampled, again, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sampled, again, atol=1e-5, rtol=1e-5)
 
     # decoding: equal up to float rounding (oneDNN's convolutions sum in a batch-size dependent order, ~3e-6)
     out = vae.decode(z)
