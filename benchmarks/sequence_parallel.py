@@ -7,6 +7,9 @@ Rows: ``none`` (every GPU trains its own sample: data parallelism, the per-GPU b
 one GPU cannot hold the sequence) and each sequence-parallel variant over all GPUs. Columns: median step time,
 tokens/s per GPU, peak memory per GPU, and the time NCCL kernels ran per step (torch.profiler; they may overlap
 compute). bf16 autocast, fast attention, fused adaLN kernels, FSDP over all GPUs, no compile.
+
+First, per variant, one attention layer alone (``--layer_tokens``): its bf16 exactness against SDPA on the
+whole sequence, its time and the NCCL time in it (no FSDP traffic mixed in: the per-layer communication).
 """
 
 from __future__ import annotations
@@ -74,38 +77,68 @@ def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int, top: int = 
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30, nccl_ms=comm)
 
 
-def check_attention(variant: str, group, rank: int, world: int, device: torch.device) -> dict:
-    """GPU exactness of one variant in bf16 at 8,192 tokens (16 heads of 72, vDiT-XL's): this rank's output and
-    q/k/v gradient slices against SDPA on the whole sequence; max |error| / max |reference|."""
+def attention_layer(variant: str, group, rank: int, world: int, device: torch.device, tokens: int) -> dict:
+    """One attention layer of vDiT-XL's width (16 heads of 72; qkv projection included, FastSeq gathers its
+    input) in bf16, forward and backward, on ``tokens`` tokens split over the group: first the exactness of this
+    rank's output and input gradient against SDPA on the whole sequence (max |error| / max |reference|), then
+    the median time of the layer and the NCCL kernel time in one profiled call (ms): the communication time per
+    layer that issue 4 compares."""
     import torch.nn.functional as F
 
-    from ditforge.parallel.sequence import sequence_parallel_attention
+    from ditforge.models.layers import Attention
+    from ditforge.parallel.sequence import fastseq_attention, sequence_parallel_attention
 
+    torch.manual_seed(0)
+    layer = Attention(1152, 16).to(device, torch.bfloat16)
     g = torch.Generator(device).manual_seed(0)
-    q, k, v = (torch.randn(1, 16, 8192, 72, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3))
-    dout = torch.randn(q.shape, generator=g, device=device, dtype=torch.bfloat16)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*full)
+    x = torch.randn(1, tokens, 1152, generator=g, device=device, dtype=torch.bfloat16)
+    dout = torch.randn(1, 16, tokens, 72, generator=g, device=device, dtype=torch.bfloat16)
+    whole = x.clone().requires_grad_()
+    ref = F.scaled_dot_product_attention(*layer.project(whole))
     ref.backward(dout)
-    n = 8192 // world
+    n = tokens // world
     rows = slice(rank * n, (rank + 1) * n)
-    local = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
-    out = sequence_parallel_attention(*local, group=group, variant=variant)
-    out.backward(dout[:, :, rows])
-    pairs = [(out, ref[:, :, rows])] + [(a.grad, b.grad[:, :, rows]) for a, b in zip(local, full)]
-    errs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in pairs]
-    return dict(variant=variant, check="bf16 attention vs SDPA at 8192 tokens", out_rel_err=errs[0],
-                grad_rel_err=max(errs[1:]))
+
+    def split() -> tuple[torch.Tensor, torch.Tensor]:
+        local = x[:, rows].clone().requires_grad_()
+        if variant == "fastseq":
+            out = fastseq_attention(local, layer.project, 16, None, group.get_group())
+        else:
+            out = sequence_parallel_attention(*layer.project(local), group=group, variant=variant)
+        out.backward(dout[:, :, rows])
+        return out, local
+
+    out, local = split()
+    errs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            for a, b in ((out, ref[:, :, rows]), (local.grad, whole.grad[:, rows]))]
+    del ref, whole
+    for _ in range(3):
+        split()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        split()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        split()
+        torch.cuda.synchronize()
+    comm = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e3
+    return dict(variant=variant, check=f"bf16 attention layer vs SDPA, {tokens} tokens", tokens=tokens,
+                out_rel_err=errs[0], grad_rel_err=errs[1], layer_ms=statistics.median(times), layer_nccl_ms=comm)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="8192,32768,65536")
-    p.add_argument("--variants", default="none,fastseq,ulysses,ring,usp")
+    p.add_argument("--variants", default="none,fastseq,fastseq_kv,ulysses,ring,usp")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out")
     p.add_argument("--top", type=int, default=0, help="print the N slowest kernels of each profiled step")
+    p.add_argument("--layer_tokens", type=int, default=32768, help="tokens of the one-layer check and timing")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -118,7 +151,7 @@ def main() -> None:
             continue
         group = init_device_mesh("cuda", (world // 2, 2), mesh_dim_names=("ring", "ulysses")) if variant == "usp" \
             else mesh
-        row = check_attention(variant, group, rank, world, device)
+        row = attention_layer(variant, group, rank, world, device, args.layer_tokens)
         if rank == 0:
             print(json.dumps(row), flush=True)
         rows.append(row)
@@ -139,6 +172,14 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     if rank == 0:
         print(f"\nvDiT-XL/122, {world} x {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n")
+        print(f"One attention layer (qkv projection + attention, forward + backward), {args.layer_tokens:,} tokens:\n")
+        print("| variant | output rel. error | dx rel. error | layer ms | NCCL ms per layer |")
+        print("|---|---:|---:|---:|---:|")
+        for r in rows:
+            if "check" in r:
+                print(f"| {r['variant']} | {r['out_rel_err']:.2e} | {r['grad_rel_err']:.2e} | {r['layer_ms']:.2f} | "
+                      f"{r['layer_nccl_ms']:.2f} |")
+        print("\nWhole model, one sample per step:\n")
         print("| tokens | variant | step (s) | tokens/s per GPU | peak GiB per GPU | NCCL ms/step |")
         print("|---:|---|---:|---:|---:|---:|")
         for r in rows:

@@ -22,7 +22,7 @@ MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # weights are cast for sampling; fp8 is training-only
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 CONDITIONS = ("auto", "class", "text")
-SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "usp")
+SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "usp")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -116,9 +116,10 @@ class ParallelConfig:
     sequence_parallel_size: int = _f(1, "split every sample's token sequence over this many processes (long "
                                         "videos); the other factor of the world size is data parallelism")
     sequence_parallel_type: str = _f("auto", "how split sequences attend: ulysses (all-to-all to split heads) | "
-                                             "ring (K/V passed around a ring) | fastseq (all-gathered K/V) | usp "
-                                             "(Ulysses inside groups, ring across) | auto (ulysses when the heads "
-                                             "divide, else fastseq)",
+                                             "ring (K/V passed around a ring) | fastseq (OpenDiT's: all-gathered "
+                                             "block input, heads split; fastseq_kv when they do not divide) | "
+                                             "fastseq_kv (all-gathered K/V) | usp (Ulysses inside groups, ring "
+                                             "across) | auto (ulysses when the heads divide, else fastseq_kv)",
                                      choices=SEQUENCE_PARALLEL_TYPES)
 
 

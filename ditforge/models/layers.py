@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ditforge.ops import attention, self_attention
@@ -198,10 +199,25 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = _qk_norms(dim // num_heads, qk_norm)
         self.proj = nn.Linear(dim, dim)
 
+    def project(self, x: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v, each (B, h, N, Dh) (q and k normed), of tokens x (B, N, D) for the heads in the slice
+        ``heads``: None = all H through the fused ``qkv`` layer; a slice = those heads' rows of its weight
+        and bias (FastSeq projects one head group of the whole sequence; a swapped-in float8 ``qkv`` then runs
+        this product in the weight's dtype)."""
+        B, N, D = x.shape
+        if heads is None:
+            qkv, h = self.qkv(x), self.num_heads
+        else:
+            w = self.qkv.weight.unflatten(0, (3, self.num_heads, -1))[:, heads]  # (3, h, Dh, D)
+            b = self.qkv.bias
+            b = None if b is None else b.unflatten(0, (3, self.num_heads, -1))[:, heads].flatten()
+            qkv, h = F.linear(x, w.flatten(0, 2), b), w.shape[1]
+        q, k, v = qkv.reshape(B, N, 3, h, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        return self.q_norm(q), self.k_norm(k), v
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, D = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        out = self_attention(self.q_norm(q), self.k_norm(k), v)
+        out = self_attention(x, self.project)
         return self.proj(out.transpose(1, 2).reshape(B, N, D))
 
 

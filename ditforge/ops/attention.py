@@ -19,12 +19,15 @@ FAST_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBack
                  SDPBackend.MATH]
 ATTENTION_BACKENDS = ("auto", "fast", "math")
 _preferred: list[SDPBackend] | None = None
+# project(x, heads) -> (q, k, v): the query, key and value projection of tokens x (B, N, D) for the heads in
+# the slice ``heads`` (None: all), each (B, h, N, Dh); see ``self_attention``.
+Projection = Callable[[torch.Tensor, "slice | None"], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # Self-attention over a token sequence that is split across processes (sequence parallelism), installed by
 # ``ditforge.parallel.sequence.shard``; None: the sequence is whole and ``self_attention`` is ``attention``.
-_split_sequence_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+_split_sequence_attention: Callable[[torch.Tensor, Projection], torch.Tensor] | None = None
 
 
-def set_sequence_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> None:
+def set_sequence_attention(fn: Callable[[torch.Tensor, Projection], torch.Tensor] | None) -> None:
     """Install (or with None remove) the attention of a split sequence used by ``self_attention``."""
     global _split_sequence_attention
     _split_sequence_attention = fn
@@ -67,14 +70,25 @@ def whole_sequences():
         _split_sequence_attention, _frame_exchange = saved
 
 
-def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of the model's token sequence over itself: ``attention(q, k, v)``, or, under sequence
-    parallelism, this process's queries over the whole sequence's keys (q, k, v hold this process's shard of
-    the tokens; the installed function communicates). Cross-attention to caption tokens, which every process
-    holds whole, calls ``attention`` directly. Shapes as ``attention``."""
+def self_attention(x: torch.Tensor, project: Projection) -> torch.Tensor:
+    """Multi-head attention of the model's token sequence over itself, before the output projection:
+    ``attention(*project(x, None))``, or, under sequence parallelism, this process's tokens attending to the
+    whole sequence (x is this process's shard; the installed function communicates). The seam takes the
+    tokens and their projection rather than q, k, v because FastSeq, as OpenDiT builds it, all-gathers x and
+    projects one head group of the whole sequence. Cross-attention to caption tokens, which every process
+    holds whole, calls ``attention`` directly.
+
+    Args:
+        x: (B, N, D) tokens, any float dtype.
+        project: ``project(x, heads)`` -> q, k, v, each (B, h, N', Dh), of tokens (B, N', D) for the heads in
+            the slice ``heads`` (None: all H heads).
+
+    Returns:
+        (B, H, N, Dh) in the dtype of the projection.
+    """
     if _split_sequence_attention is None:
-        return attention(q, k, v)
-    return _split_sequence_attention(q, k, v)
+        return attention(*project(x, None))
+    return _split_sequence_attention(x, project)
 
 
 def set_attention_backend(backend: str = "auto") -> str:

@@ -161,7 +161,7 @@ def parallelize(
             parameters stay the optimizer's master weights.
         reduce_dtype: dtype of the gradient reduction (fp32 by default; bf16 halves its traffic).
         sequence_parallel_type: with ``dist.sp_mesh`` (``--sequence_parallel_size`` > 1), how the split
-            sequence attends (``apply_sequence_parallel``): ulysses | ring | fastseq | usp | auto.
+            sequence attends (``apply_sequence_parallel``): ulysses | ring | fastseq | fastseq_kv | usp | auto.
 
     Returns:
         The model to train: the same module (fully_shard works in place) or a DDP wrapper around it.

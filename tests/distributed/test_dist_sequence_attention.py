@@ -1,5 +1,7 @@
-"""Sequence-parallel attention (ditforge.parallel.sequence): ulysses, ring and fastseq on 2 and 4 gloo ranks,
-usp on 4 (2 x 2), spawned from this test (no torchrun).
+"""Sequence-parallel attention (ditforge.parallel.sequence): ulysses, ring and fastseq_kv on 2 and 4 gloo
+ranks, usp on 4 (2 x 2), spawned from this test (no torchrun); and FastSeq's input gather (``fastseq_attention``)
+inside an Attention layer's projection, whose qkv weight and bias gradients, summed over the ranks, must equal
+the whole sequence's.
 
 Reference: the single-process float64 attention of the whole (padded) sequence with its key padding mask,
 computed in each worker from the same random global q, k, v and upstream gradient, sliced to the rank's
@@ -42,15 +44,34 @@ def _cases(world: int) -> list[tuple[str, int, int, bool]]:
             ("holes", 4 * world - 1, 4, True), ("no-mask", 3 * world, 3, False)]
 
 
-def _reference(q, k, v, valid, g):
-    """float64 full-sequence attention with key mask; returns (out, dq, dk, dv)."""
-    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+def _attend(q, k, v, valid):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if valid is not None:
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.softmax(s, dim=-1) @ v
+    return torch.softmax(s, dim=-1) @ v
+
+
+def _reference(q, k, v, valid, g):
+    """float64 full-sequence attention with key mask; returns (out, dq, dk, dv)."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    out = _attend(q, k, v, valid)
     out.backward(g.double())
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def _valid(case, world, gen) -> torch.Tensor:
+    """(B, world * N_local) key mask of a case."""
+    name, n, nl, holes = case
+    total = world * nl
+    valid = torch.arange(total)[None, :].expand(B, total) < n
+    if holes:  # per-sample padding: sample 0 shorter (the last shard is padding for it alone, so blocks
+        # without a valid key meet rows that have had none yet: lse -inf on both sides of a merge);
+        # sample 1 has random padding keys inside the sequence too (first key kept)
+        valid = valid.clone()
+        valid[0, n - nl - 1 :] = False
+        valid[1] &= torch.rand(total, generator=gen) > 0.4
+        valid[1, 0] = True
+    return valid
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -60,18 +81,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def _check(rank, world, seed, variant, group, case, dtype=torch.float32, heads=H, device="cpu", **kw) -> None:
     from ditforge.parallel.sequence import sequence_parallel_attention
 
-    name, n, nl, holes = case
+    name, _, nl, _ = case
     total = world * nl
     gen = torch.Generator().manual_seed(seed)  # identical global tensors on every rank
     q, k, v, g = (torch.randn(B, heads, total, DH, generator=gen) for _ in range(4))
-    valid = torch.arange(total)[None, :].expand(B, total) < n
-    if holes:  # per-sample padding: sample 0 shorter (the last shard is padding for it alone, so blocks
-        # without a valid key meet rows that have had none yet: lse -inf on both sides of a merge);
-        # sample 1 has random padding keys inside the sequence too (first key kept)
-        valid = valid.clone()
-        valid[0, n - nl - 1 :] = False
-        valid[1] &= torch.rand(total, generator=gen) > 0.4
-        valid[1, 0] = True
+    valid = _valid(case, world, gen)
     g = g * valid[:, None, :, None]  # a masked loss sends no gradient into padded query rows
     use_mask = name != "no-mask"
     ref = _reference(q, k, v, valid if use_mask else None, g)
@@ -92,17 +106,65 @@ def _check(rank, world, seed, variant, group, case, dtype=torch.float32, heads=H
     assert all(e < tol for e in errs.values()), f"{tag}: relative errors {errs} (tolerance {tol})"
 
 
+def _check_input_gather(rank, world, seed, case, chunks=2, qk_norm=False) -> None:
+    """``fastseq_attention`` with an Attention layer's projection: this rank's output and dx against the
+    float64 whole sequence, and the qkv weight and bias gradients summed over the ranks against the whole's."""
+    import copy
+
+    import torch.distributed as dist
+
+    from ditforge.models.layers import Attention
+    from ditforge.parallel.sequence import fastseq_attention
+
+    name, _, nl, _ = case
+    total = world * nl
+    gen = torch.Generator().manual_seed(seed)
+    layer = Attention(H * DH, H, qk_norm=qk_norm)
+    with torch.no_grad():  # every parameter random (LayerNorm's ones and zeros would hide a mixed-up head)
+        for prm in layer.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=gen) * (prm.shape[-1] ** -0.5 if prm.dim() > 1 else 0.5))
+    x = torch.randn(B, total, H * DH, generator=gen)
+    valid = _valid(case, world, gen)
+    g = torch.randn(B, H, total, DH, generator=gen) * valid[:, None, :, None]
+    use_mask = name != "no-mask"
+
+    whole = copy.deepcopy(layer).double()
+    xw = x.double().requires_grad_()
+    ref = _attend(*whole.project(xw), valid if use_mask else None)
+    ref.backward(g.double())
+
+    sl = slice(rank * nl, (rank + 1) * nl)
+    xl = x[:, sl].clone().requires_grad_()
+    out = fastseq_attention(xl, layer.project, H, valid[:, sl] if use_mask else None, None, chunks)
+    out.backward(g[:, :, sl])
+    tag = f"fastseq world={world} case={name} chunks={chunks} qk_norm={qk_norm} seed={seed} rank={rank}"
+    assert out.shape == (B, H, nl, DH) and torch.isfinite(out).all(), tag
+    rows = valid[:, sl][:, None, :, None]
+    errs = {"out": _rel(out.detach() * rows, ref.detach()[:, :, sl] * rows), "dx": _rel(xl.grad, xw.grad[:, sl])}
+    want = {pname: prm.grad for pname, prm in whole.named_parameters()}
+    for pname, prm in layer.named_parameters():
+        if pname.startswith("proj."):  # the output projection is the caller's, after the attention
+            continue
+        grad = prm.grad.clone()
+        dist.all_reduce(grad)  # each rank holds its head group's rows, from the whole sequence
+        # k_norm's bias adds q.b to every key of a row alike, which softmax ignores: its gradient is 0 up to
+        # rounding, so it is measured on the scale of k_norm's weight gradient
+        scale = want["k_norm.weight"] if pname == "k_norm.bias" else want[pname]
+        errs[pname] = ((grad.double() - want[pname]).abs().max() / scale.abs().max()).item()
+    assert all(e < RTOL for e in errs.values()), f"{tag}: relative errors {errs} (tolerance {RTOL})"
+
+
 def _worker(rank: int, world: int, port: int, base_seed: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ditforge.parallel.sequence import sequence_parallel_attention
+    from ditforge.parallel.sequence import fastseq_attention, sequence_parallel_attention
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         seed = base_seed
-        setups = [(variant, None) for variant in ("ulysses", "ring", "fastseq")]
+        setups = [(variant, None) for variant in ("ulysses", "ring", "fastseq_kv")]
         if world == 4:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
             setups += [("usp", mesh), ("usp", (mesh.get_group("ulysses"), mesh.get_group("ring")))]
@@ -112,20 +174,28 @@ def _worker(rank: int, world: int, port: int, base_seed: int) -> None:
                 _check(rank, world, seed, variant, group, case)
             seed += 1
             _check(rank, world, seed, variant, group, _cases(world)[0], dtype=torch.bfloat16)
-        # a 1-D DeviceMesh as the group; FastSeq gathered in 3 uneven head chunks
+        # a 1-D DeviceMesh as the group; the K/V FastSeq gathered in 3 uneven head chunks
         mesh1 = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
-        for variant in ("ulysses", "ring", "fastseq"):
+        for variant in ("ulysses", "ring", "fastseq_kv"):
             seed += 1
             _check(rank, world, seed, variant, mesh1, _cases(world)[2])
-        _check(rank, world, seed + 1, "fastseq", None, _cases(world)[0], fastseq_chunks=3)
-        # ring and fastseq take head counts that Ulysses cannot split
+        _check(rank, world, seed + 1, "fastseq_kv", None, _cases(world)[0], fastseq_chunks=3)
+        # ring and fastseq_kv take head counts that Ulysses cannot split
         _check(rank, world, seed + 2, "ring", None, _cases(world)[0], heads=3)
-        _check(rank, world, seed + 3, "fastseq", None, _cases(world)[0], heads=3)
+        _check(rank, world, seed + 3, "fastseq_kv", None, _cases(world)[0], heads=3)
+        # FastSeq's input gather in 2 token chunks, in 1, in 3 uneven ones, with q/k norms
+        for case in _cases(world):
+            seed += 1
+            _check_input_gather(rank, world, seed + 3, case)
+        _check_input_gather(rank, world, seed + 4, _cases(world)[0], chunks=1)
+        _check_input_gather(rank, world, seed + 5, _cases(world)[2], chunks=3, qk_norm=True)
 
         # heads not divisible by the Ulysses size: a clear error, raised before any communication
         x = torch.randn(B, 3, 4, DH)
         with pytest.raises(ValueError, match="--sequence_parallel_size"):
             sequence_parallel_attention(x, x, x, None, None, "ulysses")
+        with pytest.raises(ValueError, match="--sequence_parallel_size"):
+            fastseq_attention(x[:, 0], None, 3, None, None)
         if world == 4:
             with pytest.raises(ValueError, match="--sequence_parallel_size"):
                 sequence_parallel_attention(x, x, x, None, mesh, "usp")
@@ -153,8 +223,9 @@ def test_communication_formulas():
     assert cb("ulysses", n, d, 2) == nd * 4 // 4  # 4 all-to-alls of N D / 2, half of each leaves the rank
     assert cb("ulysses", n, d, 4) == nd * 4 * 3 // 16
     for p in (2, 4, 8):
-        assert cb("ring", n, d, p) == cb("fastseq", n, d, p) == 2 * nd * (p - 1) // p
-        assert cb("fastseq_input", n, d, p) == nd * (p - 1) // p
+        assert cb("ring", n, d, p) == cb("fastseq_kv", n, d, p) == 2 * nd * (p - 1) // p
+        # the gather of x (1/P of it is the rank's own) and the output's all-to-all (N D / P, 1/P stays)
+        assert cb("fastseq", n, d, p) == round(nd * (p - 1) / p + nd / p * (p - 1) / p)
         assert cb("usp", n, d, p, ulysses_size=p) == cb("ulysses", n, d, p)
         assert cb("usp", n, d, p, ulysses_size=1) == cb("ring", n, d, p)
     assert cb("usp", n, d, 4, ulysses_size=2) == nd // 4 * (4 * 1 // 2 + 2 * 1)

@@ -124,6 +124,17 @@ def test_split_model_equals_whole(kind, variant, world):
                                    msg=lambda m: f"{name}: {m}")
 
 
+def test_sequence_parallel_type_resolution():
+    """``auto`` is Ulysses when the heads divide, else the K/V FastSeq; OpenDiT's FastSeq splits the heads
+    and becomes the K/V form when they do not divide."""
+    from ditforge.parallel.sequence.shard import resolve_sequence_parallel_type as resolve
+
+    assert resolve("auto", 16, 4) == "ulysses" and resolve("auto", 6, 4) == "fastseq_kv"
+    assert resolve("fastseq", 16, 2) == "fastseq" and resolve("fastseq", 6, 4) == "fastseq_kv"
+    assert [resolve(v, 6, 4) for v in ("ring", "usp", "ulysses", "fastseq_kv")] == ["ring", "usp", "ulysses",
+                                                                                    "fastseq_kv"]
+
+
 def test_train_dp2_sp2_equals_one_process(tmp_path):
     """5 steps of `ditforge train` on 4 processes as 2 data-parallel x 2 sequence-parallel (ring; DiT-S/2 on
     the 8x8 digits: 16 tokens, 8 per process) give the loss curve of one process, and the same weights."""

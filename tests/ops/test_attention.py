@@ -33,3 +33,30 @@ def test_fast_order_prefers_cudnn_then_flash_and_keeps_math():
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="flash2"):
         set_attention_backend("flash2")
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_projection_of_a_head_group_is_that_slice_of_all_heads(qk_norm):
+    """``Attention.project(x, heads)`` (FastSeq's head-group projection, from rows of the fused qkv weight)
+    equals the same heads of the whole projection; the layer's output is the float64 explicit formula."""
+    from ditforge.models.layers import Attention
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    layer = Attention(48, 6, qk_norm=qk_norm)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.5))
+    x = torch.randn(2, 7, 48, generator=g)
+    whole = layer.project(x)
+    assert [t.shape for t in whole] == [(2, 6, 7, 8)] * 3
+    for heads in (slice(0, 2), slice(2, 4), slice(3, 6)):
+        for part, full in zip(layer.project(x, heads), whole):
+            torch.testing.assert_close(part, full[:, heads], rtol=1e-6, atol=1e-6)
+    xd, w, b = x.double(), layer.qkv.weight.double(), layer.qkv.bias.double()
+    q, k, v = (xd @ w.T + b).reshape(2, 7, 3, 6, 8).permute(2, 0, 3, 1, 4)
+    if qk_norm:
+        q, k = (torch.nn.functional.layer_norm(t, (8,), n.weight.double(), n.bias.double(), 1e-6)
+                for t, n in ((q, layer.q_norm), (k, layer.k_norm)))
+    o = (torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), dim=-1) @ v).transpose(1, 2).reshape(2, 7, 48)
+    ref = o @ layer.proj.weight.double().T + layer.proj.bias.double()
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)

@@ -3,9 +3,11 @@ sample's tokens, and ``sequence_parallel_attention`` computes the exact attentio
 the whole sequence. The attention seam (``ditforge.ops.attention``) routes here when sequence parallelism is
 on; everything else in a block runs on the local shard.
 
-Variants: ``ulysses`` (DeepSpeed-Ulysses all-to-all, ulysses.py), ``ring`` (Ring attention, ring.py),
-``fastseq`` (OpenDiT's all-gather FastSeq, K/V form, fastseq.py), ``usp`` (Ulysses inside groups, Ring
-across them, usp.py). ``communication_bytes_per_layer`` gives their traffic.
+Variants of q, k, v: ``ulysses`` (DeepSpeed-Ulysses all-to-all, ulysses.py), ``ring`` (Ring attention,
+ring.py), ``fastseq_kv`` (all-gathered K/V, fastseq.py), ``usp`` (Ulysses inside groups, Ring across them,
+usp.py). FastSeq as OpenDiT builds it gathers the attention's input instead, before the projection
+(``fastseq_attention``, which takes x and the projection). ``communication_bytes_per_layer`` gives their
+traffic.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ditforge.parallel.sequence.fastseq import fastseq_attention
+from ditforge.parallel.sequence.fastseq import fastseq_attention, fastseq_kv_attention
 from ditforge.parallel.sequence.ring import ring_attention
 from ditforge.parallel.sequence.ulysses import check_heads, local_attention, ulysses_attention
 from ditforge.parallel.sequence.usp import usp_attention
 
-VARIANTS = ("ulysses", "ring", "fastseq", "usp")
+VARIANTS = ("ulysses", "ring", "fastseq_kv", "usp")
 
 __all__ = ["VARIANTS", "sequence_parallel_attention", "communication_bytes_per_layer", "ulysses_attention",
-           "ring_attention", "fastseq_attention", "usp_attention"]
+           "ring_attention", "fastseq_attention", "fastseq_kv_attention", "usp_attention"]
 
 
 def _one_group(group, variant: str) -> ProcessGroup:
@@ -71,11 +73,11 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         valid: (B, N_local) bool, False for padding tokens; they are excluded as keys on every rank, and
             their own query rows come back finite but meaningless (mask them out of the loss). None = all
             valid. Every sample needs at least one valid key in the whole sequence.
-        group: ``ulysses`` / ``ring`` / ``fastseq``: the sp ProcessGroup, a 1-D DeviceMesh, or None (the
+        group: ``ulysses`` / ``ring`` / ``fastseq_kv``: the sp ProcessGroup, a 1-D DeviceMesh, or None (the
             default world group). ``usp``: ``(ulysses_group, ring_group)`` or a 2-D DeviceMesh with dims
             ("ring", "ulysses").
-        variant: ``ulysses`` | ``ring`` | ``fastseq`` | ``usp``.
-        fastseq_chunks: head chunks of FastSeq's asynchronous K/V all-gather.
+        variant: ``ulysses`` | ``ring`` | ``fastseq_kv`` | ``usp``.
+        fastseq_chunks: head chunks of ``fastseq_kv``'s asynchronous K/V all-gather.
 
     Returns:
         (B, H, N_local, Dh), dtype of q. Differentiable in q, k and v (autograd-correct collectives).
@@ -106,10 +108,10 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return ulysses_attention(q, k, v, valid, g)
     if variant == "ring":
         return ring_attention(q, k, v, valid, g)
-    return fastseq_attention(q, k, v, valid, g, chunks=fastseq_chunks)
+    return fastseq_kv_attention(q, k, v, valid, g, chunks=fastseq_chunks)
 
 
-COMM_VARIANTS = ("ulysses", "ring", "fastseq", "fastseq_input", "usp")
+COMM_VARIANTS = ("ulysses", "ring", "fastseq", "fastseq_kv", "usp")
 
 
 def communication_bytes_per_layer(variant: str, N: int, D: int, sp: int, dtype_bytes: int = 2, *,
@@ -122,12 +124,13 @@ def communication_bytes_per_layer(variant: str, N: int, D: int, sp: int, dtype_b
     |---|---|---|
     | ulysses | 4 e (P-1)/P b: all-to-all of q, k, v and of the output; 1/P stays | same (adjoint all-to-alls) |
     | ring | 2 e (P-1) b: K and V shards, P-1 hops | 2 e (P-1) b (K, V again) + 2 e P * 4 (dK, dV float32, P hops) |
-    | fastseq (K/V all-gather) | 2 e (P-1) b = 2 (P-1)/P N D b: equal to ring | same (reduce-scatter of dK, dV) |
-    | fastseq_input (OpenDiT: gather the block input x) | e (P-1) b = (P-1)/P N D b | same (reduce-scatter of dx) |
+    | fastseq (OpenDiT: all-gather of x, all-to-all of the output) | e (P-1) (1 + 1/P) b | same (reduce-scatter of dx, all-to-all) |
+    | fastseq_kv (K/V all-gather) | 2 e (P-1) b = 2 (P-1)/P N D b: equal to ring | same (reduce-scatter of dK, dV) |
     | usp (U x R, P = U R) | [4 (U-1)/U + 2 (R-1)] e b | 4 (U-1)/U e b + 2 e (R-1) b + 2 e R * 4 |
 
     Ulysses moves 4 e = 4 N D / P through its all-to-alls (the figure of Jacobs et al. 2023, whose per-link
-    volume falls as 1/P); ring and fastseq send a constant ~2 N D per rank whatever P. (P-1)/P of bandwidth-
+    volume falls as 1/P); ring and fastseq_kv send a constant ~2 N D per rank whatever P; fastseq sends
+    ~N D (less than Ulysses at P = 2, equal at P = 3, more above). (P-1)/P of bandwidth-
     optimal ring all-gather / reduce-scatter is counted as sent; the key masks (N bytes) are left out.
 
     Raises:
@@ -142,9 +145,9 @@ def communication_bytes_per_layer(variant: str, N: int, D: int, sp: int, dtype_b
     elif variant == "ring":
         elems, fp32 = 2 * e * (p - 1), (2 * e * p if backward and p > 1 else 0.0)
     elif variant == "fastseq":
+        elems, fp32 = e * (p - 1) * (1 + 1 / p), 0.0
+    elif variant == "fastseq_kv":
         elems, fp32 = 2 * e * (p - 1), 0.0
-    elif variant == "fastseq_input":
-        elems, fp32 = e * (p - 1), 0.0
     else:
         if not ulysses_size or p % ulysses_size:
             raise ValueError(f"usp: ulysses_size {ulysses_size} must divide sp {p}")

@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from ditforge.errors import UserError
 from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist
-from ditforge.parallel.sequence import sequence_parallel_attention
+from ditforge.ops.attention import Projection
+from ditforge.parallel.sequence import fastseq_attention, sequence_parallel_attention
 from ditforge.parallel.sequence.ulysses import _all_gather_single, _reduce_scatter_single, all_to_all
 
 
@@ -55,14 +56,17 @@ class SequenceShard:
 
     Args:
         group: the sp process group (this process's row of the (dp, sp) mesh); the slices are in its rank order.
-        variant: ``ulysses`` | ``ring`` | ``fastseq`` | ``usp`` (see ``ditforge.parallel.sequence``).
+        variant: ``ulysses`` | ``ring`` | ``fastseq`` | ``fastseq_kv`` | ``usp`` (see
+            ``ditforge.parallel.sequence``).
         attention_group: what ``sequence_parallel_attention`` takes: ``group``, or for ``usp`` the 2-D
             (``ring``, ``ulysses``) mesh over the same processes (its flattened rank is the rank in ``group``).
+        num_heads: the model's head count (``fastseq`` splits the heads among the group).
     """
 
-    def __init__(self, group: dist.ProcessGroup, variant: str, attention_group=None):
+    def __init__(self, group: dist.ProcessGroup, variant: str, attention_group=None, num_heads: int = 0):
         self.group = group
         self.variant = variant
+        self.num_heads = num_heads
         self.attention_group = group if attention_group is None else attention_group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -87,8 +91,11 @@ class SequenceShard:
         """Forward hook of the final layer: this process's (B, n, P*C) -> the whole (B, N, P*C)."""
         return _GatherSequence.apply(out, self.group)[:, :self.length]
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sequence_parallel_attention(q, k, v, self.valid, self.attention_group, self.variant)
+    def attention(self, x: torch.Tensor, project: Projection) -> torch.Tensor:
+        """The ``ops.self_attention`` of this process's tokens x (B, n, D) -> (B, H, n, Dh)."""
+        if self.variant == "fastseq":
+            return fastseq_attention(x, project, self.num_heads, self.valid, self.group)
+        return sequence_parallel_attention(*project(x, None), self.valid, self.attention_group, self.variant)
 
 
 def _frames_to_positions(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -142,15 +149,15 @@ def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> Sequence
         model.final_layer.register_forward_hook(shard.gather)
         set_frame_exchange((lambda x: _frames_to_positions(x, group), lambda x: _positions_to_frames(x, group)))
         return shard
-    if variant == "ulysses" and model.num_heads % size:
-        raise UserError(f"--sequence_parallel_type ulysses: {model.num_heads} heads are not divisible by "
-                        f"--sequence_parallel_size {size}; use ring, fastseq or usp")
+    if variant in ("ulysses", "fastseq") and model.num_heads % size:
+        raise UserError(f"--sequence_parallel_type {variant}: {model.num_heads} heads are not divisible by "
+                        f"--sequence_parallel_size {size}; use ring, fastseq_kv or usp")
     attention_group = None
     if variant == "usp":
         u = usp_ulysses_size(model.num_heads, size)
         mesh = init_device_mesh(d.device.type, (d.dp_size, size // u, u), mesh_dim_names=("dp", "ring", "ulysses"))
         attention_group = mesh["ring", "ulysses"]
-    shard = SequenceShard(group, variant, attention_group)
+    shard = SequenceShard(group, variant, attention_group, model.num_heads)
     model.blocks[0].register_forward_pre_hook(shard.split)
     model.final_layer.register_forward_hook(shard.gather)
     set_sequence_attention(shard.attention)
@@ -158,10 +165,13 @@ def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> Sequence
 
 
 def resolve_sequence_parallel_type(variant: str, num_heads: int, size: int) -> str:
-    """``auto`` -> ``ulysses`` when the heads divide among the group, else ``fastseq``; other names as given.
-    The order is measured (README, 2x H200, vDiT-XL at 8k-64k tokens): Ulysses was fastest at every length,
+    """``auto`` -> ``ulysses`` when the heads divide among the group, else ``fastseq_kv``; ``fastseq`` ->
+    ``fastseq_kv`` when they do not (OpenDiT's form splits the heads); other names as given. The order is
+    measured (README, 2x H200, vDiT-XL at 8k-64k tokens): Ulysses was fastest at every length, the K/V
     FastSeq within 10% of it; the ring, on fused FlashAttention blocks since 2026-11-23, at 32k tokens reached
     67% of Ulysses' throughput."""
-    if variant != "auto":
-        return variant
-    return "ulysses" if num_heads % size == 0 else "fastseq"
+    if variant == "auto":
+        return "ulysses" if num_heads % size == 0 else "fastseq_kv"
+    if variant == "fastseq" and num_heads % size:
+        return "fastseq_kv"
+    return variant

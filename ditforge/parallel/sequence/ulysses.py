@@ -84,12 +84,12 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def check_heads(heads: int, size: int, what: str = "ulysses") -> None:
-    """Raise ValueError unless ``heads`` divides by the Ulysses group ``size``."""
+    """Raise ValueError unless ``heads`` divides into ``size`` head groups (Ulysses' group, FastSeq's ranks)."""
     if heads % size:
         raise ValueError(
-            f"{what}: {heads} attention heads do not divide by the Ulysses group size {size} "
+            f"{what}: {heads} attention heads do not divide by the group size {size} "
             f"(--sequence_parallel_size); choose a size that divides the head count, or "
-            f"--sequence_parallel_type ring / fastseq / usp")
+            f"--sequence_parallel_type ring / fastseq_kv / usp")
 
 
 def seq_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
