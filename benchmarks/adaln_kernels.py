@@ -17,26 +17,10 @@ from datetime import datetime
 
 import torch
 import triton
+from timing import cuda_median_ms
 
 from ditforge.ops import fused
 from ditforge.ops.modulate import gated_residual_reference, layernorm_modulate_reference
-
-
-def timed(fn, reps: int = 20, inner: int = 10, warmup: int = 10) -> float:
-    """Median milliseconds per ``fn()``: CUDA events around ``inner`` back-to-back calls (so the GPU, not the
-    Python launch path, is timed, as in a training step where the CPU runs ahead), ``reps`` times."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    return sorted(times)[len(times) // 2]
 
 
 def case(name: str, B: int, N: int, D: int) -> list[dict]:
@@ -76,7 +60,7 @@ def case(name: str, B: int, N: int, D: int) -> list[dict]:
                 def fwd_bwd():
                     call(f).backward(grad)
 
-                t_f, t_fb = timed(fwd), timed(fwd_bwd)
+                t_f, t_fb = (cuda_median_ms(f, steps=20, warmup=10, inner=10) for f in (fwd, fwd_bwd))
             rows.append(dict(shape=name, op=op, impl=impl, fwd_ms=t_f, fwd_bwd_ms=t_fb,
                              fwd_gbps=nbytes / t_f / 1e6, max_rel_err_vs_eager=err, out_dtype=str(out.dtype)))
     return rows

@@ -6,25 +6,10 @@ SDPA onto a slow kernel? Shapes of vDiT-XL/222 at 16x32x32 latents: q (8, 16, 20
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-
-def time_ms(fn, steps: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from timing import cuda_median_ms
 
 
 def main() -> None:
@@ -43,7 +28,7 @@ def main() -> None:
                 with sdpa_kernel([backend]):
                     F.scaled_dot_product_attention(q, k, v, attn_mask=m).sum().backward()
             try:
-                ms = f"{time_ms(run):.2f}"
+                ms = f"{cuda_median_ms(run):.2f}"
             except RuntimeError as e:
                 ms = "unsupported (" + str(e).splitlines()[0][:60] + ")"
             print(f"| {backend.name.lower()} | {'bool (B,1,1,L)' if m is not None else 'none'} | {ms} |")

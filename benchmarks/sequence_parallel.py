@@ -15,15 +15,16 @@ whole sequence, its time and the NCCL time in it (no FSDP traffic mixed in: the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import statistics
 from datetime import datetime
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
+from timing import cuda_median_ms
 
 from ditforge.diffusion import create_diffusion
 from ditforge.models import create_model
@@ -32,6 +33,17 @@ from ditforge.parallel.mesh import Dist
 from ditforge.train.trainer import step_randomness, train_step
 
 SHAPES = {8192: (32, 32), 32768: (32, 64), 65536: (64, 64)}  # tokens -> (latent frames, latent side); patch 1x2x2
+
+
+def timed(fn, warmup: int, steps: int):
+    """``warmup`` calls of fn, then the median of ``steps`` calls timed with CUDA events (ms), then one call under
+    torch.profiler: (median ms, the profile, the NCCL kernel ms of the profiled call)."""
+    ms = cuda_median_ms(fn, steps, warmup)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    comm = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e3
+    return ms, prof, comm
 
 
 def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int, top: int = 0) -> dict:
@@ -46,32 +58,21 @@ def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int, top: int = 
     x = torch.randn((1, *shape), device=d.device)
     y = torch.zeros(1, dtype=torch.long, device=d.device)
 
-    def step(i: int) -> None:
-        rnd = step_randomness(0, i, d.dp_size, shape, 1000, 0.1, d.device, d.dp_rank, d.dp_size)
+    counter = itertools.count()
+
+    def step() -> None:
+        rnd = step_randomness(0, next(counter), d.dp_size, shape, 1000, 0.1, d.device, d.dp_rank, d.dp_size)
         train_step(model, diffusion, opt, None, [(x, {"y": y}, rnd)], torch.bfloat16, 1.0, d)
 
     torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup):
-        step(i)
-    times = []
-    for i in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step(warmup + i)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(warmup + steps)
-        torch.cuda.synchronize()
-    comm = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e3
+    ms, prof, comm = timed(step, warmup, steps)
     if top and d.rank == 0:  # where the profiled step's GPU time went
         kernels = sorted(((e.device_time_total / 1e3, e.key) for e in prof.key_averages()
                           if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
         print(f"{variant} {tokens}: GPU kernel time {sum(ms for ms, _ in kernels):.0f} ms", flush=True)
         for ms, name in kernels[:top]:
             print(f"  {ms:8.1f} ms  {name[:100]}", flush=True)
-    t = statistics.median(times)
+    t = ms / 1e3
     per_gpu = tokens / t / d.sp_size  # one sample of `tokens` per sp group per step
     return dict(variant=variant, tokens=tokens, step_s=t, tokens_per_s_per_gpu=per_gpu,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30, nccl_ms=comm)
@@ -112,22 +113,9 @@ def attention_layer(variant: str, group, rank: int, world: int, device: torch.de
     errs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
             for a, b in ((out, ref[:, :, rows]), (local.grad, whole.grad[:, rows]))]
     del ref, whole
-    for _ in range(3):
-        split()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        split()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        split()
-        torch.cuda.synchronize()
-    comm = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e3
+    ms, _, comm = timed(split, 3, 10)
     return dict(variant=variant, check=f"bf16 attention layer vs SDPA, {tokens} tokens", tokens=tokens,
-                out_rel_err=errs[0], grad_rel_err=errs[1], layer_ms=statistics.median(times), layer_nccl_ms=comm)
+                out_rel_err=errs[0], grad_rel_err=errs[1], layer_ms=ms, layer_nccl_ms=comm)
 
 
 def main() -> None:

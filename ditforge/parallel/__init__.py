@@ -139,6 +139,7 @@ def parallelize(
     enable_layernorm_kernel: bool = False,
     fp8: bool = False,
     sequence_parallel_type: str = "auto",
+    batch_size: int = 1,
 ) -> nn.Module:
     """Prepare ``model`` for (distributed) training without touching its code.
 
@@ -161,7 +162,9 @@ def parallelize(
             parameters stay the optimizer's master weights.
         reduce_dtype: dtype of the gradient reduction (fp32 by default; bf16 halves its traffic).
         sequence_parallel_type: with ``dist.sp_mesh`` (``--sequence_parallel_size`` > 1), how the split
-            sequence attends (``apply_sequence_parallel``): ulysses | ring | fastseq | fastseq_kv | usp | auto.
+            sequence attends (``apply_sequence_parallel``): ulysses | ring | fastseq | fastseq_kv | usp | auto
+            (the fastest at this shape, measured on one attention layer: ``choose_sequence_parallel_type``).
+        batch_size: samples per process in one forward; sizes ``auto``'s measurement.
 
     Returns:
         The model to train: the same module (fully_shard works in place) or a DDP wrapper around it.
@@ -171,9 +174,12 @@ def parallelize(
     set_sequence_attention(None)
     set_frame_exchange(None)
     if dist.sp_mesh is not None:
-        from ditforge.parallel.sequence.shard import apply_sequence_parallel, resolve_sequence_parallel_type
+        from ditforge.parallel.sequence.shard import apply_sequence_parallel, choose_sequence_parallel_type
 
-        variant = resolve_sequence_parallel_type(sequence_parallel_type, model.num_heads, dist.sp_size)
+        variant, ms = choose_sequence_parallel_type(sequence_parallel_type, model, dist, batch_size, param_dtype)
+        if ms:
+            log.info("sequence parallelism auto: ms per attention layer at this shape: %s",
+                     ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
         apply_sequence_parallel(model, dist, variant)
         log.info("sequence parallelism: %s over %d processes (x %d data-parallel)", variant, dist.sp_size,
                  dist.dp_size)

@@ -267,7 +267,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
                         param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype,
                         enable_modulate_kernel=t.enable_modulate_kernel,
                         enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8",
-                        sequence_parallel_type=par.sequence_parallel_type)
+                        sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step)
     ema = EMA(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999),
                                   fused=device.type == "cuda")

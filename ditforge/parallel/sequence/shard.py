@@ -17,15 +17,18 @@ whole world) gives exactly the gradient of one process running the whole sequenc
 
 from __future__ import annotations
 
+import copy
+import statistics
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ditforge.errors import UserError
-from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
+from ditforge.ops.attention import Projection, set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist
-from ditforge.ops.attention import Projection
 from ditforge.parallel.sequence import fastseq_attention, sequence_parallel_attention
 from ditforge.parallel.sequence.ulysses import _all_gather_single, _reduce_scatter_single, all_to_all
 
@@ -164,12 +167,80 @@ def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> Sequence
     return shard
 
 
+# What ``auto`` measures: the 1-D variants (``usp`` is for multi-host meshes and asked for by name).
+AUTO_CANDIDATES = ("ulysses", "fastseq", "fastseq_kv", "ring")
+
+
+def measure_sequence_parallel_types(model: nn.Module, d: Dist, batch_size: int = 1, dtype: torch.dtype | None = None,
+                                    repeats: int = 3) -> dict[str, float]:
+    """Milliseconds one self-attention layer of ``model`` (a copy of ``model.blocks[0].attn``, qkv projection
+    included) takes under each candidate variant at the shape at hand: ``batch_size`` samples of ceil(N / P)
+    random tokens per process, forward and, when the model is training, backward; the median of ``repeats``
+    calls after a warm-up call, then the maximum over all processes, so every process gets the same figures.
+    Candidates: ``AUTO_CANDIDATES`` whose condition holds (ulysses and fastseq need the heads to divide by P).
+    Every process must call it. Leaves the global random state alone.
+
+    Args:
+        model: a DiT or video DiT (``blocks[0].attn`` an ``Attention``, ``x_embedder.num_patches`` = N), on
+            ``d.device``.
+        d: its ``Dist`` with an sp mesh of size P.
+        batch_size: samples per process in one forward.
+        dtype: the compute dtype (default: the model's parameter dtype).
+    """
+    size, group = d.sp_size, d.sp_mesh["sp"].get_group()
+    dtype = dtype or next(model.parameters()).dtype
+    layer = copy.deepcopy(model.blocks[0].attn).to(dtype)
+    heads, backward = model.num_heads, model.training
+    n = -(-model.x_embedder.num_patches // size)
+    g = torch.Generator(d.device).manual_seed(0)
+    x = torch.randn(batch_size, n, layer.qkv.in_features, generator=g, device=d.device, dtype=dtype)
+    candidates = [v for v in AUTO_CANDIDATES if v in ("fastseq_kv", "ring") or heads % size == 0]
+
+    def call(variant: str) -> None:
+        xi = x.detach().requires_grad_(backward)
+        with torch.set_grad_enabled(backward):
+            if variant == "fastseq":
+                out = fastseq_attention(xi, layer.project, heads, None, group)
+            else:
+                out = sequence_parallel_attention(*layer.project(xi), None, group, variant)
+            if backward:
+                out.sum().backward()
+        if d.device.type == "cuda":
+            torch.cuda.synchronize(d.device)
+
+    def median_ms(variant: str) -> float:
+        call(variant)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            call(variant)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    ms = torch.tensor([median_ms(v) for v in candidates], dtype=torch.float64, device=d.device)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return dict(zip(candidates, ms.tolist()))
+
+
+def choose_sequence_parallel_type(variant: str, model: nn.Module, d: Dist, batch_size: int = 1,
+                                  dtype: torch.dtype | None = None) -> tuple[str, dict[str, float]]:
+    """The variant ``apply_sequence_parallel`` gets for ``--sequence_parallel_type variant``, and the
+    measurement behind it ({} when none was taken): ``auto`` -> the fastest of
+    ``measure_sequence_parallel_types`` (an STDiT, split by frames whatever the variant, is not measured);
+    other names through ``resolve_sequence_parallel_type``. Every process must call it."""
+    from ditforge.models.video import STDiT
+
+    if variant != "auto" or isinstance(model, STDiT):
+        return resolve_sequence_parallel_type(variant, model.num_heads, d.sp_size), {}
+    ms = measure_sequence_parallel_types(model, d, batch_size, dtype)
+    return min(ms, key=ms.get), ms
+
+
 def resolve_sequence_parallel_type(variant: str, num_heads: int, size: int) -> str:
-    """``auto`` -> ``ulysses`` when the heads divide among the group, else ``fastseq_kv``; ``fastseq`` ->
-    ``fastseq_kv`` when they do not (OpenDiT's form splits the heads); other names as given. The order is
-    measured (README, 2x H200, vDiT-XL at 8k-64k tokens): Ulysses was fastest at every length, the K/V
-    FastSeq within 10% of it; the ring, on fused FlashAttention blocks since 2026-11-23, at 32k tokens reached
-    67% of Ulysses' throughput."""
+    """The variant a name stands for without measuring: ``fastseq`` -> ``fastseq_kv`` when the heads do not
+    divide among the group (OpenDiT's form splits the heads); ``auto`` -> ``ulysses`` when they do, else
+    ``fastseq_kv`` (the order measured on 2x H200 for vDiT-XL at 8k-64k tokens, README); other names as
+    given."""
     if variant == "auto":
         return "ulysses" if num_heads % size == 0 else "fastseq_kv"
     if variant == "fastseq" and num_heads % size:
