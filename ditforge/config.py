@@ -117,7 +117,7 @@ class ParallelConfig:
                                         "videos); the other factor of the world size is data parallelism")
     sequence_parallel_type: str = _f("auto", "how split sequences attend: ulysses (all-to-all to split heads) | "
                                              "ring (K/V passed around a ring) | fastseq (OpenDiT's: all-gathered "
-                                             "block input, heads split; fastseq_kv when they do not divide) | "
+                                             "attention input, heads split; fastseq_kv when they do not divide) | "
                                              "fastseq_kv (all-gathered K/V) | usp (Ulysses inside groups, ring "
                                              "across) | auto (the fastest of ulysses, fastseq, fastseq_kv and "
                                              "ring, timed on one attention layer at the run's shape at start)",

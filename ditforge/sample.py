@@ -98,7 +98,8 @@ def _check_precision(name: str) -> None:
 
 def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto", compile: str = "none",
                   enable_flashattn: bool = False, enable_modulate_kernel: bool = False,
-                  enable_layernorm_kernel: bool = False, sequence_parallel_type: str = "auto") -> Callable:
+                  enable_layernorm_kernel: bool = False, sequence_parallel_type: str = "auto",
+                  batch_size: int = 1) -> Callable:
     """Make a loaded model fast for sampling; returns what to call like the model: the same module, its compiled
     wrapper, or (CUDA graphs) a function around that.
 
@@ -117,6 +118,8 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
     Args:
         model: an eval-mode DiT / vDiT / STDiT (float32, any device).
         d: the process's ``Dist`` (device, sequence-parallel mesh).
+        batch_size: rows of one model forward (2 per sample under guidance); sizes ``--sequence_parallel_type
+            auto``'s measurement.
 
     Raises:
         UserError: fp8 asked (not a sampling precision), or a fused kernel without Triton on the device.
@@ -128,7 +131,7 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
     model = model.to(device=d.device, dtype=dtype).eval().requires_grad_(False)
     model = parallelize(model, d, attention="fast" if enable_flashattn else "auto",
                         enable_modulate_kernel=enable_modulate_kernel, enable_layernorm_kernel=enable_layernorm_kernel,
-                        sequence_parallel_type=sequence_parallel_type)
+                        sequence_parallel_type=sequence_parallel_type, batch_size=batch_size)
     if compile == "none":
         return model
     compiled = torch.compile(model, mode=None if compile == "default" else compile, dynamic=False)
@@ -411,8 +414,10 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
             raise UserError("--cfg_scale: the model has no null label (trained without label dropout), so it "
                             "cannot be guided; use --cfg_scale 1")
     # Under sequence parallelism every process draws the same noise and runs its slice of the tokens.
+    guided_rows = 1 if cfg.cfg_scale == 1.0 or cfg.cfg_parallel else 2  # cond and uncond in one forward
     model = prepare_model(model, d, cfg.mixed_precision, cfg.compile, cfg.enable_flashattn,
-                          cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.sequence_parallel_type)
+                          cfg.enable_modulate_kernel, cfg.enable_layernorm_kernel, cfg.sequence_parallel_type,
+                          guided_rows * min(cfg.batch_size, len(prompts) if text else len(labels)))
 
     if stream:
         return _stream(cfg, d, model, vae, spec, prompts, out, video)

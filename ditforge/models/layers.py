@@ -202,17 +202,17 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v, each (B, h, N, Dh) (q and k normed), of tokens x (B, N, D) for the heads in the slice
         ``heads``: None = all H through the fused ``qkv`` layer; a slice = those heads' rows of its weight
-        and bias (FastSeq projects one head group of the whole sequence; a swapped-in float8 ``qkv`` then runs
-        this product in the weight's dtype)."""
+        and bias, three products on views of them (FastSeq projects one head group of the whole sequence; a
+        swapped-in float8 ``qkv`` then runs them in the weight's dtype)."""
         B, N, D = x.shape
+        dh = D // self.num_heads
         if heads is None:
-            qkv, h = self.qkv(x), self.num_heads
+            q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, dh).permute(2, 0, 3, 1, 4)
         else:
-            w = self.qkv.weight.unflatten(0, (3, self.num_heads, -1))[:, heads]  # (3, h, Dh, D)
+            w = self.qkv.weight.unflatten(0, (3, self.num_heads, dh))[:, heads]  # (3, h, Dh, D); w[i] contiguous
             b = self.qkv.bias
-            b = None if b is None else b.unflatten(0, (3, self.num_heads, -1))[:, heads].flatten()
-            qkv, h = F.linear(x, w.flatten(0, 2), b), w.shape[1]
-        q, k, v = qkv.reshape(B, N, 3, h, D // self.num_heads).permute(2, 0, 3, 1, 4)
+            b = [None] * 3 if b is None else b.unflatten(0, (3, self.num_heads, dh))[:, heads].flatten(1)
+            q, k, v = (F.linear(x, w[i].flatten(0, 1), b[i]).unflatten(-1, (-1, dh)).transpose(1, 2) for i in range(3))
         return self.q_norm(q), self.k_norm(k), v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -106,9 +106,11 @@ def _check(rank, world, seed, variant, group, case, dtype=torch.float32, heads=H
     assert all(e < tol for e in errs.values()), f"{tag}: relative errors {errs} (tolerance {tol})"
 
 
-def _check_input_gather(rank, world, seed, case, chunks=2, qk_norm=False) -> None:
+def _check_input_gather(rank, world, seed, case, chunks=2, qk_norm=False, autocast=False) -> None:
     """``fastseq_attention`` with an Attention layer's projection: this rank's output and dx against the
-    float64 whole sequence, and the qkv weight and bias gradients summed over the ranks against the whole's."""
+    float64 whole sequence, and the qkv weight and bias gradients summed over the ranks against the whole's
+    (``autocast``: float32 input and layer under bfloat16 autocast, the training set-up; x is gathered in
+    bfloat16)."""
     import copy
 
     import torch.distributed as dist
@@ -135,12 +137,14 @@ def _check_input_gather(rank, world, seed, case, chunks=2, qk_norm=False) -> Non
 
     sl = slice(rank * nl, (rank + 1) * nl)
     xl = x[:, sl].clone().requires_grad_()
-    out = fastseq_attention(xl, layer.project, H, valid[:, sl] if use_mask else None, None, chunks)
-    out.backward(g[:, :, sl])
-    tag = f"fastseq world={world} case={name} chunks={chunks} qk_norm={qk_norm} seed={seed} rank={rank}"
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = fastseq_attention(xl, layer.project, H, valid[:, sl] if use_mask else None, None, chunks)
+    out.float().backward(g[:, :, sl])
+    tag = f"fastseq world={world} case={name} chunks={chunks} qk_norm={qk_norm} {autocast=} seed={seed} rank={rank}"
     assert out.shape == (B, H, nl, DH) and torch.isfinite(out).all(), tag
     rows = valid[:, sl][:, None, :, None]
-    errs = {"out": _rel(out.detach() * rows, ref.detach()[:, :, sl] * rows), "dx": _rel(xl.grad, xw.grad[:, sl])}
+    errs = {"out": _rel(out.detach().float() * rows, ref.detach()[:, :, sl] * rows),
+            "dx": _rel(xl.grad, xw.grad[:, sl])}
     want = {pname: prm.grad for pname, prm in whole.named_parameters()}
     for pname, prm in layer.named_parameters():
         if pname.startswith("proj."):  # the output projection is the caller's, after the attention
@@ -151,7 +155,8 @@ def _check_input_gather(rank, world, seed, case, chunks=2, qk_norm=False) -> Non
         # rounding, so it is measured on the scale of k_norm's weight gradient
         scale = want["k_norm.weight"] if pname == "k_norm.bias" else want[pname]
         errs[pname] = ((grad.double() - want[pname]).abs().max() / scale.abs().max()).item()
-    assert all(e < RTOL for e in errs.values()), f"{tag}: relative errors {errs} (tolerance {RTOL})"
+    tol = RTOL_BF16 if autocast else RTOL
+    assert all(e < tol for e in errs.values()), f"{tag}: relative errors {errs} (tolerance {tol})"
 
 
 def _worker(rank: int, world: int, port: int, base_seed: int) -> None:
@@ -189,6 +194,7 @@ def _worker(rank: int, world: int, port: int, base_seed: int) -> None:
             _check_input_gather(rank, world, seed + 3, case)
         _check_input_gather(rank, world, seed + 4, _cases(world)[0], chunks=1)
         _check_input_gather(rank, world, seed + 5, _cases(world)[2], chunks=3, qk_norm=True)
+        _check_input_gather(rank, world, seed + 6, _cases(world)[0], autocast=True)
 
         # heads not divisible by the Ulysses size: a clear error, raised before any communication
         x = torch.randn(B, 3, 4, DH)

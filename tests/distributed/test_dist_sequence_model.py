@@ -141,27 +141,32 @@ def test_split_model_equals_whole(kind, variant, world):
                                    msg=lambda m: f"{name}: {m}")
 
 
-def test_sequence_parallel_type_resolution():
-    """``auto`` is Ulysses when the heads divide, else the K/V FastSeq; OpenDiT's FastSeq splits the heads
-    and becomes the K/V form when they do not divide."""
-    from ditforge.parallel.sequence.shard import resolve_sequence_parallel_type as resolve
+def test_named_sequence_parallel_types():
+    """Names other than ``auto`` are not measured: OpenDiT's FastSeq splits the heads and becomes the K/V form
+    when they do not divide (vDiT-S: 6 heads); an STDiT is split by frames whatever the name."""
+    from types import SimpleNamespace
 
-    assert resolve("auto", 16, 4) == "ulysses" and resolve("auto", 6, 4) == "fastseq_kv"
-    assert resolve("fastseq", 16, 2) == "fastseq" and resolve("fastseq", 6, 4) == "fastseq_kv"
-    assert [resolve(v, 6, 4) for v in ("ring", "usp", "ulysses", "fastseq_kv")] == ["ring", "usp", "ulysses",
-                                                                                    "fastseq_kv"]
+    from ditforge.parallel.sequence.shard import choose_sequence_parallel_type as choose
+
+    vdit, stdit = _model(), _model("stdit")
+    two, four = SimpleNamespace(sp_size=2), SimpleNamespace(sp_size=4)
+    assert choose("fastseq", vdit, two) == ("fastseq", {}) and choose("fastseq", vdit, four) == ("fastseq_kv", {})
+    for name in ("ring", "usp", "ulysses", "fastseq_kv"):
+        assert choose(name, vdit, four) == (name, {})
+    assert choose("auto", stdit, two) == choose("ring", stdit, four) == ("frames", {})
 
 
 def test_train_dp2_sp2_equals_one_process(tmp_path):
-    """5 steps of `ditforge train` on 4 processes as 2 data-parallel x 2 sequence-parallel (ring; DiT-S/2 on
+    """5 steps of `ditforge train` on 4 processes as 2 data-parallel x 2 sequence-parallel (fastseq, whose
+    head-sliced projection reads the parameters FSDP gathers; DiT-S/2 on
     the 8x8 digits: 16 tokens, 8 per process) give the loss curve of one process, and the same weights."""
     args = ["--model", "DiT-S/2", "--batch_size", "8", "--max_steps", "5"]
     single = read_run(run_single(tmp_path / "single", *args), "DiT-S/2")
-    sp = ["--sequence_parallel_size", "2", "--sequence_parallel_type", "ring", "--plugin", "fsdp"]
+    sp = ["--sequence_parallel_size", "2", "--sequence_parallel_type", "fastseq", "--plugin", "fsdp"]
     p = subprocess.run(torchrun_cmd(4, tmp_path / "split", *args, *sp), env=dist_env(), cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
-    assert "sequence parallelism: ring over 2 processes (x 2 data-parallel)" in p.stderr
+    assert "sequence parallelism: fastseq over 2 processes (x 2 data-parallel)" in p.stderr
     split = read_run(tmp_path / "split", "DiT-S/2")
     for step, loss in single.losses().items():
         assert split.losses()[step] == pytest.approx(loss, rel=1e-5)

@@ -41,7 +41,8 @@ def test_projection_of_a_head_group_is_that_slice_of_all_heads(qk_norm):
     equals the same heads of the whole projection; the layer's output is the float64 explicit formula."""
     from ditforge.models.layers import Attention
 
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    seed = int(torch.randint(0, 2**31, ()))
+    g = torch.Generator().manual_seed(seed)
     layer = Attention(48, 6, qk_norm=qk_norm)
     with torch.no_grad():
         for p in layer.parameters():
@@ -51,7 +52,7 @@ def test_projection_of_a_head_group_is_that_slice_of_all_heads(qk_norm):
     assert [t.shape for t in whole] == [(2, 6, 7, 8)] * 3
     for heads in (slice(0, 2), slice(2, 4), slice(3, 6)):
         for part, full in zip(layer.project(x, heads), whole):
-            torch.testing.assert_close(part, full[:, heads], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(part, full[:, heads], rtol=1e-6, atol=1e-6, msg=f"seed {seed}")
     xd, w, b = x.double(), layer.qkv.weight.double(), layer.qkv.bias.double()
     q, k, v = (xd @ w.T + b).reshape(2, 7, 3, 6, 8).permute(2, 0, 3, 1, 4)
     if qk_norm:
@@ -59,4 +60,4 @@ def test_projection_of_a_head_group_is_that_slice_of_all_heads(qk_norm):
                 for t, n in ((q, layer.q_norm), (k, layer.k_norm)))
     o = (torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), dim=-1) @ v).transpose(1, 2).reshape(2, 7, 48)
     ref = o @ layer.proj.weight.double().T + layer.proj.bias.double()
-    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")

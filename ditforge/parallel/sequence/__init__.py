@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ditforge.parallel.sequence.fastseq import fastseq_attention, fastseq_kv_attention
 from ditforge.parallel.sequence.ring import ring_attention
-from ditforge.parallel.sequence.ulysses import check_heads, local_attention, ulysses_attention
+from ditforge.parallel.sequence.ulysses import local_attention, ulysses_attention
 from ditforge.parallel.sequence.usp import usp_attention
 
 VARIANTS = ("ulysses", "ring", "fastseq_kv", "usp")
@@ -156,6 +156,3 @@ def communication_bytes_per_layer(variant: str, N: int, D: int, sp: int, dtype_b
         fp32 = 2 * e * r if backward and r > 1 else 0.0
     return round(elems * dtype_bytes + fp32 * 4)
 
-
-# Re-exported for callers that validate the head count before building the model.
-check_ulysses_heads = check_heads

@@ -132,6 +132,8 @@ def fastseq_attention(x: torch.Tensor, project: Projection, num_heads: int, vali
     """
     p, r = dist.get_world_size(group), dist.get_rank(group)
     check_heads(num_heads, p, "fastseq")
+    if torch.is_autocast_enabled(x.device.type):  # the projection would cast it anyway: gather half the bytes
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     hp = num_heads // p
     n = x.shape[1]
     chunks = max(1, min(chunks, n))

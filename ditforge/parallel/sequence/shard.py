@@ -66,7 +66,7 @@ class SequenceShard:
         num_heads: the model's head count (``fastseq`` splits the heads among the group).
     """
 
-    def __init__(self, group: dist.ProcessGroup, variant: str, attention_group=None, num_heads: int = 0):
+    def __init__(self, group: dist.ProcessGroup, variant: str, num_heads: int, attention_group=None):
         self.group = group
         self.variant = variant
         self.num_heads = num_heads
@@ -147,7 +147,7 @@ def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> Sequence
         if frames % size or spatial % size:
             raise UserError(f"--sequence_parallel_size {size}: an STDiT is split by frames and by token columns; "
                             f"its {frames} frames and {spatial} tokens per frame must both divide by it")
-        shard = SequenceShard(group, variant)
+        shard = SequenceShard(group, variant, model.num_heads)
         model.blocks[0].register_forward_pre_hook(shard.split)
         model.final_layer.register_forward_hook(shard.gather)
         set_frame_exchange((lambda x: _frames_to_positions(x, group), lambda x: _positions_to_frames(x, group)))
@@ -160,7 +160,7 @@ def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> Sequence
         u = usp_ulysses_size(model.num_heads, size)
         mesh = init_device_mesh(d.device.type, (d.dp_size, size // u, u), mesh_dim_names=("dp", "ring", "ulysses"))
         attention_group = mesh["ring", "ulysses"]
-    shard = SequenceShard(group, variant, attention_group, model.num_heads)
+    shard = SequenceShard(group, variant, model.num_heads, attention_group)
     model.blocks[0].register_forward_pre_hook(shard.split)
     model.final_layer.register_forward_hook(shard.gather)
     set_sequence_attention(shard.attention)
@@ -175,7 +175,8 @@ def measure_sequence_parallel_types(model: nn.Module, d: Dist, batch_size: int =
                                     repeats: int = 3) -> dict[str, float]:
     """Milliseconds one self-attention layer of ``model`` (a copy of ``model.blocks[0].attn``, qkv projection
     included) takes under each candidate variant at the shape at hand: ``batch_size`` samples of ceil(N / P)
-    random tokens per process, forward and, when the model is training, backward; the median of ``repeats``
+    random float32 tokens per process (the last process's padding masked as in the run), under autocast to
+    ``dtype`` when that is lower, forward and, when the model is training, backward; the median of ``repeats``
     calls after a warm-up call, then the maximum over all processes, so every process gets the same figures.
     Candidates: ``AUTO_CANDIDATES`` whose condition holds (ulysses and fastseq need the heads to divide by P).
     Every process must call it. Leaves the global random state alone.
@@ -190,19 +191,22 @@ def measure_sequence_parallel_types(model: nn.Module, d: Dist, batch_size: int =
     size, group = d.sp_size, d.sp_mesh["sp"].get_group()
     dtype = dtype or next(model.parameters()).dtype
     layer = copy.deepcopy(model.blocks[0].attn).to(dtype)
-    heads, backward = model.num_heads, model.training
-    n = -(-model.x_embedder.num_patches // size)
+    heads, backward, total = model.num_heads, model.training, model.x_embedder.num_patches
+    n = -(-total // size)
     g = torch.Generator(d.device).manual_seed(0)
-    x = torch.randn(batch_size, n, layer.qkv.in_features, generator=g, device=d.device, dtype=dtype)
+    x = torch.randn(batch_size, n, layer.qkv.in_features, generator=g, device=d.device)
+    rank = dist.get_rank(group)
+    valid = None if n * size == total else (torch.arange(rank * n, (rank + 1) * n, device=d.device) < total).expand(
+        batch_size, n)
     candidates = [v for v in AUTO_CANDIDATES if v in ("fastseq_kv", "ring") or heads % size == 0]
 
     def call(variant: str) -> None:
         xi = x.detach().requires_grad_(backward)
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), torch.autocast(d.device.type, dtype, enabled=dtype != torch.float32):
             if variant == "fastseq":
-                out = fastseq_attention(xi, layer.project, heads, None, group)
+                out = fastseq_attention(xi, layer.project, heads, valid, group)
             else:
-                out = sequence_parallel_attention(*layer.project(xi), None, group, variant)
+                out = sequence_parallel_attention(*layer.project(xi), valid, group, variant)
             if backward:
                 out.sum().backward()
         if d.device.type == "cuda":
@@ -225,24 +229,17 @@ def measure_sequence_parallel_types(model: nn.Module, d: Dist, batch_size: int =
 def choose_sequence_parallel_type(variant: str, model: nn.Module, d: Dist, batch_size: int = 1,
                                   dtype: torch.dtype | None = None) -> tuple[str, dict[str, float]]:
     """The variant ``apply_sequence_parallel`` gets for ``--sequence_parallel_type variant``, and the
-    measurement behind it ({} when none was taken): ``auto`` -> the fastest of
-    ``measure_sequence_parallel_types`` (an STDiT, split by frames whatever the variant, is not measured);
-    other names through ``resolve_sequence_parallel_type``. Every process must call it."""
+    measurement behind it ({} when none was taken): an STDiT -> ``frames`` (it is split by frames whatever
+    the variant); ``fastseq`` -> ``fastseq_kv`` when the heads do not divide among the group (OpenDiT's form
+    splits the heads); ``auto`` -> the fastest of ``measure_sequence_parallel_types`` (every process must
+    then call it); other names as given."""
     from ditforge.models.video import STDiT
 
-    if variant != "auto" or isinstance(model, STDiT):
-        return resolve_sequence_parallel_type(variant, model.num_heads, d.sp_size), {}
+    if isinstance(model, STDiT):
+        return "frames", {}
+    if variant == "fastseq" and model.num_heads % d.sp_size:
+        return "fastseq_kv", {}
+    if variant != "auto":
+        return variant, {}
     ms = measure_sequence_parallel_types(model, d, batch_size, dtype)
     return min(ms, key=ms.get), ms
-
-
-def resolve_sequence_parallel_type(variant: str, num_heads: int, size: int) -> str:
-    """The variant a name stands for without measuring: ``fastseq`` -> ``fastseq_kv`` when the heads do not
-    divide among the group (OpenDiT's form splits the heads); ``auto`` -> ``ulysses`` when they do, else
-    ``fastseq_kv`` (the order measured on 2x H200 for vDiT-XL at 8k-64k tokens, README); other names as
-    given."""
-    if variant == "auto":
-        return "ulysses" if num_heads % size == 0 else "fastseq_kv"
-    if variant == "fastseq" and num_heads % size:
-        return "fastseq_kv"
-    return variant
