@@ -43,6 +43,7 @@ from ditforge.encoders.vae import load_vae
 from ditforge.models import create_model
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.sample import prepare_model
+from timing import print_top_kernels
 
 STEPS, IMAGE_CFG, VIDEO_CFG = 50, 4.0, 7.0
 FAST = dict(enable_flashattn=True, enable_modulate_kernel=True)
@@ -190,6 +191,11 @@ def images(args, work: Path) -> list[dict]:
             rows.append(dict(section="images", path=name, batch=batch, first_s=first, median_s=median,
                              images_per_s=batch / median, fidelity_image=img, **syncs, **split))
             print(f"{name} batch {batch}: first {first:.1f} s, median {median:.3f} s, {split}", flush=True)
+            if args.top:  # where one whole sampling loop's GPU time went
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    latents(STEPS)
+                    torch.cuda.synchronize()
+                print_top_kernels(prof, args.top, f"{name} batch {batch}, {STEPS} steps")
             del m, vae
             torch.cuda.empty_cache()
         refs[batch] = next((r["fidelity_image"] for r in rows if r["path"] == "ditforge fp32" and r["batch"] == batch),
@@ -263,6 +269,7 @@ def main() -> None:
     p.add_argument("--rows", default="fp32,bf16,compiled", help=f"images: which of {', '.join(IMAGE_ROWS)} "
                    "(fp32 gives the fidelity reference; autotune compiles for minutes)")
     p.add_argument("--batches", default="1,8", help="images: batch sizes")
+    p.add_argument("--top", type=int, default=0, help="images: print the N largest GPU kernels of one sampling loop")
     p.add_argument("--out")
     args = p.parse_args()
     d = init_distributed("cuda", int(os.environ.get("WORLD_SIZE", 1)))

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
-from timing import cuda_median_ms
+from timing import cuda_median_ms, print_top_kernels
 
 from ditforge.diffusion import create_diffusion
 from ditforge.models import create_model
@@ -67,11 +67,7 @@ def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int, top: int = 
     torch.cuda.reset_peak_memory_stats()
     ms, prof, comm = timed(step, warmup, steps)
     if top and d.rank == 0:  # where the profiled step's GPU time went
-        kernels = sorted(((e.device_time_total / 1e3, e.key) for e in prof.key_averages()
-                          if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
-        print(f"{variant} {tokens}: GPU kernel time {sum(ms for ms, _ in kernels):.0f} ms", flush=True)
-        for ms, name in kernels[:top]:
-            print(f"  {ms:8.1f} ms  {name[:100]}", flush=True)
+        print_top_kernels(prof, top, f"{variant} {tokens}")
     t = ms / 1e3
     per_gpu = tokens / t / d.sp_size  # one sample of `tokens` per sp group per step
     return dict(variant=variant, tokens=tokens, step_s=t, tokens_per_s_per_gpu=per_gpu,

@@ -24,3 +24,13 @@ def cuda_median_ms(fn: Callable[[], object], steps: int = 20, warmup: int = 5, i
         b.synchronize()
         times.append(a.elapsed_time(b) / inner)
     return statistics.median(times)
+
+
+def print_top_kernels(prof: torch.profiler.profile, n: int, title: str) -> None:
+    """Print where a torch.profiler profile's GPU time went: the total and its ``n`` largest kernels (ms, share)."""
+    kernels = sorted(((e.device_time_total / 1e3, e.key) for e in prof.key_averages()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
+    total = sum(ms for ms, _ in kernels)
+    print(f"{title}: GPU kernel time {total:.1f} ms", flush=True)
+    for ms, name in kernels[:n]:
+        print(f"  {ms:8.2f} ms {100 * ms / max(total, 1e-9):5.1f}%  {name[:100]}", flush=True)
