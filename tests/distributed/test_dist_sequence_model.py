@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from dist_helpers import dist_env, read_run, run_single, torchrun_cmd
 
-from ditforge.models import create_model
+from ditforge.models import VideoDiT, create_model
 from ditforge.parallel import parallelize
 from ditforge.parallel.mesh import Dist
 
@@ -37,6 +37,9 @@ def _model(kind: str = "vdit") -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "stdit":
         model = create_model("STDiT-S/2", STDIT_SIZE, 4, 10, num_frames=STDIT_FRAMES, text_dim=16)
+    elif kind == "vdit4":  # 4 heads, which Ulysses and OpenDiT's FastSeq can split over 4 processes
+        model = VideoDiT(input_size=SIZE, num_frames=FRAMES, patch_size=(1, 2, 2), depth=2, hidden_size=64,
+                         num_heads=4, in_channels=4, num_classes=10, text_dim=16)
     else:
         model = create_model("vDiT-S/122", SIZE, 4, 10, num_frames=FRAMES, text_dim=16)
     with torch.no_grad():  # every parameter random, so adaLN-Zero's zeros cannot hide a wrong path
@@ -116,10 +119,12 @@ def _reference(kind: str):
 
 @pytest.mark.parametrize("kind,variant,world", [("vdit", "ulysses", 2), ("vdit", "ring", 2), ("vdit", "fastseq", 2),
                                                 ("vdit", "ring", 4), ("vdit", "fastseq", 4), ("vdit", "usp", 4),
+                                                ("vdit4", "ulysses", 4), ("vdit4", "fastseq", 4),
                                                 ("vdit", "auto", 2), ("vdit", "auto", 4),
                                                 ("stdit", "auto", 2), ("stdit", "auto", 4)])
 def test_split_model_equals_whole(kind, variant, world):
-    """vDiT: 27 tokens, the last process padded. STDiT: whole frames per process, columns for the temporal
+    """vDiT: 27 tokens, the last process padded (vdit4: a 4-head vDiT, for the head-splitting variants at 4
+    processes). STDiT: whole frames per process, columns for the temporal
     attention (its temporal projections are random here, so the exchange is exercised). vDiT with ``auto``:
     every process measured the same figures for the variants its 6 heads allow, and runs the fastest."""
     with mp.Manager() as manager:
