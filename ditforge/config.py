@@ -119,8 +119,8 @@ class ParallelConfig:
                                              "ring (K/V passed around a ring) | fastseq (OpenDiT's: all-gathered "
                                              "attention input, heads split; fastseq_kv when they do not divide) | "
                                              "fastseq_kv (all-gathered K/V) | usp (Ulysses inside groups, ring "
-                                             "across) | auto (the fastest of ulysses, fastseq, fastseq_kv and "
-                                             "ring, timed on one attention layer at the run's shape at start)",
+                                             "across) | auto (the fastest of those that apply, timed on one "
+                                             "attention layer at the run's shape at start)",
                                      choices=SEQUENCE_PARALLEL_TYPES)
 
 

@@ -176,11 +176,12 @@ def parallelize(
     if dist.sp_mesh is not None:
         from ditforge.parallel.sequence.shard import apply_sequence_parallel, choose_sequence_parallel_type
 
-        variant, ms = choose_sequence_parallel_type(sequence_parallel_type, model, dist, batch_size, param_dtype)
+        variant, ms, usp_group = choose_sequence_parallel_type(sequence_parallel_type, model, dist, batch_size,
+                                                               param_dtype)
         if ms:
             log.info("sequence parallelism auto: ms per attention layer at this shape: %s",
                      ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
-        apply_sequence_parallel(model, dist, variant)
+        apply_sequence_parallel(model, dist, variant, usp_group)
         log.info("sequence parallelism: %s over %d processes (x %d data-parallel)", variant, dist.sp_size,
                  dist.dp_size)
     if enable_modulate_kernel or enable_layernorm_kernel:

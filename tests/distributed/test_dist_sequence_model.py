@@ -75,10 +75,11 @@ def _worker(rank: int, world: int, port: int, variant: str, kind: str, out: dict
         d = Dist(rank=rank, world_size=world, sp_mesh=sp_mesh)
         model = _model(kind)
         if variant == "auto" and kind == "vdit":  # the measurement behind auto, which must not move the RNG
-            from ditforge.parallel.sequence.shard import measure_sequence_parallel_types
+            from ditforge.parallel.sequence.shard import measure_sequence_parallel_types, usp_attention_group
 
             rng = torch.get_rng_state()
-            ms = measure_sequence_parallel_types(model.train(), d, batch_size=2)
+            usp = usp_attention_group(d, model.num_heads) if world == 4 else None  # 6 heads: U 2 x R 2
+            ms = measure_sequence_parallel_types(model.train(), d, batch_size=2, usp_group=usp)
             assert torch.equal(torch.get_rng_state(), rng)
             figures = [None] * world
             dist.all_gather_object(figures, ms)
@@ -136,7 +137,7 @@ def test_split_model_equals_whole(kind, variant, world):
         if "measured" in out:
             figures = out["measured"]
             assert all(f == figures[0] for f in figures), figures
-            allowed = ["ulysses", "fastseq", "fastseq_kv", "ring"] if 6 % world == 0 else ["fastseq_kv", "ring"]
+            allowed = ["ulysses", "fastseq", "fastseq_kv", "ring"] if world == 2 else ["fastseq_kv", "ring", "usp"]
             assert list(figures[0]) == allowed and all(0 < v < 1e4 for v in figures[0].values()), figures
     ref_out, ref_grads = _reference(kind)
     torch.testing.assert_close(output, ref_out, rtol=0, atol=1e-5 * ref_out.abs().max().item())
@@ -155,10 +156,11 @@ def test_named_sequence_parallel_types():
 
     vdit, stdit = _model(), _model("stdit")
     two, four = SimpleNamespace(sp_size=2), SimpleNamespace(sp_size=4)
-    assert choose("fastseq", vdit, two) == ("fastseq", {}) and choose("fastseq", vdit, four) == ("fastseq_kv", {})
+    assert choose("fastseq", vdit, two)[:2] == ("fastseq", {})
+    assert choose("fastseq", vdit, four)[:2] == ("fastseq_kv", {})
     for name in ("ring", "usp", "ulysses", "fastseq_kv"):
-        assert choose(name, vdit, four) == (name, {})
-    assert choose("auto", stdit, two) == choose("ring", stdit, four) == ("frames", {})
+        assert choose(name, vdit, four) == (name, {}, None)
+    assert choose("auto", stdit, two) == choose("ring", stdit, four) == ("frames", {}, None)
 
 
 def test_train_dp2_sp2_equals_one_process(tmp_path):

@@ -125,10 +125,19 @@ def usp_ulysses_size(num_heads: int, size: int) -> int:
     return max(u for u in range(1, size) if size % u == 0 and num_heads % u == 0) if size > 1 else 1
 
 
-def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> SequenceShard:
+def usp_attention_group(d: Dist, num_heads: int):
+    """The 2-D (``ring``, ``ulysses``) DeviceMesh over each of ``d``'s sp groups that ``usp`` attends over, with
+    Ulysses degree ``usp_ulysses_size``: a slice of a new (dp, ring, ulysses) mesh; every process must call it."""
+    u = usp_ulysses_size(num_heads, d.sp_size)
+    mesh = init_device_mesh(d.device.type, (d.dp_size, d.sp_size // u, u), mesh_dim_names=("dp", "ring", "ulysses"))
+    return mesh["ring", "ulysses"]
+
+
+def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str, usp_group=None) -> SequenceShard:
     """Split ``model``'s token sequence over ``d``'s sp groups (hooks on ``model.blocks[0]`` and
     ``model.final_layer``, attention through ``ops.self_attention``); every process must call it (``usp``
-    builds its (dp, ring, ulysses) mesh here). Returns the installed ``SequenceShard``.
+    builds its mesh here unless ``usp_group``, one from ``usp_attention_group``, is given). Returns the
+    installed ``SequenceShard``.
 
     An STDiT is split by whole frames instead (the contiguous token slices are whole frames when the frames
     divide among the processes): its attention within frames is local, and around its attention across
@@ -157,9 +166,7 @@ def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> Sequence
                         f"--sequence_parallel_size {size}; use ring, fastseq_kv or usp")
     attention_group = None
     if variant == "usp":
-        u = usp_ulysses_size(model.num_heads, size)
-        mesh = init_device_mesh(d.device.type, (d.dp_size, size // u, u), mesh_dim_names=("dp", "ring", "ulysses"))
-        attention_group = mesh["ring", "ulysses"]
+        attention_group = usp_group if usp_group is not None else usp_attention_group(d, model.num_heads)
     shard = SequenceShard(group, variant, model.num_heads, attention_group)
     model.blocks[0].register_forward_pre_hook(shard.split)
     model.final_layer.register_forward_hook(shard.gather)
@@ -167,19 +174,20 @@ def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str) -> Sequence
     return shard
 
 
-# What ``auto`` measures: the 1-D variants (``usp`` is for multi-host meshes and asked for by name).
-AUTO_CANDIDATES = ("ulysses", "fastseq", "fastseq_kv", "ring")
+# What ``auto`` measures, where each applies.
+AUTO_CANDIDATES = ("ulysses", "fastseq", "fastseq_kv", "ring", "usp")
 
 
 def measure_sequence_parallel_types(model: nn.Module, d: Dist, batch_size: int = 1, dtype: torch.dtype | None = None,
-                                    repeats: int = 3) -> dict[str, float]:
+                                    usp_group=None, repeats: int = 3) -> dict[str, float]:
     """Milliseconds one self-attention layer of ``model`` (a copy of ``model.blocks[0].attn``, qkv projection
     included) takes under each candidate variant at the shape at hand: ``batch_size`` samples of ceil(N / P)
     random float32 tokens per process (the last process's padding masked as in the run), under autocast to
     ``dtype`` when that is lower, forward and, when the model is training, backward; the median of ``repeats``
     calls after a warm-up call, then the maximum over all processes, so every process gets the same figures.
-    Candidates: ``AUTO_CANDIDATES`` whose condition holds (ulysses and fastseq need the heads to divide by P).
-    Every process must call it. Leaves the global random state alone.
+    Candidates: ``AUTO_CANDIDATES`` whose condition holds (ulysses and fastseq need the heads to divide by P;
+    usp is measured on ``usp_group``, when given). Every process must call it. Leaves the global random state
+    alone.
 
     Args:
         model: a DiT or video DiT (``blocks[0].attn`` an ``Attention``, ``x_embedder.num_patches`` = N), on
@@ -198,7 +206,8 @@ def measure_sequence_parallel_types(model: nn.Module, d: Dist, batch_size: int =
     rank = dist.get_rank(group)
     valid = None if n * size == total else (torch.arange(rank * n, (rank + 1) * n, device=d.device) < total).expand(
         batch_size, n)
-    candidates = [v for v in AUTO_CANDIDATES if v in ("fastseq_kv", "ring") or heads % size == 0]
+    candidates = [v for v in AUTO_CANDIDATES
+                  if v in ("fastseq_kv", "ring") or (usp_group is not None if v == "usp" else heads % size == 0)]
 
     def call(variant: str) -> None:
         xi = x.detach().requires_grad_(backward)
@@ -206,7 +215,8 @@ def measure_sequence_parallel_types(model: nn.Module, d: Dist, batch_size: int =
             if variant == "fastseq":
                 out = fastseq_attention(xi, layer.project, heads, valid, group)
             else:
-                out = sequence_parallel_attention(*layer.project(xi), valid, group, variant)
+                out = sequence_parallel_attention(*layer.project(xi), valid, usp_group if variant == "usp" else group,
+                                                  variant)
             if backward:
                 out.sum().backward()
         if d.device.type == "cuda":
@@ -227,19 +237,22 @@ def measure_sequence_parallel_types(model: nn.Module, d: Dist, batch_size: int =
 
 
 def choose_sequence_parallel_type(variant: str, model: nn.Module, d: Dist, batch_size: int = 1,
-                                  dtype: torch.dtype | None = None) -> tuple[str, dict[str, float]]:
-    """The variant ``apply_sequence_parallel`` gets for ``--sequence_parallel_type variant``, and the
-    measurement behind it ({} when none was taken): an STDiT -> ``frames`` (it is split by frames whatever
-    the variant); ``fastseq`` -> ``fastseq_kv`` when the heads do not divide among the group (OpenDiT's form
-    splits the heads); ``auto`` -> the fastest of ``measure_sequence_parallel_types`` (every process must
-    then call it); other names as given."""
+                                  dtype: torch.dtype | None = None) -> tuple[str, dict[str, float], object]:
+    """What ``apply_sequence_parallel`` gets for ``--sequence_parallel_type variant``: (variant, the
+    measurement behind it or {}, the usp mesh it was measured on or None). An STDiT -> ``frames`` (it is
+    split by frames whatever the variant); ``fastseq`` -> ``fastseq_kv`` when the heads do not divide among
+    the group (OpenDiT's form splits the heads); ``auto`` -> the fastest of ``measure_sequence_parallel_types``,
+    usp included where it is a hybrid (Ulysses degree between 1 and P; every process must then call it);
+    other names as given."""
     from ditforge.models.video import STDiT
 
     if isinstance(model, STDiT):
-        return "frames", {}
+        return "frames", {}, None
     if variant == "fastseq" and model.num_heads % d.sp_size:
-        return "fastseq_kv", {}
+        return "fastseq_kv", {}, None
     if variant != "auto":
-        return variant, {}
-    ms = measure_sequence_parallel_types(model, d, batch_size, dtype)
-    return min(ms, key=ms.get), ms
+        return variant, {}, None
+    usp = usp_attention_group(d, model.num_heads) if usp_ulysses_size(model.num_heads, d.sp_size) > 1 else None
+    ms = measure_sequence_parallel_types(model, d, batch_size, dtype, usp)
+    best = min(ms, key=ms.get)
+    return best, ms, usp if best == "usp" else None
