@@ -83,7 +83,7 @@ def attention_layer(variant: str, group, rank: int, world: int, device: torch.de
     import torch.nn.functional as F
 
     from ditforge.models.layers import Attention
-    from ditforge.parallel.sequence import fastseq_attention, sequence_parallel_attention
+    from ditforge.parallel.sequence.shard import SequenceShard
 
     torch.manual_seed(0)
     layer = Attention(1152, 16).to(device, torch.bfloat16)
@@ -95,13 +95,11 @@ def attention_layer(variant: str, group, rank: int, world: int, device: torch.de
     ref.backward(dout)
     n = tokens // world
     rows = slice(rank * n, (rank + 1) * n)
+    shard = SequenceShard(dist.group.WORLD, variant, 16, group)  # what the model's attention calls
 
     def split() -> tuple[torch.Tensor, torch.Tensor]:
         local = x[:, rows].clone().requires_grad_()
-        if variant == "fastseq":
-            out = fastseq_attention(local, layer.project, 16, None, group.get_group())
-        else:
-            out = sequence_parallel_attention(*layer.project(local), group=group, variant=variant)
+        out = shard.attention(local, layer.project)
         out.backward(dout[:, :, rows])
         return out, local
 

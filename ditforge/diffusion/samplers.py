@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn, create_diffusion
 from ditforge.diffusion.pab import PABConfig, PyramidAttentionBroadcast
 from ditforge.errors import UserError
+from ditforge.parallel.sequence.ulysses import _all_gather_single
 
 OWN_SAMPLERS = ("ddpm", "ddim")
 DIFFUSERS_SAMPLERS = ("dpm++", "euler")
@@ -205,9 +206,8 @@ class GuidedModel:
             out = self.model(torch.cat([x, x]), torch.cat([t, t]), self.y2, **self.guided_kwargs)
         else:
             half = self.model(x, t, self.y2, **self.guided_kwargs).contiguous()
-            halves = [torch.empty_like(half) for _ in range(2)]
-            dist.all_gather(halves, half, group=self.cfg_group)
-            out = torch.cat(halves)
+            out = half.new_empty((2 * half.shape[0], *half.shape[1:]))  # [cond; uncond]: group-rank order
+            _all_gather_single(out, half, self.cfg_group)
         cond, uncond = out.to(torch.promote_types(out.dtype, torch.float32)).chunk(2)
         k = x.shape[1] if self.guidance_channels is None else self.guidance_channels
         if k > x.shape[1]:  # the channels beyond C are the learned variance's, never guided

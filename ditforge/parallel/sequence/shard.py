@@ -76,18 +76,23 @@ class SequenceShard:
         self.valid: torch.Tensor | None = None  # this forward's local key mask (B, n), None when nothing is padding
         self.length = 0  # N, the whole sequence of this forward
 
+    def local_valid(self, batch: int, total: int, device: torch.device) -> torch.Tensor | None:
+        """The (B, n) key mask of this process's slice of ``total`` tokens padded to P * ceil(total / P): False
+        on padding; None when nothing is padding."""
+        n = -(-total // self.size)
+        if n * self.size == total:
+            return None
+        return (torch.arange(self.rank * n, (self.rank + 1) * n, device=device) < total).expand(batch, n)
+
     def split(self, module: nn.Module, args: tuple) -> tuple:
         """Forward pre-hook of the first block: its input tokens (B, N, D) -> this process's (B, n, D)."""
         x, *rest = args
         b, n_total = x.shape[:2]
         n = -(-n_total // self.size)
         self.length = n_total
-        if n * self.size != n_total:
+        self.valid = self.local_valid(b, n_total, x.device)
+        if self.valid is not None:
             x = torch.nn.functional.pad(x, (0, 0, 0, n * self.size - n_total))
-            positions = torch.arange(self.rank * n, (self.rank + 1) * n, device=x.device)
-            self.valid = (positions < n_total).expand(b, n)
-        else:
-            self.valid = None
         return (x[:, self.rank * n:(self.rank + 1) * n], *rest)
 
     def gather(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -203,20 +208,16 @@ def measure_sequence_parallel_types(model: nn.Module, d: Dist, batch_size: int =
     n = -(-total // size)
     g = torch.Generator(d.device).manual_seed(0)
     x = torch.randn(batch_size, n, layer.qkv.in_features, generator=g, device=d.device)
-    rank = dist.get_rank(group)
-    valid = None if n * size == total else (torch.arange(rank * n, (rank + 1) * n, device=d.device) < total).expand(
-        batch_size, n)
     candidates = [v for v in AUTO_CANDIDATES
                   if v in ("fastseq_kv", "ring") or (usp_group is not None if v == "usp" else heads % size == 0)]
+    shards = {v: SequenceShard(group, v, heads, usp_group if v == "usp" else None) for v in candidates}
+    for shard in shards.values():
+        shard.valid = shard.local_valid(batch_size, total, d.device)
 
     def call(variant: str) -> None:
         xi = x.detach().requires_grad_(backward)
         with torch.set_grad_enabled(backward), torch.autocast(d.device.type, dtype, enabled=dtype != torch.float32):
-            if variant == "fastseq":
-                out = fastseq_attention(xi, layer.project, heads, valid, group)
-            else:
-                out = sequence_parallel_attention(*layer.project(xi), valid, usp_group if variant == "usp" else group,
-                                                  variant)
+            out = shards[variant].attention(xi, layer.project)
             if backward:
                 out.sum().backward()
         if d.device.type == "cuda":
