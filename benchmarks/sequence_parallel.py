@@ -15,15 +15,17 @@ whole sequence, its time and the NCCL time in it (no FSDP traffic mixed in: the 
 from __future__ import annotations
 
 import argparse
+import logging
 import itertools
 import json
 import os
+from collections.abc import Callable
 from datetime import datetime
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, schedule
 from timing import cuda_median_ms, print_top_kernels
 
 from ditforge.diffusion import create_diffusion
@@ -37,13 +39,62 @@ SHAPES = {8192: (32, 32), 32768: (32, 64), 65536: (64, 64)}  # tokens -> (latent
 
 def timed(fn, warmup: int, steps: int):
     """``warmup`` calls of fn, then the median of ``steps`` calls timed with CUDA events (ms), then one call under
-    torch.profiler: (median ms, the profile, the NCCL kernel ms of the profiled call)."""
+    torch.profiler: (median ms, the profile, the NCCL kernel ms of the profiled call). The profiler runs one
+    unrecorded call and a barrier first: starting it takes each process a different time, and an NCCL kernel's
+    time includes waiting for its peers, so a cold start would be counted as communication."""
     ms = cuda_median_ms(fn, steps, warmup)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
         fn()
         torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
+        prof.step()  # the recorded call
+        fn()
+        torch.cuda.synchronize()
+        prof.step()
     comm = sum(e.device_time_total for e in prof.key_averages() if "nccl" in e.key.lower()) / 1e3
     return ms, prof, comm
+
+
+def record_collectives(fn) -> Callable[[], None]:
+    """Call fn once, recording the torch.distributed collectives it issues (all-to-all, all-gather,
+    reduce-scatter, batched point-to-point) with their tensors; returns a function that issues the same
+    collectives again on those buffers, one after another and nothing else: the communication alone,
+    without the compute it overlaps or contends with."""
+    calls = []
+    originals = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_into_tensor", "all_gather_single",
+                                                "reduce_scatter_tensor", "reduce_scatter_single",
+                                                "batch_isend_irecv") if hasattr(dist, n)}
+
+    def detached(a):  # the replay writes into the buffers again, outside autograd
+        if isinstance(a, torch.Tensor):
+            return a.detach()
+        if isinstance(a, list):
+            return [dist.P2POp(o.op, o.tensor.detach(), o.peer, o.group, o.tag) for o in a]
+        return a
+
+    def recording(orig):
+        def call(*args, **kwargs):
+            calls.append((orig, [detached(a) for a in args], kwargs))
+            return orig(*args, **kwargs)
+        return call
+
+    try:
+        for name, orig in originals.items():
+            setattr(dist, name, recording(orig))
+        fn()
+    finally:
+        for name, orig in originals.items():
+            setattr(dist, name, orig)
+
+    def replay() -> None:
+        for orig, args, kwargs in calls:
+            works = orig(*args, **kwargs)
+            for w in works if isinstance(works, list) else [works]:
+                if w is not None:
+                    w.wait()
+
+    return replay
 
 
 def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int, top: int = 0) -> dict:
@@ -78,8 +129,9 @@ def attention_layer(variant: str, group, rank: int, world: int, device: torch.de
     """One attention layer of vDiT-XL's width (16 heads of 72; qkv projection included, FastSeq gathers its
     input) in bf16, forward and backward, on ``tokens`` tokens split over the group: first the exactness of this
     rank's output and input gradient against SDPA on the whole sequence (max |error| / max |reference|), then
-    the median time of the layer and the NCCL kernel time in one profiled call (ms): the communication time per
-    layer that issue 4 compares."""
+    the median time of the layer, the NCCL kernel time in one profiled call (overlapped with compute, so
+    slowed by it, and including waits for the peer) and the median time of the layer's collectives issued
+    alone (ms): the communication time per layer that issue 4 compares."""
     import torch.nn.functional as F
 
     from ditforge.models.layers import Attention
@@ -108,8 +160,9 @@ def attention_layer(variant: str, group, rank: int, world: int, device: torch.de
             for a, b in ((out, ref[:, :, rows]), (local.grad, whole.grad[:, rows]))]
     del ref, whole
     ms, _, comm = timed(split, 3, 10)
+    alone = cuda_median_ms(record_collectives(split), 10, 3)
     return dict(variant=variant, check=f"bf16 attention layer vs SDPA, {tokens} tokens", tokens=tokens,
-                out_rel_err=errs[0], grad_rel_err=errs[1], layer_ms=ms, layer_nccl_ms=comm)
+                out_rel_err=errs[0], grad_rel_err=errs[1], layer_ms=ms, layer_nccl_ms=comm, comm_alone_ms=alone)
 
 
 def main() -> None:
@@ -126,10 +179,11 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")  # auto's choice
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
     rows = []
     for variant in args.variants.split(","):
-        if variant == "none":
+        if variant in ("none", "auto"):
             continue
         group = init_device_mesh("cuda", (world // 2, 2), mesh_dim_names=("ring", "ulysses")) if variant == "usp" \
             else mesh
@@ -155,12 +209,13 @@ def main() -> None:
     if rank == 0:
         print(f"\nvDiT-XL/122, {world} x {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n")
         print(f"One attention layer (qkv projection + attention, forward + backward), {args.layer_tokens:,} tokens:\n")
-        print("| variant | output rel. error | dx rel. error | layer ms | NCCL ms per layer |")
-        print("|---|---:|---:|---:|---:|")
+        print("| variant | output rel. error | dx rel. error | layer ms | NCCL kernel ms in the layer | "
+              "its collectives alone, ms |")
+        print("|---|---:|---:|---:|---:|---:|")
         for r in rows:
             if "check" in r:
                 print(f"| {r['variant']} | {r['out_rel_err']:.2e} | {r['grad_rel_err']:.2e} | {r['layer_ms']:.2f} | "
-                      f"{r['layer_nccl_ms']:.2f} |")
+                      f"{r['layer_nccl_ms']:.2f} | {r['comm_alone_ms']:.2f} |")
         print("\nWhole model, one sample per step:\n")
         print("| tokens | variant | step (s) | tokens/s per GPU | peak GiB per GPU | NCCL ms/step |")
         print("|---:|---|---:|---:|---:|---:|")
