@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditforge.ops import attention, self_attention
+from ditforge.ops.linear import linear_gelu_tanh
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -295,11 +296,10 @@ class Mlp(nn.Module):
     def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None):
         super().__init__()
         self.fc1 = nn.Linear(in_features, hidden_features)
-        self.act = nn.GELU(approximate="tanh")
         self.fc2 = nn.Linear(hidden_features, out_features or in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        return self.fc2(linear_gelu_tanh(x, self.fc1))
 
 
 def sincos_1d(embed_dim: int, pos: torch.Tensor) -> torch.Tensor:
