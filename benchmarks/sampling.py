@@ -1,7 +1,7 @@
 """Sampling speed (issue 7), in one process per GPU:
 
     PYTHONPATH=. python benchmarks/sampling.py --images --video --out results.json        # one GPU
-    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/sampling.py --video --out r.json  # adds sp=2 rows
+    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/sampling.py --video --out r.json  # adds sp=2, CFG-parallel rows
 
 images: DiT-XL/2 at 256px (latents 4x32x32) with random weights (the zero-initialised adaLN-Zero and final layers
     made random too), a random VAE of Stable Diffusion's architecture (sd-vae-ft-ema's config), DDIM 50 steps,
@@ -14,8 +14,9 @@ images: DiT-XL/2 at 256px (latents 4x32x32) with random weights (the zero-initia
     980, 960, ..., 0, as DiTPipeline), PSNR of its uint8 images against ditforge fp32.
 video: a text-conditioned STDiT-XL/2 and vDiT-XL/222 at 16 frames x 256px (latents 4x16x32x32), 120 caption
     states of width 4096 (T5-XXL's), DDIM 50 steps, guidance 7.0, batch 1, bf16 + fast attention + fused kernels,
-    eager: without and with Pyramid Attention Broadcast (``--pab`` defaults), PSNR and SSIM (scikit-image) of the
-    PAB video against the one without; under torchrun with 2 processes also sequence parallelism over both GPUs.
+    eager (``--video_rows compiled,cfg-compiled``: compiled, CUDA graphs): without and with Pyramid Attention Broadcast (``--pab`` defaults), PSNR and SSIM (scikit-image) of the
+    PAB video against the one without; under torchrun with 2 processes also sequence parallelism over both GPUs
+    and CFG parallelism (conditional and unconditional passes on one GPU each, as ``--cfg_parallel``).
 
 Random weights time the same arithmetic as trained ones; PAB's quality cost on them is not that of a trained
 model (the attention outputs of a random model need not be stable across steps).
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ditforge.data.images import to_uint8
 from ditforge.diffusion import create_diffusion, generate
@@ -221,42 +223,52 @@ def video(args, d: Dist, work: Path) -> list[dict]:
     rows = []
     for name in args.video_models.split(","):
         weights = random_weights(5, name, 32, 4, 1000, True, 0.1, num_frames=16, text_dim=4096)
-        settings = [("1", None, False), ("1", None, True)]
+        # row -> (label, the model's Dist, PAB, CFG group, compile): one GPU; sequence parallelism over all; CFG
+        # parallelism (the conditional and unconditional passes on two GPUs, as `ditforge sample --cfg_parallel`)
+        alone, world = Dist(device=dev), dist.group.WORLD
+        settings = {"plain": ("sp=1", None, False, None, "none"), "pab": ("sp=1", None, True, None, "none"),
+                    "compiled": ("sp=1 compiled", None, False, None, "reduce-overhead")}
         if d.world_size > 1:
-            settings += [(str(d.sp_size), d, False), (str(d.sp_size), d, True)]
+            settings |= {"sp": (f"sp={d.sp_size}", d, False, None, "none"),
+                         "sp-pab": (f"sp={d.sp_size}", d, True, None, "none")}
+        if d.world_size == 2:
+            settings |= {"cfg": ("cfg-parallel=2", alone, False, world, "none"),
+                         "cfg-compiled": ("cfg-parallel=2 compiled", alone, False, world, "reduce-overhead")}
+        wanted = ["plain"] + [r for r in args.video_rows.split(",") if r != "plain" and r in settings]
         outs = {}
-        for sp, dd, pab in settings:
+        for label, dd, pab, cfg_group, compile in (settings[r] for r in wanted):
             if dd is None and not d.is_main:  # a one-GPU row: the other processes wait for it
                 d.barrier()
                 continue
             m = create_model(name, 32, 4, 1000, True, 0.1, num_frames=16, text_dim=4096)
             m.load_state_dict(weights)
-            m = prepare_model(m, dd or Dist(device=dev), "bf16", **FAST)
+            m = prepare_model(m, dd or Dist(device=dev), "bf16", compile=compile, **FAST)
             torch.cuda.reset_peak_memory_stats()
 
-            def run(m=m, pab=pab):
+            def run(m=m, pab=pab, cfg_group=cfg_group):
                 latents = generate(m, states, (4, 16, 32, 32), y_mask=mask, cfg_scale=VIDEO_CFG, num_steps=STEPS,
                                    sampler="ddim", generator=torch.Generator(dev).manual_seed(0),
-                                   clip_denoised=False, pab=PABConfig() if pab else None)
+                                   clip_denoised=False, pab=PABConfig() if pab else None, cfg_group=cfg_group)
                 return to_uint8(vae.decode(latents).float()) if d.is_main else None
 
             first, median, frames = wall(run, args.repeat)
-            outs[(sp, pab)] = frames
+            key = f"{label}" + (" + PAB" if pab else "")
+            outs[key] = frames
             if d.is_main:
-                rows.append(dict(section="video", path=f"{name} bf16 fast sp={sp}" + (" + PAB" if pab else ""),
+                rows.append(dict(section="video", path=f"{name} bf16 fast {key}", model=name, setting=key,
                                  batch=1, first_s=first, median_s=median, videos_per_s=1 / median,
                                  peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+                print(f"{name} {key}: first {first:.2f} s, median {median:.3f} s", flush=True)
             del m
             torch.cuda.empty_cache()
             d.barrier()
         if d.is_main:
+            base = next(b for b in rows if b["model"] == name and b["setting"] == "sp=1")
             for r in rows:
-                if r["path"].startswith(name):
-                    sp, pab = r["path"].split("sp=")[1].split(" ")[0], r["path"].endswith("PAB")
-                    base = next(b for b in rows if b["path"] == f"{name} bf16 fast sp=1")
+                if r["model"] == name:
                     r["speedup_vs_sp1"] = base["median_s"] / r["median_s"]
-                    r["psnr_vs_no_pab_db"] = psnr(outs[("1", False)], outs[(sp, pab)])
-                    r["ssim_vs_no_pab"] = ssim(outs[("1", False)], outs[(sp, pab)])
+                    r["psnr_vs_no_pab_db"] = psnr(outs["sp=1"], outs[r["setting"]])
+                    r["ssim_vs_no_pab"] = ssim(outs["sp=1"], outs[r["setting"]])
     return rows
 
 
@@ -265,6 +277,8 @@ def main() -> None:
     p.add_argument("--images", action="store_true")
     p.add_argument("--video", action="store_true")
     p.add_argument("--video_models", default="STDiT-XL/2,vDiT-XL/222")
+    p.add_argument("--video_rows", default="plain,pab,sp,sp-pab,cfg", help="video: which of plain, pab, compiled "
+                   "(one GPU); sp, sp-pab (under torchrun); cfg, cfg-compiled (CFG parallelism, 2 processes)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--rows", default="fp32,bf16,compiled", help=f"images: which of {', '.join(IMAGE_ROWS)} "
                    "(fp32 gives the fidelity reference; autotune compiles for minutes)")

@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "spatial / temporal / cross-attention only every 2 / 3 / 5 steps in the middle of the "
                       "schedule (timesteps 100-800, 100-900 for cross); not with --compile")
     fast.add_argument("--cfg_parallel", action="store_true", help="under torchrun with 2 x --sequence_parallel_size "
-                      "processes: the conditional and unconditional passes run on different GPUs")
+                      "processes: the conditional and unconditional passes run on different GPUs (with --compile when "
+                      "--sequence_parallel_size is 1)")
     s.add_argument("--guidance_channels", type=int, help="guide only the first K latent channels (the official DiT "
                    "sampler guides 3 of 4); default: all")
     s.add_argument("--cfg_interval", type=int, nargs=2, metavar=("LOW", "HIGH"), help="apply guidance only at "

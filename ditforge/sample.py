@@ -304,7 +304,8 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     Under torchrun with ``sequence_parallel_size`` = the number of processes, every process draws the same
     noise and runs its slice of each sample's tokens (``apply_sequence_parallel``); process 0 writes. With
     ``cfg_parallel`` the processes are 2 x ``sequence_parallel_size``: the conditional and the unconditional halves
-    of the guided batch run on the two halves of them (``GuidedModel``'s ``cfg_group``).
+    of the guided batch run on the two halves of them (``GuidedModel``'s ``cfg_group``); the halves are gathered
+    outside the model, so ``compile`` (CUDA graphs) combines with it when ``sequence_parallel_size`` is 1.
 
     Returns:
         The samples as (N, H, W, C) uint8, or (N, T, H, W, C) for video models (an empty array on processes
@@ -315,7 +316,7 @@ def sample(cfg: SampleConfig) -> np.ndarray:
             ``--prompt``); labels outside [0, num_classes); a missing or empty prompt file; latents without a
             known VAE (naming ``--vae``); an image size the VAE does not divide; ``save_npz`` when streaming; a
             diffusers sampler without diffusers installed (naming ``--sampler``); ``pab`` with ``compile``; ``compile`` with
-            sequence or CFG parallelism; ``cfg_parallel`` without guidance or with the wrong process count; a
+            sequence parallelism; ``cfg_parallel`` without guidance or with the wrong process count; a
             ``cfg_interval`` outside 0..999 or ``guidance_channels`` beyond the model's channels.
     """
     if cfg.sampler not in SAMPLERS:
@@ -329,9 +330,9 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     _check_precision(cfg.mixed_precision)
     if cfg.compile not in COMPILE_MODES:
         raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {cfg.compile}")
-    if cfg.compile != "none" and (cfg.sequence_parallel_size > 1 or cfg.cfg_parallel):
-        raise UserError(f"--compile {cfg.compile}: not with --sequence_parallel_size > 1 or --cfg_parallel "
-                        "(collectives inside a compiled, CUDA-graph-replayed model are untested); drop --compile")
+    if cfg.compile != "none" and cfg.sequence_parallel_size > 1:  # --cfg_parallel's gather is outside the model
+        raise UserError(f"--compile {cfg.compile}: not with --sequence_parallel_size > 1 (collectives inside a "
+                        "compiled, CUDA-graph-replayed model are untested); drop --compile")
     if cfg.cfg_parallel and cfg.cfg_scale == 1.0:
         raise UserError("--cfg_parallel: --cfg_scale 1 runs no unconditional pass to put on the second GPU")
     if cfg.pab and cfg.compile != "none":

@@ -228,8 +228,9 @@ def test_sample_sp2_equals_sp1(tmp_path):
 
 
 def test_sample_cfg_parallel_equals_one_process(tmp_path):
-    """`ditforge sample --cfg_parallel` under torchrun (2 processes: conditional and unconditional halves apart)
-    writes the one-process samples (uint8, a rounding flip of 1 allowed on a few values)."""
+    """`ditforge sample --cfg_parallel` under torchrun (2 processes: conditional and unconditional halves apart),
+    eager and with --compile (the model compiled on each process, the halves gathered outside it), writes the
+    one-process samples (uint8, a rounding flip of 1 allowed on a few values)."""
     import numpy as np
 
     one, two, cmd, _ = _sample_one_and_two(
@@ -237,6 +238,12 @@ def test_sample_cfg_parallel_equals_one_process(tmp_path):
         ["--class_labels", "1,2,3", "--seed", "6", "--cfg_scale", "4"], ["--cfg_parallel"], out_suffix=".png")
     assert one.shape == two.shape == (3, 8, 8, 3) and one.std() > 5  # non-constant images
     diff = np.abs(one.astype(int) - two.astype(int))
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.99
+    compiled = tmp_path / "compiled.npz"
+    p = subprocess.run([*cmd[:-2], str(compiled), "--cfg_parallel", "--compile", "default"], env=dist_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    diff = np.abs(one.astype(int) - np.load(compiled)["samples"].astype(int))
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
     # without --cfg_parallel, 2 processes would each need half a sequence-parallel sample: refused
     bad = [c for c in cmd if c != "--cfg_parallel"]
