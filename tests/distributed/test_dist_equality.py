@@ -32,10 +32,9 @@ def small_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,plugin", [
-    (2, "ddp"), (2, "zero2"), (2, "fsdp"),
-    (4, "ddp"), (4, "zero2"), (4, "fsdp"),
-])
+# 4 processes for FSDP only: its shards of 4 (uneven for some parameters) differ from those of 2; ZeRO-2 is the same
+# fully_shard with reshard_after_forward=False and DDP's all-reduce does not change with the count (~35 s each)
+@pytest.mark.parametrize("nproc,plugin", [(2, "ddp"), (2, "zero2"), (2, "fsdp"), (4, "fsdp")])
 def test_equals_single_process(small_reference, tmp_path, nproc, plugin):
     run = torchrun(nproc, tmp_path / "run", *SMALL, "--plugin", plugin)
     got = read_run(run, "DiT-S/2", drop_checkpoints=True)
