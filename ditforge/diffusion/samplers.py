@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn, create_diffusion
 from ditforge.diffusion.pab import PABConfig, PyramidAttentionBroadcast
 from ditforge.errors import UserError
-from ditforge.parallel.sequence.ulysses import _all_gather_single
+from ditforge.parallel.collectives import all_gather_single
 
 OWN_SAMPLERS = ("ddpm", "ddim")
 DIFFUSERS_SAMPLERS = ("dpm++", "euler")
@@ -207,7 +207,7 @@ class GuidedModel:
         else:
             half = self.model(x, t, self.y2, **self.guided_kwargs).contiguous()
             out = half.new_empty((2 * half.shape[0], *half.shape[1:]))  # [cond; uncond]: group-rank order
-            _all_gather_single(out, half, self.cfg_group)
+            all_gather_single(out, half, self.cfg_group)
         cond, uncond = out.to(torch.promote_types(out.dtype, torch.float32)).chunk(2)
         k = x.shape[1] if self.guidance_channels is None else self.guidance_channels
         if k > x.shape[1]:  # the channels beyond C are the learned variance's, never guided

@@ -140,18 +140,18 @@ def _check_input_gather(rank, world, seed, case, chunks=2, qk_norm=False, autoca
     import ditforge.parallel.sequence.fastseq as fastseq_module
 
     gathered = []  # dtypes of the x all-gathers: under autocast the compute dtype (half the bytes of float32)
-    real_gather = fastseq_module._all_gather_single
+    real_gather = fastseq_module.all_gather_single
 
     def recording_gather(out, x, *args, **kwargs):
         gathered.append(x.dtype)
         return real_gather(out, x, *args, **kwargs)
 
-    fastseq_module._all_gather_single = recording_gather
+    fastseq_module.all_gather_single = recording_gather
     try:
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             out = fastseq_attention(xl, layer.project, H, valid[:, sl] if use_mask else None, None, chunks)
     finally:
-        fastseq_module._all_gather_single = real_gather
+        fastseq_module.all_gather_single = real_gather
     assert gathered == [torch.bfloat16 if autocast else torch.float32] * min(chunks, nl), gathered
     out.float().backward(g[:, :, sl])
     tag = f"fastseq world={world} case={name} chunks={chunks} qk_norm={qk_norm} {autocast=} seed={seed} rank={rank}"

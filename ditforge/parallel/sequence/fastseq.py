@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ditforge.ops.attention import Projection
-from ditforge.parallel.sequence.ulysses import (_all_gather_single, _reduce_scatter_single, check_heads,
-                                                gather_valid, heads_to_seq, local_attention)
+from ditforge.parallel.collectives import all_gather_single, reduce_scatter_single
+from ditforge.parallel.sequence.ulysses import check_heads, gather_valid, heads_to_seq, local_attention
 
 
 class _Pending:
@@ -51,7 +51,7 @@ class _AllGatherStart(torch.autograd.Function):
         p = dist.get_world_size(group)
         x = x.contiguous()
         out = x.new_empty((p * x.shape[0], *x.shape[1:]))
-        pending.work = _all_gather_single(out, x, group, async_op=True)
+        pending.work = all_gather_single(out, x, group, async_op=True)
         pending.keep = x
         return out
 
@@ -60,7 +60,7 @@ class _AllGatherStart(torch.autograd.Function):
         p = dist.get_world_size(ctx.group)
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // p, *grad.shape[1:]))
-        _reduce_scatter_single(out, grad, ctx.group)
+        reduce_scatter_single(out, grad, ctx.group)
         return out, None, None
 
 

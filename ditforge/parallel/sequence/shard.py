@@ -30,7 +30,7 @@ from ditforge.errors import UserError
 from ditforge.ops.attention import Projection, set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist
 from ditforge.parallel.sequence import fastseq_attention, sequence_parallel_attention
-from ditforge.parallel.sequence.ulysses import _all_gather_single, _reduce_scatter_single, all_to_all
+from ditforge.parallel.collectives import all_gather_single, all_to_all, reduce_scatter_single
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -43,14 +43,14 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         local = x.transpose(0, 1).contiguous()  # (n, B, C)
         out = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
-        _all_gather_single(out, local, group)
+        all_gather_single(out, local, group)
         return out.transpose(0, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         full = grad.transpose(0, 1).contiguous()  # (sp n, B, C)
         out = full.new_empty((full.shape[0] // dist.get_world_size(ctx.group), *full.shape[1:]))
-        _reduce_scatter_single(out, full, ctx.group)
+        reduce_scatter_single(out, full, ctx.group)
         return out.transpose(0, 1), None
 
 

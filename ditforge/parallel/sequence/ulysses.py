@@ -5,8 +5,7 @@ Each rank of the sequence-parallel group holds a contiguous shard of the tokens 
 all-to-all turns that into every token for H/P heads; attention runs locally over the whole sequence; a
 second all-to-all turns the output back into the rank's own tokens for every head.
 
-Also home of the pieces the other variants share: the autograd-correct all-to-all, the key-mask gather and
-the local SDPA call.
+Also home of the pieces the other variants share: the key-mask gather and the local SDPA call.
 """
 
 from __future__ import annotations
@@ -17,32 +16,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 import ditforge.ops.attention as _seam
-
-
-class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all along dim 0: ``x`` is (P, ...); slice i goes to group rank i, and slice i of the
-    result came from group rank i. The operation is a permutation of blocks across ranks and its own
-    adjoint, so the backward is the same all-to-all of the gradient (Jacobs et al. 2023, section 3)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
-def all_to_all(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Autograd-aware equal-split all-to-all over dim 0 of ``x`` (size P = group size), see ``_AllToAll``."""
-    return _AllToAll.apply(x, group)
+from ditforge.parallel.collectives import all_gather_single, all_to_all
 
 
 def gather_valid(valid: torch.Tensor | None, group: ProcessGroup) -> torch.Tensor | None:
@@ -54,20 +28,8 @@ def gather_valid(valid: torch.Tensor | None, group: ProcessGroup) -> torch.Tenso
     p = dist.get_world_size(group)
     b, n = valid.shape
     out = torch.empty(p, b, n, dtype=torch.uint8, device=valid.device)
-    _all_gather_single(out, valid.to(torch.uint8)[None].contiguous(), group)
+    all_gather_single(out, valid.to(torch.uint8)[None].contiguous(), group)
     return out.permute(1, 0, 2).reshape(b, p * n).bool()
-
-
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
-    """``all_gather_single`` (PyTorch >= 2.13) or its older name ``all_gather_into_tensor``."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, x, group=group, async_op=async_op)
-
-
-def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
-    """``reduce_scatter_single`` (PyTorch >= 2.13) or its older name ``reduce_scatter_tensor`` (sum)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, x, group=group)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""Collectives the parallel code shares: the autograd-correct all-to-all (Ulysses, the STDiT frame exchange) and
+single-tensor all-gather / reduce-scatter under their PyTorch >= 2.13 names with the older ones as fallback
+(FastSeq, the sequence gather, CFG parallelism)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0: ``x`` is (P, ...); slice i goes to group rank i, and slice i of the
+    result came from group rank i. The operation is a permutation of blocks across ranks and its own
+    adjoint, so the backward is the same all-to-all of the gradient (Jacobs et al. 2023, section 3)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def all_to_all(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Autograd-aware equal-split all-to-all over dim 0 of ``x`` (size P = group size), see ``_AllToAll``."""
+    return _AllToAll.apply(x, group)
+
+
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+    """``all_gather_single`` (PyTorch >= 2.13) or its older name ``all_gather_into_tensor``."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    """``reduce_scatter_single`` (PyTorch >= 2.13) or its older name ``reduce_scatter_tensor`` (sum)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)
