@@ -2,6 +2,11 @@
 trained on one long sample per step, by variant and sequence length, in one torchrun:
 
     torchrun --nproc_per_node 4 benchmarks/sequence_parallel.py --out results.json
+    for v in none fastseq ulysses auto; do torchrun --nproc_per_node 2 benchmarks/sequence_parallel.py \
+        --tokens 32768,65536 --variants $v --out $v.json; done    # one process per variant, as measured
+
+(On 2x H200, 2026-11-23, one run of every variant in one process died with a CUDA illegal memory access in the
+32k model rows, unexplained; one process per variant did not.)
 
 Rows: ``none`` (every GPU trains its own sample: data parallelism, the per-GPU baseline; out of memory where
 one GPU cannot hold the sequence) and each sequence-parallel variant over all GPUs. Columns: median step time,
