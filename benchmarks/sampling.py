@@ -14,9 +14,10 @@ images: DiT-XL/2 at 256px (latents 4x32x32) with random weights (the zero-initia
     980, 960, ..., 0, as DiTPipeline), PSNR of its uint8 images against ditforge fp32.
 video: a text-conditioned STDiT-XL/2 and vDiT-XL/222 at 16 frames x 256px (latents 4x16x32x32), 120 caption
     states of width 4096 (T5-XXL's), DDIM 50 steps, guidance 7.0, batch 1, bf16 + fast attention + fused kernels,
-    eager (``--video_rows compiled,cfg-compiled``: compiled, CUDA graphs): without and with Pyramid Attention Broadcast (``--pab`` defaults), PSNR and SSIM (scikit-image) of the
-    PAB video against the one without; under torchrun with 2 processes also sequence parallelism over both GPUs
-    and CFG parallelism (conditional and unconditional passes on one GPU each, as ``--cfg_parallel``).
+    eager (``--video_rows compiled,cfg-compiled``: compiled, CUDA graphs): without and with Pyramid Attention
+    Broadcast (``--pab`` defaults), PSNR and SSIM (scikit-image) of each video against the plain one; under
+    torchrun with 2 processes also sequence parallelism over both GPUs and CFG parallelism (conditional and
+    unconditional passes on one GPU each, as ``--cfg_parallel``).
 
 Random weights time the same arithmetic as trained ones; PAB's quality cost on them is not that of a trained
 model (the attention outputs of a random model need not be stable across steps).
@@ -252,7 +253,7 @@ def video(args, d: Dist, work: Path) -> list[dict]:
                 return to_uint8(vae.decode(latents).float()) if d.is_main else None
 
             first, median, frames = wall(run, args.repeat)
-            key = f"{label}" + (" + PAB" if pab else "")
+            key = label + (" + PAB" if pab else "")
             outs[key] = frames
             if d.is_main:
                 rows.append(dict(section="video", path=f"{name} bf16 fast {key}", model=name, setting=key,

@@ -28,9 +28,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ditforge.errors import UserError
 from ditforge.ops.attention import Projection, set_frame_exchange, set_sequence_attention
+from ditforge.parallel.collectives import all_gather_single, all_to_all, reduce_scatter_single
 from ditforge.parallel.mesh import Dist
 from ditforge.parallel.sequence import fastseq_attention, sequence_parallel_attention
-from ditforge.parallel.collectives import all_gather_single, all_to_all, reduce_scatter_single
 
 
 class _GatherSequence(torch.autograd.Function):
