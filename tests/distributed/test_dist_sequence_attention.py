@@ -251,3 +251,32 @@ def test_communication_formulas():
     assert cb("usp", n, d, 4, ulysses_size=2) == nd // 4 * (4 * 1 // 2 + 2 * 1)
     assert cb("ring", n, d, 4, backward=True) == 2 * nd * 3 // 4 + 2 * n * d * 4
     assert cb("ulysses", n, d, 1) == cb("ring", n, d, 1) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused block kernels run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_ring_blocks_match_float32_blocks(dtype):
+    """The ring's fused block forward (out, lse) and backward (given the final out and lse) against the plain
+    float32 block functions on the same half-precision inputs. q is a permuted view, as the projection gives it;
+    the K/V block has another length. Tolerance: 1e-2 of the largest value (outputs and gradients are rounded
+    to 16 bits; bf16 eps 7.8e-3), 1e-3 absolute on the float32 lse."""
+    from ditforge.parallel.sequence.ring import (block_backward, block_forward, fused_block_backward,
+                                                 fused_block_forward, fused_block_kernel)
+
+    g = torch.Generator("cuda").manual_seed(int.from_bytes(os.urandom(3), "little"))
+    q = torch.randn(2, 300, 3, 16, 72, device="cuda", dtype=dtype, generator=g)[:, :, 0].transpose(1, 2)
+    k, v = (torch.randn(2, 16, 184, 72, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    dout = torch.randn(2, 16, 300, 72, device="cuda", dtype=dtype, generator=g)
+    kernel = fused_block_kernel(q, None)
+    if kernel is None:
+        pytest.skip("no fused attention kernel on this GPU")
+    scale = 72 ** -0.5
+    out, lse, aux = fused_block_forward(kernel, q, k, v, scale)
+    want_out, want_lse = block_forward(q, k, v, None, scale)
+    assert lse.shape == want_lse.shape == (2, 16, 300)
+    assert _rel(out, want_out) < 1e-2 and (lse - want_lse).abs().max() < 1e-3, kernel
+    final = out.to(dtype)  # the ring passes its merged output, in the input dtype
+    got = fused_block_backward(kernel, q, k, v, scale, final, lse, dout, aux)
+    want = block_backward(q, k, v, None, scale, want_lse, dout.float(), (dout.float() * final.float()).sum(-1))
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert _rel(a, b) < 1e-2, (kernel, name, _rel(a, b))
