@@ -8,7 +8,8 @@ images: DiT-XL/2 at 256px (latents 4x32x32) with random weights (the zero-initia
     classifier-free guidance 4.0 on all latent channels, VAE decode included, batch 1 and 8:
     diffusers' ``DiTPipeline`` in fp16 (the weights exported by ``ditforge export --format diffusers``, with DiT's
     timestep frequencies) against ``ditforge sample``'s own path (``prepare_model`` + ``generate`` + VAE decode +
-    ``to_uint8``) in fp32, bf16, and bf16 + fast attention + fused adaLN kernels + ``--compile`` (CUDA graphs).
+    ``to_uint8``) in fp32, bf16, and bf16 + fast attention + fused adaLN kernels + ``--compile`` (CUDA graphs);
+    ``--rows fp8``: the blocks' linear layers as float8 GEMMs (``--mixed_precision fp8``, torchao).
     Times: wall clock of a whole call (synchronised), median of ``--repeat`` after one warm-up call (which
     compiles). Fidelity: every path from the same starting noise and timesteps (DDIM leading spacing
     980, 960, ..., 0, as DiTPipeline), PSNR of its uint8 images against ditforge fp32.
@@ -57,6 +58,8 @@ IMAGE_ROWS = {  # key -> (name, prepare_model settings); a compiled model goes w
                  dict(mixed_precision="bf16", compile="reduce-overhead", **FAST)),
     "compiled-no-kernels": ("ditforge bf16 + fast attn + compile (CUDA graphs), inductor's own norm fusion",
                             dict(mixed_precision="bf16", compile="reduce-overhead", enable_flashattn=True)),
+    "fp8": ("ditforge fp8 (float8 GEMMs, torchao) + fast attn + compile (CUDA graphs)",
+            dict(mixed_precision="fp8", compile="reduce-overhead", enable_flashattn=True)),
     "autotune": ("ditforge bf16 + fast attn + kernels + compile max-autotune",
                  dict(mixed_precision="bf16", compile="max-autotune", **FAST)),
     "autotune-no-kernels": ("ditforge bf16 + fast attn + compile max-autotune, inductor's own norm fusion",

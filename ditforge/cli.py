@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "is the default there); under --compile the fused adaLN kernels gained nothing "
                                 "(inductor fuses the same operations)")
     fast.add_argument("--mixed_precision", default="auto", choices=SAMPLING_PRECISIONS,
-                      help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU)")
+                      help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU); fp8: bf16 with "
+                      "the blocks' linear layers as float8 GEMMs (H100-class GPU, torchao; see the README for its "
+                      "speed and quality)")
     fast.add_argument("--compile", nargs="?", const="reduce-overhead", default="none", choices=COMPILE_MODES,
                       help="torch.compile the model with static shapes, and the VAE decoder; the bare flag is "
                       "reduce-overhead (one CUDA graph per model call); the first batch and the first decode are slow "

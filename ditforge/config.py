@@ -19,7 +19,7 @@ if typing.TYPE_CHECKING:
     import torch
 
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
-SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # weights are cast for sampling; fp8 is training-only
+SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cast for sampling
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 CONDITIONS = ("auto", "class", "text")
 SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "usp")

@@ -106,7 +106,9 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
     - weights cast to the compute dtype (``mixed_precision``: fp32 | bf16 | fp16; ``auto``: bf16 on CUDA, fp32 on
       CPU): inference keeps no float32 master copy, so every step reads half the bytes and autocast's per-call
       weight casts are gone (diffusers' pipelines do the same with ``torch_dtype``). Inputs are cast by the
-      embedders; ``GuidedModel`` combines the guided outputs in float32.
+      embedders; ``GuidedModel`` combines the guided outputs in float32. ``fp8``: bf16, and the blocks' big
+      linear layers as float8 GEMMs with per-channel weight and per-row activation scales (``apply_fp8`` with
+      ``inference=True``; H100-class GPU and torchao).
     - attention kernels, fused adaLN kernels and sequence parallelism (``dist.sp_mesh``) as in training
       (``ditforge.parallel.parallelize``, no optimizer-side wrapping);
     - ``compile``: ``torch.compile`` of the whole model with static shapes (``dynamic=False``: one graph per batch
@@ -122,16 +124,22 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
             auto``'s measurement.
 
     Raises:
-        UserError: fp8 asked (not a sampling precision), or a fused kernel without Triton on the device.
+        UserError: an unknown precision; fp8 without an FP8 GPU or torchao, or with sequence parallelism; a fused
+            kernel without Triton on the device.
     """
-    from ditforge.parallel import parallelize
+    from ditforge.parallel import apply_fp8, parallelize
 
     _check_precision(mixed_precision)
+    if mixed_precision == "fp8" and d.sp_mesh is not None:
+        raise UserError("--mixed_precision fp8: not with --sequence_parallel_size > 1 (FastSeq projects slices of "
+                        "the qkv weight, which float8 weights do not offer); use bf16")
     dtype = resolve_precision(mixed_precision, d.device)
     model = model.to(device=d.device, dtype=dtype).eval().requires_grad_(False)
     model = parallelize(model, d, attention="fast" if enable_flashattn else "auto",
                         enable_modulate_kernel=enable_modulate_kernel, enable_layernorm_kernel=enable_layernorm_kernel,
                         sequence_parallel_type=sequence_parallel_type, batch_size=batch_size)
+    if mixed_precision == "fp8":
+        log.info("fp8: %d linear layers run float8 GEMMs", apply_fp8(model, d.device, inference=True))
     if compile == "none":
         return model
     compiled = torch.compile(model, mode=None if compile == "default" else compile, dynamic=False)

@@ -16,10 +16,11 @@ def linear_gelu_tanh(x: torch.Tensor, fc: nn.Linear) -> torch.Tensor:
     being written by the GEMM and read and written again by a separate GELU kernel; the GELU is also applied
     to the float32 accumulator rather than to the rounded product. Measured on DiT-XL/2 sampling at batch 8
     (H100, benchmarks/sampling.py --top): the separate GELU was 9% of the GPU time. Everywhere else (CPU,
-    where ``_addmm_activation`` is the exact GELU; training; autocast; float8 layers) the plain
+    where ``_addmm_activation`` is the exact GELU; training; autocast; float8 layers or weights) the plain
     ``F.gelu(fc(x), approximate="tanh")``.
     """
-    if (x.is_cuda and type(fc) is nn.Linear and fc.bias is not None and x.dtype == fc.weight.dtype
+    if (x.is_cuda and type(fc) is nn.Linear and type(fc.weight) in (torch.Tensor, nn.Parameter)
+            and fc.bias is not None and x.dtype == fc.weight.dtype
             and not (torch.is_grad_enabled() and (x.requires_grad or fc.weight.requires_grad))):
         out = torch._addmm_activation(fc.bias, x.reshape(-1, x.shape[-1]), fc.weight.t(), use_gelu=True)
         return out.view(*x.shape[:-1], fc.out_features)

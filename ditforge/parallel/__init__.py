@@ -103,11 +103,25 @@ def fp8_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def apply_fp8(model: nn.Module, device: torch.device) -> int:
-    """Swap the transformer blocks' big linear layers (qkv, proj, fc1, fc2) for torchao's float8 training
-    linears (dynamic tensorwise scaling: e4m3 forward, e5m2 gradients; Micikevicius et al. 2022, "FP8
-    Formats for Deep Learning"). The adaLN regressions (M = batch rows) and embedders stay bf16: too small
-    to gain. Parameter names, shapes and fp32 master weights do not change. Returns the number swapped.
+def _big_linear(module: nn.Module, fqn: str) -> bool:
+    """The blocks' linear layers worth float8: not the adaLN regressions (M = batch rows) or the embedders, too
+    small to gain; both sides multiples of 16, as the float8 GEMMs require."""
+    return (isinstance(module, nn.Linear) and fqn.startswith("blocks.") and "adaLN" not in fqn
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False) -> int:
+    """Run the transformer blocks' big linear layers (qkv, proj, fc1, fc2, cross-attention; ``_big_linear``)
+    as float8 matrix products with torchao. Returns the number of layers changed.
+
+    - training (default): torchao's float8 training linears (dynamic tensorwise scaling: e4m3 forward, e5m2
+      gradients; Micikevicius et al. 2022, "FP8 Formats for Deep Learning"). Parameter names, shapes and fp32
+      master weights do not change.
+    - ``inference``: ``quantize_`` with ``Float8DynamicActivationFloat8WeightConfig(PerRow())``: each bf16
+      weight (D_out, D_in) stored once as e4m3 with one scale per output channel, each activation row scaled
+      by its own absolute maximum at run time; ``torch._scaled_mm`` accumulates in fp32 and returns bf16. The
+      model must already be bf16 (rowwise scaled GEMMs take bf16 operands); the weights become torchao
+      tensor subclasses, so their state dict is no longer plain.
 
     Raises:
         UserError: no CUDA device with FP8 tensor cores, or torchao is not installed.
@@ -115,14 +129,19 @@ def apply_fp8(model: nn.Module, device: torch.device) -> int:
     reason = fp8_unavailable(device)
     if reason:
         raise UserError(f"--mixed_precision fp8: {reason}")
+    if inference:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        # set_inductor_config=False: keep inductor's settings those of the bf16 path (torchao would switch
+        # on coordinate-descent tuning process-wide).
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
+                  filter_fn=_big_linear)
+        return sum(isinstance(m, nn.Linear) and type(m.weight) not in (torch.Tensor, nn.Parameter)
+                   for m in model.modules())
     from torchao.float8 import convert_to_float8_training
 
-    def big_linear(module: nn.Module, fqn: str) -> bool:
-        return (isinstance(module, nn.Linear) and fqn.startswith("blocks.") and "adaLN" not in fqn
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
-
     before = sum(type(m) is nn.Linear for m in model.modules())
-    convert_to_float8_training(model, module_filter_fn=big_linear)
+    convert_to_float8_training(model, module_filter_fn=_big_linear)
     return before - sum(type(m) is nn.Linear for m in model.modules())
 
 
