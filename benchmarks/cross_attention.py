@@ -20,7 +20,7 @@ def main() -> None:
     v = torch.randn(B, H, L, Dh, device=dev, dtype=dt, requires_grad=True)
     lengths = torch.randint(1, L + 1, (B, 1), device=dev)
     mask = (torch.arange(L, device=dev) < lengths)[:, None, None, :]
-    print(f"| backend | mask | fwd+bwd ms |\n|---|---|---:|")
+    print("| backend | mask | fwd+bwd ms |\n|---|---|---:|")
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH):
         for m in (None, mask):
