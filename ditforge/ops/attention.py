@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# Fastest first on Hopper at DiT shapes (REFERENCES.md, H100, B64 x 16 heads x 256 tokens x 72, bf16
-# forward: cuDNN 165, Flash 124, memory-efficient 50, math 11 TFLOP/s); math last so any input still runs.
-FAST_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
+# GPUs on which cuDNN's attention may go first, and the cuDNN it needs (exclusive): PyTorch's own rule for
+# preferring it (``check_prefer_cudnn_attention`` in aten's sdp_utils.cpp, pytorch/pytorch#174200): cuDNN up to
+# 9.15.0 can access memory out of bounds when the query length is not a multiple of 128 (pytorch/pytorch#169849).
+CUDNN_ATTENTION_CAPABILITIES = ((9, 0), (9, 3), (10, 0), (10, 3))
+CUDNN_ATTENTION_MIN_VERSION = 91500
 ATTENTION_BACKENDS = ("auto", "fast", "math")
 _preferred: list[SDPBackend] | None = None
 # project(x, heads) -> (q, k, v): the query, key and value projection of tokens x (B, N, D) for the heads in
@@ -91,11 +92,31 @@ def self_attention(x: torch.Tensor, project: Projection) -> torch.Tensor:
     return _split_sequence_attention(x, project)
 
 
-def set_attention_backend(backend: str = "auto") -> str:
+def cudnn_attention_preferred(device: torch.device) -> bool:
+    """Whether cuDNN's attention kernels go first on ``device``: a CUDA GPU in ``CUDNN_ATTENTION_CAPABILITIES``
+    (Hopper, Blackwell datacenter parts) with cuDNN newer than 9.15.0 and cuDNN SDPA not switched off
+    (``torch.backends.cuda.enable_cudnn_sdp(False)``)."""
+    return (device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available()
+            and torch.backends.cudnn.version() > CUDNN_ATTENTION_MIN_VERSION
+            and torch.cuda.get_device_capability(device) in CUDNN_ATTENTION_CAPABILITIES)
+
+
+def fast_backends(device: torch.device) -> list[SDPBackend]:
+    """The SDPA backends in ``--enable_flashattn`` order on ``device``: cuDNN first where
+    ``cudnn_attention_preferred`` (fastest on Hopper at DiT shapes: REFERENCES.md, H100, B64 x 16 heads x 256
+    tokens x 72, bf16 forward: cuDNN 165, Flash 124, memory-efficient 50, math 11 TFLOP/s), else after Flash and
+    memory-efficient; math last so any input still runs."""
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    if cudnn_attention_preferred(device):
+        return [SDPBackend.CUDNN_ATTENTION, *fused, SDPBackend.MATH]
+    return [*fused, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+def set_attention_backend(backend: str = "auto", device: torch.device | None = None) -> str:
     """Choose the SDPA kernels behind ``attention``: ``fast`` (``--enable_flashattn``) the fastest exact kernel
-    PyTorch has, in ``FAST_BACKENDS`` order; ``math`` the unfused reference computation (materialises the
-    N x N scores, as the original DiT code did; the baseline row of ``ditforge bench``); ``auto`` PyTorch's
-    default order. Returns a description for the log.
+    PyTorch has on ``device`` (default: the current CUDA device, else the CPU), in ``fast_backends`` order;
+    ``math`` the unfused reference computation (materialises the N x N scores, as the original DiT code did;
+    the baseline row of ``ditforge bench``); ``auto`` PyTorch's default order. Returns a description for the log.
 
     Raises:
         ValueError: an unknown backend name.
@@ -103,7 +124,9 @@ def set_attention_backend(backend: str = "auto") -> str:
     global _preferred
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {ATTENTION_BACKENDS}")
-    _preferred = {"auto": None, "fast": FAST_BACKENDS, "math": [SDPBackend.MATH]}[backend]
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    _preferred = {"auto": None, "fast": fast_backends(device), "math": [SDPBackend.MATH]}[backend]
     if _preferred is None:
         return "PyTorch's default SDPA order"
     return "SDPA, in order: " + ", ".join(b.name.lower() for b in _preferred)

@@ -92,7 +92,7 @@ FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper or newer
 
 
 def fp8_unavailable(device: torch.device) -> str | None:
-    """Why FP8 training cannot run on ``device`` ("needs ..."), or None when it can."""
+    """Why float8 matrix products (training or sampling) cannot run on ``device`` ("needs ..."), or None."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         return (f"needs a CUDA GPU with FP8 tensor cores (compute capability >= {FP8_MIN_CAPABILITY[0]}."
                 f"{FP8_MIN_CAPABILITY[1]}, e.g. H100)")
@@ -134,10 +134,10 @@ def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False) -
 
         # set_inductor_config=False: keep inductor's settings those of the bf16 path (torchao would switch
         # on coordinate-descent tuning process-wide).
+        chosen = sum(_big_linear(m, fqn) for fqn, m in model.named_modules())
         quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
                   filter_fn=_big_linear)
-        return sum(isinstance(m, nn.Linear) and type(m.weight) not in (torch.Tensor, nn.Parameter)
-                   for m in model.modules())
+        return chosen
     from torchao.float8 import convert_to_float8_training
 
     before = sum(type(m) is nn.Linear for m in model.modules())
@@ -189,7 +189,7 @@ def parallelize(
         The model to train: the same module (fully_shard works in place) or a DDP wrapper around it.
         State-dict keys of the plain model are reachable through torch.distributed.checkpoint.state_dict.
     """
-    log.info("attention: %s", set_attention_backend(attention))
+    log.info("attention: %s", set_attention_backend(attention, dist.device))
     set_sequence_attention(None)
     set_frame_exchange(None)
     if dist.sp_mesh is not None:

@@ -254,22 +254,27 @@ def test_communication_formulas():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused block kernels run on CUDA")
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_ring_blocks_match_float32_blocks(dtype):
+def test_fused_ring_blocks_match_float32_blocks(dtype, kernel):
     """The ring's fused block forward (out, lse) and backward (given the final out and lse) against the plain
     float32 block functions on the same half-precision inputs. q is a permuted view, as the projection gives it;
-    the K/V block has another length. Tolerance: 1e-2 of the largest value (outputs and gradients are rounded
+    the K/V block has another length. Each kernel where the ring would use it (cuDNN) or could (FlashAttention-2,
+    Ampere or newer). Tolerance: 1e-2 of the largest value (outputs and gradients are rounded
     to 16 bits; bf16 eps 7.8e-3), 1e-3 absolute on the float32 lse."""
-    from ditforge.parallel.sequence.ring import (block_backward, block_forward, fused_block_backward,
-                                                 fused_block_forward, fused_block_kernel)
+    from ditforge.ops.attention import cudnn_attention_preferred
+    from ditforge.parallel.sequence.ring import block_backward, block_forward, fused_block_backward, fused_block_forward
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if kernel == "cudnn" and not cudnn_attention_preferred(dev):
+        pytest.skip("the ring uses cuDNN's attention only where PyTorch prefers it")
+    if kernel == "flash" and torch.cuda.get_device_capability(dev) < (8, 0):
+        pytest.skip("FlashAttention-2 needs Ampere or newer")
 
     g = torch.Generator("cuda").manual_seed(int.from_bytes(os.urandom(3), "little"))
     q = torch.randn(2, 300, 3, 16, 72, device="cuda", dtype=dtype, generator=g)[:, :, 0].transpose(1, 2)
     k, v = (torch.randn(2, 16, 184, 72, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     dout = torch.randn(2, 16, 300, 72, device="cuda", dtype=dtype, generator=g)
-    kernel = fused_block_kernel(q, None)
-    if kernel is None:
-        pytest.skip("no fused attention kernel on this GPU")
     scale = 72 ** -0.5
     out, lse, aux = fused_block_forward(kernel, q, k, v, scale)
     want_out, want_lse = block_forward(q, k, v, None, scale)

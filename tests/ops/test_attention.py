@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ditforge.ops.attention import FAST_BACKENDS, attention, set_attention_backend
+from ditforge.ops.attention import attention, fast_backends, set_attention_backend
 
 
 @pytest.mark.parametrize("backend", ["auto", "fast", "math"])
@@ -24,10 +24,22 @@ def test_attention_matches_float64_reference(backend):
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
-def test_fast_order_prefers_cudnn_then_flash_and_keeps_math():
-    assert FAST_BACKENDS[:2] == [torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-                                 torch.nn.attention.SDPBackend.FLASH_ATTENTION]
-    assert FAST_BACKENDS[-1] == torch.nn.attention.SDPBackend.MATH
+@pytest.mark.parametrize("capability, cudnn, first", [
+    ((9, 0), 91501, "CUDNN_ATTENTION"),   # H100 / H200 with a cuDNN past the out-of-bounds bug
+    ((10, 0), 92000, "CUDNN_ATTENTION"),  # B200
+    ((9, 0), 91500, "FLASH_ATTENTION"),   # cuDNN 9.15.0 and older (pytorch/pytorch#169849)
+    ((8, 0), 92000, "FLASH_ATTENTION"),   # A100: PyTorch does not prefer cuDNN there either
+    ((12, 0), 92000, "FLASH_ATTENTION"),  # consumer Blackwell
+])
+def test_fast_order_puts_cudnn_first_only_where_pytorch_prefers_it(monkeypatch, capability, cudnn, first):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    order = [b.name for b in fast_backends(torch.device("cuda", 0))]
+    assert order[0] == first and order[-1] == "MATH" and len(set(order)) == 4
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)  # switched off by the user
+    assert fast_backends(torch.device("cuda", 0))[0].name == "FLASH_ATTENTION"
+    assert fast_backends(torch.device("cpu"))[0].name == "FLASH_ATTENTION"
 
 
 def test_unknown_backend_is_refused():

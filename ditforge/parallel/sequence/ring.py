@@ -15,10 +15,11 @@ travel round the ring with their K/V block and, after P hops, arrive back at the
 
 Per-block kernels: on CUDA in fp16/bf16, blocks without padding keys run PyTorch's fused attention forward and
 backward ops, which give the block's output and lse and whose backward takes the final O and L (exactly as
-ring-flash-attention calls flash-attn): cuDNN's (``aten::_scaled_dot_product_cudnn_attention[_backward]``) on
-Hopper and newer, where PyTorch's own SDPA also prefers it (measured on an H100, 2026-11-23, one 16-head
-Dh 72 bf16 block of 32k x 32k tokens: forward 14.9 vs 22.6 ms, backward 37.3 vs 62.8 ms), FlashAttention-2's
-(``aten::_scaled_dot_product_flash_attention[_backward]``) on Ampere. Blocks with padding keys, float32
+ring-flash-attention calls flash-attn): cuDNN's (``aten::_scaled_dot_product_cudnn_attention[_backward]``)
+where PyTorch's own SDPA prefers it (``ops.attention.cudnn_attention_preferred``: Hopper and Blackwell
+datacenter GPUs with cuDNN newer than 9.15.0; measured by benchmarks/attention_blocks.py on an H100 with
+cuDNN 9.19, 2026-11-23, one 16-head Dh 72 bf16 block of 32k x 32k tokens: forward 13.95 vs 20.50 ms, backward
+39.2 vs 62.9 ms), else FlashAttention-2's (``aten::_scaled_dot_product_flash_attention[_backward]``, Ampere or newer). Blocks with padding keys, float32
 inputs, older GPUs and CPUs run plain PyTorch in float32, which materialises one N_local x N_local score block
 per head (never the full N x N).
 """
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ditforge.ops.attention import cudnn_attention_preferred
 from ditforge.parallel.sequence.ulysses import gather_valid
 
 _KV_TAG, _DKV_TAG = 0, 1
@@ -87,10 +89,9 @@ def fused_block_kernel(q: torch.Tensor, mask: torch.Tensor | None) -> str | None
     dh = q.shape[-1]
     if not (mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dh % 8 == 0):
         return None
-    capability = torch.cuda.get_device_capability(q.device)
-    if capability >= (9, 0) and dh <= 128 and torch.backends.cudnn.is_available():
+    if dh <= 128 and cudnn_attention_preferred(q.device):
         return "cudnn"
-    return "flash" if capability >= (8, 0) and dh <= 256 else None  # FlashAttention-2 needs Ampere or newer
+    return "flash" if torch.cuda.get_device_capability(q.device) >= (8, 0) and dh <= 256 else None  # FA2: Ampere+
 
 
 def fused_block_forward(kernel: str, q, k, v, scale):
