@@ -96,6 +96,21 @@ def _check_precision(name: str) -> None:
         raise UserError(f"--mixed_precision: expected {' | '.join(SAMPLING_PRECISIONS)} for sampling, got {name}")
 
 
+def _check_fp8(d: Dist) -> None:
+    """Raises UserError where fp8 sampling cannot run: no FP8 GPU or torchao, or sequence parallelism (FastSeq,
+    which ``auto`` may pick, projects slices of the qkv weight; float8 weights offer none, and the other variants
+    are untested with fp8)."""
+    from ditforge.parallel import fp8_unavailable
+
+    if d.sp_mesh is not None:
+        raise UserError("--mixed_precision fp8: not with --sequence_parallel_size > 1 (FastSeq projects slices of "
+                        "the qkv weight, which float8 weights do not offer; the other variants are untested with "
+                        "fp8); use bf16")
+    reason = fp8_unavailable(d.device)
+    if reason:
+        raise UserError(f"--mixed_precision fp8: {reason}")
+
+
 def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto", compile: str = "none",
                   enable_flashattn: bool = False, enable_modulate_kernel: bool = False,
                   enable_layernorm_kernel: bool = False, sequence_parallel_type: str = "auto",
@@ -130,9 +145,8 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
     from ditforge.parallel import apply_fp8, parallelize
 
     _check_precision(mixed_precision)
-    if mixed_precision == "fp8" and d.sp_mesh is not None:
-        raise UserError("--mixed_precision fp8: not with --sequence_parallel_size > 1 (FastSeq projects slices of "
-                        "the qkv weight, which float8 weights do not offer); use bf16")
+    if mixed_precision == "fp8":
+        _check_fp8(d)
     dtype = resolve_precision(mixed_precision, d.device)
     model = model.to(device=d.device, dtype=dtype).eval().requires_grad_(False)
     model = parallelize(model, d, attention="fast" if enable_flashattn else "auto",
@@ -363,6 +377,8 @@ def sample(cfg: SampleConfig) -> np.ndarray:
 
 
 def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
+    if cfg.mixed_precision == "fp8":  # before the checkpoint is read
+        _check_fp8(d)
     if cfg.cfg_parallel and d.world_size != 2 * d.sp_size:
         raise UserError(f"--cfg_parallel: needs 2 x --sequence_parallel_size ({2 * d.sp_size}) processes under "
                         f"torchrun, got {d.world_size}")
