@@ -5,7 +5,7 @@ own ``train_step`` (diffusion loss, AdamW, clipping, EMA), so what is timed is w
 
     a  the original DiT recipe: fp32, PyTorch LayerNorm and modulate, unfused (math) attention
     b  + bf16 autocast
-    c  + fastest exact attention (``--enable_flashattn``: SDPA cuDNN, then Flash)
+    c  + fastest exact attention (``--enable_flashattn``: SDPA cuDNN, then Flash, where PyTorch prefers cuDNN)
     d  + fused adaLN Triton kernels (``--enable_modulate_kernel``)
     e  + ``torch.compile`` of the blocks (``--compile``)
     f  + FP8 matrix products in the blocks' linear layers (``--mixed_precision fp8``)

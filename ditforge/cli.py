@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "reduce-overhead (one CUDA graph per model call); the first batch and the first decode are slow "
                       "while they compile")
     fast.add_argument("--enable_flashattn", action="store_true", help="attention through the fastest exact kernel "
-                      "(cuDNN, then Flash)")
+                      "(cuDNN, then Flash, on Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     fast.add_argument("--enable_modulate_kernel", action="store_true", help="fused Triton LayerNorm + adaLN "
                       "modulate and gated-residual kernels")
     fast.add_argument("--enable_layernorm_kernel", action="store_true", help="LayerNorm as a Triton kernel")

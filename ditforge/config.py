@@ -83,7 +83,8 @@ class TrainConfig:
     grad_checkpoint: str = _f("none", "activation checkpointing: none | full (every block; the bare flag) | "
                                       "every-K (every K-th block) | op (keep matmul and attention outputs, "
                                       "recompute the element-wise ops)", const="full")
-    enable_flashattn: bool = _f(False, "attention through the fastest exact kernel (cuDNN, then Flash) on GPUs")
+    enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs (cuDNN, then Flash, on "
+                                       "Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "
                                              "and the gated residual")
     enable_layernorm_kernel: bool = _f(False, "LayerNorm as a Triton kernel (modulate stays in PyTorch)")
