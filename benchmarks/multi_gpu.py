@@ -50,7 +50,7 @@ def run_plugin(d, plugin, model_name, batch_per_gpu, steps, warmup, save_dir):
     y = torch.randint(0, 1000, (batch_per_gpu,), device=device)
     times = []
     for i in range(warmup + steps):
-        rnd = step_randomness(0, i, global_batch, (4, 32, 32), 1000, 0.1, device, d.rank, d.world_size)
+        rnd = step_randomness(0, i, global_batch, (4, 32, 32), diffusion, 0.1, device, d.rank, d.world_size)
         if d.world_size > 1:
             dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,7 +78,7 @@ def run_plugin(d, plugin, model_name, batch_per_gpu, steps, warmup, save_dir):
                 t0 = time.perf_counter()
                 cp.save(k, state, {"bench": True})
                 # Training goes on: one more step, which waits for the copy off the GPU before it updates.
-                rnd = step_randomness(0, 99, global_batch, (4, 32, 32), 1000, 0.1, device, d.rank, d.world_size)
+                rnd = step_randomness(0, 99, global_batch, (4, 32, 32), diffusion, 0.1, device, d.rank, d.world_size)
                 train_step(model, diffusion, opt, None, [(x, y, rnd)], torch.bfloat16, 1.0, d)
                 torch.cuda.synchronize()
                 blocked = time.perf_counter() - t0 - step_s

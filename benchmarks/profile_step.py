@@ -67,7 +67,7 @@ def main() -> None:
     cond = synthetic_condition(cfg, cfg.batch_size, device, torch.Generator(device=device).manual_seed(0))
 
     def step(i):
-        rnd = step_randomness(0, i, cfg.batch_size, shape, 1000, 0.1, device)
+        rnd = step_randomness(0, i, cfg.batch_size, shape, diffusion, 0.1, device)
         train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, d)
         ema.update(model, 0.9999)
 

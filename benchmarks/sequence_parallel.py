@@ -117,7 +117,7 @@ def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int, top: int = 
     counter = itertools.count()
 
     def step() -> None:
-        rnd = step_randomness(0, next(counter), d.dp_size, shape, 1000, 0.1, d.device, d.dp_rank, d.dp_size)
+        rnd = step_randomness(0, next(counter), d.dp_size, shape, diffusion, 0.1, d.device, d.dp_rank, d.dp_size)
         train_step(model, diffusion, opt, None, [(x, {"y": y}, rnd)], torch.bfloat16, 1.0, d)
 
     torch.cuda.reset_peak_memory_stats()

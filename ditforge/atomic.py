@@ -21,3 +21,26 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary folder beside ``path`` (``.NAME.tmp``); when the block succeeds it replaces
+    ``path`` (an existing folder is moved aside first and removed after the rename), when it fails it is removed.
+    A crash leaves either the old folder or the new one under ``path``, never a half-written one."""
+    import shutil
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

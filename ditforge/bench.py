@@ -150,7 +150,7 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     for step in range(warmup + steps):
         if step >= warmup:
             marks.append(_mark(cuda))
-        rnd = step_randomness(cfg.seed, step, batch, shape, diffusion.num_timesteps, 0.1, device)
+        rnd = step_randomness(cfg.seed, step, batch, shape, diffusion, 0.1, device)
         terms = train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, Dist(device=device))
         ema.update(model, 0.9999)
         losses.append(terms["loss"])

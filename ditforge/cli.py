@@ -83,10 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "N samples, labels cycling over the classes (default: one per class)")
     s.add_argument("--cfg_scale", type=float, default=4.0, help="classifier-free guidance scale (1: no guidance)")
     s.add_argument("--num_sampling_steps", type=int, default=250, help="respaced diffusion steps (2..1000)")
-    s.add_argument("--sampler", default="ddpm", choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
+    s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
                    "dpm++ (DPM-Solver++ 2M) and euler are diffusers' schedulers on DiT's schedule (needs diffusers; "
-                   "~20 steps suffice)")
+                   "~20 steps suffice); a rectified-flow model (--objective flow) takes euler, ditforge's Euler on "
+                   "the velocity (default: ddpm; euler for flow models; a fine-tuned diffusers pipeline always uses "
+                   "its own scheduler)")
     s.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0: deterministic)")
     s.add_argument("--seed", type=int, default=0, help="seed of the noise")
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")
@@ -143,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="the .safetensors file to write (the run config goes in its "
                    "metadata), or the folder for --format diffusers")
     e.add_argument("--no_ema", dest="use_ema", action="store_false", help="export the raw weights, not the EMA")
-    e.add_argument("--format", choices=("safetensors", "diffusers"), default="safetensors",
-                   help="diffusers: a folder that diffusers' DiTPipeline.from_pretrained loads (image class-conditional "
-                   "DiT only; transformer/, DDIM scheduler/, vae/)")
+    e.add_argument("--format", choices=("safetensors", "diffusers", "lora"), default="safetensors",
+                   help="diffusers: a pipeline folder diffusers loads offline with from_pretrained (a fine-tuned "
+                   "--init_from pipeline: the fine-tuned denoiser, LoRA merged, beside the untouched components; an "
+                   "image class-conditional DiT: a DiTPipeline with transformer/, DDIM scheduler/, vae/); lora: a LoRA "
+                   "run's adapters as OUT/pytorch_lora_weights.safetensors for pipe.load_lora_weights(OUT)")
     e.add_argument("--vae", default=None, help="--format diffusers: the local diffusers AutoencoderKL folder to put in "
                    "the pipeline (default: the run's VAE)")
 
@@ -196,7 +200,16 @@ def main(argv: list[str] | None = None) -> int:
             bench(BenchConfig(**args))
         elif command == "export":
             fmt, vae = args.pop("format"), args.pop("vae")
-            if fmt == "diffusers":
+            from ditforge.train.checkpoint import load_weights
+
+            state, config = load_weights(args["ckpt"], args["use_ema"])
+            if config is not None and config["model"].get("family"):  # a fine-tuned diffusers pipeline
+                from ditforge.train.finetune import export_pretrained
+
+                export_pretrained(state, config, args["out"], fmt, args["use_ema"])
+            elif fmt == "lora":
+                raise UserError("--format lora: the checkpoint is no LoRA fine-tune of a diffusers pipeline")
+            elif fmt == "diffusers":
                 from ditforge.interop import export_diffusers
                 from ditforge.sample import load_model
 

@@ -24,6 +24,9 @@ PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 CONDITIONS = ("auto", "class", "text")
 SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "usp")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+OBJECTIVES = ("auto", "ddpm", "v", "flow")
+WEIGHTING_SCHEMES = ("logit_normal", "uniform")
+RESIZE_MODES = ("center_crop", "letterbox")
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -48,6 +51,23 @@ class ModelConfig:
     num_classes: int | None = _f(None, "number of class labels (default: from the data)")
     learn_sigma: bool = _f(True, "predict the variance too (hybrid loss of Improved DDPM)")
     class_dropout_prob: float = _f(0.1, "label (or caption) dropout probability for classifier-free guidance")
+    init_from: str | None = _f(None, "start from pretrained weights: a local diffusers pipeline folder "
+                                     "(model_index.json) of Stable Diffusion 1.x/2.x, PixArt-alpha/sigma, SD3 or DiT, "
+                                     "an official DiT .pt, or a ditforge run, checkpoint or export; the folder decides "
+                                     "the denoiser, text encoders, VAE and objective")
+    objective: str = _f("auto", "training objective: ddpm (epsilon) | v (v-prediction) | flow (rectified flow) | "
+                                "auto (the --init_from pipeline's scheduler; else ddpm)", choices=OBJECTIVES)
+    flow_shift: float | None = _f(None, "flow: timestep shift t' = s t / (1 + (s - 1) t) (default: the scheduler's "
+                                        "shift, else 1)")
+    weighting_scheme: str = _f("logit_normal", "flow: density of the training times: logit_normal (SD3) | uniform",
+                               choices=WEIGHTING_SCHEMES)
+    logit_mean: float = _f(0.0, "flow: mean of the logit-normal time density")
+    logit_std: float = _f(1.0, "flow: standard deviation of the logit-normal time density")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank instead of all weights (0: full fine-tuning)")
+    lora_alpha: float | None = _f(None, "LoRA scale numerator: updates are scaled by alpha / rank (default: rank)")
+    lora_target_modules: str | None = _f(None, "comma-separated module names LoRA adapts (default: to_q,to_k,to_v,"
+                                               "to_out.0 for diffusers models; qkv,proj for ditforge's DiT)")
+    family: str | None = _f(None, "the --init_from pipeline's family (sd | pixart | sd3), or None", cli=False)
     in_channels: int | None = _f(None, "input channels (default: from the data)", cli=False)
     input_size: int | None = _f(None, "spatial input size of the model (default: --image_size)", cli=False)
     num_frames: int | None = _f(None, "frames of the model's input (video models: --num_frames)", cli=False)
@@ -64,6 +84,18 @@ class DataConfig:
     frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
                                 "stride that fits")
     random_flip: bool | None = _f(None, "random horizontal flips (default: on for image folders, off for digits)")
+    resize_mode: str = _f("center_crop", "captioned images: center_crop (short side to --image_size, centre square) "
+                                         "| letterbox (long side to --image_size, padded with mid grey)",
+                          choices=RESIZE_MODES)
+    instance_data: str | None = _f(None, "DreamBooth: a folder of images of the subject (replaces --data)")
+    instance_prompt: str | None = _f(None, "DreamBooth: the caption of every instance image, e.g. 'a photo of sks "
+                                           "dog'")
+    class_data: str | None = _f(None, "DreamBooth prior preservation: a folder of class images; the base model "
+                                      "generates the missing ones up to --num_class_images")
+    class_prompt: str | None = _f(None, "DreamBooth prior preservation: the class images' caption, e.g. 'a photo "
+                                        "of dog'")
+    num_class_images: int = _f(100, "DreamBooth prior preservation: class images wanted in --class_data")
+    prior_loss_weight: float = _f(1.0, "DreamBooth prior preservation: weight of the class images' loss")
     num_workers: int | None = _f(None, "data loader worker processes (default: 0 for digits and clips, which "
                                        "live in memory, and for features; 4 for image folders and CSVs)")
 
@@ -314,3 +346,20 @@ def validate(cfg: RunConfig) -> None:
 
     if cfg.model.model is not None:
         model_spec(cfg.model.model)
+    m, data = cfg.model, cfg.data
+    if m.objective not in OBJECTIVES:
+        raise UserError(f"--objective: expected one of {', '.join(OBJECTIVES)}, got {m.objective}")
+    if m.lora_rank < 0:
+        raise UserError(f"--lora_rank: expected an integer >= 0, got {m.lora_rank}")
+    if m.lora_rank and m.init_from is None:
+        raise UserError("--lora_rank: LoRA adapts pretrained weights; give --init_from")
+    if data.resize_mode not in RESIZE_MODES:
+        raise UserError(f"--resize_mode: expected one of {', '.join(RESIZE_MODES)}, got {data.resize_mode}")
+    if (data.instance_data is None) != (data.instance_prompt is None):
+        raise UserError("--instance_data and --instance_prompt: DreamBooth needs both")
+    if (data.class_data is None) != (data.class_prompt is None):
+        raise UserError("--class_data and --class_prompt: prior preservation needs both")
+    if data.class_data is not None and data.instance_data is None:
+        raise UserError("--class_data: prior preservation is part of DreamBooth; give --instance_data too")
+    if data.num_class_images < 1:
+        raise UserError(f"--num_class_images: expected a positive integer, got {data.num_class_images}")

@@ -37,11 +37,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from ditforge.atomic import atomic_dir
 from ditforge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -237,22 +237,11 @@ def export_diffusers(model: torch.nn.Module, spec: dict, out_dir: str | os.PathL
                        scheduler=DDIMScheduler(**ddim_scheduler_config()))
 
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    old = out.with_name(f".{out.name}.old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out) as tmp:
         pipe.save_pretrained(str(tmp), safe_serialization=True)
         keep = {k: v for k, v in spec.items() if k != "run_config"}
         keep["vae"] = "vae"  # relative: the folder's own vae/
         (tmp / SPEC_FILE).write_text(json.dumps(keep, indent=2, default=str))
-        if out.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log.info("wrote a diffusers DiTPipeline of %s to %s", spec.get("model"), out)
     return out
 

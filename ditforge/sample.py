@@ -55,7 +55,7 @@ class SampleConfig:
     num_frames: int | None = None
     cfg_scale: float = 4.0
     num_sampling_steps: int = 250
-    sampler: str = "ddpm"
+    sampler: str | None = None
     eta: float = 0.0
     seed: int = 0
     batch_size: int = 256
@@ -341,7 +341,7 @@ def sample(cfg: SampleConfig) -> np.ndarray:
             sequence parallelism; ``cfg_parallel`` without guidance or with the wrong process count; a
             ``cfg_interval`` outside 0..999 or ``guidance_channels`` beyond the model's channels.
     """
-    if cfg.sampler not in SAMPLERS:
+    if cfg.sampler is not None and cfg.sampler not in SAMPLERS:
         raise UserError(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {cfg.sampler}")
     if not 2 <= cfg.num_sampling_steps <= 1000:
         raise UserError(f"--num_sampling_steps: expected 2..1000, got {cfg.num_sampling_steps}")
@@ -388,6 +388,8 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         f"{d.world_size} (or --cfg_parallel with half of that)")
     device = d.device
     state, spec = _read(cfg.ckpt, cfg.use_ema)
+    if spec.get("family"):
+        return _sample_pipeline(cfg, prompts, d, state, spec)
     if cfg.model is not None:
         spec["model"] = cfg.model
     video = is_video_model(spec["model"])
@@ -473,6 +475,34 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     return samples
 
 
+def _sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, state, spec: dict) -> np.ndarray:
+    """A fine-tuned diffusers pipeline (``ditforge train --init_from FOLDER``): its own pipeline class and
+    scheduler draw ``num_sampling_steps`` steps with guidance ``cfg_scale``; sample i starts from the noise of seed
+    ``derive_seed(seed, i)``. Writes one PNG grid (``out``, default samples.png) and the optional .npz."""
+    from ditforge.train.finetune import generate_with_pipeline, load_finetuned
+
+    if d.world_size > 1:
+        raise UserError("--sequence_parallel_size / --cfg_parallel: a fine-tuned diffusers pipeline samples in one "
+                        "process")
+    if not prompts:
+        raise UserError(f"--prompt: {cfg.ckpt} is a text-to-image pipeline; give --prompt \"...\" (repeatable) or "
+                        "--prompt_file FILE")
+    if cfg.class_labels is not None or cfg.num_samples is not None:
+        raise UserError("--class_labels/--num_samples: the model is text-conditioned; give --prompt or --prompt_file")
+    pre, denoiser, run = load_finetuned(state, spec["run_config"], d.device, cfg.use_ema)
+    size = cfg.image_size or run.data.image_size
+    seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]
+    pixels = generate_with_pipeline(pre, denoiser.inner, prompts, seeds, size, cfg.num_sampling_steps, cfg.cfg_scale,
+                                    cfg.batch_size)
+    images = to_uint8(pixels)
+    out = cfg.out or "samples.png"
+    save_grid(images, out, nrow=min(len(images), 8))
+    if cfg.save_npz:
+        _save_npz(cfg.save_npz, samples=images, prompts=np.array(prompts))
+    log.info("wrote %d samples of %s to %s", len(images), pre.pipeline_class, out)
+    return images
+
+
 def _generate(cfg: SampleConfig, d: Dist, model, spec: dict, vae, shape: tuple[int, ...], y: torch.Tensor,
               y_mask: torch.Tensor | None, **noise) -> torch.Tensor:
     """``generate`` with the command's sampler, guidance, PAB and CFG-parallel settings; ``noise``: generator or
@@ -481,8 +511,13 @@ def _generate(cfg: SampleConfig, d: Dist, model, spec: dict, vae, shape: tuple[i
     cfg_group = None
     if cfg.cfg_parallel:
         cfg_group = (d.sp_mesh["dp"] if d.sp_mesh is not None else d.mesh).get_group()
+    objective = spec.get("objective") or "ddpm"
+    sampler = cfg.sampler or ("euler" if objective == "flow" else "ddpm")
+    if objective == "flow" and sampler != "euler":
+        raise UserError(f"--sampler {sampler}: {cfg.ckpt} was trained with rectified flow; it samples with euler")
     return generate(model, y, shape, y_mask=y_mask, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_sampling_steps,
-                    sampler=cfg.sampler, eta=cfg.eta, learn_sigma=spec["learn_sigma"],
+                    sampler=sampler, eta=cfg.eta, learn_sigma=spec["learn_sigma"], objective=objective,
+                    flow_shift=spec.get("flow_shift") or 1.0,
                     clip_denoised=isinstance(vae, IdentityVAE), guidance_channels=cfg.guidance_channels,
                     cfg_interval=cfg.cfg_interval, pab=PABConfig() if cfg.pab else None, cfg_group=cfg_group,
                     progress=d.is_main, **noise)

@@ -1,8 +1,10 @@
 """Gaussian diffusion as in DiT / ADM: linear betas, q(x_t | x_0), the posterior, learned-range variance,
-and the hybrid training loss L_simple + L_vlb.
+and the hybrid training loss L_simple + L_vlb; epsilon or v-prediction (Stable Diffusion 2's 768px models).
 
 Sources: Ho et al. 2020 ("DDPM", eqs. 4, 6, 7, 12); Nichol & Dhariwal 2021 ("Improved DDPM", eqs. 15, 16 and
-the discretised decoder); ``gaussian_diffusion.py`` of openai/guided-diffusion as used by facebookresearch/DiT.
+the discretised decoder); ``gaussian_diffusion.py`` of openai/guided-diffusion as used by facebookresearch/DiT;
+Salimans & Ho 2022 ("Progressive Distillation", sec. 4: v = sqrt(abar) eps - sqrt(1 - abar) x_0); the beta
+schedules of diffusers' ``DDPMScheduler`` (``linear``, ``scaled_linear``, ``squaredcos_cap_v2``).
 All schedule tables are float64, and so is the arithmetic on the tensors (cheap next to the model), so the
 formulas match their closed forms to float64 precision; results are cast back to the input dtype.
 """
@@ -22,6 +24,33 @@ def linear_betas(num_timesteps: int = 1000) -> torch.Tensor:
     """Linear schedule of Ho et al. 2020, rescaled for other step counts as ADM does. float64 (T,)."""
     scale = 1000 / num_timesteps
     return torch.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=torch.float64)
+
+
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+def betas_from_schedule(schedule: str = "linear", num_timesteps: int = 1000, beta_start: float = 1e-4,
+                        beta_end: float = 0.02) -> torch.Tensor:
+    """float64 (T,) betas of a diffusers ``beta_schedule``, recomputed in float64 (diffusers builds them in float32):
+
+    - ``linear``: linspace(beta_start, beta_end, T) (DDPM; DiT, PixArt);
+    - ``scaled_linear``: linspace(sqrt(beta_start), sqrt(beta_end), T)^2 (Latent Diffusion / Stable Diffusion);
+    - ``squaredcos_cap_v2``: the cosine schedule, beta_t = min(1 - abar(t+1)/abar(t), 0.999) with
+      abar(t) = cos^2((t/T + 0.008) / 1.008 * pi/2) (Nichol & Dhariwal 2021, eq. 17).
+
+    Raises:
+        ValueError: another schedule name.
+    """
+    if schedule == "linear":
+        return torch.linspace(beta_start, beta_end, num_timesteps, dtype=torch.float64)
+    if schedule == "scaled_linear":
+        return torch.linspace(beta_start**0.5, beta_end**0.5, num_timesteps, dtype=torch.float64) ** 2
+    if schedule == "squaredcos_cap_v2":
+        t = torch.arange(num_timesteps + 1, dtype=torch.float64) / num_timesteps
+        abar = torch.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+        return (1 - abar[1:] / abar[:-1]).clamp(max=0.999)
+    raise ValueError(f"unknown beta schedule {schedule!r}; expected one of {BETA_SCHEDULES}")
 
 
 def space_timesteps(num_timesteps: int, section_counts: str | int) -> list[int]:
@@ -93,7 +122,7 @@ class Prediction:
 
 
 class GaussianDiffusion:
-    """Discrete-time Gaussian diffusion with epsilon prediction and (optionally) learned-range variance.
+    """Discrete-time Gaussian diffusion with epsilon or v-prediction and (optionally) learned-range variance.
 
     Args:
         betas: float64 (T,) noise schedule.
@@ -102,16 +131,22 @@ class GaussianDiffusion:
             ("fixed large", DiT's choice when it does not learn sigma).
         timestep_map: for a respaced process, the original timestep of each kept step; the model is called
             with original timesteps.
+        prediction_type: what the model's first C channels predict: ``epsilon`` (the noise) or
+            ``v_prediction`` (v = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0, Salimans & Ho 2022); diffusers' names.
 
     Timesteps passed to methods are int64 (B,) indices into this process's own steps.
     """
 
-    def __init__(self, betas: torch.Tensor, learn_sigma: bool = True, timestep_map: list[int] | None = None):
+    def __init__(self, betas: torch.Tensor, learn_sigma: bool = True, timestep_map: list[int] | None = None,
+                 prediction_type: str = "epsilon"):
         betas = betas.to(torch.float64)
         if betas.ndim != 1 or not bool(((betas > 0) & (betas <= 1)).all()):
             raise ValueError("betas must be a 1-D tensor in (0, 1]")
+        if prediction_type not in PREDICTION_TYPES:
+            raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
         self.num_timesteps = len(betas)
         self.learn_sigma = learn_sigma
+        self.prediction_type = prediction_type
         self.timestep_map = torch.tensor(timestep_map if timestep_map is not None else range(len(betas)))
         self.original_timesteps: list[int] = self.timestep_map.tolist()  # host copy: loops read it without syncs
         self.betas = betas
@@ -145,6 +180,10 @@ class GaussianDiffusion:
         out = table.to(t.device)[t]
         return out.reshape(out.shape + (1,) * (ndim - 1))
 
+    def sample_timesteps(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+        """Training timesteps: (n,) int64 uniform in 0..T-1 (DDPM's Algorithm 1)."""
+        return torch.randint(0, self.num_timesteps, (n,), generator=generator, device=device)
+
     def model_timesteps(self, t: torch.Tensor) -> torch.Tensor:
         """The original (un-respaced) timesteps the model is conditioned on, int64 (B,)."""
         return self.timestep_map.to(t.device)[t]
@@ -174,6 +213,22 @@ class GaussianDiffusion:
             self.sqrt_recipm1_alphas_cumprod, t, n
         ) * eps.double()
 
+    def eps_from_output(self, x_t: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The noise the model's prediction ``out`` implies, float64: ``out`` itself for epsilon; for v,
+        eps = sqrt(1 - abar_t) x_t + sqrt(abar_t) v (invert x_t = sqrt(abar) x_0 + sqrt(1 - abar) eps and v)."""
+        if self.prediction_type == "epsilon":
+            return out.double()
+        n = x_t.ndim
+        return (self._extract(self.sqrt_one_minus_alphas_cumprod, t, n) * x_t.double()
+                + self._extract(self.sqrt_alphas_cumprod, t, n) * out.double())
+
+    def velocity(self, x_start: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """v = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0 (Salimans & Ho 2022, sec. 4; diffusers' ``get_velocity``),
+        float64."""
+        n = x_start.ndim
+        return (self._extract(self.sqrt_alphas_cumprod, t, n) * noise.double()
+                - self._extract(self.sqrt_one_minus_alphas_cumprod, t, n) * x_start.double())
+
     def predict_eps_from_xstart(self, x_t: torch.Tensor, t: torch.Tensor, pred_xstart: torch.Tensor) -> torch.Tensor:
         """Inverse of ``predict_xstart_from_eps``, float64."""
         n = x_t.ndim
@@ -187,7 +242,8 @@ class GaussianDiffusion:
         """Turn a model output into p(x_{t-1} | x_t).
 
         Args:
-            model_output: (B, 2C, ...) when ``learn_sigma`` (eps, variance values v in [-1, 1]), else (B, C, ...).
+            model_output: (B, 2C, ...) when ``learn_sigma`` (eps or v, then variance values in [-1, 1]), else
+                (B, C, ...).
             x_t: (B, C, ...) current sample.
             clip_denoised: clamp the predicted x_0 to [-1, 1] (pixel-space data).
 
@@ -198,14 +254,15 @@ class GaussianDiffusion:
         if self.learn_sigma:
             if model_output.shape[1] != 2 * C:
                 raise ValueError(f"learned sigma needs {2 * C} output channels, got {model_output.shape[1]}")
-            eps, var_values = model_output.double().split(C, dim=1)
+            pred, var_values = model_output.double().split(C, dim=1)
+            eps = self.eps_from_output(x_t, t, pred)
             min_log = self._extract(self.posterior_log_variance_clipped, t, n)
             max_log = self._extract(torch.log(self.betas), t, n)
             frac = (var_values + 1) / 2
             log_variance = frac * max_log + (1 - frac) * min_log
             variance = torch.exp(log_variance)
         else:
-            eps = model_output.double()
+            eps = self.eps_from_output(x_t, t, model_output)
             # Fixed large variance: beta_t, with beta~_1 at t = 0 (as guided-diffusion's FIXED_LARGE).
             large = torch.cat([self.posterior_variance[1:2], self.betas[1:]])
             variance = self._extract(large, t, n)
@@ -233,9 +290,13 @@ class GaussianDiffusion:
     def training_losses(
         self, model_fn: ModelFn, x_start: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """The hybrid loss of Improved DDPM / DiT: L_simple (MSE on eps) + L_vlb (learned variance only).
+        """The hybrid loss of Improved DDPM / DiT: L_simple (MSE on eps, or on v for v-prediction) + L_vlb
+        (learned variance only).
 
         The vb term sees the eps prediction detached, so it trains only the variance (Improved DDPM sec. 3.1).
+        With ``learn_sigma`` off this is exactly diffusers' training scripts' loss: MSE between the model output
+        and ``noise`` (epsilon) or ``scheduler.get_velocity(x_0, noise, t)`` (v_prediction), on
+        ``scheduler.add_noise(x_0, noise, t)``.
 
         Args:
             model_fn: (x_t, model_timesteps) -> model output; the timesteps it gets are original ones.
@@ -249,28 +310,31 @@ class GaussianDiffusion:
         C = x_t.shape[1]
         terms = {}
         if self.learn_sigma:
-            eps, var_values = model_output.split(C, dim=1)
-            frozen = torch.cat([eps.detach(), var_values], dim=1)
+            pred, var_values = model_output.split(C, dim=1)
+            frozen = torch.cat([pred.detach(), var_values], dim=1)
             terms["vb"] = self.vb_terms_bpd(frozen, x_start, x_t, t)
         else:
-            eps = model_output
-        terms["mse"] = mean_flat((noise.double() - eps.double()) ** 2)
+            pred = model_output
+        target = noise.double() if self.prediction_type == "epsilon" else self.velocity(x_start, t, noise)
+        terms["mse"] = mean_flat((target - pred.double()) ** 2)
         terms["loss"] = terms["mse"] + terms["vb"] if self.learn_sigma else terms["mse"]
         return terms
 
 
 def create_diffusion(
-    timestep_respacing: str | int | None = None, learn_sigma: bool = True, diffusion_steps: int = 1000
+    timestep_respacing: str | int | None = None, learn_sigma: bool = True, diffusion_steps: int = 1000,
+    betas: torch.Tensor | None = None, prediction_type: str = "epsilon",
 ) -> GaussianDiffusion:
-    """DiT's diffusion: ``diffusion_steps`` linear-beta steps, optionally respaced for sampling (e.g. ``"250"``).
+    """DiT's diffusion: ``diffusion_steps`` linear-beta steps (or the given float64 ``betas``), optionally respaced
+    for sampling (e.g. ``"250"``).
 
     Respacing keeps the chosen steps and recomputes betas so that the kept steps have the same abar_t
     (Improved DDPM sec. 4): beta'_i = 1 - abar_{s_i} / abar_{s_{i-1}}.
     """
-    betas = linear_betas(diffusion_steps)
+    betas = linear_betas(diffusion_steps) if betas is None else betas.to(torch.float64)
     if not timestep_respacing:
-        return GaussianDiffusion(betas, learn_sigma)
-    keep = space_timesteps(diffusion_steps, timestep_respacing)
+        return GaussianDiffusion(betas, learn_sigma, prediction_type=prediction_type)
+    keep = space_timesteps(len(betas), timestep_respacing)
     abar = torch.cumprod(1.0 - betas, 0)[keep]
     prev = torch.cat([torch.ones(1, dtype=torch.float64), abar[:-1]])
-    return GaussianDiffusion(1.0 - abar / prev, learn_sigma, timestep_map=keep)
+    return GaussianDiffusion(1.0 - abar / prev, learn_sigma, timestep_map=keep, prediction_type=prediction_type)

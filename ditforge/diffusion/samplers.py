@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ditforge.diffusion.flow import RectifiedFlow, euler_loop
 from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn, create_diffusion
 from ditforge.diffusion.pab import PABConfig, PyramidAttentionBroadcast
 from ditforge.errors import UserError
@@ -42,11 +43,11 @@ def randn_like_rows(x: torch.Tensor, generator: Generators) -> torch.Tensor:
                       for g in generator])
 
 
-def diffusers_scheduler(sampler: str, num_train_timesteps: int = 1000):
+def diffusers_scheduler(sampler: str, num_train_timesteps: int = 1000, prediction_type: str = "epsilon"):
     """diffusers' scheduler for ``sampler`` on DiT's training schedule.
 
     Both: ``num_train_timesteps`` linear betas 1e-4..0.02 (``beta_schedule="linear"``, as ``linear_betas``),
-    epsilon prediction, ``timestep_spacing="trailing"`` (integer timesteps from T - 1 down with an even stride,
+    ``prediction_type`` (epsilon, or v_prediction), ``timestep_spacing="trailing"`` (integer timesteps from T - 1 down with an even stride,
     so the model only sees timesteps it was trained on; Lin et al. 2024). ``"dpm++"``:
     ``DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2)`` (second-order multistep,
     first order on the last steps as diffusers' default ``lower_order_final``); ``"euler"``:
@@ -64,7 +65,7 @@ def diffusers_scheduler(sampler: str, num_train_timesteps: int = 1000):
         raise UserError(f"--sampler {sampler}: needs diffusers (pip install diffusers), which cannot be imported "
                         f"({e}); --sampler ddpm and ddim work without it") from None
     common = dict(num_train_timesteps=num_train_timesteps, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
-                  prediction_type="epsilon", timestep_spacing="trailing")
+                  prediction_type=prediction_type, timestep_spacing="trailing")
     if sampler == "dpm++":
         return DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2, **common)
     return EulerDiscreteScheduler(**common)
@@ -81,6 +82,7 @@ def solver_loop(
     desc: str | None = None,
     callback=None,
     on_step: Callable[[int], None] | None = None,
+    prediction_type: str = "epsilon",
 ) -> torch.Tensor:
     """Run a diffusers solver (``"dpm++"`` or ``"euler"``) from ``noise`` to x_0, as diffusers' pipelines do.
 
@@ -99,6 +101,7 @@ def solver_loop(
         callback: called as ``callback(i, t, x)`` after step i with the new x (tests compare intermediates).
         on_step: called with each step's timestep (host int) before its model call (default: ``model_fn.step``
             when it has one, e.g. ``GuidedModel``).
+        prediction_type: the scheduler's (``epsilon`` or ``v_prediction``): what the model's first C channels are.
 
     Returns:
         (B, C, ...) samples in ``noise``'s dtype.
@@ -106,7 +109,7 @@ def solver_loop(
     Raises:
         UserError: diffusers missing. ValueError: unknown sampler.
     """
-    sched = diffusers_scheduler(sampler)
+    sched = diffusers_scheduler(sampler, prediction_type=prediction_type)
     sched.set_timesteps(num_steps, device=noise.device)
     sched.set_begin_index(0)
     x = noise * sched.init_noise_sigma
@@ -299,9 +302,11 @@ def generate(
     pab: PABConfig | None = None,
     cfg_group: dist.ProcessGroup | None = None,
     progress: bool = False,
+    objective: str = "ddpm",
+    flow_shift: float = 1.0,
 ) -> torch.Tensor:
     """Draw one sample per condition row: respaced diffusion or a diffusers solver, classifier-free guidance,
-    in batches.
+    in batches; or, for a rectified-flow model, Euler steps on the velocity.
 
     The shared sampler of ``ditforge sample`` and the trainer's periodic sample grids. Two noise conventions:
 
@@ -338,6 +343,9 @@ def generate(
         pab: Pyramid Attention Broadcast settings (``ditforge.diffusion.pab``): attention outputs reused across
             neighbouring steps (one cache per batch); None: every step computes everything.
         progress: a tqdm bar over the steps of each batch.
+        objective: what the model was trained on (``ditforge.diffusion.objective``): ``ddpm`` (epsilon), ``v``
+            (v-prediction: our samplers and the diffusers solvers convert it) or ``flow`` (velocity: sampler
+            ``euler`` only, ``flow.euler_loop`` on ``flow_shift``-shifted times; guidance acts on the velocity).
 
     Returns:
         (N, *shape) float32 samples on ``y``'s device.
@@ -350,6 +358,8 @@ def generate(
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
+    if objective == "flow" and sampler != "euler":
+        raise ValueError(f"a rectified-flow model samples with euler, not {sampler!r}")
     if not 2 <= num_steps <= 1000:
         raise ValueError(f"num_steps must be in 2..1000 (1 step cannot be respaced), got {num_steps}")
     n = y.shape[0]
@@ -368,7 +378,10 @@ def generate(
     else:
         gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         noise = torch.cat([torch.randn((1, *shape), generator=g, device=device, dtype=torch.float32) for g in gens])
-    diffusion = create_diffusion(str(num_steps), learn_sigma) if sampler in OWN_SAMPLERS else None
+    prediction_type = "v_prediction" if objective == "v" else "epsilon"
+    diffusion = (create_diffusion(str(num_steps), learn_sigma, prediction_type=prediction_type)
+                 if sampler in OWN_SAMPLERS else None)
+    flow = RectifiedFlow(shift=flow_shift) if objective == "flow" else None
     out = []
     batches = range(0, n, batch_size)
     for j, start in enumerate(batches):
@@ -384,9 +397,12 @@ def generate(
                 cache.step(t)
 
             on_step = both_steps if cache is not None else None  # None: the loops call fn.step themselves
-            if diffusion is not None:
+            if flow is not None:
+                out.append(euler_loop(flow, fn, noise[rows], num_steps, on_step))
+            elif diffusion is not None:
                 out.append(sample_loop(diffusion, fn, noise[rows], sampler, eta, clip_denoised, g, progress, desc,
                                        on_step))
             else:
-                out.append(solver_loop(fn, noise[rows], sampler, num_steps, g, progress, desc, on_step=on_step))
+                out.append(solver_loop(fn, noise[rows], sampler, num_steps, g, progress, desc, on_step=on_step,
+                                       prediction_type=prediction_type))
     return torch.cat(out).float()

@@ -6,7 +6,7 @@ One place for both ways of feeding a run (encoding pixels and captions on the fl
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -41,15 +41,21 @@ class BatchEncoder:
             the encoder's ``max_length`` when None.
         class_captions: caption of each class label, for text conditioning on labelled images
             (e.g. "a handwritten digit seven").
+        prompt_encoder: instead of ``text_encoder``, a function from captions to the denoiser's conditioning
+            keywords (a pretrained pipeline's own encoders, ``Pretrained.encode_prompt``: e.g.
+            ``{"encoder_hidden_states": (B, 77, 768)}``); ``conditioning`` then returns its dict.
     """
 
     def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,
-                 text_length: int | None = None, class_captions: Sequence[str] | None = None):
+                 text_length: int | None = None, class_captions: Sequence[str] | None = None,
+                 prompt_encoder: Callable[[list[str]], dict[str, torch.Tensor]] | None = None):
         if condition not in ("class", "text"):
             raise ValueError(f"condition must be 'class' or 'text', got {condition!r}")
         self.condition = condition
         self.vae = vae
         self.text_encoder = text_encoder
+        self.prompt_encoder = prompt_encoder
+        self._prompts: dict[str, dict[str, torch.Tensor]] = {}
         self.text_length = text_length or (text_encoder.max_length if text_encoder is not None else None)
         self.class_captions = list(class_captions) if class_captions is not None else None
         self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -103,20 +109,36 @@ class BatchEncoder:
         return torch.cat([s for s, _ in padded]), torch.cat([m for _, m in padded])
 
     @torch.no_grad()
+    def encode_prompts(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Captions -> ``prompt_encoder``'s dict, stacked by row; the rows of the first ``CACHE_SIZE`` distinct
+        captions are kept (DreamBooth's one prompt, a data set's repeated captions are encoded once)."""
+        missing = list(dict.fromkeys(t for t in texts if t not in self._prompts))
+        fresh = {}
+        if missing:
+            out = self.prompt_encoder(missing)
+            fresh = {t: {k: v[i:i + 1] for k, v in out.items()} for i, t in enumerate(missing)}
+            if len(self._prompts) + len(fresh) <= self.CACHE_SIZE:
+                self._prompts.update(fresh)
+        rows = [fresh.get(t) or self._prompts[t] for t in texts]
+        return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+    @torch.no_grad()
     def conditioning(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
-        """Keyword arguments of the denoiser for the condition: ``{"y": labels (B,) int64}`` or
-        ``{"y": states (B, L, D_text) float32, "y_mask": (B, L) bool}``, on ``device``."""
+        """Keyword arguments of the denoiser for the condition: ``{"y": labels (B,) int64}``,
+        ``{"y": states (B, L, D_text) float32, "y_mask": (B, L) bool}``, or ``prompt_encoder``'s dict, on
+        ``device``."""
         if self.condition == "class":
             return {"y": torch.as_tensor(batch["label"]).to(device)}
         if "text_states" in batch:
-            states, mask = batch["text_states"], batch["text_mask"]
-        else:
-            texts = batch.get("text")
-            if texts is None:
-                if self.class_captions is None:
-                    raise ValueError("text conditioning needs captions, text states or class captions")
-                texts = [self.class_captions[int(i)] for i in batch["label"]]
-            states, mask = self.encode_captions(texts)
+            return {"y": batch["text_states"].to(device, torch.float32), "y_mask": batch["text_mask"].to(device)}
+        texts = batch.get("text")
+        if texts is None:
+            if self.class_captions is None:
+                raise ValueError("text conditioning needs captions, text states or class captions")
+            texts = [self.class_captions[int(i)] for i in batch["label"]]
+        if self.prompt_encoder is not None:
+            return {k: v.to(device) for k, v in self.encode_prompts(texts).items()}
+        states, mask = self.encode_captions(texts)
         return {"y": states.to(device, torch.float32), "y_mask": mask.to(device)}
 
 
@@ -124,7 +146,7 @@ def build_batch_encoder(cfg, dataset, device: torch.device, dtype: torch.dtype) 
     """Load the encoders a run needs and fill in what follows from them and the data, in ``cfg`` (a
     ``RunConfig``; the resolved values are saved with the run, so sampling rebuilds the same model and encoders).
 
-    Resolves ``--condition auto`` (text for video data, class for images), sets the model's ``in_channels``,
+    Resolves ``--condition auto`` (text for video data and captioned images, class for labelled images), sets the model's ``in_channels``,
     ``input_size`` (image_size / the VAE's downsample), ``num_frames``, ``text_dim`` and ``text_max_length``.
     A features folder fixes all of them (its encoders are not loaded: the features are already encoded).
 
@@ -152,8 +174,8 @@ def build_batch_encoder(cfg, dataset, device: torch.device, dtype: torch.dtype) 
         data.image_size, data.num_frames = stored["image_size"], stored["num_frames"]
         return BatchEncoder(m.condition, text_length=m.text_max_length)
     video = getattr(dataset, "num_frames", None) is not None
-    if m.condition == "auto":
-        m.condition = "text" if video else "class"
+    if m.condition == "auto":  # captioned images have no class labels (num_classes 0)
+        m.condition = "text" if video or not dataset.num_classes else "class"
     vae = load_vae(m.vae, device, torch.float32, pixel_channels=dataset.in_channels)
     if dataset.image_size % vae.downsample:
         raise UserError(f"--image_size {dataset.image_size} is not divisible by the downsample factor "

@@ -126,7 +126,29 @@ def create_model(
     return DiT(**common)
 
 
+def block_paths(model: nn.Module) -> list[str]:
+    """Qualified names of a denoiser's repeated blocks, the units activation checkpointing, compile and FSDP
+    wrap: ``blocks.0 .. blocks.N-1`` for ditforge's models; for an adapter of a diffusers model
+    (``ditforge.models.adapters``), every outermost module whose class is one of its ``block_classes``."""
+    classes = getattr(model, "block_classes", None)
+    if classes is None:
+        return [f"blocks.{i}" for i in range(len(model.blocks))]
+    paths: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in classes and not any(name.startswith(p + ".") for p in paths):
+            paths.append(name)
+    return paths
+
+
+def replace_block(model: nn.Module, path: str, new: nn.Module) -> None:
+    """Put ``new`` at ``path`` (a name from ``block_paths``) in place of the block there."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
 __all__ = [
+    "block_paths",
+    "replace_block",
     "DiT",
     "VideoDiT",
     "STDiT",

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ditforge.errors import UserError
+from ditforge.models import block_paths, replace_block
 from ditforge.ops.attention import set_attention_backend, set_frame_exchange, set_sequence_attention
 from ditforge.ops.modulate import set_kernels
 from ditforge.parallel.mesh import Dist
@@ -76,16 +77,17 @@ def _selective_context():
 
 
 def apply_grad_checkpoint(model: nn.Module, policy: str) -> None:
-    """Wrap ``model.blocks`` for activation checkpointing (Chen et al. 2016) by ``policy`` (see
-    ``parse_checkpoint_policy``); the state-dict keys do not change."""
+    """Wrap the model's repeated blocks (``block_paths``) for activation checkpointing (Chen et al. 2016) by
+    ``policy`` (see ``parse_checkpoint_policy``); the state-dict keys do not change."""
     kind, k = parse_checkpoint_policy(policy)
     if kind == "none":
         return
-    for i, block in enumerate(model.blocks):
+    for i, path in enumerate(block_paths(model)):
+        block = model.get_submodule(path)
         if kind == "op":
-            model.blocks[i] = checkpoint_wrapper(block, context_fn=_selective_context)
+            replace_block(model, path, checkpoint_wrapper(block, context_fn=_selective_context))
         elif i % k == 0:
-            model.blocks[i] = checkpoint_wrapper(block)
+            replace_block(model, path, checkpoint_wrapper(block))
 
 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper or newer
@@ -163,7 +165,8 @@ def parallelize(
     """Prepare ``model`` for (distributed) training without touching its code.
 
     Args:
-        model: a model with a ``blocks`` ModuleList (every DiT), fp32, on ``dist.device``.
+        model: a denoiser with repeated blocks (``ditforge.models.block_paths``: a DiT's ``blocks``, or the
+            blocks an adapter of a diffusers model declares), fp32, on ``dist.device``.
         plugin: ``none`` (one process), ``ddp`` (DistributedDataParallel: all replicated, gradients
             all-reduced), ``zero2`` (FSDP2 ``fully_shard`` with ``reshard_after_forward=False``: gradients
             and optimizer states sharded, parameters gathered once per step and kept through the backward),
@@ -215,8 +218,9 @@ def parallelize(
     if fp8:
         log.info("fp8: %d linear layers run float8 matrix products", apply_fp8(model, dist.device))
     apply_grad_checkpoint(model, grad_checkpoint)
+    blocks = [model.get_submodule(path) for path in block_paths(model)]
     if compile != "none":
-        for block in model.blocks:
+        for block in blocks:
             block.compile(mode=None if compile == "default" else compile)
     if plugin == "ddp":
         ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
@@ -228,7 +232,6 @@ def parallelize(
     if plugin in ("zero2", "fsdp"):
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         reshard = plugin == "fsdp"
-        blocks = list(model.blocks)
         for i, block in enumerate(blocks):
             # The last block is the first one the backward needs: resharding it would only gather it again.
             fully_shard(block, mesh=dist.mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=mp)

@@ -27,19 +27,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class EMA:
     """Polyak average ``ema <- decay * ema + (1 - decay) * weights`` of every trainable parameter.
 
-    Holds a copy of every parameter (frozen ones too, so the EMA state dict is a whole model state dict)
-    with the same placement as the model's: DTensor shards under ``fully_shard``, plain tensors otherwise.
-    ``state_dict()`` returns those tensors (for torch.distributed.checkpoint); ``full_state_dict()``
-    gathers them into plain CPU tensors (a collective: every rank must call it).
+    Holds a copy of every parameter (frozen ones too, so the EMA state dict is a whole model state dict;
+    with ``trainable_only``, as for LoRA, the trainable ones alone) with the same placement as the model's:
+    DTensor shards under ``fully_shard``, plain tensors otherwise. ``state_dict()`` returns those tensors (for
+    torch.distributed.checkpoint); ``full_state_dict()`` gathers them into plain CPU tensors (a collective: every
+    rank must call it).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, trainable_only: bool = False):
         self.shadow: dict[str, torch.Tensor] = {}
         self.trainable: list[str] = []
         self._pairs: tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None = None
         for name, p in model.named_parameters():
             key = canonical_name(name)
-            self.shadow[key] = p.detach().clone()
+            if p.requires_grad or not trainable_only:
+                self.shadow[key] = p.detach().clone()
             if p.requires_grad:
                 self.trainable.append(key)
 

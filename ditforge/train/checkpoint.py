@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -108,11 +109,14 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA) -> dict[str, Any]:
-    """The state DCP saves and loads in place: model and optimizer by plain parameter names, and the EMA."""
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA,
+                   adapters_only: bool = False) -> dict[str, Any]:
+    """The state DCP saves and loads in place: model and optimizer by plain parameter names, and the EMA.
+    ``adapters_only`` (LoRA): the model's trainable parameters alone; the frozen base comes from ``--init_from``."""
+    options = StateDictOptions(ignore_frozen_params=adapters_only)
     return {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "model": get_model_state_dict(model, options=options),
+        "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
         "ema": ema.state_dict(),
     }
 
@@ -246,7 +250,8 @@ class _AlreadyStaged:
         pass
 
 
-def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA) -> dict:
+def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA,
+                        adapters_only: bool = False) -> dict:
     """Load model, optimizer and EMA from a checkpoint folder into the (possibly sharded) training objects,
     whatever world size and plugin saved it. Returns the checkpoint's meta.json.
 
@@ -254,14 +259,15 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
         UserError: unreadable checkpoint, or one whose tensors do not fit the configured model.
     """
     meta = read_meta(ckpt)
-    state = training_state(model, optimizer, ema)
+    state = training_state(model, optimizer, ema, adapters_only)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(),
                  no_dist=not dist.is_initialized())
     except (CheckpointException, RuntimeError, ValueError, KeyError) as e:  # DCP's mismatch errors vary
         raise UserError(f"--resume: {ckpt} does not fit the configured model ({_describe(e)})") from None
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    options = StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
+    set_model_state_dict(model, state["model"], options=options)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     return meta
 
 

@@ -32,7 +32,8 @@ from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
 from ditforge.encoders.batch import BatchEncoder, as_batch, build_batch_encoder
-from ditforge.diffusion import GaussianDiffusion, create_diffusion, generate
+from ditforge.diffusion import generate
+from ditforge.diffusion.objective import Objective, create_objective
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.ops.attention import whole_sequences
@@ -40,6 +41,7 @@ from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resol
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
+from ditforge.train import finetune
 from ditforge.train.logging import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -57,15 +59,17 @@ class StepRandomness:
 
 
 def step_randomness(
-    seed: int, step: int, global_batch: int, sample_shape: tuple[int, ...], num_timesteps: int,
+    seed: int, step: int, global_batch: int, sample_shape: tuple[int, ...], objective: Objective,
     drop_prob: float, device: torch.device, rank: int = 0, world_size: int = 1, latent_noise: bool = False,
 ) -> StepRandomness:
     """Counter-based randomness: drawn for the whole global batch from a generator seeded by (seed, step),
     then sliced for this rank, so a step sees the same numbers whatever the number of processes (and
-    whether the latents are encoded on the fly or read from stored features). ``latent_noise`` adds ``eps``."""
+    whether the latents are encoded on the fly or read from stored features). Timesteps come from
+    ``objective.sample_timesteps`` (DDPM: uniform integers; flow: logit-normal or uniform times).
+    ``latent_noise`` adds ``eps``."""
     g = torch.Generator(device=device).manual_seed(derive_seed(seed, step))
     noise = torch.randn((global_batch, *sample_shape), generator=g, device=device)
-    t = torch.randint(0, num_timesteps, (global_batch,), generator=g, device=device)
+    t = objective.sample_timesteps(global_batch, g, device)
     drop = torch.rand(global_batch, generator=g, device=device) < drop_prob
     flip = torch.rand(global_batch, generator=g, device=device) < 0.5
     eps = torch.randn((global_batch, *sample_shape), generator=g, device=device) if latent_noise else None
@@ -87,23 +91,26 @@ def learning_rate(cfg: RunConfig, step: int) -> float:
 
 
 def train_step(
-    model: nn.Module, diffusion: GaussianDiffusion, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None, micro_batches: list[tuple[torch.Tensor, dict, StepRandomness]],
-    amp_dtype: torch.dtype, max_grad_norm: float, d: Dist,
+    model: nn.Module, diffusion: Objective, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None, micro_batches: list[tuple], amp_dtype: torch.dtype, max_grad_norm: float,
+    d: Dist, rows_per_sample: int = 1,
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this process's micro-batches, on the diffusion loss.
 
     A micro-batch is (x0 (B, C, [T,] H, W) latents or pixels, the model's condition keywords (``{"y": labels}``
-    or ``{"y": text states, "y_mask": mask}``, see ``BatchEncoder.conditioning``), its ``StepRandomness``).
-    Flips apply to x0 (for VAE latents: flipping the latents, as an approximation of encoding flipped pixels).
+    or ``{"y": text states, "y_mask": mask}``, see ``BatchEncoder.conditioning``), its ``StepRandomness``[, per-row
+    loss weights (B,) float]). Flips apply to x0 (for VAE latents: flipping the latents, as an approximation of
+    encoding flipped pixels). ``rows_per_sample``: rows that make one sample (2 for DreamBooth's instance and
+    class pairs, ``finetune.interleave_prior``).
 
-    The loss of each micro-batch is its sum over samples divided by this process's whole batch, so the
-    accumulated gradient is this process's mean; DDP / FSDP then average over processes, which gives the
+    The loss of each micro-batch is its (weighted) sum over rows divided by this process's number of samples, so
+    the accumulated gradient is this process's mean; DDP / FSDP then average over processes, which gives the
     mean over the global batch whatever the world size. Gradients are reduced only after the last
-    micro-batch. Returns this process's mean loss terms and the global gradient norm as 0-dim tensors (no
-    host sync here: the caller reads them when it logs).
+    micro-batch. Returns this process's loss (as optimised) and mean terms per row, and the global gradient
+    norm, as 0-dim tensors (no host sync here: the caller reads them when it logs).
     """
-    local_batch = sum(len(x) for x, _, _ in micro_batches)
+    rows = sum(len(mb[0]) for mb in micro_batches)
+    local_batch = rows / rows_per_sample
     # A new iteration for compiled CUDA graphs (--compile reduce-overhead / max-autotune): lets them replay
     # instead of falling back while the previous step's graphs look pending. A no-op without them.
     torch.compiler.cudagraph_mark_step_begin()
@@ -112,17 +119,19 @@ def train_step(
         if amp_dtype != torch.float32 else contextlib.nullcontext()
     )
     sums: dict[str, torch.Tensor] = {}
-    for i, (x, cond, rnd) in enumerate(micro_batches):
+    for i, (x, cond, rnd, *weight) in enumerate(micro_batches):
         x = torch.where(rnd.flip.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x)  # images and videos
         with gradient_sync(model, i == len(micro_batches) - 1):
             with autocast:
                 terms = diffusion.training_losses(
                     lambda xt, tt: model(xt, tt, **cond, force_drop_ids=rnd.drop), x, rnd.t, rnd.noise
                 )
-            loss = terms["loss"].sum() / local_batch
+            per_row = terms["loss"] * weight[0].to(terms["loss"]) if weight else terms["loss"]
+            loss = per_row.sum() / local_batch
             (scaler.scale(loss) if scaler is not None else loss).backward()
         for k, v in terms.items():
             sums[k] = sums.get(k, 0) + v.detach().sum()
+        sums["objective"] = sums.get("objective", 0) + loss.detach() * local_batch
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm_(model, max_grad_norm, d)
@@ -132,20 +141,24 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {k: v / local_batch for k, v in sums.items()} | {"grad_norm": grad_norm.detach()}
+    objective = sums.pop("objective") / local_batch
+    return {k: v / rows for k, v in sums.items()} | {"loss": objective, "grad_norm": grad_norm.detach()}
 
 
 @torch.no_grad()
 def sample_grid(
     model: nn.Module, cond: dict[str, torch.Tensor], shape: tuple[int, ...], seed: int, cfg_scale: float = 4.0,
-    num_steps: int = 100, learn_sigma: bool = True, clip_denoised: bool = True,
+    num_steps: int = 100, learn_sigma: bool = True, clip_denoised: bool = True, objective: str = "ddpm",
+    flow_shift: float | None = None,
 ) -> torch.Tensor:
     """Draw one sample per condition row (``cond`` as ``BatchEncoder.conditioning``) with DDPM respaced to
-    ``num_steps`` and guidance; (N, *shape) float32 (pixels in [-1, 1] or latents)."""
+    ``num_steps`` (Euler for a rectified-flow ``objective``) and guidance; (N, *shape) float32 (pixels in [-1, 1]
+    or latents)."""
     y = cond["y"]
     g = torch.Generator(device=y.device).manual_seed(seed)
     return generate(model, y, shape, y_mask=cond.get("y_mask"), cfg_scale=cfg_scale, num_steps=num_steps,
-                    learn_sigma=learn_sigma, generator=g, clip_denoised=clip_denoised)
+                    sampler="euler" if objective == "flow" else "ddpm", learn_sigma=learn_sigma, generator=g,
+                    clip_denoised=clip_denoised, objective=objective, flow_shift=flow_shift or 1.0)
 
 
 def _create_model(cfg: RunConfig) -> nn.Module:
@@ -181,8 +194,32 @@ def _decode(cfg: RunConfig, inputs: BatchEncoder, x: torch.Tensor, device: torch
     return vae.decode(x).float()
 
 
+def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
+    """The data set of ``--data``, or DreamBooth's (``--instance_data``), after the base pipeline ``pre`` has
+    generated the class images ``--class_data`` lacks (rank 0; the others wait)."""
+    data, bad = cfg.data, run_dir / "bad_samples.jsonl"
+    if data.instance_data is None:
+        return build_dataset(data.data, data.image_size, bad, data.num_frames, data.frame_interval, cfg.train.seed,
+                             resize_mode=data.resize_mode)
+    from ditforge.data.captions import DreamBoothDataset, count_images, generate_class_images
+
+    if data.image_size is None:
+        raise UserError("--image_size is required with --instance_data (e.g. --image_size 512)")
+    if data.class_data is not None:
+        if d.is_main and count_images(data.class_data) < data.num_class_images:
+            if pre is None:
+                raise UserError(f"--class_data {data.class_data}: fewer than --num_class_images "
+                                f"{data.num_class_images} images, and only a text-to-image pipeline (--init_from a "
+                                "diffusers folder) can generate the rest")
+            generate_class_images(pre.pipe, data.class_prompt, data.class_data, data.num_class_images, data.image_size,
+                                  seed=cfg.train.seed)
+        d.barrier()
+    return DreamBoothDataset(data.instance_data, data.instance_prompt, data.image_size, data.class_data,
+                             data.class_prompt, bad, data.resize_mode)
+
+
 def _default_outputs(cfg: RunConfig, d: Dist) -> str:
-    data = Path(cfg.data.data).name or "data"
+    data = Path(cfg.data.instance_data or cfg.data.data).name or "data"
     model = f"{cfg.model.model.replace('/', '-')}-" if cfg.model.model else ""
     name = [str(Path("outputs") / f"{data}-{model}{datetime.now():%Y%m%d-%H%M%S}")]
     if d.mesh is not None:  # every rank must write into the folder rank 0 named
@@ -235,41 +272,69 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if t.batch_size % per_step:
         raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.dp_size} data-parallel processes x "
                         f"--grad_accum_steps {par.grad_accum_steps}")
-    dataset = build_dataset(cfg.data.data, cfg.data.image_size, run_dir / "bad_samples.jsonl", cfg.data.num_frames,
-                            cfg.data.frame_interval, t.seed)
+    pre = dit_init = None  # a pretrained pipeline of a diffusers family / DiT weights (--init_from)
+    if m.init_from is not None:
+        if finetune.is_adapted_pipeline(m.init_from):
+            pre = finetune.load_pretrained(m.init_from, device, amp_dtype if device.type == "cuda" else torch.float32)
+        else:
+            dit_init = finetune.read_dit_init(cfg)
+    dataset = _build_dataset(cfg, run_dir, pre, d)
     video = getattr(dataset, "num_frames", None) is not None
-    if m.model is None:
-        m.model = "vDiT-T/244" if video else "DiT-T/2"
-    if is_video_model(m.model) != video:
-        raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
-                        f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
-    inputs = build_batch_encoder(cfg, dataset, device, amp_dtype if device.type == "cuda" else torch.float32)
+    if pre is not None:
+        inputs = finetune.pretrained_inputs(cfg, pre, dataset)
+    else:
+        if m.model is None:
+            m.model = "vDiT-T/244" if video else "DiT-T/2"
+        if is_video_model(m.model) != video:
+            raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
+                            f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
+        inputs = build_batch_encoder(cfg, dataset, device, amp_dtype if device.type == "cuda" else torch.float32)
     # clips: decoded once and kept; features: memory-mapped slices. Neither needs worker processes.
     in_memory = cfg.data.data in BUILTIN_DATASETS or getattr(dataset, "manifest", None) is not None
     if cfg.data.random_flip is None:
         cfg.data.random_flip = getattr(dataset, "random_flip", True)
     if cfg.data.num_workers is None:
         cfg.data.num_workers = 0 if in_memory else 4
+    if not dataset.num_classes and m.condition == "class":  # captioned images have no labels
+        raise UserError(f"--data {cfg.data.data} holds captioned images, no class labels; use --condition text")
     if m.num_classes is None:
-        m.num_classes = dataset.num_classes
+        m.num_classes = dataset.num_classes or None
     elif m.num_classes < dataset.num_classes and m.condition == "class":
         raise UserError(f"--num_classes {m.num_classes}: the data has {dataset.num_classes} classes")
     steps_per_epoch = len(dataset) // t.batch_size
     max_steps = t.max_steps or (t.epochs * max(steps_per_epoch, 1) if t.epochs else 1000)
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
-        t.lr = 1e-3 if "-T/" in m.model else 1e-4
+        t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
+    diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
+                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
+                                 where=f"--init_from {m.init_from}")
+    m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
+    if m.objective == "flow":
+        m.flow_shift = diffusion.shift
 
     torch.manual_seed(t.seed)  # the same initial weights on every rank
-    model = _create_model(cfg)
+    if pre is not None:
+        model = pre.denoiser
+    else:
+        model = _create_model(cfg)
+        if dit_init is not None:
+            finetune.load_dit_weights(model, finetune.dit_init_weights(dit_init, cfg), t.seed)
+    if m.lora_rank:
+        finetune.add_lora_to_denoiser(model, cfg)
     model.to(device).train()
+    if m.lora_rank and amp_dtype != torch.float32 and plugin in ("none", "ddp"):
+        for p in model.parameters():  # the frozen base computes in bf16 anyway: store it so (half the memory)
+            if not p.requires_grad:
+                p.data = p.data.to(amp_dtype)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
                         param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype,
                         enable_modulate_kernel=t.enable_modulate_kernel,
                         enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8",
                         sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step)
-    ema = EMA(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999),
+    adapters_only = bool(m.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
+    ema = EMA(model, trainable_only=adapters_only)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999),
                                   fused=device.type == "cuda")
     scaler = None
     if amp_dtype == torch.float16:
@@ -281,7 +346,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
             scaler = torch.amp.GradScaler(device.type)
     start_step = 0
     if resume_from is not None:
-        meta = ckpt_io.load_training_state(resume_from, model, optimizer, ema)
+        meta = ckpt_io.load_training_state(resume_from, model, optimizer, ema, adapters_only)
         start_step = int(meta["step"])
         if scaler is not None and meta.get("scaler"):
             scaler.load_state_dict(meta["scaler"])
@@ -303,25 +368,28 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
         persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
     )
-    diffusion = create_diffusion(None, m.learn_sigma)
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
     grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
     if d.is_main:
         n_params = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
         log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %d, "
-                 "run folder %s", m.model, n_params / 1e6, d.world_size, device.type, plugin,
+                 "run folder %s", m.model or f"{pre.pipeline_class} denoiser", n_params / 1e6, d.world_size, device.type, plugin,
                  str(amp_dtype).removeprefix("torch."), max_steps, t.batch_size, run_dir)
 
     def save(step: int) -> Path:
         meta = {"config": cfg.to_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
                 "world_size": d.world_size, "plugin": plugin}
-        return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema), meta)
+        return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema, adapters_only), meta)
 
     def write_samples(step: int) -> None:
         nonlocal grid_model, grid_cond
         weights = ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
         if not d.is_main:
+            return
+        if pre is not None:  # the family's own pipeline and scheduler draw the grid
+            pixels, grid_model = finetune.sample_grid(pre, cfg, weights, dataset, grid_model)
+            save_grid(to_uint8(pixels), (run_dir / "samples" / f"step-{step:07d}.png"), nrow=4)
             return
         if grid_model is None:
             grid_model = _create_model(cfg).to(device).eval()
@@ -329,7 +397,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         grid_model.load_state_dict(weights)
         with whole_sequences():  # rank 0 alone: no sequence-parallel attention
             x = sample_grid(grid_model, grid_cond, sample_shape, seed=t.seed, learn_sigma=m.learn_sigma,
-                            clip_denoised=m.vae == "none")  # VAE latents are not bounded to [-1, 1]
+                            clip_denoised=m.vae == "none",  # VAE latents are not bounded to [-1, 1]
+                            objective=m.objective, flow_shift=m.flow_shift)
         pixels = _decode(cfg, inputs, x, device)
         name = run_dir / "samples" / f"step-{step:07d}"
         if video:  # a GIF of grids: frame k of every sample side by side
@@ -353,11 +422,14 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         batches = iter(loader)
         while step < max_steps:
             interrupted.check(control_group)
-            batch = as_batch(next(batches))
+            batch, weights = as_batch(next(batches)), None
+            if "class_x" in batch:  # DreamBooth with prior preservation: instance and class rows alternate
+                batch, weights = finetune.interleave_prior(batch, cfg.data.prior_loss_weight)
+            rows = 1 if weights is None else 2
             mean, std = inputs.moments(batch, device)
             cond = inputs.conditioning(batch, device)
-            rnd = step_randomness(t.seed, step, t.batch_size, sample_shape, diffusion.num_timesteps,
-                                  m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
+            rnd = step_randomness(t.seed, step, t.batch_size * rows, sample_shape, diffusion, m.class_dropout_prob,
+                                  device, d.dp_rank, d.dp_size, latent_noise=std is not None)
             x = inputs.draw(mean, std, rnd.eps)
             if not cfg.data.random_flip:
                 rnd.flip.zero_()
@@ -365,10 +437,10 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
             conds = [dict(zip(cond, parts)) for parts in zip(*(v.chunk(k) for v in cond.values()))]
             rnds = [StepRandomness(*parts, None) for parts in zip(*(v.chunk(k) for v in
                                                                      (rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
-            micro = list(zip(x.chunk(k), conds, rnds))
+            micro = list(zip(x.chunk(k), conds, rnds, *([weights.to(device).chunk(k)] if rows > 1 else [])))
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
-            out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d)
+            out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d, rows)
             stepped = True
             checkpointer.wait_for_staging()  # a skipped fp16 step runs no pre-step hook; the EMA changes next
             ema.update(model, ema_decay_at(t.ema_decay, step))

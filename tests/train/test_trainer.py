@@ -537,7 +537,8 @@ def test_ema_decay_warmup():
 
 
 def _rnd(seed, step, rank=0, world_size=1, batch=32):
-    return step_randomness(seed, step, batch, (3, 4, 4), 1000, 0.1, torch.device("cpu"), rank, world_size)
+    return step_randomness(seed, step, batch, (3, 4, 4), create_diffusion(None), 0.1, torch.device("cpu"), rank,
+                           world_size)
 
 
 def test_step_randomness_is_counter_based():
@@ -573,7 +574,7 @@ def test_step_randomness_rank_slices(world_size):
 
 
 def test_step_randomness_distribution():
-    r = step_randomness(0, 0, 8192, (1,), 1000, 0.1, torch.device("cpu"))
+    r = step_randomness(0, 0, 8192, (1,), create_diffusion(None), 0.1, torch.device("cpu"))
     assert 0 <= int(r.t.min()) and int(r.t.max()) < 1000
     # Bernoulli means, 8192 draws: 5 sigma is 0.017 for p=0.1 and 0.028 for p=0.5
     assert abs(r.drop.float().mean().item() - 0.1) < 0.017

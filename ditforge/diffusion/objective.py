@@ -1,0 +1,79 @@
+"""The training objective as one seam: DDPM with epsilon or v-prediction (``GaussianDiffusion``) or rectified flow
+(``RectifiedFlow``), chosen by ``--objective`` or read from a diffusers pipeline's ``scheduler/scheduler_config.json``.
+
+Both objectives offer ``sample_timesteps(n, generator, device)``, ``training_losses(model_fn, x_0, t, noise)``
+(dict of (B,) float64 terms, ``loss`` among them), ``num_timesteps`` and ``learn_sigma``.
+"""
+
+from __future__ import annotations
+
+from ditforge.config import OBJECTIVES, WEIGHTING_SCHEMES
+from ditforge.diffusion.flow import RectifiedFlow
+from ditforge.diffusion.gaussian import BETA_SCHEDULES, GaussianDiffusion, betas_from_schedule, create_diffusion
+from ditforge.errors import UserError
+
+Objective = GaussianDiffusion | RectifiedFlow
+FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
+
+
+def objective_of_scheduler(config: dict, where: str = "scheduler") -> str:
+    """``ddpm`` | ``v`` | ``flow`` for a diffusers scheduler config: flow-matching schedulers are ``flow``; the
+    others by ``prediction_type`` (epsilon -> ``ddpm``, v_prediction -> ``v``).
+
+    Raises:
+        UserError: a prediction type other than epsilon / v_prediction (``sample``), naming ``where``.
+    """
+    if config.get("_class_name") in FLOW_SCHEDULERS:
+        return "flow"
+    pred = config.get("prediction_type", "epsilon")
+    if pred not in ("epsilon", "v_prediction"):
+        raise UserError(f"{where}: prediction_type {pred!r} is not supported (expected epsilon or v_prediction)")
+    return "ddpm" if pred == "epsilon" else "v"
+
+
+def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict | None = None,
+                     flow_shift: float | None = None, weighting_scheme: str = "logit_normal",
+                     logit_mean: float = 0.0, logit_std: float = 1.0, timestep_respacing: str | None = None,
+                     where: str = "scheduler") -> GaussianDiffusion | RectifiedFlow:
+    """The objective ``objective`` (``ddpm`` | ``v`` | ``flow``; ``auto`` = the scheduler's, else ``ddpm``).
+
+    Gaussian objectives take the scheduler's ``beta_schedule`` / ``beta_start`` / ``beta_end`` /
+    ``num_train_timesteps`` / ``trained_betas`` (recomputed in float64) or, without a scheduler config, DiT's
+    1000 linear betas; ``timestep_respacing`` respaces them for sampling. Flow takes ``flow_shift``, else the
+    scheduler's ``shift``, else 1.
+
+    Raises:
+        UserError: a scheduler with dynamic (resolution-dependent) shifting, an unknown beta schedule, or
+            zero-terminal-SNR rescaling, naming ``where``.
+    """
+    sched = scheduler_config or {}
+    if objective not in OBJECTIVES:
+        raise UserError(f"--objective: expected one of {', '.join(OBJECTIVES)}, got {objective}")
+    if objective == "auto":
+        objective = objective_of_scheduler(sched, where) if sched else "ddpm"
+    if objective == "flow":
+        if sched.get("use_dynamic_shifting"):
+            raise UserError(f"{where}: dynamic timestep shifting (use_dynamic_shifting) is not supported")
+        shift = flow_shift if flow_shift is not None else float(sched.get("shift", 1.0))
+        if weighting_scheme not in WEIGHTING_SCHEMES:
+            raise UserError(f"--weighting_scheme: expected one of {', '.join(WEIGHTING_SCHEMES)}, got {weighting_scheme}")
+        return RectifiedFlow(shift, weighting_scheme, logit_mean, logit_std, learn_sigma,
+                             int(sched.get("num_train_timesteps", 1000)))
+    betas = None
+    if sched:
+        if sched.get("rescale_betas_zero_snr"):
+            raise UserError(f"{where}: rescale_betas_zero_snr is not supported")
+        import torch
+
+        if sched.get("trained_betas") is not None:
+            betas = torch.tensor(sched["trained_betas"], dtype=torch.float64)
+        else:
+            schedule = sched.get("beta_schedule", "linear")
+            if schedule not in BETA_SCHEDULES:
+                raise UserError(f"{where}: beta_schedule {schedule!r} is not supported (expected one of "
+                                f"{', '.join(BETA_SCHEDULES)})")
+            betas = betas_from_schedule(schedule, int(sched.get("num_train_timesteps", 1000)),
+                                        float(sched.get("beta_start", 1e-4)), float(sched.get("beta_end", 0.02)))
+    return create_diffusion(timestep_respacing, learn_sigma, betas=betas,
+                            prediction_type="v_prediction" if objective == "v" else "epsilon")
+

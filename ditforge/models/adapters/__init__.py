@@ -1,0 +1,123 @@
+"""Denoisers of diffusers pipelines behind ditforge's denoiser call, without copying their code.
+
+An adapter (``DiffusersDenoiser``) holds the diffusers model under the pipeline's component name (``unet`` or
+``transformer``, so parameter names are ``unet.<diffusers key>``, the prefix diffusers' LoRA files use), and
+gives it ditforge's call ``forward(x, t, force_drop_ids=None, **cond) -> (B, C_out, ...)``; ``cond`` holds the
+tensors the family's text encoders produce (``encode_prompt`` of its pipeline), each batch-first. Caption dropout
+for classifier-free guidance replaces dropped rows with the encoding of the empty prompt, which is what the
+pipelines feed as the unconditional input (their default negative prompt).
+
+Each family declares its repeated blocks (``block_classes``, as diffusers' ``_no_split_modules`` /
+``_repeated_blocks``): ``parallel.parallelize`` wraps them for activation checkpointing, compiles them and
+shards them, as it does the blocks of ditforge's own models (``ditforge.models.block_paths``). A new family
+(a video pipeline such as Wan or CogVideoX) is one more subclass registered in ``FAMILIES``: the trainer does not
+change.
+
+Families: ``sd`` (Stable Diffusion 1.x / 2.x, ``sd_unet.py``), ``pixart`` (PixArt-alpha / sigma, ``pixart.py``),
+``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``). Official and diffusers DiT weights load into ditforge's own
+``DiT`` (``ditforge.interop``), which is the same network.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class DiffusersDenoiser(nn.Module):
+    """Base adapter: a diffusers denoiser with ditforge's call.
+
+    Class attributes set by each family:
+        family: short name (``sd``, ``pixart``, ``sd3``).
+        pipelines: the diffusers pipeline class names of the family.
+        pipeline_kwargs: extra arguments of the pipeline's ``__call__`` when ditforge samples with it.
+        component: the pipeline component that is the denoiser (``unet`` / ``transformer``).
+        block_classes: class names of the repeated blocks.
+        default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
+    """
+
+    family: str = ""
+    pipelines: tuple[str, ...] = ()
+    component: str = "transformer"
+    block_classes: tuple[str, ...] = ()
+    default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    pipeline_kwargs: dict[str, Any] = {}  # extra arguments of the pipeline's __call__ when ditforge samples
+
+    def __init__(self, model: nn.Module, vae_scale: int = 8):
+        super().__init__()
+        setattr(self, self.component, model)
+        self.vae_scale = vae_scale  # pixels per latent pixel (conditions that need the image size)
+        self.cond_keys: tuple[str, ...] = ()
+
+    @property
+    def inner(self) -> nn.Module:
+        """The diffusers model."""
+        return getattr(self, self.component)
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.inner.config.in_channels)
+
+    @property
+    def learn_sigma(self) -> bool:
+        """True when the model outputs 2C channels (learned variance, as PixArt and DiT)."""
+        out = getattr(self.inner.config, "out_channels", None)
+        return out is not None and int(out) == 2 * self.in_channels
+
+    def set_null_condition(self, cond: dict[str, torch.Tensor]) -> None:
+        """The condition of the empty prompt, one row each (``(1, ...)``); dropped rows get it. Kept as
+        non-persistent buffers: they follow the model's device and never enter a checkpoint."""
+        self.cond_keys = tuple(cond)
+        for key, value in cond.items():
+            self.register_buffer(f"null_{key}", value[:1].detach().clone(), persistent=False)
+
+    def drop(self, cond: dict[str, torch.Tensor], force_drop_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Replace the rows of ``cond`` where ``force_drop_ids`` (B,) bool is True by the empty prompt's."""
+        if force_drop_ids is None or not self.cond_keys:
+            return cond
+        out = dict(cond)
+        for key in self.cond_keys:
+            value, null = cond[key], getattr(self, f"null_{key}")
+            keep = ~force_drop_ids.view(-1, *[1] * (value.ndim - 1))
+            out[key] = torch.where(keep, value, null.to(value.dtype))
+        return out
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
+                **cond: torch.Tensor) -> torch.Tensor:
+        """x: (B, C, H, W) latents; t: (B,) timesteps (int64 DDPM indices, or float 1000 t for flow);
+        ``cond``: the family's conditioning tensors. Returns (B, C_out, H, W) in the compute dtype."""
+        return self.denoise(x, t, **self.drop(cond, force_drop_ids))
+
+    def denoise(self, x: torch.Tensor, t: torch.Tensor, **cond: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def encode_prompt(pipe: Any, texts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """Prompts -> the conditioning tensors, through the pipeline's own ``encode_prompt`` (no guidance)."""
+        raise NotImplementedError
+
+
+def _families() -> dict[str, type[DiffusersDenoiser]]:
+    from ditforge.models.adapters.pixart import PixArtDenoiser
+    from ditforge.models.adapters.sd3 import SD3Denoiser
+    from ditforge.models.adapters.sd_unet import SDUNetDenoiser
+
+    return {cls.family: cls for cls in (SDUNetDenoiser, PixArtDenoiser, SD3Denoiser)}
+
+
+def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:
+    """The adapter class for a diffusers pipeline class name, or None."""
+    for cls in _families().values():
+        if pipeline_class in cls.pipelines:
+            return cls
+    return None
+
+
+def supported_pipelines() -> list[str]:
+    """Pipeline class names ``--init_from`` accepts (DiTPipeline loads into ditforge's own DiT)."""
+    return [p for cls in _families().values() for p in cls.pipelines] + ["DiTPipeline"]
+
+
+__all__ = ["DiffusersDenoiser", "family_of_pipeline", "supported_pipelines"]

@@ -1,0 +1,25 @@
+"""Stable Diffusion 1.x / 2.x: diffusers' ``UNet2DConditionModel`` conditioned on CLIP text states."""
+
+from __future__ import annotations
+
+
+from ditforge.models.adapters import DiffusersDenoiser
+
+
+class SDUNetDenoiser(DiffusersDenoiser):
+    """``unet(x, t, encoder_hidden_states)``: x (B, 4, H/8, W/8) latents, t (B,) int64 in 0..999, condition
+    ``encoder_hidden_states`` (B, 77, D_text) (CLIP's last hidden states, D_text 768 for SD 1.x, 1024 for 2.x).
+    Repeated blocks: the transformer blocks and the ResNet blocks (diffusers checkpoints both)."""
+
+    family = "sd"
+    pipelines = ("StableDiffusionPipeline",)
+    component = "unet"
+    block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
+
+    def denoise(self, x, t, encoder_hidden_states):
+        return self.unet(x, t, encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
+
+    @staticmethod
+    def encode_prompt(pipe, texts, device):
+        embeds, _ = pipe.encode_prompt(list(texts), device, 1, False)
+        return {"encoder_hidden_states": embeds}

@@ -1,0 +1,538 @@
+"""Fine-tuning pretrained models: ``--init_from`` (a local diffusers pipeline folder, an official DiT ``.pt``, or a
+ditforge run / checkpoint / export), LoRA through peft, DreamBooth's prior preservation, and the way back to
+diffusers (pipeline folders and LoRA files).
+
+Nothing is downloaded: pipelines load with ``from_pretrained(folder, local_files_only=True)``.
+
+Families (``ditforge.models.adapters``): Stable Diffusion 1.x / 2.x, PixArt-alpha / sigma and SD3 keep diffusers'
+model code behind an adapter; DiT weights (official ``.pt``, ``DiTPipeline`` folders, ditforge's own runs) load
+into ditforge's ``DiT``, which is the same network in the official layout. The pipeline's scheduler config decides
+the objective (``ditforge.diffusion.objective``); its VAE and text encoders encode the data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditforge.atomic import atomic_dir
+from ditforge.errors import UserError
+from ditforge.models.adapters import DiffusersDenoiser, family_of_pipeline, supported_pipelines
+
+log = logging.getLogger(__name__)
+
+FLAG = "--init_from"
+_WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin", "model.safetensors",
+                 "pytorch_model.bin", "diffusion_pytorch_model.safetensors.index.json",
+                 "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
+    """``model_index.json`` of a pipeline folder, after checking that every component it lists is there.
+
+    Raises:
+        UserError (one line, naming ``flag`` and the missing file): no such folder, no ``model_index.json``, a
+            pipeline class ditforge does not fine-tune, or a component folder / config / weights file missing.
+    """
+    p = Path(folder)
+    index = p / "model_index.json"
+    if not index.is_file():
+        raise UserError(f"{flag} {folder}: expected a local diffusers pipeline folder with model_index.json, an "
+                        "official DiT .pt, or a ditforge run, checkpoint or export"
+                        + ("" if p.exists() else " (it does not exist)"))
+    try:
+        spec = json.loads(index.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{flag} {index}: unreadable ({e})") from None
+    cls = spec.get("_class_name")
+    if cls not in supported_pipelines():
+        raise UserError(f"{flag} {folder}: a {cls} pipeline is not supported (expected one of "
+                        f"{', '.join(supported_pipelines())})")
+    for name, value in spec.items():
+        if name.startswith("_") or not isinstance(value, list) or value[0] is None:
+            continue
+        sub = p / name
+        kind = value[1]
+        if kind.endswith("Scheduler"):
+            needed = [sub / "scheduler_config.json"]
+        elif "Tokenizer" in kind:
+            needed = [sub]
+        else:
+            needed = [sub / "config.json"]
+            if not any((sub / f).is_file() for f in _WEIGHT_FILES):
+                needed.append(sub / _WEIGHT_FILES[0])
+        for f in needed:
+            if not f.exists():
+                raise UserError(f"{flag} {folder}: {f.relative_to(p)} is missing (model_index.json lists the "
+                                f"{name} component, a {kind})")
+    return spec
+
+
+def is_adapted_pipeline(path: str | Path) -> bool:
+    """True for a pipeline folder of a family behind an adapter (SD, PixArt, SD3); False for anything else
+    (DiT weights in any form, or a path that is no pipeline folder). Raises UserError for a pipeline folder
+    that is incomplete or of an unsupported family (``read_model_index``)."""
+    if not (Path(path) / "model_index.json").is_file():
+        return False
+    return read_model_index(path)["_class_name"] != "DiTPipeline"
+
+
+@dataclass
+class Pretrained:
+    """A loaded pipeline of a supported family (not DiT).
+
+    Attributes:
+        folder: where it was loaded from. pipeline_class: e.g. ``StableDiffusionPipeline``.
+        pipe: the diffusers pipeline (text encoders and VAE on the device; the denoiser still inside).
+        denoiser: the adapter around the pipeline's denoiser (``DiffusersDenoiser``), float32.
+        scheduler_config: the scheduler's config dict (decides the objective).
+    """
+
+    folder: Path
+    pipeline_class: str
+    pipe: Any
+    denoiser: DiffusersDenoiser
+    scheduler_config: dict
+
+    def encode_prompt(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """Prompts -> the denoiser's conditioning tensors (float32, batch-first), with the pipeline's encoders."""
+        with torch.no_grad():
+            out = self.denoiser.encode_prompt(self.pipe, list(texts), self.pipe._execution_device)
+        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+
+
+def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
+                    flag: str = FLAG) -> Pretrained:
+    """Load a pipeline folder of a supported family offline; its text encoders go to ``device`` in
+    ``text_dtype``, its VAE and denoiser to ``device`` in float32; all are frozen but the denoiser. The adapter's
+    null condition (the empty prompt) is set.
+
+    Raises:
+        UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); or a load failure
+            from diffusers / transformers (one line).
+    """
+    spec = read_model_index(folder, flag)
+    family = family_of_pipeline(spec["_class_name"])
+    if family is None:
+        raise UserError(f"{flag} {folder}: a {spec['_class_name']} loads into ditforge's own DiT, not an adapter")
+    import diffusers
+
+    try:
+        pipe = getattr(diffusers, spec["_class_name"]).from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # diffusers and transformers raise many types for a bad folder
+        raise UserError(f"{flag} {folder}: could not load the pipeline ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:200]})") from None
+    pipe.set_progress_bar_config(disable=True)
+    for name, module in pipe.components.items():
+        if isinstance(module, nn.Module):
+            module.requires_grad_(False).eval()
+            module.to(device, **({"dtype": text_dtype} if name.startswith("text_encoder") else {}))
+    vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    denoiser = family(getattr(pipe, family.component), vae_scale).requires_grad_(True)
+    pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
+    denoiser.set_null_condition(pre.encode_prompt([""]))
+    return pre
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DiT weights into ditforge's own DiT
+
+
+def resize_label_table(table: torch.Tensor, num_classes: int, null_row: bool = True,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """A DiT label-embedding table (K_old + 1, D) (the last row the null label) for ``num_classes`` K classes:
+    (K + 1, D) with ``null_row`` (a model trained with label dropout), else (K, D).
+
+    Rule: rows 0 .. min(K, K_old) - 1 keep their class's embedding; classes beyond K_old get fresh rows drawn
+    from N(0, 0.02^2) (DiT's initialisation of the table, ``initialize_weights`` in facebookresearch/DiT); the
+    null row moves to index K and keeps its trained value (guidance keeps working from step 0).
+    """
+    old = table.shape[0] - 1
+    out = torch.empty((num_classes + int(null_row), table.shape[1]), dtype=table.dtype)
+    keep = min(num_classes, old)
+    out[:keep] = table[:keep]
+    if num_classes > old:
+        out[old:num_classes] = torch.randn((num_classes - old, table.shape[1]), generator=generator) * 0.02
+    if null_row:
+        out[num_classes] = table[old]
+    return out
+
+
+def load_dit_weights(model: nn.Module, state: dict[str, torch.Tensor], seed: int = 0) -> list[str]:
+    """Copy DiT weights (official layout) into ``model`` for fine-tuning: the label table is resized to the
+    model's class count (``resize_label_table``); the fixed sin-cos position table is left as the model built it
+    when the input size differs (it is a function of the grid, not learned). Returns the keys that were adapted.
+
+    Raises:
+        UserError: any other tensor whose shape differs (another depth, width, patch or channel count).
+    """
+    own = model.state_dict()
+    adapted = []
+    state = dict(state)
+    key = "y_embedder.embedding_table.weight"
+    if key in state and key in own and state[key].shape != own[key].shape:
+        null_row = model.y_embedder.dropout_prob > 0
+        state[key] = resize_label_table(state[key], model.num_classes, null_row, torch.Generator().manual_seed(seed))
+        adapted.append(key)
+    if "pos_embed" in state and state["pos_embed"].shape != own["pos_embed"].shape:
+        state["pos_embed"] = own["pos_embed"]
+        adapted.append("pos_embed")
+    for k, v in state.items():
+        if k in own and own[k].shape != v.shape:
+            raise UserError(f"{FLAG}: {k} has shape {tuple(v.shape)} in the weights, {tuple(own[k].shape)} in the "
+                            "model (another DiT size, patch or channel count)")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{FLAG}: the weights do not fit the model (missing {', '.join(missing[:3]) or '-'}; "
+                        f"unexpected {', '.join(unexpected[:3]) or '-'})")
+    return adapted
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA
+
+
+def check_lora_targets(model: nn.Module, targets: list[str]) -> None:
+    """Every target must name at least one module (``name == target`` or ``name`` ending in ``.target``, peft's
+    rule for a list of names).
+
+    Raises:
+        UserError: naming ``--lora_target_modules``, the target and a few linear layers of the model.
+    """
+    names = [n for n, _ in model.named_modules()]
+    for target in targets:
+        if not any(n == target or n.endswith("." + target) for n in names):
+            linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise UserError(f"--lora_target_modules: {target!r} matches no module of the denoiser (its linear "
+                            f"layers are named {', '.join(linears[:12])})")
+
+
+def lora_config(rank: int, alpha: float | None, targets: list[str]):
+    """peft ``LoraConfig`` as diffusers' LoRA training scripts make it: Gaussian A, zero B (the adapted model
+    starts equal to the base), scale alpha / rank."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, init_lora_weights="gaussian",
+                      target_modules=list(targets))
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float | None, targets: list[str]) -> nn.Module:
+    """Freeze ``model`` and inject LoRA adapters (peft ``inject_adapter_in_model``) into the modules named by
+    ``targets``; only the adapters' A and B (float32) train. Returns ``model`` (changed in place).
+
+    Raises:
+        UserError: a target that matches no module; peft not installed.
+    """
+    check_lora_targets(model, targets)
+    try:
+        from peft import inject_adapter_in_model
+    except ImportError:
+        raise UserError("--lora_rank: needs peft (pip install peft)") from None
+    model.requires_grad_(False)
+    inject_adapter_in_model(lora_config(rank, alpha, targets), model)
+    return model
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every LoRA adapter into its base layer (W + alpha/r B A) and remove the adapter layers, in place."""
+    from diffusers.utils.peft_utils import recurse_remove_peft_layers
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    recurse_remove_peft_layers(model)
+    return model
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' weights in peft's naming (``...to_q.lora_A.weight``), as diffusers' LoRA files store them."""
+    from peft.utils import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DreamBooth
+
+
+def interleave_prior(batch: dict, prior_loss_weight: float) -> tuple[dict, torch.Tensor]:
+    """A DreamBooth batch with class images (``x``, ``text``, ``class_x``, ``class_text``) as one batch of 2B rows,
+    instance and class images alternating (row 2i instance i, row 2i + 1 its class image), and the per-row loss
+    weights (1 for instance rows, ``prior_loss_weight`` for class rows).
+
+    With the trainer's normalisation by the number of samples B, the loss is diffusers' train_dreambooth.py's
+    ``mse(instance) + prior_loss_weight * mse(prior)`` (Ruiz et al. 2023, eq. 2). Alternating rows keep each
+    process's slice of the global batch a whole set of pairs.
+    """
+    x = torch.stack([batch["x"], batch["class_x"]], dim=1).flatten(0, 1)
+    texts = [t for pair in zip(batch["text"], batch["class_text"]) for t in pair]
+    weights = torch.tensor([1.0, float(prior_loss_weight)]).repeat(len(batch["text"]))
+    rest = {k: v for k, v in batch.items() if k not in ("x", "text", "class_x", "class_text")}
+    return {**rest, "x": x, "text": texts}, weights
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Back to diffusers
+
+
+def _component(pre: Pretrained) -> str:
+    return pre.denoiser.component
+
+
+def write_pipeline(pre: Pretrained, denoiser: nn.Module, out: str | Path) -> Path:
+    """A complete pipeline folder at ``out``: the fine-tuned (LoRA merged) denoiser saved with diffusers'
+    ``save_pretrained`` and every other component copied untouched from the folder the run started from, so the
+    family's pipeline class loads it offline. Written under a temporary name and renamed when complete."""
+    with atomic_dir(out) as tmp:
+        for item in pre.folder.iterdir():
+            if item.name == _component(pre):
+                continue
+            (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        denoiser.save_pretrained(str(tmp / _component(pre)), safe_serialization=True)
+    return Path(out)
+
+
+def write_lora(pre: Pretrained, denoiser: nn.Module, config, out: str | Path) -> Path:
+    """The adapters as a diffusers LoRA file, ``OUT/pytorch_lora_weights.safetensors``, which the family's
+    ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata).
+
+    Raises:
+        UserError: a family whose diffusers pipeline has no LoRA loader (PixArt): export the merged pipeline.
+    """
+    import diffusers
+
+    cls = getattr(diffusers, pre.pipeline_class)
+    if not hasattr(cls, "save_lora_weights"):
+        raise UserError(f"--format lora: diffusers' {pre.pipeline_class} has no LoRA loader (load_lora_weights); "
+                        "export --format diffusers for a pipeline with the LoRA merged")
+    layers = lora_state_dict(denoiser)
+    metadata = {**config.to_dict(), "base_model_name_or_path": None}
+    with atomic_dir(out) as tmp:
+        if pre.denoiser.component == "unet":
+            from diffusers.utils import convert_state_dict_to_diffusers
+
+            cls.save_lora_weights(str(tmp), unet_lora_layers=convert_state_dict_to_diffusers(layers),
+                                  unet_lora_adapter_metadata=metadata, safe_serialization=True)
+        else:
+            cls.save_lora_weights(str(tmp), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata,
+                                  safe_serialization=True)
+    return Path(out)
+
+
+def generate_with_pipeline(pre: Pretrained, denoiser: nn.Module, prompts: list[str], seeds: list[int],
+                           image_size: int, num_steps: int, guidance_scale: float,
+                           batch_size: int = 8) -> torch.Tensor:
+    """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (the fine-tuned
+    diffusers model) in it: row i starts from the noise of ``torch.Generator(device).manual_seed(seeds[i])``, so it
+    depends on its prompt and seed only. Returns (N, 3, S, S) float32 in [-1, 1] on the CPU."""
+    pipe = pre.pipe
+    setattr(pipe, _component(pre), denoiser)
+    device = pipe._execution_device
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        rows = slice(start, start + batch_size)
+        gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[rows]]
+        with torch.no_grad():
+            images = pipe(prompt=prompts[rows], num_inference_steps=num_steps, guidance_scale=guidance_scale,
+                          height=image_size, width=image_size, generator=gens, output_type="pt",
+                          **pre.denoiser.pipeline_kwargs).images
+        out.append(images.float().cpu() * 2 - 1)
+    return torch.cat(out)
+
+
+def sample_grid(pre: Pretrained, cfg, weights: dict[str, torch.Tensor], dataset, denoiser=None,
+                num_steps: int = 25, guidance_scale: float = 4.5) -> tuple[torch.Tensor, DiffusersDenoiser]:
+    """The trainer's periodic samples of a fine-tuned pipeline: the first 8 distinct captions of the data (each
+    repeated to 8 images), ``weights`` (the EMA, as ``EMA.full_state_dict``) in a second denoiser (built on the first
+    call from the folder and passed back in later), drawn by the family's pipeline with per-image seeds
+    ``derive_seed(seed, i)``. Returns ((8, 3, S, S) pixels in [-1, 1], the denoiser)."""
+    from ditforge.data.sampler import derive_seed
+
+    if denoiser is None:
+        denoiser = fresh_denoiser(pre, cfg).to(pre.pipe._execution_device).eval()
+    denoiser.load_state_dict(weights, strict=False)  # the EMA holds trainable parameters; the rest is the folder's
+    captions = list(dict.fromkeys(getattr(dataset, "texts", None) or dataset.class_captions))[:8]
+    prompts = (captions * 8)[:8]
+    seeds = [derive_seed(cfg.train.seed, i) for i in range(len(prompts))]
+    pixels = generate_with_pipeline(pre, denoiser.inner, prompts, seeds, cfg.data.image_size, num_steps, guidance_scale)
+    return pixels, denoiser
+
+
+def fresh_denoiser(pre: Pretrained, cfg) -> DiffusersDenoiser:
+    """A second copy of the run's denoiser as it started: the pipeline's weights read again from its folder, with
+    the run's LoRA adapters injected (their weights are then loaded by the caller)."""
+    inner = type(pre.denoiser.inner).from_pretrained(str(pre.folder), subfolder=pre.denoiser.component,
+                                                     local_files_only=True)
+    denoiser = type(pre.denoiser)(inner, pre.denoiser.vae_scale)
+    if cfg.model.lora_rank:
+        add_lora_to_denoiser(denoiser, cfg)
+    return denoiser
+
+
+def add_lora_to_denoiser(model: nn.Module, cfg) -> None:
+    """LoRA (``add_lora``) on the run's denoiser with the run's ``--lora_rank``, ``--lora_alpha`` and
+    ``--lora_target_modules`` (default: the family's ``default_lora_targets``; ``qkv``, ``proj`` for a DiT, its
+    attention projections). Records the targets in ``cfg``."""
+    m = cfg.model
+    targets = m.lora_target_modules.split(",") if m.lora_target_modules else list(
+        getattr(model, "default_lora_targets", ("qkv", "proj")))
+    m.lora_target_modules = ",".join(t.strip() for t in targets)
+    add_lora(getattr(model, "inner", model), m.lora_rank, m.lora_alpha, m.lora_target_modules.split(","))
+
+
+def pretrained_inputs(cfg, pre: Pretrained, dataset):
+    """Settle the run's model settings from a loaded pipeline and return the ``BatchEncoder`` that feeds it: the
+    pipeline's VAE (latents scaled by its config) and its own prompt encoding.
+
+    Raises:
+        UserError: ``--model`` given (the folder decides the denoiser); class conditioning or video data (these
+            families make images from text); an ``--image_size`` the VAE and denoiser cannot take.
+    """
+    from ditforge.encoders.batch import BatchEncoder
+    from ditforge.encoders.vae import VAE
+
+    m, data = cfg.model, cfg.data
+    where = f"--init_from {m.init_from}"
+    if m.model is not None:
+        raise UserError(f"--model {m.model}: {where} decides the denoiser (a {pre.pipeline_class}); leave --model out")
+    if getattr(dataset, "num_frames", None) is not None:
+        raise UserError(f"--data {data.data} holds videos; {where} is a {pre.pipeline_class}, which makes images")
+    if m.condition == "class":
+        raise UserError(f"--condition class: {where} is a text-to-image {pre.pipeline_class}")
+    inner, scale = pre.denoiser.inner, pre.denoiser.vae_scale
+    size = dataset.image_size
+    multiple = scale * (2 ** (len(inner.config.block_out_channels) - 1) if pre.denoiser.component == "unet"
+                        else int(inner.config.patch_size))
+    if size % multiple:
+        raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
+                        f"(the VAE's downsample {scale} x the denoiser's own)")
+    m.family, m.condition = pre.denoiser.family, "text"
+    m.in_channels, m.input_size, m.num_frames = pre.denoiser.in_channels, size // scale, None
+    m.learn_sigma, m.text_encoder, m.text_dim, m.text_max_length = pre.denoiser.learn_sigma, None, None, None
+    m.vae = str(pre.folder / "vae")
+    data.image_size = size
+    return BatchEncoder("text", VAE(pre.pipe.vae, path=m.vae), prompt_encoder=pre.encode_prompt,
+                        class_captions=getattr(dataset, "class_captions", None))
+
+
+def read_dit_init(cfg) -> tuple[dict[str, torch.Tensor] | Path, dict]:
+    """DiT weights for ``--init_from`` (an official ``.pt``, a ``DiTPipeline`` folder, or a ditforge run, checkpoint
+    or ``.safetensors`` export, as ``ditforge sample --ckpt`` reads them) and their model settings, which fill in
+    the run's: model name, learned sigma, QK-norm, condition, text encoder and VAE (where the flags leave them).
+
+    Returns:
+        (state dict, or a DCP checkpoint folder for ``dit_init_weights``; the settings).
+
+    Raises:
+        UserError: unreadable weights; a checkpoint of a fine-tuned pipeline (another family); ``--model`` or
+            ``--condition`` other than the weights'.
+    """
+    from ditforge.models import infer_dit_config
+    from ditforge.train.checkpoint import load_weights
+
+    m = cfg.model
+    try:
+        state, config = load_weights(m.init_from)
+        spec = dict(config["model"]) if config else infer_dit_config(state)
+    except UserError as e:
+        raise UserError(str(e).replace("--ckpt", FLAG, 1)) from None
+    if spec.get("family"):
+        raise UserError(f"{FLAG} {m.init_from}: a checkpoint of a fine-tuned {spec['family']} pipeline, not a DiT; "
+                        "continue it with --resume, or start from its `ditforge export --format diffusers` folder")
+    if m.model not in (None, spec["model"]):
+        raise UserError(f"--model {m.model}: {FLAG} {m.init_from} holds a {spec['model']}; leave --model out")
+    cond = spec.get("condition") or "class"
+    if m.condition not in ("auto", cond):
+        raise UserError(f"--condition {m.condition}: {FLAG} {m.init_from} is {cond}-conditioned")
+    m.model, m.learn_sigma, m.qk_norm, m.condition = spec["model"], spec["learn_sigma"], spec.get("qk_norm", False), cond
+    if cond == "text":
+        m.text_encoder = m.text_encoder or spec.get("text_encoder")
+        m.text_max_length = m.text_max_length or spec.get("text_max_length")
+    if m.vae == "none" and spec.get("vae") not in (None, "none"):
+        m.vae = spec["vae"]
+    return state, spec
+
+
+def dit_init_weights(dit_init: tuple[dict | Path, dict], cfg) -> dict[str, torch.Tensor]:
+    """The state dict of ``read_dit_init``'s weights (a DCP checkpoint's EMA, read into a model of the checkpoint's
+    own settings), after checking their input channels against the run's.
+
+    Raises:
+        UserError: the weights take other input channels than the data (through ``--vae``) gives.
+    """
+    from ditforge.models import create_model
+    from ditforge.train.checkpoint import read_checkpoint_weights
+
+    state, spec = dit_init
+    if spec["in_channels"] != cfg.model.in_channels:
+        raise UserError(f"{FLAG} {cfg.model.init_from}: the weights take {spec['in_channels']} input channels, the "
+                        f"data gives {cfg.model.in_channels} (--vae {cfg.model.vae})")
+    if isinstance(state, Path):
+        skeleton = create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
+                                spec["learn_sigma"], spec.get("class_dropout_prob", 0.1), num_frames=spec.get("num_frames"),
+                                text_dim=spec.get("text_dim"), qk_norm=spec.get("qk_norm", False))
+        state = read_checkpoint_weights(state, skeleton.state_dict())
+    return state
+
+
+def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: torch.device,
+                   use_ema: bool = True, flag: str = "--ckpt") -> tuple[Pretrained, DiffusersDenoiser, Any]:
+    """A fine-tuned pipeline back from its run: the ``--init_from`` folder loaded again, the run's LoRA adapters
+    injected, and the checkpoint's EMA (or raw) weights loaded into the denoiser (the adapters alone for LoRA).
+    Returns (the pipeline, the denoiser in eval mode on ``device``, the run's ``RunConfig``).
+
+    Args:
+        state: a DCP checkpoint folder, or a state dict (``load_weights``); config: the run's config dict.
+
+    Raises:
+        UserError: the ``--init_from`` folder is gone or incomplete; weights that do not fit it.
+    """
+    from ditforge.config import build_config
+    from ditforge.train.checkpoint import read_checkpoint_weights
+
+    cfg = build_config(base=config)
+    text_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pre = load_pretrained(cfg.model.init_from, device, text_dtype, flag=f"{flag} (the run's --init_from)")
+    denoiser = pre.denoiser
+    if cfg.model.lora_rank:
+        add_lora_to_denoiser(denoiser, cfg)
+    # What the checkpoint's EMA holds: the parameters (buffers are the folder's), for LoRA the adapters alone.
+    names = {n for n, p in denoiser.named_parameters() if p.requires_grad}
+    trainable = {k: v for k, v in denoiser.state_dict().items() if k in names}
+    weights = read_checkpoint_weights(state, trainable, use_ema) if isinstance(state, Path) else state
+    missing = names - set(weights)
+    unexpected = set(weights) - names
+    if missing or unexpected:
+        raise UserError(f"{flag}: the checkpoint does not fit {cfg.model.init_from} (missing "
+                        f"{', '.join(sorted(missing)[:3]) or '-'}; unexpected {', '.join(sorted(unexpected)[:3]) or '-'})")
+    denoiser.load_state_dict(weights, strict=False)
+    return pre, denoiser.to(device).eval(), cfg
+
+
+def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: str | Path, fmt: str,
+                      use_ema: bool = True) -> Path:
+    """``ditforge export`` of a fine-tuned pipeline run: ``diffusers`` writes a complete pipeline folder (LoRA
+    merged; ``write_pipeline``), ``lora`` the adapters as a diffusers LoRA file (``write_lora``).
+
+    Raises:
+        UserError: ``lora`` for a full fine-tune or a family without a LoRA loader; another format.
+    """
+    pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema)
+    if fmt == "lora":
+        if not cfg.model.lora_rank:
+            raise UserError("--format lora: the run fine-tuned all weights (no --lora_rank); export --format diffusers")
+        targets = cfg.model.lora_target_modules.split(",")
+        return write_lora(pre, denoiser.inner, lora_config(cfg.model.lora_rank, cfg.model.lora_alpha, targets), out)
+    if fmt != "diffusers":
+        raise UserError(f"--format {fmt}: a fine-tuned {pre.pipeline_class} exports as diffusers (a pipeline folder) "
+                        "or lora (a LoRA file)")
+    inner = merge_lora(denoiser.inner) if cfg.model.lora_rank else denoiser.inner
+    return write_pipeline(pre, inner, out)
