@@ -123,7 +123,10 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     if family is None:
         raise UserError(f"{flag} {folder}: a {spec['_class_name']} loads into ditforge's own DiT, not an adapter")
     import diffusers
+    import transformers
 
+    diffusers.utils.logging.disable_progress_bar()  # loading bars of every component: noise around ditforge's own
+    transformers.utils.logging.disable_progress_bar()
     try:
         pipe = getattr(diffusers, spec["_class_name"]).from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # diffusers and transformers raise many types for a bad folder
@@ -302,17 +305,11 @@ def write_pipeline(pre: Pretrained, denoiser: nn.Module, out: str | Path) -> Pat
 
 def write_lora(pre: Pretrained, denoiser: nn.Module, config, out: str | Path) -> Path:
     """The adapters as a diffusers LoRA file, ``OUT/pytorch_lora_weights.safetensors``, which the family's
-    ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata).
-
-    Raises:
-        UserError: a family whose diffusers pipeline has no LoRA loader (PixArt): export the merged pipeline.
-    """
+    ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata). The pipeline class must have
+    a LoRA loader (SD, SD3; not PixArt: ``export_pretrained`` refuses that first)."""
     import diffusers
 
     cls = getattr(diffusers, pre.pipeline_class)
-    if not hasattr(cls, "save_lora_weights"):
-        raise UserError(f"--format lora: diffusers' {pre.pipeline_class} has no LoRA loader (load_lora_weights); "
-                        "export --format diffusers for a pipeline with the LoRA merged")
     layers = lora_state_dict(denoiser)
     metadata = {**config.to_dict(), "base_model_name_or_path": None}
     with atomic_dir(out) as tmp:
@@ -525,14 +522,21 @@ def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: 
     Raises:
         UserError: ``lora`` for a full fine-tune or a family without a LoRA loader; another format.
     """
+    if fmt not in ("diffusers", "lora"):
+        raise UserError(f"--format {fmt}: a fine-tuned {config['model']['family']} pipeline exports as diffusers (a "
+                        "pipeline folder) or lora (a LoRA file)")
+    if fmt == "lora":
+        import diffusers
+
+        pipeline_class = read_model_index(config["model"]["init_from"], "--ckpt (the run's --init_from)")["_class_name"]
+        if not config["model"].get("lora_rank"):
+            raise UserError("--format lora: the run fine-tuned all weights (no --lora_rank); export --format diffusers")
+        if not hasattr(getattr(diffusers, pipeline_class), "save_lora_weights"):
+            raise UserError(f"--format lora: diffusers' {pipeline_class} has no LoRA loader (load_lora_weights); "
+                            "export --format diffusers for a pipeline with the LoRA merged")
     pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema)
     if fmt == "lora":
-        if not cfg.model.lora_rank:
-            raise UserError("--format lora: the run fine-tuned all weights (no --lora_rank); export --format diffusers")
         targets = cfg.model.lora_target_modules.split(",")
         return write_lora(pre, denoiser.inner, lora_config(cfg.model.lora_rank, cfg.model.lora_alpha, targets), out)
-    if fmt != "diffusers":
-        raise UserError(f"--format {fmt}: a fine-tuned {pre.pipeline_class} exports as diffusers (a pipeline folder) "
-                        "or lora (a LoRA file)")
     inner = merge_lora(denoiser.inner) if cfg.model.lora_rank else denoiser.inner
     return write_pipeline(pre, inner, out)

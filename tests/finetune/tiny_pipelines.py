@@ -1,0 +1,480 @@
+"""Tiny random diffusers pipelines of four families, built offline for the fine-tuning, export and sampling tests.
+
+Every builder writes a complete pipeline folder (``model_index.json`` and one subfolder per component) with
+diffusers' and transformers' own classes and ``save_pretrained``, and returns its ``Path``. Nothing is downloaded:
+the tokenizers are trained here on ``CAPTIONS`` (CLIP: a byte-level BPE learned over the ``tokenizers`` library's
+CLIP normaliser and pre-tokenizer, in CLIP's vocabulary layout; T5: a unigram model trained with
+``sentencepiece``, with T5's special ids), the weights are random (``torch.manual_seed``): the same files, byte for
+byte, every time.
+
+================  =====  ==========  ==================================================  =========================
+family            image  latent      text encoders (sequence length x width)             scheduler
+================  =====  ==========  ==================================================  =========================
+sd                32 px  4 x 8 x 8   CLIP 77 x 32                                        PNDM (SD-1.5), epsilon
+sd_v              32 px  4 x 8 x 8   CLIP 77 x 32                                        DDIM (SD-2.1), v_prediction
+pixart            32 px  4 x 8 x 8   T5 120 x 48                                         DPM-Solver++ (PixArt)
+pixart_sigma      32 px  4 x 8 x 8   T5 300 x 48                                         DPM-Solver++ (PixArt)
+sd3               32 px  16 x 8 x 8  CLIP 77 x 32 + CLIP 77 x 48 (pooled 32 + 48), T5     flow-match Euler, shift 3
+                                     256 x 96
+dit               32 px  4 x 8 x 8   none (class labels 0..2; null label 1000)           DDIM (DiT's betas)
+================  =====  ==========  ==================================================  =========================
+
+All VAEs are ``AutoencoderKL`` with 3 blocks (8, 16, 16 channels): they downsample by 4 (the real ones by 8), so
+32-pixel images have 8 x 8 latents; all transformers use 2 x 2 patches (16 tokens at 32 px). ``SPECS`` has these
+numbers per family (``IMAGE_SIZE`` the image side alone). Each folder holds 0.7-1.8 MB of float32
+safetensors and takes well under a second to build (after the imports).
+
+Quirks the callers need to know:
+
+* PixArt pipelines bin resolutions only for the real sample sizes (32/64/128 latents): call them with
+  ``use_resolution_binning=False``; and with ``clean_caption=False`` unless bs4 and ftfy are installed (else
+  they log a warning and go on without cleaning).
+* ``DiTPipeline`` hard-codes the null class 1000 for guidance, so the DiT's label table has 1001 rows
+  (``num_embeds_ada_norm=1000``, as facebook/DiT-XL-2-256 and ``ditforge export``), of which only
+  ``num_classes`` (default 3) are named in ``id2label`` (saved in ``model_index.json``, as the real DiT's;
+  loading logs "Expected types for id2label: ... got typing.Dict[str, str]": JSON keys are strings).
+* SD-2.x and SD3's second CLIP pad with ``"!"`` (id 0), the others with ``<|endoftext|>``, as the real tokenizers.
+* The T5 tokenizers are ``T5Tokenizer`` (transformers 5: a ``tokenizers``-backed class) saved as
+  ``tokenizer.json``; ``spiece.model`` is saved beside it. The T5 models' ``vocab_size`` is the tokenizer's length
+  rounded up to a multiple of 8 (like T5's 32128 for 32100 tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+from pathlib import Path
+
+import torch
+
+# Training text of every tokenizer (and a source of prompts for the tests).
+CAPTIONS = [
+    "a dog runs on the grass",
+    "a puppy running across a green lawn",
+    "a red bicycle leaning against a brick wall",
+    "a black cat sleeping on a sofa",
+    "two birds sitting on a wire at sunset",
+    "a bowl of fruit on a wooden table",
+    "a small boat on a calm lake",
+    "a snowy mountain under a blue sky",
+    "a cup of coffee next to an open book",
+    "an old car parked in front of a house",
+    "a child flying a kite on the beach",
+    "a bowl of soup with bread on the side",
+    "a city street at night with bright lights",
+    "a horse standing in a foggy field",
+    "three apples and a pear on a plate",
+    "a yellow flower in a glass vase",
+    "a white cloud over a dark forest",
+    "a train crossing a stone bridge",
+    "a painting of a lighthouse by the sea",
+    "a man riding a bike down the road",
+    "a woman reading a newspaper in a park",
+    "a plate of pasta with tomato sauce",
+    "an orange fish swimming in a pond",
+    "the moon rising over quiet hills",
+    "a wooden chair in an empty room",
+    "a group of people walking in the rain",
+    "a close up photo of a green leaf",
+    "a brown bear catching a fish in a river",
+    "colorful balloons floating in the sky",
+    "a red apple, a green pear and a yellow banana",
+]
+
+_FAMILIES = ("sd", "sd_v", "pixart", "pixart_sigma", "sd3", "dit")
+IMAGE_SIZE = dict.fromkeys(_FAMILIES, 32)  # pixels (square); latents are IMAGE_SIZE // 4
+LATENT_SIZE = dict.fromkeys(_FAMILIES, 8)
+SPECS = {
+    "sd": dict(image_size=32, latent_shape=(4, 8, 8), vae_scale_factor=4, text_lengths=(77,), text_widths=(32,)),
+    "sd_v": dict(image_size=32, latent_shape=(4, 8, 8), vae_scale_factor=4, text_lengths=(77,), text_widths=(32,)),
+    "pixart": dict(image_size=32, latent_shape=(4, 8, 8), vae_scale_factor=4, text_lengths=(120,),
+                   text_widths=(48,)),
+    "pixart_sigma": dict(image_size=32, latent_shape=(4, 8, 8), vae_scale_factor=4, text_lengths=(300,),
+                         text_widths=(48,)),
+    # CLIP-L-like, CLIP-G-like (penultimate states 32 + 48 wide, pooled 32 + 48), T5 (96 wide): SD3 concatenates
+    # the CLIP states (80), pads them to the T5 width and appends the T5 states: 77 + 256 tokens x 96.
+    "sd3": dict(image_size=32, latent_shape=(16, 8, 8), vae_scale_factor=4, text_lengths=(77, 77, 256),
+                text_widths=(32, 48, 96), pooled_width=80, joint_attention_dim=96),
+    "dit": dict(image_size=32, latent_shape=(4, 8, 8), vae_scale_factor=4, text_lengths=(), text_widths=(),
+                num_classes=3, null_class=1000),
+}
+
+CLIP_MAX_LENGTH = 77
+T5_EXTRA_IDS = 100
+# CLIP's pre-tokenizer pattern (as transformers' CLIPTokenizer).
+_CLIP_PATTERN = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2/CLIP's byte -> printable character table, in CLIP's vocabulary order (printable bytes first)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs]
+
+
+def _merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out, i = [], 0
+    while i < len(symbols):
+        if symbols[i:i + 2] == pair:
+            out.append(pair[0] + pair[1])
+            i += 2
+        else:
+            out.append(symbols[i])
+            i += 1
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE learned on ``CAPTIONS`` after CLIP's normaliser and pre-tokenizer (``tokenizers``'
+    objects), in CLIP's vocabulary layout: the 256 byte characters, the same with ``</w>``, one token per merge,
+    ``<|startoftext|>``, ``<|endoftext|>`` (last, so the highest id: CLIP's pooling finds eos by argmax too).
+
+    The merges are learned here (the most frequent adjacent pair, at least twice, ties to the smallest pair)
+    rather than with ``tokenizers.trainers.BpeTrainer``, which breaks ties between equally frequent pairs in hash
+    order and so learns different merges in different processes."""
+    from collections import Counter
+
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
+                                       normalizers.Lowercase()])
+    pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_CLIP_PATTERN), behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    counts = Counter(word for caption in CAPTIONS
+                     for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(caption)))
+    words = {w: (*w[:-1], w[-1] + "</w>") for w in counts}
+    merges: list[tuple[str, str]] = []
+    while True:
+        pairs: Counter = Counter()
+        for w, symbols in words.items():
+            for pair in zip(symbols, symbols[1:]):
+                pairs[pair] += counts[w]
+        best = min(pairs, key=lambda p: (-pairs[p], p), default=None)
+        if best is None or pairs[best] < 2:
+            break
+        merges.append(best)
+        words = {w: _merge(symbols, best) for w, symbols in words.items()}
+    chars = _bytes_to_unicode()
+    tokens = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [BOS, EOS]
+    return {t: i for i, t in enumerate(dict.fromkeys(tokens))}, merges  # a merge may rebuild a token: once
+
+
+def make_clip_tokenizer(pad_token: str = EOS):
+    """``CLIPTokenizer`` (BPE above, ``model_max_length`` 77). ``pad_token``: ``<|endoftext|>`` (SD-1.x, CLIP-L)
+    or ``"!"`` (SD-2.x, SD3's CLIP-G: id 0)."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = clip_vocab_and_merges()
+    return CLIPTokenizer(vocab=dict(vocab), merges=list(merges), pad_token=pad_token,
+                         model_max_length=CLIP_MAX_LENGTH)
+
+
+def _proto_fields(buf: bytes):
+    """(field number, value) of a serialized protobuf message (enough of the wire format for a sentencepiece
+    ModelProto: transformers' own reader needs the protobuf package, which is not installed)."""
+
+    def varint(i):
+        out = shift = 0
+        while True:
+            b = buf[i]
+            i += 1
+            out |= (b & 0x7F) << shift
+            if b < 0x80:
+                return out, i
+            shift += 7
+
+    i = 0
+    while i < len(buf):
+        key, i = varint(i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            val, i = varint(i)
+        elif wire == 2:
+            n, i = varint(i)
+            val, i = buf[i:i + n], i + n
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            val, i = buf[i:i + n], i + n
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        yield field, val
+
+
+@functools.lru_cache(maxsize=None)
+def t5_spiece_model() -> bytes:
+    """A sentencepiece unigram model trained on ``CAPTIONS`` with T5's ids (pad 0, eos 1, unk 2, no bos) and its
+    default ``nmt_nfkc`` normalisation; the serialized ``spiece.model``."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CAPTIONS), model_writer=buf, model_type="unigram", vocab_size=160,
+        hard_vocab_limit=False, character_coverage=1.0, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+        pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>", num_threads=1, minloglevel=2)
+    return buf.getvalue()
+
+
+def make_t5_tokenizer():
+    """``T5Tokenizer`` built from ``t5_spiece_model`` as transformers converts a T5 ``spiece.model``: the pieces
+    and scores, then ``<extra_id_99>`` .. ``<extra_id_0>``, the model's precompiled normaliser, eos appended."""
+    import sentencepiece as spm
+    from transformers import T5Tokenizer
+
+    model = t5_spiece_model()
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    vocab = [(sp.id_to_piece(i), 0.0 if sp.is_control(i) or sp.is_unknown(i) else float(sp.get_score(i)))
+             for i in range(sp.get_piece_size())]
+    vocab += [(f"<extra_id_{i}>", 0.0) for i in range(T5_EXTRA_IDS - 1, -1, -1)]
+    normalizer = next(v for f, v in _proto_fields(model) if f == 3)  # ModelProto.normalizer_spec
+    charsmap = next((v for f, v in _proto_fields(normalizer) if f == 2), None)  # .precompiled_charsmap
+    tok = T5Tokenizer(vocab=vocab, extra_ids=T5_EXTRA_IDS, _spm_precompiled_charsmap=charsmap,
+                      model_max_length=512)
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    return tok
+
+
+def _round8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Models
+
+
+def _vae(latent_channels: int = 4, scaling_factor: float = 0.18215, shift_factor: float | None = None,
+         quant_conv: bool = True):
+    """A 3-block ``AutoencoderKL`` (8, 16, 16 channels): 32-pixel images <-> latent_channels x 8 x 8."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
+        latent_channels=latent_channels, norm_num_groups=8, sample_size=32, scaling_factor=scaling_factor,
+        shift_factor=shift_factor, use_quant_conv=quant_conv, use_post_quant_conv=quant_conv).eval()
+
+
+def _clip_text(tokenizer, hidden: int, projection: bool, hidden_act: str = "quick_gelu"):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, projection_dim=hidden,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=CLIP_MAX_LENGTH, hidden_act=hidden_act,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+
+def _t5_encoder(tokenizer, d_model: int):
+    """A T5 v1.1-style encoder (gated GELU, untied head irrelevant: encoder only), 2 layers."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(vocab_size=_round8(len(tokenizer)), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
+                      num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                      feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                      is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return T5EncoderModel(config).eval()
+
+
+def _save(pipe, path) -> Path:
+    """``save_pretrained``, then the tokenizers' source files beside the ``tokenizer.json`` that transformers 5
+    writes: ``vocab.json`` + ``merges.txt`` (CLIP; what the real SD folders ship, and all that transformers 4's
+    slow ``CLIPTokenizer`` reads) and ``spiece.model`` (T5)."""
+    from transformers import CLIPTokenizer, T5Tokenizer
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    for name, component in pipe.components.items():
+        if isinstance(component, CLIPTokenizer):
+            vocab, merges = clip_vocab_and_merges()
+            (out / name / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False) + "\n", encoding="utf-8")
+            (out / name / "merges.txt").write_text(
+                "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+        elif isinstance(component, T5Tokenizer):
+            (out / name / "spiece.model").write_bytes(t5_spiece_model())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pipelines
+
+# Scheduler settings of the real checkpoints (their scheduler_config.json, minus library defaults).
+SD15_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                      skip_prk_steps=True, set_alpha_to_one=False, steps_offset=1, prediction_type="epsilon")
+SD21_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                      clip_sample=False, set_alpha_to_one=False, steps_offset=1, prediction_type="v_prediction")
+PIXART_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.02, beta_schedule="linear",
+                        prediction_type="epsilon", algorithm_type="dpmsolver++", solver_order=2,
+                        solver_type="midpoint", lower_order_final=True, thresholding=False,
+                        use_karras_sigmas=False)
+SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
+DIT_SCHEDULER = dict(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
+                     clip_sample=False, set_alpha_to_one=True, steps_offset=0, prediction_type="epsilon",
+                     timestep_spacing="leading")
+
+
+def make_sd(path, prediction_type: str = "epsilon") -> Path:
+    """A tiny Stable Diffusion ``StableDiffusionPipeline`` folder.
+
+    Sizes: 32 x 32 RGB images <-> 4 x 8 x 8 latents (VAE downsamples by 4, ``scaling_factor`` 0.18215); the UNet
+    (``UNet2DConditionModel``, block channels (16, 32), one cross-attention level plus the mid block,
+    ``sample_size`` 8) cross-attends to the CLIP text states: 77 tokens x 32 (``CLIPTextModel``, 2 layers,
+    ``CLIPTokenizer`` with ``model_max_length`` 77).
+
+    Args:
+        path: the folder to write.
+        prediction_type: ``"epsilon"``: SD-1.5-like (``PNDMScheduler`` with SD-1.5's settings, conv ``proj_in``,
+            quick-GELU CLIP, pad ``<|endoftext|>``); ``"v_prediction"``: SD-2.1-like (``DDIMScheduler`` with
+            SD-2.1's settings, linear ``proj_in``/``proj_out``, per-level head counts, upcast attention, GELU
+            CLIP, pad ``"!"``).
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import DDIMScheduler, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    if prediction_type not in ("epsilon", "v_prediction"):
+        raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+    v = prediction_type == "v_prediction"
+    tokenizer = make_clip_tokenizer(pad_token="!" if v else EOS)
+    text_encoder = _clip_text(tokenizer, 32, projection=False, hidden_act="gelu" if v else "quick_gelu")
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=(2, 4) if v else 2, norm_num_groups=8,
+        use_linear_projection=v, upcast_attention=v).eval()
+    scheduler = DDIMScheduler(**SD21_SCHEDULER) if v else PNDMScheduler(**SD15_SCHEDULER)
+    pipe = StableDiffusionPipeline(vae=_vae(), text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    return _save(pipe, path)
+
+
+def make_pixart(path, sigma: bool = False) -> Path:
+    """A tiny PixArt folder: ``PixArtAlphaPipeline`` (``sigma=False``) or ``PixArtSigmaPipeline``.
+
+    Sizes: 32 x 32 RGB images <-> 4 x 8 x 8 latents (VAE downsamples by 4; ``scaling_factor`` 0.18215 for alpha,
+    0.13025 for sigma, as sd-vae-ft-ema and the SDXL VAE); ``PixArtTransformer2DModel`` (``ada_norm_single``,
+    2 layers, 2 heads x 16 = 32 wide, 2 x 2 patches: 16 tokens, learned sigma: 8 output channels,
+    ``sample_size`` 8, no additional (resolution) conditions) cross-attends to T5 states 48 wide
+    (``caption_channels`` 48; ``T5EncoderModel``, 2 layers, sentencepiece ``T5Tokenizer``): 120 tokens for
+    alpha, 300 for sigma (the pipelines' ``max_sequence_length`` defaults). Scheduler: ``DPMSolverMultistepScheduler``
+    with PixArt's settings (linear betas 1e-4..0.02, 1000 steps, epsilon, DPM-Solver++ order 2).
+
+    Call the pipeline with ``use_resolution_binning=False``: it bins only the real sample sizes.
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import (DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtSigmaPipeline,
+                           PixArtTransformer2DModel)
+
+    tokenizer = make_t5_tokenizer()
+    text_encoder = _t5_encoder(tokenizer, 48)
+    torch.manual_seed(0)
+    transformer = PixArtTransformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, out_channels=8, num_layers=2, num_attention_heads=2,
+        attention_head_dim=16, cross_attention_dim=32, caption_channels=48, attention_bias=True,
+        activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+        norm_elementwise_affine=False, norm_eps=1e-6, use_additional_conditions=False).eval()
+    cls = PixArtSigmaPipeline if sigma else PixArtAlphaPipeline
+    pipe = cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=_vae(scaling_factor=0.13025 if sigma else 0.18215),
+               transformer=transformer, scheduler=DPMSolverMultistepScheduler(**PIXART_SCHEDULER))
+    return _save(pipe, path)
+
+
+def make_sd3(path) -> Path:
+    """A tiny Stable Diffusion 3 ``StableDiffusion3Pipeline`` folder.
+
+    Sizes: 32 x 32 RGB images <-> 16 x 8 x 8 latents (VAE downsamples by 4, no quant convs, SD3's
+    ``scaling_factor`` 1.5305 and ``shift_factor`` 0.0609); ``SD3Transformer2DModel`` (2 joint blocks, 2 heads x
+    16 = 32 wide = ``caption_projection_dim``, 2 x 2 patches: 16 tokens, ``pos_embed_max_size`` 16, i.e. up to
+    128-pixel images). Text: two ``CLIPTextModelWithProjection`` (``tokenizer`` pads with ``<|endoftext|>``,
+    ``tokenizer_2`` with ``"!"``, as SD3's): 77 tokens x 32 and x 48 (penultimate layer), pooled 32 + 48 =
+    ``pooled_projection_dim`` 80; ``T5EncoderModel`` (``tokenizer_3``, sentencepiece): 256 tokens x 96 =
+    ``joint_attention_dim``. The prompt states are 77 + 256 = 333 tokens x 96. Scheduler:
+    ``FlowMatchEulerDiscreteScheduler(shift=3.0)``.
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    tokenizer, tokenizer_2 = make_clip_tokenizer(EOS), make_clip_tokenizer("!")
+    text_encoder = _clip_text(tokenizer, 32, projection=True)
+    text_encoder_2 = _clip_text(tokenizer_2, 48, projection=True, hidden_act="gelu")
+    tokenizer_3 = make_t5_tokenizer()
+    text_encoder_3 = _t5_encoder(tokenizer_3, 96)
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=96, caption_projection_dim=32, pooled_projection_dim=80,
+        pos_embed_max_size=16).eval()
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER),
+        vae=_vae(16, scaling_factor=1.5305, shift_factor=0.0609, quant_conv=False),
+        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3)
+    return _save(pipe, path)
+
+
+DIT_LABELS = {0: "red apple, apple", 1: "green pear", 2: "yellow banana, banana"}
+
+
+def make_dit(path, num_classes: int = 3, num_layers: int = 2, num_heads: int = 2, head_dim: int = 16) -> Path:
+    """A tiny class-conditional ``DiTPipeline`` folder.
+
+    Sizes: 32 x 32 RGB images <-> 4 x 8 x 8 latents (VAE downsamples by 4, ``scaling_factor`` 0.18215);
+    ``DiTTransformer2DModel`` (``ada_norm_zero``, 2 layers, 2 heads x 16 = 32 wide, 2 x 2 patches: 16 tokens,
+    learned sigma: 8 output channels, ``sample_size`` 8; ``num_layers`` x ``num_heads`` x ``head_dim`` may be set, e.g.
+    6 x 3 x 64 for ditforge's DiT-T). Its label table has 1001 rows
+    (``num_embeds_ada_norm`` 1000 + the dropout row) because ``DiTPipeline`` uses the hard-coded null label
+    1000 under guidance; ``id2label`` in ``model_index.json`` names classes ``0 .. num_classes - 1`` (the first
+    3 are ``DIT_LABELS``; ``pipe.get_label_ids("banana") == [2]``). Scheduler: ``DDIMScheduler`` with DiT's
+    betas (linear 1e-4..0.02, 1000 steps, epsilon). Not a registered ditforge size (DiT-T is 6 x 192).
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+
+    if not 1 <= num_classes <= 1000:
+        raise ValueError(f"num_classes must be in 1..1000 (DiTPipeline's null label is 1000), got {num_classes}")
+    torch.manual_seed(0)
+    transformer = DiTTransformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, out_channels=8, num_layers=num_layers,
+        num_attention_heads=num_heads, attention_head_dim=head_dim, num_embeds_ada_norm=1000,
+        norm_type="ada_norm_zero").eval()
+    id2label = {i: DIT_LABELS.get(i, f"class {i}") for i in range(num_classes)}
+    pipe = DiTPipeline(transformer=transformer, vae=_vae(), scheduler=DDIMScheduler(**DIT_SCHEDULER),
+                       id2label=id2label)
+    pipe.register_to_config(id2label={str(k): v for k, v in id2label.items()})  # __init__ does not record it
+    return _save(pipe, path)
+
+
+BUILDERS = {
+    "sd": make_sd,
+    "sd_v": functools.partial(make_sd, prediction_type="v_prediction"),
+    "pixart": make_pixart,
+    "pixart_sigma": functools.partial(make_pixart, sigma=True),
+    "sd3": make_sd3,
+    "dit": make_dit,
+}
