@@ -160,16 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("root", help="the folder of videos")
     pre.add_argument("--out", required=True, help="the CSV to write (paths in it relative to its folder)")
 
-    fx = sub.add_parser("extract-features", help="encode a data set once (VAE latent posterior, caption states) "
-                        "into safetensors shards; train on them with --data DIR",
+    fx = sub.add_parser("extract-features", help="encode a data set once (VAE latent posterior, caption states; with "
+                        "--init_from, the pipeline's own VAE and prompt encoding) into safetensors shards; train on "
+                        "them with --data DIR",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     fx.add_argument("--out", required=True, help="the folder to write (features.json + shard-NNNNN.safetensors); "
                     "must not hold features already")
     fx.add_argument("--batch_size", type=int, default=32, help="samples per encoder batch")
     fx.add_argument("--shard_size", type=int, default=1024, help="samples per shard file")
     _add_config_flags(fx, (DataConfig, ModelConfig, TrainConfig),
-                      only=("data", "image_size", "num_frames", "frame_interval", "num_workers", "condition", "vae",
-                            "text_encoder", "text_max_length", "device", "seed"))
+                      only=("data", "image_size", "num_frames", "frame_interval", "num_workers", "resize_mode",
+                            "condition", "vae", "text_encoder", "text_max_length", "init_from", "device", "seed"))
     return parser
 
 

@@ -24,6 +24,10 @@ A shard (safetensors, N its samples, each tensor row-aligned):
                                                 included), L_i <= text_max_length
     text_states    (sum L_i, D_text) float32   text condition only: each caption's states, trimmed to its real
                                                 tokens and concatenated in sample order
+    cond.<key>     (N, ...)                    a pretrained pipeline's (``--init_from``) conditioning tensors,
+                                                one per key of its prompt encoding (e.g. ``encoder_hidden_states``
+                                                (N, 77, 768) for SD 1.x; the T5 states and mask for PixArt), as
+                                                computed, float32
 """
 
 from __future__ import annotations
@@ -155,10 +159,21 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
         raise UserError(f"--data {data.data} holds features already; extract from the images or videos")
     dev = resolve_device(device)
     dataset = build_dataset(data.data, data.image_size, out / "bad_samples.jsonl", data.num_frames,
-                            data.frame_interval, cfg.train.seed)
-    inputs = build_batch_encoder(cfg, dataset, dev, torch.float32)
+                            data.frame_interval, cfg.train.seed, resize_mode=data.resize_mode)
     m = cfg.model
-    text = m.condition == "text"
+    pre = None
+    if m.init_from is not None:  # a pretrained pipeline's own VAE and prompt encoding
+        from ditforge.train.finetune import is_adapted_pipeline, load_pretrained, pretrained_inputs
+
+        if not is_adapted_pipeline(m.init_from):
+            raise UserError(f"--init_from {m.init_from}: features are extracted with a diffusers pipeline folder "
+                            "(Stable Diffusion, PixArt, SD3); DiT runs take --vae and --text_encoder")
+        pre = load_pretrained(m.init_from, dev)
+        inputs = pretrained_inputs(cfg, pre, dataset)
+    else:
+        inputs = build_batch_encoder(cfg, dataset, dev, torch.float32)
+    text = m.condition == "text" and pre is None
+    cond_keys: list[str] = []
     stochastic = inputs.stochastic
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("shard-*.safetensors"):  # from an extraction that was interrupted: no manifest
@@ -177,8 +192,9 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
         while pending_count >= shard_size or (final and pending_count):
             n = min(shard_size, pending_count)
             cat = {k: torch.cat(v) for k, v in pending.items()}
-            tensors = {k: cat[k][:n] for k in ("mean", "std", "label", "source_index") if k in cat}
-            rest = {k: [cat[k][n:]] for k in ("mean", "std", "label", "source_index") if k in cat}
+            rows = ("mean", "std", "label", "source_index", *(f"cond.{k}" for k in cond_keys))
+            tensors = {k: cat[k][:n] for k in rows if k in cat}
+            rest = {k: [cat[k][n:]] for k in rows if k in cat}
             if text:
                 lengths = cat["text_lengths"]
                 used = int(lengths[:n].sum())
@@ -210,8 +226,14 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
             add("mean", mean.float())
             if stochastic:
                 add("std", std.float())
-            add("label", torch.as_tensor(batch["label"], dtype=torch.int64))
+            add("label", torch.as_tensor(batch.get("label", [0] * len(requested)), dtype=torch.int64))
             add("source_index", requested)
+            if pre is not None:
+                cond = inputs.conditioning(batch, dev)
+                cond_keys = list(cond)
+                for key, value in cond.items():
+                    add(f"cond.{key}", value.float() if value.is_floating_point() else value)
+                texts.extend(batch["text"])
             if text:
                 captions = batch.get("text")
                 if captions is None:  # labelled images captioned by their class (``class_captions``)
@@ -242,7 +264,8 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
         "class_captions": list(c) if (c := getattr(dataset, "class_captions", None)) is not None else None,
         "random_flip": bool(getattr(dataset, "random_flip", True)), "stochastic": stochastic,
         "data": data.data, "num_samples": num_samples, "shards": shards,
-        "texts": texts if text else None,
+        "texts": texts if m.condition == "text" else None,
+        "init_from": _local_path(m.init_from) if pre is not None else None, "cond_keys": cond_keys or None,
     }
     with atomic_path(manifest_path) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -291,7 +314,8 @@ class FeatureDataset(Dataset):
     - ``std``: (C, [T,] h, w) float32, the posterior std (features of a real VAE only);
     - ``label``: int, the class label;
     - text condition: ``text_states`` (text_max_length, D_text) float32, zero after the caption's tokens;
-      ``text_mask`` (text_max_length,) bool, True on its tokens; ``text`` str, the caption.
+      ``text_mask`` (text_max_length,) bool, True on its tokens; ``text`` str, the caption;
+    - a pretrained pipeline's features (``cond_keys``): ``cond``, the dict of its conditioning tensors, and ``text``.
 
     Shards are opened lazily (memory-mapped by safetensors, one handle per shard and process, reopened in
     data-loader workers) and each item reads only its own rows, so a data set larger than memory works; the
@@ -317,7 +341,8 @@ class FeatureDataset(Dataset):
         self.num_classes, self.random_flip, self.stochastic = m["num_classes"], m["random_flip"], m["stochastic"]
         self.texts, self.class_captions = m["texts"], m["class_captions"]
         self.text_max_length, self.text_dim = m["text_max_length"], m["text_dim"]
-        text = self.condition == "text"
+        self.init_from, self.cond_keys = m.get("init_from"), m.get("cond_keys") or []
+        text = self.condition == "text" and not self.cond_keys
         sample_shape = [m["in_channels"], *([m["num_frames"]] if m["num_frames"] is not None else []),
                         m["input_size"], m["input_size"]]
         self._files = [self.folder / s["file"] for s in m["shards"]]
@@ -392,7 +417,10 @@ class FeatureDataset(Dataset):
         if self.stochastic:
             item["std"] = f.get_slice("std")[row]
         item["label"] = int(self._labels[shard][row])
-        if self.condition == "text":
+        if self.cond_keys:  # a pretrained pipeline's conditioning, as its prompt encoder gave it
+            item["cond"] = {k: f.get_slice(f"cond.{k}")[row] for k in self.cond_keys}
+            item["text"] = self.texts[self._starts[shard] + row]
+        elif self.condition == "text":
             n, off = int(self._lengths[shard][row]), int(self._offsets[shard][row])
             states = torch.zeros(self.text_max_length, self.text_dim, dtype=torch.float32)
             states[:n] = f.get_slice("text_states")[off:off + n]

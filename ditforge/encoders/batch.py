@@ -129,6 +129,8 @@ class BatchEncoder:
         ``device``."""
         if self.condition == "class":
             return {"y": torch.as_tensor(batch["label"]).to(device)}
+        if "cond" in batch:  # stored features of a pretrained pipeline's prompt encoding
+            return {k: v.to(device) for k, v in batch["cond"].items()}
         if "text_states" in batch:
             return {"y": batch["text_states"].to(device, torch.float32), "y_mask": batch["text_mask"].to(device)}
         texts = batch.get("text")

@@ -102,17 +102,20 @@ class Pretrained:
     scheduler_config: dict
 
     def encode_prompt(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        """Prompts -> the denoiser's conditioning tensors (float32, batch-first), with the pipeline's encoders."""
+        """Prompts -> the denoiser's conditioning tensors (float32, batch-first, on the denoiser's device), with
+        the pipeline's encoders (wherever they are)."""
+        encoder = next(m for n, m in self.pipe.components.items() if n.startswith("text_encoder") and m is not None)
         with torch.no_grad():
-            out = self.denoiser.encode_prompt(self.pipe, list(texts), self.pipe._execution_device)
-        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+            out = self.denoiser.encode_prompt(self.pipe, list(texts), encoder.device)
+        device = next(self.denoiser.parameters()).device
+        return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in out.items()}
 
 
 def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
-                    flag: str = FLAG) -> Pretrained:
-    """Load a pipeline folder of a supported family offline; its text encoders go to ``device`` in
-    ``text_dtype``, its VAE and denoiser to ``device`` in float32; all are frozen but the denoiser. The adapter's
-    null condition (the empty prompt) is set.
+                    flag: str = FLAG, text_device: torch.device | None = None) -> Pretrained:
+    """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
+    ``device``) in ``text_dtype``, its VAE and denoiser to ``device`` in float32; all are frozen but the denoiser.
+    The adapter's null condition (the empty prompt) is set.
 
     Raises:
         UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); or a load failure
@@ -136,7 +139,10 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     for name, module in pipe.components.items():
         if isinstance(module, nn.Module):
             module.requires_grad_(False).eval()
-            module.to(device, **({"dtype": text_dtype} if name.startswith("text_encoder") else {}))
+            if name.startswith("text_encoder"):
+                module.to(text_device or device, text_dtype)
+            else:
+                module.to(device)
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
     denoiser = family(getattr(pipe, family.component), vae_scale).requires_grad_(True)
     pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
@@ -329,7 +335,9 @@ def generate_with_pipeline(pre: Pretrained, denoiser: nn.Module, prompts: list[s
                            batch_size: int = 8) -> torch.Tensor:
     """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (the fine-tuned
     diffusers model) in it: row i starts from the noise of ``torch.Generator(device).manual_seed(seeds[i])``, so it
-    depends on its prompt and seed only. Returns (N, 3, S, S) float32 in [-1, 1] on the CPU."""
+    depends on its prompt and seed only. The prompts are encoded by ``pre.encode_prompt`` (wherever the text
+    encoders are) and handed over as embeddings, the empty prompt's as the negative ones: what the pipeline does
+    with the prompt strings. Returns (N, 3, S, S) float32 in [-1, 1] on the CPU."""
     pipe = pre.pipe
     setattr(pipe, _component(pre), denoiser)
     device = pipe._execution_device
@@ -337,9 +345,10 @@ def generate_with_pipeline(pre: Pretrained, denoiser: nn.Module, prompts: list[s
     for start in range(0, len(prompts), batch_size):
         rows = slice(start, start + batch_size)
         gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[rows]]
+        embeds = pre.denoiser.pipeline_inputs(pre.encode_prompt(prompts[rows]))
         with torch.no_grad():
-            images = pipe(prompt=prompts[rows], num_inference_steps=num_steps, guidance_scale=guidance_scale,
-                          height=image_size, width=image_size, generator=gens, output_type="pt",
+            images = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=image_size,
+                          width=image_size, generator=gens, output_type="pt", **embeds,
                           **pre.denoiser.pipeline_kwargs).images
         out.append(images.float().cpu() * 2 - 1)
     return torch.cat(out)
@@ -398,6 +407,10 @@ def pretrained_inputs(cfg, pre: Pretrained, dataset):
 
     m, data = cfg.model, cfg.data
     where = f"--init_from {m.init_from}"
+    stored = getattr(dataset, "init_from", False)
+    if stored is not False and (stored is None or Path(stored).resolve() != Path(m.init_from).resolve()):
+        raise UserError(f"--data {data.data}: its features were extracted "
+                        + (f"with --init_from {stored}" if stored else "without --init_from") + f", not {where}")
     if m.model is not None:
         raise UserError(f"--model {m.model}: {where} decides the denoiser (a {pre.pipeline_class}); leave --model out")
     if getattr(dataset, "num_frames", None) is not None:

@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
 from ditforge.config import RunConfig, resolve_precision
-from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset
+from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, is_features
+from ditforge.data.features import read_manifest
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
 from ditforge.encoders.batch import BatchEncoder, as_batch, build_batch_encoder
@@ -273,9 +274,15 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.dp_size} data-parallel processes x "
                         f"--grad_accum_steps {par.grad_accum_steps}")
     pre = dit_init = None  # a pretrained pipeline of a diffusers family / DiT weights (--init_from)
+    features = read_manifest(cfg.data.data) if is_features(cfg.data.data) else None
+    if m.init_from is None and features is not None:
+        m.init_from = features.get("init_from")  # features of a pretrained pipeline: fine-tune that pipeline
     if m.init_from is not None:
         if finetune.is_adapted_pipeline(m.init_from):
-            pre = finetune.load_pretrained(m.init_from, device, amp_dtype if device.type == "cuda" else torch.float32)
+            # From features, the text encoders only encode the empty prompt and the sample grids: kept on the CPU.
+            on_gpu = device.type == "cuda" and features is None
+            pre = finetune.load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
+                                           text_device=device if features is None else torch.device("cpu"))
         else:
             dit_init = finetune.read_dit_init(cfg)
     dataset = _build_dataset(cfg, run_dir, pre, d)

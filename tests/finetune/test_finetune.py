@@ -238,6 +238,23 @@ def test_pixart_lora_file_is_refused(request, runs, tmp_path, capsys):
     assert not (tmp_path / "l").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["sd", "pixart"])
+def test_features_train_like_on_the_fly(family, request, runs, captioned, tmp_path):
+    """``extract-features --init_from`` stores the pipeline's VAE posterior and prompt encoding; a run on them
+    (the pipeline read from the features) has the on-the-fly run's losses for the same seed (1e-5 relative)."""
+    folder, feats = _pipeline(request, family), tmp_path / "feats"
+    assert cli.main(["extract-features", "--init_from", str(folder), "--data", str(captioned), "--image_size",
+                     str(SIZE), "--device", "cpu", "--num_workers", "0", "--out", str(feats)]) == 0
+    argv = ["train", "--data", str(feats), "--batch_size", "2", "--max_steps", "3", "--log_every", "1",
+            "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--class_dropout_prob", "0",
+            "--no-random_flip", "--outputs", str(tmp_path / "run")]
+    assert cli.main(argv) == 0
+    ours = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    fly = read_metrics(runs(family)["full"] / "metrics.jsonl")[:3]
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in fly], rel=1e-5)
+
+
 # -------------------------------------------------------------------------------------------------------------
 # DreamBooth
 

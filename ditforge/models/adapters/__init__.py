@@ -98,6 +98,20 @@ class DiffusersDenoiser(nn.Module):
         """Prompts -> the conditioning tensors, through the pipeline's own ``encode_prompt`` (no guidance)."""
         raise NotImplementedError
 
+    pipeline_embeds: dict[str, str] = {}  # conditioning key -> the pipeline __call__'s argument for it
+
+    def pipeline_inputs(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The pipeline's ``prompt_embeds``-style arguments for ``cond`` (B rows) and, as the negative prompt, the
+        empty prompt's condition: the pipeline then samples without touching its text encoders, and gives what
+        it gives for the prompts as strings (its default negative prompt is the empty one)."""
+        out = {}
+        for key, arg in self.pipeline_embeds.items():
+            value = cond[key]
+            out[arg] = value
+            out[arg.replace("prompt_", "negative_prompt_", 1) if arg.startswith("prompt_") else f"negative_{arg}"] = (
+                getattr(self, f"null_{key}").to(value.dtype).expand_as(value))
+        return out
+
 
 def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.pixart import PixArtDenoiser

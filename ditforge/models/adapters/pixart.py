@@ -21,9 +21,10 @@ class PixArtDenoiser(DiffusersDenoiser):
     pipelines = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
     component = "transformer"
     block_classes = ("BasicTransformerBlock",)
+    pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask"}
     # Sample at the trained size (no snapping to the pipeline's aspect-ratio bins); captions as trained (no
-    # bs4/ftfy cleaning).
-    pipeline_kwargs = {"use_resolution_binning": False, "clean_caption": False}
+    # bs4/ftfy cleaning); the negative prompt comes as embeddings (its default "" would clash with them).
+    pipeline_kwargs = {"use_resolution_binning": False, "clean_caption": False, "negative_prompt": None}
 
     def denoise(self, x, t, encoder_hidden_states, encoder_attention_mask):
         added = {"resolution": None, "aspect_ratio": None}

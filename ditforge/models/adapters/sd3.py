@@ -19,6 +19,7 @@ class SD3Denoiser(DiffusersDenoiser):
     pipelines = ("StableDiffusion3Pipeline",)
     component = "transformer"
     block_classes = ("JointTransformerBlock",)
+    pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
 
     def denoise(self, x, t, encoder_hidden_states, pooled_projections):
         return self.transformer(x, encoder_hidden_states=encoder_hidden_states,

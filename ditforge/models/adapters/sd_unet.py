@@ -15,6 +15,7 @@ class SDUNetDenoiser(DiffusersDenoiser):
     pipelines = ("StableDiffusionPipeline",)
     component = "unet"
     block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
+    pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
 
     def denoise(self, x, t, encoder_hidden_states):
         return self.unet(x, t, encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
