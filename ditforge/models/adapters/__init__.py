@@ -44,6 +44,7 @@ class DiffusersDenoiser(nn.Module):
     block_classes: tuple[str, ...] = ()
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_kwargs: dict[str, Any] = {}  # extra arguments of the pipeline's __call__ when ditforge samples
+    compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 
     def __init__(self, model: nn.Module, vae_scale: int = 8):
         super().__init__()
