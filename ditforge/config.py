@@ -78,7 +78,9 @@ class ModelConfig:
 class DataConfig:
     data: str = _f("digits", "digits (built-in 8x8 images) | clips (built-in captioned videos) | a video CSV "
                              "(path,text[,num_frames,fps,height,width]; see `ditforge preprocess`) | an image "
-                             "folder ROOT/<class>/<image> | a features folder of `ditforge extract-features`")
+                             "folder ROOT/<class>/<image> | captioned images (a folder of images with <stem>.txt "
+                             "captions, or a CSV / JSONL of path,text) | a features folder of `ditforge "
+                             "extract-features`")
     image_size: int | None = _f(None, "image (frame) side in pixels (digits: 8; clips: 32; required otherwise)")
     num_frames: int | None = _f(None, "frames per video clip (video data; default 16)")
     frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "

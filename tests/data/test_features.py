@@ -158,7 +158,7 @@ def test_manifest_and_items_match_the_encoders(videos, tiny_vae, video_features)
                 "text_encoder": None, "text_max_length": 32, "text_dim": 384, "in_channels": 4, "input_size": 8,
                 "num_frames": FRAMES, "pixel_channels": 3, "image_size": SIZE, "frame_interval": INTERVAL, "seed": 3,
                 "num_classes": 4, "class_captions": None, "random_flip": True, "stochastic": True,
-                "data": str(videos), "num_samples": 4, "texts": CAPTIONS,
+                "data": str(videos), "num_samples": 4, "texts": CAPTIONS, "init_from": None, "cond_keys": None,
                 "shards": [{"file": "shard-00000.safetensors", "num_samples": 3},
                            {"file": "shard-00001.safetensors", "num_samples": 1}]}
     assert m == expected
