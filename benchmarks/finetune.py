@@ -149,6 +149,7 @@ def profile_row(name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) 
     from ditforge.encoders.batch import BatchEncoder
     from ditforge.parallel.ema import EMA
     from ditforge.parallel.mesh import Dist
+    from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.train import finetune
     from ditforge.train.trainer import step_randomness, train_step
 
@@ -157,7 +158,7 @@ def profile_row(name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) 
                                   "lora_rank": int(flags.get("--lora_rank", 0))})
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    pre = finetune.load_pretrained(pipe, dev, text_device=torch.device("cpu"))
+    pre = load_pretrained(pipe, dev, text_device=torch.device("cpu"))
     ds = build_dataset(str(feats), None)
     model = pre.denoiser.train()
     if cfg.model.lora_rank:

@@ -163,13 +163,14 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
     m = cfg.model
     pre = None
     if m.init_from is not None:  # a pretrained pipeline's own VAE and prompt encoding
-        from ditforge.train.finetune import is_adapted_pipeline, load_pretrained, pretrained_inputs
+        from ditforge.encoders.batch import pipeline_batch_encoder
+        from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
 
         if not is_adapted_pipeline(m.init_from):
             raise UserError(f"--init_from {m.init_from}: features are extracted with a diffusers pipeline folder "
                             "(Stable Diffusion, PixArt, SD3); DiT runs take --vae and --text_encoder")
         pre = load_pretrained(m.init_from, dev)
-        inputs = pretrained_inputs(cfg, pre, dataset)
+        inputs = pipeline_batch_encoder(cfg, pre, dataset)
     else:
         inputs = build_batch_encoder(cfg, dataset, dev, torch.float32)
     text = m.condition == "text" and pre is None

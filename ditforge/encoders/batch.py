@@ -7,6 +7,7 @@ One place for both ways of feeding a run (encoding pixels and captions on the fl
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -192,3 +193,43 @@ def build_batch_encoder(cfg, dataset, device: torch.device, dtype: torch.dtype) 
     data.num_frames = dataset.num_frames if video else None
     m.in_channels, m.input_size, m.num_frames = vae.latent_channels, dataset.image_size // vae.downsample, data.num_frames
     return BatchEncoder(m.condition, vae, text_encoder, class_captions=getattr(dataset, "class_captions", None))
+
+
+def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
+    """``build_batch_encoder`` for a pretrained pipeline (``pre``, a ``models.adapters.pipeline.Pretrained``): settle
+    the run's model settings from it and return the ``BatchEncoder`` that feeds it: the pipeline's VAE (latents
+    scaled by its config) and its own prompt encoding.
+
+    Raises:
+        UserError: ``--model`` given (the folder decides the denoiser); class conditioning or video data (these
+            families make images from text); an ``--image_size`` the VAE and denoiser cannot take.
+    """
+    from ditforge.encoders.vae import VAE
+    from ditforge.errors import UserError
+
+    m, data = cfg.model, cfg.data
+    where = f"--init_from {m.init_from}"
+    stored = getattr(dataset, "init_from", False)
+    if stored is not False and (stored is None or Path(stored).resolve() != Path(m.init_from).resolve()):
+        raise UserError(f"--data {data.data}: its features were extracted "
+                        + (f"with --init_from {stored}" if stored else "without --init_from") + f", not {where}")
+    if m.model is not None:
+        raise UserError(f"--model {m.model}: {where} decides the denoiser (a {pre.pipeline_class}); leave --model out")
+    if getattr(dataset, "num_frames", None) is not None:
+        raise UserError(f"--data {data.data} holds videos; {where} is a {pre.pipeline_class}, which makes images")
+    if m.condition == "class":
+        raise UserError(f"--condition class: {where} is a text-to-image {pre.pipeline_class}")
+    inner, scale = pre.denoiser.inner, pre.denoiser.vae_scale
+    size = dataset.image_size
+    multiple = scale * (2 ** (len(inner.config.block_out_channels) - 1) if pre.denoiser.component == "unet"
+                        else int(inner.config.patch_size))
+    if size % multiple:
+        raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
+                        f"(the VAE's downsample {scale} x the denoiser's own)")
+    m.family, m.condition = pre.denoiser.family, "text"
+    m.in_channels, m.input_size, m.num_frames = pre.denoiser.in_channels, size // scale, None
+    m.learn_sigma, m.text_encoder, m.text_dim, m.text_max_length = pre.denoiser.learn_sigma, None, None, None
+    m.vae = str(pre.folder / "vae")
+    data.image_size = size
+    return BatchEncoder("text", VAE(pre.pipe.vae, path=m.vae), prompt_encoder=pre.encode_prompt,
+                        class_captions=getattr(dataset, "class_captions", None))

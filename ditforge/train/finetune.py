@@ -12,10 +12,7 @@ the objective (``ditforge.diffusion.objective``); its VAE and text encoders enco
 
 from __future__ import annotations
 
-import json
-import logging
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,131 +21,8 @@ from torch import nn
 
 from ditforge.atomic import atomic_dir
 from ditforge.errors import UserError
-from ditforge.models.adapters import DiffusersDenoiser, family_of_pipeline, supported_pipelines
-
-log = logging.getLogger(__name__)
-
-FLAG = "--init_from"
-_WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin", "model.safetensors",
-                 "pytorch_model.bin", "diffusion_pytorch_model.safetensors.index.json",
-                 "model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
-    """``model_index.json`` of a pipeline folder, after checking that every component it lists is there.
-
-    Raises:
-        UserError (one line, naming ``flag`` and the missing file): no such folder, no ``model_index.json``, a
-            pipeline class ditforge does not fine-tune, or a component folder / config / weights file missing.
-    """
-    p = Path(folder)
-    index = p / "model_index.json"
-    if not index.is_file():
-        raise UserError(f"{flag} {folder}: expected a local diffusers pipeline folder with model_index.json, an "
-                        "official DiT .pt, or a ditforge run, checkpoint or export"
-                        + ("" if p.exists() else " (it does not exist)"))
-    try:
-        spec = json.loads(index.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{flag} {index}: unreadable ({e})") from None
-    cls = spec.get("_class_name")
-    if cls not in supported_pipelines():
-        raise UserError(f"{flag} {folder}: a {cls} pipeline is not supported (expected one of "
-                        f"{', '.join(supported_pipelines())})")
-    for name, value in spec.items():
-        if name.startswith("_") or not isinstance(value, list) or value[0] is None:
-            continue
-        sub = p / name
-        kind = value[1]
-        if kind.endswith("Scheduler"):
-            needed = [sub / "scheduler_config.json"]
-        elif "Tokenizer" in kind:
-            needed = [sub]
-        else:
-            needed = [sub / "config.json"]
-            if not any((sub / f).is_file() for f in _WEIGHT_FILES):
-                needed.append(sub / _WEIGHT_FILES[0])
-        for f in needed:
-            if not f.exists():
-                raise UserError(f"{flag} {folder}: {f.relative_to(p)} is missing (model_index.json lists the "
-                                f"{name} component, a {kind})")
-    return spec
-
-
-def is_adapted_pipeline(path: str | Path) -> bool:
-    """True for a pipeline folder of a family behind an adapter (SD, PixArt, SD3); False for anything else
-    (DiT weights in any form, or a path that is no pipeline folder). Raises UserError for a pipeline folder
-    that is incomplete or of an unsupported family (``read_model_index``)."""
-    if not (Path(path) / "model_index.json").is_file():
-        return False
-    return read_model_index(path)["_class_name"] != "DiTPipeline"
-
-
-@dataclass
-class Pretrained:
-    """A loaded pipeline of a supported family (not DiT).
-
-    Attributes:
-        folder: where it was loaded from. pipeline_class: e.g. ``StableDiffusionPipeline``.
-        pipe: the diffusers pipeline (text encoders and VAE on the device; the denoiser still inside).
-        denoiser: the adapter around the pipeline's denoiser (``DiffusersDenoiser``), float32.
-        scheduler_config: the scheduler's config dict (decides the objective).
-    """
-
-    folder: Path
-    pipeline_class: str
-    pipe: Any
-    denoiser: DiffusersDenoiser
-    scheduler_config: dict
-
-    def encode_prompt(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        """Prompts -> the denoiser's conditioning tensors (float32, batch-first, on the denoiser's device), with
-        the pipeline's encoders (wherever they are)."""
-        encoder = next(m for n, m in self.pipe.components.items() if n.startswith("text_encoder") and m is not None)
-        with torch.no_grad():
-            out = self.denoiser.encode_prompt(self.pipe, list(texts), encoder.device)
-        device = next(self.denoiser.parameters()).device
-        return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in out.items()}
-
-
-def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
-                    flag: str = FLAG, text_device: torch.device | None = None) -> Pretrained:
-    """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
-    ``device``) in ``text_dtype``, its VAE and denoiser to ``device`` in float32; all are frozen but the denoiser.
-    The adapter's null condition (the empty prompt) is set.
-
-    Raises:
-        UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); or a load failure
-            from diffusers / transformers (one line).
-    """
-    spec = read_model_index(folder, flag)
-    family = family_of_pipeline(spec["_class_name"])
-    if family is None:
-        raise UserError(f"{flag} {folder}: a {spec['_class_name']} loads into ditforge's own DiT, not an adapter")
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()  # loading bars of every component: noise around ditforge's own
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        pipe = getattr(diffusers, spec["_class_name"]).from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:  # diffusers and transformers raise many types for a bad folder
-        raise UserError(f"{flag} {folder}: could not load the pipeline ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:200]})") from None
-    pipe.set_progress_bar_config(disable=True)
-    for name, module in pipe.components.items():
-        if isinstance(module, nn.Module):
-            module.requires_grad_(False).eval()
-            if name.startswith("text_encoder"):
-                module.to(text_device or device, text_dtype)
-            else:
-                module.to(device)
-    vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    denoiser = family(getattr(pipe, family.component), vae_scale).requires_grad_(True)
-    pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
-    denoiser.set_null_condition(pre.encode_prompt([""]))
-    return pre
-
+from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters.pipeline import FLAG, Pretrained, load_pretrained, read_model_index
 
 # ---------------------------------------------------------------------------------------------------------------
 # DiT weights into ditforge's own DiT
@@ -392,45 +266,6 @@ def add_lora_to_denoiser(model: nn.Module, cfg) -> None:
         getattr(model, "default_lora_targets", ("qkv", "proj")))
     m.lora_target_modules = ",".join(t.strip() for t in targets)
     add_lora(getattr(model, "inner", model), m.lora_rank, m.lora_alpha, m.lora_target_modules.split(","))
-
-
-def pretrained_inputs(cfg, pre: Pretrained, dataset):
-    """Settle the run's model settings from a loaded pipeline and return the ``BatchEncoder`` that feeds it: the
-    pipeline's VAE (latents scaled by its config) and its own prompt encoding.
-
-    Raises:
-        UserError: ``--model`` given (the folder decides the denoiser); class conditioning or video data (these
-            families make images from text); an ``--image_size`` the VAE and denoiser cannot take.
-    """
-    from ditforge.encoders.batch import BatchEncoder
-    from ditforge.encoders.vae import VAE
-
-    m, data = cfg.model, cfg.data
-    where = f"--init_from {m.init_from}"
-    stored = getattr(dataset, "init_from", False)
-    if stored is not False and (stored is None or Path(stored).resolve() != Path(m.init_from).resolve()):
-        raise UserError(f"--data {data.data}: its features were extracted "
-                        + (f"with --init_from {stored}" if stored else "without --init_from") + f", not {where}")
-    if m.model is not None:
-        raise UserError(f"--model {m.model}: {where} decides the denoiser (a {pre.pipeline_class}); leave --model out")
-    if getattr(dataset, "num_frames", None) is not None:
-        raise UserError(f"--data {data.data} holds videos; {where} is a {pre.pipeline_class}, which makes images")
-    if m.condition == "class":
-        raise UserError(f"--condition class: {where} is a text-to-image {pre.pipeline_class}")
-    inner, scale = pre.denoiser.inner, pre.denoiser.vae_scale
-    size = dataset.image_size
-    multiple = scale * (2 ** (len(inner.config.block_out_channels) - 1) if pre.denoiser.component == "unet"
-                        else int(inner.config.patch_size))
-    if size % multiple:
-        raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
-                        f"(the VAE's downsample {scale} x the denoiser's own)")
-    m.family, m.condition = pre.denoiser.family, "text"
-    m.in_channels, m.input_size, m.num_frames = pre.denoiser.in_channels, size // scale, None
-    m.learn_sigma, m.text_encoder, m.text_dim, m.text_max_length = pre.denoiser.learn_sigma, None, None, None
-    m.vae = str(pre.folder / "vae")
-    data.image_size = size
-    return BatchEncoder("text", VAE(pre.pipe.vae, path=m.vae), prompt_encoder=pre.encode_prompt,
-                        class_captions=getattr(dataset, "class_captions", None))
 
 
 def read_dit_init(cfg) -> tuple[dict[str, torch.Tensor] | Path, dict]:

@@ -32,11 +32,12 @@ from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, i
 from ditforge.data.features import read_manifest
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
-from ditforge.encoders.batch import BatchEncoder, as_batch, build_batch_encoder
+from ditforge.encoders.batch import BatchEncoder, as_batch, build_batch_encoder, pipeline_batch_encoder
 from ditforge.diffusion import generate
 from ditforge.diffusion.objective import Objective, create_objective
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
+from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
 from ditforge.ops.attention import whole_sequences
 from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
@@ -278,17 +279,17 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if m.init_from is None and features is not None:
         m.init_from = features.get("init_from")  # features of a pretrained pipeline: fine-tune that pipeline
     if m.init_from is not None:
-        if finetune.is_adapted_pipeline(m.init_from):
+        if is_adapted_pipeline(m.init_from):
             # From features, the text encoders only encode the empty prompt and the sample grids: kept on the CPU.
             on_gpu = device.type == "cuda" and features is None
-            pre = finetune.load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
+            pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
                                            text_device=device if features is None else torch.device("cpu"))
         else:
             dit_init = finetune.read_dit_init(cfg)
     dataset = _build_dataset(cfg, run_dir, pre, d)
     video = getattr(dataset, "num_frames", None) is not None
     if pre is not None:
-        inputs = finetune.pretrained_inputs(cfg, pre, dataset)
+        inputs = pipeline_batch_encoder(cfg, pre, dataset)
     else:
         if m.model is None:
             m.model = "vDiT-T/244" if video else "DiT-T/2"

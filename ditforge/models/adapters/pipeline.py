@@ -1,0 +1,137 @@
+"""Pipeline folders of the adapted families, loaded offline: ``read_model_index`` checks a folder (one line naming
+the missing file), ``load_pretrained`` loads it with the family's diffusers pipeline class and wraps its denoiser in
+the family's adapter; ``Pretrained`` holds the result (the pipeline's text encoders and VAE encode the data)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditforge.errors import UserError
+from ditforge.models.adapters import DiffusersDenoiser, family_of_pipeline, supported_pipelines
+
+FLAG = "--init_from"
+_WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin", "model.safetensors",
+                 "pytorch_model.bin", "diffusion_pytorch_model.safetensors.index.json",
+                 "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
+    """``model_index.json`` of a pipeline folder, after checking that every component it lists is there.
+
+    Raises:
+        UserError (one line, naming ``flag`` and the missing file): no such folder, no ``model_index.json``, a
+            pipeline class ditforge does not fine-tune, or a component folder / config / weights file missing.
+    """
+    p = Path(folder)
+    index = p / "model_index.json"
+    if not index.is_file():
+        raise UserError(f"{flag} {folder}: expected a local diffusers pipeline folder with model_index.json, an "
+                        "official DiT .pt, or a ditforge run, checkpoint or export"
+                        + ("" if p.exists() else " (it does not exist)"))
+    try:
+        spec = json.loads(index.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{flag} {index}: unreadable ({e})") from None
+    cls = spec.get("_class_name")
+    if cls not in supported_pipelines():
+        raise UserError(f"{flag} {folder}: a {cls} pipeline is not supported (expected one of "
+                        f"{', '.join(supported_pipelines())})")
+    for name, value in spec.items():
+        if name.startswith("_") or not isinstance(value, list) or value[0] is None:
+            continue
+        sub = p / name
+        kind = value[1]
+        if kind.endswith("Scheduler"):
+            needed = [sub / "scheduler_config.json"]
+        elif "Tokenizer" in kind:
+            needed = [sub]
+        else:
+            needed = [sub / "config.json"]
+            if not any((sub / f).is_file() for f in _WEIGHT_FILES):
+                needed.append(sub / _WEIGHT_FILES[0])
+        for f in needed:
+            if not f.exists():
+                raise UserError(f"{flag} {folder}: {f.relative_to(p)} is missing (model_index.json lists the "
+                                f"{name} component, a {kind})")
+    return spec
+
+
+def is_adapted_pipeline(path: str | Path) -> bool:
+    """True for a pipeline folder of a family behind an adapter (SD, PixArt, SD3); False for anything else
+    (DiT weights in any form, or a path that is no pipeline folder). Raises UserError for a pipeline folder
+    that is incomplete or of an unsupported family (``read_model_index``)."""
+    if not (Path(path) / "model_index.json").is_file():
+        return False
+    return read_model_index(path)["_class_name"] != "DiTPipeline"
+
+
+@dataclass
+class Pretrained:
+    """A loaded pipeline of a supported family (not DiT).
+
+    Attributes:
+        folder: where it was loaded from. pipeline_class: e.g. ``StableDiffusionPipeline``.
+        pipe: the diffusers pipeline (text encoders and VAE on the device; the denoiser still inside).
+        denoiser: the adapter around the pipeline's denoiser (``DiffusersDenoiser``), float32.
+        scheduler_config: the scheduler's config dict (decides the objective).
+    """
+
+    folder: Path
+    pipeline_class: str
+    pipe: Any
+    denoiser: DiffusersDenoiser
+    scheduler_config: dict
+
+    def encode_prompt(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """Prompts -> the denoiser's conditioning tensors (float32, batch-first, on the denoiser's device), with
+        the pipeline's encoders (wherever they are)."""
+        encoder = next(m for n, m in self.pipe.components.items() if n.startswith("text_encoder") and m is not None)
+        with torch.no_grad():
+            out = self.denoiser.encode_prompt(self.pipe, list(texts), encoder.device)
+        device = next(self.denoiser.parameters()).device
+        return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in out.items()}
+
+
+def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
+                    flag: str = FLAG, text_device: torch.device | None = None) -> Pretrained:
+    """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
+    ``device``) in ``text_dtype``, its VAE and denoiser to ``device`` in float32; all are frozen but the denoiser.
+    The adapter's null condition (the empty prompt) is set.
+
+    Raises:
+        UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); or a load failure
+            from diffusers / transformers (one line).
+    """
+    spec = read_model_index(folder, flag)
+    family = family_of_pipeline(spec["_class_name"])
+    if family is None:
+        raise UserError(f"{flag} {folder}: a {spec['_class_name']} loads into ditforge's own DiT, not an adapter")
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()  # loading bars of every component: noise around ditforge's own
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        pipe = getattr(diffusers, spec["_class_name"]).from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # diffusers and transformers raise many types for a bad folder
+        raise UserError(f"{flag} {folder}: could not load the pipeline ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:200]})") from None
+    pipe.set_progress_bar_config(disable=True)
+    for name, module in pipe.components.items():
+        if isinstance(module, nn.Module):
+            module.requires_grad_(False).eval()
+            if name.startswith("text_encoder"):
+                module.to(text_device or device, text_dtype)
+            else:
+                module.to(device)
+    vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    denoiser = family(getattr(pipe, family.component), vae_scale).requires_grad_(True)
+    pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
+    denoiser.set_null_condition(pre.encode_prompt([""]))
+    return pre
