@@ -22,7 +22,6 @@ skipped (temporary files, ``.ipynb_checkpoints``, macOS ``._*`` resource forks).
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import numbers
@@ -38,8 +37,8 @@ from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
 from ditforge.config import RESIZE_MODES
-from ditforge.data.images import (IMAGE_EXTENSIONS, center_crop_arr, error_text, load_or_substitute,
-                                  report_bad_samples)
+from ditforge.data.images import (CSV_EXPECTED, IMAGE_EXTENSIONS, center_crop_arr, error_text, load_or_substitute,
+                                  read_csv_rows, report_bad_samples)
 from ditforge.data.sampler import derive_seed
 from ditforge.errors import UserError
 
@@ -179,32 +178,19 @@ def read_caption_csv(path: str | Path) -> list[dict]:
         UserError: the file is missing or empty, the header has no image or caption column, or a row is cut
             short before either (naming the file and line).
     """
-    path = Path(path)
-    expected = "expected a CSV file with a header row and the columns path,text"
-    if not path.is_file():
-        raise UserError(f"--data: {path} does not exist ({expected})")
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if not header:
-            raise UserError(f"--data: {path} is empty ({expected})")
-        header = [h.strip().lower() for h in header]
+    header, rows = read_csv_rows(path)
+    for keys in (PATH_KEYS, TEXT_KEYS):
+        if not any(k in header for k in keys):
+            raise UserError(f"--data: {path} line 1: no column {_names(keys)} in the header row "
+                            f"({','.join(header)[:80]}); {CSV_EXPECTED}")
+    out = []
+    for line, row in rows:
         for keys in (PATH_KEYS, TEXT_KEYS):
-            if not any(k in header for k in keys):
-                raise UserError(f"--data: {path} line 1: no column {_names(keys)} in the header row "
-                                f"({','.join(header)[:80]}); {expected}")
-        rows = []
-        for values in reader:
-            if not any(v.strip() for v in values):
-                continue
-            row = dict(zip(header, values))
-            for keys in (PATH_KEYS, TEXT_KEYS):
-                if _pick(row, keys) is None:
-                    raise UserError(f"--data: {path} line {reader.line_num}: no {_names(keys)} value (the row has "
-                                    f"{len(values)} fields, the header {len(header)}); {expected}")
-            rows.append({"path": _pick(row, PATH_KEYS), "text": _pick(row, TEXT_KEYS), "line": reader.line_num,
-                         "row": row})
-    return rows
+            if _pick(row, keys) is None:
+                raise UserError(f"--data: {path} line {line}: no {_names(keys)} value (the row has {len(row)} "
+                                f"fields, the header {len(header)}); {CSV_EXPECTED}")
+        out.append({"path": _pick(row, PATH_KEYS), "text": _pick(row, TEXT_KEYS), "line": line, "row": row})
+    return out
 
 
 def read_caption_jsonl(path: str | Path) -> list[dict]:

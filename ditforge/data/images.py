@@ -36,6 +36,31 @@ def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:
     return arr[top : top + image_size, left : left + image_size]
 
 
+CSV_EXPECTED = "expected a CSV file with a header row and the columns path,text"
+
+
+def read_csv_rows(path: str | Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
+    """A ``--data`` CSV file: its header (column names stripped and lower-cased) and its rows as (line number,
+    {column: value}), blank lines skipped; UTF-8, a BOM allowed. The video and captioned-image CSVs share it.
+
+    Raises:
+        UserError: the file does not exist or is empty (naming ``--data`` and the file).
+    """
+    import csv
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--data: {path} does not exist ({CSV_EXPECTED})")
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header:
+            raise UserError(f"--data: {path} is empty ({CSV_EXPECTED})")
+        header = [h.strip().lower() for h in header]
+        rows = [(reader.line_num, dict(zip(header, values))) for values in reader if any(v.strip() for v in values)]
+    return header, rows
+
+
 def error_text(error: Exception) -> str:
     """``"TypeName: message"``, the ``error`` field of a ``bad_samples.jsonl`` record."""
     return f"{type(error).__name__}: {error}"

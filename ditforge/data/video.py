@@ -22,7 +22,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ditforge.atomic import atomic_path
-from ditforge.data.images import center_crop_arr, error_text, load_or_substitute, report_bad_samples
+from ditforge.data.images import (CSV_EXPECTED, center_crop_arr, error_text, load_or_substitute, read_csv_rows,
+                                  report_bad_samples)
 from ditforge.data.sampler import derive_seed
 from ditforge.errors import UserError
 
@@ -192,28 +193,12 @@ def read_video_csv(path: str | Path) -> list[dict[str, str]]:
     Raises:
         UserError: the file does not exist, is empty, or its header lacks ``path`` or ``text``.
     """
-    path = Path(path)
-    expected = "expected a CSV file with a header row and the columns path,text"
-    if not path.is_file():
-        raise UserError(f"--data: {path} does not exist ({expected})")
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if not header:
-            raise UserError(f"--data: {path} is empty ({expected})")
-        header = [h.strip().lower() for h in header]
-        missing = [c for c in REQUIRED_COLUMNS if c not in header]
-        if missing:
-            raise UserError(f"--data: {path} has no column {' or '.join(missing)} in its header row "
-                            f"({','.join(header)[:80]}); {expected}")
-        rows = []
-        for values in reader:
-            if not any(v.strip() for v in values):
-                continue  # blank line
-            row = dict(zip(header, values))
-            row["_line"] = str(reader.line_num)
-            rows.append(row)
-    return rows
+    header, rows = read_csv_rows(path)
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise UserError(f"--data: {path} has no column {' or '.join(missing)} in its header row "
+                        f"({','.join(header)[:80]}); {CSV_EXPECTED}")
+    return [{**row, "_line": str(line)} for line, row in rows]
 
 
 def write_video_csv(rows: Sequence[Mapping[str, object]], path: str | Path,

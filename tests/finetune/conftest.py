@@ -20,37 +20,17 @@ def _build(tmp_path_factory, family: str) -> Path:
         torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def sd_pipeline(tmp_path_factory) -> Path:
-    """SD-1.5-like ``StableDiffusionPipeline`` folder (PNDM, epsilon): ``tiny_pipelines.make_sd``."""
-    return _build(tmp_path_factory, "sd")
+def _fixture(family: str):
+    """A session fixture ``<family>_pipeline``: the folder ``BUILDERS[family]`` writes (sd: SD-1.5-like, PNDM,
+    epsilon; sd_v: SD-2.1-like, DDIM, v_prediction; pixart / pixart_sigma; sd3; dit: 3 named classes, null label
+    1000)."""
+
+    @pytest.fixture(scope="session", name=f"{family}_pipeline")
+    def pipeline(tmp_path_factory) -> Path:
+        return _build(tmp_path_factory, family)
+
+    return pipeline
 
 
-@pytest.fixture(scope="session")
-def sd_v_pipeline(tmp_path_factory) -> Path:
-    """SD-2.1-like ``StableDiffusionPipeline`` folder (DDIM, v_prediction): ``make_sd(prediction_type=...)``."""
-    return _build(tmp_path_factory, "sd_v")
-
-
-@pytest.fixture(scope="session")
-def pixart_pipeline(tmp_path_factory) -> Path:
-    """``PixArtAlphaPipeline`` folder: ``tiny_pipelines.make_pixart``."""
-    return _build(tmp_path_factory, "pixart")
-
-
-@pytest.fixture(scope="session")
-def pixart_sigma_pipeline(tmp_path_factory) -> Path:
-    """``PixArtSigmaPipeline`` folder: ``tiny_pipelines.make_pixart(sigma=True)``."""
-    return _build(tmp_path_factory, "pixart_sigma")
-
-
-@pytest.fixture(scope="session")
-def sd3_pipeline(tmp_path_factory) -> Path:
-    """``StableDiffusion3Pipeline`` folder: ``tiny_pipelines.make_sd3``."""
-    return _build(tmp_path_factory, "sd3")
-
-
-@pytest.fixture(scope="session")
-def dit_pipeline(tmp_path_factory) -> Path:
-    """``DiTPipeline`` folder (3 named classes, null label 1000): ``tiny_pipelines.make_dit``."""
-    return _build(tmp_path_factory, "dit")
+for _family in BUILDERS:
+    globals()[f"{_family}_pipeline"] = _fixture(_family)
