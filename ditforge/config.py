@@ -67,6 +67,8 @@ class ModelConfig:
     lora_alpha: float | None = _f(None, "LoRA scale numerator: updates are scaled by alpha / rank (default: rank)")
     lora_target_modules: str | None = _f(None, "comma-separated module names LoRA adapts (default: to_q,to_k,to_v,"
                                                "to_out.0 for diffusers models; qkv,proj for ditforge's DiT)")
+    train_text_encoder: bool = _f(False, "train the --init_from pipeline's text encoder too (Stable Diffusion 1.x / "
+                                         "2.x; with --lora_rank, LoRA on its attention projections)")
     family: str | None = _f(None, "the --init_from pipeline's family (sd | pixart | sd3), or None", cli=False)
     in_channels: int | None = _f(None, "input channels (default: from the data)", cli=False)
     input_size: int | None = _f(None, "spatial input size of the model (default: --image_size)", cli=False)
@@ -353,6 +355,8 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--objective: expected one of {', '.join(OBJECTIVES)}, got {m.objective}")
     if m.lora_rank < 0:
         raise UserError(f"--lora_rank: expected an integer >= 0, got {m.lora_rank}")
+    if m.train_text_encoder and m.init_from is None:
+        raise UserError("--train_text_encoder: trains a pretrained pipeline's text encoder; give --init_from")
     if m.lora_rank and m.init_from is None:
         raise UserError("--lora_rank: LoRA adapts pretrained weights; give --init_from")
     if data.resize_mode not in RESIZE_MODES:

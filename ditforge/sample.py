@@ -492,7 +492,7 @@ def _sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, state, spec
     pre, denoiser, run = load_finetuned(state, spec["run_config"], d.device, cfg.use_ema)
     size = cfg.image_size or run.data.image_size
     seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]
-    pixels = generate_with_pipeline(pre, denoiser.inner, prompts, seeds, size, cfg.num_sampling_steps, cfg.cfg_scale,
+    pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, size, cfg.num_sampling_steps, cfg.cfg_scale,
                                     cfg.batch_size)
     images = to_uint8(pixels)
     out = cfg.out or "samples.png"

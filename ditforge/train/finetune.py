@@ -170,60 +170,76 @@ def _component(pre: Pretrained) -> str:
     return pre.denoiser.component
 
 
-def write_pipeline(pre: Pretrained, denoiser: nn.Module, out: str | Path) -> Path:
-    """A complete pipeline folder at ``out``: the fine-tuned (LoRA merged) denoiser saved with diffusers'
-    ``save_pretrained`` and every other component copied untouched from the folder the run started from, so the
-    family's pipeline class loads it offline. Written under a temporary name and renamed when complete."""
+def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path) -> Path:
+    """A complete pipeline folder at ``out``: the fine-tuned (LoRA merged) denoiser and, when it trained, text
+    encoder saved with their ``save_pretrained``, every other component copied untouched from the folder the run
+    started from, so the family's pipeline class loads it offline. Written under a temporary name and renamed when
+    complete."""
+    trained = {_component(pre): denoiser.inner}
+    if denoiser.tokenize is not None:  # --train_text_encoder
+        trained["text_encoder"] = denoiser.text_encoder
     with atomic_dir(out) as tmp:
         for item in pre.folder.iterdir():
-            if item.name == _component(pre):
-                continue
-            (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
-        denoiser.save_pretrained(str(tmp / _component(pre)), safe_serialization=True)
+            if item.name not in trained:
+                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        for name, module in trained.items():
+            module.save_pretrained(str(tmp / name), safe_serialization=True)
     return Path(out)
 
 
-def write_lora(pre: Pretrained, denoiser: nn.Module, config, out: str | Path) -> Path:
+def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Path) -> Path:
     """The adapters as a diffusers LoRA file, ``OUT/pytorch_lora_weights.safetensors``, which the family's
-    ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata). The pipeline class must have
-    a LoRA loader (SD, SD3; not PixArt: ``export_pretrained`` refuses that first)."""
+    ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata; the text encoder's adapters too
+    when it trained). The pipeline class must have a LoRA loader (SD, SD3; not PixArt: ``export_pretrained``
+    refuses that first)."""
     import diffusers
 
+    m = cfg.model
     cls = getattr(diffusers, pre.pipeline_class)
-    layers = lora_state_dict(denoiser)
+    config = lora_config(m.lora_rank, m.lora_alpha, m.lora_target_modules.split(","))
     metadata = {**config.to_dict(), "base_model_name_or_path": None}
     with atomic_dir(out) as tmp:
         if pre.denoiser.component == "unet":
             from diffusers.utils import convert_state_dict_to_diffusers
 
-            cls.save_lora_weights(str(tmp), unet_lora_layers=convert_state_dict_to_diffusers(layers),
-                                  unet_lora_adapter_metadata=metadata, safe_serialization=True)
+            extra = {}
+            if denoiser.tokenize is not None:
+                text_config = lora_config(m.lora_rank, m.lora_alpha, list(TEXT_LORA_TARGETS))
+                extra = {"text_encoder_lora_layers": convert_state_dict_to_diffusers(
+                             lora_state_dict(denoiser.text_encoder)),
+                         "text_encoder_lora_adapter_metadata": {**text_config.to_dict(),
+                                                                "base_model_name_or_path": None}}
+            cls.save_lora_weights(str(tmp), unet_lora_layers=convert_state_dict_to_diffusers(
+                                      lora_state_dict(denoiser.inner)),
+                                  unet_lora_adapter_metadata=metadata, safe_serialization=True, **extra)
         else:
-            cls.save_lora_weights(str(tmp), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata,
-                                  safe_serialization=True)
+            cls.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(denoiser.inner),
+                                  transformer_lora_adapter_metadata=metadata, safe_serialization=True)
     return Path(out)
 
 
-def generate_with_pipeline(pre: Pretrained, denoiser: nn.Module, prompts: list[str], seeds: list[int],
+def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int],
                            image_size: int, num_steps: int, guidance_scale: float,
                            batch_size: int = 8) -> torch.Tensor:
-    """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (the fine-tuned
-    diffusers model) in it: row i starts from the noise of ``torch.Generator(device).manual_seed(seeds[i])``, so it
-    depends on its prompt and seed only. The prompts are encoded by ``pre.encode_prompt`` (wherever the text
-    encoders are) and handed over as embeddings, the empty prompt's as the negative ones: what the pipeline does
-    with the prompt strings. Returns (N, 3, S, S) float32 in [-1, 1] on the CPU."""
+    """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (an adapter of the
+    fine-tuned diffusers model; its text encoder too when it trained one) in it: row i starts from the noise of
+    ``torch.Generator(device).manual_seed(seeds[i])``, so it depends on its prompt and seed only. The prompts are
+    encoded (``pre.encode_prompt``, or the denoiser's own text encoder) and handed over as embeddings, the empty
+    prompt's as the negative ones: what the pipeline does with the prompt strings. Returns (N, 3, S, S) float32 in
+    [-1, 1] on the CPU."""
     pipe = pre.pipe
-    setattr(pipe, _component(pre), denoiser)
+    setattr(pipe, _component(pre), denoiser.inner)
     device = pipe._execution_device
     out = []
     for start in range(0, len(prompts), batch_size):
         rows = slice(start, start + batch_size)
         gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[rows]]
-        embeds = pre.denoiser.pipeline_inputs(pre.encode_prompt(prompts[rows]))
         with torch.no_grad():
+            cond = ({k: v.to(device) for k, v in denoiser.tokenize(prompts[rows]).items()}
+                    if denoiser.tokenize is not None else pre.encode_prompt(prompts[rows]))
             images = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=image_size,
-                          width=image_size, generator=gens, output_type="pt", **embeds,
-                          **pre.denoiser.pipeline_kwargs).images
+                          width=image_size, generator=gens, output_type="pt", **denoiser.pipeline_inputs(cond),
+                          **denoiser.pipeline_kwargs).images
         out.append(images.float().cpu() * 2 - 1)
     return torch.cat(out)
 
@@ -242,7 +258,7 @@ def sample_grid(pre: Pretrained, cfg, weights: dict[str, torch.Tensor], dataset,
     captions = list(dict.fromkeys(getattr(dataset, "texts", None) or dataset.class_captions))[:8]
     prompts = (captions * 8)[:8]
     seeds = [derive_seed(cfg.train.seed, i) for i in range(len(prompts))]
-    pixels = generate_with_pipeline(pre, denoiser.inner, prompts, seeds, cfg.data.image_size, num_steps, guidance_scale)
+    pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, cfg.data.image_size, num_steps, guidance_scale)
     return pixels, denoiser
 
 
@@ -252,9 +268,38 @@ def fresh_denoiser(pre: Pretrained, cfg) -> DiffusersDenoiser:
     inner = type(pre.denoiser.inner).from_pretrained(str(pre.folder), subfolder=pre.denoiser.component,
                                                      local_files_only=True)
     denoiser = type(pre.denoiser)(inner, pre.denoiser.vae_scale)
+    if cfg.model.train_text_encoder:
+        encoder = type(pre.pipe.text_encoder).from_pretrained(str(pre.folder), subfolder="text_encoder",
+                                                              local_files_only=True)
+        train_text_encoder(denoiser, encoder, pre.pipe, cfg)
+    else:
+        denoiser.set_null_condition({k: getattr(pre.denoiser, f"null_{k}") for k in pre.denoiser.cond_keys})
     if cfg.model.lora_rank:
         add_lora_to_denoiser(denoiser, cfg)
     return denoiser
+
+
+TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP's attention, as diffusers' LoRA scripts
+
+
+def train_text_encoder(denoiser: DiffusersDenoiser, encoder: nn.Module, pipe, cfg) -> None:
+    """``--train_text_encoder``: the pipeline's text encoder (float32) trains with the denoiser (all of it, or LoRA
+    adapters on its attention projections ``TEXT_LORA_TARGETS`` with ``--lora_rank``); the conditioning becomes
+    the token ids, and caption dropout the empty prompt's ids.
+
+    Raises:
+        UserError: a family whose text encoder ditforge does not train (only SD 1.x / 2.x: one CLIP), or
+            features (their prompts are encoded already).
+    """
+    m = cfg.model
+    if not denoiser.text_encoder_trainable:
+        raise UserError(f"--train_text_encoder: supported for Stable Diffusion 1.x / 2.x (one CLIP encoder), not a "
+                        f"{denoiser.family} pipeline")
+    encoder = encoder.float().requires_grad_(True)
+    denoiser.attach_text_encoder(encoder, lambda texts: denoiser.token_ids(pipe, texts))
+    denoiser.set_null_condition(denoiser.tokenize([""]))
+    if m.lora_rank:
+        add_lora(encoder, m.lora_rank, m.lora_alpha, list(TEXT_LORA_TARGETS))
 
 
 def add_lora_to_denoiser(model: nn.Module, cfg) -> None:
@@ -347,6 +392,8 @@ def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: 
     text_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pre = load_pretrained(cfg.model.init_from, device, text_dtype, flag=f"{flag} (the run's --init_from)")
     denoiser = pre.denoiser
+    if cfg.model.train_text_encoder:
+        train_text_encoder(denoiser, pre.pipe.text_encoder, pre.pipe, cfg)
     if cfg.model.lora_rank:
         add_lora_to_denoiser(denoiser, cfg)
     # What the checkpoint's EMA holds: the parameters (buffers are the folder's), for LoRA the adapters alone.
@@ -384,7 +431,7 @@ def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: 
                             "export --format diffusers for a pipeline with the LoRA merged")
     pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema)
     if fmt == "lora":
-        targets = cfg.model.lora_target_modules.split(",")
-        return write_lora(pre, denoiser.inner, lora_config(cfg.model.lora_rank, cfg.model.lora_alpha, targets), out)
-    inner = merge_lora(denoiser.inner) if cfg.model.lora_rank else denoiser.inner
-    return write_pipeline(pre, inner, out)
+        return write_lora(pre, denoiser, cfg, out)
+    if cfg.model.lora_rank:
+        merge_lora(denoiser)
+    return write_pipeline(pre, denoiser, out)

@@ -323,6 +323,11 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     if pre is not None:
         model = pre.denoiser
+        if m.train_text_encoder:
+            if features is not None:
+                raise UserError(f"--train_text_encoder: --data {cfg.data.data} holds prompts encoded already; "
+                                "train on the captioned images")
+            finetune.train_text_encoder(model, pre.pipe.text_encoder, pre.pipe, cfg)
     else:
         model = _create_model(cfg)
         if dit_init is not None:

@@ -445,3 +445,37 @@ def test_checkpoint_of_another_family(runs, captioned, tmp_path, capsys):
     _fails(capsys, ["train", "--init_from", str(runs("sd")["full"]), "--data", str(data), "--image_size", str(SIZE),
                     "--max_steps", "1", "--device", "cpu", "--outputs", str(tmp_path / "r")],
            "--init_from", "fine-tuned sd pipeline")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_text_encoder(lora, sd_pipeline, captioned, tmp_path):
+    """--train_text_encoder (SD): the first step's loss is the plain diffusers loss (the model is unchanged at step
+    0); afterwards the text encoder has moved; the export holds it and samples as ``ditforge sample``; with LoRA the
+    LoRA file carries the text encoder's adapters, which ``load_lora_weights`` reads (its CLIP output equals the
+    merged export's within 1e-5)."""
+    import diffusers
+
+    extra = ["--train_text_encoder", "--max_steps", "3", *(["--lora_rank", "4", "--lr", "1e-2"] if lora else ["--lr", "1e-3"])]
+    run = _train(sd_pipeline, captioned, tmp_path / "run", *extra)
+    first = read_metrics(run / "metrics.jsonl")[0]["loss"]
+    assert first == pytest.approx(_reference_first_loss("sd", sd_pipeline, captioned), rel=1e-5)
+    out = tmp_path / "export"
+    assert cli.main(["export", "--ckpt", str(run), "--format", "diffusers", "--out", str(out)]) == 0
+    base = diffusers.StableDiffusionPipeline.from_pretrained(str(sd_pipeline), local_files_only=True)
+    tuned = diffusers.StableDiffusionPipeline.from_pretrained(str(out), local_files_only=True)
+    ids = base.tokenizer([CAPTIONS[0]], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    with torch.no_grad():
+        before, after = base.text_encoder(ids)[0], tuned.text_encoder(ids)[0]
+    assert (before - after).abs().max() > 1e-4
+    g = torch.Generator("cpu").manual_seed(derive_seed(0, 0))
+    image = tuned(prompt=[CAPTIONS[1]], num_inference_steps=3, guidance_scale=4.0, height=SIZE, width=SIZE,
+                  generator=[g], output_type="np").images
+    got = _sample_with_ditforge(run, CAPTIONS[1], tmp_path).astype(np.int16)
+    assert np.abs(got - np.round(image * 255).astype(np.int16)).max() <= 1
+    if lora:
+        assert cli.main(["export", "--ckpt", str(run), "--format", "lora", "--out", str(tmp_path / "lora")]) == 0
+        base.load_lora_weights(str(tmp_path / "lora"))
+        with torch.no_grad():
+            loaded = base.text_encoder(ids)[0]
+        assert (loaded - after).abs().max() <= 1e-5 * after.abs().max()

@@ -51,6 +51,7 @@ class DiffusersDenoiser(nn.Module):
         setattr(self, self.component, model)
         self.vae_scale = vae_scale  # pixels per latent pixel (conditions that need the image size)
         self.cond_keys: tuple[str, ...] = ()
+        self.tokenize = None  # set by attach_text_encoder
 
     @property
     def inner(self) -> nn.Module:
@@ -66,6 +67,19 @@ class DiffusersDenoiser(nn.Module):
         """True when the model outputs 2C channels (learned variance, as PixArt and DiT)."""
         out = getattr(self.inner.config, "out_channels", None)
         return out is not None and int(out) == 2 * self.in_channels
+
+    text_encoder_trainable = False  # the family can train its text encoder (--train_text_encoder)
+
+    def attach_text_encoder(self, text_encoder: nn.Module, tokenize) -> None:
+        """Train ``text_encoder`` with the denoiser: it becomes the submodule ``text_encoder`` (parameter names
+        ``text_encoder.<transformers key>``), the conditioning becomes the prompts' token ids (``tokenize``:
+        prompts -> ``{"input_ids": (B, L) int64}``) and the forward encodes them (``embed``)."""
+        self.text_encoder = text_encoder
+        self.tokenize = tokenize
+
+    def embed(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The conditioning tensors of ``cond``: token ids through the attached text encoder, else ``cond``."""
+        return cond
 
     def set_null_condition(self, cond: dict[str, torch.Tensor]) -> None:
         """The condition of the empty prompt, one row each (``(1, ...)``); dropped rows get it. Kept as
@@ -89,7 +103,7 @@ class DiffusersDenoiser(nn.Module):
                 **cond: torch.Tensor) -> torch.Tensor:
         """x: (B, C, H, W) latents; t: (B,) timesteps (int64 DDPM indices, or float 1000 t for flow);
         ``cond``: the family's conditioning tensors. Returns (B, C_out, H, W) in the compute dtype."""
-        return self.denoise(x, t, **self.drop(cond, force_drop_ids))
+        return self.denoise(x, t, **self.embed(self.drop(cond, force_drop_ids)))
 
     def denoise(self, x: torch.Tensor, t: torch.Tensor, **cond: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -105,12 +119,14 @@ class DiffusersDenoiser(nn.Module):
         """The pipeline's ``prompt_embeds``-style arguments for ``cond`` (B rows) and, as the negative prompt, the
         empty prompt's condition: the pipeline then samples without touching its text encoders, and gives what
         it gives for the prompts as strings (its default negative prompt is the empty one)."""
+        cond = self.embed(cond)
+        null = self.embed({k: getattr(self, f"null_{k}") for k in self.cond_keys})
         out = {}
         for key, arg in self.pipeline_embeds.items():
             value = cond[key]
             out[arg] = value
             out[arg.replace("prompt_", "negative_prompt_", 1) if arg.startswith("prompt_") else f"negative_{arg}"] = (
-                getattr(self, f"null_{key}").to(value.dtype).expand_as(value))
+                null[key].to(value.dtype).expand_as(value))
         return out
 
 

@@ -90,7 +90,10 @@ class Pretrained:
 
     def encode_prompt(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """Prompts -> the denoiser's conditioning tensors (float32, batch-first, on the denoiser's device), with
-        the pipeline's encoders (wherever they are)."""
+        the pipeline's encoders (wherever they are); the token ids when the denoiser trains its text encoder."""
+        if getattr(self.denoiser, "tokenize", None) is not None:
+            out = self.denoiser.tokenize(list(texts))
+            return {k: v.to(next(self.denoiser.parameters()).device) for k, v in out.items()}
         encoder = next(m for n, m in self.pipe.components.items() if n.startswith("text_encoder") and m is not None)
         with torch.no_grad():
             out = self.denoiser.encode_prompt(self.pipe, list(texts), encoder.device)

@@ -17,6 +17,21 @@ class SDUNetDenoiser(DiffusersDenoiser):
     block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
 
+    text_encoder_trainable = True  # CLIP, as diffusers' train_dreambooth.py --train_text_encoder
+
+    def embed(self, cond):
+        if "input_ids" not in cond:
+            return cond
+        return {"encoder_hidden_states": self.text_encoder(cond["input_ids"], return_dict=False)[0]}
+
+    @staticmethod
+    def token_ids(pipe, texts):
+        """Prompts -> ``{"input_ids": (B, 77)}`` as the pipeline's ``encode_prompt`` tokenizes them."""
+        tok = pipe.tokenizer
+        ids = tok(list(texts), padding="max_length", max_length=tok.model_max_length, truncation=True,
+                  return_tensors="pt").input_ids
+        return {"input_ids": ids}
+
     def denoise(self, x, t, encoder_hidden_states):
         return self.unet(x, t, encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
 
