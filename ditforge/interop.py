@@ -124,12 +124,19 @@ def diffusers_to_official(state: dict[str, torch.Tensor], num_classes: int, grid
         A new dict with the official key names (``DiT.load_state_dict(strict=True)`` accepts it).
 
     Raises:
-        UserError: a key is missing (not a DiTTransformer2DModel state dict).
+        UserError: a key is missing (not a DiTTransformer2DModel state dict), or the blocks' timestep / label
+            embedders differ (diffusers gives each block its own; the official DiT has one, so a converted checkpoint
+            holds the same tensors in every block, and another one has no official form).
     """
     from ditforge.models.layers import sincos_2d
 
+    shared = "transformer_blocks.0.norm1.emb."
+    for key, value in state.items():
+        if ".norm1.emb." in key and not torch.equal(value, state.get(shared + key.split(".norm1.emb.", 1)[1], value)):
+            raise UserError(f"--ckpt: the diffusers DiT's blocks have different timestep/label embedders ({key}); "
+                            "an official DiT shares one (a model converted from it holds the same in every block)")
     try:
-        emb = "transformer_blocks.0.norm1.emb."
+        emb = shared
         table = state[emb + "class_embedder.embedding_table.weight"]
         rows = [table[:num_classes]]
         if table.shape[0] > PIPELINE_NULL_LABEL:

@@ -174,6 +174,11 @@ def _build(ckpt: str, state: dict | Path, spec: dict, use_ema: bool, rebuild_fix
     model = create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
                          spec["learn_sigma"], spec["class_dropout_prob"], num_frames=spec["num_frames"],
                          text_dim=spec["text_dim"], qk_norm=spec["qk_norm"])
+    config = spec.get("run_config") or {}
+    if config.get("model", {}).get("lora_rank"):  # a DiT LoRA run: its base weights come from its --init_from
+        from ditforge.train.finetune import load_dit_lora
+
+        return load_dit_lora(model, config, state, use_ema).eval()
     own = model.state_dict()
     fixed = {k for k, p in model.named_parameters() if not p.requires_grad} if rebuild_fixed else set()
     if isinstance(state, Path):  # a DCP checkpoint folder: read its (gathered) tensors into this model's shapes

@@ -305,12 +305,16 @@ def train_text_encoder(denoiser: DiffusersDenoiser, encoder: nn.Module, pipe, cf
 def add_lora_to_denoiser(model: nn.Module, cfg) -> None:
     """LoRA (``add_lora``) on the run's denoiser with the run's ``--lora_rank``, ``--lora_alpha`` and
     ``--lora_target_modules`` (default: the family's ``default_lora_targets``; ``qkv``, ``proj`` for a DiT, its
-    attention projections). Records the targets in ``cfg``."""
+    attention projections; a DiT's label table trains whole beside them, as peft's ``modules_to_save``). Records
+    the targets in ``cfg``."""
     m = cfg.model
     targets = m.lora_target_modules.split(",") if m.lora_target_modules else list(
         getattr(model, "default_lora_targets", ("qkv", "proj")))
     m.lora_target_modules = ",".join(t.strip() for t in targets)
     add_lora(getattr(model, "inner", model), m.lora_rank, m.lora_alpha, m.lora_target_modules.split(","))
+    label_table = getattr(getattr(model, "y_embedder", None), "embedding_table", None)
+    if label_table is not None:  # a DiT's class table trains too: new classes have fresh rows (resize_label_table)
+        label_table.requires_grad_(True)
 
 
 def read_dit_init(cfg) -> tuple[dict[str, torch.Tensor] | Path, dict]:
@@ -435,3 +439,28 @@ def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: 
     if cfg.model.lora_rank:
         merge_lora(denoiser)
     return write_pipeline(pre, denoiser, out)
+
+
+def load_dit_lora(model: nn.Module, run_config: dict, state: dict[str, torch.Tensor] | Path,
+                  use_ema: bool = True, flag: str = "--ckpt") -> nn.Module:
+    """A DiT LoRA run back as a plain DiT: ``model`` (built from the run's settings) gets the ``--init_from``
+    weights as the run started from them, the run's adapters (and label table) from the checkpoint, and the
+    adapters merged into the weights. Returns ``model``.
+
+    Raises:
+        UserError: the ``--init_from`` weights are gone, or the checkpoint does not fit them.
+    """
+    from ditforge.config import build_config
+    from ditforge.train.checkpoint import read_checkpoint_weights
+
+    cfg = build_config(base=run_config)
+    load_dit_weights(model, dit_init_weights(read_dit_init(cfg), cfg), cfg.train.seed)
+    add_lora_to_denoiser(model, cfg)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    trainable = {k: v for k, v in model.state_dict().items() if k in names}
+    weights = read_checkpoint_weights(state, trainable, use_ema) if isinstance(state, Path) else state
+    if set(weights) != names:
+        raise UserError(f"{flag}: the checkpoint's adapters do not fit {cfg.model.init_from} (expected "
+                        f"{len(names)} LoRA tensors, got {len(weights)})")
+    model.load_state_dict(weights, strict=False)
+    return merge_lora(model)

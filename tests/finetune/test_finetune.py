@@ -361,25 +361,61 @@ def test_official_dit_layout_with_new_class_count(tmp_path):
             assert torch.equal(tuned[key], state[key]), key
 
 
-@pytest.mark.slow
-def test_diffusers_dit_pipeline_into_ditforge_dit(tmp_path):
-    """A diffusers DiTPipeline folder (DiT-T's size, 1000-class table) fine-tunes as ditforge's own DiT on new
-    classes, and exports back to a DiTPipeline that diffusers loads."""
-    folder = make_dit(tmp_path / "dit", num_layers=6, num_heads=3, head_dim=64)
-    data = _labelled(tmp_path / "data", 3, SIZE)
-    run = tmp_path / "run"
-    assert cli.main(["train", "--init_from", str(folder), "--data", str(data), "--image_size", str(SIZE),
-                     "--batch_size", "2", "--max_steps", "2", "--sample_every", "0", "--log_every", "1",
-                     "--device", "cpu", "--mixed_precision", "fp32", "--num_workers", "0", "--outputs", str(run)]) == 0
-    config = __import__("yaml").safe_load((run / "config.yaml").read_text())
-    assert config["model"]["model"] == "DiT-T/2" and config["model"]["num_classes"] == 3
-    assert config["model"]["vae"] == str(folder / "vae")
-    assert cli.main(["export", "--ckpt", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]) == 0
-    from diffusers import DiTPipeline
+@pytest.fixture(scope="module")
+def dit_runs(tmp_path_factory):
+    """A diffusers DiTPipeline folder of DiT-T's size (1000-class table), a 3-class image folder, and 20 steps of
+    full and of LoRA fine-tuning from it."""
+    root = tmp_path_factory.mktemp("dit_runs")
+    folder = make_dit(root / "dit", num_layers=6, num_heads=3, head_dim=64)
+    data = _labelled(root / "data", 3, SIZE)
+    runs = {}
+    for kind, extra in (("full", []), ("lora", ["--lora_rank", "4", "--lr", "1e-3"])):
+        runs[kind] = root / kind
+        assert cli.main(["train", "--init_from", str(folder), "--data", str(data), "--image_size", str(SIZE),
+                         "--batch_size", "2", "--max_steps", str(STEPS), "--sample_every", "0", "--log_every", "1",
+                         "--device", "cpu", "--mixed_precision", "fp32", "--num_workers", "0",
+                         "--class_dropout_prob", "0", "--no-random_flip", "--outputs", str(runs[kind]), *extra]) == 0
+    return folder, data, runs
 
-    pipe = DiTPipeline.from_pretrained(str(tmp_path / "out"), local_files_only=True)
-    image = pipe(class_labels=[2], num_inference_steps=2, output_type="np").images
-    assert image.shape == (1, SIZE, SIZE, 3) and np.isfinite(image).all()
+
+@pytest.mark.slow
+def test_diffusers_dit_pipeline_into_ditforge_dit(dit_runs, tmp_path):
+    """A diffusers DiT folder fine-tunes as ditforge's own DiT on 3 new classes (table rows 0..2 kept), full and
+    LoRA, 20 steps each. The first step's MSE equals the plain loss of diffusers' DiTTransformer2DModel (with the
+    official timestep frequencies, which ditforge's DiT has: see ditforge.interop) and DDPMScheduler.add_noise,
+    within 1e-5; both runs export to DiTPipeline folders that diffusers loads and samples, the LoRA one merged."""
+    import diffusers
+
+    from ditforge.interop import use_official_timestep_frequencies
+
+    folder, data, runs = dit_runs
+    pipe = diffusers.DiTPipeline.from_pretrained(str(folder), local_files_only=True)
+    use_official_timestep_frequencies(pipe.transformer)
+    ds = build_dataset(str(data), SIZE)
+    idx = GlobalBatchSampler(len(ds), 2, 0, 0, 1, 0).global_batch_indices(0).tolist()
+    pixels, labels = torch.stack([ds[i][0] for i in idx]), torch.tensor([ds[i][1] for i in idx])
+    with torch.no_grad():
+        post = pipe.vae.encode(pixels).latent_dist
+    rnd = step_randomness(0, 0, 2, tuple(post.mean.shape[1:]), create_objective("ddpm", True), 0.0,
+                          torch.device("cpu"), latent_noise=True)
+    z = (post.mean + post.std * rnd.eps) * pipe.vae.config.scaling_factor
+    ddpm = diffusers.DDPMScheduler.from_config(pipe.scheduler.config)
+    with torch.no_grad():
+        pred = pipe.transformer(ddpm.add_noise(z, rnd.noise, rnd.t), timestep=rnd.t, class_labels=labels).sample[:, :4]
+    ref = float(torch.nn.functional.mse_loss(pred, rnd.noise))
+    for kind, run in runs.items():
+        records = read_metrics(run / "metrics.jsonl")
+        assert len(records) == STEPS and records[0]["mse"] == pytest.approx(ref, rel=1e-5), kind
+        config = __import__("yaml").safe_load((run / "config.yaml").read_text())
+        assert config["model"]["model"] == "DiT-T/2" and config["model"]["num_classes"] == 3
+        out = tmp_path / kind
+        assert cli.main(["export", "--ckpt", str(run), "--format", "diffusers", "--out", str(out)]) == 0
+        tuned = diffusers.DiTPipeline.from_pretrained(str(out), local_files_only=True)
+        image = tuned(class_labels=[2], num_inference_steps=2, output_type="np").images
+        assert image.shape == (1, SIZE, SIZE, 3) and np.isfinite(image).all()
+        moved = [(a - b).abs().max() for a, b in zip(tuned.transformer.parameters(), pipe.transformer.parameters())
+                 if a.shape == b.shape]
+        assert max(moved) > 1e-4, kind  # the fine-tuned (LoRA: merged) weights are in the export
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -479,3 +515,20 @@ def test_train_text_encoder(lora, sd_pipeline, captioned, tmp_path):
         with torch.no_grad():
             loaded = base.text_encoder(ids)[0]
         assert (loaded - after).abs().max() <= 1e-5 * after.abs().max()
+
+
+def test_dit_pipeline_with_unshared_embedders(tmp_path, capsys):
+    """diffusers gives each DiT block its own timestep/label embedder; one whose blocks differ (not converted from
+    an official DiT) has no official form: one line, not a silently different model."""
+    from diffusers import DiTTransformer2DModel
+
+    folder = make_dit(tmp_path / "dit", num_layers=6, num_heads=3, head_dim=64)
+    transformer = DiTTransformer2DModel.from_pretrained(str(folder), subfolder="transformer")
+    with torch.no_grad():
+        transformer.transformer_blocks[3].norm1.emb.timestep_embedder.linear_1.bias.add_(0.1)
+    transformer.save_pretrained(str(folder / "transformer"))
+    data = _labelled(tmp_path / "data", 2, SIZE)
+    _fails(capsys, ["train", "--init_from", str(folder), "--data", str(data), "--image_size", str(SIZE),
+                    "--max_steps", "1", "--device", "cpu", "--outputs", str(tmp_path / "r")],
+           "--init_from", "different timestep/label embedders")
+

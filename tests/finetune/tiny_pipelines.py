@@ -445,11 +445,12 @@ def make_dit(path, num_classes: int = 3, num_layers: int = 2, num_heads: int = 2
     Sizes: 32 x 32 RGB images <-> 4 x 8 x 8 latents (VAE downsamples by 4, ``scaling_factor`` 0.18215);
     ``DiTTransformer2DModel`` (``ada_norm_zero``, 2 layers, 2 heads x 16 = 32 wide, 2 x 2 patches: 16 tokens,
     learned sigma: 8 output channels, ``sample_size`` 8; ``num_layers`` x ``num_heads`` x ``head_dim`` may be set, e.g.
-    6 x 3 x 64 for ditforge's DiT-T). Its label table has 1001 rows
+    6 x 3 x 64 for ditforge's DiT-T; every block holds block 0's timestep/label embedder, as a DiT converted from
+    the official checkpoint does). Its label table has 1001 rows
     (``num_embeds_ada_norm`` 1000 + the dropout row) because ``DiTPipeline`` uses the hard-coded null label
     1000 under guidance; ``id2label`` in ``model_index.json`` names classes ``0 .. num_classes - 1`` (the first
     3 are ``DIT_LABELS``; ``pipe.get_label_ids("banana") == [2]``). Scheduler: ``DDIMScheduler`` with DiT's
-    betas (linear 1e-4..0.02, 1000 steps, epsilon). Not a registered ditforge size (DiT-T is 6 x 192).
+    betas (linear 1e-4..0.02, 1000 steps, epsilon). The default size is no registered ditforge size (DiT-T is 6 x 192).
 
     Returns:
         ``Path(path)``.
@@ -463,6 +464,8 @@ def make_dit(path, num_classes: int = 3, num_layers: int = 2, num_heads: int = 2
         sample_size=8, patch_size=2, in_channels=4, out_channels=8, num_layers=num_layers,
         num_attention_heads=num_heads, attention_head_dim=head_dim, num_embeds_ada_norm=1000,
         norm_type="ada_norm_zero").eval()
+    for block in transformer.transformer_blocks[1:]:  # one shared embedder, as in every DiT converted from the
+        block.norm1.emb.load_state_dict(transformer.transformer_blocks[0].norm1.emb.state_dict())  # official one
     id2label = {i: DIT_LABELS.get(i, f"class {i}") for i in range(num_classes)}
     pipe = DiTPipeline(transformer=transformer, vae=_vae(), scheduler=DDIMScheduler(**DIT_SCHEDULER),
                        id2label=id2label)
