@@ -121,6 +121,7 @@ def train_step(
         if amp_dtype != torch.float32 else contextlib.nullcontext()
     )
     sums: dict[str, torch.Tensor] = {}
+    total = 0  # the loss as optimised: the sum of the micro-batches' (each already divided by local_batch)
     for i, (x, cond, rnd, *weight) in enumerate(micro_batches):
         x = torch.where(rnd.flip.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x)  # images and videos
         with gradient_sync(model, i == len(micro_batches) - 1):
@@ -133,7 +134,7 @@ def train_step(
             (scaler.scale(loss) if scaler is not None else loss).backward()
         for k, v in terms.items():
             sums[k] = sums.get(k, 0) + v.detach().sum()
-        sums["objective"] = sums.get("objective", 0) + loss.detach() * local_batch
+        total = total + loss.detach()
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm_(model, max_grad_norm, d)
@@ -143,8 +144,7 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    objective = sums.pop("objective") / local_batch
-    return {k: v / rows for k, v in sums.items()} | {"loss": objective, "grad_norm": grad_norm.detach()}
+    return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": grad_norm.detach()}
 
 
 @torch.no_grad()
