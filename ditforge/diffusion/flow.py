@@ -86,9 +86,13 @@ class RectifiedFlow:
         return {"loss": mse, "mse": mse}
 
     def sampling_times(self, num_steps: int) -> torch.Tensor:
-        """float64 (num_steps + 1,) times from 1 to 0: linear in [1, 0], then shifted (the sigmas of diffusers'
-        ``FlowMatchEulerDiscreteScheduler.set_timesteps`` with a static shift, and a final 0)."""
-        return shift_times(torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64), self.shift)
+        """float64 (num_steps + 1,) times from 1 down to 0, the sigmas of diffusers'
+        ``FlowMatchEulerDiscreteScheduler(shift).set_timesteps(num_steps)`` (static shift), so a model trained for
+        an SD3 pipeline samples as that pipeline does: ``num_steps`` times linear from 1 to the scheduler's
+        ``sigma_min`` (the shifted time of timestep 1, ``shift_times(1 / T)``), shifted, then a final 0."""
+        sigma_min = float(shift_times(torch.tensor(1.0 / self.num_timesteps, dtype=torch.float64), self.shift))
+        times = shift_times(torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64), self.shift)
+        return torch.cat([times, times.new_zeros(1)])
 
 
 @torch.no_grad()
