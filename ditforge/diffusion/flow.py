@@ -117,7 +117,7 @@ def euler_loop(flow: RectifiedFlow, model_fn: ModelFn, noise: torch.Tensor, num_
     for t, t_next in zip(times[:-1], times[1:]):
         if on_step is not None:
             on_step(min(round(t * flow.num_timesteps), flow.num_timesteps - 1))
-        tt = torch.full((x.shape[0],), t * flow.num_timesteps, device=x.device, dtype=torch.float32)
+        tt = torch.full((x.shape[0],), t * flow.num_timesteps, device=x.device, dtype=noise.dtype)
         v = model_fn(x.to(noise.dtype), tt)[:, :c]
         x = x + (t_next - t) * v.double()
     return x.to(noise.dtype)
