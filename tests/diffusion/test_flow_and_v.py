@@ -153,18 +153,16 @@ def test_generate_flow_and_v_plumbing():
 
 
 @pytest.mark.parametrize("objective", ["flow", "v"])
-def test_own_dit_trains_and_samples_with_objective(objective, tmp_path, one_thread):
+def test_own_dit_trains_and_samples_with_objective(objective, tmp_path, train_run):
     """``ditforge train --objective flow|v`` on the digits, then ``ditforge sample``: the run records the
     objective, and sampling picks its sampler (Euler for flow) from it."""
     import numpy as np
 
-    from conftest import tiny_train_argv
     from ditforge import cli
     from ditforge.train.logging import read_metrics
 
-    run = tmp_path / "run"
     shift = ["--flow_shift", "2"] if objective == "flow" else []
-    assert cli.main(tiny_train_argv(run, "--max_steps", "3", "--objective", objective, *shift)) == 0
+    run = train_run(tmp_path / "run", "--max_steps", "3", "--objective", objective, *shift)
     config = __import__("yaml").safe_load((run / "config.yaml").read_text())["model"]
     assert config["objective"] == objective and config["flow_shift"] == (2.0 if objective == "flow" else None)
     assert all(np.isfinite(r["loss"]) for r in read_metrics(run / "metrics.jsonl"))
