@@ -21,6 +21,8 @@ if typing.TYPE_CHECKING:
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cast for sampling
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
+OPTIMIZERS = ("adamw", "adamw8bit")
+MASTER_WEIGHTS = ("fp32", "bf16")
 CONDITIONS = ("auto", "class", "text")
 SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "usp")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -111,6 +113,15 @@ class TrainConfig:
     epochs: int | None = _f(None, "epochs to run instead of --max_steps")
     lr: float | None = _f(None, "AdamW learning rate (default: 1e-4 as DiT's paper; 1e-3 for the tiny DiT-T and vDiT-T)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
+    optimizer: str = _f("adamw", "adamw (fp32 moments; fused on CUDA) | adamw8bit (bitsandbytes' 8-bit blockwise "
+                                 "moments: 2 bytes per parameter instead of 8)", choices=OPTIMIZERS)
+    master_weights: str = _f("fp32", "fp32 | bf16 (trainable weights stored in bf16 with a bf16 Kahan "
+                                     "compensation, about 16 significant bits: 4 bytes per parameter instead of "
+                                     "4 + a bf16 copy per step; needs --mixed_precision bf16)",
+                             choices=MASTER_WEIGHTS)
+    gpu_memory_budget: str | None = _f(None, "cap this process's GPU memory, e.g. 8GiB "
+                                             "(torch.cuda.set_per_process_memory_fraction): going over is an "
+                                             "out-of-memory error, as on a GPU of that size")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
     max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0: no clipping)")
     mixed_precision: str = _f("auto", "compute precision: fp32 | bf16 | fp16 | fp8 (bf16, with float8 matrix "
@@ -128,7 +139,8 @@ class TrainConfig:
                               "compiles): none | default (the bare flag) | max-autotune-no-cudagraphs | "
                               "reduce-overhead or max-autotune (with CUDA graphs: static shapes, one process)",
                       const="default", choices=COMPILE_MODES)
-    ema_decay: float = _f(0.9999, "EMA decay; the effective decay is min(decay, (1+k)/(10+k)) at step k")
+    ema_decay: float = _f(0.9999, "EMA decay; the effective decay is min(decay, (1+k)/(10+k)) at step k; 0: no "
+                                  "EMA (sampling and export use the weights; no memory for a copy)")
     ckpt_every: int = _f(1000, "save a checkpoint every N steps (and always at the end or on Ctrl-C)")
     keep_last: int = _f(2, "keep the newest K checkpoints")
     log_every: int = _f(50, "write metrics every N steps")
@@ -280,6 +292,28 @@ def loaded_keys(loaded: dict) -> list[str]:
             for k in (value if key in _SECTION_CLASSES and isinstance(value, dict) else [key])]
 
 
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``"8GiB"`` -> 8 * 2**30 bytes (units B, KiB, MiB, GiB, TiB and their powers of ten KB, MB, GB, TB; case
+    does not matter; a bare number is bytes).
+
+    Raises:
+        UserError: not a positive size, naming ``flag``.
+    """
+    s = str(text).strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    try:
+        value = float(number) * _UNITS[s[len(number):]]
+    except (KeyError, ValueError):
+        value = -1
+    if not value > 0:
+        raise UserError(f"{flag}: expected a size such as 8GiB, got {text!r}")
+    return int(value)
+
+
 def resolve_device(name: str | torch.device) -> torch.device:
     """``--device`` value (or a ``torch.device``) -> ``torch.device``: ``auto`` is cuda when available, else cpu.
 
@@ -334,6 +368,16 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--plugin: expected one of {', '.join(PLUGINS)}, got {cfg.parallel.plugin}")
     if t.mixed_precision not in MIXED_PRECISION:
         raise UserError(f"--mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, got {t.mixed_precision}")
+    if t.optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {t.optimizer}")
+    if t.master_weights not in MASTER_WEIGHTS:
+        raise UserError(f"--master_weights: expected one of {', '.join(MASTER_WEIGHTS)}, got {t.master_weights}")
+    if t.master_weights == "bf16" and t.mixed_precision not in ("bf16", "auto"):
+        raise UserError(f"--master_weights bf16: needs --mixed_precision bf16, got {t.mixed_precision}")
+    if t.master_weights == "bf16" and cfg.parallel.plugin in ("zero2", "fsdp"):
+        raise UserError(f"--master_weights bf16: supported with --plugin none or ddp, got {cfg.parallel.plugin}")
+    if t.gpu_memory_budget is not None:
+        parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget")
     if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:
         raise UserError(f"--sequence_parallel_type: expected one of {', '.join(SEQUENCE_PARALLEL_TYPES)}, got "
                         f"{cfg.parallel.sequence_parallel_type}")

@@ -29,30 +29,47 @@ class EMA:
 
     Holds a copy of every parameter (frozen ones too, so the EMA state dict is a whole model state dict;
     with ``trainable_only``, as for LoRA, the trainable ones alone) with the same placement as the model's:
-    DTensor shards under ``fully_shard``, plain tensors otherwise. ``state_dict()`` returns those tensors (for
+    DTensor shards under ``fully_shard``, plain tensors otherwise; trainable ones in fp32 whatever the weights'
+    dtype (``--master_weights bf16``). ``alias`` (``--ema_decay 0``, no EMA) holds the parameters themselves, at
+    no memory cost, and ``update`` does nothing. ``state_dict()`` returns those tensors (for
     torch.distributed.checkpoint); ``full_state_dict()`` gathers them into plain CPU tensors (a collective: every
     rank must call it).
     """
 
-    def __init__(self, model: nn.Module, trainable_only: bool = False):
+    def __init__(self, model: nn.Module, trainable_only: bool = False, alias: bool = False):
         self.shadow: dict[str, torch.Tensor] = {}
         self.trainable: list[str] = []
+        self.alias = alias
         self._pairs: tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None = None
         for name, p in model.named_parameters():
             key = canonical_name(name)
-            if p.requires_grad or not trainable_only:
+            if trainable_only and not p.requires_grad:
+                pass
+            elif alias:
+                self.shadow[key] = p.detach()
+            elif p.requires_grad:  # fp32 whatever the weights' dtype: (1 - decay) w is far below a bf16 ulp
+                self.shadow[key] = p.detach().to(torch.float32, copy=True)
+            else:
                 self.shadow[key] = p.detach().clone()
             if p.requires_grad:
                 self.trainable.append(key)
 
     @torch.no_grad()
     def update(self, model: nn.Module, decay: float) -> None:
+        if self.alias:
+            return
         if self._pairs is None or self._pairs[0] is not model:  # name matching once, not every step
             params = {canonical_name(n): p for n, p in model.named_parameters()}
             self._pairs = (model, [_local(self.shadow[k]) for k in self.trainable],
                            [_local(params[k].detach()) for k in self.trainable])
         _, ema, weights = self._pairs
-        torch._foreach_lerp_(ema, weights, 1.0 - decay)
+        same = [i for i, (e, w) in enumerate(zip(ema, weights)) if e.dtype == w.dtype]
+        if same:
+            torch._foreach_lerp_([ema[i] for i in same], [weights[i] for i in same], 1.0 - decay)
+        if len(same) < len(ema):  # bf16 weights: one fp32 copy at a time, not a second model
+            for e, w in zip(ema, weights):
+                if e.dtype != w.dtype:
+                    e.lerp_(w.to(e.dtype), 1.0 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shadow

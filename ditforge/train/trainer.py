@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
-from ditforge.config import RunConfig, resolve_precision
+from ditforge.config import RunConfig, parse_bytes, resolve_precision
 from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, is_features
 from ditforge.data.features import read_manifest
 from ditforge.data.sampler import derive_seed
@@ -41,6 +41,7 @@ from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrain
 from ditforge.ops.attention import whole_sequences
 from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
+from ditforge.parallel.optim import build_optimizer, cap_gpu_memory, out_of_memory
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -268,6 +269,11 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
                         "or choose another folder")
     device = d.device
     amp_dtype = resolve_precision(t.mixed_precision, device)
+    if t.master_weights == "bf16" and amp_dtype != torch.bfloat16:
+        raise UserError(f"--master_weights bf16: needs bf16 compute; --mixed_precision {t.mixed_precision} is "
+                        f"{str(amp_dtype).removeprefix('torch.')} on {device.type}")
+    if t.gpu_memory_budget is not None and device.type == "cuda":
+        cap_gpu_memory(parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget"), device)
     plugin = resolve_plugin(par.plugin, d.world_size)
     par.plugin = plugin
     per_step = d.dp_size * par.grad_accum_steps
@@ -335,10 +341,12 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if m.lora_rank:
         finetune.add_lora_to_denoiser(model, cfg)
     model.to(device).train()
-    if m.lora_rank and amp_dtype != torch.float32 and plugin in ("none", "ddp"):
-        for p in model.parameters():  # the frozen base computes in bf16 anyway: store it so (half the memory)
-            if not p.requires_grad:
-                p.data = p.data.to(amp_dtype)
+    for p in model.parameters():
+        # A LoRA's frozen base computes in bf16 anyway: stored so (half the memory). --master_weights bf16: the
+        # trainable weights too, with the optimizer's Kahan compensation.
+        frozen_half = not p.requires_grad and m.lora_rank and amp_dtype != torch.float32 and plugin in ("none", "ddp")
+        if frozen_half or (p.requires_grad and t.master_weights == "bf16"):
+            p.data = p.data.to(amp_dtype)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
                         param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype,
@@ -346,9 +354,9 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
                         enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8",
                         sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step)
     adapters_only = bool(m.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
-    ema = EMA(model, trainable_only=adapters_only)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999),
-                                  fused=device.type == "cuda")
+    ema = EMA(model, trainable_only=adapters_only, alias=t.ema_decay == 0)
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t.optimizer, t.lr,
+                                t.weight_decay, device)
     scaler = None
     if amp_dtype == torch.float16:
         if plugin in ("zero2", "fsdp"):  # found-inf must agree across ranks that hold different shards
@@ -453,7 +461,10 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
             micro = list(zip(x.chunk(k), conds, rnds, *([weights.to(device).chunk(k)] if rows > 1 else [])))
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
-            out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d, rows)
+            try:
+                out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d, rows)
+            except torch.OutOfMemoryError:
+                raise out_of_memory(step, t.gpu_memory_budget, device) from None
             stepped = True
             checkpointer.wait_for_staging()  # a skipped fp16 step runs no pre-step hook; the EMA changes next
             ema.update(model, ema_decay_at(t.ema_decay, step))
