@@ -13,7 +13,9 @@ Models (``--model``):
 Rows (``--rows``, comma-separated): ``full`` (all weights, bf16 autocast, fp32 master weights, fused AdamW),
 ``full_compile`` (+ --compile: the whole denoiser in one graph), ``full_ro`` (+ --compile reduce-overhead: CUDA
 graphs too), ``full_ckpt`` (+ --grad_checkpoint), ``lora64`` (--lora_rank 64 on the attention projections, frozen
-base stored in bf16), ``lora64_compile``, ``lora64_ro``.
+base stored in bf16), ``lora64_compile``, ``lora64_ro``; ``full_ro_noema`` (``full_ro`` without the EMA, as the
+anchors); the capped rows ``lowmem8_ro``, ``lowmem8_ckpt_ro``, ``lowmem8_ckpt`` (``--optimizer adamw8bit --master_weights
+bf16 --ema_decay 0 --gpu_memory_budget 8GiB``, with CUDA graphs and/or gradient checkpointing).
 
 Each row is its own ``ditforge train`` process (``--max_steps`` steps, metrics every ``--log_every``): ms/step is the
 median over the logged windows after the first (compilation and warm-up), from ``samples_per_sec``; peak GiB is
@@ -44,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "finetune
 import tiny_pipelines  # noqa: E402  (offline tokenizers; the tiny pipelines for --tiny)
 
 CAPTIONS = tiny_pipelines.CAPTIONS
+LOWMEM = ["--optimizer", "adamw8bit", "--master_weights", "bf16", "--ema_decay", "0"]
 ROWS = {
     "full": [],
     "full_compile": ["--compile"],
@@ -52,6 +55,11 @@ ROWS = {
     "lora64_compile": ["--lora_rank", "64", "--compile"],
     "full_ro": ["--compile", "reduce-overhead"],
     "lora64_ro": ["--lora_rank", "64", "--compile", "reduce-overhead"],
+    "full_ro_noema": ["--compile", "reduce-overhead", "--ema_decay", "0"],
+    # the 8 GiB rows: Kahan bf16 weights + 8-bit moments + no EMA copy, under the cap
+    "lowmem8_ro": [*LOWMEM, "--compile", "reduce-overhead", "--gpu_memory_budget", "8GiB"],
+    "lowmem8_ckpt_ro": [*LOWMEM, "--grad_checkpoint", "--compile", "reduce-overhead", "--gpu_memory_budget", "8GiB"],
+    "lowmem8_ckpt": [*LOWMEM, "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
 }
 
 

@@ -10,6 +10,17 @@ own ``train_step`` (diffusion loss, AdamW, clipping, EMA), so what is timed is w
     e  + ``torch.compile`` of the blocks (``--compile``)
     f  + FP8 matrix products in the blocks' linear layers (``--mixed_precision fp8``)
 
+``--memory`` runs the memory table instead, cumulative too, each row with row e's speed settings (bf16, fast
+attention, compile) and a ratio to the first (``plain``):
+
+    plain        fp32 master weights, fused AdamW, EMA (what row e runs)
+    noema        + no EMA (``--ema_decay 0``)
+    8bit         + bitsandbytes' 8-bit AdamW moments (``--optimizer adamw8bit``)
+    bf16         + Kahan-compensated bf16 weights (``--master_weights bf16``)
+    capped       the same under ``--gpu_memory_budget`` (``torch.cuda.set_per_process_memory_fraction``)
+    capped_ckpt  + activation checkpointing of every block
+    capped_op    selective checkpointing instead (``op``: matmul and attention outputs kept)
+
 Rows are cumulative over the rows chosen with ``--rows`` (``abce``: compile without the fused kernels). A row
 whose feature cannot run here (no GPU for Triton or FP8, torchao missing) is reported as skipped with the
 reason, and the rows after it go on without that feature.
@@ -34,7 +45,7 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_path
-from ditforge.config import BenchConfig, resolve_device, resolve_precision
+from ditforge.config import BenchConfig, parse_bytes, resolve_device, resolve_precision
 from ditforge.diffusion import create_diffusion
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
@@ -44,6 +55,7 @@ from ditforge.ops.fused import check_triton
 from ditforge.parallel import fp8_unavailable, parallelize, parse_checkpoint_policy
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
+from ditforge.parallel.optim import build_optimizer, cap_gpu_memory
 from ditforge.train.trainer import step_randomness, train_step
 
 log = logging.getLogger(__name__)
@@ -61,6 +73,11 @@ class Settings:
     attention: str = "math"  # ops.attention backend: math | fast
     kernels: bool = False
     compile: bool = False  # in cfg.compile_mode
+    optimizer: str = "adamw"  # --optimizer
+    master_weights: str = "fp32"  # --master_weights
+    ema: bool = True  # False: --ema_decay 0
+    budget: bool = False  # under cfg.gpu_memory_budget
+    grad_checkpoint: str | None = None  # None: cfg.grad_checkpoint
 
 
 ROWS: list[tuple[str, str, dict]] = [
@@ -71,6 +88,18 @@ ROWS: list[tuple[str, str, dict]] = [
     ("e", "+ torch.compile", {"compile": True}),
     ("f", "+ FP8 linears (torchao)", {"precision": "fp8"}),
 ]
+
+
+MEMORY_ROWS: list[tuple[str, str, dict]] = [
+    ("plain", "bf16, fast attention, compile; fp32 master, fused AdamW, EMA", {}),
+    ("noema", "+ no EMA (--ema_decay 0)", {"ema": False}),
+    ("8bit", "+ 8-bit AdamW moments (--optimizer adamw8bit)", {"optimizer": "adamw8bit"}),
+    ("bf16", "+ Kahan bf16 weights (--master_weights bf16)", {"master_weights": "bf16"}),
+    ("capped", "+ --gpu_memory_budget", {"budget": True}),
+    ("capped_ckpt", "+ activation checkpointing (full)", {"grad_checkpoint": "full"}),
+    ("capped_op", "activation checkpointing op instead (recompute the element-wise ops)", {"grad_checkpoint": "op"}),
+]
+MEMORY_BASE = Settings(precision="bf16", attention="fast", compile=True)  # row e
 
 
 def why_not(change: dict, device: torch.device) -> str | None:
@@ -112,7 +141,9 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
     flops = model.flops_per_sample(cfg.text_tokens if cfg.text_dim else 0)
     tokens = model.x_embedder.num_patches
     amp = resolve_precision(s.precision, device)
-    model = parallelize(model, Dist(device=device), "none", cfg.grad_checkpoint,
+    if s.master_weights == "bf16":
+        model.to(torch.bfloat16)
+    model = parallelize(model, Dist(device=device), "none", s.grad_checkpoint or cfg.grad_checkpoint,
                         cfg.compile_mode if s.compile else "none", s.attention,
                         enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8")
     return model, amp, flops, tokens, shape
@@ -133,9 +164,11 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     """Train ``warmup + steps`` steps at ``batch``; returns the median step time (s) of the timed steps, the
     peak allocated memory (GiB), FLOPs per sample, tokens per sample and the loss of every step. Raises
     torch.OutOfMemoryError."""
+    if s.budget and device.type == "cuda":
+        cap_gpu_memory(parse_bytes(cfg.gpu_memory_budget, "--gpu_memory_budget"), device)
     model, amp, flops, tokens, shape = _build(cfg, s, device)
-    ema = EMA(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
+    ema = EMA(model, alias=not s.ema)
+    opt = build_optimizer(list(model.parameters()), s.optimizer, 1e-4, 0.0, device)
     diffusion = create_diffusion(None)
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randn((batch, *shape), generator=g, device=device)
@@ -207,14 +240,16 @@ def bench(cfg: BenchConfig) -> dict:
     validate(cfg)
     device = resolve_device(cfg.device)
     peak = peak_flops(device, cfg.peak_tflops)
-    settings = Settings()
+    settings = MEMORY_BASE if cfg.memory else Settings()
     results = []
-    for key, label, change in ROWS:
-        if key not in cfg.rows:  # rows are cumulative over the chosen ones: --rows abce is compile without kernels
-            continue
+    for key, label, change in MEMORY_ROWS if cfg.memory else ROWS:
+        if key not in (cfg.memory_rows.split(",") if cfg.memory else cfg.rows):
+            continue  # rows are cumulative over the chosen ones: --rows abce is compile without kernels
         reason = why_not(change, device)
         if key == "e" and cfg.compile_mode != "default":
             label += f" (mode {cfg.compile_mode})"
+        if change.get("budget"):
+            label = label.replace("--gpu_memory_budget", f"--gpu_memory_budget {cfg.gpu_memory_budget}")
         row = dict(row=key, label=label, status="skipped", reason=reason)
         if reason is None:
             settings = replace(settings, **change)
@@ -232,7 +267,7 @@ def bench(cfg: BenchConfig) -> dict:
             finally:
                 _reset(device)
         results.append(row)
-    base = next((r for r in results if r["row"] == "a" and r["status"] == "ok"), None)
+    base = next((r for r in results if r["row"] == ("plain" if cfg.memory else "a") and r["status"] == "ok"), None)
     for r in results:
         r["speedup"] = r["images_per_sec"] / base["images_per_sec"] if base and r["status"] == "ok" else None
     out = dict(env=environment(device, peak), config=asdict(cfg), rows=results)
@@ -264,6 +299,7 @@ def _reset(device: torch.device) -> None:
     set_kernels()
     torch._dynamo.reset()
     if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device.index or torch.cuda.current_device())
         torch.cuda.empty_cache()
 
 
@@ -279,6 +315,10 @@ def validate(cfg: BenchConfig) -> None:
     known = "".join(k for k, _, _ in ROWS)
     if not cfg.rows or set(cfg.rows) - set(known):
         raise UserError(f"--rows: expected letters of {known!r}, got {cfg.rows!r}")
+    names = [k for k, _, _ in MEMORY_ROWS]
+    if cfg.memory and (not cfg.memory_rows or set(cfg.memory_rows.split(",")) - set(names)):
+        raise UserError(f"--memory_rows: expected names of {','.join(names)}, got {cfg.memory_rows!r}")
+    parse_bytes(cfg.gpu_memory_budget, "--gpu_memory_budget")
     if cfg.image_size % cfg.vae_downsample:
         raise UserError(f"--image_size {cfg.image_size} is not divisible by --vae_downsample {cfg.vae_downsample}")
     parse_checkpoint_policy(cfg.grad_checkpoint)
@@ -313,7 +353,8 @@ def format_table(result: dict) -> str:
             + (f", text {cfg['text_tokens']} x {cfg['text_dim']}" if cfg.get("text_dim") else "")
             + f", batch {cfg['batch_size']}, {env.get('gpu', env['device'])}, torch {env['torch']}")
     lines = [head, "",
-             "| row | configuration | samples/s | tokens/s | step (ms) | MFU | peak mem (GiB) | speed-up | loss |",
+             f"| row | configuration | samples/s | tokens/s | step (ms) | MFU | peak mem (GiB) | "
+             f"{'vs plain' if cfg.get('memory') else 'speed-up'} | loss |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def fmt(v, spec, unit=""):

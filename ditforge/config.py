@@ -197,6 +197,11 @@ class BenchConfig:
                               const="full")
     find_max_batch: bool = _f(False, "also search the largest batch that fits with the last row's "
                                       "settings (CUDA only)")
+    memory: bool = _f(False, "the memory table instead of the speed ablation: row e's speed settings with fp32 or "
+                             "bf16 master weights, AdamW or 8-bit moments, EMA or none, under --gpu_memory_budget")
+    memory_rows: str = _f("plain,noema,8bit,bf16,capped,capped_ckpt,capped_op",
+                          "which rows of --memory to run, cumulative")
+    gpu_memory_budget: str = _f("8GiB", "the cap of --memory's capped rows")
     peak_tflops: float | None = _f(None, "peak dense bf16 TFLOP/s for MFU (default: from the GPU's "
                                            "name)")
     outputs: str = _f("outputs", "folder for the JSON result")

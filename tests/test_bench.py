@@ -47,6 +47,23 @@ def test_bench_table_and_json(tmp_path, monkeypatch, capsys):
     assert result["env"]["torch"] == torch.__version__ and result["config"]["batch_size"] == 2
 
 
+@pytest.mark.slow
+def test_bench_memory_rows(tmp_path, capsys):
+    """``--memory``: the same data and noise in every row, so the losses show what each mode changes: none for
+    dropping the EMA (it never feeds back), none at the first step (before any update), little after."""
+    rows = "plain,noema,8bit,bf16"
+    assert cli.main([*TINY, "--memory", "--memory_rows", rows, "--outputs", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    result = json.loads(next(tmp_path.glob("bench-*.json")).read_text())
+    got = {r["row"]: r for r in result["rows"]}
+    assert list(got) == rows.split(",") and all(r["status"] == "ok" for r in got.values())
+    assert "| vs plain |" in table and got["plain"]["speedup"] == 1.0
+    assert got["noema"]["losses"] == got["plain"]["losses"]
+    for key in ("8bit", "bf16"):
+        assert got[key]["losses"][0] == got["plain"]["losses"][0]
+        assert got[key]["losses"] == pytest.approx(got["plain"]["losses"], rel=0.02)
+
+
 @pytest.mark.parametrize("model,size,frames", [("DiT-T/2", 8, None), ("DiT-S/4", 16, None), ("vDiT-T/222", 8, 4),
                                                ("vDiT-T/124", 8, 3)])
 def test_flops_per_sample_equals_pytorch_flop_counter(model, size, frames):
@@ -85,6 +102,8 @@ def test_find_max_batch_equals_brute_force():
     (["--grad_checkpoint", "sometimes"], "--grad_checkpoint: expected one of"),
     (["--steps", "0"], "--steps: expected a positive integer"),
     (["--find_max_batch", "--rows", "a"], "--find_max_batch: needs a CUDA device"),
+    (["--memory", "--memory_rows", "plain,bogus"], "--memory_rows: expected names of plain,noema"),
+    (["--memory", "--gpu_memory_budget", "lots"], "--gpu_memory_budget: expected a size such as 8GiB"),
 ])
 def test_bench_bad_settings_are_one_line_errors(tmp_path, capsys, args, message):
     assert cli.main([*TINY, "--outputs", str(tmp_path), *args]) == 2

@@ -203,8 +203,9 @@ def cap_gpu_memory(budget: int, device: torch.device) -> None:
     """Cap this process's GPU memory at ``budget`` bytes, as a GPU of that size would
     (``torch.cuda.set_per_process_memory_fraction``; allocations beyond it raise ``torch.OutOfMemoryError``). The
     CUDA context (about 0.5 GiB) is outside the cap, as it is outside a smaller card's free memory."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
 
 
 def out_of_memory(step: int, budget: str | None, device: torch.device) -> UserError:

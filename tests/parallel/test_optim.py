@@ -27,16 +27,19 @@ LR, WD = 1e-5, 0.1
 SPLIT = 2.0 ** -17
 
 
-def _params(dtype, seed):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+def _params(dtype, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16().to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16().to(device, dtype)) for s in SHAPES]
 
 
 def _run(params, opt, seed, steps=5):
     g = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
         for p in params:  # the same bf16-representable gradients for every dtype
-            p.grad = torch.randn(p.shape, generator=g).bfloat16().to(p.dtype)
+            p.grad = torch.randn(p.shape, generator=g).bfloat16().to(p.device, p.dtype)
         opt.step()
     return params
 
@@ -50,45 +53,51 @@ def _seed():
     return int(torch.randint(0, 2**31 - 1, ()))
 
 
-def test_fp32_states_equal_torch_adamw():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_states_equal_torch_adamw(device):
     seed = _seed()
-    a = _params(torch.float32, seed)
-    b = _params(torch.float32, seed)
-    _run(a, torch.optim.AdamW(a, lr=LR, weight_decay=WD), seed)
+    a = _params(torch.float32, seed, device)
+    b = _params(torch.float32, seed, device)
+    _run(a, torch.optim.AdamW(a, lr=LR, weight_decay=WD, fused=device == "cuda"), seed)
     _run(b, CompensatedAdamW(b, lr=LR, weight_decay=WD), seed)
     for x, y in zip(a, b):
         torch.testing.assert_close(y, x, rtol=0, atol=0)
 
 
-def test_8bit_states_equal_bitsandbytes_and_approximate_adamw():
+@pytest.mark.parametrize("device", DEVICES)
+def test_8bit_states_equal_bitsandbytes_and_approximate_adamw(device):
     bnb = pytest.importorskip("bitsandbytes")
     seed = _seed()
-    a, b, c = (_params(torch.float32, seed) for _ in range(3))
+    a, b, c = (_params(torch.float32, seed, device) for _ in range(3))
     lr = 1e-3  # large enough that the moments' codes, not the weights, dominate the difference
     _run(a, bnb.optim.AdamW8bit(a, lr=lr, weight_decay=WD), seed)
     opt = CompensatedAdamW(b, lr=lr, weight_decay=WD, states="8bit")
     _run(b, opt, seed)
-    _run(c, torch.optim.AdamW(c, lr=lr, weight_decay=WD), seed)
+    _run(c, torch.optim.AdamW(c, lr=lr, weight_decay=WD, fused=device == "cuda"), seed)
     assert opt.state[b[0]]["state1"].dtype == torch.uint8 and "exp_avg" in opt.state[b[1]]
-    for x, y, z, before in zip(a, b, c, _params(torch.float32, seed)):
-        torch.testing.assert_close(y, x, rtol=0, atol=0)
-        # 5 steps of at most lr each: the 8-bit codes (a few % relative on each moment) move the step by a fraction
-        assert ((y - z).abs().max() / (z - before).abs().max()) < 0.1
+    for x, y, z, before in zip(a, b, c, _params(torch.float32, seed, device)):
+        if y.numel() >= 4096:  # 8-bit codes: bitsandbytes' own kernel, the same bits
+            torch.testing.assert_close(y, x, rtol=0, atol=0)
+            # the codes' error (a few % on each moment) moves 5 steps of AdamW by a fraction of their length
+            assert torch.linalg.vector_norm(y - z) / torch.linalg.vector_norm(z - before) < 0.05, seed  # ~0.01
+        else:  # fp32 moments below the threshold: torch's AdamW itself (bitsandbytes' 32-bit kernel rounds apart)
+            torch.testing.assert_close(y, z, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("states", ["fp32", "8bit"])
-def test_kahan_bf16_weights_track_the_fp32_master(states):
+def test_kahan_bf16_weights_track_the_fp32_master(states, device):
     if states == "8bit":
         pytest.importorskip("bitsandbytes")
     seed = _seed()
-    ref = _params(torch.float32, seed)
+    ref = _params(torch.float32, seed, device)
     _run(ref, CompensatedAdamW(ref, lr=LR, weight_decay=WD, states=states), seed)
-    half = _params(torch.bfloat16, seed)
+    half = _params(torch.bfloat16, seed, device)
     opt = CompensatedAdamW(half, lr=LR, weight_decay=WD, states=states, chunk_numel=20_000)  # several chunks
     _run(half, opt, seed)
-    plain = _params(torch.bfloat16, seed)
+    plain = _params(torch.bfloat16, seed, device)
     _run(plain, torch.optim.AdamW(plain, lr=LR, weight_decay=WD), seed)
-    for w, r, p, start in zip(_master(half, opt), ref, plain, _params(torch.float32, seed)):
+    for w, r, p, start in zip(_master(half, opt), ref, plain, _params(torch.float32, seed, device)):
         assert w.dtype == torch.float32 and opt.state[half[0]]["compensation"].dtype == torch.bfloat16
         bound = 6 * SPLIT * r.abs() + 1e-30
         assert ((w - r).abs() <= bound).all(), (seed, ((w - r).abs() / r.abs()).max().item())
