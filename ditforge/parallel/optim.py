@@ -27,6 +27,8 @@ resumes it like any optimizer's.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.optim.adam import adam as adam_functional
 from torch import nn
@@ -215,3 +217,42 @@ def out_of_memory(step: int, budget: str | None, device: torch.device) -> UserEr
     return UserError(f"out of memory at step {step}: {where} (peak {peak:.2f} GiB allocated); save memory with "
                      "--optimizer adamw8bit, --master_weights bf16, --ema_decay 0, --grad_checkpoint, "
                      "--lora_rank or a smaller --batch_size")
+
+
+# Placements from fastest to smallest: (--optimizer, --master_weights). Bytes per trainable parameter on the GPU:
+# weights + gradients + moments (+ the bf16 compensation), as CompensatedAdamW and torch's AdamW allocate them.
+PLACEMENTS = (("adamw", "fp32"), ("adamw8bit", "fp32"), ("adamw8bit", "bf16"))
+STATE_BYTES = {("adamw", "fp32"): 16, ("adamw8bit", "fp32"): 10, ("adamw", "bf16"): 14, ("adamw8bit", "bf16"): 8}
+ACTIVATION_RESERVE = 2**30  # kept free for activations, workspaces and the step's transient buffers
+
+
+def state_bytes(trainable: int, frozen_bytes: int, optimizer: str, master_weights: str, ema: bool) -> int:
+    """GPU bytes of the training state: ``trainable`` parameters under the placement (``STATE_BYTES``), the fp32
+    EMA (4 bytes each) when kept, and ``frozen_bytes`` of frozen weights. Activations not included."""
+    return trainable * (STATE_BYTES[optimizer, master_weights] + 4 * ema) + frozen_bytes
+
+
+def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, optimizer: str, master_weights: str,
+                   bf16: bool) -> tuple[str, str]:
+    """The placement for ``--gpu_memory_budget``: the given one if its state (``state_bytes``) plus 1 GiB for
+    activations fits ``budget``; otherwise, when the flags were left at ``adamw`` / ``fp32``, the fastest of
+    ``PLACEMENTS`` that fits (bf16 weights only with bf16 compute). Activations beyond the reserve are the user's
+    (``--grad_checkpoint``, ``--batch_size``); an out-of-memory during training says so.
+
+    Raises:
+        UserError: nothing fits; the line names the smallest budget that would hold the state.
+    """
+    gib = 2**30
+    chosen = [(optimizer, master_weights)]
+    if (optimizer, master_weights) == ("adamw", "fp32"):
+        chosen = [p for p in PLACEMENTS if bf16 or p[1] == "fp32"]
+    for opt, master in chosen:
+        if state_bytes(trainable, frozen_bytes, opt, master, ema) + ACTIVATION_RESERVE <= budget:
+            return opt, master
+    opt, master = chosen[-1]
+    need = state_bytes(trainable, frozen_bytes, opt, master, ema) + ACTIVATION_RESERVE
+    hint = "; --ema_decay 0 drops the EMA's 4 bytes per parameter" if ema else ""
+    raise UserError(f"--gpu_memory_budget {budget / gib:.2f} GiB: {trainable / 1e6:.0f}M trainable parameters "
+                    f"with --optimizer {opt} --master_weights {master}{' and an EMA' if ema else ''} need "
+                    f"{math.ceil(need / gib * 100) / 100:.2f} GiB (state + 1 GiB for activations); give at least "
+                    f"that{hint}")

@@ -41,7 +41,7 @@ from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrain
 from ditforge.ops.attention import whole_sequences
 from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
-from ditforge.parallel.optim import build_optimizer, cap_gpu_memory, out_of_memory
+from ditforge.parallel.optim import build_optimizer, cap_gpu_memory, out_of_memory, plan_placement
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -341,11 +341,21 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if m.lora_rank:
         finetune.add_lora_to_denoiser(model, cfg)
     model.to(device).train()
+    half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
+    if t.gpu_memory_budget is not None:  # the state's placement under the budget (plan_placement's rule)
+        frozen = sum(p.numel() * (2 if half_base else p.element_size()) for p in model.parameters()
+                     if not p.requires_grad)
+        choice = plan_placement(parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget"),
+                                sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
+                                t.ema_decay != 0, t.optimizer, t.master_weights,
+                                amp_dtype == torch.bfloat16 and plugin in ("none", "ddp"))
+        if choice != (t.optimizer, t.master_weights) and d.is_main:
+            log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s", t.gpu_memory_budget, *choice)
+        t.optimizer, t.master_weights = choice
     for p in model.parameters():
         # A LoRA's frozen base computes in bf16 anyway: stored so (half the memory). --master_weights bf16: the
         # trainable weights too, with the optimizer's Kahan compensation.
-        frozen_half = not p.requires_grad and m.lora_rank and amp_dtype != torch.float32 and plugin in ("none", "ddp")
-        if frozen_half or (p.requires_grad and t.master_weights == "bf16"):
+        if (half_base and not p.requires_grad) or (p.requires_grad and t.master_weights == "bf16"):
             p.data = p.data.to(amp_dtype)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",

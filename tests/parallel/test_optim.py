@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditforge.parallel.optim import CompensatedAdamW
+from ditforge.errors import UserError
+from ditforge.parallel.optim import CompensatedAdamW, plan_placement
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -180,6 +181,7 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     (("--master_weights", "bf16", "--mixed_precision", "auto", "--device", "cpu"),
      "--master_weights bf16: needs bf16 compute"),
     (("--gpu_memory_budget", "8GB!"), "--gpu_memory_budget: expected a size such as 8GiB"),
+    (("--gpu_memory_budget", "1MiB"), "need 1.06 GiB (state + 1 GiB for activations); give at least that"),
 ])
 def test_bad_flags_one_line(argv, match, tiny_argv, tmp_path, capsys):
     from ditforge import cli
@@ -187,3 +189,26 @@ def test_bad_flags_one_line(argv, match, tiny_argv, tmp_path, capsys):
     assert cli.main(tiny_argv(tmp_path / "r", *argv)) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and len(err.splitlines()) == 1, err
+
+
+def test_plan_placement_bytes_and_order():
+    """The fastest placement whose state fits with 1 GiB to spare: 16 / 10 / 8 bytes per trainable parameter
+    (fp32 AdamW; 8-bit moments; those plus Kahan bf16 weights), +4 for an EMA, + the frozen bytes."""
+    n, frozen, gib = 10**8, 3 * 10**8, 2**30
+
+    def plan(budget, ema=True, flags=("adamw", "fp32"), bf16=True):
+        return plan_placement(budget, n, frozen, ema, *flags, bf16)
+
+    assert plan(20 * n + frozen + gib) == ("adamw", "fp32")
+    assert plan(20 * n + frozen + gib - 1) == ("adamw8bit", "fp32")
+    assert plan(14 * n + frozen + gib - 1) == ("adamw8bit", "bf16")
+    assert plan(12 * n + frozen + gib) == ("adamw8bit", "bf16")
+    assert plan(16 * n + frozen + gib, ema=False) == ("adamw", "fp32")
+    with pytest.raises(UserError, match=r"need 2\.40 GiB .* give at least that; --ema_decay 0"):
+        plan(12 * n + frozen + gib - 1)
+    with pytest.raises(UserError, match="--master_weights fp32"):  # no bf16 weights without bf16 compute
+        plan(14 * n + frozen + gib - 1, bf16=False)
+    # explicit choices are kept, or refused: never replaced
+    assert plan(10**15, flags=("adamw8bit", "fp32")) == ("adamw8bit", "fp32")
+    with pytest.raises(UserError, match="--optimizer adamw8bit --master_weights fp32"):
+        plan(14 * n + frozen + gib - 1, flags=("adamw8bit", "fp32"))
