@@ -119,10 +119,11 @@ class TrainConfig:
                                      "compensation, about 16 significant bits: 4 bytes per parameter instead of "
                                      "4 + a bf16 copy per step; needs --mixed_precision bf16)",
                              choices=MASTER_WEIGHTS)
-    gpu_memory_budget: str | None = _f(None, "cap this process's GPU memory, e.g. 8GiB "
-                                             "(torch.cuda.set_per_process_memory_fraction): going over is an "
-                                             "out-of-memory error, as on a GPU of that size")
-    warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
+    gpu_memory_budget: str | None = _f(None, "GPU memory for this process, e.g. 8GiB: with --optimizer and "
+                                             "--master_weights left at adamw / fp32, the fastest of fp32 AdamW, "
+                                             "adamw8bit, adamw8bit + bf16 weights whose state leaves 1 GiB for "
+                                             "activations; a cap as on a GPU of that size "
+                                             "(torch.cuda.set_per_process_memory_fraction)")
     max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0: no clipping)")
     mixed_precision: str = _f("auto", "compute precision: fp32 | bf16 | fp16 | fp8 (bf16, with float8 matrix "
                                       "products in the blocks' linear layers; torchao, H100-class GPU) | auto "
