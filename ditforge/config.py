@@ -124,6 +124,7 @@ class TrainConfig:
                                              "adamw8bit, adamw8bit + bf16 weights whose state leaves 1 GiB for "
                                              "activations; a cap as on a GPU of that size "
                                              "(torch.cuda.set_per_process_memory_fraction)")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
     max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0: no clipping)")
     mixed_precision: str = _f("auto", "compute precision: fp32 | bf16 | fp16 | fp8 (bf16, with float8 matrix "
                                       "products in the blocks' linear layers; torchao, H100-class GPU) | auto "
