@@ -32,6 +32,7 @@ The forward FLOPs are the model's ``flops_per_sample()`` (matrix products, a mul
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import platform
@@ -141,8 +142,9 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
     flops = model.flops_per_sample(cfg.text_tokens if cfg.text_dim else 0)
     tokens = model.x_embedder.num_patches
     amp = resolve_precision(s.precision, device)
-    if s.master_weights == "bf16":
-        model.to(torch.bfloat16)
+    if s.master_weights == "bf16":  # the weights, as the trainer casts them (buffers keep their dtype)
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     model = parallelize(model, Dist(device=device), "none", s.grad_checkpoint or cfg.grad_checkpoint,
                         cfg.compile_mode if s.compile else "none", s.attention,
                         enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8")
@@ -298,6 +300,7 @@ def _reset(device: torch.device) -> None:
     set_attention_backend()
     set_kernels()
     torch._dynamo.reset()
+    gc.collect()  # compiled blocks hold reference cycles: the last row's model would stay on the GPU
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device.index or torch.cuda.current_device())
         torch.cuda.empty_cache()

@@ -381,8 +381,6 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--master_weights: expected one of {', '.join(MASTER_WEIGHTS)}, got {t.master_weights}")
     if t.master_weights == "bf16" and t.mixed_precision not in ("bf16", "auto"):
         raise UserError(f"--master_weights bf16: needs --mixed_precision bf16, got {t.mixed_precision}")
-    if t.master_weights == "bf16" and cfg.parallel.plugin in ("zero2", "fsdp"):
-        raise UserError(f"--master_weights bf16: supported with --plugin none or ddp, got {cfg.parallel.plugin}")
     if t.gpu_memory_budget is not None:
         parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget")
     if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:

@@ -12,7 +12,8 @@
 
 Kahan-compensated bf16 weights (Kahan 1965; for training, Zamirai et al. 2021, "Revisiting BFloat16 Training",
 section 4): each bf16 parameter ``p`` carries ``c`` (bf16), the part of the fp32 master weight that rounding to
-bf16 dropped, so the master is ``w = p + c`` to about 2^-16 relative (two bf16 significands). A step rebuilds ``w``
+bf16 dropped, so the master is ``w = p + c`` to 2^-17 relative per split (``p`` rounds to 2^-8 of ``w``, and ``c``
+holds that residual to 2^-8 of itself). A step rebuilds ``w``
 in fp32 for a chunk of parameters at a time (at most ``chunk_numel`` elements: transient memory 8 bytes per
 element of the chunk), applies the AdamW update to ``w`` with the gradient in fp32, and splits it again:
 ``p = bf16(w)`` (round to nearest), ``c = bf16(w - p)``. Updates far below bf16's resolution (lr 1e-5 on weights
@@ -233,11 +234,13 @@ def state_bytes(trainable: int, frozen_bytes: int, optimizer: str, master_weight
 
 
 def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, optimizer: str, master_weights: str,
-                   bf16: bool) -> tuple[str, str]:
+                   bf16: bool, lowmem: bool = True) -> tuple[str, str]:
     """The placement for ``--gpu_memory_budget``: the given one if its state (``state_bytes``) plus 1 GiB for
     activations fits ``budget``; otherwise, when the flags were left at ``adamw`` / ``fp32``, the fastest of
-    ``PLACEMENTS`` that fits (bf16 weights only with bf16 compute). Activations beyond the reserve are the user's
-    (``--grad_checkpoint``, ``--batch_size``); an out-of-memory during training says so.
+    ``PLACEMENTS`` that fits (bf16 weights only with ``bf16`` compute; ``lowmem``: CompensatedAdamW's placements
+    allowed, i.e. plugin none or ddp). Activations beyond the reserve are the user's (``--grad_checkpoint``,
+    ``--batch_size``); an out-of-memory during training says so. The count is one process's whole state (DDP's
+    gradient buckets and sample grids not included).
 
     Raises:
         UserError: nothing fits; the line names the smallest budget that would hold the state.
@@ -245,7 +248,7 @@ def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, op
     gib = 2**30
     chosen = [(optimizer, master_weights)]
     if (optimizer, master_weights) == ("adamw", "fp32"):
-        chosen = [p for p in PLACEMENTS if bf16 or p[1] == "fp32"]
+        chosen = [p for p in PLACEMENTS if (bf16 or p[1] == "fp32") and (lowmem or p == PLACEMENTS[0])]
     for opt, master in chosen:
         if state_bytes(trainable, frozen_bytes, opt, master, ema) + ACTIVATION_RESERVE <= budget:
             return opt, master

@@ -275,6 +275,10 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if t.gpu_memory_budget is not None and device.type == "cuda":
         cap_gpu_memory(parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget"), device)
     plugin = resolve_plugin(par.plugin, d.world_size)
+    if plugin in ("zero2", "fsdp") and (t.optimizer, t.master_weights) != ("adamw", "fp32"):
+        # CompensatedAdamW's states and bitsandbytes' kernel take plain tensors, not fully_shard's DTensors
+        raise UserError(f"--optimizer {t.optimizer} --master_weights {t.master_weights}: supported with --plugin "
+                        f"none or ddp, got {plugin}")
     par.plugin = plugin
     per_step = d.dp_size * par.grad_accum_steps
     if t.batch_size % per_step:
@@ -348,7 +352,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         choice = plan_placement(parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget"),
                                 sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
                                 t.ema_decay != 0, t.optimizer, t.master_weights,
-                                amp_dtype == torch.bfloat16 and plugin in ("none", "ddp"))
+                                amp_dtype == torch.bfloat16, lowmem=plugin in ("none", "ddp"))
         if choice != (t.optimizer, t.master_weights) and d.is_main:
             log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s", t.gpu_memory_budget, *choice)
         t.optimizer, t.master_weights = choice
@@ -414,6 +418,14 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema, adapters_only), meta)
 
     def write_samples(step: int) -> None:
+        try:
+            draw_samples(step)
+        except torch.OutOfMemoryError:  # a grid is never worth the run (a tight --gpu_memory_budget)
+            log.warning("step %d: no sample grid, out of GPU memory (%s)", step,
+                        f"--gpu_memory_budget {t.gpu_memory_budget}" if t.gpu_memory_budget else "the GPU's memory")
+            torch.cuda.empty_cache()
+
+    def draw_samples(step: int) -> None:
         nonlocal grid_model, grid_cond
         weights = ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
         if not d.is_main:

@@ -4,9 +4,9 @@ gradients with weight decay:
   * fp32 moments over fp32 weights: ``torch.optim.AdamW`` (bit-exact: the same kernel);
   * 8-bit moments over fp32 weights: ``bitsandbytes.optim.AdamW8bit`` (bit-exact: the same kernel), and plain AdamW
     within the 8-bit codes' error;
-  * Kahan-compensated bf16 weights: the fp32-master run of the same moments. The master ``p + c`` holds two bf16
-    significands, so each step's split errs by at most 2^-17 |w| (``p`` rounds to 2^-9 relative, ``c`` keeps that
-    residual to 2^-9 of itself): after 5 steps |p + c - w_ref| <= 6 * 2^-17 |w_ref|. bf16 weights without the
+  * Kahan-compensated bf16 weights: the fp32-master run of the same moments. Each step's split errs by at most
+    2^-17 |w|: with 2^k <= |w| < 2^(k+1), p = bf16(w) leaves |w - p| <= 2^(k-8), and c = bf16(w - p) rounds that
+    residual to within 2^(k-17); after 5 steps |p + c - w_ref| <= 6 * 2^-17 |w_ref|. bf16 weights without the
     compensation miss that bound by orders of magnitude (checked too, so the bound can fail);
   * a resumed optimizer (state dict round trip) equals an uninterrupted one, bit for bit, states in their dtypes;
   * through ``ditforge train``: resume equals an uninterrupted run in each mode; ``--ema_decay 0`` stores the
@@ -106,11 +106,14 @@ def test_kahan_bf16_weights_track_the_fp32_master(states, device):
         assert (r - start).abs().max() > 0  # the reference moved
 
 
-def test_chunking_does_not_change_the_step():
+@pytest.mark.parametrize("states", ["fp32", "8bit"])
+def test_chunking_does_not_change_the_step(states):
+    if states == "8bit":
+        pytest.importorskip("bitsandbytes")
     seed = _seed()
     a, b = _params(torch.bfloat16, seed), _params(torch.bfloat16, seed)
-    _run(a, CompensatedAdamW(a, lr=LR, weight_decay=WD, chunk_numel=1), seed)
-    _run(b, CompensatedAdamW(b, lr=LR, weight_decay=WD, chunk_numel=10**9), seed)
+    _run(a, CompensatedAdamW(a, lr=LR, weight_decay=WD, states=states, chunk_numel=1), seed)
+    _run(b, CompensatedAdamW(b, lr=LR, weight_decay=WD, states=states, chunk_numel=10**9), seed)
     for x, y in zip(a, b):
         torch.testing.assert_close(y, x, rtol=0, atol=0)
 
@@ -208,7 +211,23 @@ def test_plan_placement_bytes_and_order():
         plan(12 * n + frozen + gib - 1)
     with pytest.raises(UserError, match="--master_weights fp32"):  # no bf16 weights without bf16 compute
         plan(14 * n + frozen + gib - 1, bf16=False)
+    with pytest.raises(UserError, match="--optimizer adamw --master_weights fp32"):  # zero2 / fsdp: fp32 AdamW only
+        plan_placement(20 * n + frozen + gib - 1, n, frozen, True, "adamw", "fp32", True, lowmem=False)
     # explicit choices are kept, or refused: never replaced
     assert plan(10**15, flags=("adamw8bit", "fp32")) == ("adamw8bit", "fp32")
     with pytest.raises(UserError, match="--optimizer adamw8bit --master_weights fp32"):
         plan(14 * n + frozen + gib - 1, flags=("adamw8bit", "fp32"))
+
+
+@pytest.mark.parametrize("plugin", ["zero2", "fsdp"])
+def test_sharded_plugins_refuse_compensated_adamw(plugin, tiny_argv, tmp_path, capsys, monkeypatch):
+    """Under fully_shard the parameters are DTensors, which CompensatedAdamW's states and bitsandbytes' kernel do
+    not take: refused in one line (the plugin several processes would resolve to, without spawning them)."""
+    from ditforge import cli
+    from ditforge.train import trainer
+
+    monkeypatch.setattr(trainer, "resolve_plugin", lambda plugin_, world_size: plugin)
+    assert cli.main(tiny_argv(tmp_path / "r", "--optimizer", "adamw8bit")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"--optimizer adamw8bit --master_weights fp32: supported with --plugin none or ddp, got "
+                        f"{plugin}") and len(err.splitlines()) == 1, err
