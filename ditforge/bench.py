@@ -46,14 +46,14 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_path
-from ditforge.config import BenchConfig, parse_bytes, resolve_device, resolve_precision
+from ditforge.config import BenchConfig, parse_bytes, parse_checkpoint_policy, resolve_device, resolve_precision
 from ditforge.diffusion import create_diffusion
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.ops.attention import set_attention_backend
 from ditforge.ops.modulate import set_kernels
 from ditforge.ops.fused import check_triton
-from ditforge.parallel import fp8_unavailable, parallelize, parse_checkpoint_policy
+from ditforge.parallel import fp8_unavailable, parallelize
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
 from ditforge.parallel.optim import build_optimizer, cap_gpu_memory

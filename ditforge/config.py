@@ -6,6 +6,7 @@ Each field's ``help`` is also its command-line help, so ``ditforge train --help`
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -321,6 +322,27 @@ def parse_bytes(text: str, flag: str) -> int:
     return int(value)
 
 
+CHECKPOINT_POLICIES = "none | full | every-K | op"
+_EVERY = re.compile(r"^every-([1-9][0-9]*)$")
+
+
+def parse_checkpoint_policy(policy: str) -> tuple[str, int]:
+    """``--grad_checkpoint`` value -> (kind, k): ``none``, ``full`` (every block), ``every-K`` (blocks
+    0, K, 2K, ...: 1/K of the recomputation for 1/K of the saving), ``op`` (every block, but the outputs of
+    matrix products and attention are kept and only the cheap element-wise ops are recomputed; torchtitan's
+    op-level selective checkpointing).
+
+    Raises:
+        UserError: any other value (names the flag and the choices).
+    """
+    if policy in ("none", "full", "op"):
+        return policy, 1
+    m = _EVERY.match(policy)
+    if not m:
+        raise UserError(f"--grad_checkpoint: expected one of {CHECKPOINT_POLICIES}, got {policy!r}")
+    return "every", int(m.group(1))
+
+
 def resolve_device(name: str | torch.device) -> torch.device:
     """``--device`` value (or a ``torch.device``) -> ``torch.device``: ``auto`` is cuda when available, else cpu.
 
@@ -393,7 +415,6 @@ def validate(cfg: RunConfig) -> None:
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
         raise UserError(f"--device: expected cuda, cpu or auto, got {t.device}")
     from ditforge.models import model_spec  # raises UserError for unknown names
-    from ditforge.parallel import parse_checkpoint_policy
 
     parse_checkpoint_policy(t.grad_checkpoint)
 

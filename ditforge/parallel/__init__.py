@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 
-import re
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -15,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ditforge.config import parse_checkpoint_policy
 from ditforge.errors import UserError
 from ditforge.models import block_paths, replace_block
 from ditforge.ops.attention import set_attention_backend, set_frame_exchange, set_sequence_attention
@@ -30,27 +29,6 @@ def resolve_plugin(plugin: str, world_size: int) -> str:
     if world_size == 1:
         return "none"
     return "zero2" if plugin in ("auto", "none") else plugin
-
-
-CHECKPOINT_POLICIES = "none | full | every-K | op"
-_EVERY = re.compile(r"^every-([1-9][0-9]*)$")
-
-
-def parse_checkpoint_policy(policy: str) -> tuple[str, int]:
-    """``--grad_checkpoint`` value -> (kind, k): ``none``, ``full`` (every block), ``every-K`` (blocks
-    0, K, 2K, ...: 1/K of the recomputation for 1/K of the saving), ``op`` (every block, but the outputs of
-    matrix products and attention are kept and only the cheap element-wise ops are recomputed; torchtitan's
-    op-level selective checkpointing).
-
-    Raises:
-        UserError: any other value (names the flag and the choices).
-    """
-    if policy in ("none", "full", "op"):
-        return policy, 1
-    m = _EVERY.match(policy)
-    if not m:
-        raise UserError(f"--grad_checkpoint: expected one of {CHECKPOINT_POLICIES}, got {policy!r}")
-    return "every", int(m.group(1))
 
 
 # Ops whose outputs op-level selective checkpointing keeps: the matrix products and attention (expensive to
