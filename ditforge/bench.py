@@ -302,7 +302,7 @@ def _reset(device: torch.device) -> None:
     torch._dynamo.reset()
     gc.collect()  # compiled blocks hold reference cycles: the last row's model would stay on the GPU
     if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(1.0, device.index or torch.cuda.current_device())
+        cap_gpu_memory(None, device)
         torch.cuda.empty_cache()
 
 

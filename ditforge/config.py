@@ -116,9 +116,9 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     optimizer: str = _f("adamw", "adamw (fp32 moments; fused on CUDA) | adamw8bit (bitsandbytes' 8-bit blockwise "
                                  "moments: 2 bytes per parameter instead of 8)", choices=OPTIMIZERS)
-    master_weights: str = _f("fp32", "fp32 | bf16 (trainable weights stored in bf16 with a bf16 Kahan "
-                                     "compensation, about 16 significant bits: 4 bytes per parameter instead of "
-                                     "4 + a bf16 copy per step; needs --mixed_precision bf16)",
+    master_weights: str = _f("fp32", "fp32 | bf16 (trainable weights and their gradients in bf16, with a bf16 Kahan "
+                                     "compensation that keeps the fp32 master to 2^-17 per step: 6 bytes per "
+                                     "parameter instead of 8; needs --mixed_precision bf16)",
                              choices=MASTER_WEIGHTS)
     gpu_memory_budget: str | None = _f(None, "GPU memory for this process, e.g. 8GiB: with --optimizer and "
                                              "--master_weights left at adamw / fp32, the fastest of fp32 AdamW, "

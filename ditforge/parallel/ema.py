@@ -44,8 +44,8 @@ class EMA:
         for name, p in model.named_parameters():
             key = canonical_name(name)
             if trainable_only and not p.requires_grad:
-                pass
-            elif alias:
+                continue
+            if alias:
                 self.shadow[key] = p.detach()
             elif p.requires_grad:  # fp32 whatever the weights' dtype: (1 - decay) w is far below a bf16 ulp
                 self.shadow[key] = p.detach().to(torch.float32, copy=True)

@@ -202,13 +202,14 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
                             states="8bit" if optimizer == "adamw8bit" else "fp32")
 
 
-def cap_gpu_memory(budget: int, device: torch.device) -> None:
+def cap_gpu_memory(budget: int | None, device: torch.device) -> None:
     """Cap this process's GPU memory at ``budget`` bytes, as a GPU of that size would
-    (``torch.cuda.set_per_process_memory_fraction``; allocations beyond it raise ``torch.OutOfMemoryError``). The
-    CUDA context (about 0.5 GiB) is outside the cap, as it is outside a smaller card's free memory."""
+    (``torch.cuda.set_per_process_memory_fraction``; allocations beyond it raise ``torch.OutOfMemoryError``); None
+    lifts the cap. The CUDA context (about 0.5 GiB) is outside the cap, as it is outside a smaller card's free
+    memory."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+    torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total), index)
 
 
 def out_of_memory(step: int, budget: str | None, device: torch.device) -> UserError:

@@ -272,8 +272,9 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if t.master_weights == "bf16" and amp_dtype != torch.bfloat16:
         raise UserError(f"--master_weights bf16: needs bf16 compute; --mixed_precision {t.mixed_precision} is "
                         f"{str(amp_dtype).removeprefix('torch.')} on {device.type}")
-    if t.gpu_memory_budget is not None and device.type == "cuda":
-        cap_gpu_memory(parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget"), device)
+    budget = parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget") if t.gpu_memory_budget is not None else None
+    if budget is not None and device.type == "cuda":
+        cap_gpu_memory(budget, device)
     plugin = resolve_plugin(par.plugin, d.world_size)
     if plugin in ("zero2", "fsdp") and (t.optimizer, t.master_weights) != ("adamw", "fp32"):
         # CompensatedAdamW's states and bitsandbytes' kernel take plain tensors, not fully_shard's DTensors
@@ -346,11 +347,10 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         finetune.add_lora_to_denoiser(model, cfg)
     model.to(device).train()
     half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
-    if t.gpu_memory_budget is not None:  # the state's placement under the budget (plan_placement's rule)
+    if budget is not None:  # the state's placement under the budget (plan_placement's rule)
         frozen = sum(p.numel() * (2 if half_base else p.element_size()) for p in model.parameters()
                      if not p.requires_grad)
-        choice = plan_placement(parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget"),
-                                sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
+        choice = plan_placement(budget, sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
                                 t.ema_decay != 0, t.optimizer, t.master_weights,
                                 amp_dtype == torch.bfloat16, lowmem=plugin in ("none", "ddp"))
         if choice != (t.optimizer, t.master_weights) and d.is_main:
