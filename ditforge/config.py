@@ -23,7 +23,7 @@ MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cast for sampling
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 OPTIMIZERS = ("adamw", "adamw8bit")
-MASTER_WEIGHTS = ("fp32", "bf16")
+MASTER_WEIGHTS = ("fp32", "bf16", "bf16_sr")
 CONDITIONS = ("auto", "class", "text")
 SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "usp")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -118,11 +118,16 @@ class TrainConfig:
                                  "moments: 2 bytes per parameter instead of 8)", choices=OPTIMIZERS)
     master_weights: str = _f("fp32", "fp32 | bf16 (trainable weights and their gradients in bf16, with a bf16 Kahan "
                                      "compensation that keeps the fp32 master to 2^-17 per step: 6 bytes per "
-                                     "parameter instead of 8; needs --mixed_precision bf16)",
+                                     "parameter instead of 8) | bf16_sr (bf16 weights and gradients, updates "
+                                     "rounded stochastically: 4 bytes); the bf16 modes need --mixed_precision bf16",
                              choices=MASTER_WEIGHTS)
-    gpu_memory_budget: str | None = _f(None, "GPU memory for this process, e.g. 8GiB: with --optimizer and "
-                                             "--master_weights left at adamw / fp32, the fastest of fp32 AdamW, "
-                                             "adamw8bit, adamw8bit + bf16 weights whose state leaves 1 GiB for "
+    fused_backward_pass: bool = _f(False, "run the optimizer step inside the backward, a block at a time, and free "
+                                          "each block's gradients at once (kohya's flag; one process, not with "
+                                          "fp16; --max_grad_norm then clips by the previous step's norm)")
+    gpu_memory_budget: str | None = _f(None, "GPU memory for this process, e.g. 8GiB: with --optimizer, "
+                                             "--master_weights and --fused_backward_pass left at their defaults, "
+                                             "the fastest placement (fp32 AdamW; adamw8bit; + bf16 weights; "
+                                             "+ bf16_sr; + fused backward pass) whose state leaves 1 GiB for "
                                              "activations; a cap as on a GPU of that size "
                                              "(torch.cuda.set_per_process_memory_fraction)")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
@@ -401,8 +406,11 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {t.optimizer}")
     if t.master_weights not in MASTER_WEIGHTS:
         raise UserError(f"--master_weights: expected one of {', '.join(MASTER_WEIGHTS)}, got {t.master_weights}")
-    if t.master_weights == "bf16" and t.mixed_precision not in ("bf16", "auto"):
-        raise UserError(f"--master_weights bf16: needs --mixed_precision bf16, got {t.mixed_precision}")
+    if t.master_weights != "fp32" and t.mixed_precision not in ("bf16", "auto"):
+        raise UserError(f"--master_weights {t.master_weights}: needs --mixed_precision bf16, got {t.mixed_precision}")
+    if t.fused_backward_pass and t.mixed_precision == "fp16":
+        raise UserError("--fused_backward_pass: not with --mixed_precision fp16 (the loss scaler must see every "
+                        "gradient before any step); use bf16")
     if t.gpu_memory_budget is not None:
         parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget")
     if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:

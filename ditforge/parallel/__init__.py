@@ -139,6 +139,7 @@ def parallelize(
     fp8: bool = False,
     sequence_parallel_type: str = "auto",
     batch_size: int = 1,
+    fused_backward_pass: bool = False,
 ) -> nn.Module:
     """Prepare ``model`` for (distributed) training without touching its code.
 
@@ -167,6 +168,9 @@ def parallelize(
             sequence attends (``apply_sequence_parallel``): ulysses | ring | fastseq | fastseq_kv | usp | auto
             (the fastest at this shape, measured on one attention layer: ``choose_sequence_parallel_type``).
         batch_size: samples per process in one forward; sizes ``auto``'s measurement.
+        fused_backward_pass: the optimizer steps inside the backward block by block (``optim.StepInBackward``):
+            the blocks compile one by one even where the model sets ``compile_whole``, since one graph's
+            backward would hand out every gradient at once.
 
     Returns:
         The model to train: the same module (fully_shard works in place) or a DDP wrapper around it.
@@ -200,7 +204,8 @@ def parallelize(
     apply_grad_checkpoint(model, grad_checkpoint)
     blocks = [model.get_submodule(path) for path in block_paths(model)]
     mode = None if compile == "default" else compile
-    if compile != "none" and getattr(model, "compile_whole", False) and plugin in ("none", "ddp"):
+    whole = getattr(model, "compile_whole", False) and plugin in ("none", "ddp") and not fused_backward_pass
+    if compile != "none" and whole:
         # A diffusers UNet or transformer: its step is bound by the host (~2,000 small ops forward, an SD UNet step
         # at 512px spent 190 ms on the host for 62 ms of kernels on an H100), and blocks compiled one by one leave
         # the glue between them eager. One graph for the whole denoiser (and, with reduce-overhead, one CUDA graph

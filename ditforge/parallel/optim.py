@@ -1,4 +1,5 @@
-"""Memory of training: the GPU memory cap, and the optimizer's placement and precision: fp32 or Kahan-compensated bf16 weights, fp32 or 8-bit AdamW states.
+"""Memory of training: the GPU memory cap, and the optimizer's placement and precision: fp32, Kahan-compensated or
+stochastically rounded bf16 weights, fp32 or 8-bit AdamW states, and the optimizer step fused into the backward.
 
 ``build_optimizer`` picks one of:
   * ``--optimizer adamw --master_weights fp32`` (the default): ``torch.optim.AdamW`` (fused on CUDA) over fp32
@@ -8,7 +9,8 @@
     blocks of 256, the dynamic signed map for the first moment and the unsigned one for the second, tensors under
     4,096 elements kept in fp32 as bitsandbytes does), over fp32 parameters or bf16 parameters with a bf16 Kahan
     compensation buffer (``--master_weights bf16``). bf16 weights + compensation + bf16 gradients + 8-bit moments
-    take 8 bytes per parameter instead of 16.
+    take 8 bytes per parameter instead of 16; ``--master_weights bf16_sr`` (stochastic rounding, no compensation)
+    6; with ``--fused_backward_pass`` (``StepInBackward``) the gradients live one block at a time: 4.
 
 Kahan-compensated bf16 weights (Kahan 1965; for training, Zamirai et al. 2021, "Revisiting BFloat16 Training",
 section 4): each bf16 parameter ``p`` carries ``c`` (bf16), the part of the fp32 master weight that rounding to
@@ -18,6 +20,13 @@ in fp32 for a chunk of parameters at a time (at most ``chunk_numel`` elements: t
 element of the chunk), applies the AdamW update to ``w`` with the gradient in fp32, and splits it again:
 ``p = bf16(w)`` (round to nearest), ``c = bf16(w - p)``. Updates far below bf16's resolution (lr 1e-5 on weights
 of size 1 is 1/400 of a bf16 ulp) accumulate in ``c`` instead of being rounded away.
+
+Stochastic rounding (``rounding="stochastic"``; Gupta et al. 2015, "Deep Learning with Limited Numerical
+Precision", eq. 2; for bf16 training, Zamirai et al. 2021, section 4): ``p = bf16(w)`` rounded up or down with
+probabilities proportional to the distances, so that E[p] = w and small updates survive on average, without the
+compensation buffer. Done on the fp32 bit pattern: add a uniform random 16-bit integer to the low half and
+truncate it (bf16 is the high half of fp32). The random stream is a function of the optimizer's step count and
+the parameter's index (seeded per chunk), so a resumed run rounds as the uninterrupted one.
 
 The update is the library's: ``torch.optim.adam.adam`` (the fused kernel on CUDA, foreach on the CPU) for fp32
 moments, ``bitsandbytes.functional.optimizer_update_8bit_blockwise`` for 8-bit ones; this module only holds the
@@ -52,12 +61,14 @@ def bitsandbytes_functional():
 
 class CompensatedAdamW(torch.optim.Optimizer):
     """AdamW (Loshchilov & Hutter 2019; decoupled weight decay ``w -= lr * wd * w``) with fp32 or 8-bit moments
-    over fp32 parameters or Kahan-compensated bf16 parameters (module docstring).
+    over fp32 parameters or bf16 parameters updated through an fp32 rebuild (module docstring).
 
     Args:
         params: parameters (fp32 or bf16; one dtype per tensor, any mix), or parameter groups.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         states: ``"fp32"`` or ``"8bit"`` (bitsandbytes' blockwise codes; tensors under 4,096 elements stay fp32).
+        rounding: how bf16 parameters take the fp32 update: ``"kahan"`` (a bf16 compensation per parameter) or
+            ``"stochastic"``.
         chunk_numel: parameters rebuilt in fp32 at once (a parameter larger than it is a chunk of its own).
 
     Raises:
@@ -65,17 +76,23 @@ class CompensatedAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, states: str = "fp32", chunk_numel: int = 1 << 25):
+                 weight_decay: float = 0.0, states: str = "fp32", rounding: str = "kahan", chunk_numel: int = 1 << 25):
         if states not in ("fp32", "8bit"):
             raise ValueError(f"states: expected fp32 or 8bit, got {states}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        for group in self.param_groups:
+        if rounding not in ("kahan", "stochastic"):
+            raise ValueError(f"rounding: expected kahan or stochastic, got {rounding}")
+        # rounding_step: the optimizer steps taken, a group entry so that checkpoints carry it (stochastic seeds)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rounding_step=0))
+        self._index = {}  # parameter -> (its group's index, its position over all groups): chunk seeds
+        for k, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.dtype not in (torch.float32, torch.bfloat16):
                     raise ValueError(f"CompensatedAdamW: parameters must be fp32 or bf16, got {p.dtype}")
-        self.states, self.chunk_numel = states, chunk_numel
+                self._index[p] = (k, len(self._index))
+        self.states, self.rounding, self.chunk_numel = states, rounding, chunk_numel
         self._F = bitsandbytes_functional() if states == "8bit" else None
         self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but the states keep their own dtypes (torch casts floating
@@ -103,7 +120,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        if p.dtype == torch.bfloat16:
+        if p.dtype == torch.bfloat16 and self.rounding == "kahan":
             state["compensation"] = torch.zeros_like(p)
         return state
 
@@ -132,11 +149,23 @@ class CompensatedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            for chunk in self._chunks(params):
-                self._step_chunk(group, chunk)
+        self.advance()
+        self.update([p for group in self.param_groups for p in group["params"] if p.grad is not None])
         return loss
+
+    def advance(self) -> None:
+        """Count one optimizer step (``step`` does; ``StepInBackward`` calls it before a step's first ``update``)."""
+        for group in self.param_groups:
+            group["rounding_step"] += 1
+
+    @torch.no_grad()
+    def update(self, params: list[torch.Tensor]) -> None:
+        """Apply this step's update to ``params`` (each with its ``grad``, all of this optimizer) and to nothing
+        else: ``step`` passes every parameter, ``StepInBackward`` one block's."""
+        for k, group in enumerate(self.param_groups):  # (load_state_dict replaces the group dicts: by index)
+            mine = [p for p in params if self._index[p][0] == k]
+            for chunk in self._chunks(mine):
+                self._step_chunk(group, chunk)
 
     def _step_chunk(self, group: dict, chunk: list[torch.Tensor]) -> None:
         states = [self.state[p] if self.state[p] else self._init_state(p) for p in chunk]
@@ -151,7 +180,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
             sizes = [chunk[i].numel() for i in half]
             w32, g32 = buf[:n].split(sizes), buf[n:].split(sizes)
             torch._foreach_copy_(w32, [w[i] for i in half])
-            torch._foreach_add_(w32, [states[i]["compensation"].view(-1) for i in half])
+            if self.rounding == "kahan":
+                torch._foreach_add_(w32, [states[i]["compensation"].view(-1) for i in half])
             torch._foreach_copy_(g32, [g[i] for i in half])
             for k, i in enumerate(half):
                 w[i], g[i] = w32[k], g32[k]
@@ -168,11 +198,27 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 self._F.optimizer_update_8bit_blockwise(
                     "adam", g[i], w[i], s["state1"].view(-1), s["state2"].view(-1), beta1, beta2, 0.0, 0.0, eps,
                     s["step"], lr, qmap1, qmap2, s["absmax1"], s["absmax2"], wd)
-        if half:  # split the master again: p = bf16(w) (nearest), c = bf16(w - p)
-            ps = [chunk[i].view(-1) for i in half]
+        if not half:
+            return
+        ps = [chunk[i].view(-1) for i in half]
+        if self.rounding == "kahan":  # split the master again: p = bf16(w) (nearest), c = bf16(w - p)
             torch._foreach_copy_(ps, w32)
             torch._foreach_sub_(w32, ps)
             torch._foreach_copy_([states[i]["compensation"].view(-1) for i in half], w32)
+        else:  # stochastic: add uniform noise below bf16's last bit, truncate, and the cast is then exact
+            bits = buf[:n].view(torch.int32)
+            gen = self._generator(bits.device, group["rounding_step"], self._index[chunk[half[0]]][1])
+            bits.add_(torch.randint(0, 1 << 16, (n,), dtype=torch.int32, device=bits.device, generator=gen))
+            bits.bitwise_and_(-(1 << 16))
+            torch._foreach_copy_(ps, w32)
+
+    def _generator(self, device: torch.device, step: int, index: int) -> torch.Generator:
+        """The generator for the chunk that starts at parameter ``index`` at optimizer step ``step``. The seed is
+        mixed into 32 bits (the CPU's Mersenne Twister keeps only the low 32 bits of a seed) by odd multipliers,
+        so a chunk's stream repeats only after 2^32 steps."""
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device)
+        return self._generators[device].manual_seed((step * 0x9E3779B1 + index * 0x85EBCA77) % 2**32)
 
     @staticmethod
     def _adamw(w, g, states, lr, beta1, beta2, eps, wd) -> None:
@@ -184,22 +230,121 @@ class CompensatedAdamW(torch.optim.Optimizer):
                         beta1=beta1, beta2=beta2, lr=lr, weight_decay=wd, eps=eps, maximize=False)
 
 
+class StepInBackward:
+    """The optimizer step fused into the backward, a block at a time: as soon as the last gradient of a block
+    (``ditforge.models.block_paths``; the parameters outside every block form one more group) has accumulated,
+    that block takes its AdamW step (``CompensatedAdamW.update``: one multi-tensor pass over the block) and its
+    gradients are freed. Gradients then never exist for the whole model at once. The technique of PyTorch's
+    tutorial "How to save memory by fusing the optimizer step into the backward pass" and kohya-ss'
+    ``--fused_backward_pass``, which step each parameter from its own hook; here a block is one step.
+
+    Clipping (``max_grad_norm`` > 0): a block steps before the later blocks' gradients, hence the global norm,
+    exist, so step k's gradients are scaled by min(1, max_grad_norm / (n_{k-1} + 1e-6)), n_{k-1} the global
+    norm of step k-1's gradients before clipping; step 0 is not clipped. ``finish`` returns step k's norm.
+
+    Use: ``arm()`` before the backward of a step's last micro-batch (earlier micro-batches accumulate as
+    usual), ``finish()`` after it. One process only: DDP and FSDP reduce gradients after the hooks would step.
+
+    Args:
+        model: the model (its trainable parameters are all the optimizer's).
+        optimizer: the ``CompensatedAdamW`` over them.
+        max_grad_norm: the clipping threshold (<= 0: no clipping).
+        before_update: called once per step before the first block's update (an async checkpoint's staging
+            must finish before the weights change, as an optimizer step pre-hook does for ``step``).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: CompensatedAdamW, max_grad_norm: float,
+                 before_update=None):
+        from ditforge.models import block_paths
+
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        seen: set[nn.Parameter] = set()
+        self.groups: list[list[nn.Parameter]] = []
+        for path in block_paths(model):
+            group = [p for p in model.get_submodule(path).parameters() if p.requires_grad and p not in seen]
+            seen.update(group)
+            self.groups.append(group)
+        self.groups.append([p for p in trainable if p not in seen])
+        self.groups = [g for g in self.groups if g]
+        self.optimizer, self.max_grad_norm, self.before_update = optimizer, max_grad_norm, before_update
+        self.prev_norm: torch.Tensor | None = None
+        self.armed = False
+        for k, group in enumerate(self.groups):
+            for p in group:
+                p.register_post_accumulate_grad_hook(lambda p, k=k: self._arrived(k))
+
+    def state_dict(self) -> dict:
+        """The previous step's gradient norm (it clips the next step): a float, for a checkpoint's meta."""
+        return {"prev_grad_norm": None if self.prev_norm is None else float(self.prev_norm)}
+
+    def load_state_dict(self, state: dict) -> None:
+        norm = state.get("prev_grad_norm")
+        self.prev_norm = None if norm is None else torch.tensor(norm)
+
+    def arm(self) -> None:
+        """The next backward completes a step: update each block as its gradients arrive."""
+        self.armed, self.started = True, False
+        self.arrived = [0] * len(self.groups)
+        self.squares: list[torch.Tensor] = []
+        self.scale = None
+        if self.max_grad_norm > 0 and self.prev_norm is not None:
+            self.scale = (self.max_grad_norm / (self.prev_norm + 1e-6)).clamp(max=1.0)
+
+    def _arrived(self, k: int) -> None:
+        if not self.armed:
+            return
+        self.arrived[k] += 1
+        if self.arrived[k] == len(self.groups[k]):
+            self._update(self.groups[k])
+
+    @torch.no_grad()
+    def _update(self, group: list[nn.Parameter]) -> None:
+        params = [p for p in group if p.grad is not None]
+        if not params:
+            return
+        if not self.started:
+            self.started = True
+            if self.before_update is not None:
+                self.before_update()
+            self.optimizer.advance()
+        grads = [p.grad for p in params]
+        self.squares.append(torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum())
+        if self.scale is not None:
+            torch._foreach_mul_(grads, self.scale.to(grads[0].device))
+        self.optimizer.update(params)
+        for p in params:
+            p.grad = None
+
+    def finish(self) -> torch.Tensor:
+        """Update what no hook completed (a block with a parameter that got no gradient this step) and return
+        the step's global gradient norm before clipping (0-dim fp32)."""
+        for group in self.groups:
+            self._update(group)
+        self.armed = False
+        norm = torch.stack(self.squares).sum().sqrt() if self.squares else torch.zeros(())
+        self.prev_norm = norm
+        return norm
+
+
 def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weight_decay: float,
-                    device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer for ``--optimizer`` over ``params`` (their dtype says whether the weights are bf16 with
-    Kahan compensation): ``torch.optim.AdamW`` (fused on CUDA) for ``adamw`` over fp32 weights, else
-    ``CompensatedAdamW``. betas (0.9, 0.999), eps 1e-8 (DiT's and diffusers' training scripts').
+                    device: torch.device, master_weights: str = "fp32",
+                    in_backward: bool = False) -> torch.optim.Optimizer:
+    """The optimizer for ``--optimizer`` over ``params`` (bf16 ones take their updates as ``master_weights``
+    says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``torch.optim.AdamW`` (fused on CUDA)
+    for ``adamw`` over fp32 weights stepped after the backward, else ``CompensatedAdamW`` (whose ``update``
+    ``StepInBackward`` needs). betas (0.9, 0.999), eps 1e-8 (DiT's and diffusers' training scripts').
 
     Raises:
         UserError: an unknown ``optimizer``, or ``adamw8bit`` without bitsandbytes.
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer}")
-    if optimizer == "adamw" and all(p.dtype == torch.float32 for p in params):
+    if optimizer == "adamw" and not in_backward and all(p.dtype == torch.float32 for p in params):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999),
                                  fused=device.type == "cuda")
     return CompensatedAdamW(params, lr=lr, weight_decay=weight_decay,
-                            states="8bit" if optimizer == "adamw8bit" else "fp32")
+                            states="8bit" if optimizer == "adamw8bit" else "fp32",
+                            rounding="stochastic" if master_weights == "bf16_sr" else "kahan")
 
 
 def cap_gpu_memory(budget: int | None, device: torch.device) -> None:
@@ -217,46 +362,56 @@ def out_of_memory(step: int, budget: str | None, device: torch.device) -> UserEr
     where = f"--gpu_memory_budget {budget}" if budget else "the GPU's memory"
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     return UserError(f"out of memory at step {step}: {where} (peak {peak:.2f} GiB allocated); save memory with "
-                     "--optimizer adamw8bit, --master_weights bf16, --ema_decay 0, --grad_checkpoint, "
-                     "--lora_rank or a smaller --batch_size")
+                     "--optimizer adamw8bit, --master_weights bf16_sr, --fused_backward_pass, --ema_decay 0, "
+                     "--grad_checkpoint, --lora_rank or a smaller --batch_size")
 
 
-# Placements from fastest to smallest: (--optimizer, --master_weights). Bytes per trainable parameter on the GPU:
-# weights + gradients + moments (+ the bf16 compensation), as CompensatedAdamW and torch's AdamW allocate them.
-PLACEMENTS = (("adamw", "fp32"), ("adamw8bit", "fp32"), ("adamw8bit", "bf16"))
-STATE_BYTES = {("adamw", "fp32"): 16, ("adamw8bit", "fp32"): 10, ("adamw", "bf16"): 14, ("adamw8bit", "bf16"): 8}
+# Placements from fastest to smallest: (--optimizer, --master_weights, --fused_backward_pass).
+PLACEMENTS = (("adamw", "fp32", False), ("adamw8bit", "fp32", False), ("adamw8bit", "bf16", False),
+              ("adamw8bit", "bf16_sr", False), ("adamw8bit", "bf16_sr", True))
 ACTIVATION_RESERVE = 2**30  # kept free for activations, workspaces and the step's transient buffers
 
 
-def state_bytes(trainable: int, frozen_bytes: int, optimizer: str, master_weights: str, ema: bool) -> int:
-    """GPU bytes of the training state: ``trainable`` parameters under the placement (``STATE_BYTES``), the fp32
-    EMA (4 bytes each) when kept, and ``frozen_bytes`` of frozen weights. Activations not included."""
-    return trainable * (STATE_BYTES[optimizer, master_weights] + 4 * ema) + frozen_bytes
+def bytes_per_parameter(optimizer: str, master_weights: str, fused_backward_pass: bool) -> int:
+    """GPU bytes per trainable parameter, as CompensatedAdamW and torch's AdamW allocate them: the weight (4 fp32,
+    2 bf16), its gradient (as the weight; none with the fused backward pass, where only one block's gradients
+    exist at a time), the moments (8 fp32, 2 as 8-bit codes) and Kahan's bf16 compensation (2)."""
+    weight = 4 if master_weights == "fp32" else 2
+    return (weight + (0 if fused_backward_pass else weight) + (8 if optimizer == "adamw" else 2)
+            + (2 if master_weights == "bf16" else 0))
 
 
-def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, optimizer: str, master_weights: str,
-                   bf16: bool, lowmem: bool = True) -> tuple[str, str]:
-    """The placement for ``--gpu_memory_budget``: the given one if its state (``state_bytes``) plus 1 GiB for
-    activations fits ``budget``; otherwise, when the flags were left at ``adamw`` / ``fp32``, the fastest of
-    ``PLACEMENTS`` that fits (bf16 weights only with ``bf16`` compute; ``lowmem``: CompensatedAdamW's placements
-    allowed, i.e. plugin none or ddp). Activations beyond the reserve are the user's (``--grad_checkpoint``,
-    ``--batch_size``); an out-of-memory during training says so. The count is one process's whole state (DDP's
-    gradient buckets and sample grids not included).
+def state_bytes(trainable: int, frozen_bytes: int, placement: tuple[str, str, bool], ema: bool) -> int:
+    """GPU bytes of the training state: ``trainable`` parameters under ``placement`` (``bytes_per_parameter``), the
+    fp32 EMA (4 bytes each) when kept, and ``frozen_bytes`` of frozen weights. Activations not included."""
+    return trainable * (bytes_per_parameter(*placement) + 4 * ema) + frozen_bytes
+
+
+def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, placement: tuple[str, str, bool],
+                   bf16: bool, lowmem: bool = True, fused_ok: bool = True) -> tuple[str, str, bool]:
+    """The placement (--optimizer, --master_weights, --fused_backward_pass) for ``--gpu_memory_budget``: the given
+    one if its state (``state_bytes``) plus 1 GiB for activations fits ``budget``; otherwise, when the flags were
+    left at their defaults, the fastest of ``PLACEMENTS`` that fits (bf16 weights only with ``bf16`` compute;
+    ``lowmem``: CompensatedAdamW's placements allowed, i.e. plugin none or ddp; ``fused_ok``: the fused backward
+    pass allowed, i.e. one process without fp16). Activations beyond the reserve are the user's
+    (``--grad_checkpoint``, ``--batch_size``); an out-of-memory during training says so. The count is one
+    process's whole state (DDP's gradient buckets and sample grids not included).
 
     Raises:
         UserError: nothing fits; the line names the smallest budget that would hold the state.
     """
     gib = 2**30
-    chosen = [(optimizer, master_weights)]
-    if (optimizer, master_weights) == ("adamw", "fp32"):
-        chosen = [p for p in PLACEMENTS if (bf16 or p[1] == "fp32") and (lowmem or p == PLACEMENTS[0])]
-    for opt, master in chosen:
-        if state_bytes(trainable, frozen_bytes, opt, master, ema) + ACTIVATION_RESERVE <= budget:
-            return opt, master
-    opt, master = chosen[-1]
-    need = state_bytes(trainable, frozen_bytes, opt, master, ema) + ACTIVATION_RESERVE
+    chosen = [placement]
+    if placement == PLACEMENTS[0]:
+        chosen = [p for p in PLACEMENTS if (bf16 or p[1] == "fp32") and (lowmem or p == PLACEMENTS[0])
+                  and (fused_ok or not p[2])]
+    for p in chosen:
+        if state_bytes(trainable, frozen_bytes, p, ema) + ACTIVATION_RESERVE <= budget:
+            return p
+    opt, master, fused = chosen[-1]
+    need = state_bytes(trainable, frozen_bytes, chosen[-1], ema) + ACTIVATION_RESERVE
     hint = "; --ema_decay 0 drops the EMA's 4 bytes per parameter" if ema else ""
     raise UserError(f"--gpu_memory_budget {budget / gib:.2f} GiB: {trainable / 1e6:.0f}M trainable parameters "
-                    f"with --optimizer {opt} --master_weights {master}{' and an EMA' if ema else ''} need "
-                    f"{math.ceil(need / gib * 100) / 100:.2f} GiB (state + 1 GiB for activations); give at least "
-                    f"that{hint}")
+                    f"with --optimizer {opt} --master_weights {master}{' --fused_backward_pass' if fused else ''}"
+                    f"{' and an EMA' if ema else ''} need {math.ceil(need / gib * 100) / 100:.2f} GiB (state + 1 "
+                    f"GiB for activations); give at least that{hint}")

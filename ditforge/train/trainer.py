@@ -41,7 +41,7 @@ from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrain
 from ditforge.ops.attention import whole_sequences
 from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
-from ditforge.parallel.optim import build_optimizer, cap_gpu_memory, out_of_memory, plan_placement
+from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory, out_of_memory, plan_placement
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -96,7 +96,7 @@ def learning_rate(cfg: RunConfig, step: int) -> float:
 def train_step(
     model: nn.Module, diffusion: Objective, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None, micro_batches: list[tuple], amp_dtype: torch.dtype, max_grad_norm: float,
-    d: Dist, rows_per_sample: int = 1,
+    d: Dist, rows_per_sample: int = 1, stepper: StepInBackward | None = None,
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this process's micro-batches, on the diffusion loss.
 
@@ -109,8 +109,10 @@ def train_step(
     The loss of each micro-batch is its (weighted) sum over rows divided by this process's number of samples, so
     the accumulated gradient is this process's mean; DDP / FSDP then average over processes, which gives the
     mean over the global batch whatever the world size. Gradients are reduced only after the last
-    micro-batch. Returns this process's loss (as optimised) and mean terms per row, and the global gradient
-    norm, as 0-dim tensors (no host sync here: the caller reads them when it logs).
+    micro-batch. ``stepper`` (``--fused_backward_pass``): the optimizer steps block by block during the last
+    micro-batch's backward instead of after it (clipping by the previous step's norm, ``StepInBackward``).
+    Returns this process's loss (as optimised) and mean terms per row, and the global gradient norm, as 0-dim
+    tensors (no host sync here: the caller reads them when it logs).
     """
     rows = sum(len(mb[0]) for mb in micro_batches)
     local_batch = rows / rows_per_sample
@@ -132,10 +134,14 @@ def train_step(
                 )
             per_row = terms["loss"] * weight[0].to(terms["loss"]) if weight else terms["loss"]
             loss = per_row.sum() / local_batch
+            if stepper is not None and i == len(micro_batches) - 1:
+                stepper.arm()
             (scaler.scale(loss) if scaler is not None else loss).backward()
         for k, v in terms.items():
             sums[k] = sums.get(k, 0) + v.detach().sum()
         total = total + loss.detach()
+    if stepper is not None:
+        return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": stepper.finish()}
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm_(model, max_grad_norm, d)
@@ -269,8 +275,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
                         "or choose another folder")
     device = d.device
     amp_dtype = resolve_precision(t.mixed_precision, device)
-    if t.master_weights == "bf16" and amp_dtype != torch.bfloat16:
-        raise UserError(f"--master_weights bf16: needs bf16 compute; --mixed_precision {t.mixed_precision} is "
+    if t.master_weights != "fp32" and amp_dtype != torch.bfloat16:
+        raise UserError(f"--master_weights {t.master_weights}: needs bf16 compute; --mixed_precision {t.mixed_precision} is "
                         f"{str(amp_dtype).removeprefix('torch.')} on {device.type}")
     budget = parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget") if t.gpu_memory_budget is not None else None
     if budget is not None and device.type == "cuda":
@@ -280,6 +286,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         # CompensatedAdamW's states and bitsandbytes' kernel take plain tensors, not fully_shard's DTensors
         raise UserError(f"--optimizer {t.optimizer} --master_weights {t.master_weights}: supported with --plugin "
                         f"none or ddp, got {plugin}")
+    if t.fused_backward_pass and plugin != "none":  # DDP / FSDP reduce a gradient after the hook would step
+        raise UserError(f"--fused_backward_pass: one process only, got --plugin {plugin} over {d.world_size}")
     par.plugin = plugin
     per_step = d.dp_size * par.grad_accum_steps
     if t.batch_size % per_step:
@@ -350,27 +358,33 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if budget is not None:  # the state's placement under the budget (plan_placement's rule)
         frozen = sum(p.numel() * (2 if half_base else p.element_size()) for p in model.parameters()
                      if not p.requires_grad)
+        given = (t.optimizer, t.master_weights, t.fused_backward_pass)
         choice = plan_placement(budget, sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
-                                t.ema_decay != 0, t.optimizer, t.master_weights,
-                                amp_dtype == torch.bfloat16, lowmem=plugin in ("none", "ddp"))
-        if choice != (t.optimizer, t.master_weights) and d.is_main:
-            log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s", t.gpu_memory_budget, *choice)
-        t.optimizer, t.master_weights = choice
+                                t.ema_decay != 0, given, amp_dtype == torch.bfloat16,
+                                lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none")
+        if choice != given and d.is_main:
+            log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s", t.gpu_memory_budget,
+                     *choice[:2], " --fused_backward_pass" if choice[2] else "")
+        t.optimizer, t.master_weights, t.fused_backward_pass = choice
     for p in model.parameters():
-        # A LoRA's frozen base computes in bf16 anyway: stored so (half the memory). --master_weights bf16: the
-        # trainable weights too, with the optimizer's Kahan compensation.
-        if (half_base and not p.requires_grad) or (p.requires_grad and t.master_weights == "bf16"):
+        # A LoRA's frozen base computes in bf16 anyway: stored so (half the memory). --master_weights bf16 /
+        # bf16_sr: the trainable weights too, updated by the optimizer through an fp32 rebuild.
+        if (half_base and not p.requires_grad) or (p.requires_grad and t.master_weights != "fp32"):
             p.data = p.data.to(amp_dtype)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
                         param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype,
                         enable_modulate_kernel=t.enable_modulate_kernel,
                         enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8",
-                        sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step)
+                        sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step,
+                        fused_backward_pass=t.fused_backward_pass)
     adapters_only = bool(m.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
     ema = EMA(model, trainable_only=adapters_only, alias=t.ema_decay == 0)
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t.optimizer, t.lr,
-                                t.weight_decay, device)
+                                t.weight_decay, device, t.master_weights, in_backward=t.fused_backward_pass)
+    # --fused_backward_pass: the blocks step during the backward; an async checkpoint's staging finishes first
+    stepper = (StepInBackward(unwrap(model), optimizer, t.max_grad_norm, lambda: checkpointer.wait_for_staging())
+               if t.fused_backward_pass else None)
     scaler = None
     if amp_dtype == torch.float16:
         if plugin in ("zero2", "fsdp"):  # found-inf must agree across ranks that hold different shards
@@ -385,6 +399,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
         start_step = int(meta["step"])
         if scaler is not None and meta.get("scaler"):
             scaler.load_state_dict(meta["scaler"])
+        if stepper is not None and meta.get("step_in_backward"):
+            stepper.load_state_dict(meta["step_in_backward"])
         if d.is_main:
             log.info("resumed from %s at step %d (saved by %s processes, plugin %s)", resume_from, start_step,
                      meta.get("world_size", 1), meta.get("plugin", "none"))
@@ -414,6 +430,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
 
     def save(step: int) -> Path:
         meta = {"config": cfg.to_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
+                "step_in_backward": stepper.state_dict() if stepper is not None else None,
                 "world_size": d.world_size, "plugin": plugin}
         return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema, adapters_only), meta)
 
@@ -484,7 +501,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
             try:
-                out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d, rows)
+                out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d, rows,
+                                 stepper)
             except torch.OutOfMemoryError:
                 raise out_of_memory(step, t.gpu_memory_budget, device) from None
             stepped = True

@@ -8,7 +8,12 @@ gradients with weight decay:
     2^-17 |w|: with 2^k <= |w| < 2^(k+1), p = bf16(w) leaves |w - p| <= 2^(k-8), and c = bf16(w - p) rounds that
     residual to within 2^(k-17); after 5 steps |p + c - w_ref| <= 6 * 2^-17 |w_ref|. bf16 weights without the
     compensation miss that bound by orders of magnitude (checked too, so the bound can fail);
+  * stochastically rounded bf16 weights: unbiased along the update (within 4 standard errors of 0, where
+    round-to-nearest loses half an ulp of it), each weight within 5 roundings of at most one bf16 ulp of the largest value on its way;
   * a resumed optimizer (state dict round trip) equals an uninterrupted one, bit for bit, states in their dtypes;
+  * the step fused into the backward (``StepInBackward``) equals the ordinary step bit for bit (no clipping;
+    gradient accumulation), and with clipping equals the ordinary step on gradients clipped by the previous
+    step's norm;
   * through ``ditforge train``: resume equals an uninterrupted run in each mode; ``--ema_decay 0`` stores the
     weights as the EMA; one-line errors.
 """
@@ -19,7 +24,7 @@ import pytest
 import torch
 
 from ditforge.errors import UserError
-from ditforge.parallel.optim import CompensatedAdamW, plan_placement
+from ditforge.parallel.optim import CompensatedAdamW, StepInBackward, plan_placement
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,7 +51,7 @@ def _run(params, opt, seed, steps=5):
 
 
 def _master(params, opt):
-    return [p.float() + opt.state[p]["compensation"].float() if p.dtype == torch.bfloat16 else p.detach()
+    return [p.float() + opt.state[p]["compensation"].float() if "compensation" in opt.state[p] else p.detach().float()
             for p in params]
 
 
@@ -118,20 +123,66 @@ def test_chunking_does_not_change_the_step(states):
         torch.testing.assert_close(y, x, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("states", ["fp32", "8bit"])
-def test_state_dict_round_trip_resumes_exactly(states):
+def test_stochastic_rounding_is_unbiased(states, device):
+    """Updates of ~1/10 of a bf16 ulp: stochastic rounding keeps them on average, round-to-nearest drops them.
+    The error of each weight against the fp32 master, in ulps of the master and signed along the master's
+    movement, has mean 0 within 4 standard errors (each step's rounding error is at most 1 ulp, variance at most
+    1/4 ulp^2, so the mean over N weights after 5 steps has a standard error below sqrt(5 / 4 / N))."""
+    if states == "8bit":
+        pytest.importorskip("bitsandbytes")
+    seed, lr, shape = _seed(), 2e-4, (200, 256)
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randn(shape, generator=g).bfloat16().float()
+    grads = [torch.randn(shape, generator=g).bfloat16() for _ in range(5)]
+
+    def run(dtype, rounding):
+        p = torch.nn.Parameter(start.to(device, dtype, copy=True))
+        opt = CompensatedAdamW([p], lr=lr, states=states, rounding=rounding)
+        for grad in grads:
+            p.grad = grad.to(device, dtype)
+            opt.step()
+        assert "compensation" not in opt.state[p] or rounding == "kahan"
+        return p.detach().float().cpu()
+
+    ref, sr, nearest = run(torch.float32, "kahan"), run(torch.bfloat16, "stochastic"), None
+    p = torch.nn.Parameter(start.bfloat16().to(device))
+    plain = torch.optim.AdamW([p], lr=lr, weight_decay=0)
+    for grad in grads:
+        p.grad = grad.to(device)
+        plain.step()
+    nearest = p.detach().float().cpu()
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs())) - 7)
+    direction = torch.sign(ref - start)
+    # the weights the master moved by less than an ulp: the regime where rounding decides (8-bit moments give a
+    # few weights steps of many ulps, where a tiny second moment's code rounds to 0)
+    moved = (direction != 0) & ((ref - start).abs() < ulp)
+    err_sr = ((sr - ref) / ulp * direction)[moved]
+    err_nearest = ((nearest - ref) / ulp * direction)[moved]
+    bound = 4 * (5 / 4 / moved.sum()) ** 0.5
+    assert err_sr.mean().abs() < bound, (seed, err_sr.mean().item(), bound)
+    assert err_nearest.mean() < -0.1, (seed, err_nearest.mean().item())  # RTN loses updates (~ -0.17): can fail
+    # 5 roundings of at most one ulp of the largest value on the way (Adam moves at most ~3 lr per early step)
+    path_ulp = 2.0 ** (torch.floor(torch.log2(torch.maximum(start.abs(), ref.abs()) + 15 * lr)) - 7)
+    assert ((sr - ref).abs() <= 5 * path_ulp).all(), seed
+    assert (sr != start).float().mean() > 0.2  # the weights did move
+
+
+@pytest.mark.parametrize("states,rounding", [("fp32", "kahan"), ("8bit", "kahan"), ("fp32", "stochastic")])
+def test_state_dict_round_trip_resumes_exactly(states, rounding):
     if states == "8bit":
         pytest.importorskip("bitsandbytes")
     seed = _seed()
     a = _params(torch.bfloat16, seed)
-    opt_a = CompensatedAdamW(a, lr=LR, weight_decay=WD, states=states)
+    opt_a = CompensatedAdamW(a, lr=LR, weight_decay=WD, states=states, rounding=rounding)
     _run(a, opt_a, seed, steps=5)
     b = _params(torch.bfloat16, seed)
-    opt_b = CompensatedAdamW(b, lr=LR, weight_decay=WD, states=states)
+    opt_b = CompensatedAdamW(b, lr=LR, weight_decay=WD, states=states, rounding=rounding)
     _run(b, opt_b, seed, steps=3)
     saved = {k: v.clone() for k, v in zip(range(len(b)), b)}, opt_b.state_dict()
     c = [torch.nn.Parameter(saved[0][i].clone()) for i in range(len(b))]
-    opt_c = CompensatedAdamW(c, lr=LR, weight_decay=WD, states=states)
+    opt_c = CompensatedAdamW(c, lr=LR, weight_decay=WD, states=states, rounding=rounding)
     opt_c.load_state_dict(saved[1])
     for p, q in zip(b, c):
         for key, value in opt_b.state[p].items():
@@ -147,15 +198,88 @@ def test_state_dict_round_trip_resumes_exactly(states):
         opt_c.step()
     for x, y in zip(a, c):
         torch.testing.assert_close(y, x, rtol=0, atol=0)
-    for x, y in zip(_master(a, opt_a), _master(c, opt_c)):
-        torch.testing.assert_close(y, x, rtol=0, atol=0)
+    if rounding == "kahan":
+        for x, y in zip(_master(a, opt_a), _master(c, opt_c)):
+            torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
+def _tiny_dit(seed, dtype):
+    """A DiT with every weight random (adaLN-Zero's zero init would leave most blocks without gradients)."""
+    from ditforge.models import create_model
+
+    torch.manual_seed(seed)
+    model = create_model("DiT-T/2", input_size=8, in_channels=4, num_classes=10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    return model.to(dtype)
+
+
+def _backward(model, seed, micro_batches, stepper=None):
+    g = torch.Generator().manual_seed(seed)
+    for i in range(micro_batches):
+        x, t = torch.randn(3, 4, 8, 8, generator=g), torch.randint(0, 1000, (3,), generator=g)
+        y = torch.randint(0, 10, (3,), generator=g)
+        if stepper is not None and i == micro_batches - 1:
+            stepper.arm()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=next(model.parameters()).dtype == torch.bfloat16):
+            out = model(x.to(next(model.parameters()).dtype), t, y, force_drop_ids=y < 2)  # no random dropout
+        out.float().square().mean().backward()
+
+
+@pytest.mark.parametrize("mode", [("fp32", "fp32", "kahan"), ("8bit", "fp32", "kahan"), ("fp32", "bf16", "kahan")])
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])
+def test_step_in_backward_equals_the_ordinary_step(mode, max_grad_norm):
+    """3 steps of 2 micro-batches. The ordinary run clips each step's accumulated gradients by the rule
+    ``StepInBackward`` states (the previous step's norm; none at step 0). Without clipping the fused run must
+    give the same weights and moments bit for bit; the norms are sums in another order (per block, then over
+    blocks), equal to 1e-6, and so are the clipping factors: with clipping the fp32 master weights (p + c for
+    bf16 ones) agree to 1e-6 (3 steps move them by ~3e-3; a wrong clipping factor would show at that scale)."""
+    states, weights, rounding = mode
+    if states == "8bit":
+        pytest.importorskip("bitsandbytes")
+    seed = _seed()
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    a, b = _tiny_dit(seed, dtype), _tiny_dit(seed, dtype)
+    opt_a = CompensatedAdamW(list(a.parameters()), lr=1e-3, weight_decay=WD, states=states, rounding=rounding)
+    opt_b = CompensatedAdamW(list(b.parameters()), lr=1e-3, weight_decay=WD, states=states, rounding=rounding)
+    stepper = StepInBackward(b, opt_b, max_grad_norm)
+    assert len(stepper.groups) == len(b.blocks) + 1
+    prev = None
+    for step in range(3):
+        _backward(a, seed + step, 2)
+        grads = [p.grad for p in a.parameters() if p.grad is not None]
+        norm_a = torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum().sqrt()
+        if max_grad_norm > 0 and prev is not None:
+            torch._foreach_mul_(grads, (max_grad_norm / (prev + 1e-6)).clamp(max=1.0))
+        opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+        prev = norm_a
+        _backward(b, seed + step, 2, stepper)
+        norm_b = stepper.finish()
+        assert all(p.grad is None for p in b.parameters())
+        torch.testing.assert_close(norm_b, norm_a, rtol=1e-6, atol=0)
+    names, xs, ys = [n for n, _ in a.named_parameters()], list(a.parameters()), list(b.parameters())
+    if max_grad_norm > 0:
+        assert prev > max_grad_norm, prev.item()  # the clipping was active, so the rule was tested
+        for name, x, y in zip(names, _master(xs, opt_a), _master(ys, opt_b)):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        return
+    for name, x, y in zip(names, xs, ys):
+        torch.testing.assert_close(y, x, rtol=0, atol=0, msg=name)
+        for key, value in opt_a.state[x].items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(opt_b.state[y][key], value, rtol=0, atol=0, msg=f"{name} {key}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [("--optimizer", "adamw8bit"), ("--master_weights", "bf16", "--ema_decay", "0"),
-                                  ("--optimizer", "adamw8bit", "--master_weights", "bf16")])
+                                  ("--optimizer", "adamw8bit", "--master_weights", "bf16"),
+                                  ("--master_weights", "bf16_sr", "--fused_backward_pass", "--max_grad_norm", "0.05")])
 def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_path):
-    """``ditforge train`` in each mode: 4 steps straight, and 2 + resume + 2, give the same weights and EMA."""
+    """``ditforge train`` in each mode: 4 steps straight, and 2 + resume + 2, give the same weights and EMA (the
+    fused backward pass with a clipping norm small enough to clip: the previous step's norm travels in the
+    checkpoint; stochastic rounding: its seeds follow the step count the optimizer state carries)."""
     if "adamw8bit" in mode:
         pytest.importorskip("bitsandbytes")
     from ditforge.train import checkpoint as ckpt_io
@@ -184,6 +308,8 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     (("--master_weights", "bf16", "--mixed_precision", "auto", "--device", "cpu"),
      "--master_weights bf16: needs bf16 compute"),
     (("--gpu_memory_budget", "8GB!"), "--gpu_memory_budget: expected a size such as 8GiB"),
+    (("--master_weights", "bf16_sr", "--mixed_precision", "fp16"), "--master_weights bf16_sr: needs --mixed_precision bf16"),
+    (("--fused_backward_pass", "--mixed_precision", "fp16"), "--fused_backward_pass: not with --mixed_precision fp16"),
     (("--gpu_memory_budget", "1MiB"), "need 1.06 GiB (state + 1 GiB for activations); give at least that"),
 ])
 def test_bad_flags_one_line(argv, match, tiny_argv, tmp_path, capsys):
@@ -195,28 +321,34 @@ def test_bad_flags_one_line(argv, match, tiny_argv, tmp_path, capsys):
 
 
 def test_plan_placement_bytes_and_order():
-    """The fastest placement whose state fits with 1 GiB to spare: 16 / 10 / 8 bytes per trainable parameter
-    (fp32 AdamW; 8-bit moments; those plus Kahan bf16 weights), +4 for an EMA, + the frozen bytes."""
+    """The fastest placement whose state fits with 1 GiB to spare: 16 / 10 / 8 / 6 / 4 bytes per trainable
+    parameter (fp32 AdamW; 8-bit moments; + Kahan bf16 weights; stochastically rounded bf16 weights instead;
+    + the fused backward pass, no whole-model gradients), +4 for an EMA, + the frozen bytes."""
     n, frozen, gib = 10**8, 3 * 10**8, 2**30
+    default = ("adamw", "fp32", False)
 
-    def plan(budget, ema=True, flags=("adamw", "fp32"), bf16=True):
-        return plan_placement(budget, n, frozen, ema, *flags, bf16)
+    def plan(budget, ema=True, flags=default, bf16=True, **kw):
+        return plan_placement(budget, n, frozen, ema, flags, bf16, **kw)
 
-    assert plan(20 * n + frozen + gib) == ("adamw", "fp32")
-    assert plan(20 * n + frozen + gib - 1) == ("adamw8bit", "fp32")
-    assert plan(14 * n + frozen + gib - 1) == ("adamw8bit", "bf16")
-    assert plan(12 * n + frozen + gib) == ("adamw8bit", "bf16")
-    assert plan(16 * n + frozen + gib, ema=False) == ("adamw", "fp32")
-    with pytest.raises(UserError, match=r"need 2\.40 GiB .* give at least that; --ema_decay 0"):
-        plan(12 * n + frozen + gib - 1)
+    assert plan(20 * n + frozen + gib) == default
+    assert plan(20 * n + frozen + gib - 1) == ("adamw8bit", "fp32", False)
+    assert plan(14 * n + frozen + gib - 1) == ("adamw8bit", "bf16", False)
+    assert plan(12 * n + frozen + gib) == ("adamw8bit", "bf16", False)
+    assert plan(12 * n + frozen + gib - 1) == ("adamw8bit", "bf16_sr", False)
+    assert plan(10 * n + frozen + gib - 1) == ("adamw8bit", "bf16_sr", True)
+    assert plan(16 * n + frozen + gib, ema=False) == default
+    with pytest.raises(UserError, match=r"--fused_backward_pass and an EMA need 2\.03 GiB"):
+        plan(8 * n + frozen + gib - 1)
+    with pytest.raises(UserError, match=r"--master_weights bf16_sr and an EMA need 2\.22 GiB .* --ema_decay 0"):
+        plan(8 * n + frozen + gib - 1, fused_ok=False)  # several processes or fp16: no fused backward pass
     with pytest.raises(UserError, match="--master_weights fp32"):  # no bf16 weights without bf16 compute
         plan(14 * n + frozen + gib - 1, bf16=False)
     with pytest.raises(UserError, match="--optimizer adamw --master_weights fp32"):  # zero2 / fsdp: fp32 AdamW only
-        plan_placement(20 * n + frozen + gib - 1, n, frozen, True, "adamw", "fp32", True, lowmem=False)
+        plan(20 * n + frozen + gib - 1, lowmem=False)
     # explicit choices are kept, or refused: never replaced
-    assert plan(10**15, flags=("adamw8bit", "fp32")) == ("adamw8bit", "fp32")
+    assert plan(10**15, flags=("adamw8bit", "fp32", False)) == ("adamw8bit", "fp32", False)
     with pytest.raises(UserError, match="--optimizer adamw8bit --master_weights fp32"):
-        plan(14 * n + frozen + gib - 1, flags=("adamw8bit", "fp32"))
+        plan(14 * n + frozen + gib - 1, flags=("adamw8bit", "fp32", False))
 
 
 @pytest.mark.parametrize("plugin", ["zero2", "fsdp"])
@@ -231,3 +363,15 @@ def test_sharded_plugins_refuse_compensated_adamw(plugin, tiny_argv, tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.endswith(f"--optimizer adamw8bit --master_weights fp32: supported with --plugin none or ddp, got "
                         f"{plugin}") and len(err.splitlines()) == 1, err
+
+
+def test_fused_backward_pass_refuses_several_processes(tiny_argv, tmp_path, capsys, monkeypatch):
+    """DDP reduces a gradient after its hook would have stepped it: refused in one line."""
+    from ditforge import cli
+    from ditforge.train import trainer
+
+    monkeypatch.setattr(trainer, "resolve_plugin", lambda plugin_, world_size: "ddp")
+    assert cli.main(tiny_argv(tmp_path / "r", "--fused_backward_pass")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--fused_backward_pass: one process only, got --plugin ddp over 1") and \
+        len(err.splitlines()) == 1, err
