@@ -10,12 +10,18 @@ Models (``--model``):
   pixart  PixArtTransformer2DModel at PixArt-alpha size (28 layers, width 1152, ~610M), 512px, SD's VAE config,
           a one-layer T5 encoder of width 4096 (the real T5-XXL's width: the caption states have its shape),
           DPM-Solver++ scheduler (learned sigma: the hybrid loss)
+  sdxl    UNet2DConditionModel with SDXL's config (~2.57B), 1024px (latents 4x128x128), batch 1, SDXL's VAE config,
+          CLIP-L and OpenCLIP-G-width text encoders of 2 layers (the states and pooled output have SDXL's shapes),
+          Euler scheduler
 Rows (``--rows``, comma-separated): ``full`` (all weights, bf16 autocast, fp32 master weights, fused AdamW),
 ``full_compile`` (+ --compile: the whole denoiser in one graph), ``full_ro`` (+ --compile reduce-overhead: CUDA
 graphs too), ``full_ckpt`` (+ --grad_checkpoint), ``lora64`` (--lora_rank 64 on the attention projections, frozen
 base stored in bf16), ``lora64_compile``, ``lora64_ro``; ``full_ro_noema`` (``full_ro`` without the EMA, as the
 anchors); the capped rows ``lowmem8_ro``, ``lowmem8_ckpt_ro``, ``lowmem8_ckpt`` (``--optimizer adamw8bit --master_weights
-bf16 --ema_decay 0 --gpu_memory_budget 8GiB``, with CUDA graphs and/or gradient checkpointing).
+bf16 --ema_decay 0 --gpu_memory_budget 8GiB``, with CUDA graphs and/or gradient checkpointing); ``full_noema``,
+``full_compile_noema``; ``sr_fused4``, ``sr_fused8``, ``sr_fused16`` (4 bytes per parameter: ``--optimizer adamw8bit
+--master_weights bf16_sr --fused_backward_pass --ema_decay 0`` under a 4, 8 or 16 GiB budget) and
+``sr_fused4_compile``, ``sr_fused16_compile`` (+ --compile, block by block).
 
 Each row is its own ``ditforge train`` process (``--max_steps`` steps, metrics every ``--log_every``): ms/step is the
 median over the logged windows after the first (compilation and warm-up), from ``samples_per_sec``; peak GiB is
@@ -47,6 +53,7 @@ import tiny_pipelines  # noqa: E402  (offline tokenizers; the tiny pipelines for
 
 CAPTIONS = tiny_pipelines.CAPTIONS
 LOWMEM = ["--optimizer", "adamw8bit", "--master_weights", "bf16", "--ema_decay", "0"]
+SR_FUSED = ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--fused_backward_pass", "--ema_decay", "0"]
 ROWS = {
     "full": [],
     "full_compile": ["--compile"],
@@ -60,6 +67,14 @@ ROWS = {
     "lowmem8_ro": [*LOWMEM, "--compile", "reduce-overhead", "--gpu_memory_budget", "8GiB"],
     "lowmem8_ckpt_ro": [*LOWMEM, "--grad_checkpoint", "--compile", "reduce-overhead", "--gpu_memory_budget", "8GiB"],
     "lowmem8_ckpt": [*LOWMEM, "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
+    "full_noema": ["--ema_decay", "0"],
+    "full_compile_noema": ["--compile", "--ema_decay", "0"],
+    # 4 bytes per parameter: bf16 weights rounded stochastically, 8-bit moments, the step in the backward
+    "sr_fused4": [*SR_FUSED, "--gpu_memory_budget", "4GiB"],
+    "sr_fused4_compile": [*SR_FUSED, "--compile", "--gpu_memory_budget", "4GiB"],
+    "sr_fused8": [*SR_FUSED, "--gpu_memory_budget", "8GiB"],
+    "sr_fused16": [*SR_FUSED, "--gpu_memory_budget", "16GiB"],
+    "sr_fused16_compile": [*SR_FUSED, "--compile", "--gpu_memory_budget", "16GiB"],
 }
 
 
@@ -106,6 +121,35 @@ def build_pixart(path: Path) -> Path:
                                         beta_schedule="linear", prediction_type="epsilon")
     PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text, vae=sd_vae(), transformer=transformer,
                         scheduler=sched).save_pretrained(str(path))
+    return path
+
+
+def build_sdxl(path: Path) -> Path:
+    """SDXL's UNet config (as the anchor's ``sdxl``, 2.57B), SDXL's VAE config and scheduler; the two CLIP text
+    encoders at SDXL's widths (768 and 1280, projection 1280) but 2 layers each: they only encode the prompts
+    once, in extract-features."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(sample_size=128, cross_attention_dim=2048, block_out_channels=(320, 640, 1280),
+                                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                                transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20),
+                                use_linear_projection=True, addition_embed_type="text_time",
+                                addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+                                layers_per_block=2)
+    tokenizer, tokenizer_2 = tiny_pipelines.make_clip_tokenizer(), tiny_pipelines.make_clip_tokenizer("!")
+    clip = dict(vocab_size=49408, num_hidden_layers=2, max_position_embeddings=77)
+    text = CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_attention_heads=12, **clip))
+    text_2 = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=1280, intermediate_size=5120,
+                                                        num_attention_heads=20, projection_dim=1280,
+                                                        hidden_act="gelu", **clip))
+    vae = sd_vae()
+    vae.register_to_config(scaling_factor=0.13025)
+    sched = EulerDiscreteScheduler(**tiny_pipelines.SDXL_SCHEDULER)
+    StableDiffusionXLPipeline(vae=vae, text_encoder=text, text_encoder_2=text_2, tokenizer=tokenizer,
+                              tokenizer_2=tokenizer_2, unet=unet, scheduler=sched).save_pretrained(str(path))
     return path
 
 
@@ -217,10 +261,10 @@ def profile_row(name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("sd15", "pixart"), required=True)
+    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl"), required=True)
     ap.add_argument("--rows", default="full,full_compile,lora64,lora64_compile")
     ap.add_argument("--work", default="/tmp/ditforge-finetune")
-    ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15), 8 (pixart), as the anchors")
+    ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl), 8 (pixart), as the anchors")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--log_every", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny pipeline at 32 px (checks the script on CPU)")
@@ -231,14 +275,13 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    batch = args.batch_size or (1 if args.model == "sd15" else 8)
-    size = 32 if args.tiny else 512
+    batch = args.batch_size or (8 if args.model == "pixart" else 1)
+    size = 32 if args.tiny else 1024 if args.model == "sdxl" else 512
     pipe = work / f"{args.model}{'-tiny' if args.tiny else ''}"
     if not (pipe / "model_index.json").is_file():
-        if args.tiny:
-            (tiny_pipelines.make_sd if args.model == "sd15" else tiny_pipelines.make_pixart)(pipe)
-        else:
-            (build_sd15 if args.model == "sd15" else build_pixart)(pipe)
+        builders = ({"sd15": tiny_pipelines.make_sd, "pixart": tiny_pipelines.make_pixart, "sdxl": tiny_pipelines.make_sdxl}
+                    if args.tiny else {"sd15": build_sd15, "pixart": build_pixart, "sdxl": build_sdxl})
+        builders[args.model](pipe)
     feats = work / f"feats-{pipe.name}"
     if not (feats / "features.json").is_file():
         shutil.rmtree(feats, ignore_errors=True)

@@ -17,6 +17,8 @@ attention, compile) and a ratio to the first (``plain``):
     noema        + no EMA (``--ema_decay 0``)
     8bit         + bitsandbytes' 8-bit AdamW moments (``--optimizer adamw8bit``)
     bf16         + Kahan-compensated bf16 weights (``--master_weights bf16``)
+    sr           stochastically rounded bf16 weights instead (``--master_weights bf16_sr``)
+    fused        + the optimizer step fused into the backward (``--fused_backward_pass``)
     capped       the same under ``--gpu_memory_budget`` (``torch.cuda.set_per_process_memory_fraction``)
     capped_ckpt  + activation checkpointing of every block
     capped_op    selective checkpointing instead (``op``: matmul and attention outputs kept)
@@ -56,7 +58,7 @@ from ditforge.ops.fused import check_triton
 from ditforge.parallel import fp8_unavailable, parallelize
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
-from ditforge.parallel.optim import build_optimizer, cap_gpu_memory
+from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory
 from ditforge.train.trainer import step_randomness, train_step
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class Settings:
     compile: bool = False  # in cfg.compile_mode
     optimizer: str = "adamw"  # --optimizer
     master_weights: str = "fp32"  # --master_weights
+    fused_backward_pass: bool = False  # --fused_backward_pass
     ema: bool = True  # False: --ema_decay 0
     budget: bool = False  # under cfg.gpu_memory_budget
     grad_checkpoint: str | None = None  # None: cfg.grad_checkpoint
@@ -96,6 +99,8 @@ MEMORY_ROWS: list[tuple[str, str, dict]] = [
     ("noema", "+ no EMA (--ema_decay 0)", {"ema": False}),
     ("8bit", "+ 8-bit AdamW moments (--optimizer adamw8bit)", {"optimizer": "adamw8bit"}),
     ("bf16", "+ Kahan bf16 weights (--master_weights bf16)", {"master_weights": "bf16"}),
+    ("sr", "stochastically rounded bf16 weights instead (--master_weights bf16_sr)", {"master_weights": "bf16_sr"}),
+    ("fused", "+ optimizer step in the backward (--fused_backward_pass)", {"fused_backward_pass": True}),
     ("capped", "+ --gpu_memory_budget", {"budget": True}),
     ("capped_ckpt", "+ activation checkpointing (full)", {"grad_checkpoint": "full"}),
     ("capped_op", "activation checkpointing op instead (recompute the element-wise ops)", {"grad_checkpoint": "op"}),
@@ -142,12 +147,13 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
     flops = model.flops_per_sample(cfg.text_tokens if cfg.text_dim else 0)
     tokens = model.x_embedder.num_patches
     amp = resolve_precision(s.precision, device)
-    if s.master_weights == "bf16":  # the weights, as the trainer casts them (buffers keep their dtype)
+    if s.master_weights != "fp32":  # the weights, as the trainer casts them (buffers keep their dtype)
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
     model = parallelize(model, Dist(device=device), "none", s.grad_checkpoint or cfg.grad_checkpoint,
                         cfg.compile_mode if s.compile else "none", s.attention,
-                        enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8")
+                        enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8",
+                        fused_backward_pass=s.fused_backward_pass)
     return model, amp, flops, tokens, shape
 
 
@@ -170,7 +176,9 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
         cap_gpu_memory(parse_bytes(cfg.gpu_memory_budget, "--gpu_memory_budget"), device)
     model, amp, flops, tokens, shape = _build(cfg, s, device)
     ema = EMA(model, alias=not s.ema)
-    opt = build_optimizer(list(model.parameters()), s.optimizer, 1e-4, 0.0, device)
+    opt = build_optimizer(list(model.parameters()), s.optimizer, 1e-4, 0.0, device, s.master_weights,
+                          in_backward=s.fused_backward_pass)
+    stepper = StepInBackward(model, opt, 1.0) if s.fused_backward_pass else None
     diffusion = create_diffusion(None)
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randn((batch, *shape), generator=g, device=device)
@@ -186,7 +194,8 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
         if step >= warmup:
             marks.append(_mark(cuda))
         rnd = step_randomness(cfg.seed, step, batch, shape, diffusion, 0.1, device)
-        terms = train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, Dist(device=device))
+        terms = train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, Dist(device=device),
+                           stepper=stepper)
         ema.update(model, 0.9999)
         losses.append(terms["loss"])
     marks.append(_mark(cuda))
@@ -196,7 +205,7 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     else:
         times = [b - a for a, b in zip(marks, marks[1:])]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-    del model, ema, opt
+    del model, ema, opt, stepper
     # Every row sees the same weights, data, noise and timesteps: the losses show whether a speed-up changed
     # what is computed (e.g. FP8 against bf16), not only how fast.
     return dict(step_time_s=statistics.median(times), peak_memory_gib=peak, flops=flops, tokens=tokens,

@@ -127,7 +127,7 @@ class TrainConfig:
     gpu_memory_budget: str | None = _f(None, "GPU memory for this process, e.g. 8GiB: with --optimizer, "
                                              "--master_weights and --fused_backward_pass left at their defaults, "
                                              "the fastest placement (fp32 AdamW; adamw8bit; + bf16 weights; "
-                                             "+ bf16_sr; + fused backward pass) whose state leaves 1 GiB for "
+                                             "+ bf16_sr; + fused backward pass) whose state leaves 0.5 GiB for "
                                              "activations; a cap as on a GPU of that size "
                                              "(torch.cuda.set_per_process_memory_fraction)")
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps")

@@ -51,7 +51,7 @@ def test_bench_table_and_json(tmp_path, monkeypatch, capsys):
 def test_bench_memory_rows(tmp_path, capsys):
     """``--memory``: the same data and noise in every row, so the losses show what each mode changes: none for
     dropping the EMA (it never feeds back), none at the first step (before any update), little after."""
-    rows = "plain,noema,8bit,bf16"
+    rows = "plain,noema,8bit,bf16,sr,fused"
     assert cli.main([*TINY, "--memory", "--memory_rows", rows, "--outputs", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     result = json.loads(next(tmp_path.glob("bench-*.json")).read_text())
@@ -59,7 +59,7 @@ def test_bench_memory_rows(tmp_path, capsys):
     assert list(got) == rows.split(",") and all(r["status"] == "ok" for r in got.values())
     assert "| vs plain |" in table and got["plain"]["speedup"] == 1.0
     assert got["noema"]["losses"] == got["plain"]["losses"]
-    for key in ("8bit", "bf16"):
+    for key in ("8bit", "bf16", "sr", "fused"):
         assert got[key]["losses"][0] == got["plain"]["losses"][0]
         assert got[key]["losses"] == pytest.approx(got["plain"]["losses"], rel=0.02)
 

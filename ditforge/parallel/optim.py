@@ -369,7 +369,7 @@ def out_of_memory(step: int, budget: str | None, device: torch.device) -> UserEr
 # Placements from fastest to smallest: (--optimizer, --master_weights, --fused_backward_pass).
 PLACEMENTS = (("adamw", "fp32", False), ("adamw8bit", "fp32", False), ("adamw8bit", "bf16", False),
               ("adamw8bit", "bf16_sr", False), ("adamw8bit", "bf16_sr", True))
-ACTIVATION_RESERVE = 2**30  # kept free for activations, workspaces and the step's transient buffers
+ACTIVATION_RESERVE = 2**29  # 0.5 GiB kept free for activations, workspaces and the step's transient buffers
 
 
 def bytes_per_parameter(optimizer: str, master_weights: str, fused_backward_pass: bool) -> int:
@@ -390,7 +390,7 @@ def state_bytes(trainable: int, frozen_bytes: int, placement: tuple[str, str, bo
 def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, placement: tuple[str, str, bool],
                    bf16: bool, lowmem: bool = True, fused_ok: bool = True) -> tuple[str, str, bool]:
     """The placement (--optimizer, --master_weights, --fused_backward_pass) for ``--gpu_memory_budget``: the given
-    one if its state (``state_bytes``) plus 1 GiB for activations fits ``budget``; otherwise, when the flags were
+    one if its state (``state_bytes``) plus 0.5 GiB for activations fits ``budget``; otherwise, when the flags were
     left at their defaults, the fastest of ``PLACEMENTS`` that fits (bf16 weights only with ``bf16`` compute;
     ``lowmem``: CompensatedAdamW's placements allowed, i.e. plugin none or ddp; ``fused_ok``: the fused backward
     pass allowed, i.e. one process without fp16). Activations beyond the reserve are the user's
@@ -413,5 +413,5 @@ def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, pl
     hint = "; --ema_decay 0 drops the EMA's 4 bytes per parameter" if ema else ""
     raise UserError(f"--gpu_memory_budget {budget / gib:.2f} GiB: {trainable / 1e6:.0f}M trainable parameters "
                     f"with --optimizer {opt} --master_weights {master}{' --fused_backward_pass' if fused else ''}"
-                    f"{' and an EMA' if ema else ''} need {math.ceil(need / gib * 100) / 100:.2f} GiB (state + 1 "
+                    f"{' and an EMA' if ema else ''} need {math.ceil(need / gib * 100) / 100:.2f} GiB (state + 0.5 "
                     f"GiB for activations); give at least that{hint}")

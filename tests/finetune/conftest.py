@@ -22,7 +22,7 @@ def _build(tmp_path_factory, family: str) -> Path:
 
 def _fixture(family: str):
     """A session fixture ``<family>_pipeline``: the folder ``BUILDERS[family]`` writes (sd: SD-1.5-like, PNDM,
-    epsilon; sd_v: SD-2.1-like, DDIM, v_prediction; pixart / pixart_sigma; sd3; dit: 3 named classes, null label
+    epsilon; sd_v: SD-2.1-like, DDIM, v_prediction; pixart / pixart_sigma; sd3; sdxl; dit: 3 named classes, null label
     1000)."""
 
     @pytest.fixture(scope="session", name=f"{family}_pipeline")

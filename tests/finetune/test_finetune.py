@@ -25,9 +25,10 @@ from tiny_pipelines import CAPTIONS, IMAGE_SIZE, make_dit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ["sd", "sd_v", "pixart", "pixart_sigma", "sd3"]
+FAMILIES = ["sd", "sd_v", "pixart", "pixart_sigma", "sd3", "sdxl"]
 PIPELINE_CLASS = {"sd": "StableDiffusionPipeline", "sd_v": "StableDiffusionPipeline", "pixart": "PixArtAlphaPipeline",
-                  "pixart_sigma": "PixArtSigmaPipeline", "sd3": "StableDiffusion3Pipeline"}
+                  "pixart_sigma": "PixArtSigmaPipeline", "sd3": "StableDiffusion3Pipeline",
+                  "sdxl": "StableDiffusionXLPipeline"}
 EXTRA_CALL = {"pixart": {"use_resolution_binning": False}, "pixart_sigma": {"use_resolution_binning": False}}
 STEPS = 20
 SIZE = 32  # every tiny pipeline makes 32 px images (8 x 8 latents)
@@ -77,7 +78,8 @@ def _reference_first_loss(family: str, folder: Path, data: Path) -> float:
     """The loss of step 0 written from diffusers' own pieces: the pipeline's VAE posterior and prompt encoding,
     ``DDPMScheduler.add_noise`` and its ``prediction_type`` target (epsilon or ``get_velocity``), or flow matching's
     straight path and velocity (SD3: x_t = (1 - s) x_0 + s eps, target eps - x_0, timestep 1000 s), the
-    denoiser called directly, MSE in float32. The noise, timesteps and latent noise are the run's (step 0 of
+    denoiser called directly (SDXL: with the time ids of the pipeline's ``_get_add_time_ids`` for an uncropped
+    image of the training size), MSE in float32. The noise, timesteps and latent noise are the run's (step 0 of
     seed 0, the data order of ``GlobalBatchSampler``). PixArt's output also holds the learned variance: only its
     first 4 channels enter the MSE (the variational-bound term has its own float64 tests)."""
     import diffusers
@@ -109,7 +111,13 @@ def _reference_first_loss(family: str, folder: Path, data: Path) -> float:
             ddpm = diffusers.DDPMScheduler.from_config(sched_cfg)
             noisy = ddpm.add_noise(z, rnd.noise, rnd.t)
             target = rnd.noise if sched_cfg["prediction_type"] == "epsilon" else ddpm.get_velocity(z, rnd.noise, rnd.t)
-            if family.startswith("pixart"):
+            if family == "sdxl":
+                embeds, _, pooled, _ = pipe.encode_prompt(texts, device="cpu", do_classifier_free_guidance=False)
+                time_ids = pipe._get_add_time_ids((SIZE, SIZE), (0, 0), (SIZE, SIZE), dtype=embeds.dtype,
+                                                  text_encoder_projection_dim=pipe.text_encoder_2.config.projection_dim)
+                pred = pipe.unet(noisy, rnd.t, encoder_hidden_states=embeds,
+                                 added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids.repeat(2, 1)}).sample
+            elif family.startswith("pixart"):
                 length = 300 if family == "pixart_sigma" else 120
                 embeds, mask, _, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu",
                                                         clean_caption=False, max_sequence_length=length)
@@ -135,7 +143,8 @@ def test_first_step_loss_matches_diffusers(family, request, captioned, runs):
         assert all(np.isfinite(r["loss"]) for r in records), kind
         assert records[0][term] == pytest.approx(ref, rel=1e-5), kind
     config = json.loads(json.dumps(__import__("yaml").safe_load((runs(family)["full"] / "config.yaml").read_text())))
-    expected_objective = {"sd": "ddpm", "sd_v": "v", "pixart": "ddpm", "pixart_sigma": "ddpm", "sd3": "flow"}[family]
+    expected_objective = {"sd": "ddpm", "sd_v": "v", "pixart": "ddpm", "pixart_sigma": "ddpm", "sd3": "flow",
+                          "sdxl": "ddpm"}[family]
     assert config["model"]["objective"] == expected_objective
     assert config["model"]["learn_sigma"] == family.startswith("pixart")
 
@@ -196,7 +205,7 @@ def test_export_loads_with_the_family_pipeline_and_matches_sample(family, kind, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["sd", "sd_v", "sd3"])
+@pytest.mark.parametrize("family", ["sd", "sd_v", "sd3", "sdxl"])
 def test_lora_file_loads_with_load_lora_weights(family, request, runs, tmp_path):
     """``ditforge export --format lora`` writes a LoRA file that ``pipe.load_lora_weights`` reads into the base
     pipeline; the denoiser then gives the merged export's output (1e-5 relative, fp32)."""
@@ -211,20 +220,26 @@ def test_lora_file_loads_with_load_lora_weights(family, request, runs, tmp_path)
     merged = cls.from_pretrained(str(tmp_path / "merged"), local_files_only=True)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     x = torch.randn(2, 16 if family == "sd3" else 4, 8, 8, generator=g)
+    if family == "sd3":
+        states, pooled = torch.randn(2, 333, 96, generator=g), torch.randn(2, 80, generator=g)
+        t = torch.rand(2, generator=g) * 1000
+
+        def run(p):
+            return p.transformer(x, encoder_hidden_states=states, pooled_projections=pooled, timestep=t).sample
+    else:
+        states, t = torch.randn(2, 77, 80 if family == "sdxl" else 32, generator=g), torch.randint(0, 1000, (2,), generator=g)
+        added = ({"added_cond_kwargs": {"text_embeds": torch.randn(2, 48, generator=g),
+                                        "time_ids": torch.tensor([[32.0, 32, 0, 0, 32, 32]] * 2)}}
+                 if family == "sdxl" else {})
+
+        def run(p):
+            return p.unet(x, t, encoder_hidden_states=states, **added).sample
     with torch.no_grad():
-        if family == "sd3":
-            states, pooled = torch.randn(2, 333, 96, generator=g), torch.randn(2, 80, generator=g)
-            t = torch.rand(2, generator=g) * 1000
-            outs = [p.transformer(x, encoder_hidden_states=states, pooled_projections=pooled, timestep=t).sample
-                    for p in (with_lora, merged)]
-        else:
-            states, t = torch.randn(2, 77, 32, generator=g), torch.randint(0, 1000, (2,), generator=g)
-            outs = [p.unet(x, t, encoder_hidden_states=states).sample for p in (with_lora, merged)]
+        outs = [run(p) for p in (with_lora, merged)]
     base = cls.from_pretrained(str(_pipeline(request, family)), local_files_only=True)
     assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[1].abs().max()
     with torch.no_grad():  # and the adapters do change the output (the comparison above can fail)
-        plain = (base.transformer(x, encoder_hidden_states=states, pooled_projections=pooled, timestep=t).sample
-                 if family == "sd3" else base.unet(x, t, encoder_hidden_states=states).sample)
+        plain = run(base)
     assert (plain - outs[1]).abs().max() > 1e-4 * outs[1].abs().max()
 
 

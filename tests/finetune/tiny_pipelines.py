@@ -16,6 +16,7 @@ pixart            32 px  4 x 8 x 8   T5 120 x 48                                
 pixart_sigma      32 px  4 x 8 x 8   T5 300 x 48                                         DPM-Solver++ (PixArt)
 sd3               32 px  16 x 8 x 8  CLIP 77 x 32 + CLIP 77 x 48 (pooled 32 + 48), T5     flow-match Euler, shift 3
                                      256 x 96
+sdxl              32 px  4 x 8 x 8   CLIP 77 x 32 + CLIP 77 x 48 (pooled 48)              Euler (SDXL), epsilon
 dit               32 px  4 x 8 x 8   none (class labels 0..2; null label 1000)           DDIM (DiT's betas)
 ================  =====  ==========  ==================================================  =========================
 
@@ -82,7 +83,7 @@ CAPTIONS = [
     "a red apple, a green pear and a yellow banana",
 ]
 
-_FAMILIES = ("sd", "sd_v", "pixart", "pixart_sigma", "sd3", "dit")
+_FAMILIES = ("sd", "sd_v", "pixart", "pixart_sigma", "sd3", "sdxl", "dit")
 IMAGE_SIZE = dict.fromkeys(_FAMILIES, 32)  # pixels (square); latents are IMAGE_SIZE // 4
 LATENT_SIZE = dict.fromkeys(_FAMILIES, 8)
 SPECS = {
@@ -96,6 +97,9 @@ SPECS = {
     # the CLIP states (80), pads them to the T5 width and appends the T5 states: 77 + 256 tokens x 96.
     "sd3": dict(image_size=32, latent_shape=(16, 8, 8), vae_scale_factor=4, text_lengths=(77, 77, 256),
                 text_widths=(32, 48, 96), pooled_width=80, joint_attention_dim=96),
+    # CLIP-L-like and OpenCLIP-G-like penultimate states concatenated (32 + 48 = 80), the second's pooled output
+    "sdxl": dict(image_size=32, latent_shape=(4, 8, 8), vae_scale_factor=4, text_lengths=(77, 77),
+                 text_widths=(32, 48), pooled_width=48, cross_attention_dim=80),
     "dit": dict(image_size=32, latent_shape=(4, 8, 8), vae_scale_factor=4, text_lengths=(), text_widths=(),
                 num_classes=3, null_class=1000),
 }
@@ -325,6 +329,9 @@ PIXART_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.
                         solver_type="midpoint", lower_order_final=True, thresholding=False,
                         use_karras_sigmas=False)
 SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
+SDXL_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                      steps_offset=1, timestep_spacing="leading", prediction_type="epsilon",
+                      interpolation_type="linear", use_karras_sigmas=False)
 DIT_SCHEDULER = dict(num_train_timesteps=1000, beta_start=1e-4, beta_end=0.02, beta_schedule="linear",
                      clip_sample=False, set_alpha_to_one=True, steps_offset=0, prediction_type="epsilon",
                      timestep_spacing="leading")
@@ -436,6 +443,37 @@ def make_sd3(path) -> Path:
     return _save(pipe, path)
 
 
+def make_sdxl(path) -> Path:
+    """A tiny Stable Diffusion XL ``StableDiffusionXLPipeline`` folder.
+
+    Sizes: 32 x 32 RGB images <-> 4 x 8 x 8 latents (VAE downsamples by 4, SDXL's ``scaling_factor`` 0.13025);
+    the UNet (``UNet2DConditionModel``, block channels (16, 32), cross-attention on the second level and the mid
+    block as SDXL's, linear ``proj_in``, ``addition_embed_type`` "text_time": the pooled text (48) and six
+    micro-conditioning values embedded 8 wide, ``projection_class_embeddings_input_dim`` 48 + 6 x 8 = 96)
+    cross-attends to 77 tokens x 80: the penultimate states of ``CLIPTextModel`` (32 wide, pads with
+    ``<|endoftext|>``) and of ``CLIPTextModelWithProjection`` (48, pads with ``"!"``), concatenated, as SDXL's
+    CLIP-L and OpenCLIP-G. Scheduler: ``EulerDiscreteScheduler`` with SDXL's settings.
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    tokenizer, tokenizer_2 = make_clip_tokenizer(EOS), make_clip_tokenizer("!")
+    text_encoder = _clip_text(tokenizer, 32, projection=False)
+    text_encoder_2 = _clip_text(tokenizer_2, 48, projection=True, hidden_act="gelu")
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=80, attention_head_dim=(2, 4), norm_num_groups=8, use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=96).eval()
+    pipe = StableDiffusionXLPipeline(
+        vae=_vae(scaling_factor=0.13025), text_encoder=text_encoder, text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet, scheduler=EulerDiscreteScheduler(**SDXL_SCHEDULER))
+    return _save(pipe, path)
+
+
 DIT_LABELS = {0: "red apple, apple", 1: "green pear", 2: "yellow banana, banana"}
 
 
@@ -479,5 +517,6 @@ BUILDERS = {
     "pixart": make_pixart,
     "pixart_sigma": functools.partial(make_pixart, sigma=True),
     "sd3": make_sd3,
+    "sdxl": make_sdxl,
     "dit": make_dit,
 }

@@ -13,8 +13,8 @@ shards them, as it does the blocks of ditforge's own models (``ditforge.models.b
 (a video pipeline such as Wan or CogVideoX) is one more subclass registered in ``FAMILIES``: the trainer does not
 change.
 
-Families: ``sd`` (Stable Diffusion 1.x / 2.x, ``sd_unet.py``), ``pixart`` (PixArt-alpha / sigma, ``pixart.py``),
-``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``). Official and diffusers DiT weights load into ditforge's own
+Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL), both in ``sd_unet.py``;
+``pixart`` (PixArt-alpha / sigma, ``pixart.py``); ``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``). Official and diffusers DiT weights load into ditforge's own
 ``DiT`` (``ditforge.interop``), which is the same network.
 """
 
@@ -81,6 +81,12 @@ class DiffusersDenoiser(nn.Module):
         """The conditioning tensors of ``cond``: token ids through the attached text encoder, else ``cond``."""
         return cond
 
+    @staticmethod
+    def null_condition(pipe: Any, empty: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The condition dropped captions get and guidance samples against, given ``empty``, the empty prompt's
+        encoding: that encoding, unless the family's pipeline uses another unconditional input by default."""
+        return empty
+
     def set_null_condition(self, cond: dict[str, torch.Tensor]) -> None:
         """The condition of the empty prompt, one row each (``(1, ...)``); dropped rows get it. Kept as
         non-persistent buffers: they follow the model's device and never enter a checkpoint."""
@@ -133,9 +139,9 @@ class DiffusersDenoiser(nn.Module):
 def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.pixart import PixArtDenoiser
     from ditforge.models.adapters.sd3 import SD3Denoiser
-    from ditforge.models.adapters.sd_unet import SDUNetDenoiser
+    from ditforge.models.adapters.sd_unet import SDUNetDenoiser, SDXLUNetDenoiser
 
-    return {cls.family: cls for cls in (SDUNetDenoiser, PixArtDenoiser, SD3Denoiser)}
+    return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

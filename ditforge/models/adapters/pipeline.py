@@ -136,5 +136,5 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
     denoiser = family(getattr(pipe, family.component), vae_scale).requires_grad_(True)
     pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
-    denoiser.set_null_condition(pre.encode_prompt([""]))
+    denoiser.set_null_condition(family.null_condition(pipe, pre.encode_prompt([""])))
     return pre

@@ -1,7 +1,8 @@
-"""Stable Diffusion 1.x / 2.x: diffusers' ``UNet2DConditionModel`` conditioned on CLIP text states."""
+"""Stable Diffusion 1.x / 2.x and XL: diffusers' ``UNet2DConditionModel`` conditioned on CLIP text states."""
 
 from __future__ import annotations
 
+import torch
 
 from ditforge.models.adapters import DiffusersDenoiser
 
@@ -39,3 +40,38 @@ class SDUNetDenoiser(DiffusersDenoiser):
     def encode_prompt(pipe, texts, device):
         embeds, _ = pipe.encode_prompt(list(texts), device, 1, False)
         return {"encoder_hidden_states": embeds}
+
+
+class SDXLUNetDenoiser(DiffusersDenoiser):
+    """Stable Diffusion XL: ``unet(x, t, encoder_hidden_states, added_cond_kwargs)``: x (B, 4, H/8, W/8), t (B,)
+    int64, conditions ``encoder_hidden_states`` (B, 77, 2048) (the penultimate states of CLIP-L and OpenCLIP-G,
+    concatenated) and ``text_embeds`` (B, 1280) (OpenCLIP-G's projected pooled output). The micro-conditioning
+    ``time_ids`` (Podell et al. 2023, "SDXL", section 2.2: original size, crop top-left, target size) are
+    (H, W, 0, 0, H, W) of the image being denoised, what ``StableDiffusionXLPipeline`` passes by default: the
+    data pipeline centre-crops and resizes, so every training image is an uncropped image of the target size.
+    The text encoders stay frozen (``--train_text_encoder`` is for SD 1.x / 2.x). The unconditional input is
+    zeros where the pipeline says ``force_zeros_for_empty_prompt`` (SDXL base's config), as its sampling uses."""
+
+    family = "sdxl"
+    pipelines = ("StableDiffusionXLPipeline",)
+    component = "unet"
+    block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
+    pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "text_embeds": "pooled_prompt_embeds"}
+
+    @staticmethod
+    def null_condition(pipe, empty):
+        if pipe.config.get("force_zeros_for_empty_prompt", False):
+            return {k: torch.zeros_like(v) for k, v in empty.items()}
+        return empty
+
+    def denoise(self, x, t, encoder_hidden_states, text_embeds):
+        h, w = x.shape[-2] * self.vae_scale, x.shape[-1] * self.vae_scale
+        time_ids = torch.tensor([h, w, 0, 0, h, w], dtype=text_embeds.dtype, device=x.device).expand(len(x), 6)
+        return self.unet(x, t, encoder_hidden_states=encoder_hidden_states,
+                         added_cond_kwargs={"text_embeds": text_embeds, "time_ids": time_ids}, return_dict=False)[0]
+
+    @staticmethod
+    def encode_prompt(pipe, texts, device):
+        embeds, _, pooled, _ = pipe.encode_prompt(list(texts), device=device, num_images_per_prompt=1,
+                                                  do_classifier_free_guidance=False)
+        return {"encoder_hidden_states": embeds, "text_embeds": pooled}
