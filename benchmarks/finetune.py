@@ -164,20 +164,25 @@ def images(folder: Path, n: int, size: int) -> Path:
     return folder
 
 
-def ditforge(*argv: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "ditforge", *argv], capture_output=True, text=True)
+def ditforge(*argv: str, timeout: float | None = None) -> None:
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ditforge", *argv], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"ditforge {argv[0]} took more than {timeout:.0f} s") from None
     if proc.returncode:
         raise RuntimeError(f"ditforge {' '.join(argv[:1])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: int, log_every: int,
-            device: str) -> dict:
+            device: str, timeout: float | None = None) -> dict:
     out = work / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)
     try:
         ditforge("train", "--init_from", str(pipe), "--data", str(feats), "--batch_size", str(batch), "--max_steps",
                  str(steps), "--log_every", str(log_every), "--sample_every", "0", "--ckpt_every", str(10 * steps),
-                 "--keep_last", "1", "--device", device, "--num_workers", "0", "--outputs", str(out), *ROWS[name])
+                 "--keep_last", "1", "--device", device, "--num_workers", "0", "--outputs", str(out), *ROWS[name],
+                 timeout=timeout)
     except RuntimeError as e:
         return {"error": str(e)[-600:]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -270,6 +275,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny pipeline at 32 px (checks the script on CPU)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--row_timeout", type=float, default=None, help="seconds a row may take (then it is an error)")
     ap.add_argument("--profile", action="store_true", help="profile the rows in this process instead of timing them "
                     "through `ditforge train` (profile_row)")
     args = ap.parse_args()
@@ -295,7 +301,8 @@ def main() -> None:
         return
     results = {}
     for name in args.rows.split(","):
-        results[name] = run_row(name, pipe, feats, work, batch, args.steps, args.log_every, args.device)
+        results[name] = run_row(name, pipe, feats, work, batch, args.steps, args.log_every, args.device,
+                                args.row_timeout)
         print(f"{args.model} {name}: {results[name]}", flush=True)
     import diffusers
 

@@ -26,6 +26,6 @@ if [ "$model" = dit ]; then
     python3 -m ditforge bench --memory --model DiT-XL/2 --image_size 256 --batch_size 32 --steps 10 --warmup 5 \
         --gpu_memory_budget 8GiB --outputs "$OUT" 2>&1 | grep -v "gemm_4bit" | tee "$OUT/dit_memory.log"
 elif [ -n "$rows" ]; then
-    python3 benchmarks/finetune.py --model "$model" --rows "$rows" --steps 30 --log_every 10 \
+    python3 benchmarks/finetune.py --model "$model" --rows "$rows" --steps 30 --log_every 10 --row_timeout 240 \
         --json "$OUT/${model}.json" 2>&1 | grep -v "gemm_4bit" | tee "$OUT/${model}.log"
 fi

@@ -16,7 +16,8 @@ Kahan-compensated bf16 weights (Kahan 1965; for training, Zamirai et al. 2021, "
 section 4): each bf16 parameter ``p`` carries ``c`` (bf16), the part of the fp32 master weight that rounding to
 bf16 dropped, so the master is ``w = p + c`` to 2^-17 relative per split (``p`` rounds to 2^-8 of ``w``, and ``c``
 holds that residual to 2^-8 of itself). A step rebuilds ``w``
-in fp32 for a chunk of parameters at a time (at most ``chunk_numel`` elements: transient memory 8 bytes per
+in fp32 for a chunk of parameters at a time (at most ``chunk_numel`` elements: transient memory 8 bytes (12 with
+stochastic rounding) per
 element of the chunk), applies the AdamW update to ``w`` with the gradient in fp32, and splits it again:
 ``p = bf16(w)`` (round to nearest), ``c = bf16(w - p)``. Updates far below bf16's resolution (lr 1e-5 on weights
 of size 1 is 1/400 of a bf16 ulp) accumulate in ``c`` instead of being rounded away.
@@ -69,14 +70,14 @@ class CompensatedAdamW(torch.optim.Optimizer):
         states: ``"fp32"`` or ``"8bit"`` (bitsandbytes' blockwise codes; tensors under 4,096 elements stay fp32).
         rounding: how bf16 parameters take the fp32 update: ``"kahan"`` (a bf16 compensation per parameter) or
             ``"stochastic"``.
-        chunk_numel: parameters rebuilt in fp32 at once (a parameter larger than it is a chunk of its own).
+        chunk_numel: elements rebuilt in fp32 at once (a larger parameter is updated in pieces of this size).
 
     Raises:
         UserError: ``states="8bit"`` without bitsandbytes. ValueError: a parameter that is neither fp32 nor bf16.
     """
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, states: str = "fp32", rounding: str = "kahan", chunk_numel: int = 1 << 25):
+                 weight_decay: float = 0.0, states: str = "fp32", rounding: str = "kahan", chunk_numel: int = 1 << 24):
         if states not in ("fp32", "8bit"):
             raise ValueError(f"states: expected fp32 or 8bit, got {states}")
         if rounding not in ("kahan", "stochastic"):
@@ -132,13 +133,19 @@ class CompensatedAdamW(torch.optim.Optimizer):
         return self._qmaps[device]
 
     def _chunks(self, params: list[torch.Tensor]):
+        """Lists of pieces ``(parameter, start, end)`` (flat element ranges) of at most ``chunk_numel`` elements
+        together; a parameter larger than that is cut at multiples of bitsandbytes' 256-element block, so the
+        pieces of its 8-bit codes have their own scales."""
+        piece = max(BLOCKSIZE, self.chunk_numel // BLOCKSIZE * BLOCKSIZE)
         chunk, size = [], 0
         for p in params:
-            if chunk and size + p.numel() > self.chunk_numel:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append(p)
-            size += p.numel()
+            for a in range(0, p.numel(), piece):
+                b = min(p.numel(), a + piece)
+                if chunk and size + b - a > self.chunk_numel:
+                    yield chunk
+                    chunk, size = [], 0
+                chunk.append((p, a, b))
+                size += b - a
         if chunk:
             yield chunk
 
@@ -167,74 +174,85 @@ class CompensatedAdamW(torch.optim.Optimizer):
             for chunk in self._chunks(mine):
                 self._step_chunk(group, chunk)
 
-    def _step_chunk(self, group: dict, chunk: list[torch.Tensor]) -> None:
-        states = [self.state[p] if self.state[p] else self._init_state(p) for p in chunk]
-        half = [i for i, p in enumerate(chunk) if p.dtype == torch.bfloat16]
+    def _step_chunk(self, group: dict, chunk: list[tuple[torch.Tensor, int, int]]) -> None:
+        states = [self.state[p] if self.state[p] else self._init_state(p) for p, _, _ in chunk]
+        flat = [lambda t, a=a, b=b: t.view(-1)[a:b] for _, a, b in chunk]  # a piece's slice of a tensor
+        half = [i for i, (p, _, _) in enumerate(chunk) if p.dtype == torch.bfloat16]
         # fp32 master weights and gradients of the chunk: the parameters themselves where fp32, else rebuilt
         # as p + c in one transient buffer.
-        w = [p.view(-1) for p in chunk]
-        g = [p.grad.view(-1) for p in chunk]
+        w = [flat[i](p) for i, (p, _, _) in enumerate(chunk)]
+        g = [flat[i](p.grad) for i, (p, _, _) in enumerate(chunk)]
         if half:
-            n = sum(chunk[i].numel() for i in half)
-            buf = torch.empty(2 * n, dtype=torch.float32, device=chunk[0].device)
-            sizes = [chunk[i].numel() for i in half]
+            sizes = [w[i].numel() for i in half]
+            n = sum(sizes)
+            buf = torch.empty(2 * n, dtype=torch.float32, device=w[0].device)
             w32, g32 = buf[:n].split(sizes), buf[n:].split(sizes)
             torch._foreach_copy_(w32, [w[i] for i in half])
             if self.rounding == "kahan":
-                torch._foreach_add_(w32, [states[i]["compensation"].view(-1) for i in half])
+                torch._foreach_add_(w32, [flat[i](states[i]["compensation"]) for i in half])
             torch._foreach_copy_(g32, [g[i] for i in half])
+            ps = [w[i] for i in half]
             for k, i in enumerate(half):
                 w[i], g[i] = w32[k], g32[k]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        dense = [i for i, p in enumerate(chunk) if not self._eightbit(p)]
+        dense = [i for i, (p, _, _) in enumerate(chunk) if not self._eightbit(p)]
         if dense:
-            self._adamw([w[i] for i in dense], [g[i] for i in dense], [states[i] for i in dense],
-                        lr, beta1, beta2, eps, wd)
-        for i, p in enumerate(chunk):
+            whole = [chunk[i][2] - chunk[i][1] == chunk[i][0].numel() for i in dense]
+            # a piece of a cut parameter takes the step count as it was; the count advances after its last piece
+            steps = [states[i]["step"] if all_of_it else states[i]["step"].clone() for i, all_of_it in zip(dense, whole)]
+            self._adamw([w[i] for i in dense], [g[i] for i in dense], [flat[i](states[i]["exp_avg"]) for i in dense],
+                        [flat[i](states[i]["exp_avg_sq"]) for i in dense], steps, lr, beta1, beta2, eps, wd)
+            for i, all_of_it in zip(dense, whole):
+                if not all_of_it and chunk[i][2] == chunk[i][0].numel():
+                    states[i]["step"] += 1
+        for i, (p, a, b) in enumerate(chunk):
             if self._eightbit(p):
                 s = states[i]
-                s["step"] += 1
+                if a == 0:
+                    s["step"] += 1
                 qmap1, qmap2 = self._qmap(p.device)
+                blocks = slice(a // BLOCKSIZE, -(-b // BLOCKSIZE))
                 self._F.optimizer_update_8bit_blockwise(
-                    "adam", g[i], w[i], s["state1"].view(-1), s["state2"].view(-1), beta1, beta2, 0.0, 0.0, eps,
-                    s["step"], lr, qmap1, qmap2, s["absmax1"], s["absmax2"], wd)
+                    "adam", g[i], w[i], flat[i](s["state1"]), flat[i](s["state2"]), beta1, beta2, 0.0, 0.0, eps,
+                    s["step"], lr, qmap1, qmap2, s["absmax1"][blocks], s["absmax2"][blocks], wd)
         if not half:
             return
-        ps = [chunk[i].view(-1) for i in half]
         if self.rounding == "kahan":  # split the master again: p = bf16(w) (nearest), c = bf16(w - p)
             torch._foreach_copy_(ps, w32)
             torch._foreach_sub_(w32, ps)
-            torch._foreach_copy_([states[i]["compensation"].view(-1) for i in half], w32)
+            torch._foreach_copy_([flat[i](states[i]["compensation"]) for i in half], w32)
         else:  # stochastic: add uniform noise below bf16's last bit, truncate, and the cast is then exact
             bits = buf[:n].view(torch.int32)
-            gen = self._generator(bits.device, group["rounding_step"], self._index[chunk[half[0]]][1])
+            first, a, _ = chunk[half[0]]
+            gen = self._generator(bits.device, group["rounding_step"], self._index[first][1], a)
             bits.add_(torch.randint(0, 1 << 16, (n,), dtype=torch.int32, device=bits.device, generator=gen))
             bits.bitwise_and_(-(1 << 16))
             torch._foreach_copy_(ps, w32)
 
-    def _generator(self, device: torch.device, step: int, index: int) -> torch.Generator:
-        """The generator for the chunk that starts at parameter ``index`` at optimizer step ``step``. The seed is
-        mixed into 32 bits (the CPU's Mersenne Twister keeps only the low 32 bits of a seed) by odd multipliers,
-        so a chunk's stream repeats only after 2^32 steps."""
+    def _generator(self, device: torch.device, step: int, index: int, start: int) -> torch.Generator:
+        """The generator for the chunk that starts at element ``start`` of parameter ``index`` at optimizer step
+        ``step``. The seed is mixed into 32 bits (the CPU's Mersenne Twister keeps only the low 32 bits of a seed)
+        by odd multipliers, so a chunk's stream repeats only after 2^32 steps."""
         if device not in self._generators:
             self._generators[device] = torch.Generator(device)
-        return self._generators[device].manual_seed((step * 0x9E3779B1 + index * 0x85EBCA77) % 2**32)
+        seed = step * 0x9E3779B1 + index * 0x85EBCA77 + start * 0xC2B2AE3D
+        return self._generators[device].manual_seed(seed % 2**32)
 
     @staticmethod
-    def _adamw(w, g, states, lr, beta1, beta2, eps, wd) -> None:
+    def _adamw(w, g, exp_avg, exp_avg_sq, steps, lr, beta1, beta2, eps, wd) -> None:
         """torch's AdamW over the fp32 views (fused kernel on CUDA; it advances the step counters)."""
         fused = w[0].is_cuda
-        adam_functional(w, g, [s["exp_avg"].view(-1) for s in states],
-                        [s["exp_avg_sq"].view(-1) for s in states], [], [s["step"] for s in states],
+        adam_functional(w, g, exp_avg, exp_avg_sq, [], steps,
                         foreach=not fused, fused=fused, decoupled_weight_decay=True, amsgrad=False,
                         beta1=beta1, beta2=beta2, lr=lr, weight_decay=wd, eps=eps, maximize=False)
 
 
 class StepInBackward:
     """The optimizer step fused into the backward, a block at a time: as soon as the last gradient of a block
-    (``ditforge.models.block_paths``; the parameters outside every block form one more group) has accumulated,
+    (``ditforge.models.block_paths``) has accumulated,
     that block takes its AdamW step (``CompensatedAdamW.update``: one multi-tensor pass over the block) and its
-    gradients are freed. Gradients then never exist for the whole model at once. The technique of PyTorch's
+    gradients are freed; outside the blocks, each module's own parameters form a group (embedders, a UNet's
+    up- and downsamplers). Gradients then never exist for the whole model at once. The technique of PyTorch's
     tutorial "How to save memory by fusing the optimizer step into the backward pass" and kohya-ss'
     ``--fused_backward_pass``, which step each parameter from its own hook; here a block is one step.
 
@@ -264,7 +282,10 @@ class StepInBackward:
             group = [p for p in model.get_submodule(path).parameters() if p.requires_grad and p not in seen]
             seen.update(group)
             self.groups.append(group)
-        self.groups.append([p for p in trainable if p not in seen])
+        for module in model.modules():  # outside the blocks, a module's own parameters are a group
+            group = [p for p in module.parameters(recurse=False) if p.requires_grad and p not in seen]
+            seen.update(group)
+            self.groups.append(group)
         self.groups = [g for g in self.groups if g]
         self.optimizer, self.max_grad_norm, self.before_update = optimizer, max_grad_norm, before_update
         self.prev_norm: torch.Tensor | None = None

@@ -226,10 +226,21 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
     ``torch.Generator(device).manual_seed(seeds[i])``, so it depends on its prompt and seed only. The prompts are
     encoded (``pre.encode_prompt``, or the denoiser's own text encoder) and handed over as embeddings, the empty
     prompt's as the negative ones: what the pipeline does with the prompt strings. Returns (N, 3, S, S) float32 in
-    [-1, 1] on the CPU."""
+    [-1, 1] on the CPU. A VAE kept on the CPU (training from features) visits the denoiser's device meanwhile."""
     pipe = pre.pipe
     setattr(pipe, _component(pre), denoiser.inner)
-    device = pipe._execution_device
+    device = next(denoiser.inner.parameters()).device
+    vae_home = pipe.vae.device
+    pipe.vae.to(device)
+    try:
+        return _generate(pre, denoiser, prompts, seeds, image_size, num_steps, guidance_scale, batch_size, device)
+    finally:
+        pipe.vae.to(vae_home)
+
+
+def _generate(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int], image_size: int,
+              num_steps: int, guidance_scale: float, batch_size: int, device: torch.device) -> torch.Tensor:
+    pipe = pre.pipe
     out = []
     for start in range(0, len(prompts), batch_size):
         rows = slice(start, start + batch_size)
@@ -253,7 +264,7 @@ def sample_grid(pre: Pretrained, cfg, weights: dict[str, torch.Tensor], dataset,
     from ditforge.data.sampler import derive_seed
 
     if denoiser is None:
-        denoiser = fresh_denoiser(pre, cfg).to(pre.pipe._execution_device).eval()
+        denoiser = fresh_denoiser(pre, cfg).to(next(pre.denoiser.parameters()).device).eval()
     denoiser.load_state_dict(weights, strict=False)  # the EMA holds trainable parameters; the rest is the folder's
     captions = list(dict.fromkeys(getattr(dataset, "texts", None) or dataset.class_captions))[:8]
     prompts = (captions * 8)[:8]

@@ -102,9 +102,11 @@ class Pretrained:
 
 
 def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
-                    flag: str = FLAG, text_device: torch.device | None = None) -> Pretrained:
+                    flag: str = FLAG, text_device: torch.device | None = None,
+                    vae_device: torch.device | None = None) -> Pretrained:
     """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
-    ``device``) in ``text_dtype``, its VAE and denoiser to ``device`` in float32; all are frozen but the denoiser.
+    ``device``) in ``text_dtype``, its VAE to ``vae_device`` (default ``device``) and the denoiser to ``device``
+    in float32; all are frozen but the denoiser.
     The adapter's null condition (the empty prompt) is set.
 
     Raises:
@@ -131,6 +133,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
             module.requires_grad_(False).eval()
             if name.startswith("text_encoder"):
                 module.to(text_device or device, text_dtype)
+            elif name == "vae":
+                module.to(vae_device or device)
             else:
                 module.to(device)
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
