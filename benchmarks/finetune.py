@@ -21,7 +21,9 @@ anchors); the capped rows ``lowmem8_ro``, ``lowmem8_ckpt_ro``, ``lowmem8_ckpt`` 
 bf16 --ema_decay 0 --gpu_memory_budget 8GiB``, with CUDA graphs and/or gradient checkpointing); ``full_noema``,
 ``full_compile_noema``; ``sr_fused4``, ``sr_fused8``, ``sr_fused16`` (4 bytes per parameter: ``--optimizer adamw8bit
 --master_weights bf16_sr --fused_backward_pass --ema_decay 0`` under a 4, 8 or 16 GiB budget) and
-``sr_fused4_compile``, ``sr_fused16_compile`` (+ --compile, block by block).
+``sr_fused4_compile``, ``sr_fused16_compile`` (+ --compile, block by block), ``sr_fused4_ckpt2``,
+``sr_fused4_ckpt`` (+ checkpointing of every second block, of every block), ``sr_fused16_op``,
+``sr_fused16_ckpt2`` (+ op-level selective checkpointing, every second block), ``sr_fused16_ckpt2_compile``.
 
 Each row is its own ``ditforge train`` process (``--max_steps`` steps, metrics every ``--log_every``): ms/step is the
 median over the logged windows after the first (compilation and warm-up), from ``samples_per_sec``; peak GiB is
@@ -72,9 +74,15 @@ ROWS = {
     # 4 bytes per parameter: bf16 weights rounded stochastically, 8-bit moments, the step in the backward
     "sr_fused4": [*SR_FUSED, "--gpu_memory_budget", "4GiB"],
     "sr_fused4_compile": [*SR_FUSED, "--compile", "--gpu_memory_budget", "4GiB"],
+    "sr_fused4_ckpt2": [*SR_FUSED, "--grad_checkpoint", "every-2", "--gpu_memory_budget", "4GiB"],
+    "sr_fused4_ckpt": [*SR_FUSED, "--grad_checkpoint", "--gpu_memory_budget", "4GiB"],
     "sr_fused8": [*SR_FUSED, "--gpu_memory_budget", "8GiB"],
     "sr_fused16": [*SR_FUSED, "--gpu_memory_budget", "16GiB"],
     "sr_fused16_compile": [*SR_FUSED, "--compile", "--gpu_memory_budget", "16GiB"],
+    "sr_fused16_op": [*SR_FUSED, "--grad_checkpoint", "op", "--gpu_memory_budget", "16GiB"],
+    "sr_fused16_ckpt2": [*SR_FUSED, "--grad_checkpoint", "every-2", "--gpu_memory_budget", "16GiB"],
+    "sr_fused16_ckpt2_compile": [*SR_FUSED, "--grad_checkpoint", "every-2", "--compile", "--gpu_memory_budget",
+                                 "16GiB"],
 }
 
 

@@ -10,6 +10,8 @@ weights of size 1), bf16 compute, no EMA, the same data order and noise:
     adamw8bit   --optimizer adamw8bit
     bf16        --master_weights bf16 (Kahan-compensated bf16 weights)
     bf16_8bit   both (the 8 GiB rows of the README)
+    sr_8bit_fused  --optimizer adamw8bit --master_weights bf16_sr --fused_backward_pass (4 bytes per parameter:
+                the 4 GiB SD-1.5 and 16 GiB SDXL rows; clipping by the previous step's norm)
 
 A mode is "within run-to-run noise" when the mean loss of its last ``--window`` steps differs from the reference's
 by no more than the seed-to-seed difference does. Writes ``--json`` (curves every step, window means) and
@@ -38,6 +40,7 @@ MODES = {
     "adamw8bit": ["--optimizer", "adamw8bit"],
     "bf16": ["--master_weights", "bf16"],
     "bf16_8bit": ["--optimizer", "adamw8bit", "--master_weights", "bf16"],
+    "sr_8bit_fused": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--fused_backward_pass"],
 }
 
 

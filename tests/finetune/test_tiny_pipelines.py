@@ -21,11 +21,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = list(SPECS)
 PIPELINE_CLASS = {"sd": "StableDiffusionPipeline", "sd_v": "StableDiffusionPipeline",
                   "pixart": "PixArtAlphaPipeline", "pixart_sigma": "PixArtSigmaPipeline",
-                  "sd3": "StableDiffusion3Pipeline", "dit": "DiTPipeline"}
+                  "sd3": "StableDiffusion3Pipeline", "sdxl": "StableDiffusionXLPipeline", "dit": "DiTPipeline"}
 SCHEDULER = {"sd": ("PNDMScheduler", "epsilon"), "sd_v": ("DDIMScheduler", "v_prediction"),
              "pixart": ("DPMSolverMultistepScheduler", "epsilon"),
              "pixart_sigma": ("DPMSolverMultistepScheduler", "epsilon"),
-             "sd3": ("FlowMatchEulerDiscreteScheduler", None), "dit": ("DDIMScheduler", "epsilon")}
+             "sd3": ("FlowMatchEulerDiscreteScheduler", None), "sdxl": ("EulerDiscreteScheduler", "epsilon"),
+             "dit": ("DDIMScheduler", "epsilon")}
 PROMPT = "a dog runs on the grass"
 
 _loaded: dict = {}
@@ -79,17 +80,21 @@ def test_loads_offline(request, family):
     if family == "sd3":
         assert pipe.scheduler.config.shift == 3.0
         assert (pipe.vae.config.scaling_factor, pipe.vae.config.shift_factor) == (1.5305, 0.0609)
+    if family == "sdxl":  # pooled text + 6 micro-conditioning values, each embedded addition_time_embed_dim wide
+        cfg = pipe.unet.config
+        assert cfg.addition_embed_type == "text_time" and cfg.cross_attention_dim == spec["cross_attention_dim"]
+        assert cfg.projection_class_embeddings_input_dim == spec["pooled_width"] + 6 * cfg.addition_time_embed_dim
     if family == "dit":
         assert pipe.labels == {"apple": 0, "banana": 2, "green pear": 1, "red apple": 0, "yellow banana": 2}
         assert pipe.get_label_ids(["banana", "green pear"]) == [2, 1]
         assert pipe.transformer.config.num_embeds_ada_norm == 1000  # DiTPipeline's null label exists
 
 
-@pytest.mark.parametrize("family", ["sd", "sd_v", "sd3"])
+@pytest.mark.parametrize("family", ["sd", "sd_v", "sd3", "sdxl"])
 def test_clip_tokenizers(request, family):
     pipe = _pipe(request, family)
-    toks = [pipe.tokenizer] + ([pipe.tokenizer_2] if family == "sd3" else [])
-    pads = {"sd": ["<|endoftext|>"], "sd_v": ["!"], "sd3": ["<|endoftext|>", "!"]}[family]
+    toks = [pipe.tokenizer] + ([pipe.tokenizer_2] if family in ("sd3", "sdxl") else [])
+    pads = {"sd": ["<|endoftext|>"], "sd_v": ["!"], "sd3": ["<|endoftext|>", "!"], "sdxl": ["<|endoftext|>", "!"]}[family]
     for tok, pad in zip(toks, pads):
         assert type(tok).__name__ == "CLIPTokenizer" and tok.model_max_length == 77
         assert tok.pad_token == pad and (pad != "!" or tok.pad_token_id == 0)
@@ -129,7 +134,7 @@ def test_t5_tokenizer(request, family):
     assert encoder.config.vocab_size >= len(tok)
 
 
-@pytest.mark.parametrize("family", ["sd", "pixart", "pixart_sigma", "sd3"])
+@pytest.mark.parametrize("family", ["sd", "pixart", "pixart_sigma", "sd3", "sdxl"])
 def test_prompt_states(request, family):
     pipe = _pipe(request, family)
     spec = SPECS[family]
@@ -140,6 +145,10 @@ def test_prompt_states(request, family):
         elif family == "sd3":
             states, _, pooled, _ = pipe.encode_prompt(PROMPT, None, None, do_classifier_free_guidance=False)
             assert states.shape == (1, 77 + 256, spec["joint_attention_dim"])
+            assert pooled.shape == (1, spec["pooled_width"])
+        elif family == "sdxl":
+            states, _, pooled, _ = pipe.encode_prompt(PROMPT, device="cpu", do_classifier_free_guidance=False)
+            assert states.shape == (1, 77, spec["cross_attention_dim"]) == (1, 77, sum(spec["text_widths"]))
             assert pooled.shape == (1, spec["pooled_width"])
         else:
             states, mask, _, _ = pipe.encode_prompt(PROMPT, do_classifier_free_guidance=False, clean_caption=False)
