@@ -235,6 +235,11 @@ def parallelize(
     return model
 
 
+def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the tensors' squared L2 norms, a 0-dim fp32 tensor on their device (one multi-tensor norm)."""
+    return torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, dist: Dist) -> torch.Tensor:
     """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm before.
@@ -248,7 +253,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dist: Dist) -> torch.Tens
     if not grads:
         return torch.zeros(())
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    squares = torch.stack(torch._foreach_norm(local, 2.0)).float().pow(2).sum()
+    squares = squared_norm(local)
     if grads and isinstance(grads[0], DTensor):
         torch.distributed.all_reduce(squares, group=dist.mesh.get_group())
     total = squares.sqrt()

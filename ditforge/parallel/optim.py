@@ -46,6 +46,7 @@ from torch import nn
 
 from ditforge.config import OPTIMIZERS
 from ditforge.errors import UserError
+from ditforge.parallel import squared_norm
 
 BLOCKSIZE = 256  # bitsandbytes' block of the 8-bit blockwise optimizers
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 moments
@@ -275,7 +276,6 @@ class StepInBackward:
                  before_update=None):
         from ditforge.models import block_paths
 
-        trainable = [p for p in model.parameters() if p.requires_grad]
         seen: set[nn.Parameter] = set()
         self.groups: list[list[nn.Parameter]] = []
         for path in block_paths(model):
@@ -329,7 +329,7 @@ class StepInBackward:
                 self.before_update()
             self.optimizer.advance()
         grads = [p.grad for p in params]
-        self.squares.append(torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum())
+        self.squares.append(squared_norm(grads))
         if self.scale is not None:
             torch._foreach_mul_(grads, self.scale.to(grads[0].device))
         self.optimizer.update(params)

@@ -232,26 +232,20 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
     device = next(denoiser.inner.parameters()).device
     vae_home = pipe.vae.device
     pipe.vae.to(device)
+    out = []
     try:
-        return _generate(pre, denoiser, prompts, seeds, image_size, num_steps, guidance_scale, batch_size, device)
+        for start in range(0, len(prompts), batch_size):
+            rows = slice(start, start + batch_size)
+            gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[rows]]
+            with torch.no_grad():
+                cond = ({k: v.to(device) for k, v in denoiser.tokenize(prompts[rows]).items()}
+                        if denoiser.tokenize is not None else pre.encode_prompt(prompts[rows]))
+                images = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=image_size,
+                              width=image_size, generator=gens, output_type="pt", **denoiser.pipeline_inputs(cond),
+                              **denoiser.pipeline_kwargs).images
+            out.append(images.float().cpu() * 2 - 1)
     finally:
         pipe.vae.to(vae_home)
-
-
-def _generate(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int], image_size: int,
-              num_steps: int, guidance_scale: float, batch_size: int, device: torch.device) -> torch.Tensor:
-    pipe = pre.pipe
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        rows = slice(start, start + batch_size)
-        gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[rows]]
-        with torch.no_grad():
-            cond = ({k: v.to(device) for k, v in denoiser.tokenize(prompts[rows]).items()}
-                    if denoiser.tokenize is not None else pre.encode_prompt(prompts[rows]))
-            images = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=image_size,
-                          width=image_size, generator=gens, output_type="pt", **denoiser.pipeline_inputs(cond),
-                          **denoiser.pipeline_kwargs).images
-        out.append(images.float().cpu() * 2 - 1)
     return torch.cat(out)
 
 

@@ -307,10 +307,9 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
             # From features, the text encoders only encode the empty prompt and the sample grids, and the VAE only
             # decodes the grids: kept on the CPU (the VAE visits the GPU for a grid), out of a tight memory budget.
             on_gpu = device.type == "cuda" and features is None
-            host = torch.device("cpu")
+            helpers = device if features is None else torch.device("cpu")
             pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
-                                  text_device=device if features is None else host,
-                                  vae_device=device if features is None else host)
+                                  text_device=helpers, vae_device=helpers)
         else:
             dit_init = finetune.read_dit_init(cfg)
     dataset = _build_dataset(cfg, run_dir, pre, d)
