@@ -1,6 +1,7 @@
 """The ``ditforge`` command: the only place that parses argv.
 
-User errors (``UserError``) print one line on stderr and exit with code 2; Ctrl-C exits with 130.
+User errors (``UserError``) print one line on stderr and exit with code 2, a run stopped by an accident
+(``RunError``: divergence, a full disk) one line and code 1; Ctrl-C exits with 130.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import typing
 
 from ditforge.config import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, BenchConfig, DataConfig,
                              ModelConfig, ParallelConfig, TrainConfig, build_config)
-from ditforge.errors import UserError
+from ditforge.errors import RunError, UserError
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = (ModelConfig, DataConfig, TrainConfig,
@@ -240,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"ditforge {command}: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"ditforge {command}: stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"ditforge {command}: interrupted", file=sys.stderr)
         return 130

@@ -151,6 +151,13 @@ class TrainConfig:
                                   "EMA (sampling and export use the weights; no memory for a copy)")
     ckpt_every: int = _f(1000, "save a checkpoint every N steps (and always at the end or on Ctrl-C)")
     keep_last: int = _f(2, "keep the newest K checkpoints")
+    on_nonfinite: str = _f("skip", "a step whose loss or gradient norm is NaN or inf: skip (its optimizer and EMA "
+                                   "updates are skipped and counted; stop after --max_nonfinite_steps in a row) | "
+                                   "stop (at the first)", choices=("skip", "stop"))
+    max_nonfinite_steps: int = _f(20, "with --on_nonfinite skip: stop the run after this many non-finite steps "
+                                      "in a row")
+    continue_on_save_error: bool = _f(False, "go on when a checkpoint, sample grid or metrics line cannot be "
+                                             "written (a full disk), warning each time, instead of stopping")
     log_every: int = _f(50, "write metrics every N steps")
     sample_every: int = _f(500, "write a grid of EMA samples every N steps and at the end (0: none)")
     seed: int = _f(0, "seed of all randomness (initialisation, data order, noise)")
@@ -377,7 +384,7 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype:
 def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train
-    positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps,
+    positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps, "max_nonfinite_steps": t.max_nonfinite_steps,
                 "sequence_parallel_size": cfg.parallel.sequence_parallel_size, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
                 "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
                 "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes,

@@ -122,13 +122,13 @@ def plain_weights(ckpt: Path, use_ema: bool = True, model: str = "DiT-T/2", inpu
     return read_checkpoint_weights(ckpt, create_model(model, input_size, 1, 10).state_dict(), use_ema)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def ckpt_weights():
     """The function ``plain_weights``."""
     return plain_weights
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_argv():
     """The function ``tiny_train_argv`` (fixtures, not imports, so no module name can clash)."""
     return tiny_train_argv

@@ -55,7 +55,9 @@ class EMA:
                 self.trainable.append(key)
 
     @torch.no_grad()
-    def update(self, model: nn.Module, decay: float) -> None:
+    def update(self, model: nn.Module, decay: float, skip: torch.Tensor | None = None) -> None:
+        """``ema <- ema + (1 - decay) (weights - ema)``; where ``skip`` (0-dim bool, on the weights' device) is
+        true the weight of the update is 0 and the EMA stays as it is, decided on the device without a host sync."""
         if self.alias:
             return
         if self._pairs is None or self._pairs[0] is not model:  # name matching once, not every step
@@ -63,13 +65,15 @@ class EMA:
             self._pairs = (model, [_local(self.shadow[k]) for k in self.trainable],
                            [_local(params[k].detach()) for k in self.trainable])
         _, ema, weights = self._pairs
+        rate = 1.0 - decay if skip is None else (1.0 - decay) * (~skip).float()
         same = [i for i, (e, w) in enumerate(zip(ema, weights)) if e.dtype == w.dtype]
         if same:
-            torch._foreach_lerp_([ema[i] for i in same], [weights[i] for i in same], 1.0 - decay)
+            torch._foreach_lerp_([ema[i] for i in same], [weights[i] for i in same],
+                                 rate if skip is None else [rate] * len(same))
         if len(same) < len(ema):  # bf16 weights: one fp32 copy at a time, not a second model
             for e, w in zip(ema, weights):
                 if e.dtype != w.dtype:
-                    e.lerp_(w.to(e.dtype), 1.0 - decay)
+                    e.lerp_(w.to(e.dtype), rate)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.shadow

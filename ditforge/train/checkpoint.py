@@ -5,10 +5,13 @@ last good checkpoint.
 Layout of ``RUN/checkpoints/step-0000100/``:
     .metadata, __<rank>_0.distcp   DCP: ``model``, ``optimizer`` and ``ema`` state, keyed by the plain model's
                                    parameter names (the official DiT names), sharded as they were in training
-    meta.json                      step, the resolved config, grad-scaler state, world size and plugin
+    meta.json                      step, the resolved config, grad-scaler state, world size and plugin, and
+                                   each file's size and CRC-32 (computed while the file is written)
 
 The folder is written under a temporary name and renamed by rank 0 once every rank's data and DCP's
-metadata are on disk. Randomness in training is counter-based (derived from the seed and the step), so
+metadata are on disk. A resume, ``ditforge sample`` and ``export`` check every file against its size and CRC-32
+first (``damage``): a file damaged later (a bad disk, a truncated copy) is named, and ``--resume auto`` falls
+back to the newest intact checkpoint. Randomness in training is counter-based (derived from the seed and the step), so
 (seed, step) is the whole RNG state, and the data position is the step.
 
 DCP's ``.metadata`` is a pickle; it is read here with an unpickler that admits only DCP's metadata classes
@@ -21,11 +24,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
+import threading
+import time
 import warnings
+import zlib
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -49,14 +56,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ditforge.atomic import atomic_path
-from ditforge.errors import UserError
+from ditforge.errors import RunError, UserError
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
+from ditforge.train.guard import write_failure
 
 # DCP says so whenever it runs without a process group, which is how one process saves and loads on purpose.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-FORMAT_VERSION = 2
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 3  # 3: meta.json records each file's size and CRC-32 (older checkpoints load unchecked)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -121,6 +131,55 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA,
     }
 
 
+class _Checksummed:
+    """A binary file that keeps the CRC-32 and the length of what is written through it (DCP writes each file
+    front to back, so these are the file's)."""
+
+    def __init__(self, f: io.IOBase):
+        self.f, self.crc, self.size = f, 0, 0
+
+    def write(self, data: Any) -> int:
+        n = self.f.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += memoryview(data).nbytes
+        return n
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
+        return getattr(self.f, name)
+
+
+class _ChecksumFileSystem(dcp.filesystem.FileSystem):
+    """DCP's local file system, recording ``{file name: (bytes, CRC-32)}`` of every file written (DCP's writer
+    threads each write their own files)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, tuple[int, int]] = {}
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Any:
+        with super().create_stream(path, mode) as f:
+            if "w" not in mode:
+                yield f
+                return
+            out = _Checksummed(f)
+            yield out
+        with self.lock:
+            self.sums[Path(path).name] = (out.size, out.crc)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)  # DCP's .metadata is written under a temporary name
+        with self.lock:
+            if Path(path).name in self.sums:
+                self.sums[Path(new_path).name] = self.sums.pop(Path(path).name)
+
+
+def _writer(path: Path) -> dcp.FileSystemWriter:
+    writer = dcp.FileSystemWriter(str(path))
+    writer.fs = _ChecksumFileSystem()
+    return writer
+
+
 class Checkpointer:
     """Saves ``RUN/checkpoints/step-*`` collectively, synchronously or in the background, atomically.
 
@@ -131,53 +190,75 @@ class Checkpointer:
             thread (``dcp.async_save``); the next save, or ``wait()``, completes the previous one.
         d: this process's ``Dist``; a separate gloo group carries the background save's collectives so they
             never interleave with training's.
+
+    A save that fails (a full disk, a write error) leaves no temporary folder behind and raises ``SaveError``
+    (from ``save``, or for a background save from the next ``save`` or ``wait``), naming the folder and the last
+    good checkpoint; the run may go on and save again later.
     """
 
     def __init__(self, run_dir: Path, keep_last: int, async_save: bool, d: Dist, last_step: int | None = None):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last, self.async_save, self.dist, self.last_step = keep_last, async_save, d, last_step
         self.group = dist.new_group(backend="gloo") if d.mesh is not None else None
-        self.pending: tuple[Future, Path, Path, dict] | None = None
+        self.pending: tuple[Future, dcp.FileSystemWriter, Path, Path, dict] | None = None
         # On GPUs an async save copies the state into pinned host buffers (allocated once, reused by every
         # save) on a side stream while the next forward/backward runs; ``wait_for_staging`` (an optimizer
         # pre-step hook) holds back only the next weight update, then starts the background write.
         self.host_state: dict[str, Any] | None = None
         self.stream = torch.cuda.Stream(d.device) if async_save and d.device.type == "cuda" else None
         self.staged: tuple[torch.cuda.Event, dict, Path, Path, dict] | None = None
+        self.state_bytes = 0  # of the latest save, all ranks together (the error message's estimate)
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Save ``state`` (see ``training_state``) and ``meta`` as step ``step``; returns the final folder."""
-        self.wait()
+        """Save ``state`` (see ``training_state``) and ``meta`` as step ``step``; returns the final folder.
+
+        Raises:
+            SaveError: this save, or the background save before it, could not be written (this save is made
+                all the same: a full disk may have room again).
+        """
+        earlier: SaveError | None = None
+        try:
+            self.wait()
+        except SaveError as e:
+            earlier = e
         final = self.root / f"step-{step:07d}"
         if step == self.last_step:  # saved already (Ctrl-C right after a periodic save): the same state
             return final
         tmp = self.root / f".tmp-step-{step:07d}"
+        self.state_bytes = _nbytes(state) * self.dist.world_size
         if self.dist.is_main:
             for stale in [*self.root.glob(".tmp-step-*"), *self.root.glob(".tmp-delete-*")]:  # left by a crash
                 shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.dist.barrier()
-        meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
-        if self.stream is not None:
-            if self.host_state is None:
-                self.host_state = _create_cpu_state_dict(state, pin_memory=True)
-            self.stream.wait_stream(torch.cuda.current_stream(self.dist.device))
-            with torch.cuda.stream(self.stream):
-                # Tensors go into the cached buffers; the returned dict also carries this save's non-tensor
-                # values (e.g. the optimizer's current learning rate).
-                staged = _copy_state_dict(state, self.host_state, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-            self.staged = (copied, staged, tmp, final, meta)
-        elif self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                    no_dist=self.group is None)
-            self.pending = (future, tmp, final, meta)
-        else:
-            with _interrupts_unwrapped():
-                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group, no_dist=self.group is None)
-            self._finish(tmp, final, meta)
+            self._warn_if_short()
+        with self._failing_save(tmp):
+            if self.dist.is_main:
+                tmp.mkdir(parents=True)
+            self.dist.barrier()
+            meta = {"format_version": FORMAT_VERSION, "step": step, **meta}
+            if self.stream is not None:
+                if self.host_state is None:
+                    self.host_state = _create_cpu_state_dict(state, pin_memory=True)
+                self.stream.wait_stream(torch.cuda.current_stream(self.dist.device))
+                with torch.cuda.stream(self.stream):
+                    # Tensors go into the cached buffers; the returned dict also carries this save's non-tensor
+                    # values (e.g. the optimizer's current learning rate).
+                    staged = _copy_state_dict(state, self.host_state, non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record()
+                self.staged = (copied, staged, tmp, final, meta)
+            elif self.async_save:
+                writer = _writer(tmp)
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                        no_dist=self.group is None)
+                self.pending = (future, writer, tmp, final, meta)
+            else:
+                writer = _writer(tmp)
+                with _interrupts_unwrapped():
+                    dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+                self._finish(writer, tmp, final, meta)
         self.last_step = step  # (a background save that fails later clears it again in ``wait``)
+        if earlier is not None:
+            raise earlier
         return final
 
     def wait_for_staging(self) -> None:
@@ -187,33 +268,153 @@ class Checkpointer:
             copied, staged, tmp, final, meta = self.staged
             self.staged = None
             copied.synchronize()
-            future = dcp.async_save(staged, checkpoint_id=str(tmp), process_group=self.group,
+            writer = _writer(tmp)
+            future = dcp.async_save(staged, storage_writer=writer, process_group=self.group,
                                     no_dist=self.group is None, async_stager=_AlreadyStaged())
-            self.pending = (future, tmp, final, meta)
+            self.pending = (future, writer, tmp, final, meta)
 
     def wait(self) -> None:
-        """Complete a background save: wait for its writes, then publish it."""
+        """Complete a background save: wait for its writes, then publish it.
+
+        Raises:
+            SaveError: the background save could not be written.
+        """
         self.wait_for_staging()
         if self.pending is not None:
-            future, tmp, final, meta = self.pending
+            future, writer, tmp, final, meta = self.pending
             self.pending = None
             try:
-                with _interrupts_unwrapped():
-                    future.result()
+                with self._failing_save(tmp):
+                    with _interrupts_unwrapped():
+                        future.result()
+                    self._finish(writer, tmp, final, meta)
             except BaseException:
                 self.last_step = None  # not published: saving this step again must really save
                 raise
-            self._finish(tmp, final, meta)
 
-    def _finish(self, tmp: Path, final: Path, meta: dict) -> None:
-        # On rank 0, DCP returns once every rank's data and the global metadata are written.
+    def _finish(self, writer: dcp.FileSystemWriter, tmp: Path, final: Path, meta: dict) -> None:
+        # On rank 0, DCP returns once every rank's data and the global metadata are written; each rank knows the
+        # sizes and CRCs of the files it wrote.
+        sums = [writer.fs.sums]
+        if self.group is not None:
+            sums = [None] * self.dist.world_size
+            dist.all_gather_object(sums, writer.fs.sums, group=self.group)
         if self.dist.is_main:
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            files = {name: {"size": size, "crc32": f"{crc:08x}"}
+                     for rank in sums for name, (size, crc) in sorted(rank.items())}
+            with atomic_path(tmp / "meta.json") as out:
+                out.write_text(json.dumps({**meta, "files": files}, indent=1))
             os.replace(tmp, final)
             for old in list_checkpoints(self.root.parent)[: -self.keep_last]:
                 doomed = old.with_name(f".tmp-delete-{old.name}")  # out of the listing before it is half gone
                 os.replace(old, doomed)
                 shutil.rmtree(doomed, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _failing_save(self, tmp: Path):
+        """A save that raises removes its temporary folder; a full disk or another write error becomes one
+        ``SaveError`` line (Ctrl-C stays KeyboardInterrupt)."""
+        try:
+            yield
+        except (Exception, CheckpointException) as e:  # DCP wraps a rank's error in CheckpointException
+            self.staged = self.pending = None
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            cause = _rank_failures(e)[0] if isinstance(e, CheckpointException) and e.failures else e
+            if not isinstance(cause, OSError):
+                raise
+            raise SaveError(self._describe_failure(tmp, cause)) from None
+
+    def _describe_failure(self, tmp: Path, e: OSError) -> str:
+        good = list_checkpoints(self.root.parent)
+        return write_failure(f"checkpoint {tmp.name.removeprefix('.tmp-')}", self.root, e,
+                             good[-1] if good else None, self.state_bytes)
+
+    def _warn_if_short(self) -> None:
+        """Warn (rank 0) when the disk has less free space than the previous checkpoint took."""
+        good = list_checkpoints(self.root.parent)
+        if not good:
+            return
+        need = checkpoint_bytes(good[-1])
+        free = shutil.disk_usage(self.root).free
+        if free < need:
+            log.warning("%s: %.2f GiB free, the last checkpoint took %.2f GiB; the next save may fail", self.root,
+                        free / 2**30, need / 2**30)
+
+
+class SaveError(RunError):
+    """A checkpoint could not be written (one line: the folder, why, the last good checkpoint)."""
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors (this rank's shards) in a nested state dict."""
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    if torch.is_tensor(obj):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return t.numel() * t.element_size()
+    return 0
+
+
+def checkpoint_bytes(ckpt: Path) -> int:
+    """Bytes a checkpoint folder takes on disk (its files)."""
+    return sum(f.stat().st_size for f in Path(ckpt).iterdir() if f.is_file())
+
+
+def damage(ckpt: Path) -> str | None:
+    """Why a checkpoint folder is damaged ("<file> <why>"), or None when ``meta.json`` reads and every file it
+    records has its recorded size and CRC-32. Checkpoints of format 2 and older record none and pass unchecked.
+    Reads every file once (about 4 GB/s of CRC-32 on one core, plus the disk)."""
+    if (why := damage_of_meta(ckpt)) is not None:
+        return why
+    meta = read_meta(ckpt)
+    for name, want in meta.get("files", {}).items():
+        path = Path(ckpt) / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != want["size"]:
+            return f"{name} has {size} bytes, {want['size']} were written"
+        crc = 0
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+        if f"{crc:08x}" != want["crc32"]:
+            return f"{name} fails its CRC-32 check (bytes changed since it was written)"
+    return None
+
+
+def check_intact(ckpt: Path, flag: str) -> None:
+    """Raise UserError ``{flag}: <ckpt> is damaged: <file> <why>`` unless ``damage(ckpt)`` finds nothing."""
+    why = damage(ckpt)
+    if why is not None:
+        raise UserError(f"{flag}: {ckpt} is damaged: {why}")
+
+
+def newest_intact(run_dir: Path) -> Path | None:
+    """The newest checkpoint of a run that passes ``damage``; each newer damaged one is named in a warning and
+    moved aside to ``checkpoints/damaged-step-*`` (kept for a look, out of the way of the steps the run will save
+    again). None if the run has no checkpoint.
+
+    Raises:
+        UserError: every checkpoint of the run is damaged.
+    """
+    found = list_checkpoints(run_dir)
+    for ckpt in reversed(found):
+        why = damage(ckpt)
+        if why is None:
+            return ckpt
+        aside = ckpt.with_name(f"damaged-{ckpt.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        log.warning("%s is damaged: %s; moved to %s, resuming from the checkpoint before it", ckpt.name, why,
+                    aside.name)
+        os.replace(ckpt, aside)
+    if found:
+        raise UserError(f"--resume auto: every checkpoint in {Path(run_dir) / 'checkpoints'} is damaged (moved to "
+                        "damaged-step-*); start a new run or restore one from a copy")
+    return None
 
 
 def _rank_failures(e: CheckpointException) -> list[BaseException]:
@@ -288,8 +489,8 @@ def find_resume(resume: str | None, outputs: str | None) -> tuple[Path | None, s
     """
     if resume is None:
         return None, outputs
-    if resume == "auto":
-        found = list_checkpoints(Path(outputs)) if outputs else []
+    if resume == "auto":  # the newest whose manifest reads; the trainer checks its files (``newest_intact``)
+        found = [p for p in list_checkpoints(Path(outputs)) if damage_of_meta(p) is None] if outputs else []
         return (found[-1] if found else None), outputs
     ckpt = resolve_checkpoint(resume)
     outputs = outputs or str(ckpt.parent.parent)
@@ -325,6 +526,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
             return found[-1]
         raise UserError(f"{path}: no checkpoint in this folder (expected checkpoints/step-*/ or meta.json)")
     raise UserError(f"{path}: no such checkpoint folder")
+
+
+def damage_of_meta(ckpt: Path) -> str | None:
+    """Why ``meta.json`` of a checkpoint folder does not read, or None."""
+    try:
+        json.loads((Path(ckpt) / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable ({type(e).__name__})"
+    return None
 
 
 def read_meta(ckpt: Path) -> dict:
@@ -377,6 +587,7 @@ def load_weights(path: str | Path, use_ema: bool = True) -> tuple[dict[str, torc
         if is_diffusers_folder(p):  # written by `ditforge export --format diffusers`, or a diffusers DiT
             return load_diffusers(p)
         ckpt = resolve_checkpoint(p)
+        check_intact(ckpt, "--ckpt")
         return ckpt, read_meta(ckpt).get("config")
     if not p.is_file():
         raise UserError(f"--ckpt: {path} does not exist")

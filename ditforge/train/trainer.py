@@ -36,7 +36,7 @@ from ditforge.data.images import make_grid, save_grid, to_uint8
 from ditforge.encoders.batch import BatchEncoder, as_batch, build_batch_encoder, pipeline_batch_encoder
 from ditforge.diffusion import generate
 from ditforge.diffusion.objective import Objective, create_objective
-from ditforge.errors import UserError
+from ditforge.errors import RunError, UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
 from ditforge.ops.attention import whole_sequences
@@ -46,6 +46,7 @@ from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_mem
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
+from ditforge.train.guard import NonfiniteGuard, all_finite, claim_run_folder, disk_errors
 from ditforge.train.logging import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,16 @@ def train_step(
     mean over the global batch whatever the world size. Gradients are reduced only after the last
     micro-batch. ``stepper`` (``--fused_backward_pass``): the optimizer steps block by block during the last
     micro-batch's backward instead of after it (clipping by the previous step's norm, ``StepInBackward``).
-    Returns this process's loss (as optimised) and mean terms per row, and the global gradient norm, as 0-dim
-    tensors (no host sync here: the caller reads them when it logs).
+    Divergence guard: a step whose loss or global gradient norm is not finite on any process changes nothing:
+    the optimizer skips it (a fused torch optimizer on the device through its ``found_inf`` input, as the fp16
+    grad scaler drives it, so no host sync; other optimizers after reading the flag on the host), and the caller
+    skips the EMA update by ``"skipped"``. Under fp16 the grad scaler's own skip is that skip. With ``stepper``
+    the blocks step during the backward: a non-finite loss skips the step (checked before the backward, a host
+    sync), but a non-finite gradient is found only after its block stepped; the EMA still skips that step, and
+    the trainer's weight check refuses to save non-finite weights.
+
+    Returns this process's loss (as optimised) and mean terms per row, the global gradient norm, and
+    ``"skipped"`` (bool), as 0-dim tensors (no host sync here: the caller reads them when it logs).
     """
     rows = sum(len(mb[0]) for mb in micro_batches)
     local_batch = rows / rows_per_sample
@@ -135,24 +144,40 @@ def train_step(
                 )
             per_row = terms["loss"] * weight[0].to(terms["loss"]) if weight else terms["loss"]
             loss = per_row.sum() / local_batch
-            if stepper is not None and i == len(micro_batches) - 1:
+            last = i == len(micro_batches) - 1
+            if stepper is not None and last:
+                if not (total + loss.detach()).isfinite().item():  # before the hooks step any block (one process)
+                    optimizer.zero_grad(set_to_none=True)
+                    nan = torch.full((), float("nan"), device=loss.device)
+                    return {k: v / rows for k, v in sums.items()} | {"loss": total + loss.detach(), "grad_norm": nan,
+                                                                     "skipped": nan.isnan()}
                 stepper.arm()
             (scaler.scale(loss) if scaler is not None else loss).backward()
         for k, v in terms.items():
             sums[k] = sums.get(k, 0) + v.detach().sum()
         total = total + loss.detach()
     if stepper is not None:
-        return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": stepper.finish()}
+        norm = stepper.finish()
+        return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": norm, "skipped": ~norm.isfinite()}
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm_(model, max_grad_norm, d)
-    if scaler is not None:
+    grad_norm = clip_grad_norm_(model, max_grad_norm, d).detach()
+    skipped = ~(total.isfinite() & grad_norm.isfinite())
+    if d.mesh is not None:  # the loss is this process's: every process must skip alike
+        flag = skipped.to(d.device, torch.float32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        skipped = flag.bool()
+    if scaler is not None:  # its found-inf is the same test (non-finite unscaled gradients)
         scaler.step(optimizer)
         scaler.update()
-    else:
+    elif getattr(optimizer, "_step_supports_amp_scaling", False):  # fused AdamW: skipped on the device
+        optimizer.found_inf = skipped.float()
+        optimizer.step()
+        del optimizer.found_inf
+    elif not skipped.item():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": grad_norm.detach()}
+    return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": grad_norm, "skipped": skipped}
 
 
 @torch.no_grad()
@@ -237,6 +262,26 @@ def _default_outputs(cfg: RunConfig, d: Dist) -> str:
     return name[0]
 
 
+def _intact_resume(found: Path | None, resume: str | None, run_dir: Path, d: Dist) -> Path | None:
+    """The checkpoint to resume from after checking its files (rank 0 reads them, every rank gets the answer):
+    ``--resume auto`` falls back past damaged checkpoints (``ckpt_io.newest_intact``); a damaged checkpoint named
+    explicitly is an error."""
+    answer: list = [found, None]
+    if d.is_main and found is not None:
+        try:
+            if resume == "auto":
+                answer[0] = ckpt_io.newest_intact(run_dir)
+            else:
+                ckpt_io.check_intact(found, "--resume")
+        except UserError as e:
+            answer[1] = str(e)
+    if d.mesh is not None:
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise UserError(answer[1])
+    return answer[0]
+
+
 def _mean_over_processes(values: dict[str, torch.Tensor], d: Dist) -> dict[str, float]:
     """Average 0-dim tensors over all processes (one all-reduce) and read them on the host."""
     keys = sorted(values)
@@ -264,17 +309,22 @@ def train(cfg: RunConfig) -> Path:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     d = init_distributed(cfg.train.device, cfg.parallel.sequence_parallel_size)
     try:
-        return _train(cfg, d)
+        with contextlib.ExitStack() as held:
+            return _train(cfg, d, held)
     finally:
         shutdown(d)
 
 
-def _train(cfg: RunConfig, d: Dist) -> Path:
+def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     t, m, par = cfg.train, cfg.model, cfg.parallel
     resume_from, t.outputs = ckpt_io.find_resume(t.resume, t.outputs)
     if t.outputs is None:
         t.outputs = _default_outputs(cfg, d)
     run_dir = Path(t.outputs)
+    lock = claim_run_folder(run_dir, d)  # before anything is written there
+    if lock is not None:
+        held.callback(lock.release)
+    resume_from = _intact_resume(resume_from, t.resume, run_dir, d)
     if resume_from is None and ckpt_io.list_checkpoints(run_dir):
         raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, "
                         "or choose another folder")
@@ -429,21 +479,53 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
     grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
+
+    def last_good() -> Path | None:
+        found = ckpt_io.list_checkpoints(run_dir)
+        return found[-1] if found else None
+
+    nonfinite = NonfiniteGuard(1 if t.on_nonfinite == "stop" else t.max_nonfinite_steps, last_good)
     if d.is_main:
         n_params = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
         log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %d, "
                  "run folder %s", m.model or f"{pre.pipeline_class} denoiser", n_params / 1e6, d.world_size, device.type, plugin,
                  str(amp_dtype).removeprefix("torch."), max_steps, t.batch_size, run_dir)
 
-    def save(step: int) -> Path:
+    def save(step: int) -> Path | None:
+        """Save step ``step`` unless its weights are not finite (RunError); a failed write is a RunError too, or
+        with --continue_on_save_error a warning (returns None)."""
+        nonfinite.flush()
+        weights = [p for p in model.parameters() if p.requires_grad] + [ema.shadow[k] for k in ema.trainable]
+        if not all_finite(weights, d):
+            raise RunError(f"step {step}: the weights hold NaN or inf; not saved (the last good checkpoint is "
+                           f"{last_good()}); lower --lr, add --warmup_steps or keep --max_grad_norm")
         meta = {"config": cfg.to_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
                 "step_in_backward": stepper.state_dict() if stepper is not None else None,
                 "world_size": d.world_size, "plugin": plugin}
-        return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema, adapters_only), meta)
+        with disk_errors_of_saves():
+            return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema, adapters_only), meta)
+        return None
+
+    def finish_saves() -> None:
+        with disk_errors_of_saves():
+            checkpointer.wait()
+
+    @contextlib.contextmanager
+    def disk_errors_of_saves():
+        try:
+            yield
+        except ckpt_io.SaveError as e:
+            if not t.continue_on_save_error:
+                raise
+            log.warning("%s; going on (--continue_on_save_error)", e)
+
+    def written(what: str) -> contextlib.AbstractContextManager:
+        return disk_errors(what, run_dir, t.continue_on_save_error, last_good)
 
     def write_samples(step: int) -> None:
         try:
-            draw_samples(step)
+            with written(f"sample grid of step {step}"):
+                draw_samples(step)
         except torch.OutOfMemoryError:  # a grid is never worth the run (a tight --gpu_memory_budget)
             log.warning("step %d: no sample grid, out of GPU memory (%s)", step,
                         f"--gpu_memory_budget {t.gpu_memory_budget}" if t.gpu_memory_budget else "the GPU's memory")
@@ -477,6 +559,13 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
             write_gif(np.stack(grids), name.with_suffix(".gif"), fps=8)
         else:
             save_grid(to_uint8(pixels), name.with_suffix(".png"), nrow=8, upscale=max(1, 64 // cfg.data.image_size))
+
+    def update_ema(step: int, skipped: torch.Tensor) -> None:
+        if skipped.device.type == "cpu":  # known on the host already
+            if not skipped:
+                ema.update(model, ema_decay_at(t.ema_decay, step))
+        else:
+            ema.update(model, ema_decay_at(t.ema_decay, step), skip=skipped)
 
     step, stepped = start_step, False
     window: dict[str, torch.Tensor] = {}
@@ -512,25 +601,28 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
                                  stepper)
             except torch.OutOfMemoryError:
                 raise out_of_memory(step, t.gpu_memory_budget, device) from None
-            stepped = True
+            skipped, stepped = out.pop("skipped"), True
             checkpointer.wait_for_staging()  # a skipped fp16 step runs no pre-step hook; the EMA changes next
-            ema.update(model, ema_decay_at(t.ema_decay, step))
+            update_ema(step, skipped)
+            nonfinite.push(step + 1, skipped, out["loss"], out["grad_norm"])  # reads the previous step's flag
             step, stepped = step + 1, False
             window_steps += 1
-            for k, v in out.items():
-                window[k] = window.get(k, 0) + v
+            for k, v in out.items():  # a skipped step's values (NaN, inf) stay out of the means
+                window[k] = window.get(k, 0) + torch.where(skipped, 0.0, v)
+            window["good_steps"] = window.get("good_steps", 0) + (~skipped).double()
             bar.update(1)
             if step % t.log_every == 0 or step == max_steps:
-                record = {k: v / window_steps for k, v in _mean_over_processes(window, d).items()}
+                sums = _mean_over_processes(window, d)
+                good = sums.pop("good_steps")  # the same on every process
+                record = {k: v / good if good else math.nan for k, v in sums.items()}
                 elapsed = time.perf_counter() - window_start
                 record |= {"lr": learning_rate(cfg, step - 1), "samples_per_sec": window_steps * t.batch_size / elapsed,
-                           "epoch": step / max(steps_per_epoch, 1)}
+                           "epoch": step / max(steps_per_epoch, 1), "skipped_steps": window_steps - round(good)}
                 if device.type == "cuda":
                     record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                if not math.isfinite(record["loss"]):
-                    raise RuntimeError(f"loss is {record['loss']} at step {step}; lower --lr or use bf16/fp32")
                 if metrics is not None:
-                    metrics.write({"step": step, **record})
+                    with written("metrics.jsonl"):
+                        metrics.write({"step": step, **record})
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
                 window, window_start, window_steps = {}, time.perf_counter(), 0
             if t.sample_every and step % t.sample_every == 0 and step < max_steps:
@@ -540,11 +632,15 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     except KeyboardInterrupt:
         bar.close()
         if stepped:  # the optimizer already took this step: finish it, so the checkpoint is step-consistent
-            ema.update(model, ema_decay_at(t.ema_decay, step))
+            update_ema(step, skipped)
             step += 1
         path = save(step)
-        checkpointer.wait()
+        finish_saves()
         log.warning("interrupted at step %d; checkpoint saved to %s", step, path)
+        raise
+    except RunError:
+        with contextlib.suppress(RunError):
+            finish_saves()  # a background save of good weights still completes
         raise
     finally:
         interrupted.restore()
@@ -554,7 +650,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     if t.sample_every:
         write_samples(step)
     path = save(step)
-    checkpointer.wait()
+    finish_saves()
     if d.is_main:
         log.info("finished %d steps; checkpoint %s, samples in %s", step, path, run_dir / "samples")
     return run_dir

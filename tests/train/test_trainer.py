@@ -9,9 +9,12 @@ the EMA. Checkpoints are torch.distributed.checkpoint folders; their weights are
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 import numpy as np
@@ -305,8 +308,9 @@ def _small_state(seed):
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_save_is_atomic(tmp_path, monkeypatch, async_save):
-    """A save that fails after writing its data (DCP's writer raises where it would write the global metadata)
-    publishes nothing and leaves the previous checkpoint intact; in the background (async) too."""
+    """A save that fails after writing its data (DCP's writer runs out of disk where it would write the global
+    metadata) publishes nothing, removes its temporary folder, says so in one line (the folder, the space, the
+    last good checkpoint) and leaves the previous checkpoint intact; in the background (async) too."""
     checkpointer = ckpt_io.Checkpointer(tmp_path, keep_last=5, async_save=async_save, d=Dist())
     model, ema = _small_state(1), _small_state(2)
     good = checkpointer.save(1, {"model": model, "ema": ema}, {"note": "first"})
@@ -315,18 +319,19 @@ def test_save_is_atomic(tmp_path, monkeypatch, async_save):
     real, calls = FileSystemWriter.finish, []
 
     def failing(self, *args, **kwargs):
-        calls.append(1)
-        raise OSError("disk full (simulated)")
+        calls.append(sorted(p.name for p in Path(self.path).iterdir()))  # the data was written, then it failed
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "finish", failing)
-    # DCP reports failures as CheckpointException, a BaseException
-    with pytest.raises(BaseException, match="simulated"):
+    with pytest.raises(ckpt_io.SaveError) as failed:
         checkpointer.save(2, {"model": _small_state(3), "ema": _small_state(4)}, {})
         checkpointer.wait()  # an async save fails here, when it is completed
-    assert calls
+    assert calls == [["__0_0.distcp"]]
     root = tmp_path / "checkpoints"
+    assert re.fullmatch(rf"checkpoint step-0000002 not written: no space left on device in {root} \(about "
+                        rf"0\.00 GiB needed, [\d.]+ GiB free\); the last good checkpoint is {good}", str(failed.value))
     assert not (root / "step-0000002").exists()
-    assert list((root / ".tmp-step-0000002").glob("*.distcp"))  # the data was written, then the save failed
+    assert not list(root.glob(".tmp-*"))
     assert ckpt_io.list_checkpoints(tmp_path) == [good]
     assert [p.name for p in root.iterdir() if p.name.startswith("step-")] == ["step-0000001"]
     # the previous checkpoint is intact
@@ -375,29 +380,39 @@ def test_async_checkpoints_equal_sync(train_run, every_step_run, tmp_path):
         assert json.loads((_ckpt(run, step) / "meta.json").read_text())["step"] == step
 
 
-def test_async_save_failure_in_training_publishes_nothing(tmp_path, monkeypatch, one_thread):
-    """The 2nd background save fails: training stops with the error when it completes that save, step 1 stays
-    the newest checkpoint, intact, and step 2 is never published."""
+@pytest.mark.parametrize("go_on", [False, True], ids=["stop", "continue_on_save_error"])
+def test_async_save_failure_in_training_publishes_nothing(tmp_path, monkeypatch, one_thread, go_on):
+    """The 2nd background save runs out of disk: training stops with one line (``SaveError``) when it completes
+    that save, removes its temporary folder, step 1 stays the newest checkpoint, intact, and step 2 is never
+    published. With --continue_on_save_error the run goes on without that checkpoint and saves the next ones."""
     real, calls = FileSystemWriter.finish, []
 
     def second_fails(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise OSError("disk full (simulated)")
+            raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(FileSystemWriter, "finish", second_fails)
     run = tmp_path / "run"
-    with pytest.raises(BaseException, match="simulated"):
-        trainer.train(_cfg(run, max_steps=5, ckpt_every=1, keep_last=5, async_checkpoint=True))
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001"]
-    assert (run / "checkpoints" / ".tmp-step-0000002").is_dir()
+    cfg = _cfg(run, max_steps=5 if go_on else 4, ckpt_every=1, keep_last=5, async_checkpoint=True,
+               continue_on_save_error=go_on)
+    if go_on:
+        trainer.train(cfg)
+        assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000003", "step-0000004",
+                                                                   "step-0000005"]
+        assert not list((run / "checkpoints").glob(".tmp-*"))
+        return
+    with pytest.raises(ckpt_io.SaveError, match="checkpoint step-0000002 not written: no space left on device"):
+        trainer.train(cfg)  # reported when step 3's save completes step 2's: step 3 is saved, then the run stops
+    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000003"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
     for use_ema in (True, False):  # complete and readable
         _weights(_ckpt(run, 1), use_ema)
-    # and resuming continues from step 1 and cleans the failed save up
+    # and resuming continues from step 3
     monkeypatch.setattr(FileSystemWriter, "finish", real)
-    trainer.train(_cfg(run, max_steps=2, ckpt_every=1000, resume="auto"))
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000002"]
+    trainer.train(_cfg(run, max_steps=4, ckpt_every=1000, keep_last=5, resume="auto"))
+    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000003", "step-0000004"]
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 

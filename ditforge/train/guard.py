@@ -1,0 +1,216 @@
+"""What keeps a long run safe from its accidents: one run per folder (a lock), a run folder every rank sees,
+non-finite steps skipped and counted, and a full disk reported in one line.
+
+The checkpoint side (checksums, falling back past a damaged checkpoint, a failed save) is in
+``ditforge.train.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ditforge.errors import RunError, UserError
+from ditforge.parallel.mesh import Dist
+
+log = logging.getLogger(__name__)
+
+
+class RunLock:
+    """An exclusive ``fcntl.flock`` on ``RUN/.lock``, which holds the holder's host, PID and start time while it
+    runs and is emptied on release.
+
+    The kernel drops a flock when its process dies, so a lock left by a crashed run is free; its file still
+    names the dead holder, and taking it over says so in a warning. On a file system without flock (some network
+    mounts) the run goes on unlocked, with a warning.
+
+    Raises:
+        UserError: another live process holds the lock (the message names it).
+    """
+
+    def __init__(self, run_dir: Path):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / ".lock"
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = _describe_holder(self.file.read())
+            self.file.close()
+            raise UserError(f"--outputs {run_dir}: another ditforge run is using this folder ({holder}); wait for "
+                            "it to end, or choose another folder") from None
+        except OSError as e:  # ENOLCK / EOPNOTSUPP: no locks on this file system
+            log.warning("%s: cannot lock (%s); make sure no other run uses this folder", self.path, e.strerror)
+            self.file.close()
+            self.file = None
+            return
+        self.file.seek(0)
+        previous = self.file.read()
+        if previous.strip():
+            log.warning("%s: taking over the lock of a run that ended without releasing it (%s)", run_dir,
+                        _describe_holder(previous))
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                    "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        self.file.flush()
+
+    def release(self) -> None:
+        if self.file is not None and not self.file.closed:
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.close()  # closing drops the flock
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return f"host {h['host']}, PID {h['pid']}, started {h['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+def claim_run_folder(run_dir: Path, d: Dist) -> RunLock | None:
+    """Lock the run folder (rank 0 holds the lock) and check that every rank sees it: rank 0 writes a random token
+    into ``RUN/.shared-check``, every rank reads it back. Multi-host runs need the run folder on a file system
+    every host mounts at the same path; without this check a rank that writes elsewhere hangs at the first
+    checkpoint. A collective: every rank calls it. Returns rank 0's lock (None elsewhere).
+
+    Raises:
+        UserError: the folder is locked by another run, or some rank cannot see what rank 0 wrote (naming the ranks
+            and hosts).
+    """
+    lock = error = token = None
+    check = run_dir / ".shared-check"
+    if d.is_main:
+        try:
+            lock = RunLock(run_dir)
+        except UserError as e:
+            error = str(e)
+        else:
+            token = secrets.token_hex(16)
+            if d.mesh is not None:
+                check.write_text(token)
+    if d.mesh is None:
+        if error:
+            raise UserError(error)
+        return lock
+    box = [error, token, socket.gethostname()]
+    dist.broadcast_object_list(box, src=0)
+    error, token, host0 = box
+    if error:
+        raise UserError(error)
+    try:
+        seen = check.read_text() == token
+    except OSError:
+        seen = False
+    views = [None] * d.world_size
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    if d.is_main:
+        check.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        if lock is not None:
+            lock.release()
+        raise UserError(f"--outputs {run_dir}: {', '.join(blind)} cannot see the folder that rank 0 on {host0} "
+                        "writes; every host must reach the run folder at the same path on a shared file system")
+    return lock
+
+
+class NonfiniteGuard:
+    """Counts the steps whose loss or global gradient norm was not finite (their optimizer and EMA updates were
+    skipped, on the device, see ``trainer.train_step``) and stops the run after ``max_in_row`` of them in a row.
+
+    A step's flag is read on the host one step late (``push`` of step k reads step k-1's), so checking never
+    stalls the GPU's queue; ``flush`` reads the last one (before a save).
+    """
+
+    def __init__(self, max_in_row: int, last_good: Callable[[], Path | None]):
+        self.max_in_row, self.last_good = max_in_row, last_good
+        self.pending: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.in_row = self.total = 0
+
+    def push(self, step: int, bad: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """The flag (0-dim bool) and values (0-dim, for the message) of step ``step``, counted from 1 as in
+        metrics.jsonl."""
+        self.flush()
+        self.pending = (step, bad, loss, grad_norm)
+
+    def flush(self) -> None:
+        """Read the pending flag.
+
+        Raises:
+            RunError: ``max_in_row`` steps in a row were not finite.
+        """
+        if self.pending is None:
+            return
+        step, bad, loss, grad_norm = self.pending
+        self.pending = None
+        if not bad.item():
+            self.in_row = 0
+            return
+        self.in_row += 1
+        self.total += 1
+        log.warning("step %d: loss %s, gradient norm %s; update skipped (%d in a row, %d in all)", step,
+                    f"{loss.item():.4g}", f"{grad_norm.item():.4g}", self.in_row, self.total)
+        if self.in_row >= self.max_in_row:
+            good = self.last_good()
+            last = f"the last checkpoint is {good}" if good else "no checkpoint was saved"
+            raise RunError(f"step {step}: {self.in_row} steps in a row had a non-finite loss or gradient norm "
+                           f"(--max_nonfinite_steps); the weights are those after step {step - self.in_row}, "
+                           f"{last}; lower --lr, add --warmup_steps or keep --max_grad_norm")
+
+
+@torch.no_grad()
+def all_finite(tensors: list[torch.Tensor], d: Dist) -> bool:
+    """Whether every element of ``tensors`` (this rank's shards) is finite on every rank (a host sync; one
+    all-reduce across processes)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    local = [t for t in local if t.numel()]
+    ok = torch.ones((), device=d.device)
+    if local:
+        ok = torch.stack(torch._foreach_norm(local, float("inf"))).isfinite().all().float().to(d.device)
+    if d.mesh is not None:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def write_failure(what: str, folder: Path, e: OSError, last_good: Path | None, needed: int | None = None) -> str:
+    """One line for an error writing ``what`` into ``folder``: for a full disk (ENOSPC) or an exceeded quota
+    (EDQUOT) the space needed (``needed`` bytes, when known) and free; and the last good checkpoint."""
+    last = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint saved yet"
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return f"{what} not written to {folder}: {e.strerror or e}; {last}"
+    why = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+    free = shutil.disk_usage(folder).free if folder.is_dir() else 0
+    space = f"about {needed / 2**30:.2f} GiB needed, " if needed else ""
+    return f"{what} not written: {why} in {folder} ({space}{free / 2**30:.2f} GiB free); {last}"
+
+
+@contextlib.contextmanager
+def disk_errors(what: str, folder: Path, go_on: bool, last_good: Callable[[], Path | None]) -> Iterator[None]:
+    """Turn a full disk or an exceeded quota while writing ``what`` (metrics, a sample grid) into one line
+    (``write_failure``): a RunError, or with ``go_on`` (``--continue_on_save_error``) a warning."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        message = write_failure(what, folder, e, last_good())
+        if not go_on:
+            raise RunError(message) from None
+        log.warning("%s; going on (--continue_on_save_error)", message)
