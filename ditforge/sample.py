@@ -611,17 +611,19 @@ def _sample_npz(cfg: SampleConfig, d: Dist, model, vae, spec: dict, labels: list
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("batch_size", "num_samples", "save_npz")}
     settings = json.loads(json.dumps(settings))  # tuples as lists, as they read back
     saved = parts / "settings.json"
-    if saved.exists() and json.loads(saved.read_text()) != settings:
-        changed = sorted(k for k, v in json.loads(saved.read_text()).items() if settings.get(k) != v)
+    before = json.loads(saved.read_text()) if saved.exists() else settings
+    if before != settings:
+        changed = sorted(k for k in before.keys() | settings.keys() if before.get(k) != settings.get(k))
         raise UserError(f"--save_npz {cfg.save_npz}: {parts} holds samples drawn with other settings "
                         f"({', '.join(changed)}); re-run with those, or delete the folder to start over")
     n = len(labels)
     done = {int(i) for part in parts.glob("part-*.npz") for i in _read_part(part, "index") if i < n}
     todo = [i for i in range(n) if i not in done]
-    d.barrier()  # every process has listed the parts before any writes one: all cut the same batches
-    if d.is_main:
+    if d.is_main:  # before any part exists (the other processes read the same settings, or none yet)
         with atomic_path(saved) as tmp:
             tmp.write_text(json.dumps(settings, indent=1))
+    d.barrier()  # every process has listed the parts before any writes one: all cut the same batches
+    if d.is_main:
         log.info("%d of %d samples to draw on %d process(es) into %s (%d done already)", len(todo), n,
                  d.world_size, parts, len(done))
     batches = [todo[s : s + cfg.batch_size] for s in range(0, len(todo), cfg.batch_size)][d.rank :: d.world_size]
