@@ -46,7 +46,7 @@ from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_mem
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
-from ditforge.train.logging import MetricsLog
+from ditforge.train.logging import MetricsLog, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -429,6 +429,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
     grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
+    tracker = Tracker(run_dir, t.report_to, cfg.to_dict(), start_step if resume_from else None) if d.is_main else None
     if d.is_main:
         n_params = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
         log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %d, "
@@ -444,6 +445,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     def write_samples(step: int) -> None:
         try:
             draw_samples(step)
+            if tracker is not None:  # the grid draw_samples wrote
+                tracker.image(step, run_dir / "samples" / f"step-{step:07d}{'.gif' if video else '.png'}")
         except torch.OutOfMemoryError:  # a grid is never worth the run (a tight --gpu_memory_budget)
             log.warning("step %d: no sample grid, out of GPU memory (%s)", step,
                         f"--gpu_memory_budget {t.gpu_memory_budget}" if t.gpu_memory_budget else "the GPU's memory")
@@ -531,6 +534,7 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
                     raise RuntimeError(f"loss is {record['loss']} at step {step}; lower --lr or use bf16/fp32")
                 if metrics is not None:
                     metrics.write({"step": step, **record})
+                    tracker.log(step, record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
                 window, window_start, window_steps = {}, time.perf_counter(), 0
             if t.sample_every and step % t.sample_every == 0 and step < max_steps:
@@ -553,6 +557,8 @@ def _train(cfg: RunConfig, d: Dist) -> Path:
     bar.close()
     if t.sample_every:
         write_samples(step)
+    if tracker is not None:
+        tracker.close()
     path = save(step)
     checkpointer.wait()
     if d.is_main:
