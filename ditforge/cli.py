@@ -99,8 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fps", type=int, default=8, help="video models: frames per second of the MP4 and GIF")
     s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
                    "(needed for an official DiT .pt: e.g. sd-vae-ft-ema)")
-    s.add_argument("--save_npz", help="also write samples (N,H,W,C or N,T,H,W,C uint8) and labels (N,) or "
-                   "prompts (N,) to this .npz")
+    s.add_argument("--save_npz", help="with --out (or for text models): also write samples (N,H,W,C or N,T,H,W,C uint8) and labels (N,) "
+                   "or prompts (N,) to this .npz; without --out (class models): evaluation-scale sampling into this "
+                   ".npz only, in the ADM evaluator's layout (arr_0: N,H,W,3 uint8; arr_1: labels), split over the "
+                   "torchrun processes, sample i seeded by (--seed, i); finished batches are kept in NPZ.parts/ "
+                   "until the end, so a re-run resumes")
     s.add_argument("--no_ema", dest="use_ema", action="store_false", help="use the raw weights, not the EMA")
     s.add_argument("--device", default="auto", help="cuda | cpu | auto")
     s.add_argument("--sequence_parallel_size", type=int, default=1, help="under torchrun: split every sample's "

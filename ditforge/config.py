@@ -30,6 +30,7 @@ COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-auto
 OBJECTIVES = ("auto", "ddpm", "v", "flow")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform")
 RESIZE_MODES = ("center_crop", "letterbox")
+REPORT_TO = ("auto", "tensorboard", "wandb", "all", "none")
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -165,6 +166,9 @@ class TrainConfig:
     resume: str | None = _f(None, "'auto' (continue the run in --outputs if it has a checkpoint) or a run or "
                                   "checkpoint folder to continue from")
     device: str = _f("auto", "cuda | cpu | auto")
+    report_to: str = _f("auto", "experiment tracking beside metrics.jsonl: tensorboard (RUN/tensorboard/; "
+                                "ditforge[tensorboard]) | wandb (needs wandb) | all | none | auto (tensorboard "
+                                "when installed, else none)", choices=REPORT_TO)
 
 
 @dataclass
@@ -381,6 +385,26 @@ def resolve_precision(name: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[name]
 
 
+def report_backends(report_to: str) -> tuple[str, ...]:
+    """``--report_to`` -> the trackers to write to, of ``("tensorboard", "wandb")``; ``auto`` is tensorboard
+    when the ``tensorboard`` package is installed, else none.
+
+    Raises:
+        UserError: an unknown value, or a tracker named (tensorboard, wandb, all) whose package is not installed.
+    """
+    import importlib.util
+
+    if report_to not in REPORT_TO:
+        raise UserError(f"--report_to: expected one of {', '.join(REPORT_TO)}, got {report_to}")
+    wanted = {"auto": ("tensorboard",), "all": ("tensorboard", "wandb"), "none": ()}.get(report_to, (report_to,))
+    installed = tuple(b for b in wanted if importlib.util.find_spec(b) is not None)
+    missing = [b for b in wanted if b not in installed]
+    if missing and report_to != "auto":
+        hint = "pip install 'ditforge[tensorboard]'" if missing[0] == "tensorboard" else "pip install wandb"
+        raise UserError(f"--report_to {report_to}: {missing[0]} is not installed ({hint}), or use --report_to none")
+    return installed
+
+
 def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train
@@ -429,6 +453,7 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {t.compile}")
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
         raise UserError(f"--device: expected cuda, cpu or auto, got {t.device}")
+    report_backends(t.report_to)
     from ditforge.models import model_spec  # raises UserError for unknown names
 
     parse_checkpoint_policy(t.grad_checkpoint)

@@ -3,8 +3,11 @@ the run's VAE, and write a PNG grid (image models) or one MP4 + GIF per sample (
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import re
+import shutil
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -328,6 +331,11 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     with seed ``derive_seed(seed, i)`` and its prompt encoded alone, so it is the same whatever ``batch_size`` and
     whichever samples were skipped. ``save_npz`` is refused then.
 
+    Evaluation-scale (class models, ``save_npz`` given and ``out`` not): no grid or videos; the processes under
+    torchrun (or the one process) split the samples, each with its own seeds, write them in resumable parts and
+    merge them into one .npz in the ADM evaluator's layout (``arr_0`` samples, ``arr_1`` labels; see
+    ``_sample_npz``). Labels cycle as above (sample i has label i mod C), so every class has N/C samples.
+
     Under torchrun with ``sequence_parallel_size`` = the number of processes, every process draws the same
     noise and runs its slice of each sample's tokens (``apply_sequence_parallel``); process 0 writes. With
     ``cfg_parallel`` the processes are 2 x ``sequence_parallel_size``: the conditional and the unconditional halves
@@ -344,7 +352,8 @@ def sample(cfg: SampleConfig) -> np.ndarray:
             known VAE (naming ``--vae``); an image size the VAE does not divide; ``save_npz`` when streaming; a
             diffusers sampler without diffusers installed (naming ``--sampler``); ``pab`` with ``compile``; ``compile`` with
             sequence parallelism; ``cfg_parallel`` without guidance or with the wrong process count; a
-            ``cfg_interval`` outside 0..999 or ``guidance_channels`` beyond the model's channels.
+            ``cfg_interval`` outside 0..999 or ``guidance_channels`` beyond the model's channels; evaluation-scale
+            sampling with ``cfg_parallel`` or sequence parallelism, or into a parts folder of other settings.
     """
     if cfg.sampler is not None and cfg.sampler not in SAMPLERS:
         raise UserError(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {cfg.sampler}")
@@ -384,13 +393,18 @@ def sample(cfg: SampleConfig) -> np.ndarray:
 def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     if cfg.mixed_precision == "fp8":  # before the checkpoint is read
         _check_fp8(d)
+    evaluation = cfg.save_npz is not None and cfg.out is None and not prompts  # _sample_npz: processes split samples
+    if evaluation and (cfg.cfg_parallel or d.sp_size > 1):
+        raise UserError("--cfg_parallel/--sequence_parallel_size: not with --save_npz without --out, where every "
+                        "process draws its own share of the samples; drop them")
     if cfg.cfg_parallel and d.world_size != 2 * d.sp_size:
         raise UserError(f"--cfg_parallel: needs 2 x --sequence_parallel_size ({2 * d.sp_size}) processes under "
                         f"torchrun, got {d.world_size}")
-    if not cfg.cfg_parallel and d.world_size != d.sp_size:
+    if not cfg.cfg_parallel and not evaluation and d.world_size != d.sp_size:
         raise UserError(f"--sequence_parallel_size {cfg.sequence_parallel_size}: under torchrun, `ditforge sample` "
                         f"splits every sample over all {d.world_size} processes; give --sequence_parallel_size "
-                        f"{d.world_size} (or --cfg_parallel with half of that)")
+                        f"{d.world_size} (or --cfg_parallel with half of that), or --save_npz without --out to "
+                        "split the samples among the processes")
     device = d.device
     state, spec = _read(cfg.ckpt, cfg.use_ema)
     if spec.get("family"):
@@ -453,6 +467,8 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
 
     if stream:
         return _stream(cfg, d, model, vae, spec, prompts, out, video)
+    if evaluation:
+        return _sample_npz(cfg, d, model, vae, spec, labels, video)
     if text:
         y, y_mask = _encode_prompts(cfg, spec, prompts, device)
         names = [slug(p) for p in prompts]
@@ -570,6 +586,80 @@ def _stream(cfg: SampleConfig, d: Dist, model, vae, spec: dict, prompts: list[st
     if d.is_main:
         log.info("wrote %d new samples to %s", sum(len(a) for a in drawn), out)
     return np.concatenate(drawn) if drawn else np.empty(0, dtype=np.uint8)
+
+
+def _sample_npz(cfg: SampleConfig, d: Dist, model, vae, spec: dict, labels: list[int], video: bool) -> np.ndarray:
+    """Evaluation-scale sampling (``--save_npz`` without ``--out``), as DiT's ``sample_ddp.py``: the processes
+    split the samples, and the result is one .npz in the layout of guided-diffusion's ADM evaluator.
+
+    Sample i has label ``labels[i]`` and the seeds ``derive_seed(seed, i)`` (``generate(seeds=...)``), so the set
+    is the same whatever the number of processes or ``batch_size`` (on one kind of device; up to the float
+    rounding of batched matmuls). The missing samples are cut into batches of ``batch_size`` and batch j goes to
+    process j mod world size. Each finished batch is written atomically to ``<save_npz>.parts/part-NNNNNNN.npz``
+    (``index`` (B,) int64, ``samples`` (B, H, W, C) uint8); a re-run with the same settings (``settings.json``
+    there) skips the samples those files hold, so an interrupted run resumes. When all are drawn, process 0
+    merges them, writes ``save_npz`` atomically and removes the folder.
+
+    Returns:
+        On process 0 the samples ``arr_0`` (N, H, W, 3) or (N, T, H, W, 3) uint8 (grey repeated to RGB, as the
+        evaluator's Inception network takes RGB); ``arr_1`` holds the labels (N,) int64. Elsewhere an empty array.
+
+    Raises:
+        UserError: the parts folder holds samples drawn with other settings.
+    """
+    parts = Path(f"{cfg.save_npz}.parts")
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("batch_size", "num_samples", "save_npz")}
+    settings = json.loads(json.dumps(settings))  # tuples as lists, as they read back
+    saved = parts / "settings.json"
+    before = json.loads(saved.read_text()) if saved.exists() else settings
+    if before != settings:
+        changed = sorted(k for k in before.keys() | settings.keys() if before.get(k) != settings.get(k))
+        raise UserError(f"--save_npz {cfg.save_npz}: {parts} holds samples drawn with other settings "
+                        f"({', '.join(changed)}); re-run with those, or delete the folder to start over")
+    n = len(labels)
+    done = {int(i) for part in parts.glob("part-*.npz") for i in _read_part(part, "index") if i < n}
+    todo = [i for i in range(n) if i not in done]
+    if d.is_main:  # before any part exists (the other processes read the same settings, or none yet)
+        with atomic_path(saved) as tmp:
+            tmp.write_text(json.dumps(settings, indent=1))
+    d.barrier()  # every process has listed the parts before any writes one: all cut the same batches
+    if d.is_main:
+        log.info("%d of %d samples to draw on %d process(es) into %s (%d done already)", len(todo), n,
+                 d.world_size, parts, len(done))
+    batches = [todo[s : s + cfg.batch_size] for s in range(0, len(todo), cfg.batch_size)][d.rank :: d.world_size]
+    shape = _sample_shape(spec, video)
+    bar = tqdm(total=sum(map(len, batches)), unit="sample", desc="samples", disable=not d.is_main)
+    for rows in batches:
+        y = torch.tensor([labels[i] for i in rows], dtype=torch.long, device=d.device)
+        latents = _generate(cfg, d, model, spec, vae, shape, y, None, seeds=[derive_seed(cfg.seed, i) for i in rows],
+                            batch_size=len(rows))
+        _save_npz(parts / f"part-{rows[0]:07d}.npz", index=np.asarray(rows, dtype=np.int64),
+                  samples=to_uint8(vae.decode(latents).float()))
+        bar.update(len(rows))
+    bar.close()
+    d.barrier()
+    if not d.is_main:
+        return np.empty(0, dtype=np.uint8)
+    samples, filled = None, np.zeros(n, dtype=bool)
+    for part in sorted(parts.glob("part-*.npz")):
+        index, drawn = _read_part(part, "index"), _read_part(part, "samples")
+        keep = index < n
+        if samples is None:
+            samples = np.empty((n, *drawn.shape[1:]), dtype=np.uint8)
+        samples[index[keep]], filled[index[keep]] = drawn[keep], True
+    if not filled.all():
+        raise RuntimeError(f"{parts}: samples {np.flatnonzero(~filled)[:10].tolist()}... are missing after sampling")
+    if samples.shape[-1] == 1:
+        samples = samples.repeat(3, axis=-1)
+    _save_npz(cfg.save_npz, arr_0=samples, arr_1=np.asarray(labels, dtype=np.int64))
+    shutil.rmtree(parts)
+    log.info("wrote %d samples (%s) and their labels to %s", n, "x".join(map(str, samples.shape[1:])), cfg.save_npz)
+    return samples
+
+
+def _read_part(path: Path, key: str) -> np.ndarray:
+    with np.load(path) as f:
+        return f[key]
 
 
 def _write_video_files(frames: np.ndarray, stem: Path, fps: int) -> None:

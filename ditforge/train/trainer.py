@@ -47,7 +47,7 @@ from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
 from ditforge.train.guard import NonfiniteGuard, all_finite, claim_run_folder, disk_errors
-from ditforge.train.logging import MetricsLog
+from ditforge.train.logging import MetricsLog, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -479,6 +479,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
     grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
+    tracker = Tracker(run_dir, t.report_to, cfg.to_dict(), start_step if resume_from else None) if d.is_main else None
 
     def last_good() -> Path | None:
         found = ckpt_io.list_checkpoints(run_dir)
@@ -526,6 +527,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         try:
             with written(f"sample grid of step {step}"):
                 draw_samples(step)
+                if tracker is not None:  # the grid draw_samples wrote
+                    tracker.image(step, run_dir / "samples" / f"step-{step:07d}{'.gif' if video else '.png'}")
         except torch.OutOfMemoryError:  # a grid is never worth the run (a tight --gpu_memory_budget)
             log.warning("step %d: no sample grid, out of GPU memory (%s)", step,
                         f"--gpu_memory_budget {t.gpu_memory_budget}" if t.gpu_memory_budget else "the GPU's memory")
@@ -623,6 +626,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                 if metrics is not None:
                     with written("metrics.jsonl"):
                         metrics.write({"step": step, **record})
+                        tracker.log(step, record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
                 window, window_start, window_steps = {}, time.perf_counter(), 0
             if t.sample_every and step % t.sample_every == 0 and step < max_steps:
@@ -649,6 +653,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     bar.close()
     if t.sample_every:
         write_samples(step)
+    if tracker is not None:  # (every event is flushed when logged: a run that dies loses none)
+        tracker.close()
     path = save(step)
     finish_saves()
     if d.is_main:
