@@ -157,6 +157,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--vae", default=None, help="--format diffusers: the local diffusers AutoencoderKL folder to put in "
                    "the pipeline (default: the run's VAE)")
 
+    ev = sub.add_parser("eval", help="FID, sFID, Inception Score, precision / recall (and digits accuracy) of samples "
+                        "against a reference set; prints a table and a JSON line",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ev.add_argument("--samples", required=True, help="an .npz of images (N,H,W,C) uint8 under 'arr_0' (as the ADM "
+                    "evaluator reads) or 'samples' (as sample --save_npz writes), labels under 'labels' or 'arr_1'; "
+                    "or a folder of images of one size; or 'digits'")
+    ev.add_argument("--ref", required=True, help="the reference: 'digits', a folder of images, an .npz of images, "
+                    "or an .npz of statistics (from --save_ref, or an ADM reference batch)")
+    ev.add_argument("--inception", help="local Inception-v3 weights of torch-fidelity "
+                    "(weights-inception-2015-12-05-6726825d.pth); without it the built-in digits extractor (8x8 "
+                    "images only)")
+    ev.add_argument("--metrics", type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
+                    help="comma-separated, of fid, sfid, is, pr, accuracy (default: fid,sfid,is,pr with --inception; "
+                    "fid,pr,accuracy with the digits extractor, accuracy where the samples carry labels)")
+    ev.add_argument("--batch_size", type=int, default=100, help="images per feature-extractor batch")
+    ev.add_argument("--device", default="auto", help="cuda | cpu | auto")
+    ev.add_argument("--save_ref", help="also write the reference statistics to this .npz (pass it as --ref later)")
+
     pre = sub.add_parser("preprocess", help="write the video CSV (path,text,num_frames,fps,height,width) of a "
                          "folder of videos, for --data", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     pre.add_argument("kind", choices=("ucf101", "folder"), help="ucf101: ROOT/<ActionClass>/<video>, caption from "
@@ -229,6 +247,15 @@ def main(argv: list[str] | None = None) -> int:
                 from ditforge.sample import export
 
                 export(**args)
+        elif command == "eval":
+            import json
+
+            from ditforge.eval.evaluate import evaluate
+
+            result = evaluate(**args)
+            for key, value in result.items():
+                print(f"{key:<12} {value:.6g}" if isinstance(value, float) else f"{key:<12} {value}")
+            print(json.dumps(result))
         elif command == "preprocess":
             from ditforge.data.preprocess import preprocess_folder, preprocess_ucf101
 

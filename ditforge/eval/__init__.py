@@ -1,0 +1,3 @@
+"""Sample-quality metrics: FID, sFID, Inception Score and precision / recall (``fid``), the built-in digits
+feature extractor (``digits``), and ``ditforge eval``: reading sample and reference sets, the metrics of one
+against the other (``evaluate``)."""

@@ -1,0 +1,199 @@
+"""``ditforge eval``: read a sample set and a reference set (.npz files, image folders, the built-in ``digits``),
+extract features (Inception-v3 from ``--inception``, else the built-in digits CNN) and compute the metrics."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ditforge.errors import UserError
+from ditforge.eval.fid import (METRIC_FEATURES, InceptionV3, compute_metrics, extract_features,
+                               reference_statistics, save_reference)
+
+SAMPLE_KEYS = ("arr_0", "samples")  # ADM's evaluator reads arr_0; `ditforge sample --save_npz` writes samples
+LABEL_KEYS = ("labels", "arr_1")  # ADM's labelled batches hold the labels as arr_1
+METRICS = ("fid", "sfid", "is", "pr", "accuracy")
+log = logging.getLogger(__name__)
+
+
+def _read_npz(path: Path, flag: str) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return dict(npz)
+    except (OSError, ValueError) as e:  # not a zip / npy, or object arrays
+        raise UserError(f"{flag} {path}: not a readable .npz ({str(e).splitlines()[0]})") from None
+
+
+def _images_in(arrays: dict[str, np.ndarray], where: str) -> np.ndarray:
+    key = next((k for k in SAMPLE_KEYS if k in arrays), None)
+    if key is None:
+        raise UserError(f"{where}: no samples array (expected 'arr_0' as the ADM evaluator reads it, or 'samples' "
+                        f"as ditforge sample --save_npz writes it; it holds {', '.join(arrays) or 'nothing'})")
+    images = arrays[key]
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3) or len(images) < 2:
+        raise UserError(f"{where}: '{key}' must be images (N, H, W, C) uint8 with C 1 or 3 and N >= 2, got "
+                        f"{images.shape} {images.dtype}")
+    return images
+
+
+def _read_folder(folder: Path, flag: str) -> np.ndarray:
+    from PIL import Image
+
+    from ditforge.data.images import IMAGE_EXTENSIONS
+
+    files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
+    if len(files) < 2:
+        raise UserError(f"{flag} {folder}: fewer than 2 images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
+    images = []
+    for f in files:
+        try:
+            with Image.open(f) as img:
+                images.append(np.asarray(img.convert("RGB")))
+        except (OSError, ValueError, SyntaxError) as e:  # PIL raises all three on bad files
+            raise UserError(f"{flag} {f}: unreadable image ({e})") from None
+        if images[-1].shape != images[0].shape:
+            raise UserError(f"{flag} {folder}: images of mixed sizes ({files[0].name} is {images[0].shape[1]}x"
+                            f"{images[0].shape[0]}, {f.name} is {images[-1].shape[1]}x{images[-1].shape[0]}); "
+                            "crop or resize them to one size first")
+    return np.stack(images)
+
+
+def read_images(source: str, flag: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The images of ``--samples`` or ``--ref``.
+
+    Args:
+        source: ``digits`` (the 1,797 real digits), a folder (its images, recursively, in sorted order; read as
+            RGB), or an .npz holding ``arr_0`` or ``samples`` and optionally ``labels`` or ``arr_1``.
+        flag: the flag named in errors.
+
+    Returns:
+        Images (N, H, W, C) uint8 and labels (N,) int64 or None.
+
+    Raises:
+        UserError: a missing or unreadable file, an .npz without images (or with images not (N, H, W, C) uint8),
+            a folder with fewer than 2 images, an unreadable one, or images of mixed sizes.
+    """
+    if source == "digits":
+        from ditforge.eval.digits import real_digits_uint8
+
+        return real_digits_uint8()
+    path = Path(source)
+    if path.is_dir():
+        return _read_folder(path, flag), None
+    if not path.is_file():
+        raise UserError(f"{flag} {source}: no such file or folder (expected an .npz, an image folder or 'digits')")
+    arrays = _read_npz(path, flag)
+    images = _images_in(arrays, f"{flag} {source}")
+    labels = next((arrays[k].astype(np.int64) for k in LABEL_KEYS if k in arrays), None)
+    return images, labels
+
+
+def _check_size(size, expected, where: str) -> None:
+    if tuple(int(s) for s in size) != tuple(expected):
+        raise UserError(f"{where}: images of {size[1]}x{size[0]}, the samples are {expected[1]}x{expected[0]}; "
+                        "compare sets of one resolution")
+
+
+def load_reference(source: str, extractor, image_size: tuple[int, int], batch_size: int) -> dict[str, np.ndarray]:
+    """Reference statistics (see ``fid.reference_statistics``) for ``--ref``: read from an .npz that holds them
+    (``mu``: written by ``--save_ref``, or one of ADM's reference batches, whose ``arr_0`` images then give the
+    features of precision / recall), else computed from the images ``read_images`` gives.
+
+    Raises:
+        UserError: as ``read_images``; statistics of another extractor; images of another size than
+            ``image_size`` (H, W).
+    """
+    path = Path(source)
+    if path.suffix == ".npz" and path.is_file():
+        arrays = _read_npz(path, "--ref")
+        if "mu" in arrays:
+            name = str(arrays.get("extractor", "inception"))  # ADM's reference batches are Inception's
+            if name != extractor.name:
+                raise UserError(f"--ref {source}: statistics of the {name} extractor, these samples are measured "
+                                f"with the {extractor.name} one (--inception)")
+            if "pool" not in arrays and any(k in arrays for k in SAMPLE_KEYS):
+                images = _images_in(arrays, f"--ref {source}")
+                _check_size(images.shape[1:3], image_size, f"--ref {source}")
+                arrays["pool"] = extract_features(extractor, images, {"pool"}, batch_size)["pool"]
+                arrays["image_size"] = np.array(images.shape[1:3])
+            if "image_size" in arrays:
+                _check_size(arrays["image_size"], image_size, f"--ref {source}")
+            return arrays
+    images, _ = read_images(source, "--ref")
+    _check_size(images.shape[1:3], image_size, f"--ref {source}")
+    return reference_statistics(extractor, images, batch_size)
+
+
+def _choose_metrics(metrics: list[str] | None, extractor, labels: np.ndarray | None, samples: str) -> list[str]:
+    if metrics is None:  # all the extractor gives; accuracy only where the samples carry labels
+        metrics = ["fid", "sfid", "is", "pr"] if extractor.name == "inception" else ["fid", "pr", "accuracy"]
+        return [m for m in metrics if m != "accuracy" or labels is not None]
+    for m in metrics:
+        if m not in METRICS:
+            raise UserError(f"--metrics {m}: unknown (choose from {', '.join(METRICS)})")
+        if m == "accuracy" and extractor.name != "digits":
+            raise UserError("--metrics accuracy: only with the built-in digits extractor (no --inception)")
+        if m == "accuracy" and labels is None:
+            raise UserError(f"--metrics accuracy: {samples} holds no labels ('labels' or 'arr_1')")
+        if m != "accuracy" and METRIC_FEATURES[m] not in extractor.provides:
+            raise UserError(f"--metrics {m}: needs --inception (the {extractor.name} extractor has no "
+                            f"{METRIC_FEATURES[m]} features)")
+    return metrics
+
+
+def evaluate(samples: str, ref: str, inception: str | None = None, metrics: list[str] | None = None,
+             batch_size: int = 100, device: str = "auto", save_ref: str | None = None) -> dict[str, float | int | str]:
+    """``ditforge eval``: the metrics of a sample set against a reference set.
+
+    Args:
+        samples: see ``read_images``.
+        ref: see ``load_reference``.
+        inception: a local torch-fidelity Inception-v3 weights file (``fid.InceptionV3``); without it the built-in
+            digits CNN (``ditforge.eval.digits``), which reads 8x8 images.
+        metrics: of ``fid``, ``sfid`` (Inception), ``is``, ``pr`` (precision and recall), ``accuracy`` (digits,
+            with labels); default: fid, sfid, is, pr with Inception, fid, pr and accuracy (where the samples carry
+            labels) with digits.
+        batch_size: images per extractor batch.
+        device: ``auto``, ``cpu``, ``cuda``...
+        save_ref: also write the reference statistics to this .npz, for a later ``--ref``.
+
+    Returns:
+        ``extractor``, ``num_samples``, then ``fid``, ``sfid``, ``is``, ``precision``, ``recall``, ``accuracy`` as
+        asked (see ``fid.compute_metrics``).
+
+    Raises:
+        UserError: see ``read_images``, ``load_reference`` and ``fid.InceptionV3``; a metric that is unknown or that
+            the extractor or the samples cannot give; images other than 8x8 without ``--inception``.
+    """
+    from ditforge.config import resolve_device
+
+    device = resolve_device(device)
+    images, labels = read_images(samples, "--samples")
+    if inception is None:
+        from ditforge.eval.digits import DigitsExtractor
+
+        if images.shape[1:3] != (8, 8):
+            raise UserError(f"--inception: the samples are {images.shape[2]}x{images.shape[1]}; the built-in digits "
+                            "extractor reads 8x8 digits, other images need Inception-v3 weights")
+        extractor = DigitsExtractor(device)
+    else:
+        extractor = InceptionV3(inception, device)
+    metrics = _choose_metrics(metrics, extractor, labels, samples)
+    if labels is not None and len(labels) != len(images):
+        raise UserError(f"--samples {samples}: {len(labels)} labels for {len(images)} images")
+    reference = load_reference(ref, extractor, images.shape[1:3], batch_size)
+    if "pr" in metrics and "pool" not in reference:
+        raise UserError(f"--ref {ref}: statistics without the features precision / recall need (no 'pool', no images)")
+    if save_ref:
+        log.info("wrote %s", save_reference(reference, save_ref))
+    kinds = {METRIC_FEATURES[m] for m in metrics if m != "accuracy"} | ({"logits"} if "accuracy" in metrics else set())
+    feats = extract_features(extractor, images, kinds, batch_size)
+    out: dict[str, float | int | str] = {"extractor": extractor.name, "num_samples": len(images)}
+    out.update(compute_metrics(feats, reference, metrics, device))
+    if "accuracy" in metrics:
+        from ditforge.eval.digits import class_accuracy
+
+        out["accuracy"] = class_accuracy(feats["logits"], labels)
+    return out
