@@ -42,6 +42,8 @@ class RunLock:
     """
 
     def __init__(self, run_dir: Path):
+        # the folders made here (deepest first), removed again on release if the run wrote nothing else there
+        self.created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / ".lock"
         self.file = open(self.path, "a+")
@@ -70,9 +72,18 @@ class RunLock:
         self.file.flush()
 
     def release(self) -> None:
+        """Empty the lock file and drop the lock; the folders the lock created, where the run wrote nothing else
+        (it stopped on an error at start), are removed."""
         if self.file is not None and not self.file.closed:
             self.file.seek(0)
             self.file.truncate()
+            if self.created and [p.name for p in self.path.parent.iterdir()] == [".lock"]:
+                self.path.unlink()
+                for folder in self.created:
+                    try:
+                        folder.rmdir()
+                    except OSError:  # another run has put something there meanwhile
+                        break
             self.file.close()  # closing drops the flock
 
 
