@@ -1,6 +1,8 @@
 """The main job, end to end, as a newcomer runs it: `ditforge train` with no arguments (CPU, built-in
 digits), then `ditforge sample` with 20 samples per class; a classifier trained on scikit-learn's real
-digits labels the samples, and we report how often it agrees with the requested class.
+digits labels the samples, and we report how often it agrees with the requested class. The training run also
+evaluates itself at its end (`--eval_every 1000`: digits-FID, precision, recall and accuracy of 1,000 EMA samples
+with the built-in extractor), which changes nothing in its training.
 
 Usage: python benchmarks/digits_quality.py [--workdir DIR] [--json OUT.json] [-- extra train flags]
 Prints wall times and accuracy; exits 1 if the accuracy is under --min_accuracy (default 0.8).
@@ -42,7 +44,7 @@ def main() -> int:
     work = Path(args.workdir)
     run = work / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     t0 = time.perf_counter()
-    subprocess.run(["ditforge", "train", "--outputs", str(run), *args.train_flags], check=True)
+    subprocess.run(["ditforge", "train", "--outputs", str(run), "--eval_every", "1000", *args.train_flags], check=True)
     train_s = time.perf_counter() - t0
     npz = work / "samples.npz"
     t0 = time.perf_counter()
@@ -58,7 +60,9 @@ def main() -> int:
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
               "torch": __import__("torch").__version__, "train_wall_s": round(train_s, 1),
               "sample_wall_s": round(sample_s, 1), "accuracy": acc, "per_class_accuracy": per_class,
-              "classifier_held_out_accuracy_on_real_digits": held_out, "grid": str(work / "samples.png")}
+              "classifier_held_out_accuracy_on_real_digits": held_out, "grid": str(work / "samples.png"),
+              "eval_at_end": {k: v for k, v in json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]).items()
+                              if k == "step" or k.startswith("digits_")}}
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

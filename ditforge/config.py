@@ -161,6 +161,10 @@ class TrainConfig:
                                              "written (a full disk), warning each time, instead of stopping")
     log_every: int = _f(50, "write metrics every N steps")
     sample_every: int = _f(500, "write a grid of EMA samples every N steps and at the end (0: none)")
+    eval_every: int = _f(0, "every N steps and at the end, the digits-FID, precision, recall and class accuracy "
+                            "of --eval_samples EMA samples (DDIM 25 steps, guidance 4; the built-in digits "
+                            "extractor, --data digits only) into metrics.jsonl and TensorBoard (0: never)")
+    eval_samples: int = _f(1000, "samples per --eval_every evaluation (labels cycle through the classes)")
     seed: int = _f(0, "seed of all randomness (initialisation, data order, noise)")
     outputs: str | None = _f(None, "run folder (default: outputs/<data>-<model>-<time>)")
     resume: str | None = _f(None, "'auto' (continue the run in --outputs if it has a checkpoint) or a run or "
@@ -409,6 +413,7 @@ def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train
     positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps, "max_nonfinite_steps": t.max_nonfinite_steps,
+                "eval_samples": t.eval_samples,
                 "sequence_parallel_size": cfg.parallel.sequence_parallel_size, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
                 "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
                 "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes,
@@ -454,6 +459,10 @@ def validate(cfg: RunConfig) -> None:
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
         raise UserError(f"--device: expected cuda, cpu or auto, got {t.device}")
     report_backends(t.report_to)
+    if t.eval_every and (cfg.data.data != "digits" or cfg.data.instance_data or cfg.model.init_from):
+        raise UserError(f"--eval_every: the built-in extractor measures DiT runs on --data digits, not "
+                        f"{cfg.data.instance_data or cfg.data.data}; for other data draw samples with `ditforge sample "
+                        "--save_npz` and measure them with `ditforge eval --inception`")
     from ditforge.models import model_spec  # raises UserError for unknown names
 
     parse_checkpoint_policy(t.grad_checkpoint)

@@ -184,15 +184,15 @@ def train_step(
 def sample_grid(
     model: nn.Module, cond: dict[str, torch.Tensor], shape: tuple[int, ...], seed: int, cfg_scale: float = 4.0,
     num_steps: int = 100, learn_sigma: bool = True, clip_denoised: bool = True, objective: str = "ddpm",
-    flow_shift: float | None = None,
+    flow_shift: float | None = None, sampler: str | None = None,
 ) -> torch.Tensor:
-    """Draw one sample per condition row (``cond`` as ``BatchEncoder.conditioning``) with DDPM respaced to
-    ``num_steps`` (Euler for a rectified-flow ``objective``) and guidance; (N, *shape) float32 (pixels in [-1, 1]
-    or latents)."""
+    """Draw one sample per condition row (``cond`` as ``BatchEncoder.conditioning``) with ``sampler`` (default DDPM,
+    Euler for a rectified-flow ``objective``) respaced to ``num_steps`` and guidance; (N, *shape) float32 (pixels
+    in [-1, 1] or latents)."""
     y = cond["y"]
     g = torch.Generator(device=y.device).manual_seed(seed)
     return generate(model, y, shape, y_mask=cond.get("y_mask"), cfg_scale=cfg_scale, num_steps=num_steps,
-                    sampler="euler" if objective == "flow" else "ddpm", learn_sigma=learn_sigma, generator=g,
+                    sampler=sampler or ("euler" if objective == "flow" else "ddpm"), learn_sigma=learn_sigma, generator=g,
                     clip_denoised=clip_denoised, objective=objective, flow_shift=flow_shift or 1.0)
 
 
@@ -534,6 +534,33 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                         f"--gpu_memory_budget {t.gpu_memory_budget}" if t.gpu_memory_budget else "the GPU's memory")
             torch.cuda.empty_cache()
 
+    def draw(weights: dict[str, torch.Tensor], cond: dict[str, torch.Tensor], seed: int, **how) -> torch.Tensor:
+        """Pixels (N, C, [T,] H, W) in [-1, 1] of samples of a DiT with ``weights`` (rank 0); ``how``: sampler and
+        steps (``sample_grid``'s)."""
+        nonlocal grid_model
+        if grid_model is None:
+            grid_model = _create_model(cfg).to(device).eval()
+        grid_model.load_state_dict(weights)
+        with whole_sequences():  # rank 0 alone: no sequence-parallel attention
+            x = sample_grid(grid_model, cond, sample_shape, seed=seed, learn_sigma=m.learn_sigma,
+                            clip_denoised=m.vae == "none",  # VAE latents are not bounded to [-1, 1]
+                            objective=m.objective, flow_shift=m.flow_shift, **how)
+        return _decode(cfg, inputs, x, device)
+
+    def evaluate() -> dict[str, float]:
+        """--eval_every: the built-in digits extractor's metrics of ``eval_samples`` EMA samples, labels cycling
+        through the classes, drawn with DDIM in 25 steps at guidance 4 (cheap enough to run often on a CPU) in
+        batches of 256 (batch k seeded by ``derive_seed(seed, k)``)."""
+        from ditforge.eval.digits import evaluate_digits
+
+        weights = ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
+        if not d.is_main:
+            return {}
+        labels = torch.arange(t.eval_samples, device=device) % m.num_classes
+        pixels = torch.cat([draw(weights, {"y": y}, derive_seed(t.seed, k), sampler="ddim", num_steps=25) for k, y in enumerate(labels.split(256))])
+        result = evaluate_digits(pixels.cpu(), labels.cpu(), device=device)
+        return {f"digits_{k}": v for k, v in result.items()}
+
     def draw_samples(step: int) -> None:
         nonlocal grid_model, grid_cond
         weights = ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
@@ -543,15 +570,9 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             pixels, grid_model = finetune.sample_grid(pre, cfg, weights, dataset, grid_model)
             save_grid(to_uint8(pixels), (run_dir / "samples" / f"step-{step:07d}.png"), nrow=4)
             return
-        if grid_model is None:
-            grid_model = _create_model(cfg).to(device).eval()
+        if grid_cond is None:
             grid_cond = _grid_conditioning(cfg, dataset, inputs, device)
-        grid_model.load_state_dict(weights)
-        with whole_sequences():  # rank 0 alone: no sequence-parallel attention
-            x = sample_grid(grid_model, grid_cond, sample_shape, seed=t.seed, learn_sigma=m.learn_sigma,
-                            clip_denoised=m.vae == "none",  # VAE latents are not bounded to [-1, 1]
-                            objective=m.objective, flow_shift=m.flow_shift)
-        pixels = _decode(cfg, inputs, x, device)
+        pixels = draw(weights, grid_cond, t.seed)
         name = run_dir / "samples" / f"step-{step:07d}"
         if video:  # a GIF of grids: frame k of every sample side by side
             from ditforge.data.video import write_gif  # PyAV: ditforge[video]
@@ -614,6 +635,11 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                 window[k] = window.get(k, 0) + torch.where(skipped, 0.0, v)
             window["good_steps"] = window.get("good_steps", 0) + (~skipped).double()
             bar.update(1)
+            evaluated = evaluate() if t.eval_every and (step % t.eval_every == 0 or step == max_steps) else {}
+            if evaluated and step % t.log_every and step != max_steps and metrics is not None:
+                with written("metrics.jsonl"):  # between two log steps: a record of its own
+                    metrics.write({"step": step, **evaluated})
+                    tracker.log(step, evaluated)
             if step % t.log_every == 0 or step == max_steps:
                 sums = _mean_over_processes(window, d)
                 good = sums.pop("good_steps")  # the same on every process
@@ -623,6 +649,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                            "epoch": step / max(steps_per_epoch, 1), "skipped_steps": window_steps - round(good)}
                 if device.type == "cuda":
                     record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                record |= evaluated
                 if metrics is not None:
                     with written("metrics.jsonl"):
                         metrics.write({"step": step, **record})
