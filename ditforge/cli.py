@@ -163,14 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--samples", required=True, help="an .npz of images (N,H,W,C) uint8 under 'arr_0' (as the ADM "
                     "evaluator reads) or 'samples' (as sample --save_npz writes), labels under 'labels' or 'arr_1'; "
                     "or a folder of images of one size; or 'digits'")
-    ev.add_argument("--ref", required=True, help="the reference: 'digits', a folder of images, an .npz of images, "
-                    "or an .npz of statistics (from --save_ref, or an ADM reference batch)")
+    ev.add_argument("--ref", help="the reference: 'digits', a folder of images, an .npz of images, or an .npz of "
+                    "statistics (from --save_ref, or an ADM reference batch); every metric but clip needs it")
     ev.add_argument("--inception", help="local Inception-v3 weights of torch-fidelity "
                     "(weights-inception-2015-12-05-6726825d.pth); without it the built-in digits extractor (8x8 "
                     "images only)")
     ev.add_argument("--metrics", type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
-                    help="comma-separated, of fid, sfid, is, pr, accuracy (default: fid,sfid,is,pr with --inception; "
-                    "fid,pr,accuracy with the digits extractor, accuracy where the samples carry labels)")
+                    help="comma-separated, of fid, sfid, is, pr, accuracy, clip (default: fid,sfid,is,pr with "
+                    "--inception; fid,pr,accuracy with the digits extractor, accuracy where the samples carry labels)")
+    ev.add_argument("--clip", help="--metrics clip: a local CLIP folder (CLIPModel + CLIPProcessor, e.g. a copy of "
+                    "openai/clip-vit-large-patch14); the CLIP score of the samples against the npz's 'prompts'")
     ev.add_argument("--batch_size", type=int, default=100, help="images per feature-extractor batch")
     ev.add_argument("--device", default="auto", help="cuda | cpu | auto")
     ev.add_argument("--save_ref", help="also write the reference statistics to this .npz (pass it as --ref later)")

@@ -14,7 +14,7 @@ from ditforge.eval.fid import (METRIC_FEATURES, InceptionV3, compute_metrics, ex
 
 SAMPLE_KEYS = ("arr_0", "samples")  # ADM's evaluator reads arr_0; `ditforge sample --save_npz` writes samples
 LABEL_KEYS = ("labels", "arr_1")  # ADM's labelled batches hold the labels as arr_1
-METRICS = ("fid", "sfid", "is", "pr", "accuracy")
+METRICS = ("fid", "sfid", "is", "pr", "accuracy", "clip")
 log = logging.getLogger(__name__)
 
 
@@ -143,8 +143,20 @@ def _choose_metrics(metrics: list[str] | None, extractor, labels: np.ndarray | N
     return metrics
 
 
-def evaluate(samples: str, ref: str, inception: str | None = None, metrics: list[str] | None = None,
-             batch_size: int = 100, device: str = "auto", save_ref: str | None = None) -> dict[str, float | int | str]:
+def read_prompts(samples: str) -> list[str]:
+    """The prompts of a text-to-image sample .npz (``prompts`` (N,) str, as ``ditforge sample --save_npz`` writes
+    them). Raises UserError if there are none."""
+    path = Path(samples)
+    arrays = _read_npz(path, "--samples") if path.suffix == ".npz" and path.is_file() else {}
+    if "prompts" not in arrays:
+        raise UserError(f"--metrics clip: --samples {samples} holds no 'prompts' (ditforge sample --prompt ... "
+                        "--save_npz writes them)")
+    return [str(p) for p in arrays["prompts"]]
+
+
+def evaluate(samples: str, ref: str | None = None, inception: str | None = None, metrics: list[str] | None = None,
+             batch_size: int = 100, device: str = "auto", save_ref: str | None = None,
+             clip: str | None = None) -> dict[str, float | int | str]:
     """``ditforge eval``: the metrics of a sample set against a reference set.
 
     Args:
@@ -153,24 +165,39 @@ def evaluate(samples: str, ref: str, inception: str | None = None, metrics: list
         inception: a local torch-fidelity Inception-v3 weights file (``fid.InceptionV3``); without it the built-in
             digits CNN (``ditforge.eval.digits``), which reads 8x8 images.
         metrics: of ``fid``, ``sfid`` (Inception), ``is``, ``pr`` (precision and recall), ``accuracy`` (digits,
-            with labels); default: fid, sfid, is, pr with Inception, fid, pr and accuracy (where the samples carry
-            labels) with digits.
+            with labels), ``clip`` (the CLIP score against the samples' prompts, ``clip_score``; needs ``clip``
+            and no ``ref``); default: fid, sfid, is, pr with Inception, fid, pr and accuracy (where the samples
+            carry labels) with digits.
+        clip: a local CLIP folder (``clip_score.clip_score``).
         batch_size: images per extractor batch.
         device: ``auto``, ``cpu``, ``cuda``...
         save_ref: also write the reference statistics to this .npz, for a later ``--ref``.
 
     Returns:
-        ``extractor``, ``num_samples``, then ``fid``, ``sfid``, ``is``, ``precision``, ``recall``, ``accuracy`` as
-        asked (see ``fid.compute_metrics``).
+        ``num_samples``, ``clip_score`` if asked, then ``extractor``, ``fid``, ``sfid``, ``is``, ``precision``,
+        ``recall``, ``accuracy`` as asked (see ``fid.compute_metrics``).
 
     Raises:
         UserError: see ``read_images``, ``load_reference`` and ``fid.InceptionV3``; a metric that is unknown or that
-            the extractor or the samples cannot give; images other than 8x8 without ``--inception``.
+            the extractor or the samples cannot give; images other than 8x8 without ``--inception``; ``clip``
+            without a CLIP folder or prompts (``read_prompts``); a metric of the reference without ``ref``.
     """
     from ditforge.config import resolve_device
 
     device = resolve_device(device)
     images, labels = read_images(samples, "--samples")
+    out: dict[str, float | int | str] = {"num_samples": len(images)}
+    if metrics is not None and "clip" in metrics:
+        if clip is None:
+            raise UserError("--metrics clip: needs --clip, a local CLIP folder")
+        from ditforge.eval.clip_score import clip_score
+
+        out["clip_score"] = clip_score(images, read_prompts(samples), clip, device, batch_size)
+        metrics = [m for m in metrics if m != "clip"]
+        if not metrics:
+            return out
+    if ref is None:
+        raise UserError("--ref: needed for fid, sfid, is, pr and accuracy (only --metrics clip goes without)")
     if inception is None:
         from ditforge.eval.digits import DigitsExtractor
 
@@ -190,7 +217,7 @@ def evaluate(samples: str, ref: str, inception: str | None = None, metrics: list
         log.info("wrote %s", save_reference(reference, save_ref))
     kinds = {METRIC_FEATURES[m] for m in metrics if m != "accuracy"} | ({"logits"} if "accuracy" in metrics else set())
     feats = extract_features(extractor, images, kinds, batch_size)
-    out: dict[str, float | int | str] = {"extractor": extractor.name, "num_samples": len(images)}
+    out["extractor"] = extractor.name
     out.update(compute_metrics(feats, reference, metrics, device))
     if "accuracy" in metrics:
         from ditforge.eval.digits import class_accuracy
