@@ -557,7 +557,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         if not d.is_main:
             return {}
         labels = torch.arange(t.eval_samples, device=device) % m.num_classes
-        pixels = torch.cat([draw(weights, {"y": y}, derive_seed(t.seed, k), sampler="ddim", num_steps=25) for k, y in enumerate(labels.split(256))])
+        pixels = torch.cat([draw(weights, {"y": y}, derive_seed(t.seed, k), sampler="ddim", num_steps=25)
+                            for k, y in enumerate(labels.split(256))])
         result = evaluate_digits(pixels.cpu(), labels.cpu(), device=device)
         return {f"digits_{k}": v for k, v in result.items()}
 
