@@ -147,11 +147,12 @@ def read_prompts(samples: str) -> list[str]:
     """The prompts of a text-to-image sample .npz (``prompts`` (N,) str, as ``ditforge sample --save_npz`` writes
     them). Raises UserError if there are none."""
     path = Path(samples)
-    arrays = _read_npz(path, "--samples") if path.suffix == ".npz" and path.is_file() else {}
-    if "prompts" not in arrays:
-        raise UserError(f"--metrics clip: --samples {samples} holds no 'prompts' (ditforge sample --prompt ... "
-                        "--save_npz writes them)")
-    return [str(p) for p in arrays["prompts"]]
+    if path.suffix == ".npz" and path.is_file():  # (read_images checked it reads) only this array, not the images again
+        with np.load(path, allow_pickle=False) as npz:
+            if "prompts" in npz.files:
+                return [str(p) for p in npz["prompts"]]
+    raise UserError(f"--metrics clip: --samples {samples} holds no 'prompts' (ditforge sample --prompt ... "
+                    "--save_npz writes them)")
 
 
 def evaluate(samples: str, ref: str | None = None, inception: str | None = None, metrics: list[str] | None = None,

@@ -56,10 +56,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ditforge.atomic import atomic_path
-from ditforge.errors import RunError, UserError
+from ditforge.errors import UserError
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
-from ditforge.train.guard import write_failure
+from ditforge.train.guard import WriteFailed, write_failure
 
 # DCP says so whenever it runs without a process group, which is how one process saves and loads on purpose.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -342,7 +342,7 @@ class Checkpointer:
                         free / 2**30, need / 2**30)
 
 
-class SaveError(RunError):
+class SaveError(WriteFailed):
     """A checkpoint could not be written (one line: the folder, why, the last good checkpoint)."""
 
 

@@ -212,16 +212,25 @@ def write_failure(what: str, folder: Path, e: OSError, last_good: Path | None, n
     return f"{what} not written: {why} in {folder} ({space}{free / 2**30:.2f} GiB free); {last}"
 
 
+class WriteFailed(RunError):
+    """A file of the run could not be written; the message is ``write_failure``'s one line."""
+
+
 @contextlib.contextmanager
 def disk_errors(what: str, folder: Path, go_on: bool, last_good: Callable[[], Path | None]) -> Iterator[None]:
     """Turn a full disk or an exceeded quota while writing ``what`` (metrics, a sample grid) into one line
-    (``write_failure``): a RunError, or with ``go_on`` (``--continue_on_save_error``) a warning."""
+    (``write_failure``), and a checkpoint's ``WriteFailed`` (``checkpoint.SaveError``) likewise: raised, or with
+    ``go_on`` (``--continue_on_save_error``) a warning."""
     try:
         yield
+    except WriteFailed as e:
+        if not go_on:
+            raise
+        log.warning("%s; going on (--continue_on_save_error)", e)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         message = write_failure(what, folder, e, last_good())
         if not go_on:
-            raise RunError(message) from None
+            raise WriteFailed(message) from None
         log.warning("%s; going on (--continue_on_save_error)", message)

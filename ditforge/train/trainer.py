@@ -503,22 +503,13 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         meta = {"config": cfg.to_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
                 "step_in_backward": stepper.state_dict() if stepper is not None else None,
                 "world_size": d.world_size, "plugin": plugin}
-        with disk_errors_of_saves():
+        with written(f"checkpoint step-{step:07d}"):
             return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema, adapters_only), meta)
         return None
 
     def finish_saves() -> None:
-        with disk_errors_of_saves():
+        with written("checkpoint"):
             checkpointer.wait()
-
-    @contextlib.contextmanager
-    def disk_errors_of_saves():
-        try:
-            yield
-        except ckpt_io.SaveError as e:
-            if not t.continue_on_save_error:
-                raise
-            log.warning("%s; going on (--continue_on_save_error)", e)
 
     def written(what: str) -> contextlib.AbstractContextManager:
         return disk_errors(what, run_dir, t.continue_on_save_error, last_good)
