@@ -104,8 +104,9 @@ class DataConfig:
                                         "of dog'")
     num_class_images: int = _f(100, "DreamBooth prior preservation: class images wanted in --class_data")
     prior_loss_weight: float = _f(1.0, "DreamBooth prior preservation: weight of the class images' loss")
-    num_workers: int | None = _f(None, "data loader worker processes (default: 0 for digits and clips, which "
-                                       "live in memory, and for features; 4 for image folders and CSVs)")
+    num_workers: int | None = _f(None, "data loader worker processes per training process (default: 0 for "
+                                       "digits, clips and features, which live in memory or are memory-mapped; "
+                                       "for files, this host's CPU cores per process less one, 1 to 8)")
 
 
 @dataclass

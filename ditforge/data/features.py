@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
 from ditforge.config import resolve_device
+from ditforge.data.prefetch import default_num_workers
 from ditforge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
     caption states, float32; the text encoder runs in float32 here, so on a GPU the stored states are more
     precise than a bf16 run's on-the-fly ones). Samples are read in index order (no shuffling) in batches of
     ``batch_size``, with ``cfg.data.num_workers`` loader workers (when unset, as the trainer: 0 for the built-in
-    data sets, 4 otherwise).
+    data sets, ``default_num_workers()`` otherwise).
 
     A video that cannot be decoded is replaced by the data set with another sample (whose ``index`` differs):
     such substitutes are left out, so every stored sample is a real one (the data set records the bad file in
@@ -180,7 +181,7 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
     for stale in out.glob("shard-*.safetensors"):  # from an extraction that was interrupted: no manifest
         stale.unlink()
     if data.num_workers is None:  # as the trainer: the built-in sets live in memory, files are decoded in workers
-        data.num_workers = 0 if data.data in BUILTIN_DATASETS else 4
+        data.num_workers = 0 if data.data in BUILTIN_DATASETS else default_num_workers()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=data.num_workers)
 
     shards: list[dict] = []

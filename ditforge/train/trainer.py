@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from ditforge.atomic import atomic_path
 from ditforge.config import RunConfig, parse_bytes, resolve_precision
 from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, is_features
+from ditforge.data.prefetch import DevicePrefetcher, default_num_workers
 from ditforge.data.features import read_manifest
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
@@ -378,7 +379,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     if cfg.data.random_flip is None:
         cfg.data.random_flip = getattr(dataset, "random_flip", True)
     if cfg.data.num_workers is None:
-        cfg.data.num_workers = 0 if in_memory else 4
+        cfg.data.num_workers = 0 if in_memory else default_num_workers(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if not dataset.num_classes and m.condition == "class":  # captioned images have no labels
         raise UserError(f"--data {cfg.data.data} holds captioned images, no class labels; use --condition text")
     if m.num_classes is None:
@@ -472,10 +473,10 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
 
     sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
-    loader = DataLoader(
-        dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
+    loader = DevicePrefetcher(DataLoader(
+        dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
         persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
-    )
+    ), device)
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
     grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
@@ -585,7 +586,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
 
     step, stepped = start_step, False
     window: dict[str, torch.Tensor] = {}
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
     bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None if d.is_main else True)
     interrupted = _DeferredInterrupt()
     # Its own gloo group: the checkpointer's may be busy in a background save's collectives.
@@ -594,7 +595,9 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         batches = iter(loader)
         while step < max_steps:
             interrupted.check(control_group)
+            waited = time.perf_counter()
             batch, weights = as_batch(next(batches)), None
+            data_wait += time.perf_counter() - waited
             if "class_x" in batch:  # DreamBooth with prior preservation: instance and class rows alternate
                 batch, weights = finetune.interleave_prior(batch, cfg.data.prior_loss_weight)
             rows = 1 if weights is None else 2
@@ -638,7 +641,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                 record = {k: v / good if good else math.nan for k, v in sums.items()}
                 elapsed = time.perf_counter() - window_start
                 record |= {"lr": learning_rate(cfg, step - 1), "samples_per_sec": window_steps * t.batch_size / elapsed,
-                           "epoch": step / max(steps_per_epoch, 1), "skipped_steps": window_steps - round(good)}
+                           "epoch": step / max(steps_per_epoch, 1), "skipped_steps": window_steps - round(good),
+                           "data_wait_fraction": data_wait / elapsed}
                 if device.type == "cuda":
                     record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 record |= evaluated
@@ -647,7 +651,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                         metrics.write({"step": step, **record})
                         tracker.log(step, record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
-                window, window_start, window_steps = {}, time.perf_counter(), 0
+                window, window_start, window_steps, data_wait = {}, time.perf_counter(), 0, 0.0
             if t.sample_every and step % t.sample_every == 0 and step < max_steps:
                 write_samples(step)
             if step % t.ckpt_every == 0 and step < max_steps:

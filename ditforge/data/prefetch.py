@@ -1,0 +1,101 @@
+"""Feeding the GPU: loader batches copied to the device ahead of time, through pinned host buffers that are
+reused, on a copy stream of their own.
+
+A plain ``DataLoader(pin_memory=True)`` followed by ``batch.to(device)`` pins each batch in a fresh host block
+and copies it synchronously: the host then waits, every step, for the GPU to finish the work queued before the
+copy, and cannot run ahead. Here each tensor of batch k + 1 is copied into one of ``depth + 1`` pinned buffers
+kept per (key, shape, dtype) and sent with ``non_blocking=True`` on a side stream while step k runs; the
+training stream waits for that copy only when it takes the batch. Once every batch shape has been seen no host
+memory is allocated (no ``cudaHostAlloc`` during training), as Colossal-AI's cached pinned memory does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+import torch
+
+
+def default_num_workers(local_world_size: int = 1) -> int:
+    """Loader worker processes per training process when ``--num_workers`` is not given: the CPU cores this
+    process may use (``os.sched_getaffinity``) shared among the processes of this host, less one for the
+    training process itself, at most 8 (beyond that workers only add memory: decoding keeps pace) and at
+    least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // max(local_world_size, 1) - 1))
+
+
+class DevicePrefetcher:
+    """Iterates ``loader``'s batches (tensors, possibly nested in dicts, lists and tuples; other values such as
+    caption strings pass through) with their tensors on ``device``, ``depth`` batches ahead.
+
+    On CUDA the tensors of each batch go through reused pinned buffers and a side stream (see the module
+    docstring); the consumer's stream waits on the copy's event when the batch is handed out. On other devices
+    tensors are moved with ``.to(device)`` as they come. Batch order and values are the loader's.
+
+    Args:
+        loader: any iterable of batches (a ``DataLoader`` built with ``pin_memory=False``: pinning happens here).
+        device: where the tensors go.
+        depth: batches in flight beyond the one being trained on (1 hides one batch's copy behind one step).
+    """
+
+    def __init__(self, loader: Iterable, device: torch.device, depth: int = 1):
+        self.loader, self.device, self.depth = loader, torch.device(device), depth
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # per (path in the batch, shape, dtype): a ring of pinned buffers and the event of each one's last copy
+        self._pinned: dict[tuple, deque[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+
+    def __iter__(self) -> Iterator:
+        batches = iter(self.loader)
+        pending: deque = deque()
+        for raw in batches:
+            pending.append(self._send(raw))
+            if len(pending) > self.depth:
+                yield self._take(pending.popleft())
+        while pending:
+            yield self._take(pending.popleft())
+
+    def _send(self, raw) -> tuple:
+        if not self.cuda:
+            return self._map(raw, (), lambda t, _key: t.to(self.device)), None
+        with torch.cuda.stream(self.stream):
+            batch = self._map(raw, (), self._copy)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return batch, done
+
+    def _take(self, item: tuple):
+        batch, done = item
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+            # the tensors were allocated on the side stream and are now used on the consumer's
+            self._map(batch, (), lambda t, _key: t.record_stream(torch.cuda.current_stream(self.device)))
+        return batch
+
+    def _copy(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return t.to(self.device, non_blocking=True)
+        ring = self._pinned.setdefault((key, tuple(t.shape), t.dtype), deque())
+        if len(ring) < self.depth + 1:  # one per batch in flight and one being filled; then each is reused
+            buffer, last = torch.empty(t.shape, dtype=t.dtype, pin_memory=True), None
+        else:
+            buffer, last = ring.popleft()
+            last.synchronize()  # its previous copy to the device finished (long ago: depth + 1 batches back)
+        buffer.copy_(t)
+        out = buffer.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        ring.append((buffer, event))
+        return out
+
+    def _map(self, value, key: tuple, fn):
+        if isinstance(value, torch.Tensor):
+            return fn(value, key)
+        if isinstance(value, dict):
+            return {k: self._map(v, key + (k,), fn) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in value):
+            return type(value)(self._map(v, key + (i,), fn) for i, v in enumerate(value))
+        return value
