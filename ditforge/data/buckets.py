@@ -432,7 +432,7 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
                 members = members[torch.randperm(len(members), generator=g)]
                 n = len(members) // bucket.batch_size
                 tails += len(members) - n * bucket.batch_size
-                batches += [(b, part) for part in members[: n * bucket.batch_size].split(bucket.batch_size)]
+                batches += [(b, members[k * bucket.batch_size : (k + 1) * bucket.batch_size]) for k in range(n)]
             order = torch.randperm(len(batches), generator=g).tolist()
             self._plans = {epoch: [batches[i] for i in order]}  # keeps one epoch: resume walks forward
             self.counts[epoch] = {"batched": int((chosen >= 0).sum()) - tails, "dropped": int((chosen < 0).sum()),
