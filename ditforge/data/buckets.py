@@ -468,3 +468,21 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
             local = len(ids) // self.world_size
             yield [(i, b) for i in ids[self.rank * local : (self.rank + 1) * local].tolist()]
             step += 1
+
+
+def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str) -> BucketDataset:
+    """The ``BucketDataset`` of a run (``cfg``, a ``RunConfig`` with ``data.buckets`` set): ``--data`` read at the
+    buckets of ``--buckets``, whose shapes are multiples of ``--vae``'s downsample x ``model``'s spatial patch
+    (the lcm of its height and width patch), videos sampled at ``--frame_interval``.
+
+    Raises:
+        UserError: see ``read_bucket_config``, ``BucketDataset``, ``vae_downsample``.
+    """
+    from ditforge.encoders.vae import vae_downsample
+    from ditforge.models import model_spec
+
+    patch = model_spec(model)["patch_size"]
+    patch = math.lcm(*patch[1:]) if isinstance(patch, tuple) else patch
+    buckets = Buckets(read_bucket_config(cfg.data.buckets), vae_downsample(cfg.model.vae) * patch,
+                      cfg.data.frame_interval)
+    return BucketDataset(cfg.data.data, buckets, bad_samples_path, cfg.train.seed)
