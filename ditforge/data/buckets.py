@@ -476,13 +476,19 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str) -
     (the lcm of its height and width patch), videos sampled at ``--frame_interval``.
 
     Raises:
-        UserError: see ``read_bucket_config``, ``BucketDataset``, ``vae_downsample``.
+        UserError: a video frame count not divisible by the model's temporal patch; see ``read_bucket_config``,
+            ``BucketDataset``, ``vae_downsample``.
     """
     from ditforge.encoders.vae import vae_downsample
     from ditforge.models import model_spec
 
     patch = model_spec(model)["patch_size"]
-    patch = math.lcm(*patch[1:]) if isinstance(patch, tuple) else patch
-    buckets = Buckets(read_bucket_config(cfg.data.buckets), vae_downsample(cfg.model.vae) * patch,
-                      cfg.data.frame_interval)
+    config = read_bucket_config(cfg.data.buckets)
+    if isinstance(patch, tuple):  # (t, h, w): video frame counts must fill whole temporal patches
+        odd = sorted({f for frames in config.values() for f in frames if f > 1 and f % patch[0]})
+        if odd:
+            raise UserError(f"{FLAG} {cfg.data.buckets}: frame counts {', '.join(map(str, odd))} are not divisible "
+                            f"by the temporal patch {patch[0]} of --model {model}")
+        patch = math.lcm(*patch[1:])
+    buckets = Buckets(config, vae_downsample(cfg.model.vae) * patch, cfg.data.frame_interval)
     return BucketDataset(cfg.data.data, buckets, bad_samples_path, cfg.train.seed)

@@ -38,8 +38,9 @@ def _data(tmp_path, videos: bool):
     return tmp_path / "data.csv", tmp_path / "buckets.yaml"
 
 
-@pytest.mark.parametrize("model,videos", [("DiT-T/2", False), ("vDiT-T/122", True)])
-def test_bucketed_run(tmp_path, monkeypatch, model, videos):
+@pytest.mark.parametrize("model,videos,patch", [("DiT-T/2", False, 2), ("vDiT-T/122", True, 2),
+                                                ("vDiT-T/244", True, 4)])  # 244: an image's frame twice
+def test_bucketed_run(tmp_path, monkeypatch, model, videos, patch):
     data, bucket_file = _data(tmp_path, videos)
     shapes = []
     real_step = trainer.train_step
@@ -58,8 +59,8 @@ def test_bucketed_run(tmp_path, monkeypatch, model, videos):
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == steps and all(math.isfinite(v) for v in losses)
 
-    # the batches the run saw: the sampler's plan for the run's seed, at the bucket shapes of pixel space, patch 2
-    buckets = Buckets(read_bucket_config(bucket_file), multiple=2, frame_interval=3)
+    # the batches the run saw: the sampler's plan for the run's seed, at the bucket shapes of pixel space
+    buckets = Buckets(read_bucket_config(bucket_file), multiple=patch, frame_interval=3)
     ds = BucketDataset(data, buckets)
     sampler = BucketBatchSampler(buckets, ds.sizes, seed=0)
     seen = set()
@@ -76,4 +77,17 @@ def test_bucketed_run(tmp_path, monkeypatch, model, videos):
             assert abs(math.log(bucket.height / bucket.width / (h / w))) == min(errors)
             seen.add(i)
     assert seen == set(range(len(ds)))  # every sample trained, images and videos
-    assert len({s[2:] for s in shapes}) >= 4  # at several shapes
+    assert len({s[2:] for s in shapes}) >= 3  # at several shapes (1:2, 1:1, 2:1 at least)
+
+
+def test_bucket_errors_are_one_line(tmp_path, capsys):
+    data, bucket_file = _data(tmp_path, videos=False)
+    base = ["train", "--data", str(data), "--max_steps", "1", "--device", "cpu", "--outputs", str(tmp_path / "r")]
+    (tmp_path / "odd.yaml").write_text("16px: {1: [1.0, 2], 3: [1.0, 2]}\n")
+    (tmp_path / "three.yaml").write_text("16px: {1: [1.0, 3]}\n")
+    for extra, words in [(["--buckets", str(tmp_path / "odd.yaml"), "--model", "vDiT-T/244"], "temporal patch 2"),
+                         (["--buckets", str(tmp_path / "three.yaml"), "--grad_accum_steps", "2"], "not divisible"),
+                         (["--buckets", str(tmp_path / "none.yaml")], "cannot read")]:
+        assert cli.main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and "--buckets" in err and len(err.splitlines()) == 1, err
