@@ -238,8 +238,7 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
         from ditforge.data.buckets import build_bucket_dataset, read_bucket_config
 
         if pre is not None:
-            raise UserError(f"--buckets: not with --init_from {cfg.model.init_from} (a diffusers "
-                            "pipeline)")
+            raise UserError(f"--buckets: not with --init_from {cfg.model.init_from} (a diffusers pipeline)")
         video = any(t > 1 for frames in read_bucket_config(data.buckets).values() for t in frames)
         return build_bucket_dataset(cfg, bad, cfg.model.model or DEFAULT_MODELS[video])
     if data.instance_data is None:
