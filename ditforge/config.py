@@ -104,6 +104,10 @@ class DataConfig:
                                         "of dog'")
     num_class_images: int = _f(100, "DreamBooth prior preservation: class images wanted in --class_data")
     prior_loss_weight: float = _f(1.0, "DreamBooth prior preservation: weight of the class images' loss")
+    buckets: str | None = _f(None, "multi-resolution buckets (Open-Sora's bucket_config): a YAML or JSON file "
+                                   "{resolution: {frames: [keep probability, global batch size]}}, e.g. {256px: {1: "
+                                   "[1.0, 64], 16: [0.5, 8]}}; --data is then a CSV / JSONL of path,text naming images "
+                                   "and videos, and --batch_size is not used (see docs/buckets.md)")
     num_workers: int | None = _f(None, "data loader worker processes per training process (default: 0 for "
                                        "digits, clips and features, which live in memory or are memory-mapped; "
                                        "for files, this host's CPU cores per process less one, 1 to 8)")
@@ -487,5 +491,7 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("--class_data and --class_prompt: prior preservation needs both")
     if data.class_data is not None and data.instance_data is None:
         raise UserError("--class_data: prior preservation is part of DreamBooth; give --instance_data too")
+    if data.buckets is not None and data.instance_data is not None:
+        raise UserError("--buckets: not with --instance_data (DreamBooth trains at one --image_size)")
     if data.num_class_images < 1:
         raise UserError(f"--num_class_images: expected a positive integer, got {data.num_class_images}")

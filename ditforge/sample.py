@@ -204,9 +204,9 @@ def load_model(ckpt: str, model_name: str | None = None, input_size: int | None 
     ``ckpt`` is anything ``load_weights`` accepts. Model, size, frames and conditioning come from the saved config
     (older configs lack some keys: ``SPEC_DEFAULTS`` fills them: class conditioning, no VAE, no QK-norm), or, for
     an official DiT .pt, from the tensor shapes. ``model_name`` / ``input_size`` (the model's spatial input, in
-    latent pixels) / ``num_frames`` (a video model's latent frames) override them; a new frame count rebuilds the
-    fixed sin-cos position embedding for the new token grid (it is not learned; all other weights are independent
-    of the frame count).
+    latent pixels) / ``num_frames`` (a video model's latent frames) override them; a new size or frame count
+    rebuilds the fixed sin-cos position embeddings for the new token grid (they are not learned; all other weights
+    are independent of the grid).
 
     Returns:
         (model in eval mode on the CPU, model settings dict with model, input_size, in_channels, num_classes,
@@ -220,9 +220,10 @@ def load_model(ckpt: str, model_name: str | None = None, input_size: int | None 
     state, spec = _read(ckpt, use_ema)
     if model_name is not None:
         spec["model"] = model_name
+    rebuild = (input_size is not None and input_size != spec["input_size"]
+               or num_frames is not None and num_frames != spec["num_frames"])
     if input_size is not None:
         spec["input_size"] = input_size
-    rebuild = num_frames is not None and num_frames != spec["num_frames"]
     if num_frames is not None:
         if not is_video_model(spec["model"]):
             raise UserError(f"--num_frames: {spec['model']} is an image model; frames apply to video models")
@@ -440,12 +441,16 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         "resumable); give --out FILE.png for one grid and an .npz (image models), or drop --save_npz")
 
     vae = _load_vae(cfg, spec, device)
+    trained_size = spec["input_size"]
     if cfg.image_size is not None:
         if cfg.image_size % vae.downsample:
             raise UserError(f"--image_size {cfg.image_size}: not divisible by the VAE's downsample factor "
                             f"{vae.downsample}")
         spec["input_size"] = cfg.image_size // vae.downsample
-    rebuild = cfg.num_frames is not None and cfg.num_frames != spec["num_frames"]
+    # The models take any size the patch divides: at another size or frame count only the fixed sin-cos tables
+    # (not learned) are rebuilt, for the new token grid.
+    rebuild = (spec["input_size"] != trained_size
+               or cfg.num_frames is not None and cfg.num_frames != spec["num_frames"])
     if cfg.num_frames is not None:
         if not video:
             raise UserError(f"--num_frames: {spec['model']} is an image model; frames apply to video models")

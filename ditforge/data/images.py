@@ -21,19 +21,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def center_crop_arr(pil_image: Image.Image, image_size: int) -> np.ndarray:
-    """Resize the short side to ``image_size`` and crop the centre square; (H, W, 3) uint8.
+def center_crop_arr(pil_image: Image.Image, image_size: int | tuple[int, int]) -> np.ndarray:
+    """Resize so the image covers ``image_size`` and crop the centre: (S, S, 3) uint8 for an int S, or (h, w, 3)
+    for ``(h, w)`` (a multi-resolution bucket's shape).
 
-    Halves the image with a box filter while it is at least twice the target, then resizes with bicubic
-    (the ADM / DiT recipe, ``center_crop_arr`` in facebookresearch/DiT train.py).
+    Halves the image with a box filter while both sides are at least twice the target's, then resizes with
+    bicubic by ``max(h / H, w / W)`` (for a square: the short side to S) and crops the centre (the ADM / DiT
+    recipe, ``center_crop_arr`` in facebookresearch/DiT train.py, which is the square case).
     """
-    while min(*pil_image.size) >= 2 * image_size:
+    h, w = (image_size, image_size) if isinstance(image_size, int) else image_size
+    while pil_image.size[0] >= 2 * w and pil_image.size[1] >= 2 * h:
         pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
-    scale = image_size / min(*pil_image.size)
+    scale = max(h / pil_image.size[1], w / pil_image.size[0])
     pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC)
     arr = np.array(pil_image)
-    top, left = (arr.shape[0] - image_size) // 2, (arr.shape[1] - image_size) // 2
-    return arr[top : top + image_size, left : left + image_size]
+    top, left = (arr.shape[0] - h) // 2, (arr.shape[1] - w) // 2
+    return arr[top : top + h, left : left + w]
 
 
 CSV_EXPECTED = "expected a CSV file with a header row and the columns path,text"

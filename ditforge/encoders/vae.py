@@ -229,6 +229,42 @@ class IdentityVAE:
         return f"IdentityVAE(channels={self.channels}, dtype={self.dtype}, device={self.device})"
 
 
+def _vae_config(path: str | Path) -> tuple[Path, dict]:
+    """The AutoencoderKL folder of ``path`` (itself, or a pipeline's ``vae/``) and its config.json.
+
+    Raises:
+        UserError naming ``--vae``: no such folder, no readable config.json, or a config of another class.
+    """
+    shown = str(path)
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise UserError(f"{FLAG} {shown}: no such folder (expected a local diffusers AutoencoderKL folder, or "
+                        "'none' for pixel space; nothing is downloaded)")
+    if not (root / "config.json").is_file() and (root / "vae" / "config.json").is_file():
+        root = root / "vae"
+    try:
+        config = json.loads((root / "config.json").read_text())
+        class_name = config.get("_class_name")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"{FLAG} {shown}: no readable config.json ({type(e).__name__}); expected a diffusers "
+                        "AutoencoderKL folder") from None
+    if class_name != "AutoencoderKL":
+        raise UserError(f"{FLAG} {shown}: config.json describes {class_name!r}, expected 'AutoencoderKL'")
+    return root, config
+
+
+def vae_downsample(path: str | Path | None) -> int:
+    """The spatial factor of ``--vae path`` without loading its weights: 1 for none (pixel space), else
+    ``2 ** (len(block_out_channels) - 1)`` from its config.json (as ``VAE.downsample``).
+
+    Raises:
+        UserError: see ``_vae_config``.
+    """
+    if path is None or str(path).lower() == "none":
+        return 1
+    return 2 ** (len(_vae_config(path)[1].get("block_out_channels", [64])) - 1)  # diffusers' default: one block
+
+
 def load_vae(path: str | Path | None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              micro_batch: int = DEFAULT_MICRO_BATCH, pixel_channels: int = 3) -> VAE | IdentityVAE:
     """Loads a frozen ``AutoencoderKL`` from a local folder, or the identity for pixel space.
@@ -252,19 +288,7 @@ def load_vae(path: str | Path | None, device: str | torch.device = "cpu", dtype:
     if path is None or str(path).lower() == "none":
         return IdentityVAE(pixel_channels, device, dtype)
     shown = str(path)
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise UserError(f"{FLAG} {shown}: no such folder (expected a local diffusers AutoencoderKL folder, or "
-                        "'none' for pixel space; nothing is downloaded)")
-    if not (root / "config.json").is_file() and (root / "vae" / "config.json").is_file():
-        root = root / "vae"
-    try:
-        class_name = json.loads((root / "config.json").read_text()).get("_class_name")
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"{FLAG} {shown}: no readable config.json ({type(e).__name__}); expected a diffusers "
-                        "AutoencoderKL folder") from None
-    if class_name != "AutoencoderKL":
-        raise UserError(f"{FLAG} {shown}: config.json describes {class_name!r}, expected 'AutoencoderKL'")
+    root, _ = _vae_config(path)
 
     from diffusers import AutoencoderKL  # deferred: importing diffusers takes seconds
 

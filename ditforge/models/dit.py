@@ -21,6 +21,7 @@ from ditforge.models.layers import (
     Mlp,
     PatchEmbed,
     TimestepEmbedder,
+    patch_grid,
     sincos_2d,
     unpatchify,
 )
@@ -87,6 +88,11 @@ class DiT(nn.Module):
     position embedding, final layer, ``unpatchify`` and ``flops_per_sample``) and ``_fixed_pos_embed``; the
     blocks, conditioning, initialisation, forward and FLOP count are shared, written once here.
 
+    Variable shapes: ``forward`` takes any input size the patch divides, not only ``input_size``. The token grid
+    is the input's; its sin-cos positions are the stored ``pos_embed`` at the configured grid (so outputs there
+    are those of the official layout, whatever a checkpoint stored) and are computed for any other grid
+    (``pos_embed_for``, cached per grid, device and dtype); every other weight is independent of the grid.
+
     Args:
         input_size: spatial size H = W of the input (latent or pixel), divisible by ``patch_size`` (passed as is
             to ``_build_x_embedder``; VideoDiT passes (T, H, W)).
@@ -139,6 +145,7 @@ class DiT(nn.Module):
         num_patches = self.x_embedder.num_patches
         # Fixed sin-cos embedding, kept as a frozen parameter (not a buffer) to match the official state dict.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        self._pos_cache: dict[tuple, torch.Tensor] = {}  # other grids' tables: (name, grid, device, dtype) -> table
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio, text_dim is not None, qk_norm)
                                      for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, self.x_embedder.patch_shape, self.out_channels)
@@ -148,9 +155,27 @@ class DiT(nn.Module):
         """The patch embedding (hook): ``PatchEmbed``, a Conv2d of kernel = stride = p."""
         return PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
 
-    def _fixed_pos_embed(self) -> torch.Tensor:
-        """The fixed position embedding (hook): 2-D sin-cos of MAE / DiT, float32 (N, D)."""
-        return sincos_2d(self.pos_embed.shape[-1], self.x_embedder.grid_size)
+    def _fixed_pos_embed(self, grid: Sequence[int] | None = None) -> torch.Tensor:
+        """The fixed position embedding (hook) of token grid ``grid`` (default: the configured one): 2-D sin-cos
+        of MAE / DiT, float32 (N, D)."""
+        return sincos_2d(self.pos_embed.shape[-1], grid or self.x_embedder.grid_shape)
+
+    def _fixed_table(self, param: nn.Parameter, grid: tuple[int, ...], stored_grid: tuple[int, ...],
+                    compute) -> torch.Tensor:
+        """A fixed (frozen) position table for token grid ``grid``: ``param`` itself where ``grid`` is the grid it
+        was made for, ``stored_grid``; otherwise ``compute(grid)`` (float32 (N, D)) as (1, N, D) in ``param``'s
+        device and dtype, computed once per (table, grid, device, dtype)."""
+        if grid == stored_grid:
+            return param
+        key = (compute.__name__, grid, param.device, param.dtype)
+        if key not in self._pos_cache:
+            self._pos_cache[key] = compute(grid).to(param.device, param.dtype).unsqueeze(0)
+        return self._pos_cache[key]
+
+    def pos_embed_for(self, grid: Sequence[int]) -> torch.Tensor:
+        """(1, N, D) position embedding of token grid ``grid`` ((H', W'); (T', H', W') for video models): the
+        stored ``pos_embed`` at the configured grid, else ``_fixed_pos_embed(grid)`` (cached)."""
+        return self._fixed_table(self.pos_embed, tuple(grid), tuple(self.x_embedder.grid_shape), self._fixed_pos_embed)
 
     def initialize_weights(self) -> None:
         """Initialisation of the reference code: xavier-uniform linears, N(0, 0.02) embedders, adaLN-Zero."""
@@ -184,8 +209,9 @@ class DiT(nn.Module):
         nn.init.constant_(self.final_layer.linear.weight, 0)
         nn.init.constant_(self.final_layer.linear.bias, 0)
 
-    def flops_per_sample(self, text_tokens: int = 0) -> int:
-        """Forward FLOPs for one sample (a multiply-add counts 2), matrix products only.
+    def flops_per_sample(self, text_tokens: int = 0, grid: Sequence[int] | None = None) -> int:
+        """Forward FLOPs for one sample (a multiply-add counts 2), matrix products only, at token grid ``grid``
+        (default: the configured one; e.g. (H/p, W/p), or (T/t, H/h, W/w) for a video model).
 
         Text models add, for L = ``text_tokens`` caption tokens of width D_t: per block 4 N D^2 (q, output
         projections) + 4 L D^2 (k, v) + 4 N L D (cross-attention), and 2 L (D_t D + D^2) for the caption projection.
@@ -198,7 +224,7 @@ class DiT(nn.Module):
         for 8x the tokens: the attention term grows with N^2).
         Training is ~3x the forward.
         """
-        D, N = self.pos_embed.shape[-1], self.x_embedder.num_patches
+        D, N = self.pos_embed.shape[-1], math.prod(grid or self.x_embedder.grid_shape)
         P, C = math.prod(self.x_embedder.patch_shape), self.in_channels
         block = 24 * N * D * D + 4 * N * N * D + 12 * D * D
         embed = 2 * N * P * C * D + 2 * (self.t_embedder.frequency_embedding_size * D + D * D)
@@ -209,10 +235,11 @@ class DiT(nn.Module):
             embed += 2 * L * (self.text_dim * D + D * D)
         return len(self.blocks) * block + embed + final
 
-    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, P*C_out) -> (B, C_out, H, W) (VideoDiT: (B, C_out, T, H, W)); inverse of the patch embedding's
-        token order (``layers.unpatchify``). Raises ValueError for tokens of another grid or width."""
-        return unpatchify(x, self.x_embedder.grid_shape, self.x_embedder.patch_shape, self.out_channels)
+    def unpatchify(self, x: torch.Tensor, grid: Sequence[int] | None = None) -> torch.Tensor:
+        """(B, N, P*C_out) -> (B, C_out, H, W) (VideoDiT: (B, C_out, T, H, W)) for token grid ``grid`` (default:
+        the configured one); inverse of the patch embedding's token order (``layers.unpatchify``). Raises
+        ValueError for tokens of another grid or width."""
+        return unpatchify(x, grid or self.x_embedder.grid_shape, self.x_embedder.patch_shape, self.out_channels)
 
     def embed_conditions(
         self, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
@@ -240,7 +267,7 @@ class DiT(nn.Module):
         """Predict noise (and the variance interpolation when ``learn_sigma``).
 
         Args:
-            x: (B, C, H, W) noisy input; (B, C, T, H, W) for VideoDiT.
+            x: (B, C, H, W) noisy input; (B, C, T, H, W) for VideoDiT; any size the patch divides.
             t: (B,) int64 diffusion timesteps.
             y: (B,) int64 class labels (``num_classes`` is the null label); for text models the text-encoder
                 states (B, L, D_text).
@@ -252,9 +279,13 @@ class DiT(nn.Module):
         Returns:
             (B, C_out, H, W) ((B, C_out, T, H, W) for VideoDiT), C_out = 2C when ``learn_sigma`` (first C:
             epsilon, last C: variance values).
+
+        Raises:
+            ValueError: an input size the patch does not divide.
         """
-        x = self.x_embedder(x) + self.pos_embed
+        grid = patch_grid(x.shape[2:], self.x_embedder.patch_shape)
+        x = self.x_embedder(x) + self.pos_embed_for(grid)
         c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
         for block in self.blocks:
             x = block(x, c, context)
-        return self.unpatchify(self.final_layer(x, c))
+        return self.unpatchify(self.final_layer(x, c), grid)

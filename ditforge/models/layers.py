@@ -83,11 +83,29 @@ class LabelEmbedder(nn.Module):
         return self.embedding_table(labels)
 
 
+def patch_grid(size: Sequence[int], patch: Sequence[int]) -> tuple[int, ...]:
+    """The token grid (H/p, W/p) or (T/t, H/h, W/w) of an input of size ``size`` cut into ``patch`` patches.
+
+    Raises:
+        ValueError: sizes and patches of different lengths, or a size its patch edge does not divide (a strided
+            convolution would silently drop the remainder).
+    """
+    size, patch = tuple(int(n) for n in size), tuple(int(p) for p in patch)
+    if len(size) != len(patch):
+        raise ValueError(f"input size {size} and patch size {patch} have different numbers of axes")
+    axes = ("height", "width") if len(size) == 2 else ("frames", "height", "width")
+    for axis, n, p in zip(axes, size, patch):
+        if p < 1 or n < 1 or n % p:
+            raise ValueError(f"input {axis} {n} is not divisible by patch size {p}")
+    return tuple(n // p for n, p in zip(size, patch))
+
+
 class PatchEmbed(nn.Module):
     """Patchify: (B, C, H, W) -> (B, (H/p)(W/p), D) with a stride-p convolution (ViT, Dosovitskiy et al. 2021).
 
-    Tokens are in row-major (H', W') order. ``grid_shape`` = (H/p, W/p) and ``patch_shape`` = (p, p) describe
-    the layout for ``unpatchify``; ``grid_size`` = H/p is the square grid's edge.
+    Tokens are in row-major (H', W') order. ``grid_shape`` = (H/p, W/p) of the configured size and
+    ``patch_shape`` = (p, p) describe the layout for ``unpatchify``; ``grid_size`` = H/p is the square grid's
+    edge. The call takes any (H, W) that p divides (``patch_grid`` gives its grid).
 
     Raises:
         ValueError: ``img_size`` not divisible by ``patch_size``.
@@ -95,11 +113,9 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int, bias: bool = True):
         super().__init__()
-        if img_size % patch_size:
-            raise ValueError(f"input size {img_size} is not divisible by patch size {patch_size}")
-        self.grid_size = img_size // patch_size
-        self.grid_shape = (self.grid_size, self.grid_size)
         self.patch_shape = (patch_size, patch_size)
+        self.grid_shape = patch_grid((img_size, img_size), self.patch_shape)
+        self.grid_size = self.grid_shape[0]
         self.num_patches = self.grid_size**2
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
 
@@ -112,8 +128,8 @@ class PatchEmbed3D(nn.Module):
 
     The video counterpart of ``PatchEmbed`` (tubelet embedding of ViViT, Arnab et al. 2021; the patch embedding
     of OpenDiT's vDiT). Tokens are in row-major (T', H', W') order: token ``(i * H' + j) * W' + k`` is the patch
-    starting at frame ``i t``, row ``j h``, column ``k w``. ``grid_shape`` = (T', H', W'), ``patch_shape`` =
-    (t, h, w), ``num_patches`` = T' H' W'.
+    starting at frame ``i t``, row ``j h``, column ``k w``. ``grid_shape`` = (T', H', W') of the configured size,
+    ``patch_shape`` = (t, h, w), ``num_patches`` = T' H' W'. The call takes any (T, H, W) the patch divides.
 
     Args:
         input_size: (T, H, W) of the input.
@@ -136,10 +152,7 @@ class PatchEmbed3D(nn.Module):
         input_size, patch_size = tuple(int(n) for n in input_size), tuple(int(p) for p in patch_size)
         if len(input_size) != 3 or len(patch_size) != 3:
             raise ValueError(f"expected (T, H, W) input and (t, h, w) patch sizes, got {input_size}, {patch_size}")
-        for axis, n, p in zip(("frames", "height", "width"), input_size, patch_size):
-            if p < 1 or n < 1 or n % p:
-                raise ValueError(f"input {axis} {n} is not divisible by patch size {p}")
-        self.grid_shape = tuple(n // p for n, p in zip(input_size, patch_size))
+        self.grid_shape = patch_grid(input_size, patch_size)
         self.patch_shape = patch_size
         self.num_patches = math.prod(self.grid_shape)
         self.proj = nn.Conv3d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
@@ -315,14 +328,22 @@ def sincos_1d(embed_dim: int, pos: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
 
 
-def sincos_2d(embed_dim: int, grid_size: int) -> torch.Tensor:
-    """Fixed 2-D sin-cos position embedding for a square grid, row-major tokens; float32 (grid^2, D).
+def sincos_2d(embed_dim: int, grid_size: int | Sequence[int]) -> torch.Tensor:
+    """Fixed 2-D sin-cos position embedding for an (H', W') grid (an int: a square one), row-major tokens;
+    float32 (H' W', D).
 
     Half the channels encode the column (w) index, half the row (h) index, in the order of
-    ``get_2d_sincos_pos_embed`` in facebookresearch/DiT (its meshgrid puts w first).
+    ``get_2d_sincos_pos_embed`` in facebookresearch/DiT (its meshgrid puts w first); a non-square grid takes
+    each axis's own indices 0..H'-1 and 0..W'-1 (no interpolation to the square grid of training).
+
+    Raises:
+        ValueError: a grid that is not one or two positive sizes.
     """
-    coords = torch.arange(grid_size, dtype=torch.float64)
-    grid_h, grid_w = torch.meshgrid(coords, coords, indexing="ij")
+    height, width = (grid_size, grid_size) if isinstance(grid_size, int) else tuple(int(g) for g in grid_size)
+    if min(height, width) < 1:
+        raise ValueError(f"2-D sin-cos embedding needs a grid of positive sizes, got {grid_size}")
+    grid_h, grid_w = torch.meshgrid(torch.arange(height, dtype=torch.float64),
+                                    torch.arange(width, dtype=torch.float64), indexing="ij")
     emb = torch.cat([sincos_1d(embed_dim // 2, grid_w), sincos_1d(embed_dim // 2, grid_h)], dim=1)
     return emb.float()
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ditforge.models.dit import NORM_EPS, DiT, DiTBlock
-from ditforge.models.layers import Attention, PatchEmbed3D, sincos_1d, sincos_2d, sincos_3d
+from ditforge.models.layers import Attention, PatchEmbed3D, patch_grid, sincos_1d, sincos_2d, sincos_3d
 from ditforge.ops import frames_to_positions, gated_residual, layernorm_modulate, positions_to_frames
 
 
@@ -39,6 +39,13 @@ class VideoDiT(DiT):
     FLOPs (``flops_per_sample``, shared with DiT; P = t h w): per block 24 N D^2 + 4 N^2 D + 12 D^2, plus
     2 N P C D (patch embedding), 2 (256 D + D^2) (timestep MLP), 2 N D P C_out + 4 D^2 (final layer).
     vDiT-XL/222 at 16x32x32 latents, N = 2048: 2,368,508,166,144 ~ 2.37 TFLOP per sample forward.
+
+    Shapes: any (T, H, W) the patch divides (``DiT``'s variable shapes). An image is a 1-frame video; with a
+    temporal patch t > 1 it is the frame repeated t times (one clip of T' = 1), and the prediction is the mean
+    of the t output frames, (B, C_out, 1, H, W). The repeated frames of x_t are equal, so the mean is the
+    model's one estimate for that frame, and its squared error against the frame's target is what the loss of
+    a 1-frame sample measures (``data.packing`` applies the same rule to packed sequences). Other frame counts
+    that t does not divide are an error.
 
     Args:
         input_size: spatial size H = W, divisible by h and w.
@@ -62,9 +69,24 @@ class VideoDiT(DiT):
         """``PatchEmbed3D`` over (T, H, W) with (t, h, w) patches."""
         return PatchEmbed3D(input_size, patch_size, in_channels, hidden_size, bias=True)
 
-    def _fixed_pos_embed(self) -> torch.Tensor:
-        """3-D sin-cos embedding over the (T', H', W') token grid, float32 (N, D)."""
-        return sincos_3d(self.pos_embed.shape[-1], self.x_embedder.grid_shape)
+    def _fixed_pos_embed(self, grid: Sequence[int] | None = None) -> torch.Tensor:
+        """3-D sin-cos embedding over the (T', H', W') token grid ``grid`` (default: the configured one), float32
+        (N, D)."""
+        return sincos_3d(self.pos_embed.shape[-1], grid or self.x_embedder.grid_shape)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
+                y_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``DiT.forward`` with x (B, C, T, H, W) -> (B, C_out, T, H, W); a 1-frame input under a temporal patch
+        t > 1 runs as t copies of its frame and returns their mean (see the class docstring).
+
+        Raises:
+            ValueError: a size the patch does not divide (other than T = 1).
+        """
+        repeat = self.x_embedder.patch_shape[0]
+        if x.shape[2] != 1 or repeat == 1:
+            return super().forward(x, t, y, force_drop_ids, y_mask)
+        out = super().forward(x.expand(-1, -1, repeat, -1, -1), t, y, force_drop_ids, y_mask)
+        return out.mean(2, keepdim=True)
 
 
 class STDiTBlock(DiTBlock):
@@ -91,8 +113,9 @@ class STDiTBlock(DiTBlock):
 
     Args:
         hidden_size, num_heads, mlp_ratio, cross_attention, qk_norm: as ``DiTBlock``.
-        num_frames: T', frames of the token grid.
-        num_spatial: S, tokens per frame.
+        num_frames: T', frames of the configured token grid.
+        num_spatial: S, tokens per frame of the configured grid; ``forward``'s ``spatial`` overrides it for
+            inputs of another height or width.
 
     Raises:
         ValueError (forward): x does not have N = T' S tokens.
@@ -105,11 +128,12 @@ class STDiTBlock(DiTBlock):
         self.attn_temp = Attention(hidden_size, num_heads=num_heads, qkv_bias=True, qk_norm=qk_norm)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor] | None = None,
-                tpe: torch.Tensor | None = None) -> torch.Tensor:
+                tpe: torch.Tensor | None = None, spatial: int | None = None) -> torch.Tensor:
         """x: (B, N, D) tokens, c: (B, D) conditioning, context: (caption tokens (B, L, D), mask (B, L) bool) for
-        text-conditioned blocks, tpe: optional (1, T', D) added to the temporal attention's input -> (B, N, D)."""
+        text-conditioned blocks, tpe: optional (1, T', D) added to the temporal attention's input, spatial: S,
+        tokens per frame (default ``num_spatial``) -> (B, N, D)."""
         B, N, D = x.shape
-        S = self.num_spatial
+        S = spatial or self.num_spatial
         if N % S:  # N = T' S, or this process's whole frames under sequence parallelism
             raise ValueError(f"STDiT block built for {S} tokens per frame got {N} tokens")
         T = N // S
@@ -157,6 +181,9 @@ class STDiT(DiT):
 
     FLOPs: ``flops_per_sample``.
 
+    Shapes: any (T, H, W) the (t, p, p) patch divides, as ``DiT``: both tables are the stored ones at the
+    configured grid and computed (cached) for another grid or frame count.
+
     Args:
         input_size: spatial size H = W, divisible by p.
         num_frames: T (latent frames), any positive count (divisible by t for a (t, p, p) patch).
@@ -191,15 +218,17 @@ class STDiT(DiT):
         """``PatchEmbed3D`` over (T, H, W) with (t, p, p) patches."""
         return PatchEmbed3D(input_size, patch_size, in_channels, hidden_size, bias=True)
 
-    def _fixed_pos_embed(self) -> torch.Tensor:
-        """DiT's 2-D sin-cos table of the (H', W') grid repeated for each of the T' frames, float32 (N, D)."""
-        frames, height, _ = self.x_embedder.grid_shape
-        return sincos_2d(self.pos_embed.shape[-1], height).repeat(frames, 1)
+    def _fixed_pos_embed(self, grid: Sequence[int] | None = None) -> torch.Tensor:
+        """DiT's 2-D sin-cos table of the (H', W') grid repeated for each of the T' frames of ``grid`` (default:
+        the configured one), float32 (N, D)."""
+        frames, height, width = grid or self.x_embedder.grid_shape
+        return sincos_2d(self.pos_embed.shape[-1], (height, width)).repeat(frames, 1)
 
-    def _fixed_temporal_pos_embed(self) -> torch.Tensor:
-        """1-D sin-cos of the frame index 0..T'-1 (Open-Sora's ``get_1d_sincos_pos_embed``), float32 (T', D)."""
-        frames = self.x_embedder.grid_shape[0]
-        return sincos_1d(self.pos_embed.shape[-1], torch.arange(frames)).float()
+    def _fixed_temporal_pos_embed(self, frames: tuple[int] | None = None) -> torch.Tensor:
+        """1-D sin-cos of the frame index 0..T'-1 (Open-Sora's ``get_1d_sincos_pos_embed``) for ``frames`` = (T',)
+        (default: the configured T'), float32 (T', D)."""
+        count = frames[0] if frames else self.x_embedder.grid_shape[0]
+        return sincos_1d(self.pos_embed.shape[-1], torch.arange(count)).float()
 
     def initialize_weights(self) -> None:
         """DiT's initialisation, the temporal sin-cos table, and zero temporal output projections."""
@@ -210,8 +239,9 @@ class STDiT(DiT):
             nn.init.constant_(block.attn_temp.proj.weight, 0)
             nn.init.constant_(block.attn_temp.proj.bias, 0)
 
-    def flops_per_sample(self, text_tokens: int = 0) -> int:
-        """Forward FLOPs for one sample (a multiply-add counts 2), matrix products only.
+    def flops_per_sample(self, text_tokens: int = 0, grid: Sequence[int] | None = None) -> int:
+        """Forward FLOPs for one sample (a multiply-add counts 2), matrix products only, at token grid ``grid``
+        (default: the configured (T', H', W')).
 
         ``DiT.flops_per_sample`` with, per block, the attention scores 4 T S^2 D (spatial) + 4 S T^2 D (temporal)
         instead of 4 N^2 D, plus the temporal qkv and output projections 8 N D^2 (N = T S tokens, T frames and S
@@ -221,23 +251,30 @@ class STDiT(DiT):
         ~ 5.02 TFLOP per sample forward; 16 frames of DiT-XL/2 are 3.80 TFLOP, the temporal attentions add 1.22
         (vDiT-XL/222 at the same latents: 2.37 TFLOP, for 2,048 tokens).
         """
-        D, (T, height, width) = self.pos_embed.shape[-1], self.x_embedder.grid_shape
+        D, (T, height, width) = self.pos_embed.shape[-1], grid or self.x_embedder.grid_shape
         S = height * width
         N = T * S
         per_block = 4 * T * S * S * D + 4 * S * T * T * D + 8 * N * D * D - 4 * N * N * D
-        return super().flops_per_sample(text_tokens) + len(self.blocks) * per_block
+        return super().flops_per_sample(text_tokens, grid) + len(self.blocks) * per_block
 
     def forward(
         self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
         y_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``DiT.forward`` (same arguments and dropout) with x (B, C, T, H, W) -> (B, C_out, T, H, W); the only
-        difference is that the first block also gets the temporal position embedding."""
-        x = self.x_embedder(x) + self.pos_embed
+        """``DiT.forward`` (same arguments and dropout) with x (B, C, T, H, W) -> (B, C_out, T, H, W), any size the
+        patch divides; the only difference is that the first block also gets the temporal position embedding.
+
+        Raises:
+            ValueError: a size the patch does not divide.
+        """
+        grid = patch_grid(x.shape[2:], self.x_embedder.patch_shape)
+        tpe = self._fixed_table(self.pos_embed_temporal, grid[:1], self.x_embedder.grid_shape[:1],
+                                self._fixed_temporal_pos_embed)
+        x = self.x_embedder(x) + self.pos_embed_for(grid)
         c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
         for i, block in enumerate(self.blocks):
-            x = block(x, c, context, self.pos_embed_temporal if i == 0 else None)
-        return self.unpatchify(self.final_layer(x, c))
+            x = block(x, c, context, tpe if i == 0 else None, grid[1] * grid[2])
+        return self.unpatchify(self.final_layer(x, c), grid)
 
 
 def inflate_image_state_dict(image_state_dict: Mapping[str, torch.Tensor], model: STDiT) -> dict[str, torch.Tensor]:

@@ -51,6 +51,7 @@ from ditforge.train.guard import NonfiniteGuard, all_finite, claim_run_folder, d
 from ditforge.train.logging import MetricsLog, Tracker
 
 log = logging.getLogger(__name__)
+DEFAULT_MODELS = {False: "DiT-T/2", True: "vDiT-T/244"}  # by video data
 
 
 @dataclass
@@ -234,6 +235,13 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
     """The data set of ``--data``, or DreamBooth's (``--instance_data``), after the base pipeline ``pre`` has
     generated the class images ``--class_data`` lacks (rank 0; the others wait)."""
     data, bad = cfg.data, run_dir / "bad_samples.jsonl"
+    if data.buckets is not None:
+        from ditforge.data.buckets import build_bucket_dataset, read_bucket_config
+
+        if pre is not None:
+            raise UserError(f"--buckets: not with --init_from {cfg.model.init_from} (a diffusers pipeline)")
+        video = any(t > 1 for frames in read_bucket_config(data.buckets).values() for t in frames)
+        return build_bucket_dataset(cfg, bad, cfg.model.model or DEFAULT_MODELS[video])
     if data.instance_data is None:
         return build_dataset(data.data, data.image_size, bad, data.num_frames, data.frame_interval, cfg.train.seed,
                              resize_mode=data.resize_mode)
@@ -346,7 +354,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         raise UserError(f"--fused_backward_pass: one process only, got --plugin {plugin} over {d.world_size}")
     par.plugin = plugin
     per_step = d.dp_size * par.grad_accum_steps
-    if t.batch_size % per_step:
+    if cfg.data.buckets is None and t.batch_size % per_step:  # buckets: checked per bucket below
         raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.dp_size} data-parallel processes x "
                         f"--grad_accum_steps {par.grad_accum_steps}")
     pre = dit_init = None  # a pretrained pipeline of a diffusers family / DiT weights (--init_from)
@@ -369,7 +377,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         inputs = pipeline_batch_encoder(cfg, pre, dataset)
     else:
         if m.model is None:
-            m.model = "vDiT-T/244" if video else "DiT-T/2"
+            m.model = DEFAULT_MODELS[video]
         if is_video_model(m.model) != video:
             raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
                             f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
@@ -386,7 +394,14 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         m.num_classes = dataset.num_classes or None
     elif m.num_classes < dataset.num_classes and m.condition == "class":
         raise UserError(f"--num_classes {m.num_classes}: the data has {dataset.num_classes} classes")
-    steps_per_epoch = len(dataset) // t.batch_size
+    bucketed = None  # --buckets: each bucket's batch size is its global batch; --batch_size is not used
+    if cfg.data.buckets is not None:
+        from ditforge.data.buckets import BucketBatchSampler
+
+        dataset.buckets.check_batch_sizes(per_step, f"{d.dp_size} data-parallel processes x --grad_accum_steps "
+                                                    f"{par.grad_accum_steps}")
+        bucketed = BucketBatchSampler(dataset.buckets, dataset.sizes, t.seed, d.dp_rank, d.dp_size)
+    steps_per_epoch = bucketed.steps_per_epoch if bucketed else len(dataset) // t.batch_size
     max_steps = t.max_steps or (t.epochs * max(steps_per_epoch, 1) if t.epochs else 1000)
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
@@ -472,7 +487,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                                         last_step=start_step if resume_from is not None else None)
     optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
 
-    sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
+    sampler = bucketed or GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
+    sampler.start_step = start_step
     loader = DevicePrefetcher(DataLoader(
         dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
         persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
@@ -489,9 +505,10 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     nonfinite = NonfiniteGuard(1 if t.on_nonfinite == "stop" else t.max_nonfinite_steps, last_good)
     if d.is_main:
         n_params = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
-        log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %d, "
+        log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %s, "
                  "run folder %s", m.model or f"{pre.pipeline_class} denoiser", n_params / 1e6, d.world_size, device.type, plugin,
-                 str(amp_dtype).removeprefix("torch."), max_steps, t.batch_size, run_dir)
+                 str(amp_dtype).removeprefix("torch."), max_steps,
+                 "per bucket" if bucketed else t.batch_size, run_dir)
 
     def save(step: int) -> Path | None:
         """Save step ``step`` unless its weights are not finite (RunError); a failed write is a RunError too, or
@@ -586,7 +603,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
 
     step, stepped = start_step, False
     window: dict[str, torch.Tensor] = {}
-    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+    window_start, window_steps, window_samples, data_wait = time.perf_counter(), 0, 0, 0.0
     bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None if d.is_main else True)
     interrupted = _DeferredInterrupt()
     # Its own gloo group: the checkpointer's may be busy in a background save's collectives.
@@ -603,8 +620,9 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             rows = 1 if weights is None else 2
             mean, std = inputs.moments(batch, device)
             cond = inputs.conditioning(batch, device)
-            rnd = step_randomness(t.seed, step, t.batch_size * rows, sample_shape, diffusion, m.class_dropout_prob,
-                                  device, d.dp_rank, d.dp_size, latent_noise=std is not None)
+            # the global batch and its shape: this step's bucket's with --buckets
+            rnd = step_randomness(t.seed, step, len(mean) * d.dp_size, tuple(mean.shape[1:]), diffusion,
+                                  m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
             x = inputs.draw(mean, std, rnd.eps)
             if not cfg.data.random_flip:
                 rnd.flip.zero_()
@@ -625,7 +643,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             update_ema(step, skipped)
             nonfinite.push(step + 1, skipped, out["loss"], out["grad_norm"])  # reads the previous step's flag
             step, stepped = step + 1, False
-            window_steps += 1
+            window_steps, window_samples = window_steps + 1, window_samples + len(mean) * d.dp_size // rows
             for k, v in out.items():  # a skipped step's values (NaN, inf) stay out of the means
                 window[k] = window.get(k, 0) + torch.where(skipped, 0.0, v)
             window["good_steps"] = window.get("good_steps", 0) + (~skipped).double()
@@ -640,7 +658,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                 good = sums.pop("good_steps")  # the same on every process
                 record = {k: v / good if good else math.nan for k, v in sums.items()}
                 elapsed = time.perf_counter() - window_start
-                record |= {"lr": learning_rate(cfg, step - 1), "samples_per_sec": window_steps * t.batch_size / elapsed,
+                record |= {"lr": learning_rate(cfg, step - 1), "samples_per_sec": window_samples / elapsed,
                            "epoch": step / max(steps_per_epoch, 1), "skipped_steps": window_steps - round(good),
                            "data_wait_fraction": data_wait / elapsed}
                 if device.type == "cuda":
@@ -651,7 +669,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                         metrics.write({"step": step, **record})
                         tracker.log(step, record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
-                window, window_start, window_steps, data_wait = {}, time.perf_counter(), 0, 0.0
+                window, window_start, window_steps, window_samples, data_wait = {}, time.perf_counter(), 0, 0, 0.0
             if t.sample_every and step % t.sample_every == 0 and step < max_steps:
                 write_samples(step)
             if step % t.ckpt_every == 0 and step < max_steps:

@@ -1,0 +1,494 @@
+"""Multi-resolution buckets (Open-Sora's ``bucket_config``), and images and videos in one data set.
+
+A bucket is a resolution x a frame count x an aspect ratio; each (resolution, frame count) has its own global
+batch size and keep probability. ``--buckets FILE`` (YAML or JSON) maps a resolution name to ``{frame count:
+[keep probability, global batch size]}``, as Open-Sora's ``bucket_config``::
+
+    256px: {1: [1.0, 64], 16: [0.5, 8]}
+    512px: {1: [0.5, 16]}
+
+Resolution names (``resolution_area``): ``<N>px`` or ``<N>`` is the area of an N x N square; ``<N>p`` the area
+of an N-line 16:9 frame, N x round(16 N / 9) (240p: 240 x 427 = 102,480 pixels). Frame count 1 is the image
+bucket (an image is a 1-frame video); larger counts are video buckets.
+
+Aspect ratios, height:width (``ASPECT_RATIOS``): 1:2, 9:16, 2:3, 3:4, 1:1, 4:3, 3:2, 16:9, 2:1. The shape of a
+ratio r at an area A (``aspect_shape``) is the pair of multiples of ``multiple`` (the VAE's downsample x the
+model's patch; the patch alone in pixel space) next to sqrt(A r) x sqrt(A / r) (each rounded down or up) whose
+log aspect error plus log area error is smallest. Ratios whose shapes coincide (small areas, large multiples)
+make one bucket.
+
+Assignment (``Buckets.assign_bucket``, Open-Sora's rule, with a drop where Open-Sora keeps the last try):
+
+1. Candidates, largest resolution first: every resolution the sample is big enough for, H x W >= 0.8 A
+   (Open-Sora's 0.8: at most 1.25x upscaling in area), with one frame count there: for an image, 1 if the
+   resolution has a 1-frame bucket; for a video, the largest count F > 1 it fills at the full stride,
+   (F - 1) x frame_interval + 1 <= its frames. Videos never go to 1-frame buckets; a resolution without a
+   fitting frame count is no candidate.
+2. Keep draws: the first candidate whose uniform draw u < its keep probability takes the sample; a failed draw
+   falls to the next smaller candidate. A sample that no draw keeps is dropped for this epoch (counted).
+3. Aspect: the bucket of that resolution and frame count whose h / w is nearest to the sample's H / W in log
+   (1:2 and 2:1 are equally far from 1:1; ties go to the lower ratio). So every sample lands in a bucket of its
+   own nearest aspect ratio, resized there by ``center_crop_arr`` (scale to cover, centre crop) and its frames
+   sampled at the data set's stride.
+
+Batches (``BucketBatchSampler``): per epoch e, every sample draws its keep draws from a generator seeded by
+``derive_seed(seed, e)``, then each bucket's samples are permuted and cut into global batches of its batch size
+(the incomplete tail is dropped, as ``drop_last``), and the order of all batches is permuted, from the same
+generator. Step k's global batch is so a fixed function of (seed, k), split over ranks as ``GlobalBatchSampler``
+does at every world size, and resuming needs only k. Epochs differ in length (the keep draws differ).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from PIL import Image, ImageOps
+from torch.utils.data import Dataset, Sampler
+
+from ditforge.data.images import IMAGE_EXTENSIONS, center_crop_arr, error_text, load_or_substitute, report_bad_samples
+from ditforge.data.sampler import derive_seed
+from ditforge.errors import UserError
+
+ASPECT_RATIOS = ((1, 2), (9, 16), (2, 3), (3, 4), (1, 1), (4, 3), (3, 2), (16, 9), (2, 1))  # height:width
+AREA_FRACTION = 0.8  # a sample fits a resolution of area A when H x W >= AREA_FRACTION x A (Open-Sora's)
+FLAG = "--buckets"
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket: ``height`` x ``width`` pixels, ``num_frames`` frames (1: images), of ``resolution``; global
+    ``batch_size`` samples per step; ``keep_prob`` of its (resolution, frame count)."""
+
+    resolution: str
+    num_frames: int
+    height: int
+    width: int
+    batch_size: int
+    keep_prob: float
+
+    @property
+    def name(self) -> str:
+        """e.g. ``"256px/16f/192x336"``."""
+        return f"{self.resolution}/{self.num_frames}f/{self.height}x{self.width}"
+
+
+def resolution_area(name: str) -> int:
+    """The area in pixels of a resolution name: ``"256px"`` or ``"256"`` -> 256 x 256; ``"240p"`` -> 240 x 427
+    (an N-line 16:9 frame, N x round(16 N / 9)).
+
+    Raises:
+        UserError: any other name (naming ``--buckets``).
+    """
+    m = re.fullmatch(r"([1-9][0-9]*)(px|p)?", str(name).strip().lower())
+    if m is None:
+        raise UserError(f"{FLAG}: unknown resolution {name!r}; expected e.g. 256px (a 256x256 area) or 240p "
+                        "(a 240-line 16:9 frame)")
+    n = int(m.group(1))
+    return n * round(16 * n / 9) if m.group(2) == "p" else n * n
+
+
+def aspect_shape(area: int, ratio: tuple[int, int], multiple: int) -> tuple[int, int]:
+    """(h, w), both multiples of ``multiple`` (at least ``multiple``), for the aspect ``ratio`` (height, width)
+    at about ``area`` pixels: of the multiples next to sqrt(area r) and sqrt(area / r) (r = height / width; each
+    rounded down and up), the pair with the least |log((h / w) / r)| + |log(h w / area)|."""
+    r = ratio[0] / ratio[1]
+
+    def around(x: float) -> set[int]:
+        return {max(multiple, math.floor(x / multiple) * multiple), max(multiple, math.ceil(x / multiple) * multiple)}
+
+    pairs = [(h, w) for h in sorted(around(math.sqrt(area * r))) for w in sorted(around(math.sqrt(area / r)))]
+    return min(pairs, key=lambda p: abs(math.log(p[0] / p[1] / r)) + abs(math.log(p[0] * p[1] / area)))
+
+
+def read_bucket_config(path: str | Path) -> dict[str, dict[int, tuple[float, int]]]:
+    """A ``--buckets`` file (YAML, of which JSON is a subset): ``{resolution: {frame count: (keep probability,
+    global batch size)}}``, frame counts as ints (JSON keys are strings).
+
+    Raises:
+        UserError: unreadable file, or an entry that is not a known resolution with positive integer frame counts,
+            a keep probability in [0, 1] and a positive integer batch size (naming the file and entry).
+    """
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UserError(f"{FLAG}: cannot read {path}: {' '.join(str(e).split())[:200]}") from None
+    expected = "expected {resolution: {frame count: [keep probability, batch size]}}, e.g. {256px: {1: [1.0, 64]}}"
+    if not isinstance(loaded, Mapping) or not loaded:
+        raise UserError(f"{FLAG}: {path} holds no buckets; {expected}")
+    config = {}
+    for res, frames in loaded.items():
+        resolution_area(res)
+        if not isinstance(frames, Mapping) or not frames:
+            raise UserError(f"{FLAG}: {path}: {res} holds no frame counts; {expected}")
+        config[str(res)] = {}
+        for t, value in frames.items():
+            where = f"{FLAG}: {path}: {res} frame count {t}"
+            if not re.fullmatch(r"[1-9][0-9]*", str(t).strip()):
+                raise UserError(f"{where}: not a positive integer; {expected}")
+            ok = isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2
+            keep, batch = value if ok else (None, None)
+            if not (isinstance(keep, (int, float)) and not isinstance(keep, bool) and 0 <= keep <= 1):
+                raise UserError(f"{where}: expected [keep probability in [0, 1], batch size], got {value!r}")
+            if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+                raise UserError(f"{where}: expected [keep probability, positive integer batch size], got {value!r}")
+            config[str(res)][int(str(t))] = (float(keep), batch)
+    return config
+
+
+class Buckets:
+    """The buckets of a ``--buckets`` config (``read_bucket_config``), shapes divisible by ``multiple``, videos
+    sampled at ``frame_interval`` (see the module docstring for the rules).
+
+    Attributes:
+        buckets: every ``Bucket``, ordered by resolution (largest area first), frame count (largest first) and
+            aspect ratio (lowest h / w first); a bucket's index in this list is its id.
+        num_frames: the largest frame count, or None when every bucket holds images (an image run).
+        image_size: the side of the largest resolution's 1:1 bucket (the model's configured input size).
+    """
+
+    def __init__(self, config: Mapping[str, Mapping[int, tuple[float, int]]], multiple: int, frame_interval: int = 1):
+        self.multiple, self.frame_interval = int(multiple), int(frame_interval)
+        self.resolutions = sorted(config, key=lambda r: (-resolution_area(r), r))
+        self.buckets: list[Bucket] = []
+        self._ids: dict[tuple[str, int], list[int]] = {}  # (resolution, frames) -> bucket ids, lowest ratio first
+        for res in self.resolutions:
+            area = resolution_area(res)
+            shapes = sorted({aspect_shape(area, r, self.multiple) for r in ASPECT_RATIOS}, key=lambda s: s[0] / s[1])
+            for t in sorted(config[res], reverse=True):
+                keep, batch = config[res][t]
+                self._ids[res, t] = list(range(len(self.buckets), len(self.buckets) + len(shapes)))
+                self.buckets += [Bucket(res, t, h, w, batch, keep) for h, w in shapes]
+        top = max(t for frames in config.values() for t in frames)
+        self.num_frames = top if top > 1 else None
+        self.image_size = aspect_shape(resolution_area(self.resolutions[0]), (1, 1), self.multiple)[0]
+        self._cache: dict[tuple[int, int, int], tuple[int, ...]] = {}
+
+    def candidates(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        """The bucket ids a sample of ``height`` x ``width`` pixels and ``num_frames`` frames (1: an image) may
+        go to, in the order its keep draws are tried (rule 1 and 3 of the module docstring); () when none."""
+        key = (int(height), int(width), int(num_frames))
+        if key not in self._cache:
+            found = []
+            for res in self.resolutions:
+                if height * width < AREA_FRACTION * resolution_area(res):
+                    continue
+                counts = [t for r, t in self._ids if r == res and (t == 1 if num_frames == 1 else
+                          1 < t and (t - 1) * self.frame_interval + 1 <= num_frames)]
+                if counts:
+                    ids = self._ids[res, max(counts)]
+                    aspect = math.log(height / width)
+                    found.append(min(ids, key=lambda b: abs(math.log(self.buckets[b].height / self.buckets[b].width)
+                                                            - aspect)))
+            self._cache[key] = tuple(found)
+        return self._cache[key]
+
+    def assign_bucket(self, height: int, width: int, num_frames: int, rng_key: int | Sequence[int]) -> Bucket | None:
+        """The bucket of a sample of ``height`` x ``width`` pixels and ``num_frames`` frames (1: an image), or
+        None (dropped: too small or short for every bucket, or no keep draw passed). Pure: the keep draws are
+        uniforms from ``numpy.random.SeedSequence(rng_key)`` (e.g. ``(seed, epoch, sample id)``), one 32-bit word
+        per candidate, u = word / 2**32."""
+        cands = self.candidates(height, width, num_frames)
+        if not cands:
+            return None
+        keys = [int(rng_key)] if isinstance(rng_key, (int, np.integer)) else [int(k) for k in rng_key]
+        u = np.random.SeedSequence([k % 2**63 for k in keys]).generate_state(len(cands)) / 2**32
+        b = self.choose(np.array([cands]), u[None])[0]
+        return self.buckets[b] if b >= 0 else None
+
+    def choose(self, cands: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Rule 2, for many samples: ``cands`` (N, M) int bucket ids (-1: no candidate), ``u`` (N, M) uniforms in
+        [0, 1) -> (N,) int64 the first candidate with u < its keep probability, -1 for none."""
+        keep = np.array([b.keep_prob for b in self.buckets] + [0.0])[cands]  # id -1 -> the 0.0 at the end
+        kept = u < keep
+        first = kept.argmax(axis=1)
+        return np.where(kept.any(axis=1), cands[np.arange(len(cands)), first], -1)
+
+    def check_batch_sizes(self, divisor: int, what: str) -> None:
+        """Raise UserError (naming ``--buckets``) unless every bucket's batch size is divisible by ``divisor``
+        (``what`` says what it is, e.g. "the number of processes (4)")."""
+        for b in self.buckets:
+            if b.batch_size % divisor:
+                raise UserError(f"{FLAG}: the batch size {b.batch_size} of {b.resolution} {b.num_frames} frames is "
+                                f"not divisible by {what}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Images and videos in one data set
+
+
+def probe_size(path: str | Path) -> tuple[int, int, int]:
+    """(height, width, frames) of an image (from its header, EXIF orientation applied; frames 1) or a video
+    (PyAV's stream metadata, or a demux count when it has none), without decoding pixels.
+
+    Raises:
+        OSError / ValueError / SyntaxError (images), av.FFmpegError / OSError / ValueError (videos): unreadable.
+    """
+    if Path(path).suffix.lower() in IMAGE_EXTENSIONS:
+        with Image.open(path) as img:
+            w, h = img.size
+            if img.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF orientations that turn the image by 90 degrees
+                h, w = w, h
+        return h, w, 1
+    from ditforge.data.video import _count_packets, probe_video
+
+    meta = probe_video(path)
+    return meta["height"], meta["width"], meta["num_frames"] or _count_packets(path)
+
+
+class BucketDataset(Dataset):
+    """Captioned images and videos together (``source``: a CSV or JSONL of ``path,text`` rows, read as captioned
+    images are, see ``ditforge.data.captions``; a row's file is an image or a video by its extension), each read
+    at the shape of a bucket of ``buckets``.
+
+    Sizes are probed once at start (``probe_size``, in threads): ``sizes`` (N, 3) int64 (height, width, frames).
+    Rows whose file is missing, of another extension, or unreadable when probed are left out, counted in
+    ``num_dropped`` and recorded in ``bad_samples_path``.
+
+    Items: ``dataset[(index, bucket id)]`` (the keys ``BucketBatchSampler`` yields) -> dict ``x`` float32 in
+    [-1, 1], (3, F, h, w) in a video run (``num_frames`` not None; images as (3, 1, h, w)) or (3, h, w) in an
+    image run; ``text`` str; ``label`` int (the caption's index in ``classes``, the sorted distinct captions, as
+    ``VideoDataset``); ``index`` int (the sample returned). Images: EXIF orientation applied, RGB,
+    ``center_crop_arr`` to (h, w). Videos: F frames at stride ``buckets.frame_interval`` (``read_clip``; start
+    frame uniform from ``derive_seed(seed, index)``), each frame ``center_crop_arr``-ed. A file that turns out
+    unreadable is recorded once and replaced by the next sample (wrapping) that fits the same bucket.
+
+    Raises:
+        UserError: ``source`` missing or not a .csv / .jsonl file, a row without path or caption, no usable row.
+    """
+
+    in_channels = 3
+    random_flip = True
+    class_captions = None
+
+    def __init__(self, source: str | Path, buckets: Buckets, bad_samples_path: str | Path | None = None,
+                 seed: int = 0, probe_threads: int = 8):
+        from ditforge.data.captions import read_caption_csv, read_caption_jsonl
+        from ditforge.data.video import VIDEO_EXTENSIONS
+
+        source = Path(source)
+        if source.suffix.lower() not in (".csv", ".jsonl"):
+            raise UserError(f"--data {source}: with {FLAG}, a .csv or .jsonl file of path,text rows naming images "
+                            "or videos")
+        rows = read_caption_csv(source) if source.suffix.lower() == ".csv" else read_caption_jsonl(source)
+        self.buckets, self.bad_samples_path, self.seed = buckets, bad_samples_path, seed
+        self.num_frames, self.image_size = buckets.num_frames, buckets.image_size
+        dropped, kept = [], []
+        for row in rows:
+            file = source.parent / Path(row["path"].strip()).expanduser()
+            reason = None
+            if not row["path"].strip() or not file.is_file():
+                reason = "file not found" if row["path"].strip() else "empty path"
+            elif file.suffix.lower() not in IMAGE_EXTENSIONS | set(VIDEO_EXTENSIONS):
+                reason = "neither an image nor a video extension"
+            if reason:
+                dropped.append({"path": str(file), "error": reason, "line": row["line"]})
+            else:
+                kept.append((str(file), row["text"], row["line"]))
+        with ThreadPoolExecutor(probe_threads) as pool:  # header reads: I/O bound
+            probed = list(pool.map(self._probe, [p for p, _, _ in kept]))
+        self.paths, self.texts, sizes = [], [], []
+        for (path, text, line), size in zip(kept, probed):
+            if isinstance(size, str):
+                dropped.append({"path": path, "error": size, "line": line})
+            else:
+                self.paths.append(path)
+                self.texts.append(text)
+                sizes.append(size)
+        self.num_dropped = len(dropped)
+        if dropped:
+            report_bad_samples(bad_samples_path, dropped, "sample")
+        if not self.paths:
+            raise UserError(f"--data: {source} has no usable row ({len(rows)} rows, {len(dropped)} missing, "
+                            "unreadable or neither image nor video)")
+        self.sizes = np.array(sizes, dtype=np.int64).reshape(-1, 3)
+        self.classes = sorted(set(self.texts))
+        self.num_classes = len(self.classes)
+        self._label = {text: i for i, text in enumerate(self.classes)}
+        self._bad: dict[int, str] = {}
+        self._fits: dict[int, np.ndarray] = {}
+
+    @staticmethod
+    def _probe(path: str) -> tuple[int, int, int] | str:
+        from ditforge.data.video import DECODE_ERRORS
+
+        try:
+            return probe_size(path)
+        except (*DECODE_ERRORS, SyntaxError, Image.DecompressionBombError) as e:
+            return error_text(e)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def fits(self, bucket_id: int) -> np.ndarray:
+        """The sample ids (ascending) that can fill bucket ``bucket_id``: images for a 1-frame bucket, videos of
+        at least F frames for an F-frame one (the substitutes of a bad sample there)."""
+        if bucket_id not in self._fits:
+            f = self.buckets.buckets[bucket_id].num_frames
+            t = self.sizes[:, 2]
+            self._fits[bucket_id] = np.flatnonzero(t == 1 if f == 1 else t >= f)
+        return self._fits[bucket_id]
+
+    def load(self, index: int, bucket_id: int) -> torch.Tensor:
+        """Sample ``index`` at bucket ``bucket_id``'s shape (see the class docstring).
+
+        Raises:
+            OSError / ValueError / SyntaxError / av.FFmpegError / EOFError: an unreadable file.
+        """
+        from ditforge.data.video import BadVideo, read_clip
+
+        if index in self._bad:
+            raise BadVideo(f"found bad before ({self._bad[index]})")
+        b = self.buckets.buckets[bucket_id]
+        if b.num_frames == 1:
+            with Image.open(self.paths[index]) as img:
+                frames = [center_crop_arr(ImageOps.exif_transpose(img).convert("RGB"), (b.height, b.width))]
+        else:
+            clip, _ = read_clip(self.paths[index], b.num_frames, self.buckets.frame_interval,
+                                lambda m: int(np.random.default_rng(derive_seed(self.seed, index)).integers(0, m + 1)))
+            frames = [center_crop_arr(Image.fromarray(f), (b.height, b.width)) for f in clip]
+        x = torch.from_numpy(np.stack(frames)).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)  # (3, F, h, w)
+        return x if self.num_frames is not None else x[:, 0]
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        from ditforge.data.video import DECODE_ERRORS
+
+        index, bucket_id = key
+        fits = self.fits(bucket_id)
+        start = int(np.searchsorted(fits, index))
+        pos, x = load_or_substitute(start, len(fits), lambda p: self.load(int(fits[p]), bucket_id),
+                                    lambda p, e: self._report_bad(int(fits[p]), e),
+                                    (*DECODE_ERRORS, SyntaxError, Image.DecompressionBombError),
+                                    min(16, len(fits)), "unreadable samples")
+        j = int(fits[pos])
+        return {"x": x, "text": self.texts[j], "label": self._label[self.texts[j]], "index": j}
+
+    def _report_bad(self, j: int, error: Exception) -> None:
+        if j not in self._bad:  # recorded once per process; never read again
+            self._bad[j] = error_text(error)
+            report_bad_samples(self.bad_samples_path, [{"path": self.paths[j], "error": self._bad[j], "index": j}],
+                               "unreadable sample")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Deterministic bucketed global batches
+
+
+class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
+    """Yields this rank's slice of each bucketed global batch, as ``(sample id, bucket id)`` keys, forever, from
+    ``start_step`` on (see the module docstring for the epoch plan).
+
+    A bucket's batch size is its global batch; rank r of W takes positions ``[r * B/W, (r + 1) * B/W)`` of a
+    global batch of B, so the global batches do not depend on W.
+
+    Args:
+        buckets: the ``Buckets``; sizes: (N, 3) int (height, width, frames) of every sample (``BucketDataset.sizes``).
+
+    Raises:
+        UserError: a bucket batch size not divisible by ``world_size``, or no bucket that gathers a full global
+            batch in epoch 0.
+    """
+
+    max_empty_epochs = 1000
+
+    def __init__(self, buckets: Buckets, sizes: np.ndarray, seed: int, rank: int = 0, world_size: int = 1,
+                 start_step: int = 0):
+        buckets.check_batch_sizes(world_size, f"the number of processes ({world_size})")
+        self.buckets, self.seed, self.rank, self.world_size, self.start_step = buckets, seed, rank, world_size, start_step
+        cands = [buckets.candidates(*s) for s in np.asarray(sizes).tolist()]
+        width = max(1, max(map(len, cands), default=1))
+        self.cands = np.full((len(cands), width), -1, dtype=np.int64)
+        for i, c in enumerate(cands):
+            self.cands[i, :len(c)] = c
+        self._starts = [0]  # the first step of each epoch planned so far
+        self._plans: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self.counts: dict[int, dict[str, int]] = {}  # per epoch: samples in batches, dropped, in dropped tails
+        self.steps_per_epoch = len(self.epoch_plan(0))  # epoch 0's; later epochs differ by their keep draws
+        if not self.steps_per_epoch:
+            raise UserError(f"{FLAG}: no bucket gathers a full global batch ({len(cands)} samples, "
+                            f"{int((self.cands[:, 0] >= 0).sum())} fit some bucket); lower the batch sizes or raise "
+                            "the keep probabilities")
+
+    def epoch_plan(self, epoch: int) -> list[tuple[int, torch.Tensor]]:
+        """The global batches of ``epoch`` in order: ``(bucket id, sample ids (B,) int64)``."""
+        if epoch not in self._plans:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
+            u = torch.rand(self.cands.shape, generator=g, dtype=torch.float64).numpy()
+            chosen = self.buckets.choose(self.cands, u)
+            batches, tails = [], 0
+            for b, bucket in enumerate(self.buckets.buckets):
+                members = torch.from_numpy(np.flatnonzero(chosen == b))
+                members = members[torch.randperm(len(members), generator=g)]
+                n = len(members) // bucket.batch_size
+                tails += len(members) - n * bucket.batch_size
+                batches += [(b, members[k * bucket.batch_size : (k + 1) * bucket.batch_size]) for k in range(n)]
+            order = torch.randperm(len(batches), generator=g).tolist()
+            self._plans = {epoch: [batches[i] for i in order]}  # keeps one epoch: resume walks forward
+            self.counts[epoch] = {"batched": int((chosen >= 0).sum()) - tails, "dropped": int((chosen < 0).sum()),
+                                  "tails": tails}
+        return self._plans[epoch]
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """``(epoch, position in it)`` of global step ``step``."""
+        empty = 0
+        while self._starts[-1] <= step:
+            n = len(self.epoch_plan(len(self._starts) - 1))
+            empty = empty + 1 if n == 0 else 0
+            if empty >= self.max_empty_epochs:
+                raise UserError(f"{FLAG}: {empty} epochs in a row gather no full global batch; lower the batch "
+                                "sizes or raise the keep probabilities")
+            self._starts.append(self._starts[-1] + n)
+        epoch = bisect.bisect_right(self._starts, step) - 1
+        return epoch, step - self._starts[epoch]
+
+    def global_batch(self, step: int) -> tuple[int, torch.Tensor]:
+        """``(bucket id, sample ids (B,) int64)`` of the whole global batch at ``step``."""
+        epoch, pos = self.locate(step)
+        return self.epoch_plan(epoch)[pos]
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        step, epoch = self.start_step, None
+        while True:
+            b, ids = self.global_batch(step)
+            if self.rank == 0 and self.locate(step)[0] != epoch:
+                epoch = self.locate(step)[0]
+                log.info("%s epoch %d: %d global batches; %s", FLAG, epoch, len(self.epoch_plan(epoch)),
+                         ", ".join(f"{v} samples {k}" for k, v in self.counts[epoch].items()))
+            local = len(ids) // self.world_size
+            yield [(i, b) for i in ids[self.rank * local : (self.rank + 1) * local].tolist()]
+            step += 1
+
+
+def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str) -> BucketDataset:
+    """The ``BucketDataset`` of a run (``cfg``, a ``RunConfig`` with ``data.buckets`` set): ``--data`` read at the
+    buckets of ``--buckets``, whose shapes are multiples of ``--vae``'s downsample x ``model``'s spatial patch
+    (the lcm of its height and width patch), videos sampled at ``--frame_interval``.
+
+    Raises:
+        UserError: a video frame count not divisible by the model's temporal patch; see ``read_bucket_config``,
+            ``BucketDataset``, ``vae_downsample``.
+    """
+    from ditforge.encoders.vae import vae_downsample
+    from ditforge.models import model_spec
+
+    patch = model_spec(model)["patch_size"]
+    config = read_bucket_config(cfg.data.buckets)
+    if isinstance(patch, tuple):  # (t, h, w): video frame counts must fill whole temporal patches
+        odd = sorted({f for frames in config.values() for f in frames if f > 1 and f % patch[0]})
+        if odd:
+            raise UserError(f"{FLAG} {cfg.data.buckets}: frame counts {', '.join(map(str, odd))} are not divisible "
+                            f"by the temporal patch {patch[0]} of --model {model}")
+        patch = math.lcm(*patch[1:])
+    buckets = Buckets(config, vae_downsample(cfg.model.vae) * patch, cfg.data.frame_interval)
+    return BucketDataset(cfg.data.data, buckets, bad_samples_path, cfg.train.seed)
