@@ -86,7 +86,9 @@ class DataConfig:
                              "(path,text[,num_frames,fps,height,width]; see `ditforge preprocess`) | an image "
                              "folder ROOT/<class>/<image> | captioned images (a folder of images with <stem>.txt "
                              "captions, or a CSV / JSONL of path,text) | a features folder of `ditforge "
-                             "extract-features`")
+                             "extract-features` | WebDataset shards (a folder of .tar with or without shards.json, a glob, a "
+                             "brace list shard-{000..009}.tar, an fsspec URL) or a YAML blend of them "
+                             "(- {path: ..., weight: 0.7})")
     image_size: int | None = _f(None, "image (frame) side in pixels (digits: 8; clips: 32; required otherwise)")
     num_frames: int | None = _f(None, "frames per video clip (video data; default 16)")
     frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
@@ -106,6 +108,12 @@ class DataConfig:
     prior_loss_weight: float = _f(1.0, "DreamBooth prior preservation: weight of the class images' loss")
     num_workers: int | None = _f(None, "data loader worker processes (default: 0 for digits and clips, which "
                                        "live in memory, and for features; 4 for image folders and CSVs)")
+    data_streams: int = _f(16, "shard data: virtual streams K the order is built of, fixed for a run (it must "
+                               "divide --batch_size, and processes x --num_workers must divide it)")
+    shuffle_shards: int = _f(4, "shard data: each stream shuffles its samples uniformly within windows of this "
+                                "many shards")
+    shard_retries: int = _f(3, "shard data: tries again to read an unreadable or truncated shard this many times "
+                               "(0.1 s backoff, doubling) before skipping what cannot be read")
 
 
 @dataclass

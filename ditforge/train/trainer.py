@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
 from ditforge.config import RunConfig, parse_bytes, resolve_precision
-from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, is_features
+from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, build_shard_loader, is_features
+from ditforge.data.shards import ShardData, ShardLoader
 from ditforge.data.features import read_manifest
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
@@ -235,7 +236,7 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
     data, bad = cfg.data, run_dir / "bad_samples.jsonl"
     if data.instance_data is None:
         return build_dataset(data.data, data.image_size, bad, data.num_frames, data.frame_interval, cfg.train.seed,
-                             resize_mode=data.resize_mode)
+                             resize_mode=data.resize_mode, shard_retries=data.shard_retries)
     from ditforge.data.captions import DreamBoothDataset, count_images, generate_class_images
 
     if data.image_size is None:
@@ -450,10 +451,10 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             scaler = ShardedGradScaler(device.type)
         else:
             scaler = torch.amp.GradScaler(device.type)
-    start_step = 0
+    start_step, loader_state = 0, None
     if resume_from is not None:
         meta = ckpt_io.load_training_state(resume_from, model, optimizer, ema, adapters_only)
-        start_step = int(meta["step"])
+        start_step, loader_state = int(meta["step"]), meta.get("loader")
         if scaler is not None and meta.get("scaler"):
             scaler.load_state_dict(meta["scaler"])
         if stepper is not None and meta.get("step_in_backward"):
@@ -471,11 +472,17 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                                         last_step=start_step if resume_from is not None else None)
     optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
 
-    sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
-    loader = DataLoader(
-        dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
-        persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
-    )
+    if isinstance(dataset, ShardData):  # streamed shards: the position is the loader's state, saved with the checkpoint
+        data = cfg.data
+        loader = build_shard_loader(dataset, t.batch_size, data.data_streams, data.shuffle_shards, t.seed, d.dp_rank,
+                                    d.dp_size, data.num_workers, start_step, loader_state, device.type == "cuda",
+                                    _ignore_sigint)
+    else:
+        sampler = GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
+        loader = DataLoader(
+            dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
+            persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
+        )
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
     grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
@@ -502,7 +509,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                            f"{last_good()}); lower --lr, add --warmup_steps or keep --max_grad_norm")
         meta = {"config": cfg.to_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
                 "step_in_backward": stepper.state_dict() if stepper is not None else None,
-                "world_size": d.world_size, "plugin": plugin}
+                "world_size": d.world_size, "plugin": plugin,
+                "loader": loader.state_dict(step, checkpointer.group) if isinstance(loader, ShardLoader) else None}
         with written(f"checkpoint step-{step:07d}"):
             return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema, adapters_only), meta)
         return None
