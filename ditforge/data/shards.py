@@ -129,9 +129,10 @@ class ShardWriter:
         self._count += 1
         self.total += 1
         if self._count == self.shard_size:
-            self._finish_shard()
+            self.finish_shard()
 
-    def _finish_shard(self) -> None:
+    def finish_shard(self) -> None:
+        """Close the current shard now (full or not); the next sample starts a new one."""
         self._writer.close()
         self._file.close()
         name = SHARD_PATTERN.format(len(self.shards))
@@ -144,7 +145,7 @@ class ShardWriter:
         """Finish the last shard and write ``shards.json``: ``manifest`` plus format, version, ``shards`` (file,
         num_samples each) and ``num_samples``; returns what was written."""
         if self._writer is not None:
-            self._finish_shard()
+            self.finish_shard()
         full = {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, **manifest, "shards": self.shards,
                 "num_samples": sum(s["num_samples"] for s in self.shards)}
         with atomic_path(self.out / SHARDS_MANIFEST) as tmp:
