@@ -192,9 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "must not hold features already")
     fx.add_argument("--batch_size", type=int, default=32, help="samples per encoder batch")
     fx.add_argument("--shard_size", type=int, default=1024, help="samples per shard file")
+    fx.add_argument("--format", choices=("safetensors", "wds"), default="safetensors", help="safetensors: a "
+                    "features folder (features.json); wds: WebDataset tar shards + shards.json, streamed by --data "
+                    "(blends, exact resume at any world size; not with --init_from)")
     _add_config_flags(fx, (DataConfig, ModelConfig, TrainConfig),
                       only=("data", "image_size", "num_frames", "frame_interval", "num_workers", "resize_mode",
                             "condition", "vae", "text_encoder", "text_max_length", "init_from", "device", "seed"))
+    sh = sub.add_parser("shard", help="store an image folder, captioned images or a video CSV as WebDataset tar "
+                        "shards of the files' bytes (not re-encoded) with their captions and labels, for --data",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sh.add_argument("--data", required=True, help="an image folder ROOT/<class>/<image>, captioned images (a folder "
+                    "with <stem>.txt captions, a CSV or JSONL of path,text) or a video CSV")
+    sh.add_argument("--out", required=True, help="the folder to write (shard-NNNNN.tar + shards.json)")
+    sh.add_argument("--shard_size", type=int, default=1000, help="samples per shard file")
     return parser
 
 
@@ -267,9 +277,16 @@ def main(argv: list[str] | None = None) -> int:
             from ditforge.data.features import extract_features, read_manifest
 
             out, batch_size, shard_size = args.pop("out"), args.pop("batch_size"), args.pop("shard_size")
+            fmt = args.pop("format")
             cfg = build_config(None, args)
-            folder = extract_features(cfg, out, batch_size, shard_size, device=cfg.train.device)
-            print(f"wrote {read_manifest(folder)['num_samples']} samples to {folder}")
+            folder = extract_features(cfg, out, batch_size, shard_size, device=cfg.train.device, fmt=fmt)
+            if fmt == "safetensors":
+                print(f"wrote {read_manifest(folder)['num_samples']} samples to {folder}")
+        elif command == "shard":
+            from ditforge.data.shards import write_raw_shards
+
+            written = write_raw_shards(args["data"], args["out"], args["shard_size"])
+            print(f"wrote {written['num_samples']} samples in {len(written['shards'])} shards to {args['out']}")
     except UserError as e:
         print(f"ditforge {command}: error: {e}", file=sys.stderr)
         return 2

@@ -86,7 +86,9 @@ class DataConfig:
                              "(path,text[,num_frames,fps,height,width]; see `ditforge preprocess`) | an image "
                              "folder ROOT/<class>/<image> | captioned images (a folder of images with <stem>.txt "
                              "captions, or a CSV / JSONL of path,text) | a features folder of `ditforge "
-                             "extract-features`")
+                             "extract-features` | WebDataset shards (a folder of .tar with or without shards.json, a glob, a "
+                             "brace list shard-{000..009}.tar, an fsspec URL) or a YAML blend of them "
+                             "(- {path: ..., weight: 0.7})")
     image_size: int | None = _f(None, "image (frame) side in pixels (digits: 8; clips: 32; required otherwise)")
     num_frames: int | None = _f(None, "frames per video clip (video data; default 16)")
     frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
@@ -111,6 +113,12 @@ class DataConfig:
     num_workers: int | None = _f(None, "data loader worker processes per training process (default: 0 for "
                                        "digits, clips and features, which live in memory or are memory-mapped; "
                                        "for files, this host's CPU cores per process less one, 1 to 8)")
+    data_streams: int = _f(16, "shard data: virtual streams K the order is built of, fixed for a run (it must "
+                               "divide --batch_size, and processes x --num_workers must divide it)")
+    shuffle_shards: int = _f(4, "shard data: each stream shuffles its samples uniformly within windows of this "
+                                "many shards")
+    shard_retries: int = _f(3, "shard data: tries again to read an unreadable or truncated shard this many times "
+                               "(0.1 s backoff, doubling) before skipping what cannot be read")
 
 
 @dataclass

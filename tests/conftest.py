@@ -132,3 +132,32 @@ def ckpt_weights():
 def tiny_argv():
     """The function ``tiny_train_argv`` (fixtures, not imports, so no module name can clash)."""
     return tiny_train_argv
+
+
+def write_latent_shards(folder: Path, counts: list[int], seed: int = 0, prefix: str = "") -> list[str]:
+    """A shard set as `ditforge extract-features --format wds` writes it for pixel-space digits (1 x 8 x 8 float16
+    "latents", class labels), one shard per entry of ``counts``, random values; returns the sample keys in order."""
+    import numpy as np
+
+    from ditforge.data.shards import ShardWriter
+
+    g = np.random.default_rng(seed)
+    keys = []
+    writer = ShardWriter(folder, shard_size=10**9)
+    for shard, n in enumerate(counts):
+        for i in range(n):
+            keys.append(f"{prefix}s{shard}i{i}")
+            writer.write({"__key__": keys[-1], "latent.npy": g.standard_normal((1, 8, 8)).astype(np.float16),
+                          "cls": int(g.integers(10))})
+        writer.finish_shard()
+    writer.close({"kind": "latent", "condition": "class", "vae": "none", "text_encoder": None,
+                  "text_max_length": None, "text_dim": None, "in_channels": 1, "input_size": 8, "num_frames": None,
+                  "image_size": 8, "stochastic": False, "num_classes": 10, "class_captions": None,
+                  "random_flip": False, "texts": None})
+    return keys
+
+
+@pytest.fixture
+def latent_shards():
+    """``write_latent_shards``, for tests in any folder."""
+    return write_latent_shards

@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 from ditforge.data.digits import DigitsDataset
 from ditforge.data.images import IMAGE_EXTENSIONS, ImageFolderDataset
 from ditforge.data.sampler import GlobalBatchSampler
+from ditforge.data.shards import build_shard_loader, is_shard_data
 from ditforge.errors import UserError
 
 BUILTIN_DATASETS = ("digits", "clips")
@@ -55,7 +56,7 @@ def is_captioned_image_data(data: str) -> bool:
         return True
     if suffix == ".csv":
         return path.is_file() and _csv_holds_images(data)
-    if not path.is_dir() or (path / FEATURES_MANIFEST).is_file():
+    if not path.is_dir() or (path / FEATURES_MANIFEST).is_file() or is_shard_data(data):
         return False
     entries = [p for p in path.iterdir() if not p.name.startswith(".")]
     if not any(p.is_dir() for p in entries):
@@ -76,7 +77,7 @@ def is_features(data: str) -> bool:
 
 def build_dataset(data: str, image_size: int | None, bad_samples_path: str | Path | None = None,
                   num_frames: int | None = None, frame_interval: int = 3, seed: int = 0,
-                  resize_mode: str = "center_crop") -> Dataset:
+                  resize_mode: str = "center_crop", shard_retries: int = 3) -> Dataset:
     """The data set named by ``--data``.
 
     Image data (``digits``, an image folder ``ROOT/<class>/<image>``): items ``(image (C, S, S) float32 in
@@ -85,7 +86,8 @@ def build_dataset(data: str, image_size: int | None, bad_samples_path: str | Pat
     images; see ``is_captioned_image_data``): ``CaptionedImageDataset`` (dict items ``x``, ``text``; resized by
     ``resize_mode``, which only this data uses). Video data (``clips``, a CSV naming videos): ``VideoDataset``
     (dict items; ``num_frames`` defaults to 16, ``image_size`` to 32 for ``clips``).
-    A features folder: ``FeatureDataset``.
+    A features folder: ``FeatureDataset``. WebDataset shards or a blend of them (``is_shard_data``): ``ShardData``
+    (streamed by ``ditforge.data.shards.build_shard_loader``, not a map-style data set; ``shard_retries``).
 
     Raises:
         UserError: bad folder or CSV (see the data sets), a built-in set asked at a size it does not have, or
@@ -95,6 +97,10 @@ def build_dataset(data: str, image_size: int | None, bad_samples_path: str | Pat
         from ditforge.data.features import FeatureDataset
 
         return FeatureDataset(data)
+    if is_shard_data(data):
+        from ditforge.data.shards import ShardData
+
+        return ShardData(data, image_size, bad_samples_path, resize_mode, shard_retries)
     if data == "digits":
         if image_size not in (None, DigitsDataset.image_size):
             raise UserError(f"--image_size: the digits data set is {DigitsDataset.image_size}x8, got {image_size}")
@@ -116,4 +122,4 @@ def build_dataset(data: str, image_size: int | None, bad_samples_path: str | Pat
 
 
 __all__ = ["build_dataset", "is_video_data", "is_captioned_image_data", "is_features", "DigitsDataset",
-           "ImageFolderDataset", "GlobalBatchSampler", "BUILTIN_DATASETS"]
+           "ImageFolderDataset", "GlobalBatchSampler", "BUILTIN_DATASETS", "is_shard_data", "build_shard_loader"]

@@ -101,7 +101,7 @@ def _umask() -> int:
 
 
 def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int = 1024,
-                     device: str | torch.device = "auto") -> Path:
+                     device: str | torch.device = "auto", fmt: str = "safetensors") -> Path:
     """Encode every sample of ``--data`` once and store the results in ``out`` (see the module docstring).
 
     The data set is built exactly as the trainer builds it (``build_dataset`` with ``cfg.data`` and
@@ -132,6 +132,10 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
         batch_size: samples per encoder call (memory, not results: up to float rounding, see the tests).
         shard_size: samples per shard file.
         device: where the encoders run: cuda | cpu | auto.
+        fmt: ``safetensors`` (this module's folder) or ``wds``: WebDataset tar shards that ``--data`` streams
+            (``ditforge.data.shards``: per sample ``latent.npy`` = the mean, ``std.npy``, ``cls``, and ``text.npy``
+            (L_i, D_text) + ``txt`` for the text condition; ``shards.json`` holds this manifest's keys, its
+            ``texts`` only the first ``NUM_TEXTS`` distinct captions, for the sample grids).
 
     Returns:
         ``out`` as a Path. Its ``features.json`` is written last and atomically, as is every shard, so an
@@ -139,14 +143,21 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
 
     Raises:
         UserError: ``out`` already holds features or is a file; ``--data`` is a features folder already;
-            ``batch_size`` or ``shard_size`` < 1; no usable sample; and the data set's and encoders' own
+            ``batch_size`` or ``shard_size`` < 1; no usable sample; ``wds`` with ``--init_from``; and the data set's and encoders' own
             (``build_dataset``, ``build_batch_encoder``).
     """
     from ditforge.data import BUILTIN_DATASETS, build_dataset, is_features
     from ditforge.encoders.batch import as_batch, build_batch_encoder
 
+    from ditforge.data.shards import NUM_TEXTS, ShardWriter
+
     out = Path(out)
     manifest_path = out / _manifest_name()
+    if fmt not in ("safetensors", "wds"):
+        raise UserError(f"--format: expected safetensors or wds, got {fmt!r}")
+    if fmt == "wds" and cfg.model.init_from is not None:
+        raise UserError("--format wds: features of a pretrained pipeline (--init_from) are stored as safetensors "
+                        "only; leave --format out")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; expected a folder for the features")
     if manifest_path.exists():
@@ -177,6 +188,7 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
     text = m.condition == "text" and pre is None
     cond_keys: list[str] = []
     stochastic = inputs.stochastic
+    sink = ShardWriter(out, shard_size) if fmt == "wds" else None
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("shard-*.safetensors"):  # from an extraction that was interrupted: no manifest
         stale.unlink()
@@ -248,11 +260,15 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
                 add("text_lengths", lengths.to(torch.int64))
                 add("text_states", torch.cat([states[i, :int(k)] for i, k in enumerate(lengths)]))
                 texts.extend(captions)
+            if sink is not None:
+                _write_samples(sink, pending, len(requested), texts[-len(requested):] if text else None)
+                pending = {}
+                continue
             pending_count += len(requested)
             flush(final=False)
     flush(final=True)
 
-    num_samples = sum(s["num_samples"] for s in shards)
+    num_samples = sink.total if sink is not None else sum(s["num_samples"] for s in shards)
     if num_samples == 0:
         raise UserError(f"--data {data.data}: no usable sample to extract (see {out / 'bad_samples.jsonl'})")
     manifest = {
@@ -269,10 +285,30 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
         "texts": texts if m.condition == "text" else None,
         "init_from": _local_path(m.init_from) if pre is not None else None, "cond_keys": cond_keys or None,
     }
+    if sink is not None:
+        sink.close({**{k: v for k, v in manifest.items() if k not in ("format", "version", "shards", "num_samples")},
+                    "kind": "latent", "texts": list(dict.fromkeys(texts))[:NUM_TEXTS] if texts else None})
+        return out
     with atomic_path(manifest_path) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     log.info("wrote %d samples in %d shards to %s", num_samples, len(shards), out)
     return out
+
+
+def _write_samples(sink, pending: dict[str, list[torch.Tensor]], n: int, captions: list[str] | None) -> None:
+    """One encoder batch's rows (``pending``: the tensors ``extract_features`` collects) as WebDataset samples,
+    keyed by their source index."""
+    rows = {k: torch.cat(v) for k, v in pending.items()}
+    offsets = torch.cumsum(rows["text_lengths"], 0) - rows["text_lengths"] if captions is not None else None
+    for i in range(n):
+        sample = {"__key__": f"{int(rows['source_index'][i]):09d}", "latent.npy": rows["mean"][i].numpy(),
+                  "cls": int(rows["label"][i])}
+        if "std" in rows:
+            sample["std.npy"] = rows["std"][i].numpy()
+        if captions is not None:
+            off, k = int(offsets[i]), int(rows["text_lengths"][i])
+            sample |= {"text.npy": rows["text_states"][off:off + k].numpy(), "txt": captions[i]}
+        sink.write(sample)
 
 
 def read_manifest(folder: str | Path) -> dict:

@@ -29,8 +29,9 @@ from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
 from ditforge.config import RunConfig, parse_bytes, resolve_precision
-from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, is_features
+from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, build_shard_loader, is_features
 from ditforge.data.prefetch import DevicePrefetcher, default_num_workers
+from ditforge.data.shards import LatentDecoder, ShardData
 from ditforge.data.features import read_manifest
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
@@ -244,7 +245,7 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
         return build_bucket_dataset(cfg, bad, cfg.model.model or DEFAULT_MODELS[video])
     if data.instance_data is None:
         return build_dataset(data.data, data.image_size, bad, data.num_frames, data.frame_interval, cfg.train.seed,
-                             resize_mode=data.resize_mode)
+                             resize_mode=data.resize_mode, shard_retries=data.shard_retries)
     from ditforge.data.captions import DreamBoothDataset, count_images, generate_class_images
 
     if data.image_size is None:
@@ -384,10 +385,15 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         inputs = build_batch_encoder(cfg, dataset, device, amp_dtype if device.type == "cuda" else torch.float32)
     # clips: decoded once and kept; features: memory-mapped slices. Neither needs worker processes.
     in_memory = cfg.data.data in BUILTIN_DATASETS or getattr(dataset, "manifest", None) is not None
+    if isinstance(dataset, ShardData):  # latents are sliced from an mmap; images are decoded in workers
+        in_memory = isinstance(dataset.decoder, LatentDecoder)
     if cfg.data.random_flip is None:
         cfg.data.random_flip = getattr(dataset, "random_flip", True)
     if cfg.data.num_workers is None:
         cfg.data.num_workers = 0 if in_memory else default_num_workers(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        if isinstance(dataset, ShardData) and cfg.data.num_workers:  # the workers split the process's streams
+            streams = max(cfg.data.data_streams // d.dp_size, 1)
+            cfg.data.num_workers = max(w for w in range(1, cfg.data.num_workers + 1) if streams % w == 0)
     if not dataset.num_classes and m.condition == "class":  # captioned images have no labels
         raise UserError(f"--data {cfg.data.data} holds captioned images, no class labels; use --condition text")
     if m.num_classes is None:
@@ -466,10 +472,10 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             scaler = ShardedGradScaler(device.type)
         else:
             scaler = torch.amp.GradScaler(device.type)
-    start_step = 0
+    start_step, loader_state = 0, None
     if resume_from is not None:
         meta = ckpt_io.load_training_state(resume_from, model, optimizer, ema, adapters_only)
-        start_step = int(meta["step"])
+        start_step, loader_state = int(meta["step"]), meta.get("loader")
         if scaler is not None and meta.get("scaler"):
             scaler.load_state_dict(meta["scaler"])
         if stepper is not None and meta.get("step_in_backward"):
@@ -487,12 +493,20 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                                         last_step=start_step if resume_from is not None else None)
     optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
 
-    sampler = bucketed or GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
-    sampler.start_step = start_step
-    loader = DevicePrefetcher(DataLoader(
-        dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
-        persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
-    ), device)
+    shard_loader = None
+    if isinstance(dataset, ShardData):  # streamed shards: the position is the loader's state, saved with the checkpoint
+        data = cfg.data
+        shard_loader = build_shard_loader(dataset, t.batch_size, data.data_streams, data.shuffle_shards, t.seed,
+                                          d.dp_rank, d.dp_size, data.num_workers, start_step, loader_state,
+                                          worker_init_fn=_ignore_sigint)
+        loader = DevicePrefetcher(shard_loader, device)  # one batch ahead: the shard loader keeps two steps' states
+    else:
+        sampler = bucketed or GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
+        sampler.start_step = start_step
+        loader = DevicePrefetcher(DataLoader(
+            dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
+            persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
+        ), device)
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
     grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
@@ -520,7 +534,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                            f"{last_good()}); lower --lr, add --warmup_steps or keep --max_grad_norm")
         meta = {"config": cfg.to_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
                 "step_in_backward": stepper.state_dict() if stepper is not None else None,
-                "world_size": d.world_size, "plugin": plugin}
+                "world_size": d.world_size, "plugin": plugin,
+                "loader": shard_loader.state_dict(step, checkpointer.group) if shard_loader is not None else None}
         with written(f"checkpoint step-{step:07d}"):
             return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema, adapters_only), meta)
         return None
