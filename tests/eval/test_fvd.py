@@ -178,3 +178,27 @@ def test_bad_input_is_one_line_and_exit_2(case, i3d, tmp_path, capsys):
     assert cli.main(["eval", *argv(tmp_path, i3d), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("ditforge eval: error:") and names in err, err
+
+
+def test_the_npz_ditforge_sample_writes_for_a_video_model(i3d, tmp_path, capsys):
+    # A tiny class-conditional video model (random init), sampled at evaluation scale (arr_0: N, T, H, W, 3)
+    from ditforge.models import create_model
+    from ditforge.train.checkpoint import export_safetensors
+
+    name, frames, size = "vDiT-T/122", 4, 8
+    model = create_model(name, size, 3, 5, True, 0.1, num_frames=frames)
+    config = {"model": dict(model=name, condition="class", vae="none", num_classes=5, learn_sigma=True,
+                            class_dropout_prob=0.1, in_channels=3, input_size=size, num_frames=frames),
+              "data": dict(image_size=size, num_frames=frames)}
+    export_safetensors(model.state_dict(), config, tmp_path / "v.safetensors")
+    assert cli.main(["sample", "--ckpt", str(tmp_path / "v.safetensors"), "--num_samples", "6", "--device", "cpu",
+                     "--num_sampling_steps", "2", "--save_npz", str(tmp_path / "v.npz")]) == 0
+    ref = _videos(8, frames=4)
+    np.savez(tmp_path / "ref.npz", arr_0=ref)
+    result = _eval(["--samples", str(tmp_path / "v.npz"), "--ref", str(tmp_path / "ref.npz"), "--i3d", str(i3d),
+                    "--num_frames", "4"], capsys)
+    with np.load(tmp_path / "v.npz") as f:
+        samples = f["arr_0"]
+    assert samples.shape == (6, 4, 8, 8, 3) and result["num_samples"] == 6
+    # 6 and 8 videos: singular covariances, whose matrix roots agree less closely than full-rank ones
+    assert result["fvd"] == pytest.approx(_fvd_float64(i3d, samples, ref), rel=1e-4)
