@@ -4,6 +4,7 @@ extract features (Inception-v3 from ``--inception``, else the built-in digits CN
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,9 @@ def sample_array(arrays: dict[str, np.ndarray], where: str, video: bool = False)
     return images
 
 
+IMAGE_ERRORS = (OSError, ValueError, SyntaxError)  # PIL raises all three on bad files
+
+
 def _read_image(file: Path) -> np.ndarray:
     from PIL import Image
 
@@ -50,8 +54,8 @@ def _read_image(file: Path) -> np.ndarray:
         return np.asarray(img.convert("RGB"))
 
 
-def read_folder(folder: Path, flag: str, extensions, read, errors: tuple[type[Exception], ...],
-                noun: str) -> np.ndarray:
+def read_folder(folder: Path, flag: str, extensions: Collection[str], read: Callable[[Path], np.ndarray],
+                errors: tuple[type[Exception], ...], noun: str) -> np.ndarray:
     """The files of ``folder`` with one of ``extensions`` (recursively, in sorted order), each read with
     ``read(path) -> array``, stacked. Raises UserError naming ``flag``: fewer than 2 files, one that ``read``
     fails on with ``errors``, or arrays of mixed shapes ((..., H, W, C): reported as sizes W x H)."""
@@ -94,8 +98,7 @@ def read_images(source: str, flag: str) -> tuple[np.ndarray, np.ndarray | None]:
     if path.is_dir():
         from ditforge.data.images import IMAGE_EXTENSIONS
 
-        # PIL raises all three on bad files
-        return read_folder(path, flag, IMAGE_EXTENSIONS, _read_image, (OSError, ValueError, SyntaxError), "image"), None
+        return read_folder(path, flag, IMAGE_EXTENSIONS, _read_image, IMAGE_ERRORS, "image"), None
     if not path.is_file():
         raise UserError(f"{flag} {source}: no such file or folder (expected an .npz, an image folder or 'digits')")
     arrays = read_npz(path, flag)

@@ -133,6 +133,11 @@ def _mixed_folder(t):
     return str(t / "mixed")
 
 
+def _state_dict_file(path):
+    torch.save(TinyI3D().state_dict(), path)  # a plain zip of tensors: no TorchScript code in it
+    return str(path)
+
+
 def _samples(t):
     return _npz(t / "s.npz", samples=_videos(3))
 
@@ -142,10 +147,10 @@ BAD = {
     "missing i3d file": (lambda t, i3d: ["--samples", _samples(t), "--ref", _samples(t), "--i3d",
                                          str(t / "nope.pt")], "i3d_torchscript.pt"),
     "i3d file not TorchScript": (lambda t, i3d: ["--samples", _samples(t), "--ref", _samples(t), "--i3d",
-                                                 str(torch.save(TinyI3D().state_dict(), t / "sd.pt") or t / "sd.pt")],
+                                                 _state_dict_file(t / "sd.pt")],
                                  "sd.pt: not a TorchScript file"),
-    "i3d of the wrong output width": (lambda t, i3d: ["--samples", _samples(t), "--ref", _samples(t), "--i3d",
-                                                      str(_script(TinyI3D(width=399), t / "w.pt")), "--num_frames", "4"],
+    "i3d of the wrong output width": (lambda t, i3d: ["--samples", _samples(t), "--ref", _samples(t), "--num_frames",
+                                                      "4", "--i3d", str(_script(TinyI3D(width=399), t / "w.pt"))],
                                       "(3, 400)"),
     "i3d of another call": (lambda t, i3d: ["--samples", _samples(t), "--ref", _samples(t), "--i3d",
                                             str(_script(NoKeywords(), t / "k.pt")), "--num_frames", "4"],
