@@ -69,7 +69,7 @@ class I3D:
         videos = videos.expand(-1, 3, -1, -1, -1) if videos.shape[1] == 1 else videos
         try:
             feats = self.net(videos.contiguous(), rescale=True, resize=True, return_features=True)
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError:  # a RuntimeError too, but a matter of --batch_size, not of the file
             raise
         except RuntimeError as e:  # TorchScript's argument and shape errors
             raise UserError(f"--i3d {self.path}: not callable as StyleGAN-V's I3D, detector(videos, rescale=True, "
