@@ -157,23 +157,34 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--vae", default=None, help="--format diffusers: the local diffusers AutoencoderKL folder to put in "
                    "the pipeline (default: the run's VAE)")
 
-    ev = sub.add_parser("eval", help="FID, sFID, Inception Score, precision / recall (and digits accuracy) of samples "
-                        "against a reference set; prints a table and a JSON line",
+    ev = sub.add_parser("eval", help="FID, sFID, Inception Score, precision / recall (and digits accuracy), CLIP score "
+                        "or FVD of samples against a reference set; prints a table and a JSON line",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ev.add_argument("--samples", required=True, help="an .npz of images (N,H,W,C) uint8 under 'arr_0' (as the ADM "
                     "evaluator reads) or 'samples' (as sample --save_npz writes), labels under 'labels' or 'arr_1'; "
-                    "or a folder of images of one size; or 'digits'")
+                    "or a folder of images of one size; or 'digits'; with --i3d: videos (N,T,H,W,C), as sample "
+                    "--save_npz writes them for video models, or a folder of videos of one size")
     ev.add_argument("--ref", help="the reference: 'digits', a folder of images, an .npz of images, or an .npz of "
-                    "statistics (from --save_ref, or an ADM reference batch); every metric but clip needs it")
+                    "statistics (from --save_ref, or an ADM reference batch); every metric but clip needs it; with "
+                    "--i3d: videos as --samples, or 'clips' or a video CSV (resized and centre-cropped to the "
+                    "samples' size, as training reads them)")
     ev.add_argument("--inception", help="local Inception-v3 weights of torch-fidelity "
                     "(weights-inception-2015-12-05-6726825d.pth); without it the built-in digits extractor (8x8 "
                     "images only)")
     ev.add_argument("--metrics", type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
-                    help="comma-separated, of fid, sfid, is, pr, accuracy, clip (default: fid,sfid,is,pr with "
-                    "--inception; fid,pr,accuracy with the digits extractor, accuracy where the samples carry labels)")
+                    help="comma-separated, of fid, sfid, is, pr, accuracy, clip, fvd (default: fvd with --i3d; "
+                    "fid,sfid,is,pr with --inception; fid,pr,accuracy with the digits extractor, accuracy where the "
+                    "samples carry labels)")
     ev.add_argument("--clip", help="--metrics clip: a local CLIP folder (CLIPModel + CLIPProcessor, e.g. a copy of "
                     "openai/clip-vit-large-patch14); the CLIP score of the samples against the npz's 'prompts'")
-    ev.add_argument("--batch_size", type=int, default=100, help="images per feature-extractor batch")
+    ev.add_argument("--i3d", help="--metrics fvd: FVD's Kinetics-400 I3D as the local TorchScript file "
+                    "i3d_torchscript.pt (StyleGAN-V's); frames are resized to 224x224 inside it")
+    ev.add_argument("--num_frames", type=int, default=16, help="--metrics fvd: the first N frames of each video "
+                    "(16: the standard FVD)")
+    ev.add_argument("--frame_interval", type=int, default=1, help="--metrics fvd with --ref clips or a CSV: the "
+                    "stride of the reference clips (as ditforge train --frame_interval)")
+    ev.add_argument("--batch_size", type=int, help="images per feature-extractor batch (default 100; videos with "
+                    "--i3d, default 8)")
     ev.add_argument("--device", default="auto", help="cuda | cpu | auto")
     ev.add_argument("--save_ref", help="also write the reference statistics to this .npz (pass it as --ref later)")
 

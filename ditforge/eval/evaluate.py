@@ -4,6 +4,7 @@ extract features (Inception-v3 from ``--inception``, else the built-in digits CN
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,12 @@ from ditforge.eval.fid import (METRIC_FEATURES, InceptionV3, compute_metrics, ex
 
 SAMPLE_KEYS = ("arr_0", "samples")  # ADM's evaluator reads arr_0; `ditforge sample --save_npz` writes samples
 LABEL_KEYS = ("labels", "arr_1")  # ADM's labelled batches hold the labels as arr_1
-METRICS = ("fid", "sfid", "is", "pr", "accuracy", "clip")
+METRICS = ("fid", "sfid", "is", "pr", "accuracy", "clip", "fvd")
 log = logging.getLogger(__name__)
 
 
-def _read_npz(path: Path, flag: str) -> dict[str, np.ndarray]:
+def read_npz(path: Path, flag: str) -> dict[str, np.ndarray]:
+    """All arrays of an .npz (no pickles). Raises UserError naming ``flag`` if it cannot be read."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             return dict(npz)
@@ -26,38 +28,51 @@ def _read_npz(path: Path, flag: str) -> dict[str, np.ndarray]:
         raise UserError(f"{flag} {path}: not a readable .npz ({str(e).splitlines()[0]})") from None
 
 
-def _images_in(arrays: dict[str, np.ndarray], where: str) -> np.ndarray:
+def sample_array(arrays: dict[str, np.ndarray], where: str, video: bool = False) -> np.ndarray:
+    """The samples of an .npz's arrays: ``arr_0`` or ``samples``, images (N, H, W, C) (videos: (N, T, H, W, C))
+    uint8 with C 1 or 3 and N >= 2. Raises UserError naming ``where`` otherwise."""
     key = next((k for k in SAMPLE_KEYS if k in arrays), None)
     if key is None:
         raise UserError(f"{where}: no samples array (expected 'arr_0' as the ADM evaluator reads it, or 'samples' "
                         f"as ditforge sample --save_npz writes it; it holds {', '.join(arrays) or 'nothing'})")
     images = arrays[key]
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3) or len(images) < 2:
-        raise UserError(f"{where}: '{key}' must be images (N, H, W, C) uint8 with C 1 or 3 and N >= 2, got "
-                        f"{images.shape} {images.dtype}")
+    ndim, layout = (5, "videos (N, T, H, W, C)") if video else (4, "images (N, H, W, C)")
+    if images.dtype != np.uint8 or images.ndim != ndim or images.shape[-1] not in (1, 3) or len(images) < 2:
+        hint = "; videos are measured with --metrics fvd --i3d" if not video and images.ndim == 5 else ""
+        raise UserError(f"{where}: '{key}' must be {layout} uint8 with C 1 or 3 and N >= 2, got "
+                        f"{images.shape} {images.dtype}{hint}")
     return images
 
 
-def _read_folder(folder: Path, flag: str) -> np.ndarray:
+IMAGE_ERRORS = (OSError, ValueError, SyntaxError)  # PIL raises all three on bad files
+
+
+def _read_image(file: Path) -> np.ndarray:
     from PIL import Image
 
-    from ditforge.data.images import IMAGE_EXTENSIONS
+    with Image.open(file) as img:
+        return np.asarray(img.convert("RGB"))
 
-    files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
+
+def read_folder(folder: Path, flag: str, extensions: Collection[str], read: Callable[[Path], np.ndarray],
+                errors: tuple[type[Exception], ...], noun: str) -> np.ndarray:
+    """The files of ``folder`` with one of ``extensions`` (recursively, in sorted order), each read with
+    ``read(path) -> array``, stacked. Raises UserError naming ``flag``: fewer than 2 files, one that ``read``
+    fails on with ``errors``, or arrays of mixed shapes ((..., H, W, C): reported as sizes W x H)."""
+    files = sorted(f for f in folder.rglob("*") if f.suffix.lower() in extensions and f.is_file())
     if len(files) < 2:
-        raise UserError(f"{flag} {folder}: fewer than 2 images ({', '.join(sorted(IMAGE_EXTENSIONS))})")
-    images = []
+        raise UserError(f"{flag} {folder}: fewer than 2 {noun}s ({', '.join(sorted(extensions))})")
+    arrays = []
     for f in files:
         try:
-            with Image.open(f) as img:
-                images.append(np.asarray(img.convert("RGB")))
-        except (OSError, ValueError, SyntaxError) as e:  # PIL raises all three on bad files
-            raise UserError(f"{flag} {f}: unreadable image ({e})") from None
-        if images[-1].shape != images[0].shape:
-            raise UserError(f"{flag} {folder}: images of mixed sizes ({files[0].name} is {images[0].shape[1]}x"
-                            f"{images[0].shape[0]}, {f.name} is {images[-1].shape[1]}x{images[-1].shape[0]}); "
-                            "crop or resize them to one size first")
-    return np.stack(images)
+            arrays.append(read(f))
+        except errors as e:
+            raise UserError(f"{flag} {f}: unreadable {noun} ({e})") from None
+        if arrays[-1].shape != arrays[0].shape:
+            (h0, w0), (h, w) = arrays[0].shape[-3:-1], arrays[-1].shape[-3:-1]
+            raise UserError(f"{flag} {folder}: {noun}s of mixed sizes ({files[0].name} is {w0}x{h0}, {f.name} is "
+                            f"{w}x{h}); crop or resize them to one size first")
+    return np.stack(arrays)
 
 
 def read_images(source: str, flag: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -81,11 +96,13 @@ def read_images(source: str, flag: str) -> tuple[np.ndarray, np.ndarray | None]:
         return real_digits_uint8()
     path = Path(source)
     if path.is_dir():
-        return _read_folder(path, flag), None
+        from ditforge.data.images import IMAGE_EXTENSIONS
+
+        return read_folder(path, flag, IMAGE_EXTENSIONS, _read_image, IMAGE_ERRORS, "image"), None
     if not path.is_file():
         raise UserError(f"{flag} {source}: no such file or folder (expected an .npz, an image folder or 'digits')")
-    arrays = _read_npz(path, flag)
-    images = _images_in(arrays, f"{flag} {source}")
+    arrays = read_npz(path, flag)
+    images = sample_array(arrays, f"{flag} {source}")
     labels = next((arrays[k].astype(np.int64) for k in LABEL_KEYS if k in arrays), None)
     return images, labels
 
@@ -96,33 +113,35 @@ def _check_size(size, expected, where: str) -> None:
                         "compare sets of one resolution")
 
 
-def load_reference(source: str, extractor, image_size: tuple[int, int], batch_size: int) -> dict[str, np.ndarray]:
+def load_reference(source: str, extractor, image_size: tuple[int, int], batch_size: int,
+                   read=read_images) -> dict[str, np.ndarray]:
     """Reference statistics (see ``fid.reference_statistics``) for ``--ref``: read from an .npz that holds them
     (``mu``: written by ``--save_ref``, or one of ADM's reference batches, whose ``arr_0`` images then give the
-    features of precision / recall), else computed from the images ``read_images`` gives.
+    features of precision / recall), else computed from the images (or videos) ``read(source, "--ref")`` gives
+    (``read_images``; ``fvd.read_videos``).
 
     Raises:
-        UserError: as ``read_images``; statistics of another extractor; images of another size than
-            ``image_size`` (H, W).
+        UserError: as ``read``; statistics of another extractor; images of another size than ``image_size``
+            (H, W).
     """
     path = Path(source)
     if path.suffix == ".npz" and path.is_file():
-        arrays = _read_npz(path, "--ref")
+        arrays = read_npz(path, "--ref")
         if "mu" in arrays:
             name = str(arrays.get("extractor", "inception"))  # ADM's reference batches are Inception's
             if name != extractor.name:
                 raise UserError(f"--ref {source}: statistics of the {name} extractor, these samples are measured "
-                                f"with the {extractor.name} one (--inception)")
+                                f"with the {extractor.name} one (--inception, --i3d)")
             if "pool" not in arrays and any(k in arrays for k in SAMPLE_KEYS):
-                images = _images_in(arrays, f"--ref {source}")
+                images = sample_array(arrays, f"--ref {source}")
                 _check_size(images.shape[1:3], image_size, f"--ref {source}")
                 arrays["pool"] = extract_features(extractor, images, {"pool"}, batch_size)["pool"]
                 arrays["image_size"] = np.array(images.shape[1:3])
             if "image_size" in arrays:
                 _check_size(arrays["image_size"], image_size, f"--ref {source}")
             return arrays
-    images, _ = read_images(source, "--ref")
-    _check_size(images.shape[1:3], image_size, f"--ref {source}")
+    images, _ = read(source, "--ref")
+    _check_size(images.shape[-3:-1], image_size, f"--ref {source}")
     return reference_statistics(extractor, images, batch_size)
 
 
@@ -156,8 +175,9 @@ def read_prompts(samples: str) -> list[str]:
 
 
 def evaluate(samples: str, ref: str | None = None, inception: str | None = None, metrics: list[str] | None = None,
-             batch_size: int = 100, device: str = "auto", save_ref: str | None = None,
-             clip: str | None = None) -> dict[str, float | int | str]:
+             batch_size: int | None = None, device: str = "auto", save_ref: str | None = None,
+             clip: str | None = None, i3d: str | None = None, num_frames: int = 16,
+             frame_interval: int = 1) -> dict[str, float | int | str]:
     """``ditforge eval``: the metrics of a sample set against a reference set.
 
     Args:
@@ -167,25 +187,37 @@ def evaluate(samples: str, ref: str | None = None, inception: str | None = None,
             digits CNN (``ditforge.eval.digits``), which reads 8x8 images.
         metrics: of ``fid``, ``sfid`` (Inception), ``is``, ``pr`` (precision and recall), ``accuracy`` (digits,
             with labels), ``clip`` (the CLIP score against the samples' prompts, ``clip_score``; needs ``clip``
-            and no ``ref``); default: fid, sfid, is, pr with Inception, fid, pr and accuracy (where the samples
-            carry labels) with digits.
+            and no ``ref``), ``fvd`` (videos, alone; ``fvd.evaluate_fvd``); default: fvd with ``i3d``, fid, sfid,
+            is, pr with Inception, fid, pr and accuracy (where the samples carry labels) with digits.
         clip: a local CLIP folder (``clip_score.clip_score``).
-        batch_size: images per extractor batch.
+        i3d: FVD's I3D, a local ``i3d_torchscript.pt`` (``fvd.I3D``); num_frames, frame_interval: see
+            ``fvd.evaluate_fvd``.
+        batch_size: images per extractor batch (default 100; FVD: videos, default 8).
         device: ``auto``, ``cpu``, ``cuda``...
         save_ref: also write the reference statistics to this .npz, for a later ``--ref``.
 
     Returns:
         ``num_samples``, ``clip_score`` if asked, then ``extractor``, ``fid``, ``sfid``, ``is``, ``precision``,
-        ``recall``, ``accuracy`` as asked (see ``fid.compute_metrics``).
+        ``recall``, ``accuracy`` as asked (see ``fid.compute_metrics``); for FVD, ``fvd.evaluate_fvd``'s.
 
     Raises:
         UserError: see ``read_images``, ``load_reference`` and ``fid.InceptionV3``; a metric that is unknown or that
             the extractor or the samples cannot give; images other than 8x8 without ``--inception``; ``clip``
-            without a CLIP folder or prompts (``read_prompts``); a metric of the reference without ``ref``.
+            without a CLIP folder or prompts (``read_prompts``); a metric of the reference without ``ref``; fvd
+            with another metric or without ``i3d``, ``i3d`` without fvd; see ``fvd.evaluate_fvd``.
     """
     from ditforge.config import resolve_device
 
     device = resolve_device(device)
+    if (metrics is None and i3d) or (metrics and "fvd" in metrics):
+        if metrics not in (None, ["fvd"]) or i3d is None:
+            raise UserError("--metrics fvd: measured alone, with --i3d (the other metrics read images)")
+        from ditforge.eval.fvd import evaluate_fvd
+
+        return evaluate_fvd(samples, ref, i3d, num_frames, frame_interval, batch_size, device, save_ref)
+    if i3d is not None:
+        raise UserError(f"--i3d: only for --metrics fvd, not {','.join(metrics)}")
+    batch_size = batch_size or 100
     images, labels = read_images(samples, "--samples")
     out: dict[str, float | int | str] = {"num_samples": len(images)}
     if metrics is not None and "clip" in metrics:

@@ -187,10 +187,11 @@ class InceptionV3:
 
 
 def extract_features(extractor, images: np.ndarray, kinds: set[str], batch_size: int) -> dict[str, np.ndarray]:
-    """Run ``extractor`` over images in batches.
+    """Run ``extractor`` over images (or videos) in batches, channels moved to axis 1 for it.
 
     Args:
-        images: (N, H, W, C) uint8, C 1 or 3 (ADM's sample layout).
+        images: (N, H, W, C) uint8, C 1 or 3 (ADM's sample layout), or videos (N, T, H, W, C) uint8 for a video
+            extractor (``fvd.I3D``, which reads (B, C, T, H, W)).
         kinds: the feature kinds to keep (see the module docstring).
 
     Returns:
@@ -199,7 +200,7 @@ def extract_features(extractor, images: np.ndarray, kinds: set[str], batch_size:
     out: dict[str, list[np.ndarray]] = {kind: [] for kind in kinds}
     for start in range(0, len(images), batch_size):
         batch = torch.from_numpy(np.ascontiguousarray(images[start : start + batch_size]))
-        feats = extractor(batch.to(extractor.device).permute(0, 3, 1, 2))
+        feats = extractor(batch.to(extractor.device).movedim(-1, 1))
         for kind in kinds:
             out[kind].append(feats[kind].float().cpu().numpy())
     return {kind: np.concatenate(parts) for kind, parts in out.items()}
@@ -209,18 +210,20 @@ def reference_statistics(extractor, images: np.ndarray, batch_size: int) -> dict
     """The statistics of a reference set, as ``save_reference`` caches them.
 
     Args:
-        images: (N, H, W, C) uint8.
+        images: (N, H, W, C) uint8, or videos (N, T, H, W, C) for a video extractor.
 
     Returns:
-        ``mu``, ``sigma`` (FID) and, with Inception, ``mu_s``, ``sigma_s`` (sFID): the keys of ADM's reference
+        ``mu``, ``sigma`` (FID, FVD) and, with Inception, ``mu_s``, ``sigma_s`` (sFID): the keys of ADM's reference
         batches; ``pool`` (N, D) float32, the features precision / recall need; ``image_size`` (2,) int64 (H, W);
-        ``extractor`` (the extractor's name, a 0-d str array).
+        ``extractor`` (the extractor's name, a 0-d str array); for videos ``num_frames`` (0-d int64, T).
     """
     feats = extract_features(extractor, images, {"pool", "spatial"} & set(extractor.provides), batch_size)
     stats = dict(zip(("mu", "sigma"), feature_statistics(feats["pool"])), pool=feats["pool"])
     if "spatial" in feats:
         stats.update(zip(("mu_s", "sigma_s"), feature_statistics(feats["spatial"])))
-    return {**stats, "image_size": np.array(images.shape[1:3]), "extractor": np.array(extractor.name)}
+    if images.ndim == 5:
+        stats["num_frames"] = np.array(images.shape[1])
+    return {**stats, "image_size": np.array(images.shape[-3:-1]), "extractor": np.array(extractor.name)}
 
 
 def save_reference(stats: dict[str, np.ndarray], path: str | Path) -> Path:
