@@ -113,8 +113,9 @@ class DataConfig:
     num_workers: int | None = _f(None, "data loader worker processes per training process (default: 0 for "
                                        "digits, clips and features, which live in memory or are memory-mapped; "
                                        "for files, this host's CPU cores per process less one, 1 to 8)")
-    data_streams: int = _f(16, "shard data: virtual streams K the order is built of, fixed for a run (it must "
-                               "divide --batch_size, and processes x --num_workers must divide it)")
+    data_streams: int | None = _f(None, "shard data: virtual streams K the order is built of, fixed for a run "
+                                        "(it must divide --batch_size, and processes x --num_workers must divide "
+                                        "it; default: the greatest common divisor of --batch_size and 16)")
     shuffle_shards: int = _f(4, "shard data: each stream shuffles its samples uniformly within windows of this "
                                 "many shards")
     shard_retries: int = _f(3, "shard data: tries again to read an unreadable or truncated shard this many times "

@@ -389,6 +389,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         in_memory = isinstance(dataset.decoder, LatentDecoder)
     if cfg.data.random_flip is None:
         cfg.data.random_flip = getattr(dataset, "random_flip", True)
+    if isinstance(dataset, ShardData) and cfg.data.data_streams is None:
+        cfg.data.data_streams = math.gcd(t.batch_size, 16)
     if cfg.data.num_workers is None:
         cfg.data.num_workers = 0 if in_memory else default_num_workers(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         if isinstance(dataset, ShardData) and cfg.data.num_workers:  # the workers split the process's streams
