@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ditforge.errors import UserError
 from ditforge.ops.attention import Packed
 
 
@@ -184,3 +185,23 @@ def packed_training_losses(
     counts = torch.bincount(packed.token_sample, minlength=len(pieces)).to(torch.float64)
     return {k: torch.zeros(len(pieces), dtype=v.dtype, device=v.device).index_add_(0, packed.token_sample, v) / counts
             for k, v in terms.items()}
+
+
+def packing_setup(model, capacity: int, sample_shape: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """What ``train_step`` takes for ``--pack_tokens capacity``: (capacity, the model's patch shape), after
+    checking the model packs (ditforge's DiT or vDiT, unwrapped) and the run's sample (C, [T,] H, W) fits a row.
+
+    Raises:
+        UserError: a model without packed forward (STDiT, diffusers adapters), or a sample of more tokens than
+            ``capacity``.
+    """
+    from ditforge.models import DiT, STDiT  # here: the data layer does not import models at load time
+
+    if not isinstance(model, DiT) or isinstance(model, STDiT):
+        raise UserError(f"--pack_tokens: {type(model).__name__} does not take packed sequences; use a DiT or vDiT")
+    patch = tuple(model.x_embedder.patch_shape)
+    tokens = len(patchify(torch.empty(sample_shape, device="meta"), patch)[0])
+    if tokens > capacity:
+        raise UserError(f"--pack_tokens {capacity}: a sample of shape {tuple(sample_shape)} has {tokens} tokens; "
+                        "give at least that many")
+    return capacity, patch
