@@ -151,6 +151,7 @@ def pack(grids: Sequence[Sequence[int]], capacity: int, plan: Sequence[Sequence[
 def packed_training_losses(
     objective, model_fn: Callable[..., torch.Tensor], x_start: Sequence[torch.Tensor], t: torch.Tensor,
     noise: Sequence[torch.Tensor], capacity: int, patch_shape: Sequence[int],
+    plan: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The objective's loss terms per sample, computed on samples of any shapes packed into rows.
 
@@ -168,6 +169,8 @@ def packed_training_losses(
         t: (S,) the objective's timesteps.
         capacity: N, tokens per packed row (``--pack_tokens``).
         patch_shape: the model's patch edges.
+        plan: rows of sample indices; default ``plan_packing`` (one sample per row of the longest one's length
+            is padding to the longest, the baseline ``benchmarks/packing.py`` measures).
 
     Returns:
         dict of (S,) float64 terms, ``loss`` among them, like ``objective.training_losses``.
@@ -176,8 +179,9 @@ def packed_training_losses(
         ValueError: a sample of more than ``capacity`` tokens, or a size the patch does not divide.
     """
     pieces = [patchify(x, patch_shape) for x in x_start]
-    packed = pack([p[1] for p in pieces], capacity, plan_packing([len(p[0]) for p in pieces], capacity),
-                  [p[2] for p in pieces], t.device)
+    if plan is None:
+        plan = plan_packing([len(p[0]) for p in pieces], capacity)
+    packed = pack([p[1] for p in pieces], capacity, plan, [p[2] for p in pieces], t.device)
     rows = torch.cat([p[0] for p in pieces])
     noise_rows = torch.cat([patchify(n, patch_shape)[0] for n in noise])
     terms = objective.training_losses(lambda xt, tt: model_fn(xt, tt[packed.first], packed=packed), rows,
