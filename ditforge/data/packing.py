@@ -10,10 +10,10 @@ the patch divides) packed into rows of N tokens, so a step computes on useful to
 * ``packed_training_losses``: the objective's per-sample loss terms of a packed step, equal to the unpacked
   step's (same samples, noise and timesteps).
 
-Fill rate: useful tokens / (rows x N). With FFD and whole samples, a row of N holds at most N tokens; the mixed
-benchmark stream (images of 256 tokens, 16-frame videos of 2,048, N = 4,096) fills rows to ~98-100%
-(``benchmarks/packing.py`` prints it), against ~53% for padding every sample to the longest (2,048) when
-images and videos come half and half.
+Fill rate: useful tokens / (rows x N), the rest is padding at the rows' ends. On the benchmark's stream (each
+sample an image of 256 tokens or a 16-frame video of 2,048 with probability 1/2, vDiT-XL/222, N = 4,096),
+mean over 2,000 random windows: 82% for windows of 8 samples, 90% of 16, 95% of 32; padding every sample to
+the window's longest fills 56%. The trainer packs each micro-batch (the window).
 """
 
 from __future__ import annotations
