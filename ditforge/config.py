@@ -158,6 +158,9 @@ class TrainConfig:
     enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "
                                              "and the gated residual")
     enable_layernorm_kernel: bool = _f(False, "LayerNorm as a Triton kernel (modulate stays in PyTorch)")
+    pack_tokens: int = _f(0, "pack each micro-batch's samples (any sizes and frame counts) into rows of N tokens, "
+                             "attention within each sample (FlexAttention on GPUs), the loss as unpacked; DiT "
+                             "and vDiT (0: no packing)")
     compile: str = _f("none", "torch.compile every transformer block (the first steps are slow while it "
                               "compiles): none | default (the bare flag) | max-autotune-no-cudagraphs | "
                               "reduce-overhead or max-autotune (with CUDA graphs: static shapes, one process)",
@@ -423,6 +426,19 @@ def report_backends(report_to: str) -> tuple[str, ...]:
     return installed
 
 
+def _check_packing(cfg: RunConfig) -> None:
+    """``--pack_tokens`` with what it does not support: one line naming the other flag."""
+    if cfg.parallel.sequence_parallel_size > 1:
+        raise UserError("--pack_tokens: not with --sequence_parallel_size > 1 (the sequence-parallel attentions "
+                        "split one sequence per sample, not packed samples); use data parallelism")
+    if (cfg.model.model or "").startswith("STDiT"):
+        raise UserError(f"--pack_tokens: not with --model {cfg.model.model} (its attention across frames does not "
+                        "pack); use a DiT or vDiT")
+    if cfg.train.enable_modulate_kernel:
+        raise UserError("--pack_tokens: not with --enable_modulate_kernel (its kernels take one modulation row per "
+                        "sample, packed tokens carry one each); --enable_layernorm_kernel works")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train
@@ -437,7 +453,7 @@ def validate(cfg: RunConfig) -> None:
         if value is not None and (not isinstance(value, int) or value < 1):
             raise UserError(f"--{name}: expected a positive integer, got {value!r}")
     for name, value in {"warmup_steps": t.warmup_steps, "sample_every": t.sample_every,
-                        "num_workers": cfg.data.num_workers}.items():
+                        "num_workers": cfg.data.num_workers, "pack_tokens": t.pack_tokens}.items():
         if value is not None and (not isinstance(value, int) or value < 0):
             raise UserError(f"--{name}: expected an integer >= 0, got {value!r}")
     if t.max_steps is not None and t.epochs is not None:
@@ -483,6 +499,8 @@ def validate(cfg: RunConfig) -> None:
 
     if cfg.model.model is not None:
         model_spec(cfg.model.model)
+    if t.pack_tokens:
+        _check_packing(cfg)
     m, data = cfg.model, cfg.data
     if m.objective not in OBJECTIVES:
         raise UserError(f"--objective: expected one of {', '.join(OBJECTIVES)}, got {m.objective}")

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ditforge.models.layers import (
@@ -26,8 +27,16 @@ from ditforge.models.layers import (
     unpatchify,
 )
 from ditforge.ops import gated_residual, layernorm_modulate
+from ditforge.ops.attention import Packed
 
 NORM_EPS = 1e-6  # LayerNorm epsilon of the reference code
+
+
+def modulation(layer: nn.Module, c: torch.Tensor, packed: Packed | None) -> torch.Tensor:
+    """adaLN parameters ``layer(c)`` (B, k D), one row per sample; for packed rows gathered to every token,
+    (R, L, k D), after the regression (computed once per sample, not once per token)."""
+    mods = layer(c)
+    return mods if packed is None else mods[packed.sample]
 
 
 class DiTBlock(nn.Module):
@@ -52,11 +61,13 @@ class DiTBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor,
-                context: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                context: tuple[torch.Tensor, torch.Tensor] | None = None, packed: Packed | None = None) -> torch.Tensor:
         """x: (B, N, D) tokens, c: (B, D) conditioning, context: (caption tokens (B, L, D), mask (B, L) bool)
-        for text-conditioned blocks -> (B, N, D)."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = gated_residual(x, self.attn(layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS)), gate_msa)
+        for text-conditioned blocks -> (B, N, D). Packed rows (``packed``): x (R, L, D), c (S, D) per sample,
+        context as ``CrossAttention`` takes packed rows."""
+        mods = modulation(self.adaLN_modulation, c, packed)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=-1)
+        x = gated_residual(x, self.attn(layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS), packed), gate_msa)
         if self.cross_attn is not None:
             x = x + self.cross_attn(x, *context)
         return gated_residual(x, self.mlp(layernorm_modulate(x, shift_mlp, scale_mlp, NORM_EPS)), gate_mlp)
@@ -75,8 +86,8 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(hidden_size, volume * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+    def forward(self, x: torch.Tensor, c: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
+        shift, scale = modulation(self.adaLN_modulation, c, packed).chunk(2, dim=-1)
         return self.linear(layernorm_modulate(x, shift, scale, NORM_EPS))
 
 
@@ -262,9 +273,12 @@ class DiT(nn.Module):
 
     def forward(
         self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
-        y_mask: torch.Tensor | None = None,
+        y_mask: torch.Tensor | None = None, packed: Packed | None = None,
     ) -> torch.Tensor:
         """Predict noise (and the variance interpolation when ``learn_sigma``).
+
+        With ``packed`` (samples of any shapes packed into rows, ``data.packing.pack``) x is patch values and
+        the result too: see ``forward_packed``.
 
         Args:
             x: (B, C, H, W) noisy input; (B, C, T, H, W) for VideoDiT; any size the patch divides.
@@ -283,9 +297,50 @@ class DiT(nn.Module):
         Raises:
             ValueError: an input size the patch does not divide.
         """
+        if packed is not None:
+            return self.forward_packed(x, t, y, packed, force_drop_ids, y_mask)
         grid = patch_grid(x.shape[2:], self.x_embedder.patch_shape)
         x = self.x_embedder(x) + self.pos_embed_for(grid)
         c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
         for block in self.blocks:
             x = block(x, c, context)
         return self.unpatchify(self.final_layer(x, c), grid)
+
+    def forward_packed(
+        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, packed: Packed,
+        force_drop_ids: torch.Tensor | None = None, y_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward`` of S samples of any shapes packed into rows (call it through ``forward(..., packed=)`` so
+        that wrappers' hooks run): per sample, the same output as ``forward`` on that sample alone (up to float
+        rounding; tested).
+
+        The patch embedding is its convolution as a matrix product on each token's patch values; positions are
+        each sample's own grid's (``pos_embed_for``); timestep and condition embeddings and every adaLN
+        regression are per sample, gathered to their tokens; self-attention is block-diagonal
+        (``ops.packed_attention``); text models: each sample's queries attend to its own caption only.
+
+        Args:
+            x: (M, C, P) patch values of the M real tokens (``data.packing.patchify``: per token its C channels
+                times the P = prod(patch) values of its patch, in (t, h, w) order), sample by sample.
+            t: (S,) timesteps; y: (S,) labels, or (S, L, D_text) caption states with ``y_mask`` (S, L) bool.
+            packed: the layout (``ops.attention.Packed``).
+            force_drop_ids: optional (S,) bool.
+
+        Returns:
+            (M, C_out, P), the tokens' predictions in the layout of ``x``.
+        """
+        w = self.x_embedder.proj.weight
+        tokens = F.linear(x.flatten(1).to(w.dtype), w.flatten(1), self.x_embedder.proj.bias)  # (M, D)
+        tokens = tokens + torch.cat([self.pos_embed_for(g)[0] for g in packed.grids])
+        h = tokens.new_zeros(packed.rows * packed.length, tokens.shape[1]).index_copy(0, packed.index, tokens)
+        h = h.view(packed.rows, packed.length, -1)
+        c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
+        if context is not None:  # all captions end to end; a sample's tokens see its own (padding sees all)
+            caption, mask = context
+            owner = torch.arange(len(caption), device=mask.device).repeat_interleave(caption.shape[1])
+            mine = (packed.sample[..., None] == owner) | ~packed.valid[..., None]
+            context = caption.reshape(1, -1, caption.shape[-1]), mine & mask.reshape(-1)
+        for block in self.blocks:
+            h = block(h, c, context, packed)
+        out = self.final_layer(h, c, packed).flatten(0, 1)[packed.index]  # (M, P * C_out), (P, C_out) order
+        return out.unflatten(1, (-1, self.out_channels)).transpose(1, 2)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditforge.ops import attention, self_attention
+from ditforge.ops.attention import Packed
 from ditforge.ops.linear import linear_gelu_tanh
 
 
@@ -199,7 +200,8 @@ class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection (timm layout: ``qkv``, ``proj``).
 
     (B, N, D) -> (B, N, D); the softmax attention itself goes through ``ditforge.ops.self_attention`` (the seam
-    where sequence parallelism plugs in).
+    where sequence parallelism and packed sequences plug in: ``forward(x, packed)`` with packed rows attends
+    within each sample).
     ``qk_norm``: LayerNorm over each head's queries and keys before the product (``q_norm``, ``k_norm``, as
     timm; Dehghani et al. 2023, ViT-22B), which keeps attention logits bounded in long video training.
     """
@@ -229,9 +231,9 @@ class Attention(nn.Module):
             q, k, v = (F.linear(x, w[i].flatten(0, 1), b[i]).unflatten(-1, (-1, dh)).transpose(1, 2) for i in range(3))
         return self.q_norm(q), self.k_norm(k), v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         B, N, D = x.shape
-        out = self_attention(x, self.project)
+        out = self_attention(x, self.project, packed)
         return self.proj(out.transpose(1, 2).reshape(B, N, D))
 
 
@@ -246,7 +248,8 @@ class CrossAttention(nn.Module):
     section 2.3; ``MultiHeadCrossAttention`` of its reference code): q from x, k and v from the context.
 
     ``forward(x, context, mask)``: x (B, N, D), context (B, L, D) (caption tokens already projected to D),
-    mask (B, L) bool (True = a real token) -> (B, N, D). ``qk_norm`` as in ``Attention``.
+    mask (B, L) bool (True = a real token) -> (B, N, D). ``qk_norm`` as in ``Attention``. Packed rows: context
+    (1, L', D), every caption of the batch end to end, shared by the B rows, and mask (B, N, L') per query.
     """
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = False):
@@ -263,8 +266,9 @@ class CrossAttention(nn.Module):
         B, N, D = x.shape
         H, L = self.num_heads, context.shape[1]
         q = self.q_linear(x).reshape(B, N, H, D // H).transpose(1, 2)
-        k, v = self.kv_linear(context).reshape(B, L, 2, H, D // H).permute(2, 0, 3, 1, 4)
-        out = attention(self.q_norm(q), self.k_norm(k), v, mask)
+        k, v = self.kv_linear(context).reshape(context.shape[0], L, 2, H, D // H).permute(2, 0, 3, 1, 4)
+        k, v = self.k_norm(k).expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)  # shared captions of packed rows
+        out = attention(self.q_norm(q), k, v, mask)
         return self.proj(out.transpose(1, 2).reshape(B, N, D))
 
 

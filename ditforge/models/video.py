@@ -21,6 +21,7 @@ from torch import nn
 from ditforge.models.dit import NORM_EPS, DiT, DiTBlock
 from ditforge.models.layers import Attention, PatchEmbed3D, patch_grid, sincos_1d, sincos_2d, sincos_3d
 from ditforge.ops import frames_to_positions, gated_residual, layernorm_modulate, positions_to_frames
+from ditforge.ops.attention import Packed
 
 
 class VideoDiT(DiT):
@@ -75,18 +76,28 @@ class VideoDiT(DiT):
         return sincos_3d(self.pos_embed.shape[-1], grid or self.x_embedder.grid_shape)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
-                y_mask: torch.Tensor | None = None) -> torch.Tensor:
+                y_mask: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
         """``DiT.forward`` with x (B, C, T, H, W) -> (B, C_out, T, H, W); a 1-frame input under a temporal patch
-        t > 1 runs as t copies of its frame and returns their mean (see the class docstring).
+        t > 1 runs as t copies of its frame and returns their mean (see the class docstring). Packed rows: as
+        ``DiT.forward``.
 
         Raises:
             ValueError: a size the patch does not divide (other than T = 1).
         """
         repeat = self.x_embedder.patch_shape[0]
-        if x.shape[2] != 1 or repeat == 1:
-            return super().forward(x, t, y, force_drop_ids, y_mask)
+        if packed is not None or x.shape[2] != 1 or repeat == 1:
+            return super().forward(x, t, y, force_drop_ids, y_mask, packed)
         out = super().forward(x.expand(-1, -1, repeat, -1, -1), t, y, force_drop_ids, y_mask)
         return out.mean(2, keepdim=True)
+
+    def forward_packed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, packed: Packed,
+                       force_drop_ids: torch.Tensor | None = None, y_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``DiT.forward_packed``, with the image rule: tokens of 1-frame samples (``packed.repeated``) hold
+        the frame t times; their predictions become the mean of the t copies (repeated), as ``forward``'s."""
+        out = super().forward_packed(x, t, y, packed, force_drop_ids, y_mask)  # (M, C_out, t h w)
+        copies = out.unflatten(2, (self.x_embedder.patch_shape[0], -1))
+        return torch.where(packed.repeated[:, None, None], copies.mean(2, keepdim=True).expand_as(copies).flatten(2),
+                           out)
 
 
 class STDiTBlock(DiTBlock):
@@ -238,6 +249,14 @@ class STDiT(DiT):
         for block in self.blocks:
             nn.init.constant_(block.attn_temp.proj.weight, 0)
             nn.init.constant_(block.attn_temp.proj.bias, 0)
+
+    def forward_packed(self, *args, **kwargs) -> torch.Tensor:
+        """Not supported: the attention across frames would need per-column documents of strided tokens.
+
+        Raises:
+            ValueError: always (the config refuses ``--pack_tokens`` with STDiT first).
+        """
+        raise ValueError("STDiT does not take packed sequences (--pack_tokens); use a DiT or vDiT")
 
     def flops_per_sample(self, text_tokens: int = 0, grid: Sequence[int] | None = None) -> int:
         """Forward FLOPs for one sample (a multiply-add counts 2), matrix products only, at token grid ``grid``

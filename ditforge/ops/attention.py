@@ -1,13 +1,21 @@
 """The attention seam: every attention call in every model goes through `attention`.
 
-Backends and sequence parallelism plug in here (set from outside, by ``parallelize``), so model code never
-branches on them.
+Backends, sequence parallelism and packed sequences plug in here (set from outside, by ``parallelize``), so
+model code never branches on them.
+
+Packed sequences (``Packed``, built by ``ditforge.data.packing.pack``): the tokens of several samples lie end to
+end in (R, L, D) rows, and self-attention is block-diagonal, each token attending to its own sample's tokens
+only (``packed_attention``). The kernel is chosen here (``set_packed_attention_backend``): PyTorch's
+FlexAttention with a document mask (compiled; CUDA), the flash variable-length kernel
+(``torch.nn.attention.varlen.varlen_attn``, cumulative lengths; CUDA), or the dense reference (SDPA with a
+boolean block-diagonal mask; any device, the CPU's and the tests' oracle).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +34,117 @@ Projection = Callable[[torch.Tensor, "slice | None"], tuple[torch.Tensor, torch.
 # Self-attention over a token sequence that is split across processes (sequence parallelism), installed by
 # ``ditforge.parallel.sequence.shard``; None: the sequence is whole and ``self_attention`` is ``attention``.
 _split_sequence_attention: Callable[[torch.Tensor, Projection], torch.Tensor] | None = None
+PACKED_ATTENTION_BACKENDS = ("auto", "flex", "varlen", "dense")
+_packed_backend = "auto"
+_compiled_flex: Callable | None = None
+
+
+@dataclass(eq=False)
+class Packed:
+    """Where the tokens of S samples lie in R packed rows of L tokens, and what a model needs to run them.
+
+    Samples never cross rows; each row's unused tail is padding (its own document, so no attention row is
+    empty). Tokens of a sample are in row-major order over its own grid. "Real tokens" are the M = sum of the
+    samples' token counts, numbered sample by sample (the order of ``data.packing.patchify``'s rows).
+
+    Attributes:
+        rows, length: R and L.
+        document_ids: (R, L) int32, the document of each position: samples and padding runs, numbered along
+            the flattened R * L stream (so equal ids are one contiguous run).
+        cu_seqlens: (documents + 1,) int32 cumulative lengths of the documents along that stream.
+        max_len: the longest document, in tokens.
+        sample: (R, L) int64, the sample of each position (padding: 0, whose values it then carries; padding
+            never reaches a sample's tokens through attention, and its outputs are dropped).
+        valid: (R, L) bool, False on padding.
+        index: (M,) int64, position in the flattened stream of each real token.
+        token_sample: (M,) int64, the sample of each real token.
+        first: (S,) int64, the first real token of each sample.
+        grids: each sample's token grid ((H', W') or (T', H', W')).
+        repeated: (M,) bool, tokens of 1-frame samples in a video model with temporal patch t > 1 (the frame
+            repeated t times; the model returns the mean of the t copies), else all False.
+        block_mask: FlexAttention's block mask, built on first use and reused by every layer.
+    """
+
+    rows: int
+    length: int
+    document_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_len: int
+    sample: torch.Tensor
+    valid: torch.Tensor
+    index: torch.Tensor
+    token_sample: torch.Tensor
+    first: torch.Tensor
+    grids: tuple[tuple[int, ...], ...]
+    repeated: torch.Tensor
+    block_mask: object = field(default=None, repr=False)
+
+
+def set_packed_attention_backend(backend: str = "auto") -> str:
+    """Choose the kernel of ``packed_attention``: ``flex`` (FlexAttention, document mask; compiled on CUDA,
+    eager and forward-only on the CPU), ``varlen`` (flash variable-length attention, CUDA only), ``dense``
+    (SDPA with a boolean (L, L) block-diagonal mask per row: exact everywhere, O(L^2) memory), ``auto`` (flex
+    on CUDA, dense elsewhere). Returns a description for the log.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    global _packed_backend
+    if backend not in PACKED_ATTENTION_BACKENDS:
+        raise ValueError(f"packed attention backend {backend!r}: expected one of {PACKED_ATTENTION_BACKENDS}")
+    _packed_backend = backend
+    return f"packed attention: {backend}"
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    if packed.block_mask is None:
+        ids = packed.document_ids
+
+        def same_document(b, h, q_idx, kv_idx):
+            return ids[b, q_idx] == ids[b, kv_idx]
+
+        packed.block_mask = create_block_mask(same_document, packed.rows, None, packed.length, packed.length,
+                                              device=q.device)
+    if q.device.type != "cuda":  # the CPU runs FlexAttention's eager reference (forward only)
+        return flex_attention(q, k, v, block_mask=packed.block_mask)
+    if _compiled_flex is None:  # uncompiled, FlexAttention materialises the scores; compiled it is one kernel
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=packed.block_mask)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    rows, heads, length, dh = q.shape
+    q, k, v = (a.transpose(1, 2).reshape(rows * length, heads, dh) for a in (q, k, v))  # (R L, H, Dh) stream
+    out = varlen_attn(q, k, v, packed.cu_seqlens, packed.cu_seqlens, packed.max_len, packed.max_len)
+    return out.reshape(rows, length, heads, dh).transpose(1, 2)
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed) -> torch.Tensor:
+    ids = packed.document_ids
+    return attention(q, k, v, ids[:, :, None] == ids[:, None, :])
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """Block-diagonal softmax attention of packed rows: each query attends to the keys of its own document
+    (sample, or padding run) only; exactly ``attention`` of each sample alone (Vaswani et al. 2017, eq. 1),
+    up to float rounding. Kernel: ``set_packed_attention_backend``.
+
+    Args:
+        q, k, v: (R, H, L, Dh), same float dtype (varlen: fp16 / bf16 on CUDA).
+        packed: where the documents lie.
+
+    Returns:
+        (R, H, L, Dh) in the dtype of ``q``.
+    """
+    backend = _packed_backend
+    if backend == "auto":
+        backend = "flex" if q.device.type == "cuda" else "dense"
+    return {"flex": _flex, "varlen": _varlen, "dense": _dense}[backend](q, k, v, packed)
 
 
 def set_sequence_attention(fn: Callable[[torch.Tensor, Projection], torch.Tensor] | None) -> None:
@@ -71,7 +190,7 @@ def whole_sequences():
         _split_sequence_attention, _frame_exchange = saved
 
 
-def self_attention(x: torch.Tensor, project: Projection) -> torch.Tensor:
+def self_attention(x: torch.Tensor, project: Projection, packed: Packed | None = None) -> torch.Tensor:
     """Multi-head attention of the model's token sequence over itself, before the output projection:
     ``attention(*project(x, None))``, or, under sequence parallelism, this process's tokens attending to the
     whole sequence (x is this process's shard; the installed function communicates). The seam takes the
@@ -83,10 +202,18 @@ def self_attention(x: torch.Tensor, project: Projection) -> torch.Tensor:
         x: (B, N, D) tokens, any float dtype.
         project: ``project(x, heads)`` -> q, k, v, each (B, h, N', Dh), of tokens (B, N', D) for the heads in
             the slice ``heads`` (None: all H heads).
+        packed: packed rows (x is (R, L, D)): ``packed_attention``, each sample attending within itself.
 
     Returns:
         (B, H, N, Dh) in the dtype of the projection.
+
+    Raises:
+        ValueError: packed rows under sequence parallelism (not supported; the config refuses the pair first).
     """
+    if packed is not None:
+        if _split_sequence_attention is not None:
+            raise ValueError("packed sequences under sequence parallelism are not supported")
+        return packed_attention(*project(x, None), packed)
     if _split_sequence_attention is None:
         return attention(*project(x, None))
     return _split_sequence_attention(x, project)
@@ -138,14 +265,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     Args:
         q: (B, H, Nq, Dh) queries, any float dtype.
         k, v: (B, H, Nk, Dh) keys and values, same dtype as ``q``.
-        mask: optional (B, Nk) bool, True for keys to attend to (padding of text tokens is False); every row
-            needs at least one True.
+        mask: optional (B, Nk) bool, True for keys to attend to (padding of text tokens is False), or (B, Nq, Nk)
+            per query (packed rows: each sample's queries to its own caption); every row needs at least one True.
 
     Returns:
         (B, H, Nq, Dh) in the dtype of ``q``. Runs PyTorch's ``scaled_dot_product_attention``, with the
         backend order set by ``set_attention_backend`` (every backend is exact; they differ in speed).
     """
-    attn_mask = None if mask is None else mask[:, None, None, :]
+    attn_mask = None if mask is None else mask[:, None] if mask.dim() == 3 else mask[:, None, None, :]
     if _preferred is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     with sdpa_kernel(_preferred, set_priority=True):

@@ -11,6 +11,12 @@ import torch
 import torch.nn.functional as F
 
 
+def per_token(v: torch.Tensor) -> torch.Tensor:
+    """A modulation vector against (B, N, D) tokens: (B, D) per sample -> (B, 1, D), broadcast over the tokens;
+    (B, N, D) per token (packed sequences, where each token carries its own sample's values) as it is."""
+    return v.unsqueeze(1) if v.dim() == 2 else v
+
+
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """adaLN modulation ``x * (1 + scale) + shift`` with per-sample shift and scale broadcast over tokens.
 
@@ -18,12 +24,13 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
     Args:
         x: (B, N, D) normalised tokens.
-        shift, scale: (B, D) per-sample modulation from the conditioning vector.
+        shift, scale: (B, D) per-sample modulation from the conditioning vector, or (B, N, D) per token (packed
+            sequences: each token its own sample's row).
 
     Returns:
         (B, N, D), dtype of the inputs' type promotion.
     """
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+    return x * (1 + per_token(scale)) + per_token(shift)
 
 
 def layernorm_modulate_reference(
@@ -37,7 +44,7 @@ def layernorm_modulate_reference(
 
     Args:
         x: (B, N, D) tokens.
-        shift, scale: (B, D) or both None.
+        shift, scale: (B, D), (B, N, D) (per token), or both None.
         eps: added to the variance.
 
     Returns:
@@ -51,12 +58,12 @@ def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, gate: torch.Tenso
     """adaLN-Zero's gated residual ``x + gate * y``, gate broadcast over tokens (DiT paper section 3.2).
 
     Args:
-        x: (B, N, D) residual stream; y: (B, N, D) branch output; gate: (B, D).
+        x: (B, N, D) residual stream; y: (B, N, D) branch output; gate: (B, D), or (B, N, D) per token.
 
     Returns:
         (B, N, D) in the promoted dtype of the inputs.
     """
-    return x + gate.unsqueeze(1) * y
+    return x + per_token(gate) * y
 
 
 _layernorm_modulate = layernorm_modulate_reference

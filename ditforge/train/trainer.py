@@ -33,6 +33,7 @@ from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, b
 from ditforge.data.prefetch import DevicePrefetcher, default_num_workers
 from ditforge.data.shards import LatentDecoder, ShardData
 from ditforge.data.features import read_manifest
+from ditforge.data.packing import packed_training_losses, packing_setup
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
 from ditforge.encoders.batch import BatchEncoder, as_batch, build_batch_encoder, pipeline_batch_encoder
@@ -102,6 +103,7 @@ def train_step(
     model: nn.Module, diffusion: Objective, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None, micro_batches: list[tuple], amp_dtype: torch.dtype, max_grad_norm: float,
     d: Dist, rows_per_sample: int = 1, stepper: StepInBackward | None = None,
+    packing: tuple[int, tuple[int, ...]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this process's micro-batches, on the diffusion loss.
 
@@ -122,7 +124,8 @@ def train_step(
     skips the EMA update by ``"skipped"``. Under fp16 the grad scaler's own skip is that skip. With ``stepper``
     the blocks step during the backward: a non-finite loss skips the step (checked before the backward, a host
     sync), but a non-finite gradient is found only after its block stepped; the EMA still skips that step, and
-    the trainer's weight check refuses to save non-finite weights.
+    the trainer's weight check refuses to save non-finite weights. ``packing`` (``--pack_tokens``): (tokens per
+    row, the model's patch shape); each micro-batch's samples run packed (``data.packing``), same loss terms.
 
     Returns this process's loss (as optimised) and mean terms per row, the global gradient norm, and
     ``"skipped"`` (bool), as 0-dim tensors (no host sync here: the caller reads them when it logs).
@@ -142,9 +145,11 @@ def train_step(
         x = torch.where(rnd.flip.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x)  # images and videos
         with gradient_sync(model, i == len(micro_batches) - 1):
             with autocast:
-                terms = diffusion.training_losses(
-                    lambda xt, tt: model(xt, tt, **cond, force_drop_ids=rnd.drop), x, rnd.t, rnd.noise
-                )
+                def model_fn(xt, tt, **packed):
+                    return model(xt, tt, **cond, force_drop_ids=rnd.drop, **packed)
+
+                terms = (diffusion.training_losses(model_fn, x, rnd.t, rnd.noise) if packing is None
+                         else packed_training_losses(diffusion, model_fn, x, rnd.t, rnd.noise, *packing))
             per_row = terms["loss"] * weight[0].to(terms["loss"]) if weight else terms["loss"]
             loss = per_row.sum() / local_batch
             last = i == len(micro_batches) - 1
@@ -510,6 +515,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
         ), device)
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
+    packing = packing_setup(unwrap(model), t.pack_tokens, sample_shape) if t.pack_tokens else None
     grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
     tracker = Tracker(run_dir, t.report_to, cfg.to_dict(), start_step if resume_from else None) if d.is_main else None
@@ -652,7 +658,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                 group["lr"] = learning_rate(cfg, step)
             try:
                 out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d, rows,
-                                 stepper)
+                                 stepper, packing)
             except torch.OutOfMemoryError:
                 raise out_of_memory(step, t.gpu_memory_budget, device) from None
             skipped, stepped = out.pop("skipped"), True
