@@ -68,6 +68,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ditforge.atomic import atomic_path
 from ditforge.data.images import IMAGE_EXTENSIONS, error_text, report_bad_samples
+from ditforge.data.prefetch import copy_bytes
 from ditforge.data.sampler import derive_seed
 from ditforge.errors import UserError
 
@@ -806,10 +807,21 @@ class ShardStreams(IterableDataset):
 
 
 def _merge(parts: list[dict]) -> dict:
+    """The workers' batches as one: tensors concatenated along the batch (by ``copy_bytes``: they are in shared
+    memory), lists joined."""
     out = {}
     for k in parts[0]:
         values = [p[k] for p in parts]
-        out[k] = torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for p in values for v in p]
+        if not isinstance(values[0], torch.Tensor):
+            out[k] = [v for p in values for v in p]
+        elif len(values) == 1:
+            out[k] = values[0]
+        else:
+            out[k] = torch.empty((sum(len(v) for v in values), *values[0].shape[1:]), dtype=values[0].dtype)
+            start = 0
+            for v in values:
+                copy_bytes(out[k][start:start + len(v)], v)
+                start += len(v)
     return out
 
 

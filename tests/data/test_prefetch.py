@@ -3,7 +3,7 @@ copies on a side stream) is checked against the same batches on the GPU by bench
 
 import torch
 
-from ditforge.data.prefetch import DevicePrefetcher, default_num_workers
+from ditforge.data.prefetch import DevicePrefetcher, copy_bytes, default_num_workers
 
 
 def _batches(n: int):
@@ -43,3 +43,12 @@ def test_default_num_workers_shares_cores(monkeypatch):
     assert default_num_workers(1) == 8  # capped
     assert default_num_workers(8) == 3  # 4 cores per process, one for the trainer
     assert default_num_workers(64) == 1  # never 0: files are decoded off the training process
+
+
+def test_copy_bytes_equals_copy():
+    g = torch.Generator().manual_seed(3)
+    for src in (torch.randn(5, 3, generator=g).to(torch.bfloat16), torch.randint(0, 9, (7,), generator=g),
+                torch.randn(4, 6, generator=g).t(), torch.rand(3, 2, generator=g) < 0.5, torch.tensor(2.5)):
+        dst = torch.empty(src.shape, dtype=src.dtype)
+        copy_bytes(dst, src)
+        assert torch.equal(dst, src)
