@@ -14,6 +14,7 @@ boolean block-diagonal mask; any device, the CPU's and the tests' oracle).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ Projection = Callable[[torch.Tensor, "slice | None"], tuple[torch.Tensor, torch.
 _split_sequence_attention: Callable[[torch.Tensor, Projection], torch.Tensor] | None = None
 PACKED_ATTENTION_BACKENDS = ("auto", "flex", "varlen", "dense")
 _packed_backend = "auto"
+_HAS_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None
 _compiled_flex: Callable | None = None
 
 
@@ -83,8 +85,9 @@ class Packed:
 def set_packed_attention_backend(backend: str = "auto") -> str:
     """Choose the kernel of ``packed_attention``: ``flex`` (FlexAttention, document mask; compiled on CUDA,
     eager and forward-only on the CPU), ``varlen`` (flash variable-length attention, CUDA only), ``dense``
-    (SDPA with a boolean (L, L) block-diagonal mask per row: exact everywhere, O(L^2) memory), ``auto`` (flex
-    on CUDA, dense elsewhere). Returns a description for the log.
+    (SDPA with a boolean (L, L) block-diagonal mask per row: exact everywhere, O(L^2) memory), ``auto`` (on
+    CUDA varlen for fp16 / bf16 where this torch has it, else flex; dense elsewhere). Returns a description for
+    the log.
 
     Raises:
         ValueError: an unknown name.
@@ -142,8 +145,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
         (R, H, L, Dh) in the dtype of ``q``.
     """
     backend = _packed_backend
-    if backend == "auto":
-        backend = "flex" if q.device.type == "cuda" else "dense"
+    if backend == "auto":  # varlen measured fastest on an H100 (benchmarks/results/packing_h100.json)
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        backend = ("varlen" if half and _HAS_VARLEN else "flex") if q.device.type == "cuda" else "dense"
     return {"flex": _flex, "varlen": _varlen, "dense": _dense}[backend](q, k, v, packed)
 
 
