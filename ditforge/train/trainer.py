@@ -536,7 +536,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %s, "
                  "run folder %s", m.model or f"{pre.pipeline_class} denoiser", n_params / 1e6, d.world_size, device.type, plugin,
                  str(amp_dtype).removeprefix("torch."), max_steps,
-                 "per bucket" if bucketed else t.batch_size, run_dir)
+                 "per bucket" if bucketed and not mixed else t.batch_size, run_dir)
 
     def save(step: int) -> Path | None:
         """Save step ``step`` unless its weights are not finite (RunError); a failed write is a RunError too, or
