@@ -109,9 +109,8 @@ def train_step(
     """One optimizer step over this process's micro-batches, on the diffusion loss.
 
     A micro-batch is (x0 (B, C, [T,] H, W) latents or pixels (with ``packing``, a list of B samples of several
-    shapes, ``train.mixed``), the model's condition keywords (``{"y": labels}``
-    or ``{"y": text states, "y_mask": mask}``, see ``BatchEncoder.conditioning``), its ``StepRandomness``[, per-row
-    loss weights (B,) float]). Flips apply to x0 (for VAE latents: flipping the latents, as an approximation of
+    shapes, ``train.mixed``), the model's condition keywords (``{"y": labels}`` or ``{"y": text states, "y_mask":
+    mask}``, see ``BatchEncoder.conditioning``), its ``StepRandomness``[, per-row loss weights (B,) float]). Flips apply to x0 (for VAE latents: flipping the latents, as an approximation of
     encoding flipped pixels). ``rows_per_sample``: rows that make one sample (2 for DreamBooth's instance and
     class pairs, ``finetune.interleave_prior``).
 
