@@ -36,6 +36,11 @@ Batches (``BucketBatchSampler``): per epoch e, every sample draws its keep draws
 (the incomplete tail is dropped, as ``drop_last``), and the order of all batches is permuted, from the same
 generator. Step k's global batch is so a fixed function of (seed, k), split over ranks as ``GlobalBatchSampler``
 does at every world size, and resuming needs only k. Epochs differ in length (the keep draws differ).
+
+Mixed batches (``--buckets`` with ``--pack_tokens``, ``BucketBatchSampler(..., batch_size=B)``): the same keep
+draws, then all the epoch's kept samples in one permutation from the same generator, cut into global batches of
+B samples whatever their buckets (the tail dropped); each sample still at its own bucket's shape. The buckets'
+batch sizes are not used. Step k's batch is again a function of (seed, k) alone.
 """
 
 from __future__ import annotations
@@ -389,23 +394,28 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
     """Yields this rank's slice of each bucketed global batch, as ``(sample id, bucket id)`` keys, forever, from
     ``start_step`` on (see the module docstring for the epoch plan).
 
-    A bucket's batch size is its global batch; rank r of W takes positions ``[r * B/W, (r + 1) * B/W)`` of a
-    global batch of B, so the global batches do not depend on W.
+    A bucket's batch size is its global batch, or ``batch_size`` samples of mixed buckets when given (for
+    packing, see the module docstring); rank r of W takes positions ``[r * B/W, (r + 1) * B/W)`` of a global batch
+    of B, so the global batches do not depend on W.
 
     Args:
         buckets: the ``Buckets``; sizes: (N, 3) int (height, width, frames) of every sample (``BucketDataset.sizes``).
+        batch_size: None (each batch of one bucket) or the global batch of mixed buckets (``--batch_size``).
 
     Raises:
-        UserError: a bucket batch size not divisible by ``world_size``, or no bucket that gathers a full global
-            batch in epoch 0.
+        UserError: a batch size not divisible by ``world_size``, or no full global batch in epoch 0.
     """
 
     max_empty_epochs = 1000
 
     def __init__(self, buckets: Buckets, sizes: np.ndarray, seed: int, rank: int = 0, world_size: int = 1,
-                 start_step: int = 0):
-        buckets.check_batch_sizes(world_size, f"the number of processes ({world_size})")
-        self.buckets, self.seed, self.rank, self.world_size, self.start_step = buckets, seed, rank, world_size, start_step
+                 start_step: int = 0, batch_size: int | None = None):
+        if batch_size is None:
+            buckets.check_batch_sizes(world_size, f"the number of processes ({world_size})")
+        elif batch_size % world_size:
+            raise UserError(f"--batch_size {batch_size} is not divisible by the number of processes ({world_size})")
+        self.buckets, self.seed, self.rank, self.world_size = buckets, seed, rank, world_size
+        self.start_step, self.batch_size = start_step, batch_size
         cands = [buckets.candidates(*s) for s in np.asarray(sizes).tolist()]
         width = max(1, max(map(len, cands), default=1))
         self.cands = np.full((len(cands), width), -1, dtype=np.int64)
@@ -420,21 +430,30 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
                             f"{int((self.cands[:, 0] >= 0).sum())} fit some bucket); lower the batch sizes or raise "
                             "the keep probabilities")
 
-    def epoch_plan(self, epoch: int) -> list[tuple[int, torch.Tensor]]:
-        """The global batches of ``epoch`` in order: ``(bucket id, sample ids (B,) int64)``."""
+    def epoch_plan(self, epoch: int) -> list[tuple[int | torch.Tensor, torch.Tensor]]:
+        """The global batches of ``epoch`` in order: ``(bucket id, sample ids (B,) int64)``; with ``batch_size``
+        (mixed buckets) ``(bucket ids (B,) int64, sample ids (B,) int64)``."""
         if epoch not in self._plans:
             g = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
             u = torch.rand(self.cands.shape, generator=g, dtype=torch.float64).numpy()
             chosen = self.buckets.choose(self.cands, u)
             batches, tails = [], 0
-            for b, bucket in enumerate(self.buckets.buckets):
-                members = torch.from_numpy(np.flatnonzero(chosen == b))
+            if self.batch_size is None:
+                for b, bucket in enumerate(self.buckets.buckets):
+                    members = torch.from_numpy(np.flatnonzero(chosen == b))
+                    members = members[torch.randperm(len(members), generator=g)]
+                    n = len(members) // bucket.batch_size
+                    tails += len(members) - n * bucket.batch_size
+                    batches += [(b, members[k * bucket.batch_size : (k + 1) * bucket.batch_size]) for k in range(n)]
+                order = torch.randperm(len(batches), generator=g).tolist()
+                batches = [batches[i] for i in order]
+            else:  # one permutation of every kept sample, cut into global batches regardless of bucket
+                members = torch.from_numpy(np.flatnonzero(chosen >= 0))
                 members = members[torch.randperm(len(members), generator=g)]
-                n = len(members) // bucket.batch_size
-                tails += len(members) - n * bucket.batch_size
-                batches += [(b, members[k * bucket.batch_size : (k + 1) * bucket.batch_size]) for k in range(n)]
-            order = torch.randperm(len(batches), generator=g).tolist()
-            self._plans = {epoch: [batches[i] for i in order]}  # keeps one epoch: resume walks forward
+                n = len(members) // self.batch_size
+                tails = len(members) - n * self.batch_size
+                batches = [(torch.from_numpy(chosen)[ids], ids) for ids in members[:n * self.batch_size].view(n, -1)]
+            self._plans = {epoch: batches}  # keeps one epoch: resume walks forward
             self.counts[epoch] = {"batched": int((chosen >= 0).sum()) - tails, "dropped": int((chosen < 0).sum()),
                                   "tails": tails}
         return self._plans[epoch]
@@ -452,8 +471,8 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
         epoch = bisect.bisect_right(self._starts, step) - 1
         return epoch, step - self._starts[epoch]
 
-    def global_batch(self, step: int) -> tuple[int, torch.Tensor]:
-        """``(bucket id, sample ids (B,) int64)`` of the whole global batch at ``step``."""
+    def global_batch(self, step: int) -> tuple[int | torch.Tensor, torch.Tensor]:
+        """The whole global batch at ``step``, as ``epoch_plan`` gives it."""
         epoch, pos = self.locate(step)
         return self.epoch_plan(epoch)[pos]
 
@@ -466,7 +485,9 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
                 log.info("%s epoch %d: %d global batches; %s", FLAG, epoch, len(self.epoch_plan(epoch)),
                          ", ".join(f"{v} samples {k}" for k, v in self.counts[epoch].items()))
             local = len(ids) // self.world_size
-            yield [(i, b) for i in ids[self.rank * local : (self.rank + 1) * local].tolist()]
+            part = slice(self.rank * local, (self.rank + 1) * local)
+            bs = b[part].tolist() if isinstance(b, torch.Tensor) else [b] * local
+            yield list(zip(ids[part].tolist(), bs))
             step += 1
 
 
@@ -492,3 +513,12 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str) -
         patch = math.lcm(*patch[1:])
     buckets = Buckets(config, vae_downsample(cfg.model.vae) * patch, cfg.data.frame_interval)
     return BucketDataset(cfg.data.data, buckets, bad_samples_path, cfg.train.seed)
+
+
+def collate_mixed(items: list[dict]) -> dict:
+    """A batch of mixed buckets (``BucketBatchSampler(batch_size=...)``): ``x`` the list of the samples'
+    tensors (their shapes differ), the other keys collated as ``default_collate`` does."""
+    from torch.utils.data import default_collate
+
+    return {"x": [item["x"] for item in items], **default_collate([{k: v for k, v in item.items() if k != "x"}
+                                                                    for item in items])}

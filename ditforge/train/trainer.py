@@ -49,6 +49,7 @@ from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_mem
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
+from ditforge.train.mixed import check_bucket_tokens, chunk, mixed_step_inputs
 from ditforge.train.guard import NonfiniteGuard, all_finite, claim_run_folder, disk_errors
 from ditforge.train.logging import MetricsLog, Tracker
 
@@ -60,7 +61,7 @@ DEFAULT_MODELS = {False: "DiT-T/2", True: "vDiT-T/244"}  # by video data
 class StepRandomness:
     """Everything random in one training step, for this process's slice of the global batch."""
 
-    noise: torch.Tensor  # like x
+    noise: torch.Tensor | list[torch.Tensor]  # like x (a list of samples of several shapes: train.mixed)
     t: torch.Tensor  # (B,) int64 timesteps
     drop: torch.Tensor  # (B,) bool, labels (captions) replaced by the null label (caption)
     flip: torch.Tensor  # (B,) bool, horizontal flips
@@ -107,9 +108,9 @@ def train_step(
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this process's micro-batches, on the diffusion loss.
 
-    A micro-batch is (x0 (B, C, [T,] H, W) latents or pixels, the model's condition keywords (``{"y": labels}``
-    or ``{"y": text states, "y_mask": mask}``, see ``BatchEncoder.conditioning``), its ``StepRandomness``[, per-row
-    loss weights (B,) float]). Flips apply to x0 (for VAE latents: flipping the latents, as an approximation of
+    A micro-batch is (x0 (B, C, [T,] H, W) latents or pixels (with ``packing``, a list of B samples of several
+    shapes, ``train.mixed``), the model's condition keywords (``{"y": labels}`` or ``{"y": text states, "y_mask":
+    mask}``, see ``BatchEncoder.conditioning``), its ``StepRandomness``[, per-row loss weights (B,) float]). Flips apply to x0 (for VAE latents: flipping the latents, as an approximation of
     encoding flipped pixels). ``rows_per_sample``: rows that make one sample (2 for DreamBooth's instance and
     class pairs, ``finetune.interleave_prior``).
 
@@ -135,14 +136,16 @@ def train_step(
     # A new iteration for compiled CUDA graphs (--compile reduce-overhead / max-autotune): lets them replay
     # instead of falling back while the previous step's graphs look pending. A no-op without them.
     torch.compiler.cudagraph_mark_step_begin()
+    first = micro_batches[0][0]
     autocast = (
-        torch.autocast(micro_batches[0][0].device.type, dtype=amp_dtype)
+        torch.autocast((first[0] if isinstance(first, list) else first).device.type, dtype=amp_dtype)
         if amp_dtype != torch.float32 else contextlib.nullcontext()
     )
     sums: dict[str, torch.Tensor] = {}
     total = 0  # the loss as optimised: the sum of the micro-batches' (each already divided by local_batch)
     for i, (x, cond, rnd, *weight) in enumerate(micro_batches):
-        x = torch.where(rnd.flip.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x)  # images and videos
+        x = ([torch.where(f, s.flip(-1), s) for s, f in zip(x, rnd.flip)] if isinstance(x, list)
+             else torch.where(rnd.flip.view(-1, *[1] * (x.ndim - 1)), x.flip(-1), x))  # images and videos
         with gradient_sync(model, i == len(micro_batches) - 1):
             with autocast:
                 def model_fn(xt, tt, **packed):
@@ -360,7 +363,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         raise UserError(f"--fused_backward_pass: one process only, got --plugin {plugin} over {d.world_size}")
     par.plugin = plugin
     per_step = d.dp_size * par.grad_accum_steps
-    if cfg.data.buckets is None and t.batch_size % per_step:  # buckets: checked per bucket below
+    mixed = cfg.data.buckets is not None and bool(t.pack_tokens)  # global batches of several buckets, packed
+    if (cfg.data.buckets is None or mixed) and t.batch_size % per_step:  # buckets: checked per bucket below
         raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.dp_size} data-parallel processes x "
                         f"--grad_accum_steps {par.grad_accum_steps}")
     pre = dit_init = None  # a pretrained pipeline of a diffusers family / DiT weights (--init_from)
@@ -404,9 +408,11 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     if cfg.data.buckets is not None:
         from ditforge.data.buckets import BucketBatchSampler
 
-        dataset.buckets.check_batch_sizes(per_step, f"{d.dp_size} data-parallel processes x --grad_accum_steps "
-                                                    f"{par.grad_accum_steps}")
-        bucketed = BucketBatchSampler(dataset.buckets, dataset.sizes, t.seed, d.dp_rank, d.dp_size)
+        if not mixed:
+            dataset.buckets.check_batch_sizes(per_step, f"{d.dp_size} data-parallel processes x "
+                                                        f"--grad_accum_steps {par.grad_accum_steps}")
+        bucketed = BucketBatchSampler(dataset.buckets, dataset.sizes, t.seed, d.dp_rank, d.dp_size,
+                                      batch_size=t.batch_size if mixed else None)
     steps_per_epoch = bucketed.steps_per_epoch if bucketed else len(dataset) // t.batch_size
     max_steps = t.max_steps or (t.epochs * max(steps_per_epoch, 1) if t.epochs else 1000)
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
@@ -503,12 +509,18 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     else:
         sampler = bucketed or GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
         sampler.start_step = start_step
+        from ditforge.data.buckets import collate_mixed
+
         loader = DevicePrefetcher(DataLoader(
             dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
             persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
+            collate_fn=collate_mixed if mixed else None,
         ), device)
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
     packing = packing_setup(unwrap(model), t.pack_tokens, sample_shape) if t.pack_tokens else None
+    if mixed:
+        check_bucket_tokens(dataset.buckets, t.pack_tokens, packing[1], m.in_channels,
+                            cfg.data.image_size // m.input_size, video)
     grid_model = grid_cond = None
     metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
     tracker = Tracker(run_dir, t.report_to, cfg.to_dict(), start_step if resume_from else None) if d.is_main else None
@@ -523,7 +535,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %s, "
                  "run folder %s", m.model or f"{pre.pipeline_class} denoiser", n_params / 1e6, d.world_size, device.type, plugin,
                  str(amp_dtype).removeprefix("torch."), max_steps,
-                 "per bucket" if bucketed else t.batch_size, run_dir)
+                 "per bucket" if bucketed and not mixed else t.batch_size, run_dir)
 
     def save(step: int) -> Path | None:
         """Save step ``step`` unless its weights are not finite (RunError); a failed write is a RunError too, or
@@ -634,19 +646,23 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             if "class_x" in batch:  # DreamBooth with prior preservation: instance and class rows alternate
                 batch, weights = finetune.interleave_prior(batch, cfg.data.prior_loss_weight)
             rows = 1 if weights is None else 2
-            mean, std = inputs.moments(batch, device)
             cond = inputs.conditioning(batch, device)
-            # the global batch and its shape: this step's bucket's with --buckets
-            rnd = step_randomness(t.seed, step, len(mean) * d.dp_size, tuple(mean.shape[1:]), diffusion,
-                                  m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
-            x = inputs.draw(mean, std, rnd.eps)
+            if mixed:
+                x, rnd = mixed_step_inputs(inputs, batch["x"], device, t.seed, step, diffusion, m.class_dropout_prob,
+                                           d.dp_rank * len(batch["x"]))
+            else:
+                mean, std = inputs.moments(batch, device)
+                # the global batch and its shape: this step's bucket's with --buckets
+                rnd = step_randomness(t.seed, step, len(mean) * d.dp_size, tuple(mean.shape[1:]), diffusion,
+                                      m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
+                x = inputs.draw(mean, std, rnd.eps)
             if not cfg.data.random_flip:
                 rnd.flip.zero_()
             k = par.grad_accum_steps
             conds = [dict(zip(cond, parts)) for parts in zip(*(v.chunk(k) for v in cond.values()))]
-            rnds = [StepRandomness(*parts, None) for parts in zip(*(v.chunk(k) for v in
+            rnds = [StepRandomness(*parts, None) for parts in zip(*(chunk(v, k) for v in
                                                                      (rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
-            micro = list(zip(x.chunk(k), conds, rnds, *([weights.to(device).chunk(k)] if rows > 1 else [])))
+            micro = list(zip(chunk(x, k), conds, rnds, *([weights.to(device).chunk(k)] if rows > 1 else [])))
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
             try:
@@ -659,7 +675,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             update_ema(step, skipped)
             nonfinite.push(step + 1, skipped, out["loss"], out["grad_norm"])  # reads the previous step's flag
             step, stepped = step + 1, False
-            window_steps, window_samples = window_steps + 1, window_samples + len(mean) * d.dp_size // rows
+            window_steps, window_samples = window_steps + 1, window_samples + len(x) * d.dp_size // rows
             for k, v in out.items():  # a skipped step's values (NaN, inf) stay out of the means
                 window[k] = window.get(k, 0) + torch.where(skipped, 0.0, v)
             window["good_steps"] = window.get("good_steps", 0) + (~skipped).double()

@@ -114,21 +114,29 @@ def test_batches_hold_one_bucket_of_its_size():
     assert len({b for b, _ in sampler.epoch_plan(0)}) > 4  # images and videos of several buckets
 
 
-@pytest.mark.parametrize("start", [17, 61])
-def test_world_size_independence_and_resume(start):
+@pytest.mark.parametrize("start,batch_size", [(17, None), (61, None), (23, 12)])
+def test_world_size_independence_and_resume(start, batch_size):
+    """Batches of one bucket (``batch_size`` None), or of mixed buckets (``--pack_tokens``): the global batch at
+    each step, from a resume at ``start``, is the uninterrupted run's at 1, 2 and 4 processes."""
     rng = np.random.default_rng(2)
     sizes = _sizes(rng, 500)
     buckets = Buckets(CFG, multiple=4, frame_interval=2)
-    ref = BucketBatchSampler(buckets, sizes, seed=9)
+    ref = BucketBatchSampler(buckets, sizes, seed=9, batch_size=batch_size)
     steps = 25
-    assert ref.locate(start)[0] != ref.locate(start + steps)[0]  # across an epoch boundary (29 and 35 batches)
-    expect = [ref.global_batch(k) for k in range(start, start + steps)]
+    assert ref.locate(start)[0] != ref.locate(start + steps)[0]  # across an epoch boundary
+    expect = []
+    for k in range(start, start + steps):
+        b, ids = ref.global_batch(k)
+        expect.append(list(zip(ids.tolist(), b.tolist() if batch_size else [b] * len(ids))))
+    if batch_size:  # each of 12 samples in a bucket of its own candidates, several buckets a batch
+        assert all(len(keys) == batch_size and all(b in buckets.candidates(*sizes[i]) for i, b in keys)
+                   for keys in expect)
+        assert min(len({b for _, b in keys}) for keys in expect) > 1
     for world in (1, 2, 4):
-        iters = [iter(BucketBatchSampler(buckets, sizes, 9, r, world, start_step=start)) for r in range(world)]
-        for b, ids in expect:
-            parts = [next(it) for it in iters]
-            assert {bb for part in parts for _, bb in part} == {b}
-            assert [i for part in parts for i, _ in part] == ids.tolist()
+        iters = [iter(BucketBatchSampler(buckets, sizes, 9, r, world, start_step=start, batch_size=batch_size))
+                 for r in range(world)]
+        for keys in expect:
+            assert [key for it in iters for key in next(it)] == keys
 
 
 def test_bad_configs(tmp_path):
