@@ -3,8 +3,8 @@ reused, on a copy stream of their own.
 
 A plain ``DataLoader(pin_memory=True)`` followed by ``batch.to(device)`` pins each batch in a fresh host block
 and copies it synchronously: the host then waits, every step, for the GPU to finish the work queued before the
-copy, and cannot run ahead. Here each tensor of batch k + 1 is copied into one of ``depth + 1`` pinned buffers
-kept per (key, shape, dtype) and sent with ``non_blocking=True`` on a side stream while step k runs; the
+copy, and cannot run ahead. Here each tensor of batch k + 1 is copied into a pinned buffer of its shape, reused
+once its previous copy has finished, and sent with ``non_blocking=True`` on a side stream while step k runs; the
 training stream waits for that copy only when it takes the batch. Once every batch shape has been seen no host
 memory is allocated (no ``cudaHostAlloc`` during training), as Colossal-AI's cached pinned memory does.
 """
@@ -56,8 +56,8 @@ class DevicePrefetcher:
         self.loader, self.device, self.depth = loader, torch.device(device), depth
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # per (path in the batch, shape, dtype): a ring of pinned buffers and the event of each one's last copy
-        self._pinned: dict[tuple, deque[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+        # per (shape, dtype): pinned buffers, oldest first, each with the event of its last copy to the device
+        self._pinned: dict[tuple, deque[tuple[torch.Tensor, torch.cuda.Event]]] = {}
 
     def __iter__(self) -> Iterator:
         batches = iter(self.loader)
@@ -71,9 +71,9 @@ class DevicePrefetcher:
 
     def _send(self, raw) -> tuple:
         if not self.cuda:
-            return self._map(raw, (), lambda t, _key: t.to(self.device)), None
+            return _map(raw, lambda t: t.to(self.device)), None
         with torch.cuda.stream(self.stream):
-            batch = self._map(raw, (), self._copy)
+            batch = _map(raw, self._copy)
             done = torch.cuda.Event()
             done.record(self.stream)
         return batch, done
@@ -83,30 +83,35 @@ class DevicePrefetcher:
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
             # the tensors were allocated on the side stream and are now used on the consumer's
-            self._map(batch, (), lambda t, _key: t.record_stream(torch.cuda.current_stream(self.device)))
+            _map(batch, lambda t: t.record_stream(torch.cuda.current_stream(self.device)))
         return batch
 
-    def _copy(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cpu":
             return t.to(self.device, non_blocking=True)
-        ring = self._pinned.setdefault((key, tuple(t.shape), t.dtype), deque())
-        if len(ring) < self.depth + 1:  # one per batch in flight and one being filled; then each is reused
-            buffer, last = torch.empty(t.shape, dtype=t.dtype, pin_memory=True), None
+        # The oldest buffer of this shape is reused once its copy has finished; otherwise one more is made. So
+        # the pool holds what is in flight (about depth + 1 batches of each shape), whatever the batch's layout
+        # (a list of samples of mixed shapes shares the buffers of each shape).
+        pool = self._pinned.setdefault((tuple(t.shape), t.dtype), deque())
+        if pool and pool[0][1].query():
+            buffer = pool.popleft()[0]
         else:
-            buffer, last = ring.popleft()
-            last.synchronize()  # its previous copy to the device finished (long ago: depth + 1 batches back)
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         copy_bytes(buffer, t)
         out = buffer.to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record(self.stream)
-        ring.append((buffer, event))
+        pool.append((buffer, event))
         return out
 
-    def _map(self, value, key: tuple, fn):
-        if isinstance(value, torch.Tensor):
-            return fn(value, key)
-        if isinstance(value, dict):
-            return {k: self._map(v, key + (k,), fn) for k, v in value.items()}
-        if isinstance(value, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in value):
-            return type(value)(self._map(v, key + (i,), fn) for i, v in enumerate(value))
-        return value
+
+def _map(value, fn):
+    """``value`` with ``fn`` applied to each tensor inside it (dicts, lists and tuples are rebuilt; other values
+    pass through)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in value):
+        return type(value)(_map(v, fn) for v in value)
+    return value
