@@ -100,7 +100,8 @@ def build_dataset(data: str, image_size: int | None, bad_samples_path: str | Pat
     if is_shard_data(data):
         from ditforge.data.shards import ShardData
 
-        return ShardData(data, image_size, bad_samples_path, resize_mode, shard_retries)
+        return ShardData(data, image_size, bad_samples_path, resize_mode, shard_retries,
+                         num_frames or DEFAULT_NUM_FRAMES, frame_interval, seed)
     if data == "digits":
         if image_size not in (None, DigitsDataset.image_size):
             raise UserError(f"--image_size: the digits data set is {DigitsDataset.image_size}x8, got {image_size}")

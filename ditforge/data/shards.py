@@ -57,6 +57,7 @@ import os
 import shutil
 import tarfile
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,7 @@ SHARD_PATTERN = "shard-{:05d}.tar"
 BLEND_KEY = 0x626C656E  # separates the blend draws' seeds from the order's
 BLEND_BLOCK = 4096
 IMAGE_FIELDS = tuple(e.lstrip(".") for e in sorted(IMAGE_EXTENSIONS))
+VIDEO_FIELDS = ("mp4", "avi", "mov", "mkv", "webm")  # video.VIDEO_EXTENSIONS; that module needs PyAV
 SAME_LATENTS = ("condition", "vae", "text_encoder", "text_max_length", "text_dim", "in_channels", "input_size",
                 "num_frames", "image_size", "stochastic")  # what every set of a latent blend must share
 NUM_TEXTS = 64  # captions kept in the manifest for the sample grids
@@ -658,25 +660,50 @@ class LatentDecoder:
         return batch
 
 
-class ImageDecoder:
-    """Raw image samples -> the image data sets' layout, collated: ``x`` (B, 3, S, S) float32 in [-1, 1]
-    (``captions.load_image``: EXIF orientation, ``resize_mode``), ``label`` (B,) int64 where samples have
-    ``cls``, ``text`` (list of str) where they have ``txt``."""
+class RawDecoder:
+    """Raw samples -> the image and video data sets' layout, collated: ``x`` (B, 3, S, S) for images
+    (``captions.load_image``: EXIF orientation, ``resize_mode``) or (B, 3, T, S, S) for videos (``num_frames``
+    given: ``video.read_clip`` from the member's bytes, frames ``frame_interval`` apart from a start drawn from
+    ``derive_seed(seed, crc32(key))``, each frame centre-cropped as ``VideoDataset`` does), float32 in [-1, 1];
+    ``label`` (B,) int64 where samples have ``cls``, ``text`` (list of str) where they have ``txt``."""
 
-    def __init__(self, image_size: int, resize_mode: str, labels: bool, captions: bool):
+    def __init__(self, image_size: int, resize_mode: str, labels: bool, captions: bool, num_frames: int | None = None,
+                 frame_interval: int = 3, seed: int = 0):
         self.image_size, self.resize_mode, self.labels, self.captions = image_size, resize_mode, labels, captions
+        self.num_frames, self.frame_interval, self.seed = num_frames, frame_interval, seed
+        self.fields = IMAGE_FIELDS if num_frames is None else VIDEO_FIELDS
 
     def __call__(self, shard: ShardFile, i: int) -> tuple:
-        from ditforge.data.captions import load_image
-
         members = shard.members[i]
-        field = next((f for f in members if f.lower() in IMAGE_FIELDS), None)
+        field = next((f for f in members if f.lower() in self.fields), None)
         if field is None:
-            raise ValueError(f"no image member (one of {', '.join(IMAGE_FIELDS)}) in {', '.join(members)}")
-        x = load_image(io.BytesIO(shard.member(i, field)), self.image_size, self.resize_mode)
+            raise ValueError(f"no {'image' if self.num_frames is None else 'video'} member (one of "
+                             f"{', '.join(self.fields)}) in {', '.join(members)}")
+        data = shard.member(i, field)
+        x = self._image(data) if self.num_frames is None else self._video(data, shard.keys[i])
         label = int(bytes(shard.member(i, "cls"))) if self.labels else 0
         text = str(shard.member(i, "txt"), "utf-8") if self.captions else None
         return x, label, text
+
+    def _image(self, data) -> torch.Tensor:
+        from ditforge.data.captions import load_image
+
+        return load_image(io.BytesIO(data), self.image_size, self.resize_mode)
+
+    def _video(self, data, key: str) -> torch.Tensor:
+        from PIL import Image
+
+        from ditforge.data.images import center_crop_arr
+        from ditforge.data.video import DECODE_ERRORS as VIDEO_ERRORS, read_clip
+
+        rng = np.random.default_rng(derive_seed(self.seed, zlib.crc32(key.encode())))
+        try:
+            frames, _ = read_clip(bytes(data), self.num_frames, self.frame_interval,
+                                  lambda m: int(rng.integers(0, m + 1)))
+        except VIDEO_ERRORS as e:  # FFmpeg's errors are not all OSErrors: one kind for the reader to skip
+            raise ValueError(error_text(e)) from e
+        arr = np.stack([center_crop_arr(Image.fromarray(f), self.image_size) for f in frames])  # (T, S, S, 3)
+        return torch.from_numpy(arr).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
 
     def collate(self, items: list[tuple]) -> dict:
         batch: dict[str, Any] = {"x": torch.stack([it[0] for it in items])}
@@ -887,11 +914,12 @@ class ShardData:
     ``class_captions``, ``texts``, ``random_flip``, ``len``), plus the ``sets`` and the ``decoder``.
 
     Raises:
-        UserError: see ``resolve_sets``; raw video shards (not read yet); raw images without ``--image_size``.
+        UserError: see ``resolve_sets``; raw images or videos without ``--image_size``.
     """
 
     def __init__(self, data: str, image_size: int | None, bad_samples_path: str | Path | None,
-                 resize_mode: str = "center_crop", retries: int = 3):
+                 resize_mode: str = "center_crop", retries: int = 3, num_frames: int = 16, frame_interval: int = 3,
+                 seed: int = 0):
         self.data, self.bad_samples_path, self.retries = data, bad_samples_path, retries
         report = lambda path, error: report_bad_samples(bad_samples_path, [{"path": path, "error": error}],  # noqa
                                                         "bad shard")
@@ -908,16 +936,15 @@ class ShardData:
             self.stochastic = first["stochastic"]
             self.decoder = LatentDecoder(first)
             return
-        if first.get("media", "image") != "image":
-            raise UserError(f"--data {data}: raw video shards are written by `ditforge shard` but not read yet; "
-                            "train on their latents (`ditforge extract-features --format wds`)")
+        video = first.get("media", "image") == "video"
         if image_size is None:
-            raise UserError(f"--image_size is required for raw image shards {data} (e.g. --image_size 256)")
-        self.image_size, self.num_frames, self.in_channels = image_size, None, 3
+            raise UserError(f"--image_size is required for raw {'video' if video else 'image'} shards {data} "
+                            "(e.g. --image_size 256)")
+        self.image_size, self.num_frames, self.in_channels = image_size, num_frames if video else None, 3
         labels, captions = self._fields()
         if not labels:
             self.num_classes = 0
-        self.decoder = ImageDecoder(image_size, resize_mode, labels, captions)
+        self.decoder = RawDecoder(image_size, resize_mode, labels, captions, self.num_frames, frame_interval, seed)
 
     def _fields(self) -> tuple[bool, bool]:
         """Whether the raw samples carry ``cls`` and ``txt`` (from the first readable sample)."""

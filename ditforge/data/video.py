@@ -9,6 +9,7 @@ metadata is what counts. The built-in ``clips`` data set (``ditforge.data.clips`
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +41,11 @@ class BadVideo(ValueError):
 # Errors that mean "this file is bad", not "ditforge has a bug": PyAV's (av.FFmpegError, whose
 # InvalidDataError is also a ValueError), missing or unreadable files (OSError), BadVideo (a ValueError).
 DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
+
+
+def _open(source: str | Path | bytes) -> av.container.InputContainer:
+    """A video file by its path, or the bytes of one (a shard member: PyAV reads from a file object)."""
+    return av.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else str(source))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -98,7 +104,7 @@ def probe_video(path: str | Path) -> dict[str, int | float]:
     Raises:
         av.FFmpegError / OSError: not a readable media file. BadVideo: no video stream or no frame size.
     """
-    with av.open(str(path)) as container:
+    with _open(path) as container:
         stream = _video_stream(container)
         if not (stream.width and stream.height):
             raise BadVideo("video stream without a frame size")
@@ -107,14 +113,14 @@ def probe_video(path: str | Path) -> dict[str, int | float]:
                 "height": int(stream.height), "width": int(stream.width)}
 
 
-def _count_packets(path: str | Path) -> int:
+def _count_packets(path: str | Path | bytes) -> int:
     """Frames of a stream whose metadata does not say, by demuxing (no decoding)."""
-    with av.open(str(path)) as container:
+    with _open(path) as container:
         stream = _video_stream(container)
         return sum(1 for p in container.demux(stream) if p.size)
 
 
-def _decode(path: str | Path, wanted: list[int], seek: bool) -> tuple[list[np.ndarray] | None, int]:
+def _decode(path: str | Path | bytes, wanted: list[int], seek: bool) -> tuple[list[np.ndarray] | None, int]:
     """The frames at the ascending indices ``wanted``, each (H, W, 3) uint8 RGB, decoding no further than the
     last; with ``seek``, first jump to the key frame before ``wanted[0]`` and place frames by timestamp.
 
@@ -124,7 +130,7 @@ def _decode(path: str | Path, wanted: list[int], seek: bool) -> tuple[list[np.nd
     first, last, want = wanted[0], wanted[-1], set(wanted)
     out: dict[int, np.ndarray] = {}
     idx = -1
-    with av.open(str(path)) as container:
+    with _open(path) as container:
         stream = _video_stream(container)
         rate, tb, t0 = _rate(stream), stream.time_base, stream.start_time or 0
         if seek:
@@ -149,10 +155,10 @@ def _decode(path: str | Path, wanted: list[int], seek: bool) -> tuple[list[np.nd
     return None, idx + 1
 
 
-def read_clip(path: str | Path, num_frames: int, frame_interval: int,
+def read_clip(path: str | Path | bytes, num_frames: int, frame_interval: int,
               choose_start: Callable[[int], int]) -> tuple[np.ndarray, list[int]]:
-    """Decode one clip: ``num_frames`` frames ``start + k * stride`` of ``path`` (see ``frame_plan`` for the
-    stride), ``start = choose_start(max_start)`` in ``[0, max_start]``.
+    """Decode one clip: ``num_frames`` frames ``start + k * stride`` of ``path`` (a file, or a video's bytes; see
+    ``frame_plan`` for the stride), ``start = choose_start(max_start)`` in ``[0, max_start]``.
 
     Decodes only what the clip needs: it seeks to the key frame before the start (placing frames by their
     timestamps, constant frame rate assumed; if the timestamps disagree it decodes from the first frame,
@@ -164,7 +170,7 @@ def read_clip(path: str | Path, num_frames: int, frame_interval: int,
     Raises:
         BadVideo: no video stream, or too short. av.FFmpegError / OSError / ValueError: unreadable file.
     """
-    with av.open(str(path)) as container:
+    with _open(path) as container:
         n = _metadata_frame_count(container, _video_stream(container))
     if n <= 0:
         n = _count_packets(path)

@@ -191,3 +191,31 @@ def test_cli_resume_continues_the_same_samples(tmp_path, monkeypatch):
     rc = cli.main(["train", "--resume", "auto", "--outputs", str(tmp_path / "cut"), "--max_steps", "7",
                    "--data_streams", "8"])  # --data_streams is fixed for a run
     assert rc == 2
+
+
+def test_raw_video_shards_decode_like_the_files(tmp_path):
+    """`ditforge shard` on a video CSV, read back: each clip equals ``read_clip`` of the original file with the
+    same start frame (drawn from the seed and the sample's key), centre-cropped as ``VideoDataset`` crops."""
+    import zlib
+
+    from PIL import Image
+    from test_video import write_video
+
+    from ditforge.data.images import center_crop_arr
+    from ditforge.data.sampler import derive_seed
+    from ditforge.data.video import read_clip
+
+    files = [write_video(tmp_path / "v" / f"{i}.mp4", 9 + 3 * i, w=20, h=16) for i in range(3)]
+    (tmp_path / "v.csv").write_text("path,text\n" + "".join(f"{f},clip {i}\n" for i, f in enumerate(files)))
+    assert cli.main(["shard", "--data", str(tmp_path / "v.csv"), "--out", str(tmp_path / "sh")]) == 0
+    data = ShardData(str(tmp_path / "sh"), 16, None, num_frames=4, frame_interval=2, seed=5)
+    assert data.num_frames == 4
+    batch = next(loader(data, batch=3, streams=1, seed=5))
+    assert batch["x"].shape == (3, 3, 4, 16, 16)
+    for key, x, text in zip(batch["key"], batch["x"], batch["text"]):
+        i = int(key.rsplit("#", 1)[1])
+        rng = np.random.default_rng(derive_seed(5, zlib.crc32(f"{i:09d}".encode())))
+        frames, _ = read_clip(files[i], 4, 2, lambda m: int(rng.integers(0, m + 1)))
+        ref = np.stack([center_crop_arr(Image.fromarray(f), 16) for f in frames])
+        assert torch.equal(x, torch.from_numpy(ref).permute(3, 0, 1, 2).float().div(127.5).sub(1.0))
+        assert text == f"clip {i}"
