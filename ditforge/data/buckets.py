@@ -46,6 +46,7 @@ batch sizes are not used. Step k's batch is again a function of (seed, k) alone.
 from __future__ import annotations
 
 import bisect
+import io
 import json
 import logging
 import math
@@ -233,23 +234,47 @@ class Buckets:
 # Images and videos in one data set
 
 
-def probe_size(path: str | Path) -> tuple[int, int, int]:
+def probe_size(source: str | Path | bytes, video: bool | None = None) -> tuple[int, int, int]:
     """(height, width, frames) of an image (from its header, EXIF orientation applied; frames 1) or a video
-    (PyAV's stream metadata, or a demux count when it has none), without decoding pixels.
+    (PyAV's stream metadata, or a demux count when it has none), without decoding pixels. ``source``: a file
+    (image or video by its extension when ``video`` is None) or a file's bytes (a shard member; ``video`` given).
 
     Raises:
         OSError / ValueError / SyntaxError (images), av.FFmpegError / OSError / ValueError (videos): unreadable.
     """
-    if Path(path).suffix.lower() in IMAGE_EXTENSIONS:
-        with Image.open(path) as img:
+    if video is None:
+        video = Path(source).suffix.lower() not in IMAGE_EXTENSIONS
+    if not video:
+        with Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source) as img:
             w, h = img.size
             if img.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF orientations that turn the image by 90 degrees
                 h, w = w, h
         return h, w, 1
     from ditforge.data.video import _count_packets, probe_video
 
-    meta = probe_video(path)
-    return meta["height"], meta["width"], meta["num_frames"] or _count_packets(path)
+    meta = probe_video(source)
+    return meta["height"], meta["width"], meta["num_frames"] or _count_packets(source)
+
+
+def read_at_bucket(source: str | Path | bytes, bucket: Bucket, frame_interval: int, seed: int) -> torch.Tensor:
+    """A sample at ``bucket``'s shape: (3, F, h, w) float32 in [-1, 1]. ``source``: an image (F = 1; EXIF
+    orientation applied, RGB) or a video (F frames at stride ``frame_interval``, ``read_clip``, start frame uniform
+    from ``seed``), a file or its bytes; each frame ``center_crop_arr``-ed to (h, w).
+
+    Raises:
+        OSError / ValueError / SyntaxError / av.FFmpegError / EOFError: an unreadable file.
+    """
+    from ditforge.data.video import read_clip
+
+    if bucket.num_frames == 1:
+        raw = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
+        with Image.open(raw) as img:
+            frames = [center_crop_arr(ImageOps.exif_transpose(img).convert("RGB"), (bucket.height, bucket.width))]
+    else:
+        clip, _ = read_clip(source, bucket.num_frames, frame_interval,
+                            lambda m: int(np.random.default_rng(seed).integers(0, m + 1)))
+        frames = [center_crop_arr(Image.fromarray(f), (bucket.height, bucket.width)) for f in clip]
+    return torch.from_numpy(np.stack(frames)).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
 
 
 class BucketDataset(Dataset):
@@ -351,19 +376,12 @@ class BucketDataset(Dataset):
         Raises:
             OSError / ValueError / SyntaxError / av.FFmpegError / EOFError: an unreadable file.
         """
-        from ditforge.data.video import BadVideo, read_clip
+        from ditforge.data.video import BadVideo
 
         if index in self._bad:
             raise BadVideo(f"found bad before ({self._bad[index]})")
-        b = self.buckets.buckets[bucket_id]
-        if b.num_frames == 1:
-            with Image.open(self.paths[index]) as img:
-                frames = [center_crop_arr(ImageOps.exif_transpose(img).convert("RGB"), (b.height, b.width))]
-        else:
-            clip, _ = read_clip(self.paths[index], b.num_frames, self.buckets.frame_interval,
-                                lambda m: int(np.random.default_rng(derive_seed(self.seed, index)).integers(0, m + 1)))
-            frames = [center_crop_arr(Image.fromarray(f), (b.height, b.width)) for f in clip]
-        x = torch.from_numpy(np.stack(frames)).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)  # (3, F, h, w)
+        x = read_at_bucket(self.paths[index], self.buckets.buckets[bucket_id], self.buckets.frame_interval,
+                           derive_seed(self.seed, index))
         return x if self.num_frames is not None else x[:, 0]
 
     def __getitem__(self, key: tuple[int, int]) -> dict:
@@ -491,14 +509,15 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
             step += 1
 
 
-def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str) -> BucketDataset:
-    """The ``BucketDataset`` of a run (``cfg``, a ``RunConfig`` with ``data.buckets`` set): ``--data`` read at the
-    buckets of ``--buckets``, whose shapes are multiples of ``--vae``'s downsample x ``model``'s spatial patch
-    (the lcm of its height and width patch), videos sampled at ``--frame_interval``.
+def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str):
+    """The data set of a run (``cfg``, a ``RunConfig`` with ``data.buckets`` set): ``--data`` read at the buckets
+    of ``--buckets``, whose shapes are multiples of ``--vae``'s downsample x ``model``'s spatial patch (the lcm of
+    its height and width patch), videos sampled at ``--frame_interval``: a ``BucketDataset`` of a CSV / JSONL, or
+    for raw image / video shards a ``ShardData`` whose decoder puts each sample at its bucket.
 
     Raises:
         UserError: a video frame count not divisible by the model's temporal patch; see ``read_bucket_config``,
-            ``BucketDataset``, ``vae_downsample``.
+            ``BucketDataset``, ``ShardData``, ``vae_downsample``.
     """
     from ditforge.encoders.vae import vae_downsample
     from ditforge.models import model_spec
@@ -512,6 +531,11 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str) -
                             f"by the temporal patch {patch[0]} of --model {model}")
         patch = math.lcm(*patch[1:])
     buckets = Buckets(config, vae_downsample(cfg.model.vae) * patch, cfg.data.frame_interval)
+    from ditforge.data.shards import ShardData, is_shard_data
+
+    if is_shard_data(cfg.data.data):
+        return ShardData(cfg.data.data, None, bad_samples_path, retries=cfg.data.shard_retries,
+                         frame_interval=cfg.data.frame_interval, seed=cfg.train.seed, buckets=buckets)
     return BucketDataset(cfg.data.data, buckets, bad_samples_path, cfg.train.seed)
 
 

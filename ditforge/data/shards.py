@@ -61,7 +61,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -72,6 +72,9 @@ from ditforge.data.images import IMAGE_EXTENSIONS, error_text, report_bad_sample
 from ditforge.data.prefetch import copy_bytes
 from ditforge.data.sampler import derive_seed
 from ditforge.errors import UserError
+
+if TYPE_CHECKING:
+    from ditforge.data.buckets import Buckets
 
 log = logging.getLogger(__name__)
 
@@ -492,10 +495,10 @@ def resolve_sets(data: str, retries: int = 3, report: Callable[[str, str], None]
 
 
 def _kind(s: ShardSet) -> tuple:
-    m = s.manifest or {"kind": "raw", "media": "image"}
+    m = s.manifest or {"kind": "raw"}
     if m.get("kind") == "latent":
         return ("latent", *(m.get(k) for k in SAME_LATENTS))
-    return ("raw", m.get("media", "image"))
+    return ("raw",)  # images and videos may blend (with --buckets; ShardData says so otherwise)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -668,10 +671,11 @@ class RawDecoder:
     ``label`` (B,) int64 where samples have ``cls``, ``text`` (list of str) where they have ``txt``."""
 
     def __init__(self, image_size: int, resize_mode: str, labels: bool, captions: bool, num_frames: int | None = None,
-                 frame_interval: int = 3, seed: int = 0):
+                 frame_interval: int = 3, seed: int = 0, buckets: Buckets | None = None):
         self.image_size, self.resize_mode, self.labels, self.captions = image_size, resize_mode, labels, captions
-        self.num_frames, self.frame_interval, self.seed = num_frames, frame_interval, seed
-        self.fields = IMAGE_FIELDS if num_frames is None else VIDEO_FIELDS
+        self.num_frames, self.frame_interval, self.seed, self.buckets = num_frames, frame_interval, seed, buckets
+        self.fields = (IMAGE_FIELDS + VIDEO_FIELDS if buckets is not None else
+                       IMAGE_FIELDS if num_frames is None else VIDEO_FIELDS)
 
     def __call__(self, shard: ShardFile, i: int) -> tuple:
         members = shard.members[i]
@@ -680,10 +684,31 @@ class RawDecoder:
             raise ValueError(f"no {'image' if self.num_frames is None else 'video'} member (one of "
                              f"{', '.join(self.fields)}) in {', '.join(members)}")
         data = shard.member(i, field)
-        x = self._image(data) if self.num_frames is None else self._video(data, shard.keys[i])
+        if self.buckets is not None:
+            x = self._at_bucket(bytes(data), field.lower() in VIDEO_FIELDS, shard.keys[i])
+        else:
+            x = self._image(data) if self.num_frames is None else self._video(data, shard.keys[i])
         label = int(bytes(shard.member(i, "cls"))) if self.labels else 0
         text = str(shard.member(i, "txt"), "utf-8") if self.captions else None
         return x, label, text
+
+    def _at_bucket(self, data: bytes, video: bool, key: str) -> torch.Tensor:
+        """--buckets: the sample at the bucket ``Buckets.assign_bucket`` gives it from its size and a draw seeded by
+        (seed, key): the same in every epoch and at every world size. Raises ``DroppedByBucket`` when no keep
+        draw keeps it."""
+        from ditforge.data.buckets import probe_size, read_at_bucket
+        from ditforge.data.video import DECODE_ERRORS as VIDEO_ERRORS
+
+        seed = derive_seed(self.seed, zlib.crc32(key.encode()))
+        try:
+            h, w, t = probe_size(data, video)
+            bucket = self.buckets.assign_bucket(h, w, t, seed)
+            x = None if bucket is None else read_at_bucket(data, bucket, self.frame_interval, seed)
+        except VIDEO_ERRORS as e:  # FFmpeg's errors are not all OSErrors: one kind for the reader to skip
+            raise ValueError(error_text(e)) from e
+        if x is None:
+            raise DroppedByBucket(key)
+        return x if self.num_frames is not None else x[:, 0]
 
     def _image(self, data) -> torch.Tensor:
         from ditforge.data.captions import load_image
@@ -706,7 +731,8 @@ class RawDecoder:
         return torch.from_numpy(arr).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
 
     def collate(self, items: list[tuple]) -> dict:
-        batch: dict[str, Any] = {"x": torch.stack([it[0] for it in items])}
+        xs = [it[0] for it in items]  # --buckets: shapes differ, the trainer packs them (train.mixed)
+        batch: dict[str, Any] = {"x": xs if self.buckets is not None else torch.stack(xs)}
         if self.labels:
             batch["label"] = torch.tensor([it[1] for it in items], dtype=torch.int64)
         if self.captions:
@@ -719,6 +745,10 @@ class RawDecoder:
 
 
 DECODE_ERRORS = (OSError, ValueError, KeyError, IndexError, SyntaxError, UnicodeDecodeError)
+
+
+class DroppedByBucket(ValueError):
+    """A sample that no keep draw of ``--buckets`` keeps: skipped, as Open-Sora drops it, but not reported."""
 
 
 class _Reader:
@@ -750,6 +780,8 @@ class _Reader:
             return None
         try:
             return self.decode(shard, member), f"{url}#{shard.keys[member]}"
+        except DroppedByBucket:
+            return None
         except DECODE_ERRORS as e:
             self.report(f"{url}#{shard.keys[member]}", error_text(e))
             return None
@@ -914,12 +946,13 @@ class ShardData:
     ``class_captions``, ``texts``, ``random_flip``, ``len``), plus the ``sets`` and the ``decoder``.
 
     Raises:
-        UserError: see ``resolve_sets``; raw images or videos without ``--image_size``.
+        UserError: see ``resolve_sets``; raw images or videos without ``--image_size``; a blend of image and video
+            shards without ``buckets``; ``buckets`` with latent shards.
     """
 
     def __init__(self, data: str, image_size: int | None, bad_samples_path: str | Path | None,
                  resize_mode: str = "center_crop", retries: int = 3, num_frames: int = 16, frame_interval: int = 3,
-                 seed: int = 0):
+                 seed: int = 0, buckets: Buckets | None = None):
         self.data, self.bad_samples_path, self.retries = data, bad_samples_path, retries
         report = lambda path, error: report_bad_samples(bad_samples_path, [{"path": path, "error": error}],  # noqa
                                                         "bad shard")
@@ -930,13 +963,29 @@ class ShardData:
         self.num_classes = max(s.manifest.get("num_classes") or 0 if s.manifest else 0 for s in self.sets)
         self.random_flip = first.get("random_flip", True)
         if first.get("kind") == "latent":
+            if buckets is not None:
+                raise UserError(f"--buckets: --data {data} holds latents of one size; bucket the raw shards "
+                                "(`ditforge shard`)")
             self.manifest = first
             self.image_size, self.num_frames, self.in_channels = first["image_size"], first["num_frames"], \
                 first["in_channels"]
             self.stochastic = first["stochastic"]
             self.decoder = LatentDecoder(first)
             return
-        video = first.get("media", "image") == "video"
+        media = {(st.manifest or {}).get("media", "image") for st in self.sets}
+        if buckets is not None:  # images and videos, each at its bucket; the model is built at the largest
+            self.buckets, self.image_size, self.num_frames, self.in_channels = buckets, buckets.image_size, \
+                buckets.num_frames, 3
+            labels, captions = self._fields()
+            if not labels:
+                self.num_classes = 0
+            self.decoder = RawDecoder(self.image_size, resize_mode, labels, captions, self.num_frames, frame_interval,
+                                      seed, buckets)
+            return
+        if len(media) > 1:
+            raise UserError(f"--data {data}: a blend of image and video shards trains with --buckets (each sample at "
+                            "its own bucket) and --pack_tokens")
+        video = media == {"video"}
         if image_size is None:
             raise UserError(f"--image_size is required for raw {'video' if video else 'image'} shards {data} "
                             "(e.g. --image_size 256)")

@@ -31,7 +31,7 @@ from ditforge.atomic import atomic_path
 from ditforge.config import RunConfig, parse_bytes, resolve_precision
 from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, build_shard_loader, is_features
 from ditforge.data.prefetch import DevicePrefetcher, default_num_workers
-from ditforge.data.shards import LatentDecoder, ShardData
+from ditforge.data.shards import LatentDecoder, ShardData, is_shard_data
 from ditforge.data.features import read_manifest
 from ditforge.data.packing import packed_training_losses, packing_setup
 from ditforge.data.sampler import derive_seed
@@ -249,6 +249,9 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
 
         if pre is not None:
             raise UserError(f"--buckets: not with --init_from {cfg.model.init_from} (a diffusers pipeline)")
+        if is_shard_data(data.data) and not cfg.train.pack_tokens:
+            raise UserError(f"--buckets with shards --data {data.data}: add --pack_tokens N (each step packs samples "
+                            "of several buckets); one bucket per step needs a CSV / JSONL of files")
         video = any(t > 1 for frames in read_bucket_config(data.buckets).values() for t in frames)
         return build_bucket_dataset(cfg, bad, cfg.model.model or DEFAULT_MODELS[video])
     if data.instance_data is None:
@@ -405,7 +408,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     elif m.num_classes < dataset.num_classes and m.condition == "class":
         raise UserError(f"--num_classes {m.num_classes}: the data has {dataset.num_classes} classes")
     bucketed = None  # --buckets: each bucket's batch size is its global batch; --batch_size is not used
-    if cfg.data.buckets is not None:
+    if cfg.data.buckets is not None and not isinstance(dataset, ShardData):  # shards: the streams' order
         from ditforge.data.buckets import BucketBatchSampler
 
         if not mixed:

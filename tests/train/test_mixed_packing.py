@@ -91,3 +91,49 @@ def test_bucket_longer_than_a_row_is_one_line(tmp_path, capsys):
     assert cli.main(_argv(data, bucket_file, tmp_path / "run", "--pack_tokens", "256", "--max_steps", "1")) == 2
     err = capsys.readouterr().err.strip()
     assert "--pack_tokens 256" in err and "16px/4f/" in err and len(err.splitlines()) == 1, err
+
+
+def test_raw_shards_with_buckets_train_packed(tmp_path, monkeypatch):
+    """Raw image and video shards with --buckets --pack_tokens: every sample reaches a bucket of its own nearest
+    aspect ratio (images 1 frame, videos 4), steps mix buckets, and the loss is finite. Without --pack_tokens, one
+    line."""
+    import json
+    import math
+
+    from ditforge.data.shards import ShardWriter
+    from tests.train.test_buckets_train import IMAGES, VIDEOS
+
+    data, bucket_file = _data(tmp_path, videos=True)
+    sizes, writer = {}, ShardWriter(tmp_path / "sh", 5)
+    for i, (name, size) in enumerate([(f"im{i}.png", s) for i, s in enumerate(IMAGES)] +
+                                     [(f"v{i}.mp4", s) for i, s in enumerate(VIDEOS)]):
+        writer.write({"__key__": f"{i:09d}", name.rsplit(".", 1)[1]: (tmp_path / name).read_bytes(), "cls": i % 2})
+        sizes[f"{i:09d}"] = (*size, 1 if name.endswith(".png") else 12)
+    writer.close({"kind": "raw", "media": "image", "num_classes": 2, "class_captions": None, "texts": None})
+    argv = ["train", "--data", str(tmp_path / "sh"), "--buckets", str(bucket_file), "--model", "vDiT-T/122",
+            "--condition", "class", "--frame_interval", "3", "--batch_size", "4", "--data_streams", "2",
+            "--num_workers", "0", "--sample_every", "0", "--log_every", "1", "--mixed_precision", "fp32",
+            "--device", "cpu", "--max_steps", "3"]
+    assert cli.main([*argv, "--outputs", str(tmp_path / "r0")]) == 2  # per-bucket batches need a CSV / JSONL
+
+    shapes = []
+    real_step = trainer.train_step
+
+    def recording(model, diffusion, optimizer, scaler, micro_batches, *args, **kwargs):
+        shapes.extend(tuple(s.shape) for s in micro_batches[0][0])
+        return real_step(model, diffusion, optimizer, scaler, micro_batches, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", recording)
+    monkeypatch.setenv("DITFORGE_SHARD_KEYS", str(tmp_path / "keys.jsonl"))
+    assert cli.main([*argv, "--pack_tokens", "320", "--outputs", str(tmp_path / "r")]) == 0
+    keys = [k.rsplit("#", 1)[1] for line in (tmp_path / "keys.jsonl").read_text().splitlines()
+            for k in json.loads(line)["keys"]][:len(shapes)]
+    buckets = Buckets(read_bucket_config(bucket_file), multiple=2, frame_interval=3).buckets
+    for key, (_, f, bh, bw) in zip(keys, shapes):
+        h, w, t = sizes[key]
+        assert f == (1 if t == 1 else 4)
+        errors = [abs(math.log(o.height / o.width / (h / w))) for o in buckets if o.num_frames == f]
+        assert abs(math.log(bh / bw / (h / w))) == min(errors)
+    assert len({s[1] for s in shapes}) == 2 and len(set(shapes)) >= 3  # images and videos, several shapes
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
