@@ -10,12 +10,14 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary path beside ``path`` (``.NAME.tmp`` + ``suffix``, for writers that insist on an
+    """Yield a temporary path beside ``path`` (``.NAME.<pid>.tmp`` + ``suffix``, for writers that insist on an
     extension); when the block succeeds it is renamed onto ``path`` (atomic on POSIX file systems), when it
-    fails it is removed. Creates the parent folder."""
+    fails it is removed. Creates the parent folder. The process id keeps processes that write the same file at
+    once (ranks and loader workers copying one remote shard into the cache) out of each other's temporary file;
+    the last rename wins, and every one is whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{suffix}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{suffix}")
     try:
         yield tmp
         os.replace(tmp, path)

@@ -109,13 +109,17 @@ class DataConfig:
     buckets: str | None = _f(None, "multi-resolution buckets (Open-Sora's bucket_config): a YAML or JSON file "
                                    "{resolution: {frames: [keep probability, global batch size]}}, e.g. {256px: {1: "
                                    "[1.0, 64], 16: [0.5, 8]}}; --data is then a CSV / JSONL of path,text naming images "
-                                   "and videos, and --batch_size is not used (see docs/buckets.md)")
+                                   "and videos (--batch_size is not used: each bucket has its own), or with "
+                                   "--pack_tokens also raw shards (steps of --batch_size samples of several buckets; "
+                                   "see docs/buckets.md)")
     num_workers: int | None = _f(None, "data loader worker processes per training process (default: 0 for "
                                        "digits, clips and features, which live in memory or are memory-mapped; "
-                                       "for files, this host's CPU cores per process less one, 1 to 8)")
+                                       "for files, this host's CPU cores per process less one, 1 to 8; latent "
+                                       "shards: 1; raw shards: as files, lowered to split the process's streams "
+                                       "evenly)")
     data_streams: int | None = _f(None, "shard data: virtual streams K the order is built of, fixed for a run "
                                         "(it must divide --batch_size, and processes x --num_workers must divide "
-                                        "it; default: the greatest common divisor of --batch_size and 16)")
+                                        "it; default: gcd(--batch_size, lcm(16, data-parallel processes)))")
     shuffle_shards: int = _f(4, "shard data: each stream shuffles its samples uniformly within windows of this "
                                 "many shards")
     shard_retries: int = _f(3, "shard data: tries again to read an unreadable or truncated shard this many times "
@@ -159,7 +163,8 @@ class TrainConfig:
                                              "and the gated residual")
     enable_layernorm_kernel: bool = _f(False, "LayerNorm as a Triton kernel (modulate stays in PyTorch)")
     pack_tokens: int = _f(0, "pack each micro-batch's samples (any sizes and frame counts) into rows of N tokens, "
-                             "attention within each sample (FlexAttention on GPUs), the loss as unpacked; DiT "
+                             "attention within each sample (on GPUs flash variable-length attention, else "
+                             "FlexAttention), the loss as unpacked; DiT "
                              "and vDiT (0: no packing)")
     compile: str = _f("none", "torch.compile every transformer block (the first steps are slow while it "
                               "compiles): none | default (the bare flag) | max-autotune-no-cudagraphs | "

@@ -191,9 +191,10 @@ def packed_training_losses(
             for k, v in terms.items()}
 
 
-def packing_setup(model, capacity: int, sample_shape: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+def packing_setup(model, capacity: int, sample_shape: Sequence[int] | None) -> tuple[int, tuple[int, ...]]:
     """What ``train_step`` takes for ``--pack_tokens capacity``: (capacity, the model's patch shape), after
-    checking the model packs (ditforge's DiT or vDiT, unwrapped) and the run's sample (C, [T,] H, W) fits a row.
+    checking the model packs (ditforge's DiT or vDiT, unwrapped) and the run's sample (C, [T,] H, W) fits a row
+    (None: the samples' shapes vary, ``--buckets``; ``train.mixed.check_bucket_tokens`` checks each bucket).
 
     Raises:
         UserError: a model without packed forward (STDiT, diffusers adapters), or a sample of more tokens than
@@ -204,7 +205,7 @@ def packing_setup(model, capacity: int, sample_shape: Sequence[int]) -> tuple[in
     if not isinstance(model, DiT) or isinstance(model, STDiT):
         raise UserError(f"--pack_tokens: {type(model).__name__} does not take packed sequences; use a DiT or vDiT")
     patch = tuple(model.x_embedder.patch_shape)
-    tokens = len(patchify(torch.empty(sample_shape, device="meta"), patch)[0])
+    tokens = 0 if sample_shape is None else len(patchify(torch.empty(sample_shape, device="meta"), patch)[0])
     if tokens > capacity:
         raise UserError(f"--pack_tokens {capacity}: a sample of shape {tuple(sample_shape)} has {tokens} tokens; "
                         "give at least that many")

@@ -89,6 +89,8 @@ VIDEO_FIELDS = ("mp4", "avi", "mov", "mkv", "webm")  # video.VIDEO_EXTENSIONS; t
 SAME_LATENTS = ("condition", "vae", "text_encoder", "text_max_length", "text_dim", "in_channels", "input_size",
                 "num_frames", "image_size", "stochastic")  # what every set of a latent blend must share
 NUM_TEXTS = 64  # captions kept in the manifest for the sample grids
+HISTORY = 8  # loader states kept, by step: a prefetcher may read up to HISTORY - 1 batches ahead
+INCOMPLETE_MARKER = ".ditforge-writing"  # a shard folder ditforge is writing (or was, when interrupted)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -103,7 +105,8 @@ class ShardWriter:
     encoders: ``npy`` via ``np.save``, ``cls`` as ASCII digits, ``txt`` as UTF-8, bytes as they are).
 
     Raises:
-        UserError: ``out`` is a file or holds a shard set already; ``shard_size`` < 1.
+        UserError: ``out`` is a file, holds a shard set already or .tar files ditforge did not write;
+            ``shard_size`` < 1.
     """
 
     def __init__(self, out: str | Path, shard_size: int):
@@ -115,8 +118,12 @@ class ShardWriter:
                             "it first")
         if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
             raise UserError(f"--shard_size: expected a positive integer, got {shard_size!r}")
+        marker = self.out / INCOMPLETE_MARKER  # present while ditforge writes here: its shards may be deleted
+        if self.out.is_dir() and any(self.out.glob("*.tar")) and not marker.exists():
+            raise UserError(f"--out {out} holds .tar files that ditforge did not write; choose another folder")
         self.out.mkdir(parents=True, exist_ok=True)
-        for stale in self.out.glob("shard-*.tar"):  # from a run that was interrupted: no manifest
+        marker.touch()
+        for stale in self.out.glob("shard-*.tar"):  # from a run of ours that was interrupted: no manifest
             stale.unlink()
         self.shard_size = shard_size
         self.shards: list[dict] = []
@@ -156,6 +163,7 @@ class ShardWriter:
                 "num_samples": sum(s["num_samples"] for s in self.shards)}
         with atomic_path(self.out / SHARDS_MANIFEST) as tmp:
             tmp.write_text(json.dumps(full, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        (self.out / INCOMPLETE_MARKER).unlink(missing_ok=True)
         log.info("wrote %d samples in %d shards to %s", full["num_samples"], len(self.shards), self.out)
         return full
 
@@ -178,7 +186,8 @@ def write_raw_shards(data: str, out: str | Path, shard_size: int = 1000) -> dict
     dataset = build_dataset(data, 1 if data.lower().endswith(".csv") else 8, None)
     files = getattr(dataset, "samples", None)  # ImageFolderDataset: (path, label)
     if files is None:
-        labels = ([dataset.classes.index(t) for t in dataset.texts] if hasattr(dataset, "classes")
+        index = {c: i for i, c in enumerate(getattr(dataset, "classes", ()))}  # a dict: millions of captions
+        labels = ([index[t] for t in dataset.texts] if hasattr(dataset, "classes")
                   else [None] * len(dataset.paths))
         files = list(zip(dataset.paths, labels))
     texts = getattr(dataset, "texts", None)
@@ -894,8 +903,8 @@ class ShardLoader:
     """
 
     def __init__(self, dataset: ShardStreams, num_workers: int, start_step: int, rank: int, pin_memory: bool,
-                 worker_init_fn: Callable | None):
-        self.dataset, self.rank, self.step = dataset, rank, start_step
+                 worker_init_fn: Callable | None, fingerprint: str = ""):
+        self.dataset, self.rank, self.step, self.fingerprint = dataset, rank, start_step, fingerprint
         self.group = max(num_workers, 1)
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                                  worker_init_fn=worker_init_fn)
@@ -909,12 +918,16 @@ class ShardLoader:
         return self
 
     def __next__(self) -> dict:
-        parts = [next(self._it) for _ in range(self.group)]
+        try:
+            parts = [next(self._it) for _ in range(self.group)]
+        except UserError as e:  # from a worker, re-raised with the worker's traceback in its message: one line
+            raise UserError(str(e).strip().splitlines()[-1].split("UserError: ", 1)[-1]) from None
         for p in parts:
             self.states.update(p.pop("_streams"))
         batch = _merge(parts)
         self.step += 1
-        self.history = {self.step - 1: self.history.get(self.step - 1), self.step: dict(self.states)}
+        self.history[self.step] = dict(self.states)  # the consumer may be a few batches behind (prefetching)
+        self.history.pop(self.step - HISTORY, None)
         if self.keys_file:
             with open(self.keys_file, "a") as f:
                 f.write(json.dumps({"step": self.step - 1, "rank": self.rank, "keys": batch["key"]}) + "\n")
@@ -933,7 +946,8 @@ class ShardLoader:
             parts = [None] * dist.get_world_size(group)
             dist.all_gather_object(parts, mine, group=group)
         states = {str(s): st for part in parts for s, st in part.items()}
-        return {"streams": self.dataset.num_streams, "shuffle_shards": self.dataset.window, "states": states}
+        return {"streams": self.dataset.num_streams, "shuffle_shards": self.dataset.window,
+                "fingerprint": self.fingerprint, "states": states}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1020,7 +1034,7 @@ def build_shard_loader(dataset: ShardData, batch_size: int, streams: int, shuffl
     Raises:
         UserError: --data_streams does not divide --batch_size, or world size x --num_workers does not divide
             --data_streams; a set too small for the streams; a state saved with other --data_streams or
-            --shuffle_shards; a resume past step 0 without a saved state.
+            --shuffle_shards, or over other shards, counts, weights or seed; a resume past step 0 without a state.
     """
     for flag, value in (("--data_streams", streams), ("--shuffle_shards", shuffle_shards)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -1033,6 +1047,9 @@ def build_shard_loader(dataset: ShardData, batch_size: int, streams: int, shuffl
                         f"{max(num_workers, 1)}; choose --num_workers (or --data_streams) so that it is")
     for s in dataset.sets:
         check_streams(s.counts, streams, s.path)
+    # what the saved positions refer to: each set's shard names and counts, its weight, and the seed
+    order = [[[u.rsplit("/", 1)[-1] for u in s.urls], s.counts, s.weight] for s in dataset.sets]
+    fingerprint = hashlib.sha1(json.dumps([order, seed]).encode()).hexdigest()[:16]
     states: dict[int, dict] = {}
     if state is not None:
         saved = (state.get("streams"), state.get("shuffle_shards"))
@@ -1043,10 +1060,13 @@ def build_shard_loader(dataset: ShardData, batch_size: int, streams: int, shuffl
         if any(len(v["sets"]) != len(dataset.sets) for v in states.values()):
             raise UserError(f"--data {dataset.data}: the checkpoint's loader read {len(next(iter(states.values()))['sets'])} "
                             f"data sets, this blend has {len(dataset.sets)}")
+        if state.get("fingerprint", fingerprint) != fingerprint:
+            raise UserError(f"--data {dataset.data}: not the shards, counts, blend weights or --seed the checkpoint's "
+                            "loader read; resume with those (the saved positions mean nothing in another order)")
     elif start_step:
         raise UserError(f"--data {dataset.data}: the checkpoint holds no shard loader state; resume with the data it "
                         "was trained on")
     mine = stream_block(streams, world_size, rank)
     streams_ds = ShardStreams(dataset.sets, dataset.decoder, mine, streams, batch_size // streams, seed,
                               shuffle_shards, dataset.retries, states, dataset.bad_samples_path)
-    return ShardLoader(streams_ds, num_workers, start_step, rank, pin_memory, worker_init_fn)
+    return ShardLoader(streams_ds, num_workers, start_step, rank, pin_memory, worker_init_fn, fingerprint)

@@ -398,7 +398,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     if cfg.data.random_flip is None:
         cfg.data.random_flip = getattr(dataset, "random_flip", True)
     if isinstance(dataset, ShardData) and cfg.data.data_streams is None:
-        cfg.data.data_streams = math.gcd(t.batch_size, 16)
+        cfg.data.data_streams = math.gcd(t.batch_size, math.lcm(16, d.dp_size))  # >= 16 and every rank its streams
     if cfg.data.num_workers is None:
         cfg.data.num_workers = _default_workers(dataset, cfg.data, d.dp_size)
     if not dataset.num_classes and m.condition == "class":  # captioned images have no labels
@@ -520,7 +520,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             collate_fn=collate_mixed if mixed else None,
         ), device)
     sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
-    packing = packing_setup(unwrap(model), t.pack_tokens, sample_shape) if t.pack_tokens else None
+    packing = packing_setup(unwrap(model), t.pack_tokens, None if mixed else sample_shape) if t.pack_tokens else None
     if mixed:
         check_bucket_tokens(dataset.buckets, t.pack_tokens, packing[1], m.in_channels,
                             cfg.data.image_size // m.input_size, video)

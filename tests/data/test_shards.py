@@ -168,7 +168,7 @@ def test_shard_command_round_trip(tmp_path):
         assert torch.equal(x, load_image(files[i], 8)) and int(label) == i // 3
 
 
-def test_cli_resume_continues_the_same_samples(tmp_path, monkeypatch):
+def test_cli_resume_continues_the_same_samples(tmp_path, monkeypatch, capsys):
     """The real `ditforge train`: stopped at step 3 (its checkpoint), resumed with 2 loader workers, the steps
     after 3 read exactly the uninterrupted run's samples."""
     write_latent_shards(tmp_path / "d", [60, 70, 50])
@@ -191,6 +191,9 @@ def test_cli_resume_continues_the_same_samples(tmp_path, monkeypatch):
     rc = cli.main(["train", "--resume", "auto", "--outputs", str(tmp_path / "cut"), "--max_steps", "7",
                    "--data_streams", "8"])  # --data_streams is fixed for a run
     assert rc == 2
+    rc = cli.main(["train", "--resume", "auto", "--outputs", str(tmp_path / "cut"), "--max_steps", "7",
+                   "--seed", "1"])  # the saved positions belong to the order of the old seed
+    assert rc == 2 and "--seed the checkpoint's loader read" in capsys.readouterr().err
 
 
 def test_raw_video_shards_decode_like_the_files(tmp_path):
@@ -219,3 +222,21 @@ def test_raw_video_shards_decode_like_the_files(tmp_path):
         ref = np.stack([center_crop_arr(Image.fromarray(f), 16) for f in frames])
         assert torch.equal(x, torch.from_numpy(ref).permute(3, 0, 1, 2).float().div(127.5).sub(1.0))
         assert text == f"clip {i}"
+
+
+def test_a_set_of_bad_samples_stops_with_one_line_from_a_worker(tmp_path):
+    """Every member corrupt: the stream gives up with a UserError, one line even when raised in a loader worker."""
+    from ditforge.data.shards import ShardWriter
+    from ditforge.errors import UserError
+
+    writer = ShardWriter(tmp_path / "d", 10**9)
+    for i in range(6):
+        writer.write({"__key__": f"k{i}", "latent.npy": b"not an npy file", "cls": 1})
+    writer.close({"kind": "latent", "condition": "class", "vae": "none", "text_encoder": None, "text_max_length": None,
+                  "text_dim": None, "in_channels": 1, "input_size": 8, "num_frames": None, "image_size": 8,
+                  "stochastic": False, "num_classes": 10, "class_captions": None, "random_flip": False, "texts": None})
+    data = ShardData(str(tmp_path / "d"), None, tmp_path / "bad.jsonl")
+    for workers in (0, 1):
+        with pytest.raises(UserError) as e:
+            next(loader(data, batch=2, streams=1, workers=workers))
+        assert "\n" not in str(e.value) and "no readable sample" in str(e.value)
