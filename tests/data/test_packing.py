@@ -2,7 +2,9 @@
 
 * ``plan_packing``: first-fit decreasing worked by hand; every sample once, no row over capacity.
 * ``patchify``: the patch embedding's convolution equals a matrix product on its rows; ``unpatchify`` inverts it.
-* Packed attention (dense and FlexAttention) equals each sample's own SDPA, outputs and gradients, float64, 1e-10.
+* Packed attention equals each sample's own SDPA in float64 to 1e-10: dense, outputs and gradients; FlexAttention,
+  outputs (its CPU path has no backward). The CUDA paths (FlexAttention's backward, flash varlen) are checked
+  only on a GPU, by benchmarks/packing.py's training steps, not here.
 * Packed DiT / vDiT (images and videos together) / text DiT forward equals each sample's own forward (float64).
 * A packed training step's loss and gradients equal the unpacked step's (fp32, 1e-6), same samples, noise and
   timesteps, with learned sigma (the VLB term) and with rectified flow.
