@@ -3,8 +3,8 @@
 * ``plan_packing``: first-fit decreasing worked by hand; every sample once, no row over capacity.
 * ``patchify``: the patch embedding's convolution equals a matrix product on its rows; ``unpatchify`` inverts it.
 * Packed attention equals each sample's own SDPA in float64 to 1e-10: dense, outputs and gradients; FlexAttention,
-  outputs (its CPU path has no backward). The CUDA paths (FlexAttention's backward, flash varlen) are checked
-  only on a GPU, by benchmarks/packing.py's training steps, not here.
+  outputs (its CPU path has no backward). The CUDA-only paths (FlexAttention's backward, flash varlen) have no
+  reference test: benchmarks/packing.py runs them on a GPU without comparing.
 * Packed DiT / vDiT (images and videos together) / text DiT forward equals each sample's own forward (float64).
 * A packed training step's loss and gradients equal the unpacked step's (fp32, 1e-6), same samples, noise and
   timesteps, with learned sigma (the VLB term) and with rectified flow.
