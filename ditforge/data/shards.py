@@ -692,52 +692,38 @@ class RawDecoder:
         if field is None:
             raise ValueError(f"no {'image' if self.num_frames is None else 'video'} member (one of "
                              f"{', '.join(self.fields)}) in {', '.join(members)}")
-        data = shard.member(i, field)
-        if self.buckets is not None:
-            x = self._at_bucket(bytes(data), field.lower() in VIDEO_FIELDS, shard.keys[i])
+        data, key = bytes(shard.member(i, field)), shard.keys[i]
+        video = field.lower() in VIDEO_FIELDS
+        if self.buckets is None and not video:
+            from ditforge.data.captions import load_image
+
+            x = load_image(io.BytesIO(data), self.image_size, self.resize_mode)
         else:
-            x = self._image(data) if self.num_frames is None else self._video(data, shard.keys[i])
+            x = self._clip(data, video, key)
         label = int(bytes(shard.member(i, "cls"))) if self.labels else 0
         text = str(shard.member(i, "txt"), "utf-8") if self.captions else None
         return x, label, text
 
-    def _at_bucket(self, data: bytes, video: bool, key: str) -> torch.Tensor:
-        """--buckets: the sample at the bucket ``Buckets.assign_bucket`` gives it from its size and a draw seeded by
-        (seed, key): the same in every epoch and at every world size. Raises ``DroppedByBucket`` when no keep
-        draw keeps it."""
-        from ditforge.data.buckets import probe_size, read_at_bucket
+    def _clip(self, data: bytes, video: bool, key: str) -> torch.Tensor:
+        """``read_at_bucket`` of a video at (``num_frames``, ``image_size``, ``image_size``), or with --buckets of
+        any sample at the bucket ``Buckets.assign_bucket`` gives it from its size and a draw seeded by (seed, key):
+        the same in every epoch and at every world size (``DroppedByBucket`` when no keep draw keeps it)."""
+        from ditforge.data.buckets import Bucket, probe_size, read_at_bucket
         from ditforge.data.video import DECODE_ERRORS as VIDEO_ERRORS
 
         seed = derive_seed(self.seed, zlib.crc32(key.encode()))
         try:
-            h, w, t = probe_size(data, video)
-            bucket = self.buckets.assign_bucket(h, w, t, seed)
+            if self.buckets is None:
+                bucket = Bucket(resolution=str(self.image_size), num_frames=self.num_frames, height=self.image_size,
+                                width=self.image_size, batch_size=0, keep_prob=1.0)
+            else:
+                bucket = self.buckets.assign_bucket(*probe_size(data, video), seed)
             x = None if bucket is None else read_at_bucket(data, bucket, self.frame_interval, seed)
         except VIDEO_ERRORS as e:  # FFmpeg's errors are not all OSErrors: one kind for the reader to skip
             raise ValueError(error_text(e)) from e
         if x is None:
             raise DroppedByBucket(key)
         return x if self.num_frames is not None else x[:, 0]
-
-    def _image(self, data) -> torch.Tensor:
-        from ditforge.data.captions import load_image
-
-        return load_image(io.BytesIO(data), self.image_size, self.resize_mode)
-
-    def _video(self, data, key: str) -> torch.Tensor:
-        from PIL import Image
-
-        from ditforge.data.images import center_crop_arr
-        from ditforge.data.video import DECODE_ERRORS as VIDEO_ERRORS, read_clip
-
-        rng = np.random.default_rng(derive_seed(self.seed, zlib.crc32(key.encode())))
-        try:
-            frames, _ = read_clip(bytes(data), self.num_frames, self.frame_interval,
-                                  lambda m: int(rng.integers(0, m + 1)))
-        except VIDEO_ERRORS as e:  # FFmpeg's errors are not all OSErrors: one kind for the reader to skip
-            raise ValueError(error_text(e)) from e
-        arr = np.stack([center_crop_arr(Image.fromarray(f), self.image_size) for f in frames])  # (T, S, S, 3)
-        return torch.from_numpy(arr).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
 
     def collate(self, items: list[tuple]) -> dict:
         xs = [it[0] for it in items]  # --buckets: shapes differ, the trainer packs them (train.mixed)
