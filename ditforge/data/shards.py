@@ -47,6 +47,7 @@ skipped, and the shard is recorded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -254,7 +255,8 @@ def expand_urls(pattern: str) -> list[str]:
 
 
 def shard_cache_dir() -> Path:
-    """Where remote shards are copied: ``$DITFORGE_SHARD_CACHE``, else ``~/.cache/ditforge/shards``."""
+    """Where remote shards are copied: ``$DITFORGE_SHARD_CACHE``, else ``~/.cache/ditforge/shards``; at most
+    ``$DITFORGE_SHARD_CACHE_GB`` (default 100) GiB, least recently used copies deleted first."""
     return Path(os.environ.get("DITFORGE_SHARD_CACHE") or Path.home() / ".cache" / "ditforge" / "shards")
 
 
@@ -268,12 +270,36 @@ def local_copy(url: str) -> Path:
     if _is_local(url):
         return Path(_fs(url)[1])
     local = shard_cache_dir() / f"{hashlib.sha1(url.encode()).hexdigest()[:16]}-{url.rsplit('/', 1)[-1]}"
-    if not local.is_file():
-        import fsspec
+    if local.is_file():
+        os.utime(local)  # recently used: evicted last
+        return local
+    import fsspec
 
-        with fsspec.open(url, "rb") as src, atomic_path(local) as tmp, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 22)
+    with fsspec.open(url, "rb") as src, atomic_path(local) as tmp, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 22)
+    _evict(local)
     return local
+
+
+def _evict(keep: Path) -> None:
+    """Keep the cache under ``$DITFORGE_SHARD_CACHE_GB`` (default 100) GiB: delete the least recently used copies
+    (by modification time, which ``local_copy`` refreshes on every use), never ``keep``. A process that still
+    has a deleted copy mmapped keeps reading it (POSIX); one that wants it again copies it again."""
+    limit = float(os.environ.get("DITFORGE_SHARD_CACHE_GB") or 100) * 2**30
+    files = []
+    for f in keep.parent.iterdir():
+        with contextlib.suppress(OSError):  # another process may delete it meanwhile
+            if f.is_file() and not f.name.startswith("."):
+                st = f.stat()
+                files.append((st.st_mtime, st.st_size, f))
+    total = sum(size for _, size, _ in files)
+    for _, size, f in sorted(files):
+        if total <= limit:
+            break
+        if f != keep:
+            with contextlib.suppress(OSError):
+                f.unlink()
+                total -= size
 
 
 class _Unusual(Exception):

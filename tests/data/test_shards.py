@@ -240,3 +240,27 @@ def test_a_set_of_bad_samples_stops_with_one_line_from_a_worker(tmp_path):
         with pytest.raises(UserError) as e:
             next(loader(data, batch=2, streams=1, workers=workers))
         assert "\n" not in str(e.value) and "no readable sample" in str(e.value)
+
+
+def test_remote_shards_through_the_cache(tmp_path, monkeypatch):
+    """An fsspec URL (the in-memory file system here): shards are copied whole into the cache and read exactly as
+    the local set is; the cache stays under $DITFORGE_SHARD_CACHE_GB, least recently used copies deleted first."""
+    import fsspec
+
+    write_latent_shards(tmp_path / "d", [30, 25, 35, 28])
+    fs = fsspec.filesystem("memory")
+    for f in sorted((tmp_path / "d").iterdir()):
+        fs.pipe(f"/remote/{f.name}", f.read_bytes())
+    shard_bytes = max(f.stat().st_size for f in (tmp_path / "d").glob("*.tar"))
+    monkeypatch.setenv("DITFORGE_SHARD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DITFORGE_SHARD_CACHE_GB", str(2.5 * shard_bytes / 2**30))  # room for two or three
+    try:
+        remote = ShardData("memory://remote/", None, None)
+        local = ShardData(str(tmp_path / "d"), None, None)
+        got = [k.rsplit("/", 1)[-1] for ks in keys_of(loader(remote, streams=4, window=1), 12) for k in ks]
+        want = [k.rsplit("/", 1)[-1] for ks in keys_of(loader(local, streams=4, window=1), 12) for k in ks]
+        assert got == want
+        cached = list((tmp_path / "cache").iterdir())
+        assert len(cached) < 4 and sum(f.stat().st_size for f in cached) <= 2.5 * shard_bytes  # some were evicted
+    finally:
+        fs.rm("/remote", recursive=True)
