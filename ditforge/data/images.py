@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import re
@@ -72,26 +73,27 @@ def error_text(error: Exception) -> str:
 def report_bad_samples(bad_samples_path: str | Path | None, records: list[dict], what: str) -> None:
     """Warn about each bad sample and append its record (a JSON object with at least ``path`` and ``error``) to
     ``bad_samples_path`` as one JSON line, unless that file already holds a record of the same ``path``: a bad
-    file is recorded once per run, however many epochs, data-loader workers or ranks meet it (two processes
-    meeting it at the same instant may both write it; the file is append-only, lines are never torn).
+    file is recorded once per run, however many epochs, data-loader workers or ranks meet it (an exclusive
+    ``flock`` on the file covers the read and the append; the file is append-only, lines are never torn).
     ``what`` names the kind in the warning, e.g. ``"unreadable image"``."""
     for r in records:
         log.warning("skipping %s %s: %s", what, r["path"], r["error"])
     if bad_samples_path is None or not records:
         return
     path = Path(bad_samples_path)
-    seen = set()
-    if path.is_file():
-        for line in path.read_text().splitlines():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # workers and ranks meeting one bad file at once record it once
+        f.seek(0)
+        seen = set()
+        for line in f.read().splitlines():
             try:
                 seen.add(json.loads(line).get("path"))
             except (ValueError, AttributeError):
                 continue
-    new = [r for r in records if r["path"] not in seen]
-    if new:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:  # one write of whole lines, in append mode
-            f.write("".join(json.dumps(r) + "\n" for r in new))
+        new = [r for r in records if r["path"] not in seen]
+        if new:
+            f.write("".join(json.dumps(r) + "\n" for r in new))  # append mode: at the end, whole lines
 
 
 def load_or_substitute(i: int, n: int, load: Callable[[int], T], report: Callable[[int, Exception], None],
