@@ -46,8 +46,6 @@ batch sizes are not used. Step k's batch is again a function of (seed, k) alone.
 from __future__ import annotations
 
 import bisect
-import io
-import json
 import logging
 import math
 import re
@@ -62,7 +60,8 @@ import yaml
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset, Sampler
 
-from ditforge.data.images import IMAGE_EXTENSIONS, center_crop_arr, error_text, load_or_substitute, report_bad_samples
+from ditforge.data.images import (IMAGE_EXTENSIONS, center_crop_arr, error_text, file_source, load_or_substitute,
+                                  report_bad_samples)
 from ditforge.data.sampler import derive_seed
 from ditforge.errors import UserError
 
@@ -245,7 +244,7 @@ def probe_size(source: str | Path | bytes, video: bool | None = None) -> tuple[i
     if video is None:
         video = Path(source).suffix.lower() not in IMAGE_EXTENSIONS
     if not video:
-        with Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source) as img:
+        with Image.open(file_source(source)) as img:
             w, h = img.size
             if img.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF orientations that turn the image by 90 degrees
                 h, w = w, h
@@ -267,8 +266,7 @@ def read_at_bucket(source: str | Path | bytes, bucket: Bucket, frame_interval: i
     from ditforge.data.video import read_clip
 
     if bucket.num_frames == 1:
-        raw = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
-        with Image.open(raw) as img:
+        with Image.open(file_source(source)) as img:
             frames = [center_crop_arr(ImageOps.exif_transpose(img).convert("RGB"), (bucket.height, bucket.width))]
     else:
         clip, _ = read_clip(source, bucket.num_frames, frame_interval,

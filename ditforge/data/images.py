@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import logging
 import re
@@ -63,6 +64,11 @@ def read_csv_rows(path: str | Path) -> tuple[list[str], list[tuple[int, dict[str
         header = [h.strip().lower() for h in header]
         rows = [(reader.line_num, dict(zip(header, values))) for values in reader if any(v.strip() for v in values)]
     return header, rows
+
+
+def file_source(source: str | Path | bytes) -> str | io.BytesIO:
+    """What Pillow and PyAV open: a path as ``str``, or a file's bytes (a shard member) as a file object."""
+    return io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else str(source)
 
 
 def error_text(error: Exception) -> str:

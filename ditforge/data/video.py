@@ -9,7 +9,6 @@ metadata is what counts. The built-in ``clips`` data set (``ditforge.data.clips`
 from __future__ import annotations
 
 import csv
-import io
 import logging
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -23,8 +22,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ditforge.atomic import atomic_path
-from ditforge.data.images import (CSV_EXPECTED, center_crop_arr, error_text, load_or_substitute, read_csv_rows,
-                                  report_bad_samples)
+from ditforge.data.images import (CSV_EXPECTED, center_crop_arr, error_text, file_source, load_or_substitute,
+                                  read_csv_rows, report_bad_samples)
 from ditforge.data.sampler import derive_seed
 from ditforge.errors import UserError
 
@@ -45,7 +44,7 @@ DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, EOFError)
 
 def _open(source: str | Path | bytes) -> av.container.InputContainer:
     """A video file by its path, or the bytes of one (a shard member: PyAV reads from a file object)."""
-    return av.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else str(source))
+    return av.open(file_source(source))
 
 
 # ----------------------------------------------------------------------------------------------------------
