@@ -58,6 +58,7 @@ from ditforge.ops.fused import check_triton
 from ditforge.parallel import fp8_unavailable, parallelize
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
+from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory
 from ditforge.train.trainer import step_randomness, train_step
 
@@ -79,6 +80,7 @@ class Settings:
     optimizer: str = "adamw"  # --optimizer
     master_weights: str = "fp32"  # --master_weights
     fused_backward_pass: bool = False  # --fused_backward_pass
+    fused_optimizer: bool = False  # --fused_optimizer auto (the trainer's default on GPUs)
     ema: bool = True  # False: --ema_decay 0
     budget: bool = False  # under cfg.gpu_memory_budget
     grad_checkpoint: str | None = None  # None: cfg.grad_checkpoint
@@ -90,12 +92,13 @@ ROWS: list[tuple[str, str, dict]] = [
     ("c", "+ fast attention (cuDNN/Flash SDPA)", {"attention": "fast"}),
     ("d", "+ fused adaLN Triton kernels", {"kernels": True}),
     ("e", "+ torch.compile", {"compile": True}),
-    ("f", "+ FP8 linears (torchao)", {"precision": "fp8"}),
+    ("f", "+ one-pass optimizer step (clipping, AdamW, EMA: --fused_optimizer)", {"fused_optimizer": True}),
+    ("g", "+ FP8 linears (torchao)", {"precision": "fp8"}),
 ]
 
 
 MEMORY_ROWS: list[tuple[str, str, dict]] = [
-    ("plain", "bf16, fast attention, compile; fp32 master, fused AdamW, EMA", {}),
+    ("plain", "bf16, fast attention, compile; fp32 master, one-pass AdamW + EMA", {}),
     ("noema", "+ no EMA (--ema_decay 0)", {"ema": False}),
     ("8bit", "+ 8-bit AdamW moments (--optimizer adamw8bit)", {"optimizer": "adamw8bit"}),
     ("bf16", "+ Kahan bf16 weights (--master_weights bf16)", {"master_weights": "bf16"}),
@@ -105,7 +108,7 @@ MEMORY_ROWS: list[tuple[str, str, dict]] = [
     ("capped_ckpt", "+ activation checkpointing (full)", {"grad_checkpoint": "full"}),
     ("capped_op", "activation checkpointing op instead (recompute the element-wise ops)", {"grad_checkpoint": "op"}),
 ]
-MEMORY_BASE = Settings(precision="bf16", attention="fast", compile=True)  # row e
+MEMORY_BASE = Settings(precision="bf16", attention="fast", compile=True, fused_optimizer=True)  # row f
 
 
 def why_not(change: dict, device: torch.device) -> str | None:
@@ -115,6 +118,8 @@ def why_not(change: dict, device: torch.device) -> str | None:
             check_triton(device)
         except RuntimeError as e:
             return str(e)
+    if change.get("fused_optimizer") and not on_gpu_with_triton(device):
+        return "the one-pass optimizer step runs on CUDA GPUs with Triton"
     if change.get("precision") == "fp8":
         reason = fp8_unavailable(device)
         return reason and f"FP8 {reason}"
@@ -177,8 +182,11 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     model, amp, flops, tokens, shape = _build(cfg, s, device)
     ema = EMA(model, alias=not s.ema)
     opt = build_optimizer(list(model.parameters()), s.optimizer, 1e-4, 0.0, device, s.master_weights,
-                          in_backward=s.fused_backward_pass)
+                          in_backward=s.fused_backward_pass, fused=s.fused_optimizer)
     stepper = StepInBackward(model, opt, 1.0) if s.fused_backward_pass else None
+    ema_in_step = stepper is None and ema.fuse_into(model, opt)
+    if ema_in_step:
+        opt.ema_decay = 0.9999
     diffusion = create_diffusion(None)
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randn((batch, *shape), generator=g, device=device)

@@ -143,6 +143,10 @@ class TrainConfig:
     fused_backward_pass: bool = _f(False, "run the optimizer step inside the backward, a block at a time, and free "
                                           "each block's gradients at once (kohya's flag; one process, not with "
                                           "fp16; --max_grad_norm then clips by the previous step's norm)")
+    fused_optimizer: str = _f("auto", "auto: on CUDA GPUs one Triton pass per step applies the clipping, the AdamW "
+                                      "update (any --optimizer / --master_weights) and the EMA, reading and "
+                                      "writing each tensor once | off: the libraries' kernels (torch's fused "
+                                      "AdamW, bitsandbytes) and a separate EMA pass", choices=("auto", "off"))
     gpu_memory_budget: str | None = _f(None, "GPU memory for this process, e.g. 8GiB: with --optimizer, "
                                              "--master_weights and --fused_backward_pass left at their defaults, "
                                              "the fastest placement (fp32 AdamW; adamw8bit; + bf16 weights; "
@@ -235,7 +239,7 @@ class BenchConfig:
     batch_size: int = _f(64, "samples per step")
     steps: int = _f(20, "timed steps per row (the median is reported)")
     warmup: int = _f(5, "untimed steps first (compilation, autotuning)")
-    rows: str = _f("abcdef", "which rows to run, cumulative over the chosen ones (abce: compile without the "
+    rows: str = _f("abcdefg", "which rows to run, cumulative over the chosen ones (abce: compile without the "
                              "fused kernels)")
     compile_mode: str = _f("default", "torch.compile mode of the compile rows", choices=COMPILE_MODES[1:])
     grad_checkpoint: str = _f("none", "activation checkpointing in every row: none | full | every-K | op",

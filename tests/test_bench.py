@@ -22,14 +22,15 @@ def test_bench_table_and_json(tmp_path, monkeypatch, capsys):
     from ditforge.ops import fused
 
     monkeypatch.setattr(fused, "_interpreting", lambda: False)  # no interpreter: the kernel row says why it is skipped
-    assert cli.main([*TINY, "--rows", "abdf", "--peak_tflops", "1", "--outputs", str(tmp_path)]) == 0
+    assert cli.main([*TINY, "--rows", "abdfg", "--peak_tflops", "1", "--outputs", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     [path] = tmp_path.glob("bench-DiT-T-2-*.json")
     result = json.loads(path.read_text())
     rows = {r["row"]: r for r in result["rows"]}
-    assert list(rows) == ["a", "b", "d", "f"]
+    assert list(rows) == ["a", "b", "d", "f", "g"]
     assert rows["d"]["status"] == "skipped" and "CUDA" in rows["d"]["reason"]
-    assert rows["f"]["status"] == "skipped" and "FP8" in rows["f"]["reason"]
+    assert rows["f"]["status"] == "skipped" and "one-pass optimizer" in rows["f"]["reason"]
+    assert rows["g"]["status"] == "skipped" and "FP8" in rows["g"]["reason"]
     assert "skipped: Triton kernels need a CUDA GPU" in table and "| a | original DiT recipe" in table
     # 64 px / 8 = 8x8 latents, patch 2: 16 tokens; MFU against the given 1 TFLOP/s peak, 3x the forward
     flops = create_model("DiT-T/2", 8, 4, 10).flops_per_sample()
@@ -96,7 +97,7 @@ def test_find_max_batch_equals_brute_force():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--rows", "abz"], "--rows: expected letters of 'abcdef'"),
+    (["--rows", "abz"], "--rows: expected letters of 'abcdefg'"),
     (["--image_size", "60"], "--image_size 60 is not divisible by --vae_downsample 8"),
     (["--model", "DiT-Q/2"], "--model: unknown model"),
     (["--grad_checkpoint", "sometimes"], "--grad_checkpoint: expected one of"),

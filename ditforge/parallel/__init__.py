@@ -240,6 +240,12 @@ def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that clips gradients of global norm ``norm`` to at most ``max_norm``: min(1, max_norm / (norm +
+    1e-6)), torch.nn.utils.clip_grad_norm_'s formula; a 0-dim tensor on ``norm``'s device."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, dist: Dist) -> torch.Tensor:
     """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm before.
@@ -258,7 +264,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dist: Dist) -> torch.Tens
         torch.distributed.all_reduce(squares, group=dist.mesh.get_group())
     total = squares.sqrt()
     if max_norm > 0:
-        torch._foreach_mul_(local, (max_norm / (total + 1e-6)).clamp(max=1.0))
+        torch._foreach_mul_(local, clip_coefficient(total, max_norm))
     return total
 
 

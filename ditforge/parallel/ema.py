@@ -40,6 +40,7 @@ class EMA:
         self.shadow: dict[str, torch.Tensor] = {}
         self.trainable: list[str] = []
         self.alias = alias
+        self.fused = False  # the optimizer updates the shadows inside its step (fuse_into)
         self._pairs: tuple[nn.Module, list[torch.Tensor], list[torch.Tensor]] | None = None
         for name, p in model.named_parameters():
             key = canonical_name(name)
@@ -54,11 +55,25 @@ class EMA:
             if p.requires_grad:
                 self.trainable.append(key)
 
+    def fuse_into(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Hand the trainable shadows to a fused ``CompensatedAdamW`` (``attach_ema``), which then updates them in
+        its own pass over the weights, with its ``ema_decay`` (the caller sets it before each step) and skipped
+        with the step; ``update`` then does nothing. Returns whether it did (not for an alias, an unfused
+        optimizer, or sharded shadows)."""
+        if self.alias or not getattr(optimizer, "fused", False) or any(
+                isinstance(self.shadow[k], DTensor) for k in self.trainable):
+            return False
+        params = {canonical_name(n): p for n, p in model.named_parameters()}
+        optimizer.attach_ema({params[k]: self.shadow[k] for k in self.trainable})
+        self.fused = True
+        return True
+
     @torch.no_grad()
     def update(self, model: nn.Module, decay: float, skip: torch.Tensor | None = None) -> None:
         """``ema <- ema + (1 - decay) (weights - ema)``; where ``skip`` (0-dim bool, on the weights' device) is
-        true the weight of the update is 0 and the EMA stays as it is, decided on the device without a host sync."""
-        if self.alias:
+        true the weight of the update is 0 and the EMA stays as it is, decided on the device without a host sync.
+        Nothing to do for an alias or when the optimizer does it (``fuse_into``)."""
+        if self.alias or self.fused:
             return
         if self._pairs is None or self._pairs[0] is not model:  # name matching once, not every step
             params = {canonical_name(n): p for n, p in model.named_parameters()}

@@ -29,11 +29,18 @@ compensation buffer. Done on the fp32 bit pattern: add a uniform random 16-bit i
 truncate it (bf16 is the high half of fp32). The random stream is a function of the optimizer's step count and
 the parameter's index (seeded per chunk), so a resumed run rounds as the uninterrupted one.
 
-The update is the library's: ``torch.optim.adam.adam`` (the fused kernel on CUDA, foreach on the CPU) for fp32
-moments, ``bitsandbytes.functional.optimizer_update_8bit_blockwise`` for 8-bit ones; this module only holds the
-compensation and the chunking. The state is per parameter (``step``; ``exp_avg``/``exp_avg_sq`` or bitsandbytes'
-``state1``/``state2``/``absmax1``/``absmax2``; ``compensation``), so ``torch.distributed.checkpoint`` saves and
-resumes it like any optimizer's.
+Two implementations of one update:
+  * fused (``fused=True``, the default where Triton runs: parameters on a GPU): ``ditforge.ops.fused_adamw``, one
+    Triton pass per kind of parameter that reads weight, gradient, moments (and the EMA, ``attach_ema``) once
+    and writes them once, with the clipping coefficient (``clip_coef``) and the skip flag (``found_inf``) read on
+    the device. Ours: nothing maintained fuses 8-bit moments, Kahan bf16 and an EMA into one pass.
+  * the libraries' (CPU, or no Triton): ``torch.optim.adam.adam`` for fp32 moments,
+    ``bitsandbytes.functional.optimizer_update_8bit_blockwise`` for 8-bit ones; this module only holds the
+    compensation and the chunking.
+They agree to fp32 rounding (tests/parallel/test_fused_adamw.py states the bounds; 8-bit codes can differ by one
+where a value sits at a midpoint of the map). The state is per parameter (``step``, a 0-dim fp32 tensor;
+``exp_avg``/``exp_avg_sq`` or bitsandbytes' ``state1``/``state2``/``absmax1``/``absmax2``; ``compensation``), the
+same for both, so ``torch.distributed.checkpoint`` saves and resumes it like any optimizer's.
 """
 
 from __future__ import annotations
@@ -41,12 +48,14 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim.adam import adam as adam_functional
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam as adam_functional
 
 from ditforge.config import OPTIMIZERS
 from ditforge.errors import UserError
-from ditforge.parallel import squared_norm
+from ditforge.ops.fused_adamw import Kind, OnePassAdamW, on_gpu_with_triton
+from ditforge.parallel import clip_coefficient, squared_norm
 
 BLOCKSIZE = 256  # bitsandbytes' block of the 8-bit blockwise optimizers
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 moments
@@ -72,13 +81,20 @@ class CompensatedAdamW(torch.optim.Optimizer):
         rounding: how bf16 parameters take the fp32 update: ``"kahan"`` (a bf16 compensation per parameter) or
             ``"stochastic"``.
         chunk_numel: elements rebuilt in fp32 at once (a larger parameter is updated in pieces of this size).
+        fused: the one-pass Triton update (module docstring); None: where Triton runs on the parameters' device.
+
+    Attributes set by the caller for one ``step`` (fused only; they are read on the device, no host sync):
+        found_inf: non-zero skips the step (torch's fused optimizers' protocol, ``_step_supports_amp_scaling``).
+        clip_coef: multiplier of the gradients, min(1, max_norm / (norm + 1e-6)) (``folds_clipping``).
+        ema_decay: the decay of the attached EMA for this step.
 
     Raises:
         UserError: ``states="8bit"`` without bitsandbytes. ValueError: a parameter that is neither fp32 nor bf16.
     """
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, states: str = "fp32", rounding: str = "kahan", chunk_numel: int = 1 << 24):
+                 weight_decay: float = 0.0, states: str = "fp32", rounding: str = "kahan", chunk_numel: int = 1 << 24,
+                 fused: bool | None = None):
         if states not in ("fp32", "8bit"):
             raise ValueError(f"states: expected fp32 or 8bit, got {states}")
         if rounding not in ("kahan", "stochastic"):
@@ -95,31 +111,52 @@ class CompensatedAdamW(torch.optim.Optimizer):
         self._F = bitsandbytes_functional() if states == "8bit" else None
         self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
+        if fused is None:
+            fused = on_gpu_with_triton(next(p.device for g in self.param_groups for p in g["params"]))
+        self.fused = fused
+        # torch's protocol for optimizers that skip on the device (GradScaler, the trainer's divergence guard)
+        self._step_supports_amp_scaling = self.folds_clipping = fused
+        self.found_inf = self.clip_coef = self.grad_scale = None
+        self.ema_decay = 1.0  # until the caller sets it: a step (e.g. DCP's state initialisation) leaves the EMA
+        self._ema: dict[torch.Tensor, torch.Tensor] = {}
+        self._launches: dict[tuple, list] = {}  # fused: per list of parameters, its kernel launches
+
+    def attach_ema(self, shadows: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Update these fp32 EMA tensors (parameter -> its shadow) inside the fused step, with ``ema_decay``:
+        e += (1 - decay) (w - e) with the new fp32 master w, skipped with the step. Fused only."""
+        if not self.fused:
+            raise ValueError("attach_ema needs the fused step")
+        self._ema = shadows
+        self._launches.clear()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but the states keep their own dtypes (torch casts floating
         states to the parameter's: the fp32 moments of a bf16 weight would lose their precision)."""
         super().load_state_dict(state_dict)
+        self._launches.clear()  # new state tensors: new addresses
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for pid, p in zip(saved_group["params"], group["params"]):
                 for key, value in state_dict["state"].get(pid, {}).items():
                     if torch.is_tensor(value):
                         self.state[p][key] = value.to(device=p.device, copy=True)
+                    elif key == "step":  # 8-bit states of checkpoints before the fused step: a host int
+                        self.state[p][key] = torch.tensor(float(value))
 
     def _eightbit(self, p: torch.Tensor) -> bool:
         return self.states == "8bit" and p.numel() >= MIN_8BIT_SIZE
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
-        if self._eightbit(p):  # bitsandbytes takes the step as a number: a host int, never a device sync
-            state["step"] = 0
+        # torch's fused AdamW's format; bitsandbytes' kernel takes the step as a number: on the host for it
+        host = self._eightbit(p) and not self.fused
+        state["step"] = torch.zeros((), dtype=torch.float32, device="cpu" if host else p.device)
+        if self._eightbit(p):
             blocks = -(-p.numel() // BLOCKSIZE)
             state["state1"] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
             state["state2"] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
             state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
             state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-        else:  # torch's fused AdamW takes device step counters
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        else:
             state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         if p.dtype == torch.bfloat16 and self.rounding == "kahan":
@@ -159,6 +196,12 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 loss = closure()
         self.advance()
         self.update([p for group in self.param_groups for p in group["params"] if p.grad is not None])
+        idle = [p for p in self._ema if p.grad is None]
+        if idle:  # the EMA follows every weight, stepped or not (as EMA.update does)
+            rate = 1.0 - self.ema_decay
+            if self.found_inf is not None:
+                rate = rate * (1 - self.found_inf.float().reshape(()))
+            torch._foreach_lerp_([self._ema[p] for p in idle], [p.detach().float() for p in idle], rate)
         return loss
 
     def advance(self) -> None:
@@ -172,8 +215,41 @@ class CompensatedAdamW(torch.optim.Optimizer):
         else: ``step`` passes every parameter, ``StepInBackward`` one block's."""
         for k, group in enumerate(self.param_groups):  # (load_state_dict replaces the group dicts: by index)
             mine = [p for p in params if self._index[p][0] == k]
+            if self.fused:
+                self._fused_update(group, mine)
+                continue
             for chunk in self._chunks(mine):
                 self._step_chunk(group, chunk)
+
+    def _fused_update(self, group: dict, params: list[torch.Tensor]) -> None:
+        """One ``OnePassAdamW`` launch per kind of parameter (dtype, 8-bit or not, EMA or not); the launches are
+        built once per list of parameters (their state's addresses go to the device then)."""
+        key = tuple(params)
+        launches = self._launches.get(key)
+        if launches is None:
+            kinds: dict[Kind, list[torch.Tensor]] = {}
+            for p in params:
+                if not self.state[p]:
+                    self._init_state(p)
+                elif self.state[p]["step"].device != p.device:  # states saved by the libraries' path
+                    self.state[p]["step"] = self.state[p]["step"].to(p.device)
+                kind = Kind(p.dtype, p.grad.dtype, self._eightbit(p),
+                            self.rounding if p.dtype == torch.bfloat16 else None, p in self._ema)
+                kinds.setdefault(kind, []).append(p)
+            launches = self._launches[key] = [
+                (ps, OnePassAdamW([p.detach() for p in ps], [self.state[p] for p in ps], kind,
+                                  [self._ema[p] for p in ps] if kind.ema else None),
+                 self._index[ps[0]][1]) for kind, ps in kinds.items()]
+        scale = self.clip_coef
+        if self.grad_scale is not None:  # GradScaler's loss scale, when it did not unscale first
+            scale = (1.0 if scale is None else scale) / self.grad_scale
+        beta1, beta2 = group["betas"]
+        for ps, launch, first in launches:
+            launch([p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in ps], lr=group["lr"],
+                   beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], scale=scale,
+                   skip=self.found_inf, ema_rate=1.0 - self.ema_decay,
+                   codes=self._qmap(ps[0].device) if launch.kind.eightbit else None,
+                   seed=group["rounding_step"] * 0x9E3779B1 + first * 0x85EBCA77)
 
     def _step_chunk(self, group: dict, chunk: list[tuple[torch.Tensor, int, int]]) -> None:
         states = [self.state[p] if self.state[p] else self._init_state(p) for p, _, _ in chunk]
@@ -209,13 +285,15 @@ class CompensatedAdamW(torch.optim.Optimizer):
         for i, (p, a, b) in enumerate(chunk):
             if self._eightbit(p):
                 s = states[i]
+                if s["step"].device.type != "cpu":  # states saved by the fused step: counted on the host here
+                    s["step"] = s["step"].cpu()
                 if a == 0:
                     s["step"] += 1
                 qmap1, qmap2 = self._qmap(p.device)
                 blocks = slice(a // BLOCKSIZE, -(-b // BLOCKSIZE))
-                self._F.optimizer_update_8bit_blockwise(
+                self._F.optimizer_update_8bit_blockwise(  # it takes the step as a number (a sync on a GPU)
                     "adam", g[i], w[i], flat[i](s["state1"]), flat[i](s["state2"]), beta1, beta2, 0.0, 0.0, eps,
-                    s["step"], lr, qmap1, qmap2, s["absmax1"][blocks], s["absmax2"][blocks], wd)
+                    int(s["step"]), lr, qmap1, qmap2, s["absmax1"][blocks], s["absmax2"][blocks], wd)
         if not half:
             return
         if self.rounding == "kahan":  # split the master again: p = bf16(w) (nearest), c = bf16(w - p)
@@ -309,7 +387,7 @@ class StepInBackward:
         self.squares: list[torch.Tensor] = []
         self.scale = None
         if self.max_grad_norm > 0 and self.prev_norm is not None:
-            self.scale = (self.max_grad_norm / (self.prev_norm + 1e-6)).clamp(max=1.0)
+            self.scale = clip_coefficient(self.prev_norm, self.max_grad_norm)
 
     def _arrived(self, k: int) -> None:
         if not self.armed:
@@ -349,23 +427,26 @@ class StepInBackward:
 
 def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weight_decay: float,
                     device: torch.device, master_weights: str = "fp32",
-                    in_backward: bool = False) -> torch.optim.Optimizer:
+                    in_backward: bool = False, fused: bool = True) -> torch.optim.Optimizer:
     """The optimizer for ``--optimizer`` over ``params`` (bf16 ones take their updates as ``master_weights``
-    says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``torch.optim.AdamW`` (fused on CUDA)
-    for ``adamw`` over fp32 weights stepped after the backward, else ``CompensatedAdamW`` (whose ``update``
-    ``StepInBackward`` needs). betas (0.9, 0.999), eps 1e-8 (DiT's and diffusers' training scripts').
+    says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``CompensatedAdamW`` with the one-pass
+    Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device, plain tensors: not
+    fully_shard's DTensors); otherwise ``torch.optim.AdamW`` (fused on CUDA) for ``adamw`` over fp32 weights stepped
+    after the backward, else ``CompensatedAdamW`` with the libraries' kernels. betas (0.9, 0.999), eps 1e-8 (DiT's
+    and diffusers' training scripts').
 
     Raises:
         UserError: an unknown ``optimizer``, or ``adamw8bit`` without bitsandbytes.
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer}")
-    if optimizer == "adamw" and not in_backward and all(p.dtype == torch.float32 for p in params):
+    fused = fused and on_gpu_with_triton(device) and not any(isinstance(p, DTensor) for p in params)
+    if not fused and optimizer == "adamw" and not in_backward and all(p.dtype == torch.float32 for p in params):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999),
                                  fused=device.type == "cuda")
     return CompensatedAdamW(params, lr=lr, weight_decay=weight_decay,
                             states="8bit" if optimizer == "adamw8bit" else "fp32",
-                            rounding="stochastic" if master_weights == "bf16_sr" else "kahan")
+                            rounding="stochastic" if master_weights == "bf16_sr" else "kahan", fused=fused)
 
 
 def cap_gpu_memory(budget: int | None, device: torch.device) -> None:

@@ -43,7 +43,7 @@ from ditforge.errors import RunError, UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
 from ditforge.ops.attention import whole_sequences
-from ditforge.parallel import clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
+from ditforge.parallel import clip_coefficient, clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory, out_of_memory, plan_placement
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
@@ -172,7 +172,10 @@ def train_step(
         return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": norm, "skipped": ~norm.isfinite()}
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm_(model, max_grad_norm, d).detach()
+    folds = getattr(optimizer, "folds_clipping", False)  # the fused step scales the gradients as it reads them
+    grad_norm = clip_grad_norm_(model, 0.0 if folds else max_grad_norm, d).detach()
+    if folds and max_grad_norm > 0:
+        optimizer.clip_coef = clip_coefficient(grad_norm, max_grad_norm)
     skipped = ~(total.isfinite() & grad_norm.isfinite())
     if d.mesh is not None:  # the loss is this process's: every process must skip alike
         flag = skipped.to(d.device, torch.float32)
@@ -184,9 +187,11 @@ def train_step(
     elif getattr(optimizer, "_step_supports_amp_scaling", False):  # fused AdamW: skipped on the device
         optimizer.found_inf = skipped.float()
         optimizer.step()
-        del optimizer.found_inf
+        optimizer.found_inf = None
     elif not skipped.item():
         optimizer.step()
+    if folds:
+        optimizer.clip_coef = None
     optimizer.zero_grad(set_to_none=True)
     return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": grad_norm, "skipped": skipped}
 
@@ -469,7 +474,10 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     adapters_only = bool(m.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
     ema = EMA(model, trainable_only=adapters_only, alias=t.ema_decay == 0)
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t.optimizer, t.lr,
-                                t.weight_decay, device, t.master_weights, in_backward=t.fused_backward_pass)
+                                t.weight_decay, device, t.master_weights, in_backward=t.fused_backward_pass,
+                                fused=t.fused_optimizer == "auto")
+    # the fused step updates the EMA in its own pass (update_ema is then a no-op); StepInBackward's is per block
+    ema_in_step = not t.fused_backward_pass and ema.fuse_into(unwrap(model), optimizer)
     # --fused_backward_pass: the blocks step during the backward; an async checkpoint's staging finishes first
     stepper = (StepInBackward(unwrap(model), optimizer, t.max_grad_norm, lambda: checkpointer.wait_for_staging())
                if t.fused_backward_pass else None)
@@ -668,6 +676,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             micro = list(zip(chunk(x, k), conds, rnds, *([weights.to(device).chunk(k)] if rows > 1 else [])))
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, step)
+            if ema_in_step:
+                optimizer.ema_decay = ema_decay_at(t.ema_decay, step)
             try:
                 out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d, rows,
                                  stepper, packing)

@@ -1,5 +1,6 @@
 """Optimizer modes (``ditforge.parallel.optim``) against independent references, after 5 steps of fresh random
-gradients with weight decay:
+gradients with weight decay. These test the libraries' path (``fused=False``, torch's and bitsandbytes' kernels);
+tests/parallel/test_fused_adamw.py tests the one-pass Triton step against the same kinds of references:
 
   * fp32 moments over fp32 weights: ``torch.optim.AdamW`` (bit-exact: the same kernel);
   * 8-bit moments over fp32 weights: ``bitsandbytes.optim.AdamW8bit`` (bit-exact: the same kernel), and plain AdamW
@@ -65,7 +66,7 @@ def test_fp32_states_equal_torch_adamw(device):
     a = _params(torch.float32, seed, device)
     b = _params(torch.float32, seed, device)
     _run(a, torch.optim.AdamW(a, lr=LR, weight_decay=WD, fused=device == "cuda"), seed)
-    _run(b, CompensatedAdamW(b, lr=LR, weight_decay=WD), seed)
+    _run(b, CompensatedAdamW(b, lr=LR, weight_decay=WD, fused=False), seed)
     for x, y in zip(a, b):
         torch.testing.assert_close(y, x, rtol=0, atol=0)
 
@@ -77,7 +78,7 @@ def test_8bit_states_equal_bitsandbytes_and_approximate_adamw(device):
     a, b, c = (_params(torch.float32, seed, device) for _ in range(3))
     lr = 1e-3  # large enough that the moments' codes, not the weights, dominate the difference
     _run(a, bnb.optim.AdamW8bit(a, lr=lr, weight_decay=WD), seed)
-    opt = CompensatedAdamW(b, lr=lr, weight_decay=WD, states="8bit")
+    opt = CompensatedAdamW(b, lr=lr, weight_decay=WD, states="8bit", fused=False)
     _run(b, opt, seed)
     _run(c, torch.optim.AdamW(c, lr=lr, weight_decay=WD, fused=device == "cuda"), seed)
     assert opt.state[b[0]]["state1"].dtype == torch.uint8 and "exp_avg" in opt.state[b[1]]
@@ -97,9 +98,10 @@ def test_kahan_bf16_weights_track_the_fp32_master(states, device):
         pytest.importorskip("bitsandbytes")
     seed = _seed()
     ref = _params(torch.float32, seed, device)
-    _run(ref, CompensatedAdamW(ref, lr=LR, weight_decay=WD, states=states), seed)
+    _run(ref, CompensatedAdamW(ref, lr=LR, weight_decay=WD, states=states, fused=False), seed)
     half = _params(torch.bfloat16, seed, device)
-    opt = CompensatedAdamW(half, lr=LR, weight_decay=WD, states=states, chunk_numel=20_000)  # several chunks
+    opt = CompensatedAdamW(half, lr=LR, weight_decay=WD, states=states, chunk_numel=20_000,  # several chunks
+                           fused=False)
     _run(half, opt, seed)
     plain = _params(torch.bfloat16, seed, device)
     _run(plain, torch.optim.AdamW(plain, lr=LR, weight_decay=WD), seed)
@@ -117,8 +119,8 @@ def test_chunking_does_not_change_the_step(states):
         pytest.importorskip("bitsandbytes")
     seed = _seed()
     a, b = _params(torch.bfloat16, seed), _params(torch.bfloat16, seed)
-    _run(a, CompensatedAdamW(a, lr=LR, weight_decay=WD, states=states, chunk_numel=1), seed)
-    _run(b, CompensatedAdamW(b, lr=LR, weight_decay=WD, states=states, chunk_numel=10**9), seed)
+    _run(a, CompensatedAdamW(a, lr=LR, weight_decay=WD, states=states, chunk_numel=1, fused=False), seed)
+    _run(b, CompensatedAdamW(b, lr=LR, weight_decay=WD, states=states, chunk_numel=10**9, fused=False), seed)
     for x, y in zip(a, b):
         torch.testing.assert_close(y, x, rtol=0, atol=0)
 
@@ -139,7 +141,7 @@ def test_stochastic_rounding_is_unbiased(states, device):
 
     def run(dtype, rounding):
         p = torch.nn.Parameter(start.to(device, dtype, copy=True))
-        opt = CompensatedAdamW([p], lr=lr, states=states, rounding=rounding)
+        opt = CompensatedAdamW([p], lr=lr, states=states, rounding=rounding, fused=False)
         for grad in grads:
             p.grad = grad.to(device, dtype)
             opt.step()
@@ -175,14 +177,14 @@ def test_state_dict_round_trip_resumes_exactly(states, rounding):
         pytest.importorskip("bitsandbytes")
     seed = _seed()
     a = _params(torch.bfloat16, seed)
-    opt_a = CompensatedAdamW(a, lr=LR, weight_decay=WD, states=states, rounding=rounding)
+    opt_a = CompensatedAdamW(a, lr=LR, weight_decay=WD, states=states, rounding=rounding, fused=False)
     _run(a, opt_a, seed, steps=5)
     b = _params(torch.bfloat16, seed)
-    opt_b = CompensatedAdamW(b, lr=LR, weight_decay=WD, states=states, rounding=rounding)
+    opt_b = CompensatedAdamW(b, lr=LR, weight_decay=WD, states=states, rounding=rounding, fused=False)
     _run(b, opt_b, seed, steps=3)
     saved = {k: v.clone() for k, v in zip(range(len(b)), b)}, opt_b.state_dict()
     c = [torch.nn.Parameter(saved[0][i].clone()) for i in range(len(b))]
-    opt_c = CompensatedAdamW(c, lr=LR, weight_decay=WD, states=states, rounding=rounding)
+    opt_c = CompensatedAdamW(c, lr=LR, weight_decay=WD, states=states, rounding=rounding, fused=False)
     opt_c.load_state_dict(saved[1])
     for p, q in zip(b, c):
         for key, value in opt_b.state[p].items():
@@ -234,7 +236,8 @@ def test_step_in_backward_equals_the_ordinary_step(mode, max_grad_norm):
     ``StepInBackward`` states (the previous step's norm; none at step 0). Without clipping the fused run must
     give the same weights and moments bit for bit; the norms are sums in another order (per block, then over
     blocks), equal to 1e-6, and so are the clipping factors: with clipping the fp32 master weights (p + c for
-    bf16 ones) agree to 1e-6 (3 steps move them by ~3e-3; a wrong clipping factor would show at that scale)."""
+    bf16 ones) agree to 1e-6 (3 steps move them by ~3e-3; a wrong clipping factor would show at that scale),
+    but for 8-bit moments, where at most 0.1% of the elements may differ by up to 1e-4: one flipped code."""
     states, weights, rounding = mode
     if states == "8bit":
         pytest.importorskip("bitsandbytes")
@@ -263,6 +266,10 @@ def test_step_in_backward_equals_the_ordinary_step(mode, max_grad_norm):
     if max_grad_norm > 0:
         assert prev > max_grad_norm, prev.item()  # the clipping was active, so the rule was tested
         for name, x, y in zip(names, _master(xs, opt_a), _master(ys, opt_b)):
+            if states == "8bit":  # a norm that differs in its last bit can move a value across a code midpoint:
+                off = (y - x).abs() > 1e-6  # rare elements then differ by about lr x one code step of m
+                assert off.float().mean() <= 1e-3 and (y - x).abs().max() <= 1e-4, name
+                continue
             torch.testing.assert_close(y, x, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
         return
     for name, x, y in zip(names, xs, ys):
