@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from timing import cuda_median_ms
 
 from ditforge.models import create_model
 from ditforge.parallel import clip_coefficient, squared_norm
@@ -25,7 +25,7 @@ ROWS = [  # name, weights dtype, states, ema
 ]
 
 
-def run(dtype, states, ema_on, fused, steps=20, warmup=5):
+def run(dtype, states, ema_on, fused):
     torch.manual_seed(0)
     model = create_model("DiT-XL/2", 32, 4, 1000).cuda()
     for p in model.parameters():
@@ -38,26 +38,19 @@ def run(dtype, states, ema_on, fused, steps=20, warmup=5):
     ema = EMA(model, alias=not ema_on)
     if ema.fuse_into(model, opt):
         opt.ema_decay = 0.9999
-    grads = [torch.randn_like(p) for p in params]
-    times = []
-    for k in range(warmup + steps):
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        norm = squared_norm([p.grad for p in params]).sqrt()
-        coef = clip_coefficient(norm, 1.0)
+    for p in params:  # the same gradient tensors every step, as the caching allocator mostly hands them back
+        p.grad = torch.randn_like(p)
+
+    def step():
+        coef = clip_coefficient(squared_norm([p.grad for p in params]).sqrt(), 1.0)
         if getattr(opt, "folds_clipping", False):
             opt.clip_coef = coef
         else:
             torch._foreach_mul_([p.grad for p in params], coef)
         opt.step()
         ema.update(model, 0.9999)
-        end.record()
-        end.synchronize()
-        if k >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+    return cuda_median_ms(step, steps=20, warmup=5)
 
 
 def main() -> None:

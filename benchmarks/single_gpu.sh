@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Single-GPU speed through the device tool, in two calls of under 10 minutes each:
 #   image: Triton kernel tests on the GPU, the kernel micro-benchmark, `ditforge bench` for DiT-XL/2 (256px):
-#          the ablation a-f, compile without the fused kernels with CUDA graphs (rows bce, reduce-overhead),
+#          the ablation a-g, compile without the fused kernels with CUDA graphs (rows bce, reduce-overhead),
 #          and with op-level activation checkpointing
-#   video: `ditforge bench` for vDiT-XL/222 (16 frames x 256px; rows a and b run out of memory), FP8 on
+#   video: `ditforge bench` for vDiT-XL/222 (16 frames x 256px; rows a and b run out of memory), FP8 (row g) on
 #          compile without the fused kernels and --find_max_batch for DiT-XL/2
 #   profile: benchmarks/profile_step.py for the compiled rows of both models
 #   t2v: text-to-video training (cross-attention to 120 synthetic T5-XXL-width caption states, bf16) for
@@ -34,8 +34,8 @@ profile)
         --out "$out/profile_vdit_xl222_compile.json"
     ;;
 video)
-    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows cdef --steps 10 --warmup 3
-    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 10 --warmup 3
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows cdeg --steps 10 --warmup 3
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bceg --steps 10 --warmup 3
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcd --steps 2 --warmup 1 --find_max_batch
     ;;
 t2v)

@@ -8,12 +8,17 @@ own ``train_step`` (diffusion loss, AdamW, clipping, EMA), so what is timed is w
     c  + fastest exact attention (``--enable_flashattn``: SDPA cuDNN, then Flash, where PyTorch prefers cuDNN)
     d  + fused adaLN Triton kernels (``--enable_modulate_kernel``)
     e  + ``torch.compile`` of the blocks (``--compile``)
-    f  + FP8 matrix products in the blocks' linear layers (``--mixed_precision fp8``)
+    f  + the one-pass Triton optimizer step: clipping, AdamW and EMA (``--fused_optimizer auto``, the trainer's
+       default on GPUs; rows a-e use torch's fused AdamW and a separate EMA pass)
+    g  + FP8 matrix products in the blocks' linear layers (``--mixed_precision fp8``)
 
-``--memory`` runs the memory table instead, cumulative too, each row with row e's speed settings (bf16, fast
-attention, compile) and a ratio to the first (``plain``):
+``--anchor SCRIPT`` runs a plain training script first, in the same job (the shared anchors, unchanged), and
+adds a column: each row's samples/s over the anchor's (``run_anchor``).
 
-    plain        fp32 master weights, fused AdamW, EMA (what row e runs)
+``--memory`` runs the memory table instead, cumulative too, each row with row f's speed settings (bf16, fast
+attention, compile, one-pass optimizer) and a ratio to the first (``plain``):
+
+    plain        fp32 master weights, AdamW, EMA (what row f runs)
     noema        + no EMA (``--ema_decay 0``)
     8bit         + bitsandbytes' 8-bit AdamW moments (``--optimizer adamw8bit``)
     bf16         + Kahan-compensated bf16 weights (``--master_weights bf16``)
@@ -37,8 +42,12 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -246,6 +255,33 @@ def find_max_batch(fits: Callable[[int], bool], start: int, limit: int = 1 << 16
     return lo
 
 
+ANCHOR_MODE = "bf16_compile_ema"  # the shared anchors' strongest plain loop: compiled, fused AdamW, EMA
+
+
+def run_anchor(script: str, batch: int) -> float:
+    """Samples/s of a plain training script run in a subprocess (``python SCRIPT BATCH bf16_compile_ema``, ``$OUT`` a
+    temporary folder where it writes ``{mode: {"img_s" | "samples_s": ...}}`` as JSON), before the rows, so that
+    the ratio is between measurements of one job.
+
+    Raises:
+        UserError: the script is missing, fails, or writes no such JSON (the line names it).
+    """
+    if not Path(script).is_file():
+        raise UserError(f"--anchor {script}: no such file")
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run([sys.executable, script, str(batch), ANCHOR_MODE], env={**os.environ, "OUT": out},
+                              capture_output=True, text=True)
+        if proc.returncode:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise UserError(f"--anchor {script}: exited with {proc.returncode}: {last}")
+        for path in Path(out).glob("*.json"):
+            result = json.loads(path.read_text()).get(ANCHOR_MODE, {})
+            value = result.get("img_s", result.get("samples_s"))
+            if value:
+                return float(value)
+    raise UserError(f"--anchor {script}: wrote no JSON with {ANCHOR_MODE} img_s or samples_s into $OUT")
+
+
 def bench(cfg: BenchConfig) -> dict:
     """Run the ablation rows and print the table; writes ``OUTPUTS/bench-<model>-<time>.json`` (atomically).
 
@@ -260,6 +296,7 @@ def bench(cfg: BenchConfig) -> dict:
     device = resolve_device(cfg.device)
     peak = peak_flops(device, cfg.peak_tflops)
     settings = MEMORY_BASE if cfg.memory else Settings()
+    anchor = run_anchor(cfg.anchor, cfg.batch_size) if cfg.anchor else None
     results = []
     for key, label, change in MEMORY_ROWS if cfg.memory else ROWS:
         if key not in (cfg.memory_rows.split(",") if cfg.memory else cfg.rows):
@@ -289,7 +326,8 @@ def bench(cfg: BenchConfig) -> dict:
     base = next((r for r in results if r["row"] == ("plain" if cfg.memory else "a") and r["status"] == "ok"), None)
     for r in results:
         r["speedup"] = r["images_per_sec"] / base["images_per_sec"] if base and r["status"] == "ok" else None
-    out = dict(env=environment(device, peak), config=asdict(cfg), rows=results)
+        r["vs_anchor"] = r["images_per_sec"] / anchor if anchor and r["status"] == "ok" else None
+    out = dict(env=environment(device, peak), config=asdict(cfg), rows=results, anchor_images_per_sec=anchor)
     if cfg.find_max_batch:
         if device.type != "cuda":
             raise UserError("--find_max_batch: needs a CUDA device (on the CPU there is no memory limit to find)")
@@ -372,10 +410,13 @@ def format_table(result: dict) -> str:
     head = (f"{cfg['model']} at {cfg['image_size']}px" + (f" x {cfg['num_frames'] or 16} frames" if video else "")
             + (f", text {cfg['text_tokens']} x {cfg['text_dim']}" if cfg.get("text_dim") else "")
             + f", batch {cfg['batch_size']}, {env.get('gpu', env['device'])}, torch {env['torch']}")
+    anchor = result.get("anchor_images_per_sec")
+    if anchor:
+        head += f"; anchor {Path(cfg['anchor']).name} ({ANCHOR_MODE}): {anchor:.1f} samples/s in this run"
     lines = [head, "",
              f"| row | configuration | samples/s | tokens/s | step (ms) | MFU | peak mem (GiB) | "
-             f"{'vs plain' if cfg.get('memory') else 'speed-up'} | loss |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{'vs plain' if cfg.get('memory') else 'speed-up'} | loss |" + (" vs anchor |" if anchor else ""),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if anchor else "")]
 
     def fmt(v, spec, unit=""):
         return "-" if v is None else format(v, spec) + unit
@@ -387,7 +428,7 @@ def format_table(result: dict) -> str:
         lines.append(f"| {r['row']} | {r['label']} | {r['images_per_sec']:.1f} | {r['tokens_per_sec']:,.0f} | "
                      f"{r['step_time_ms']:.1f} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} | "
                      f"{fmt(r['peak_memory_gib'], '.1f')} | {fmt(r['speedup'], '.2f', 'x')} | "
-                     f"{fmt(r.get('final_loss'), '.4f')} |")
+                     f"{fmt(r.get('final_loss'), '.4f')} |" + (f" {fmt(r['vs_anchor'], '.2f', 'x')} |" if anchor else ""))
     if "max_batch" in result:
         lines.append(f"\nlargest batch that fits with the last row's settings: {result['max_batch']['batch']}")
     return "\n".join(lines)

@@ -246,6 +246,10 @@ class BenchConfig:
                               const="full")
     find_max_batch: bool = _f(False, "also search the largest batch that fits with the last row's "
                                       "settings (CUDA only)")
+    anchor: str | None = _f(None, "a plain training script to run first in the same job, e.g. "
+                                  "../shared/anchors/plain_dit_train.py: run as `python ANCHOR BATCH "
+                                  "bf16_compile_ema` with $OUT set, it writes {mode: {img_s or samples_s}} as JSON "
+                                  "there; the table gains a column, each row's samples/s over the anchor's")
     memory: bool = _f(False, "the memory table instead of the speed ablation: row e's speed settings with fp32 or "
                              "bf16 master weights, AdamW or 8-bit moments, EMA or none, under --gpu_memory_budget")
     memory_rows: str = _f("plain,noema,8bit,bf16,capped,capped_ckpt,capped_op",

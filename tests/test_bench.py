@@ -144,3 +144,24 @@ def test_bench_text_conditioning_counts_the_caption_tokens(tmp_path):
     assert row["status"] == "ok" and row["mfu"] == pytest.approx(3 * flops * row["images_per_sec"] / 1e12)
     assert all(math.isfinite(v) for v in row["losses"])
     assert cli.main([*TINY, "--text_dim", "-1", "--outputs", str(tmp_path)]) == 2
+
+
+def test_bench_anchor_column(tmp_path, capsys):
+    """--anchor runs the script in a subprocess with $OUT set and reads its JSON: each row's ratio to it."""
+    script = tmp_path / "anchor.py"
+    script.write_text("import json, os, sys\n"
+                      "assert sys.argv[1:] == ['2', 'bf16_compile_ema'], sys.argv\n"
+                      "json.dump({'bf16_compile_ema': {'img_s': 0.5}}, "
+                      "open(os.path.join(os.environ['OUT'], 'plain_anchor_bs2.json'), 'w'))\n")
+    assert cli.main([*TINY, "--rows", "a", "--steps", "1", "--warmup", "0", "--anchor", str(script),
+                     "--outputs", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    [path] = tmp_path.glob("bench-DiT-T-2-*.json")
+    result = json.loads(path.read_text())
+    row = result["rows"][0]
+    assert result["anchor_images_per_sec"] == 0.5
+    assert row["vs_anchor"] == pytest.approx(row["images_per_sec"] / 0.5)
+    assert "vs anchor |" in table and f"{row['vs_anchor']:.2f}x |" in table
+    script.write_text("import sys\nsys.exit('no GPU here')\n")
+    assert cli.main([*TINY, "--rows", "a", "--anchor", str(script), "--outputs", str(tmp_path)]) == 2
+    assert "--anchor" in capsys.readouterr().err
