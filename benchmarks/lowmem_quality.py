@@ -12,6 +12,11 @@ weights of size 1), bf16 compute, no EMA, the same data order and noise:
     bf16_8bit   both (the 8 GiB rows of the README)
     sr_8bit_fused  --optimizer adamw8bit --master_weights bf16_sr --fused_backward_pass (4 bytes per parameter:
                 the 4 GiB SD-1.5 and 16 GiB SDXL rows; clipping by the previous step's norm)
+    sr_8bit     --optimizer adamw8bit --master_weights bf16_sr (the 8 GiB DiT-XL/2 row)
+    fp32_library  the reference with the libraries' kernels (--fused_optimizer off): on a GPU every other mode
+                runs the one-pass Triton step
+
+``--modes`` picks some (fp32 and fp32_seed1 always run: they are the reference and the noise).
 
 A mode is "within run-to-run noise" when the mean loss of its last ``--window`` steps differs from the reference's
 by no more than the seed-to-seed difference does. Writes ``--json`` (curves every step, window means) and
@@ -41,6 +46,8 @@ MODES = {
     "bf16": ["--master_weights", "bf16"],
     "bf16_8bit": ["--optimizer", "adamw8bit", "--master_weights", "bf16"],
     "sr_8bit_fused": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--fused_backward_pass"],
+    "sr_8bit": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr"],
+    "fp32_library": ["--fused_optimizer", "off"],
 }
 
 
@@ -63,7 +70,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated names of MODES")
     args = ap.parse_args()
+    chosen = {"fp32", "fp32_seed1", *args.modes.split(",")}
     work = Path(args.work)
     common = ["--data", "digits", "--model", "DiT-T/2", "--batch_size", "64", "--sample_every", "0",
               "--log_every", "1", "--device", args.device]
@@ -72,6 +81,8 @@ def main() -> None:
         train(*common, "--max_steps", str(args.base_steps), "--lr", "1e-3", "--outputs", str(base))
     curves = {}
     for name, flags in MODES.items():
+        if name not in chosen:
+            continue
         out = work / name
         if not (out / "checkpoints").is_dir():
             train(*common, "--init_from", str(base), "--max_steps", str(args.steps), "--lr", "1e-4",
