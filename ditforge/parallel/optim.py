@@ -92,6 +92,11 @@ class CompensatedAdamW(torch.optim.Optimizer):
         UserError: ``states="8bit"`` without bitsandbytes. ValueError: a parameter that is neither fp32 nor bf16.
     """
 
+    # Per-step inputs of the fused step (class defaults: GradScaler deletes the instance attributes after a step)
+    found_inf: torch.Tensor | None = None
+    clip_coef: torch.Tensor | None = None
+    grad_scale: torch.Tensor | None = None
+
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, states: str = "fp32", rounding: str = "kahan", chunk_numel: int = 1 << 24,
                  fused: bool | None = None):
@@ -116,7 +121,6 @@ class CompensatedAdamW(torch.optim.Optimizer):
         self.fused = fused
         # torch's protocol for optimizers that skip on the device (GradScaler, the trainer's divergence guard)
         self._step_supports_amp_scaling = self.folds_clipping = fused
-        self.found_inf = self.clip_coef = self.grad_scale = None
         self.ema_decay = 1.0  # until the caller sets it: a step (e.g. DCP's state initialisation) leaves the EMA
         self._ema: dict[torch.Tensor, torch.Tensor] = {}
         self._launches: dict[tuple, list] = {}  # fused: per list of parameters, its kernel launches
@@ -199,8 +203,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
         idle = [p for p in self._ema if p.grad is None]
         if idle:  # the EMA follows every weight, stepped or not (as EMA.update does)
             rate = 1.0 - self.ema_decay
-            if self.found_inf is not None:
-                rate = rate * (1 - self.found_inf.float().reshape(()))
+            if self.found_inf is not None:  # a tensor weight: one per tensor (foreach takes no 0-dim "scalar")
+                rate = [rate * (1 - self.found_inf.float().reshape(()))] * len(idle)
             torch._foreach_lerp_([self._ema[p] for p in idle], [p.detach().float() for p in idle], rate)
         return loss
 

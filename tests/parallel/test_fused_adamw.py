@@ -212,6 +212,9 @@ def test_skipped_step_changes_nothing():
             assert torch.equal(shadows[p], ema_before[p])
             for k, v in opt.state[p].items():
                 assert torch.equal(v, state_before[(id(p), k)]), k
+        del opt.found_inf  # as GradScaler does after its step: the class default (None) serves the next one
+        opt.step()
+        assert not torch.equal(params[0].detach(), before[id(params[0])])
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU the backward's atomic sums differ run to run in their last bits, "
@@ -252,3 +255,22 @@ def test_train_step_folds_clipping_and_ema_into_the_fused_step():
     (w_fused, e_fused), (w_ref, e_ref) = runs
     for a, b in zip(w_fused + e_fused, w_ref + e_ref):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * max(1.0, b.abs().max().item()))
+
+
+def test_ema_of_a_weight_without_gradient_follows_and_skips():
+    """A parameter with no gradient this step is not stepped, but its EMA moves toward it (as ``EMA.update`` does),
+    and not at all when the step is skipped."""
+    seed = _seed()
+    params = _params(torch.float32, seed)
+    opt, shadows = _fused_run(params, seed)
+    idle = params[1]
+    for p in params:
+        p.grad = None if p is idle else torch.randn(p.shape, device=DEV)
+    before, shadow = idle.detach().clone(), shadows[idle].clone()
+    opt.step()
+    assert torch.equal(idle.detach(), before)
+    torch.testing.assert_close(shadows[idle], torch.lerp(shadow, before, 1 - DECAY), rtol=0, atol=0)
+    shadow = shadows[idle].clone()
+    opt.found_inf = torch.ones((), device=DEV)
+    opt.step()
+    assert torch.equal(shadows[idle], shadow)
