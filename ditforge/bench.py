@@ -193,9 +193,9 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     opt = build_optimizer(list(model.parameters()), s.optimizer, 1e-4, 0.0, device, s.master_weights,
                           in_backward=s.fused_backward_pass, fused=s.fused_optimizer)
     stepper = StepInBackward(model, opt, 1.0) if s.fused_backward_pass else None
-    ema_in_step = stepper is None and ema.fuse_into(model, opt)
-    if ema_in_step:
-        opt.ema_decay = 0.9999
+    decay = 0.9999
+    if stepper is None and ema.fuse_into(model, opt):  # the one-pass step updates the EMA (update: a no-op)
+        opt.ema_decay = decay
     diffusion = create_diffusion(None)
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randn((batch, *shape), generator=g, device=device)
@@ -213,7 +213,7 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
         rnd = step_randomness(cfg.seed, step, batch, shape, diffusion, 0.1, device)
         terms = train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, Dist(device=device),
                            stepper=stepper)
-        ema.update(model, 0.9999)
+        ema.update(model, decay)
         losses.append(terms["loss"])
     marks.append(_mark(cuda))
     if cuda:

@@ -547,6 +547,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                  "run folder %s", m.model or f"{pre.pipeline_class} denoiser", n_params / 1e6, d.world_size, device.type, plugin,
                  str(amp_dtype).removeprefix("torch."), max_steps,
                  "per bucket" if bucketed and not mixed else t.batch_size, run_dir)
+        log.info("optimizer step: %s", "one Triton pass (clipping, AdamW" + (", EMA)" if ema_in_step else ")")
+                 if getattr(optimizer, "fused", False) else "the libraries' kernels (--fused_optimizer off or no GPU)")
 
     def save(step: int) -> Path | None:
         """Save step ``step`` unless its weights are not finite (RunError); a failed write is a RunError too, or
