@@ -428,7 +428,8 @@ def format_table(result: dict) -> str:
         lines.append(f"| {r['row']} | {r['label']} | {r['images_per_sec']:.1f} | {r['tokens_per_sec']:,.0f} | "
                      f"{r['step_time_ms']:.1f} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} | "
                      f"{fmt(r['peak_memory_gib'], '.1f')} | {fmt(r['speedup'], '.2f', 'x')} | "
-                     f"{fmt(r.get('final_loss'), '.4f')} |" + (f" {fmt(r['vs_anchor'], '.2f', 'x')} |" if anchor else ""))
+                     f"{fmt(r.get('final_loss'), '.4f')} |"
+                     + (f" {fmt(r['vs_anchor'], '.2f', 'x')} |" if anchor else ""))
     if "max_batch" in result:
         lines.append(f"\nlargest batch that fits with the last row's settings: {result['max_batch']['batch']}")
     return "\n".join(lines)

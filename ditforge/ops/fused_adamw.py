@@ -104,6 +104,9 @@ class OnePassAdamW:
                  emas: list[torch.Tensor] | None = None):
         device = weights[0].device
         check_triton(device)
+        from ditforge.ops.triton.adamw import adamw_kernel  # after the check: Triton is there
+
+        self.kernel = adamw_kernel
         self.device, self.kind, self.steps = device, kind, [s["step"] for s in states]
         rows = []
         for i, (w, s) in enumerate(zip(weights, states)):
@@ -136,8 +139,6 @@ class OnePassAdamW:
             codes: bitsandbytes' signed and unsigned dynamic maps (256 fp32 each, sorted) for 8-bit moments.
             seed: the stochastic rounding's stream for this step (with the tensor's index and element).
         """
-        from ditforge.ops.triton.adamw import adamw_kernel
-
         device, kind = self.device, self.kind
         addresses = tuple(g.data_ptr() for g in grads)
         if self._grads is None or self._grads[0] != addresses:
@@ -146,7 +147,7 @@ class OnePassAdamW:
         scale_t = _const(1.0, device) if scale is None else scale.reshape(1).float()
         torch._foreach_add_(self.steps, 1.0 - skip_t.reshape(()))  # before the kernel, which reads them
         code1, code2 = codes if kind.eightbit else (scale_t, scale_t)
-        adamw_kernel[(self.chunk_t.numel(),)](
+        self.kernel[(self.chunk_t.numel(),)](
             self.table, self._grads[1], self.numels, self.chunk_t, self.chunk_start, scale_t, skip_t, code1, code2,
             lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps, weight_decay, ema_rate, seed % 2**31,
             W_TYPE=_tl(kind.weight), G_TYPE=_tl(kind.grad), EIGHTBIT=kind.eightbit, KAHAN=kind.rounding == "kahan",

@@ -70,6 +70,12 @@ def bitsandbytes_functional():
     return F
 
 
+def rounding_seed(step: int, index: int, start: int = 0) -> int:
+    """The stochastic rounding's seed for optimizer step ``step``, parameter ``index`` (its position over all
+    groups) and first element ``start``: mixed by odd multipliers, so a stream repeats only after 2^32 steps."""
+    return step * 0x9E3779B1 + index * 0x85EBCA77 + start * 0xC2B2AE3D
+
+
 class CompensatedAdamW(torch.optim.Optimizer):
     """AdamW (Loshchilov & Hutter 2019; decoupled weight decay ``w -= lr * wd * w``) with fp32 or 8-bit moments
     over fp32 parameters or bf16 parameters updated through an fp32 rebuild (module docstring).
@@ -253,7 +259,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
                    beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], scale=scale,
                    skip=self.found_inf, ema_rate=1.0 - self.ema_decay,
                    codes=self._qmap(ps[0].device) if launch.kind.eightbit else None,
-                   seed=group["rounding_step"] * 0x9E3779B1 + first * 0x85EBCA77)
+                   seed=rounding_seed(group["rounding_step"], first))
 
     def _step_chunk(self, group: dict, chunk: list[tuple[torch.Tensor, int, int]]) -> None:
         states = [self.state[p] if self.state[p] else self._init_state(p) for p, _, _ in chunk]
@@ -295,7 +301,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     s["step"] += 1
                 qmap1, qmap2 = self._qmap(p.device)
                 blocks = slice(a // BLOCKSIZE, -(-b // BLOCKSIZE))
-                self._F.optimizer_update_8bit_blockwise(  # it takes the step as a number (a sync on a GPU)
+                self._F.optimizer_update_8bit_blockwise(  # it takes the step as a number: kept on the host
                     "adam", g[i], w[i], flat[i](s["state1"]), flat[i](s["state2"]), beta1, beta2, 0.0, 0.0, eps,
                     int(s["step"]), lr, qmap1, qmap2, s["absmax1"][blocks], s["absmax2"][blocks], wd)
         if not half:
@@ -318,8 +324,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         by odd multipliers, so a chunk's stream repeats only after 2^32 steps."""
         if device not in self._generators:
             self._generators[device] = torch.Generator(device)
-        seed = step * 0x9E3779B1 + index * 0x85EBCA77 + start * 0xC2B2AE3D
-        return self._generators[device].manual_seed(seed % 2**32)
+        return self._generators[device].manual_seed(rounding_seed(step, index, start) % 2**32)
 
     @staticmethod
     def _adamw(w, g, exp_avg, exp_avg_sq, steps, lr, beta1, beta2, eps, wd) -> None:

@@ -115,9 +115,7 @@ def _blockwise_reference(w, grads, coefs, code1, code2):
     weights and the codes, plus each value's smallest distance from a midpoint of the map over the steps, relative
     to the gap between its two nearest entries (0: a tie)."""
     w = w.double().clone()
-    q1 = torch.full_like(w, 0, dtype=torch.long)
-    q2 = torch.zeros_like(q1)
-    q1[:] = int((code1 == 0).nonzero()[0])
+    q1 = q2 = torch.zeros(len(w), dtype=torch.long)  # any codes: the absmax of 0 makes both moments 0
     a1 = torch.zeros(len(w) // 256, dtype=torch.float64)
     a2 = torch.zeros_like(a1)
     margin = torch.full_like(w, float("inf"))
@@ -142,10 +140,10 @@ def _blockwise_reference(w, grads, coefs, code1, code2):
 def test_8bit_equals_an_unfused_blockwise_reference_and_approximates_adamw():
     bnb_f = pytest.importorskip("bitsandbytes.functional")
     seed = _seed()
-    shapes = [(4096 + 512,)]  # above bitsandbytes' 4,096-element threshold, several programs
+    n = 4096 + 512  # above bitsandbytes' 4,096-element threshold, several programs
     g = torch.Generator().manual_seed(seed)
-    w0 = torch.randn(shapes[0], generator=g) * 2
-    grads = [torch.randn(shapes[0], generator=g) for _ in range(STEPS)]
+    w0 = torch.randn(n, generator=g) * 2
+    grads = [torch.randn(n, generator=g) for _ in range(STEPS)]
     coefs = _coefs(seed).cpu()
     p = torch.nn.Parameter(w0.clone().to(DEV))
     opt = CompensatedAdamW([p], lr=LR, weight_decay=WD, states="8bit", fused=True)

@@ -6,9 +6,9 @@ Only ``@triton.jit`` functions live here; the pointer tables, grouping and launc
 
 Multi-tensor layout: one launch serves a list of tensors of one kind (same dtypes and options). ``TABLE`` holds
 one row of 8 addresses per tensor (weight, first state, second state, first absmax, second absmax, compensation,
-EMA, step counter; unused ones are 0), ``GRADS`` the gradients' addresses, ``NUMEL`` the element counts. A program owns ``BLOCK``
-consecutive elements of one tensor (``CHUNK_T``, ``CHUNK_START``), laid out as BLOCK / QBLOCK rows of QBLOCK
-elements so that a row is one 8-bit quantization block (bitsandbytes' 256). All arithmetic is float32.
+EMA, step counter; unused ones are 0), ``GRADS`` the gradients' addresses, ``NUMEL`` the element counts. A program
+owns ``BLOCK`` consecutive elements of one tensor (``CHUNK_T``, ``CHUNK_START``), laid out as BLOCK / QBLOCK rows
+of QBLOCK elements so that a row is one 8-bit quantization block (bitsandbytes' 256). All arithmetic is float32.
 
 Math (sources):
 - AdamW, Loshchilov & Hutter 2019, Algorithm 2, in the order of torch's fused kernel
@@ -27,6 +27,7 @@ Math (sources):
 
 import triton
 import triton.language as tl
+
 
 @triton.jit
 def _bf16_nearest(x):
