@@ -23,7 +23,10 @@ bf16 --ema_decay 0 --gpu_memory_budget 8GiB``, with CUDA graphs and/or gradient 
 --master_weights bf16_sr --fused_backward_pass --ema_decay 0`` under a 4, 8 or 16 GiB budget) and
 ``sr_fused4_compile``, ``sr_fused16_compile`` (+ --compile, block by block), ``sr_fused4_ckpt2``,
 ``sr_fused4_ckpt`` (+ checkpointing of every second block, of every block), ``sr_fused16_op``,
-``sr_fused16_ckpt2`` (+ op-level selective checkpointing, every second block), ``sr_fused16_ckpt2_compile``.
+``sr_fused16_ckpt2`` (+ op-level selective checkpointing, every second block), ``sr_fused16_ckpt2_compile``;
+``offload4``, ``offload16`` (``sr_fused`` + ``--cpu_offload optimizer``: 2 bytes per parameter on the GPU, the
+moments streamed from pinned host memory) and ``offload8_ckpt``, ``offload8_ckpt2`` (+ checkpointing of every
+block, of every second block).
 
 Each row is its own ``ditforge train`` process (``--max_steps`` steps, metrics every ``--log_every``): ms/step is the
 median over the logged windows after the first (compilation and warm-up), from ``samples_per_sec``; peak GiB is
@@ -56,6 +59,7 @@ import tiny_pipelines  # noqa: E402  (offline tokenizers; the tiny pipelines for
 CAPTIONS = tiny_pipelines.CAPTIONS
 LOWMEM = ["--optimizer", "adamw8bit", "--master_weights", "bf16", "--ema_decay", "0"]
 SR_FUSED = ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--fused_backward_pass", "--ema_decay", "0"]
+OFFLOAD = [*SR_FUSED, "--cpu_offload", "optimizer"]
 ROWS = {
     "full": [],
     "full_compile": ["--compile"],
@@ -83,6 +87,10 @@ ROWS = {
     "sr_fused16_ckpt2": [*SR_FUSED, "--grad_checkpoint", "every-2", "--gpu_memory_budget", "16GiB"],
     "sr_fused16_ckpt2_compile": [*SR_FUSED, "--grad_checkpoint", "every-2", "--compile", "--gpu_memory_budget",
                                  "16GiB"],
+    "offload4": [*OFFLOAD, "--gpu_memory_budget", "4GiB"],
+    "offload16": [*OFFLOAD, "--gpu_memory_budget", "16GiB"],
+    "offload8_ckpt": [*OFFLOAD, "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
+    "offload8_ckpt2": [*OFFLOAD, "--grad_checkpoint", "every-2", "--gpu_memory_budget", "8GiB"],
 }
 
 

@@ -24,6 +24,7 @@ attention, compile, one-pass optimizer) and a ratio to the first (``plain``):
     bf16         + Kahan-compensated bf16 weights (``--master_weights bf16``)
     sr           stochastically rounded bf16 weights instead (``--master_weights bf16_sr``)
     fused        + the optimizer step fused into the backward (``--fused_backward_pass``)
+    offload      + the optimizer's states in pinned host memory, streamed (``--cpu_offload optimizer``)
     capped       the same under ``--gpu_memory_budget`` (``torch.cuda.set_per_process_memory_fraction``)
     capped_ckpt  + activation checkpointing of every block
     capped_op    selective checkpointing instead (``op``: matmul and attention outputs kept)
@@ -90,6 +91,7 @@ class Settings:
     master_weights: str = "fp32"  # --master_weights
     fused_backward_pass: bool = False  # --fused_backward_pass
     fused_optimizer: bool = False  # --fused_optimizer auto (the trainer's default on GPUs)
+    cpu_offload: bool = False  # --cpu_offload optimizer
     ema: bool = True  # False: --ema_decay 0
     budget: bool = False  # under cfg.gpu_memory_budget
     grad_checkpoint: str | None = None  # None: cfg.grad_checkpoint
@@ -113,6 +115,7 @@ MEMORY_ROWS: list[tuple[str, str, dict]] = [
     ("bf16", "+ Kahan bf16 weights (--master_weights bf16)", {"master_weights": "bf16"}),
     ("sr", "stochastically rounded bf16 weights instead (--master_weights bf16_sr)", {"master_weights": "bf16_sr"}),
     ("fused", "+ optimizer step in the backward (--fused_backward_pass)", {"fused_backward_pass": True}),
+    ("offload", "+ optimizer states in host memory (--cpu_offload optimizer)", {"cpu_offload": True}),
     ("capped", "+ --gpu_memory_budget", {"budget": True}),
     ("capped_ckpt", "+ activation checkpointing (full)", {"grad_checkpoint": "full"}),
     ("capped_op", "activation checkpointing op instead (recompute the element-wise ops)", {"grad_checkpoint": "op"}),
@@ -127,7 +130,7 @@ def why_not(change: dict, device: torch.device) -> str | None:
             check_triton(device)
         except RuntimeError as e:
             return str(e)
-    if change.get("fused_optimizer") and not on_gpu_with_triton(device):
+    if (change.get("fused_optimizer") or change.get("cpu_offload")) and not on_gpu_with_triton(device):
         return "the one-pass optimizer step runs on CUDA GPUs with Triton"
     if change.get("precision") == "fp8":
         reason = fp8_unavailable(device)
@@ -191,7 +194,7 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     model, amp, flops, tokens, shape = _build(cfg, s, device)
     ema = EMA(model, alias=not s.ema)
     opt = build_optimizer(list(model.parameters()), s.optimizer, 1e-4, 0.0, device, s.master_weights,
-                          in_backward=s.fused_backward_pass, fused=s.fused_optimizer)
+                          in_backward=s.fused_backward_pass, fused=s.fused_optimizer, offload=s.cpu_offload)
     stepper = StepInBackward(model, opt, 1.0) if s.fused_backward_pass else None
     decay = 0.9999
     if stepper is None and ema.fuse_into(model, opt):  # the one-pass step updates the EMA (update: a no-op)

@@ -24,6 +24,7 @@ SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cas
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 OPTIMIZERS = ("adamw", "adamw8bit")
 MASTER_WEIGHTS = ("fp32", "bf16", "bf16_sr")
+CPU_OFFLOAD = ("none", "optimizer")
 CONDITIONS = ("auto", "class", "text")
 SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "usp")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -147,6 +148,11 @@ class TrainConfig:
                                       "update (any --optimizer / --master_weights) and the EMA, reading and "
                                       "writing each tensor once | off: the libraries' kernels (torch's fused "
                                       "AdamW, bitsandbytes) and a separate EMA pass", choices=("auto", "off"))
+    cpu_offload: str = _f("none", "none | optimizer: the optimizer's states (moments, Kahan compensation) live in "
+                                  "pinned host memory and stream to the GPU for each step, through a 256 MiB "
+                                  "ring, overlapped with the backward under --fused_backward_pass (needs the "
+                                  "one-pass step: a CUDA GPU with Triton, --fused_optimizer auto, --plugin none "
+                                  "or ddp)", choices=CPU_OFFLOAD)
     gpu_memory_budget: str | None = _f(None, "GPU memory for this process, e.g. 8GiB: with --optimizer, "
                                              "--master_weights and --fused_backward_pass left at their defaults, "
                                              "the fastest placement (fp32 AdamW; adamw8bit; + bf16 weights; "
@@ -492,6 +498,10 @@ def validate(cfg: RunConfig) -> None:
                         "gradient before any step); use bf16")
     if t.gpu_memory_budget is not None:
         parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget")
+    if t.cpu_offload not in CPU_OFFLOAD:
+        raise UserError(f"--cpu_offload: expected one of {', '.join(CPU_OFFLOAD)}, got {t.cpu_offload}")
+    if t.cpu_offload != "none" and t.fused_optimizer == "off":
+        raise UserError(f"--cpu_offload {t.cpu_offload}: needs the one-pass optimizer step, not --fused_optimizer off")
     if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:
         raise UserError(f"--sequence_parallel_type: expected one of {', '.join(SEQUENCE_PARALLEL_TYPES)}, got "
                         f"{cfg.parallel.sequence_parallel_type}")

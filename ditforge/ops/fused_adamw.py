@@ -94,6 +94,8 @@ class OnePassAdamW:
             rounding. The tensors must stay the same objects (rebuild after ``load_state_dict``).
         kind: the launch's compile-time options (every tensor must match them).
         emas: per weight its fp32 EMA when ``kind.ema``, updated as e += ema_rate * (w - e) with the new master.
+        indices: per weight its position among the optimizer's parameters (keys its stochastic rounding's
+            stream, with the call's ``seed``); default 0, 1, 2, ...
 
     Raises:
         RuntimeError: Triton cannot run on these tensors (``check_triton``). ValueError: a tensor that does not
@@ -101,7 +103,7 @@ class OnePassAdamW:
     """
 
     def __init__(self, weights: list[torch.Tensor], states: list[dict], kind: Kind,
-                 emas: list[torch.Tensor] | None = None):
+                 emas: list[torch.Tensor] | None = None, indices: list[int] | None = None):
         device = weights[0].device
         check_triton(device)
         from ditforge.ops.triton.adamw import adamw_kernel  # after the check: Triton is there
@@ -118,6 +120,8 @@ class OnePassAdamW:
         self.table = _addresses(rows, device)
         numels = [w.numel() for w in weights]
         self.numels = torch.tensor(numels, dtype=torch.int64).to(device)
+        indices = range(len(weights)) if indices is None else indices
+        self.indices = torch.tensor(indices, dtype=torch.int32).to(device)
         self.chunk_t = torch.cat([torch.full((-(-n // BLOCK),), i, dtype=torch.int32)
                                   for i, n in enumerate(numels)]).to(device)
         self.chunk_start = torch.cat([torch.arange(0, n, BLOCK, dtype=torch.int64) for n in numels]).to(device)
@@ -137,7 +141,8 @@ class OnePassAdamW:
                 counters included), as torch's ``found_inf``.
             ema_rate: 1 - the EMA's decay.
             codes: bitsandbytes' signed and unsigned dynamic maps (256 fp32 each, sorted) for 8-bit moments.
-            seed: the stochastic rounding's stream for this step (with the tensor's index and element).
+            seed: the stochastic rounding's stream for this step (with the tensor's ``indices`` entry and the
+                element).
         """
         device, kind = self.device, self.kind
         addresses = tuple(g.data_ptr() for g in grads)
@@ -148,8 +153,9 @@ class OnePassAdamW:
         torch._foreach_add_(self.steps, 1.0 - skip_t.reshape(()))  # before the kernel, which reads them
         code1, code2 = codes if kind.eightbit else (scale_t, scale_t)
         self.kernel[(self.chunk_t.numel(),)](
-            self.table, self._grads[1], self.numels, self.chunk_t, self.chunk_start, scale_t, skip_t, code1, code2,
-            lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps, weight_decay, ema_rate, seed % 2**31,
+            self.table, self._grads[1], self.numels, self.indices, self.chunk_t, self.chunk_start, scale_t, skip_t,
+            code1, code2, lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps, weight_decay, ema_rate,
+            seed % 2**31,
             W_TYPE=_tl(kind.weight), G_TYPE=_tl(kind.grad), EIGHTBIT=kind.eightbit, KAHAN=kind.rounding == "kahan",
             STOCHASTIC=kind.rounding == "stochastic", EMA=kind.ema, BLOCK=BLOCK, QBLOCK=QBLOCK, num_warps=8,
         )

@@ -55,7 +55,8 @@ from torch.optim.adam import adam as adam_functional
 from ditforge.config import OPTIMIZERS
 from ditforge.errors import UserError
 from ditforge.ops.fused_adamw import Kind, OnePassAdamW, on_gpu_with_triton
-from ditforge.parallel import clip_coefficient, squared_norm
+from ditforge.parallel import clip_coefficient
+from ditforge.parallel.offload import ALIGN
 
 BLOCKSIZE = 256  # bitsandbytes' block of the 8-bit blockwise optimizers
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 moments
@@ -88,6 +89,9 @@ class CompensatedAdamW(torch.optim.Optimizer):
             ``"stochastic"``.
         chunk_numel: elements rebuilt in fp32 at once (a larger parameter is updated in pieces of this size).
         fused: the one-pass Triton update (module docstring); None: where Triton runs on the parameters' device.
+        offload: keep the states (moments, compensation; not the step counters) in pinned host memory and stream
+            them through a ring on the device for each step (``ditforge.parallel.offload``; fused only).
+        ring_bytes: the ring's size with ``offload`` (at least 4x the largest parameter's state).
 
     Attributes set by the caller for one ``step`` (fused only; they are read on the device, no host sync):
         found_inf: non-zero skips the step (torch's fused optimizers' protocol, ``_step_supports_amp_scaling``).
@@ -95,7 +99,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
         ema_decay: the decay of the attached EMA for this step.
 
     Raises:
-        UserError: ``states="8bit"`` without bitsandbytes. ValueError: a parameter that is neither fp32 nor bf16.
+        UserError: ``states="8bit"`` without bitsandbytes. ValueError: a parameter that is neither fp32 nor bf16;
+            ``offload`` without ``fused``.
     """
 
     # Per-step inputs of the fused step (class defaults: GradScaler deletes the instance attributes after a step)
@@ -105,7 +110,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, states: str = "fp32", rounding: str = "kahan", chunk_numel: int = 1 << 24,
-                 fused: bool | None = None):
+                 fused: bool | None = None, offload: bool = False, ring_bytes: int = 256 * 2**20):
         if states not in ("fp32", "8bit"):
             raise ValueError(f"states: expected fp32 or 8bit, got {states}")
         if rounding not in ("kahan", "stochastic"):
@@ -125,11 +130,21 @@ class CompensatedAdamW(torch.optim.Optimizer):
         if fused is None:
             fused = on_gpu_with_triton(next(p.device for g in self.param_groups for p in g["params"]))
         self.fused = fused
+        self._stream = None
+        if offload:
+            if not fused:
+                raise ValueError("CompensatedAdamW: offload needs the fused step")
+            from ditforge.parallel.offload import StreamedStates
+
+            largest = max(self._state_bytes(p) for g in self.param_groups for p in g["params"])
+            device = next(p.device for g in self.param_groups for p in g["params"])
+            self._stream = StreamedStates(device, max(ring_bytes, 4 * largest))
         # torch's protocol for optimizers that skip on the device (GradScaler, the trainer's divergence guard)
         self._step_supports_amp_scaling = self.folds_clipping = fused
         self.ema_decay = 1.0  # until the caller sets it: a step (e.g. DCP's state initialisation) leaves the EMA
         self._ema: dict[torch.Tensor, torch.Tensor] = {}
         self._launches: dict[tuple, list] = {}  # fused: per list of parameters, its kernel launches
+        self._chunks_of: dict[tuple, list] = {}  # offload: per list of parameters, its chunks
 
     def attach_ema(self, shadows: dict[torch.Tensor, torch.Tensor]) -> None:
         """Update these fp32 EMA tensors (parameter -> its shadow) inside the fused step, with ``ema_decay``:
@@ -139,38 +154,58 @@ class CompensatedAdamW(torch.optim.Optimizer):
         self._ema = shadows
         self._launches.clear()
 
+    def state_dict(self) -> dict:
+        if self._stream is not None:  # the host copies are current once the last step's downloads end
+            self._stream.flush()
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but the states keep their own dtypes (torch casts floating
-        states to the parameter's: the fp32 moments of a bf16 weight would lose their precision)."""
+        states to the parameter's: the fp32 moments of a bf16 weight would lose their precision), and offloaded
+        ones stay in pinned host memory."""
+        if self._stream is not None:
+            self._stream.reset()
         super().load_state_dict(state_dict)
         self._launches.clear()  # new state tensors: new addresses
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for pid, p in zip(saved_group["params"], group["params"]):
                 for key, value in state_dict["state"].get(pid, {}).items():
-                    if torch.is_tensor(value):
+                    if not torch.is_tensor(value):
+                        if key == "step":  # 8-bit states of checkpoints before the fused step: a host int
+                            self.state[p][key] = torch.tensor(float(value))
+                    elif self._stream is not None and key != "step":  # packed into pinned buffers at first use
+                        self.state[p][key] = value.to("cpu", copy=True)
+                    else:
                         self.state[p][key] = value.to(device=p.device, copy=True)
-                    elif key == "step":  # 8-bit states of checkpoints before the fused step: a host int
-                        self.state[p][key] = torch.tensor(float(value))
 
     def _eightbit(self, p: torch.Tensor) -> bool:
         return self.states == "8bit" and p.numel() >= MIN_8BIT_SIZE
+
+    def _state_shapes(self, p: torch.Tensor) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """The state tensors of ``p`` besides its step counter: name -> (shape, dtype)."""
+        if self._eightbit(p):
+            blocks = torch.Size([-(-p.numel() // BLOCKSIZE)])
+            shapes = {"state1": (p.shape, torch.uint8), "state2": (p.shape, torch.uint8),
+                      "absmax1": (blocks, torch.float32), "absmax2": (blocks, torch.float32)}
+        else:
+            shapes = {"exp_avg": (p.shape, torch.float32), "exp_avg_sq": (p.shape, torch.float32)}
+        if p.dtype == torch.bfloat16 and self.rounding == "kahan":
+            shapes["compensation"] = (p.shape, torch.bfloat16)
+        return shapes
+
+    def _state_bytes(self, p: torch.Tensor) -> int:
+        """Bytes of ``p``'s state in an offload ring (each tensor at a multiple of ALIGN bytes)."""
+        return sum(-(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
+                   for shape, dtype in self._state_shapes(p).values())
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         # torch's fused AdamW's format; bitsandbytes' kernel takes the step as a number: on the host for it
         host = self._eightbit(p) and not self.fused
         state["step"] = torch.zeros((), dtype=torch.float32, device="cpu" if host else p.device)
-        if self._eightbit(p):
-            blocks = -(-p.numel() // BLOCKSIZE)
-            state["state1"] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
-            state["state2"] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
-            state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-            state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-        else:
-            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        if p.dtype == torch.bfloat16 and self.rounding == "kahan":
-            state["compensation"] = torch.zeros_like(p)
+        for name, (shape, dtype) in self._state_shapes(p).items():
+            # offloaded: on the host, packed into its chunk's pinned buffer at the first step
+            state[name] = torch.zeros(shape, dtype=dtype, device=p.device if self._stream is None else "cpu")
         return state
 
     def _qmap(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,6 +253,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
         """Count one optimizer step (``step`` does; ``StepInBackward`` calls it before a step's first ``update``)."""
         for group in self.param_groups:
             group["rounding_step"] += 1
+        if self._stream is not None:
+            self._stream.begin_step()
 
     @torch.no_grad()
     def update(self, params: list[torch.Tensor]) -> None:
@@ -233,33 +270,66 @@ class CompensatedAdamW(torch.optim.Optimizer):
 
     def _fused_update(self, group: dict, params: list[torch.Tensor]) -> None:
         """One ``OnePassAdamW`` launch per kind of parameter (dtype, 8-bit or not, EMA or not); the launches are
-        built once per list of parameters (their state's addresses go to the device then)."""
-        key = tuple(params)
+        built once per list of parameters (their state's addresses go to the device then). Offloaded: per
+        chunk of at most the ring's ``chunk_bytes`` of state, on the chunk's device copies."""
+        for p in params:
+            if not self.state[p]:
+                self._init_state(p)
+            elif self.state[p]["step"].device != p.device:  # states saved by the libraries' path
+                self.state[p]["step"] = self.state[p]["step"].to(p.device)
+        if self._stream is None:
+            self._launch(group, tuple(params), params, self.state)
+            return
+        chunks = self._chunks_of.get(tuple(params))
+        if chunks is None:  # greedy, in order: (key, its (parameter, state name) pairs)
+            chunks, chunk, size = [], [], 0
+            for p in [*params, None]:  # None: the end
+                if chunk and (p is None or size + self._state_bytes(p) > self._stream.chunk_bytes):
+                    names = [(q, name) for q in chunk for name in self.state[q] if name != "step"]
+                    chunks.append((tuple(chunk), names))
+                    chunk, size = [], 0
+                if p is not None:
+                    chunk.append(p)
+                    size += self._state_bytes(p)
+            self._chunks_of[tuple(params)] = chunks
+        for key, names in chunks:
+            if not self._stream.packed(key):  # the chunk's states move into one pinned buffer, as views
+                packed = self._stream.pack(key, [self.state[q][name] for q, name in names])
+                for (q, name), view in zip(names, packed):
+                    self.state[q][name] = view
+            offset, views = self._stream.fetch(key)
+            states = None
+            if (key, offset) not in self._launches:
+                states = {q: {"step": self.state[q]["step"]} for q in key}
+                for (q, name), view in zip(names, views):
+                    states[q][name] = view
+            self._launch(group, (key, offset), list(key), states)
+            self._stream.release(key, offset)
+
+    def _launch(self, group: dict, key: tuple, params: list[torch.Tensor], states) -> None:
+        """The update of ``params`` with their ``states`` (parameter -> state dict; used when the launches are not
+        cached yet under ``key``)."""
         launches = self._launches.get(key)
         if launches is None:
             kinds: dict[Kind, list[torch.Tensor]] = {}
             for p in params:
-                if not self.state[p]:
-                    self._init_state(p)
-                elif self.state[p]["step"].device != p.device:  # states saved by the libraries' path
-                    self.state[p]["step"] = self.state[p]["step"].to(p.device)
                 kind = Kind(p.dtype, p.grad.dtype, self._eightbit(p),
                             self.rounding if p.dtype == torch.bfloat16 else None, p in self._ema)
                 kinds.setdefault(kind, []).append(p)
             launches = self._launches[key] = [
-                (ps, OnePassAdamW([p.detach() for p in ps], [self.state[p] for p in ps], kind,
-                                  [self._ema[p] for p in ps] if kind.ema else None),
-                 self._index[ps[0]][1]) for kind, ps in kinds.items()]
+                (ps, OnePassAdamW([p.detach() for p in ps], [states[p] for p in ps], kind,
+                                  [self._ema[p] for p in ps] if kind.ema else None,
+                                  [self._index[p][1] for p in ps])) for kind, ps in kinds.items()]
         scale = self.clip_coef
         if self.grad_scale is not None:  # GradScaler's loss scale, when it did not unscale first
             scale = (1.0 if scale is None else scale) / self.grad_scale
         beta1, beta2 = group["betas"]
-        for ps, launch, first in launches:
+        for ps, launch in launches:
             launch([p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in ps], lr=group["lr"],
                    beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], scale=scale,
                    skip=self.found_inf, ema_rate=1.0 - self.ema_decay,
                    codes=self._qmap(ps[0].device) if launch.kind.eightbit else None,
-                   seed=rounding_seed(group["rounding_step"], first))
+                   seed=rounding_seed(group["rounding_step"], 0))
 
     def _step_chunk(self, group: dict, chunk: list[tuple[torch.Tensor, int, int]]) -> None:
         states = [self.state[p] if self.state[p] else self._init_state(p) for p, _, _ in chunk]
@@ -393,7 +463,7 @@ class StepInBackward:
         """The next backward completes a step: update each block as its gradients arrive."""
         self.armed, self.started = True, False
         self.arrived = [0] * len(self.groups)
-        self.squares: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor] = []  # per gradient its L2 norm (0-dim, the gradient's dtype)
         self.scale = None
         if self.max_grad_norm > 0 and self.prev_norm is not None:
             self.scale = clip_coefficient(self.prev_norm, self.max_grad_norm)
@@ -410,15 +480,19 @@ class StepInBackward:
         params = [p for p in group if p.grad is not None]
         if not params:
             return
+        grads = [p.grad for p in params]
         if not self.started:
             self.started = True
             if self.before_update is not None:
                 self.before_update()
             self.optimizer.advance()
-        grads = [p.grad for p in params]
-        self.squares.append(squared_norm(grads))
-        if self.scale is not None:
-            torch._foreach_mul_(grads, self.scale.to(grads[0].device))
+            if self.scale is not None:
+                self.scale = self.scale.to(grads[0].device)
+            if self.optimizer.folds_clipping:  # the fused step reads the factor on the device
+                self.optimizer.clip_coef = self.scale
+        self.norms.extend(torch._foreach_norm(grads, 2.0))  # one launch per block; summed in finish
+        if self.scale is not None and not self.optimizer.folds_clipping:
+            torch._foreach_mul_(grads, self.scale)
         self.optimizer.update(params)
         for p in params:
             p.grad = None
@@ -429,33 +503,38 @@ class StepInBackward:
         for group in self.groups:
             self._update(group)
         self.armed = False
-        norm = torch.stack(self.squares).sum().sqrt() if self.squares else torch.zeros(())
+        norm = torch.stack(self.norms).float().pow(2).sum().sqrt() if self.norms else torch.zeros(())
         self.prev_norm = norm
         return norm
 
 
 def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weight_decay: float,
                     device: torch.device, master_weights: str = "fp32",
-                    in_backward: bool = False, fused: bool = True) -> torch.optim.Optimizer:
+                    in_backward: bool = False, fused: bool = True, offload: bool = False) -> torch.optim.Optimizer:
     """The optimizer for ``--optimizer`` over ``params`` (bf16 ones take their updates as ``master_weights``
     says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``CompensatedAdamW`` with the one-pass
     Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device, plain tensors: not
     fully_shard's DTensors); otherwise ``torch.optim.AdamW`` (fused on CUDA) for ``adamw`` over fp32 weights stepped
     after the backward, else ``CompensatedAdamW`` with the libraries' kernels. betas (0.9, 0.999), eps 1e-8 (DiT's
-    and diffusers' training scripts').
+    and diffusers' training scripts'). ``offload`` (``--cpu_offload optimizer``): the states in pinned host memory.
 
     Raises:
-        UserError: an unknown ``optimizer``, or ``adamw8bit`` without bitsandbytes.
+        UserError: an unknown ``optimizer``, ``adamw8bit`` without bitsandbytes, or ``offload`` where the one-pass
+            step does not run.
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer}")
     fused = fused and on_gpu_with_triton(device) and not any(isinstance(p, DTensor) for p in params)
+    if offload and not fused:
+        raise UserError(f"--cpu_offload optimizer: needs the one-pass optimizer step (a CUDA GPU with Triton, "
+                        f"--fused_optimizer auto, --plugin none or ddp); here the device is {device}")
     if not fused and optimizer == "adamw" and not in_backward and all(p.dtype == torch.float32 for p in params):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999),
                                  fused=device.type == "cuda")
     return CompensatedAdamW(params, lr=lr, weight_decay=weight_decay,
                             states="8bit" if optimizer == "adamw8bit" else "fp32",
-                            rounding="stochastic" if master_weights == "bf16_sr" else "kahan", fused=fused)
+                            rounding="stochastic" if master_weights == "bf16_sr" else "kahan", fused=fused,
+                            offload=offload)
 
 
 def cap_gpu_memory(budget: int | None, device: torch.device) -> None:
@@ -477,34 +556,41 @@ def out_of_memory(step: int, budget: str | None, device: torch.device) -> UserEr
                      "--grad_checkpoint, --lora_rank or a smaller --batch_size")
 
 
-# Placements from fastest to smallest: (--optimizer, --master_weights, --fused_backward_pass).
-PLACEMENTS = (("adamw", "fp32", False), ("adamw8bit", "fp32", False), ("adamw8bit", "bf16", False),
-              ("adamw8bit", "bf16_sr", False), ("adamw8bit", "bf16_sr", True))
+# Placements from fastest to smallest: (--optimizer, --master_weights, --fused_backward_pass, --cpu_offload).
+PLACEMENTS = (("adamw", "fp32", False, "none"), ("adamw8bit", "fp32", False, "none"),
+              ("adamw8bit", "bf16", False, "none"), ("adamw8bit", "bf16_sr", False, "none"),
+              ("adamw8bit", "bf16_sr", True, "none"), ("adamw8bit", "bf16_sr", True, "optimizer"))
 ACTIVATION_RESERVE = 2**29  # 0.5 GiB kept free for activations, workspaces and the step's transient buffers
+RING_BYTES = 256 * 2**20  # the offload ring (CompensatedAdamW's default)
 
 
-def bytes_per_parameter(optimizer: str, master_weights: str, fused_backward_pass: bool) -> int:
+def bytes_per_parameter(optimizer: str, master_weights: str, fused_backward_pass: bool, cpu_offload: str) -> int:
     """GPU bytes per trainable parameter, as CompensatedAdamW and torch's AdamW allocate them: the weight (4 fp32,
     2 bf16), its gradient (as the weight; none with the fused backward pass, where only one block's gradients
-    exist at a time), the moments (8 fp32, 2 as 8-bit codes) and Kahan's bf16 compensation (2)."""
+    exist at a time), the moments (8 fp32, 2 as 8-bit codes) and Kahan's bf16 compensation (2), these two on the
+    host with ``cpu_offload`` "optimizer" (the ring is a fixed ``RING_BYTES``)."""
     weight = 4 if master_weights == "fp32" else 2
-    return (weight + (0 if fused_backward_pass else weight) + (8 if optimizer == "adamw" else 2)
-            + (2 if master_weights == "bf16" else 0))
+    states = (8 if optimizer == "adamw" else 2) + (2 if master_weights == "bf16" else 0)
+    return weight + (0 if fused_backward_pass else weight) + (0 if cpu_offload == "optimizer" else states)
 
 
-def state_bytes(trainable: int, frozen_bytes: int, placement: tuple[str, str, bool], ema: bool) -> int:
+def state_bytes(trainable: int, frozen_bytes: int, placement: tuple[str, str, bool, str], ema: bool) -> int:
     """GPU bytes of the training state: ``trainable`` parameters under ``placement`` (``bytes_per_parameter``), the
-    fp32 EMA (4 bytes each) when kept, and ``frozen_bytes`` of frozen weights. Activations not included."""
-    return trainable * (bytes_per_parameter(*placement) + 4 * ema) + frozen_bytes
+    fp32 EMA (4 bytes each) when kept, ``frozen_bytes`` of frozen weights and the offload ring. Activations not
+    included."""
+    ring = RING_BYTES if placement[3] == "optimizer" else 0
+    return trainable * (bytes_per_parameter(*placement) + 4 * ema) + frozen_bytes + ring
 
 
-def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, placement: tuple[str, str, bool],
-                   bf16: bool, lowmem: bool = True, fused_ok: bool = True) -> tuple[str, str, bool]:
-    """The placement (--optimizer, --master_weights, --fused_backward_pass) for ``--gpu_memory_budget``: the given
-    one if its state (``state_bytes``) plus 0.5 GiB for activations fits ``budget``; otherwise, when the flags were
-    left at their defaults, the fastest of ``PLACEMENTS`` that fits (bf16 weights only with ``bf16`` compute;
-    ``lowmem``: CompensatedAdamW's placements allowed, i.e. plugin none or ddp; ``fused_ok``: the fused backward
-    pass allowed, i.e. one process without fp16). Activations beyond the reserve are the user's
+def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, placement: tuple[str, str, bool, str],
+                   bf16: bool, lowmem: bool = True, fused_ok: bool = True, offload_ok: bool = True
+                   ) -> tuple[str, str, bool, str]:
+    """The placement (--optimizer, --master_weights, --fused_backward_pass, --cpu_offload) for
+    ``--gpu_memory_budget``: the given one if its state (``state_bytes``) plus 0.5 GiB for activations fits
+    ``budget``; otherwise, when the flags were left at their defaults, the fastest of ``PLACEMENTS`` that fits
+    (bf16 weights only with ``bf16`` compute; ``lowmem``: CompensatedAdamW's placements allowed, i.e. plugin none
+    or ddp; ``fused_ok``: the fused backward pass allowed, i.e. one process without fp16; ``offload_ok``: the
+    one-pass optimizer step runs, which offload needs). Activations beyond the reserve are the user's
     (``--grad_checkpoint``, ``--batch_size``); an out-of-memory during training says so. The count is one
     process's whole state (DDP's gradient buckets and sample grids not included).
 
@@ -515,14 +601,15 @@ def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, pl
     chosen = [placement]
     if placement == PLACEMENTS[0]:
         chosen = [p for p in PLACEMENTS if (bf16 or p[1] == "fp32") and (lowmem or p == PLACEMENTS[0])
-                  and (fused_ok or not p[2])]
+                  and (fused_ok or not p[2]) and (offload_ok or p[3] == "none")]
     for p in chosen:
         if state_bytes(trainable, frozen_bytes, p, ema) + ACTIVATION_RESERVE <= budget:
             return p
-    opt, master, fused = chosen[-1]
+    opt, master, fused, offload = chosen[-1]
     need = state_bytes(trainable, frozen_bytes, chosen[-1], ema) + ACTIVATION_RESERVE
     hint = "; --ema_decay 0 drops the EMA's 4 bytes per parameter" if ema else ""
     raise UserError(f"--gpu_memory_budget {budget / gib:.2f} GiB: {trainable / 1e6:.0f}M trainable parameters "
                     f"with --optimizer {opt} --master_weights {master}{' --fused_backward_pass' if fused else ''}"
-                    f"{' and an EMA' if ema else ''} need {math.ceil(need / gib * 100) / 100:.2f} GiB (state + 0.5 "
-                    f"GiB for activations); give at least that{hint}")
+                    f"{' --cpu_offload ' + offload if offload != 'none' else ''}{' and an EMA' if ema else ''} need "
+                    f"{math.ceil(need / gib * 100) / 100:.2f} GiB (state + 0.5 GiB for activations); give at least "
+                    f"that{hint}")

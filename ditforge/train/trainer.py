@@ -43,6 +43,7 @@ from ditforge.errors import RunError, UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
 from ditforge.ops.attention import whole_sequences
+from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel import clip_coefficient, clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory, out_of_memory, plan_placement
@@ -367,6 +368,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         # CompensatedAdamW's states and bitsandbytes' kernel take plain tensors, not fully_shard's DTensors
         raise UserError(f"--optimizer {t.optimizer} --master_weights {t.master_weights}: supported with --plugin "
                         f"none or ddp, got {plugin}")
+    if t.cpu_offload != "none" and plugin in ("zero2", "fsdp"):
+        raise UserError(f"--cpu_offload {t.cpu_offload}: supported with --plugin none or ddp, got {plugin}")
     if t.fused_backward_pass and plugin != "none":  # DDP / FSDP reduce a gradient after the hook would step
         raise UserError(f"--fused_backward_pass: one process only, got --plugin {plugin} over {d.world_size}")
     par.plugin = plugin
@@ -451,14 +454,15 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     if budget is not None:  # the state's placement under the budget (plan_placement's rule)
         frozen = sum(p.numel() * (2 if half_base else p.element_size()) for p in model.parameters()
                      if not p.requires_grad)
-        given = (t.optimizer, t.master_weights, t.fused_backward_pass)
+        given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
         choice = plan_placement(budget, sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
                                 t.ema_decay != 0, given, amp_dtype == torch.bfloat16,
-                                lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none")
+                                lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none",
+                                offload_ok=t.fused_optimizer == "auto" and on_gpu_with_triton(device))
         if choice != given and d.is_main:
-            log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s", t.gpu_memory_budget,
-                     *choice[:2], " --fused_backward_pass" if choice[2] else "")
-        t.optimizer, t.master_weights, t.fused_backward_pass = choice
+            log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
+                     t.gpu_memory_budget, *choice[:2], " --fused_backward_pass" if choice[2] else "", choice[3])
+        t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload = choice
     for p in model.parameters():
         # A LoRA's frozen base computes in bf16 anyway: stored so (half the memory). --master_weights bf16 /
         # bf16_sr: the trainable weights too, updated by the optimizer through an fp32 rebuild.
@@ -475,7 +479,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     ema = EMA(model, trainable_only=adapters_only, alias=t.ema_decay == 0)
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t.optimizer, t.lr,
                                 t.weight_decay, device, t.master_weights, in_backward=t.fused_backward_pass,
-                                fused=t.fused_optimizer == "auto")
+                                fused=t.fused_optimizer == "auto", offload=t.cpu_offload == "optimizer")
     # the fused step updates the EMA in its own pass (update_ema is then a no-op); StepInBackward's is per block
     ema_in_step = not t.fused_backward_pass and ema.fuse_into(unwrap(model), optimizer)
     # --fused_backward_pass: the blocks step during the backward; an async checkpoint's staging finishes first
@@ -547,8 +551,9 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                  "run folder %s", m.model or f"{pre.pipeline_class} denoiser", n_params / 1e6, d.world_size, device.type, plugin,
                  str(amp_dtype).removeprefix("torch."), max_steps,
                  "per bucket" if bucketed and not mixed else t.batch_size, run_dir)
-        log.info("optimizer step: %s", "one Triton pass (clipping, AdamW" + (", EMA)" if ema_in_step else ")")
-                 if getattr(optimizer, "fused", False) else "the libraries' kernels (--fused_optimizer off or no GPU)")
+        log.info("optimizer step: %s%s", "one Triton pass (clipping, AdamW" + (", EMA)" if ema_in_step else ")")
+                 if getattr(optimizer, "fused", False) else "the libraries' kernels (--fused_optimizer off or no GPU)",
+                 "; states in pinned host memory, streamed through a GPU ring" if t.cpu_offload == "optimizer" else "")
 
     def save(step: int) -> Path | None:
         """Save step ``step`` unless its weights are not finite (RunError); a failed write is a RunError too, or

@@ -315,6 +315,9 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     (("--master_weights", "bf16_sr", "--mixed_precision", "fp16"), "--master_weights bf16_sr: needs --mixed_precision bf16"),
     (("--fused_backward_pass", "--mixed_precision", "fp16"), "--fused_backward_pass: not with --mixed_precision fp16"),
     (("--gpu_memory_budget", "1MiB"), "need 0.56 GiB (state + 0.5 GiB for activations); give at least that"),
+    (("--cpu_offload", "optimizer", "--fused_optimizer", "off"), "--cpu_offload optimizer: needs the one-pass"),
+    (("--cpu_offload", "optimizer", "--device", "cpu"), "--cpu_offload optimizer: needs the one-pass optimizer step "
+                                                        "(a CUDA GPU with Triton"),
 ])
 def test_bad_flags_one_line(argv, match, tiny_argv, tmp_path, capsys):
     from ditforge import cli
@@ -325,24 +328,30 @@ def test_bad_flags_one_line(argv, match, tiny_argv, tmp_path, capsys):
 
 
 def test_plan_placement_bytes_and_order():
-    """The fastest placement whose state fits with 0.5 GiB to spare: 16 / 10 / 8 / 6 / 4 bytes per trainable
+    """The fastest placement whose state fits with 0.5 GiB to spare: 16 / 10 / 8 / 6 / 4 / 2 bytes per trainable
     parameter (fp32 AdamW; 8-bit moments; + Kahan bf16 weights; stochastically rounded bf16 weights instead;
-    + the fused backward pass, no whole-model gradients), +4 for an EMA, + the frozen bytes."""
+    + the fused backward pass, no whole-model gradients; + the states on the host, with a 256 MiB ring), +4 for
+    an EMA, + the frozen bytes."""
     n, frozen, gib = 10**8, 3 * 10**8, 2**29  # gib: the reserve
-    default = ("adamw", "fp32", False)
+    default = ("adamw", "fp32", False, "none")
 
     def plan(budget, ema=True, flags=default, bf16=True, **kw):
         return plan_placement(budget, n, frozen, ema, flags, bf16, **kw)
 
     assert plan(20 * n + frozen + gib) == default
-    assert plan(20 * n + frozen + gib - 1) == ("adamw8bit", "fp32", False)
-    assert plan(14 * n + frozen + gib - 1) == ("adamw8bit", "bf16", False)
-    assert plan(12 * n + frozen + gib) == ("adamw8bit", "bf16", False)
-    assert plan(12 * n + frozen + gib - 1) == ("adamw8bit", "bf16_sr", False)
-    assert plan(10 * n + frozen + gib - 1) == ("adamw8bit", "bf16_sr", True)
+    assert plan(20 * n + frozen + gib - 1) == ("adamw8bit", "fp32", False, "none")
+    assert plan(14 * n + frozen + gib - 1) == ("adamw8bit", "bf16", False, "none")
+    assert plan(12 * n + frozen + gib) == ("adamw8bit", "bf16", False, "none")
+    assert plan(12 * n + frozen + gib - 1) == ("adamw8bit", "bf16_sr", False, "none")
+    assert plan(10 * n + frozen + gib - 1) == ("adamw8bit", "bf16_sr", True, "none")
+    big = 10 * n  # the ring pays for itself from 134M parameters on
+    assert plan_placement(8 * big + frozen + gib - 1, big, frozen, True, default, True) == \
+        ("adamw8bit", "bf16_sr", True, "optimizer")
     assert plan(16 * n + frozen + gib, ema=False) == default
-    with pytest.raises(UserError, match=r"--fused_backward_pass and an EMA need 1\.53 GiB"):
+    with pytest.raises(UserError, match=r"--fused_backward_pass --cpu_offload optimizer and an EMA need 1\.59 GiB"):
         plan(8 * n + frozen + gib - 1)
+    with pytest.raises(UserError, match=r"--fused_backward_pass and an EMA need 1\.53 GiB"):
+        plan(8 * n + frozen + gib - 1, offload_ok=False)  # no one-pass step (CPU, --fused_optimizer off)
     with pytest.raises(UserError, match=r"--master_weights bf16_sr and an EMA need 1\.72 GiB .* --ema_decay 0"):
         plan(8 * n + frozen + gib - 1, fused_ok=False)  # several processes or fp16: no fused backward pass
     with pytest.raises(UserError, match="--master_weights fp32"):  # no bf16 weights without bf16 compute
@@ -350,9 +359,9 @@ def test_plan_placement_bytes_and_order():
     with pytest.raises(UserError, match="--optimizer adamw --master_weights fp32"):  # zero2 / fsdp: fp32 AdamW only
         plan(20 * n + frozen + gib - 1, lowmem=False)
     # explicit choices are kept, or refused: never replaced
-    assert plan(10**15, flags=("adamw8bit", "fp32", False)) == ("adamw8bit", "fp32", False)
+    assert plan(10**15, flags=("adamw8bit", "fp32", False, "none")) == ("adamw8bit", "fp32", False, "none")
     with pytest.raises(UserError, match="--optimizer adamw8bit --master_weights fp32"):
-        plan(14 * n + frozen + gib - 1, flags=("adamw8bit", "fp32", False))
+        plan(14 * n + frozen + gib - 1, flags=("adamw8bit", "fp32", False, "none"))
 
 
 @pytest.mark.parametrize("plugin", ["zero2", "fsdp"])

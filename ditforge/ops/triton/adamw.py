@@ -6,9 +6,11 @@ Only ``@triton.jit`` functions live here; the pointer tables, grouping and launc
 
 Multi-tensor layout: one launch serves a list of tensors of one kind (same dtypes and options). ``TABLE`` holds
 one row of 8 addresses per tensor (weight, first state, second state, first absmax, second absmax, compensation,
-EMA, step counter; unused ones are 0), ``GRADS`` the gradients' addresses, ``NUMEL`` the element counts. A program
-owns ``BLOCK`` consecutive elements of one tensor (``CHUNK_T``, ``CHUNK_START``), laid out as BLOCK / QBLOCK rows
-of QBLOCK elements so that a row is one 8-bit quantization block (bitsandbytes' 256). All arithmetic is float32.
+EMA, step counter; unused ones are 0), ``GRADS`` the gradients' addresses, ``NUMEL`` the element counts, ``INDEX``
+each tensor's position among the optimizer's (its random stream then does not depend on which launch serves it).
+A program owns ``BLOCK`` consecutive elements of one tensor (``CHUNK_T``, ``CHUNK_START``), laid out as
+BLOCK / QBLOCK rows of QBLOCK elements so that a row is one 8-bit quantization block (bitsandbytes' 256). All
+arithmetic is float32.
 
 Math (sources):
 - AdamW, Loshchilov & Hutter 2019, Algorithm 2, in the order of torch's fused kernel
@@ -62,6 +64,7 @@ def adamw_kernel(
     TABLE,  # (T, 8) int64 addresses
     GRADS,  # (T,) int64 addresses
     NUMEL,  # (T,) int64
+    INDEX,  # (T,) int32: each tensor's position among the optimizer's (the stochastic rounding's stream)
     CHUNK_T,  # (programs,) int32: the tensor of each program
     CHUNK_START,  # (programs,) int64: its first element
     SCALE,  # (1,) float32 multiplier of the gradients (clipping), read on the device
@@ -150,7 +153,7 @@ def adamw_kernel(
         tl.store(w_ptr + offs, p.to(tl.bfloat16), mask=mask)
         tl.store(c_ptr + offs, _bf16_nearest(w - p).to(tl.bfloat16), mask=mask)
     elif STOCHASTIC:
-        noise = tl.randint(seed + t.to(tl.int32) * 1000003, offs.to(tl.uint32)) & 0xFFFF
+        noise = tl.randint(seed + tl.load(INDEX + t) * 1000003, offs.to(tl.uint32)) & 0xFFFF
         bits = (w.to(tl.uint32, bitcast=True) + noise) & 0xFFFF0000
         tl.store(w_ptr + offs, bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
     else:
