@@ -125,7 +125,13 @@ class OnePassAdamW:
         self.chunk_t = torch.cat([torch.full((-(-n // BLOCK),), i, dtype=torch.int32)
                                   for i, n in enumerate(numels)]).to(device)
         self.chunk_start = torch.cat([torch.arange(0, n, BLOCK, dtype=torch.int64) for n in numels]).to(device)
-        self._grads: tuple[tuple[int, ...], torch.Tensor] | None = None
+        # the gradients' addresses: the last ones sent, and a pinned host table copied to the device table when
+        # they change (no pinned allocation per step; the copy of one step ago has ended before the rewrite)
+        self._sent: tuple[int, ...] | None = None
+        cuda = device.type == "cuda"
+        self._grad_host = torch.empty(len(weights), dtype=torch.int64, pin_memory=cuda)
+        self._grad_table = torch.empty(len(weights), dtype=torch.int64, device=device)
+        self._copied: torch.cuda.Event | None = None
 
     def __call__(self, grads: list[torch.Tensor], *, lr: float, beta1: float, beta2: float, eps: float,
                  weight_decay: float, scale: torch.Tensor | None = None, skip: torch.Tensor | None = None,
@@ -146,14 +152,22 @@ class OnePassAdamW:
         """
         device, kind = self.device, self.kind
         addresses = tuple(g.data_ptr() for g in grads)
-        if self._grads is None or self._grads[0] != addresses:
-            self._grads = (addresses, _addresses(list(addresses), device))
+        if self._sent != addresses:
+            if any(a % 16 for a in addresses):
+                raise ValueError("OnePassAdamW: every gradient must start at a multiple of 16 bytes")
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._grad_host.copy_(torch.tensor(addresses, dtype=torch.int64))
+            self._grad_table.copy_(self._grad_host, non_blocking=True)
+            if device.type == "cuda":
+                self._copied = torch.cuda.current_stream(device).record_event()
+            self._sent = addresses
         skip_t = _const(0.0, device) if skip is None else skip.reshape(1).float()
         scale_t = _const(1.0, device) if scale is None else scale.reshape(1).float()
         torch._foreach_add_(self.steps, 1.0 - skip_t.reshape(()))  # before the kernel, which reads them
         code1, code2 = codes if kind.eightbit else (scale_t, scale_t)
         self.kernel[(self.chunk_t.numel(),)](
-            self.table, self._grads[1], self.numels, self.indices, self.chunk_t, self.chunk_start, scale_t, skip_t,
+            self.table, self._grad_table, self.numels, self.indices, self.chunk_t, self.chunk_start, scale_t, skip_t,
             code1, code2, lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps, weight_decay, ema_rate,
             seed % 2**31,
             W_TYPE=_tl(kind.weight), G_TYPE=_tl(kind.grad), EIGHTBIT=kind.eightbit, KAHAN=kind.rounding == "kahan",
