@@ -10,13 +10,13 @@ absmax per 256), the same traffic as ZeRO-Offload's and no CPU step; GPU memory 
 gradients of one block with ``--fused_backward_pass``) plus the ring.
 
 A chunk's states live in one pinned host buffer laid out as its region of the ring, so a chunk moves in one copy
-each way (per-tensor copies of ~700 small tensors cost SD-1.5's step tens of milliseconds of host time and
-copy-engine latency). The pipeline of one chunk (CUDA; three streams):
+each way (per tensor, SD-1.5's ~700 parameters would take ~2,800 small copies each way per step, each with its
+launch and copy-engine latency). The pipeline of one chunk (CUDA; three streams):
   1. upload: the copy stream copies its states host -> a region of the ring (issued ahead of time: the order of
      the chunks is learned from the previous step, and while a chunk is stepped the next ones are uploaded);
   2. step: the compute stream waits for the upload and runs the kernel on the ring's views;
   3. download: the write-back stream waits for the kernel and copies the ring -> host.
-Regions are reused first-in first-out; the upload into a region waits (on the GPU, not the host) for the
+Regions are reused in ring order; the upload into a region waits (on the GPU, not the host) for the
 download of its previous occupant, and a chunk's upload waits for its own previous download. So GPU memory is the
 ring's fixed size, and nothing blocks the host. The scheduling is ours: torch's FSDP2 ``CPUOffloadPolicy``
 steps on the CPU, and torchao's ``CPUOffloadOptimizer`` also steps on the host.
