@@ -69,10 +69,15 @@ def _const(value: float, device: torch.device) -> torch.Tensor:
     return _consts[key]
 
 
-def _addresses(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of addresses on ``device`` (each a multiple of 16 bytes, which the kernel's loads assume)."""
+def _check_aligned(values) -> None:
+    """The kernel's loads assume every address is a multiple of 16 bytes. Raises ValueError otherwise."""
     if any(a % 16 for a in values):
         raise ValueError("OnePassAdamW: every tensor must start at a multiple of 16 bytes (not a view into one)")
+
+
+def _addresses(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of addresses on ``device`` (``_check_aligned``)."""
+    _check_aligned(values)
     host = torch.tensor(values, dtype=torch.int64)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
@@ -153,8 +158,7 @@ class OnePassAdamW:
         device, kind = self.device, self.kind
         addresses = tuple(g.data_ptr() for g in grads)
         if self._sent != addresses:
-            if any(a % 16 for a in addresses):
-                raise ValueError("OnePassAdamW: every gradient must start at a multiple of 16 bytes")
+            _check_aligned(addresses)
             if self._copied is not None:
                 self._copied.synchronize()
             self._grad_host.copy_(torch.tensor(addresses, dtype=torch.int64))

@@ -27,7 +27,13 @@ from __future__ import annotations
 import torch
 
 ALIGN = 256  # bytes: every view in the ring starts at a multiple (the kernel needs 16)
+RING_BYTES = 256 * 2**20  # the ring's default size
 STAGED = "staged"  # a region uploaded (or uploading) for a chunk not yet stepped
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ALIGN: a tensor's room in the ring."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 class StreamedStates:
@@ -44,7 +50,7 @@ class StreamedStates:
     ``reset`` when they are replaced (a load).
     """
 
-    def __init__(self, device: torch.device, ring_bytes: int = 256 * 2**20):
+    def __init__(self, device: torch.device, ring_bytes: int = RING_BYTES):
         self.device = torch.device(device)
         self.ring = torch.empty(ring_bytes, dtype=torch.uint8, device=self.device)
         cuda = self.device.type == "cuda"
@@ -81,7 +87,7 @@ class StreamedStates:
         shapes, size = [], 0
         for t in host:
             shapes.append((t.shape, t.dtype, size))
-            size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            size += aligned(t.numel() * t.element_size())
         if size > self.chunk_bytes:
             raise ValueError(f"StreamedStates: a chunk of {size} bytes exceeds the ring's quarter "
                              f"({self.chunk_bytes} bytes)")

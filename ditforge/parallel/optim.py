@@ -56,7 +56,7 @@ from ditforge.config import OPTIMIZERS
 from ditforge.errors import UserError
 from ditforge.ops.fused_adamw import Kind, OnePassAdamW, on_gpu_with_triton
 from ditforge.parallel import clip_coefficient
-from ditforge.parallel.offload import ALIGN
+from ditforge.parallel.offload import RING_BYTES, StreamedStates, aligned
 
 BLOCKSIZE = 256  # bitsandbytes' block of the 8-bit blockwise optimizers
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 moments
@@ -110,7 +110,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, states: str = "fp32", rounding: str = "kahan", chunk_numel: int = 1 << 24,
-                 fused: bool | None = None, offload: bool = False, ring_bytes: int = 256 * 2**20):
+                 fused: bool | None = None, offload: bool = False, ring_bytes: int = RING_BYTES):
         if states not in ("fp32", "8bit"):
             raise ValueError(f"states: expected fp32 or 8bit, got {states}")
         if rounding not in ("kahan", "stochastic"):
@@ -134,8 +134,6 @@ class CompensatedAdamW(torch.optim.Optimizer):
         if offload:
             if not fused:
                 raise ValueError("CompensatedAdamW: offload needs the fused step")
-            from ditforge.parallel.offload import StreamedStates
-
             largest = max(self._state_bytes(p) for g in self.param_groups for p in g["params"])
             device = next(p.device for g in self.param_groups for p in g["params"])
             self._stream = StreamedStates(device, max(ring_bytes, 4 * largest))
@@ -194,9 +192,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
         return shapes
 
     def _state_bytes(self, p: torch.Tensor) -> int:
-        """Bytes of ``p``'s state in an offload ring (each tensor at a multiple of ALIGN bytes)."""
-        return sum(-(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
-                   for shape, dtype in self._state_shapes(p).values())
+        """Bytes of ``p``'s state in an offload ring (``offload.aligned`` per tensor)."""
+        return sum(aligned(shape.numel() * dtype.itemsize) for shape, dtype in self._state_shapes(p).values())
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -572,7 +569,6 @@ PLACEMENTS = (("adamw", "fp32", False, "none"), ("adamw8bit", "fp32", False, "no
               ("adamw8bit", "bf16", False, "none"), ("adamw8bit", "bf16_sr", False, "none"),
               ("adamw8bit", "bf16_sr", True, "none"), ("adamw8bit", "bf16_sr", True, "optimizer"))
 ACTIVATION_RESERVE = 2**29  # 0.5 GiB kept free for activations, workspaces and the step's transient buffers
-RING_BYTES = 256 * 2**20  # the offload ring (CompensatedAdamW's default)
 
 
 def bytes_per_parameter(optimizer: str, master_weights: str, fused_backward_pass: bool, cpu_offload: str) -> int:
