@@ -194,7 +194,8 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     model, amp, flops, tokens, shape = _build(cfg, s, device)
     ema = EMA(model, alias=not s.ema)
     opt = build_optimizer(list(model.parameters()), s.optimizer, 1e-4, 0.0, device, s.master_weights,
-                          in_backward=s.fused_backward_pass, fused=s.fused_optimizer, offload=s.cpu_offload)
+                          in_backward=s.fused_backward_pass, fused=s.fused_optimizer,
+                          offload="optimizer" if s.cpu_offload else "none")
     stepper = StepInBackward(model, opt, 1.0) if s.fused_backward_pass else None
     decay = 0.9999
     if stepper is None and ema.fuse_into(model, opt):  # the one-pass step updates the EMA (update: a no-op)

@@ -24,7 +24,7 @@ SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cas
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 OPTIMIZERS = ("adamw", "adamw8bit")
 MASTER_WEIGHTS = ("fp32", "bf16", "bf16_sr")
-CPU_OFFLOAD = ("none", "optimizer")
+CPU_OFFLOAD = ("none", "optimizer", "all")
 CONDITIONS = ("auto", "class", "text")
 SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "usp")
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -152,7 +152,14 @@ class TrainConfig:
                                   "pinned host memory and stream to the GPU for each step, through a 256 MiB "
                                   "ring, overlapped with the backward under --fused_backward_pass (needs the "
                                   "one-pass step: a CUDA GPU with Triton, --fused_optimizer auto, --plugin none "
-                                  "or ddp)", choices=CPU_OFFLOAD)
+                                  "or ddp) | all: the fp32 weights, gradients and AdamW states live in pinned "
+                                  "host memory, sharded by FSDP2 (torch's CPUOffloadPolicy, --plugin fsdp, or "
+                                  "zero2, also in one process); each block's weights visit the GPU in the compute "
+                                  "dtype for its forward and backward, and torch's fused AdamW steps on the CPU "
+                                  "(--optimizer adamw --master_weights fp32)", choices=CPU_OFFLOAD)
+    delayed_update: bool = _f(False, "with --cpu_offload all: ZeRO-Offload's one-step delayed parameter update "
+                                     "(Ren et al. 2021, sec. 5.2): the CPU step of step t's gradients runs in "
+                                     "a thread during step t+1, whose forward uses the weights before it")
     gpu_memory_budget: str | None = _f(None, "GPU memory for this process, e.g. 8GiB: with --optimizer, "
                                              "--master_weights and --fused_backward_pass left at their defaults, "
                                              "the fastest placement (fp32 AdamW; adamw8bit; + bf16 weights; "
@@ -500,8 +507,13 @@ def validate(cfg: RunConfig) -> None:
         parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget")
     if t.cpu_offload not in CPU_OFFLOAD:
         raise UserError(f"--cpu_offload: expected one of {', '.join(CPU_OFFLOAD)}, got {t.cpu_offload}")
-    if t.cpu_offload != "none" and t.fused_optimizer == "off":
-        raise UserError(f"--cpu_offload {t.cpu_offload}: needs the one-pass optimizer step, not --fused_optimizer off")
+    if t.cpu_offload == "optimizer" and t.fused_optimizer == "off":
+        raise UserError("--cpu_offload optimizer: needs the one-pass optimizer step, not --fused_optimizer off")
+    if t.cpu_offload == "all" and (t.optimizer, t.master_weights, t.fused_backward_pass) != ("adamw", "fp32", False):
+        raise UserError("--cpu_offload all: steps torch's AdamW over fp32 weights on the CPU; not with --optimizer "
+                        f"{t.optimizer}, --master_weights {t.master_weights} or --fused_backward_pass")
+    if t.delayed_update and t.cpu_offload != "all":
+        raise UserError(f"--delayed_update: needs --cpu_offload all, got --cpu_offload {t.cpu_offload}")
     if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:
         raise UserError(f"--sequence_parallel_type: expected one of {', '.join(SEQUENCE_PARALLEL_TYPES)}, got "
                         f"{cfg.parallel.sequence_parallel_type}")

@@ -9,7 +9,7 @@ import logging
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -23,9 +23,13 @@ from ditforge.parallel.mesh import Dist
 log = logging.getLogger(__name__)
 
 
-def resolve_plugin(plugin: str, world_size: int) -> str:
+def resolve_plugin(plugin: str, world_size: int, cpu_offload: str = "none") -> str:
     """The plugin that runs: ``none`` in one process whatever was asked (there is nothing to distribute);
-    with several processes ``auto`` or ``none`` become ``zero2`` (OpenDiT's default)."""
+    with several processes ``auto`` or ``none`` become ``zero2`` (OpenDiT's default). ``--cpu_offload all``
+    offloads through FSDP2: ``auto`` / ``none`` become ``fsdp`` (the weights leave the GPU after each block's
+    forward) at any world size, one process included."""
+    if cpu_offload == "all":
+        return "fsdp" if plugin in ("auto", "none") else plugin
     if world_size == 1:
         return "none"
     return "zero2" if plugin in ("auto", "none") else plugin
@@ -140,6 +144,7 @@ def parallelize(
     sequence_parallel_type: str = "auto",
     batch_size: int = 1,
     fused_backward_pass: bool = False,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Prepare ``model`` for (distributed) training without touching its code.
 
@@ -171,6 +176,11 @@ def parallelize(
         fused_backward_pass: the optimizer steps inside the backward block by block (``optim.StepInBackward``):
             the blocks compile one by one even where the model sets ``compile_whole``, since one graph's
             backward would hand out every gradient at once.
+        cpu_offload: under zero2/fsdp, FSDP2's ``CPUOffloadPolicy`` (``--cpu_offload all``): the fp32 shards and
+            their gradients live in host memory (pinned on a GPU); each block's shards are copied to the GPU and
+            cast to ``param_dtype`` when it is gathered, its reduced gradients copied back. ``model`` may then be
+            on the CPU: fully_shard moves one module's parameters at a time to the device, shards and offloads
+            them.
 
     Returns:
         The model to train: the same module (fully_shard works in place) or a DDP wrapper around it.
@@ -223,20 +233,26 @@ def parallelize(
         return ddp
     if plugin in ("zero2", "fsdp"):
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if cpu_offload else OffloadPolicy()
         reshard = plugin == "fsdp"
         for i, block in enumerate(blocks):
             # The last block is the first one the backward needs: resharding it would only gather it again.
-            fully_shard(block, mesh=dist.mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=mp)
+            fully_shard(block, mesh=dist.mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=mp,
+                        offload_policy=offload)
         if reshard:  # gather two blocks ahead in the backward, so each gather hides behind more compute
             for i, block in enumerate(blocks):
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
         # The root's own parameters (embedders, final layer) are used last in the forward: keep them.
-        fully_shard(model, mesh=dist.mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(model, mesh=dist.mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     return model
 
 
 def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the tensors' squared L2 norms, a 0-dim fp32 tensor on their device (one multi-tensor norm)."""
+    """The sum of the tensors' squared L2 norms, a 0-dim fp32 tensor on their device (one multi-tensor norm on a GPU;
+    on the CPU one BLAS dot product per tensor: over SDXL's 10 GB of host gradients on an H100 machine's 16 cores,
+    torch 2.11's CPU norm took 1.13 s and the dot products 0.23 s, benchmarks/results/lowmem/host_step_h100.txt)."""
+    if tensors[0].device.type == "cpu":
+        return torch.stack([torch.dot(t.reshape(-1), t.reshape(-1)) for t in tensors]).float().sum()
     return torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
 
 
@@ -261,10 +277,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dist: Dist) -> torch.Tens
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     squares = squared_norm(local)
     if grads and isinstance(grads[0], DTensor):
+        squares = squares.to(dist.device)  # host shards (--cpu_offload all) reduce on the process group's device
         torch.distributed.all_reduce(squares, group=dist.mesh.get_group())
     total = squares.sqrt()
     if max_norm > 0:
-        torch._foreach_mul_(local, clip_coefficient(total, max_norm))
+        torch._foreach_mul_(local, clip_coefficient(total, max_norm).to(local[0].device))
     return total
 
 

@@ -80,7 +80,8 @@ class EMA:
             self._pairs = (model, [_local(self.shadow[k]) for k in self.trainable],
                            [_local(params[k].detach()) for k in self.trainable])
         _, ema, weights = self._pairs
-        rate = 1.0 - decay if skip is None else (1.0 - decay) * (~skip).float()
+        # on the weights' device: the CPU under --cpu_offload all
+        rate = 1.0 - decay if skip is None else (1.0 - decay) * (~skip).float().to(ema[0].device)
         same = [i for i, (e, w) in enumerate(zip(ema, weights)) if e.dtype == w.dtype]
         if same:
             torch._foreach_lerp_([ema[i] for i in same], [weights[i] for i in same],
@@ -94,4 +95,15 @@ class EMA:
         return self.shadow
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in self.shadow.items()}
+        return {k: _full(v).detach().cpu() for k, v in self.shadow.items()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective), or ``t`` itself. Host shards of a GPU mesh (``--cpu_offload all``)
+    gather on the GPU: NCCL takes no host tensors."""
+    if not isinstance(t, DTensor):
+        return t
+    local, mesh = t.to_local(), t.device_mesh
+    if local.device.type != mesh.device_type:
+        t = DTensor.from_local(local.to(mesh.device_type), mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor()

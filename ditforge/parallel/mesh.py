@@ -52,12 +52,14 @@ class Dist:
             dist.barrier()
 
 
-def init_distributed(device: str = "auto", sequence_parallel_size: int = 1) -> Dist:
+def init_distributed(device: str = "auto", sequence_parallel_size: int = 1, group_of_one: bool = False) -> Dist:
     """Join the process group torchrun set up (NCCL on GPUs, gloo on CPUs) and build a 1-D ``dp`` mesh, and
     with ``sequence_parallel_size`` > 1 the 2-D (``dp``, ``sp``) mesh, consecutive ranks in one ``sp`` group
     (on one host first: sequence parallelism communicates every layer).
 
-    Without torchrun (WORLD_SIZE unset or 1) returns a single-process ``Dist`` and starts nothing.
+    Without torchrun (WORLD_SIZE unset or 1) returns a single-process ``Dist`` and starts nothing, unless
+    ``group_of_one`` (FSDP2 in one process, for ``--cpu_offload all``): then a process group of this process
+    alone (an in-memory store) and its mesh.
 
     Raises:
         UserError: a sequence-parallel size that does not divide the number of processes.
@@ -65,15 +67,19 @@ def init_distributed(device: str = "auto", sequence_parallel_size: int = 1) -> D
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % sequence_parallel_size:
         raise UserError(f"--sequence_parallel_size {sequence_parallel_size} does not divide the {world} processes")
-    if world == 1:
+    if world == 1 and not group_of_one:
         return Dist(device=resolve_device(device))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dev = resolve_device(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", local_rank)
+        dev = torch.device("cuda", dev.index if world == 1 and dev.index is not None else local_rank)
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if world == 1:  # no torchrun: nothing to rendezvous with
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend)
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
     sp_mesh = None
     if sequence_parallel_size > 1:

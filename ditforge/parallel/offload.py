@@ -1,4 +1,6 @@
-"""Optimizer states in pinned host memory, streamed through a ring buffer on the GPU: ``--cpu_offload optimizer``.
+"""CPU offload: optimizer states in pinned host memory streamed through a ring buffer on the GPU (``--cpu_offload
+optimizer``, ``StreamedStates``), and the one-step delayed update of the host step (``--cpu_offload all
+--delayed_update``, ``DelayedAdamW``).
 
 ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training", section 4) keeps the
 fp32 master and the moments on the host and steps them there: the gradients go down and the bf16 weights come
@@ -24,7 +26,11 @@ steps on the CPU, and torchao's ``CPUOffloadOptimizer`` also steps on the host.
 
 from __future__ import annotations
 
+import threading
+
 import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw
 
 ALIGN = 256  # bytes: every view in the ring starts at a multiple (the kernel needs 16)
 RING_BYTES = 256 * 2**20  # the ring's default size
@@ -188,3 +194,88 @@ class StreamedStates:
         else:
             region.copy_(flat)
         self.staged[key] = (start, uploaded)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class DelayedAdamW(torch.optim.AdamW):
+    """torch's fused AdamW on host weights with ZeRO-Offload's one-step delayed parameter update (DPU; Ren et al.
+    2021, "ZeRO-Offload", section 5.2), for ``--cpu_offload all --delayed_update``.
+
+    ``step()`` after the backward of step t publishes the weights that the step of gradients g_{t-1} computed,
+    then starts the step of g_t in a thread and returns: that step runs on the CPU while the forward and backward
+    of step t+1 run on the GPU, with the weights published. So the weights lag one update: the forward of step
+    t+1 uses w_t = AdamW(w_{t-1}, g_{t-1}), where g_{t-1} was computed at w_{t-2}, instead of
+    w_{t+1} = AdamW(w_t, g_t) computed at w_t. The update itself is ``torch.optim.adamw.adamw`` (fused), the same
+    arithmetic as ``torch.optim.AdamW(fused=True)``.
+
+    The step works on a copy of each weight, ``state["master"]`` (fp32, placed as the weight: a DTensor shard under
+    FSDP2), published by one copy; moments, step counts and masters are the optimizer's state, saved and loaded
+    with it. ``state_dict`` and ``load_state_dict`` first wait for the step in flight, so a checkpoint holds the
+    weights of its last forward and the masters one update ahead, and a run resumed from it continues exactly.
+    The arguments are ``torch.optim.AdamW``'s (``fused`` is always on; the weights must be on the CPU or a GPU of
+    torch's fused AdamW).
+    """
+
+    def __init__(self, params, **kwargs):
+        kwargs["fused"] = True
+        super().__init__(params, **kwargs)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        """Wait for the step in flight (if any); an exception in it is raised here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("DelayedAdamW: no closure (the step runs in a thread)")
+        self.wait()
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        work = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:  # torch.optim.AdamW's fused state, plus the master
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["master"] = p.detach().clone()
+            states = [self.state[p] for p in params]
+            # publish the previous update, then hand the thread this step's gradients (zero_grad drops the
+            # parameters' references; the next backward makes new ones)
+            torch._foreach_copy_([_local(p) for p in params], [_local(s["master"]) for s in states])
+            work.append(([_local(s["master"]) for s in states], [_local(p.grad) for p in params],
+                         [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+                         [s["step"] for s in states], dict(group)))
+        self._thread = threading.Thread(target=self._update, args=(work, found_inf, grad_scale), daemon=True)
+        self._thread.start()
+
+    def _update(self, work: list, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
+        try:
+            for masters, grads, exp_avgs, exp_avg_sqs, steps, group in work:
+                adamw(
+                    masters, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, found_inf=found_inf,
+                    grad_scale=grad_scale, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
+                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        except BaseException as e:  # raised in the training thread at the next wait
+            self._error = e
+
+    def state_dict(self):
+        self.wait()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.wait()
+        super().load_state_dict(state_dict)

@@ -45,6 +45,8 @@ same for both, so ``torch.distributed.checkpoint`` saves and resumes it like any
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import torch
@@ -518,13 +520,16 @@ class StepInBackward:
 
 def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weight_decay: float,
                     device: torch.device, master_weights: str = "fp32",
-                    in_backward: bool = False, fused: bool = True, offload: bool = False) -> torch.optim.Optimizer:
+                    in_backward: bool = False, fused: bool = True, offload: str = "none",
+                    delayed_update: bool = False) -> torch.optim.Optimizer:
     """The optimizer for ``--optimizer`` over ``params`` (bf16 ones take their updates as ``master_weights``
     says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``CompensatedAdamW`` with the one-pass
     Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device, plain tensors: not
     fully_shard's DTensors); otherwise ``torch.optim.AdamW`` (fused on CUDA) for ``adamw`` over fp32 weights stepped
     after the backward, else ``CompensatedAdamW`` with the libraries' kernels. betas (0.9, 0.999), eps 1e-8 (DiT's
-    and diffusers' training scripts'). ``offload`` (``--cpu_offload optimizer``): the states in pinned host memory.
+    and diffusers' training scripts'). ``offload`` ``optimizer`` (``--cpu_offload optimizer``): the states in pinned
+    host memory; ``all``: the parameters are FSDP2's host shards, stepped by torch's fused AdamW on the CPU
+    (``DelayedAdamW`` with ``delayed_update``).
 
     Raises:
         UserError: an unknown ``optimizer``, ``adamw8bit`` without bitsandbytes, or ``offload`` where the one-pass
@@ -532,8 +537,13 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer}")
+    if offload == "all":  # ZeRO-Offload's CPU step, with torch's fused (vectorised, multi-threaded) CPU kernel
+        from ditforge.parallel.offload import DelayedAdamW
+
+        kind = DelayedAdamW if delayed_update else functools.partial(torch.optim.AdamW, fused=True)
+        return kind(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
     fused = fused and on_gpu_with_triton(device) and not any(isinstance(p, DTensor) for p in params)
-    if offload and not fused:
+    if offload == "optimizer" and not fused:
         raise UserError(f"--cpu_offload optimizer: needs the one-pass optimizer step (a CUDA GPU with Triton, "
                         f"--fused_optimizer auto, --plugin none or ddp); here the device is {device}")
     if not fused and optimizer == "adamw" and not in_backward and all(p.dtype == torch.float32 for p in params):
@@ -542,7 +552,7 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     return CompensatedAdamW(params, lr=lr, weight_decay=weight_decay,
                             states="8bit" if optimizer == "adamw8bit" else "fp32",
                             rounding="stochastic" if master_weights == "bf16_sr" else "kahan", fused=fused,
-                            offload=offload)
+                            offload=offload == "optimizer")
 
 
 def cap_gpu_memory(budget: int | None, device: torch.device) -> None:
@@ -575,7 +585,10 @@ def bytes_per_parameter(optimizer: str, master_weights: str, fused_backward_pass
     """GPU bytes per trainable parameter, as CompensatedAdamW and torch's AdamW allocate them: the weight (4 fp32,
     2 bf16), its gradient (as the weight; none with the fused backward pass, where only one block's gradients
     exist at a time), the moments (8 fp32, 2 as 8-bit codes) and Kahan's bf16 compensation (2), these two on the
-    host with ``cpu_offload`` "optimizer" (the ring is a fixed ``RING_BYTES``)."""
+    host with ``cpu_offload`` "optimizer" (the ring is a fixed ``RING_BYTES``); none with "all", where all of them
+    live on the host and each block's weights visit the GPU for its forward and backward."""
+    if cpu_offload == "all":
+        return 0
     weight = 4 if master_weights == "fp32" else 2
     states = (8 if optimizer == "adamw" else 2) + (2 if master_weights == "bf16" else 0)
     return weight + (0 if fused_backward_pass else weight) + (0 if cpu_offload == "optimizer" else states)
@@ -584,7 +597,9 @@ def bytes_per_parameter(optimizer: str, master_weights: str, fused_backward_pass
 def state_bytes(trainable: int, frozen_bytes: int, placement: tuple[str, str, bool, str], ema: bool) -> int:
     """GPU bytes of the training state: ``trainable`` parameters under ``placement`` (``bytes_per_parameter``), the
     fp32 EMA (4 bytes each) when kept, ``frozen_bytes`` of frozen weights and the offload ring. Activations not
-    included."""
+    included. With ``--cpu_offload all`` the EMA and the frozen weights are host shards too."""
+    if placement[3] == "all":
+        return 0
     ring = RING_BYTES if placement[3] == "optimizer" else 0
     return trainable * (bytes_per_parameter(*placement) + 4 * ema) + frozen_bytes + ring
 
@@ -614,7 +629,9 @@ def plan_placement(budget: int, trainable: int, frozen_bytes: int, ema: bool, pl
             return p
     opt, master, fused, offload = chosen[-1]
     need = state_bytes(trainable, frozen_bytes, chosen[-1], ema) + ACTIVATION_RESERVE
-    hint = "; --ema_decay 0 drops the EMA's 4 bytes per parameter" if ema else ""
+    ema = ema and offload != "all"  # on the host too
+    hint = "" if offload == "all" else ("; --ema_decay 0 drops the EMA's 4 bytes per parameter" if ema else "") + \
+        "; --cpu_offload all keeps all of it in host memory"
     raise UserError(f"--gpu_memory_budget {budget / gib:.2f} GiB: {trainable / 1e6:.0f}M trainable parameters "
                     f"with --optimizer {opt} --master_weights {master}{' --fused_backward_pass' if fused else ''}"
                     f"{' --cpu_offload ' + offload if offload != 'none' else ''}{' and an EMA' if ema else ''} need "

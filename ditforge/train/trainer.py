@@ -173,10 +173,16 @@ def train_step(
         return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": norm, "skipped": ~norm.isfinite()}
     if scaler is not None:
         scaler.unscale_(optimizer)
-    folds = getattr(optimizer, "folds_clipping", False)  # the fused step scales the gradients as it reads them
-    grad_norm = clip_grad_norm_(model, 0.0 if folds else max_grad_norm, d).detach()
+    # The fused steps scale the gradients as they read them, instead of a pass of their own over the gradients:
+    # ours takes the clip factor, torch's fused AdamW divides by its grad_scale (AMP's unscale, here 1 / factor).
+    folds = getattr(optimizer, "folds_clipping", False)
+    divides = not folds and scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False)
+    grad_norm = clip_grad_norm_(model, 0.0 if folds or divides else max_grad_norm, d).detach()
     if folds and max_grad_norm > 0:
         optimizer.clip_coef = clip_coefficient(grad_norm, max_grad_norm)
+    if divides and max_grad_norm > 0:
+        weights = optimizer.param_groups[0]["params"][0]  # on the CPU under --cpu_offload all
+        optimizer.grad_scale = clip_coefficient(grad_norm, max_grad_norm).reciprocal().to(weights.device)
     skipped = ~(total.isfinite() & grad_norm.isfinite())
     if d.mesh is not None:  # the loss is this process's: every process must skip alike
         flag = skipped.to(d.device, torch.float32)
@@ -186,13 +192,15 @@ def train_step(
         scaler.step(optimizer)
         scaler.update()
     elif getattr(optimizer, "_step_supports_amp_scaling", False):  # fused AdamW: skipped on the device
-        optimizer.found_inf = skipped.float()
+        optimizer.found_inf = skipped.float().to(optimizer.param_groups[0]["params"][0].device)
         optimizer.step()
         optimizer.found_inf = None
     elif not skipped.item():
         optimizer.step()
     if folds:
         optimizer.clip_coef = None
+    if divides:
+        optimizer.grad_scale = None
     optimizer.zero_grad(set_to_none=True)
     return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": grad_norm, "skipped": skipped}
 
@@ -334,7 +342,8 @@ def train(cfg: RunConfig) -> Path:
         # Under a cap the caching allocator's fixed-size segments fragment (a free 300 MB that no 350 MB request
         # fits is lost to the budget); segments that grow in place do not. Read when CUDA first allocates.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    d = init_distributed(cfg.train.device, cfg.parallel.sequence_parallel_size)
+    d = init_distributed(cfg.train.device, cfg.parallel.sequence_parallel_size,
+                         group_of_one=cfg.train.cpu_offload == "all")  # FSDP2 offloads, even in one process
     try:
         with contextlib.ExitStack() as held:
             return _train(cfg, d, held)
@@ -363,13 +372,16 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     budget = parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget") if t.gpu_memory_budget is not None else None
     if budget is not None and device.type == "cuda":
         cap_gpu_memory(budget, device)
-    plugin = resolve_plugin(par.plugin, d.world_size)
+    plugin = resolve_plugin(par.plugin, d.world_size, t.cpu_offload)
     if plugin in ("zero2", "fsdp") and (t.optimizer, t.master_weights) != ("adamw", "fp32"):
         # CompensatedAdamW's states and bitsandbytes' kernel take plain tensors, not fully_shard's DTensors
         raise UserError(f"--optimizer {t.optimizer} --master_weights {t.master_weights}: supported with --plugin "
                         f"none or ddp, got {plugin}")
-    if t.cpu_offload != "none" and plugin in ("zero2", "fsdp"):
-        raise UserError(f"--cpu_offload {t.cpu_offload}: supported with --plugin none or ddp, got {plugin}")
+    if t.cpu_offload == "optimizer" and plugin in ("zero2", "fsdp"):
+        raise UserError(f"--cpu_offload optimizer: supported with --plugin none or ddp, got {plugin}; "
+                        "--cpu_offload all offloads under zero2 / fsdp")
+    if t.cpu_offload == "all" and plugin not in ("zero2", "fsdp"):
+        raise UserError(f"--cpu_offload all: offloads through FSDP2, with --plugin fsdp or zero2, got {plugin}")
     if t.fused_backward_pass and plugin != "none":  # DDP / FSDP reduce a gradient after the hook would step
         raise UserError(f"--fused_backward_pass: one process only, got --plugin {plugin} over {d.world_size}")
     par.plugin = plugin
@@ -389,7 +401,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             on_gpu = device.type == "cuda" and features is None
             helpers = device if features is None else torch.device("cpu")
             pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
-                                  text_device=helpers, vae_device=helpers)
+                                  text_device=helpers, vae_device=helpers,
+                                  denoiser_device=torch.device("cpu") if t.cpu_offload == "all" else device)
         else:
             dit_init = finetune.read_dit_init(cfg)
     dataset = _build_dataset(cfg, run_dir, pre, d)
@@ -449,7 +462,9 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             finetune.load_dit_weights(model, finetune.dit_init_weights(dit_init, cfg), t.seed)
     if m.lora_rank:
         finetune.add_lora_to_denoiser(model, cfg)
-    model.to(device).train()
+    # --cpu_offload all: the model stays in host memory; fully_shard moves one block at a time to the GPU, shards
+    # it and offloads the shards, so the whole model never is on the GPU.
+    model.to(torch.device("cpu") if t.cpu_offload == "all" else device).train()
     half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
     if budget is not None:  # the state's placement under the budget (plan_placement's rule)
         frozen = sum(p.numel() * (2 if half_base else p.element_size()) for p in model.parameters()
@@ -474,12 +489,13 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                         enable_modulate_kernel=t.enable_modulate_kernel,
                         enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8",
                         sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step,
-                        fused_backward_pass=t.fused_backward_pass)
+                        fused_backward_pass=t.fused_backward_pass, cpu_offload=t.cpu_offload == "all")
     adapters_only = bool(m.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
     ema = EMA(model, trainable_only=adapters_only, alias=t.ema_decay == 0)
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t.optimizer, t.lr,
                                 t.weight_decay, device, t.master_weights, in_backward=t.fused_backward_pass,
-                                fused=t.fused_optimizer == "auto", offload=t.cpu_offload == "optimizer")
+                                fused=t.fused_optimizer == "auto", offload=t.cpu_offload,
+                                delayed_update=t.delayed_update)
     # the fused step updates the EMA in its own pass (update_ema is then a no-op); StepInBackward's is per block
     ema_in_step = not t.fused_backward_pass and ema.fuse_into(unwrap(model), optimizer)
     # --fused_backward_pass: the blocks step during the backward; an async checkpoint's staging finishes first
@@ -552,8 +568,11 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                  str(amp_dtype).removeprefix("torch."), max_steps,
                  "per bucket" if bucketed and not mixed else t.batch_size, run_dir)
         log.info("optimizer step: %s%s", "one Triton pass (clipping, AdamW" + (", EMA)" if ema_in_step else ")")
-                 if getattr(optimizer, "fused", False) else "the libraries' kernels (--fused_optimizer off or no GPU)",
-                 "; states in pinned host memory, streamed through a GPU ring" if t.cpu_offload == "optimizer" else "")
+                 if getattr(optimizer, "fused", False) else "torch's fused AdamW on the CPU" if t.cpu_offload == "all"
+                 else "the libraries' kernels (--fused_optimizer off or no GPU)",
+                 {"optimizer": "; states in pinned host memory, streamed through a GPU ring",
+                  "all": ", over weights, gradients and states in host memory (FSDP2's CPUOffloadPolicy)"
+                         + ("; one-step delayed update" if t.delayed_update else "")}.get(t.cpu_offload, ""))
 
     def save(step: int) -> Path | None:
         """Save step ``step`` unless its weights are not finite (RunError); a failed write is a RunError too, or

@@ -129,3 +129,102 @@ def test_step_in_backward_offloaded_equals_resident():
     stream = runs[1][1]._stream
     assert len(stream.order) >= 8 and stream.previous == stream.order  # chunks; the order held: uploads went ahead
     _assert_same(*runs[0], *runs[1])
+
+
+# ---- --cpu_offload all --delayed_update: DelayedAdamW ----
+
+def _adamw64(w: torch.Tensor, grads: list[torch.Tensor], lr: float, wd: float, b1=0.9, b2=0.999, eps=1e-8):
+    """AdamW (Loshchilov & Hutter 2019, Algorithm 2, with Adam's bias corrections; torch.optim.AdamW's form) in
+    float64 from ``w`` over ``grads`` in turn: the weights after each update."""
+    m = v = torch.zeros_like(w)
+    out = []
+    for k, g in enumerate(grads, start=1):
+        w = w * (1 - lr * wd)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        w = w - lr * (m / (1 - b1**k)) / ((v / (1 - b2**k)).sqrt() + eps)
+        out.append(w)
+    return out
+
+
+def test_delayed_update_is_a_one_step_lag():
+    """ZeRO-Offload's delayed update by hand, on loss = sum(w^2) / 2 (gradient g = w) from random w0: the forward
+    of step 1 and of step 2 both see w0 (step 2's gradient is stale), step 3 sees w1 = AdamW(w0; g = w0), and the
+    weights published after step 3 are AdamW(w0; g = w0, w0) -- where the ordinary step gives AdamW(w0; w0, w1).
+    fp32 against the float64 closed form, to 1e-6 (a few fp32 roundings of values ~1)."""
+    from ditforge.parallel.offload import DelayedAdamW
+
+    torch.manual_seed(_seed())
+    w0 = torch.randn(6, dtype=torch.float64)
+    lr, wd = 0.2, 0.1
+    p = torch.nn.Parameter(w0.float())
+    opt = DelayedAdamW([p], lr=lr, weight_decay=wd)
+    seen = []  # the weights each forward used
+    for _ in range(3):
+        seen.append(p.detach().double().clone())
+        p.grad = p.detach().clone()  # d/dw of sum(w^2) / 2, at the weights of this forward
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.wait()
+    published = p.detach().double().clone()
+    w1 = _adamw64(w0, [w0], lr, wd)[0]
+    delayed = _adamw64(w0, [w0, w0], lr, wd)[1]
+    torch.testing.assert_close(seen[0], w0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(seen[1], w0, rtol=1e-6, atol=1e-6)  # the update of step 1 is not yet published
+    torch.testing.assert_close(seen[2], w1, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(published, delayed, rtol=1e-6, atol=1e-6)
+    ordinary = _adamw64(w0, [w0, w1], lr, wd)[1]
+    assert (delayed - ordinary).abs().max() > 100 * 1e-6  # the lag is far above the tolerance
+    torch.testing.assert_close(opt.state[p]["master"].double(), _adamw64(w0, [w0, w0, w1], lr, wd)[2],
+                               rtol=1e-6, atol=1e-6)  # step 3's update (of gradient w1) in flight, not published
+
+
+def test_delayed_update_resumes_exactly():
+    """A state_dict round trip mid-run (with a step in flight) continues bit for bit as the uninterrupted run, and
+    the delayed step's arithmetic is torch.optim.AdamW(fused=True)'s (one step from the same state: equal)."""
+    from ditforge.parallel.offload import DelayedAdamW
+
+    seed = _seed()
+    grads = [[torch.randn(s, generator=torch.Generator().manual_seed(seed + k)) for s in SHAPES[:4]]
+             for k in range(4)]
+
+    def run(params, opt, steps):
+        for gs in steps:
+            for p, g in zip(params, gs):
+                p.grad = g + 0.1 * p.detach()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def fresh():
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(seed))) for s in SHAPES[:4]]
+        return params, DelayedAdamW(params, lr=1e-2, weight_decay=0.1)
+
+    ref_p, ref_o = fresh()
+    run(ref_p, ref_o, grads)
+    ref_o.wait()
+    a_p, a_o = fresh()
+    run(a_p, a_o, grads[:2])
+    saved = a_o.state_dict()
+    weights = [p.detach().clone() for p in a_p]
+    b_p, b_o = fresh()
+    with torch.no_grad():
+        for p, w in zip(b_p, weights):
+            p.copy_(w)
+    b_o.load_state_dict(saved)
+    run(b_p, b_o, grads[2:])
+    b_o.wait()
+    for p, q in zip(b_p, ref_p):
+        assert torch.equal(p, q)
+    for p, q in zip(b_p, ref_p):
+        for key in ("master", "exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(b_o.state[p][key], ref_o.state[q][key]), key
+    # the update in the thread is torch's fused AdamW: the master after one step from a copied state
+    p = [torch.nn.Parameter(ref_o.state[q]["master"].clone()) for q in ref_p]
+    plain = torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)
+    for q, r in zip(p, ref_p):
+        plain.state[q] = {k: ref_o.state[r][k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+        q.grad = grads[0][0].new_ones(q.shape) * 0.3
+    run(ref_p, ref_o, [[g.new_ones(g.shape) * 0.3 - 0.1 * r.detach() for g, r in zip(grads[0], ref_p)]])
+    ref_o.wait()
+    plain.step()
+    for q, r in zip(p, ref_p):
+        assert torch.equal(q.detach(), ref_o.state[r]["master"])

@@ -318,6 +318,11 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     (("--cpu_offload", "optimizer", "--fused_optimizer", "off"), "--cpu_offload optimizer: needs the one-pass"),
     (("--cpu_offload", "optimizer", "--device", "cpu"), "--cpu_offload optimizer: needs the one-pass optimizer step "
                                                         "(a CUDA GPU with Triton"),
+    (("--cpu_offload", "all", "--optimizer", "adamw8bit"), "--cpu_offload all: steps torch's AdamW over fp32 weights "
+                                                           "on the CPU; not with --optimizer adamw8bit"),
+    (("--delayed_update",), "--delayed_update: needs --cpu_offload all, got --cpu_offload none"),
+    (("--cpu_offload", "all", "--plugin", "ddp"), "--cpu_offload all: offloads through FSDP2, with --plugin fsdp or "
+                                                  "zero2, got ddp"),
 ])
 def test_bad_flags_one_line(argv, match, tiny_argv, tmp_path, capsys):
     from ditforge import cli
@@ -362,6 +367,11 @@ def test_plan_placement_bytes_and_order():
     assert plan(10**15, flags=("adamw8bit", "fp32", False, "none")) == ("adamw8bit", "fp32", False, "none")
     with pytest.raises(UserError, match="--optimizer adamw8bit --master_weights fp32"):
         plan(14 * n + frozen + gib - 1, flags=("adamw8bit", "fp32", False, "none"))
+    # --cpu_offload all: weights, gradients, states, EMA and frozen weights are host shards; the reserve remains
+    offload_all = ("adamw", "fp32", False, "all")
+    assert plan(gib, flags=offload_all) == offload_all
+    with pytest.raises(UserError, match="--cpu_offload all need 0.50 GiB"):
+        plan(gib - 1, flags=offload_all)
 
 
 @pytest.mark.parametrize("plugin", ["zero2", "fsdp"])
@@ -371,7 +381,7 @@ def test_sharded_plugins_refuse_compensated_adamw(plugin, tiny_argv, tmp_path, c
     from ditforge import cli
     from ditforge.train import trainer
 
-    monkeypatch.setattr(trainer, "resolve_plugin", lambda plugin_, world_size: plugin)
+    monkeypatch.setattr(trainer, "resolve_plugin", lambda *_: plugin)
     assert cli.main(tiny_argv(tmp_path / "r", "--optimizer", "adamw8bit")) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith(f"--optimizer adamw8bit --master_weights fp32: supported with --plugin none or ddp, got "
@@ -383,7 +393,7 @@ def test_fused_backward_pass_refuses_several_processes(tiny_argv, tmp_path, caps
     from ditforge import cli
     from ditforge.train import trainer
 
-    monkeypatch.setattr(trainer, "resolve_plugin", lambda plugin_, world_size: "ddp")
+    monkeypatch.setattr(trainer, "resolve_plugin", lambda *_: "ddp")
     assert cli.main(tiny_argv(tmp_path / "r", "--fused_backward_pass")) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("--fused_backward_pass: one process only, got --plugin ddp over 1") and \

@@ -103,10 +103,11 @@ class Pretrained:
 
 def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
                     flag: str = FLAG, text_device: torch.device | None = None,
-                    vae_device: torch.device | None = None) -> Pretrained:
+                    vae_device: torch.device | None = None, denoiser_device: torch.device | None = None) -> Pretrained:
     """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
-    ``device``) in ``text_dtype``, its VAE to ``vae_device`` (default ``device``) and the denoiser to ``device``
-    in float32; all are frozen but the denoiser.
+    ``device``) in ``text_dtype``, its VAE to ``vae_device`` (default ``device``) and the denoiser to
+    ``denoiser_device`` (default ``device``; the CPU under ``--cpu_offload all``) in float32; all are frozen but the
+    denoiser.
     The adapter's null condition (the empty prompt) is set.
 
     Raises:
@@ -135,6 +136,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
                 module.to(text_device or device, text_dtype)
             elif name == "vae":
                 module.to(vae_device or device)
+            elif module is getattr(pipe, family.component):
+                module.to(denoiser_device or device)
             else:
                 module.to(device)
     vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
