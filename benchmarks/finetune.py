@@ -26,7 +26,10 @@ bf16 --ema_decay 0 --gpu_memory_budget 8GiB``, with CUDA graphs and/or gradient 
 ``sr_fused16_ckpt2`` (+ op-level selective checkpointing, every second block), ``sr_fused16_ckpt2_compile``;
 ``offload4``, ``offload16`` (``sr_fused`` + ``--cpu_offload optimizer``: 2 bytes per parameter on the GPU, the
 moments streamed from pinned host memory) and ``offload8_ckpt``, ``offload8_ckpt2`` (+ checkpointing of every
-block, of every second block).
+block, of every second block); ``offload_all8_ckpt`` (``--cpu_offload all --ema_decay 0 --grad_checkpoint`` under
+8 GiB: weights, gradients and fp32 AdamW states in host memory, FSDP2 in one process, the step on the CPU),
+``offload_all8_z2_ckpt`` (``--plugin zero2``: the bf16 weights gathered once per step and kept through the backward),
+and each with ``_dpu`` (+ ``--delayed_update``).
 
 Each row is its own ``ditforge train`` process (``--max_steps`` steps, metrics every ``--log_every``): ms/step is the
 median over the logged windows after the first (compilation and warm-up), from ``samples_per_sec``; peak GiB is
@@ -60,6 +63,7 @@ CAPTIONS = tiny_pipelines.CAPTIONS
 LOWMEM = ["--optimizer", "adamw8bit", "--master_weights", "bf16", "--ema_decay", "0"]
 SR_FUSED = ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--fused_backward_pass", "--ema_decay", "0"]
 OFFLOAD = [*SR_FUSED, "--cpu_offload", "optimizer"]
+OFFLOAD_ALL = ["--cpu_offload", "all", "--ema_decay", "0"]
 ROWS = {
     "full": [],
     "full_compile": ["--compile"],
@@ -91,6 +95,12 @@ ROWS = {
     "offload16": [*OFFLOAD, "--gpu_memory_budget", "16GiB"],
     "offload8_ckpt": [*OFFLOAD, "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
     "offload8_ckpt2": [*OFFLOAD, "--grad_checkpoint", "every-2", "--gpu_memory_budget", "8GiB"],
+    # everything in host memory (FSDP2's CPUOffloadPolicy, torch's fused AdamW on the CPU), with the delayed update
+    "offload_all8_ckpt": [*OFFLOAD_ALL, "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
+    "offload_all8_ckpt_dpu": [*OFFLOAD_ALL, "--grad_checkpoint", "--delayed_update", "--gpu_memory_budget", "8GiB"],
+    "offload_all8_z2_ckpt": [*OFFLOAD_ALL, "--plugin", "zero2", "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
+    "offload_all8_z2_ckpt_dpu": [*OFFLOAD_ALL, "--plugin", "zero2", "--grad_checkpoint", "--delayed_update",
+                                 "--gpu_memory_budget", "8GiB"],
 }
 
 

@@ -4,6 +4,7 @@
 # Usage (repository root, GPU machine, wheels of diffusers and bitsandbytes in .whl/):
 #   bash benchmarks/lowmem.sh sd15 "sd15/adamw_nockpt sd15/bnb8_paged" full_ro_noema,lowmem8_ro
 #   bash benchmarks/lowmem.sh dit "" ""     # ditforge bench --memory, DiT-XL/2 256px batch 32, 8 GiB cap
+# STEPS, LOG_EVERY and ROW_TIMEOUT (default 30, 10, 240 s) set the rows' length.
 # Writes $OUT/<model>_anchor.json, $OUT/<model>.json (or $OUT/bench-*.json) and the logs.
 set -uo pipefail
 model=$1 anchors=$2 rows=$3
@@ -26,6 +27,7 @@ if [ "$model" = dit ]; then
     python3 -m ditforge bench --memory --model DiT-XL/2 --image_size 256 --batch_size 32 --steps 10 --warmup 5 \
         --gpu_memory_budget 8GiB --outputs "$OUT" 2>&1 | grep -v "gemm_4bit" | tee "$OUT/dit_memory.log"
 elif [ -n "$rows" ]; then
-    python3 benchmarks/finetune.py --model "$model" --rows "$rows" --steps 30 --log_every 10 --row_timeout 240 \
+    python3 benchmarks/finetune.py --model "$model" --rows "$rows" --steps "${STEPS:-30}" --log_every "${LOG_EVERY:-10}" \
+        --row_timeout "${ROW_TIMEOUT:-240}" \
         --json "$OUT/${model}.json" 2>&1 | grep -v "gemm_4bit" | tee "$OUT/${model}.log"
 fi
