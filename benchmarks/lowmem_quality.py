@@ -15,6 +15,8 @@ weights of size 1), bf16 compute, no EMA, the same data order and noise:
     sr_8bit     --optimizer adamw8bit --master_weights bf16_sr (the 8 GiB DiT-XL/2 row)
     fp32_library  the reference with the libraries' kernels (--fused_optimizer off): on a GPU every other mode
                 runs the one-pass Triton step
+    delayed     --cpu_offload all --delayed_update (ZeRO-Offload's one-step delayed update; --cpu_offload all
+                alone equals fp32 to fp32 rounding, tested)
 
 ``--modes`` picks some (fp32 and fp32_seed1 always run: they are the reference and the noise).
 
@@ -48,6 +50,7 @@ MODES = {
     "sr_8bit_fused": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--fused_backward_pass"],
     "sr_8bit": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr"],
     "fp32_library": ["--fused_optimizer", "off"],
+    "delayed": ["--cpu_offload", "all", "--delayed_update"],
 }
 
 
