@@ -512,6 +512,9 @@ def validate(cfg: RunConfig) -> None:
     if t.cpu_offload == "all" and (t.optimizer, t.master_weights, t.fused_backward_pass) != ("adamw", "fp32", False):
         raise UserError("--cpu_offload all: steps torch's AdamW over fp32 weights on the CPU; not with --optimizer "
                         f"{t.optimizer}, --master_weights {t.master_weights} or --fused_backward_pass")
+    if t.cpu_offload == "all" and t.mixed_precision == "fp16":  # the scaler's found-inf would stay on the GPU
+        raise UserError("--cpu_offload all: not with --mixed_precision fp16 (the CPU step takes no loss scaler); "
+                        "use bf16")
     if t.delayed_update and t.cpu_offload != "all":
         raise UserError(f"--delayed_update: needs --cpu_offload all, got --cpu_offload {t.cpu_offload}")
     if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:

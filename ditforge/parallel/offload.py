@@ -215,11 +215,14 @@ class DelayedAdamW(torch.optim.AdamW):
     FSDP2), published by one copy; moments, step counts and masters are the optimizer's state, saved and loaded
     with it. ``state_dict`` and ``load_state_dict`` first wait for the step in flight, so a checkpoint holds the
     weights of its last forward and the masters one update ahead, and a run resumed from it continues exactly.
+    So the last update of a run stays in the masters: its final weights are those of its last forward.
     The arguments are ``torch.optim.AdamW``'s (``fused`` is always on; the weights must be on the CPU or a GPU of
     torch's fused AdamW).
     """
 
     def __init__(self, params, **kwargs):
+        if kwargs.get("amsgrad") or kwargs.get("maximize"):
+            raise ValueError("DelayedAdamW: no amsgrad or maximize")
         kwargs["fused"] = True
         super().__init__(params, **kwargs)
         self._thread: threading.Thread | None = None
@@ -240,6 +243,10 @@ class DelayedAdamW(torch.optim.AdamW):
             raise ValueError("DelayedAdamW: no closure (the step runs in a thread)")
         self.wait()
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        # publish the previous update (of every weight stepped before, with a gradient now or not)
+        stepped = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
+        if stepped:
+            torch._foreach_copy_([_local(p) for p in stepped], [_local(self.state[p]["master"]) for p in stepped])
         work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -253,9 +260,8 @@ class DelayedAdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["master"] = p.detach().clone()
             states = [self.state[p] for p in params]
-            # publish the previous update, then hand the thread this step's gradients (zero_grad drops the
-            # parameters' references; the next backward makes new ones)
-            torch._foreach_copy_([_local(p) for p in params], [_local(s["master"]) for s in states])
+            # hand the thread this step's gradients (zero_grad drops the parameters' references; the next
+            # backward makes new ones)
             work.append(([_local(s["master"]) for s in states], [_local(p.grad) for p in params],
                          [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
                          [s["step"] for s in states], dict(group)))
@@ -271,6 +277,11 @@ class DelayedAdamW(torch.optim.AdamW):
                     lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
         except BaseException as e:  # raised in the training thread at the next wait
             self._error = e
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroing in place would change the gradients the thread reads
+            self.wait()
+        super().zero_grad(set_to_none)
 
     def state_dict(self):
         self.wait()

@@ -511,6 +511,10 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             scaler = torch.amp.GradScaler(device.type)
     start_step, loader_state = 0, None
     if resume_from is not None:
+        saved = bool(ckpt_io.read_meta(resume_from).get("config", {}).get("train", {}).get("delayed_update"))
+        if saved != t.delayed_update:  # its optimizer state holds the masters, one update ahead of the weights
+            raise UserError(f"--resume {resume_from}: saved {'with' if saved else 'without'} --delayed_update; "
+                            f"resume it {'with' if saved else 'without'} the flag")
         meta = ckpt_io.load_training_state(resume_from, model, optimizer, ema, adapters_only)
         start_step, loader_state = int(meta["step"]), meta.get("loader")
         if scaler is not None and meta.get("scaler"):
@@ -642,7 +646,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         if not d.is_main:
             return
         if pre is not None:  # the family's own pipeline and scheduler draw the grid
-            pixels, grid_model = finetune.sample_grid(pre, cfg, weights, dataset, grid_model)
+            # on the run's device: under --cpu_offload all the trained weights are in host memory
+            pixels, grid_model = finetune.sample_grid(pre, cfg, weights, dataset, grid_model, device=device)
             save_grid(to_uint8(pixels), (run_dir / "samples" / f"step-{step:07d}.png"), nrow=4)
             return
         if grid_cond is None:

@@ -71,3 +71,19 @@ def test_delayed_update_resumes_exactly(delayed_reference, tmp_path):
     assert all(r["loss"] == ref_losses[r["step"]] for r in got.records)  # bit for bit: same process, same order
     assert_same_weights(got.model, ref.model, atol=0.0)
     assert_same_weights(got.ema, ref.ema, atol=0.0)
+
+
+def test_resume_needs_the_same_delayed_update(delayed_reference, tiny_reference, tmp_path, capsys):
+    """A checkpoint of the delayed update holds the masters one update ahead of its weights: a resume keeps the
+    saved flag, and one that turns it off (or on, for a checkpoint without it) is refused in one line, exit 2."""
+    from ditforge import cli
+    from dist_helpers import COMMON
+
+    for ckpt, flags, saved in ((delayed_reference[0] / "checkpoints" / "step-0000002", ["--no-delayed_update"],
+                                "with"),
+                               (tiny_reference[0] / "checkpoints" / "step-0000003", DELAYED, "without")):
+        assert cli.main(["train", *COMMON, "--outputs", str(tmp_path / saved), *TINY, *OFFLOAD, *flags,
+                         "--max_steps", "5", "--resume", str(ckpt)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"--resume {ckpt}: saved {saved} --delayed_update; resume it {saved} the flag"), err
+        assert len(err.splitlines()) == 1

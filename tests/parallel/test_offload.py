@@ -228,3 +228,37 @@ def test_delayed_update_resumes_exactly():
     plain.step()
     for q, r in zip(p, ref_p):
         assert torch.equal(q.detach(), ref_o.state[r]["master"])
+
+
+def test_delayed_update_is_fused_adamw_one_step_late():
+    """With the clip factor folded in as ``grad_scale`` (varying) and one skipped step (``found_inf``), as the trainer
+    sets them: the weights the delayed update publishes at step k+1 are torch.optim.AdamW(fused=True)'s after step k
+    with the same gradients (fixed, so independent of the weights), bit for bit; a weight without a gradient at a
+    step still gets its pending update published."""
+    from ditforge.parallel.offload import DelayedAdamW
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g) for s in SHAPES[:4]]
+    ref_p = [torch.nn.Parameter(w.clone()) for w in init]
+    del_p = [torch.nn.Parameter(w.clone()) for w in init]
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1, fused=True)
+    delayed = DelayedAdamW(del_p, lr=1e-2, weight_decay=0.1)
+    history = [[w.clone() for w in init]]
+    for k in range(6):
+        grads = [torch.randn(s, generator=g) for s in SHAPES[:4]]
+        scale = torch.tensor(1.0 + 2.0 * torch.rand((), generator=g).item())
+        skip = torch.tensor(float(k == 3))
+        for opt, params in ((ref, ref_p), (delayed, del_p)):
+            for i, (p, grad) in enumerate(zip(params, grads)):
+                p.grad = None if (k == 4 and i == 0) else grad.clone()  # weight 0 has no gradient at step 4
+            opt.grad_scale, opt.found_inf = scale, skip
+            opt.step()
+            opt.grad_scale = opt.found_inf = None
+            opt.zero_grad(set_to_none=True)
+        for p, want in zip(del_p, history[-1]):
+            assert torch.equal(p.detach(), want)
+        history.append([p.detach().clone() for p in ref_p])
+    assert all(torch.equal(a, b) for a, b in zip(history[3], history[4]))  # step 4 (k = 3) was skipped
+    assert not any(torch.equal(a, b) for a, b in zip(history[2], history[3]))  # the others moved every weight
+    delayed.wait()

@@ -321,6 +321,7 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     (("--cpu_offload", "all", "--optimizer", "adamw8bit"), "--cpu_offload all: steps torch's AdamW over fp32 weights "
                                                            "on the CPU; not with --optimizer adamw8bit"),
     (("--delayed_update",), "--delayed_update: needs --cpu_offload all, got --cpu_offload none"),
+    (("--cpu_offload", "all", "--mixed_precision", "fp16"), "--cpu_offload all: not with --mixed_precision fp16"),
     (("--cpu_offload", "all", "--plugin", "ddp"), "--cpu_offload all: offloads through FSDP2, with --plugin fsdp or "
                                                   "zero2, got ddp"),
 ])
