@@ -20,7 +20,8 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (a view, no copy), or ``t`` itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -77,8 +78,8 @@ class EMA:
             return
         if self._pairs is None or self._pairs[0] is not model:  # name matching once, not every step
             params = {canonical_name(n): p for n, p in model.named_parameters()}
-            self._pairs = (model, [_local(self.shadow[k]) for k in self.trainable],
-                           [_local(params[k].detach()) for k in self.trainable])
+            self._pairs = (model, [local_shard(self.shadow[k]) for k in self.trainable],
+                           [local_shard(params[k].detach()) for k in self.trainable])
         _, ema, weights = self._pairs
         # on the weights' device: the CPU under --cpu_offload all
         rate = 1.0 - decay if skip is None else (1.0 - decay) * (~skip).float().to(ema[0].device)

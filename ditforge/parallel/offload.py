@@ -29,8 +29,9 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
+
+from ditforge.parallel.ema import local_shard
 
 ALIGN = 256  # bytes: every view in the ring starts at a multiple (the kernel needs 16)
 RING_BYTES = 256 * 2**20  # the ring's default size
@@ -196,10 +197,6 @@ class StreamedStates:
         self.staged[key] = (start, uploaded)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class DelayedAdamW(torch.optim.AdamW):
     """torch's fused AdamW on host weights with ZeRO-Offload's one-step delayed parameter update (DPU; Ren et al.
     2021, "ZeRO-Offload", section 5.2), for ``--cpu_offload all --delayed_update``.
@@ -246,7 +243,7 @@ class DelayedAdamW(torch.optim.AdamW):
         # publish the previous update (of every weight stepped before, with a gradient now or not)
         stepped = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
         if stepped:
-            torch._foreach_copy_([_local(p) for p in stepped], [_local(self.state[p]["master"]) for p in stepped])
+            torch._foreach_copy_([local_shard(p) for p in stepped], [local_shard(self.state[p]["master"]) for p in stepped])
         work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -255,15 +252,15 @@ class DelayedAdamW(torch.optim.AdamW):
             for p in params:
                 state = self.state[p]
                 if not state:  # torch.optim.AdamW's fused state, plus the master
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(p).device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["master"] = p.detach().clone()
             states = [self.state[p] for p in params]
             # hand the thread this step's gradients (zero_grad drops the parameters' references; the next
             # backward makes new ones)
-            work.append(([_local(s["master"]) for s in states], [_local(p.grad) for p in params],
-                         [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+            work.append(([local_shard(s["master"]) for s in states], [local_shard(p.grad) for p in params],
+                         [local_shard(s["exp_avg"]) for s in states], [local_shard(s["exp_avg_sq"]) for s in states],
                          [s["step"] for s in states], dict(group)))
         self._thread = threading.Thread(target=self._update, args=(work, found_inf, grad_scale), daemon=True)
         self._thread.start()

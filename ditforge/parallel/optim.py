@@ -58,7 +58,7 @@ from ditforge.config import OPTIMIZERS
 from ditforge.errors import UserError
 from ditforge.ops.fused_adamw import Kind, OnePassAdamW, on_gpu_with_triton
 from ditforge.parallel import clip_coefficient
-from ditforge.parallel.offload import RING_BYTES, StreamedStates, aligned
+from ditforge.parallel.offload import RING_BYTES, DelayedAdamW, StreamedStates, aligned
 
 BLOCKSIZE = 256  # bitsandbytes' block of the 8-bit blockwise optimizers
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 moments
@@ -538,8 +538,6 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     if optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer}")
     if offload == "all":  # ZeRO-Offload's CPU step, with torch's fused (vectorised, multi-threaded) CPU kernel
-        from ditforge.parallel.offload import DelayedAdamW
-
         kind = DelayedAdamW if delayed_update else functools.partial(torch.optim.AdamW, fused=True)
         return kind(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
     fused = fused and on_gpu_with_triton(device) and not any(isinstance(p, DTensor) for p in params)

@@ -250,17 +250,16 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
 
 
 def sample_grid(pre: Pretrained, cfg, weights: dict[str, torch.Tensor], dataset, denoiser=None,
-                num_steps: int = 25, guidance_scale: float = 4.5, device: torch.device | None = None
+                num_steps: int = 25, guidance_scale: float = 4.5, *, device: torch.device
                 ) -> tuple[torch.Tensor, DiffusersDenoiser]:
     """The trainer's periodic samples of a fine-tuned pipeline: the first 8 distinct captions of the data (each
     repeated to 8 images), ``weights`` (the EMA, as ``EMA.full_state_dict``) in a second denoiser (built on the first
-    call from the folder, on ``device``, default the trained denoiser's, and passed back in later), drawn by the
-    family's pipeline with per-image seeds ``derive_seed(seed, i)``. Returns ((8, 3, S, S) pixels in [-1, 1], the
-    denoiser)."""
+    call from the folder, on the run's ``device``, and passed back in later), drawn by the family's pipeline with
+    per-image seeds ``derive_seed(seed, i)``. Returns ((8, 3, S, S) pixels in [-1, 1], the denoiser)."""
     from ditforge.data.sampler import derive_seed
 
     if denoiser is None:
-        denoiser = fresh_denoiser(pre, cfg).to(device or next(pre.denoiser.parameters()).device).eval()
+        denoiser = fresh_denoiser(pre, cfg).to(device).eval()
     denoiser.load_state_dict(weights, strict=False)  # the EMA holds trainable parameters; the rest is the folder's
     captions = list(dict.fromkeys(getattr(dataset, "texts", None) or dataset.class_captions))[:8]
     prompts = (captions * 8)[:8]

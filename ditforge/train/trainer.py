@@ -180,9 +180,10 @@ def train_step(
     grad_norm = clip_grad_norm_(model, 0.0 if folds or divides else max_grad_norm, d).detach()
     if folds and max_grad_norm > 0:
         optimizer.clip_coef = clip_coefficient(grad_norm, max_grad_norm)
+    # torch's fused AdamW takes grad_scale and found_inf on the weights' device (the CPU under --cpu_offload all)
+    scalar_device = optimizer.param_groups[0]["params"][0].device
     if divides and max_grad_norm > 0:
-        weights = optimizer.param_groups[0]["params"][0]  # on the CPU under --cpu_offload all
-        optimizer.grad_scale = clip_coefficient(grad_norm, max_grad_norm).reciprocal().to(weights.device)
+        optimizer.grad_scale = clip_coefficient(grad_norm, max_grad_norm).reciprocal().to(scalar_device)
     skipped = ~(total.isfinite() & grad_norm.isfinite())
     if d.mesh is not None:  # the loss is this process's: every process must skip alike
         flag = skipped.to(d.device, torch.float32)
@@ -192,7 +193,7 @@ def train_step(
         scaler.step(optimizer)
         scaler.update()
     elif getattr(optimizer, "_step_supports_amp_scaling", False):  # fused AdamW: skipped on the device
-        optimizer.found_inf = skipped.float().to(optimizer.param_groups[0]["params"][0].device)
+        optimizer.found_inf = skipped.float().to(scalar_device)
         optimizer.step()
         optimizer.found_inf = None
     elif not skipped.item():
@@ -390,6 +391,9 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     if (cfg.data.buckets is None or mixed) and t.batch_size % per_step:  # buckets: checked per bucket below
         raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.dp_size} data-parallel processes x "
                         f"--grad_accum_steps {par.grad_accum_steps}")
+    # --cpu_offload all: the model stays in host memory; fully_shard moves one block at a time to the GPU, shards
+    # it and offloads the shards, so the whole model never is on the GPU.
+    home = torch.device("cpu") if t.cpu_offload == "all" else device
     pre = dit_init = None  # a pretrained pipeline of a diffusers family / DiT weights (--init_from)
     features = read_manifest(cfg.data.data) if is_features(cfg.data.data) else None
     if m.init_from is None and features is not None:
@@ -402,7 +406,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             helpers = device if features is None else torch.device("cpu")
             pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
                                   text_device=helpers, vae_device=helpers,
-                                  denoiser_device=torch.device("cpu") if t.cpu_offload == "all" else device)
+                                  denoiser_device=home)
         else:
             dit_init = finetune.read_dit_init(cfg)
     dataset = _build_dataset(cfg, run_dir, pre, d)
@@ -462,9 +466,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             finetune.load_dit_weights(model, finetune.dit_init_weights(dit_init, cfg), t.seed)
     if m.lora_rank:
         finetune.add_lora_to_denoiser(model, cfg)
-    # --cpu_offload all: the model stays in host memory; fully_shard moves one block at a time to the GPU, shards
-    # it and offloads the shards, so the whole model never is on the GPU.
-    model.to(torch.device("cpu") if t.cpu_offload == "all" else device).train()
+    model.to(home).train()
     half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
     if budget is not None:  # the state's placement under the budget (plan_placement's rule)
         frozen = sum(p.numel() * (2 if half_base else p.element_size()) for p in model.parameters()
