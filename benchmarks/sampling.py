@@ -27,9 +27,12 @@ model (the attention outputs of a random model need not be stable across steps).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime
@@ -41,7 +44,7 @@ import torch.distributed as dist
 
 from ditforge.data.images import to_uint8
 from ditforge.diffusion import create_diffusion, generate
-from ditforge.diffusion.pab import PABConfig
+from ditforge.diffusion.pab import Broadcast, PABConfig, PyramidAttentionBroadcast
 from ditforge.diffusion.samplers import GuidedModel, sample_loop
 from ditforge.encoders.vae import load_vae
 from ditforge.models import create_model
@@ -51,19 +54,25 @@ from timing import print_top_kernels
 
 STEPS, IMAGE_CFG, VIDEO_CFG = 50, 4.0, 7.0
 FAST = dict(enable_flashattn=True, enable_modulate_kernel=True)
-IMAGE_ROWS = {  # key -> (name, prepare_model settings); a compiled model goes with a compiled VAE, as in sample
-    "fp32": ("ditforge fp32", dict(mixed_precision="fp32")),
-    "bf16": ("ditforge bf16", dict(mixed_precision="bf16")),
-    "compiled": ("ditforge bf16 + fast attn + kernels + compile (CUDA graphs)",
-                 dict(mixed_precision="bf16", compile="reduce-overhead", **FAST)),
+GRAPHED = dict(mixed_precision="bf16", compile="reduce-overhead", **FAST)
+EVERY_STEP = PABConfig(*(Broadcast(0, 999, 1),) * 4)  # patches nothing: the eager model, in the loop's CUDA graph
+IMAGE_ROWS = {  # key -> (name, prepare_model settings, PAB / FORA schedule); a compiled model goes with a compiled VAE
+    "fp32": ("ditforge fp32", dict(mixed_precision="fp32"), None),
+    "bf16": ("ditforge bf16", dict(mixed_precision="bf16"), None),
+    "compiled": ("ditforge bf16 + fast attn + kernels + compile (CUDA graphs)", GRAPHED, None),
     "compiled-no-kernels": ("ditforge bf16 + fast attn + compile (CUDA graphs), inductor's own norm fusion",
-                            dict(mixed_precision="bf16", compile="reduce-overhead", enable_flashattn=True)),
+                            dict(mixed_precision="bf16", compile="reduce-overhead", enable_flashattn=True), None),
+    "eager-graph": ("ditforge bf16 + fast attn + kernels, eager model in the loop's CUDA graph", GRAPHED, EVERY_STEP),
+    "fora2": ("FORA N=2 (eager model in the loop's CUDA graph)", GRAPHED, PABConfig.fora(2)),
+    "fora3": ("FORA N=3 (eager model in the loop's CUDA graph)", GRAPHED, PABConfig.fora(3)),
+    "pab": ("PAB defaults: attention every 2nd step at t 100-800 (eager model in the loop's CUDA graph)", GRAPHED,
+            PABConfig()),
     "fp8": ("ditforge fp8 (float8 GEMMs, torchao) + fast attn + compile (CUDA graphs)",
-            dict(mixed_precision="fp8", compile="reduce-overhead", enable_flashattn=True)),
+            dict(mixed_precision="fp8", compile="reduce-overhead", enable_flashattn=True), None),
     "autotune": ("ditforge bf16 + fast attn + kernels + compile max-autotune",
-                 dict(mixed_precision="bf16", compile="max-autotune", **FAST)),
+                 dict(mixed_precision="bf16", compile="max-autotune", **FAST), None),
     "autotune-no-kernels": ("ditforge bf16 + fast attn + compile max-autotune, inductor's own norm fusion",
-                            dict(mixed_precision="bf16", compile="max-autotune", enable_flashattn=True)),
+                            dict(mixed_precision="bf16", compile="max-autotune", enable_flashattn=True), None),
 }
 
 
@@ -131,7 +140,23 @@ def ssim(ref: np.ndarray, img: np.ndarray) -> float:
     return float(np.mean([structural_similarity(a, b, channel_axis=-1, data_range=255) for a, b in zip(ref, img)]))
 
 
-def images(args, work: Path) -> list[dict]:
+def fidelity_latents(m, y: torch.Tensor, x_T: torch.Tensor, cache: PABConfig | None) -> torch.Tensor:
+    """DDIM with DiTPipeline's timesteps (980, 960, ..., 0) from ``x_T``, run as ``generate`` runs ``m``: its loop
+    graph when it has one (the compiled model inside, or the eager one with a PAB / FORA schedule), else per step."""
+    graphs = getattr(m, "loop_graphs", None)
+    net = getattr(m, "eager", m) if cache is not None else graphs.model if graphs is not None else m
+    diffusion = create_diffusion(",".join(["1"] * STEPS))
+
+    def loop(x, labels, _):
+        fn = GuidedModel(net, labels, IMAGE_CFG)
+        with PyramidAttentionBroadcast(net, cache) if cache is not None else contextlib.nullcontext() as pab:
+            on_step = (lambda t: (fn.step(t), pab.step(t))) if pab is not None else None
+            return sample_loop(diffusion, fn, x, "ddim", clip_denoised=False, on_step=on_step)
+
+    return graphs.run(("fidelity", cache, x_T.shape), loop, x_T, y, None) if graphs is not None else loop(x_T, y, None)
+
+
+def images(args, work: Path, anchor: dict | None) -> list[dict]:
     from diffusers import DiTPipeline
     from diffusers.utils.torch_utils import randn_tensor
 
@@ -169,7 +194,7 @@ def images(args, work: Path) -> list[dict]:
         first, median, theirs = wall(run_diffusers, args.repeat)
         rows.append(dict(section="images", path="diffusers DiTPipeline fp16", batch=batch, first_s=first,
                          median_s=median, images_per_s=batch / median, fidelity_image=theirs))
-        for name, settings in (IMAGE_ROWS[key] for key in args.rows.split(",")):
+        for name, settings, cache in (IMAGE_ROWS[key] for key in args.rows.split(",")):
             m = create_model("DiT-XL/2", 32, 4, 1000, True, 0.1)
             m.load_state_dict(weights)
             m = prepare_model(m, Dist(device=dev), **settings)
@@ -177,9 +202,9 @@ def images(args, work: Path) -> list[dict]:
             if settings.get("compile"):
                 vae.compile()
 
-            def latents(steps: int, m=m) -> torch.Tensor:
+            def latents(steps: int, m=m, cache=cache) -> torch.Tensor:
                 return generate(m, y, (4, 32, 32), cfg_scale=IMAGE_CFG, num_steps=steps, sampler="ddim",
-                                generator=torch.Generator(dev).manual_seed(0), clip_denoised=False)
+                                generator=torch.Generator(dev).manual_seed(0), clip_denoised=False, pab=cache)
 
             def run(vae=vae):  # exactly what `ditforge sample` runs per batch
                 return to_uint8(vae.decode(latents(STEPS)).float())
@@ -189,11 +214,8 @@ def images(args, work: Path) -> list[dict]:
             z = latents(STEPS)
             split = dict(generate_s=wall(lambda: latents(STEPS), args.repeat)[1],
                          decode_s=wall(lambda: to_uint8(vae.decode(z).float()), args.repeat)[1])
-            # fidelity: DiTPipeline's noise and timesteps
-            diffusion = create_diffusion(",".join(["1"] * STEPS))
-            with torch.no_grad():
-                lat = sample_loop(diffusion, GuidedModel(m, y, IMAGE_CFG), noise(batch), "ddim", clip_denoised=False)
-                img = to_uint8(vae.decode(lat).float())
+            with torch.no_grad():  # fidelity: DiTPipeline's noise and timesteps, through the same (graphed) loop
+                img = to_uint8(vae.decode(fidelity_latents(m, y, noise(batch), cache)).float())
             rows.append(dict(section="images", path=name, batch=batch, first_s=first, median_s=median,
                              images_per_s=batch / median, fidelity_image=img, **syncs, **split))
             print(f"{name} batch {batch}: first {first:.1f} s, median {median:.3f} s, {split}", flush=True)
@@ -209,9 +231,20 @@ def images(args, work: Path) -> list[dict]:
     for r in rows:
         base = next(b for b in rows if b["batch"] == r["batch"] and b["path"].startswith("diffusers"))
         r["speedup_vs_diffusers"] = base["median_s"] / r["median_s"]
-        image = r.pop("fidelity_image")
-        r["psnr_vs_fp32_db"] = psnr(refs[r["batch"]], image) if refs[r["batch"]] is not None else float("nan")
+        image, ref = r.pop("fidelity_image"), refs[r["batch"]]
+        r["psnr_vs_fp32_db"] = psnr(ref, image) if ref is not None else float("nan")
+        r["ssim_vs_fp32"] = ssim(ref, image) if ref is not None else float("nan")
+        if anchor:  # the shared anchor, run unchanged in this job: diffusers' DiTPipeline, transformer compiled
+            r["vs_anchor"] = anchor[f"fp16_compiled_b{r['batch']}"] / r["median_s"]
     return rows
+
+
+def run_anchor(script: str) -> dict:
+    """Run ``script`` (``../shared/anchors/diffusers_dit_sampling.py``) unchanged in a subprocess first, in this
+    job; returns its JSON (seconds per call, e.g. ``fp16_compiled_b1``)."""
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, script], check=True, env={**os.environ, "OUT": out})
+        return json.loads((Path(out) / "diffusers_anchor.json").read_text())
 
 
 def video(args, d: Dist, work: Path) -> list[dict]:
@@ -288,32 +321,37 @@ def main() -> None:
                    "(fp32 gives the fidelity reference; autotune compiles for minutes)")
     p.add_argument("--batches", default="1,8", help="images: batch sizes")
     p.add_argument("--top", type=int, default=0, help="images: print the N largest GPU kernels of one sampling loop")
+    p.add_argument("--anchor", help="images: run this anchor script (../shared/anchors/diffusers_dit_sampling.py) "
+                   "unchanged first, in the same job, and add each row's speed-up over its compiled DiTPipeline")
     p.add_argument("--out")
     args = p.parse_args()
     d = init_distributed("cuda", int(os.environ.get("WORLD_SIZE", 1)))
     rows = []
     work = Path(tempfile.gettempdir()) / "ditforge-sampling-bench"  # the random VAE and the diffusers export
     if args.images and d.is_main:
-        rows += images(args, work)
+        rows += images(args, work, run_anchor(args.anchor) if args.anchor else None)
     d.barrier()
     if args.video:
         rows += video(args, d, work)
     if d.is_main:
         meta = dict(date=datetime.now().isoformat(timespec="minutes"), device=torch.cuda.get_device_name(),
-                    gpus=d.world_size, torch=torch.__version__, cuda=torch.version.cuda, steps=STEPS)
+                    gpus=d.world_size, torch=torch.__version__, cuda=torch.version.cuda, steps=STEPS,
+                    anchor=args.anchor)
         try:
             import diffusers
             meta["diffusers"] = diffusers.__version__
         except ImportError:
             pass
         print(json.dumps(meta))
-        print("| path | batch | first call s | median s | per s | vs diffusers / sp=1 | PSNR dB | SSIM |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("| path | batch | first call s | median s | per s | vs diffusers / sp=1 | vs anchor | PSNR dB | SSIM |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             speed = r.get("speedup_vs_diffusers", r.get("speedup_vs_sp1"))
             quality = r.get("psnr_vs_fp32_db", r.get("psnr_vs_no_pab_db"))
+            similar = r.get("ssim_vs_fp32", r.get("ssim_vs_no_pab", float("nan")))
             print(f"| {r['path']} | {r['batch']} | {r['first_s']:.2f} | {r['median_s']:.3f} | "
-                  f"{r['batch'] / r['median_s']:.2f} | {speed:.2f}x | {quality:.1f} | {r.get('ssim_vs_no_pab', float('nan')):.4f} |")
+                  f"{r['batch'] / r['median_s']:.2f} | {speed:.2f}x | {r.get('vs_anchor', float('nan')):.2f}x | "
+                  f"{quality:.1f} | {similar:.4f} |")
         for r in rows:
             if "host_syncs_10_steps" in r:
                 print(f"{r['path']}, batch {r['batch']}: generate {r['generate_s']:.3f} s + decode {r['decode_s']:.3f} s;"

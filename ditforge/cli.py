@@ -128,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     fast.add_argument("--enable_layernorm_kernel", action="store_true", help="LayerNorm as a Triton kernel")
     fast.add_argument("--pab", action="store_true", help="Pyramid Attention Broadcast (video models): recompute "
                       "spatial / temporal / cross-attention only every 2 / 3 / 5 steps in the middle of the "
-                      "schedule (timesteps 100-800, 100-900 for cross); not with --compile")
+                      "schedule (timesteps 100-800, 100-900 for cross); changes the samples (see the README)")
+    fast.add_argument("--fora", type=int, metavar="N", help="FORA static caching: recompute every block's attention "
+                      "and MLP outputs only every N steps, reusing them in between; changes the samples (see the "
+                      "README); not with --pab")
     fast.add_argument("--cfg_parallel", action="store_true", help="under torchrun with 2 x --sequence_parallel_size "
                       "processes: the conditional and unconditional passes run on different GPUs (with --compile when "
                       "--sequence_parallel_size is 1)")

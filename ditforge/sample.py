@@ -45,7 +45,8 @@ class SampleConfig:
     downsample factor); ``num_frames`` overrides a video model's (latent) frame count. ``out`` defaults to
     ``samples.png`` (image models: a PNG grid) or ``samples`` (video models: a folder of MP4s and GIFs).
     Speed: ``mixed_precision`` (auto: bf16 on CUDA), ``compile``, ``enable_*`` as ``prepare_model``; ``pab`` turns
-    on Pyramid Attention Broadcast with ``PABConfig``'s defaults.
+    on Pyramid Attention Broadcast with ``PABConfig``'s defaults, ``fora`` FORA's static caching with that interval
+    (``PABConfig.fora``); they change the samples (README: their PSNR / SSIM).
     """
 
     ckpt: str
@@ -78,6 +79,7 @@ class SampleConfig:
     guidance_channels: int | None = None
     cfg_interval: tuple[int, int] | None = None
     pab: bool = False
+    fora: int | None = None
     cfg_parallel: bool = False
 
 
@@ -130,10 +132,10 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
     - attention kernels, fused adaLN kernels and sequence parallelism (``dist.sp_mesh``) as in training
       (``ditforge.parallel.parallelize``, no optimizer-side wrapping);
     - ``compile``: ``torch.compile`` of the whole model with static shapes (``dynamic=False``: one graph per batch
-      shape, captured once). ``reduce-overhead`` and ``max-autotune`` replay it as a CUDA graph: the 28-block
-      forward of a DiT-XL becomes one launch, which is what makes small batches fast (diffusers' DiTPipeline at
-      batch 1 is bound by kernel launches, not arithmetic). Each call marks a new CUDA-graph step and returns a
-      copy, so outputs stay valid after the next call.
+      shape, compiled at first use; ``CompiledModel``). ``reduce-overhead`` and ``max-autotune`` add CUDA graphs:
+      ``generate`` captures each deterministic sampling loop whole, every step's model call, guidance and update
+      in one graph (``diffusion.LoopGraphs``), and other loops replay the model as a graph per call. Launches, not
+      arithmetic, bound a DiT-XL at batch 1 (diffusers' DiTPipeline is so), which is what this removes.
 
     Args:
         model: an eval-mode DiT / vDiT / STDiT (float32, any device).
@@ -159,15 +161,36 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
         log.info("fp8: %d linear layers run float8 GEMMs", apply_fp8(model, d.device, inference=True))
     if compile == "none":
         return model
-    compiled = torch.compile(model, mode=None if compile == "default" else compile, dynamic=False)
-    if compile not in ("reduce-overhead", "max-autotune") or d.device.type != "cuda":
-        return compiled
+    return CompiledModel(model, compile, d.device)
 
-    def call(*args, **kwargs) -> torch.Tensor:
+
+class CompiledModel:
+    """``prepare_model``'s result when it compiles; called like the model. Everything compiles at first use.
+
+    - The call: ``torch.compile(model, mode=mode, dynamic=False)``. With CUDA graphs (``reduce-overhead`` or
+      ``max-autotune`` on a GPU) each call replays the model's graph, marks a new CUDA-graph step and returns a
+      copy, so outputs stay valid after the next call.
+    - ``loop_graphs`` (CUDA-graph modes on a GPU, else None): a ``diffusion.LoopGraphs`` around the same model
+      compiled without CUDA graphs of its own (``max-autotune-no-cudagraphs`` for ``max-autotune``), in which
+      ``generate`` captures whole loops.
+    - ``eager``: the model itself, which ``generate`` runs for PAB and FORA (their patched module forwards are
+      invisible to a compiled graph; a CUDA graph around the loop follows them).
+    """
+
+    def __init__(self, model: torch.nn.Module, mode: str, device: torch.device):
+        from ditforge.diffusion import LoopGraphs
+
+        self.eager = model
+        self._graphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+        self._compiled = torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)
+        inner = "max-autotune-no-cudagraphs" if mode == "max-autotune" else None
+        self.loop_graphs = LoopGraphs(torch.compile(model, mode=inner, dynamic=False)) if self._graphs else None
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        if not self._graphs:
+            return self._compiled(*args, **kwargs)
         torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*args, **kwargs).clone()
-
-    return call
+        return self._compiled(*args, **kwargs).clone()
 
 
 def _build(ckpt: str, state: dict | Path, spec: dict, use_ema: bool, rebuild_fixed: bool = False) -> torch.nn.Module:
@@ -351,7 +374,7 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         UserError: bad checkpoint or settings; a text model without a prompt or a class model with one (naming
             ``--prompt``); labels outside [0, num_classes); a missing or empty prompt file; latents without a
             known VAE (naming ``--vae``); an image size the VAE does not divide; ``save_npz`` when streaming; a
-            diffusers sampler without diffusers installed (naming ``--sampler``); ``pab`` with ``compile``; ``compile`` with
+            diffusers sampler without diffusers installed (naming ``--sampler``); ``fora`` below 2 or with ``pab``; ``compile`` with
             sequence parallelism; ``cfg_parallel`` without guidance or with the wrong process count; a
             ``cfg_interval`` outside 0..999 or ``guidance_channels`` beyond the model's channels; evaluation-scale
             sampling with ``cfg_parallel`` or sequence parallelism, or into a parts folder of other settings.
@@ -372,10 +395,9 @@ def sample(cfg: SampleConfig) -> np.ndarray:
                         "compiled, CUDA-graph-replayed model are untested); drop --compile")
     if cfg.cfg_parallel and cfg.cfg_scale == 1.0:
         raise UserError("--cfg_parallel: --cfg_scale 1 runs no unconditional pass to put on the second GPU")
-    if cfg.pab and cfg.compile != "none":
-        raise UserError(f"--pab with --compile {cfg.compile}: PAB switches attention on and off from step to step "
-                        "in Python, which a compiled graph (and a CUDA graph's reused outputs) would not follow; "
-                        "drop --compile (PAB pays off on long videos, where kernel launches do not dominate)")
+    if cfg.fora is not None and (cfg.fora < 2 or cfg.pab):
+        raise UserError(f"--fora: expected a recompute interval N >= 2 and no --pab (both are caching schedules), "
+                        f"got {cfg.fora}" + (" with --pab" if cfg.pab else ""))
     if cfg.cfg_interval is not None and not 0 <= cfg.cfg_interval[0] <= cfg.cfg_interval[1] <= 999:
         raise UserError(f"--cfg_interval: expected LOW HIGH timesteps with 0 <= LOW <= HIGH <= 999, got "
                         f"{' '.join(map(str, cfg.cfg_interval))}")
@@ -545,8 +567,15 @@ def _generate(cfg: SampleConfig, d: Dist, model, spec: dict, vae, shape: tuple[i
                     sampler=sampler, eta=cfg.eta, learn_sigma=spec["learn_sigma"], objective=objective,
                     flow_shift=spec.get("flow_shift") or 1.0,
                     clip_denoised=isinstance(vae, IdentityVAE), guidance_channels=cfg.guidance_channels,
-                    cfg_interval=cfg.cfg_interval, pab=PABConfig() if cfg.pab else None, cfg_group=cfg_group,
+                    cfg_interval=cfg.cfg_interval, pab=_cache_schedule(cfg), cfg_group=cfg_group,
                     progress=d.is_main, **noise)
+
+
+def _cache_schedule(cfg: SampleConfig) -> PABConfig | None:
+    """The step-level reuse of ``--pab`` (VideoSys's default schedule) or ``--fora N`` (``PABConfig.fora``)."""
+    if cfg.fora is not None:
+        return PABConfig.fora(cfg.fora)
+    return PABConfig() if cfg.pab else None
 
 
 def _sample_shape(spec: dict, video: bool) -> tuple[int, ...]:

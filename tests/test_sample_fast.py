@@ -1,6 +1,6 @@
 """The fast sampling path: ``prepare_model`` (bf16 weights, torch.compile), the guidance interval, PAB through
-``generate``, and the command's checks of the new flags. GPU-only parts (CUDA graphs, no host syncs per step) are
-measured by benchmarks/sampling.py."""
+``generate``, and the command's checks of the new flags. GPU-only: whole loops as CUDA graphs (here) and float8
+GEMMs; no host syncs per step is measured by benchmarks/sampling.py."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ def _model(name: str = "DiT-T/2", seed: int = 0, **kwargs) -> torch.nn.Module:
     return model.eval()
 
 
-def _draw(model, y, shape=(4, 8, 8), **kwargs) -> torch.Tensor:
-    return generate(model, y, shape, cfg_scale=4.0, num_steps=10, sampler="ddim", clip_denoised=False,
-                    generator=torch.Generator().manual_seed(1), **kwargs)
+def _draw(model, y, shape=(4, 8, 8), sampler="ddim", seed_noise=1, **kwargs) -> torch.Tensor:
+    return generate(model, y, shape, cfg_scale=4.0, num_steps=10, sampler=sampler, clip_denoised=False,
+                    generator=torch.Generator(y.device).manual_seed(seed_noise), **kwargs)
 
 
 def test_prepare_model_bf16_and_compile_match_fp32_eager():
@@ -53,6 +53,29 @@ def test_prepare_model_bf16_and_compile_match_fp32_eager():
         prepare_model(_model(), Dist(), "fp8")
     with pytest.raises(UserError, match="--mixed_precision fp8: not with --sequence_parallel_size"):
         prepare_model(_model(), Dist(sp_mesh=object()), "fp8")  # refused before the mesh is used
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_whole_loop_cuda_graph_equals_the_compiled_model_per_step():
+    """``--compile reduce-overhead`` on a GPU: a DDIM loop (eta 0) and a flow's Euler loop are captured whole
+    (``LoopGraphs``, one graph per loop setting and batch shape) and replayed with new noise and labels; each equals
+    the same compiled model called step by step (no graphs) to float32 rounding (the same kernels; bound 1e-5 of
+    the samples' scale). Noisy loops (DDPM) are not captured."""
+    dev = torch.device("cuda")
+    seed = int(torch.randint(0, 2**31, ()))
+    graphed = prepare_model(_model(seed=seed), Dist(device=dev), "fp32", compile="reduce-overhead")
+    plain = prepare_model(_model(seed=seed), Dist(device=dev), "fp32", compile="default")
+    for objective, sampler in (("ddpm", "ddim"), ("flow", "euler")):
+        for labels in ([1, 2, 3], [4, 5, 6], [7, 8]):
+            y = torch.tensor(labels, device=dev)
+            kwargs = dict(shape=(4, 8, 8), sampler=sampler, objective=objective, seed_noise=len(labels))
+            got, want = (_draw(m, y, **kwargs) for m in (graphed, plain))
+            assert want.std() > 0.1
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (objective, labels)
+    assert len(graphed.loop_graphs) == 4  # two settings x two batch shapes: the second batch of 3 replayed
+    before = len(graphed.loop_graphs)
+    _draw(graphed, torch.tensor([1, 2], device=dev), sampler="ddpm")
+    assert len(graphed.loop_graphs) == before
 
 
 def _fp8_roundtrip_rows(a: torch.Tensor) -> torch.Tensor:
@@ -151,10 +174,16 @@ def test_pab_through_generate():
     assert (cached - plain).abs().max() > 1e-4
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert torch.equal(_draw(model, states, shape, y_mask=mask), plain)
+    # a compiled model runs PAB on its eager module (a compiled graph would not see the patched forwards)
+    compiled = prepare_model(model, Dist(), "fp32", compile="default")
+    assert torch.equal(_draw(compiled, states, shape, y_mask=mask, pab=PABConfig()), cached)
+    fora = _draw(compiled, states, shape, y_mask=mask, pab=PABConfig.fora(3))
+    assert (fora - plain).abs().max() > 1e-4 and (fora - cached).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(pab=True, compile="reduce-overhead"), "--pab"),
+    (dict(fora=1), "--fora: expected a recompute interval N >= 2"),
+    (dict(fora=3, pab=True), "--fora: .* with --pab"),
     (dict(compile="fast"), "--compile"),
     (dict(cfg_interval=(800, 100)), "--cfg_interval"),
     (dict(guidance_channels=0), "--guidance_channels"),

@@ -13,7 +13,13 @@ this kind last computed (VideoSys: a global step counter, reuse where ``count % 
 
 Kinds: ``block.attn`` is "spatial" (in ``DiTBlock`` of DiT / vDiT it is full attention over all tokens; it is
 treated as spatial, the most-varying kind, so it gets the smallest gap), ``block.attn_temp`` (``STDiTBlock``)
-is "temporal", ``block.cross_attn`` (text models) is "cross".
+is "temporal", ``block.cross_attn`` (text models) is "cross", and ``block.mlp`` is "mlp" (VideoSys's MLP
+broadcast; off in the PAB defaults: gap 1).
+
+FORA (``PABConfig.fora(n)``): Selvaraju et al., "FORA: Fast-Forward Caching in Diffusion Transformer
+Acceleration" (arXiv 2407.01425): every block's attention and MLP outputs are recomputed every ``n`` steps and
+reused in between, over the whole schedule (static caching). The adaLN gates and the residual sums still use the
+current step's conditioning, as in FORA.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-KINDS = ("spatial", "temporal", "cross")
-_BLOCK_ATTRS = (("attn", "spatial"), ("attn_temp", "temporal"), ("cross_attn", "cross"))
+KINDS = ("spatial", "temporal", "cross", "mlp")
+_BLOCK_ATTRS = (("attn", "spatial"), ("attn_temp", "temporal"), ("cross_attn", "cross"), ("mlp", "mlp"))
 
 
 @dataclass(frozen=True)
@@ -44,11 +50,20 @@ class Broadcast:
 
 @dataclass(frozen=True)
 class PABConfig:
-    """Per-kind broadcast windows and gaps; defaults from VideoSys ``docs/pab.md``."""
+    """Per-kind broadcast windows and gaps; defaults from VideoSys ``docs/pab.md`` (MLPs always computed)."""
 
     spatial: Broadcast = Broadcast(100, 800, 2)
     temporal: Broadcast = Broadcast(100, 800, 3)
     cross: Broadcast = Broadcast(100, 900, 5)
+    mlp: Broadcast = Broadcast(0, 999, 1)
+
+    @classmethod
+    def fora(cls, interval: int) -> PABConfig:
+        """FORA's static caching: every kind (attention of each kind and the MLP) recomputed every ``interval``
+        steps over all timesteps (FORA, arXiv 2407.01425, sec. 3.2; ``interval`` is its N). Raises ValueError for
+        ``interval`` < 1."""
+        every = Broadcast(0, 999, interval)
+        return cls(every, every, every, every)
 
 
 class PyramidAttentionBroadcast:
@@ -59,9 +74,10 @@ class PyramidAttentionBroadcast:
 
     A patched module, on a reuse step of its kind, returns its cached output (B', N', D) from the last computing
     step if that has the input's leading dims (B', N'), else computes; spatial inputs are (B T', S, D) in STDiT,
-    (B, N, D) in DiT / vDiT, temporal (B S, T', D), cross (B, N, D). Outputs are cached detached: for sampling, not
-    training. Memory: one output per attention module (per call after a ``step``). Eager mode only (a compiled
-    graph would not see the patched forwards). Under sequence parallelism every rank follows the same
+    (B, N, D) in DiT / vDiT, temporal (B S, T', D), cross and mlp (B, N, D). Only kinds with a gap above 1 are
+    patched (and counted). Outputs are cached detached: for sampling, not training. Memory: one output per patched
+    module (per call after a ``step``). Eager modules only (a compiled graph would not see the patched forwards;
+    a CUDA graph captured around the whole loop does, ``samplers.LoopGraphs``). Under sequence parallelism every rank follows the same
     schedule (it depends on t only), so all skip their collectives together.
 
     Attributes:
@@ -78,7 +94,7 @@ class PyramidAttentionBroadcast:
             raise ValueError(f"PAB needs a DiT-family model with .blocks (nn.ModuleList); got {type(model).__name__}")
         self.config = config
         self.modules = [(kind, m) for block in blocks for attr, kind in _BLOCK_ATTRS
-                        if isinstance(m := getattr(block, attr, None), nn.Module)]
+                        if getattr(config, kind).gap > 1 and isinstance(m := getattr(block, attr, None), nn.Module)]
         self.computed = dict.fromkeys(KINDS, 0)
         self.reused = dict.fromkeys(KINDS, 0)
         self._saved: list[tuple[nn.Module, object]] = []

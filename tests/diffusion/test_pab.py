@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from ditforge.diffusion.pab import Broadcast, PABConfig, PyramidAttentionBroadcast
+from ditforge.diffusion.pab import KINDS, Broadcast, PABConfig, PyramidAttentionBroadcast
 from ditforge.models import STDiT, VideoDiT
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -225,7 +225,7 @@ def test_exit_restores_modules_and_reset_recomputes():
         assert list(model.state_dict()) == keys and [n for n, _ in model.named_modules()] == children
         # before the first step every call is plain attention, and nothing is cached
         assert torch.equal(run(model, inputs[0][0]), plain0) and torch.equal(run(model, inputs[0][0]), plain0)
-        assert pab.computed == {k: 2 * DEPTH for k in ATTRS} and sum(pab.reused.values()) == 0
+        assert pab.computed == {k: 2 * DEPTH if k in ATTRS else 0 for k in KINDS} and sum(pab.reused.values()) == 0
         pab.step(TIMESTEPS[0])
         run(model, inputs[0][0])
         pab.step(TIMESTEPS[1])  # cross reuses here (850 in [100, 900], gap 5)
@@ -272,3 +272,33 @@ def test_bad_config_raises(low, high, gap):
 def test_model_without_blocks_raises():
     with pytest.raises(ValueError, match="blocks"):
         PyramidAttentionBroadcast(nn.Linear(4, 4))
+
+
+def test_fora_reuses_attention_and_mlp_every_n_steps():
+    """FORA with N = 3: every block's attention and MLP outputs are computed at steps 0, 3, 6, 9 and reused in
+    between, whatever the timestep; the outputs equal forward hooks that substitute the output each module
+    recorded at the last computing step (an independent implementation), and the plain model where all compute."""
+    model = class_vdit()
+    inputs = make_inputs(model, 1, seed=7)
+    outs, pab = run_pab(model, inputs, PABConfig.fora(3))
+    recorded, state = {}, {"step": 0}
+
+    def hook(mod, args, out):
+        if state["step"] % 3 == 0:
+            recorded[mod] = out.detach().clone()
+            return None
+        return recorded[mod]
+
+    handles = [m.register_forward_hook(hook) for block in model.blocks for m in (block.attn, block.mlp)]
+    try:
+        for i, calls in enumerate(inputs):
+            state["step"] = i
+            torch.testing.assert_close(outs[i][0], run(model, calls[0]), atol=1e-6, rtol=0)
+    finally:
+        for h in handles:
+            h.remove()
+    for i, calls in enumerate(inputs):
+        plain = run(model, calls[0])
+        assert torch.equal(outs[i][0], plain) if i % 3 == 0 else (outs[i][0] - plain).abs().max() > 1e-3
+    assert pab.computed["mlp"] == pab.computed["spatial"] == 4 * DEPTH
+    assert pab.reused["mlp"] == pab.reused["spatial"] == 6 * DEPTH
