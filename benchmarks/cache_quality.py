@@ -68,8 +68,7 @@ def main() -> None:
     for r in rows:
         e = r["eval"]
         print(f"| {r['mode']} | {r['psnr_db_min']:.1f} / {r['psnr_db_mean']:.1f} | {r['ssim_min']:.4f} / "
-              f"{r['ssim_mean']:.4f} | {e.get('digits_fid', float('nan')):.2f} | "
-              f"{e.get('digits_accuracy', float('nan')):.3f} | {r['sample_s']:.1f} |")
+              f"{r['ssim_mean']:.4f} | {e['fid']:.2f} | {e['accuracy']:.3f} | {r['sample_s']:.1f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(date=datetime.now().isoformat(timespec="minutes"),
                                                   torch=torch.__version__, args=vars(args), rows=rows), indent=1))
