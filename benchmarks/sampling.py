@@ -8,11 +8,15 @@ images: DiT-XL/2 at 256px (latents 4x32x32) with random weights (the zero-initia
     classifier-free guidance 4.0 on all latent channels, VAE decode included, batch 1 and 8:
     diffusers' ``DiTPipeline`` in fp16 (the weights exported by ``ditforge export --format diffusers``, with DiT's
     timestep frequencies) against ``ditforge sample``'s own path (``prepare_model`` + ``generate`` + VAE decode +
-    ``to_uint8``) in fp32, bf16, and bf16 + fast attention + fused adaLN kernels + ``--compile`` (CUDA graphs);
-    ``--rows fp8``: the blocks' linear layers as float8 GEMMs (``--mixed_precision fp8``, torchao).
+    ``to_uint8``) in fp32, bf16, and bf16 + fast attention + fused adaLN kernels + ``--compile`` (the whole DDIM
+    loop as one CUDA graph); ``--rows fp8``: the blocks' linear layers as float8 GEMMs (``--mixed_precision fp8``,
+    torchao); ``eager-graph``, ``fora2``, ``fora3``, ``pab``: the eager model in the loop's CUDA graph, without and
+    with step-level reuse (``--fora N``, ``--pab``). ``--anchor ../shared/anchors/diffusers_dit_sampling.py`` runs
+    the compiled-diffusers anchor unchanged first, in the same job, and adds each row's ratio to it.
     Times: wall clock of a whole call (synchronised), median of ``--repeat`` after one warm-up call (which
     compiles). Fidelity: every path from the same starting noise and timesteps (DDIM leading spacing
-    980, 960, ..., 0, as DiTPipeline), PSNR of its uint8 images against ditforge fp32.
+    980, 960, ..., 0 at 50 steps, as DiTPipeline), run as ``generate`` runs it (the loop's graph included), PSNR
+    and SSIM of its uint8 images against ditforge fp32.
 video: a text-conditioned STDiT-XL/2 and vDiT-XL/222 at 16 frames x 256px (latents 4x16x32x32), 120 caption
     states of width 4096 (T5-XXL's), DDIM 50 steps, guidance 7.0, batch 1, bf16 + fast attention + fused kernels,
     eager (``--video_rows compiled,cfg-compiled``: compiled, CUDA graphs): without and with Pyramid Attention
@@ -175,7 +179,8 @@ def images(args, work: Path, anchor: dict | None) -> list[dict]:
     pipe.set_progress_bar_config(disable=True)
     pipe.scheduler.set_timesteps(STEPS)
     leading = pipe.scheduler.timesteps.tolist()
-    assert leading == list(range(980, -1, -20)), leading[:3]
+    stride = 1000 // STEPS
+    assert leading == list(range(1000 - stride, -1, -stride)), leading[:3]
 
     def noise(batch: int) -> torch.Tensor:  # DiTPipeline's own starting latents for seed 0
         g = torch.Generator(dev).manual_seed(0)
@@ -321,10 +326,14 @@ def main() -> None:
                    "(fp32 gives the fidelity reference; autotune compiles for minutes)")
     p.add_argument("--batches", default="1,8", help="images: batch sizes")
     p.add_argument("--top", type=int, default=0, help="images: print the N largest GPU kernels of one sampling loop")
+    p.add_argument("--steps", type=int, default=STEPS, help="sampling steps of our rows and DiTPipeline's (the "
+                   "anchor script always runs 50): fewer steps at equal quality (see cache_quality.py)")
     p.add_argument("--anchor", help="images: run this anchor script (../shared/anchors/diffusers_dit_sampling.py) "
                    "unchanged first, in the same job, and add each row's speed-up over its compiled DiTPipeline")
     p.add_argument("--out")
     args = p.parse_args()
+    global STEPS
+    STEPS = args.steps
     d = init_distributed("cuda", int(os.environ.get("WORLD_SIZE", 1)))
     rows = []
     work = Path(tempfile.gettempdir()) / "ditforge-sampling-bench"  # the random VAE and the diffusers export
