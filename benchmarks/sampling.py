@@ -315,6 +315,7 @@ def video(args, d: Dist, work: Path) -> list[dict]:
 
 
 def main() -> None:
+    global STEPS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", action="store_true")
     p.add_argument("--video", action="store_true")
@@ -332,7 +333,6 @@ def main() -> None:
                    "unchanged first, in the same job, and add each row's speed-up over its compiled DiTPipeline")
     p.add_argument("--out")
     args = p.parse_args()
-    global STEPS
     STEPS = args.steps
     d = init_distributed("cuda", int(os.environ.get("WORLD_SIZE", 1)))
     rows = []
