@@ -374,8 +374,8 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         UserError: bad checkpoint or settings; a text model without a prompt or a class model with one (naming
             ``--prompt``); labels outside [0, num_classes); a missing or empty prompt file; latents without a
             known VAE (naming ``--vae``); an image size the VAE does not divide; ``save_npz`` when streaming; a
-            diffusers sampler without diffusers installed (naming ``--sampler``); ``fora`` below 2 or with ``pab``; ``compile`` with
-            sequence parallelism; ``cfg_parallel`` without guidance or with the wrong process count; a
+            diffusers sampler without diffusers installed (naming ``--sampler``); ``fora`` below 2 or with ``pab``;
+            ``compile`` with sequence parallelism; ``cfg_parallel`` without guidance or with the wrong process count; a
             ``cfg_interval`` outside 0..999 or ``guidance_channels`` beyond the model's channels; evaluation-scale
             sampling with ``cfg_parallel`` or sequence parallelism, or into a parts folder of other settings.
     """

@@ -77,8 +77,8 @@ class PyramidAttentionBroadcast:
     (B, N, D) in DiT / vDiT, temporal (B S, T', D), cross and mlp (B, N, D). Only kinds with a gap above 1 are
     patched (and counted). Outputs are cached detached: for sampling, not training. Memory: one output per patched
     module (per call after a ``step``). Eager modules only (a compiled graph would not see the patched forwards;
-    a CUDA graph captured around the whole loop does, ``samplers.LoopGraphs``). Under sequence parallelism every rank follows the same
-    schedule (it depends on t only), so all skip their collectives together.
+    a CUDA graph captured around the whole loop does, ``samplers.LoopGraphs``). Under sequence parallelism every
+    rank follows the same schedule (it depends on t only), so all skip their collectives together.
 
     Attributes:
         computed, reused: per kind, how many module calls computed attention / returned the cached output

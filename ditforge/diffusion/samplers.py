@@ -285,8 +285,9 @@ def sample_loop(
 class LoopGraphs:
     """Whole sampling loops captured as CUDA graphs, one per loop setting, replayed for every batch.
 
-    A deterministic loop (DDIM with eta = 0, Euler on a flow; no guidance interval, PAB or CFG group) does the
-    same host work at every call: its timesteps, coefficients and guidance are fixed by its settings. So the whole
+    A deterministic loop (DDIM with eta = 0, Euler on a flow; no guidance interval or CFG group) does the same
+    host work at every call: its timesteps, coefficients, guidance and PAB / FORA reuse pattern are fixed by its
+    settings. So the whole
     loop, every step's model call, guidance and update, is captured once (``torch.cuda.graph``) and replayed: the
     GPU runs all steps back to back with no host work or launch gaps between them. (A model compiled with
     torch.compile's own CUDA graphs replays one graph per model call, and the guidance and update kernels in
