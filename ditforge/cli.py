@@ -119,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "speed and quality)")
     fast.add_argument("--compile", nargs="?", const="reduce-overhead", default="none", choices=COMPILE_MODES,
                       help="torch.compile the model with static shapes, and the VAE decoder; the bare flag is "
-                      "reduce-overhead: CUDA graphs, the whole loop as one graph where it is deterministic (--sampler "
-                      "ddim with --eta 0, or a flow model's euler; no --cfg_interval / --cfg_parallel), else one per "
-                      "model call; the first batch and the first decode are slow while they compile")
+                      "reduce-overhead: CUDA graphs, the whole loop as one graph for --sampler ddpm / ddim and a flow "
+                      "model's euler (without --cfg_interval / --cfg_parallel), else one per model call; the first "
+                      "batch and the first decode are slow while they compile")
     fast.add_argument("--enable_flashattn", action="store_true", help="attention through the fastest exact kernel "
                       "(cuDNN, then Flash, on Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     fast.add_argument("--enable_modulate_kernel", action="store_true", help="fused Triton LayerNorm + adaLN "

@@ -133,7 +133,7 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
       (``ditforge.parallel.parallelize``, no optimizer-side wrapping);
     - ``compile``: ``torch.compile`` of the whole model with static shapes (``dynamic=False``: one graph per batch
       shape, compiled at first use; ``CompiledModel``). ``reduce-overhead`` and ``max-autotune`` add CUDA graphs:
-      ``generate`` captures each deterministic sampling loop whole, every step's model call, guidance and update
+      ``generate`` captures each loop of its own samplers whole, every step's model call, guidance and update
       in one graph (``diffusion.LoopGraphs``), and other loops replay the model as a graph per call. Launches, not
       arithmetic, bound a DiT-XL at batch 1 (diffusers' DiTPipeline is so), which is what this removes.
 

@@ -57,25 +57,25 @@ def test_prepare_model_bf16_and_compile_match_fp32_eager():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_whole_loop_cuda_graph_equals_the_compiled_model_per_step():
-    """``--compile reduce-overhead`` on a GPU: a DDIM loop (eta 0) and a flow's Euler loop are captured whole
-    (``LoopGraphs``, one graph per loop setting and batch shape) and replayed with new noise and labels; each equals
-    the same compiled model called step by step (no graphs) to float32 rounding (the same kernels; bound 1e-5 of
-    the samples' scale). Noisy loops (DDPM) are not captured."""
+    """``--compile reduce-overhead`` on a GPU: a DDIM loop (eta 0), an ancestral DDPM loop (its step noise drawn
+    before the replay) and a flow's Euler loop are captured whole (``LoopGraphs``, one graph per loop setting and
+    batch shape) and replayed with new noise, labels and generator states; each equals the same compiled model
+    called step by step (no graphs) to float32 rounding (the same kernels; bound 1e-5 of the samples' scale). The
+    diffusers solvers are not captured."""
     dev = torch.device("cuda")
     seed = int(torch.randint(0, 2**31, ()))
     graphed = prepare_model(_model(seed=seed), Dist(device=dev), "fp32", compile="reduce-overhead")
     plain = prepare_model(_model(seed=seed), Dist(device=dev), "fp32", compile="default")
-    for objective, sampler in (("ddpm", "ddim"), ("flow", "euler")):
+    for objective, sampler in (("ddpm", "ddim"), ("ddpm", "ddpm"), ("flow", "euler")):
         for labels in ([1, 2, 3], [4, 5, 6], [7, 8]):
             y = torch.tensor(labels, device=dev)
             kwargs = dict(shape=(4, 8, 8), sampler=sampler, objective=objective, seed_noise=len(labels))
             got, want = (_draw(m, y, **kwargs) for m in (graphed, plain))
             assert want.std() > 0.1
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (objective, labels)
-    assert len(graphed.loop_graphs) == 4  # two settings x two batch shapes: the second batch of 3 replayed
-    before = len(graphed.loop_graphs)
-    _draw(graphed, torch.tensor([1, 2], device=dev), sampler="ddpm")
-    assert len(graphed.loop_graphs) == before
+    assert len(graphed.loop_graphs) == 6  # three settings x two batch shapes: the second batch of 3 replayed
+    _draw(graphed, torch.tensor([1, 2], device=dev), sampler="dpm++")
+    assert len(graphed.loop_graphs) == 6
 
 
 def _fp8_roundtrip_rows(a: torch.Tensor) -> torch.Tensor:

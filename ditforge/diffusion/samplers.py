@@ -6,7 +6,7 @@ Ho & Salimans 2022 (classifier-free guidance); loops as in guided-diffusion's ``
 ``ddim_sample_loop``; ``generate`` as facebookresearch/DiT ``sample.py`` (respaced diffusion, 2B guided batch). ``"dpm++"``
 (Lu et al. 2022, DPM-Solver++ 2M) and ``"euler"`` (Karras et al. 2022, Euler on the sigma ODE) are diffusers'
 ``DPMSolverMultistepScheduler`` / ``EulerDiscreteScheduler``, driven as diffusers' pipelines drive them.
-``LoopGraphs`` replays a whole deterministic loop as one CUDA graph. No I/O here: writing files is
+``LoopGraphs`` replays a whole loop of our samplers as one CUDA graph. No I/O here: writing files is
 ``ditforge.sample``'s job.
 """
 
@@ -232,6 +232,7 @@ def sample_loop(
     progress: bool = False,
     desc: str | None = None,
     on_step: Callable[[int], None] | None = None,
+    step_noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the reverse process from x_T = ``noise`` down to x_0.
 
@@ -245,6 +246,9 @@ def sample_loop(
         progress: show a tqdm bar over the steps (on stderr); ``desc`` labels it (default "<sampler> sampling").
         on_step: called with each step's original timestep (host int) before its model call (default:
             ``model_fn.step`` when it has one, e.g. ``GuidedModel``'s guidance interval).
+        step_noise: (S, B, C, ...) the S steps' noise drawn beforehand, step k's as the loop would draw it
+            (``randn_like_rows(noise, generator)`` S times), used instead of drawing: the same samples, and a
+            loop that draws nothing can be captured as a CUDA graph (``LoopGraphs``).
 
     No host syncs inside the loop: the schedule tables are moved to ``noise``'s device first
     (``diffusion.to``, in place) and per-step coefficients are indexed there.
@@ -267,7 +271,8 @@ def sample_loop(
             on_step(diffusion.original_timesteps[i])
         t = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
         out = diffusion.p_mean_variance(model_fn(x, diffusion.model_timesteps(t)), x, t, clip_denoised)
-        z = randn_like_rows(x, generator).double() if noisy else None
+        z = None if not noisy else (randn_like_rows(x, generator) if step_noise is None
+                                    else step_noise[diffusion.num_timesteps - 1 - i]).double()
         if sampler == "ddpm":
             x_prev = out.mean + (i > 0) * torch.exp(0.5 * out.log_variance) * z
         else:
@@ -285,9 +290,9 @@ def sample_loop(
 class LoopGraphs:
     """Whole sampling loops captured as CUDA graphs, one per loop setting, replayed for every batch.
 
-    A deterministic loop (DDIM with eta = 0, Euler on a flow; no guidance interval or CFG group) does the same
+    A loop of our samplers (DDPM, DDIM; Euler on a flow) without a guidance interval or CFG group does the same
     host work at every call: its timesteps, coefficients, guidance and PAB / FORA reuse pattern are fixed by its
-    settings. So the whole
+    settings, and its random noise can be drawn before it (``sample_loop``'s ``step_noise``). So the whole
     loop, every step's model call, guidance and update, is captured once (``torch.cuda.graph``) and replayed: the
     GPU runs all steps back to back with no host work or launch gaps between them. (A model compiled with
     torch.compile's own CUDA graphs replays one graph per model call, and the guidance and update kernels in
@@ -383,9 +388,10 @@ def generate(
 
     Compiled models (``ditforge.sample.CompiledModel``): with ``pab`` their ``eager`` module runs. One with
     ``loop_graphs`` (``LoopGraphs``: ``--compile reduce-overhead`` / ``max-autotune`` on a GPU) replays each batch's
-    whole loop as one CUDA graph when the loop is deterministic (``ddim`` with ``eta`` 0, or ``euler`` on a flow)
-    and has no ``cfg_interval`` or ``cfg_group`` (PAB's reuse pattern depends on the timesteps only, so the graph
-    follows it); it shows no progress bar. Other loops call ``model`` once per step.
+    whole loop as one CUDA graph for our samplers (``ddpm``, ``ddim``; a noisy loop's step noise is drawn before
+    the replay, as the loop would draw it) and ``euler`` on a flow, without ``cfg_interval`` or ``cfg_group`` (PAB's
+    reuse pattern depends on the timesteps only, so the graph follows it); it shows no progress bar. Other loops
+    (the diffusers solvers) call ``model`` once per step.
 
     Args:
         model: a conditional DiT / vDiT in eval mode (see ``GuidedModel``), on ``y``'s device.
@@ -448,7 +454,7 @@ def generate(
                  if sampler in OWN_SAMPLERS else None)
     flow = RectifiedFlow(shift=flow_shift) if objective == "flow" else None
 
-    def loop(net, x, y_rows, mask_rows, g=None, desc=None, bar=False) -> torch.Tensor:
+    def loop(net, x, y_rows, mask_rows, step_noise=None, g=None, desc=None, bar=False) -> torch.Tensor:
         fn = GuidedModel(net, y_rows, cfg_scale, mask_rows, guidance_channels, cfg_interval, cfg_group)
         # PAB's cache lives for one batch (its shapes)
         with PyramidAttentionBroadcast(net, pab) if pab is not None else contextlib.nullcontext() as cache:
@@ -460,7 +466,7 @@ def generate(
             if flow is not None:
                 return euler_loop(flow, fn, x, num_steps, on_step)
             if diffusion is not None:
-                return sample_loop(diffusion, fn, x, sampler, eta, clip_denoised, g, bar, desc, on_step)
+                return sample_loop(diffusion, fn, x, sampler, eta, clip_denoised, g, bar, desc, on_step, step_noise)
             return solver_loop(fn, x, sampler, num_steps, g, bar, desc, on_step=on_step,
                                prediction_type=prediction_type)
 
@@ -468,7 +474,8 @@ def generate(
     if pab is not None:  # PAB patches module forwards, which a compiled graph would not follow
         model = getattr(model, "eager", model)
     graphed = (isinstance(graphs, LoopGraphs) and device.type == "cuda" and cfg_interval is None
-               and cfg_group is None and (flow is not None or (sampler == "ddim" and eta == 0)))
+               and cfg_group is None and (flow is not None or diffusion is not None))
+    noisy = diffusion is not None and (sampler == "ddpm" or eta > 0)
     key = (sampler, num_steps, eta, clip_denoised, learn_sigma, objective, flow_shift, cfg_scale, guidance_channels,
            pab, y.dtype, y.shape[1:], None if y_mask is None else y_mask.shape[1:])
     out = []
@@ -476,12 +483,13 @@ def generate(
     for j, start in enumerate(batches):
         rows = slice(start, start + batch_size)
         mask_rows = None if y_mask is None else y_mask[rows]
-        if graphed:  # deterministic: no generator is drawn from inside the loop
+        g = generator if gens is None else gens[rows]
+        if graphed:  # the graph draws nothing: a noisy loop's step noise is drawn first, as the loop would draw it
             net = graphs.model if pab is None else model
+            z = torch.stack([randn_like_rows(noise[rows], g) for _ in range(num_steps)]) if noisy else None
             out.append(graphs.run((*key, noise[rows].shape), lambda *a, net=net: loop(net, *a), noise[rows], y[rows],
-                                  mask_rows))
+                                  mask_rows, z))
             continue
         desc = f"{sampler} sampling" + (f" (batch {j + 1}/{len(batches)})" if len(batches) > 1 else "")
-        out.append(loop(model, noise[rows], y[rows], mask_rows, generator if gens is None else gens[rows], desc,
-                        progress))
+        out.append(loop(model, noise[rows], y[rows], mask_rows, None, g, desc, progress))
     return torch.cat(out).float()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ditforge.diffusion import OWN_SAMPLERS, SAMPLERS, create_diffusion, generate, GuidedModel, sample_loop
+from ditforge.diffusion.samplers import randn_like_rows
 
 
 @pytest.fixture(autouse=True)
@@ -292,6 +293,27 @@ def test_sample_loop_determinism():
     assert torch.equal(f1, f2)
     # the starting noise is not modified in place
     assert torch.equal(x_T, randn((3, C, 4, 4), 50))
+
+
+@pytest.mark.parametrize("sampler, eta", [("ddpm", 0.0), ("ddim", 0.5)])
+def test_step_noise_drawn_first_equals_drawing_in_the_loop(sampler, eta):
+    """``step_noise`` (what a CUDA-graphed loop uses): S draws of ``randn_like_rows`` made before the loop, one
+    generator or one per row, give exactly the samples of the loop drawing them step by step, and leave the
+    generators in the same state."""
+    C, S = 2, 20
+    d = create_diffusion(str(S), learn_sigma=True)
+    fn = toy_torch(C, True)
+    x_T = randn((3, C, 4, 4), 60)
+    for make in (lambda: torch.Generator().manual_seed(61),
+                 lambda: [torch.Generator().manual_seed(62 + r) for r in range(3)]):
+        g_loop, g_first = make(), make()
+        want = sample_loop(d, fn, x_T, sampler, eta=eta, generator=g_loop)
+        z = torch.stack([randn_like_rows(x_T, g_first) for _ in range(S)])
+        got = sample_loop(d, fn, x_T, sampler, eta=eta, generator=None, step_noise=z)
+        assert torch.equal(got, want)
+        after = [g_loop] if isinstance(g_loop, torch.Generator) else g_loop
+        first = [g_first] if isinstance(g_first, torch.Generator) else g_first
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(after, first))
 
 
 def test_sample_loop_model_sees_original_timesteps():
