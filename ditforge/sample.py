@@ -181,13 +181,13 @@ class CompiledModel:
         from ditforge.diffusion import LoopGraphs
 
         self.eager = model
-        self._graphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
         self._compiled = torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)
         inner = "max-autotune-no-cudagraphs" if mode == "max-autotune" else None
-        self.loop_graphs = LoopGraphs(torch.compile(model, mode=inner, dynamic=False)) if self._graphs else None
+        graphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+        self.loop_graphs = LoopGraphs(torch.compile(model, mode=inner, dynamic=False)) if graphs else None
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
-        if not self._graphs:
+        if self.loop_graphs is None:
             return self._compiled(*args, **kwargs)
         torch.compiler.cudagraph_mark_step_begin()
         return self._compiled(*args, **kwargs).clone()

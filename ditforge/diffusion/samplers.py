@@ -220,6 +220,11 @@ class GuidedModel:
         return torch.cat([guided, cond[:, k:]], dim=1)
 
 
+def draws_noise(sampler: str, eta: float) -> bool:
+    """Whether ``sample_loop`` draws noise at each step: ancestral DDPM, or DDIM with ``eta`` > 0."""
+    return sampler == "ddpm" or eta > 0
+
+
 @torch.no_grad()
 def sample_loop(
     diffusion: GaussianDiffusion,
@@ -261,7 +266,7 @@ def sample_loop(
     """
     if sampler not in OWN_SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {OWN_SAMPLERS}")
-    noisy = sampler == "ddpm" or eta > 0
+    noisy = draws_noise(sampler, eta)
     diffusion.to(noise.device)
     on_step = on_step if on_step is not None else getattr(model_fn, "step", None)
     x = noise
@@ -475,7 +480,7 @@ def generate(
         model = getattr(model, "eager", model)
     graphed = (isinstance(graphs, LoopGraphs) and device.type == "cuda" and cfg_interval is None
                and cfg_group is None and (flow is not None or diffusion is not None))
-    noisy = diffusion is not None and (sampler == "ddpm" or eta > 0)
+    noisy = diffusion is not None and draws_noise(sampler, eta)
     key = (sampler, num_steps, eta, clip_denoised, learn_sigma, objective, flow_shift, cfg_scale, guidance_channels,
            pab, y.dtype, y.shape[1:], None if y_mask is None else y_mask.shape[1:])
     out = []
