@@ -89,6 +89,7 @@ ROWS = {
     "sr_fused16_compile": [*SR_FUSED, "--compile", "--gpu_memory_budget", "16GiB"],
     "sr_fused16_op": [*SR_FUSED, "--grad_checkpoint", "op", "--gpu_memory_budget", "16GiB"],
     "sr_fused16_ckpt2": [*SR_FUSED, "--grad_checkpoint", "every-2", "--gpu_memory_budget", "16GiB"],
+    "sr_fused16_ckpt3": [*SR_FUSED, "--grad_checkpoint", "every-3", "--gpu_memory_budget", "16GiB"],
     "sr_fused16_ckpt2_compile": [*SR_FUSED, "--grad_checkpoint", "every-2", "--compile", "--gpu_memory_budget",
                                  "16GiB"],
     "offload4": [*OFFLOAD, "--gpu_memory_budget", "4GiB"],

@@ -31,7 +31,13 @@ attention, compile, one-pass optimizer) and a ratio to the first (``plain``):
 
 Rows are cumulative over the rows chosen with ``--rows`` (``abce``: compile without the fused kernels). A row
 whose feature cannot run here (no GPU for Triton or FP8, torchao missing) is reported as skipped with the
-reason, and the rows after it go on without that feature.
+reason, and the rows after it go on without that feature.  A row whose training state alone (weights,
+gradients, optimizer states, EMA; ``optim.state_bytes``) exceeds the GPU, or a capped row's budget, is skipped
+before its model is built; its settings still carry to the rows after it.
+
+Models are built on the meta device and materialised on the GPU one block at a time (``create_model(device=)``),
+cast to bf16 block by block for the bf16-weight rows, so a model near the GPU's size (``vDiT-7B/222``) never is whole
+in fp32 or in host memory.
 
 MFU = 3 x forward FLOPs per sample x samples/sec / peak dense bf16 FLOP/s of the GPU (3x: the backward
 costs two forwards; recomputation under activation checkpointing is not counted, the usual convention).
@@ -69,7 +75,7 @@ from ditforge.parallel import fp8_unavailable, parallelize
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
 from ditforge.ops.fused_adamw import on_gpu_with_triton
-from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory
+from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory, state_bytes
 from ditforge.train.trainer import step_randomness, train_step
 
 log = logging.getLogger(__name__)
@@ -159,14 +165,19 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
     shape = _sample_shape(cfg)
     torch.manual_seed(cfg.seed)
     frames = {"num_frames": shape[1]} if len(shape) == 4 else {}
+
+    def cast(module: torch.nn.Module) -> None:  # the weights, as the trainer casts them
+        for p in module.parameters():
+            p.data = p.data.to(torch.bfloat16)
+
+    # built on the meta device, materialised on the GPU a block at a time (cast at once: never whole in fp32)
     model = create_model(cfg.model, shape[-1], cfg.in_channels, cfg.num_classes, text_dim=cfg.text_dim or None,
-                         **frames).to(device).train()
+                         device=device, block_ready=cast if s.master_weights != "fp32" else None, **frames).train()
+    if s.master_weights != "fp32":
+        cast(model)
     flops = model.flops_per_sample(cfg.text_tokens if cfg.text_dim else 0)
     tokens = model.x_embedder.num_patches
     amp = resolve_precision(s.precision, device)
-    if s.master_weights != "fp32":  # the weights, as the trainer casts them (buffers keep their dtype)
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)
     model = parallelize(model, Dist(device=device), "none", s.grad_checkpoint or cfg.grad_checkpoint,
                         cfg.compile_mode if s.compile else "none", s.attention,
                         enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8",
@@ -296,10 +307,10 @@ def bench(cfg: BenchConfig) -> dict:
     Raises:
         UserError: bad settings (unknown model or rows, sizes that do not divide, a bad checkpoint policy).
     """
-    validate(cfg)
     device = resolve_device(cfg.device)
     peak = peak_flops(device, cfg.peak_tflops)
     settings = MEMORY_BASE if cfg.memory else Settings()
+    params = validate(cfg)
     anchor = run_anchor(cfg.anchor, cfg.batch_size) if cfg.anchor else None
     results = []
     for key, label, change in MEMORY_ROWS if cfg.memory else ROWS:
@@ -313,6 +324,8 @@ def bench(cfg: BenchConfig) -> dict:
         row = dict(row=key, label=label, status="skipped", reason=reason)
         if reason is None:
             settings = replace(settings, **change)
+            reason = row["reason"] = state_too_big(cfg, settings, device, params)
+        if reason is None:
             log.info("row %s: %s", key, label)
             try:
                 m = run_steps(cfg, settings, device, cfg.batch_size, cfg.steps, cfg.warmup)
@@ -365,8 +378,25 @@ def _reset(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def validate(cfg: BenchConfig) -> None:
-    """Raises UserError naming the flag for unknown rows, non-positive sizes or a bad checkpoint policy."""
+def state_too_big(cfg: BenchConfig, s: Settings, device: torch.device, params: int) -> str | None:
+    """Why a row cannot fit on a CUDA ``device`` before any step (its weights, gradients, optimizer states and
+    EMA alone exceed the GPU's memory, or the budget of a capped row; ``optim.state_bytes``), or None. Such a
+    row is skipped at once instead of building (and, with a big model, compiling) it only to run out of memory."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = min(total, parse_bytes(cfg.gpu_memory_budget, "--gpu_memory_budget")) if s.budget else total
+    placement = (s.optimizer, s.master_weights, s.fused_backward_pass, "optimizer" if s.cpu_offload else "none")
+    need = state_bytes(params, 0, placement, s.ema)
+    if need <= cap:
+        return None
+    return (f"out of memory: {params / 1e9:.2f}B parameters' training state needs {need / 2**30:.1f} GiB > "
+            f"{cap / 2**30:.1f} GiB")
+
+
+def validate(cfg: BenchConfig) -> int:
+    """The model's parameter count. Raises UserError naming the flag for unknown rows, non-positive sizes or a bad
+    checkpoint policy."""
     for name in ("image_size", "in_channels", "vae_downsample", "num_classes", "batch_size", "steps", "text_tokens"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
@@ -386,8 +416,9 @@ def validate(cfg: BenchConfig) -> None:
     parse_checkpoint_policy(cfg.grad_checkpoint)
     shape = _sample_shape(cfg)
     with torch.device("meta"):  # checks the model name and that the patch sizes divide, allocating nothing
-        create_model(cfg.model, shape[-1], cfg.in_channels, cfg.num_classes,
-                     **({"num_frames": shape[1]} if len(shape) == 4 else {}))
+        model = create_model(cfg.model, shape[-1], cfg.in_channels, cfg.num_classes, text_dim=cfg.text_dim or None,
+                             **({"num_frames": shape[1]} if len(shape) == 4 else {}))
+    return sum(p.numel() for p in model.parameters())
 
 
 def environment(device: torch.device, peak: float | None) -> dict:

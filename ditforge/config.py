@@ -40,9 +40,9 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    model: str | None = _f(None, "model name: DiT-{T,S,B,L,XL}/{1,2,4,8} (e.g. DiT-XL/2) for images; for videos "
-                                 "vDiT-{T,S,B,L,XL}/{t}{h}{w} (3-D patches, full attention, e.g. vDiT-XL/222) or "
-                                 "STDiT-{T,S,B,L,XL}/{p} (spatial and temporal attention, e.g. STDiT-XL/2) "
+    model: str | None = _f(None, "model name: DiT-{T,S,B,L,XL,7B}/{1,2,4,8} (e.g. DiT-XL/2) for images; for "
+                                 "videos vDiT-{T,S,B,L,XL,7B}/{t}{h}{w} (3-D patches, full attention, e.g. "
+                                 "vDiT-XL/222) or STDiT-{T,S,B,L,XL,7B}/{p} (spatial and temporal attention, e.g. STDiT-XL/2) "
                                  "(default: DiT-T/2 for images, vDiT-T/244 for videos)")
     condition: str = _f("auto", "conditioning: class (labels) | text (cross-attention to caption states) | auto "
                                 "(text for video data, class for images)", choices=CONDITIONS)

@@ -4,6 +4,7 @@ the FLOP count behind MFU (checked against PyTorch's own FLOP counter)."""
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -165,3 +166,22 @@ def test_bench_anchor_column(tmp_path, capsys):
     script.write_text("import sys\nsys.exit('no GPU here')\n")
     assert cli.main([*TINY, "--rows", "a", "--anchor", str(script), "--outputs", str(tmp_path)]) == 2
     assert "--anchor" in capsys.readouterr().err
+
+
+def test_rows_whose_state_alone_exceeds_the_gpu_are_skipped_before_building(monkeypatch):
+    """A 4e9-parameter model on a 64 GiB GPU, hand-computed: fp32 weights + gradients + AdamW moments + EMA are
+    20 bytes a parameter, 74.5 GiB (too big); bf16 weights, 8-bit moments, the step in the backward and no EMA
+    are 2 + 2 = 4 bytes, 14.9 GiB (fits; over an 8 GiB budget only in a capped row)."""
+    from types import SimpleNamespace
+
+    from ditforge.bench import MEMORY_BASE, state_too_big
+    from ditforge.config import BenchConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=64 * 2**30))
+    cfg, cuda, params = BenchConfig(gpu_memory_budget="8GiB"), torch.device("cuda"), 4 * 10**9
+    assert state_too_big(cfg, MEMORY_BASE, cuda, params) == (
+        "out of memory: 4.00B parameters' training state needs 74.5 GiB > 64.0 GiB")
+    small = replace(MEMORY_BASE, optimizer="adamw8bit", master_weights="bf16_sr", fused_backward_pass=True, ema=False)
+    assert state_too_big(cfg, small, cuda, params) is None
+    assert "needs 14.9 GiB > 8.0 GiB" in state_too_big(cfg, replace(small, budget=True), cuda, params)
+    assert state_too_big(cfg, MEMORY_BASE, torch.device("cpu"), params) is None  # no GPU: nothing to check

@@ -8,29 +8,36 @@ Image models ``DiT-{T,S,B,L,XL}/{p}`` take (B, C, H, W); video models ``vDiT-{T,
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from ditforge.errors import UserError
 from ditforge.models.dit import DiT
 from ditforge.models.video import STDiT, VideoDiT, inflate_image_state_dict
 
-# (depth, hidden_size, num_heads), from Table 1 of Peebles & Xie 2023. "T" (tiny) is ours, for CPU runs.
+# (depth, hidden_size, num_heads), from Table 1 of Peebles & Xie 2023. "T" (tiny) is ours, for CPU runs; "7B" is
+# the shape of NeMo's DiT 7B (32 layers, width 4096, 32 heads; ../shared/REFERENCES.md), for the scale benchmark:
+# with DiT's per-block adaLN-Zero regressions (6 D^2 each) it has 9.7B parameters, 6.4B of them in the blocks'
+# attention and MLP (the FLOPs per token are those of a 7B transformer: adaLN runs once per sample).
 DIT_SIZES = {
     "T": (6, 192, 3),
     "S": (12, 384, 6),
     "B": (12, 768, 12),
     "L": (24, 1024, 16),
     "XL": (28, 1152, 16),
+    "7B": (32, 4096, 32),
 }
 PATCH_SIZES = (1, 2, 4, 8)
 # Image models, all listed; video models (5 sizes x 64 patch shapes) are described by VIDEO_MODEL_PATTERN.
 MODEL_NAMES = [f"DiT-{s}/{p}" for s in DIT_SIZES for p in PATCH_SIZES]
-VIDEO_MODEL_PATTERN = "vDiT-{T,S,B,L,XL}/{t}{h}{w} with t, h, w each in {1,2,4,8} (e.g. vDiT-XL/222, vDiT-T/122)"
-STDIT_MODEL_PATTERN = "STDiT-{T,S,B,L,XL}/{p} with p in {1,2,4,8} (e.g. STDiT-XL/2; patches (1, p, p))"
-_NAME = re.compile(r"^DiT-(T|S|B|L|XL)/(\d+)$")
-_VIDEO_NAME = re.compile(r"^vDiT-(T|S|B|L|XL)/([1248])([1248])([1248])$")
-_STDIT_NAME = re.compile(r"^STDiT-(T|S|B|L|XL)/([1248])$")
+VIDEO_MODEL_PATTERN = "vDiT-{T,S,B,L,XL,7B}/{t}{h}{w} with t, h, w each in {1,2,4,8} (e.g. vDiT-XL/222, vDiT-T/122)"
+STDIT_MODEL_PATTERN = "STDiT-{T,S,B,L,XL,7B}/{p} with p in {1,2,4,8} (e.g. STDiT-XL/2; patches (1, p, p))"
+_SIZE = "(" + "|".join(DIT_SIZES) + ")"
+_NAME = re.compile(rf"^DiT-{_SIZE}/(\d+)$")
+_VIDEO_NAME = re.compile(rf"^vDiT-{_SIZE}/([1248])([1248])([1248])$")
+_STDIT_NAME = re.compile(rf"^STDiT-{_SIZE}/([1248])$")
 
 
 def model_spec(name: str) -> dict:
@@ -79,6 +86,8 @@ def create_model(
     num_frames: int | None = None,
     text_dim: int | None = None,
     qk_norm: bool = False,
+    device: torch.device | str | None = None,
+    block_ready: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Build a registered DiT, vDiT or STDiT.
 
@@ -93,10 +102,15 @@ def create_model(
         num_classes: number of class labels (the null label is ``num_classes``).
         num_frames: T of the (latent) video, divisible by t (STDiT: any positive T); required for vDiT and
             STDiT, must be None for DiT.
+        device: build on the meta device, then materialise and initialise there one block at a time
+            (``DiT.initialize_weights``); the model never is whole in host memory, nor whole in fp32 when
+            ``block_ready`` casts each block. None: the ordinary build on the current default device.
+        block_ready: with ``device``, called on each block as soon as it is initialised.
 
     Returns:
-        A ``DiT`` (or ``VideoDiT``, ``STDiT``) in fp32 on the current default device (the CPU unless a ``torch.device``
-        context says otherwise), initialised as the reference code does.
+        A ``DiT`` (or ``VideoDiT``, ``STDiT``), initialised as the reference code does: fp32 (blocks as
+        ``block_ready`` left them) on ``device``, or on the current default device (the CPU unless a
+        ``torch.device`` context says otherwise).
 
     Raises:
         UserError: unknown name (``--model``); an input size the patch size does not divide (``--image_size``);
@@ -117,13 +131,23 @@ def create_model(
             )
         if input_size % h or input_size % w:
             raise UserError(f"--image_size: input size {input_size} is not divisible by the patch size of {name}")
-        return (STDiT if _STDIT_NAME.match(name) else VideoDiT)(num_frames=num_frames, **common)
+        return _materialize(lambda: (STDiT if _STDIT_NAME.match(name) else VideoDiT)(num_frames=num_frames, **common),
+                            device, block_ready)
     if num_frames is not None:
         raise UserError(f"--num_frames: {name} is an image model; frames apply to video models ({VIDEO_MODEL_PATTERN}; "
                         f"{STDIT_MODEL_PATTERN})")
     if input_size % spec["patch_size"]:
         raise UserError(f"--image_size: input size {input_size} is not divisible by the patch size of {name}")
-    return DiT(**common)
+    return _materialize(lambda: DiT(**common), device, block_ready)
+
+
+def _materialize(build: Callable[[], nn.Module], device, block_ready) -> nn.Module:
+    if device is None:
+        return build()
+    with torch.device("meta"):
+        model = build()
+    model.initialize_weights(device, block_ready)
+    return model
 
 
 def block_paths(model: nn.Module) -> list[str]:

@@ -8,7 +8,7 @@ Parameter names, shapes and initialisation equal facebookresearch/DiT ``models.p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -188,17 +188,46 @@ class DiT(nn.Module):
         stored ``pos_embed`` at the configured grid, else ``_fixed_pos_embed(grid)`` (cached)."""
         return self._fixed_table(self.pos_embed, tuple(grid), tuple(self.x_embedder.grid_shape), self._fixed_pos_embed)
 
-    def initialize_weights(self) -> None:
-        """Initialisation of the reference code: xavier-uniform linears, N(0, 0.02) embedders, adaLN-Zero."""
+    def initialize_weights(self, device: torch.device | str | None = None,
+                           block_ready: Callable[[nn.Module], None] | None = None) -> None:
+        """Initialise every parameter as the reference code does (facebookresearch/DiT ``initialize_weights``):
+        xavier-uniform linears with zero biases, N(0, 0.02) embedders, the fixed sin-cos tables, and adaLN-Zero
+        (zero modulation regressions, cross-attention outputs and final layer). Affine LayerNorms (``qk_norm``)
+        get ones and zeros; a text model's null caption N(0, 1 / D_text).
+
+        Built on the meta device (``create_model(..., device=)``), ``device`` materialises the model as it goes
+        (torchtitan's ``to_empty`` + ``init_weights``): the parameters outside the blocks first (embedders and
+        final layer, small), then one block at a time, each passed to ``block_ready`` once initialised (e.g. to
+        cast it to bf16 before the next block exists). So a model never is whole in fp32, nor ever in host
+        memory when ``device`` is a GPU. The random draws come in the same order either way: a meta build
+        materialised on the CPU equals this method run on an ordinary model after the same seed, bit for bit.
+        """
 
         def _basic_init(module: nn.Module) -> None:
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 if module.bias is not None:
                     nn.init.constant_(module.bias, 0)
+            elif isinstance(module, nn.LayerNorm) and module.elementwise_affine:
+                module.reset_parameters()
 
-        self.apply(_basic_init)
-        self.pos_embed.data.copy_(self._fixed_pos_embed().unsqueeze(0))
+        if device is not None:  # everything but the blocks: embedders, final layer, position tables
+            self.to_empty(device=device, recurse=False)
+            for name, child in self.named_children():
+                if name != "blocks":
+                    child.to_empty(device=device)
+        for name, child in self.named_children():  # the reference's self.apply(_basic_init), in module order
+            if name != "blocks":
+                child.apply(_basic_init)
+                continue
+            for block in child:
+                if device is not None:
+                    block.to_empty(device=device)
+                block.apply(_basic_init)
+                self._init_block(block)
+                if block_ready is not None:
+                    block_ready(block)
+        self._init_tables()
         w = self.x_embedder.proj.weight.data
         nn.init.xavier_uniform_(w.view([w.shape[0], -1]))
         nn.init.constant_(self.x_embedder.proj.bias, 0)
@@ -207,18 +236,26 @@ class DiT(nn.Module):
         else:  # PixArt-alpha: N(0, 0.02) caption projection; zero cross-attention output, so blocks start as identity
             nn.init.normal_(self.y_embedder.y_proj.fc1.weight, std=0.02)
             nn.init.normal_(self.y_embedder.y_proj.fc2.weight, std=0.02)
+            nn.init.normal_(self.y_embedder.null_caption, std=self.text_dim**-0.5)
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        for block in self.blocks:
-            nn.init.constant_(block.adaLN_modulation[-1].weight, 0)
-            nn.init.constant_(block.adaLN_modulation[-1].bias, 0)
-            if block.cross_attn is not None:
-                nn.init.constant_(block.cross_attn.proj.weight, 0)
-                nn.init.constant_(block.cross_attn.proj.bias, 0)
         nn.init.constant_(self.final_layer.adaLN_modulation[-1].weight, 0)
         nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
         nn.init.constant_(self.final_layer.linear.weight, 0)
         nn.init.constant_(self.final_layer.linear.bias, 0)
+
+    def _init_block(self, block: nn.Module) -> None:
+        """adaLN-Zero for one block (hook): zero modulation regression and cross-attention output, so the block
+        starts as the identity."""
+        nn.init.constant_(block.adaLN_modulation[-1].weight, 0)
+        nn.init.constant_(block.adaLN_modulation[-1].bias, 0)
+        if block.cross_attn is not None:
+            nn.init.constant_(block.cross_attn.proj.weight, 0)
+            nn.init.constant_(block.cross_attn.proj.bias, 0)
+
+    def _init_tables(self) -> None:
+        """The fixed position tables (hook): the sin-cos ``pos_embed``."""
+        self.pos_embed.data.copy_(self._fixed_pos_embed().unsqueeze(0))
 
     def flops_per_sample(self, text_tokens: int = 0, grid: Sequence[int] | None = None) -> int:
         """Forward FLOPs for one sample (a multiply-add counts 2), matrix products only, at token grid ``grid``

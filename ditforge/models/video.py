@@ -241,14 +241,17 @@ class STDiT(DiT):
         count = frames[0] if frames else self.x_embedder.grid_shape[0]
         return sincos_1d(self.pos_embed.shape[-1], torch.arange(count)).float()
 
-    def initialize_weights(self) -> None:
-        """DiT's initialisation, the temporal sin-cos table, and zero temporal output projections."""
-        super().initialize_weights()
+    def _init_block(self, block: nn.Module) -> None:
+        """DiT's adaLN-Zero, and a zero temporal output projection (Open-Sora)."""
+        super()._init_block(block)
+        nn.init.constant_(block.attn_temp.proj.weight, 0)
+        nn.init.constant_(block.attn_temp.proj.bias, 0)
+
+    def _init_tables(self) -> None:
+        """DiT's sin-cos table and the temporal one."""
+        super()._init_tables()
         if "pos_embed_temporal" in self._parameters:  # absent while DiT.__init__ runs
             self.pos_embed_temporal.data.copy_(self._fixed_temporal_pos_embed().unsqueeze(0))
-        for block in self.blocks:
-            nn.init.constant_(block.attn_temp.proj.weight, 0)
-            nn.init.constant_(block.attn_temp.proj.bias, 0)
 
     def forward_packed(self, *args, **kwargs) -> torch.Tensor:
         """Not supported: the attention across frames would need per-column documents of strided tokens.

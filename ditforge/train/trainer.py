@@ -222,10 +222,18 @@ def sample_grid(
                     clip_denoised=clip_denoised, objective=objective, flow_shift=flow_shift or 1.0)
 
 
-def _create_model(cfg: RunConfig) -> nn.Module:
+def _create_model(cfg: RunConfig, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
+    """The run's DiT, built on the meta device and materialised on ``device`` one block at a time, each block's
+    weights cast to ``dtype`` as soon as they are initialised (None: fp32)."""
     m = cfg.model
+
+    def cast(block: nn.Module) -> None:
+        for p in block.parameters():
+            p.data = p.data.to(dtype)
+
     return create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob,
-                        num_frames=m.num_frames, text_dim=m.text_dim, qk_norm=m.qk_norm)
+                        num_frames=m.num_frames, text_dim=m.text_dim, qk_norm=m.qk_norm, device=device,
+                        block_ready=cast if dtype is not None else None)
 
 
 def _grid_conditioning(cfg: RunConfig, dataset, inputs: BatchEncoder, device: torch.device) -> dict:
@@ -461,7 +469,10 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                                 "train on the captioned images")
             finetune.train_text_encoder(model, pre.pipe.text_encoder, pre.pipe, cfg)
     else:
-        model = _create_model(cfg)
+        # bf16 weights (--master_weights bf16 / bf16_sr; not under LoRA, whose adapters stay fp32): cast block by
+        # block, so the model never is whole in fp32 (the loop below casts the rest)
+        bf16_blocks = t.master_weights != "fp32" and not m.lora_rank
+        model = _create_model(cfg, home, amp_dtype if bf16_blocks else None)
         if dit_init is not None:
             finetune.load_dit_weights(model, finetune.dit_init_weights(dit_init, cfg), t.seed)
     if m.lora_rank:
@@ -619,7 +630,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         steps (``sample_grid``'s)."""
         nonlocal grid_model
         if grid_model is None:
-            grid_model = _create_model(cfg).to(device).eval()
+            grid_model = _create_model(cfg, device).eval()
         grid_model.load_state_dict(weights)
         with whole_sequences():  # rank 0 alone: no sequence-parallel attention
             x = sample_grid(grid_model, cond, sample_shape, seed=seed, learn_sigma=m.learn_sigma,

@@ -393,3 +393,56 @@ def test_input_size_not_divisible_by_patch_raises_user_error(name, size):
     with torch.device("meta"), pytest.raises(UserError) as info:
         create_model(name, size, IN_CHANNELS, NUM_CLASSES)
     assert str(size) in str(info.value) and name in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Meta-device build (create_model(device=...): to_empty + initialize_weights, one block at a time)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,kw", [("DiT-T/2", {}), ("DiT-T/4", dict(text_dim=24, qk_norm=True)),
+                                     ("vDiT-T/222", dict(num_frames=4)), ("STDiT-T/2", dict(num_frames=4))])
+def test_meta_build_equals_initialising_an_ordinary_model(name, kw):
+    """Independent reference: an ordinary (CPU) build whose every parameter is overwritten with NaN, then
+    ``initialize_weights`` after a seed. The meta build, materialised on the CPU after the same seed, must equal it
+    bit for bit (same draws in the same order) and leave no NaN (every parameter written: qk-norm affines,
+    the null caption and STDiT's temporal table included); ``block_ready``'s cast of each block must hold."""
+    torch.manual_seed(0)
+    ref = create_model(name, 16, IN_CHANNELS, NUM_CLASSES, **kw)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.fill_(float("nan"))
+    torch.manual_seed(7)
+    ref.initialize_weights()
+    seen = []
+
+    def cast(block):
+        seen.append(block)
+        for p in block.parameters():
+            p.data = p.data.to(torch.bfloat16)
+
+    torch.manual_seed(7)
+    built = create_model(name, 16, IN_CHANNELS, NUM_CLASSES, device="cpu", block_ready=cast, **kw)
+    assert len(seen) == len(built.blocks)
+    got, want = built.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert not value.isnan().any(), f"{key}: initialize_weights left it unwritten"
+        expected = value.to(torch.bfloat16) if key.startswith("blocks.") else value
+        assert got[key].dtype == expected.dtype and torch.equal(got[key], expected), key
+
+
+def test_meta_build_materialises_one_block_at_a_time():
+    with torch.device("meta"):
+        model = create_model("DiT-T/2", 16, IN_CHANNELS, NUM_CLASSES)
+    order = []
+
+    def ready(block):
+        i = len(order)
+        order.append(block)
+        assert not any(p.is_meta for b in model.blocks[: i + 1] for p in b.parameters())
+        assert all(p.is_meta for b in model.blocks[i + 1:] for p in b.parameters())
+        assert not any(p.is_meta for p in model.final_layer.parameters())  # the small parts come first
+
+    model.initialize_weights("cpu", ready)
+    assert order == list(model.blocks) and not any(p.is_meta for p in model.parameters())
