@@ -23,9 +23,10 @@ bf16 --ema_decay 0 --gpu_memory_budget 8GiB``, with CUDA graphs and/or gradient 
 --master_weights bf16_sr --fused_backward_pass --ema_decay 0`` under a 4, 8 or 16 GiB budget) and
 ``sr_fused4_compile``, ``sr_fused16_compile`` (+ --compile, block by block), ``sr_fused4_ckpt2``,
 ``sr_fused4_ckpt`` (+ checkpointing of every second block, of every block), ``sr_fused16_op``,
-``sr_fused16_ckpt2`` (+ op-level selective checkpointing, every second block), ``sr_fused16_ckpt2_compile``;
-``offload4``, ``offload16`` (``sr_fused`` + ``--cpu_offload optimizer``: 2 bytes per parameter on the GPU, the
-moments streamed from pinned host memory) and ``offload8_ckpt``, ``offload8_ckpt2`` (+ checkpointing of every
+``sr_fused16_ckpt2`` (+ op-level selective checkpointing, every second block), ``sr_fused16_ckpt2_compile``,
+``sr_fused16_ckpt3`` (every third block); ``offload4``, ``offload16`` (``sr_fused`` + ``--cpu_offload optimizer``:
+2 bytes per parameter on the GPU, the moments streamed from pinned host memory), ``offload16_ro`` (the ordinary
+backward instead, so 4 bytes per parameter, and the whole denoiser compiled with CUDA graphs) and ``offload8_ckpt``, ``offload8_ckpt2`` (+ checkpointing of every
 block, of every second block); ``offload_all8_ckpt`` (``--cpu_offload all --ema_decay 0 --grad_checkpoint`` under
 8 GiB: weights, gradients and fp32 AdamW states in host memory, FSDP2 in one process, the step on the CPU),
 ``offload_all8_z2_ckpt`` (``--plugin zero2``: the bf16 weights gathered once per step and kept through the backward),
@@ -94,6 +95,9 @@ ROWS = {
                                  "16GiB"],
     "offload4": [*OFFLOAD, "--gpu_memory_budget", "4GiB"],
     "offload16": [*OFFLOAD, "--gpu_memory_budget", "16GiB"],
+    # the states streamed through the ring after an ordinary backward: the whole denoiser one CUDA-graphed compile
+    "offload16_ro": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--cpu_offload", "optimizer",
+                     "--ema_decay", "0", "--compile", "reduce-overhead", "--gpu_memory_budget", "16GiB"],
     "offload8_ckpt": [*OFFLOAD, "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
     "offload8_ckpt2": [*OFFLOAD, "--grad_checkpoint", "every-2", "--gpu_memory_budget", "8GiB"],
     # everything in host memory (FSDP2's CPUOffloadPolicy, torch's fused AdamW on the CPU), with the delayed update
