@@ -120,6 +120,9 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None, targets: list[str
         raise UserError("--lora_rank: needs peft (pip install peft)") from None
     model.requires_grad_(False)
     inject_adapter_in_model(lora_config(rank, alpha, targets), model)
+    for p in model.parameters():  # peft makes the adapters in the base layer's dtype: a bf16 base gives bf16 ones
+        if p.requires_grad:
+            p.data = p.data.float()
     return model
 
 

@@ -404,6 +404,10 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     # --cpu_offload all: the model stays in host memory; fully_shard moves one block at a time to the GPU, shards
     # it and offloads the shards, so the whole model never is on the GPU.
     home = torch.device("cpu") if t.cpu_offload == "all" else device
+    # A LoRA's frozen base computes in bf16 anyway: stored so (half the memory). --master_weights bf16 / bf16_sr: the
+    # trainable weights too (updated through an fp32 rebuild). Either way the weights are stored in bf16 from the start.
+    half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
+    bf16_weights = half_base or (t.master_weights != "fp32" and not m.lora_rank)
     pre = dit_init = None  # a pretrained pipeline of a diffusers family / DiT weights (--init_from)
     features = read_manifest(cfg.data.data) if is_features(cfg.data.data) else None
     if m.init_from is None and features is not None:
@@ -415,8 +419,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             on_gpu = device.type == "cuda" and features is None
             helpers = device if features is None else torch.device("cpu")
             pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
-                                  text_device=helpers, vae_device=helpers,
-                                  denoiser_device=home)
+                                  text_device=helpers, vae_device=helpers, denoiser_device=home,
+                                  denoiser_dtype=amp_dtype if bf16_weights else torch.float32)
         else:
             dit_init = finetune.read_dit_init(cfg)
     dataset = _build_dataset(cfg, run_dir, pre, d)
@@ -472,9 +476,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                                 "train on the captioned images")
             finetune.train_text_encoder(model, pre.pipe.text_encoder, pre.pipe, cfg)
     else:
-        # bf16 weights (--master_weights bf16 / bf16_sr; not under LoRA, whose adapters stay fp32): cast block by
-        # block, so the model never is whole in fp32 (the loop below casts the rest)
-        bf16_blocks = t.master_weights != "fp32" and not m.lora_rank
+        # bf16 weights: cast block by block, so the model never is whole in fp32 (the loop below casts the rest)
         # zero2 / fsdp: sharded on the meta device, then each process initialises its shards (init_sharded), so
         # the model never is whole on a GPU. Not with what needs the whole model first: official weights, LoRA,
         # FP8 conversion, the sequence-parallel measurement, or host shards (--cpu_offload all)
@@ -483,13 +485,12 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             skeleton = _create_model(cfg, torch.device("meta"))
             model = copy.deepcopy(skeleton)
         else:
-            model = _create_model(cfg, home, amp_dtype if bf16_blocks else None)
+            model = _create_model(cfg, home, amp_dtype if bf16_weights else None)
         if dit_init is not None:
             finetune.load_dit_weights(model, finetune.dit_init_weights(dit_init, cfg), t.seed)
     if m.lora_rank:
         finetune.add_lora_to_denoiser(model, cfg)
     (model if skeleton is not None else model.to(home)).train()
-    half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
     if budget is not None:  # the state's placement under the budget (plan_placement's rule)
         frozen = sum(p.numel() * (2 if half_base else p.element_size()) for p in model.parameters()
                      if not p.requires_grad)
@@ -502,9 +503,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
                      t.gpu_memory_budget, *choice[:2], " --fused_backward_pass" if choice[2] else "", choice[3])
         t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload = choice
-    for p in model.parameters():
-        # A LoRA's frozen base computes in bf16 anyway: stored so (half the memory). --master_weights bf16 /
-        # bf16_sr: the trainable weights too, updated by the optimizer through an fp32 rebuild.
+    for p in model.parameters():  # what is not bf16 yet (a LoRA's base built here; the budget's choice)
         if (half_base and not p.requires_grad) or (p.requires_grad and t.master_weights != "fp32"):
             p.data = p.data.to(amp_dtype)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32

@@ -103,11 +103,13 @@ class Pretrained:
 
 def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
                     flag: str = FLAG, text_device: torch.device | None = None,
-                    vae_device: torch.device | None = None, denoiser_device: torch.device | None = None) -> Pretrained:
+                    vae_device: torch.device | None = None, denoiser_device: torch.device | None = None,
+                    denoiser_dtype: torch.dtype = torch.float32) -> Pretrained:
     """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
     ``device``) in ``text_dtype``, its VAE to ``vae_device`` (default ``device``) and the denoiser to
-    ``denoiser_device`` (default ``device``; the CPU under ``--cpu_offload all``) in float32; all are frozen but the
-    denoiser.
+    ``denoiser_device`` (default ``device``; the CPU under ``--cpu_offload all``) with its parameters in
+    ``denoiser_dtype``, cast in host memory before the move (bf16 weights: the fp32 model never is on the GPU, which
+    SDXL's 10.3 GB would overflow under an 8 GiB budget); all are frozen but the denoiser.
     The adapter's null condition (the empty prompt) is set.
 
     Raises:
@@ -137,6 +139,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
             elif name == "vae":
                 module.to(vae_device or device)
             elif module is getattr(pipe, family.component):
+                for p in module.parameters():
+                    p.data = p.data.to(denoiser_dtype)
                 module.to(denoiser_device or device)
             else:
                 module.to(device)
