@@ -193,7 +193,8 @@ class DiT(nn.Module):
         """Initialise every parameter as the reference code does (facebookresearch/DiT ``initialize_weights``):
         xavier-uniform linears with zero biases, N(0, 0.02) embedders, the fixed sin-cos tables, and adaLN-Zero
         (zero modulation regressions, cross-attention outputs and final layer). Affine LayerNorms (``qk_norm``)
-        get ones and zeros; a text model's null caption N(0, 1 / D_text).
+        get ones and zeros; a text model's null caption N(0, 1 / D_text) when materialised (its constructor draws it
+        otherwise).
 
         Built on the meta device (``create_model(..., device=)``), ``device`` materialises the model as it goes
         (torchtitan's ``to_empty`` + ``init_weights``): the parameters outside the blocks first (embedders and
@@ -236,7 +237,8 @@ class DiT(nn.Module):
         else:  # PixArt-alpha: N(0, 0.02) caption projection; zero cross-attention output, so blocks start as identity
             nn.init.normal_(self.y_embedder.y_proj.fc1.weight, std=0.02)
             nn.init.normal_(self.y_embedder.y_proj.fc2.weight, std=0.02)
-            nn.init.normal_(self.y_embedder.null_caption, std=self.text_dim**-0.5)
+            if device is not None:  # materialised: its constructor's draw was on the meta device
+                nn.init.normal_(self.y_embedder.null_caption, std=self.text_dim**-0.5)
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
         nn.init.constant_(self.final_layer.adaLN_modulation[-1].weight, 0)
