@@ -18,6 +18,7 @@ from ditforge.errors import UserError
 from ditforge.models import block_paths, replace_block
 from ditforge.ops.attention import set_attention_backend, set_frame_exchange, set_sequence_attention
 from ditforge.ops.modulate import set_kernels
+from ditforge.parallel.ema import canonical_name
 from ditforge.parallel.mesh import Dist
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,8 @@ def parallelize(
 
     Args:
         model: a denoiser with repeated blocks (``ditforge.models.block_paths``: a DiT's ``blocks``, or the
-            blocks an adapter of a diffusers model declares), fp32, on ``dist.device``.
+            blocks an adapter of a diffusers model declares), fp32, on ``dist.device``; under zero2 / fsdp a DiT
+            may be on the meta device, to be materialised shard by shard afterwards (``init_sharded``).
         plugin: ``none`` (one process), ``ddp`` (DistributedDataParallel: all replicated, gradients
             all-reduced), ``zero2`` (FSDP2 ``fully_shard`` with ``reshard_after_forward=False``: gradients
             and optimizer states sharded, parameters gathered once per step and kept through the backward),
@@ -245,6 +247,37 @@ def parallelize(
         # The root's own parameters (embedders, final layer) are used last in the forward: keep them.
         fully_shard(model, mesh=dist.mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     return model
+
+
+@torch.no_grad()
+def init_sharded(model: nn.Module, skeleton: nn.Module, dist: Dist) -> None:
+    """Materialise and initialise a model that ``parallelize`` sharded on the meta device (zero2 / fsdp), as
+    torchtitan does (``to_empty``, then initialise), without the model ever being whole on a device: each
+    process initialises ``skeleton`` (an unsharded meta copy of the model, ``initialize_weights``) one block at a
+    time on its device, copies its own shard of each block (``torch.chunk`` along dim 0: FSDP2's ``Shard(0)``)
+    into the model's DTensors and frees the block before the next. Every process makes the same draws, so the
+    shards are those of the single-process model built after the same seed (tested: 2 processes equal 1)."""
+    model.to_empty(device=dist.device)
+    targets = {canonical_name(n): p for n, p in model.named_parameters()}
+
+    def copy(named) -> None:  # (name, full tensor) pairs of the skeleton
+        for name, full in named:
+            target = targets[name]
+            if isinstance(target, DTensor):  # FSDP2's shards: torch.chunk's, then empty ones for the ranks left over
+                chunks, rank = full.chunk(target.device_mesh.size(), dim=0), target.device_mesh.get_local_rank()
+                target.to_local().copy_(chunks[rank] if rank < len(chunks) else full[:0])
+            else:
+                target.copy_(full)
+
+    index = {id(block): i for i, block in enumerate(skeleton.blocks)}
+
+    def block_ready(block: nn.Module) -> None:
+        copy(block.named_parameters(prefix=f"blocks.{index[id(block)]}"))
+        block.to_empty(device="meta")  # its shard is copied: the full block is not needed any more
+
+    skeleton.initialize_weights(dist.device, block_ready)
+    copy((n, p) for n, p in skeleton.named_parameters() if not n.startswith("blocks."))
+    skeleton.to_empty(device="meta")
 
 
 def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:

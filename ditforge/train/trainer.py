@@ -8,6 +8,7 @@ the weights, the hybrid loss of Improved DDPM with learned sigma, label dropout 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -44,7 +45,8 @@ from ditforge.models import create_model, is_video_model
 from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
 from ditforge.ops.attention import whole_sequences
 from ditforge.ops.fused_adamw import on_gpu_with_triton
-from ditforge.parallel import clip_coefficient, clip_grad_norm_, gradient_sync, parallelize, resolve_plugin, unwrap
+from ditforge.parallel import (clip_coefficient, clip_grad_norm_, gradient_sync, init_sharded, parallelize,
+                               resolve_plugin, unwrap)
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory, out_of_memory, plan_placement
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
@@ -222,12 +224,18 @@ def sample_grid(
                     clip_denoised=clip_denoised, objective=objective, flow_shift=flow_shift or 1.0)
 
 
-def _create_model(cfg: RunConfig, device: torch.device | None = None) -> nn.Module:
-    """The run's DiT: an ordinary build on the CPU (device None), or built on the meta device and materialised on
-    ``device`` (the sample grids' model, whose weights are loaded over it)."""
+def _create_model(cfg: RunConfig, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
+    """The run's DiT, built on the meta device and materialised on ``device`` one block at a time, each block's
+    weights cast to ``dtype`` as soon as they are initialised (None: fp32)."""
     m = cfg.model
+
+    def cast(block: nn.Module) -> None:
+        for p in block.parameters():
+            p.data = p.data.to(dtype)
+
     return create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob,
-                        num_frames=m.num_frames, text_dim=m.text_dim, qk_norm=m.qk_norm, device=device)
+                        num_frames=m.num_frames, text_dim=m.text_dim, qk_norm=m.qk_norm, device=device,
+                        block_ready=cast if dtype is not None else None)
 
 
 def _grid_conditioning(cfg: RunConfig, dataset, inputs: BatchEncoder, device: torch.device) -> dict:
@@ -459,6 +467,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         m.flow_shift = diffusion.shift
 
     torch.manual_seed(t.seed)  # the same initial weights on every rank
+    skeleton = None  # an unsharded meta copy of a model that is sharded before it is materialised
     if pre is not None:
         model = pre.denoiser
         if m.train_text_encoder:
@@ -467,12 +476,21 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                                 "train on the captioned images")
             finetune.train_text_encoder(model, pre.pipe.text_encoder, pre.pipe, cfg)
     else:
-        model = _create_model(cfg)
+        # bf16 weights: cast block by block, so the model never is whole in fp32 (the loop below casts the rest)
+        # zero2 / fsdp: sharded on the meta device, then each process initialises its shards (init_sharded), so
+        # the model never is whole on a GPU. Not with what needs the whole model first: official weights, LoRA,
+        # FP8 conversion, the sequence-parallel measurement, or host shards (--cpu_offload all)
+        if (plugin in ("zero2", "fsdp") and dit_init is None and not m.lora_rank and d.sp_mesh is None
+                and t.mixed_precision != "fp8" and t.cpu_offload != "all"):
+            skeleton = _create_model(cfg, torch.device("meta"))
+            model = copy.deepcopy(skeleton)
+        else:
+            model = _create_model(cfg, home, amp_dtype if bf16_weights else None)
         if dit_init is not None:
             finetune.load_dit_weights(model, finetune.dit_init_weights(dit_init, cfg), t.seed)
     if m.lora_rank:
         finetune.add_lora_to_denoiser(model, cfg)
-    model.to(home).train()
+    (model if skeleton is not None else model.to(home)).train()
     if budget is not None:  # the state's placement under the budget (plan_placement's rule)
         frozen = sum(p.numel() * (2 if half_base else p.element_size()) for p in model.parameters()
                      if not p.requires_grad)
@@ -495,6 +513,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                         enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8",
                         sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step,
                         fused_backward_pass=t.fused_backward_pass, cpu_offload=t.cpu_offload == "all")
+    if skeleton is not None:
+        init_sharded(model, skeleton, d)
     adapters_only = bool(m.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
     ema = EMA(model, trainable_only=adapters_only, alias=t.ema_decay == 0)
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t.optimizer, t.lr,

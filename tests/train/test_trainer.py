@@ -87,8 +87,8 @@ def test_loss_goes_down(train_run, tmp_path):
 
 
 def test_trainer_equals_hand_written_recipe(tiny_run):
-    """The 3-step tiny run (seed 0, batch 16, lr 1e-3) re-done by hand from the documented recipe: init under
-    manual_seed(seed); epoch-0 order randperm(1797) under SeedSequence([seed, 0]); per step a generator seeded
+    """The 3-step tiny run (seed 0, batch 16, lr 1e-3) re-done by hand from the documented recipe: the model built
+    on the meta device and initialised on the CPU under manual_seed(seed); epoch-0 order randperm(1797) under SeedSequence([seed, 0]); per step a generator seeded
     with SeedSequence([seed, step])'s first 32-bit word
     drawing noise, t, label-drop (p=0.1) and flip coins (flips off for digits); hybrid loss; grad clip 1.0;
     AdamW(0.9, 0.999, wd 0); EMA, a copy of the initial weights, then ema <- d ema + (1 - d) w after every step
@@ -96,7 +96,7 @@ with d = min(0.9999, (1+k)/(10+k)) (k = 0, 1, ...), the fixed pos_embed not aver
 3 must hold it."""
     seed, batch, steps = 0, 16, 3
     torch.manual_seed(seed)
-    model = create_model("DiT-T/2", 8, 1, 10, True, 0.1)
+    model = create_model("DiT-T/2", 8, 1, 10, True, 0.1, device="cpu")
     ema = copy.deepcopy(model).requires_grad_(False)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
