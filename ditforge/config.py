@@ -22,7 +22,8 @@ if typing.TYPE_CHECKING:
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cast for sampling
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
-OPTIMIZERS = ("adamw", "adamw8bit")
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adafactor")
+LIBRARY_OPTIMIZERS = ("adamw4bit", "adamw_fp8", "adafactor")  # the libraries' own, stepped after the backward
 MASTER_WEIGHTS = ("fp32", "bf16", "bf16_sr")
 CPU_OFFLOAD = ("none", "optimizer", "all")
 CONDITIONS = ("auto", "class", "text")
@@ -132,10 +133,15 @@ class TrainConfig:
     batch_size: int = _f(64, "global batch size (all processes together)")
     max_steps: int | None = _f(None, "optimizer steps to run (default: 1000, or --epochs)")
     epochs: int | None = _f(None, "epochs to run instead of --max_steps")
-    lr: float | None = _f(None, "AdamW learning rate (default: 1e-4 as DiT's paper; 1e-3 for the tiny DiT-T and vDiT-T)")
+    lr: float | None = _f(None, "learning rate (default: 1e-4 as DiT's paper; 1e-3 for the tiny DiT-T and vDiT-T; "
+                                "with --init_from 1e-5, LoRA 1e-4; --optimizer adafactor 1e-2)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     optimizer: str = _f("adamw", "adamw (fp32 moments; fused on CUDA) | adamw8bit (bitsandbytes' 8-bit blockwise "
-                                 "moments: 2 bytes per parameter instead of 8)", choices=OPTIMIZERS)
+                                 "moments: 2 bytes per parameter instead of 8) | adamw4bit (torchao's 4-bit "
+                                 "moments: 1 byte) | adamw_fp8 (torchao's float8 moments: 2 bytes) | adafactor "
+                                 "(torch's: factored second moments, no first; --lr is its maximum relative step "
+                                 "size, default 1e-2). The last three step after the backward, over fp32 weights "
+                                 "(adamw4bit, adamw_fp8: or --master_weights bf16_sr)", choices=OPTIMIZERS)
     master_weights: str = _f("fp32", "fp32 | bf16 (trainable weights and their gradients in bf16, with a bf16 Kahan "
                                      "compensation that keeps the fp32 master to 2^-17 per step: 6 bytes per "
                                      "parameter instead of 8) | bf16_sr (bf16 weights and gradients, updates "
@@ -174,6 +180,10 @@ class TrainConfig:
     grad_checkpoint: str = _f("none", "activation checkpointing: none | full (every block; the bare flag) | "
                                       "every-K (every K-th block) | op (keep matmul and attention outputs, "
                                       "recompute the element-wise ops)", const="full")
+    offload_activations: bool = _f(False, "the transformer blocks that --grad_checkpoint leaves unchecked keep the "
+                                          "tensors saved for their backward in pinned host memory (torch's "
+                                          "save_on_cpu: copied out in the forward, back in the backward, on the "
+                                          "compute stream)")
     enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs (cuDNN, then Flash, on "
                                        "Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "
@@ -498,6 +508,14 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {t.optimizer}")
     if t.master_weights not in MASTER_WEIGHTS:
         raise UserError(f"--master_weights: expected one of {', '.join(MASTER_WEIGHTS)}, got {t.master_weights}")
+    if t.optimizer in LIBRARY_OPTIMIZERS:
+        allowed = ("fp32",) if t.optimizer == "adafactor" else ("fp32", "bf16_sr")
+        if t.master_weights not in allowed:
+            raise UserError(f"--optimizer {t.optimizer}: takes --master_weights {' or '.join(allowed)}, got "
+                            f"{t.master_weights}")
+        if t.fused_backward_pass or t.cpu_offload != "none":
+            raise UserError(f"--optimizer {t.optimizer}: the library's optimizer steps after the backward, on the "
+                            "GPU; not with --fused_backward_pass or --cpu_offload (use adamw or adamw8bit)")
     if t.master_weights != "fp32" and t.mixed_precision not in ("bf16", "auto"):
         raise UserError(f"--master_weights {t.master_weights}: needs --mixed_precision bf16, got {t.mixed_precision}")
     if t.fused_backward_pass and t.mixed_precision == "fp16":
@@ -533,7 +551,10 @@ def validate(cfg: RunConfig) -> None:
                         "--save_npz` and measure them with `ditforge eval --inception`")
     from ditforge.models import model_spec  # raises UserError for unknown names
 
-    parse_checkpoint_policy(t.grad_checkpoint)
+    kind, every = parse_checkpoint_policy(t.grad_checkpoint)
+    if t.offload_activations and kind != "none" and every == 1:  # full, op and every-1 check every block
+        raise UserError(f"--offload_activations: offloads the activations of blocks that are not checkpointed; "
+                        f"--grad_checkpoint {t.grad_checkpoint} checkpoints every block (use every-K, or none)")
 
     if cfg.model.model is not None:
         model_spec(cfg.model.model)

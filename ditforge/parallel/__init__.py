@@ -8,7 +8,7 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -59,18 +59,23 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_op_policy)
 
 
-def apply_grad_checkpoint(model: nn.Module, policy: str) -> None:
+def apply_grad_checkpoint(model: nn.Module, policy: str, offload: bool = False) -> None:
     """Wrap the model's repeated blocks (``block_paths``) for activation checkpointing (Chen et al. 2016) by
-    ``policy`` (see ``parse_checkpoint_policy``); the state-dict keys do not change."""
+    ``policy`` (see ``parse_checkpoint_policy``), and with ``offload`` (``--offload_activations``) the blocks it
+    leaves unchecked for activation offload: torch's ``offload_wrapper`` (``torch.autograd.graph.save_on_cpu``)
+    copies each tensor the block saves for its backward to pinned host memory in the forward (non-blocking, on the
+    compute stream) and back in the backward (a checkpointed block keeps only its input, which its recomputation
+    holds). The state-dict keys do not change.
+    """
     kind, k = parse_checkpoint_policy(policy)
-    if kind == "none":
-        return
     for i, path in enumerate(block_paths(model)):
         block = model.get_submodule(path)
         if kind == "op":
             replace_block(model, path, checkpoint_wrapper(block, context_fn=_selective_context))
-        elif i % k == 0:
+        elif kind != "none" and i % k == 0:
             replace_block(model, path, checkpoint_wrapper(block))
+        elif offload:
+            replace_block(model, path, offload_wrapper(block))
 
 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper or newer
@@ -146,6 +151,7 @@ def parallelize(
     batch_size: int = 1,
     fused_backward_pass: bool = False,
     cpu_offload: bool = False,
+    offload_activations: bool = False,
 ) -> nn.Module:
     """Prepare ``model`` for (distributed) training without touching its code.
 
@@ -159,6 +165,8 @@ def parallelize(
             ``fsdp`` (ZeRO-3: parameters resharded after the forward and gathered again for the backward).
         grad_checkpoint: activation checkpointing policy, ``none | full | every-K | op``
             (``parse_checkpoint_policy``).
+        offload_activations: the blocks left unchecked save their activations in pinned host memory
+            (``apply_grad_checkpoint``).
         compile: ``torch.compile`` mode for each block, compiled in place (after checkpointing, before
             sharding, as torchtitan orders them; every block has the same code, so it compiles once), or
             ``none``. ``reduce-overhead`` / ``max-autotune`` add CUDA graphs (static shapes). A model that sets
@@ -213,7 +221,7 @@ def parallelize(
     log.info("adaLN: %s", set_kernels(enable_modulate_kernel, enable_layernorm_kernel))
     if fp8:
         log.info("fp8: %d linear layers run float8 matrix products", apply_fp8(model, dist.device))
-    apply_grad_checkpoint(model, grad_checkpoint)
+    apply_grad_checkpoint(model, grad_checkpoint, offload_activations)
     blocks = [model.get_submodule(path) for path in block_paths(model)]
     mode = None if compile == "default" else compile
     whole = getattr(model, "compile_whole", False) and plugin in ("none", "ddp") and not fused_backward_pass

@@ -41,6 +41,14 @@ They agree to fp32 rounding (tests/parallel/test_fused_adamw.py states the bound
 where a value sits at a midpoint of the map). The state is per parameter (``step``, a 0-dim fp32 tensor;
 ``exp_avg``/``exp_avg_sq`` or bitsandbytes' ``state1``/``state2``/``absmax1``/``absmax2``; ``compensation``), the
 same for both, so ``torch.distributed.checkpoint`` saves and resumes it like any optimizer's.
+
+``--optimizer adamw4bit | adamw_fp8 | adafactor`` are the libraries' optimizers, whole (``library_optimizer``),
+stepped after the backward: nothing of ours but the choice. adamw4bit and adamw_fp8 are torchao's ``AdamW4bit``
+(Li et al. 2023, "Memory Efficient Optimizers with 4-bit States": both moments as 4-bit codes in blocks of 128,
+1 byte per parameter with the scales) and ``AdamWFp8`` (both moments as float8 e4m3 in blocks of 256: 2 bytes);
+bitsandbytes has neither. adafactor is torch's ``Adafactor`` (Shazeer & Stern 2018, "Adafactor: Adaptive Learning
+Rates with Sublinear Memory Cost", Algorithm 4 without momentum: a matrix keeps one row and one column of second
+moments, so its state is O(rows + columns), not O(rows x columns)); ``--lr`` is then its maximum relative step size.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as adam_functional
 
-from ditforge.config import OPTIMIZERS
+from ditforge.config import LIBRARY_OPTIMIZERS, OPTIMIZERS
 from ditforge.errors import UserError
 from ditforge.ops.fused_adamw import Kind, OnePassAdamW, on_gpu_with_triton
 from ditforge.parallel import clip_coefficient
@@ -71,6 +79,38 @@ def bitsandbytes_functional():
     except ImportError:
         raise UserError("--optimizer adamw8bit needs bitsandbytes: pip install 'ditforge[lowmem]'") from None
     return F
+
+
+def library_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weight_decay: float,
+                      master_weights: str = "fp32") -> torch.optim.Optimizer:
+    """The maintained library's optimizer for ``--optimizer adamw4bit | adamw_fp8 | adafactor`` (module
+    docstring): torchao's ``AdamW4bit`` / ``AdamWFp8`` (betas (0.9, 0.999), eps 1e-8; bf16 parameters are rounded
+    stochastically, torchao's ``bf16_stochastic_round``, with ``master_weights`` ``bf16_sr``) or
+    ``torch.optim.Adafactor`` (its defaults: beta2 decay -0.8, eps (dtype eps, 1e-3), update clipping d = 1;
+    fp32 parameters). torchao keeps each group's lr as a 0-dim tensor (``set_lr``).
+
+    Raises:
+        UserError: torchao is not installed.
+    """
+    if optimizer == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay)
+    try:
+        from torchao.optim import AdamW4bit, AdamWFp8
+    except ImportError:
+        raise UserError(f"--optimizer {optimizer} needs torchao: pip install 'ditforge[lowmem]'") from None
+    kind = AdamW4bit if optimizer == "adamw4bit" else AdamWFp8
+    return kind(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay,
+                bf16_stochastic_round=master_weights == "bf16_sr")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's learning rate to ``lr``: in place where a group keeps it as a tensor (torchao's low-bit
+    AdamW, whose compiled step would otherwise recompile for each new value), else as a number."""
+    for group in optimizer.param_groups:
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def rounding_seed(step: int, index: int, start: int = 0) -> int:
@@ -133,6 +173,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
             fused = on_gpu_with_triton(next(p.device for g in self.param_groups for p in g["params"]))
         self.fused = fused
         self._stream = None
+        self._resident: set[torch.Tensor] = set()  # offload: parameters whose states stay on the device (keep_on_device)
         if offload:
             if not fused:
                 raise ValueError("CompensatedAdamW: offload needs the fused step")
@@ -173,10 +214,41 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     if not torch.is_tensor(value):
                         if key == "step":  # 8-bit states of checkpoints before the fused step: a host int
                             self.state[p][key] = torch.tensor(float(value))
-                    elif self._stream is not None and key != "step":  # packed into pinned buffers at first use
+                    elif self._stream is not None and key != "step" and p not in self._resident:  # packed at first use
                         self.state[p][key] = value.to("cpu", copy=True)
                     else:
                         self.state[p][key] = value.to(device=p.device, copy=True)
+
+    def _streamed(self, p: torch.Tensor) -> bool:
+        return self._stream is not None and p not in self._resident
+
+    @torch.no_grad()
+    def keep_on_device(self, nbytes: int) -> int:
+        """Measured placement under offload (Gemini's idea: keep on the GPU what the budget leaves; Fang et al.
+        2022, "Parallel Training of Pre-trained Models via Chunk-based Dynamic Memory Management"): move the states
+        of parameters, in their order, from the host to their device while they total at most ``nbytes``
+        (``_state_bytes``); those are stepped in place from then on, the others still stream through the ring.
+        The update is the same either way (tested bit for bit). Returns the bytes moved; 0 without offload."""
+        if self._stream is None:
+            return 0
+        self._stream.flush()  # the host copies are current
+        moved = 0
+        for p in (p for group in self.param_groups for p in group["params"]):
+            if p in self._resident:
+                continue
+            need = self._state_bytes(p)
+            if moved + need > nbytes:
+                break
+            for name, value in self.state[p].items():
+                if name != "step":
+                    self.state[p][name] = value.to(p.device, copy=True)
+            self._resident.add(p)
+            moved += need
+        if moved:  # new chunks without the resident parameters, packed again at their next step
+            self._stream.reset()
+            self._launches.clear()
+            self._chunks_of.clear()
+        return moved
 
     def _eightbit(self, p: torch.Tensor) -> bool:
         return self.states == "8bit" and p.numel() >= MIN_8BIT_SIZE
@@ -204,7 +276,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         state["step"] = torch.zeros((), dtype=torch.float32, device="cpu" if host else p.device)
         for name, (shape, dtype) in self._state_shapes(p).items():
             # offloaded: on the host, packed into its chunk's pinned buffer at the first step
-            state[name] = torch.zeros(shape, dtype=dtype, device=p.device if self._stream is None else "cpu")
+            state[name] = torch.zeros(shape, dtype=dtype, device="cpu" if self._streamed(p) else p.device)
         return state
 
     def _qmap(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,8 +348,11 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 self._init_state(p)
             elif self.state[p]["step"].device != p.device:  # states saved by the libraries' path
                 self.state[p]["step"] = self.state[p]["step"].to(p.device)
-        if self._stream is None:
-            self._launch(group, tuple(params), params, self.state)
+        resident = params if self._stream is None else [p for p in params if p in self._resident]
+        if resident:
+            self._launch(group, tuple(resident), resident, self.state)
+        params = [p for p in params if self._streamed(p)]
+        if not params:
             return
         chunks = self._chunks_of.get(tuple(params))
         if chunks is None:  # greedy, in order: (key, its (parameter, state name) pairs)
@@ -526,17 +601,21 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``CompensatedAdamW`` with the one-pass
     Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device, plain tensors: not
     fully_shard's DTensors); otherwise ``torch.optim.AdamW`` (fused on CUDA) for ``adamw`` over fp32 weights stepped
-    after the backward, else ``CompensatedAdamW`` with the libraries' kernels. betas (0.9, 0.999), eps 1e-8 (DiT's
+    after the backward, else ``CompensatedAdamW`` with the libraries' kernels; ``LIBRARY_OPTIMIZERS``: the
+    library's own (``library_optimizer``; ``config.validate`` keeps them to the step after the backward). betas (0.9, 0.999), eps 1e-8 (DiT's
     and diffusers' training scripts'). ``offload`` ``optimizer`` (``--cpu_offload optimizer``): the states in pinned
     host memory; ``all``: the parameters are FSDP2's host shards, stepped by torch's fused AdamW on the CPU
     (``DelayedAdamW`` with ``delayed_update``).
 
     Raises:
-        UserError: an unknown ``optimizer``, ``adamw8bit`` without bitsandbytes, or ``offload`` where the one-pass
+        UserError: an unknown ``optimizer``, ``adamw8bit`` without bitsandbytes, adamw4bit / adamw_fp8 without
+            torchao, or ``offload`` where the one-pass
             step does not run.
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer}")
+    if optimizer in LIBRARY_OPTIMIZERS:
+        return library_optimizer(params, optimizer, lr, weight_decay, master_weights)
     if offload == "all":  # ZeRO-Offload's CPU step, with torch's fused (vectorised, multi-threaded) CPU kernel
         kind = DelayedAdamW if delayed_update else functools.partial(torch.optim.AdamW, fused=True)
         return kind(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
@@ -551,6 +630,20 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
                             states="8bit" if optimizer == "adamw8bit" else "fp32",
                             rounding="stochastic" if master_weights == "bf16_sr" else "kahan", fused=fused,
                             offload=offload == "optimizer")
+
+
+RESIDENCY_MARGIN = 2**28  # bytes under the budget left free beyond the measured peak (at least; or 5% of it)
+
+
+def keep_states_within(optimizer: torch.optim.Optimizer, budget: int, device: torch.device) -> tuple[int, int]:
+    """Measured placement for ``--gpu_memory_budget`` with ``--cpu_offload optimizer``, called after the first
+    steps (their compilation, CUDA graph pools and every transient included): the GPU memory the caching
+    allocator has reserved at its peak so far is measured, and the optimizer states that fit in what the budget
+    leaves, less ``max(RESIDENCY_MARGIN, budget / 20)``, move to the GPU (``CompensatedAdamW.keep_on_device``);
+    the rest keep streaming. Returns (bytes moved, the measured peak in bytes)."""
+    peak = torch.cuda.max_memory_reserved(device)
+    spare = budget - peak - max(RESIDENCY_MARGIN, budget // 20)
+    return (optimizer.keep_on_device(spare) if spare > 0 else 0), peak
 
 
 def cap_gpu_memory(budget: int | None, device: torch.device) -> None:
@@ -576,19 +669,21 @@ def out_of_memory(step: int, budget: str | None, device: torch.device) -> UserEr
 PLACEMENTS = (("adamw", "fp32", False, "none"), ("adamw8bit", "fp32", False, "none"),
               ("adamw8bit", "bf16", False, "none"), ("adamw8bit", "bf16_sr", False, "none"),
               ("adamw8bit", "bf16_sr", True, "none"), ("adamw8bit", "bf16_sr", True, "optimizer"))
+STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "adamw4bit": 1, "adamw_fp8": 2, "adafactor": 0}  # moments per parameter
 ACTIVATION_RESERVE = 2**29  # 0.5 GiB kept free for activations, workspaces and the step's transient buffers
 
 
 def bytes_per_parameter(optimizer: str, master_weights: str, fused_backward_pass: bool, cpu_offload: str) -> int:
     """GPU bytes per trainable parameter, as CompensatedAdamW and torch's AdamW allocate them: the weight (4 fp32,
     2 bf16), its gradient (as the weight; none with the fused backward pass, where only one block's gradients
-    exist at a time), the moments (8 fp32, 2 as 8-bit codes) and Kahan's bf16 compensation (2), these two on the
+    exist at a time), the moments (``STATE_BYTES``: 8 fp32, 2 as 8-bit codes or fp8, 1 as 4-bit codes, about 0 for
+    Adafactor's factored second moments; scales not counted) and Kahan's bf16 compensation (2), these two on the
     host with ``cpu_offload`` "optimizer" (the ring is a fixed ``RING_BYTES``); none with "all", where all of them
     live on the host and each block's weights visit the GPU for its forward and backward."""
     if cpu_offload == "all":
         return 0
     weight = 4 if master_weights == "fp32" else 2
-    states = (8 if optimizer == "adamw" else 2) + (2 if master_weights == "bf16" else 0)
+    states = STATE_BYTES[optimizer] + (2 if master_weights == "bf16" else 0)
     return weight + (0 if fused_backward_pass else weight) + (0 if cpu_offload == "optimizer" else states)
 
 

@@ -48,7 +48,8 @@ from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel import (clip_coefficient, clip_grad_norm_, gradient_sync, init_sharded, parallelize,
                                resolve_plugin, unwrap)
 from ditforge.parallel.ema import EMA
-from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory, out_of_memory, plan_placement
+from ditforge.parallel.optim import (StepInBackward, build_optimizer, cap_gpu_memory, keep_states_within,
+                                     out_of_memory, plan_placement, set_lr)
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -457,6 +458,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                                       batch_size=t.batch_size if mixed else None)
     steps_per_epoch = bucketed.steps_per_epoch if bucketed else len(dataset) // t.batch_size
     max_steps = t.max_steps or (t.epochs * max(steps_per_epoch, 1) if t.epochs else 1000)
+    if t.lr is None and t.optimizer == "adafactor":  # its lr is a relative step size: the paper's 1e-2
+        t.lr = 1e-2
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
     diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
@@ -512,7 +515,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                         enable_modulate_kernel=t.enable_modulate_kernel,
                         enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8",
                         sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step,
-                        fused_backward_pass=t.fused_backward_pass, cpu_offload=t.cpu_offload == "all")
+                        fused_backward_pass=t.fused_backward_pass, cpu_offload=t.cpu_offload == "all",
+                        offload_activations=t.offload_activations)
     if skeleton is not None:
         init_sharded(model, skeleton, d)
     adapters_only = bool(m.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
@@ -697,6 +701,9 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             ema.update(model, ema_decay_at(t.ema_decay, step), skip=skipped)
 
     step, stepped = start_step, False
+    # --gpu_memory_budget with streamed states: after two steps, as many states as the measured peak leaves room for
+    # stay on the GPU (keep_states_within)
+    measure_at = start_step + 2 if budget is not None and t.cpu_offload == "optimizer" else None
     window: dict[str, torch.Tensor] = {}
     window_start, window_steps, window_samples, data_wait = time.perf_counter(), 0, 0, 0.0
     bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None if d.is_main else True)
@@ -730,8 +737,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             rnds = [StepRandomness(*parts, None) for parts in zip(*(chunk(v, k) for v in
                                                                      (rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
             micro = list(zip(chunk(x, k), conds, rnds, *([weights.to(device).chunk(k)] if rows > 1 else [])))
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(cfg, step)
+            set_lr(optimizer, learning_rate(cfg, step))
             if ema_in_step:
                 optimizer.ema_decay = ema_decay_at(t.ema_decay, step)
             try:
@@ -744,6 +750,12 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             update_ema(step, skipped)
             nonfinite.push(step + 1, skipped, out["loss"], out["grad_norm"])  # reads the previous step's flag
             step, stepped = step + 1, False
+            if step == measure_at:
+                moved, peak = keep_states_within(optimizer, budget, device)
+                if d.is_main:
+                        log.info("--gpu_memory_budget %s: peak %.2f GiB reserved over the first steps; %.2f GiB of "
+                             "optimizer states moved to the GPU, the rest stream", t.gpu_memory_budget, peak / 2**30,
+                             moved / 2**30)
             window_steps, window_samples = window_steps + 1, window_samples + len(x) * d.dp_size // rows
             for k, v in out.items():  # a skipped step's values (NaN, inf) stay out of the means
                 window[k] = window.get(k, 0) + torch.where(skipped, 0.0, v)

@@ -75,6 +75,36 @@ def test_offloaded_step_equals_the_resident_one(mode):
     assert all(t.device.type == "cpu" and (DEV == "cpu" or t.is_pinned()) for t in host)
 
 
+@pytest.mark.parametrize("mode", ["fp32_kahan", "8bit_sr"])
+def test_keeping_part_of_the_states_on_the_device_changes_nothing(mode):
+    """Measured placement (``keep_on_device``) after 2 offloaded steps: the first parameters' states, up to the
+    bytes given, move to the device and step in place, the rest keep streaming (fewer chunks); 3 more steps equal
+    the resident run bit for bit, and so does a state_dict round trip of the mixed placement."""
+    if MODES[mode][0] == "8bit":
+        pytest.importorskip("bitsandbytes")
+    seed, dtype = _seed(), MODES[mode][1]
+    a, b = _params(dtype, seed), _params(dtype, seed)
+    opt_a, opt_b = _optimizer(a, mode, False), _optimizer(b, mode, True)
+    _steps(a, opt_a, seed, 0, 5)
+    _steps(b, opt_b, seed, 0, 2)
+    chunks = len(opt_b._stream.previous or opt_b._stream.order)
+    budget = sum(opt_b._state_bytes(p) for p in b[:5]) + 100  # the first five, not the sixth
+    assert opt_b.keep_on_device(budget) == budget - 100
+    _steps(b, opt_b, seed, 2, 5)
+    _assert_same(a, opt_a, b, opt_b)
+    assert [p in opt_b._resident for p in b] == [True] * 5 + [False] * (len(b) - 5)
+    for i, p in enumerate(b):  # (on a GPU: the device, else pinned host memory)
+        devices = {t.device.type for key, t in opt_b.state[p].items() if key != "step"}
+        assert devices == {DEV if i < 5 else "cpu"}, (i, devices)
+    assert len(opt_b._stream.order) < chunks  # fewer chunks pass through the ring
+    c = [torch.nn.Parameter(p.detach().clone()) for p in b]
+    opt_c = _optimizer(c, mode, True)
+    opt_c.load_state_dict(opt_b.state_dict())  # a resume: all states on the host again, streamed
+    _steps(a, opt_a, seed, 5, 6)
+    _steps(c, opt_c, seed, 5, 6)
+    _assert_same(a, opt_a, c, opt_c)
+
+
 def test_offloaded_state_dict_resumes_exactly():
     pytest.importorskip("bitsandbytes")
     seed, mode = _seed(), "8bit_sr"
