@@ -22,12 +22,15 @@ bf16 --ema_decay 0 --gpu_memory_budget 8GiB``, with CUDA graphs and/or gradient 
 ``full_compile_noema``; ``sr_fused4``, ``sr_fused8``, ``sr_fused16`` (4 bytes per parameter: ``--optimizer adamw8bit
 --master_weights bf16_sr --fused_backward_pass --ema_decay 0`` under a 4, 8 or 16 GiB budget) and
 ``sr_fused4_compile``, ``sr_fused16_compile`` (+ --compile, block by block), ``sr_fused4_ckpt2``,
-``sr_fused4_ckpt`` (+ checkpointing of every second block, of every block), ``sr_fused16_op``,
+``sr_fused4_ckpt`` (+ checkpointing of every second block, of every block), ``sr_fused4_ckpt2_act`` (every second
+block checkpointed, ``--offload_activations`` on the others), ``sr_fused16_op``,
 ``sr_fused16_ckpt2`` (+ op-level selective checkpointing, every second block), ``sr_fused16_ckpt2_compile``,
-``sr_fused16_ckpt3`` (every third block); ``offload4``, ``offload16`` (``sr_fused`` + ``--cpu_offload optimizer``:
-2 bytes per parameter on the GPU, the moments streamed from pinned host memory), ``offload16_ro`` (the ordinary
+``sr_fused16_ckpt3`` (every third block); ``offload4``, ``offload8``, ``offload16`` (``sr_fused`` + ``--cpu_offload
+optimizer``: 2 bytes per parameter on the GPU, the moments streamed from pinned host memory; after two steps the
+measured placement moves back to the GPU the states that the budget leaves room for), ``offload16_ro`` (the ordinary
 backward instead, so 4 bytes per parameter, and the whole denoiser compiled with CUDA graphs) and ``offload8_ckpt``, ``offload8_ckpt2`` (+ checkpointing of every
-block, of every second block); ``offload_all8_ckpt`` (``--cpu_offload all --ema_decay 0 --grad_checkpoint`` under
+block, of every second block), ``offload8_ckpt2_act`` (+ ``--offload_activations`` on the other blocks);
+``adamw8bit``, ``adamw4bit``, ``adamw_fp8``, ``adafactor`` (``--optimizer``, no EMA, no cap); ``offload_all8_ckpt`` (``--cpu_offload all --ema_decay 0 --grad_checkpoint`` under
 8 GiB: weights, gradients and fp32 AdamW states in host memory, FSDP2 in one process, the step on the CPU),
 ``offload_all8_z2_ckpt`` (``--plugin zero2``: the bf16 weights gathered once per step and kept through the backward),
 and each with ``_dpu`` (+ ``--delayed_update``).
@@ -59,6 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "finetune"))
 import tiny_pipelines  # noqa: E402  (offline tokenizers; the tiny pipelines for --tiny)
+from ditforge.atomic import atomic_path  # noqa: E402
 
 CAPTIONS = tiny_pipelines.CAPTIONS
 LOWMEM = ["--optimizer", "adamw8bit", "--master_weights", "bf16", "--ema_decay", "0"]
@@ -85,6 +89,9 @@ ROWS = {
     "sr_fused4_compile": [*SR_FUSED, "--compile", "--gpu_memory_budget", "4GiB"],
     "sr_fused4_ckpt2": [*SR_FUSED, "--grad_checkpoint", "every-2", "--gpu_memory_budget", "4GiB"],
     "sr_fused4_ckpt": [*SR_FUSED, "--grad_checkpoint", "--gpu_memory_budget", "4GiB"],
+    # every second block checkpointed, the others' saved tensors in pinned host memory
+    "sr_fused4_ckpt2_act": [*SR_FUSED, "--grad_checkpoint", "every-2", "--offload_activations",
+                            "--gpu_memory_budget", "4GiB"],
     "sr_fused8": [*SR_FUSED, "--gpu_memory_budget", "8GiB"],
     "sr_fused16": [*SR_FUSED, "--gpu_memory_budget", "16GiB"],
     "sr_fused16_compile": [*SR_FUSED, "--compile", "--gpu_memory_budget", "16GiB"],
@@ -94,12 +101,23 @@ ROWS = {
     "sr_fused16_ckpt2_compile": [*SR_FUSED, "--grad_checkpoint", "every-2", "--compile", "--gpu_memory_budget",
                                  "16GiB"],
     "offload4": [*OFFLOAD, "--gpu_memory_budget", "4GiB"],
+    # streamed states under a budget with room to spare: the measured placement moves them back to the GPU
+    "offload8": [*OFFLOAD, "--gpu_memory_budget", "8GiB"],
     "offload16": [*OFFLOAD, "--gpu_memory_budget", "16GiB"],
     # the states streamed through the ring after an ordinary backward: the whole denoiser one CUDA-graphed compile
     "offload16_ro": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--cpu_offload", "optimizer",
                      "--ema_decay", "0", "--compile", "reduce-overhead", "--gpu_memory_budget", "16GiB"],
     "offload8_ckpt": [*OFFLOAD, "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
     "offload8_ckpt2": [*OFFLOAD, "--grad_checkpoint", "every-2", "--gpu_memory_budget", "8GiB"],
+    # the blocks every-2 leaves unchecked keep their saved tensors in pinned host memory
+    "offload8_ckpt2_act": [*OFFLOAD, "--grad_checkpoint", "every-2", "--offload_activations", "--gpu_memory_budget",
+                           "8GiB"],
+    # the optimizers alone, no cap: 8-bit moments (bitsandbytes' format, our one-pass step), torchao's low-bit
+    # AdamW, torch's Adafactor
+    "adamw8bit": ["--optimizer", "adamw8bit", "--ema_decay", "0"],
+    "adamw4bit": ["--optimizer", "adamw4bit", "--ema_decay", "0"],
+    "adamw_fp8": ["--optimizer", "adamw_fp8", "--ema_decay", "0"],
+    "adafactor": ["--optimizer", "adafactor", "--ema_decay", "0"],
     # everything in host memory (FSDP2's CPUOffloadPolicy, torch's fused AdamW on the CPU), with the delayed update
     "offload_all8_ckpt": [*OFFLOAD_ALL, "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
     "offload_all8_ckpt_dpu": [*OFFLOAD_ALL, "--grad_checkpoint", "--delayed_update", "--gpu_memory_budget", "8GiB"],
@@ -195,7 +213,8 @@ def images(folder: Path, n: int, size: int) -> Path:
     return folder
 
 
-def ditforge(*argv: str, timeout: float | None = None) -> None:
+def ditforge(*argv: str, timeout: float | None = None) -> str:
+    """Run ``python -m ditforge *argv``; returns its stderr (the log). Raises RuntimeError on failure."""
     try:
         proc = subprocess.run([sys.executable, "-m", "ditforge", *argv], capture_output=True, text=True,
                               timeout=timeout)
@@ -203,6 +222,7 @@ def ditforge(*argv: str, timeout: float | None = None) -> None:
         raise RuntimeError(f"ditforge {argv[0]} took more than {timeout:.0f} s") from None
     if proc.returncode:
         raise RuntimeError(f"ditforge {' '.join(argv[:1])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.stderr
 
 
 def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: int, log_every: int,
@@ -210,7 +230,7 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
     out = work / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)
     try:
-        ditforge("train", "--init_from", str(pipe), "--data", str(feats), "--batch_size", str(batch), "--max_steps",
+        log = ditforge("train", "--init_from", str(pipe), "--data", str(feats), "--batch_size", str(batch), "--max_steps",
                  str(steps), "--log_every", str(log_every), "--sample_every", "0", "--ckpt_every", str(10 * steps),
                  "--keep_last", "1", "--device", device, "--num_workers", "0", "--outputs", str(out), *ROWS[name],
                  timeout=timeout)
@@ -219,9 +239,11 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out, ignore_errors=True)  # full fine-tunes write ~14 GB of checkpoint
     windows = [batch / r["samples_per_sec"] * 1000 for r in records[1:]]  # ms per step after the warm-up window
+    # the placement lines of --gpu_memory_budget (the measured residency of streamed states among them)
+    placement = [line.split(" INFO ", 1)[-1] for line in log.splitlines() if "--gpu_memory_budget" in line]
     return {"ms_per_step": round(statistics.median(windows), 1), "windows_ms": [round(w, 1) for w in windows],
             "peak_gib": round(max(r.get("peak_memory_gib", 0.0) for r in records), 2),
-            "final_loss": round(records[-1]["loss"], 4)}
+            "final_loss": round(records[-1]["loss"], 4), **({"placement": placement} if placement else {})}
 
 
 def profile_row(name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) -> None:
@@ -295,6 +317,19 @@ def profile_row(name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) 
     print_top_kernels(prof, 12, f"{name}: {steps} steps")
 
 
+def library_versions() -> dict[str, str]:
+    """The installed versions of the optimizer libraries (bitsandbytes, torchao); absent ones are left out."""
+    import importlib.metadata
+
+    found = {}
+    for name in ("bitsandbytes", "torchao"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("sd15", "pixart", "sdxl"), required=True)
@@ -330,23 +365,24 @@ def main() -> None:
         for name in args.rows.split(","):
             profile_row(name, pipe, feats, batch)
         return
-    results = {}
-    for name in args.rows.split(","):
-        results[name] = run_row(name, pipe, feats, work, batch, args.steps, args.log_every, args.device,
-                                args.row_timeout)
-        print(f"{args.model} {name}: {results[name]}", flush=True)
     import diffusers
 
     meta = {"date": datetime.date.today().isoformat(), "model": args.model, "batch_size": batch, "image_size": size,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "torch": torch.__version__, "diffusers": diffusers.__version__, "steps": args.steps,
-            "log_every": args.log_every}
+            "log_every": args.log_every, **library_versions()}
+    results = {}
+    for name in args.rows.split(","):
+        results[name] = run_row(name, pipe, feats, work, batch, args.steps, args.log_every, args.device,
+                                args.row_timeout)
+        print(f"{args.model} {name}: {results[name]}", flush=True)
+        if args.json:  # after every row, so that a job cut short keeps the rows it measured
+            with atomic_path(args.json) as tmp:
+                tmp.write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
     print(f"\n{args.model}, {size}px, batch {batch} ({meta['device']}, torch {meta['torch']}):")
     print(f"{'row':16s} {'ms/step':>9s} {'peak GiB':>9s}")
     for name, r in results.items():
         print(f"{name:16s} {r.get('ms_per_step', 'failed')!s:>9s} {r.get('peak_gib', '')!s:>9s}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,14 +20,14 @@ python3 -c "import torch, diffusers, bitsandbytes, peft, transformers, triton; p
 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, 'bitsandbytes', bitsandbytes.__version__, 'peft', \
 peft.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 if [ -n "$anchors" ]; then
-    (cd .anchors && python3 lowmem_finetune.py $anchors) 2>&1 | grep -v "gemm_4bit" | tee "$OUT/${model}_anchor.log"
+    (cd .anchors && python3 lowmem_finetune.py $anchors) 2>&1 | grep --line-buffered -v "gemm_4bit" | tee "$OUT/${model}_anchor.log"
     mv "$OUT/lowmem_anchor.json" "$OUT/${model}_anchor.json"
 fi
 if [ "$model" = dit ]; then
     python3 -m ditforge bench --memory --model DiT-XL/2 --image_size 256 --batch_size 32 --steps 10 --warmup 5 \
-        --gpu_memory_budget 8GiB --outputs "$OUT" 2>&1 | grep -v "gemm_4bit" | tee "$OUT/dit_memory.log"
+        --gpu_memory_budget 8GiB --outputs "$OUT" 2>&1 | grep --line-buffered -v "gemm_4bit" | tee "$OUT/dit_memory.log"
 elif [ -n "$rows" ]; then
     python3 benchmarks/finetune.py --model "$model" --rows "$rows" --steps "${STEPS:-30}" --log_every "${LOG_EVERY:-10}" \
         --row_timeout "${ROW_TIMEOUT:-240}" \
-        --json "$OUT/${model}.json" 2>&1 | grep -v "gemm_4bit" | tee "$OUT/${model}.log"
+        --json "$OUT/${model}.json" 2>&1 | grep --line-buffered -v "gemm_4bit" | tee "$OUT/${model}.log"
 fi

@@ -753,7 +753,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             if step == measure_at:
                 moved, peak = keep_states_within(optimizer, budget, device)
                 if d.is_main:
-                        log.info("--gpu_memory_budget %s: peak %.2f GiB reserved over the first steps; %.2f GiB of "
+                    log.info("--gpu_memory_budget %s: peak %.2f GiB reserved over the first steps; %.2f GiB of "
                              "optimizer states moved to the GPU, the rest stream", t.gpu_memory_budget, peak / 2**30,
                              moved / 2**30)
             window_steps, window_samples = window_steps + 1, window_samples + len(x) * d.dp_size // rows
