@@ -17,6 +17,9 @@ weights of size 1), bf16 compute, no EMA, the same data order and noise:
                 runs the one-pass Triton step
     delayed     --cpu_offload all --delayed_update (ZeRO-Offload's one-step delayed update; --cpu_offload all
                 alone equals fp32 to fp32 rounding, tested)
+    adamw4bit, adamw_fp8  --optimizer adamw4bit | adamw_fp8 (torchao's 4-bit and float8 moments)
+    adafactor   --optimizer adafactor --lr 1e-2 (torch's Adafactor at its documented default: lr is its maximum
+                relative step size, so the reference's 1e-4 does not carry over)
 
 ``--modes`` picks some (fp32 and fp32_seed1 always run: they are the reference and the noise).
 
@@ -51,6 +54,9 @@ MODES = {
     "sr_8bit": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr"],
     "fp32_library": ["--fused_optimizer", "off"],
     "delayed": ["--cpu_offload", "all", "--delayed_update"],
+    "adamw4bit": ["--optimizer", "adamw4bit"],
+    "adamw_fp8": ["--optimizer", "adamw_fp8"],
+    "adafactor": ["--optimizer", "adafactor", "--lr", "1e-2"],
 }
 
 

@@ -661,8 +661,9 @@ def out_of_memory(step: int, budget: str | None, device: torch.device) -> UserEr
     where = f"--gpu_memory_budget {budget}" if budget else "the GPU's memory"
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     return UserError(f"out of memory at step {step}: {where} (peak {peak:.2f} GiB allocated); save memory with "
-                     "--optimizer adamw8bit, --master_weights bf16_sr, --fused_backward_pass, --ema_decay 0, "
-                     "--grad_checkpoint, --lora_rank or a smaller --batch_size")
+                     "--optimizer adamw8bit, --master_weights bf16_sr, --fused_backward_pass, --cpu_offload "
+                     "optimizer, --ema_decay 0, --grad_checkpoint, --offload_activations, --lora_rank or a smaller "
+                     "--batch_size")
 
 
 # Placements from fastest to smallest: (--optimizer, --master_weights, --fused_backward_pass, --cpu_offload).

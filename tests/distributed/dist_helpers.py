@@ -6,10 +6,13 @@ Every run uses fp32 on the CPU, one OpenMP thread per process, no sample grids a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +133,28 @@ def assert_same_weights(got: dict, ref: dict, atol: float = WEIGHT_ATOL) -> floa
 
 # The tiny model of the tests that the issue does not pin to DiT-S/2.
 TINY = ["--model", "DiT-T/2", "--batch_size", "16"]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for the gloo group of processes spawned by a test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_dp(rank: int, port: int, world: int) -> Iterator:
+    """In a process spawned by a test: one OpenMP thread, a gloo group of ``world`` on 127.0.0.1:``port`` and a 1-D
+    ``dp`` DeviceMesh over the CPU; yields ditforge's ``Dist`` for it and destroys the group on exit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ditforge.parallel.mesh import Dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        yield Dist(rank=rank, world_size=world, device=torch.device("cpu"), mesh=mesh)
+    finally:
+        dist.destroy_process_group()

@@ -19,22 +19,17 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from dist_helpers import free_port
+
 RTOL = 1e-5
 RTOL_BF16 = 3e-2
 B, H, DH = 2, 4, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cases(world: int) -> list[tuple[str, int, int, bool]]:
@@ -230,7 +225,7 @@ def _worker(rank: int, world: int, port: int, base_seed: int) -> None:
 def test_sequence_parallel_attention_matches_single_process(world):
     base_seed = int.from_bytes(os.urandom(3), "little") * 1000  # fresh inputs every run (seed in messages)
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(world, _free_port(), base_seed), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), base_seed), nprocs=world, join=True)
     print(f"world {world}: {time.perf_counter() - t0:.1f} s (base seed {base_seed})")
 
 

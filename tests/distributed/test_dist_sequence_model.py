@@ -9,7 +9,6 @@ only reorders sums: attention over blocks of keys, gradients summed over the gro
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dist_helpers import dist_env, read_run, run_single, torchrun_cmd
+from dist_helpers import dist_env, free_port, read_run, run_single, torchrun_cmd
 
 from ditforge.models import VideoDiT, create_model
 from ditforge.parallel import parallelize
@@ -104,12 +103,6 @@ def _worker(rank: int, world: int, port: int, variant: str, kind: str, out: dict
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reference(kind: str):
     model = _model(kind)
     x, t, y, mask, up = _inputs(kind)
@@ -130,7 +123,7 @@ def test_split_model_equals_whole(kind, variant, world):
     every process measured the same figures for the variants its 6 heads allow, and runs the fastest."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(world, _free_port(), variant, kind, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), variant, kind, out), nprocs=world, join=True)
         output, grads = out["output"], dict(out["grads"])
         tokens = STDIT_FRAMES * (STDIT_SIZE // 2) ** 2 if kind == "stdit" else FRAMES * (SIZE // 2) ** 2
         assert out["local_tokens"] == [-(-tokens // world)]  # the blocks see this process's slice

@@ -7,36 +7,24 @@ Reference: the unsharded model built under the same seed, and the float64 closed
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from dist_helpers import free_port, gloo_dp
+
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     from ditforge.models import create_model
     from ditforge.parallel import parallelize
     from ditforge.parallel.ema import EMA
-    from ditforge.parallel.mesh import Dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
-        d = Dist(rank=rank, world_size=WORLD, device=torch.device("cpu"), mesh=mesh)
+    with gloo_dp(rank, port, WORLD) as d:
         for plugin in ("zero2", "fsdp", "ddp"):
             torch.manual_seed(0)
             model = create_model("DiT-T/2", 8, 1, 10)
@@ -81,10 +69,8 @@ def _worker(rank: int, port: int) -> None:
                     torch.testing.assert_close(gathered[k].double(), want, rtol=0, atol=1e-6)
                 else:  # pos_embed: the fixed sin-cos table is not averaged
                     assert torch.equal(gathered[k], full[k]), (plugin, k)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_ema_is_sharded_like_the_weights():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -6,34 +6,21 @@ same seed in one process, bit for bit, and no rank ever holds the whole model. T
 from __future__ import annotations
 
 import copy
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
+from dist_helpers import free_port, gloo_dp
+
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from ditforge.models import create_model
     from ditforge.parallel import init_sharded, parallelize
     from ditforge.parallel.ema import EMA
-    from ditforge.parallel.mesh import Dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
-        d = Dist(rank=rank, world_size=WORLD, device=torch.device("cpu"), mesh=mesh)
+    with gloo_dp(rank, port, WORLD) as d:
         for name, kw, plugin, ckpt in [("DiT-T/2", dict(text_dim=24, qk_norm=True), "fsdp", "full"),
                                        ("STDiT-T/2", dict(num_frames=2), "zero2", "none")]:
             torch.manual_seed(3)
@@ -50,9 +37,7 @@ def _worker(rank: int, port: int) -> None:
             assert got.keys() == want.keys(), name
             for k, v in want.items():
                 assert torch.equal(got[k], v), (name, k)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharded_initialisation_equals_the_single_process_model():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
