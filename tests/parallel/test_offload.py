@@ -38,6 +38,15 @@ def _optimizer(params, mode, offload):
                             offload=offload, ring_bytes=RING)
 
 
+def _resident_and_offloaded(mode):
+    """A fresh seed and two equal parameter sets, one with a resident optimizer, one with an offloaded one."""
+    if MODES[mode][0] == "8bit":
+        pytest.importorskip("bitsandbytes")
+    seed, dtype = _seed(), MODES[mode][1]
+    a, b = _params(dtype, seed), _params(dtype, seed)
+    return seed, a, _optimizer(a, mode, False), b, _optimizer(b, mode, True)
+
+
 def _steps(params, opt, seed, first, last):
     for k in range(first, last):
         g = torch.Generator().manual_seed(seed + 1 + k)
@@ -60,11 +69,7 @@ def _assert_same(a, opt_a, b, opt_b):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_offloaded_step_equals_the_resident_one(mode):
-    if MODES[mode][0] == "8bit":
-        pytest.importorskip("bitsandbytes")
-    seed, dtype = _seed(), MODES[mode][1]
-    a, b = _params(dtype, seed), _params(dtype, seed)
-    opt_a, opt_b = _optimizer(a, mode, False), _optimizer(b, mode, True)
+    seed, a, opt_a, b, opt_b = _resident_and_offloaded(mode)
     _steps(a, opt_a, seed, 0, 5)
     _steps(b, opt_b, seed, 0, 5)
     _assert_same(a, opt_a, b, opt_b)
@@ -80,11 +85,7 @@ def test_keeping_part_of_the_states_on_the_device_changes_nothing(mode):
     """Measured placement (``keep_on_device``) after 2 offloaded steps: the first parameters' states, up to the
     bytes given, move to the device and step in place, the rest keep streaming (fewer chunks); 3 more steps equal
     the resident run bit for bit, and so does a state_dict round trip of the mixed placement."""
-    if MODES[mode][0] == "8bit":
-        pytest.importorskip("bitsandbytes")
-    seed, dtype = _seed(), MODES[mode][1]
-    a, b = _params(dtype, seed), _params(dtype, seed)
-    opt_a, opt_b = _optimizer(a, mode, False), _optimizer(b, mode, True)
+    seed, a, opt_a, b, opt_b = _resident_and_offloaded(mode)
     _steps(a, opt_a, seed, 0, 5)
     _steps(b, opt_b, seed, 0, 2)
     chunks = len(opt_b._stream.previous or opt_b._stream.order)
