@@ -140,8 +140,8 @@ class TrainConfig:
                                  "moments: 2 bytes per parameter instead of 8) | adamw4bit (torchao's 4-bit "
                                  "moments: 1 byte) | adamw_fp8 (torchao's float8 moments: 2 bytes) | adafactor "
                                  "(torch's: factored second moments, no first; --lr is its maximum relative step "
-                                 "size, default 1e-2). The last three step after the backward, over fp32 weights "
-                                 "(adamw4bit, adamw_fp8: or --master_weights bf16_sr)", choices=OPTIMIZERS)
+                                 "size, default 1e-2). The last three step after the backward, over fp32 weights",
+                     choices=OPTIMIZERS)
     master_weights: str = _f("fp32", "fp32 | bf16 (trainable weights and their gradients in bf16, with a bf16 Kahan "
                                      "compensation that keeps the fp32 master to 2^-17 per step: 6 bytes per "
                                      "parameter instead of 8) | bf16_sr (bf16 weights and gradients, updates "
@@ -181,9 +181,9 @@ class TrainConfig:
                                       "every-K (every K-th block) | op (keep matmul and attention outputs, "
                                       "recompute the element-wise ops)", const="full")
     offload_activations: bool = _f(False, "the transformer blocks that --grad_checkpoint leaves unchecked keep the "
-                                          "tensors saved for their backward in pinned host memory (torch's "
-                                          "save_on_cpu: copied out in the forward, back in the backward, on the "
-                                          "compute stream)")
+                                          "tensors saved for their backward, parameters excepted, in pinned host "
+                                          "memory (copied out in the forward, back in the backward, on the compute "
+                                          "stream)")
     enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs (cuDNN, then Flash, on "
                                        "Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "
@@ -509,13 +509,18 @@ def validate(cfg: RunConfig) -> None:
     if t.master_weights not in MASTER_WEIGHTS:
         raise UserError(f"--master_weights: expected one of {', '.join(MASTER_WEIGHTS)}, got {t.master_weights}")
     if t.optimizer in LIBRARY_OPTIMIZERS:
-        allowed = ("fp32",) if t.optimizer == "adafactor" else ("fp32", "bf16_sr")
-        if t.master_weights not in allowed:
-            raise UserError(f"--optimizer {t.optimizer}: takes --master_weights {' or '.join(allowed)}, got "
-                            f"{t.master_weights}")
+        # torchao's bf16 stochastic rounding draws from the global generator (a resume would not be exact) and
+        # keeps the moments of its unquantized small tensors in bf16, where the second moment stalls
+        if t.master_weights != "fp32":
+            raise UserError(f"--optimizer {t.optimizer}: takes --master_weights fp32, got {t.master_weights} (bf16 "
+                            "weights: --optimizer adamw8bit)")
         if t.fused_backward_pass or t.cpu_offload != "none":
             raise UserError(f"--optimizer {t.optimizer}: the library's optimizer steps after the backward, on the "
                             "GPU; not with --fused_backward_pass or --cpu_offload (use adamw or adamw8bit)")
+        if cfg.parallel.async_checkpoint and t.optimizer != "adafactor":
+            # torch's staging copy of a state dict calls zeros_like, which torchao's state tensors do not implement
+            raise UserError(f"--optimizer {t.optimizer}: its torchao states are saved synchronously; not with "
+                            "--async_checkpoint")
     if t.master_weights != "fp32" and t.mixed_precision not in ("bf16", "auto"):
         raise UserError(f"--master_weights {t.master_weights}: needs --mixed_precision bf16, got {t.mixed_precision}")
     if t.fused_backward_pass and t.mixed_precision == "fp16":

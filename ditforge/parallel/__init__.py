@@ -8,7 +8,7 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import OffloadWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -59,13 +59,43 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_op_policy)
 
 
+def _pack_to_host(tensor: torch.Tensor) -> torch.Tensor | tuple[torch.device, torch.Tensor]:
+    """Saved-tensor pack hook of ``ActivationOffload``: a parameter, or a view of one (the transposed weight that a
+    linear layer saves), stays where it is, since the module holds it anyway; any other tensor is copied into
+    pinned host memory (non-blocking, on the current stream), as torch's ``save_on_cpu(pin_memory=True)`` does."""
+    if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+        return tensor
+    pinned = tensor.device.type == "cuda" and not tensor.is_sparse
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pinned)
+    host.copy_(tensor, non_blocking=pinned)
+    return tensor.device, host
+
+
+def _unpack_from_host(packed: torch.Tensor | tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    if torch.is_tensor(packed):
+        return packed
+    device, host = packed
+    return host.to(device, non_blocking=host.is_pinned())
+
+
+class ActivationOffload(OffloadWrapper):
+    """torch's ``offload_wrapper`` with parameters left out: ``save_on_cpu`` packs every saved tensor, and a block
+    saves its weights (or, in bf16 weights, the parameters themselves) for the backward, which would cross PCIe
+    twice per step for nothing and come back as a second copy. The state-dict keys are those of the wrapped
+    block."""
+
+    def forward(self, *args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host):
+            return self._checkpoint_wrapped_module(*args, **kwargs)
+
+
 def apply_grad_checkpoint(model: nn.Module, policy: str, offload: bool = False) -> None:
     """Wrap the model's repeated blocks (``block_paths``) for activation checkpointing (Chen et al. 2016) by
     ``policy`` (see ``parse_checkpoint_policy``), and with ``offload`` (``--offload_activations``) the blocks it
-    leaves unchecked for activation offload: torch's ``offload_wrapper`` (``torch.autograd.graph.save_on_cpu``)
-    copies each tensor the block saves for its backward to pinned host memory in the forward (non-blocking, on the
-    compute stream) and back in the backward (a checkpointed block keeps only its input, which its recomputation
-    holds). The state-dict keys do not change.
+    leaves unchecked for activation offload (``ActivationOffload``): each tensor the block saves for its backward,
+    parameters excepted, is copied to pinned host memory in the forward (non-blocking, on the compute stream) and
+    back in the backward (a checkpointed block keeps only its input, which its recomputation holds). The
+    state-dict keys do not change.
     """
     kind, k = parse_checkpoint_policy(policy)
     for i, path in enumerate(block_paths(model)):
@@ -75,7 +105,7 @@ def apply_grad_checkpoint(model: nn.Module, policy: str, offload: bool = False) 
         elif kind != "none" and i % k == 0:
             replace_block(model, path, checkpoint_wrapper(block))
         elif offload:
-            replace_block(model, path, offload_wrapper(block))
+            replace_block(model, path, ActivationOffload(block))
 
 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper or newer

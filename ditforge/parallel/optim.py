@@ -81,13 +81,14 @@ def bitsandbytes_functional():
     return F
 
 
-def library_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weight_decay: float,
-                      master_weights: str = "fp32") -> torch.optim.Optimizer:
+def library_optimizer(params: list[nn.Parameter], optimizer: str, lr: float,
+                      weight_decay: float) -> torch.optim.Optimizer:
     """The maintained library's optimizer for ``--optimizer adamw4bit | adamw_fp8 | adafactor`` (module
-    docstring): torchao's ``AdamW4bit`` / ``AdamWFp8`` (betas (0.9, 0.999), eps 1e-8; bf16 parameters are rounded
-    stochastically, torchao's ``bf16_stochastic_round``, with ``master_weights`` ``bf16_sr``) or
-    ``torch.optim.Adafactor`` (its defaults: beta2 decay -0.8, eps (dtype eps, 1e-3), update clipping d = 1;
-    fp32 parameters). torchao keeps each group's lr as a 0-dim tensor (``set_lr``).
+    docstring), over fp32 parameters: torchao's ``AdamW4bit`` / ``AdamWFp8`` (betas (0.9, 0.999), eps 1e-8) or
+    ``torch.optim.Adafactor`` (its defaults: beta2 decay -0.8, eps (dtype eps, 1e-3), update clipping d = 1).
+    torchao keeps each group's lr as a 0-dim tensor (``set_lr``). torchao's own bf16 stochastic rounding is not
+    offered (``config.validate``): it draws from the global generator, and its unquantized small tensors would
+    keep bf16 moments.
 
     Raises:
         UserError: torchao is not installed.
@@ -99,8 +100,7 @@ def library_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, wei
     except ImportError:
         raise UserError(f"--optimizer {optimizer} needs torchao: pip install 'ditforge[lowmem]'") from None
     kind = AdamW4bit if optimizer == "adamw4bit" else AdamWFp8
-    return kind(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay,
-                bf16_stochastic_round=master_weights == "bf16_sr")
+    return kind(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -615,7 +615,7 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     if optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer}")
     if optimizer in LIBRARY_OPTIMIZERS:
-        return library_optimizer(params, optimizer, lr, weight_decay, master_weights)
+        return library_optimizer(params, optimizer, lr, weight_decay)
     if offload == "all":  # ZeRO-Offload's CPU step, with torch's fused (vectorised, multi-threaded) CPU kernel
         kind = DelayedAdamW if delayed_update else functools.partial(torch.optim.AdamW, fused=True)
         return kind(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
-from ditforge.config import RunConfig, parse_bytes, resolve_precision
+from ditforge.config import LIBRARY_OPTIMIZERS, RunConfig, parse_bytes, resolve_precision
 from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, build_shard_loader, is_features
 from ditforge.data.prefetch import DevicePrefetcher, default_num_workers
 from ditforge.data.shards import LatentDecoder, ShardData, is_shard_data
@@ -488,7 +488,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             skeleton = _create_model(cfg, torch.device("meta"))
             model = copy.deepcopy(skeleton)
         else:
-            model = _create_model(cfg, home, amp_dtype if bf16_weights else None)
+            # LoRA: the adapters are drawn in fp32 on the fp32 base, which the loop below casts after injection
+            model = _create_model(cfg, home, amp_dtype if bf16_weights and not m.lora_rank else None)
         if dit_init is not None:
             finetune.load_dit_weights(model, finetune.dit_init_weights(dit_init, cfg), t.seed)
     if m.lora_rank:
@@ -602,6 +603,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                  "per bucket" if bucketed and not mixed else t.batch_size, run_dir)
         log.info("optimizer step: %s%s", "one Triton pass (clipping, AdamW" + (", EMA)" if ema_in_step else ")")
                  if getattr(optimizer, "fused", False) else "torch's fused AdamW on the CPU" if t.cpu_offload == "all"
+                 else f"the library's {type(optimizer).__name__}" if t.optimizer in LIBRARY_OPTIMIZERS
                  else "the libraries' kernels (--fused_optimizer off or no GPU)",
                  {"optimizer": "; states in pinned host memory, streamed through a GPU ring",
                   "all": ", over weights, gradients and states in host memory (FSDP2's CPUOffloadPolicy)"

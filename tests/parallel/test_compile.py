@@ -90,9 +90,10 @@ def test_op_policy_recomputes_only_elementwise_ops():
 
 
 def test_offload_activations_of_the_unchecked_blocks():
-    """``--offload_activations`` wraps the blocks that checkpointing leaves (torch's offload_wrapper): under
-    every-2 blocks 1, 3, 5; their forward copies each saved tensor out (aten.copy_ into the host buffer), and the
-    gradients equal the plain model's bit for bit (float64: the copies are exact)."""
+    """``--offload_activations`` wraps the blocks that checkpointing leaves (``ActivationOffload``, torch's
+    OffloadWrapper with parameters left out): under every-2 blocks 1, 3, 5; their forward copies each saved tensor
+    but the parameters out (aten.copy_ into the host buffer), and the gradients equal the plain model's bit for
+    bit (float64: the copies are exact)."""
     torch.manual_seed(0)
     base = create_model("DiT-T/2", 8, 1, 10).double()
     for block in base.blocks:
@@ -114,6 +115,33 @@ def test_offload_activations_of_the_unchecked_blocks():
     for key in (("none", True), ("every-2", True)):
         for a, b in zip(grads[key], grads["none", False], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_activation_offload_leaves_parameters_in_place():
+    """What ``ActivationOffload`` packs, in one linear layer's forward under its hooks: the input and the
+    activation go to host memory (equal values, back on their device in the unpack), the weight, which the layer
+    saves as a transposed view of the parameter, and a parameter itself stay the very tensors they were."""
+    from ditforge.parallel import _pack_to_host, _unpack_from_host
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 16)
+    x = torch.randn(4, 8, requires_grad=True)
+    packed = []
+
+    def pack(t):
+        packed.append((t, _pack_to_host(t)))
+        return packed[-1][1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_from_host):
+        torch.nn.functional.gelu(layer(x)).sum().backward()
+    kept = [t for t, p in packed if p is t]
+    moved = [(t, p) for t, p in packed if p is not t]
+    assert len(kept) == 1 and kept[0]._base is layer.weight
+    assert len(moved) == 2  # the input and the pre-activation
+    for t, (device, host) in moved:
+        assert device == t.device and host.data_ptr() != t.data_ptr()
+        torch.testing.assert_close(_unpack_from_host((device, host)), t.detach(), rtol=0, atol=0)
+    assert _pack_to_host(layer.bias) is layer.bias
 
 
 @pytest.mark.parametrize("policy", ["full", "op", "every-1"])

@@ -360,14 +360,15 @@ def test_step_in_backward_equals_the_ordinary_step(mode, max_grad_norm):
 @pytest.mark.parametrize("mode", [("--optimizer", "adamw8bit"), ("--master_weights", "bf16", "--ema_decay", "0"),
                                   ("--optimizer", "adamw8bit", "--master_weights", "bf16"),
                                   ("--master_weights", "bf16_sr", "--fused_backward_pass", "--max_grad_norm", "0.05"),
-                                  ("--optimizer", "adamw4bit"), ("--optimizer", "adafactor")])
+                                  ("--optimizer", "adamw4bit"), ("--optimizer", "adamw_fp8"),
+                                  ("--optimizer", "adafactor")])
 def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_path):
     """``ditforge train`` in each mode: 4 steps straight, and 2 + resume + 2, give the same weights and EMA (the
     fused backward pass with a clipping norm small enough to clip: the previous step's norm travels in the
     checkpoint; stochastic rounding: its seeds follow the step count the optimizer state carries)."""
     if "adamw8bit" in mode:
         pytest.importorskip("bitsandbytes")
-    if "adamw4bit" in mode:
+    if "adamw4bit" in mode or "adamw_fp8" in mode:
         pytest.importorskip("torchao")
     from ditforge.train import checkpoint as ckpt_io
     from ditforge.train.logging import read_metrics
@@ -406,8 +407,10 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     (("--delayed_update",), "--delayed_update: needs --cpu_offload all, got --cpu_offload none"),
     (("--optimizer", "adafactor", "--master_weights", "bf16_sr"), "--optimizer adafactor: takes --master_weights fp32, "
                                                                    "got bf16_sr"),
-    (("--optimizer", "adamw4bit", "--master_weights", "bf16"), "--optimizer adamw4bit: takes --master_weights fp32 or "
-                                                               "bf16_sr, got bf16"),
+    (("--optimizer", "adamw4bit", "--master_weights", "bf16_sr"), "--optimizer adamw4bit: takes --master_weights "
+                                                                  "fp32, got bf16_sr"),
+    (("--optimizer", "adamw_fp8", "--async_checkpoint"), "--optimizer adamw_fp8: its torchao states are saved "
+                                                         "synchronously; not with --async_checkpoint"),
     (("--optimizer", "adamw_fp8", "--fused_backward_pass"), "--optimizer adamw_fp8: the library's optimizer steps "
                                                             "after the backward"),
     (("--cpu_offload", "all", "--mixed_precision", "fp16"), "--cpu_offload all: not with --mixed_precision fp16"),
