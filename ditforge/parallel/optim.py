@@ -228,7 +228,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
         2022, "Parallel Training of Pre-trained Models via Chunk-based Dynamic Memory Management"): move the states
         of parameters, in their order, from the host to their device while they total at most ``nbytes``
         (``_state_bytes``); those are stepped in place from then on, the others still stream through the ring.
-        The update is the same either way (tested bit for bit). Returns the bytes moved; 0 without offload."""
+        Once every state is on the device the ring is freed and the optimizer steps as a resident one. The update
+        is the same either way (tested bit for bit). Returns the bytes moved; 0 without offload."""
         if self._stream is None:
             return 0
         self._stream.flush()  # the host copies are current
@@ -248,6 +249,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
             self._stream.reset()
             self._launches.clear()
             self._chunks_of.clear()
+        if all(p in self._resident for group in self.param_groups for p in group["params"]):
+            self._stream = None  # nothing streams any more: the ring's memory goes back
         return moved
 
     def _eightbit(self, p: torch.Tensor) -> bool:

@@ -84,7 +84,8 @@ def test_offloaded_step_equals_the_resident_one(mode):
 def test_keeping_part_of_the_states_on_the_device_changes_nothing(mode):
     """Measured placement (``keep_on_device``) after 2 offloaded steps: the first parameters' states, up to the
     bytes given, move to the device and step in place, the rest keep streaming (fewer chunks); 3 more steps equal
-    the resident run bit for bit, and so does a state_dict round trip of the mixed placement."""
+    the resident run bit for bit, and so does a state_dict round trip of the mixed placement, and then moving
+    every state (the ring is freed)."""
     seed, a, opt_a, b, opt_b = _resident_and_offloaded(mode)
     _steps(a, opt_a, seed, 0, 5)
     _steps(b, opt_b, seed, 0, 2)
@@ -103,6 +104,11 @@ def test_keeping_part_of_the_states_on_the_device_changes_nothing(mode):
     opt_c.load_state_dict(opt_b.state_dict())  # a resume: all states on the host again, streamed
     _steps(a, opt_a, seed, 5, 6)
     _steps(c, opt_c, seed, 5, 6)
+    _assert_same(a, opt_a, c, opt_c)
+    assert opt_c.keep_on_device(sum(opt_c._state_bytes(p) for p in c)) > 0  # room for all: the ring goes
+    assert opt_c._stream is None and all(p in opt_c._resident for p in c)
+    _steps(a, opt_a, seed, 6, 8)
+    _steps(c, opt_c, seed, 6, 8)
     _assert_same(a, opt_a, c, opt_c)
 
 
