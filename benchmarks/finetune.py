@@ -28,9 +28,10 @@ block checkpointed, ``--offload_activations`` on the others), ``sr_fused16_op``,
 ``sr_fused16_ckpt3`` (every third block); ``offload4``, ``offload8``, ``offload16`` (``sr_fused`` + ``--cpu_offload
 optimizer``: 2 bytes per parameter on the GPU, the moments streamed from pinned host memory; after two steps the
 measured placement moves back to the GPU the states that the budget leaves room for), ``offload16_ro`` (the ordinary
-backward instead, so 4 bytes per parameter, and the whole denoiser compiled with CUDA graphs) and ``offload8_ckpt``, ``offload8_ckpt2`` (+ checkpointing of every
-block, of every second block), ``offload8_ckpt2_act`` (+ ``--offload_activations`` on the other blocks);
-``adamw8bit``, ``adamw4bit``, ``adamw_fp8``, ``adafactor`` (``--optimizer``, no EMA, no cap); ``offload_all8_ckpt`` (``--cpu_offload all --ema_decay 0 --grad_checkpoint`` under
+backward instead, so 4 bytes per parameter, and the whole denoiser compiled with CUDA graphs) and ``offload8_ckpt``,
+``offload8_ckpt2`` (+ checkpointing of every block, of every second block), ``offload8_ckpt2_act`` (+
+``--offload_activations`` on the other blocks); ``adamw8bit``, ``adamw4bit``, ``adamw_fp8``, ``adafactor``
+(``--optimizer``, no EMA, no cap); ``offload_all8_ckpt`` (``--cpu_offload all --ema_decay 0 --grad_checkpoint`` under
 8 GiB: weights, gradients and fp32 AdamW states in host memory, FSDP2 in one process, the step on the CPU),
 ``offload_all8_z2_ckpt`` (``--plugin zero2``: the bf16 weights gathered once per step and kept through the backward),
 and each with ``_dpu`` (+ ``--delayed_update``).
@@ -230,10 +231,10 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
     out = work / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)
     try:
-        log = ditforge("train", "--init_from", str(pipe), "--data", str(feats), "--batch_size", str(batch), "--max_steps",
-                 str(steps), "--log_every", str(log_every), "--sample_every", "0", "--ckpt_every", str(10 * steps),
-                 "--keep_last", "1", "--device", device, "--num_workers", "0", "--outputs", str(out), *ROWS[name],
-                 timeout=timeout)
+        log = ditforge("train", "--init_from", str(pipe), "--data", str(feats), "--batch_size", str(batch),
+                       "--max_steps", str(steps), "--log_every", str(log_every), "--sample_every", "0",
+                       "--ckpt_every", str(10 * steps), "--keep_last", "1", "--device", device, "--num_workers", "0",
+                       "--outputs", str(out), *ROWS[name], timeout=timeout)
     except RuntimeError as e:
         return {"error": str(e)[-600:]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
