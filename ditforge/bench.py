@@ -211,7 +211,7 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     decay = 0.9999
     if stepper is None and ema.fuse_into(model, opt):  # the one-pass step updates the EMA (update: a no-op)
         opt.ema_decay = decay
-    diffusion = create_diffusion(None)
+    diffusion = create_diffusion(None).to(device)  # tables on the device: no host copy (a sync) per step
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.randn((batch, *shape), generator=g, device=device)
     cond = synthetic_condition(cfg, batch, device, g)

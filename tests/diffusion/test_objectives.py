@@ -780,3 +780,41 @@ def test_own_dit_trains_and_samples_with_objective(objective, tmp_path, train_ru
     assert cli.main(["sample", "--ckpt", str(run), "--class_labels", "3,5", "--num_sampling_steps", "3",
                      "--device", "cpu", "--out", str(tmp_path / "s.png"), "--save_npz", str(npz)]) == 0
     assert np.load(npz)["samples"].shape == (2, 8, 8, 1)
+
+
+class _HostCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts copies from host memory to another device. On a GPU each is PyTorch's blocking copy from pageable
+    memory, a stream synchronisation; the meta device stands in for the GPU here (same dispatch, no values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if src.device.type == "cpu" and out.device.type != "cpu":
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("objective", ["ddpm", "v", "flow"])
+def test_training_losses_on_the_device_copy_nothing_from_the_host(objective):
+    """``create_objective(device=)`` (what the trainer passes): one training loss makes no host-to-device copy;
+    the same objective left on the host makes one per table it reads (so the count can fail)."""
+    b, c = 4, 3
+
+    def losses(diffusion):
+        x0 = torch.empty(b, c, 8, 8, device="meta")
+        t = (torch.empty(b, dtype=torch.int64, device="meta") if objective != "flow"
+             else torch.empty(b, device="meta"))
+        with _HostCopies() as copies:
+            terms = diffusion.training_losses(lambda xt, tt: torch.empty(b, 2 * c, 8, 8, device="meta"), x0, t,
+                                              torch.empty_like(x0))
+        assert terms["loss"].shape == (b,)
+        return copies.count
+
+    assert losses(create_objective(objective, True, device="meta")) == 0
+    if objective != "flow":
+        assert losses(create_objective(objective, True)) > 5
