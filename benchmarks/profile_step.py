@@ -1,7 +1,10 @@
-"""Where a training step's GPU time goes: ``torch.profiler`` over a few steps of a ``ditforge bench`` row,
-kernels grouped by kind (matrix products, attention, adaLN kernels, other element-wise, optimizer + EMA).
+"""Where a training step's GPU time goes: ``torch.profiler`` over the timed steps of a ``ditforge bench`` row
+(``bench.run_steps``, so exactly what the row runs: its optimizer, the one-pass step of row f included), kernels
+grouped by kind (matrix products, attention, adaLN kernels, other element-wise, optimizer + EMA), the GPU's idle
+share of the wall time, and the host synchronisations in those steps (``torch.cuda.set_sync_debug_mode``: each
+is a blocking copy or wait that leaves the GPU idle while the host catches up).
 
-    PYTHONPATH=. python benchmarks/profile_step.py --model DiT-XL/2 --rows abcde [--batch_size 64]
+    PYTHONPATH=. python benchmarks/profile_step.py --model DiT-XL/2 --rows bcdef [--batch_size 64]
 
 ``--rows`` picks the row's settings as in ``ditforge bench`` (cumulative); the last letter is profiled.
 """
@@ -9,19 +12,17 @@ kernels grouped by kind (matrix products, attention, adaLN kernels, other elemen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import warnings
 from collections import defaultdict
 from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ditforge.bench import ROWS, Settings, _build, synthetic_condition
+from ditforge.bench import ROWS, Settings, run_steps
 from ditforge.config import BenchConfig
-from ditforge.diffusion import create_diffusion
-from ditforge.parallel.ema import EMA
-from ditforge.parallel.mesh import Dist
-from ditforge.train.trainer import step_randomness, train_step
 
 KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor kernels on Hopper
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax")),
@@ -59,29 +60,22 @@ def main() -> None:
         if key in args.rows:
             s = replace(s, **change)
     device = torch.device("cuda")
-    model, amp, flops, tokens, shape = _build(cfg, s, device)
-    ema, d = EMA(model), Dist(device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
-    diffusion = create_diffusion(None)
-    x = torch.randn((cfg.batch_size, *shape), device=device)
-    cond = synthetic_condition(cfg, cfg.batch_size, device, torch.Generator(device=device).manual_seed(0))
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    syncs: list[str] = []  # the first line of each sync warning of the timed steps
 
-    def step(i):
-        rnd = step_randomness(0, i, cfg.batch_size, shape, diffusion, 0.1, device)
-        train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, d)
-        ema.update(model, 0.9999)
+    @contextlib.contextmanager
+    def timed():
+        with prof, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message))
 
-    for i in range(5):
-        step(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start.record()
-        for i in range(args.steps):
-            step(5 + i)
-        end.record()
-        torch.cuda.synchronize()
-    wall = start.elapsed_time(end) / args.steps
+    m = run_steps(cfg, s, device, cfg.batch_size, args.steps, warmup=5, timed=timed())
+    wall = m["step_time_s"] * 1e3
     per_kernel = defaultdict(float)
     for e in prof.key_averages():
         if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
@@ -91,7 +85,8 @@ def main() -> None:
     for name, ms in per_kernel.items():
         per_kind[kind(name)] += ms
     print(f"{args.model} batch {cfg.batch_size}, settings {s}: GPU kernel time {total:.1f} ms per step, "
-          f"wall {wall:.1f} ms per step (GPU idle {100 * (1 - total / wall):.0f}%)")
+          f"wall {wall:.1f} ms per step (median, under the profiler; GPU idle {100 * (1 - total / wall):.0f}%), "
+          f"host syncs {len(syncs) / args.steps:g} per step" + (f" (first: {syncs[0]})" if syncs else ""))
     print("| kind | ms/step | share |\n|---|---:|---:|")
     for k, ms in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         print(f"| {k} | {ms:.1f} | {100 * ms / total:.1f}% |")
@@ -101,7 +96,8 @@ def main() -> None:
         print(f"| {name[:90]} | {kind(name)} | {ms:.2f} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(settings=str(s), total_ms=total, per_kind=per_kind, top=top), f, indent=1)
+            json.dump(dict(settings=str(s), total_ms=total, wall_ms=wall, host_syncs_per_step=len(syncs) / args.steps,
+                           per_kind=per_kind, top=top), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ The forward FLOPs are the model's ``flops_per_sample()`` (matrix products, a mul
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -196,10 +197,12 @@ def synthetic_condition(cfg: BenchConfig, batch: int, device: torch.device, g: t
     return {"y": states, "y_mask": mask}
 
 
-def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, steps: int, warmup: int) -> dict:
+def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, steps: int, warmup: int,
+              timed: contextlib.AbstractContextManager | None = None) -> dict:
     """Train ``warmup + steps`` steps at ``batch``; returns the median step time (s) of the timed steps, the
-    peak allocated memory (GiB), FLOPs per sample, tokens per sample and the loss of every step. Raises
-    torch.OutOfMemoryError."""
+    peak allocated memory (GiB), FLOPs per sample, tokens per sample and the loss of every step. ``timed`` (e.g.
+    a profiler, ``benchmarks/profile_step.py``) is entered before the first timed step and left once the last
+    has ended on the device. Raises torch.OutOfMemoryError."""
     if s.budget and device.type == "cuda":
         cap_gpu_memory(parse_bytes(cfg.gpu_memory_budget, "--gpu_memory_budget"), device)
     model, amp, flops, tokens, shape = _build(cfg, s, device)
@@ -222,17 +225,21 @@ def run_steps(cfg: BenchConfig, s: Settings, device: torch.device, batch: int, s
     # One mark per step boundary, read after the last step: the CPU runs ahead as in training (no sync per
     # step), and step i takes marks[i + 1] - marks[i]. CUDA events on a GPU, the host clock on a CPU.
     marks, losses = [], []
-    for step in range(warmup + steps):
-        if step >= warmup:
-            marks.append(_mark(cuda))
-        rnd = step_randomness(cfg.seed, step, batch, shape, diffusion, 0.1, device)
-        terms = train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, Dist(device=device),
-                           stepper=stepper)
-        ema.update(model, decay)
-        losses.append(terms["loss"])
-    marks.append(_mark(cuda))
+    with contextlib.ExitStack() as stack:
+        for step in range(warmup + steps):
+            if step == warmup and timed is not None:
+                stack.enter_context(timed)
+            if step >= warmup:
+                marks.append(_mark(cuda))
+            rnd = step_randomness(cfg.seed, step, batch, shape, diffusion, 0.1, device)
+            terms = train_step(model, diffusion, opt, None, [(x, cond, rnd)], amp, 1.0, Dist(device=device),
+                               stepper=stepper)
+            ema.update(model, decay)
+            losses.append(terms["loss"])
+        marks.append(_mark(cuda))
+        if cuda:
+            marks[-1].synchronize()
     if cuda:
-        marks[-1].synchronize()
         times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
     else:
         times = [b - a for a, b in zip(marks, marks[1:])]

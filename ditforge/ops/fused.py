@@ -1,10 +1,12 @@
-"""Fused Triton adaLN operators as ``torch.library`` custom ops: LayerNorm + modulate, the gated residual.
+"""Fused Triton adaLN operators as ``torch.library`` Triton ops: LayerNorm + modulate, the gated residual.
 
 Drop-in replacements for ``layernorm_modulate_reference`` and ``gated_residual_reference`` in
 ``ditforge.ops.modulate`` (same signatures; ``set_kernels`` installs them). Each op is a
-``torch.library.custom_op`` in the ``ditforge::`` namespace with ``register_fake`` (shapes for
-``torch.compile``/meta tensors) and ``register_autograd``; its backward is another custom op, so compiled
-backward graphs stay traceable. The kernels are in ``ditforge.ops.triton.adaln``.
+``torch.library.triton_op`` in the ``ditforge::`` namespace whose kernels launch through ``wrap_triton``, with
+``register_autograd``; its backward is another such op. So ``torch.compile`` traces into them: inductor sees the
+Triton kernels and the PyTorch work around them (allocations, the backward's partial-sum reductions and casts)
+and schedules and fuses that work with its neighbours, instead of calling an opaque op (DESIGN principle 4).
+Eager calls run the same Python body. The kernels are in ``ditforge.ops.triton.adaln``.
 
 Math (sources): LayerNorm without affine parameters, biased variance, float32 statistics (Ba et al. 2016);
 adaLN modulate ``xhat * (1 + scale) + shift`` and the adaLN-Zero gated residual ``x + gate * y`` (Peebles &
@@ -21,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.library import triton_op, wrap_triton
 
 try:
     import triton
@@ -128,7 +131,7 @@ def _check_vector(name: str, v: torch.Tensor, x: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("ditforge::layernorm_modulate", mutates_args=())
+@triton_op("ditforge::layernorm_modulate", mutates_args=())
 def _ln_mod_op(
     x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None, eps: float, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,7 +149,7 @@ def _ln_mod_op(
         shift, scale = _row_major(shift), _row_major(scale)
     block_d, rows, num_warps = _fwd_config(D)
     grid = (triton.cdiv(N, rows), B)
-    _k.layernorm_modulate_fwd_kernel[grid](
+    wrap_triton(_k.layernorm_modulate_fwd_kernel)[grid](
         x, shift if has_mod else x, scale if has_mod else x, out, mean, rstd, N, D,
         shift.stride(0) if has_mod else 0, scale.stride(0) if has_mod else 0, eps,
         HAS_MOD=has_mod, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
@@ -154,17 +157,7 @@ def _ln_mod_op(
     return out, mean, rstd
 
 
-@_ln_mod_op.register_fake
-def _(x, shift, scale, eps, out_dtype):
-    B, N, D = x.shape
-    return (
-        x.new_empty((B, N, D), dtype=out_dtype),
-        x.new_empty((B * N,), dtype=torch.float32),
-        x.new_empty((B * N,), dtype=torch.float32),
-    )
-
-
-@torch.library.custom_op("ditforge::layernorm_modulate_backward", mutates_args=())
+@triton_op("ditforge::layernorm_modulate_backward", mutates_args=())
 def _ln_mod_bwd_op(
     dout: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
     shift_dtype: torch.dtype,
@@ -182,21 +175,14 @@ def _ln_mod_bwd_op(
     G = _num_groups(triton.cdiv(N, rows), B, x.device)
     dshift_part = torch.empty((B, G, D), dtype=torch.float32, device=x.device)
     dscale_part = torch.empty((B, G, D), dtype=torch.float32, device=x.device)
-    _k.layernorm_modulate_bwd_kernel[(G, B)](
+    wrap_triton(_k.layernorm_modulate_bwd_kernel)[(G, B)](
         dout, x, scale, mean, rstd, dx, dshift_part, dscale_part, N, D, scale.stride(0), G,
         HAS_MOD=True, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
     )
     return dx, dshift_part.sum(1).to(shift_dtype), dscale_part.sum(1).to(scale.dtype)
 
 
-@_ln_mod_bwd_op.register_fake
-def _(dout, x, scale, mean, rstd, shift_dtype):
-    B, N, D = x.shape
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return dx, x.new_empty((B, D), dtype=shift_dtype), x.new_empty((B, D), dtype=scale.dtype)
-
-
-@torch.library.custom_op("ditforge::layernorm_backward", mutates_args=())
+@triton_op("ditforge::layernorm_backward", mutates_args=())
 def _ln_bwd_op(dout: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """dx in x.dtype for plain LayerNorm (no shift/scale)."""
     check_triton(x.device)
@@ -207,16 +193,11 @@ def _ln_bwd_op(dout: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: to
         return dx
     block_d, rows, num_warps = _bwd_config(D)
     G = _num_groups(triton.cdiv(N, rows), B, x.device)
-    _k.layernorm_modulate_bwd_kernel[(G, B)](
+    wrap_triton(_k.layernorm_modulate_bwd_kernel)[(G, B)](
         dout, x, x, mean, rstd, dx, mean, mean, N, D, 0, G,
         HAS_MOD=False, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
     )
     return dx
-
-
-@_ln_bwd_op.register_fake
-def _(dout, x, mean, rstd):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _ln_mod_setup_context(ctx, inputs, output):
@@ -296,7 +277,7 @@ def layernorm_then_modulate(
 # ---------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("ditforge::gated_residual", mutates_args=())
+@triton_op("ditforge::gated_residual", mutates_args=())
 def _gated_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x + gate[:, None, :] * y, (B, N, D) in the promoted dtype."""
     check_triton(x.device)
@@ -307,19 +288,13 @@ def _gated_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Ten
     if x.numel() == 0:
         return out
     block_d, rows, num_warps = _fwd_config(D)
-    _k.gated_residual_fwd_kernel[(triton.cdiv(N, rows), B)](
+    wrap_triton(_k.gated_residual_fwd_kernel)[(triton.cdiv(N, rows), B)](
         x, y, gate, out, N, D, gate.stride(0), ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
     )
     return out
 
 
-@_gated_op.register_fake
-def _(x, y, gate):
-    out_dtype = torch.promote_types(x.dtype, torch.promote_types(y.dtype, gate.dtype))
-    return x.new_empty(x.shape, dtype=out_dtype)
-
-
-@torch.library.custom_op("ditforge::gated_residual_backward", mutates_args=())
+@triton_op("ditforge::gated_residual_backward", mutates_args=())
 def _gated_bwd_op(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dy = dout * gate in y.dtype, dgate = sum_n dout * y (B, D) in gate.dtype)."""
     check_triton(y.device)
@@ -331,16 +306,10 @@ def _gated_bwd_op(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> tu
     block_d, rows, num_warps = _bwd_config(D)
     G = _num_groups(triton.cdiv(N, rows), B, y.device)
     part = torch.empty((B, G, D), dtype=torch.float32, device=y.device)
-    _k.gated_residual_bwd_kernel[(G, B)](
+    wrap_triton(_k.gated_residual_bwd_kernel)[(G, B)](
         dout, y, gate, dy, part, N, D, gate.stride(0), G, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
     )
     return dy, part.sum(1).to(gate.dtype)
-
-
-@_gated_bwd_op.register_fake
-def _(dout, y, gate):
-    B, N, D = y.shape
-    return torch.empty_like(y, memory_format=torch.contiguous_format), y.new_empty((B, D), dtype=gate.dtype)
 
 
 def _gated_setup_context(ctx, inputs, output):
