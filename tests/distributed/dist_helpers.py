@@ -145,16 +145,25 @@ def free_port() -> int:
 @contextlib.contextmanager
 def gloo_dp(rank: int, port: int, world: int) -> Iterator:
     """In a process spawned by a test: one OpenMP thread, a gloo group of ``world`` on 127.0.0.1:``port`` and a 1-D
-    ``dp`` DeviceMesh over the CPU; yields ditforge's ``Dist`` for it and destroys the group on exit."""
+    ``dp`` DeviceMesh over the CPU; yields ditforge's ``Dist`` for it and destroys the group on exit.
+
+    A clean exit waits for every process before the group goes: process 0 serves the group's TCP store, and
+    tearing it down under a process still talking to it can crash one of them (a SIGSEGV in process 0 once
+    failed CI, 2026-11-27, and did not come back in 60 reruns, 20 of them on fully loaded cores). ``faulthandler``
+    prints the Python stacks of a process that crashes anyway."""
+    import faulthandler
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from ditforge.parallel.mesh import Dist
 
+    faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         yield Dist(rank=rank, world_size=world, device=torch.device("cpu"), mesh=mesh)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
