@@ -6,12 +6,19 @@
 #   video: `ditforge bench` for vDiT-XL/222 (16 frames x 256px; rows a and b run out of memory), FP8 (row g) on
 #          compile without the fused kernels and --find_max_batch for DiT-XL/2
 #   profile: benchmarks/profile_step.py for the compiled rows of both models
+#   anchor-image: the same-job comparison of issue 18: the kernel tests on the GPU, then `ditforge bench --anchor`
+#        (the shared plain_dit_train.py, unchanged, run first) for DiT-XL/2 rows b-f, rows b, c, e, f (compile
+#        without the fused kernels), and profile_step.py of row f (kernel time by kind, GPU idle, host syncs)
+#   anchor-video: the same for vDiT-XL/222 at 16 frames x 256px, batch 8, against plain_vdit_train.py: rows c-f
+#        and c, e, f
+#   anchor-sampling: benchmarks/sampling.py --images beside the compiled-diffusers anchor, batch 1 and 8
 #   t2v: text-to-video training (cross-attention to 120 synthetic T5-XXL-width caption states, bf16) for
 #        vDiT-XL/222 and STDiT-XL/2 at 16 frames x 256px (latents 4x16x32x32): rows b-e (b, bf16 with math
 #        attention, is there for its precision: rows are cumulative over the chosen ones)
 # Results land in $OUT (or benchmarks/results). torchao (FP8) comes as a wheel carried in .whl/ when the machine
 # lacks it:  pip download --no-deps -d .whl torchao
-# Usage: bash benchmarks/single_gpu.sh image|video|profile|t2v vDiT-XL/222|STDiT-XL/2
+# The anchors are read from .anchors/ (a copy of ../shared/anchors, which does not travel to the GPU machine).
+# Usage: bash benchmarks/single_gpu.sh image|video|profile|anchor-image|anchor-video|anchor-sampling|t2v MODEL
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -37,6 +44,25 @@ video)
     $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows cdeg --steps 10 --warmup 3
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bceg --steps 10 --warmup 3
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcd --steps 2 --warmup 1 --find_max_batch
+    ;;
+anchor-image)
+    python -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -1
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcdef --steps 15 --warmup 5 \
+        --anchor .anchors/plain_dit_train.py 2>&1 | grep --line-buffered "^|"
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 15 --warmup 5 2>&1 \
+        | grep --line-buffered "^|"
+    python benchmarks/profile_step.py --model DiT-XL/2 --rows bcdef --steps 5 --out "$out/profile_dit_xl2_row_f.json"
+    ;;
+anchor-video)
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bcdef --steps 10 --warmup 3 \
+        --anchor .anchors/plain_vdit_train.py 2>&1 | grep --line-buffered "^|"
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bcef --steps 10 --warmup 3 \
+        2>&1 | grep --line-buffered "^|"
+    ;;
+anchor-sampling)
+    python -c "import diffusers" 2>/dev/null || python -m pip install -q --no-deps .whl/diffusers-*.whl
+    (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
+        --rows fp32,compiled,compiled-no-kernels,eager-graph --repeat 3 --out "$out/sampling.json")
     ;;
 t2v)
     $bench --model "$2" --batch_size 8 --num_frames 16 --image_size 256 --text_dim 4096 --text_tokens 120 \
