@@ -104,6 +104,7 @@ def euler_loop(flow: RectifiedFlow, model_fn: ModelFn, noise: torch.Tensor, num_
 
     Args:
         model_fn: (x (B, C, ...), 1000 t (B,) float) -> (B, C or 2C, ...); the first C channels are the velocity.
+            One with a ``plan`` method gets the loop's timesteps first (``GuidedModel.plan``).
         noise: (B, C, ...) N(0, I).
         on_step: called with each step's timestep on the 0..999 scale (host int) before its model call
             (default: ``model_fn.step`` when it has one: the guidance interval).
@@ -114,6 +115,9 @@ def euler_loop(flow: RectifiedFlow, model_fn: ModelFn, noise: torch.Tensor, num_
     times = flow.sampling_times(num_steps).tolist()
     on_step = on_step if on_step is not None else getattr(model_fn, "step", None)
     x, c = noise.double(), noise.shape[1]
+    if hasattr(model_fn, "plan"):  # each step's value exactly as below, filled on the device (capturable)
+        model_fn.plan(torch.stack([torch.full((), t * flow.num_timesteps, device=x.device, dtype=noise.dtype)
+                                   for t in times[:-1]]))
     for t, t_next in zip(times[:-1], times[1:]):
         if on_step is not None:
             on_step(min(round(t * flow.num_timesteps), flow.num_timesteps - 1))

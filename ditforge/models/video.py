@@ -76,18 +76,19 @@ class VideoDiT(DiT):
         return sincos_3d(self.pos_embed.shape[-1], grid or self.x_embedder.grid_shape)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
-                y_mask: torch.Tensor | None = None, packed: Packed | None = None) -> torch.Tensor:
+                y_mask: torch.Tensor | None = None, packed: Packed | None = None,
+                adaln: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``DiT.forward`` with x (B, C, T, H, W) -> (B, C_out, T, H, W); a 1-frame input under a temporal patch
-        t > 1 runs as t copies of its frame and returns their mean (see the class docstring). Packed rows: as
-        ``DiT.forward``.
+        t > 1 runs as t copies of its frame and returns their mean (see the class docstring). Packed rows and
+        ``adaln``: as ``DiT.forward``.
 
         Raises:
             ValueError: a size the patch does not divide (other than T = 1).
         """
         repeat = self.x_embedder.patch_shape[0]
         if packed is not None or x.shape[2] != 1 or repeat == 1:
-            return super().forward(x, t, y, force_drop_ids, y_mask, packed)
-        out = super().forward(x.expand(-1, -1, repeat, -1, -1), t, y, force_drop_ids, y_mask)
+            return super().forward(x, t, y, force_drop_ids, y_mask, packed, adaln)
+        out = super().forward(x.expand(-1, -1, repeat, -1, -1), t, y, force_drop_ids, y_mask, adaln=adaln)
         return out.mean(2, keepdim=True)
 
     def forward_packed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, packed: Packed,
@@ -139,16 +140,19 @@ class STDiTBlock(DiTBlock):
         self.attn_temp = Attention(hidden_size, num_heads=num_heads, qkv_bias=True, qk_norm=qk_norm)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor] | None = None,
-                tpe: torch.Tensor | None = None, spatial: int | None = None) -> torch.Tensor:
+                tpe: torch.Tensor | None = None, spatial: int | None = None,
+                mods: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, N, D) tokens, c: (B, D) conditioning, context: (caption tokens (B, L, D), mask (B, L) bool) for
         text-conditioned blocks, tpe: optional (1, T', D) added to the temporal attention's input, spatial: S,
-        tokens per frame (default ``num_spatial``) -> (B, N, D)."""
+        tokens per frame (default ``num_spatial``), mods: ``adaLN_modulation(c)`` computed beforehand, as
+        ``DiTBlock``'s -> (B, N, D)."""
         B, N, D = x.shape
         S = spatial or self.num_spatial
         if N % S:  # N = T' S, or this process's whole frames under sequence parallelism
             raise ValueError(f"STDiT block built for {S} tokens per frame got {N} tokens")
         T = N // S
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        mods = self.adaLN_modulation(c) if mods is None else mods
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=1)
         h = layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS)
         h = self.attn(h.reshape(B * T, S, D)).reshape(B, N, D)  # each frame attends within itself
         x = gated_residual(x, h, gate_msa)
@@ -281,10 +285,11 @@ class STDiT(DiT):
 
     def forward(
         self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
-        y_mask: torch.Tensor | None = None,
+        y_mask: torch.Tensor | None = None, adaln: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``DiT.forward`` (same arguments and dropout) with x (B, C, T, H, W) -> (B, C_out, T, H, W), any size the
-        patch divides; the only difference is that the first block also gets the temporal position embedding.
+        """``DiT.forward`` (same arguments, ``adaln`` and dropout) with x (B, C, T, H, W) -> (B, C_out, T, H, W), any
+        size the patch divides; the only difference is that the first block also gets the temporal position
+        embedding.
 
         Raises:
             ValueError: a size the patch does not divide.
@@ -294,9 +299,10 @@ class STDiT(DiT):
                                 self._fixed_temporal_pos_embed)
         x = self.x_embedder(x) + self.pos_embed_for(grid)
         c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
-        for i, block in enumerate(self.blocks):
-            x = block(x, c, context, tpe if i == 0 else None, grid[1] * grid[2])
-        return self.unpatchify(self.final_layer(x, c), grid)
+        mods = adaln or [None] * (len(self.blocks) + 1)
+        for i, (block, m) in enumerate(zip(self.blocks, mods)):
+            x = block(x, c, context, tpe if i == 0 else None, grid[1] * grid[2], mods=m)
+        return self.unpatchify(self.final_layer(x, c, mods=mods[-1]), grid)
 
 
 def inflate_image_state_dict(image_state_dict: Mapping[str, torch.Tensor], model: STDiT) -> dict[str, torch.Tensor]:
