@@ -25,7 +25,8 @@ weights of size 1), bf16 compute, no EMA, the same data order and noise:
 
 A mode is "within run-to-run noise" when the mean loss of its last ``--window`` steps differs from the reference's
 by no more than the seed-to-seed difference does. Writes ``--json`` (curves every step, window means) and
-``--plot`` (the curves, smoothed over 100 steps, in one figure; matplotlib).
+``--plot`` (the curves, smoothed over 100 steps, in one figure; matplotlib); ``quality_curves.report``. The JSON
+written before 2026-11-27 names the difference ``diff_vs_fp32``, since then ``diff_vs_reference``.
 
 Usage: ``PYTHONPATH=. python benchmarks/lowmem_quality.py --work /tmp/q --json $OUT/lowmem_quality.json
 --plot $OUT/lowmem_quality.png`` (GPU: a few minutes; CPU with --steps 20 --base_steps 20 checks the script).
@@ -34,15 +35,11 @@ Usage: ``PYTHONPATH=. python benchmarks/lowmem_quality.py --work /tmp/q --json $
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
-import torch
+
+from quality_curves import losses, report, train
 
 MODES = {
     "fp32": [],
@@ -58,16 +55,6 @@ MODES = {
     "adamw_fp8": ["--optimizer", "adamw_fp8"],
     "adafactor": ["--optimizer", "adafactor", "--lr", "1e-2"],
 }
-
-
-def train(*argv: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "ditforge", "train", *argv], capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"ditforge train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-
-
-def losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:
@@ -98,34 +85,8 @@ def main() -> None:
                   "--mixed_precision", "bf16", "--ema_decay", "0", "--outputs", str(out), *flags)
         curves[name] = losses(out)
         print(f"{name:12s} last-{args.window} mean loss {np.mean(curves[name][-args.window:]):.5f}", flush=True)
-    means = {k: float(np.mean(v[-args.window:])) for k, v in curves.items()}
-    noise = abs(means["fp32_seed1"] - means["fp32"])
-    verdict = {k: {"mean": means[k], "diff_vs_fp32": means[k] - means["fp32"],
-                   "within_noise": abs(means[k] - means["fp32"]) <= noise} for k in curves}
-    print(f"run-to-run noise (seed 0 vs 1): {noise:.5f}")
-    for k, v in verdict.items():
-        print(f"{k:12s} {v['mean']:.5f}  vs fp32 {v['diff_vs_fp32']:+.5f}  within noise: {v['within_noise']}")
-    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-            "base_steps": args.base_steps, "steps": args.steps, "window": args.window}
-    if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "noise": noise, "modes": verdict, "curves": curves}))
-    if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 5))
-        k = 100
-        for name, curve in curves.items():
-            smooth = np.convolve(curve, np.ones(k) / k, mode="valid")
-            ax.plot(np.arange(k, len(curve) + 1), smooth, label=f"{name} ({means[name]:.4f})")
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"training loss (mean of {k} steps)")
-        ax.set_title(f"DiT-T/2 digits fine-tune, lr 1e-4, bf16 compute ({meta['device']}, {meta['date']})")
-        ax.legend()
-        fig.savefig(args.plot, dpi=100, bbox_inches="tight")
+    report(curves, "fp32", "fp32_seed1", args.window, "DiT-T/2 digits fine-tune, lr 1e-4, bf16 compute", args.json,
+           args.plot, base_steps=args.base_steps, steps=args.steps)
 
 
 if __name__ == "__main__":

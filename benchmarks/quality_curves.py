@@ -1,0 +1,68 @@
+"""What the loss-curve quality checks share (``lowmem_quality.py``, ``speed_quality.py``): run ``ditforge train`` in a
+subprocess, read a run's per-step losses, and judge modes against a reference and a second seed.
+
+A mode is "within run-to-run noise" when the mean loss of its last ``window`` steps differs from the reference's by
+no more than the second seed's does. ``report`` prints that, writes JSON (curves every step, window means) and a
+plot of the curves, smoothed over 100 steps, in one figure (matplotlib).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def train(*argv: str) -> None:
+    """``python -m ditforge train ARGV``; raises RuntimeError with the end of its stderr when it fails."""
+    proc = subprocess.run([sys.executable, "-m", "ditforge", "train", *argv], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"ditforge train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def losses(run: Path) -> list[float]:
+    """The training loss of every step of a run logged with ``--log_every 1``."""
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def report(curves: dict[str, list[float]], reference: str, seed: str, window: int, title: str,
+           json_path: str | None, plot_path: str | None, **meta) -> dict:
+    """Judge every curve against ``curves[reference]`` with the noise |mean(seed) - mean(reference)| over the last
+    ``window`` steps; print the verdicts, write ``json_path`` and ``plot_path`` (each optional). Returns the
+    verdicts: per mode its window mean, its difference to the reference and whether it is within the noise."""
+    means = {k: float(np.mean(v[-window:])) for k, v in curves.items()}
+    noise = abs(means[seed] - means[reference])
+    verdict = {k: {"mean": means[k], "diff_vs_reference": means[k] - means[reference],
+                   "within_noise": abs(means[k] - means[reference]) <= noise} for k in curves}
+    print(f"run-to-run noise ({reference} vs {seed}): {noise:.5f}")
+    for k, v in verdict.items():
+        print(f"{k:14s} {v['mean']:.5f}  vs {reference} {v['diff_vs_reference']:+.5f}  within noise: {v['within_noise']}")
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+            "window": window, **meta}
+    if json_path:
+        Path(json_path).write_text(json.dumps({"meta": meta, "reference": reference, "noise": noise,
+                                               "modes": verdict, "curves": curves}))
+    if plot_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        k = min(100, min(len(c) for c in curves.values()))
+        for name, curve in curves.items():
+            smooth = np.convolve(curve, np.ones(k) / k, mode="valid")
+            ax.plot(np.arange(k, len(curve) + 1), smooth, label=f"{name} ({means[name]:.4f})")
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"training loss (mean of {k} steps)")
+        ax.set_title(f"{title} ({meta['device']}, {meta['date']})")
+        ax.legend()
+        fig.savefig(plot_path, dpi=100, bbox_inches="tight")
+    return verdict
