@@ -34,12 +34,9 @@ Usage: ``PYTHONPATH=. python benchmarks/lowmem_quality.py --work /tmp/q --json $
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-import numpy as np
-
-from quality_curves import losses, report, train
+from quality_curves import parser, report, run_modes, train
 
 MODES = {
     "fp32": [],
@@ -58,33 +55,18 @@ MODES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default="/tmp/ditforge-lowmem-quality")
+    ap = parser(__doc__, "/tmp/ditforge-lowmem-quality", MODES)
     ap.add_argument("--base_steps", type=int, default=1000)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--window", type=int, default=500)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated names of MODES")
     args = ap.parse_args()
-    chosen = {"fp32", "fp32_seed1", *args.modes.split(",")}
     work = Path(args.work)
     common = ["--data", "digits", "--model", "DiT-T/2", "--batch_size", "64", "--sample_every", "0",
               "--log_every", "1", "--device", args.device]
     base = work / "base"
     if not (base / "checkpoints").is_dir():
         train(*common, "--max_steps", str(args.base_steps), "--lr", "1e-3", "--outputs", str(base))
-    curves = {}
-    for name, flags in MODES.items():
-        if name not in chosen:
-            continue
-        out = work / name
-        if not (out / "checkpoints").is_dir():
-            train(*common, "--init_from", str(base), "--max_steps", str(args.steps), "--lr", "1e-4",
-                  "--mixed_precision", "bf16", "--ema_decay", "0", "--outputs", str(out), *flags)
-        curves[name] = losses(out)
-        print(f"{name:12s} last-{args.window} mean loss {np.mean(curves[name][-args.window:]):.5f}", flush=True)
+    curves = run_modes(MODES, {"fp32", "fp32_seed1", *args.modes.split(",")}, work, args.window, *common,
+                       "--init_from", str(base), "--max_steps", str(args.steps), "--lr", "1e-4",
+                       "--mixed_precision", "bf16", "--ema_decay", "0")
     report(curves, "fp32", "fp32_seed1", args.window, "DiT-T/2 digits fine-tune, lr 1e-4, bf16 compute", args.json,
            args.plot, base_steps=args.base_steps, steps=args.steps)
 

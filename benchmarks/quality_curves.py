@@ -1,5 +1,6 @@
-"""What the loss-curve quality checks share (``lowmem_quality.py``, ``speed_quality.py``): run ``ditforge train`` in a
-subprocess, read a run's per-step losses, and judge modes against a reference and a second seed.
+"""What the loss-curve quality checks share (``lowmem_quality.py``, ``speed_quality.py``): their common options, one
+``ditforge train`` run per mode in a subprocess (kept in ``--work``: a finished mode is not run again), the per-step
+losses, and the verdict of each mode against a reference and a second seed.
 
 A mode is "within run-to-run noise" when the mean loss of its last ``window`` steps differs from the reference's by
 no more than the second seed's does. ``report`` prints that, writes JSON (curves every step, window means) and a
@@ -8,6 +9,7 @@ plot of the curves, smoothed over 100 steps, in one figure (matplotlib).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import platform
@@ -17,6 +19,35 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+
+def parser(doc: str, work: str, modes: dict[str, list[str]]) -> argparse.ArgumentParser:
+    """The options of both scripts: --work, --steps (2000), --window (500), --device, --json, --plot, --modes."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--work", default=work)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--window", type=int, default=500)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--modes", default=",".join(modes), help="comma-separated names of MODES")
+    return ap
+
+
+def run_modes(modes: dict[str, list[str]], chosen: set[str], work: Path, window: int,
+              *common: str) -> dict[str, list[float]]:
+    """Train each chosen mode (``ditforge train COMMON --outputs WORK/NAME FLAGS``) unless its run finished earlier;
+    returns its per-step losses by name, printing the mean of the last ``window``."""
+    curves = {}
+    for name, flags in modes.items():
+        if name not in chosen:
+            continue
+        out = work / name
+        if not (out / "checkpoints").is_dir():
+            train(*common, "--outputs", str(out), *flags)
+        curves[name] = losses(out)
+        print(f"{name:16s} last-{window} mean loss {np.mean(curves[name][-window:]):.5f}", flush=True)
+    return curves
 
 
 def train(*argv: str) -> None:

@@ -23,14 +23,12 @@ Usage: ``PYTHONPATH=. python benchmarks/speed_quality.py --work /tmp/sq --json $
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
-from quality_curves import losses, report, train
+from quality_curves import parser, report, run_modes
 
 MODES = {
     "bf16": ["--fused_optimizer", "off"],
@@ -58,32 +56,17 @@ def write_digits_folder(root: Path, size: int) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default="/tmp/ditforge-speed-quality")
+    ap = parser(__doc__, "/tmp/ditforge-speed-quality", MODES)
     ap.add_argument("--model", default="DiT-S/2")
     ap.add_argument("--image_size", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--window", type=int, default=500)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated names of MODES")
     args = ap.parse_args()
-    chosen = {"bf16", "bf16_seed1", *args.modes.split(",")}
     work = Path(args.work)
     data = write_digits_folder(work / f"digits{args.image_size}", args.image_size)
-    common = ["--data", str(data), "--image_size", str(args.image_size), "--model", args.model, "--batch_size", "64",
-              "--max_steps", str(args.steps), "--lr", "1e-4", "--mixed_precision", "bf16", "--sample_every", "0",
-              "--log_every", "1", "--device", args.device]
-    curves = {}
-    for name, flags in MODES.items():
-        if name not in chosen:
-            continue
-        out = work / name
-        if not (out / "checkpoints").is_dir():
-            train(*common, "--outputs", str(out), *flags)  # a later --mixed_precision (fp8) wins
-        curves[name] = losses(out)
-        print(f"{name:16s} last-{args.window} mean loss {np.mean(curves[name][-args.window:]):.5f}", flush=True)
+    # every mode after these: a later --mixed_precision (fp8) wins
+    curves = run_modes(MODES, {"bf16", "bf16_seed1", *args.modes.split(",")}, work, args.window,
+                       "--data", str(data), "--image_size", str(args.image_size), "--model", args.model,
+                       "--batch_size", "64", "--max_steps", str(args.steps), "--lr", "1e-4", "--mixed_precision",
+                       "bf16", "--sample_every", "0", "--log_every", "1", "--device", args.device)
     report(curves, "bf16", "bf16_seed1", args.window,
            f"{args.model} on digits upsampled to {args.image_size}px, from scratch, lr 1e-4", args.json, args.plot,
            model=args.model, image_size=args.image_size, steps=args.steps)

@@ -21,18 +21,11 @@ from ditforge.diffusion.flow import RectifiedFlow, euler_loop
 from ditforge.diffusion.pab import PABConfig, PyramidAttentionBroadcast
 from ditforge.diffusion.samplers import GuidedModel, sample_loop
 from ditforge.models import DiT, STDiT, VideoDiT
+from model_helpers import perturbed
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 TOL = dict(rtol=1e-5, atol=1e-5)
 B, C, L, TEXT_DIM = 2, 3, 5, 8
-
-
-def _perturb(model: nn.Module, seed: int) -> nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model.eval()
 
 
 MODELS = {
@@ -49,7 +42,7 @@ MODELS = {
 
 def _model(name: str, seed: int = 1) -> nn.Module:
     torch.manual_seed(0)
-    return _perturb(MODELS[name](), seed)
+    return perturbed(MODELS[name](), seed)
 
 
 def _condition(model: nn.Module, g: torch.Generator) -> tuple[torch.Tensor, dict]:

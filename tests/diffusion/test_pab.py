@@ -15,6 +15,7 @@ from torch import nn
 
 from ditforge.diffusion.pab import KINDS, Broadcast, PABConfig, PyramidAttentionBroadcast
 from ditforge.models import STDiT, VideoDiT
+from model_helpers import perturbed
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -24,25 +25,17 @@ DEPTH, B, C, T, HW, L, TEXT_DIM = 2, 2, 2, 3, 4, 5, 8
 ATTRS = {"spatial": "attn", "temporal": "attn_temp", "cross": "cross_attn"}
 
 
-def _perturb(model: nn.Module, seed: int) -> nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model.eval()
-
-
 def text_stdit() -> nn.Module:
     """Text-conditioned STDiT: spatial, temporal and cross-attention in every block."""
     torch.manual_seed(0)
-    return _perturb(STDiT(input_size=HW, num_frames=T, patch_size=2, depth=DEPTH, hidden_size=32, num_heads=2,
+    return perturbed(STDiT(input_size=HW, num_frames=T, patch_size=2, depth=DEPTH, hidden_size=32, num_heads=2,
                           in_channels=C, text_dim=TEXT_DIM), 1)
 
 
 def class_vdit() -> nn.Module:
     """Class-conditioned vDiT: full attention only (treated as spatial)."""
     torch.manual_seed(0)
-    return _perturb(VideoDiT(input_size=HW, num_frames=T - 1, patch_size=(1, 2, 2), depth=DEPTH, hidden_size=32,
+    return perturbed(VideoDiT(input_size=HW, num_frames=T - 1, patch_size=(1, 2, 2), depth=DEPTH, hidden_size=32,
                              num_heads=2, in_channels=C, num_classes=5), 2)
 
 
