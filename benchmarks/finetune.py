@@ -283,7 +283,7 @@ def profile_row(name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) 
         i = ROWS[name].index("--compile")
         mode = ROWS[name][i + 1] if i + 1 < len(ROWS[name]) and not ROWS[name][i + 1].startswith("--") else "default"
         model = parallelize(model, Dist(device=dev), compile=mode)
-    objective = create_objective("auto", model.learn_sigma, pre.scheduler_config)
+    objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, device=dev)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     ema = EMA(model, trainable_only=bool(cfg.model.lora_rank))
     items = [ds[i] for i in range(batch)]

@@ -34,9 +34,10 @@ Usage: ``PYTHONPATH=. python benchmarks/lowmem_quality.py --work /tmp/q --json $
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from quality_curves import parser, report, run_modes, train
+from quality_curves import finished, parser, report, run_modes, train
 
 MODES = {
     "fp32": [],
@@ -62,9 +63,10 @@ def main() -> None:
     common = ["--data", "digits", "--model", "DiT-T/2", "--batch_size", "64", "--sample_every", "0",
               "--log_every", "1", "--device", args.device]
     base = work / "base"
-    if not (base / "checkpoints").is_dir():
+    if not finished(base, args.base_steps):
+        shutil.rmtree(base, ignore_errors=True)
         train(*common, "--max_steps", str(args.base_steps), "--lr", "1e-3", "--outputs", str(base))
-    curves = run_modes(MODES, {"fp32", "fp32_seed1", *args.modes.split(",")}, work, args.window, *common,
+    curves = run_modes(MODES, {"fp32", "fp32_seed1", *args.modes.split(",")}, work, args.window, args.steps, *common,
                        "--init_from", str(base), "--max_steps", str(args.steps), "--lr", "1e-4",
                        "--mixed_precision", "bf16", "--ema_decay", "0")
     report(curves, "fp32", "fp32_seed1", args.window, "DiT-T/2 digits fine-tune, lr 1e-4, bf16 compute", args.json,

@@ -44,7 +44,7 @@ def run_plugin(d, plugin, model_name, batch_per_gpu, steps, warmup, save_dir):
     model = parallelize(model, d, plugin, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ema = EMA(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0, fused=True)
-    diffusion = create_diffusion(None)
+    diffusion = create_diffusion(None).to(device)  # tables on the GPU, as the trainer's: no sync per step
     global_batch = batch_per_gpu * d.world_size
     x = torch.randn(batch_per_gpu, 4, 32, 32, device=device)
     y = torch.randint(0, 1000, (batch_per_gpu,), device=device)

@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,16 +35,18 @@ def parser(doc: str, work: str, modes: dict[str, list[str]]) -> argparse.Argumen
     return ap
 
 
-def run_modes(modes: dict[str, list[str]], chosen: set[str], work: Path, window: int,
+def run_modes(modes: dict[str, list[str]], chosen: set[str], work: Path, window: int, steps: int,
               *common: str) -> dict[str, list[float]]:
-    """Train each chosen mode (``ditforge train COMMON --outputs WORK/NAME FLAGS``) unless its run finished earlier;
+    """Train each chosen mode (``ditforge train COMMON --outputs WORK/NAME FLAGS``, ``steps`` steps logged every
+    step) unless ``WORK/NAME`` already holds a finished run of ``steps`` steps (another run there is replaced);
     returns its per-step losses by name, printing the mean of the last ``window``."""
     curves = {}
     for name, flags in modes.items():
         if name not in chosen:
             continue
         out = work / name
-        if not (out / "checkpoints").is_dir():
+        if not finished(out, steps):
+            shutil.rmtree(out, ignore_errors=True)
             train(*common, "--outputs", str(out), *flags)
         curves[name] = losses(out)
         print(f"{name:16s} last-{window} mean loss {np.mean(curves[name][-window:]):.5f}", flush=True)
@@ -55,6 +58,12 @@ def train(*argv: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "ditforge", "train", *argv], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"ditforge train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def finished(run: Path, steps: int) -> bool:
+    """Whether ``run`` is a finished run of ``steps`` steps logged every step (its final checkpoint and one loss per
+    step)."""
+    return (run / "checkpoints" / f"step-{steps:07d}").is_dir() and len(losses(run)) == steps
 
 
 def losses(run: Path) -> list[float]:
@@ -73,7 +82,8 @@ def report(curves: dict[str, list[float]], reference: str, seed: str, window: in
                    "within_noise": abs(means[k] - means[reference]) <= noise} for k in curves}
     print(f"run-to-run noise ({reference} vs {seed}): {noise:.5f}")
     for k, v in verdict.items():
-        print(f"{k:14s} {v['mean']:.5f}  vs {reference} {v['diff_vs_reference']:+.5f}  within noise: {v['within_noise']}")
+        print(f"{k:14s} {v['mean']:.5f}  vs {reference} {v['diff_vs_reference']:+.5f}  "
+              f"within noise: {v['within_noise']}")
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "window": window, **meta}

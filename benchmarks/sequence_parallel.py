@@ -109,7 +109,7 @@ def run(d: Dist, variant: str, tokens: int, steps: int, warmup: int, top: int = 
     model = parallelize(model, d, "fsdp", attention="fast", param_dtype=torch.bfloat16, enable_modulate_kernel=True,
                         sequence_parallel_type=variant if variant != "none" else "auto")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    diffusion = create_diffusion(None)
+    diffusion = create_diffusion(None).to(d.device)  # tables on the GPU, as the trainer's: no sync per step
     shape = (4, frames, side, side)
     x = torch.randn((1, *shape), device=d.device)
     y = torch.zeros(1, dtype=torch.long, device=d.device)

@@ -11,7 +11,7 @@ noise and timesteps (``--seed 0``), ``--steps`` steps at batch 64, lr 1e-4, EMA 
     fast        + --enable_flashattn --enable_modulate_kernel --compile, the one-pass optimizer step (bench row f:
                 what the README's speed table recommends)
     fast_no_kernels  + --enable_flashattn --compile (inductor's own norm fusion, the one-pass step)
-    fp8         + --mixed_precision fp8 (torchao's float8 linears; bench row g)
+    fp8         fast_no_kernels + --mixed_precision fp8 (torchao's float8 linears; bench row g without the kernels)
 
 ``--modes`` picks some (bf16 and bf16_seed1 always run). A mode is within run-to-run noise when the mean loss of its
 last ``--window`` steps differs from the reference's by no more than the second seed's does (``quality_curves``).
@@ -63,7 +63,7 @@ def main() -> None:
     work = Path(args.work)
     data = write_digits_folder(work / f"digits{args.image_size}", args.image_size)
     # every mode after these: a later --mixed_precision (fp8) wins
-    curves = run_modes(MODES, {"bf16", "bf16_seed1", *args.modes.split(",")}, work, args.window,
+    curves = run_modes(MODES, {"bf16", "bf16_seed1", *args.modes.split(",")}, work, args.window, args.steps,
                        "--data", str(data), "--image_size", str(args.image_size), "--model", args.model,
                        "--batch_size", "64", "--max_steps", str(args.steps), "--lr", "1e-4", "--mixed_precision",
                        "bf16", "--sample_every", "0", "--log_every", "1", "--device", args.device)

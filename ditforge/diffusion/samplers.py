@@ -187,6 +187,8 @@ class GuidedModel:
             raise ValueError(f"cfg_interval must be (low, high) with 0 <= low <= high <= 999, got {cfg_interval}")
         if guidance_channels is not None and guidance_channels < 1:
             raise ValueError(f"guidance_channels must be positive, got {guidance_channels}")
+        if cfg_interval is not None and tuple(cfg_interval) == (0, 999):
+            cfg_interval = None  # guidance at every step: exactly the plain path (adaLN tables included)
         self.model, self.y = model, y
         self.cfg_scale, self.guidance_channels, self.cfg_interval = cfg_scale, guidance_channels, cfg_interval
         self.guided, self.cfg_group = cfg_scale != 1.0, cfg_group

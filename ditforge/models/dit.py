@@ -39,6 +39,17 @@ def modulation(layer: nn.Module, c: torch.Tensor, packed: Packed | None) -> torc
     return mods if packed is None else mods[packed.sample]
 
 
+def _adaln_per_layer(adaln: list[torch.Tensor] | None, depth: int) -> list[torch.Tensor | None]:
+    """``forward``'s ``adaln`` (one tensor per block, then the final layer's), or Nones: each layer regresses its
+    own. Raises ValueError for a list of another length."""
+    if adaln is None:
+        return [None] * (depth + 1)
+    if len(adaln) != depth + 1:
+        raise ValueError(f"adaln: expected {depth + 1} tensors (one per block, then the final layer's), "
+                         f"got {len(adaln)}")
+    return adaln
+
+
 class DiTBlock(nn.Module):
     """adaLN-Zero transformer block (paper section 3.2, figure 3).
 
@@ -385,7 +396,7 @@ class DiT(nn.Module):
         grid = patch_grid(x.shape[2:], self.x_embedder.patch_shape)
         x = self.x_embedder(x) + self.pos_embed_for(grid)
         c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
-        mods = adaln or [None] * (len(self.blocks) + 1)
+        mods = _adaln_per_layer(adaln, len(self.blocks))
         for block, m in zip(self.blocks, mods):
             x = block(x, c, context, mods=m)
         return self.unpatchify(self.final_layer(x, c, mods=mods[-1]), grid)

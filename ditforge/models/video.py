@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from ditforge.models.dit import NORM_EPS, DiT, DiTBlock
+from ditforge.models.dit import NORM_EPS, DiT, DiTBlock, _adaln_per_layer
 from ditforge.models.layers import Attention, PatchEmbed3D, patch_grid, sincos_1d, sincos_2d, sincos_3d
 from ditforge.ops import frames_to_positions, gated_residual, layernorm_modulate, positions_to_frames
 from ditforge.ops.attention import Packed
@@ -299,7 +299,7 @@ class STDiT(DiT):
                                 self._fixed_temporal_pos_embed)
         x = self.x_embedder(x) + self.pos_embed_for(grid)
         c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
-        mods = adaln or [None] * (len(self.blocks) + 1)
+        mods = _adaln_per_layer(adaln, len(self.blocks))
         for i, (block, m) in enumerate(zip(self.blocks, mods)):
             x = block(x, c, context, tpe if i == 0 else None, grid[1] * grid[2], mods=m)
         return self.unpatchify(self.final_layer(x, c, mods=mods[-1]), grid)

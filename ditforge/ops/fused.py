@@ -21,6 +21,7 @@ Where the kernels run: CUDA tensors on a GPU, or CPU tensors under Triton's inte
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch.library import triton_op, wrap_triton
@@ -32,6 +33,8 @@ try:
 except ImportError:  # Triton is not installed (e.g. a CPU-only wheel on macOS): the ops raise when called
     triton = None
     _k = None
+    # torch's triton_op would log "Triton not available" once per op below, at every import of this module
+    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
 
 from ditforge.ops.modulate import modulate
 
@@ -168,9 +171,9 @@ def _ln_mod_bwd_op(
     x, dout = x.contiguous(), dout.contiguous()
     scale = _row_major(scale)
     dx = torch.empty_like(x)
-    if x.numel() == 0:
-        z = torch.zeros((B, D), dtype=torch.float32, device=x.device)
-        return dx, z.to(shift_dtype), z.to(scale.dtype)
+    if x.numel() == 0:  # two tensors: an op's outputs may not alias each other
+        return (dx, torch.zeros((B, D), dtype=shift_dtype, device=x.device),
+                torch.zeros((B, D), dtype=scale.dtype, device=x.device))
     block_d, rows, num_warps = _bwd_config(D)
     G = _num_groups(triton.cdiv(N, rows), B, x.device)
     dshift_part = torch.empty((B, G, D), dtype=torch.float32, device=x.device)

@@ -141,8 +141,11 @@ def test_planned_euler_loop_and_pab_equal_the_unplanned_ones():
         with PyramidAttentionBroadcast(model, pab) as cache:
             return euler_loop(flow, fn, noise, 5, on_step=lambda t: (fn.step(t), cache.step(t)))
 
+    calls = _regression_calls(model)
     with torch.no_grad():
-        torch.testing.assert_close(loop(model), loop(_Plain(model)), **TOL)
+        planned = loop(model)
+        assert calls[0] == len(model.blocks) + 1  # planned: each regression once for the 5 steps
+        torch.testing.assert_close(planned, loop(_Plain(model)), **TOL)
         torch.testing.assert_close(loop(model, PABConfig.fora(2)), loop(_Plain(model), PABConfig.fora(2)), **TOL)
 
 
@@ -153,7 +156,12 @@ def test_plan_is_skipped_where_rows_are_not_fixed_and_calls_are_counted():
     interval = GuidedModel(model, y, 4.0, cfg_interval=(0, 600))  # guided at some steps only
     interval.plan(t)
     assert interval._tables is None
-    assert GuidedModel(_Plain(model), y, 4.0)._tables is None
+    plain = GuidedModel(_Plain(model), y, 4.0)
+    plain.plan(t)
+    assert plain._tables is None
+    every = GuidedModel(model, y, 4.0, cfg_interval=(0, 999))  # guided at every step: the plain path, planned
+    every.plan(t)
+    assert every._tables is not None
     fn = GuidedModel(model, y, 4.0)
     fn.plan(t)
     with torch.no_grad():

@@ -31,7 +31,7 @@ from ditforge.ops.modulate import (
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and not fused._interpreting():
-    pytest.fail("ditforge.ops.fused was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1, so its "
+    pytest.fail("ditforge.ops.fused was imported before tests/conftest.py set TRITON_INTERPRET=1, so its "
                 "kernels were built for a GPU; import it lazily elsewhere or set TRITON_INTERPRET=1", pytrace=False)
 EPS = 1e-6
 # (B, N, D): D=72, N=13 -> 2 row blocks, each program of the backward does one; D=200, N=37 -> 10 backward
@@ -338,3 +338,44 @@ def test_dit_with_kernels_matches_reference(flags, restore_kernels):
     # the adaLN weights got a non-trivial gradient through the kernels (the test would be vacuous otherwise)
     adaln = dict(zip([n for n, p in model.named_parameters() if p.requires_grad], grads))
     assert adaln["blocks.0.adaLN_modulation.1.weight"].abs().max() > 1e-4
+
+
+def test_empty_tokens_backward():
+    """N = 0: the ops return empty tokens and zero parameter gradients (each its own tensor: the outputs of one op
+    may not alias each other, which float32 shift and scale once hit)."""
+    x = torch.randn(2, 0, 16, device=DEV, requires_grad=True)
+    shift, scale, gate = (torch.randn(2, 16, device=DEV, requires_grad=True) for _ in range(3))
+    out = fused.gated_residual(x, fused.layernorm_modulate(x, shift, scale), gate)
+    assert out.shape == (2, 0, 16)
+    grads = torch.autograd.grad(out.sum(), [x, shift, scale, gate])
+    assert grads[0].shape == (2, 0, 16)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads[1:])
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="torch.compile traces into the Triton ops on a GPU only (under the "
+                                          "interpreter wrap_triton hands back the interpreted kernel)")
+def test_compiled_ops_match_eager():
+    """torch.compile traces through the triton_ops (the kernels launched from inductor's code) and gives the eager
+    results, forward and every gradient, under bf16 autocast as in training (tolerance: two bf16 roundings)."""
+    g = _gen(31)
+    x = _x(4, 33, 200, torch.float32, g)
+    mod = (torch.randn(4, 5 * 200, generator=g) * 0.5).to(DEV).requires_grad_()
+    y = torch.randn(4, 33, 200, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+    upstream = torch.randn(4, 33, 200, generator=g).to(DEV)
+
+    def block(x, mod, y):
+        shift, scale, gate, shift2, scale2 = mod.chunk(5, dim=1)
+        h = fused.layernorm_modulate(x, shift, scale)
+        x = fused.gated_residual(x, h * y, gate)
+        return fused.layernorm_modulate(x, shift2, scale2).float()
+
+    def run(fn):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(x, mod, y)
+        return out, torch.autograd.grad(out, [x, mod, y], upstream)
+
+    eager, eager_grads = run(block)
+    compiled, compiled_grads = run(torch.compile(block, fullgraph=True))
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+    for c, e in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(c.float(), e.float(), rtol=2e-2, atol=2e-2 * e.abs().max().item())
