@@ -139,13 +139,22 @@ def pack(grids: Sequence[Sequence[int]], capacity: int, plan: Sequence[Sequence[
     index = torch.cat([torch.arange(s, s + n) for s, n in zip(start, counts)]) if counts else counts_t
     token_sample = torch.repeat_interleave(torch.arange(len(grids)), counts_t)
     flags = torch.tensor(list(repeated) if repeated is not None else [False] * len(grids), dtype=torch.bool)
+    device = torch.device(device)
     return Packed(
-        rows=len(plan), length=capacity, document_ids=document_ids.to(device, torch.int32),
-        cu_seqlens=cu.to(device, torch.int32), max_len=int(lengths.max()) if docs else 0,
-        sample=sample.to(device), valid=valid.to(device), index=index.to(device),
-        token_sample=token_sample.to(device), first=(counts_t.cumsum(0) - counts_t).to(device),
-        grids=tuple(tuple(int(n) for n in g) for g in grids), repeated=torch.repeat_interleave(flags, counts_t).to(device),
+        rows=len(plan), length=capacity, document_ids=_send(document_ids.int(), device),
+        cu_seqlens=_send(cu.int(), device), max_len=int(lengths.max()) if docs else 0,
+        sample=_send(sample, device), valid=_send(valid, device), index=_send(index, device),
+        token_sample=_send(token_sample, device), first=_send(counts_t.cumsum(0) - counts_t, device),
+        grids=tuple(tuple(int(n) for n in g) for g in grids),
+        repeated=_send(torch.repeat_interleave(flags, counts_t), device),
     )
+
+
+def _send(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU through pinned memory, asynchronously: a blocking copy from pageable
+    memory synchronises the stream, and ``pack`` runs in every packed training step. The caching host allocator
+    keeps the pinned block until its copy has run."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def packed_training_losses(
