@@ -156,11 +156,13 @@ def interleave_prior(batch: dict, prior_loss_weight: float) -> tuple[dict, torch
 
     With the trainer's normalisation by the number of samples B, the loss is diffusers' train_dreambooth.py's
     ``mse(instance) + prior_loss_weight * mse(prior)`` (Ruiz et al. 2023, eq. 2). Alternating rows keep each
-    process's slice of the global batch a whole set of pairs.
+    process's slice of the global batch a whole set of pairs. The weights (2B,) float32 are made on the images'
+    device (filled there: no copy from the host, which would synchronise a GPU's stream every step).
     """
     x = torch.stack([batch["x"], batch["class_x"]], dim=1).flatten(0, 1)
     texts = [t for pair in zip(batch["text"], batch["class_text"]) for t in pair]
-    weights = torch.tensor([1.0, float(prior_loss_weight)]).repeat(len(batch["text"]))
+    weights = torch.full((len(x),), float(prior_loss_weight), device=x.device)
+    weights[0::2] = 1.0
     rest = {k: v for k, v in batch.items() if k not in ("x", "text", "class_x", "class_text")}
     return {**rest, "x": x, "text": texts}, weights
 

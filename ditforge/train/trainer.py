@@ -738,7 +738,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             conds = [dict(zip(cond, parts)) for parts in zip(*(v.chunk(k) for v in cond.values()))]
             rnds = [StepRandomness(*parts, None) for parts in zip(*(chunk(v, k) for v in
                                                                      (rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
-            micro = list(zip(chunk(x, k), conds, rnds, *([weights.to(device).chunk(k)] if rows > 1 else [])))
+            micro = list(zip(chunk(x, k), conds, rnds, *([weights.chunk(k)] if rows > 1 else [])))
             set_lr(optimizer, learning_rate(cfg, step))
             if ema_in_step:
                 optimizer.ema_decay = ema_decay_at(t.ema_decay, step)

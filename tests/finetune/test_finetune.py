@@ -316,6 +316,7 @@ def test_dreambooth_loss_is_weighted_sum():
     merged, weights = interleave_prior(batch, 0.7)
     assert torch.equal(merged["x"][0::2], batch["x"]) and torch.equal(merged["x"][1::2], batch["class_x"])
     assert merged["text"] == ["i", "c"] * b
+    assert torch.equal(weights, torch.tensor([1.0, 0.7] * b)) and weights.device == batch["x"].device
     y = torch.randint(0, 4, (2 * b,))
     rnd = StepRandomness(torch.randn(2 * b, 3, 8, 8), torch.randint(0, 1000, (2 * b,)), torch.zeros(2 * b, dtype=torch.bool),
                          torch.zeros(2 * b, dtype=torch.bool))
