@@ -96,7 +96,8 @@ def solver_loop(
     only those inside the schedulers (``set_begin_index(0)`` spares the step-index lookup).
 
     Args:
-        model_fn: (x (B, C, ...), t (B,) int64 original timesteps) -> (B, C or 2C, ...) (see ``GuidedModel``).
+        model_fn: (x (B, C, ...), t (B,) int64 original timesteps) -> (B, C or 2C, ...) (see ``GuidedModel``); one
+            with a ``plan`` method gets the loop's timesteps first (``GuidedModel.plan``).
         noise: (B, C, ...) float starting noise N(0, I) (unscaled).
         sampler: ``"dpm++"`` or ``"euler"``.
         num_steps: solver steps (model calls), 1..1000.
@@ -121,6 +122,8 @@ def solver_loop(
     gen = generator if generator is None or isinstance(generator, torch.Generator) else list(generator)
     host_timesteps = sched.timesteps.tolist()  # one copy before the loop, none inside it
     on_step = on_step if on_step is not None else getattr(model_fn, "step", None)
+    if hasattr(model_fn, "plan"):  # the values the loop passes below, one per step
+        model_fn.plan(sched.timesteps.to(torch.long))
     for i, t in enumerate(tqdm(sched.timesteps, desc=desc or f"{sampler} sampling", disable=not progress,
                                leave=False)):
         if on_step is not None:
@@ -154,9 +157,10 @@ class GuidedModel:
     1 the unconditional one, B rows each, and the halves are all-gathered before they are combined; both
     processes then hold the same guided output (the loop around runs identically on both).
 
-    adaLN tables (``plan``): a loop that knows its timesteps up front announces them, and every adaLN regression of
-    the whole loop is computed at once (``DiT.adaln_tables``: one matrix product per layer over all steps' rows,
-    which reads the regression weights once instead of once per step); each call then takes its step's rows.
+    adaLN tables (``plan``): a loop that knows its timesteps up front (ours and the diffusers solvers') announces
+    them, and every adaLN regression of the whole loop is computed at once (``DiT.adaln_tables``: one matrix
+    product per layer over all steps' rows, which reads the regression weights once instead of once per step);
+    each call then takes its step's rows.
 
     Args:
         model: ``model(x, t, y, force_drop_ids=None, y_mask=None)`` -> (B, C_out, ...) (``DiT.forward``);

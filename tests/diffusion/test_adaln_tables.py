@@ -19,7 +19,7 @@ from torch import nn
 from ditforge.diffusion import create_diffusion
 from ditforge.diffusion.flow import RectifiedFlow, euler_loop
 from ditforge.diffusion.pab import PABConfig, PyramidAttentionBroadcast
-from ditforge.diffusion.samplers import GuidedModel, sample_loop
+from ditforge.diffusion.samplers import GuidedModel, sample_loop, solver_loop
 from ditforge.models import DiT, STDiT, VideoDiT
 from model_helpers import perturbed
 
@@ -122,6 +122,22 @@ def test_planned_ddim_loop_equals_the_unplanned_one(name, cfg_scale):
         assert calls[0] == len(model.blocks) + 1  # each regression once, in adaln_tables
         plain = sample_loop(diffusion, GuidedModel(_Plain(model), y, cfg_scale, kw.get("y_mask")), noise, "ddim")
         assert calls[0] == (len(model.blocks) + 1) * 7  # and once per step without tables
+    torch.testing.assert_close(planned, plain, **TOL)
+
+
+@pytest.mark.parametrize("sampler", ["dpm++", "euler"])
+def test_planned_diffusers_solver_loop_equals_the_unplanned_one(sampler):
+    """diffusers' solvers (DPM-Solver++ 2M, Euler) plan the integer timesteps they then pass."""
+    pytest.importorskip("diffusers")
+    model = _model("dit-class")
+    g = torch.Generator().manual_seed(8)
+    y, _ = _condition(model, g)
+    noise = torch.randn(B, *_shape(model), generator=g)
+    calls = _regression_calls(model)
+    with torch.no_grad():
+        planned = solver_loop(GuidedModel(model, y, 4.0), noise, sampler, 6)
+        assert calls[0] == len(model.blocks) + 1
+        plain = solver_loop(GuidedModel(_Plain(model), y, 4.0), noise, sampler, 6)
     torch.testing.assert_close(planned, plain, **TOL)
 
 
