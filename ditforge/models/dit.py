@@ -39,17 +39,6 @@ def modulation(layer: nn.Module, c: torch.Tensor, packed: Packed | None) -> torc
     return mods if packed is None else mods[packed.sample]
 
 
-def _adaln_per_layer(adaln: list[torch.Tensor] | None, depth: int) -> list[torch.Tensor | None]:
-    """``forward``'s ``adaln`` (one tensor per block, then the final layer's), or Nones: each layer regresses its
-    own. Raises ValueError for a list of another length."""
-    if adaln is None:
-        return [None] * (depth + 1)
-    if len(adaln) != depth + 1:
-        raise ValueError(f"adaln: expected {depth + 1} tensors (one per block, then the final layer's), "
-                         f"got {len(adaln)}")
-    return adaln
-
-
 class DiTBlock(nn.Module):
     """adaLN-Zero transformer block (paper section 3.2, figure 3).
 
@@ -77,7 +66,8 @@ class DiTBlock(nn.Module):
         """x: (B, N, D) tokens, c: (B, D) conditioning, context: (caption tokens (B, L, D), mask (B, L) bool)
         for text-conditioned blocks -> (B, N, D). Packed rows (``packed``): x (R, L, D), c (S, D) per sample,
         context as ``CrossAttention`` takes packed rows. ``mods``: this block's adaLN output ``adaLN_modulation(c)``
-        (B, 6D) computed beforehand (``DiT.adaln_tables``), used instead of regressing it from c here."""
+        (B, 6D) computed beforehand (``DiT.adaln_tables``), used instead of regressing it from c here (c is then
+        unused, and may be None)."""
         if mods is None:
             mods = modulation(self.adaLN_modulation, c, packed)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=-1)
@@ -102,7 +92,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, packed: Packed | None = None,
                 mods: torch.Tensor | None = None) -> torch.Tensor:
-        """``mods``: ``adaLN_modulation(c)`` (B, 2D) computed beforehand, as ``DiTBlock``'s."""
+        """``mods``: ``adaLN_modulation(c)`` (B, 2D) computed beforehand, as ``DiTBlock``'s (c then unused)."""
         shift, scale = (modulation(self.adaLN_modulation, c, packed) if mods is None else mods).chunk(2, dim=-1)
         return self.linear(layernorm_modulate(x, shift, scale, NORM_EPS))
 
@@ -333,6 +323,26 @@ class DiT(nn.Module):
         w = mask.to(tokens.dtype)[..., None]
         return (tokens * w).sum(1) / w.sum(1).clamp_min(1), (tokens, mask)
 
+    def _conditioning(
+        self, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None, y_mask: torch.Tensor | None,
+        adaln: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, list[torch.Tensor | None]]:
+        """What one forward conditions its layers on: c, the context (``embed_conditions``) and per layer (blocks,
+        then the final layer) its adaLN output from ``adaln`` or None (the layer regresses it from c). With
+        ``adaln`` every regression of c is given, so c is not computed (None); a text model's context still is.
+
+        Raises:
+            ValueError: ``adaln`` not one tensor per block plus the final layer's.
+        """
+        depth = len(self.blocks)
+        if adaln is None:
+            return (*self.embed_conditions(t, y, force_drop_ids, y_mask), [None] * (depth + 1))
+        if len(adaln) != depth + 1:
+            raise ValueError(f"adaln: expected {depth + 1} tensors (one per block, then the final layer's), "
+                             f"got {len(adaln)}")
+        context = None if self.text_dim is None else self._embed_labels(y, force_drop_ids, y_mask)[1]
+        return None, context, adaln
+
     @torch.no_grad()
     def adaln_tables(
         self, t: torch.Tensor, y: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
@@ -395,8 +405,7 @@ class DiT(nn.Module):
             return self.forward_packed(x, t, y, packed, force_drop_ids, y_mask)
         grid = patch_grid(x.shape[2:], self.x_embedder.patch_shape)
         x = self.x_embedder(x) + self.pos_embed_for(grid)
-        c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
-        mods = _adaln_per_layer(adaln, len(self.blocks))
+        c, context, mods = self._conditioning(t, y, force_drop_ids, y_mask, adaln)
         for block, m in zip(self.blocks, mods):
             x = block(x, c, context, mods=m)
         return self.unpatchify(self.final_layer(x, c, mods=mods[-1]), grid)

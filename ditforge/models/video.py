@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from ditforge.models.dit import NORM_EPS, DiT, DiTBlock, _adaln_per_layer
+from ditforge.models.dit import NORM_EPS, DiT, DiTBlock
 from ditforge.models.layers import Attention, PatchEmbed3D, patch_grid, sincos_1d, sincos_2d, sincos_3d
 from ditforge.ops import frames_to_positions, gated_residual, layernorm_modulate, positions_to_frames
 from ditforge.ops.attention import Packed
@@ -145,7 +145,7 @@ class STDiTBlock(DiTBlock):
         """x: (B, N, D) tokens, c: (B, D) conditioning, context: (caption tokens (B, L, D), mask (B, L) bool) for
         text-conditioned blocks, tpe: optional (1, T', D) added to the temporal attention's input, spatial: S,
         tokens per frame (default ``num_spatial``), mods: ``adaLN_modulation(c)`` computed beforehand, as
-        ``DiTBlock``'s -> (B, N, D)."""
+        ``DiTBlock``'s (c then unused) -> (B, N, D)."""
         B, N, D = x.shape
         S = spatial or self.num_spatial
         if N % S:  # N = T' S, or this process's whole frames under sequence parallelism
@@ -298,8 +298,7 @@ class STDiT(DiT):
         tpe = self._fixed_table(self.pos_embed_temporal, grid[:1], self.x_embedder.grid_shape[:1],
                                 self._fixed_temporal_pos_embed)
         x = self.x_embedder(x) + self.pos_embed_for(grid)
-        c, context = self.embed_conditions(t, y, force_drop_ids, y_mask)
-        mods = _adaln_per_layer(adaln, len(self.blocks))
+        c, context, mods = self._conditioning(t, y, force_drop_ids, y_mask, adaln)
         for i, (block, m) in enumerate(zip(self.blocks, mods)):
             x = block(x, c, context, tpe if i == 0 else None, grid[1] * grid[2], mods=m)
         return self.unpatchify(self.final_layer(x, c, mods=mods[-1]), grid)
