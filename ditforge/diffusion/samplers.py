@@ -31,7 +31,7 @@ SAMPLERS = OWN_SAMPLERS + DIFFUSERS_SAMPLERS
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 # The most memory one loop's adaLN tables may take (GuidedModel.plan): DiT-XL/2, DDIM 50 at batch 8 under
-# guidance needs 312 MB in bf16; a larger loop computes its regressions step by step instead.
+# guidance needs 313 MB in bf16; a larger loop computes its regressions step by step instead.
 ADALN_TABLE_BYTES = 1 << 30
 
 
