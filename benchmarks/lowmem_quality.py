@@ -23,10 +23,10 @@ weights of size 1), bf16 compute, no EMA, the same data order and noise:
 
 ``--modes`` picks some (fp32 and fp32_seed1 always run: they are the reference and the noise).
 
-A mode is "within run-to-run noise" when the mean loss of its last ``--window`` steps differs from the reference's
-by no more than the seed-to-seed difference does. Writes ``--json`` (curves every step, window means) and
-``--plot`` (the curves, smoothed over 100 steps, in one figure; matplotlib); ``quality_curves.report``. The JSON
-written before 2026-11-27 names the difference ``diff_vs_fp32``, since then ``diff_vs_reference``.
+The verdict (``quality_curves``): a mode is "within run-to-run noise" when the mean loss of its last ``--window``
+steps is within 2 standard errors of an independent run's (from the per-step spread of fp32 and fp32_seed1), and
+its "shift" is the paired per-step difference to fp32 with its standard error. Writes ``--json`` (curves every
+step, window means) and ``--plot`` (the curves, smoothed over 100 steps, in one figure; matplotlib).
 
 Usage: ``PYTHONPATH=. python benchmarks/lowmem_quality.py --work /tmp/q --json $OUT/lowmem_quality.json
 --plot $OUT/lowmem_quality.png`` (GPU: a few minutes; CPU with --steps 20 --base_steps 20 checks the script).
