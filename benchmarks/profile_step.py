@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import replace
 
 import torch
@@ -23,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ditforge.bench import ROWS, Settings, run_steps
 from ditforge.config import BenchConfig
+from timing import host_syncs
 
 KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor kernels on Hopper
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax")),
@@ -61,18 +61,13 @@ def main() -> None:
             s = replace(s, **change)
     device = torch.device("cuda")
     prof = profile(activities=[ProfilerActivity.CUDA])
-    syncs: list[str] = []  # the first line of each sync warning of the timed steps
+    syncs: list[str] = []  # where each host sync of the timed steps came from (the Python line behind it)
 
     @contextlib.contextmanager
     def timed():
-        with prof, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                yield
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message))
+        with prof, host_syncs() as found:
+            yield
+        syncs.extend(found)
 
     m = run_steps(cfg, s, device, cfg.batch_size, args.steps, warmup=5, timed=timed())
     wall = m["step_time_s"] * 1e3
@@ -86,7 +81,9 @@ def main() -> None:
         per_kind[kind(name)] += ms
     print(f"{args.model} batch {cfg.batch_size}, settings {s}: GPU kernel time {total:.1f} ms per step, "
           f"wall {wall:.1f} ms per step (median, under the profiler; GPU idle {100 * (1 - total / wall):.0f}%), "
-          f"host syncs {len(syncs) / args.steps:g} per step" + (f" (first: {syncs[0]})" if syncs else ""))
+          f"host syncs {len(syncs) / args.steps:g} per step")
+    for where, n in Counter(syncs).most_common():
+        print(f"  {n / args.steps:g} per step from {where}")
     print("| kind | ms/step | share |\n|---|---:|---:|")
     for k, ms in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         print(f"| {k} | {ms:.1f} | {100 * ms / total:.1f}% |")
@@ -97,7 +94,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(settings=str(s), total_ms=total, wall_ms=wall, host_syncs_per_step=len(syncs) / args.steps,
-                           per_kind=per_kind, top=top), f, indent=1)
+                           host_syncs=Counter(syncs), per_kind=per_kind, top=top), f, indent=1)
 
 
 if __name__ == "__main__":

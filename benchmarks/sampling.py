@@ -54,7 +54,7 @@ from ditforge.encoders.vae import load_vae
 from ditforge.models import create_model
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.sample import prepare_model
-from timing import print_top_kernels
+from timing import host_syncs, print_top_kernels
 
 STEPS, IMAGE_CFG, VIDEO_CFG = 50, 4.0, 7.0
 FAST = dict(enable_flashattn=True, enable_modulate_kernel=True)
@@ -114,20 +114,6 @@ def wall(fn, repeat: int) -> tuple[float, float, object]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return times[0], statistics.median(times[1:]), out
-
-
-def host_syncs(fn) -> int:
-    """How many times ``fn()`` made the host wait for the GPU (``torch.cuda.set_sync_debug_mode("warn")``)."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def psnr(ref: np.ndarray, img: np.ndarray) -> float:
@@ -215,7 +201,11 @@ def images(args, work: Path, anchor: dict | None) -> list[dict]:
                 return to_uint8(vae.decode(latents(STEPS)).float())
 
             first, median, _ = wall(run, args.repeat)
-            syncs = {f"host_syncs_{n}_steps": host_syncs(lambda n=n: latents(n)) for n in (10, STEPS)}
+            syncs = {}
+            for n in (10, STEPS):
+                with host_syncs() as found:
+                    latents(n)
+                syncs[f"host_syncs_{n}_steps"] = len(found)
             z = latents(STEPS)
             split = dict(generate_s=wall(lambda: latents(STEPS), args.repeat)[1],
                          decode_s=wall(lambda: to_uint8(vae.decode(z).float()), args.repeat)[1])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -34,3 +36,20 @@ def print_top_kernels(prof: torch.profiler.profile, n: int, title: str) -> None:
     print(f"{title}: GPU kernel time {total:.1f} ms", flush=True)
     for ms, name in kernels[:n]:
         print(f"  {ms:8.2f} ms {100 * ms / max(total, 1e-9):5.1f}%  {name[:100]}", flush=True)
+
+
+@contextlib.contextmanager
+def host_syncs() -> Iterator[list[str]]:
+    """Record every host synchronisation inside the block (``torch.cuda.set_sync_debug_mode("warn")``: a blocking
+    copy or wait, after which the GPU idles while the host catches up): yields a list that receives, on exit, the
+    ``file:line`` of the Python code behind each. CUDA only; the mode's one-off "prototype feature" notice is not
+    a sync and is not counted."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found.extend(f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message))
