@@ -168,7 +168,9 @@ class OnePassAdamW:
             self._sent = addresses
         skip_t = _const(0.0, device) if skip is None else skip.reshape(1).float()
         scale_t = _const(1.0, device) if scale is None else scale.reshape(1).float()
-        torch._foreach_add_(self.steps, 1.0 - skip_t.reshape(()))  # before the kernel, which reads them
+        # before the kernel, which reads them. A list of the one increment: given a 0-dim tensor, Python's
+        # overload resolution picks _foreach_add_.Scalar and reads it to the host (.item(), a stream sync per step)
+        torch._foreach_add_(self.steps, [1.0 - skip_t.reshape(())] * len(self.steps))
         code1, code2 = codes if kind.eightbit else (scale_t, scale_t)
         self.kernel[(self.chunk_t.numel(),)](
             self.table, self._grad_table, self.numels, self.indices, self.chunk_t, self.chunk_start, scale_t, skip_t,

@@ -14,6 +14,7 @@ On a machine without CUDA the kernel runs under TRITON_INTERPRET=1 (tests/confte
   * stochastic rounding: every bf16 weight is one of the two bf16 neighbours of the fp32 result, and the mean
     rounding error is within 4 standard errors of 0 (round-to-nearest's is not: checked);
   * a skipped step (``found_inf``) changes nothing, step counters included, bit for bit;
+  * the step reads nothing back to the host (no stream sync on a GPU);
   * ``train_step`` with the clipping folded into the step and the EMA attached equals ``torch.optim.AdamW`` +
     ``clip_grad_norm_`` + ``EMA.update``.
 """
@@ -213,6 +214,44 @@ def test_skipped_step_changes_nothing():
         del opt.found_inf  # as GradScaler does after its step: the class default (None) serves the next one
         opt.step()
         assert not torch.equal(params[0].detach(), before[id(params[0])])
+
+
+def test_step_reads_nothing_back_to_the_host(monkeypatch):
+    """A training step must not synchronise with the host: with the clipping coefficient and the skip flag on the
+    device (as ``train_step`` sets them), the step around the kernel calls no ``aten._local_scalar_dense`` (what
+    ``.item()``, ``float()`` or a 0-dim tensor taken as a Python scalar does; on a GPU each is a stream sync). The
+    kernel is stubbed: the interpreter reads tensors on the host by design. Before the fix the step counters were
+    advanced through ``_foreach_add_.Scalar``, one sync per step (H200, 2026-11-27, ``profile_step.py``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ditforge.ops.triton import adamw
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Stub:  # adamw_kernel[grid](...) launches nothing
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(adamw, "adamw_kernel", Stub())
+    params = _params(torch.float32, _seed())
+    opt, _ = _fused_run(params, 0)  # builds the launch table (host work, once)
+    steps = [opt.state[p]["step"].clone() for p in params]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=DEV)
+    opt.clip_coef, opt.found_inf = torch.rand((), device=DEV), torch.zeros((), device=DEV)
+    with Reads() as mode:
+        opt.step()
+    assert mode.reads == []
+    for p, before in zip(params, steps):  # the counters still advance on the device
+        assert torch.equal(opt.state[p]["step"], before + 1)
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU the backward's atomic sums differ run to run in their last bits, "
