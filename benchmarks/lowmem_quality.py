@@ -68,7 +68,7 @@ def main() -> None:
         train(*common, "--max_steps", str(args.base_steps), "--lr", "1e-3", "--outputs", str(base))
     curves = run_modes(MODES, {"fp32", "fp32_seed1", *args.modes.split(",")}, work, args.window, args.steps, *common,
                        "--init_from", str(base), "--max_steps", str(args.steps), "--lr", "1e-4",
-                       "--mixed_precision", "bf16", "--ema_decay", "0")
+                       "--mixed_precision", "bf16", "--ema_decay", "0", jobs=args.jobs)
     report(curves, "fp32", "fp32_seed1", args.window, "DiT-T/2 digits fine-tune, lr 1e-4, bf16 compute", args.json,
            args.plot, base_steps=args.base_steps, steps=args.steps)
 

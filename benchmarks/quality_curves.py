@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,8 @@ import torch
 
 
 def parser(doc: str, work: str, modes: dict[str, list[str]]) -> argparse.ArgumentParser:
-    """The options of both scripts: --work, --steps (2000), --window (500), --device, --json, --plot, --modes."""
+    """The options of both scripts: --work, --steps (2000), --window (500), --device, --json, --plot, --modes,
+    --jobs."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--work", default=work)
     ap.add_argument("--steps", type=int, default=2000)
@@ -43,24 +45,25 @@ def parser(doc: str, work: str, modes: dict[str, list[str]]) -> argparse.Argumen
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--modes", default=",".join(modes), help="comma-separated names of MODES")
+    ap.add_argument("--jobs", type=int, default=1, help="modes trained at once (on one GPU: small models leave it "
+                    "mostly idle, and only the losses are compared, not the speed)")
     return ap
 
 
-def run_modes(modes: dict[str, list[str]], chosen: set[str], work: Path, window: int, steps: int,
-              *common: str) -> dict[str, list[float]]:
+def run_modes(modes: dict[str, list[str]], chosen: set[str], work: Path, window: int, steps: int, *common: str,
+              jobs: int = 1) -> dict[str, list[float]]:
     """Train each chosen mode (``ditforge train COMMON --outputs WORK/NAME FLAGS``, ``steps`` steps logged every
-    step) unless ``WORK/NAME`` already holds a finished run of ``steps`` steps (another run there is replaced);
-    returns its per-step losses by name, printing the mean of the last ``window``."""
-    curves = {}
-    for name, flags in modes.items():
-        if name not in chosen:
-            continue
-        out = work / name
-        if not finished(out, steps):
-            shutil.rmtree(out, ignore_errors=True)
-            train(*common, "--outputs", str(out), *flags)
-        curves[name] = losses(out)
-        print(f"{name:16s} last-{window} mean loss {np.mean(curves[name][-window:]):.5f}", flush=True)
+    step), ``jobs`` at a time, unless ``WORK/NAME`` already holds a finished run of ``steps`` steps (another run
+    there is replaced); returns its per-step losses by name, printing the mean of the last ``window``."""
+    names = [name for name in modes if name in chosen]
+    todo = [name for name in names if not finished(work / name, steps)]
+    for name in todo:
+        shutil.rmtree(work / name, ignore_errors=True)
+    with ThreadPoolExecutor(max(1, jobs)) as pool:  # each thread waits on its own subprocess
+        list(pool.map(lambda name: train(*common, "--outputs", str(work / name), *modes[name]), todo))
+    curves = {name: losses(work / name) for name in names}
+    for name, curve in curves.items():
+        print(f"{name:16s} last-{window} mean loss {np.mean(curve[-window:]):.5f}", flush=True)
     return curves
 
 

@@ -68,7 +68,7 @@ anchor-sampling)
         --rows fp32,compiled,compiled-no-kernels,eager-graph --repeat 3 --out "$out/sampling.json")
     ;;
 speed-quality)
-    python benchmarks/speed_quality.py --work /tmp/speed_quality --json "$out/speed_quality.json" \
+    python benchmarks/speed_quality.py --work /tmp/speed_quality --jobs 5 --json "$out/speed_quality.json" \
         --plot "$out/speed_quality.png"
     ;;
 fp8)

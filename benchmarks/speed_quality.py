@@ -67,7 +67,7 @@ def main() -> None:
     curves = run_modes(MODES, {"bf16", "bf16_seed1", *args.modes.split(",")}, work, args.window, args.steps,
                        "--data", str(data), "--image_size", str(args.image_size), "--model", args.model,
                        "--batch_size", "64", "--max_steps", str(args.steps), "--lr", "1e-4", "--mixed_precision",
-                       "bf16", "--sample_every", "0", "--log_every", "1", "--device", args.device)
+                       "bf16", "--sample_every", "0", "--log_every", "1", "--device", args.device, jobs=args.jobs)
     report(curves, "bf16", "bf16_seed1", args.window,
            f"{args.model} on digits upsampled to {args.image_size}px, from scratch, lr 1e-4", args.json, args.plot,
            model=args.model, image_size=args.image_size, steps=args.steps)
