@@ -181,7 +181,7 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
     amp = resolve_precision(s.precision, device)
     model = parallelize(model, Dist(device=device), "none", s.grad_checkpoint or cfg.grad_checkpoint,
                         cfg.compile_mode if s.compile else "none", s.attention,
-                        enable_modulate_kernel=s.kernels, fp8=s.precision == "fp8",
+                        enable_modulate_kernel=s.kernels, fp8=cfg.fp8_recipe if s.precision == "fp8" else None,
                         fused_backward_pass=s.fused_backward_pass)
     return model, amp, flops, tokens, shape
 
@@ -421,6 +421,9 @@ def validate(cfg: BenchConfig) -> int:
     if cfg.image_size % cfg.vae_downsample:
         raise UserError(f"--image_size {cfg.image_size} is not divisible by --vae_downsample {cfg.vae_downsample}")
     parse_checkpoint_policy(cfg.grad_checkpoint)
+    if cfg.fp8_recipe == "rowwise_with_gw_hp" and "g" in cfg.rows and "e" not in cfg.rows:
+        raise UserError("--fp8_recipe rowwise_with_gw_hp: needs row e (compile) before row g (eager it fails in "
+                        "torchao)")
     shape = _sample_shape(cfg)
     with torch.device("meta"):  # checks the model name and that the patch sizes divide, allocating nothing
         model = create_model(cfg.model, shape[-1], cfg.in_channels, cfg.num_classes, text_dim=cfg.text_dim or None,

@@ -20,6 +20,7 @@ if typing.TYPE_CHECKING:
     import torch
 
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName
 SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cast for sampling
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adafactor")
@@ -177,6 +178,10 @@ class TrainConfig:
     mixed_precision: str = _f("auto", "compute precision: fp32 | bf16 | fp16 | fp8 (bf16, with float8 matrix "
                                       "products in the blocks' linear layers; torchao, H100-class GPU) | auto "
                                       "(bf16 on GPU, fp32 on CPU)", choices=MIXED_PRECISION)
+    fp8_recipe: str = _f("tensorwise", "scaling of --mixed_precision fp8 (torchao's float8 training recipes): "
+                                       "tensorwise (one scale per tensor) | rowwise (per row of each operand, e4m3 "
+                                       "everywhere) | rowwise_with_gw_hp (rowwise, the weight gradient in bf16; "
+                                       "needs --compile)", choices=FP8_RECIPES)
     grad_checkpoint: str = _f("none", "activation checkpointing: none | full (every block; the bare flag) | "
                                       "every-K (every K-th block) | op (keep matmul and attention outputs, "
                                       "recompute the element-wise ops)", const="full")
@@ -264,6 +269,8 @@ class BenchConfig:
     warmup: int = _f(5, "untimed steps first (compilation, autotuning)")
     rows: str = _f("abcdefg", "which rows to run, cumulative over the chosen ones (abce: compile without the "
                              "fused kernels)")
+    fp8_recipe: str = _f("tensorwise", "row g's float8 scaling (as train's --fp8_recipe; rowwise_with_gw_hp needs "
+                                       "row e, compile)", choices=FP8_RECIPES)
     compile_mode: str = _f("default", "torch.compile mode of the compile rows", choices=COMPILE_MODES[1:])
     grad_checkpoint: str = _f("none", "activation checkpointing in every row: none | full | every-K | op",
                               const="full")
@@ -504,6 +511,14 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--plugin: expected one of {', '.join(PLUGINS)}, got {cfg.parallel.plugin}")
     if t.mixed_precision not in MIXED_PRECISION:
         raise UserError(f"--mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, got {t.mixed_precision}")
+    if t.fp8_recipe not in FP8_RECIPES:
+        raise UserError(f"--fp8_recipe: expected one of {', '.join(FP8_RECIPES)}, got {t.fp8_recipe}")
+    if t.fp8_recipe != "tensorwise" and t.mixed_precision != "fp8":
+        raise UserError(f"--fp8_recipe {t.fp8_recipe}: needs --mixed_precision fp8, got {t.mixed_precision}")
+    if t.fp8_recipe == "rowwise_with_gw_hp" and t.compile == "none":
+        # eager, torchao's bf16 weight-gradient product meets the fp32 master weight: "expected m1 and m2 to have
+        # the same dtype" (torchao 0.18); compiled, the same recipe runs
+        raise UserError("--fp8_recipe rowwise_with_gw_hp: needs --compile (eager it fails in torchao)")
     if t.optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {t.optimizer}")
     if t.master_weights not in MASTER_WEIGHTS:

@@ -106,6 +106,7 @@ def test_find_max_batch_equals_brute_force():
     (["--find_max_batch", "--rows", "a"], "--find_max_batch: needs a CUDA device"),
     (["--memory", "--memory_rows", "plain,bogus"], "--memory_rows: expected names of plain,noema"),
     (["--memory", "--gpu_memory_budget", "lots"], "--gpu_memory_budget: expected a size such as 8GiB"),
+    (["--rows", "bg", "--fp8_recipe", "rowwise_with_gw_hp"], "--fp8_recipe rowwise_with_gw_hp: needs row e"),
 ])
 def test_bench_bad_settings_are_one_line_errors(tmp_path, capsys, args, message):
     assert cli.main([*TINY, "--outputs", str(tmp_path), *args]) == 2
@@ -116,6 +117,17 @@ def test_bench_bad_settings_are_one_line_errors(tmp_path, capsys, args, message)
 def test_fp8_training_on_cpu_says_what_it_needs(tiny_argv, tmp_path, capsys):
     assert cli.main(tiny_argv(tmp_path / "run", "--mixed_precision", "fp8")) == 2
     assert "--mixed_precision fp8: needs a CUDA GPU with FP8 tensor cores" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--fp8_recipe", "rowwise"], "--fp8_recipe rowwise: needs --mixed_precision fp8"),
+    (["--mixed_precision", "fp8", "--fp8_recipe", "rowwise_with_gw_hp"],
+     "--fp8_recipe rowwise_with_gw_hp: needs --compile"),
+])
+def test_fp8_recipe_misuse_is_a_one_line_error(tiny_argv, tmp_path, capsys, args, message):
+    assert cli.main(tiny_argv(tmp_path / "run", *args)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and not (tmp_path / "run").exists()
 
 
 def test_train_refuses_a_video_model_on_image_data(tiny_argv, tmp_path, capsys):

@@ -130,13 +130,15 @@ def _big_linear(module: nn.Module, fqn: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False) -> int:
+def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False, recipe: str = "tensorwise") -> int:
     """Run the transformer blocks' big linear layers (qkv, proj, fc1, fc2, cross-attention; ``_big_linear``)
     as float8 matrix products with torchao. Returns the number of layers changed.
 
-    - training (default): torchao's float8 training linears (dynamic tensorwise scaling: e4m3 forward, e5m2
-      gradients; Micikevicius et al. 2022, "FP8 Formats for Deep Learning"). Parameter names, shapes and fp32
-      master weights do not change.
+    - training (default): torchao's float8 training linears with dynamic scaling by ``recipe``
+      (``Float8LinearConfig.from_recipe_name``): ``tensorwise`` (one scale per tensor; e4m3 forward, e5m2
+      gradients; Micikevicius et al. 2022, "FP8 Formats for Deep Learning"), ``rowwise`` (one scale per row of
+      each GEMM operand along its contraction, e4m3 throughout) or ``rowwise_with_gw_hp`` (rowwise, the weight
+      gradient's product in bf16). Parameter names, shapes and fp32 master weights do not change.
     - ``inference``: ``quantize_`` with ``Float8DynamicActivationFloat8WeightConfig(PerRow())``: each bf16
       weight (D_out, D_in) stored once as e4m3 with one scale per output channel, each activation row scaled
       by its own absolute maximum at run time; ``torch._scaled_mm`` accumulates in fp32 and returns bf16. The
@@ -158,10 +160,10 @@ def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False) -
         quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
                   filter_fn=_big_linear)
         return chosen
-    from torchao.float8 import convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     before = sum(type(m) is nn.Linear for m in model.modules())
-    convert_to_float8_training(model, module_filter_fn=_big_linear)
+    convert_to_float8_training(model, module_filter_fn=_big_linear, config=Float8LinearConfig.from_recipe_name(recipe))
     return before - sum(type(m) is nn.Linear for m in model.modules())
 
 
@@ -176,7 +178,7 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     enable_modulate_kernel: bool = False,
     enable_layernorm_kernel: bool = False,
-    fp8: bool = False,
+    fp8: str | None = None,
     sequence_parallel_type: str = "auto",
     batch_size: int = 1,
     fused_backward_pass: bool = False,
@@ -205,7 +207,8 @@ def parallelize(
         attention: SDPA kernels behind ``ops.attention``: ``auto`` | ``fast`` (``--enable_flashattn``) |
             ``math``.
         enable_modulate_kernel, enable_layernorm_kernel: fused Triton adaLN kernels (``ops.set_kernels``).
-        fp8: float8 matrix products in the blocks' big linear layers (``apply_fp8``).
+        fp8: float8 matrix products in the blocks' big linear layers with this torchao recipe (``apply_fp8``),
+            or None.
         param_dtype: dtype of the gathered parameters under zero2/fsdp (the compute dtype); the sharded fp32
             parameters stay the optimizer's master weights.
         reduce_dtype: dtype of the gradient reduction (fp32 by default; bf16 halves its traffic).
@@ -250,7 +253,8 @@ def parallelize(
             raise UserError(f"{flag}: {e}") from None
     log.info("adaLN: %s", set_kernels(enable_modulate_kernel, enable_layernorm_kernel))
     if fp8:
-        log.info("fp8: %d linear layers run float8 matrix products", apply_fp8(model, dist.device))
+        log.info("fp8: %d linear layers run float8 matrix products (%s)", apply_fp8(model, dist.device, recipe=fp8),
+                 fp8)
     apply_grad_checkpoint(model, grad_checkpoint, offload_activations)
     blocks = [model.get_submodule(path) for path in block_paths(model)]
     mode = None if compile == "default" else compile

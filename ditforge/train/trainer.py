@@ -514,7 +514,8 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
                         param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype,
                         enable_modulate_kernel=t.enable_modulate_kernel,
-                        enable_layernorm_kernel=t.enable_layernorm_kernel, fp8=t.mixed_precision == "fp8",
+                        enable_layernorm_kernel=t.enable_layernorm_kernel,
+                        fp8=t.fp8_recipe if t.mixed_precision == "fp8" else None,
                         sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step,
                         fused_backward_pass=t.fused_backward_pass, cpu_offload=t.cpu_offload == "all",
                         offload_activations=t.offload_activations)
