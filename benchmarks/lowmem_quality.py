@@ -24,8 +24,8 @@ weights of size 1), bf16 compute, no EMA, the same data order and noise:
 ``--modes`` picks some (fp32 and fp32_seed1 always run: they are the reference and the noise).
 
 The verdict (``quality_curves``): a mode is "within run-to-run noise" when the mean loss of its last ``--window``
-steps is within 2 standard errors of an independent run's (from the per-step spread of fp32 and fp32_seed1), and
-its "shift" is the paired per-step difference to fp32 with its standard error. Writes ``--json`` (curves every
+steps is within 2 standard errors of the difference between two runs' window means (batch means of fp32 and
+fp32_seed1), and its "shift" is the paired per-step difference to fp32 with its standard error. Writes ``--json`` (curves every
 step, window means) and ``--plot`` (the curves, smoothed over 100 steps, in one figure; matplotlib).
 
 Usage: ``PYTHONPATH=. python benchmarks/lowmem_quality.py --work /tmp/q --json $OUT/lowmem_quality.json

@@ -50,11 +50,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--text_dim", type=int, default=0)
     p.add_argument("--text_tokens", type=int, default=120)
+    p.add_argument("--fp8_recipe", default="tensorwise", help="row g's, as ditforge bench --fp8_recipe")
     p.add_argument("--out")
     args = p.parse_args()
     cfg = BenchConfig(model=args.model, image_size=args.image_size, num_frames=args.num_frames,
                       batch_size=args.batch_size, grad_checkpoint=args.grad_checkpoint, text_dim=args.text_dim,
-                      text_tokens=args.text_tokens)
+                      text_tokens=args.text_tokens, fp8_recipe=args.fp8_recipe)
     s = Settings()
     for key, _, change in ROWS:
         if key in args.rows:

@@ -5,14 +5,16 @@ losses, and the verdict of each mode against a reference and a second seed.
 The verdict compares the mean loss of each mode's last ``window`` steps with the reference's:
 
 - **within run-to-run noise**: the difference is at most 2 standard errors of the difference between two
-  independent runs' window means, sqrt(s_ref^2 + s_seed^2) / sqrt(window), with s the per-step standard deviation
-  of the reference and of the second seed over the window. Each step's loss is a fresh draw of data, timesteps and
-  noise, so the steps of a window are close to independent; a slow trend inside the window only widens s. The
-  second seed's own difference is one draw of that noise, too few to use as the threshold (2026-11-27: 0.00003,
-  against a standard error of 0.00049).
+  independent runs' window means, sqrt(se_ref^2 + se_seed^2), each se from the window's batch means (``BLOCKS``
+  blocks of consecutive steps: neighbouring steps share nearly the same weights, so their losses are correlated,
+  0.1-0.3 between neighbours in the stored runs, and a per-step standard error would be too small). This
+  counts the spread of the losses within a run; it assumes that the seed changes the expected loss by no more
+  than that, which the second seed checks only once (its own difference is printed beside it). The seed's
+  difference alone is one draw of the noise, too few to be the threshold (2026-11-27: 0.00003, against a
+  standard error of 0.00054).
 - **shift**: a mode that shares the reference's seed (same initialisation, data order, noise and timesteps) is
-  compared step by step: the mean of the per-step differences and its standard error. This finds small systematic
-  changes (FP8's rounding, an optimizer's lag) that are far below the run-to-run noise.
+  compared step by step: the mean of the per-step differences and its batch-means standard error. This finds
+  small systematic changes (FP8's rounding, an optimizer's lag) that are far below the run-to-run noise.
 
 ``report`` prints both, writes JSON (curves every step, window means) and a plot of the curves, smoothed over 100
 steps, in one figure (matplotlib).
@@ -27,7 +29,7 @@ import platform
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -54,13 +56,22 @@ def run_modes(modes: dict[str, list[str]], chosen: set[str], work: Path, window:
               jobs: int = 1) -> dict[str, list[float]]:
     """Train each chosen mode (``ditforge train COMMON --outputs WORK/NAME FLAGS``, ``steps`` steps logged every
     step), ``jobs`` at a time, unless ``WORK/NAME`` already holds a finished run of ``steps`` steps (another run
-    there is replaced); returns its per-step losses by name, printing the mean of the last ``window``."""
+    there is replaced); returns its per-step losses by name, printing the mean of the last ``window``. Raises
+    RuntimeError naming every mode that failed, after the others end; each failure's error is printed when it
+    happens."""
     names = [name for name in modes if name in chosen]
     todo = [name for name in names if not finished(work / name, steps)]
     for name in todo:
         shutil.rmtree(work / name, ignore_errors=True)
+    failed = []
     with ThreadPoolExecutor(max(1, jobs)) as pool:  # each thread waits on its own subprocess
-        list(pool.map(lambda name: train(*common, "--outputs", str(work / name), *modes[name]), todo))
+        runs = {pool.submit(train, *common, "--outputs", str(work / name), *modes[name]): name for name in todo}
+        for run in as_completed(runs):
+            if run.exception() is not None:  # said at once: the other modes may run on for minutes
+                print(f"mode {runs[run]}: {run.exception()}", file=sys.stderr, flush=True)
+                failed.append(runs[run])
+    if failed:
+        raise RuntimeError(f"modes failed: {', '.join(failed)} (their errors above)")
     curves = {name: losses(work / name) for name in names}
     for name, curve in curves.items():
         print(f"{name:16s} last-{window} mean loss {np.mean(curve[-window:]):.5f}", flush=True)
@@ -85,23 +96,34 @@ def losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+BLOCKS = 20  # batch means per window (25 steps each at the default window of 500)
+
+
+def batch_se(x: np.ndarray, blocks: int = BLOCKS) -> float:
+    """Standard error of ``x.mean()`` from the means of ``blocks`` equal blocks of consecutive values (the method
+    of batch means; the first len(x) % blocks values are left out), for serially correlated ``x``."""
+    size = len(x) // blocks
+    means = x[len(x) - size * blocks:].reshape(blocks, size).mean(axis=1)
+    return float(means.std(ddof=1) / np.sqrt(blocks))
+
+
 def report(curves: dict[str, list[float]], reference: str, seed: str, window: int, title: str,
            json_path: str | None, plot_path: str | None, **meta) -> dict:
     """Judge every curve against ``curves[reference]`` over the last ``window`` steps (module docstring): print
     the verdicts, write ``json_path`` and ``plot_path`` (each optional). Returns per mode its window mean,
     ``diff_vs_reference``, ``within_noise`` (|diff| <= 2 ``noise``) and, for every mode but ``seed``, the paired
-    ``shift`` and its standard error ``shift_se``; the JSON adds ``noise`` (the standard error of an independent
-    run's difference) and ``seed_diff`` (the second seed's observed difference)."""
+    ``shift`` and its standard error ``shift_se``; the JSON adds ``noise`` (the standard error of the difference
+    between two independent runs' window means) and ``seed_diff`` (the second seed's observed difference)."""
     last = {k: np.asarray(v[-window:], dtype=np.float64) for k, v in curves.items()}
     ref = last[reference]
-    noise = float(np.sqrt((ref.var(ddof=1) + last[seed].var(ddof=1)) / window))
+    noise = float(np.hypot(batch_se(ref), batch_se(last[seed])))
     verdict = {}
     for k, x in last.items():
         diff = float(x.mean() - ref.mean())
         verdict[k] = {"mean": float(x.mean()), "diff_vs_reference": diff, "within_noise": abs(diff) <= 2 * noise}
         if k != seed:
             paired = x - ref
-            verdict[k] |= {"shift": float(paired.mean()), "shift_se": float(paired.std(ddof=1) / np.sqrt(window))}
+            verdict[k] |= {"shift": float(paired.mean()), "shift_se": batch_se(paired)}
     seed_diff = verdict[seed]["diff_vs_reference"]
     print(f"run-to-run noise: standard error {noise:.5f} ({seed} differs by {seed_diff:+.5f})")
     for k, v in verdict.items():

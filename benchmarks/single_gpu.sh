@@ -14,15 +14,16 @@
 #   anchor-sampling: benchmarks/sampling.py --images beside the compiled-diffusers anchor, batch 1 and 8
 #   speed-quality: benchmarks/speed_quality.py, 2,000-step DiT-S/2 loss curves of the speed modes against bf16
 #   fp8: benchmarks/fp8_linear.py, whether float8 matrix products pay at DiT-XL/2's widths in training (per layer,
-#        bf16 against torchao's recipes and the bare e4m3 GEMMs), then rows b-g with --fp8_recipe ${2:-rowwise}
-#        beside the anchor
+#        bf16 against torchao's recipes and the bare e4m3 GEMMs)
+#   fp8-step: rows b-g with --fp8_recipe ${2:-rowwise} beside the anchor (a call of its own: with fp8 it could
+#        exceed 10 minutes)
 #   t2v: text-to-video training (cross-attention to 120 synthetic T5-XXL-width caption states, bf16) for
 #        vDiT-XL/222 and STDiT-XL/2 at 16 frames x 256px (latents 4x16x32x32): rows b-e (b, bf16 with math
 #        attention, is there for its precision: rows are cumulative over the chosen ones)
 # Results land in $OUT (or benchmarks/results). torchao (FP8) comes as a wheel carried in .whl/ when the machine
 # lacks it:  pip download --no-deps -d .whl torchao
 # The anchors are read from .anchors/ (a copy of ../shared/anchors, which does not travel to the GPU machine).
-# Usage: bash benchmarks/single_gpu.sh image|video|profile|anchor-image|anchor-video|anchor-sampling|speed-quality|fp8 [RECIPE]|t2v MODEL
+# Usage: bash benchmarks/single_gpu.sh image|video|profile|anchor-image|anchor-video|anchor-sampling|speed-quality|fp8|fp8-step [RECIPE]|t2v MODEL
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -74,6 +75,9 @@ speed-quality)
     ;;
 fp8)
     python benchmarks/fp8_linear.py --out "$out/fp8_linear.json"
+    ;;
+fp8-step)
+    echo "row g: --fp8_recipe ${2:-rowwise}"
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcdefg --fp8_recipe "${2:-rowwise}" --steps 10 \
         --warmup 3 --anchor .anchors/plain_dit_train.py 2>&1 | grep --line-buffered "^|"
     ;;

@@ -421,6 +421,8 @@ def validate(cfg: BenchConfig) -> int:
     if cfg.image_size % cfg.vae_downsample:
         raise UserError(f"--image_size {cfg.image_size} is not divisible by --vae_downsample {cfg.vae_downsample}")
     parse_checkpoint_policy(cfg.grad_checkpoint)
+    if cfg.fp8_recipe != "tensorwise" and "g" not in cfg.rows:
+        raise UserError(f"--fp8_recipe {cfg.fp8_recipe}: needs row g (FP8) in --rows, got {cfg.rows!r}")
     if cfg.fp8_recipe == "rowwise_with_gw_hp" and "g" in cfg.rows and "e" not in cfg.rows:
         raise UserError("--fp8_recipe rowwise_with_gw_hp: needs row e (compile) before row g (eager it fails in "
                         "torchao)")

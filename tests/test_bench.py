@@ -107,6 +107,7 @@ def test_find_max_batch_equals_brute_force():
     (["--memory", "--memory_rows", "plain,bogus"], "--memory_rows: expected names of plain,noema"),
     (["--memory", "--gpu_memory_budget", "lots"], "--gpu_memory_budget: expected a size such as 8GiB"),
     (["--rows", "bg", "--fp8_recipe", "rowwise_with_gw_hp"], "--fp8_recipe rowwise_with_gw_hp: needs row e"),
+    (["--rows", "bce", "--fp8_recipe", "rowwise"], "--fp8_recipe rowwise: needs row g (FP8) in --rows"),
 ])
 def test_bench_bad_settings_are_one_line_errors(tmp_path, capsys, args, message):
     assert cli.main([*TINY, "--outputs", str(tmp_path), *args]) == 2
