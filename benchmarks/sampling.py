@@ -203,6 +203,7 @@ def images(args, work: Path, anchor: dict | None) -> list[dict]:
             first, median, _ = wall(run, args.repeat)
             syncs = {}
             for n in (10, STEPS):
+                latents(n)  # a first call at this step count captures its graphs: count the syncs of a later one
                 with host_syncs() as found:
                     latents(n)
                 syncs[f"host_syncs_{n}_steps"] = len(found)

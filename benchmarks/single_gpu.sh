@@ -53,16 +53,16 @@ video)
 anchor-image)
     python -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -1
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcdef --steps 15 --warmup 5 \
-        --anchor .anchors/plain_dit_train.py 2>&1 | grep --line-buffered "^|"
+        --anchor .anchors/plain_dit_train.py 2>&1 | grep --line-buffered -E "^\||[Ee]rror"
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 15 --warmup 5 2>&1 \
-        | grep --line-buffered "^|"
+        | grep --line-buffered -E "^\||[Ee]rror"
     python benchmarks/profile_step.py --model DiT-XL/2 --rows bcdef --steps 5 --out "$out/profile_dit_xl2_row_f.json"
     ;;
 anchor-video)
     $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bcdef --steps 10 --warmup 3 \
-        --anchor .anchors/plain_vdit_train.py 2>&1 | grep --line-buffered "^|"
+        --anchor .anchors/plain_vdit_train.py 2>&1 | grep --line-buffered -E "^\||[Ee]rror"
     $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bcef --steps 10 --warmup 3 \
-        2>&1 | grep --line-buffered "^|"
+        2>&1 | grep --line-buffered -E "^\||[Ee]rror"
     ;;
 anchor-sampling)
     python -c "import diffusers" 2>/dev/null || python -m pip install -q --no-deps .whl/diffusers-*.whl
@@ -79,7 +79,7 @@ fp8)
 fp8-step)
     echo "row g: --fp8_recipe ${2:-rowwise}"
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcdefg --fp8_recipe "${2:-rowwise}" --steps 10 \
-        --warmup 3 --anchor .anchors/plain_dit_train.py 2>&1 | grep --line-buffered "^|"
+        --warmup 3 --anchor .anchors/plain_dit_train.py 2>&1 | grep --line-buffered -E "^\||[Ee]rror"
     ;;
 t2v)
     $bench --model "$2" --batch_size 8 --num_frames 16 --image_size 256 --text_dim 4096 --text_tokens 120 \
