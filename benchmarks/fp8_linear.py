@@ -77,6 +77,11 @@ def gemms(k: int, n: int, fp8: bool):
     return run
 
 
+def total(row: dict) -> float:
+    """A path's milliseconds summed over the layers; NaN when one of them failed."""
+    return sum(row.values()) if all(isinstance(v, float) for v in row.values()) else float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
@@ -107,15 +112,13 @@ def main() -> None:
                 json.dump(dict(date=datetime.datetime.now().isoformat(timespec="minutes"),
                                device=torch.cuda.get_device_name(), torch=torch.__version__,
                                torchao=torchao.__version__, m=M, depth=DEPTH, table=table), f, indent=1)
-    base_row = table["bf16 linear (autocast, fp32 weights)"]
-    base = sum(base_row.values()) if all(isinstance(v, float) for v in base_row.values()) else float("nan")
+    base = total(table["bf16 linear (autocast, fp32 weights)"])
     print(f"\n| path | {' | '.join(s[0] for s in SHAPES)} | per layer (ms) | x {DEPTH} (ms/step) | vs bf16 linear |")
     print("|---|" + "---:|" * (len(SHAPES) + 3))
     for path, row in table.items():
-        ok = all(isinstance(v, float) for v in row.values())
-        total = sum(row.values()) if ok else float("nan")
+        ms = total(row)
         cells = " | ".join(f"{v:.3f}" if isinstance(v, float) else v for v in row.values())
-        print(f"| {path} | {cells} | {total:.3f} | {DEPTH * total:.1f} | {base / total:.2f}x |")
+        print(f"| {path} | {cells} | {ms:.3f} | {DEPTH * ms:.1f} | {base / ms:.2f}x |")
 
 
 if __name__ == "__main__":

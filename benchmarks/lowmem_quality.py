@@ -25,8 +25,8 @@ weights of size 1), bf16 compute, no EMA, the same data order and noise:
 
 The verdict (``quality_curves``): a mode is "within run-to-run noise" when the mean loss of its last ``--window``
 steps is within 2 standard errors of the difference between two runs' window means (batch means of fp32 and
-fp32_seed1), and its "shift" is the paired per-step difference to fp32 with its standard error. Writes ``--json`` (curves every
-step, window means) and ``--plot`` (the curves, smoothed over 100 steps, in one figure; matplotlib).
+fp32_seed1), and its "shift" is the paired per-step difference to fp32 with its standard error. Writes ``--json``
+(curves every step, window means) and ``--plot`` (the curves, smoothed over 100 steps, in one figure; matplotlib).
 
 Usage: ``PYTHONPATH=. python benchmarks/lowmem_quality.py --work /tmp/q --json $OUT/lowmem_quality.json
 --plot $OUT/lowmem_quality.png`` (GPU: a few minutes; CPU with --steps 20 --base_steps 20 checks the script).
@@ -34,10 +34,9 @@ Usage: ``PYTHONPATH=. python benchmarks/lowmem_quality.py --work /tmp/q --json $
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from quality_curves import finished, parser, report, run_modes, train
+from quality_curves import parser, report, run_modes
 
 MODES = {
     "fp32": [],
@@ -62,10 +61,9 @@ def main() -> None:
     work = Path(args.work)
     common = ["--data", "digits", "--model", "DiT-T/2", "--batch_size", "64", "--sample_every", "0",
               "--log_every", "1", "--device", args.device]
-    base = work / "base"
-    if not finished(base, args.base_steps):
-        shutil.rmtree(base, ignore_errors=True)
-        train(*common, "--max_steps", str(args.base_steps), "--lr", "1e-3", "--outputs", str(base))
+    base = work / "base"  # trained once, like a mode
+    run_modes({"base": ["--max_steps", str(args.base_steps), "--lr", "1e-3"]}, {"base"}, work, args.window,
+              args.base_steps, *common)
     curves = run_modes(MODES, {"fp32", "fp32_seed1", *args.modes.split(",")}, work, args.window, args.steps, *common,
                        "--init_from", str(base), "--max_steps", str(args.steps), "--lr", "1e-4",
                        "--mixed_precision", "bf16", "--ema_decay", "0", jobs=args.jobs)

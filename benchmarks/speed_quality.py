@@ -15,7 +15,8 @@ noise and timesteps (``--seed 0``), ``--steps`` steps at batch 64, lr 1e-4, EMA 
 
 ``--modes`` picks some (bf16 and bf16_seed1 always run). A mode is within run-to-run noise when the mean loss of its
 last ``--window`` steps is within 2 standard errors of the difference between two runs' window means (batch means
-of bf16 and bf16_seed1); its "shift" is the paired per-step difference to bf16 with its standard error (``quality_curves``).
+of bf16 and bf16_seed1); its "shift" is the paired per-step difference to bf16 with its standard error
+(``quality_curves``).
 
 Usage: ``PYTHONPATH=. python benchmarks/speed_quality.py --work /tmp/sq --json $OUT/speed_quality.json
 --plot $OUT/speed_quality.png`` (one GPU: the fast, fast_no_kernels and fp8 modes need it; a CPU with

@@ -29,14 +29,14 @@ def text_stdit() -> nn.Module:
     """Text-conditioned STDiT: spatial, temporal and cross-attention in every block."""
     torch.manual_seed(0)
     return perturbed(STDiT(input_size=HW, num_frames=T, patch_size=2, depth=DEPTH, hidden_size=32, num_heads=2,
-                          in_channels=C, text_dim=TEXT_DIM), 1)
+                           in_channels=C, text_dim=TEXT_DIM), 1)
 
 
 def class_vdit() -> nn.Module:
     """Class-conditioned vDiT: full attention only (treated as spatial)."""
     torch.manual_seed(0)
     return perturbed(VideoDiT(input_size=HW, num_frames=T - 1, patch_size=(1, 2, 2), depth=DEPTH, hidden_size=32,
-                             num_heads=2, in_channels=C, num_classes=5), 2)
+                              num_heads=2, in_channels=C, num_classes=5), 2)
 
 
 MODELS = {"stdit-text": text_stdit, "vdit-class": class_vdit}
