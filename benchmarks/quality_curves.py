@@ -101,7 +101,9 @@ BLOCKS = 20  # batch means per window (25 steps each at the default window of 50
 
 def batch_se(x: np.ndarray, blocks: int = BLOCKS) -> float:
     """Standard error of ``x.mean()`` from the means of ``blocks`` equal blocks of consecutive values (the method
-    of batch means; the first len(x) % blocks values are left out), for serially correlated ``x``."""
+    of batch means; the first len(x) % blocks values are left out), for serially correlated ``x``. A window of
+    fewer values than ``blocks`` (a short smoke run) takes one value per block."""
+    blocks = min(blocks, len(x))
     size = len(x) // blocks
     means = x[len(x) - size * blocks:].reshape(blocks, size).mean(axis=1)
     return float(means.std(ddof=1) / np.sqrt(blocks))
