@@ -121,7 +121,9 @@ def test_split_model_equals_whole(kind, variant, world):
     processes). STDiT: whole frames per process, columns for the temporal
     attention (its temporal projections are random here, so the exchange is exercised). vDiT with ``auto``:
     every process measured the same figures for the variants its 6 heads allow, and runs the fastest."""
-    with mp.Manager() as manager:
+    # the manager's server spawned, not forked: a fork of this multi-threaded pytest process can inherit a held
+    # lock, and once hung CI on a futex while serving the workers' tensors (2026-11-27)
+    with mp.get_context("spawn").Manager() as manager:
         out = manager.dict()
         mp.spawn(_worker, args=(world, free_port(), variant, kind, out), nprocs=world, join=True)
         output, grads = out["output"], dict(out["grads"])
