@@ -10,7 +10,7 @@ images: DiT-XL/2 at 256px (latents 4x32x32) with random weights (the zero-initia
     timestep frequencies) against ``ditforge sample``'s own path (``prepare_model`` + ``generate`` + VAE decode +
     ``to_uint8``) in fp32, bf16, and bf16 + fast attention + fused adaLN kernels + ``--compile`` (the whole DDIM
     loop as one CUDA graph); ``--rows fp8``: the blocks' linear layers as float8 GEMMs (``--mixed_precision fp8``,
-    torchao); ``eager-graph``, ``fora2``, ``fora3``, ``pab``: the eager model in the loop's CUDA graph, without and
+    ``ditforge.ops.fp8``); ``eager-graph``, ``fora2``, ``fora3``, ``pab``: the eager model in the loop's CUDA graph, without and
     with step-level reuse (``--fora N``, ``--pab``). ``--anchor ../shared/anchors/diffusers_dit_sampling.py`` runs
     the compiled-diffusers anchor unchanged first, in the same job, and adds each row's ratio to it.
     Times: wall clock of a whole call (synchronised), median of ``--repeat`` after one warm-up call (which
@@ -71,7 +71,7 @@ IMAGE_ROWS = {  # key -> (name, prepare_model settings, PAB / FORA schedule); a 
     "fora3": ("FORA N=3 (eager model in the loop's CUDA graph)", GRAPHED, PABConfig.fora(3)),
     "pab": ("PAB defaults: attention every 2nd step at t 100-800 (eager model in the loop's CUDA graph)", GRAPHED,
             PABConfig()),
-    "fp8": ("ditforge fp8 (float8 GEMMs, torchao) + fast attn + compile (CUDA graphs)",
+    "fp8": ("ditforge fp8 (row-wise float8 GEMMs, Triton quantization) + fast attn + compile (CUDA graphs)",
             dict(mixed_precision="fp8", compile="reduce-overhead", enable_flashattn=True), None),
     "autotune": ("ditforge bf16 + fast attn + kernels + compile max-autotune",
                  dict(mixed_precision="bf16", compile="max-autotune", **FAST), None),

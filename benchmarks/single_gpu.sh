@@ -12,6 +12,9 @@
 #   anchor-video: the same for vDiT-XL/222 at 16 frames x 256px, batch 8, against plain_vdit_train.py: rows c-f
 #        and c, e, f
 #   anchor-sampling: benchmarks/sampling.py --images beside the compiled-diffusers anchor, batch 1 and 8
+#   fp8-sampling: the float8 quantization kernel's tests on the GPU, then benchmarks/sampling.py --images beside
+#        the compiled-diffusers anchor: fp32 (the PSNR reference), the fastest bf16 path and fp8, batch 1 and 8,
+#        with the 15 largest kernels of each batch-8 loop
 #   speed-quality: benchmarks/speed_quality.py, 2,000-step DiT-S/2 loss curves of the speed modes against bf16
 #   fp8: benchmarks/fp8_linear.py, whether float8 matrix products pay at DiT-XL/2's widths in training (per layer,
 #        bf16 against torchao's recipes and the bare e4m3 GEMMs)
@@ -23,7 +26,7 @@
 # Results land in $OUT (or benchmarks/results). torchao (FP8) comes as a wheel carried in .whl/ when the machine
 # lacks it:  pip download --no-deps -d .whl torchao
 # The anchors are read from .anchors/ (a copy of ../shared/anchors, which does not travel to the GPU machine).
-# Usage: bash benchmarks/single_gpu.sh image|video|profile|anchor-image|anchor-video|anchor-sampling|speed-quality|fp8|fp8-step [RECIPE]|t2v MODEL
+# Usage: bash benchmarks/single_gpu.sh image|video|profile|anchor-image|anchor-video|anchor-sampling|fp8-sampling|speed-quality|fp8|fp8-step [RECIPE]|t2v MODEL
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -68,6 +71,13 @@ anchor-sampling)
     python -c "import diffusers" 2>/dev/null || python -m pip install -q --no-deps .whl/diffusers-*.whl
     (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
         --rows fp32,compiled,compiled-no-kernels,eager-graph --repeat 3 --out "$out/sampling.json")
+    ;;
+fp8-sampling)
+    python -c "import diffusers" 2>/dev/null || python -m pip install -q --no-deps .whl/diffusers-*.whl
+    python -m pytest -q -x -p no:cacheprovider tests/kernels/test_quant.py tests/test_sample_fast.py -k "fp8 or quant" \
+        2>&1 | tail -1
+    (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
+        --rows fp32,compiled-no-kernels,fp8 --repeat 5 --top 15 --out "$out/sampling_fp8.json")
     ;;
 speed-quality)
     python benchmarks/speed_quality.py --work /tmp/speed_quality --jobs 5 --json "$out/speed_quality.json" \

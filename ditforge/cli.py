@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(inductor fuses the same operations)")
     fast.add_argument("--mixed_precision", default="auto", choices=SAMPLING_PRECISIONS,
                       help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU); fp8: bf16 with "
-                      "the blocks' linear layers as float8 GEMMs (H100-class GPU, torchao; see the README for its "
-                      "speed and quality)")
+                      "the blocks' linear layers as row-wise scaled float8 GEMMs (H100-class GPU, Triton; see the "
+                      "README for its speed and quality)")
     fast.add_argument("--compile", nargs="?", const="reduce-overhead", default="none", choices=COMPILE_MODES,
                       help="torch.compile the model with static shapes, and the VAE decoder; the bare flag is "
                       "reduce-overhead: CUDA graphs, the whole loop as one graph for --sampler ddpm / ddim and a flow "

@@ -102,7 +102,7 @@ def _check_precision(name: str) -> None:
 
 
 def _check_fp8(d: Dist) -> None:
-    """Raises UserError where fp8 sampling cannot run: no FP8 GPU or torchao, or sequence parallelism (FastSeq,
+    """Raises UserError where fp8 sampling cannot run: no FP8 GPU or Triton, or sequence parallelism (FastSeq,
     which ``auto`` may pick, projects slices of the qkv weight; float8 weights offer none, and the other variants
     are untested with fp8)."""
     from ditforge.parallel import fp8_unavailable
@@ -111,7 +111,7 @@ def _check_fp8(d: Dist) -> None:
         raise UserError("--mixed_precision fp8: not with --sequence_parallel_size > 1 (FastSeq projects slices of "
                         "the qkv weight, which float8 weights do not offer; the other variants are untested with "
                         "fp8); use bf16")
-    reason = fp8_unavailable(d.device)
+    reason = fp8_unavailable(d.device, inference=True)
     if reason:
         raise UserError(f"--mixed_precision fp8: {reason}")
 
@@ -128,7 +128,7 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
       weight casts are gone (diffusers' pipelines do the same with ``torch_dtype``). Inputs are cast by the
       embedders; ``GuidedModel`` combines the guided outputs in float32. ``fp8``: bf16, and the blocks' big
       linear layers as float8 GEMMs with per-channel weight and per-row activation scales (``apply_fp8`` with
-      ``inference=True``; H100-class GPU and torchao).
+      ``inference=True``; H100-class GPU and Triton).
     - attention kernels, fused adaLN kernels and sequence parallelism (``dist.sp_mesh``) as in training
       (``ditforge.parallel.parallelize``, no optimizer-side wrapping);
     - ``compile``: ``torch.compile`` of the whole model with static shapes (``dynamic=False``: one graph per batch
@@ -144,7 +144,7 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
             auto``'s measurement.
 
     Raises:
-        UserError: an unknown precision; fp8 without an FP8 GPU or torchao, or with sequence parallelism; a fused
+        UserError: an unknown precision; fp8 without an FP8 GPU or Triton, or with sequence parallelism; a fused
             kernel without Triton on the device.
     """
     from ditforge.parallel import apply_fp8, parallelize

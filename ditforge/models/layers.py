@@ -15,7 +15,7 @@ from torch import nn
 
 from ditforge.ops import attention, self_attention
 from ditforge.ops.attention import Packed
-from ditforge.ops.linear import linear_gelu_tanh
+from ditforge.ops.linear import gelu_mlp
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -316,7 +316,7 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden_features, out_features or in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(linear_gelu_tanh(x, self.fc1))
+        return gelu_mlp(x, self.fc1, self.fc2)
 
 
 def sincos_1d(embed_dim: int, pos: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""The MLP's first layer and its activation in one GEMM for sampling."""
+"""The transformer MLP's products: fc1 and its GELU in one GEMM for sampling, and the float8 path."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ditforge.ops.fp8 import RowwiseFloat8Linear, quantize_rows
 
 
 def linear_gelu_tanh(x: torch.Tensor, fc: nn.Linear) -> torch.Tensor:
@@ -25,3 +27,16 @@ def linear_gelu_tanh(x: torch.Tensor, fc: nn.Linear) -> torch.Tensor:
         out = torch._addmm_activation(fc.bias, x.reshape(-1, x.shape[-1]), fc.weight.t(), use_gelu=True)
         return out.view(*x.shape[:-1], fc.out_features)
     return F.gelu(fc(x), approximate="tanh")
+
+
+def gelu_mlp(x: torch.Tensor, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:
+    """The transformer MLP ``fc2(GELU_tanh(fc1(x)))``: (..., D_in) -> (..., D_out).
+
+    With a float8 ``fc2`` (``RowwiseFloat8Linear``, sampling with ``--mixed_precision fp8``) fc1's bf16 output
+    goes through one Triton pass that applies the GELU and quantizes each row to e4m3 for fc2
+    (``quantize_rows(gelu=True)``): the hidden activation is read once and written as 1 byte per element.
+    Otherwise ``fc2(linear_gelu_tanh(x, fc1))``.
+    """
+    if isinstance(fc2, RowwiseFloat8Linear):
+        return fc2.forward_quantized(*quantize_rows(fc1(x), gelu=True))
+    return fc2(linear_gelu_tanh(x, fc1))

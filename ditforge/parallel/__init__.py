@@ -111,15 +111,20 @@ def apply_grad_checkpoint(model: nn.Module, policy: str, offload: bool = False) 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper or newer
 
 
-def fp8_unavailable(device: torch.device) -> str | None:
-    """Why float8 matrix products (training or sampling) cannot run on ``device`` ("needs ..."), or None."""
+def fp8_unavailable(device: torch.device, inference: bool = False) -> str | None:
+    """Why float8 matrix products cannot run on ``device`` ("needs ..."), or None. Training needs torchao (its
+    float8 training linears); sampling (``inference``) needs Triton instead (``ditforge.ops.fp8``'s quantization
+    kernel)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         return (f"needs a CUDA GPU with FP8 tensor cores (compute capability >= {FP8_MIN_CAPABILITY[0]}."
                 f"{FP8_MIN_CAPABILITY[1]}, e.g. H100)")
     try:
-        import torchao.float8  # noqa: F401
+        if inference:
+            import triton  # noqa: F401
+        else:
+            import torchao.float8  # noqa: F401
     except ImportError:
-        return "needs torchao (pip install 'ditforge[fp8]')"
+        return "needs Triton (pip install triton)" if inference else "needs torchao (pip install 'ditforge[fp8]')"
     return None
 
 
@@ -132,34 +137,29 @@ def _big_linear(module: nn.Module, fqn: str) -> bool:
 
 def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False, recipe: str = "tensorwise") -> int:
     """Run the transformer blocks' big linear layers (qkv, proj, fc1, fc2, cross-attention; ``_big_linear``)
-    as float8 matrix products with torchao. Returns the number of layers changed.
+    as float8 matrix products. Returns the number of layers changed.
 
     - training (default): torchao's float8 training linears with dynamic scaling by ``recipe``
       (``Float8LinearConfig.from_recipe_name``): ``tensorwise`` (one scale per tensor; e4m3 forward, e5m2
       gradients; Micikevicius et al. 2022, "FP8 Formats for Deep Learning"), ``rowwise`` (one scale per row of
       each GEMM operand along its contraction, e4m3 throughout) or ``rowwise_with_gw_hp`` (rowwise, the weight
       gradient's product in bf16). Parameter names, shapes and fp32 master weights do not change.
-    - ``inference``: ``quantize_`` with ``Float8DynamicActivationFloat8WeightConfig(PerRow())``: each bf16
-      weight (D_out, D_in) stored once as e4m3 with one scale per output channel, each activation row scaled
-      by its own absolute maximum at run time; ``torch._scaled_mm`` accumulates in fp32 and returns bf16. The
-      model must already be bf16 (rowwise scaled GEMMs take bf16 operands); the weights become torchao
-      tensor subclasses, so their state dict is no longer plain.
+    - ``inference``: ``ditforge.ops.fp8.RowwiseFloat8Linear`` in place of each layer: its bf16 weight
+      (D_out, D_in) stored once as e4m3 with one scale per output channel, each activation row scaled by its
+      own absolute maximum at run time by one Triton pass (for fc2, with the MLP's GELU in the same pass);
+      ``torch._scaled_mm`` accumulates in fp32 and returns bf16. The model must already be bf16. The weights
+      become float8 buffers, so the state dict is no longer that of the bf16 model.
 
     Raises:
-        UserError: no CUDA device with FP8 tensor cores, or torchao is not installed.
+        UserError: no CUDA device with FP8 tensor cores, or torchao (training) / Triton (inference) missing.
     """
-    reason = fp8_unavailable(device)
+    reason = fp8_unavailable(device, inference)
     if reason:
         raise UserError(f"--mixed_precision fp8: {reason}")
     if inference:
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+        from ditforge.ops.fp8 import to_rowwise_float8
 
-        # set_inductor_config=False: keep inductor's settings those of the bf16 path (torchao would switch
-        # on coordinate-descent tuning process-wide).
-        chosen = sum(_big_linear(m, fqn) for fqn, m in model.named_modules())
-        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
-                  filter_fn=_big_linear)
-        return chosen
+        return to_rowwise_float8(model, _big_linear)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     before = sum(type(m) is nn.Linear for m in model.modules())

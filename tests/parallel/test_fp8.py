@@ -40,7 +40,7 @@ def test_recipe_reaches_the_layers_and_rounds_as_float8(recipe, monkeypatch):
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
-    monkeypatch.setattr(par, "fp8_unavailable", lambda device: None)
+    monkeypatch.setattr(par, "fp8_unavailable", lambda device, inference=False: None)
     torch.manual_seed(0)
     model = create_model("DiT-T/2", 16, 4, 10)
     reference = create_model("DiT-T/2", 16, 4, 10)

@@ -1,0 +1,168 @@
+"""Row-wise float8 quantization (``ditforge.ops.fp8.quantize_rows``, a Triton kernel) and the float8 linear layer
+of sampling, against PyTorch references and closed forms.
+
+Oracles:
+- ``quantize_rows_reference``: PyTorch's own float32 arithmetic and its float32 -> e4m3 cast (round to nearest,
+  ties to even). Without GELU the kernel must equal it bit for bit: same float32 operations, correctly rounded
+  division. With GELU its tanh differs from PyTorch's by float32 rounding, which moves a value lying within that
+  rounding of an e4m3 rounding boundary by one e4m3 step: allowed in at most 1 in 1,000 elements (observed about
+  3 in 100,000), never more than one step.
+- e4m3 rounding itself (the kernel rounds in float32 arithmetic before its cast, because Triton's interpreter
+  casts wrongly when rounding carries into the exponent): rows built from exact ties, values just below powers
+  of two and subnormals, with the row maximum 448 (scale exactly 1), against PyTorch's cast.
+- The dequantized values against float64 GELU: within half an e4m3 step, 2^-4 relative, or 2^-10 * s for the
+  subnormals.
+- ``RowwiseFloat8Linear``: equal to a float64 product of the dequantized operands up to its bf16 output rounding
+  (2^-8 relative to the output's largest magnitude); its error against the exact product has the closed-form
+  relative rms of two e4m3-rounded operands (``tests/parallel/test_fp8.py``: 0.0375), within 15%.
+On a machine without CUDA the kernel runs under TRITON_INTERPRET=1 (conftest.py); with CUDA on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ditforge.ops.fp8 import RowwiseFloat8Linear, quantize_rows, quantize_rows_reference, to_rowwise_float8
+from ditforge.ops.linear import gelu_mlp
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("float8 GEMMs need compute capability >= 8.9", allow_module_level=True)
+PRODUCT = math.hypot(*[2.0**-3 / math.sqrt(12) * math.sqrt(3 / (8 * math.log(2)))] * 2)  # 0.0375
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many e4m3 values lie between a and b (float8_e4m3fn tensors of the same sign pattern): the
+    difference of their bit patterns as integers."""
+    return (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M, D", [(37, 200), (9, 1152), (3, 4608)])  # ROWS 8 (ragged), 2, 1 per program
+def test_quantize_rows_equals_the_reference_exactly(M, D, dtype):
+    g = _gen(M * D)
+    x = (torch.randn(M, D, generator=g) * torch.rand(M, 1, generator=g) * 10 + 0.5).to(dtype)
+    x[1] = 0  # an all-zero row: scale 1e-12 / 448, all zeros
+    wide = torch.randn(2, M, D + 8, generator=g).to(dtype)[1, :, 4:-4]  # rows with a stride other than D
+    for inp in (x.to(DEV), wide.to(DEV)):
+        q, s = quantize_rows(inp)
+        q_ref, s_ref = quantize_rows_reference(inp)
+        assert q.dtype == torch.float8_e4m3fn and q.shape == inp.shape and s.shape == (M, 1)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_e4m3_rounding_of_ties_carries_and_subnormals():
+    """The row maximum is 448, so the scale is exactly 1 and the kernel's rounding is PyTorch's cast of the
+    values themselves."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448, every value
+    mid = (grid[:-1] + grid[1:]) / 2  # exact ties: half go up, half down (to the even mantissa)
+    below = grid[grid > 0] * (1 - 2**-10)  # just below an e4m3 value, many of them powers of two
+    vals = torch.cat([grid, mid, below, torch.tensor([127.7636, 7.9671, 2**-9 * 0.5, 2**-9 * 1.5, 2**-7 * 0.49])])
+    row = torch.cat([vals, -vals, torch.tensor([448.0])])
+    row = torch.cat([row, torch.zeros(-row.numel() % 16)]).view(1, -1)
+    q, s = quantize_rows(row.to(DEV))
+    assert s.item() == 1.0
+    assert torch.equal(q.view(torch.uint8).cpu(), row.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("D", [200, 4608])
+def test_quantize_rows_gelu(D):
+    g = _gen(D)
+    x = (torch.randn(64, D, generator=g) * 3).bfloat16()
+    q, s = quantize_rows(x.to(DEV), gelu=True)
+    q_ref, s_ref = quantize_rows_reference(x, gelu=True)
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
+    off = _steps(q.cpu(), q_ref)
+    assert off.max() <= 1 and (off > 0).float().mean() <= 1e-3, (off.max(), (off > 0).sum())
+    exact = F.gelu(x.double(), approximate="tanh")
+    err = (q.cpu().double() * s.cpu().double() - exact).abs()
+    assert (err <= exact.abs() * 2**-4 * (1 + 1e-5) + s.cpu().double() * 2**-10 + 1e-12).all()
+
+
+def _linear(d_in: int, d_out: int, g: torch.Generator, bias: bool = True) -> nn.Linear:
+    fc = nn.Linear(d_in, d_out, bias=bias)
+    with torch.no_grad():
+        fc.weight.copy_(torch.randn(d_out, d_in, generator=g) / math.sqrt(d_in))
+        if bias:
+            fc.bias.copy_(torch.randn(d_out, generator=g))
+    return fc.bfloat16().to(DEV)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_float8_linear_is_the_dequantized_product(bias):
+    g = _gen(7 + bias)
+    fc = _linear(384, 1536, g, bias)
+    f8 = RowwiseFloat8Linear.from_linear(fc)
+    assert f8.weight.dtype == torch.float8_e4m3fn and f8.weight_scale.shape == (1, 1536)
+    x = (torch.randn(3, 41, 384, generator=g) * 2).bfloat16().to(DEV)
+    with torch.no_grad():
+        out = f8(x)
+    assert out.shape == (3, 41, 1536) and out.dtype == torch.bfloat16
+    qx, sx = quantize_rows_reference(x)
+    qw, sw = quantize_rows_reference(fc.weight)
+    emulated = (qx.double() * sx.double()) @ (qw.double() * sw.double()).t()
+    exact = x.double() @ fc.weight.double().t()
+    if bias:
+        emulated, exact = emulated + fc.bias.double(), exact + fc.bias.double()
+    assert (out.double() - emulated).abs().max() <= 2**-8 * emulated.abs().max()
+    if not bias:
+        rel = ((out.double() - exact).norm() / exact.norm()).item()
+        assert abs(rel / PRODUCT - 1) < 0.15, rel
+
+
+def test_gelu_mlp_hands_quantized_gelu_rows_to_fc2():
+    g = _gen(3)
+    fc1, fc2 = _linear(384, 1536, g), _linear(1536, 384, g)
+    x = torch.randn(2, 33, 384, generator=g).bfloat16().to(DEV)
+    f1, f2 = RowwiseFloat8Linear.from_linear(fc1), RowwiseFloat8Linear.from_linear(fc2)
+    with torch.no_grad():
+        got = gelu_mlp(x, f1, f2)
+        h = f1(x)
+        want = f2.forward_quantized(*quantize_rows_reference(h, gelu=True))
+        bf16 = gelu_mlp(x, fc1, fc2)  # the plain path: fc2(GELU(fc1(x)))
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    rel = ((got.double() - bf16.double()).norm() / bf16.double().norm()).item()
+    assert 0.01 < rel < 0.1, rel  # float8 rounding of two GEMMs: a few percent, never the bf16 result itself
+
+
+def test_to_rowwise_float8_replaces_the_chosen_layers_only():
+    g = _gen(5)
+    model = nn.Sequential(_linear(64, 32, g), nn.GELU(), _linear(32, 48, g), _linear(48, 16, g))
+    n = to_rowwise_float8(model, lambda m, fqn: fqn != "3")
+    assert n == 2 and [type(m).__name__ for m in model] == ["RowwiseFloat8Linear", "GELU", "RowwiseFloat8Linear",
+                                                           "Linear"]
+    with pytest.raises(ValueError, match="must be bfloat16"):
+        RowwiseFloat8Linear.from_linear(nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        RowwiseFloat8Linear.from_linear(nn.Linear(20, 32).bfloat16())
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="torch.compile traces into the Triton ops on a GPU only")
+def test_compiled_float8_model_matches_eager():
+    """torch.compile (fullgraph) traces through quantize_rows and _scaled_mm: a float8 DiT-S/2 gives the eager
+    float8 model's output up to bf16 rounding (inductor may fuse the bf16 operations around them differently)."""
+    from ditforge.models import create_model
+    from ditforge.parallel import _big_linear
+
+    torch.manual_seed(0)
+    model = create_model("DiT-S/2", 16, 4, 10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model = model.to(DEV, torch.bfloat16).eval()
+    assert to_rowwise_float8(model, _big_linear) == 48
+    x, t, y = torch.randn(4, 4, 16, 16, device=DEV), torch.randint(0, 1000, (4,), device=DEV), torch.arange(4, device=DEV)
+    with torch.no_grad():
+        eager = model(x, t, y).float()
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)(x, t, y).float()
+    assert ((compiled - eager).norm() / eager.norm()).item() < 2e-2
