@@ -26,7 +26,7 @@
 # Results land in $OUT (or benchmarks/results). torchao (FP8) comes as a wheel carried in .whl/ when the machine
 # lacks it:  pip download --no-deps -d .whl torchao
 # The anchors are read from .anchors/ (a copy of ../shared/anchors, which does not travel to the GPU machine).
-# Usage: bash benchmarks/single_gpu.sh image|video|profile|anchor-image|anchor-video|anchor-sampling|fp8-sampling|speed-quality|fp8|fp8-step [RECIPE]|t2v MODEL
+# Usage: bash benchmarks/single_gpu.sh image|video|profile|anchor-image|anchor-video|anchor-sampling|fp8-sampling [BATCHES]|speed-quality|fp8|fp8-step [RECIPE]|t2v MODEL
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -74,10 +74,10 @@ anchor-sampling)
     ;;
 fp8-sampling)
     python -c "import diffusers" 2>/dev/null || python -m pip install -q --no-deps .whl/diffusers-*.whl
-    python -m pytest -q -x -p no:cacheprovider tests/kernels/test_quant.py tests/test_sample_fast.py -k "fp8 or quant" \
-        2>&1 | tail -1
+    python -m pytest -q -p no:cacheprovider tests/kernels/test_quant.py tests/test_sample_fast.py -k "fp8 or quant" \
+        2>&1 | grep -E "^E  +[A-Za-z]+Error|passed|failed" || true
     (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
-        --rows fp32,compiled-no-kernels,fp8 --repeat 5 --top 15 --out "$out/sampling_fp8.json")
+        --rows fp32,compiled-no-kernels,fp8 --batches "${2:-1,8}" --repeat 5 --top 15 --out "$out/sampling_fp8.json")
     ;;
 speed-quality)
     python benchmarks/speed_quality.py --work /tmp/speed_quality --jobs 5 --json "$out/speed_quality.json" \

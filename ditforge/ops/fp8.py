@@ -45,8 +45,9 @@ def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.
     h = x.float()
     if gelu:
         h = F.gelu(h, approximate="tanh")
-    s = h.abs().amax(-1, keepdim=True).clamp_min(AMAX_EPS) / E4M3_MAX
-    return (h / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+    amax = h.abs().amax(-1, keepdim=True).clamp_min(AMAX_EPS)
+    s = amax / torch.full_like(amax, E4M3_MAX)  # a tensor divisor: CUDA divides a tensor by a Python number
+    return (h / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s  # through its reciprocal, 1 ulp off
 
 
 def _config(D: int) -> tuple[int, int, int]:

@@ -13,7 +13,7 @@ Oracles:
 - The dequantized values against float64 GELU: within half an e4m3 step, 2^-4 relative, or 2^-10 * s for the
   subnormals.
 - ``RowwiseFloat8Linear``: equal to a float64 product of the dequantized operands up to its bf16 output rounding
-  (2^-8 relative to the output's largest magnitude); its error against the exact product has the closed-form
+  (2^-7 of the output's largest magnitude: cuBLAS's float8 GEMM was measured up to 0.42% off on an H100); its error against the exact product has the closed-form
   relative rms of two e4m3-rounded operands (``tests/parallel/test_fp8.py``: 0.0375), within 15%.
 On a machine without CUDA the kernel runs under TRITON_INTERPRET=1 (conftest.py); with CUDA on the GPU.
 """
@@ -41,9 +41,17 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many e4m3 values lie between a and b (float8_e4m3fn tensors of the same sign pattern): the
-    difference of their bit patterns as integers."""
-    return (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+    """How many e4m3 steps apart a and b are (float8_e4m3fn tensors, values of the same sign): the difference
+    of their bit patterns as integers; 0 where they are equal as numbers (-0 == +0)."""
+    a, b = a.cpu(), b.cpu()
+    return torch.where(a.float() == b.float(), 0, (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs())
+
+
+def _assert_same(q: torch.Tensor, q_ref: torch.Tensor, x: torch.Tensor) -> None:
+    """q equals q_ref bit for bit; on failure, the first differing inputs and both results."""
+    q, q_ref, x = q.cpu().flatten(), q_ref.cpu().flatten(), x.cpu().flatten()
+    bad = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()[:5, 0]
+    assert bad.numel() == 0, [(x[i].item(), q[i].item(), q_ref[i].item()) for i in bad]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -57,8 +65,8 @@ def test_quantize_rows_equals_the_reference_exactly(M, D, dtype):
         q, s = quantize_rows(inp)
         q_ref, s_ref = quantize_rows_reference(inp)
         assert q.dtype == torch.float8_e4m3fn and q.shape == inp.shape and s.shape == (M, 1)
-        assert torch.equal(s, s_ref)
-        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(s, s_ref), (s - s_ref).abs().max()
+        _assert_same(q, q_ref, inp)
 
 
 def test_e4m3_rounding_of_ties_carries_and_subnormals():
@@ -72,7 +80,7 @@ def test_e4m3_rounding_of_ties_carries_and_subnormals():
     row = torch.cat([row, torch.zeros(-row.numel() % 16)]).view(1, -1)
     q, s = quantize_rows(row.to(DEV))
     assert s.item() == 1.0
-    assert torch.equal(q.view(torch.uint8).cpu(), row.to(torch.float8_e4m3fn).view(torch.uint8))
+    _assert_same(q, row.to(torch.float8_e4m3fn), row)
 
 
 @pytest.mark.parametrize("D", [200, 4608])
@@ -82,7 +90,7 @@ def test_quantize_rows_gelu(D):
     q, s = quantize_rows(x.to(DEV), gelu=True)
     q_ref, s_ref = quantize_rows_reference(x, gelu=True)
     torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
-    off = _steps(q.cpu(), q_ref)
+    off = _steps(q, q_ref)
     assert off.max() <= 1 and (off > 0).float().mean() <= 1e-3, (off.max(), (off > 0).sum())
     exact = F.gelu(x.double(), approximate="tanh")
     err = (q.cpu().double() * s.cpu().double() - exact).abs()
@@ -114,7 +122,8 @@ def test_float8_linear_is_the_dequantized_product(bias):
     exact = x.double() @ fc.weight.double().t()
     if bias:
         emulated, exact = emulated + fc.bias.double(), exact + fc.bias.double()
-    assert (out.double() - emulated).abs().max() <= 2**-8 * emulated.abs().max()
+    assert (out.double() - emulated).abs().max() <= 2**-7 * emulated.abs().max()  # bf16 output: 2^-9 on the
+    # CPU; cuBLAS's float8 GEMM errs up to 0.42% (H100, 2026-11-27), so two bf16 steps of the largest value
     if not bias:
         rel = ((out.double() - exact).norm() / exact.norm()).item()
         assert abs(rel / PRODUCT - 1) < 0.15, rel

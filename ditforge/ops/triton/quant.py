@@ -17,9 +17,9 @@ Math (sources):
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
-AMAX_EPS = 1e-12
-SQRT_2_OVER_PI = 0.7978845608028654
+E4M3_MAX = tl.constexpr(448.0)
+AMAX_EPS = tl.constexpr(1e-12)
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
