@@ -12,7 +12,8 @@
 #   anchor-video: the same for vDiT-XL/222 at 16 frames x 256px, batch 8, against plain_vdit_train.py: rows c-f
 #        and c, e, f
 #   anchor-sampling: benchmarks/sampling.py --images beside the compiled-diffusers anchor, batch 1 and 8
-#   fp8-sampling: the float8 quantization kernel's tests on the GPU, then benchmarks/sampling.py --images beside
+#   fp8-sampling: the float8 quantization kernel's tests and its launch configurations (quant_kernel.py) on the
+#        GPU, then benchmarks/sampling.py --images beside
 #        the compiled-diffusers anchor: fp32 (the PSNR reference), the fastest bf16 path and fp8, batch 1 and 8,
 #        with the 15 largest kernels of each batch-8 loop
 #   speed-quality: benchmarks/speed_quality.py, 2,000-step DiT-S/2 loss curves of the speed modes against bf16
@@ -76,6 +77,7 @@ fp8-sampling)
     python -c "import diffusers" 2>/dev/null || python -m pip install -q --no-deps .whl/diffusers-*.whl
     python -m pytest -q -p no:cacheprovider tests/kernels/test_quant.py tests/test_sample_fast.py -k "fp8 or quant" \
         2>&1 | grep -E "^E  +[A-Za-z]+Error|passed|failed" || true
+    python benchmarks/quant_kernel.py --out "$out/quant_kernel.json"
     (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
         --rows fp32,compiled-no-kernels,fp8 --batches "${2:-1,8}" --repeat 5 --top 15 --out "$out/sampling_fp8.json")
     ;;

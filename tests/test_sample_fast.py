@@ -82,9 +82,9 @@ def _fp8_roundtrip_rows(a: torch.Tensor) -> torch.Tensor:
     """a (..., K) rounded to e4m3 with one float32 scale per row (its absolute maximum / 448), back in float32:
     an independent emulation of ``RowwiseFloat8Linear``'s operands."""
     amax = a.float().abs().amax(-1, keepdim=True)
-    scale = amax / torch.full_like(amax, torch.finfo(torch.float8_e4m3fn).max)  # CUDA divides by a Python number
-    return (a.float() / scale).to(torch.float8_e4m3fn).float() * scale  # through its reciprocal: 1 ulp off, and
-    # bf16 inputs put many values on exact e4m3 ties, which that ulp decides
+    top = torch.full_like(amax, torch.finfo(torch.float8_e4m3fn).max)  # CUDA divides by a Python number through
+    # its reciprocal: 1 ulp off, and bf16 inputs put many values on exact e4m3 ties, which that ulp decides
+    return (a.float() * (top / amax)).to(torch.float8_e4m3fn).float() * (amax / top)
 
 
 def test_fp8_sampling_layers_are_the_float8_rounded_products(monkeypatch):

@@ -10,9 +10,10 @@ Why our own: at DiT-XL's width (D = 1152, MLP 4608) the GEMMs are short, and the
 decides whether float8 pays. Under ``torch.compile`` torchao's path left the MLP's GELU, the row maximum and
 the cast to inductor, which made one kernel of them that took 117 ms of a 436 ms batch-8 sampling loop (84 us
 a call, 3-5x what its bytes need; H100, 2026-11-23, ``benchmarks/results/sampling/h100_images_fp8_kernels.txt``),
-more than the float8 GEMMs saved. Here one Triton pass (``ditforge.ops.triton.quant``) reads each input once
-and writes 1 byte per element plus a scale per row, and the MLP (``gelu_mlp``) hands fc1's output to it with
-the GELU applied in the same pass.
+more than the float8 GEMMs saved. Here the MLP (``gelu_mlp``) hands fc1's output to one Triton pass
+(``ditforge.ops.triton.quant``) that applies the GELU, takes each row's maximum and writes 1 byte per element
+plus a scale per row. The other inputs are quantized by inductor inside the kernels that produce them (under
+``torch.compile``), or by the same Triton pass (eagerly).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ AMAX_EPS = 1e-12  # floor of a row's absolute maximum (an all-zero row gets scal
 def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise e4m3 quantization in PyTorch: the reference of ``quantize_rows``.
 
-    h = GELU_tanh(x) if ``gelu`` else x (float32); s = max(amax_row(|h|), 1e-12) / 448;
-    q = e4m3(clamp(h / s, -448, 448)) rounded to nearest, ties to even; h ~= q * s. (torchao's row-wise float8
+    h = GELU_tanh(x) if ``gelu`` else x (float32); a = max(amax_row(|h|), 1e-12); s = a / 448;
+    q = e4m3(clamp(h * (448 / a), -448, 448)) rounded to nearest, ties to even; h ~= q * s. (torchao's row-wise float8
     scaling; 448 is e4m3's largest finite value, Micikevicius et al. 2022, table 1.)
 
     Args:
@@ -46,8 +47,8 @@ def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.
     if gelu:
         h = F.gelu(h, approximate="tanh")
     amax = h.abs().amax(-1, keepdim=True).clamp_min(AMAX_EPS)
-    s = amax / torch.full_like(amax, E4M3_MAX)  # a tensor divisor: CUDA divides a tensor by a Python number
-    return (h / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s  # through its reciprocal, 1 ulp off
+    top = torch.full_like(amax, E4M3_MAX)  # tensors: CUDA divides by a Python number through its reciprocal
+    return (h * (top / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), amax / top
 
 
 def _config(D: int) -> tuple[int, int, int]:
@@ -108,7 +109,7 @@ class RowwiseFloat8Linear(nn.Module):
 
     Buffers: ``weight`` (D_out, D_in) float8_e4m3fn and ``weight_scale`` (1, D_out) float32, from a bf16 weight
     by ``quantize_rows_reference`` per output channel; ``bias`` (D_out,) bf16 or None. ``forward`` quantizes its
-    input rows (``quantize_rows``) and calls ``torch._scaled_mm`` (fp32 accumulation with fast accumulation, as
+    input rows (see ``forward``) and calls ``torch._scaled_mm`` (fp32 accumulation with fast accumulation, as
     torchao's inference default; scales and bias in the epilogue; bf16 out). D_in and D_out must be multiples of
     16 (the float8 GEMMs' requirement).
     """
@@ -144,8 +145,15 @@ class RowwiseFloat8Linear(nn.Module):
         return out.view(*q.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., D_in) float -> (..., D_out) bf16."""
-        return self.forward_quantized(*quantize_rows(x))
+        """x (..., D_in) float -> (..., D_out) bf16. Eagerly the input is quantized by one Triton pass
+        (``quantize_rows``); under ``torch.compile`` by the same arithmetic in PyTorch
+        (``quantize_rows_reference``), which inductor fuses into the kernel that produces x (the
+        LayerNorm-modulate before qkv and fc1, the attention output's copy before proj): there the row maximum
+        and the cast cost about 5 us a call on top of that kernel (21.6 against 17 us; H100, batch 8,
+        2026-11-23, ``results/sampling/h100_images_fp8_kernels.txt``), less than a separate pass, which must
+        read the bf16 tensor back."""
+        q, s = quantize_rows_reference(x) if torch.compiler.is_compiling() else quantize_rows(x)
+        return self.forward_quantized(q, s)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

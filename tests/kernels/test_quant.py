@@ -175,3 +175,26 @@ def test_compiled_float8_model_matches_eager():
         eager = model(x, t, y).float()
         compiled = torch.compile(model, fullgraph=True, dynamic=False)(x, t, y).float()
     assert ((compiled - eager).norm() / eager.norm()).item() < 2e-2
+
+
+def test_compiled_float8_linear_quantizes_in_pytorch(monkeypatch):
+    """Under torch.compile the input is quantized by ``quantize_rows_reference`` (which inductor fuses into the
+    producer), not by the Triton op: with the op made to fail, the compiled layer still runs and equals the eager
+    one (bf16 rounding on the GPU, where inductor's division may differ by an ulp; exact on the CPU)."""
+    import ditforge.ops.fp8 as fp8_module
+
+    g = _gen(11)
+    f8 = RowwiseFloat8Linear.from_linear(_linear(64, 48, g))
+    x = torch.randn(2, 5, 64, generator=g).bfloat16().to(DEV)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = f8(x)
+
+        def fail(*args, **kwargs):
+            raise AssertionError("the Triton op ran under torch.compile")
+
+        monkeypatch.setattr(fp8_module, "quantize_rows", fail)
+        with pytest.raises(AssertionError, match="Triton op ran"):
+            f8(x)
+        compiled = torch.compile(f8, fullgraph=True, dynamic=False)(x)
+    torch.testing.assert_close(compiled, eager, rtol=2**-7, atol=2**-7 * eager.abs().max().item())

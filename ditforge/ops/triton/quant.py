@@ -7,8 +7,8 @@ ROWS x BLOCK_D, BLOCK_D = next power of two >= D, columns >= D masked). Arithmet
 
 Math (sources):
 - Row-wise scaling as torchao's ``Float8DynamicActivationFloat8WeightConfig(PerRow())`` does it: per row,
-  s = max(amax, 1e-12) / 448 (448: e4m3's largest finite value; Micikevicius et al. 2022, "FP8 Formats for
-  Deep Learning", table 1), q = e4m3(clamp(h / s, -448, 448)); then h ~= q * s.
+  a = max(amax, 1e-12), s = a / 448 (448: e4m3's largest finite value; Micikevicius et al. 2022, "FP8 Formats
+  for Deep Learning", table 1), q = e4m3(clamp(h * (448 / a), -448, 448)); then h ~= q * s.
 - GELU with the tanh approximation, as DiT's MLP: 0.5 h (1 + tanh(sqrt(2 / pi) (h + 0.044715 h^3)))
   (Hendrycks & Gimpel 2016, section 2), with 1 + tanh(u) = 2 / (1 + t) for u >= 0 and 2 t / (1 + t) for
   u < 0, t = exp(-2 |u|): no overflow, and no cancellation for negative u.
@@ -37,7 +37,7 @@ def _round_to_e4m3(v):
     e = tl.maximum(e, -6)
     magic = ((e + (20 + 127)) << 23).to(tl.float32, bitcast=True)
     r = (a + magic) - magic
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0 stays -0, as the cast keeps it
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, r * -1.0, r)  # the sign bit; Triton's -r is 0 - r, +0 for r = 0
 
 
 @triton.jit
@@ -62,9 +62,9 @@ def rowwise_e4m3_kernel(
         u = SQRT_2_OVER_PI * (h + 0.044715 * h * h * h)
         t = tl.exp(-2.0 * tl.abs(u))  # in (0, 1]: no overflow; 1 + tanh(u) = 2 / (1 + t) or 2 t / (1 + t)
         h = tl.where(u >= 0, h, h * t) / (1.0 + t)
-    amax = tl.max(tl.abs(h), axis=1)
-    s = tl.math.div_rn(tl.maximum(amax, AMAX_EPS), E4M3_MAX)
-    v = tl.math.div_rn(h, s[:, None])
+    amax = tl.maximum(tl.max(tl.abs(h), axis=1), AMAX_EPS)
+    s = tl.math.div_rn(amax, E4M3_MAX)
+    v = h * tl.math.div_rn(E4M3_MAX, amax)[:, None]  # one correctly rounded division per row, not per element
     q = _round_to_e4m3(tl.minimum(tl.maximum(v, -E4M3_MAX), E4M3_MAX))
     tl.store(Q + rows[:, None] * D + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rows, s, mask=row_mask)

@@ -1,0 +1,87 @@
+"""GPU time of the row-wise float8 quantization kernel (``ditforge.ops.triton.quant.rowwise_e4m3_kernel``, behind
+``ditforge.ops.fp8.quantize_rows``) over its launch configurations, at DiT-XL/2's sampling shapes: M = 16 x 256
+rows (batch 8 under guidance) and 2 x 256 (batch 1); D = 1152 (the qkv, proj and fc1 inputs) and 4608 with the
+GELU (fc2's input). Against PyTorch's plain cast of the same tensor to e4m3 (``q.copy_(x)``: the same bytes
+read and written, without the row maximum), the bandwidth such a pass can reach.
+
+Timing: each candidate launched 50 times inside one CUDA graph (so host and launch overhead are not counted, as
+in the sampling loop's graph), the graph replayed 20 times, CUDA events, median per launch. An eager loop
+around the op measures Python dispatch instead (about 165 us a call on an H100, whatever the size: how a first
+version of this script misled).
+
+    PYTHONPATH=. python benchmarks/quant_kernel.py --out benchmarks/results/sampling/quant_kernel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from datetime import datetime
+
+import torch
+
+from ditforge.ops import fp8
+from ditforge.ops.triton import quant
+
+SHAPES = ((4096, 1152, False), (4096, 4608, True), (512, 1152, False), (512, 4608, True))
+LAUNCHES, REPLAYS = 50, 20
+
+
+def graph_us(launch) -> float:
+    """Median GPU time of one ``launch()`` in microseconds, from LAUNCHES launches captured in a CUDA graph."""
+    launch()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAUNCHES):
+            launch()
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / LAUNCHES)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out")
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    rows_out = []
+    print("| M x D | GELU | config now (ROWS, warps) | us | best (ROWS, warps) | us | GB/s | plain cast us | GB/s |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|")
+    for M, D, gelu in SHAPES:
+        x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.empty(M, D, device="cuda", dtype=torch.float8_e4m3fn)
+        s = torch.empty(M, 1, device="cuda", dtype=torch.float32)
+        block_d, rows_now, warps_now = fp8._config(D)
+        timed = {}
+        for rows in (1, 2, 4, 8):
+            for warps in (1, 2, 4, 8, 16):
+                if rows * block_d > 16384 or rows * block_d < 32 * warps:
+                    continue
+                timed[rows, warps] = graph_us(lambda: quant.rowwise_e4m3_kernel[(-(-M // rows),)](
+                    x, q, s, M, D, x.stride(0), GELU=gelu, ROWS=rows, BLOCK_D=block_d, num_warps=warps))
+        best = min(timed, key=timed.get)
+        copy = graph_us(lambda: q.copy_(x))  # a plain cast to e4m3: the same bytes read and written, no row maximum
+        moved = M * D * 3 + M * 4  # bytes: bf16 in, e4m3 out, a float32 scale per row
+        row = dict(M=M, D=D, gelu=gelu, config_now=(rows_now, warps_now), us_now=timed[rows_now, warps_now],
+                   best=best, us_best=timed[best], gbs_best=moved / timed[best] / 1e3, copy_us=copy,
+                   copy_gbs=moved / copy / 1e3, all={f"{r}x{w}": t for (r, w), t in timed.items()})
+        rows_out.append(row)
+        print(f"| {M} x {D} | {gelu} | {rows_now}, {warps_now} | {row['us_now']:.1f} | {best[0]}, {best[1]} | "
+              f"{row['us_best']:.1f} | {row['gbs_best']:.0f} | {copy:.1f} | {row['copy_gbs']:.0f} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(date=datetime.now().isoformat(timespec="minutes"), device=torch.cuda.get_device_name(),
+                           torch=torch.__version__, rows=rows_out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
