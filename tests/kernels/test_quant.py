@@ -13,8 +13,9 @@ Oracles:
 - The dequantized values against float64 GELU: within half an e4m3 step, 2^-4 relative, or 2^-10 * s for the
   subnormals.
 - ``RowwiseFloat8Linear``: equal to a float64 product of the dequantized operands up to its bf16 output rounding
-  (2^-7 of the output's largest magnitude: cuBLAS's float8 GEMM was measured up to 0.42% off on an H100); its error against the exact product has the closed-form
-  relative rms of two e4m3-rounded operands (``tests/parallel/test_fp8.py``: 0.0375), within 15%.
+  (2^-7 of the output's largest magnitude: cuBLAS's float8 GEMM was measured up to 0.42% off on an H100); its
+  error against the exact product has the closed-form relative rms of two e4m3-rounded operands
+  (``tests/parallel/test_fp8.py``: 0.0375), within 15%.
 On a machine without CUDA the kernel runs under TRITON_INTERPRET=1 (conftest.py); with CUDA on the GPU.
 """
 
@@ -170,7 +171,8 @@ def test_compiled_float8_model_matches_eager():
             p.add_(torch.randn_like(p) * 0.02)
     model = model.to(DEV, torch.bfloat16).eval()
     assert to_rowwise_float8(model, _big_linear) == 48
-    x, t, y = torch.randn(4, 4, 16, 16, device=DEV), torch.randint(0, 1000, (4,), device=DEV), torch.arange(4, device=DEV)
+    x, t = torch.randn(4, 4, 16, 16, device=DEV), torch.randint(0, 1000, (4,), device=DEV)
+    y = torch.arange(4, device=DEV)
     with torch.no_grad():
         eager = model(x, t, y).float()
         compiled = torch.compile(model, fullgraph=True, dynamic=False)(x, t, y).float()
