@@ -75,8 +75,10 @@ anchor-sampling)
     ;;
 fp8-sampling)
     python -c "import diffusers" 2>/dev/null || python -m pip install -q --no-deps .whl/diffusers-*.whl
+    # a failing test stops the job: no timing of code that is wrong (the first line of each failure is shown)
     python -m pytest -q -p no:cacheprovider tests/kernels/test_quant.py tests/test_sample_fast.py -k "fp8 or quant" \
-        2>&1 | grep -E "^E  +[A-Za-z]+Error|passed|failed" || true
+        > "$out/fp8_tests.log" 2>&1 || { grep -E "^E  |FAILED" "$out/fp8_tests.log" | cut -c1-300; exit 1; }
+    tail -1 "$out/fp8_tests.log"
     python benchmarks/quant_kernel.py --out "$out/quant_kernel.json"
     (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
         --rows fp32,compiled-no-kernels,fp8 --batches "${2:-1,8}" --repeat 5 --top 15 --out "$out/sampling_fp8.json")

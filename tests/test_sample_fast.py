@@ -117,12 +117,12 @@ def test_fp8_sampling_layers_are_the_float8_rounded_products(monkeypatch):
                                                   ref.bias.bfloat16().float())
             product = ref(x.float())
         assert 1e-2 < rel(got, product) and rel(got, emulated) < 0.2 * rel(got, product), \
-            (name, rel(got, emulated), rel(got, product))
+            (seed, name, rel(got, emulated), rel(got, product))
     x = torch.randn(4, 4, 8, 8, generator=g, device=dev)
     t, y = torch.randint(0, 1000, (4,), generator=g, device=dev), torch.randint(0, 10, (4,), generator=g, device=dev)
     with torch.no_grad():
         whole = rel(fp8(x, t, y).float(), exact(x, t, y))
-    assert 1e-3 < whole < 0.05  # torchao's path measured 1.6-2.3% (H200, 3 seeds)
+    assert 1e-3 < whole < 0.05, (seed, whole)  # torchao's path measured 1.6-2.3% (H200, 3 seeds)
 
 
 class _Counting(torch.nn.Module):

@@ -218,8 +218,8 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v, each (B, h, N, Dh) (q and k normed), of tokens x (B, N, D) for the heads in the slice
         ``heads``: None = all H through the fused ``qkv`` layer; a slice = those heads' rows of its weight
-        and bias, three products on views of them (FastSeq projects one head group of the whole sequence; a
-        swapped-in float8 ``qkv`` then runs them in the weight's dtype)."""
+        and bias, three products on views of them (FastSeq projects one head group of the whole sequence; not with a
+        float8 ``qkv``, whose weight is an e4m3 buffer: sampling refuses fp8 with sequence parallelism)."""
         B, N, D = x.shape
         dh = D // self.num_heads
         if heads is None:

@@ -84,7 +84,8 @@ def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
 def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise e4m3 quantization of a GEMM input in one Triton pass (GELU first when ``gelu``): one read of x,
     1 byte per element and 4 per row written. Math as ``quantize_rows_reference``; equal to it exactly without
-    ``gelu`` (float32 arithmetic with correctly rounded division), and with it up to the float32 rounding of the
+    ``gelu`` (float32 arithmetic with correctly rounded division; a NaN or inf in a row makes NaNs, as there),
+    and with it up to the float32 rounding of the
     GELU (tanh through exp), which can move a value that sits on a rounding boundary by one e4m3 step.
     Inference only: the op has no backward.
 
@@ -111,7 +112,8 @@ class RowwiseFloat8Linear(nn.Module):
     by ``quantize_rows_reference`` per output channel; ``bias`` (D_out,) bf16 or None. ``forward`` quantizes its
     input rows (see ``forward``) and calls ``torch._scaled_mm`` (fp32 accumulation with fast accumulation, as
     torchao's inference default; scales and bias in the epilogue; bf16 out). D_in and D_out must be multiples of
-    16 (the float8 GEMMs' requirement).
+    16 (the float8 GEMMs' requirement). Build it from a model already in its final dtype and device: ``.to(dtype)``
+    would cast the float8 buffers too (PyTorch counts float8 as floating point).
     """
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
@@ -150,7 +152,7 @@ class RowwiseFloat8Linear(nn.Module):
         (``quantize_rows_reference``), which inductor fuses into the kernel that produces x (the
         LayerNorm-modulate before qkv and fc1, the attention output's copy before proj): there the row maximum
         and the cast cost about 5 us a call on top of that kernel (21.6 against 17 us; H100, batch 8,
-        2026-11-23, ``results/sampling/h100_images_fp8_kernels.txt``), less than a separate pass, which must
+        2026-11-23, ``benchmarks/results/sampling/h100_images_fp8_kernels.txt``), less than a separate pass, which must
         read the bf16 tensor back."""
         q, s = quantize_rows_reference(x) if torch.compiler.is_compiling() else quantize_rows(x)
         return self.forward_quantized(q, s)

@@ -51,7 +51,10 @@ def _steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _assert_same(q: torch.Tensor, q_ref: torch.Tensor, x: torch.Tensor) -> None:
     """q equals q_ref bit for bit; on failure, the first differing inputs and both results."""
     q, q_ref, x = q.cpu().flatten(), q_ref.cpu().flatten(), x.cpu().flatten()
-    bad = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()[:5, 0]
+    nan = q_ref.float().isnan()
+    if DEV == "cuda":  # Triton's CPU interpreter casts NaN to e4m3 as 384 (Triton 3.9): there the NaN check is
+        assert torch.equal(q.float().isnan(), nan), "NaNs in different places"  # the scale's (a NaN / inf row)
+    bad = ((q.view(torch.uint8) != q_ref.view(torch.uint8)) & ~nan).nonzero()[:5, 0]
     assert bad.numel() == 0, [(x[i].item(), q[i].item(), q_ref[i].item()) for i in bad]
 
 
@@ -61,12 +64,13 @@ def test_quantize_rows_equals_the_reference_exactly(M, D, dtype):
     g = _gen(M * D)
     x = (torch.randn(M, D, generator=g) * torch.rand(M, 1, generator=g) * 10 + 0.5).to(dtype)
     x[1] = 0  # an all-zero row: scale 1e-12 / 448, all zeros
+    x[0, 5], x[2, 7] = float("nan"), float("inf")  # NaN rows: a NaN scale; inf: scale inf, the row's values NaN
     wide = torch.randn(2, M, D + 8, generator=g).to(dtype)[1, :, 4:-4]  # rows with a stride other than D
     for inp in (x.to(DEV), wide.to(DEV)):
         q, s = quantize_rows(inp)
         q_ref, s_ref = quantize_rows_reference(inp)
         assert q.dtype == torch.float8_e4m3fn and q.shape == inp.shape and s.shape == (M, 1)
-        assert torch.equal(s, s_ref), (s - s_ref).abs().max()
+        torch.testing.assert_close(s, s_ref, rtol=0, atol=0, equal_nan=True)
         _assert_same(q, q_ref, inp)
 
 

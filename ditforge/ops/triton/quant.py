@@ -62,9 +62,15 @@ def rowwise_e4m3_kernel(
         u = SQRT_2_OVER_PI * (h + 0.044715 * h * h * h)
         t = tl.exp(-2.0 * tl.abs(u))  # in (0, 1]: no overflow; 1 + tanh(u) = 2 / (1 + t) or 2 t / (1 + t)
         h = tl.where(u >= 0, h, h * t) / (1.0 + t)
-    amax = tl.maximum(tl.max(tl.abs(h), axis=1), AMAX_EPS)
+    # NaN propagates as in PyTorch (tl.max and tl.maximum drop it by default): a NaN or inf input gives a NaN
+    # scale or NaN values, not a plausible-looking +-448. (A counted NaN, not a NaN-propagating tl.reduce: the
+    # interpreter runs a custom combine function element by element, 10x slower in the CPU tests.)
+    amax = tl.max(tl.abs(h), axis=1)
+    amax = tl.where(tl.sum((h != h).to(tl.int32), axis=1) > 0, float("nan"), tl.maximum(amax, AMAX_EPS))
     s = tl.math.div_rn(amax, E4M3_MAX)
     v = h * tl.math.div_rn(E4M3_MAX, amax)[:, None]  # one correctly rounded division per row, not per element
-    q = _round_to_e4m3(tl.minimum(tl.maximum(v, -E4M3_MAX), E4M3_MAX))
+    v = tl.minimum(tl.maximum(v, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), E4M3_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    q = _round_to_e4m3(v)
     tl.store(Q + rows[:, None] * D + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rows, s, mask=row_mask)
