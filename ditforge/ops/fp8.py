@@ -25,7 +25,7 @@ from torch.library import triton_op, wrap_triton
 
 __all__ = ["RowwiseFloat8Linear", "quantize_rows", "quantize_rows_reference", "to_rowwise_float8"]
 
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448, its largest finite value (the kernel's too)
 AMAX_EPS = 1e-12  # floor of a row's absolute maximum (an all-zero row gets scale 1e-12 / 448, not 0)
 
 
@@ -52,11 +52,11 @@ def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.
 
 
 def _config(D: int) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS, num_warps): a tile of about 4096 elements (ROWS <= 8; one row when D > 4096), 16
-    elements per thread, at most 16 warps."""
-    block_d = 1 << (D - 1).bit_length()
-    rows = max(1, min(8, 4096 // block_d))
-    return block_d, rows, max(4, min(16, rows * block_d // 512))
+    """(BLOCK_D, ROWS, num_warps): a tile of about 4096 elements (one row when D > 4096), 16 elements per
+    thread, 4 to 16 warps."""
+    from ditforge.ops.fused import row_tile_config  # lazily: see _quantize_rows_op
+
+    return row_tile_config(D, tile=4096, per_thread=16, min_warps=4)
 
 
 @triton_op("ditforge::quantize_rows", mutates_args=())

@@ -76,20 +76,25 @@ def check_triton(device: torch.device | str) -> None:
 # tiles with few warps spill registers and ran 10x slower) and ~16 programs per SM.
 
 
+def row_tile_config(D: int, tile: int, per_thread: int, min_warps: int) -> tuple[int, int, int]:
+    """(BLOCK_D, ROWS, num_warps) of a row kernel over rows of D elements: BLOCK_D the next power of two >= D,
+    ROWS rows (1 to 8) for a tile of about ``tile`` elements, and warps for ``per_thread`` elements a thread
+    (``min_warps`` to 16)."""
+    block_d = 1 << (D - 1).bit_length()
+    rows = max(1, min(8, tile // block_d))
+    return block_d, rows, max(min_warps, min(16, rows * block_d // (32 * per_thread)))
+
+
 def _fwd_config(D: int) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS, num_warps) of the forward kernels: a ROWS x BLOCK_D tile of about 4096 elements
-    (ROWS <= 8), 32 elements per thread (4 warps at 4096; more warps only for D > 4096)."""
-    block_d = triton.next_power_of_2(D)
-    rows = max(1, min(8, 4096 // block_d))
-    return block_d, rows, max(4, min(16, rows * block_d // 1024))
+    """The forward kernels: a tile of about 4096 elements, 32 elements per thread (4 warps at 4096; more warps
+    only for D > 4096)."""
+    return row_tile_config(D, tile=4096, per_thread=32, min_warps=4)
 
 
 def _bwd_config(D: int) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS, num_warps) of the backward kernels: a tile of about 1024 elements (ROWS <= 8) per loop
-    step, 16 elements per thread (at least 2 warps; D = 1152: 1 row, 4 warps)."""
-    block_d = triton.next_power_of_2(D)
-    rows = max(1, min(8, 1024 // block_d))
-    return block_d, rows, max(2, min(16, rows * block_d // 512))
+    """The backward kernels: a tile of about 1024 elements per loop step, 16 elements per thread (at least 2
+    warps; D = 1152: 1 row, 4 warps)."""
+    return row_tile_config(D, tile=1024, per_thread=16, min_warps=2)
 
 
 @functools.lru_cache(maxsize=None)

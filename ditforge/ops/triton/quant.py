@@ -17,8 +17,10 @@ Math (sources):
 import triton
 import triton.language as tl
 
-E4M3_MAX = tl.constexpr(448.0)
-AMAX_EPS = tl.constexpr(1e-12)
+from ditforge.ops import fp8
+
+E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
+AMAX_EPS = tl.constexpr(fp8.AMAX_EPS)
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
