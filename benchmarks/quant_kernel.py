@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from datetime import datetime
 
 import torch
 
 from ditforge.ops import fp8
 from ditforge.ops.triton import quant
+from timing import cuda_median_ms
 
 SHAPES = ((4096, 1152, False), (4096, 4608, True), (512, 1152, False), (512, 4608, True))
 LAUNCHES, REPLAYS = 50, 20
@@ -36,16 +36,7 @@ def graph_us(launch) -> float:
     with torch.cuda.graph(graph):
         for _ in range(LAUNCHES):
             launch()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / LAUNCHES)
-    return statistics.median(times)
+    return cuda_median_ms(graph.replay, steps=REPLAYS, warmup=1) * 1e3 / LAUNCHES
 
 
 def main() -> None:
