@@ -10,10 +10,9 @@ Why our own: at DiT-XL's width (D = 1152, MLP 4608) the GEMMs are short, and the
 decides whether float8 pays. Under ``torch.compile`` torchao's path left the MLP's GELU, the row maximum and
 the cast to inductor, which made one kernel of them that took 117 ms of a 436 ms batch-8 sampling loop (84 us
 a call, 3-5x what its bytes need; H100, 2026-11-23, ``benchmarks/results/sampling/h100_images_fp8_kernels.txt``),
-more than the float8 GEMMs saved. Here the MLP (``gelu_mlp``) hands fc1's output to one Triton pass
-(``ditforge.ops.triton.quant``) that applies the GELU, takes each row's maximum and writes 1 byte per element
-plus a scale per row. The other inputs are quantized by inductor inside the kernels that produce them (under
-``torch.compile``), or by the same Triton pass (eagerly).
+more than the float8 GEMMs saved. Here every input goes through one Triton pass (``ditforge.ops.triton.quant``)
+that takes each row's maximum and writes 1 byte per element plus a scale per row; the MLP (``gelu_mlp``)
+hands it fc1's output, and it applies the GELU first.
 """
 
 from __future__ import annotations
@@ -34,7 +33,9 @@ def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.
 
     h = GELU_tanh(x) if ``gelu`` else x (float32); a = max(amax_row(|h|), 1e-12); s = a / 448;
     q = e4m3(clamp(h * (448 / a), -448, 448)) rounded to nearest, ties to even; h ~= q * s. (torchao's row-wise float8
-    scaling; 448 is e4m3's largest finite value, Micikevicius et al. 2022, table 1.)
+    scaling; 448 is e4m3's largest finite value, Micikevicius et al. 2022, table 1.) A row holding a NaN gets a
+    NaN scale and NaN values; one holding an inf, scale inf and NaN there: a broken activation shows, not a
+    plausible +-448.
 
     Args:
         x: (..., D) float tensor.
@@ -51,12 +52,17 @@ def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.
     return (h * (top / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), amax / top
 
 
-def _config(D: int) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS, num_warps): a tile of about 4096 elements (one row when D > 4096), 16 elements per
-    thread, 4 to 16 warps."""
-    from ditforge.ops.fused import row_tile_config  # lazily: see _quantize_rows_op
-
-    return row_tile_config(D, tile=4096, per_thread=16, min_warps=4)
+def _config(D: int) -> tuple[int, int, int, int]:
+    """(BLOCK_A, BLOCK_B, ROWS, num_warps) of ``rowwise_e4m3_kernel``: a row as a tile of the largest power of
+    two <= D plus one of the next power of two >= the rest (0 if none); about 32 elements a thread (1 to 8 rows
+    a program, 1 to 16 warps). Chosen by ``benchmarks/quant_kernel.py`` (H100, 2026-11-27): at M = 4096 rows,
+    D = 1152 takes 4.6 us with (1 row, 1 warp) against 6.6 with 9 elements a thread, and D = 4608 with the GELU
+    41 us with (1, 4) against 47 with (1, 16)."""
+    block_a = 1 << (D.bit_length() - 1)
+    block_b = 0 if D == block_a else 1 << (D - block_a - 1).bit_length()
+    rows = max(1, min(8, 1024 // (block_a + block_b)))
+    per_program = min(16, max(1, rows * (block_a + block_b) // 1024))
+    return block_a, block_b, rows, 1 << (per_program.bit_length() - 1)
 
 
 @triton_op("ditforge::quantize_rows", mutates_args=())
@@ -74,9 +80,10 @@ def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
     s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, s
-    block_d, rows, num_warps = _config(D)
+    block_a, block_b, rows, num_warps = _config(D)
     wrap_triton(_k.rowwise_e4m3_kernel)[(-(-M // rows),)](
-        x, q, s, M, D, x.stride(0), GELU=gelu, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
+        x, q, s, M, D, x.stride(0), GELU=gelu, ROWS=rows, BLOCK_A=block_a, BLOCK_B=block_b,
+        ROUND_IN_FP32=x.device.type == "cpu", num_warps=num_warps,
     )
     return q, s
 
@@ -84,9 +91,9 @@ def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
 def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise e4m3 quantization of a GEMM input in one Triton pass (GELU first when ``gelu``): one read of x,
     1 byte per element and 4 per row written. Math as ``quantize_rows_reference``; equal to it exactly without
-    ``gelu`` (float32 arithmetic with correctly rounded division; a NaN or inf in a row makes NaNs, as there),
-    and with it up to the float32 rounding of the
-    GELU (tanh through exp), which can move a value that sits on a rounding boundary by one e4m3 step.
+    ``gelu`` (float32 arithmetic with correctly rounded division; NaN and inf as there), and with it up to the
+    float32 rounding of the GELU (through exp), which can move a value that sits on a rounding boundary by one
+    e4m3 step.
     Inference only: the op has no backward.
 
     Args:
@@ -147,15 +154,15 @@ class RowwiseFloat8Linear(nn.Module):
         return out.view(*q.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., D_in) float -> (..., D_out) bf16. Eagerly the input is quantized by one Triton pass
-        (``quantize_rows``); under ``torch.compile`` by the same arithmetic in PyTorch
-        (``quantize_rows_reference``), which inductor fuses into the kernel that produces x (the
-        LayerNorm-modulate before qkv and fc1, the attention output's copy before proj): there the row maximum
-        and the cast cost about 5 us a call on top of that kernel (21.6 against 17 us; H100, batch 8,
-        2026-11-23, ``benchmarks/results/sampling/h100_images_fp8_kernels.txt``), less than a separate pass, which must
-        read the bf16 tensor back."""
-        q, s = quantize_rows_reference(x) if torch.compiler.is_compiling() else quantize_rows(x)
-        return self.forward_quantized(q, s)
+        """x (..., D_in) float -> (..., D_out) bf16: the input quantized by ``quantize_rows``, eagerly and under
+        ``torch.compile`` alike (a ``triton_op``: inductor keeps the kernel in its graph).
+
+        A separate pass beats leaving the quantization to inductor, which fuses it into the kernel that
+        produces x: at D = 1152, 4096 rows, the pass takes 4-5 us, while inductor's fused LayerNorm-modulate +
+        quantization kernels took 19-21 us against 12-15 us for the LayerNorm-modulate alone, and its
+        quantization of the attention output (proj's input) 13 us (H100, batch-8 DiT-XL/2 sampling loop,
+        2026-11-27, multi-kernel reductions on)."""
+        return self.forward_quantized(*quantize_rows(x))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
