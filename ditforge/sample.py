@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -173,7 +174,8 @@ class CompiledModel:
       ``triton.multi_kernel`` on: for a row reduction longer than 1,024 elements (the LayerNorms at D = 1152)
       inductor then also builds the persistent kernel, which holds a row in registers instead of looping over
       it, and keeps whichever its first run times faster. The LayerNorm-modulate kernels of a batch-8 DiT-XL/2
-      sampling loop took 37 instead of 48 ms (H100, 2026-11-27; compiling takes about 6 s longer). With CUDA
+      sampling loop took 37 instead of 48 ms (H100, 2026-11-27; compiling takes about 6 s longer). A
+      ``TORCHINDUCTOR_MULTI_KERNEL`` in the environment overrides this (``0``: off). With CUDA
       graphs (``reduce-overhead`` or ``max-autotune`` on a GPU) each call replays the model's graph, marks a new
       CUDA-graph step and returns a copy, so outputs stay valid after the next call.
     - ``loop_graphs`` (CUDA-graph modes on a GPU, else None): a ``diffusion.LoopGraphs`` around the same model
@@ -190,7 +192,7 @@ class CompiledModel:
 
         def compiled(mode: str) -> torch.nn.Module:
             options = dict(list_mode_options(mode))
-            if device.type == "cuda":
+            if device.type == "cuda" and "TORCHINDUCTOR_MULTI_KERNEL" not in os.environ:  # the user's choice wins
                 options["triton.multi_kernel"] = 1
             return torch.compile(model, options=options, dynamic=False)
 

@@ -54,13 +54,16 @@ def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.
 
 def _config(D: int) -> tuple[int, int, int, int]:
     """(BLOCK_A, BLOCK_B, ROWS, num_warps) of ``rowwise_e4m3_kernel``: a row as a tile of the largest power of
-    two <= D plus one of the next power of two >= the rest (0 if none); about 32 elements a thread (1 to 8 rows
-    a program, 1 to 16 warps). Chosen by ``benchmarks/quant_kernel.py`` (H100, 2026-11-27): at M = 4096 rows,
-    D = 1152 takes 4.6 us with (1 row, 1 warp) against 6.6 with 9 elements a thread, and D = 4608 with the GELU
-    41 us with (1, 4) against 47 with (1, 16)."""
+    two <= D plus one of the next power of two >= the rest (0 if none); ROWS (a power of two, 1 to 8) for at
+    least 2048 elements a program, and about 32 elements a thread (1 to 16 warps). Chosen by
+    ``benchmarks/quant_kernel.py`` (H100, 2026-11-27, ``results/sampling/quant_kernel_h100.json``): at 4096 rows,
+    D = 1152 took 3.9 us with (2 rows, 2 warps) against 4.6 with (1, 1) and 6.6 with (2, 8); D = 4608 with the
+    GELU 41 us with (1, 4) against 47 with (1, 16) (``quant_kernel_h100_two_tiles_before_config.json``)."""
     block_a = 1 << (D.bit_length() - 1)
     block_b = 0 if D == block_a else 1 << (D - block_a - 1).bit_length()
-    rows = max(1, min(8, 1024 // (block_a + block_b)))
+    rows = 1
+    while rows < 8 and rows * (block_a + block_b) < 2048:
+        rows *= 2
     per_program = min(16, max(1, rows * (block_a + block_b) // 1024))
     return block_a, block_b, rows, 1 << (per_program.bit_length() - 1)
 
@@ -70,7 +73,7 @@ def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
     """x (M, D) with unit column stride -> (q (M, D) e4m3, s (M, 1) float32)."""
     # imported here, not at the top: the model code imports this module, and Triton's interpreter must be
     # chosen (TRITON_INTERPRET) before the kernels are built; check_triton raises where they cannot run
-    from ditforge.ops.fused import check_triton
+    from ditforge.ops.fused import _interpreting, check_triton
 
     check_triton(x.device)
     from ditforge.ops.triton import quant as _k
@@ -83,7 +86,7 @@ def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
     block_a, block_b, rows, num_warps = _config(D)
     wrap_triton(_k.rowwise_e4m3_kernel)[(-(-M // rows),)](
         x, q, s, M, D, x.stride(0), GELU=gelu, ROWS=rows, BLOCK_A=block_a, BLOCK_B=block_b,
-        ROUND_IN_FP32=x.device.type == "cpu", num_warps=num_warps,
+        ROUND_IN_FP32=_interpreting(), num_warps=num_warps,
     )
     return q, s
 
@@ -91,9 +94,12 @@ def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
 def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise e4m3 quantization of a GEMM input in one Triton pass (GELU first when ``gelu``): one read of x,
     1 byte per element and 4 per row written. Math as ``quantize_rows_reference``; equal to it exactly without
-    ``gelu`` (float32 arithmetic with correctly rounded division; NaN and inf as there), and with it up to the
-    float32 rounding of the GELU (through exp), which can move a value that sits on a rounding boundary by one
-    e4m3 step.
+    ``gelu`` (float32 arithmetic with correctly rounded division; NaN and inf as there, except that Triton's CPU
+    interpreter writes a NaN as 384), and with it up to the float32 rounding of the GELU, which can move a value
+    that sits on a rounding boundary by one e4m3 step. The kernel's GELU, h / (1 + exp(-2u)), is the more
+    accurate of the two where h is below about -3: the reference's float32 1 + tanh(u) cancels there (0 below
+    about -9). In a row whose maximum is small against such values the two then differ by several e4m3 steps,
+    and the kernel's are the ones near float64 GELU.
     Inference only: the op has no backward.
 
     Args:
@@ -157,11 +163,13 @@ class RowwiseFloat8Linear(nn.Module):
         """x (..., D_in) float -> (..., D_out) bf16: the input quantized by ``quantize_rows``, eagerly and under
         ``torch.compile`` alike (a ``triton_op``: inductor keeps the kernel in its graph).
 
-        A separate pass beats leaving the quantization to inductor, which fuses it into the kernel that
-        produces x: at D = 1152, 4096 rows, the pass takes 4-5 us, while inductor's fused LayerNorm-modulate +
-        quantization kernels took 19-21 us against 12-15 us for the LayerNorm-modulate alone, and its
-        quantization of the attention output (proj's input) 13 us (H100, batch-8 DiT-XL/2 sampling loop,
-        2026-11-27, multi-kernel reductions on)."""
+        Rather than leaving the quantization to inductor, which fuses it into the kernel that produces x: at
+        D = 1152, 4096 rows, the pass takes 4-5 us; inductor's LayerNorm-modulate kernels took 19-21 us with the
+        quantization fused against 12-15 us without it, and its quantization of the attention output (proj's
+        input) 13 us (H100, batch-8 DiT-XL/2 sampling loop, 2026-11-27, multi-kernel reductions on). Over a
+        whole loop that saved 9 ms in one job and was a wash in another, where one of inductor's LayerNorm
+        kernels ran slower (``benchmarks/results/sampling/``: ``h100_images_fp8_multikernel_b8_job1.log``,
+        ``h100_images_fp8_sigmoid_gelu_b8.log``)."""
         return self.forward_quantized(*quantize_rows(x))
 
     def extra_repr(self) -> str:
