@@ -97,17 +97,18 @@ def rowwise_e4m3_kernel(
     """
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
-    cols_a = tl.arange(0, BLOCK_A)
-    h_a = _activation(X + rows[:, None] * stride_x + cols_a[None, :], row_mask[:, None], GELU)
+    x_rows, q_rows = X + rows[:, None] * stride_x, Q + rows[:, None] * D
+    cols_a = tl.arange(0, BLOCK_A)[None, :]
+    h_a = _activation(x_rows + cols_a, row_mask[:, None], GELU)
     amax = _row_amax(h_a)
     if BLOCK_B > 0:
-        cols_b = BLOCK_A + tl.arange(0, BLOCK_B)
-        mask_b = row_mask[:, None] & (cols_b < D)[None, :]
-        h_b = _activation(X + rows[:, None] * stride_x + cols_b[None, :], mask_b, GELU)
+        cols_b = BLOCK_A + tl.arange(0, BLOCK_B)[None, :]
+        mask_b = row_mask[:, None] & (cols_b < D)
+        h_b = _activation(x_rows + cols_b, mask_b, GELU)
         amax = tl.maximum(amax, _row_amax(h_b), propagate_nan=tl.PropagateNan.ALL)
     amax = tl.maximum(amax, AMAX_EPS, propagate_nan=tl.PropagateNan.ALL)
-    inv = tl.math.div_rn(E4M3_MAX, amax)  # one correctly rounded division a row; 0 for inf, NaN for NaN
-    _store_e4m3(Q + rows[:, None] * D + cols_a[None, :], h_a * inv[:, None], row_mask[:, None], ROUND_IN_FP32)
+    inv = tl.math.div_rn(E4M3_MAX, amax)[:, None]  # one correctly rounded division a row; 0 for inf, NaN for NaN
+    _store_e4m3(q_rows + cols_a, h_a * inv, row_mask[:, None], ROUND_IN_FP32)
     if BLOCK_B > 0:
-        _store_e4m3(Q + rows[:, None] * D + cols_b[None, :], h_b * inv[:, None], mask_b, ROUND_IN_FP32)
+        _store_e4m3(q_rows + cols_b, h_b * inv, mask_b, ROUND_IN_FP32)
     tl.store(S + rows, tl.math.div_rn(amax, E4M3_MAX), mask=row_mask)
