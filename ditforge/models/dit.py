@@ -26,7 +26,7 @@ from ditforge.models.layers import (
     sincos_2d,
     unpatchify,
 )
-from ditforge.ops import gated_residual, layernorm_modulate
+from ditforge.ops import gated_residual, layernorm_modulate, residual_layernorm_modulate
 from ditforge.ops.attention import Packed
 
 NORM_EPS = 1e-6  # LayerNorm epsilon of the reference code
@@ -46,7 +46,8 @@ class DiTBlock(nn.Module):
     ``x = x + gate_msa * attn(modulate(LN(x), shift_msa, scale_msa))``, likewise for the MLP.
     The regression layer is zero-initialised, so every block starts as the identity. The LayerNorms have no
     parameters (as in the reference), so they are calls of ``ops.layernorm_modulate``, which fused kernels can
-    replace, not modules.
+    replace, not modules. Each names the layer its output goes to (``into``), so that a float8 layer gets its
+    input quantized by the same pass.
 
     ``cross_attention``: text-conditioned blocks add ``x = x + cross_attn(x, caption tokens)`` between the
     self-attention and the MLP, without modulation, as PixArt-alpha's blocks do. ``qk_norm``: see ``Attention``.
@@ -71,10 +72,14 @@ class DiTBlock(nn.Module):
         if mods is None:
             mods = modulation(self.adaLN_modulation, c, packed)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=-1)
-        x = gated_residual(x, self.attn(layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS), packed), gate_msa)
-        if self.cross_attn is not None:
+        y = self.attn(layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS, into=self.attn.qkv), packed)
+        if self.cross_attn is None:
+            x, h = residual_layernorm_modulate(x, y, gate_msa, shift_mlp, scale_mlp, NORM_EPS, into=self.mlp.fc1)
+        else:
+            x = gated_residual(x, y, gate_msa)
             x = x + self.cross_attn(x, *context)
-        return gated_residual(x, self.mlp(layernorm_modulate(x, shift_mlp, scale_mlp, NORM_EPS)), gate_mlp)
+            h = layernorm_modulate(x, shift_mlp, scale_mlp, NORM_EPS, into=self.mlp.fc1)
+        return gated_residual(x, self.mlp(h), gate_mlp)
 
 
 class FinalLayer(nn.Module):

@@ -17,15 +17,31 @@ hands it fc1's output, and it applies the GELU first.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.library import triton_op, wrap_triton
 
-__all__ = ["RowwiseFloat8Linear", "quantize_rows", "quantize_rows_reference", "to_rowwise_float8"]
+__all__ = ["Float8Rows", "RowwiseFloat8Linear", "layernorm_modulate_e4m3", "quantize_rows", "quantize_rows_reference",
+           "to_rowwise_float8"]
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448, its largest finite value (the kernel's too)
 AMAX_EPS = 1e-12  # floor of a row's absolute maximum (an all-zero row gets scale 1e-12 / 448, not 0)
+
+
+class Float8Rows(NamedTuple):
+    """Activations quantized row-wise for a ``RowwiseFloat8Linear``: q (..., D) float8_e4m3fn and s (..., 1)
+    float32, one scale per row (h ~= q * s). ``shape`` is q's, so that code which only reads a token tensor's
+    shape before handing it to the layer (``Attention.project``) takes either."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +134,84 @@ def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, to
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 
 
+def _launch_layernorm_modulate_e4m3(x, y, gate, shift, scale, eps):
+    """The kernel over x (B, N, D) (and y, gate): (x + gate * y or None, q, s); see ``layernorm_modulate_e4m3``."""
+    from ditforge.ops.fused import _interpreting, check_triton
+
+    check_triton(x.device)
+    from ditforge.ops.triton import quant as _k
+
+    B, N, D = x.shape
+    q = torch.empty((B, N, D), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((B, N, 1), dtype=torch.float32, device=x.device)
+    x_out = None if y is None else torch.empty_like(x)
+    if B * N == 0:
+        return x_out, q, s
+    block_a, block_b, rows, num_warps = _config(D)
+    residual = y is not None
+    wrap_triton(_k.layernorm_modulate_e4m3_kernel)[(-(-N // rows), B)](
+        x, y if residual else x, gate if residual else shift, x_out if residual else x, shift, scale, q, s, N, D,
+        gate.stride(0) if residual else 0, shift.stride(0), scale.stride(0), eps, RESIDUAL=residual, ROWS=rows,
+        BLOCK_A=block_a, BLOCK_B=block_b, ROUND_IN_FP32=_interpreting(), num_warps=num_warps,
+    )
+    return x_out, q, s
+
+
+@triton_op("ditforge::layernorm_modulate_e4m3", mutates_args=())
+def _layernorm_modulate_e4m3_op(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, N, D) contiguous, shift / scale (B, D) with unit column stride -> (q (B, N, D) e4m3, s (B, N, 1))."""
+    return _launch_layernorm_modulate_e4m3(x, None, None, shift, scale, eps)[1:]
+
+
+@triton_op("ditforge::residual_layernorm_modulate_e4m3", mutates_args=())
+def _residual_layernorm_modulate_e4m3_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor,
+                                         scale: torch.Tensor, eps: float
+                                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``_layernorm_modulate_e4m3_op`` after x <- x + gate * y (y like x, gate (B, D)); returns that x too."""
+    return _launch_layernorm_modulate_e4m3(x, y, gate, shift, scale, eps)
+
+
+def layernorm_modulate_e4m3(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+                            y: torch.Tensor | None = None, gate: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, Float8Rows]:
+    """adaLN's LayerNorm + modulate with its output quantized for a float8 linear layer, in one Triton pass; with
+    ``y`` and ``gate``, the adaLN-Zero gated residual before it, in the same pass.
+
+    x <- x + gate * y (computed in float32, stored in x's dtype; the LayerNorm reads the stored value); h =
+    LayerNorm(x) * (1 + scale) + shift (no affine, biased variance, float32 statistics); then q, s of h as
+    ``quantize_rows``. Sources: Peebles & Xie 2023, section 3.2 (adaLN-Zero, modulate); Ba et al. 2016
+    (LayerNorm); the scaling as ``quantize_rows_reference``. Equal to ``gated_residual_reference``, then
+    ``layernorm_modulate_reference`` in float32 and ``quantize_rows_reference``, up to float32 rounding (the
+    residual is rounded once instead of after the product too, and the statistics are summed in another order):
+    a value on an e4m3 rounding boundary may move by one step. Inference only: the op has no backward.
+
+    Why: under ``torch.compile`` the LayerNorm-modulate kernels wrote h in bf16 and the quantization pass read it
+    back (each 4096 x 1152 bf16 tensor 9.4 MB), two launches; here h reaches memory as 1 byte per element.
+
+    Args:
+        x: (B, N, D) float32 / bfloat16 / float16 residual stream.
+        shift, scale: (B, D) per-sample modulation, unit column stride (views of the adaLN output's chunks).
+        eps: added to the variance.
+        y: (B, N, D) branch output, x's dtype, or None (no residual).
+        gate: (B, D) with unit column stride, or None (with y).
+
+    Returns:
+        (x + gate * y, or x itself without ``y``; ``Float8Rows`` of h: q (B, N, D) e4m3, s (B, N, 1) float32).
+
+    Raises:
+        RuntimeError: Triton cannot run here (no CUDA GPU for the tensors and no ``TRITON_INTERPRET=1``).
+    """
+    from ditforge.ops.fused import _row_major  # not at the top: see _quantize_rows_op
+
+    x = x.contiguous()
+    shift, scale = _row_major(shift), _row_major(scale)
+    if y is None:
+        return x, Float8Rows(*_layernorm_modulate_e4m3_op(x, shift, scale, eps))
+    x, q, s = _residual_layernorm_modulate_e4m3_op(x, y.contiguous(), _row_major(gate), shift, scale, eps)
+    return x, Float8Rows(q, s)
+
+
 class RowwiseFloat8Linear(nn.Module):
     """An inference linear layer (D_in -> D_out) as a row-wise scaled float8 GEMM.
 
@@ -159,9 +253,10 @@ class RowwiseFloat8Linear(nn.Module):
                                use_fast_accum=True)
         return out.view(*q.shape[:-1], self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Float8Rows) -> torch.Tensor:
         """x (..., D_in) float -> (..., D_out) bf16: the input quantized by ``quantize_rows``, eagerly and under
-        ``torch.compile`` alike (a ``triton_op``: inductor keeps the kernel in its graph).
+        ``torch.compile`` alike (a ``triton_op``: inductor keeps the kernel in its graph); ``Float8Rows`` already
+        quantized by their producer (``ops.layernorm_modulate(..., into=this layer)``) go straight to the GEMM.
 
         Rather than leaving the quantization to inductor, which fuses it into the kernel that produces x: at
         D = 1152, 4096 rows, the pass takes 4-5 us; inductor's LayerNorm-modulate kernels took 19-21 us with the
@@ -170,7 +265,7 @@ class RowwiseFloat8Linear(nn.Module):
         whole loop that saved 9 ms in one job and was a wash in another, where one of inductor's LayerNorm
         kernels ran slower (``benchmarks/results/sampling/``: ``h100_images_fp8_multikernel_b8_job1.log``,
         ``h100_images_fp8_sigmoid_gelu_b8.log``)."""
-        return self.forward_quantized(*quantize_rows(x))
+        return self.forward_quantized(*(x if isinstance(x, Float8Rows) else quantize_rows(x)))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -2,13 +2,17 @@
 
 Each has a plain PyTorch reference; fused Triton kernels with the same signature replace them when
 ``parallelize`` calls ``set_kernels`` (``--enable_modulate_kernel``, ``--enable_layernorm_kernel``), so model
-code never branches on them.
+code never branches on them. The layer a LayerNorm's output goes to may be named (``into``): a float8 layer
+(sampling with ``--mixed_precision fp8``) then gets its input already quantized, from the same pass.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from ditforge.ops.fp8 import Float8Rows, RowwiseFloat8Linear, layernorm_modulate_e4m3, quantize_rows
 
 
 def per_token(v: torch.Tensor) -> torch.Tensor:
@@ -93,11 +97,43 @@ def set_kernels(enable_modulate_kernel: bool = False, enable_layernorm_kernel: b
 
 
 def layernorm_modulate(
-    x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None, eps: float = 1e-6
-) -> torch.Tensor:
+    x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None, eps: float = 1e-6,
+    into: nn.Module | None = None,
+) -> torch.Tensor | Float8Rows:
     """LayerNorm (no affine) then adaLN modulate; see ``layernorm_modulate_reference`` for shapes and math.
-    Runs the implementation chosen by ``set_kernels``."""
+    Runs the implementation chosen by ``set_kernels``.
+
+    ``into``: the linear layer that takes the result, or None. A ``RowwiseFloat8Linear`` gets ``Float8Rows``
+    (e4m3 rows and their scales) instead of a tensor: from one Triton pass (``ops.fp8.layernorm_modulate_e4m3``)
+    where the modulation is per sample, else from ``quantize_rows`` after this op.
+    """
+    if isinstance(into, RowwiseFloat8Linear):
+        return _float8_rows(x, None, None, shift, scale, eps)[1]
     return _layernorm_modulate(x, shift, scale, eps)
+
+
+def residual_layernorm_modulate(
+    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+    eps: float = 1e-6, into: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | Float8Rows]:
+    """adaLN-Zero's gated residual, then the next LayerNorm + modulate of the stream: ``x = gated_residual(x, y,
+    gate)`` and ``layernorm_modulate(x, shift, scale, eps, into)``; returns (x, that). For a float8 ``into`` with
+    per-sample modulation the two are one pass, which writes x and the e4m3 rows (``layernorm_modulate_e4m3``).
+    Shapes as ``gated_residual_reference`` and ``layernorm_modulate_reference``."""
+    if isinstance(into, RowwiseFloat8Linear):
+        return _float8_rows(x, y, gate, shift, scale, eps)
+    x = _gated_residual(x, y, gate)
+    return x, _layernorm_modulate(x, shift, scale, eps)
+
+
+def _float8_rows(x, y, gate, shift, scale, eps) -> tuple[torch.Tensor, Float8Rows]:
+    """(x, or x + gate * y with y; e4m3 rows of the modulated LayerNorm of that): the fused kernel where it applies
+    (tokens (B, N, D), per-sample shift, scale, gate), else the installed ops and ``quantize_rows``."""
+    if x.dim() == 3 and shift is not None and shift.dim() == 2 and (gate is None or gate.dim() == 2):
+        return layernorm_modulate_e4m3(x, shift, scale, eps, y, gate)
+    if y is not None:
+        x = _gated_residual(x, y, gate)
+    return x, Float8Rows(*quantize_rows(_layernorm_modulate(x, shift, scale, eps)))
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

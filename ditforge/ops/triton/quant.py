@@ -45,6 +45,16 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def _round_to_bf16(v):
+    """float32 v rounded to the nearest bfloat16 (ties to even), as a float32: the upper 16 bits after adding
+    0x7FFF plus the lowest kept bit. Used under Triton's CPU interpreter only, whose float32 -> bf16 cast
+    truncates (Triton 3.9): biased toward zero, which over a residual stream of many blocks adds up. The GPU's
+    cast rounds to nearest even."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _activation(ptrs, mask, GELU: tl.constexpr):
     """Load a tile as float32 and apply GELU_tanh when GELU."""
     h = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -112,3 +122,97 @@ def rowwise_e4m3_kernel(
     if BLOCK_B > 0:
         _store_e4m3(q_rows + cols_b, h_b * inv, mask_b, ROUND_IN_FP32)
     tl.store(S + rows, tl.math.div_rn(amax, E4M3_MAX), mask=row_mask)
+
+
+
+@triton.jit
+def _stream_tile(X, Y, GATE, XOUT, offs, cols, mask, col_mask, RESIDUAL: tl.constexpr,
+                 ROUND_IN_FP32: tl.constexpr):
+    """A tile of the residual stream as float32: x, or (RESIDUAL) x + gate * y computed in float32 and stored to
+    XOUT in its dtype, then returned as stored (rounded): the LayerNorm sees the stream the next residual adds
+    to, as the unfused ``gated_residual`` then ``layernorm_modulate`` would."""
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        gate = tl.load(GATE + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x + gate * y
+        if ROUND_IN_FP32 and XOUT.dtype.element_ty == tl.bfloat16:
+            x = _round_to_bf16(x)
+        x = x.to(XOUT.dtype.element_ty)
+        tl.store(XOUT + offs, x, mask=mask)
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _modulated(xc, rstd, SHIFT, SCALE, cols, col_mask):
+    """(x - mean) * rstd * (1 + scale) + shift for a tile (zero in masked columns, whose xc is zero)."""
+    shift = tl.load(SHIFT + cols, mask=col_mask, other=0.0).to(tl.float32)
+    scale = tl.load(SCALE + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return xc * rstd * (1.0 + scale) + shift
+
+
+@triton.jit
+def layernorm_modulate_e4m3_kernel(
+    X,  # (B * N, D) contiguous residual stream, any float dtype
+    Y,  # (B * N, D) contiguous branch output (RESIDUAL); unused otherwise
+    GATE,  # (B, D) row stride stride_gate, unit column stride (RESIDUAL); unused otherwise
+    XOUT,  # (B * N, D) contiguous, x + gate * y in X's dtype (RESIDUAL); unused otherwise
+    SHIFT,  # (B, D) row stride stride_shift, unit column stride
+    SCALE,  # (B, D) row stride stride_scale, unit column stride
+    Q,  # (B * N, D) contiguous float8_e4m3fn
+    S,  # (B * N,) float32 scales
+    N,  # tokens per sample
+    D,
+    stride_gate,
+    stride_shift,
+    stride_scale,
+    eps,
+    RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_A: tl.constexpr,  # as rowwise_e4m3_kernel: the largest power of two <= D
+    BLOCK_B: tl.constexpr,  # 0, or the next power of two >= D - BLOCK_A
+    ROUND_IN_FP32: tl.constexpr,
+):
+    """(RESIDUAL: x <- x + gate[b] * y, stored;) h = LayerNorm(x) * (1 + scale[b]) + shift[b]; q, s of h as
+    ``rowwise_e4m3_kernel`` writes them. One read of x (and y), one write of q (and x): the normalised tokens
+    never reach memory in 16 bits.
+
+    Grid: (cdiv(N, ROWS), B); a program owns ROWS rows of one sample (its shift, scale and gate loaded once),
+    each held as the two tiles BLOCK_A + BLOCK_B. LayerNorm without affine parameters, biased variance, float32
+    statistics from the mean-centred values (as ``torch.nn.functional.layer_norm``).
+    """
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = (n < N)[:, None]
+    rows = b * N + n
+    base = rows[:, None] * D
+    GATE, SHIFT, SCALE = GATE + b * stride_gate, SHIFT + b * stride_shift, SCALE + b * stride_scale
+    cols_a = tl.arange(0, BLOCK_A)[None, :]
+    full = cols_a < BLOCK_A  # all true: column A tiles need no column mask
+    x_a = _stream_tile(X, Y, GATE, XOUT, base + cols_a, cols_a, row_mask, full, RESIDUAL, ROUND_IN_FP32)
+    total = tl.sum(x_a, axis=1)
+    if BLOCK_B > 0:
+        cols_b = BLOCK_A + tl.arange(0, BLOCK_B)[None, :]
+        col_b = cols_b < D
+        mask_b = row_mask & col_b
+        x_b = _stream_tile(X, Y, GATE, XOUT, base + cols_b, cols_b, mask_b, col_b, RESIDUAL, ROUND_IN_FP32)
+        total += tl.sum(x_b, axis=1)
+    mean = (total / D)[:, None]
+    xc_a = x_a - mean
+    var = tl.sum(xc_a * xc_a, axis=1)
+    if BLOCK_B > 0:
+        xc_b = tl.where(col_b, x_b - mean, 0.0)
+        var += tl.sum(xc_b * xc_b, axis=1)
+    rstd = (1.0 / tl.sqrt(var / D + eps))[:, None]
+    h_a = _modulated(xc_a, rstd, SHIFT, SCALE, cols_a, full)
+    amax = _row_amax(h_a)
+    if BLOCK_B > 0:
+        h_b = _modulated(xc_b, rstd, SHIFT, SCALE, cols_b, col_b)
+        amax = tl.maximum(amax, _row_amax(h_b), propagate_nan=tl.PropagateNan.ALL)
+    amax = tl.maximum(amax, AMAX_EPS, propagate_nan=tl.PropagateNan.ALL)
+    inv = tl.math.div_rn(E4M3_MAX, amax)[:, None]
+    _store_e4m3(Q + base + cols_a, h_a * inv, row_mask, ROUND_IN_FP32)
+    if BLOCK_B > 0:
+        _store_e4m3(Q + base + cols_b, h_b * inv, mask_b, ROUND_IN_FP32)
+    tl.store(S + rows, tl.math.div_rn(amax, E4M3_MAX), mask=n < N)
