@@ -61,7 +61,7 @@ def layernorm_modulate_fwd_kernel(
     mean = tl.sum(x, axis=1) / D
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / D  # biased variance, as torch.nn.functional.layer_norm
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = (1.0 / tl.sqrt(var + eps)).to(tl.float32)  # inductor passes a Python float (eps) as float64
     h = xc * rstd[:, None]
     if HAS_MOD:
         b64 = b.to(tl.int64)

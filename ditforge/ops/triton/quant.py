@@ -204,7 +204,8 @@ def layernorm_modulate_e4m3_kernel(
     if BLOCK_B > 0:
         xc_b = tl.where(col_b, x_b - mean, 0.0)
         var += tl.sum(xc_b * xc_b, axis=1)
-    rstd = (1.0 / tl.sqrt(var / D + eps))[:, None]
+    # .to: inductor passes a Python float argument as float64, which would carry the whole tile into float64
+    rstd = (1.0 / tl.sqrt(var / D + eps)).to(tl.float32)[:, None]
     h_a = _modulated(xc_a, rstd, SHIFT, SCALE, cols_a, full)
     amax = _row_amax(h_a)
     if BLOCK_B > 0:
