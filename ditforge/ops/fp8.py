@@ -84,6 +84,17 @@ def _config(D: int) -> tuple[int, int, int, int]:
     return block_a, block_b, rows, 1 << (per_program.bit_length() - 1)
 
 
+def _layernorm_config(D: int) -> tuple[int, int, int, int]:
+    """(BLOCK_A, BLOCK_B, ROWS, num_warps) of ``layernorm_modulate_e4m3_kernel``: the tiles of ``_config``, one
+    row a program and a warp per 1024 columns (a power of two, at most 16). From ``benchmarks/quant_kernel.py``
+    (H100, 2026-11-27, ``results/sampling/quant_kernel_h100.json``): at 16 x 256 x 1152 (batch 8 under guidance)
+    a warp a row, as (1, 1), (2, 2), (4, 4), led: 11.0 us with the residual and 7.8 without, against 12.1 and
+    8.4 with (2, 2), which ``_config`` gives; the same at 2 x 256 rows."""
+    block_a, block_b, _, _ = _config(D)
+    warps = min(16, max(1, (block_a + block_b) // 1024))
+    return block_a, block_b, 1, 1 << (warps.bit_length() - 1)
+
+
 @triton_op("ditforge::quantize_rows", mutates_args=())
 def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, D) with unit column stride -> (q (M, D) e4m3, s (M, 1) float32)."""
@@ -147,7 +158,7 @@ def _launch_layernorm_modulate_e4m3(x, y, gate, shift, scale, eps):
     x_out = None if y is None else torch.empty_like(x)
     if B * N == 0:
         return x_out, q, s
-    block_a, block_b, rows, num_warps = _config(D)
+    block_a, block_b, rows, num_warps = _layernorm_config(D)
     residual = y is not None
     wrap_triton(_k.layernorm_modulate_e4m3_kernel)[(-(-N // rows), B)](
         x, y if residual else x, gate if residual else shift, x_out if residual else x, shift, scale, q, s, N, D,

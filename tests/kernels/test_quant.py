@@ -177,9 +177,10 @@ def _adaln_inputs(B: int, N: int, D: int, dtype: torch.dtype, seed: int):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("residual", [True, False])
-# D: 1024 + 128 (DiT-XL), 128 + 64, one tile (384 = 256 + 128 is two; 256 is one); N not a multiple of ROWS
-@pytest.mark.parametrize("B, N, D", [(3, 5, 1152), (2, 13, 192), (2, 9, 256)])
-def test_layernorm_modulate_e4m3_is_the_unfused_ops(B, N, D, residual, dtype):
+# D: 1024 + 128 (DiT-XL), 128 + 64, one tile (256); rows: the one a program of the launch, and 4 rows over N
+# not a multiple of 4 (the kernel's row mask; the benchmark's sweep launches such)
+@pytest.mark.parametrize("B, N, D, rows", [(3, 5, 1152, 1), (3, 5, 1152, 4), (2, 13, 192, 1), (2, 9, 256, 4)])
+def test_layernorm_modulate_e4m3_is_the_unfused_ops(B, N, D, rows, residual, dtype, monkeypatch):
     """The fused pass against its three unfused steps: the gated residual against float64 (one rounding to the
     storage dtype, to nearest: within half a unit in the last place, plus the float32 product and sum's own
     rounding); q, s against ``quantize_rows_reference`` of ``layernorm_modulate_reference`` of the
@@ -188,6 +189,10 @@ def test_layernorm_modulate_e4m3_is_the_unfused_ops(B, N, D, residual, dtype):
     from ditforge.ops.fp8 import layernorm_modulate_e4m3
     from ditforge.ops.modulate import layernorm_modulate_reference
 
+    import ditforge.ops.fp8 as fp8_module
+
+    block_a, block_b, _, warps = fp8_module._layernorm_config(D)
+    monkeypatch.setattr(fp8_module, "_layernorm_config", lambda D: (block_a, block_b, rows, warps))
     x, y, shift, scale, gate = _adaln_inputs(B, N, D, dtype, seed=B * N * D + residual)
     with torch.no_grad():
         stream, rows = layernorm_modulate_e4m3(x, shift, scale, 1e-6, *((y, gate) if residual else ()))
