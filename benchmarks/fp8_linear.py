@@ -2,7 +2,11 @@
 at batch 64 x 256 tokens (M = 16,384 rows), compiled, bf16 autocast over fp32 weights (what ``ditforge bench``
 rows b-f run) against torchao's float8 training recipes, and the bare GEMMs of one forward + backward (the
 forward, the input gradient and the weight gradient) as bf16 ``torch.mm`` against ``torch._scaled_mm`` on operands
-already in e4m3 (the ceiling: quantization free). CUDA events, median of 20 after 5 warm-ups (``timing``).
+already in e4m3 (the ceiling: quantization free). Timed as GPU kernel time (``timing.kernel_ms``: torch.profiler,
+median of 5 rounds of 4 calls after 5 warm-ups): one layer's compiled forward + backward is bound by its host
+launches, and CUDA events around it measured 1.1-1.2 ms for every path, bf16 and float8 alike, against 0.2-0.8
+ms of bf16 GEMMs (H100, 2026-11-27, ``results/single_gpu/fp8_linear_h100_events.log``); in a training step the
+GPU is the bound, so its kernels are what a path costs there.
 
 The table sums each path over the four layers and scales it to a step (28 blocks), beside the 63 ms of matrix
 products in row f's profile (2026-11-27, ``results/single_gpu/profile_dit_xl2_row_f.json``).
@@ -18,7 +22,7 @@ import json
 import sys
 
 import torch
-from timing import cuda_median_ms
+from timing import kernel_ms
 from torch import nn
 
 from ditforge.parallel import fp8_unavailable
@@ -102,7 +106,7 @@ def main() -> None:
         row = {}
         for name, k, n in SHAPES:
             try:
-                row[name] = cuda_median_ms(make(k, n))
+                row[name] = kernel_ms(make(k, n))
             except Exception as e:  # a recipe that cannot run this way: its first line, and go on
                 row[name] = f"failed: {str(e).strip().splitlines()[0][:120]}"
         table[path] = row

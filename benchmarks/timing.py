@@ -28,6 +28,26 @@ def cuda_median_ms(fn: Callable[[], object], steps: int = 20, warmup: int = 5, i
     return statistics.median(times)
 
 
+def kernel_ms(fn: Callable[[], object], rounds: int = 5, calls: int = 4, warmup: int = 5) -> float:
+    """Median over ``rounds`` of the GPU kernel time of one ``fn()`` in milliseconds: the device time of every
+    kernel torch.profiler records over ``calls`` calls, divided by ``calls``. For work too small to keep the GPU
+    busy from Python (one layer's compiled forward + backward: CUDA events then time the host's launches, not
+    the kernels): what the same kernels cost inside a step that is GPU-bound. Gaps between kernels are not
+    counted."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        times.append(sum(e.device_time_total for e in prof.key_averages()
+                         if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / calls)
+    return statistics.median(times)
+
+
 def print_top_kernels(prof: torch.profiler.profile, n: int, title: str) -> None:
     """Print where a torch.profiler profile's GPU time went: the total and its ``n`` largest kernels (ms, share)."""
     kernels = sorted(((e.device_time_total / 1e3, e.key) for e in prof.key_averages()
