@@ -202,13 +202,14 @@ def layernorm_modulate_e4m3(x: torch.Tensor, shift: torch.Tensor, scale: torch.T
 
     Args:
         x: (B, N, D) float32 / bfloat16 / float16 residual stream.
-        shift, scale: (B, D) per-sample modulation, unit column stride (views of the adaLN output's chunks).
+        shift, scale: (B, D) per-sample modulation, one row per sample (no broadcasting), any row stride.
         eps: added to the variance.
         y: (B, N, D) branch output, x's dtype, or None (no residual).
-        gate: (B, D) with unit column stride, or None (with y).
+        gate: (B, D) like shift, x's dtype, or None (with y).
 
     Returns:
-        (x + gate * y, or x itself without ``y``; ``Float8Rows`` of h: q (B, N, D) e4m3, s (B, N, 1) float32).
+        (x + gate * y, or x (made contiguous) without ``y``; ``Float8Rows`` of h: q (B, N, D) e4m3, s (B, N, 1)
+        float32).
 
     Raises:
         RuntimeError: Triton cannot run here (no CUDA GPU for the tensors and no ``TRITON_INTERPRET=1``).

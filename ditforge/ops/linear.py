@@ -21,7 +21,7 @@ def linear_gelu_tanh(x: torch.Tensor, fc: nn.Linear) -> torch.Tensor:
     where ``_addmm_activation`` is the exact GELU; training; autocast; float8 layers or weights) the plain
     ``F.gelu(fc(x), approximate="tanh")``.
     """
-    if (x.is_cuda and type(fc) is nn.Linear and type(fc.weight) in (torch.Tensor, nn.Parameter)
+    if (type(fc) is nn.Linear and x.is_cuda and type(fc.weight) in (torch.Tensor, nn.Parameter)
             and fc.bias is not None and x.dtype == fc.weight.dtype
             and not (torch.is_grad_enabled() and (x.requires_grad or fc.weight.requires_grad))):
         out = torch._addmm_activation(fc.bias, x.reshape(-1, x.shape[-1]), fc.weight.t(), use_gelu=True)

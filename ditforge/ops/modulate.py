@@ -118,8 +118,10 @@ def residual_layernorm_modulate(
 ) -> tuple[torch.Tensor, torch.Tensor | Float8Rows]:
     """adaLN-Zero's gated residual, then the next LayerNorm + modulate of the stream: ``x = gated_residual(x, y,
     gate)`` and ``layernorm_modulate(x, shift, scale, eps, into)``; returns (x, that). For a float8 ``into`` with
-    per-sample modulation the two are one pass, which writes x and the e4m3 rows (``layernorm_modulate_e4m3``).
-    Shapes as ``gated_residual_reference`` and ``layernorm_modulate_reference``."""
+    per-sample modulation the two are one pass, which writes x and the e4m3 rows (``layernorm_modulate_e4m3``);
+    its x + gate * y is rounded to x's dtype once, where bf16 PyTorch rounds the product too (one bf16 step
+    apart in about a quarter of the values). Shapes as ``gated_residual_reference`` and
+    ``layernorm_modulate_reference``."""
     if isinstance(into, RowwiseFloat8Linear):
         return _float8_rows(x, y, gate, shift, scale, eps)
     x = _gated_residual(x, y, gate)
@@ -128,8 +130,11 @@ def residual_layernorm_modulate(
 
 def _float8_rows(x, y, gate, shift, scale, eps) -> tuple[torch.Tensor, Float8Rows]:
     """(x, or x + gate * y with y; e4m3 rows of the modulated LayerNorm of that): the fused kernel where it applies
-    (tokens (B, N, D), per-sample shift, scale, gate), else the installed ops and ``quantize_rows``."""
-    if x.dim() == 3 and shift is not None and shift.dim() == 2 and (gate is None or gate.dim() == 2):
+    (tokens (B, N, D); shift, scale and gate (B, D), one row per sample; y and gate in x's dtype, so that the
+    stream keeps it), else the installed ops and ``quantize_rows``."""
+    per_sample = lambda v: v.dim() == 2 and v.shape[0] == x.shape[0]  # noqa: E731
+    if (x.dim() == 3 and shift is not None and per_sample(shift) and per_sample(scale)
+            and (y is None or (per_sample(gate) and y.dtype == gate.dtype == x.dtype))):
         return layernorm_modulate_e4m3(x, shift, scale, eps, y, gate)
     if y is not None:
         x = _gated_residual(x, y, gate)

@@ -51,7 +51,8 @@ def _round_to_bf16(v):
     truncates (Triton 3.9): biased toward zero, which over a residual stream of many blocks adds up. The GPU's
     cast rounds to nearest even."""
     bits = v.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, rounded)  # a NaN stays one (the add can carry its payload into inf, or overflow)
 
 
 @triton.jit
