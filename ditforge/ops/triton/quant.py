@@ -1,6 +1,8 @@
-"""Triton kernel for row-wise float8 (e4m3) quantization of GEMM inputs, optionally after the MLP's GELU.
+"""Triton kernels for row-wise float8 (e4m3) quantization of GEMM inputs: alone, optionally after the MLP's GELU
+(``rowwise_e4m3_kernel``), or at the end of adaLN's gated residual + LayerNorm + modulate
+(``layernorm_modulate_e4m3_kernel``).
 
-Only ``@triton.jit`` functions live here; launching and the ``torch.library`` op are in ``ditforge.ops.fp8``.
+Only ``@triton.jit`` functions live here; launching and the ``torch.library`` ops are in ``ditforge.ops.fp8``.
 
 Layout: the input is M rows of D elements; a program owns ROWS consecutive rows, held as two tiles
 ROWS x BLOCK_A and ROWS x BLOCK_B (see ``rowwise_e4m3_kernel``). Arithmetic is float32.
@@ -123,7 +125,6 @@ def rowwise_e4m3_kernel(
     if BLOCK_B > 0:
         _store_e4m3(q_rows + cols_b, h_b * inv, mask_b, ROUND_IN_FP32)
     tl.store(S + rows, tl.math.div_rn(amax, E4M3_MAX), mask=row_mask)
-
 
 
 @triton.jit
