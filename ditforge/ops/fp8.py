@@ -69,31 +69,40 @@ def quantize_rows_reference(x: torch.Tensor, gelu: bool = False) -> tuple[torch.
     return (h * (top / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), amax / top
 
 
-def _config(D: int) -> tuple[int, int, int, int]:
-    """(BLOCK_A, BLOCK_B, ROWS, num_warps) of ``rowwise_e4m3_kernel``: a row as a tile of the largest power of
-    two <= D plus one of the next power of two >= the rest (0 if none); ROWS (a power of two, 1 to 8) for at
-    least 2048 elements a program, and about 32 elements a thread (1 to 16 warps). Chosen by
-    ``benchmarks/quant_kernel.py`` (H100, 2026-11-27, ``results/sampling/quant_kernel_h100.json``): at 4096 rows,
-    D = 1152 took 3.9 us with (2 rows, 2 warps) against 4.6 with (1, 1) and 6.6 with (2, 8); D = 4608 with the
-    GELU 41 us with (1, 4) against 47 with (1, 16) (``quant_kernel_h100_two_tiles_before_config.json``)."""
+def _tiles(D: int) -> tuple[int, int]:
+    """(BLOCK_A, BLOCK_B) of both kernels: a row as a tile of the largest power of two <= D plus one of the next
+    power of two >= the rest (0 if none)."""
     block_a = 1 << (D.bit_length() - 1)
-    block_b = 0 if D == block_a else 1 << (D - block_a - 1).bit_length()
+    return block_a, 0 if D == block_a else 1 << (D - block_a - 1).bit_length()
+
+
+def _warps(elements: int) -> int:
+    """Warps for a program of ``elements`` values: about 32 a thread, a power of two from 1 to 16."""
+    per_program = min(16, max(1, elements // 1024))
+    return 1 << (per_program.bit_length() - 1)
+
+
+def _config(D: int) -> tuple[int, int, int, int]:
+    """(BLOCK_A, BLOCK_B, ROWS, num_warps) of ``rowwise_e4m3_kernel``: the row's two tiles (``_tiles``); ROWS (a
+    power of two, 1 to 8) for at least 2048 elements a program, and about 32 elements a thread (``_warps``).
+    Chosen by ``benchmarks/quant_kernel.py`` (H100, 2026-11-27, ``results/sampling/quant_kernel_h100.json``): at
+    4096 rows, D = 1152 took 3.9 us with (2 rows, 2 warps) against 4.6 with (1, 1) and 6.6 with (2, 8); D = 4608
+    with the GELU 41 us with (1, 4) against 47 with (1, 16) (``quant_kernel_h100_two_tiles_before_config.json``)."""
+    block_a, block_b = _tiles(D)
     rows = 1
     while rows < 8 and rows * (block_a + block_b) < 2048:
         rows *= 2
-    per_program = min(16, max(1, rows * (block_a + block_b) // 1024))
-    return block_a, block_b, rows, 1 << (per_program.bit_length() - 1)
+    return block_a, block_b, rows, _warps(rows * (block_a + block_b))
 
 
 def _layernorm_config(D: int) -> tuple[int, int, int, int]:
-    """(BLOCK_A, BLOCK_B, ROWS, num_warps) of ``layernorm_modulate_e4m3_kernel``: the tiles of ``_config``, one
-    row a program and a warp per 1024 columns (a power of two, at most 16). From ``benchmarks/quant_kernel.py``
-    (H100, 2026-11-27, ``results/sampling/quant_kernel_h100.json``): at 16 x 256 x 1152 (batch 8 under guidance)
-    a warp a row, as (1, 1), (2, 2), (4, 4), led: 11.0 us with the residual and 7.8 without, against 12.1 and
-    8.4 with (2, 2), which ``_config`` gives; the same at 2 x 256 rows."""
-    block_a, block_b, _, _ = _config(D)
-    warps = min(16, max(1, (block_a + block_b) // 1024))
-    return block_a, block_b, 1, 1 << (warps.bit_length() - 1)
+    """(BLOCK_A, BLOCK_B, ROWS, num_warps) of ``layernorm_modulate_e4m3_kernel``: the row's two tiles, one row a
+    program, and a warp per 1024 columns (``_warps``). From ``benchmarks/quant_kernel.py`` (H100, 2026-11-27,
+    ``results/sampling/quant_kernel_h100.json``): at 16 x 256 x 1152 (batch 8 under guidance) a warp a row, as
+    (1, 1), (2, 2), (4, 4), led: 11.0 us with the residual and 7.8 without, against 12.1 and 8.4 with (2, 2),
+    which ``_config`` gives; the same at 2 x 256 rows."""
+    block_a, block_b = _tiles(D)
+    return block_a, block_b, 1, _warps(block_a + block_b)
 
 
 @triton_op("ditforge::quantize_rows", mutates_args=())
