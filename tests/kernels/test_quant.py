@@ -273,6 +273,20 @@ def test_seam_hands_a_float8_layer_its_quantized_rows(monkeypatch):
     torch.testing.assert_close(r4.s.cpu(), s_ref.cpu(), rtol=0, atol=0)
 
 
+def _float8_dit_s2(image_size: int, batch: int):
+    """A DiT-S/2 (4 channels, 10 classes) with its zero-initialised layers perturbed (seed 0), before any cast,
+    and a fresh batch (x, t, y) on DEV: the model the float8 model tests convert."""
+    from ditforge.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("DiT-S/2", image_size, 4, 10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    x = torch.randn(batch, 4, image_size, image_size, device=DEV)
+    return model, (x, torch.randint(0, 1000, (batch,), device=DEV), torch.arange(batch, device=DEV))
+
+
 def test_float8_dit_blocks_quantize_in_their_layernorm_passes(monkeypatch):
     """A float8 DiT-S/2: each block's two LayerNorms run the fused pass (the second with the attention's gated
     residual), and the model is as accurate against its float64 self as the same float8 model whose layers
@@ -283,19 +297,12 @@ def test_float8_dit_blocks_quantize_in_their_layernorm_passes(monkeypatch):
     import importlib
 
     import ditforge.ops.fp8 as fp8_module
-    from ditforge.models import create_model
     from ditforge.parallel import _big_linear
 
-    torch.manual_seed(0)
-    model = create_model("DiT-S/2", 8, 4, 10)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    model, (x, t, y) = _float8_dit_s2(8, 2)
     exact = copy.deepcopy(model).to(DEV, torch.float64).eval()
     model = model.to(DEV, torch.bfloat16).eval()
     to_rowwise_float8(model, _big_linear)
-    x, t = torch.randn(2, 4, 8, 8, device=DEV), torch.randint(0, 1000, (2,), device=DEV)
-    y = torch.arange(2, device=DEV)
     calls, launch = [], fp8_module._launch_layernorm_modulate_e4m3
     monkeypatch.setattr(fp8_module, "_launch_layernorm_modulate_e4m3", lambda *a: calls.append(a[1] is not None)
                         or launch(*a))
@@ -372,18 +379,11 @@ def test_to_rowwise_float8_replaces_the_chosen_layers_only():
 def test_compiled_float8_model_matches_eager():
     """torch.compile (fullgraph) traces through quantize_rows and _scaled_mm: a float8 DiT-S/2 gives the eager
     float8 model's output up to bf16 rounding (inductor may fuse the bf16 operations around them differently)."""
-    from ditforge.models import create_model
     from ditforge.parallel import _big_linear
 
-    torch.manual_seed(0)
-    model = create_model("DiT-S/2", 16, 4, 10)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    model, (x, t, y) = _float8_dit_s2(16, 4)
     model = model.to(DEV, torch.bfloat16).eval()
     assert to_rowwise_float8(model, _big_linear) == 48
-    x, t = torch.randn(4, 4, 16, 16, device=DEV), torch.randint(0, 1000, (4,), device=DEV)
-    y = torch.arange(4, device=DEV)
     with torch.no_grad():
         eager = model(x, t, y).float()
         compiled = torch.compile(model, fullgraph=True, dynamic=False)(x, t, y).float()
