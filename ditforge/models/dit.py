@@ -27,6 +27,7 @@ from ditforge.models.layers import (
     unpatchify,
 )
 from ditforge.ops import gated_residual, layernorm_modulate, residual_layernorm_modulate
+from ditforge.ops.modulate import GatedSum
 from ditforge.ops.attention import Packed
 
 NORM_EPS = 1e-6  # LayerNorm epsilon of the reference code
@@ -63,23 +64,30 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor,
                 context: tuple[torch.Tensor, torch.Tensor] | None = None, packed: Packed | None = None,
-                mods: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, N, D) tokens, c: (B, D) conditioning, context: (caption tokens (B, L, D), mask (B, L) bool)
-        for text-conditioned blocks -> (B, N, D). Packed rows (``packed``): x (R, L, D), c (S, D) per sample,
+                mods: torch.Tensor | None = None) -> torch.Tensor | GatedSum:
+        """x: (B, N, D) tokens (or the previous block's ``GatedSum``), c: (B, D) conditioning, context: (caption
+        tokens (B, L, D), mask (B, L) bool) for text-conditioned blocks -> (B, N, D); at inference (grad mode off)
+        a ``GatedSum`` of (B, N, D) tensors instead, whose MLP residual the next LayerNorm sums (the next block's,
+        or ``FinalLayer``'s). Packed rows (``packed``): x (R, L, D), c (S, D) per sample,
         context as ``CrossAttention`` takes packed rows. ``mods``: this block's adaLN output ``adaLN_modulation(c)``
         (B, 6D) computed beforehand (``DiT.adaln_tables``), used instead of regressing it from c here (c is then
         unused, and may be None)."""
         if mods is None:
             mods = modulation(self.adaLN_modulation, c, packed)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=-1)
-        y = self.attn(layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS, into=self.attn.qkv), packed)
+        x, h = residual_layernorm_modulate(x, shift_msa, scale_msa, NORM_EPS, into=self.attn.qkv)
+        y = self.attn(h, packed)
         if self.cross_attn is None:
-            x, h = residual_layernorm_modulate(x, y, gate_msa, shift_mlp, scale_mlp, NORM_EPS, into=self.mlp.fc1)
+            x, h = residual_layernorm_modulate(GatedSum(x, y, gate_msa), shift_mlp, scale_mlp, NORM_EPS,
+                                               into=self.mlp.fc1)
         else:
             x = gated_residual(x, y, gate_msa)
             x = x + self.cross_attn(x, *context)
             h = layernorm_modulate(x, shift_mlp, scale_mlp, NORM_EPS, into=self.mlp.fc1)
-        return gated_residual(x, self.mlp(h), gate_mlp)
+        out = GatedSum(x, self.mlp(h), gate_mlp)
+        # Under autograd the sum is done here: gradient checkpointing keeps a block's input, which as a GatedSum
+        # would hold y as well as x.
+        return gated_residual(*out) if torch.is_grad_enabled() else out
 
 
 class FinalLayer(nn.Module):
@@ -97,9 +105,10 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, packed: Packed | None = None,
                 mods: torch.Tensor | None = None) -> torch.Tensor:
-        """``mods``: ``adaLN_modulation(c)`` (B, 2D) computed beforehand, as ``DiTBlock``'s (c then unused)."""
+        """x: (B, N, D) tokens or the last block's ``GatedSum``. ``mods``: ``adaLN_modulation(c)`` (B, 2D) computed
+        beforehand, as ``DiTBlock``'s (c then unused)."""
         shift, scale = (modulation(self.adaLN_modulation, c, packed) if mods is None else mods).chunk(2, dim=-1)
-        return self.linear(layernorm_modulate(x, shift, scale, NORM_EPS))
+        return self.linear(residual_layernorm_modulate(x, shift, scale, NORM_EPS)[1])
 
 
 class DiT(nn.Module):

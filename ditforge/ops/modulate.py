@@ -3,10 +3,13 @@
 Each has a plain PyTorch reference; fused Triton kernels with the same signature replace them when
 ``parallelize`` calls ``set_kernels`` (``--enable_modulate_kernel``, ``--enable_layernorm_kernel``), so model
 code never branches on them. The layer a LayerNorm's output goes to may be named (``into``): a float8 layer
-(sampling with ``--mixed_precision fp8``) then gets its input already quantized, from the same pass.
+(sampling with ``--mixed_precision fp8``) then gets its input already quantized, from the same pass; and a
+gated residual may be handed on unsummed (``GatedSum``), for that pass to sum first.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -112,19 +115,32 @@ def layernorm_modulate(
     return _layernorm_modulate(x, shift, scale, eps)
 
 
+class GatedSum(NamedTuple):
+    """adaLN-Zero's gated residual ``x + gate * y`` not summed yet: what a ``DiTBlock`` returns at inference
+    (no autograd graph recorded), so that the next LayerNorm's pass sums it (``residual_layernorm_modulate``):
+    with a float8 layer after that LayerNorm, one Triton pass instead of two. Shapes as
+    ``gated_residual_reference``."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    gate: torch.Tensor
+
+
 def residual_layernorm_modulate(
-    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-    eps: float = 1e-6, into: nn.Module | None = None,
+    x: torch.Tensor | GatedSum, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+    into: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | Float8Rows]:
-    """adaLN-Zero's gated residual, then the next LayerNorm + modulate of the stream: ``x = gated_residual(x, y,
-    gate)`` and ``layernorm_modulate(x, shift, scale, eps, into)``; returns (x, that). For a float8 ``into`` with
-    per-sample modulation the two are one pass, which writes x and the e4m3 rows (``layernorm_modulate_e4m3``);
-    its x + gate * y is rounded to x's dtype once, where bf16 PyTorch rounds the product too (one bf16 step
-    apart in about a quarter of the values). Shapes as ``gated_residual_reference`` and
-    ``layernorm_modulate_reference``."""
+    """The stream's LayerNorm + modulate after summing its pending gated residual (a ``GatedSum`` x):
+    ``x = gated_residual(*x)`` and ``layernorm_modulate(x, shift, scale, eps, into)``; returns (x, that). For a float8
+    ``into`` with per-sample modulation the two are one pass, which writes x and the e4m3 rows
+    (``layernorm_modulate_e4m3``); its x + gate * y is rounded to x's dtype once, where bf16 PyTorch rounds the
+    product too (one bf16 step apart in about a quarter of the values). Shapes as ``gated_residual_reference``
+    and ``layernorm_modulate_reference``."""
+    x, y, gate = x if isinstance(x, GatedSum) else (x, None, None)
     if isinstance(into, RowwiseFloat8Linear):
         return _float8_rows(x, y, gate, shift, scale, eps)
-    x = _gated_residual(x, y, gate)
+    if y is not None:
+        x = _gated_residual(x, y, gate)
     return x, _layernorm_modulate(x, shift, scale, eps)
 
 

@@ -207,6 +207,25 @@ def test_forward_matches_official_float32(name, randomised_pair):
     _assert_close_rel(actual, expected, 1e-5)
 
 
+def test_inference_hands_each_mlp_residual_to_the_next_layernorm(randomised_pair):
+    """Without autograd a block returns its MLP residual unsummed (``GatedSum``) and the next LayerNorm's op sums
+    it (``ops.residual_layernorm_modulate``); under autograd the block sums it itself. Same ops in the same order:
+    bitwise-equal outputs."""
+    from ditforge.ops.modulate import GatedSum
+
+    ours, _ = randomised_pair(SMALL_NAMES[0], torch.float32)
+    x, t, y = _inputs(SMALL_NAMES[0], seed=2)
+    tokens = ours.x_embedder(x) + ours.pos_embed
+    c, _ = ours.embed_conditions(t, y)
+    with torch.no_grad():
+        deferred = ours(x, t, y)
+        assert isinstance(ours.blocks[0](tokens, c), GatedSum)
+    assert ours.blocks[0].mlp.fc1.weight.requires_grad
+    summed = ours(x, t, y)
+    assert summed.requires_grad and isinstance(ours.blocks[0](tokens, c), torch.Tensor)
+    assert deferred.abs().max() > 1e-2 and torch.equal(deferred, summed.detach())
+
+
 def test_forward_matches_official_learn_sigma_false():
     ours, ref = _pair("DiT-T/2", learn_sigma=False)
     _randomise_(ref, seed=7)
