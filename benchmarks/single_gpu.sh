@@ -13,7 +13,7 @@
 #        and c, e, f
 #   anchor-sampling: benchmarks/sampling.py --images beside the compiled-diffusers anchor, batch 1 and 8
 #   fp8-sampling: the float8 quantization kernel's tests and its launch configurations (quant_kernel.py) on the
-#        GPU, then benchmarks/sampling.py --images beside
+#        GPU, fp8_epilogue_probe.py (fc2's quantization in fc1's epilogue?), then benchmarks/sampling.py --images beside
 #        the compiled-diffusers anchor: fp32 (the PSNR reference), the fastest bf16 path and fp8, batch 1 and 8,
 #        with the 15 largest kernels of each batch-8 loop
 #   speed-quality: benchmarks/speed_quality.py, 2,000-step DiT-S/2 loss curves of the speed modes against bf16
@@ -80,6 +80,7 @@ fp8-sampling)
         > "$out/fp8_tests.log" 2>&1 || { grep -E "^E  |FAILED" "$out/fp8_tests.log" | cut -c1-300; exit 1; }
     tail -1 "$out/fp8_tests.log"
     python benchmarks/quant_kernel.py --out "$out/quant_kernel.json"
+    python benchmarks/fp8_epilogue_probe.py --out "$out/fp8_epilogue_probe.json"
     (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
         --rows fp32,compiled-no-kernels,fp8 --batches "${2:-1,8}" --repeat 5 --top 15 --out "$out/sampling_fp8.json")
     ;;
