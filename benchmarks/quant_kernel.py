@@ -67,7 +67,7 @@ def main() -> None:
                     continue
                 timed[rows, warps] = graph_us(lambda: quant.rowwise_e4m3_kernel[(-(-M // rows),)](
                     x, q, s, M, D, x.stride(0), GELU=gelu, ROWS=rows, BLOCK_A=block_a, BLOCK_B=block_b,
-                    ROUND_IN_FP32=False, num_warps=warps))
+                    INTERPRETED=False, num_warps=warps))
         best = min(timed, key=timed.get)
         copy = graph_us(lambda: q.copy_(x))  # a plain cast to e4m3: the same bytes read and written, no row maximum
         moved = M * D * 3 + M * 4  # bytes: bf16 in, e4m3 out, a float32 scale per row (the cast: M * D * 3)
@@ -102,7 +102,7 @@ def fused_layernorm(B: int, residual: bool, N: int = 256, D: int = 1152) -> dict
                 continue
             timed[rows, warps] = graph_us(lambda: quant.layernorm_modulate_e4m3_kernel[(-(-N // rows), B)](
                 x, y, gate, x_out, shift, scale, q, s, N, D, gate.stride(0), shift.stride(0), scale.stride(0), 1e-6,
-                RESIDUAL=residual, ROWS=rows, BLOCK_A=block_a, BLOCK_B=block_b, ROUND_IN_FP32=False,
+                RESIDUAL=residual, ROWS=rows, BLOCK_A=block_a, BLOCK_B=block_b, INTERPRETED=False,
                 num_warps=warps))
     best = min(timed, key=timed.get)
 

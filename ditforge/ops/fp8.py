@@ -123,7 +123,7 @@ def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
     block_a, block_b, rows, num_warps = _config(D)
     wrap_triton(_k.rowwise_e4m3_kernel)[(-(-M // rows),)](
         x, q, s, M, D, x.stride(0), GELU=gelu, ROWS=rows, BLOCK_A=block_a, BLOCK_B=block_b,
-        ROUND_IN_FP32=_interpreting(), num_warps=num_warps,
+        INTERPRETED=_interpreting(), num_warps=num_warps,
     )
     return q, s
 
@@ -173,7 +173,7 @@ def _launch_layernorm_modulate_e4m3(x, y, gate, shift, scale, eps):
     wrap_triton(_k.layernorm_modulate_e4m3_kernel)[(-(-N // rows), B)](
         x, y if residual else x, gate if residual else shift, x_out if residual else x, shift, scale, q, s, N, D,
         gate.stride(0) if residual else 0, shift.stride(0), scale.stride(0), eps, RESIDUAL=residual, ROWS=rows,
-        BLOCK_A=block_a, BLOCK_B=block_b, ROUND_IN_FP32=_interpreting(), num_warps=num_warps,
+        BLOCK_A=block_a, BLOCK_B=block_b, INTERPRETED=_interpreting(), num_warps=num_warps,
     )
     return x_out, q, s
 

@@ -14,22 +14,26 @@ Math (sources):
 - GELU with the tanh approximation, as DiT's MLP: 0.5 h (1 + tanh(sqrt(2 / pi) (h + 0.044715 h^3)))
   (Hendrycks & Gimpel 2016, section 2), computed as h / (1 + exp(-2u)) (0.5 (1 + tanh(u)) is the logistic
   function of 2u): one exponential and one division, no cancellation. The kernel is bound by its instructions
-  here, not its bytes; this form took the GELU pass from 41 to 32 us (4096 x 4608, H100, 2026-11-27).
+  here, not its bytes; this form took the GELU pass from 41 to 32 us (4096 x 4608, H100, 2026-11-27), and
+  exp2 of the folded constants with an approximate division (``fast_dividef``, 2 ulp) to 27.5 us, with the same
+  e4m3 codes on that input (``benchmarks/gelu_forms.py``; the pass without the GELU: 21.9 us).
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ditforge.ops import fp8
 
 E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
 AMAX_EPS = tl.constexpr(fp8.AMAX_EPS)
-SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+GELU_K1 = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634)  # -2 sqrt(2 / pi) log2(e)
+GELU_K3 = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634 * 0.044715)
 
 
 @triton.jit
 def _round_to_e4m3(v):
-    """The e4m3 value nearest to float32 v (|v| <= 448; ties to even), as a float32.
+    """The e4m3 value nearest to float32 v (|v| <= 448 (1 + 2^-23), which rounds to 448; ties to even), as a float32.
 
     Used under Triton's CPU interpreter only, so that the final cast there converts exactly representable
     values: the interpreter rounds float32 -> e4m3 wrongly when rounding up carries into the exponent (127.76 ->
@@ -58,13 +62,17 @@ def _round_to_bf16(v):
 
 
 @triton.jit
-def _activation(ptrs, mask, GELU: tl.constexpr):
+def _activation(ptrs, mask, GELU: tl.constexpr, INTERPRETED: tl.constexpr):
     """Load a tile as float32 and apply GELU_tanh when GELU."""
     h = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if GELU:
-        # 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)); exp overflows to inf below h ~ -10.07, where GELU is under
-        # 3e-38 in magnitude (-0 here)
-        h = h / (1.0 + tl.exp(h * (-2.0 * SQRT_2_OVER_PI) * (1.0 + 0.044715 * h * h)))
+        # 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)), exp(-2u) = 2^(h (K1 + K3 h^2)); the power overflows to inf
+        # below h ~ -10.07, where GELU is under 3e-38 in magnitude (-0 here: h / inf)
+        d = 1.0 + tl.exp2(h * (GELU_K1 + GELU_K3 * h * h))
+        if INTERPRETED:  # the interpreter lacks libdevice
+            h = h / d
+        else:  # x / y to 2 ulp (0 for |y| in (2^126, 2^128), where GELU is as small)
+            h = libdevice.fast_dividef(h, d)
     return h
 
 
@@ -77,11 +85,13 @@ def _row_amax(h):
 
 
 @triton.jit
-def _store_e4m3(ptrs, v, mask, ROUND_IN_FP32: tl.constexpr):
-    """Store float32 v (already scaled) as e4m3: clamped to +-448 (NaN kept), rounded to nearest even."""
-    v = tl.minimum(tl.maximum(v, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), E4M3_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
-    if ROUND_IN_FP32:
+def _store_e4m3(ptrs, v, mask, INTERPRETED: tl.constexpr):
+    """Store float32 v (already scaled) as e4m3, rounded to nearest even (NaN kept).
+
+    No clamp to +-448: v = h * RN(448 / amax) with |h| <= amax is at most 448 (1 + 2^-24)^2, which rounds to 448
+    (e4m3's overflow starts at 464); inf never reaches here (an inf amax makes the factor 0, and inf * 0 NaN).
+    Dropping the clamp took 1.1 us from the GELU pass at 4096 x 4608 (``benchmarks/gelu_forms.py``)."""
+    if INTERPRETED:
         v = _round_to_e4m3(v)
     tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
 
@@ -98,7 +108,7 @@ def rowwise_e4m3_kernel(
     ROWS: tl.constexpr,
     BLOCK_A: tl.constexpr,  # the largest power of two <= D: columns [0, BLOCK_A), unmasked
     BLOCK_B: tl.constexpr,  # 0, or the next power of two >= D - BLOCK_A: columns [BLOCK_A, D), masked
-    ROUND_IN_FP32: tl.constexpr,  # round with _round_to_e4m3 before the cast (the CPU interpreter)
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter: see _round_to_e4m3 and _activation
 ):
     """q, s of h = GELU_tanh(x) (or x): one read of x, one write of q (1 byte per element) and 4 bytes per row.
 
@@ -112,24 +122,24 @@ def rowwise_e4m3_kernel(
     row_mask = rows < M
     x_rows, q_rows = X + rows[:, None] * stride_x, Q + rows[:, None] * D
     cols_a = tl.arange(0, BLOCK_A)[None, :]
-    h_a = _activation(x_rows + cols_a, row_mask[:, None], GELU)
+    h_a = _activation(x_rows + cols_a, row_mask[:, None], GELU, INTERPRETED)
     amax = _row_amax(h_a)
     if BLOCK_B > 0:
         cols_b = BLOCK_A + tl.arange(0, BLOCK_B)[None, :]
         mask_b = row_mask[:, None] & (cols_b < D)
-        h_b = _activation(x_rows + cols_b, mask_b, GELU)
+        h_b = _activation(x_rows + cols_b, mask_b, GELU, INTERPRETED)
         amax = tl.maximum(amax, _row_amax(h_b), propagate_nan=tl.PropagateNan.ALL)
     amax = tl.maximum(amax, AMAX_EPS, propagate_nan=tl.PropagateNan.ALL)
     inv = tl.math.div_rn(E4M3_MAX, amax)[:, None]  # one correctly rounded division a row; 0 for inf, NaN for NaN
-    _store_e4m3(q_rows + cols_a, h_a * inv, row_mask[:, None], ROUND_IN_FP32)
+    _store_e4m3(q_rows + cols_a, h_a * inv, row_mask[:, None], INTERPRETED)
     if BLOCK_B > 0:
-        _store_e4m3(q_rows + cols_b, h_b * inv, mask_b, ROUND_IN_FP32)
+        _store_e4m3(q_rows + cols_b, h_b * inv, mask_b, INTERPRETED)
     tl.store(S + rows, tl.math.div_rn(amax, E4M3_MAX), mask=row_mask)
 
 
 @triton.jit
 def _stream_tile(X, Y, GATE, XOUT, offs, cols, mask, col_mask, RESIDUAL: tl.constexpr,
-                 ROUND_IN_FP32: tl.constexpr):
+                 INTERPRETED: tl.constexpr):
     """A tile of the residual stream as float32: x, or (RESIDUAL) x + gate * y computed in float32 and stored to
     XOUT in its dtype, then returned as stored (rounded): the LayerNorm sees the stream the next residual adds
     to, as the unfused ``gated_residual`` then ``layernorm_modulate`` would."""
@@ -138,7 +148,7 @@ def _stream_tile(X, Y, GATE, XOUT, offs, cols, mask, col_mask, RESIDUAL: tl.cons
         gate = tl.load(GATE + cols, mask=col_mask, other=0.0).to(tl.float32)
         y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
         x = x + gate * y
-        if ROUND_IN_FP32 and XOUT.dtype.element_ty == tl.bfloat16:
+        if INTERPRETED and XOUT.dtype.element_ty == tl.bfloat16:
             x = _round_to_bf16(x)
         x = x.to(XOUT.dtype.element_ty)
         tl.store(XOUT + offs, x, mask=mask)
@@ -174,7 +184,7 @@ def layernorm_modulate_e4m3_kernel(
     ROWS: tl.constexpr,
     BLOCK_A: tl.constexpr,  # as rowwise_e4m3_kernel: the largest power of two <= D
     BLOCK_B: tl.constexpr,  # 0, or the next power of two >= D - BLOCK_A
-    ROUND_IN_FP32: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """(RESIDUAL: x <- x + gate[b] * y, stored;) h = LayerNorm(x) * (1 + scale[b]) + shift[b]; q, s of h as
     ``rowwise_e4m3_kernel`` writes them. One read of x (and y), one write of q (and x): the normalised tokens
@@ -192,13 +202,13 @@ def layernorm_modulate_e4m3_kernel(
     GATE, SHIFT, SCALE = GATE + b * stride_gate, SHIFT + b * stride_shift, SCALE + b * stride_scale
     cols_a = tl.arange(0, BLOCK_A)[None, :]
     full = cols_a < BLOCK_A  # all true: column A tiles need no column mask
-    x_a = _stream_tile(X, Y, GATE, XOUT, base + cols_a, cols_a, row_mask, full, RESIDUAL, ROUND_IN_FP32)
+    x_a = _stream_tile(X, Y, GATE, XOUT, base + cols_a, cols_a, row_mask, full, RESIDUAL, INTERPRETED)
     total = tl.sum(x_a, axis=1)
     if BLOCK_B > 0:
         cols_b = BLOCK_A + tl.arange(0, BLOCK_B)[None, :]
         col_b = cols_b < D
         mask_b = row_mask & col_b
-        x_b = _stream_tile(X, Y, GATE, XOUT, base + cols_b, cols_b, mask_b, col_b, RESIDUAL, ROUND_IN_FP32)
+        x_b = _stream_tile(X, Y, GATE, XOUT, base + cols_b, cols_b, mask_b, col_b, RESIDUAL, INTERPRETED)
         total += tl.sum(x_b, axis=1)
     mean = (total / D)[:, None]
     xc_a = x_a - mean
@@ -215,7 +225,7 @@ def layernorm_modulate_e4m3_kernel(
         amax = tl.maximum(amax, _row_amax(h_b), propagate_nan=tl.PropagateNan.ALL)
     amax = tl.maximum(amax, AMAX_EPS, propagate_nan=tl.PropagateNan.ALL)
     inv = tl.math.div_rn(E4M3_MAX, amax)[:, None]
-    _store_e4m3(Q + base + cols_a, h_a * inv, row_mask, ROUND_IN_FP32)
+    _store_e4m3(Q + base + cols_a, h_a * inv, row_mask, INTERPRETED)
     if BLOCK_B > 0:
-        _store_e4m3(Q + base + cols_b, h_b * inv, mask_b, ROUND_IN_FP32)
+        _store_e4m3(Q + base + cols_b, h_b * inv, mask_b, INTERPRETED)
     tl.store(S + rows, tl.math.div_rn(amax, E4M3_MAX), mask=n < N)
