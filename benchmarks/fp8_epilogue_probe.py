@@ -136,11 +136,12 @@ def main() -> None:
     yb_ref = (qb.float().view(M, -1, 128) * sb[..., None]).view(M, H) @ \
         (qw2.float().view(D, -1, 128) * sw2[..., None]).view(D, H).t() + b2.float()
     scaling = torch.nn.functional.ScalingType.BlockWise1x128 if hasattr(torch.nn.functional, "ScalingType") else None
-    for bias in (b2, None):
-        label = f"fc2 cuBLAS 1x128 x 1x128 block-scaled{'' if bias is not None else ', no bias'}"
+    for bias, fast in ((b2, True), (b2, False), (None, False)):
+        label = f"fc2 cuBLAS 1x128 x 1x128 block-scaled, {'fast' if fast else 'precise'} accumulation" + \
+            ("" if bias is not None else ", no bias")
         try:
             call = lambda: torch.nn.functional.scaled_mm(qb, qw2.t(), sb, scaling, sw2, scaling,  # noqa: E731
-                                                         bias=bias, output_dtype=torch.bfloat16, use_fast_accum=True)
+                                                         bias=bias, output_dtype=torch.bfloat16, use_fast_accum=fast)
             out = call()
             record(label, graph_us(call), rel_err(out, yb_ref if bias is not None else yb_ref - b2.float()))
         except Exception as e:  # noqa: BLE001 - a probe: report what this build lacks
