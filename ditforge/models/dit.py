@@ -26,8 +26,7 @@ from ditforge.models.layers import (
     sincos_2d,
     unpatchify,
 )
-from ditforge.ops import gated_residual, layernorm_modulate, residual_layernorm_modulate
-from ditforge.ops.modulate import GatedSum
+from ditforge.ops import GatedSum, gated_residual, layernorm_modulate, residual_layernorm_modulate
 from ditforge.ops.attention import Packed
 
 NORM_EPS = 1e-6  # LayerNorm epsilon of the reference code
