@@ -12,10 +12,11 @@
 #   anchor-video: the same for vDiT-XL/222 at 16 frames x 256px, batch 8, against plain_vdit_train.py: rows c-f
 #        and c, e, f
 #   anchor-sampling: benchmarks/sampling.py --images beside the compiled-diffusers anchor, batch 1 and 8
-#   fp8-sampling: the float8 quantization kernel's tests and its launch configurations (quant_kernel.py) on the
-#        GPU, fp8_epilogue_probe.py (fc2's quantization in fc1's epilogue?), then benchmarks/sampling.py --images beside
-#        the compiled-diffusers anchor: fp32 (the PSNR reference), the fastest bf16 path and fp8, batch 1 and 8,
-#        with the 15 largest kernels of each batch-8 loop
+#   fp8-kernels: the float8 kernels' GPU tests, their launch configurations (quant_kernel.py), the GELU forms
+#        (gelu_forms.py) and fp8_epilogue_probe.py (fc2's quantization in fc1's epilogue?)
+#   fp8-sampling: the same tests, then benchmarks/sampling.py --images beside the compiled-diffusers anchor: fp32
+#        (the PSNR reference), the fastest bf16 path and fp8, batch 1 and 8, with the 15 largest kernels of each
+#        batch-8 loop (one batch a call: on a cold machine batch 8 alone takes ~8 of the 10 minutes)
 #   speed-quality: benchmarks/speed_quality.py, 2,000-step DiT-S/2 loss curves of the speed modes against bf16
 #   fp8: benchmarks/fp8_linear.py, whether float8 matrix products pay at DiT-XL/2's widths in training (per layer,
 #        bf16 against torchao's recipes and the bare e4m3 GEMMs)
@@ -27,7 +28,7 @@
 # Results land in $OUT (or benchmarks/results). torchao (FP8) comes as a wheel carried in .whl/ when the machine
 # lacks it:  pip download --no-deps -d .whl torchao
 # The anchors are read from .anchors/ (a copy of ../shared/anchors, which does not travel to the GPU machine).
-# Usage: bash benchmarks/single_gpu.sh image|video|profile|anchor-image|anchor-video|anchor-sampling|fp8-sampling [BATCHES]|speed-quality|fp8|fp8-step [RECIPE]|t2v MODEL
+# Usage: bash benchmarks/single_gpu.sh image|video|profile|anchor-image|anchor-video|anchor-sampling|fp8-kernels|fp8-sampling [BATCHES]|speed-quality|fp8|fp8-step [RECIPE]|t2v MODEL
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -73,16 +74,20 @@ anchor-sampling)
     (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
         --rows fp32,compiled,compiled-no-kernels,eager-graph --repeat 3 --out "$out/sampling.json")
     ;;
-fp8-sampling)
+fp8-kernels|fp8-sampling)
     python -c "import diffusers" 2>/dev/null || python -m pip install -q --no-deps .whl/diffusers-*.whl
     # a failing test stops the job: no timing of code that is wrong (the first line of each failure is shown)
     python -m pytest -q -p no:cacheprovider tests/kernels/test_quant.py tests/test_sample_fast.py -k "fp8 or quant" \
         > "$out/fp8_tests.log" 2>&1 || { grep -E "^E  |FAILED" "$out/fp8_tests.log" | cut -c1-300; exit 1; }
     tail -1 "$out/fp8_tests.log"
-    python benchmarks/quant_kernel.py --out "$out/quant_kernel.json"
-    python benchmarks/fp8_epilogue_probe.py --out "$out/fp8_epilogue_probe.json"
-    (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
-        --rows fp32,compiled-no-kernels,fp8 --batches "${2:-1,8}" --repeat 5 --top 15 --out "$out/sampling_fp8.json")
+    if [ "$1" = fp8-kernels ]; then
+        python benchmarks/quant_kernel.py --out "$out/quant_kernel.json"
+        (cd benchmarks && python gelu_forms.py --out "$out/gelu_forms.json")
+        python benchmarks/fp8_epilogue_probe.py --out "$out/fp8_epilogue_probe.json"
+    else
+        (cd benchmarks && python sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
+            --rows fp32,compiled-no-kernels,fp8 --batches "${2:-8}" --repeat 5 --top 15 --out "$out/sampling_fp8.json")
+    fi
     ;;
 speed-quality)
     python benchmarks/speed_quality.py --work /tmp/speed_quality --jobs 5 --json "$out/speed_quality.json" \
