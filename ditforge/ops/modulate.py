@@ -110,9 +110,7 @@ def layernorm_modulate(
     (e4m3 rows and their scales) instead of a tensor: from one Triton pass (``ops.fp8.layernorm_modulate_e4m3``)
     where the modulation is per sample, else from ``quantize_rows`` after this op.
     """
-    if isinstance(into, RowwiseFloat8Linear):
-        return _float8_rows(x, None, None, shift, scale, eps)[1]
-    return _layernorm_modulate(x, shift, scale, eps)
+    return residual_layernorm_modulate(x, shift, scale, eps, into)[1]
 
 
 class GatedSum(NamedTuple):
@@ -127,7 +125,7 @@ class GatedSum(NamedTuple):
 
 
 def residual_layernorm_modulate(
-    x: torch.Tensor | GatedSum, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+    x: torch.Tensor | GatedSum, shift: torch.Tensor | None, scale: torch.Tensor | None, eps: float = 1e-6,
     into: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | Float8Rows]:
     """The stream's LayerNorm + modulate after summing its pending gated residual (a ``GatedSum`` x):
@@ -137,24 +135,22 @@ def residual_layernorm_modulate(
     product too (one bf16 step apart in about a quarter of the values). Shapes as ``gated_residual_reference``
     and ``layernorm_modulate_reference``."""
     x, y, gate = x if isinstance(x, GatedSum) else (x, None, None)
-    if isinstance(into, RowwiseFloat8Linear):
-        return _float8_rows(x, y, gate, shift, scale, eps)
-    if y is not None:
-        x = _gated_residual(x, y, gate)
-    return x, _layernorm_modulate(x, shift, scale, eps)
-
-
-def _float8_rows(x, y, gate, shift, scale, eps) -> tuple[torch.Tensor, Float8Rows]:
-    """(x, or x + gate * y with y; e4m3 rows of the modulated LayerNorm of that): the fused kernel where it applies
-    (tokens (B, N, D); shift, scale and gate (B, D), one row per sample; y and gate in x's dtype, so that the
-    stream keeps it), else the installed ops and ``quantize_rows``."""
-    per_sample = lambda v: v.dim() == 2 and v.shape[0] == x.shape[0]  # noqa: E731
-    if (x.dim() == 3 and shift is not None and per_sample(shift) and per_sample(scale)
-            and (y is None or (per_sample(gate) and y.dtype == gate.dtype == x.dtype))):
+    float8 = isinstance(into, RowwiseFloat8Linear)
+    if float8 and _fused_pass_applies(x, y, gate, shift, scale):
         return layernorm_modulate_e4m3(x, shift, scale, eps, y, gate)
     if y is not None:
         x = _gated_residual(x, y, gate)
-    return x, Float8Rows(*quantize_rows(_layernorm_modulate(x, shift, scale, eps)))
+    h = _layernorm_modulate(x, shift, scale, eps)
+    return x, Float8Rows(*quantize_rows(h)) if float8 else h
+
+
+def _fused_pass_applies(x, y, gate, shift, scale) -> bool:
+    """Whether ``layernorm_modulate_e4m3`` takes these: tokens (B, N, D); shift, scale and gate (B, D), one row
+    per sample; y and gate in x's dtype, so that the stream keeps it. Otherwise the installed ops run, then
+    ``quantize_rows``."""
+    per_sample = lambda v: v.dim() == 2 and v.shape[0] == x.shape[0]  # noqa: E731
+    return (x.dim() == 3 and shift is not None and per_sample(shift) and per_sample(scale)
+            and (y is None or (per_sample(gate) and y.dtype == gate.dtype == x.dtype)))
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
