@@ -85,6 +85,15 @@ def _row_amax(h):
 
 
 @triton.jit
+def _row_scale(amax):
+    """(448 / a as a (ROWS, 1) column, a / 448) for each row's absolute maximum, a = max(amax, AMAX_EPS): the
+    factor the row is multiplied by before its e4m3 store, and the scale stored beside it. Both divisions
+    correctly rounded, once a row; an inf amax gives factor 0, a NaN one NaN (kept by the floor)."""
+    amax = tl.maximum(amax, AMAX_EPS, propagate_nan=tl.PropagateNan.ALL)
+    return tl.math.div_rn(E4M3_MAX, amax)[:, None], tl.math.div_rn(amax, E4M3_MAX)
+
+
+@triton.jit
 def _store_e4m3(ptrs, v, mask, INTERPRETED: tl.constexpr):
     """Store float32 v (already scaled) as e4m3, rounded to nearest even (NaN kept).
 
@@ -129,12 +138,11 @@ def rowwise_e4m3_kernel(
         mask_b = row_mask[:, None] & (cols_b < D)
         h_b = _activation(x_rows + cols_b, mask_b, GELU, INTERPRETED)
         amax = tl.maximum(amax, _row_amax(h_b), propagate_nan=tl.PropagateNan.ALL)
-    amax = tl.maximum(amax, AMAX_EPS, propagate_nan=tl.PropagateNan.ALL)
-    inv = tl.math.div_rn(E4M3_MAX, amax)[:, None]  # one correctly rounded division a row; 0 for inf, NaN for NaN
+    inv, s = _row_scale(amax)
     _store_e4m3(q_rows + cols_a, h_a * inv, row_mask[:, None], INTERPRETED)
     if BLOCK_B > 0:
         _store_e4m3(q_rows + cols_b, h_b * inv, mask_b, INTERPRETED)
-    tl.store(S + rows, tl.math.div_rn(amax, E4M3_MAX), mask=row_mask)
+    tl.store(S + rows, s, mask=row_mask)
 
 
 @triton.jit
@@ -223,9 +231,8 @@ def layernorm_modulate_e4m3_kernel(
     if BLOCK_B > 0:
         h_b = _modulated(xc_b, rstd, SHIFT, SCALE, cols_b, col_b)
         amax = tl.maximum(amax, _row_amax(h_b), propagate_nan=tl.PropagateNan.ALL)
-    amax = tl.maximum(amax, AMAX_EPS, propagate_nan=tl.PropagateNan.ALL)
-    inv = tl.math.div_rn(E4M3_MAX, amax)[:, None]
+    inv, s = _row_scale(amax)
     _store_e4m3(Q + base + cols_a, h_a * inv, row_mask, INTERPRETED)
     if BLOCK_B > 0:
         _store_e4m3(Q + base + cols_b, h_b * inv, mask_b, INTERPRETED)
-    tl.store(S + rows, tl.math.div_rn(amax, E4M3_MAX), mask=n < N)
+    tl.store(S + rows, s, mask=n < N)
