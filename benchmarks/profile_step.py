@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ditforge.bench import ROWS, Settings, run_steps
 from ditforge.config import BenchConfig
-from timing import host_syncs
+from timing import cuda_kernels, host_syncs
 
 KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor kernels on Hopper
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax")),
@@ -73,9 +73,9 @@ def main() -> None:
     m = run_steps(cfg, s, device, cfg.batch_size, args.steps, warmup=5, timed=timed())
     wall = m["step_time_s"] * 1e3
     per_kernel = defaultdict(float)
-    for e in prof.key_averages():
-        if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[e.key] += e.device_time_total / args.steps / 1e3  # ms per step
+    for ms, name in cuda_kernels(prof):
+        if ms > 0:
+            per_kernel[name] += ms / args.steps  # ms per step
     total = sum(per_kernel.values())
     per_kind = defaultdict(float)
     for name, ms in per_kernel.items():

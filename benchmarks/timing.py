@@ -43,15 +43,19 @@ def kernel_ms(fn: Callable[[], object], rounds: int = 5, calls: int = 4, warmup:
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
-        times.append(sum(e.device_time_total for e in prof.key_averages()
-                         if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / calls)
+        times.append(sum(ms for ms, _ in cuda_kernels(prof)) / calls)
     return statistics.median(times)
+
+
+def cuda_kernels(prof: torch.profiler.profile) -> list[tuple[float, str]]:
+    """(ms, name) of each GPU kernel a torch.profiler profile recorded, summed over its calls."""
+    return [(e.device_time_total / 1e3, e.key) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def print_top_kernels(prof: torch.profiler.profile, n: int, title: str) -> None:
     """Print where a torch.profiler profile's GPU time went: the total and its ``n`` largest kernels (ms, share)."""
-    kernels = sorted(((e.device_time_total / 1e3, e.key) for e in prof.key_averages()
-                      if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
+    kernels = sorted(cuda_kernels(prof), reverse=True)
     total = sum(ms for ms, _ in kernels)
     print(f"{title}: GPU kernel time {total:.1f} ms", flush=True)
     for ms, name in kernels[:n]:
