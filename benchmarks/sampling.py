@@ -12,7 +12,9 @@ images: DiT-XL/2 at 256px (latents 4x32x32) with random weights (the zero-initia
     loop as one CUDA graph); ``--rows fp8``: the blocks' linear layers as float8 GEMMs (``--mixed_precision fp8``,
     ``ditforge.ops.fp8``); ``eager-graph``, ``fora2``, ``fora3``, ``pab``: the eager model in the loop's CUDA graph, without and
     with step-level reuse (``--fora N``, ``--pab``). ``--anchor ../shared/anchors/diffusers_dit_sampling.py`` runs
-    the compiled-diffusers anchor unchanged first, in the same job, and adds each row's ratio to it.
+    the compiled-diffusers anchor unchanged first, in the same job, and adds each row's ratio to it. The anchor
+    runs in its own process with PyTorch's defaults; this process then takes ``ditforge sample``'s GEMM settings
+    (``use_sampling_gemm_settings``: cuBLASLt without a workspace), which the in-process DiTPipeline row shares.
     Times: wall clock of a whole call (synchronised), median of ``--repeat`` after one warm-up call (which
     compiles). Fidelity: every path from the same starting noise and timesteps (DDIM leading spacing
     980, 960, ..., 0 at 50 steps, as DiTPipeline), run as ``generate`` runs it (the loop's graph included), PSNR
@@ -53,7 +55,7 @@ from ditforge.diffusion.samplers import GuidedModel, sample_loop
 from ditforge.encoders.vae import load_vae
 from ditforge.models import create_model
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
-from ditforge.sample import prepare_model
+from ditforge.sample import prepare_model, use_sampling_gemm_settings
 from timing import host_syncs, print_top_kernels
 
 STEPS, IMAGE_CFG, VIDEO_CFG = 50, 4.0, 7.0
@@ -328,15 +330,19 @@ def main() -> None:
     d = init_distributed("cuda", int(os.environ.get("WORLD_SIZE", 1)))
     rows = []
     work = Path(tempfile.gettempdir()) / "ditforge-sampling-bench"  # the random VAE and the diffusers export
+    anchor = run_anchor(args.anchor) if args.images and args.anchor and d.is_main else None  # PyTorch's defaults
+    # then this process's GEMMs as ``ditforge sample``'s (``prepare_model`` sets the same, but PyTorch reads it at
+    # the first cuBLASLt GEMM, which the DiTPipeline row would run first)
+    use_sampling_gemm_settings(d.device)
     if args.images and d.is_main:
-        rows += images(args, work, run_anchor(args.anchor) if args.anchor else None)
+        rows += images(args, work, anchor)
     d.barrier()
     if args.video:
         rows += video(args, d, work)
     if d.is_main:
         meta = dict(date=datetime.now().isoformat(timespec="minutes"), device=torch.cuda.get_device_name(),
                     gpus=d.world_size, torch=torch.__version__, cuda=torch.version.cuda, steps=STEPS,
-                    anchor=args.anchor)
+                    anchor=args.anchor, cublaslt_workspace_kib=os.environ.get("CUBLASLT_WORKSPACE_SIZE"))
         try:
             import diffusers
             meta["diffusers"] = diffusers.__version__

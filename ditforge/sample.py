@@ -117,6 +117,22 @@ def _check_fp8(d: Dist) -> None:
         raise UserError(f"--mixed_precision fp8: {reason}")
 
 
+def use_sampling_gemm_settings(device: torch.device) -> None:
+    """On a CUDA device, give cuBLASLt no workspace (``CUBLASLT_WORKSPACE_SIZE=0``) unless the environment already
+    sets one. PyTorch reads the variable once, at the process's first cuBLASLt GEMM, so this acts only before it
+    (``prepare_model`` calls it, before any GEMM in ``ditforge sample``).
+
+    Why: with its default workspace cuBLASLt picks, for DiT-XL/2's sampling GEMMs at 4,096 rows, kernels that
+    need a zeroed workspace, and every GEMM launches a memset first (112 of a forward's 143 memsets, 4 a block
+    with float8 layers). Without one it picks kernels that take as long (3.57 against 3.58 ms of GEMMs a forward)
+    and no memset: a float8 forward at 16 x 256 tokens in a CUDA graph took 5.69 instead of 5.99 ms; at 2 x 256,
+    where no GEMM memsets, 2.08 ms either way (H200, 2026-11-27, torch 2.11.0+cu130; ``benchmarks/gemm_memsets.py``).
+    Training keeps the default (not measured without it: its weight-gradient GEMMs reduce over every token, the
+    shape split-K kernels, which need the workspace, are for)."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "0")
+
+
 def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto", compile: str = "none",
                   enable_flashattn: bool = False, enable_modulate_kernel: bool = False,
                   enable_layernorm_kernel: bool = False, sequence_parallel_type: str = "auto",
@@ -124,6 +140,7 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
     """Make a loaded model fast for sampling; returns what to call like the model: the same module, its compiled
     wrapper, or (CUDA graphs) a function around that.
 
+    - cuBLASLt without a workspace (``use_sampling_gemm_settings``);
     - weights cast to the compute dtype (``mixed_precision``: fp32 | bf16 | fp16; ``auto``: bf16 on CUDA, fp32 on
       CPU): inference keeps no float32 master copy, so every step reads half the bytes and autocast's per-call
       weight casts are gone (diffusers' pipelines do the same with ``torch_dtype``). Inputs are cast by the
@@ -151,6 +168,7 @@ def prepare_model(model: torch.nn.Module, d: Dist, mixed_precision: str = "auto"
     """
     from ditforge.parallel import apply_fp8, parallelize
 
+    use_sampling_gemm_settings(d.device)
     _check_precision(mixed_precision)
     if mixed_precision == "fp8":
         _check_fp8(d)

@@ -4,6 +4,8 @@ GEMMs; no host syncs per step is measured by benchmarks/sampling.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from ditforge.diffusion.samplers import GuidedModel
 from ditforge.errors import UserError
 from ditforge.models import create_model
 from ditforge.parallel.mesh import Dist
-from ditforge.sample import SampleConfig, prepare_model, sample
+from ditforge.sample import SampleConfig, prepare_model, sample, use_sampling_gemm_settings
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -53,6 +55,18 @@ def test_prepare_model_bf16_and_compile_match_fp32_eager():
         prepare_model(_model(), Dist(), "fp8")
     with pytest.raises(UserError, match="--mixed_precision fp8: not with --sequence_parallel_size"):
         prepare_model(_model(), Dist(sp_mesh=object()), "fp8")  # refused before the mesh is used
+
+
+def test_sampling_gives_cublaslt_no_workspace_unless_the_user_chose_one(monkeypatch):
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "")  # recorded, so the test's own setting is undone after it
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE")
+    prepare_model(_model(), Dist(), "fp32")  # a CPU process: cuBLASLt's settings are left alone
+    assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
+    use_sampling_gemm_settings(torch.device("cuda"))
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")
+    use_sampling_gemm_settings(torch.device("cuda", 0))
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "4096"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
