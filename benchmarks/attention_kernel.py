@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ditforge.ops.fp8 import _tiles
 from quant_kernel import graph_us
 
 
@@ -115,8 +116,8 @@ CONFIGS = list(itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3)))  # 
 
 def launch(q, k, v, o, block_m, block_n, warps, stages):
     B, H, N, D = q.shape
-    head_a = 1 << (D.bit_length() - 1)
-    head_b = 0 if D == head_a else max(16, 1 << (D - head_a - 1).bit_length())
+    head_a, head_b = _tiles(D)  # the quantization kernels' split of a row, with a dot's minimum of 16
+    head_b = head_b and max(16, head_b)
     attention_fwd_kernel[(triton.cdiv(N, block_m), B * H)](
         q, k, v, o, N, k.shape[2], H, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         QK_SCALE=math.log2(math.e) / math.sqrt(D), HEAD_DIM=D, HEAD_A=head_a, HEAD_B=head_b, BLOCK_M=block_m,
@@ -137,8 +138,11 @@ def main() -> None:
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
         flops = 4 * B * HEADS * N * N * HEAD_DIM
 
+        def rel_err(out):
+            return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
         def record(path, us, out):
-            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            err = rel_err(out)
             rows.append({"batch": B, "tokens": N, "path": path, "us": us, "tflops": flops / us / 1e6, "rel_err": err})
             print(f"| {B} x {N} | {path} | {us:.1f} | {flops / us / 1e6:.0f} | {err:.1e} |", flush=True)
 
@@ -152,7 +156,7 @@ def main() -> None:
         for cfg in CONFIGS:
             try:
                 launch(q, k, v, o, *cfg)
-                err = ((o.float() - ref).abs().max() / ref.abs().max()).item()
+                err = rel_err(o)
                 if not err < 1e-2:
                     print(f"  {cfg}: wrong, error {err:.2e}")
                     continue

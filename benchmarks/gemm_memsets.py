@@ -4,9 +4,9 @@ Each setting runs in a process of its own (PyTorch reads ``CUBLASLT_WORKSPACE_SI
 cuBLASLt GEMM): unset (PyTorch's default workspace), 0, and 1. In each, DiT-XL/2 with random weights, prepared as
 ``ditforge sample --mixed_precision fp8 --compile --enable_flashattn`` prepares it (compiled without CUDA graphs),
 at 16 x 256 tokens (batch 8 under guidance) and 2 x 256 (batch 1): the memsets and GEMM kernel time of one
-forward (torch.profiler), and the forward's time inside a CUDA graph of 10 forwards (median of 20 replays),
-as the sampling loop runs it. ``prepare_model`` sets the variable to 0 where it is unset, so the default's child
-runs a GEMM first.
+forward (torch.profiler), and the forward's time inside a CUDA graph, as the sampling loop runs it
+(``quant_kernel.graph_us``: 50 forwards in one graph, median of 20 replays). ``prepare_model`` sets the
+variable to 0 where it is unset, so the default's child runs a GEMM first.
 
     PYTHONPATH=. TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python benchmarks/gemm_memsets.py \
         --out benchmarks/results/sampling/gemm_memsets.json
@@ -33,7 +33,7 @@ def measure(setting: str) -> list[dict]:
     from ditforge.models import create_model
     from ditforge.parallel.mesh import Dist
     from ditforge.sample import prepare_model
-    from timing import cuda_median_ms
+    from quant_kernel import graph_us
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -56,11 +56,7 @@ def measure(setting: str) -> list[dict]:
                 model(x, t, y)
                 torch.cuda.synchronize()
             kernels = [e for e in prof.events() if e.device_type == cuda]
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(10):
-                    model(x, t, y)
-            ms = cuda_median_ms(graph.replay, steps=20, warmup=3) / 10
+            ms = graph_us(lambda: model(x, t, y)) / 1e3
         rows.append({"workspace_kib": setting, "rows": n, "forward_ms": ms,
                      "memsets": sum("memset" in e.name.lower() for e in kernels),
                      "gemm_kernel_us": sum(e.device_time for e in kernels if "gemm" in e.name or "nvjet" in e.name)})
