@@ -3,11 +3,13 @@
 
 References: the model's own forward without tables (per call), and the loops run with a model wrapper that offers no
 tables (so nothing is planned). Tiny class and text DiT / vDiT / STDiT models with every parameter perturbed
-(adaLN-Zero would otherwise make the regressions zero and the test vacuous), fp32 on the CPU, fresh random inputs.
+(adaLN-Zero would otherwise make the regressions zero and the test vacuous), float64 on the CPU, fresh random inputs.
 
-Tolerance: the tables are one matrix product over S x B rows instead of S products over B rows, which may round
-differently (CPU GEMM blocking): 1e-5 absolute and relative on outputs of size ~1 (fp32 eps 1.2e-7; a wrong step's
-or row's modulation moves them by ~1e-1).
+Tolerance: the tables are one matrix product over S x B rows instead of S products over B rows, which sums in
+another order (the BLAS picks its blocking by CPU: MKL's AVX-512 and AVX2 kernels differ). In float32 that moved
+guided 7-step loops by up to 1.4e-4 on one CPU and 1e-6 on another, so the tests run in float64: a reordered sum
+there stays near 1e-15 relative, amplified by guidance 4 and a few steps to well under 1e-10, while a wrong step's
+or row's modulation moves outputs of size ~1 by ~1e-1 (a table shifted by one step fails every test here).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ditforge.models import DiT, STDiT, VideoDiT
 from model_helpers import perturbed
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
-TOL = dict(rtol=1e-5, atol=1e-5)
+TOL = dict(rtol=1e-10, atol=1e-10)
 B, C, L, TEXT_DIM = 2, 3, 5, 8
 
 
@@ -42,7 +44,7 @@ MODELS = {
 
 def _model(name: str, seed: int = 1) -> nn.Module:
     torch.manual_seed(0)
-    return perturbed(MODELS[name](), seed)
+    return perturbed(MODELS[name](), seed).double()
 
 
 def _condition(model: nn.Module, g: torch.Generator) -> tuple[torch.Tensor, dict]:
@@ -50,7 +52,7 @@ def _condition(model: nn.Module, g: torch.Generator) -> tuple[torch.Tensor, dict
         return torch.randint(0, 5, (B,), generator=g), {}
     mask = torch.ones(B, L, dtype=torch.bool)
     mask[0, -2:] = False  # a padded caption
-    return torch.randn(B, L, TEXT_DIM, generator=g), {"y_mask": mask}
+    return torch.randn(B, L, TEXT_DIM, generator=g, dtype=torch.float64), {"y_mask": mask}
 
 
 def _shape(model: nn.Module) -> tuple[int, ...]:
@@ -82,7 +84,7 @@ def test_forward_with_tables_equals_plain_forward(name):
     assert [tuple(x.shape) for x in tables] == [(3, B, 6 * 32)] * len(model.blocks) + [(3, B, 64)]
     with torch.no_grad():
         for s in range(3):
-            x = torch.randn(B, *_shape(model), generator=g)
+            x = torch.randn(B, *_shape(model), generator=g, dtype=torch.float64)
             plain = model(x, t[s], y, force_drop_ids=drop, **kw)
             tabled = model(x, t[s], y, force_drop_ids=drop, adaln=[table[s] for table in tables], **kw)
             torch.testing.assert_close(tabled, plain, **TOL)
@@ -92,7 +94,7 @@ def test_forward_with_tables_equals_plain_forward(name):
 def test_tables_over_the_byte_limit_are_not_made():
     model = _model("dit-class")
     t, y = torch.zeros(4, B, dtype=torch.int64), torch.arange(B)
-    need = 4 * B * (2 * 6 * 32 + 2 * 32) * 4  # fp32 rows of every regression
+    need = 4 * B * (2 * 6 * 32 + 2 * 32) * 8  # float64 rows of every regression
     assert model.adaln_tables(t, y, max_bytes=need - 1) is None
     assert model.adaln_tables(t, y, max_bytes=need) is not None
 
@@ -114,7 +116,7 @@ def test_planned_ddim_loop_equals_the_unplanned_one(name, cfg_scale):
     model = _model(name)
     g = torch.Generator().manual_seed(5)
     y, kw = _condition(model, g)
-    noise = torch.randn(B, *_shape(model), generator=g)
+    noise = torch.randn(B, *_shape(model), generator=g, dtype=torch.float64)
     diffusion = create_diffusion("6")
     calls = _regression_calls(model)
     with torch.no_grad():
@@ -132,7 +134,7 @@ def test_planned_diffusers_solver_loop_equals_the_unplanned_one(sampler):
     model = _model("dit-class")
     g = torch.Generator().manual_seed(8)
     y, _ = _condition(model, g)
-    noise = torch.randn(B, *_shape(model), generator=g)
+    noise = torch.randn(B, *_shape(model), generator=g, dtype=torch.float64)
     calls = _regression_calls(model)
     with torch.no_grad():
         planned = solver_loop(GuidedModel(model, y, 4.0), noise, sampler, 6)
@@ -147,7 +149,7 @@ def test_planned_euler_loop_and_pab_equal_the_unplanned_ones():
     model = _model("vdit-class")
     g = torch.Generator().manual_seed(6)
     y, _ = _condition(model, g)
-    noise = torch.randn(B, *_shape(model), generator=g)
+    noise = torch.randn(B, *_shape(model), generator=g, dtype=torch.float64)
     flow = RectifiedFlow(shift=3.0)
 
     def loop(net, pab=None):
@@ -168,7 +170,7 @@ def test_planned_euler_loop_and_pab_equal_the_unplanned_ones():
 def test_plan_is_skipped_where_rows_are_not_fixed_and_calls_are_counted():
     model = _model("dit-class")
     y, t = torch.arange(B), torch.tensor([900, 500])
-    x = torch.randn(B, *_shape(model), generator=torch.Generator().manual_seed(7))
+    x = torch.randn(B, *_shape(model), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     interval = GuidedModel(model, y, 4.0, cfg_interval=(0, 600))  # guided at some steps only
     interval.plan(t)
     assert interval._tables is None
