@@ -690,7 +690,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             from ditforge.data.video import write_gif  # PyAV: ditforge[video]
 
             frames = to_uint8(pixels)  # (N, T, H, W, C)
-            grids = [make_grid(frames[:, k], nrow=min(len(x), 4), upscale=max(1, 64 // cfg.data.image_size))
+            grids = [make_grid(frames[:, k], nrow=min(len(pixels), 4), upscale=max(1, 64 // cfg.data.image_size))
                      for k in range(frames.shape[1])]
             write_gif(np.stack(grids), name.with_suffix(".gif"), fps=8)
         else:
