@@ -54,15 +54,16 @@ def _labels(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,1,2, got {text!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ditforge", description="Train and sample Diffusion Transformers (DiT).")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    """``ditforge train``: a flag per model, data, train and parallel config field, and --config."""
     train = sub.add_parser("train", help="train a DiT (default: a small DiT on the built-in digits, on the CPU)",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--config", default=argparse.SUPPRESS, help="YAML file of settings (flags override it)")
     _add_config_flags(train)
 
+
+def _add_sample(sub: argparse._SubParsersAction) -> None:
+    """``ditforge sample``: checkpoint, conditioning, sampler and output flags."""
     s = sub.add_parser("sample", help="draw samples from a checkpoint: a PNG grid (image models) or an MP4 and a "
                        "GIF per prompt or label (video models)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--ckpt", required=True, help="run folder (newest checkpoint), checkpoint folder, "
@@ -99,20 +100,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fps", type=int, default=8, help="video models: frames per second of the MP4 and GIF")
     s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
                    "(needed for an official DiT .pt: e.g. sd-vae-ft-ema)")
-    s.add_argument("--save_npz", help="with --out (or for text models): also write samples (N,H,W,C or N,T,H,W,C uint8) and labels (N,) "
-                   "or prompts (N,) to this .npz; without --out (class models): evaluation-scale sampling into this "
-                   ".npz only, in the ADM evaluator's layout (arr_0: N,H,W,3 uint8; arr_1: labels), split over the "
-                   "torchrun processes, sample i seeded by (--seed, i); finished batches are kept in NPZ.parts/ "
-                   "until the end, so a re-run resumes")
+    s.add_argument("--save_npz", help="with --out (or for text models): also write samples (N,H,W,C or "
+                   "N,T,H,W,C uint8) and labels (N,) or prompts (N,) to this .npz; without --out (class models): "
+                   "evaluation-scale sampling into this .npz only, in the ADM evaluator's layout (arr_0: N,H,W,3 "
+                   "uint8; arr_1: labels), split over the torchrun processes, sample i seeded by (--seed, i); "
+                   "finished batches are kept in NPZ.parts/ until the end, so a re-run resumes")
     s.add_argument("--no_ema", dest="use_ema", action="store_false", help="use the raw weights, not the EMA")
     s.add_argument("--device", default="auto", help="cuda | cpu | auto")
     s.add_argument("--sequence_parallel_size", type=int, default=1, help="under torchrun: split every sample's "
                    "tokens over this many processes (all of them; half of them with --cfg_parallel)")
     s.add_argument("--sequence_parallel_type", default="auto", choices=SEQUENCE_PARALLEL_TYPES,
                    help="how the split sequence attends (see `ditforge train --help`)")
-    fast = s.add_argument_group("speed", "the fastest measured setting on GPUs: --compile --enable_flashattn (bf16 "
-                                "is the default there); under --compile the fused adaLN kernels gained nothing "
-                                "(inductor fuses the same operations)")
+    _add_sample_speed_flags(s)
+    s.add_argument("--guidance_channels", type=int, help="guide only the first K latent channels (the official DiT "
+                   "sampler guides 3 of 4); default: all")
+    s.add_argument("--cfg_interval", type=int, nargs=2, metavar=("LOW", "HIGH"), help="apply guidance only at "
+                   "timesteps LOW..HIGH (of 0..999; Kynkaanniemi et al. 2024), the conditional model alone "
+                   "elsewhere (half the compute there)")
+
+
+def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
+    """``ditforge sample``'s speed group: precision, compile, attention and adaLN kernels, caching, CFG
+    parallelism."""
+    fast = parser.add_argument_group("speed", "the fastest measured setting on GPUs: --compile --enable_flashattn "
+                                     "(bf16 is the default there); under --compile the fused adaLN kernels gained "
+                                     "nothing (inductor fuses the same operations)")
     fast.add_argument("--mixed_precision", default="auto", choices=SAMPLING_PRECISIONS,
                       help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU); fp8: bf16 with "
                       "the blocks' linear layers as row-wise scaled float8 GEMMs (H100-class GPU, Triton; see the "
@@ -136,17 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     fast.add_argument("--cfg_parallel", action="store_true", help="under torchrun with 2 x --sequence_parallel_size "
                       "processes: the conditional and unconditional passes run on different GPUs (with --compile when "
                       "--sequence_parallel_size is 1)")
-    s.add_argument("--guidance_channels", type=int, help="guide only the first K latent channels (the official DiT "
-                   "sampler guides 3 of 4); default: all")
-    s.add_argument("--cfg_interval", type=int, nargs=2, metavar=("LOW", "HIGH"), help="apply guidance only at "
-                   "timesteps LOW..HIGH (of 0..999; Kynkaanniemi et al. 2024), the conditional model alone "
-                   "elsewhere (half the compute there)")
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    """``ditforge bench``: a flag per bench config field."""
     b = sub.add_parser("bench", help="time training step by step of the speed-ups (fp32 -> bf16 -> fast attention "
                        "-> fused kernels -> compile -> FP8) on synthetic data; prints a table, writes JSON",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_config_flags(b, (BenchConfig,))
 
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    """``ditforge export``: checkpoint, output and format."""
     e = sub.add_parser("export", help="consolidate a (sharded) checkpoint into one safetensors file, or write a "
                        "diffusers DiTPipeline folder", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     e.add_argument("--ckpt", required=True, help="run folder (newest checkpoint) or checkpoint folder")
@@ -161,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--vae", default=None, help="--format diffusers: the local diffusers AutoencoderKL folder to put in "
                    "the pipeline (default: the run's VAE)")
 
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    """``ditforge eval``: samples, reference, feature extractors and metrics."""
     ev = sub.add_parser("eval", help="FID, sFID, Inception Score, precision / recall (and digits accuracy), CLIP score "
                         "or FVD of samples against a reference set; prints a table and a JSON line",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -192,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="auto", help="cuda | cpu | auto")
     ev.add_argument("--save_ref", help="also write the reference statistics to this .npz (pass it as --ref later)")
 
+
+def _add_preprocess(sub: argparse._SubParsersAction) -> None:
+    """``ditforge preprocess``: a folder of videos to a video CSV."""
     pre = sub.add_parser("preprocess", help="write the video CSV (path,text,num_frames,fps,height,width) of a "
                          "folder of videos, for --data", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     pre.add_argument("kind", choices=("ucf101", "folder"), help="ucf101: ROOT/<ActionClass>/<video>, caption from "
@@ -199,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("root", help="the folder of videos")
     pre.add_argument("--out", required=True, help="the CSV to write (paths in it relative to its folder)")
 
+
+def _add_extract_features(sub: argparse._SubParsersAction) -> None:
+    """``ditforge extract-features``: output, sharding, and the data, model and train fields that decide the
+    encoding."""
     fx = sub.add_parser("extract-features", help="encode a data set once (VAE latent posterior, caption states; with "
                         "--init_from, the pipeline's own VAE and prompt encoding) into safetensors shards; train on "
                         "them with --data DIR",
@@ -213,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(fx, (DataConfig, ModelConfig, TrainConfig),
                       only=("data", "image_size", "num_frames", "frame_interval", "num_workers", "resize_mode",
                             "condition", "vae", "text_encoder", "text_max_length", "init_from", "device", "seed"))
+
+
+def _add_shard(sub: argparse._SubParsersAction) -> None:
+    """``ditforge shard``: source data, output folder and shard size."""
     sh = sub.add_parser("shard", help="store an image folder, captioned images or a video CSV as WebDataset tar "
                         "shards of the files' bytes (not re-encoded) with their captions and labels, for --data",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -220,6 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "with <stem>.txt captions, a CSV or JSONL of path,text) or a video CSV")
     sh.add_argument("--out", required=True, help="the folder to write (shard-NNNNN.tar + shards.json)")
     sh.add_argument("--shard_size", type=int, default=1000, help="samples per shard file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ditforge`` parser: one subcommand per builder above, in the order ``--help`` lists them."""
+    parser = argparse.ArgumentParser(prog="ditforge", description="Train and sample Diffusion Transformers (DiT).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_sample, _add_bench, _add_export, _add_eval, _add_preprocess, _add_extract_features,
+                _add_shard):
+        add(sub)
     return parser
 
 
