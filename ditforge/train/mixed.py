@@ -17,6 +17,7 @@ import torch
 from ditforge.data.packing import patchify
 from ditforge.data.sampler import derive_seed
 from ditforge.errors import UserError
+from ditforge.train.randomness import StepRandomness
 
 
 def chunk(value: torch.Tensor | list, k: int) -> list:
@@ -45,8 +46,6 @@ def mixed_step_inputs(inputs, pixels: Sequence[torch.Tensor], device: torch.devi
         (x0: S latents (C', [F,] h', w') float32 on ``device``, ``StepRandomness`` whose ``noise`` is a list of
         S tensors like x0, ``t`` (S,), ``drop`` and ``flip`` (S,) bool).
     """
-    from ditforge.train.trainer import StepRandomness  # the trainer imports this module
-
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, x in enumerate(pixels):
         groups.setdefault(tuple(x.shape), []).append(i)

@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -30,10 +29,11 @@ from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
 from ditforge.config import LIBRARY_OPTIMIZERS, RunConfig, parse_bytes, resolve_precision
-from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, build_shard_loader, is_features
+from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, build_shard_loader, source_of
 from ditforge.data.prefetch import DevicePrefetcher, default_num_workers
-from ditforge.data.shards import LatentDecoder, ShardData, is_shard_data
+from ditforge.data.shards import LatentDecoder, ShardData
 from ditforge.data.features import read_manifest
+from ditforge.data.sources import FEATURES, build_bucket_dataset
 from ditforge.data.packing import packed_training_losses, packing_setup
 from ditforge.data.sampler import derive_seed
 from ditforge.data.images import make_grid, save_grid, to_uint8
@@ -54,22 +54,12 @@ from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
 from ditforge.train.mixed import check_bucket_tokens, chunk, mixed_step_inputs
+from ditforge.train.randomness import StepRandomness
 from ditforge.train.guard import NonfiniteGuard, all_finite, claim_run_folder, disk_errors
 from ditforge.train.logging import MetricsLog, Tracker
 
 log = logging.getLogger(__name__)
 DEFAULT_MODELS = {False: "DiT-T/2", True: "vDiT-T/244"}  # by video data
-
-
-@dataclass
-class StepRandomness:
-    """Everything random in one training step, for this process's slice of the global batch."""
-
-    noise: torch.Tensor | list[torch.Tensor]  # like x (a list of samples of several shapes: train.mixed)
-    t: torch.Tensor  # (B,) int64 timesteps
-    drop: torch.Tensor  # (B,) bool, labels (captions) replaced by the null label (caption)
-    flip: torch.Tensor  # (B,) bool, horizontal flips
-    eps: torch.Tensor | None = None  # like x: the VAE posterior's noise (latents = mean + std * eps), or None
 
 
 def step_randomness(
@@ -271,11 +261,11 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
     generated the class images ``--class_data`` lacks (rank 0; the others wait)."""
     data, bad = cfg.data, run_dir / "bad_samples.jsonl"
     if data.buckets is not None:
-        from ditforge.data.buckets import build_bucket_dataset, read_bucket_config
+        from ditforge.data.buckets import read_bucket_config
 
         if pre is not None:
             raise UserError(f"--buckets: not with --init_from {cfg.model.init_from} (a diffusers pipeline)")
-        if is_shard_data(data.data) and not cfg.train.pack_tokens:
+        if source_of(data.data).streamed and not cfg.train.pack_tokens:
             raise UserError(f"--buckets with shards --data {data.data}: add --pack_tokens N (each step packs samples "
                             "of several buckets); one bucket per step needs a CSV / JSONL of files")
         video = any(t > 1 for frames in read_bucket_config(data.buckets).values() for t in frames)
@@ -410,7 +400,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
     bf16_weights = half_base or (t.master_weights != "fp32" and not m.lora_rank)
     pre = dit_init = None  # a pretrained pipeline of a diffusers family / DiT weights (--init_from)
-    features = read_manifest(cfg.data.data) if is_features(cfg.data.data) else None
+    features = read_manifest(cfg.data.data) if source_of(cfg.data.data) is FEATURES else None
     if m.init_from is None and features is not None:
         m.init_from = features.get("init_from")  # features of a pretrained pipeline: fine-tune that pipeline
     if m.init_from is not None:

@@ -235,7 +235,8 @@ def test_packed_train_step_equals_unpacked_step():
     1e-6) and the same weights after one SGD step (lr 1: the weights move by the clipped gradient; Adam's
     normalised update would magnify float noise in near-zero gradients), on DDPM with learned sigma."""
     from ditforge.parallel.mesh import Dist
-    from ditforge.train.trainer import StepRandomness, train_step
+    from ditforge.train.randomness import StepRandomness
+    from ditforge.train.trainer import train_step
 
     gen = torch.Generator().manual_seed(8)
     micro = [(torch.randn(6, 4, 8, 8, generator=gen), {"y": torch.randint(0, 10, (6,), generator=gen)},

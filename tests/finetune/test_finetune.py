@@ -306,7 +306,8 @@ def test_dreambooth_loss_is_weighted_sum():
     from ditforge.models import create_model
     from ditforge.parallel.mesh import Dist
     from ditforge.train.finetune import interleave_prior
-    from ditforge.train.trainer import StepRandomness, train_step
+    from ditforge.train.randomness import StepRandomness
+    from ditforge.train.trainer import train_step
 
     torch.manual_seed(int(torch.randint(0, 2**31, ())))
     model = create_model("DiT-T/2", 8, 3, 4, learn_sigma=False, class_dropout_prob=0.0)

@@ -237,7 +237,8 @@ def test_device_side_skip_of_a_fused_optimizer_and_the_ema(device):
     from ditforge.models import create_model
     from ditforge.parallel.ema import EMA
     from ditforge.parallel.mesh import Dist
-    from ditforge.train.trainer import StepRandomness, train_step
+    from ditforge.train.randomness import StepRandomness
+    from ditforge.train.trainer import train_step
 
     torch.manual_seed(int(torch.randint(0, 2**31, ())))
     diffusion, d = create_diffusion(None), Dist(device=torch.device(device))
