@@ -3,8 +3,9 @@ own parallelize / EMA / train_step / Checkpointer: images/sec per GPU, scaling a
 and the memory of weights + optimizer states + EMA per GPU; and how long a checkpoint save blocks training,
 synchronous against asynchronous.
 
-Usage: bash benchmarks/multi_gpu.sh OUT_DIR      (runs 1 GPU, then all GPUs, and prints the table)
+Usage: bash benchmarks/run.sh multi-gpu      (runs 1 GPU, then all GPUs, and prints the table)
        torchrun --nproc_per_node N benchmarks/multi_gpu.py --plugins ddp,zero2,fsdp --json OUT.json
+       python benchmarks/multi_gpu.py --table ONE.json MANY.json     (the markdown table of two such runs)
 """
 
 from __future__ import annotations
@@ -93,8 +94,26 @@ def run_plugin(d, plugin, model_name, batch_per_gpu, steps, warmup, save_dir):
     return row
 
 
+def table(one_path: str, many_path: str) -> None:
+    """Print the markdown table of a 1-GPU run and an N-GPU run, scaling against the 1-GPU run's first row."""
+    one, many = (json.loads(Path(path).read_text()) for path in (one_path, many_path))
+    base = one["rows"][0]["images_per_sec_per_gpu"]
+    print(f"{many['env']}\n")
+    print("| plugin | GPUs | images/sec per GPU | scaling vs 1 GPU | peak memory (GiB) | weights + Adam + EMA (GiB) |"
+          " save blocks (sync) | save blocks (async) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in one["rows"] + many["rows"]:
+        save = (f"{r['save_sync_blocking_s']:.2f} s | {r['save_async_blocking_s']:.2f} s "
+                f"({100 * r['save_async_blocking_s'] / r['save_sync_blocking_s']:.0f}%)"
+                if "save_sync_blocking_s" in r else "- | -")
+        print(f"| {r['plugin']} | {r['gpus']} | {r['images_per_sec_per_gpu']:.1f} | "
+              f"{100 * r['images_per_sec_per_gpu'] / base:.1f}% | {r['peak_memory_gib']:.1f} | "
+              f"{r['weights_optimizer_ema_gib']:.1f} | {save} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--table", nargs=2, metavar=("ONE_JSON", "MANY_JSON"), help="print the table of two runs and exit")
     p.add_argument("--model", default="DiT-XL/2")
     p.add_argument("--plugins", default="ddp,zero2,fsdp")
     p.add_argument("--batch_per_gpu", type=int, default=64)
@@ -104,6 +123,9 @@ def main() -> None:
     p.add_argument("--save_dir", default=None)
     p.add_argument("--json")
     args = p.parse_args()
+    if args.table:
+        table(*args.table)
+        return
     d = init_distributed("cuda")
     rows = []
     save_root = args.save_dir or tempfile.mkdtemp()

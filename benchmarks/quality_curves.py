@@ -1,6 +1,46 @@
-"""What the loss-curve quality checks share (``lowmem_quality.py``, ``speed_quality.py``): their common options, one
-``ditforge train`` run per mode in a subprocess (kept in ``--work``: a finished mode is not run again), the per-step
-losses, and the verdict of each mode against a reference and a second seed.
+"""Loss-curve quality checks: does a speed or memory mode train as well as the plain one? One ``ditforge train`` run
+per mode in a subprocess (kept in ``--work``: a finished mode is not run again), the per-step losses, and the verdict
+of each mode against a reference and a second seed. Two suites:
+
+``speed``: a DiT-S/2 trained from scratch for ``--steps`` steps (batch 64, lr 1e-4, EMA) on an ImageFolder made from
+    the built-in digits (scikit-learn's 1,797 real 8x8 handwritten digits), upsampled to ``--image_size`` (bicubic,
+    one folder per class; pixel space, 10 classes). Every mode starts from the same initialisation with the same
+    data order, noise and timesteps (``--seed 0``):
+
+    bf16        --mixed_precision bf16 --fused_optimizer off (the reference: bench row b, torch's fused AdamW)
+    bf16_seed1  the same with --seed 1 (initialisation, data order, noise): the run-to-run noise
+    fast        + --enable_flashattn --enable_modulate_kernel --compile, the one-pass optimizer step (bench row f)
+    fast_no_kernels  + --enable_flashattn --compile (inductor's own norm fusion, the one-pass step)
+    fp8         fast_no_kernels + --mixed_precision fp8 (torchao's float8 linears; bench row g without the kernels)
+
+``memory``: DiT-T/2 trained ``--base_steps`` steps on the built-in digits at lr 1e-3 (the base), then fine-tuned
+    (``--init_from`` the base run) for ``--steps`` steps at lr 1e-4 in each mode (where bf16 weights without
+    compensation would lose most updates: 1e-4 is 1/40 of a bf16 ulp at weights of size 1), bf16 compute, no EMA,
+    the same data order and noise:
+
+    fp32        --optimizer adamw --master_weights fp32 (the reference)
+    fp32_seed1  the same with another --seed (data order, noise, dropout): the run-to-run noise
+    adamw8bit   --optimizer adamw8bit
+    bf16        --master_weights bf16 (Kahan-compensated bf16 weights)
+    bf16_8bit   both (the 8 GiB rows of docs/memory.md)
+    sr_8bit_fused  --optimizer adamw8bit --master_weights bf16_sr --fused_backward_pass (4 bytes per parameter;
+                clipping by the previous step's norm)
+    sr_8bit     --optimizer adamw8bit --master_weights bf16_sr (the 8 GiB DiT-XL/2 and 16 GiB SDXL rows)
+    fp32_library  the reference with the libraries' kernels (--fused_optimizer off): on a GPU every other mode
+                runs the one-pass Triton step
+    delayed     --cpu_offload all --delayed_update (ZeRO-Offload's one-step delayed update; --cpu_offload all
+                alone equals fp32 to fp32 rounding, tested)
+    adamw4bit, adamw_fp8  --optimizer adamw4bit | adamw_fp8 (torchao's 4-bit and float8 moments)
+    adafactor   --optimizer adafactor --lr 1e-2 (torch's Adafactor at its documented default: lr is its maximum
+                relative step size, so the reference's 1e-4 does not carry over)
+
+``--modes`` picks some; the reference and its second seed always run.
+
+    PYTHONPATH=. python benchmarks/quality_curves.py speed --work /tmp/sq --jobs 5 --json OUT.json --plot OUT.png
+    PYTHONPATH=. python benchmarks/quality_curves.py memory --work /tmp/q --json OUT.json --plot OUT.png
+
+(one GPU: speed's fast, fast_no_kernels and fp8 modes need it; on a CPU ``speed --steps 20 --modes bf16`` or
+``memory --steps 20 --base_steps 20`` checks the script.)
 
 The verdict compares the mean loss of each mode's last ``window`` steps with the reference's:
 
@@ -36,20 +76,18 @@ import numpy as np
 import torch
 
 
-def parser(doc: str, work: str, modes: dict[str, list[str]]) -> argparse.ArgumentParser:
-    """The options of both scripts: --work, --steps (2000), --window (500), --device, --json, --plot, --modes,
+def add_options(ap: argparse.ArgumentParser, work: str, modes: dict[str, list[str]]) -> None:
+    """The options of both suites: --work, --steps (2000), --window (500), --device, --json, --plot, --modes,
     --jobs."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--work", default=work)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--window", type=int, default=500)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--modes", default=",".join(modes), help="comma-separated names of MODES")
+    ap.add_argument("--modes", default=",".join(modes), help="comma-separated names of the suite's modes")
     ap.add_argument("--jobs", type=int, default=1, help="modes trained at once (on one GPU: small models leave it "
                     "mostly idle, and only the losses are compared, not the speed)")
-    return ap
 
 
 def run_modes(modes: dict[str, list[str]], chosen: set[str], work: Path, window: int, steps: int, *common: str,
@@ -155,3 +193,90 @@ def report(curves: dict[str, list[float]], reference: str, seed: str, window: in
         ax.legend()
         fig.savefig(plot_path, dpi=100, bbox_inches="tight")
     return verdict
+
+
+SPEED_MODES = {
+    "bf16": ["--fused_optimizer", "off"],
+    "bf16_seed1": ["--fused_optimizer", "off", "--seed", "1"],
+    "fast": ["--enable_flashattn", "--enable_modulate_kernel", "--compile"],
+    "fast_no_kernels": ["--enable_flashattn", "--compile"],
+    "fp8": ["--enable_flashattn", "--compile", "--mixed_precision", "fp8"],
+}
+
+MEMORY_MODES = {
+    "fp32": [],
+    "fp32_seed1": ["--seed", "1"],
+    "adamw8bit": ["--optimizer", "adamw8bit"],
+    "bf16": ["--master_weights", "bf16"],
+    "bf16_8bit": ["--optimizer", "adamw8bit", "--master_weights", "bf16"],
+    "sr_8bit_fused": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--fused_backward_pass"],
+    "sr_8bit": ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr"],
+    "fp32_library": ["--fused_optimizer", "off"],
+    "delayed": ["--cpu_offload", "all", "--delayed_update"],
+    "adamw4bit": ["--optimizer", "adamw4bit"],
+    "adamw_fp8": ["--optimizer", "adamw_fp8"],
+    "adafactor": ["--optimizer", "adafactor", "--lr", "1e-2"],
+}
+
+
+def write_digits_folder(root: Path, size: int) -> Path:
+    """The built-in digits as ``root/<label>/<index>.png``, (size, size) 8-bit grey, bicubic; written once (a
+    finished folder holds a ``.done`` marker)."""
+    from PIL import Image
+
+    from ditforge.data.digits import load_digits_arrays
+
+    if (root / ".done").exists():
+        return root
+    images, labels = load_digits_arrays()
+    pixels = ((images[:, 0] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+    for i, (image, label) in enumerate(zip(pixels, labels.tolist())):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image, "L").resize((size, size), Image.BICUBIC).save(root / str(label) / f"{i:04d}.png")
+    (root / ".done").touch()
+    return root
+
+
+def speed(args) -> None:
+    work = Path(args.work)
+    data = write_digits_folder(work / f"digits{args.image_size}", args.image_size)
+    # every mode after these: a later --mixed_precision (fp8) wins
+    curves = run_modes(SPEED_MODES, {"bf16", "bf16_seed1", *args.modes.split(",")}, work, args.window, args.steps,
+                       "--data", str(data), "--image_size", str(args.image_size), "--model", args.model,
+                       "--batch_size", "64", "--max_steps", str(args.steps), "--lr", "1e-4", "--mixed_precision",
+                       "bf16", "--sample_every", "0", "--log_every", "1", "--device", args.device, jobs=args.jobs)
+    report(curves, "bf16", "bf16_seed1", args.window,
+           f"{args.model} on digits upsampled to {args.image_size}px, from scratch, lr 1e-4", args.json, args.plot,
+           model=args.model, image_size=args.image_size, steps=args.steps)
+
+
+def memory(args) -> None:
+    work = Path(args.work)
+    common = ["--data", "digits", "--model", "DiT-T/2", "--batch_size", "64", "--sample_every", "0",
+              "--log_every", "1", "--device", args.device]
+    base = work / "base"  # trained once, like a mode
+    run_modes({"base": ["--max_steps", str(args.base_steps), "--lr", "1e-3"]}, {"base"}, work, args.window,
+              args.base_steps, *common)
+    curves = run_modes(MEMORY_MODES, {"fp32", "fp32_seed1", *args.modes.split(",")}, work, args.window, args.steps,
+                       *common, "--init_from", str(base), "--max_steps", str(args.steps), "--lr", "1e-4",
+                       "--mixed_precision", "bf16", "--ema_decay", "0", jobs=args.jobs)
+    report(curves, "fp32", "fp32_seed1", args.window, "DiT-T/2 digits fine-tune, lr 1e-4, bf16 compute", args.json,
+           args.plot, base_steps=args.base_steps, steps=args.steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="suite", required=True)
+    s = sub.add_parser("speed", help="the training speed-ups from scratch")
+    add_options(s, "/tmp/ditforge-speed-quality", SPEED_MODES)
+    s.add_argument("--model", default="DiT-S/2")
+    s.add_argument("--image_size", type=int, default=32)
+    m = sub.add_parser("memory", help="the memory modes as fine-tunes")
+    add_options(m, "/tmp/ditforge-lowmem-quality", MEMORY_MODES)
+    m.add_argument("--base_steps", type=int, default=1000)
+    args = ap.parse_args()
+    {"speed": speed, "memory": memory}[args.suite](args)
+
+
+if __name__ == "__main__":
+    main()

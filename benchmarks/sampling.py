@@ -56,7 +56,7 @@ from ditforge.encoders.vae import load_vae
 from ditforge.models import create_model
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.sample import prepare_model, use_sampling_gemm_settings
-from timing import host_syncs, print_top_kernels
+from timing import host_syncs, print_top_kernels, psnr, ssim
 
 STEPS, IMAGE_CFG, VIDEO_CFG = 50, 4.0, 7.0
 FAST = dict(enable_flashattn=True, enable_modulate_kernel=True)
@@ -118,20 +118,6 @@ def wall(fn, repeat: int) -> tuple[float, float, object]:
     return times[0], statistics.median(times[1:]), out
 
 
-def psnr(ref: np.ndarray, img: np.ndarray) -> float:
-    from skimage.metrics import peak_signal_noise_ratio
-
-    return float(peak_signal_noise_ratio(ref, img, data_range=255)) if not np.array_equal(ref, img) else float("inf")
-
-
-def ssim(ref: np.ndarray, img: np.ndarray) -> float:
-    """Mean SSIM over the frames of (..., H, W, C) uint8 arrays."""
-    from skimage.metrics import structural_similarity
-
-    ref, img = ref.reshape(-1, *ref.shape[-3:]), img.reshape(-1, *img.shape[-3:])
-    return float(np.mean([structural_similarity(a, b, channel_axis=-1, data_range=255) for a, b in zip(ref, img)]))
-
-
 def fidelity_latents(m, y: torch.Tensor, x_T: torch.Tensor, cache: PABConfig | None) -> torch.Tensor:
     """DDIM with DiTPipeline's timesteps (980, 960, ..., 0) from ``x_T``, run as ``generate`` runs ``m``: its loop
     graph when it has one (the compiled model inside, or the eager one with a PAB / FORA schedule), else per step."""
@@ -152,7 +138,8 @@ def images(args, work: Path, anchor: dict | None) -> list[dict]:
     from diffusers import DiTPipeline
     from diffusers.utils.torch_utils import randn_tensor
 
-    from ditforge.interop import export_diffusers, use_official_timestep_frequencies
+    from ditforge.export import export_diffusers
+    from ditforge.interop import use_official_timestep_frequencies
 
     dev = torch.device("cuda")
     spec = dict(model="DiT-XL/2", input_size=32, in_channels=4, num_classes=1000, learn_sigma=True,

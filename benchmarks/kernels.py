@@ -1,0 +1,247 @@
+"""ditforge's own GPU kernels alone, each against what it replaces, at DiT-XL's shapes (width 1152, 16 heads of 72):
+
+``adaln``: the fused adaLN Triton kernels (LayerNorm + modulate, gated residual) against PyTorch eager and
+    ``torch.compile`` of the same reference, at DiT-XL/2 (64 x 256 tokens) and vDiT-XL/222 (8 x 2048) shapes, as
+    they run under bf16 autocast (fp32 residual stream, bf16 modulation and branch outputs): forward and forward +
+    backward time (CUDA events, ``inner`` calls a sample), the forward's effective bandwidth (bytes the op must
+    move / time) and its error against eager.
+``fp8``: the row-wise float8 quantization kernel (``ops.triton.quant.rowwise_e4m3_kernel``, behind
+    ``ops.fp8.quantize_rows``) over its launch configurations at DiT-XL/2's sampling shapes: M = 16 x 256 rows
+    (batch 8 under guidance) and 2 x 256 (batch 1); D = 1152 (the qkv, proj and fc1 inputs) and 4608 with the GELU
+    (fc2's input; and without it), against PyTorch's plain cast of the same tensor to e4m3 (the same bytes, without
+    the row maximum). Then the fused LayerNorm pass of the float8 blocks (``layernorm_modulate_e4m3_kernel``: the
+    gated residual, LayerNorm, modulate and the quantization in one pass; and without the residual) over its
+    configurations, against the same PyTorch ops compiled by inductor (multi-kernel reductions on, as sampling
+    compiles them) followed by ``quantize_rows``. Each launch timed inside a CUDA graph (``timing.graph_us``).
+``ring-attention``: one block of ring attention (``parallel.sequence.ring``), forward and backward, through each
+    fused kernel the ring can call (FlashAttention-2's and cuDNN's aten ops with the log-sum-exp), B = 1, bf16, for
+    Nq = Nk in ``--tokens``. Checks first, per length: the kernels' outputs and lse against each other, and the
+    cuDNN backward fed the FlashAttention-2 forward's O and L (as the ring feeds every block the merged O and L)
+    against the FlashAttention-2 backward. Median of 10 after 3 calls; "sdpa" is ``F.scaled_dot_product_attention``
+    on the cuDNN backend alone, the forward the ring's kernel competes with.
+
+    PYTHONPATH=. python benchmarks/kernels.py adaln --out benchmarks/results/single_gpu/adaln_kernels.json
+    PYTHONPATH=. python benchmarks/kernels.py fp8 --out benchmarks/results/sampling/quant_kernel_h100.json
+    PYTHONPATH=. python benchmarks/kernels.py ring-attention --out benchmarks/results/attention_blocks_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from datetime import datetime
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from timing import cuda_median_ms, graph_us
+
+from ditforge.ops.modulate import gated_residual_reference, layernorm_modulate_reference
+
+
+def adaln_case(name: str, B: int, N: int, D: int) -> list[dict]:
+    """Rows of the ``adaln`` table for one (B, N, D): each op by eager, compiled and Triton."""
+    from ditforge.ops import fused
+
+    dev = torch.device("cuda")
+    x = (torch.randn(B, N, D, device=dev) * 3 + 1).requires_grad_()
+    shift, scale, gate = (torch.randn(B, D, device=dev, dtype=torch.bfloat16).mul(0.5).requires_grad_()
+                          for _ in range(3))
+    y = torch.randn(B, N, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    ops = {
+        "layernorm_modulate": (
+            {"eager": layernorm_modulate_reference, "compile": torch.compile(layernorm_modulate_reference),
+             "triton": fused.layernorm_modulate},
+            lambda f: f(x, shift, scale, 1e-6),
+            x.numel() * 4 + x.numel() * 2,  # read fp32 x, write bf16 h (shift/scale are negligible)
+        ),
+        "gated_residual": (
+            {"eager": gated_residual_reference, "compile": torch.compile(gated_residual_reference),
+             "triton": fused.gated_residual},
+            lambda f: f(x, y, gate),
+            x.numel() * (4 + 2 + 4),  # read fp32 x and bf16 y, write fp32
+        ),
+    }
+    rows = []
+    for op, (impls, call, nbytes) in ops.items():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref = call(impls["eager"])
+        grad = torch.randn_like(ref)
+        for impl, f in impls.items():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = call(f)
+                err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+                def fwd():
+                    with torch.no_grad():
+                        call(f)
+
+                def fwd_bwd():
+                    call(f).backward(grad)
+
+                t_f, t_fb = (cuda_median_ms(g, steps=20, warmup=10, inner=10) for g in (fwd, fwd_bwd))
+            rows.append(dict(shape=name, op=op, impl=impl, fwd_ms=t_f, fwd_bwd_ms=t_fb,
+                             fwd_gbps=nbytes / t_f / 1e6, max_rel_err_vs_eager=err, out_dtype=str(out.dtype)))
+    return rows
+
+
+def adaln(args) -> dict:
+    import triton
+
+    rows = adaln_case("DiT-XL/2 64x256x1152", 64, 256, 1152) + adaln_case("vDiT-XL/222 8x2048x1152", 8, 2048, 1152)
+    env = dict(date=datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
+               torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+               python=platform.python_version())
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}")
+    print("| shape | op | impl | fwd (ms) | fwd GB/s | fwd+bwd (ms) | out dtype | max rel err vs eager |")
+    print("|---|---|---|---:|---:|---:|---|---:|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['op']} | {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_gbps']:.0f} | "
+              f"{r['fwd_bwd_ms']:.3f} | {r['out_dtype']} | {r['max_rel_err_vs_eager']:.1e} |")
+    return dict(env=env, rows=rows)
+
+
+QUANT_SHAPES = ((4096, 1152, False), (4096, 4608, True), (4096, 4608, False), (512, 1152, False), (512, 4608, True))
+
+
+def fp8(args) -> dict:
+    from ditforge.ops import fp8 as ops_fp8
+    from ditforge.ops.triton import quant
+
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    rows_out = []
+    print("| M x D | GELU | config now (ROWS, warps) | us | best (ROWS, warps) | us | GB/s | plain cast us | GB/s |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|")
+    for M, D, gelu in QUANT_SHAPES:
+        x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.empty(M, D, device="cuda", dtype=torch.float8_e4m3fn)
+        s = torch.empty(M, 1, device="cuda", dtype=torch.float32)
+        block_a, block_b, rows_now, warps_now = ops_fp8._config(D)
+        timed = {}
+        for rows in (1, 2, 4, 8):
+            for warps in (1, 2, 4, 8, 16):
+                width = rows * (block_a + block_b)
+                if width > 16384 or width > 64 * 32 * warps:  # over 64 values a thread: spills
+                    continue
+                timed[rows, warps] = graph_us(lambda: quant.rowwise_e4m3_kernel[(-(-M // rows),)](
+                    x, q, s, M, D, x.stride(0), GELU=gelu, ROWS=rows, BLOCK_A=block_a, BLOCK_B=block_b,
+                    INTERPRETED=False, num_warps=warps))
+        best = min(timed, key=timed.get)
+        copy = graph_us(lambda: q.copy_(x))  # a plain cast to e4m3: the same bytes read and written, no row maximum
+        moved = M * D * 3 + M * 4  # bytes: bf16 in, e4m3 out, a float32 scale per row (the cast: M * D * 3)
+        row = dict(M=M, D=D, gelu=gelu, config_now=(rows_now, warps_now), us_now=timed[rows_now, warps_now],
+                   best=best, us_best=timed[best], gbs_best=moved / timed[best] / 1e3, copy_us=copy,
+                   copy_gbs=M * D * 3 / copy / 1e3, all={f"{r}x{w}": t for (r, w), t in timed.items()})
+        rows_out.append(row)
+        print(f"| {M} x {D} | {gelu} | {rows_now}, {warps_now} | {row['us_now']:.1f} | {best[0]}, {best[1]} | "
+              f"{row['us_best']:.1f} | {row['gbs_best']:.0f} | {copy:.1f} | {row['copy_gbs']:.0f} |", flush=True)
+    fused_rows = [fp8_layernorm(B, residual) for B in (16, 2) for residual in (True, False)]
+    return dict(date=datetime.now().isoformat(timespec="minutes"), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, rows=rows_out, fused_layernorm=fused_rows)
+
+
+def fp8_layernorm(B: int, residual: bool, N: int = 256, D: int = 1152) -> dict:
+    """One row of the fused-LayerNorm table: the kernel's configurations against compiled PyTorch + quantize_rows."""
+    from ditforge.ops import fp8 as ops_fp8
+    from ditforge.ops.triton import quant
+
+    if B == 16 and residual:
+        print("\n| B x N x D | residual | config now (ROWS, warps) | us | best (ROWS, warps) | us | "
+              "compiled ops + quantize_rows us |\n|---|---|---|---:|---|---:|---:|")
+    x, y = (torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mods = torch.randn(B, 6 * D, device="cuda", dtype=torch.bfloat16)
+    shift, scale, gate = mods[:, :D], mods[:, D:2 * D], mods[:, 2 * D:3 * D]
+    x_out, q = torch.empty_like(x), torch.empty(B, N, D, device="cuda", dtype=torch.float8_e4m3fn)
+    s = torch.empty(B, N, 1, device="cuda", dtype=torch.float32)
+    block_a, block_b, rows_now, warps_now = ops_fp8._layernorm_config(D)
+    timed = {}
+    for rows in (1, 2, 4, 8):
+        for warps in (1, 2, 4, 8):
+            if rows * (block_a + block_b) > 64 * 32 * warps:  # over 64 values a thread: spills
+                continue
+            timed[rows, warps] = graph_us(lambda: quant.layernorm_modulate_e4m3_kernel[(-(-N // rows), B)](
+                x, y, gate, x_out, shift, scale, q, s, N, D, gate.stride(0), shift.stride(0), scale.stride(0), 1e-6,
+                RESIDUAL=residual, ROWS=rows, BLOCK_A=block_a, BLOCK_B=block_b, INTERPRETED=False,
+                num_warps=warps))
+    best = min(timed, key=timed.get)
+
+    def unfused(x, y):
+        if residual:
+            x = gated_residual_reference(x, y, gate)
+        return x, layernorm_modulate_reference(x, shift, scale, 1e-6)
+
+    compiled = torch.compile(unfused, options={"triton.multi_kernel": 1}, dynamic=False)
+    plain = graph_us(lambda: ops_fp8.quantize_rows(compiled(x, y)[1]))
+    row = dict(B=B, N=N, D=D, residual=residual, config_now=(rows_now, warps_now), us_now=timed[rows_now, warps_now],
+               best=best, us_best=timed[best], compiled_then_quantize_us=plain,
+               all={f"{r}x{w}": t for (r, w), t in timed.items()})
+    print(f"| {B} x {N} x {D} | {residual} | {rows_now}, {warps_now} | {row['us_now']:.1f} | {best[0]}, {best[1]} | "
+          f"{row['us_best']:.1f} | {plain:.1f} |", flush=True)
+    return row
+
+
+HEADS, DH = 16, 72
+
+
+def ring_block(n: int) -> dict:
+    """One row of the ``ring-attention`` table: n query and key tokens."""
+    from ditforge.parallel.sequence.ring import fused_block_backward, fused_block_forward
+
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(1, HEADS, n, DH, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    scale = DH ** -0.5
+    row = dict(tokens=n)
+    outs = {kernel: fused_block_forward(kernel, q, k, v, scale) for kernel in ("flash", "cudnn")}
+    (f_out, f_lse, f_aux), (c_out, c_lse, c_aux) = outs["flash"], outs["cudnn"]
+    final = f_out.to(q.dtype)
+    grads = {kernel: fused_block_backward(kernel, q, k, v, scale, final, f_lse, dout, aux)
+             for kernel, aux in (("flash", f_aux), ("cudnn", c_aux))}
+    row["out_max_diff"] = (f_out - c_out).abs().max().item()
+    row["lse_max_diff"] = (f_lse - c_lse).abs().max().item()
+    row["grad_max_diff"] = max((a - b).abs().max().item() for a, b in zip(grads["flash"], grads["cudnn"]))
+    row["grad_max"] = max(a.abs().max().item() for a in grads["flash"])
+    for kernel, aux in (("flash", f_aux), ("cudnn", c_aux)):
+        row[f"{kernel}_fwd_ms"] = cuda_median_ms(lambda kernel=kernel: fused_block_forward(kernel, q, k, v, scale), 10, 3)
+        row[f"{kernel}_bwd_ms"] = cuda_median_ms(
+            lambda kernel=kernel, aux=aux: fused_block_backward(kernel, q, k, v, scale, final, f_lse, dout, aux), 10, 3)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        row["sdpa_cudnn_fwd_ms"] = cuda_median_ms(lambda: F.scaled_dot_product_attention(q, k, v), 10, 3)
+    return row
+
+
+def ring_attention(args) -> dict:
+    from ditforge.ops.attention import cudnn_attention_preferred
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    meta = dict(date=datetime.now().isoformat(timespec="minutes"), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, cudnn=torch.backends.cudnn.version(),
+                ring_uses_cudnn=cudnn_attention_preferred(dev))
+    print(json.dumps(meta))
+    rows = [ring_block(int(n)) for n in args.tokens.split(",")]
+    print("| tokens | FA2 fwd ms | cuDNN fwd ms | FA2 bwd ms | cuDNN bwd ms | SDPA cuDNN fwd ms | max diff out / lse / grads |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['tokens']:,} | {r['flash_fwd_ms']:.2f} | {r['cudnn_fwd_ms']:.2f} | {r['flash_bwd_ms']:.2f} | "
+              f"{r['cudnn_bwd_ms']:.2f} | {r['sdpa_cudnn_fwd_ms']:.2f} | {r['out_max_diff']:.1e} / "
+              f"{r['lse_max_diff']:.1e} / {r['grad_max_diff']:.1e} (of {r['grad_max']:.2f}) |")
+    return dict(meta=meta, rows=rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="kernel", required=True)
+    for name in ("adaln", "fp8", "ring-attention"):
+        s = sub.add_parser(name)
+        s.add_argument("--out", help="JSON file")
+        if name == "ring-attention":
+            s.add_argument("--tokens", default="4096,16384,32768")
+    args = p.parse_args()
+    result = {"adaln": adaln, "fp8": fp8, "ring-attention": ring_attention}[args.kernel](args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

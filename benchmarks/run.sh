@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# The GPU benchmark jobs, each sized to one device call of under 10 minutes. benchmarks/README.md lists which job
+# (or direct command) reproduces each figure of the README and docs/.
+#
+# Usage, from the repository root on the GPU machine:  bash benchmarks/run.sh JOB [ARGS]
+#   anchor-image        DiT-XL/2 256px batch 64: `ditforge bench` rows b-f beside the unchanged plain_dit_train.py
+#                       (run first, same job), rows b, c, e, f (compile without the fused kernels), then
+#                       profile_step.py of row f (kernel time by kind, GPU idle, host syncs)
+#   anchor-video        the same for vDiT-XL/222 at 16 frames x 256px, batch 8, against plain_vdit_train.py
+#   ablation-image      the kernel tests on the GPU, kernels.py adaln, `ditforge bench` DiT-XL/2 rows a-g, rows b, c,
+#                       e with CUDA graphs (reduce-overhead) and with op-level activation checkpointing
+#   ablation-video      `ditforge bench` vDiT-XL/222 rows b-e, g and row c alone (fp32 + fast attention); DiT-XL/2
+#                       rows b, c, e, g (compile without the fused kernels, + FP8); DiT-XL/2 --find_max_batch
+#   profile             profile_step.py of the compiled rows (b, c, e) of DiT-XL/2 and vDiT-XL/222
+#   fp8-step [RECIPE]   DiT-XL/2 rows b-g with --fp8_recipe RECIPE (default rowwise) beside the anchor
+#   t2v MODEL           text-to-video training rows b-e at 16 frames x 256px, 120 caption tokens of width 4096
+#   optimizer           the one-pass optimizer step's CUDA tests, optimizer_step.py, the anchor, bench rows b, c, e, f
+#   sampling [BATCHES] [ROWS] [STEPS]  the float8 tests (a failure stops the job: no timing of wrong code), then
+#                       sampling.py --images beside the compiled-diffusers anchor (run first, same job) at batch
+#                       BATCHES (default 8; one batch a call: on a cold machine batch 8 alone takes ~8 minutes),
+#                       rows ROWS (default fp32,compiled-no-kernels,fp8), STEPS sampling steps of our rows (default
+#                       50; the anchor always runs 50), the 15 largest kernels of each loop
+#   fp8-kernels         the float8 tests, then kernels.py fp8 (launch configurations of the quantization passes)
+#   speed-quality       quality_curves.py speed: 2,000-step DiT-S/2 loss curves of the speed modes against bf16
+#   finetune MODEL "ANCHOR_ROWS" ROWS  one model's fine-tuning rows in one job: the lowmem_finetune.py anchor rows
+#                       (e.g. "sd15/adamw_nockpt sd15/ao_offload"), then ditforge's rows through finetune.py (MODEL
+#                       sd15 | pixart | sdxl; ROWS as finetune.py names them); STEPS, LOG_EVERY and ROW_TIMEOUT
+#                       (default 30, 10, 240 s) set the rows' length
+#   memory-dit [CKPT] [ROWS]  `ditforge bench --memory` on DiT-XL/2 256px batch 32: the plain row, the memory rows
+#                       ROWS (default noema,8bit,sr,capped) with --grad_checkpoint CKPT (default every-2) under
+#                       8 GiB, the plain row again
+#   multi-gpu           multi_gpu.py on 1 GPU, then on every GPU of the host, then the table
+#
+# Results land in $OUT (default benchmarks/results). Wheels the machine lacks (diffusers, bitsandbytes, torchao:
+# `pip download --no-deps -d .whl PACKAGE==VERSION`) are carried in .whl/ and installed into /tmp/site. The anchors
+# are read from .anchors/, a copy of ../shared/anchors (which does not travel to the GPU machine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p "${OUT:-benchmarks/results}"
+out=$(realpath "${OUT:-benchmarks/results}")
+export OUT=$out  # absolute: some jobs run from benchmarks/ or .anchors/, and the anchors write their JSON there
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+bench="python3 -m ditforge bench --outputs $out"
+rows_only() { grep --line-buffered -v gemm_4bit | grep --line-buffered -E "^\||[Ee]rror"; }
+fp8_tests() {  # a failing test stops the job; the first line of each failure is shown
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant.py tests/test_sample_fast.py -k "fp8 or quant" \
+        > "$out/fp8_tests.log" 2>&1 || { grep -E "^E  |FAILED" "$out/fp8_tests.log" | cut -c1-300; exit 1; }
+    tail -1 "$out/fp8_tests.log"
+}
+job=${1:?job: see the top of benchmarks/run.sh}
+case $job in
+anchor-image)
+    python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -1
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcdef --steps 15 --warmup 5 \
+        --anchor .anchors/plain_dit_train.py 2>&1 | rows_only
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 15 --warmup 5 2>&1 | rows_only
+    python3 benchmarks/profile_step.py --model DiT-XL/2 --rows bcdef --steps 5 --out "$out/profile_dit_xl2_row_f.json"
+    ;;
+anchor-video)
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bcdef --steps 10 --warmup 3 \
+        --anchor .anchors/plain_vdit_train.py 2>&1 | rows_only
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bcef --steps 10 --warmup 3 \
+        2>&1 | rows_only
+    ;;
+ablation-image)
+    python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -1
+    python3 benchmarks/kernels.py adaln --out "$out/adaln_kernels.json"
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --compile_mode reduce-overhead --steps 10
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --grad_checkpoint op --steps 10 --warmup 3
+    ;;
+ablation-video)
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bcdeg --steps 10 --warmup 3
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows c --steps 10 --warmup 3
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bceg --steps 10 --warmup 3
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcd --steps 2 --warmup 1 --find_max_batch
+    ;;
+profile)
+    python3 benchmarks/profile_step.py --model DiT-XL/2 --rows bce --out "$out/profile_dit_xl2_compile.json"
+    python3 benchmarks/profile_step.py --model vDiT-XL/222 --num_frames 16 --batch_size 8 --rows bce \
+        --out "$out/profile_vdit_xl222_compile.json"
+    ;;
+fp8-step)
+    echo "row g: --fp8_recipe ${2:-rowwise}"
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcdefg --fp8_recipe "${2:-rowwise}" --steps 10 \
+        --warmup 3 --anchor .anchors/plain_dit_train.py 2>&1 | rows_only
+    ;;
+t2v)
+    $bench --model "${2:?model}" --batch_size 8 --num_frames 16 --image_size 256 --text_dim 4096 --text_tokens 120 \
+        --rows bcde --steps 10 --warmup 3
+    ;;
+optimizer)
+    python3 -m pytest -q -p no:cacheprovider --tb=line tests/parallel/test_fused_adamw.py tests/parallel/test_optim.py \
+        -k "not slow" 2>&1 | grep -v gemm_4bit | tail -8
+    python3 benchmarks/optimizer_step.py --out "$out/optimizer_step.json" 2>&1 | grep -v gemm_4bit
+    (cd .anchors && python3 plain_dit_train.py 64 bf16_compile_ema) 2>&1 | tail -1
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 15 --warmup 5 2>&1 | rows_only
+    ;;
+sampling)
+    fp8_tests
+    (cd benchmarks && python3 sampling.py --images --anchor ../.anchors/diffusers_dit_sampling.py \
+        --rows "${3:-fp32,compiled-no-kernels,fp8}" --batches "${2:-8}" --steps "${4:-50}" --repeat 5 --top 15 \
+        --out "$out/sampling_b${2:-8}.json")
+    ;;
+fp8-kernels)
+    fp8_tests
+    python3 benchmarks/kernels.py fp8 --out "$out/quant_kernel.json"
+    ;;
+speed-quality)
+    python3 benchmarks/quality_curves.py speed --work /tmp/speed_quality --jobs 5 --json "$out/speed_quality.json" \
+        --plot "$out/speed_quality.png"
+    ;;
+finetune)
+    model=${2:?model} anchors=${3-} rows=${4-}
+    python3 -c "import torch, diffusers, bitsandbytes, peft, transformers; print('diffusers', diffusers.__version__, \
+'bitsandbytes', bitsandbytes.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__)" \
+        2>&1 | grep -v gemm_4bit
+    if [ -n "$anchors" ]; then
+        (cd .anchors && python3 lowmem_finetune.py $anchors) 2>&1 | grep --line-buffered -v gemm_4bit \
+            | tee "$out/${model}_anchor.log"
+        mv "$out/lowmem_anchor.json" "$out/${model}_anchor.json"
+    fi
+    if [ -n "$rows" ]; then
+        python3 benchmarks/finetune.py --model "$model" --rows "$rows" --steps "${STEPS:-30}" \
+            --log_every "${LOG_EVERY:-10}" --row_timeout "${ROW_TIMEOUT:-240}" --json "$out/${model}.json" 2>&1 \
+            | grep --line-buffered -v gemm_4bit | tee "$out/${model}.log"
+    fi
+    ;;
+memory-dit)
+    for rows in plain "${3:-noema,8bit,sr,capped}" plain; do
+        ckpt=none; [ "$rows" = plain ] || ckpt=${2:-every-2}
+        $bench --memory --model DiT-XL/2 --image_size 256 --batch_size 32 --steps 20 --warmup 6 --memory_rows "$rows" \
+            --grad_checkpoint "$ckpt" --gpu_memory_budget 8GiB 2>&1 | grep --line-buffered -v gemm_4bit
+    done
+    ;;
+multi-gpu)
+    n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    torchrun --standalone --nproc_per_node 1 benchmarks/multi_gpu.py --plugins none --save_plugin "" \
+        --json "$out/multi_gpu_1.json"
+    torchrun --standalone --nproc_per_node "$n" benchmarks/multi_gpu.py --json "$out/multi_gpu_$n.json" \
+        --save_dir /tmp/ditforge-bench-ckpt
+    python3 benchmarks/multi_gpu.py --table "$out/multi_gpu_1.json" "$out/multi_gpu_$n.json"
+    ;;
+*)
+    echo "unknown job '$job': see the top of benchmarks/run.sh" >&2
+    exit 2
+    ;;
+esac
