@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             run = preprocess_ucf101 if args["kind"] == "ucf101" else preprocess_folder
             print(run(args["root"], args["out"]))
         elif command == "extract-features":
-            from ditforge.data.features import extract_features, read_manifest
+            from ditforge.data.features import read_manifest
+            from ditforge.data.store import extract_features
 
             out, batch_size, shard_size = args.pop("out"), args.pop("batch_size"), args.pop("shard_size")
             fmt = args.pop("format")
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             if fmt == "safetensors":
                 print(f"wrote {read_manifest(folder)['num_samples']} samples to {folder}")
         elif command == "shard":
-            from ditforge.data.shards import write_raw_shards
+            from ditforge.data.store import write_raw_shards
 
             written = write_raw_shards(args["data"], args["out"], args["shard_size"])
             print(f"wrote {written['num_samples']} samples in {len(written['shards'])} shards to {args['out']}")

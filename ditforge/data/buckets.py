@@ -507,36 +507,6 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
             step += 1
 
 
-def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str):
-    """The data set of a run (``cfg``, a ``RunConfig`` with ``data.buckets`` set): ``--data`` read at the buckets
-    of ``--buckets``, whose shapes are multiples of ``--vae``'s downsample x ``model``'s spatial patch (the lcm of
-    its height and width patch), videos sampled at ``--frame_interval``: a ``BucketDataset`` of a CSV / JSONL, or
-    for raw image / video shards a ``ShardData`` whose decoder puts each sample at its bucket.
-
-    Raises:
-        UserError: a video frame count not divisible by the model's temporal patch; see ``read_bucket_config``,
-            ``BucketDataset``, ``ShardData``, ``vae_downsample``.
-    """
-    from ditforge.encoders.vae import vae_downsample
-    from ditforge.models import model_spec
-
-    patch = model_spec(model)["patch_size"]
-    config = read_bucket_config(cfg.data.buckets)
-    if isinstance(patch, tuple):  # (t, h, w): video frame counts must fill whole temporal patches
-        odd = sorted({f for frames in config.values() for f in frames if f > 1 and f % patch[0]})
-        if odd:
-            raise UserError(f"{FLAG} {cfg.data.buckets}: frame counts {', '.join(map(str, odd))} are not divisible "
-                            f"by the temporal patch {patch[0]} of --model {model}")
-        patch = math.lcm(*patch[1:])
-    buckets = Buckets(config, vae_downsample(cfg.model.vae) * patch, cfg.data.frame_interval)
-    from ditforge.data.shards import ShardData, is_shard_data
-
-    if is_shard_data(cfg.data.data):
-        return ShardData(cfg.data.data, None, bad_samples_path, retries=cfg.data.shard_retries,
-                         frame_interval=cfg.data.frame_interval, seed=cfg.train.seed, buckets=buckets)
-    return BucketDataset(cfg.data.data, buckets, bad_samples_path, cfg.train.seed)
-
-
 def collate_mixed(items: list[dict]) -> dict:
     """A batch of mixed buckets (``BucketBatchSampler(batch_size=...)``): ``x`` the list of the samples'
     tensors (their shapes differ), the other keys collated as ``default_collate`` does."""

@@ -169,59 +169,8 @@ class ShardWriter:
         return full
 
 
-def write_raw_shards(data: str, out: str | Path, shard_size: int = 1000) -> dict:
-    """``ditforge shard``: store the samples of ``--data`` (an image folder, captioned images, a video CSV) as raw
-    shards in ``out``: each file's bytes as read (member ``<ext>``, e.g. ``jpg``, ``png``, ``mp4``), ``cls`` (the
-    label, where the data has classes) and ``txt`` (the caption, where it has one). Returns the manifest.
-
-    Raises:
-        UserError: a built-in data set (it has no files), a shard set already, and ``ShardWriter``'s and the
-            data set's own errors.
-    """
-    from ditforge.data import BUILTIN_DATASETS, build_dataset, is_features
-
-    if data in BUILTIN_DATASETS or is_features(data) or is_shard_data(data):
-        raise UserError(f"--data {data}: `ditforge shard` stores image or video files; give an image folder, "
-                        "captioned images or a video CSV")
-    # The size is only a reader setting: the bytes are stored as read, never decoded here.
-    dataset = build_dataset(data, 1 if data.lower().endswith(".csv") else 8, None)
-    files = getattr(dataset, "samples", None)  # ImageFolderDataset: (path, label)
-    if files is None:
-        index = {c: i for i, c in enumerate(getattr(dataset, "classes", ()))}  # a dict: millions of captions
-        labels = ([index[t] for t in dataset.texts] if hasattr(dataset, "classes")
-                  else [None] * len(dataset.paths))
-        files = list(zip(dataset.paths, labels))
-    texts = getattr(dataset, "texts", None)
-    writer = ShardWriter(out, shard_size)
-    for i, (path, label) in enumerate(files):
-        sample = {"__key__": f"{i:09d}", Path(path).suffix.lower().lstrip("."): Path(path).read_bytes()}
-        if label is not None:
-            sample["cls"] = int(label)
-        if texts is not None:
-            sample["txt"] = texts[i]
-        writer.write(sample)
-    video = getattr(dataset, "num_frames", None) is not None
-    return writer.close({
-        "kind": "raw", "media": "video" if video else "image", "data": data,
-        "num_classes": getattr(dataset, "num_classes", 0) or 0,
-        "class_captions": list(c) if (c := getattr(dataset, "class_captions", None)) is not None else None,
-        "texts": list(dict.fromkeys(texts))[:NUM_TEXTS] if texts is not None else None})
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Finding and opening shards
-
-
-def is_shard_data(data: str) -> bool:
-    """True for a shard set or blend (see ``resolve_sets``): a ``.yaml`` / ``.yml`` blend, an fsspec URL, a ``.tar``
-    path, a glob or brace pattern, or a local folder holding ``shards.json`` or ``*.tar`` files."""
-    lower = data.lower()
-    if lower.endswith((".yaml", ".yml", ".tar")) or "://" in data or any(c in data for c in "*?["):
-        return True
-    if "{" in data and ".." in data:
-        return True
-    path = Path(data)
-    return path.is_dir() and ((path / SHARDS_MANIFEST).is_file() or any(path.glob("*.tar")))
 
 
 def _fs(url: str):

