@@ -71,43 +71,6 @@ def write_raw_shards(data: str, out: str | Path, shard_size: int = 1000) -> dict
 # Features (``ditforge extract-features``)
 
 
-def _local_path(value: str | None) -> str | None:
-    """An existing local folder as an absolute path (so the features can be used from anywhere); else as given."""
-    if value is None or str(value).lower() == "none":
-        return value
-    p = Path(value).expanduser()
-    return str(p.resolve()) if p.exists() else value
-
-
-def _select(batch: dict, keep: torch.Tensor) -> dict:
-    """The rows ``keep`` (B,) bool of a collated batch (tensors indexed, lists filtered)."""
-    rows = keep.nonzero().flatten().tolist()
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = v[keep]
-        elif isinstance(v, (list, tuple)):
-            out[k] = [v[i] for i in rows]
-        else:
-            out[k] = v
-    return out
-
-
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    with atomic_path(path, suffix=".safetensors") as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"format": FEATURES_FORMAT, "version": str(FEATURES_VERSION)})
-        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its files 0600; shards are shared like the manifest
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int = 1024,
                      device: str | torch.device = "auto", fmt: str = "safetensors") -> Path:
     """Encode every sample of ``--data`` once and store the results in ``out`` (see ``ditforge.data.features``).
@@ -151,12 +114,35 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
 
     Raises:
         UserError: ``out`` already holds features or is a file; ``--data`` is a features folder already;
-            ``batch_size`` or ``shard_size`` < 1; no usable sample; ``wds`` with ``--init_from``; and the data set's and encoders' own
-            (``build_dataset``, ``build_batch_encoder``).
+            ``batch_size`` or ``shard_size`` < 1; no usable sample; ``wds`` with ``--init_from``; and the data set's
+            and encoders' own (``build_dataset``, ``build_batch_encoder``).
     """
-    from ditforge.encoders.batch import as_batch, build_batch_encoder
-
     out = Path(out)
+    _check_extraction(cfg, out, batch_size, shard_size, fmt)
+    data = cfg.data
+    dev = resolve_device(device)
+    dataset = build_dataset(data.data, data.image_size, out / "bad_samples.jsonl", data.num_frames,
+                            data.frame_interval, cfg.train.seed, resize_mode=data.resize_mode)
+    inputs, pre = _extraction_encoders(cfg, dataset, dev)
+    rows = _FeatureRows(out, shard_size, cfg.model.condition == "text" and pre is None,
+                        ShardWriter(out, shard_size) if fmt == "wds" else None)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("shard-*.safetensors"):  # from an extraction that was interrupted: no manifest
+        stale.unlink()
+    if data.num_workers is None:  # as the trainer: the built-in sets live in memory, files are decoded in workers
+        data.num_workers = 0 if data.data in BUILTIN_DATASETS else default_num_workers()
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=data.num_workers)
+    _encode_all(loader, len(dataset), inputs, pre, dev, rows)
+    rows.flush(final=True)
+    num_samples = rows.sink.total if rows.sink is not None else sum(s["num_samples"] for s in rows.shards)
+    if num_samples == 0:
+        raise UserError(f"--data {data.data}: no usable sample to extract (see {out / 'bad_samples.jsonl'})")
+    _write_manifest(cfg, out, dataset, inputs.stochastic, pre, rows, num_samples)
+    return out
+
+
+def _check_extraction(cfg, out: Path, batch_size: int, shard_size: int, fmt: str) -> None:
+    """``extract_features``' arguments, checked before anything is read or written."""
     manifest_path = out / FEATURES_MANIFEST
     if fmt not in ("safetensors", "wds"):
         raise UserError(f"--format: expected safetensors or wds, got {fmt!r}")
@@ -171,64 +157,81 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
     for flag, value in (("--batch_size", batch_size), ("--shard_size", shard_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{flag}: expected a positive integer, got {value!r}")
-    data = cfg.data
-    if source_of(data.data) is FEATURES:
-        raise UserError(f"--data {data.data} holds features already; extract from the images or videos")
-    dev = resolve_device(device)
-    dataset = build_dataset(data.data, data.image_size, out / "bad_samples.jsonl", data.num_frames,
-                            data.frame_interval, cfg.train.seed, resize_mode=data.resize_mode)
+    if source_of(cfg.data.data) is FEATURES:
+        raise UserError(f"--data {cfg.data.data} holds features already; extract from the images or videos")
+
+
+def _extraction_encoders(cfg, dataset, dev: torch.device) -> tuple:
+    """``(BatchEncoder, pretrained pipeline or None)``: a pretrained pipeline's own VAE and prompt encoding
+    (``--init_from``), else the encoders the trainer loads."""
+    from ditforge.encoders.batch import build_batch_encoder
+
     m = cfg.model
-    pre = None
-    if m.init_from is not None:  # a pretrained pipeline's own VAE and prompt encoding
-        from ditforge.encoders.batch import pipeline_batch_encoder
-        from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
+    if m.init_from is None:
+        return build_batch_encoder(cfg, dataset, dev, torch.float32), None
+    from ditforge.encoders.batch import pipeline_batch_encoder
+    from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
 
-        if not is_adapted_pipeline(m.init_from):
-            raise UserError(f"--init_from {m.init_from}: features are extracted with a diffusers pipeline folder "
-                            "(Stable Diffusion, PixArt, SD3); DiT runs take --vae and --text_encoder")
-        pre = load_pretrained(m.init_from, dev)
-        inputs = pipeline_batch_encoder(cfg, pre, dataset)
-    else:
-        inputs = build_batch_encoder(cfg, dataset, dev, torch.float32)
-    text = m.condition == "text" and pre is None
-    cond_keys: list[str] = []
-    stochastic = inputs.stochastic
-    sink = ShardWriter(out, shard_size) if fmt == "wds" else None
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("shard-*.safetensors"):  # from an extraction that was interrupted: no manifest
-        stale.unlink()
-    if data.num_workers is None:  # as the trainer: the built-in sets live in memory, files are decoded in workers
-        data.num_workers = 0 if data.data in BUILTIN_DATASETS else default_num_workers()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=data.num_workers)
+    if not is_adapted_pipeline(m.init_from):
+        raise UserError(f"--init_from {m.init_from}: features are extracted with a diffusers pipeline folder "
+                        "(Stable Diffusion, PixArt, SD3); DiT runs take --vae and --text_encoder")
+    pre = load_pretrained(m.init_from, dev)
+    return pipeline_batch_encoder(cfg, pre, dataset), pre
 
-    shards: list[dict] = []
-    texts: list[str] = []
-    pending: dict[str, list[torch.Tensor]] = {}
-    pending_count = 0
 
-    def flush(final: bool) -> None:
-        nonlocal pending, pending_count
-        while pending_count >= shard_size or (final and pending_count):
-            n = min(shard_size, pending_count)
-            cat = {k: torch.cat(v) for k, v in pending.items()}
-            rows = ("mean", "std", "label", "source_index", *(f"cond.{k}" for k in cond_keys))
-            tensors = {k: cat[k][:n] for k in rows if k in cat}
-            rest = {k: [cat[k][n:]] for k in rows if k in cat}
-            if text:
+class _FeatureRows:
+    """The rows ``extract_features`` collects, batch by batch (``add``; ``end_batch``), and writes: into
+    safetensors shards of ``shard_size`` rows (``flush``), or, with a ``sink`` (``ShardWriter``, ``--format
+    wds``), each batch's rows as WebDataset samples. ``text``: caption states are stored (the text condition of
+    a DiT run); ``texts``: the captions of the rows, in order; ``cond_keys``: a pretrained pipeline's
+    conditioning keys."""
+
+    def __init__(self, out: Path, shard_size: int, text: bool, sink):
+        self.out, self.shard_size, self.text, self.sink = out, shard_size, text, sink
+        self.shards: list[dict] = []
+        self.texts: list[str] = []
+        self.cond_keys: list[str] = []
+        self.pending: dict[str, list[torch.Tensor]] = {}
+        self.pending_count = 0
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        self.pending.setdefault(key, []).append(value.detach().to("cpu").contiguous())
+
+    def end_batch(self, n: int) -> None:
+        """The ``n`` rows of a batch are all added: written as samples (``sink``) or flushed when a shard is full."""
+        if self.sink is not None:
+            _write_samples(self.sink, self.pending, n, self.texts[-n:] if self.text else None)
+            self.pending = {}
+            return
+        self.pending_count += n
+        self.flush(final=False)
+
+    def flush(self, final: bool) -> None:
+        """Write every full shard of the pending rows (``final``: the rest too)."""
+        while self.pending_count >= self.shard_size or (final and self.pending_count):
+            n = min(self.shard_size, self.pending_count)
+            cat = {k: torch.cat(v) for k, v in self.pending.items()}
+            keys = ("mean", "std", "label", "source_index", *(f"cond.{k}" for k in self.cond_keys))
+            tensors = {k: cat[k][:n] for k in keys if k in cat}
+            rest = {k: [cat[k][n:]] for k in keys if k in cat}
+            if self.text:
                 lengths = cat["text_lengths"]
                 used = int(lengths[:n].sum())
                 tensors |= {"text_lengths": lengths[:n], "text_states": cat["text_states"][:used]}
                 rest |= {"text_lengths": [lengths[n:]], "text_states": [cat["text_states"][used:]]}
-            name = SHARD_PATTERN.format(len(shards))
-            _write_shard(out / name, tensors)
-            shards.append({"file": name, "num_samples": n})
-            pending, pending_count = rest, pending_count - n
+            name = SHARD_PATTERN.format(len(self.shards))
+            _write_shard(self.out / name, tensors)
+            self.shards.append({"file": name, "num_samples": n})
+            self.pending, self.pending_count = rest, self.pending_count - n
 
-    def add(key: str, value: torch.Tensor) -> None:
-        pending.setdefault(key, []).append(value.detach().to("cpu").contiguous())
+
+def _encode_all(loader: DataLoader, total: int, inputs, pre, dev: torch.device, rows: _FeatureRows) -> None:
+    """Encode every batch of ``loader`` (``total`` samples, in index order) into ``rows``, leaving out the
+    substitutes a video data set returns for bad samples."""
+    from ditforge.encoders.batch import as_batch
 
     start = 0
-    with tqdm(total=len(dataset), desc="extract features", dynamic_ncols=True, disable=None) as bar:
+    with tqdm(total=total, desc="extract features", dynamic_ncols=True, disable=None) as bar:
         for raw in loader:
             batch = as_batch(raw)
             n_batch = len(batch["label"]) if "label" in batch else len(batch["x"])
@@ -241,41 +244,41 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
                     batch, requested = _select(batch, keep), requested[keep]
                 if not len(requested):
                     continue
-            mean, std = inputs.moments(batch, dev)
-            add("mean", mean.float())
-            if stochastic:
-                add("std", std.float())
-            add("label", torch.as_tensor(batch.get("label", [0] * len(requested)), dtype=torch.int64))
-            add("source_index", requested)
-            if pre is not None:
-                cond = inputs.conditioning(batch, dev)
-                cond_keys = list(cond)
-                for key, value in cond.items():
-                    add(f"cond.{key}", value.float() if value.is_floating_point() else value)
-                texts.extend(batch["text"])
-            if text:
-                captions = batch.get("text")
-                if captions is None:  # labelled images captioned by their class (``class_captions``)
-                    captions = [inputs.class_captions[int(i)] for i in batch["label"]]
-                cond = inputs.conditioning({"text": list(captions)}, dev)
-                states, mask = cond["y"].float().cpu(), cond["y_mask"].cpu()
-                lengths = mask.sum(1)
-                if not all(bool(mask[i, :int(k)].all()) for i, k in enumerate(lengths)):
-                    raise RuntimeError("caption masks are not right-padded")  # a bug, not a user error
-                add("text_lengths", lengths.to(torch.int64))
-                add("text_states", torch.cat([states[i, :int(k)] for i, k in enumerate(lengths)]))
-                texts.extend(captions)
-            if sink is not None:
-                _write_samples(sink, pending, len(requested), texts[-len(requested):] if text else None)
-                pending = {}
-                continue
-            pending_count += len(requested)
-            flush(final=False)
-    flush(final=True)
+            _encode_batch(batch, requested, inputs, pre, dev, rows)
+            rows.end_batch(len(requested))
 
-    num_samples = sink.total if sink is not None else sum(s["num_samples"] for s in shards)
-    if num_samples == 0:
-        raise UserError(f"--data {data.data}: no usable sample to extract (see {out / 'bad_samples.jsonl'})")
+
+def _encode_batch(batch: dict, requested: torch.Tensor, inputs, pre, dev: torch.device, rows: _FeatureRows) -> None:
+    """Add the rows of one batch (source indices ``requested``): moments, labels and the condition."""
+    mean, std = inputs.moments(batch, dev)
+    rows.add("mean", mean.float())
+    if inputs.stochastic:
+        rows.add("std", std.float())
+    rows.add("label", torch.as_tensor(batch.get("label", [0] * len(requested)), dtype=torch.int64))
+    rows.add("source_index", requested)
+    if pre is not None:
+        cond = inputs.conditioning(batch, dev)
+        rows.cond_keys = list(cond)
+        for key, value in cond.items():
+            rows.add(f"cond.{key}", value.float() if value.is_floating_point() else value)
+        rows.texts.extend(batch["text"])
+    if rows.text:
+        captions = batch.get("text")
+        if captions is None:  # labelled images captioned by their class (``class_captions``)
+            captions = [inputs.class_captions[int(i)] for i in batch["label"]]
+        cond = inputs.conditioning({"text": list(captions)}, dev)
+        states, mask = cond["y"].float().cpu(), cond["y_mask"].cpu()
+        lengths = mask.sum(1)
+        if not all(bool(mask[i, :int(k)].all()) for i, k in enumerate(lengths)):
+            raise RuntimeError("caption masks are not right-padded")  # a bug, not a user error
+        rows.add("text_lengths", lengths.to(torch.int64))
+        rows.add("text_states", torch.cat([states[i, :int(k)] for i, k in enumerate(lengths)]))
+        rows.texts.extend(captions)
+
+
+def _write_manifest(cfg, out: Path, dataset, stochastic: bool, pre, rows: _FeatureRows, num_samples: int) -> None:
+    """``features.json`` (written last, atomically), or with ``--format wds`` the same keys in ``shards.json``."""
+    m, data, texts = cfg.model, cfg.data, rows.texts
     manifest = {
         "format": FEATURES_FORMAT, "version": FEATURES_VERSION,
         "condition": m.condition, "vae": _local_path(m.vae), "text_encoder": _local_path(m.text_encoder),
@@ -286,18 +289,55 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
         "seed": cfg.train.seed, "num_classes": dataset.num_classes,
         "class_captions": list(c) if (c := getattr(dataset, "class_captions", None)) is not None else None,
         "random_flip": bool(getattr(dataset, "random_flip", True)), "stochastic": stochastic,
-        "data": data.data, "num_samples": num_samples, "shards": shards,
+        "data": data.data, "num_samples": num_samples, "shards": rows.shards,
         "texts": texts if m.condition == "text" else None,
-        "init_from": _local_path(m.init_from) if pre is not None else None, "cond_keys": cond_keys or None,
+        "init_from": _local_path(m.init_from) if pre is not None else None, "cond_keys": rows.cond_keys or None,
     }
-    if sink is not None:
-        sink.close({**{k: v for k, v in manifest.items() if k not in ("format", "version", "shards", "num_samples")},
-                    "kind": "latent", "texts": list(dict.fromkeys(texts))[:NUM_TEXTS] if texts else None})
-        return out
-    with atomic_path(manifest_path) as tmp:
+    if rows.sink is not None:
+        shared = {k: v for k, v in manifest.items() if k not in ("format", "version", "shards", "num_samples")}
+        grid_texts = list(dict.fromkeys(texts))[:NUM_TEXTS] if texts else None  # the sample grids' captions
+        rows.sink.close({**shared, "kind": "latent", "texts": grid_texts})
+        return
+    with atomic_path(out / FEATURES_MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    log.info("wrote %d samples in %d shards to %s", num_samples, len(shards), out)
+    log.info("wrote %d samples in %d shards to %s", num_samples, len(rows.shards), out)
+
+
+def _local_path(value: str | None) -> str | None:
+    """An existing local folder as an absolute path (so the features can be used from anywhere); else as given."""
+    if value is None or str(value).lower() == "none":
+        return value
+    p = Path(value).expanduser()
+    return str(p.resolve()) if p.exists() else value
+
+
+def _select(batch: dict, keep: torch.Tensor) -> dict:
+    """The rows ``keep`` (B,) bool of a collated batch (tensors indexed, lists filtered)."""
+    rows = keep.nonzero().flatten().tolist()
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v[keep]
+        elif isinstance(v, (list, tuple)):
+            out[k] = [v[i] for i in rows]
+        else:
+            out[k] = v
     return out
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(path, suffix=".safetensors") as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"format": FEATURES_FORMAT, "version": str(FEATURES_VERSION)})
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its files 0600; shards are shared like the manifest
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_samples(sink, pending: dict[str, list[torch.Tensor]], n: int, captions: list[str] | None) -> None:
@@ -314,5 +354,3 @@ def _write_samples(sink, pending: dict[str, list[torch.Tensor]], n: int, caption
             off, k = int(offsets[i]), int(rows["text_lengths"][i])
             sample |= {"text.npy": rows["text_states"][off:off + k].numpy(), "txt": captions[i]}
         sink.write(sample)
-
-
