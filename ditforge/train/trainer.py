@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from ditforge.diffusion import generate
 from ditforge.diffusion.objective import Objective, create_objective
 from ditforge.errors import RunError, UserError
 from ditforge.models import create_model, is_video_model
-from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
+from ditforge.models.adapters.pipeline import Pretrained, is_adapted_pipeline, load_pretrained
 from ditforge.ops.attention import whole_sequences
 from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel import (clip_coefficient, clip_grad_norm_, gradient_sync, init_sharded, parallelize,
@@ -354,6 +355,180 @@ def train(cfg: RunConfig) -> Path:
 
 
 def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
+    """The run's phases, in order; each fills its part of the state they share (``_Run``)."""
+    run = _open_run(cfg, d, held)
+    _load_init(run)
+    _build_data(run)
+    _build_objective(run)
+    _build_model(run)
+    _build_optimizer(run)
+    _resume(run)
+    _open_outputs(run)
+    _build_loader(run)
+    _open_logs(run)
+    return _finish(run, _loop(run))
+
+
+@dataclass
+class _Run:
+    """What the phases of one run share. ``_open_run`` fills the fields up to ``bf16_weights``; each later phase
+    fills its own group below, so a field keeps its default until its phase has run."""
+
+    cfg: RunConfig
+    d: Dist
+    run_dir: Path
+    resume_from: Path | None  # an intact checkpoint to resume from
+    amp_dtype: torch.dtype  # the compute dtype
+    budget: int | None  # --gpu_memory_budget, in bytes
+    mixed: bool  # global batches of several buckets, packed
+    per_step: int  # data-parallel processes x --grad_accum_steps
+    home: torch.device  # where the weights are built (the host under --cpu_offload all)
+    half_base: bool  # a LoRA's frozen base stored in bf16
+    bf16_weights: bool  # the weights stored in bf16 from the start
+    # --init_from (_load_init)
+    features: dict | None = None  # the manifest of a features folder --data
+    pre: Pretrained | None = None  # a pretrained pipeline of a diffusers family
+    dit_init: tuple | None = None  # DiT weights and their model settings (finetune.read_dit_init)
+    # data (_build_data)
+    dataset: object = None
+    video: bool = False
+    inputs: BatchEncoder | None = None
+    bucketed: object = None  # --buckets: the BucketBatchSampler (each bucket's batch size is its global batch)
+    steps_per_epoch: int = 0
+    max_steps: int = 0
+    # objective, model and optimizer (_build_objective, _build_model, _build_optimizer, _resume)
+    diffusion: Objective | None = None
+    model: nn.Module | None = None
+    adapters_only: bool = False  # LoRA: EMA and checkpoints hold the adapters alone
+    ema: EMA | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    ema_in_step: bool = False  # the fused optimizer step updates the EMA in its own pass
+    stepper: StepInBackward | None = None  # --fused_backward_pass
+    scaler: torch.amp.GradScaler | None = None  # fp16
+    start_step: int = 0
+    loader_state: dict | None = None  # the shard loader's, saved with the checkpoint resumed
+    # outputs, loader and logs (_open_outputs, _build_loader, _open_logs)
+    checkpointer: ckpt_io.Checkpointer | None = None
+    shard_loader: object = None  # streamed shards: their loader, whose position each checkpoint saves
+    loader: DevicePrefetcher | None = None
+    sample_shape: tuple[int, ...] = ()
+    packing: tuple[int, tuple[int, ...]] | None = None  # --pack_tokens (train_step's)
+    metrics: MetricsLog | None = None  # rank 0's, as the tracker
+    tracker: Tracker | None = None
+    nonfinite: NonfiniteGuard | None = None
+    # the sample grids' model and conditioning, made for the first grid (rank 0)
+    grid_model: nn.Module | None = None
+    grid_cond: dict | None = None
+
+    def last_good(self) -> Path | None:
+        found = ckpt_io.list_checkpoints(self.run_dir)
+        return found[-1] if found else None
+
+    def written(self, what: str) -> contextlib.AbstractContextManager:
+        return disk_errors(what, self.run_dir, self.cfg.train.continue_on_save_error, self.last_good)
+
+    def save(self, step: int) -> Path | None:
+        """Save step ``step`` unless its weights are not finite (RunError); a failed write is a RunError too, or
+        with --continue_on_save_error a warning (returns None)."""
+        model, ema, d = self.model, self.ema, self.d
+        self.nonfinite.flush()
+        weights = [p for p in model.parameters() if p.requires_grad] + [ema.shadow[k] for k in ema.trainable]
+        if not all_finite(weights, d):
+            raise RunError(f"step {step}: the weights hold NaN or inf; not saved (the last good checkpoint is "
+                           f"{self.last_good()}); lower --lr, add --warmup_steps or keep --max_grad_norm")
+        meta = {"config": self.cfg.to_dict(), "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "step_in_backward": self.stepper.state_dict() if self.stepper is not None else None,
+                "world_size": d.world_size, "plugin": self.cfg.parallel.plugin,
+                "loader": (self.shard_loader.state_dict(step, self.checkpointer.group)
+                           if self.shard_loader is not None else None)}
+        with self.written(f"checkpoint step-{step:07d}"):
+            return self.checkpointer.save(step, ckpt_io.training_state(model, self.optimizer, ema, self.adapters_only),
+                                          meta)
+        return None
+
+    def finish_saves(self) -> None:
+        with self.written("checkpoint"):
+            self.checkpointer.wait()
+
+    def update_ema(self, step: int, skipped: torch.Tensor) -> None:
+        decay = self.cfg.train.ema_decay
+        if skipped.device.type == "cpu":  # known on the host already
+            if not skipped:
+                self.ema.update(self.model, ema_decay_at(decay, step))
+        else:
+            self.ema.update(self.model, ema_decay_at(decay, step), skip=skipped)
+
+    def write_samples(self, step: int) -> None:
+        t = self.cfg.train
+        try:
+            with self.written(f"sample grid of step {step}"):
+                self.draw_samples(step)
+                if self.tracker is not None:  # the grid draw_samples wrote
+                    suffix = ".gif" if self.video else ".png"
+                    self.tracker.image(step, self.run_dir / "samples" / f"step-{step:07d}{suffix}")
+        except torch.OutOfMemoryError:  # a grid is never worth the run (a tight --gpu_memory_budget)
+            log.warning("step %d: no sample grid, out of GPU memory (%s)", step,
+                        f"--gpu_memory_budget {t.gpu_memory_budget}" if t.gpu_memory_budget else "the GPU's memory")
+            torch.cuda.empty_cache()
+
+    def draw_samples(self, step: int) -> None:
+        cfg, device = self.cfg, self.d.device
+        weights = self.ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
+        if not self.d.is_main:
+            return
+        if self.pre is not None:  # the family's own pipeline and scheduler draw the grid
+            # on the run's device: under --cpu_offload all the trained weights are in host memory
+            pixels, self.grid_model = finetune.sample_grid(self.pre, cfg, weights, self.dataset, self.grid_model,
+                                                           device=device)
+            save_grid(to_uint8(pixels), (self.run_dir / "samples" / f"step-{step:07d}.png"), nrow=4)
+            return
+        if self.grid_cond is None:
+            self.grid_cond = _grid_conditioning(cfg, self.dataset, self.inputs, device)
+        pixels = self.draw(weights, self.grid_cond, cfg.train.seed)
+        name = self.run_dir / "samples" / f"step-{step:07d}"
+        if self.video:  # a GIF of grids: frame k of every sample side by side
+            from ditforge.data.video import write_gif  # PyAV: ditforge[video]
+
+            frames = to_uint8(pixels)  # (N, T, H, W, C)
+            grids = [make_grid(frames[:, k], nrow=min(len(pixels), 4), upscale=max(1, 64 // cfg.data.image_size))
+                     for k in range(frames.shape[1])]
+            write_gif(np.stack(grids), name.with_suffix(".gif"), fps=8)
+        else:
+            save_grid(to_uint8(pixels), name.with_suffix(".png"), nrow=8, upscale=max(1, 64 // cfg.data.image_size))
+
+    def draw(self, weights: dict[str, torch.Tensor], cond: dict[str, torch.Tensor], seed: int, **how) -> torch.Tensor:
+        """Pixels (N, C, [T,] H, W) in [-1, 1] of samples of a DiT with ``weights`` (rank 0); ``how``: sampler and
+        steps (``sample_grid``'s)."""
+        cfg, m, device = self.cfg, self.cfg.model, self.d.device
+        if self.grid_model is None:
+            self.grid_model = _create_model(cfg, device).eval()
+        self.grid_model.load_state_dict(weights)
+        with whole_sequences():  # rank 0 alone: no sequence-parallel attention
+            x = sample_grid(self.grid_model, cond, self.sample_shape, seed=seed, learn_sigma=m.learn_sigma,
+                            clip_denoised=m.vae == "none",  # VAE latents are not bounded to [-1, 1]
+                            objective=m.objective, flow_shift=m.flow_shift, **how)
+        return _decode(cfg, self.inputs, x, device)
+
+    def evaluate(self) -> dict[str, float]:
+        """--eval_every: the built-in digits extractor's metrics of ``eval_samples`` EMA samples, labels cycling
+        through the classes, drawn with DDIM in 25 steps at guidance 4 (cheap enough to run often on a CPU) in
+        batches of 256 (batch k seeded by ``derive_seed(seed, k)``)."""
+        from ditforge.eval.digits import evaluate_digits
+
+        t, device = self.cfg.train, self.d.device
+        weights = self.ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
+        if not self.d.is_main:
+            return {}
+        labels = torch.arange(t.eval_samples, device=device) % self.cfg.model.num_classes
+        pixels = torch.cat([self.draw(weights, {"y": y}, derive_seed(t.seed, k), sampler="ddim", num_steps=25)
+                            for k, y in enumerate(labels.split(256))])
+        result = evaluate_digits(pixels.cpu(), labels.cpu(), device=device)
+        return {f"digits_{k}": v for k, v in result.items()}
+
+
+def _open_run(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> _Run:
+    """Run folder and guards: the folder claimed (its lock released by ``held``), the checkpoint to resume from,
+    the compute dtype, memory budget and plugin resolved, and what they cannot run with refused (UserError)."""
     t, m, par = cfg.train, cfg.model, cfg.parallel
     resume_from, t.outputs = ckpt_io.find_resume(t.resume, t.outputs)
     if t.outputs is None:
@@ -389,7 +564,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     par.plugin = plugin
     per_step = d.dp_size * par.grad_accum_steps
     mixed = cfg.data.buckets is not None and bool(t.pack_tokens)  # global batches of several buckets, packed
-    if (cfg.data.buckets is None or mixed) and t.batch_size % per_step:  # buckets: checked per bucket below
+    if (cfg.data.buckets is None or mixed) and t.batch_size % per_step:  # buckets: checked per bucket later
         raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.dp_size} data-parallel processes x "
                         f"--grad_accum_steps {par.grad_accum_steps}")
     # --cpu_offload all: the model stays in host memory; fully_shard moves one block at a time to the GPU, shards
@@ -399,7 +574,13 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     # trainable weights too (updated through an fp32 rebuild). Either way the weights are stored in bf16 from the start.
     half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
     bf16_weights = half_base or (t.master_weights != "fp32" and not m.lora_rank)
-    pre = dit_init = None  # a pretrained pipeline of a diffusers family / DiT weights (--init_from)
+    return _Run(cfg, d, run_dir, resume_from, amp_dtype, budget, mixed, per_step, home, half_base, bf16_weights)
+
+
+def _load_init(run: _Run) -> None:
+    """--init_from: a diffusers family's pretrained pipeline (``run.pre``) or DiT weights (``run.dit_init``); a
+    features folder made from a pipeline names that pipeline."""
+    cfg, m, device, amp_dtype = run.cfg, run.cfg.model, run.d.device, run.amp_dtype
     features = read_manifest(cfg.data.data) if source_of(cfg.data.data) is FEATURES else None
     if m.init_from is None and features is not None:
         m.init_from = features.get("init_from")  # features of a pretrained pipeline: fine-tune that pipeline
@@ -409,11 +590,19 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
             # decodes the grids: kept on the CPU (the VAE visits the GPU for a grid), out of a tight memory budget.
             on_gpu = device.type == "cuda" and features is None
             helpers = device if features is None else torch.device("cpu")
-            pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
-                                  text_device=helpers, vae_device=helpers, denoiser_device=home,
-                                  denoiser_dtype=amp_dtype if bf16_weights else torch.float32)
+            run.pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
+                                      text_device=helpers, vae_device=helpers, denoiser_device=run.home,
+                                      denoiser_dtype=amp_dtype if run.bf16_weights else torch.float32)
         else:
-            dit_init = finetune.read_dit_init(cfg)
+            run.dit_init = finetune.read_dit_init(cfg)
+    run.features = features
+
+
+def _build_data(run: _Run) -> None:
+    """Data: the data set, the batch encoder (VAE, text encoder), the data and model settings the data decides
+    (flips, streams, workers, classes, the default model), the bucket sampler and the run's length in steps."""
+    cfg, d, run_dir, pre = run.cfg, run.d, run.run_dir, run.pre
+    t, m, device = cfg.train, cfg.model, d.device
     dataset = _build_dataset(cfg, run_dir, pre, d)
     video = getattr(dataset, "num_frames", None) is not None
     if pre is not None:
@@ -424,7 +613,7 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         if is_video_model(m.model) != video:
             raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
                             f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
-        inputs = build_batch_encoder(cfg, dataset, device, amp_dtype if device.type == "cuda" else torch.float32)
+        inputs = build_batch_encoder(cfg, dataset, device, run.amp_dtype if device.type == "cuda" else torch.float32)
     if cfg.data.random_flip is None:
         cfg.data.random_flip = getattr(dataset, "random_flip", True)
     if isinstance(dataset, ShardData) and cfg.data.data_streams is None:
@@ -441,30 +630,44 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
     if cfg.data.buckets is not None and not isinstance(dataset, ShardData):  # shards: the streams' order
         from ditforge.data.buckets import BucketBatchSampler
 
-        if not mixed:
-            dataset.buckets.check_batch_sizes(per_step, f"{d.dp_size} data-parallel processes x "
-                                                        f"--grad_accum_steps {par.grad_accum_steps}")
+        if not run.mixed:
+            dataset.buckets.check_batch_sizes(run.per_step, f"{d.dp_size} data-parallel processes x "
+                                                            f"--grad_accum_steps {cfg.parallel.grad_accum_steps}")
         bucketed = BucketBatchSampler(dataset.buckets, dataset.sizes, t.seed, d.dp_rank, d.dp_size,
-                                      batch_size=t.batch_size if mixed else None)
-    steps_per_epoch = bucketed.steps_per_epoch if bucketed else len(dataset) // t.batch_size
-    max_steps = t.max_steps or (t.epochs * max(steps_per_epoch, 1) if t.epochs else 1000)
+                                      batch_size=t.batch_size if run.mixed else None)
+    run.steps_per_epoch = bucketed.steps_per_epoch if bucketed else len(dataset) // t.batch_size
+    run.max_steps = t.max_steps or (t.epochs * max(run.steps_per_epoch, 1) if t.epochs else 1000)
+    run.dataset, run.video, run.inputs, run.bucketed = dataset, video, inputs, bucketed
+
+
+def _build_objective(run: _Run) -> None:
+    """The learning rate's default (by the model and the optimizer asked, before a memory budget may change the
+    optimizer), and the objective, which a diffusers family's scheduler config decides; the config records it."""
+    t, m, pre = run.cfg.train, run.cfg.model, run.pre
     if t.lr is None and t.optimizer == "adafactor":  # its lr is a relative step size: the paper's 1e-2
         t.lr = 1e-2
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
     diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
                                  m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
-                                 where=f"--init_from {m.init_from}", device=d.device)
+                                 where=f"--init_from {m.init_from}", device=run.d.device)
     m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
     if m.objective == "flow":
         m.flow_shift = diffusion.shift
+    run.diffusion = diffusion
 
+
+def _build_model(run: _Run) -> None:
+    """The denoiser: the pipeline's or a new DiT (initial weights alike on every rank), its LoRA, its storage
+    dtype, then ``parallelize``; under zero2 / fsdp a DiT is sharded on the meta device, then initialised."""
+    cfg, d, pre, home, amp_dtype = run.cfg, run.d, run.pre, run.home, run.amp_dtype
+    t, m, par, plugin = cfg.train, cfg.model, cfg.parallel, cfg.parallel.plugin
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     skeleton = None  # an unsharded meta copy of a model that is sharded before it is materialised
     if pre is not None:
         model = pre.denoiser
         if m.train_text_encoder:
-            if features is not None:
+            if run.features is not None:
                 raise UserError(f"--train_text_encoder: --data {cfg.data.data} holds prompts encoded already; "
                                 "train on the captioned images")
             finetune.train_text_encoder(model, pre.pipe.text_encoder, pre.pipe, cfg)
@@ -473,32 +676,22 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
         # zero2 / fsdp: sharded on the meta device, then each process initialises its shards (init_sharded), so
         # the model never is whole on a GPU. Not with what needs the whole model first: official weights, LoRA,
         # FP8 conversion, the sequence-parallel measurement, or host shards (--cpu_offload all)
-        if (plugin in ("zero2", "fsdp") and dit_init is None and not m.lora_rank and d.sp_mesh is None
+        if (plugin in ("zero2", "fsdp") and run.dit_init is None and not m.lora_rank and d.sp_mesh is None
                 and t.mixed_precision != "fp8" and t.cpu_offload != "all"):
             skeleton = _create_model(cfg, torch.device("meta"))
             model = copy.deepcopy(skeleton)
         else:
             # LoRA: the adapters are drawn in fp32 on the fp32 base, which the loop below casts after injection
-            model = _create_model(cfg, home, amp_dtype if bf16_weights and not m.lora_rank else None)
-        if dit_init is not None:
-            finetune.load_dit_weights(model, finetune.dit_init_weights(dit_init, cfg), t.seed)
+            model = _create_model(cfg, home, amp_dtype if run.bf16_weights and not m.lora_rank else None)
+        if run.dit_init is not None:
+            finetune.load_dit_weights(model, finetune.dit_init_weights(run.dit_init, cfg), t.seed)
     if m.lora_rank:
         finetune.add_lora_to_denoiser(model, cfg)
     (model if skeleton is not None else model.to(home)).train()
-    if budget is not None:  # the state's placement under the budget (plan_placement's rule)
-        frozen = sum(p.numel() * (2 if half_base else p.element_size()) for p in model.parameters()
-                     if not p.requires_grad)
-        given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
-        choice = plan_placement(budget, sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
-                                t.ema_decay != 0, given, amp_dtype == torch.bfloat16,
-                                lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none",
-                                offload_ok=t.fused_optimizer == "auto" and on_gpu_with_triton(device))
-        if choice != given and d.is_main:
-            log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
-                     t.gpu_memory_budget, *choice[:2], " --fused_backward_pass" if choice[2] else "", choice[3])
-        t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload = choice
+    if run.budget is not None:
+        _place_under_budget(run, model)
     for p in model.parameters():  # what is not bf16 yet (a LoRA's base built here; the budget's choice)
-        if (half_base and not p.requires_grad) or (p.requires_grad and t.master_weights != "fp32"):
+        if (run.half_base and not p.requires_grad) or (p.requires_grad and t.master_weights != "fp32"):
             p.data = p.data.to(amp_dtype)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
@@ -506,307 +699,313 @@ def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
                         enable_modulate_kernel=t.enable_modulate_kernel,
                         enable_layernorm_kernel=t.enable_layernorm_kernel,
                         fp8=t.fp8_recipe if t.mixed_precision == "fp8" else None,
-                        sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // per_step,
+                        sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // run.per_step,
                         fused_backward_pass=t.fused_backward_pass, cpu_offload=t.cpu_offload == "all",
                         offload_activations=t.offload_activations)
     if skeleton is not None:
         init_sharded(model, skeleton, d)
-    adapters_only = bool(m.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
-    ema = EMA(model, trainable_only=adapters_only, alias=t.ema_decay == 0)
-    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t.optimizer, t.lr,
-                                t.weight_decay, device, t.master_weights, in_backward=t.fused_backward_pass,
-                                fused=t.fused_optimizer == "auto", offload=t.cpu_offload,
-                                delayed_update=t.delayed_update)
+    run.model = model
+
+
+def _place_under_budget(run: _Run, model: nn.Module) -> None:
+    """--gpu_memory_budget: the optimizer, master weights, fused backward and CPU offload that fit the budget
+    (``plan_placement``'s rule), written into the config."""
+    t, d, plugin = run.cfg.train, run.d, run.cfg.parallel.plugin
+    frozen = sum(p.numel() * (2 if run.half_base else p.element_size()) for p in model.parameters()
+                 if not p.requires_grad)
+    given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
+    choice = plan_placement(run.budget, sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
+                            t.ema_decay != 0, given, run.amp_dtype == torch.bfloat16,
+                            lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none",
+                            offload_ok=t.fused_optimizer == "auto" and on_gpu_with_triton(d.device))
+    if choice != given and d.is_main:
+        log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
+                 t.gpu_memory_budget, *choice[:2], " --fused_backward_pass" if choice[2] else "", choice[3])
+    t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload = choice
+
+
+def _build_optimizer(run: _Run) -> None:
+    """The EMA, the optimizer (its placement and precision), the step in the backward and the fp16 grad scaler."""
+    t, model, device = run.cfg.train, run.model, run.d.device
+    run.adapters_only = bool(run.cfg.model.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
+    ema = run.ema = EMA(model, trainable_only=run.adapters_only, alias=t.ema_decay == 0)
+    optimizer = run.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t.optimizer,
+                                                t.lr, t.weight_decay, device, t.master_weights,
+                                                in_backward=t.fused_backward_pass, fused=t.fused_optimizer == "auto",
+                                                offload=t.cpu_offload, delayed_update=t.delayed_update)
     # the fused step updates the EMA in its own pass (update_ema is then a no-op); StepInBackward's is per block
-    ema_in_step = not t.fused_backward_pass and ema.fuse_into(unwrap(model), optimizer)
+    run.ema_in_step = not t.fused_backward_pass and ema.fuse_into(unwrap(model), optimizer)
     # --fused_backward_pass: the blocks step during the backward; an async checkpoint's staging finishes first
-    stepper = (StepInBackward(unwrap(model), optimizer, t.max_grad_norm, lambda: checkpointer.wait_for_staging())
-               if t.fused_backward_pass else None)
-    scaler = None
-    if amp_dtype == torch.float16:
-        if plugin in ("zero2", "fsdp"):  # found-inf must agree across ranks that hold different shards
+    run.stepper = (StepInBackward(unwrap(model), optimizer, t.max_grad_norm,
+                                  lambda: run.checkpointer.wait_for_staging()) if t.fused_backward_pass else None)
+    if run.amp_dtype == torch.float16:
+        if run.cfg.parallel.plugin in ("zero2", "fsdp"):  # found-inf must agree across ranks that hold different shards
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            scaler = ShardedGradScaler(device.type)
+            run.scaler = ShardedGradScaler(device.type)
         else:
-            scaler = torch.amp.GradScaler(device.type)
-    start_step, loader_state = 0, None
-    if resume_from is not None:
-        saved = bool(ckpt_io.read_meta(resume_from).get("config", {}).get("train", {}).get("delayed_update"))
-        if saved != t.delayed_update:  # its optimizer state holds the masters, one update ahead of the weights
-            raise UserError(f"--resume {resume_from}: saved {'with' if saved else 'without'} --delayed_update; "
-                            f"resume it {'with' if saved else 'without'} the flag")
-        meta = ckpt_io.load_training_state(resume_from, model, optimizer, ema, adapters_only)
-        start_step, loader_state = int(meta["step"]), meta.get("loader")
-        if scaler is not None and meta.get("scaler"):
-            scaler.load_state_dict(meta["scaler"])
-        if stepper is not None and meta.get("step_in_backward"):
-            stepper.load_state_dict(meta["step_in_backward"])
-        if d.is_main:
-            log.info("resumed from %s at step %d (saved by %s processes, plugin %s)", resume_from, start_step,
-                     meta.get("world_size", 1), meta.get("plugin", "none"))
+            run.scaler = torch.amp.GradScaler(device.type)
+
+
+def _resume(run: _Run) -> None:
+    """--resume: the weights, optimizer, EMA, grad scaler and step-in-backward states of ``run.resume_from``, its
+    step, and its shard loader's position."""
+    resume_from, t = run.resume_from, run.cfg.train
+    if resume_from is None:
+        return
+    saved = bool(ckpt_io.read_meta(resume_from).get("config", {}).get("train", {}).get("delayed_update"))
+    if saved != t.delayed_update:  # its optimizer state holds the masters, one update ahead of the weights
+        raise UserError(f"--resume {resume_from}: saved {'with' if saved else 'without'} --delayed_update; "
+                        f"resume it {'with' if saved else 'without'} the flag")
+    meta = ckpt_io.load_training_state(resume_from, run.model, run.optimizer, run.ema, run.adapters_only)
+    run.start_step, run.loader_state = int(meta["step"]), meta.get("loader")
+    if run.scaler is not None and meta.get("scaler"):
+        run.scaler.load_state_dict(meta["scaler"])
+    if run.stepper is not None and meta.get("step_in_backward"):
+        run.stepper.load_state_dict(meta["step_in_backward"])
+    if run.d.is_main:
+        log.info("resumed from %s at step %d (saved by %s processes, plugin %s)", resume_from, run.start_step,
+                 meta.get("world_size", 1), meta.get("plugin", "none"))
+
+
+def _open_outputs(run: _Run) -> None:
+    """The run folder's ``samples/`` and ``config.yaml`` (rank 0), the metrics of steps after the resumed
+    checkpoint dropped, and the checkpointer, whose async staging every optimizer step waits for."""
+    d, run_dir, t = run.d, run.run_dir, run.cfg.train
     if d.is_main:
         (run_dir / "samples").mkdir(parents=True, exist_ok=True)
-        _write_config(run_dir / "config.yaml", cfg)
-        if resume_from is not None:
-            _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        _write_config(run_dir / "config.yaml", run.cfg)
+        if run.resume_from is not None:
+            _truncate_metrics(run_dir / "metrics.jsonl", run.start_step)
     d.barrier()
-    checkpointer = ckpt_io.Checkpointer(run_dir, t.keep_last, par.async_checkpoint, d,
-                                        last_step=start_step if resume_from is not None else None)
-    optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
+    checkpointer = run.checkpointer = ckpt_io.Checkpointer(
+        run_dir, t.keep_last, run.cfg.parallel.async_checkpoint, d,
+        last_step=run.start_step if run.resume_from is not None else None)
+    run.optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
 
-    shard_loader = None
+
+def _build_loader(run: _Run) -> None:
+    """This process's loader from ``run.start_step``, one batch ahead on the device, and ``--pack_tokens``'
+    packing (every bucket checked to fit a row)."""
+    cfg, d, dataset, device, start_step = run.cfg, run.d, run.dataset, run.d.device, run.start_step
+    t, m = cfg.train, cfg.model
     if isinstance(dataset, ShardData):  # streamed shards: the position is the loader's state, saved with the checkpoint
         data = cfg.data
-        shard_loader = build_shard_loader(dataset, t.batch_size, data.data_streams, data.shuffle_shards, t.seed,
-                                          d.dp_rank, d.dp_size, data.num_workers, start_step, loader_state,
-                                          worker_init_fn=_ignore_sigint)
-        loader = DevicePrefetcher(shard_loader, device)  # one batch ahead: the shard loader keeps two steps' states
+        run.shard_loader = build_shard_loader(dataset, t.batch_size, data.data_streams, data.shuffle_shards, t.seed,
+                                              d.dp_rank, d.dp_size, data.num_workers, start_step, run.loader_state,
+                                              worker_init_fn=_ignore_sigint)
+        # one batch ahead: the shard loader keeps two steps' states
+        run.loader = DevicePrefetcher(run.shard_loader, device)
     else:
-        sampler = bucketed or GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size, start_step)
+        sampler = run.bucketed or GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size,
+                                                     start_step)
         sampler.start_step = start_step
         from ditforge.data.buckets import collate_mixed
 
-        loader = DevicePrefetcher(DataLoader(
+        run.loader = DevicePrefetcher(DataLoader(
             dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
             persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
-            collate_fn=collate_mixed if mixed else None,
+            collate_fn=collate_mixed if run.mixed else None,
         ), device)
-    sample_shape = (m.in_channels, *([m.num_frames] if video else []), m.input_size, m.input_size)
-    packing = packing_setup(unwrap(model), t.pack_tokens, None if mixed else sample_shape) if t.pack_tokens else None
-    if mixed:
-        check_bucket_tokens(dataset.buckets, t.pack_tokens, packing[1], m.in_channels,
-                            cfg.data.image_size // m.input_size, video)
-    grid_model = grid_cond = None
-    metrics = MetricsLog(run_dir / "metrics.jsonl") if d.is_main else None
-    tracker = Tracker(run_dir, t.report_to, cfg.to_dict(), start_step if resume_from else None) if d.is_main else None
+    run.sample_shape = (m.in_channels, *([m.num_frames] if run.video else []), m.input_size, m.input_size)
+    if t.pack_tokens:
+        run.packing = packing_setup(unwrap(run.model), t.pack_tokens, None if run.mixed else run.sample_shape)
+    if run.mixed:
+        check_bucket_tokens(dataset.buckets, t.pack_tokens, run.packing[1], m.in_channels,
+                            cfg.data.image_size // m.input_size, run.video)
 
-    def last_good() -> Path | None:
-        found = ckpt_io.list_checkpoints(run_dir)
-        return found[-1] if found else None
 
-    nonfinite = NonfiniteGuard(1 if t.on_nonfinite == "stop" else t.max_nonfinite_steps, last_good)
-    if d.is_main:
-        n_params = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
-        log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %s, "
-                 "run folder %s", m.model or f"{pre.pipeline_class} denoiser", n_params / 1e6, d.world_size, device.type, plugin,
-                 str(amp_dtype).removeprefix("torch."), max_steps,
-                 "per bucket" if bucketed and not mixed else t.batch_size, run_dir)
-        log.info("optimizer step: %s%s", "one Triton pass (clipping, AdamW" + (", EMA)" if ema_in_step else ")")
-                 if getattr(optimizer, "fused", False) else "torch's fused AdamW on the CPU" if t.cpu_offload == "all"
-                 else f"the library's {type(optimizer).__name__}" if t.optimizer in LIBRARY_OPTIMIZERS
-                 else "the libraries' kernels (--fused_optimizer off or no GPU)",
-                 {"optimizer": "; states in pinned host memory, streamed through a GPU ring",
-                  "all": ", over weights, gradients and states in host memory (FSDP2's CPUOffloadPolicy)"
-                         + ("; one-step delayed update" if t.delayed_update else "")}.get(t.cpu_offload, ""))
+def _open_logs(run: _Run) -> None:
+    """``metrics.jsonl`` and the tracker (rank 0), the non-finite step guard, and the run's summary in the log."""
+    cfg, d, t, m = run.cfg, run.d, run.cfg.train, run.cfg.model
+    run.metrics = MetricsLog(run.run_dir / "metrics.jsonl") if d.is_main else None
+    run.tracker = (Tracker(run.run_dir, t.report_to, cfg.to_dict(), run.start_step if run.resume_from else None)
+                   if d.is_main else None)
+    run.nonfinite = NonfiniteGuard(1 if t.on_nonfinite == "stop" else t.max_nonfinite_steps, run.last_good)
+    if not d.is_main:
+        return
+    optimizer = run.optimizer
+    n_params = sum(p.numel() for p in unwrap(run.model).parameters() if p.requires_grad)
+    log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %s, "
+             "run folder %s", m.model or f"{run.pre.pipeline_class} denoiser", n_params / 1e6, d.world_size,
+             d.device.type, cfg.parallel.plugin, str(run.amp_dtype).removeprefix("torch."), run.max_steps,
+             "per bucket" if run.bucketed and not run.mixed else t.batch_size, run.run_dir)
+    log.info("optimizer step: %s%s", "one Triton pass (clipping, AdamW" + (", EMA)" if run.ema_in_step else ")")
+             if getattr(optimizer, "fused", False) else "torch's fused AdamW on the CPU" if t.cpu_offload == "all"
+             else f"the library's {type(optimizer).__name__}" if t.optimizer in LIBRARY_OPTIMIZERS
+             else "the libraries' kernels (--fused_optimizer off or no GPU)",
+             {"optimizer": "; states in pinned host memory, streamed through a GPU ring",
+              "all": ", over weights, gradients and states in host memory (FSDP2's CPUOffloadPolicy)"
+                     + ("; one-step delayed update" if t.delayed_update else "")}.get(t.cpu_offload, ""))
 
-    def save(step: int) -> Path | None:
-        """Save step ``step`` unless its weights are not finite (RunError); a failed write is a RunError too, or
-        with --continue_on_save_error a warning (returns None)."""
-        nonfinite.flush()
-        weights = [p for p in model.parameters() if p.requires_grad] + [ema.shadow[k] for k in ema.trainable]
-        if not all_finite(weights, d):
-            raise RunError(f"step {step}: the weights hold NaN or inf; not saved (the last good checkpoint is "
-                           f"{last_good()}); lower --lr, add --warmup_steps or keep --max_grad_norm")
-        meta = {"config": cfg.to_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
-                "step_in_backward": stepper.state_dict() if stepper is not None else None,
-                "world_size": d.world_size, "plugin": plugin,
-                "loader": shard_loader.state_dict(step, checkpointer.group) if shard_loader is not None else None}
-        with written(f"checkpoint step-{step:07d}"):
-            return checkpointer.save(step, ckpt_io.training_state(model, optimizer, ema, adapters_only), meta)
-        return None
 
-    def finish_saves() -> None:
-        with written("checkpoint"):
-            checkpointer.wait()
-
-    def written(what: str) -> contextlib.AbstractContextManager:
-        return disk_errors(what, run_dir, t.continue_on_save_error, last_good)
-
-    def write_samples(step: int) -> None:
-        try:
-            with written(f"sample grid of step {step}"):
-                draw_samples(step)
-                if tracker is not None:  # the grid draw_samples wrote
-                    tracker.image(step, run_dir / "samples" / f"step-{step:07d}{'.gif' if video else '.png'}")
-        except torch.OutOfMemoryError:  # a grid is never worth the run (a tight --gpu_memory_budget)
-            log.warning("step %d: no sample grid, out of GPU memory (%s)", step,
-                        f"--gpu_memory_budget {t.gpu_memory_budget}" if t.gpu_memory_budget else "the GPU's memory")
-            torch.cuda.empty_cache()
-
-    def draw(weights: dict[str, torch.Tensor], cond: dict[str, torch.Tensor], seed: int, **how) -> torch.Tensor:
-        """Pixels (N, C, [T,] H, W) in [-1, 1] of samples of a DiT with ``weights`` (rank 0); ``how``: sampler and
-        steps (``sample_grid``'s)."""
-        nonlocal grid_model
-        if grid_model is None:
-            grid_model = _create_model(cfg, device).eval()
-        grid_model.load_state_dict(weights)
-        with whole_sequences():  # rank 0 alone: no sequence-parallel attention
-            x = sample_grid(grid_model, cond, sample_shape, seed=seed, learn_sigma=m.learn_sigma,
-                            clip_denoised=m.vae == "none",  # VAE latents are not bounded to [-1, 1]
-                            objective=m.objective, flow_shift=m.flow_shift, **how)
-        return _decode(cfg, inputs, x, device)
-
-    def evaluate() -> dict[str, float]:
-        """--eval_every: the built-in digits extractor's metrics of ``eval_samples`` EMA samples, labels cycling
-        through the classes, drawn with DDIM in 25 steps at guidance 4 (cheap enough to run often on a CPU) in
-        batches of 256 (batch k seeded by ``derive_seed(seed, k)``)."""
-        from ditforge.eval.digits import evaluate_digits
-
-        weights = ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
-        if not d.is_main:
-            return {}
-        labels = torch.arange(t.eval_samples, device=device) % m.num_classes
-        pixels = torch.cat([draw(weights, {"y": y}, derive_seed(t.seed, k), sampler="ddim", num_steps=25)
-                            for k, y in enumerate(labels.split(256))])
-        result = evaluate_digits(pixels.cpu(), labels.cpu(), device=device)
-        return {f"digits_{k}": v for k, v in result.items()}
-
-    def draw_samples(step: int) -> None:
-        nonlocal grid_model, grid_cond
-        weights = ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
-        if not d.is_main:
-            return
-        if pre is not None:  # the family's own pipeline and scheduler draw the grid
-            # on the run's device: under --cpu_offload all the trained weights are in host memory
-            pixels, grid_model = finetune.sample_grid(pre, cfg, weights, dataset, grid_model, device=device)
-            save_grid(to_uint8(pixels), (run_dir / "samples" / f"step-{step:07d}.png"), nrow=4)
-            return
-        if grid_cond is None:
-            grid_cond = _grid_conditioning(cfg, dataset, inputs, device)
-        pixels = draw(weights, grid_cond, t.seed)
-        name = run_dir / "samples" / f"step-{step:07d}"
-        if video:  # a GIF of grids: frame k of every sample side by side
-            from ditforge.data.video import write_gif  # PyAV: ditforge[video]
-
-            frames = to_uint8(pixels)  # (N, T, H, W, C)
-            grids = [make_grid(frames[:, k], nrow=min(len(pixels), 4), upscale=max(1, 64 // cfg.data.image_size))
-                     for k in range(frames.shape[1])]
-            write_gif(np.stack(grids), name.with_suffix(".gif"), fps=8)
-        else:
-            save_grid(to_uint8(pixels), name.with_suffix(".png"), nrow=8, upscale=max(1, 64 // cfg.data.image_size))
-
-    def update_ema(step: int, skipped: torch.Tensor) -> None:
-        if skipped.device.type == "cpu":  # known on the host already
-            if not skipped:
-                ema.update(model, ema_decay_at(t.ema_decay, step))
-        else:
-            ema.update(model, ema_decay_at(t.ema_decay, step), skip=skipped)
-
-    step, stepped = start_step, False
+def _loop(run: _Run) -> int:
+    """The training loop, from ``run.start_step`` to ``run.max_steps``; returns the step reached. The first Ctrl-C
+    or SIGTERM ends it after the step in flight with a checkpoint, then KeyboardInterrupt is re-raised; on a
+    RunError a background save of good weights completes first."""
+    t, d = run.cfg.train, run.d
+    step, stepped = run.start_step, False
     # --gpu_memory_budget with streamed states: after two steps, as many states as the measured peak leaves room for
     # stay on the GPU (keep_states_within)
-    measure_at = start_step + 2 if budget is not None and t.cpu_offload == "optimizer" else None
-    window: dict[str, torch.Tensor] = {}
-    window_start, window_steps, window_samples, data_wait = time.perf_counter(), 0, 0, 0.0
-    bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None if d.is_main else True)
+    measure_at = run.start_step + 2 if run.budget is not None and t.cpu_offload == "optimizer" else None
+    window = _Window()
+    bar = tqdm(total=run.max_steps, initial=run.start_step, desc="train", dynamic_ncols=True,
+               disable=None if d.is_main else True)
     interrupted = _DeferredInterrupt()
     # Its own gloo group: the checkpointer's may be busy in a background save's collectives.
     control_group = dist.new_group(backend="gloo") if d.mesh is not None else None
     try:
-        batches = iter(loader)
-        while step < max_steps:
+        batches = iter(run.loader)
+        while step < run.max_steps:
             interrupted.check(control_group)
             waited = time.perf_counter()
-            batch, weights = as_batch(next(batches)), None
-            data_wait += time.perf_counter() - waited
-            if "class_x" in batch:  # DreamBooth with prior preservation: instance and class rows alternate
-                batch, weights = finetune.interleave_prior(batch, cfg.data.prior_loss_weight)
-            rows = 1 if weights is None else 2
-            cond = inputs.conditioning(batch, device)
-            if mixed:
-                x, rnd = mixed_step_inputs(inputs, batch["x"], device, t.seed, step, diffusion, m.class_dropout_prob,
-                                           d.dp_rank * len(batch["x"]))
-            else:
-                mean, std = inputs.moments(batch, device)
-                # the global batch and its shape: this step's bucket's with --buckets
-                rnd = step_randomness(t.seed, step, len(mean) * d.dp_size, tuple(mean.shape[1:]), diffusion,
-                                      m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
-                x = inputs.draw(mean, std, rnd.eps)
-            if not cfg.data.random_flip:
-                rnd.flip.zero_()
-            k = par.grad_accum_steps
-            conds = [dict(zip(cond, parts)) for parts in zip(*(v.chunk(k) for v in cond.values()))]
-            rnds = [StepRandomness(*parts, None) for parts in zip(*(chunk(v, k) for v in
-                                                                     (rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
-            micro = list(zip(chunk(x, k), conds, rnds, *([weights.chunk(k)] if rows > 1 else [])))
-            set_lr(optimizer, learning_rate(cfg, step))
-            if ema_in_step:
-                optimizer.ema_decay = ema_decay_at(t.ema_decay, step)
+            batch = as_batch(next(batches))
+            window.data_wait += time.perf_counter() - waited
+            micro, rows, samples = _micro_batches(run, batch, step)
+            set_lr(run.optimizer, learning_rate(run.cfg, step))
+            if run.ema_in_step:
+                run.optimizer.ema_decay = ema_decay_at(t.ema_decay, step)
             try:
-                out = train_step(model, diffusion, optimizer, scaler, micro, amp_dtype, t.max_grad_norm, d, rows,
-                                 stepper, packing)
+                out = train_step(run.model, run.diffusion, run.optimizer, run.scaler, micro, run.amp_dtype,
+                                 t.max_grad_norm, d, rows, run.stepper, run.packing)
             except torch.OutOfMemoryError:
-                raise out_of_memory(step, t.gpu_memory_budget, device) from None
+                raise out_of_memory(step, t.gpu_memory_budget, d.device) from None
             skipped, stepped = out.pop("skipped"), True
-            checkpointer.wait_for_staging()  # a skipped fp16 step runs no pre-step hook; the EMA changes next
-            update_ema(step, skipped)
-            nonfinite.push(step + 1, skipped, out["loss"], out["grad_norm"])  # reads the previous step's flag
+            run.checkpointer.wait_for_staging()  # a skipped fp16 step runs no pre-step hook; the EMA changes next
+            run.update_ema(step, skipped)
+            run.nonfinite.push(step + 1, skipped, out["loss"], out["grad_norm"])  # reads the previous step's flag
             step, stepped = step + 1, False
             if step == measure_at:
-                moved, peak = keep_states_within(optimizer, budget, device)
-                if d.is_main:
-                    log.info("--gpu_memory_budget %s: peak %.2f GiB reserved over the first steps; %.2f GiB of "
-                             "optimizer states moved to the GPU, the rest stream", t.gpu_memory_budget, peak / 2**30,
-                             moved / 2**30)
-            window_steps, window_samples = window_steps + 1, window_samples + len(x) * d.dp_size // rows
-            for k, v in out.items():  # a skipped step's values (NaN, inf) stay out of the means
-                window[k] = window.get(k, 0) + torch.where(skipped, 0.0, v)
-            window["good_steps"] = window.get("good_steps", 0) + (~skipped).double()
+                _keep_states_within_budget(run)
+            window.add(out, skipped, samples)
             bar.update(1)
-            evaluated = evaluate() if t.eval_every and (step % t.eval_every == 0 or step == max_steps) else {}
-            if evaluated and step % t.log_every and step != max_steps and metrics is not None:
-                with written("metrics.jsonl"):  # between two log steps: a record of its own
-                    metrics.write({"step": step, **evaluated})
-                    tracker.log(step, evaluated)
-            if step % t.log_every == 0 or step == max_steps:
-                sums = _mean_over_processes(window, d)
-                good = sums.pop("good_steps")  # the same on every process
-                record = {k: v / good if good else math.nan for k, v in sums.items()}
-                elapsed = time.perf_counter() - window_start
-                record |= {"lr": learning_rate(cfg, step - 1), "samples_per_sec": window_samples / elapsed,
-                           "epoch": step / max(steps_per_epoch, 1), "skipped_steps": window_steps - round(good),
-                           "data_wait_fraction": data_wait / elapsed}
-                if device.type == "cuda":
-                    record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                record |= evaluated
-                if metrics is not None:
-                    with written("metrics.jsonl"):
-                        metrics.write({"step": step, **record})
-                        tracker.log(step, record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}")
-                window, window_start, window_steps, window_samples, data_wait = {}, time.perf_counter(), 0, 0, 0.0
-            if t.sample_every and step % t.sample_every == 0 and step < max_steps:
-                write_samples(step)
-            if step % t.ckpt_every == 0 and step < max_steps:
-                save(step)
+            _after_step(run, step, window, bar)
     except KeyboardInterrupt:
         bar.close()
         if stepped:  # the optimizer already took this step: finish it, so the checkpoint is step-consistent
-            update_ema(step, skipped)
+            run.update_ema(step, skipped)
             step += 1
-        path = save(step)
-        finish_saves()
+        path = run.save(step)
+        run.finish_saves()
         log.warning("interrupted at step %d; checkpoint saved to %s", step, path)
         raise
     except RunError:
         with contextlib.suppress(RunError):
-            finish_saves()  # a background save of good weights still completes
+            run.finish_saves()  # a background save of good weights still completes
         raise
     finally:
         interrupted.restore()
-        if metrics is not None:
-            metrics.close()
+        if run.metrics is not None:
+            run.metrics.close()
     bar.close()
-    if t.sample_every:
-        write_samples(step)
-    if tracker is not None:  # (every event is flushed when logged: a run that dies loses none)
-        tracker.close()
-    path = save(step)
-    finish_saves()
-    if d.is_main:
-        log.info("finished %d steps; checkpoint %s, samples in %s", step, path, run_dir / "samples")
-    return run_dir
+    return step
+
+
+def _micro_batches(run: _Run, batch: dict, step: int) -> tuple[list[tuple], int, int]:
+    """A loader batch -> step ``step``'s micro-batches for ``train_step`` (latents, conditioning, ``StepRandomness``
+    [, loss weights]; ``--grad_accum_steps`` of them), its rows per sample (2 for DreamBooth's prior pairs) and the
+    samples of its global batch."""
+    cfg, d, inputs, device = run.cfg, run.d, run.inputs, run.d.device
+    t, m = cfg.train, cfg.model
+    weights = None
+    if "class_x" in batch:  # DreamBooth with prior preservation: instance and class rows alternate
+        batch, weights = finetune.interleave_prior(batch, cfg.data.prior_loss_weight)
+    rows = 1 if weights is None else 2
+    cond = inputs.conditioning(batch, device)
+    if run.mixed:
+        x, rnd = mixed_step_inputs(inputs, batch["x"], device, t.seed, step, run.diffusion, m.class_dropout_prob,
+                                   d.dp_rank * len(batch["x"]))
+    else:
+        mean, std = inputs.moments(batch, device)
+        # the global batch and its shape: this step's bucket's with --buckets
+        rnd = step_randomness(t.seed, step, len(mean) * d.dp_size, tuple(mean.shape[1:]), run.diffusion,
+                              m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
+        x = inputs.draw(mean, std, rnd.eps)
+    if not cfg.data.random_flip:
+        rnd.flip.zero_()
+    k = cfg.parallel.grad_accum_steps
+    conds = [dict(zip(cond, parts)) for parts in zip(*(v.chunk(k) for v in cond.values()))]
+    rnds = [StepRandomness(*parts, None) for parts in zip(*(chunk(v, k) for v in
+                                                             (rnd.noise, rnd.t, rnd.drop, rnd.flip)))]
+    micro = list(zip(chunk(x, k), conds, rnds, *([weights.chunk(k)] if rows > 1 else [])))
+    return micro, rows, len(x) * d.dp_size // rows
+
+
+def _keep_states_within_budget(run: _Run) -> None:
+    moved, peak = keep_states_within(run.optimizer, run.budget, run.d.device)
+    if run.d.is_main:
+        log.info("--gpu_memory_budget %s: peak %.2f GiB reserved over the first steps; %.2f GiB of "
+                 "optimizer states moved to the GPU, the rest stream", run.cfg.train.gpu_memory_budget, peak / 2**30,
+                 moved / 2**30)
+
+
+class _Window:
+    """The steps since the last metrics record: their summed values (a skipped step's left out), their count,
+    their samples, and the time since the window opened and spent waiting for data."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.start, self.steps, self.samples, self.data_wait = time.perf_counter(), 0, 0, 0.0
+
+    def add(self, out: dict[str, torch.Tensor], skipped: torch.Tensor, samples: int) -> None:
+        self.steps, self.samples = self.steps + 1, self.samples + samples
+        for k, v in out.items():  # a skipped step's values (NaN, inf) stay out of the means
+            self.sums[k] = self.sums.get(k, 0) + torch.where(skipped, 0.0, v)
+        self.sums["good_steps"] = self.sums.get("good_steps", 0) + (~skipped).double()
+
+    def record(self, run: _Run, step: int) -> dict[str, float]:
+        """The window's metrics record at ``step``: means over its good steps and all processes (one all-reduce),
+        lr, throughput, epoch, skipped steps, data-wait fraction and (CUDA) peak memory."""
+        sums = _mean_over_processes(self.sums, run.d)
+        good = sums.pop("good_steps")  # the same on every process
+        record = {k: v / good if good else math.nan for k, v in sums.items()}
+        elapsed = time.perf_counter() - self.start
+        record |= {"lr": learning_rate(run.cfg, step - 1), "samples_per_sec": self.samples / elapsed,
+                   "epoch": step / max(run.steps_per_epoch, 1), "skipped_steps": self.steps - round(good),
+                   "data_wait_fraction": self.data_wait / elapsed}
+        if run.d.device.type == "cuda":
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.d.device) / 2**30
+        return record
+
+
+def _after_step(run: _Run, step: int, window: _Window, bar: tqdm) -> None:
+    """What follows step ``step`` (counted from 1) on its schedule: the evaluation (--eval_every), the metrics
+    record (--log_every), a sample grid (--sample_every) and a checkpoint (--ckpt_every); the last step's grid
+    and checkpoint are ``_finish``'s."""
+    t, max_steps, metrics = run.cfg.train, run.max_steps, run.metrics
+    evaluated = run.evaluate() if t.eval_every and (step % t.eval_every == 0 or step == max_steps) else {}
+    if evaluated and step % t.log_every and step != max_steps and metrics is not None:
+        with run.written("metrics.jsonl"):  # between two log steps: a record of its own
+            metrics.write({"step": step, **evaluated})
+            run.tracker.log(step, evaluated)
+    if step % t.log_every == 0 or step == max_steps:
+        record = window.record(run, step) | evaluated
+        if metrics is not None:
+            with run.written("metrics.jsonl"):
+                metrics.write({"step": step, **record})
+                run.tracker.log(step, record)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+        window.reset()
+    if t.sample_every and step % t.sample_every == 0 and step < max_steps:
+        run.write_samples(step)
+    if step % t.ckpt_every == 0 and step < max_steps:
+        run.save(step)
+
+
+def _finish(run: _Run, step: int) -> Path:
+    """The end: the last sample grid, the tracker closed, the last checkpoint and every save finished."""
+    if run.cfg.train.sample_every:
+        run.write_samples(step)
+    if run.tracker is not None:  # (every event is flushed when logged: a run that dies loses none)
+        run.tracker.close()
+    path = run.save(step)
+    run.finish_saves()
+    if run.d.is_main:
+        log.info("finished %d steps; checkpoint %s, samples in %s", step, path, run.run_dir / "samples")
+    return run.run_dir
 
 
 class _DeferredInterrupt:
