@@ -402,6 +402,65 @@ class LoopGraphs:
         return out.clone()
 
 
+def _check_generate_args(sampler: str, objective: str, num_steps: int, n: int, y_mask: torch.Tensor | None,
+                         generator: torch.Generator | None, seeds: Sequence[int] | None, batch_size: int) -> None:
+    """``generate``'s ValueErrors about its arguments (``n``: the rows of ``y``; ``batch_size`` resolved)."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
+    if objective == "flow" and sampler != "euler":
+        raise ValueError(f"a rectified-flow model samples with euler, not {sampler!r}")
+    if not 2 <= num_steps <= 1000:
+        raise ValueError(f"num_steps must be in 2..1000 (1 step cannot be respaced), got {num_steps}")
+    if y_mask is not None and y_mask.shape[0] != n:
+        raise ValueError(f"y_mask has {y_mask.shape[0]} rows, y has {n}")
+    if seeds is not None and (generator is not None or len(seeds) != n):
+        raise ValueError(f"seeds: expected {n} seeds and no generator, got {len(seeds)} seeds"
+                         + (" and a generator" if generator is not None else ""))
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+
+
+def _starting_noise(n: int, shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None,
+                    seeds: Sequence[int] | None) -> tuple[torch.Tensor, list[torch.Generator] | None]:
+    """(x_T (n, *shape) float32, the per-row generators or None), in ``generate``'s two noise conventions: all rows
+    from ``generator`` at once, or row i from its own generator seeded ``seeds[i]``, which is returned to draw the
+    row's step noise too."""
+    if seeds is None:
+        gens: list | None = None
+        noise = torch.randn((n, *shape), generator=generator, device=device, dtype=torch.float32)
+    else:
+        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        noise = torch.cat([torch.randn((1, *shape), generator=g, device=device, dtype=torch.float32) for g in gens])
+    return noise, gens
+
+
+def _batch_loop(sampler: str, num_steps: int, eta: float, clip_denoised: bool, cfg_scale: float,
+                guidance_channels: int | None, cfg_interval: tuple[int, int] | None,
+                cfg_group: dist.ProcessGroup | None, pab: PABConfig | None, diffusion: GaussianDiffusion | None,
+                flow: RectifiedFlow | None, prediction_type: str) -> Callable[..., torch.Tensor]:
+    """``generate``'s loop over one batch, ``loop(net, x, y_rows, mask_rows, step_noise=None, g=None, desc=None,
+    bar=False)``: ``net`` guided by ``GuidedModel``, with a PAB cache for the batch, run by ``euler_loop``
+    (``flow``), ``sample_loop`` (``diffusion``: our samplers) or ``solver_loop`` (the diffusers solvers)."""
+
+    def loop(net, x, y_rows, mask_rows, step_noise=None, g=None, desc=None, bar=False) -> torch.Tensor:
+        fn = GuidedModel(net, y_rows, cfg_scale, mask_rows, guidance_channels, cfg_interval, cfg_group)
+        # PAB's cache lives for one batch (its shapes)
+        with PyramidAttentionBroadcast(net, pab) if pab is not None else contextlib.nullcontext() as cache:
+            def both_steps(t: int) -> None:
+                fn.step(t)
+                cache.step(t)
+
+            on_step = both_steps if cache is not None else None  # None: the loops call fn.step themselves
+            if flow is not None:
+                return euler_loop(flow, fn, x, num_steps, on_step)
+            if diffusion is not None:
+                return sample_loop(diffusion, fn, x, sampler, eta, clip_denoised, g, bar, desc, on_step, step_noise)
+            return solver_loop(fn, x, sampler, num_steps, g, bar, desc, on_step=on_step,
+                               prediction_type=prediction_type)
+
+    return loop
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -484,49 +543,17 @@ def generate(
             (``cfg_interval``, ``cfg_group``, ``guidance_channels``); PAB on a model without ``blocks``.
         UserError: a diffusers solver without diffusers installed.
     """
-    if sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
-    if objective == "flow" and sampler != "euler":
-        raise ValueError(f"a rectified-flow model samples with euler, not {sampler!r}")
-    if not 2 <= num_steps <= 1000:
-        raise ValueError(f"num_steps must be in 2..1000 (1 step cannot be respaced), got {num_steps}")
     n = y.shape[0]
-    if y_mask is not None and y_mask.shape[0] != n:
-        raise ValueError(f"y_mask has {y_mask.shape[0]} rows, y has {n}")
-    if seeds is not None and (generator is not None or len(seeds) != n):
-        raise ValueError(f"seeds: expected {n} seeds and no generator, got {len(seeds)} seeds"
-                         + (" and a generator" if generator is not None else ""))
     batch_size = n if batch_size is None else batch_size
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    _check_generate_args(sampler, objective, num_steps, n, y_mask, generator, seeds, batch_size)
     device = y.device
-    if seeds is None:
-        gens: list | None = None
-        noise = torch.randn((n, *shape), generator=generator, device=device, dtype=torch.float32)
-    else:
-        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-        noise = torch.cat([torch.randn((1, *shape), generator=g, device=device, dtype=torch.float32) for g in gens])
+    noise, gens = _starting_noise(n, shape, device, generator, seeds)
     prediction_type = "v_prediction" if objective == "v" else "epsilon"
     diffusion = (create_diffusion(str(num_steps), learn_sigma, prediction_type=prediction_type)
                  if sampler in OWN_SAMPLERS else None)
     flow = RectifiedFlow(shift=flow_shift) if objective == "flow" else None
-
-    def loop(net, x, y_rows, mask_rows, step_noise=None, g=None, desc=None, bar=False) -> torch.Tensor:
-        fn = GuidedModel(net, y_rows, cfg_scale, mask_rows, guidance_channels, cfg_interval, cfg_group)
-        # PAB's cache lives for one batch (its shapes)
-        with PyramidAttentionBroadcast(net, pab) if pab is not None else contextlib.nullcontext() as cache:
-            def both_steps(t: int) -> None:
-                fn.step(t)
-                cache.step(t)
-
-            on_step = both_steps if cache is not None else None  # None: the loops call fn.step themselves
-            if flow is not None:
-                return euler_loop(flow, fn, x, num_steps, on_step)
-            if diffusion is not None:
-                return sample_loop(diffusion, fn, x, sampler, eta, clip_denoised, g, bar, desc, on_step, step_noise)
-            return solver_loop(fn, x, sampler, num_steps, g, bar, desc, on_step=on_step,
-                               prediction_type=prediction_type)
-
+    loop = _batch_loop(sampler, num_steps, eta, clip_denoised, cfg_scale, guidance_channels, cfg_interval, cfg_group,
+                       pab, diffusion, flow, prediction_type)
     graphs = getattr(model, "loop_graphs", None)
     if pab is not None:  # PAB patches module forwards, which a compiled graph would not follow
         model = getattr(model, "eager", model)
