@@ -288,28 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
             bench(BenchConfig(**args))
         elif command == "export":
-            fmt, vae = args.pop("format"), args.pop("vae")
-            from ditforge.train.checkpoint import load_weights
+            from ditforge.export import export
 
-            state, config = load_weights(args["ckpt"], args["use_ema"])
-            if config is not None and config["model"].get("family"):  # a fine-tuned diffusers pipeline
-                from ditforge.train.finetune import export_pretrained
-
-                export_pretrained(state, config, args["out"], fmt, args["use_ema"])
-            elif fmt == "lora":
-                raise UserError("--format lora: the checkpoint is no LoRA fine-tune of a diffusers pipeline")
-            elif fmt == "diffusers":
-                from ditforge.interop import export_diffusers
-                from ditforge.sample import load_model
-
-                model, spec = load_model(args["ckpt"], use_ema=args["use_ema"])
-                export_diffusers(model, spec, args["out"], vae)
-            else:
-                if vae is not None:
-                    raise UserError("--vae: only --format diffusers puts a VAE in the export")
-                from ditforge.sample import export
-
-                export(**args)
+            export(args["ckpt"], args["out"], args["format"], args["use_ema"], args["vae"])
         elif command == "eval":
             import json
 

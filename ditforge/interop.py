@@ -1,5 +1,5 @@
 """diffusers interop: the official DiT state dict (ditforge's own layout) <-> diffusers' ``DiTTransformer2DModel``,
-and a ``DiTPipeline`` folder written by ``ditforge export --format diffusers``.
+and reading a ``DiTPipeline`` folder (one that ``ditforge export --format diffusers`` writes: ``ditforge.export``).
 
 Key mapping (our own, worked out from the parameter names and shapes of ``DiTTransformer2DModel`` in diffusers
 0.42 and from the forward passes of both models; diffusers' ``scripts/convert_dit_to_diffusers.py`` does the same
@@ -35,16 +35,12 @@ tests/test_interop_diffusers.py).
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
 import torch
 
-from ditforge.atomic import atomic_dir
 from ditforge.errors import UserError
-
-log = logging.getLogger(__name__)
 
 PIPELINE_NULL_LABEL = 1000  # DiTPipeline.__call__ hard-codes the null label 1000 (ImageNet's 1000 classes)
 SPEC_FILE = "ditforge.json"  # our model settings beside model_index.json (diffusers ignores it)
@@ -178,81 +174,6 @@ def ddim_scheduler_config() -> dict:
                 timestep_spacing="leading")
 
 
-def export_diffusers(model: torch.nn.Module, spec: dict, out_dir: str | os.PathLike,
-                     vae_path: str | os.PathLike | None = None) -> Path:
-    """Write a folder that ``diffusers.DiTPipeline.from_pretrained(out_dir, local_files_only=True)`` loads.
-
-    Layout: ``model_index.json``, ``transformer/`` (``DiTTransformer2DModel``, fp32 safetensors), ``scheduler/``
-    (``DDIMScheduler``, ``ddim_scheduler_config``), ``vae/`` (the ``AutoencoderKL`` of ``vae_path``, else of
-    ``spec["vae"]``, loaded and saved again) and ``ditforge.json`` (``spec`` without its run config: the class
-    count and model name the import needs). Written under ``.NAME.tmp`` beside ``out_dir`` and renamed when
-    complete; an existing ``out_dir`` is replaced only then.
-
-    Args:
-        model: an image class-conditional ``DiT`` (official layout), any device; its weights are copied to CPU.
-        spec: ``load_model``'s settings dict (model, input_size, in_channels, num_classes, learn_sigma, vae,
-            condition, num_frames, ...).
-        out_dir: the folder to write.
-        vae_path: a local diffusers ``AutoencoderKL`` folder (or a pipeline folder with ``vae/``).
-
-    Returns:
-        ``Path(out_dir)``.
-
-    Raises:
-        UserError: a text-conditioned or video model, a model whose heads or patch are not a square DiT's,
-            more than 1000 classes, no VAE (pixel-space models included: DiTPipeline always decodes with one),
-            or a VAE whose latent channels differ from the model's.
-    """
-    from diffusers import AutoencoderKL, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
-
-    if spec.get("condition", "class") != "class" or getattr(model, "text_dim", None) is not None:
-        raise UserError(f"--format diffusers: {spec.get('model')} is text-conditioned; DiTPipeline takes class "
-                        "labels only (use --format safetensors)")
-    if spec.get("num_frames") is not None or type(model).__name__ != "DiT":
-        raise UserError(f"--format diffusers: {spec.get('model')} is a video model; DiTPipeline makes images "
-                        "(use --format safetensors)")
-    if any(k.endswith(("q_norm.weight", "k_norm.weight")) for k in model.state_dict()):
-        raise UserError("--format diffusers: the model uses QK-norm, which DiTTransformer2DModel lacks "
-                        "(use --format safetensors)")
-    path = vae_path if vae_path is not None else spec.get("vae")
-    if path is None or str(path).lower() == "none":
-        raise UserError("--vae: DiTPipeline decodes latents with an AutoencoderKL; pass --vae FOLDER (a local "
-                        "diffusers AutoencoderKL, e.g. sd-vae-ft-ema)" +
-                        (" -- a pixel-space model cannot be exported as a DiTPipeline"
-                         if spec["in_channels"] in (1, 3) else ""))
-    p = Path(path)
-    sub = "vae" if (p / "vae" / "config.json").is_file() else None
-    try:
-        vae = AutoencoderKL.from_pretrained(str(p), subfolder=sub, local_files_only=True)
-    except (OSError, ValueError, EnvironmentError) as e:
-        raise UserError(f"--vae {path}: not a local diffusers AutoencoderKL folder ({' '.join(str(e).split())[:200]})"
-                        ) from None
-    if vae.config.latent_channels != spec["in_channels"]:
-        raise UserError(f"--vae {path}: its latents have {vae.config.latent_channels} channels, the model's "
-                        f"{spec['in_channels']}")
-
-    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    hidden = state["x_embedder.proj.weight"].shape[0]
-    transformer = DiTTransformer2DModel(
-        num_attention_heads=model.num_heads, attention_head_dim=hidden // model.num_heads,
-        in_channels=model.in_channels, out_channels=model.out_channels, num_layers=len(model.blocks),
-        sample_size=spec["input_size"], patch_size=model.patch_size, norm_eps=1e-6,
-        num_embeds_ada_norm=PIPELINE_NULL_LABEL)
-    missing, unexpected = transformer.load_state_dict(official_to_diffusers(state, spec["num_classes"]), strict=True)
-    assert not missing and not unexpected
-    pipe = DiTPipeline(transformer=transformer.eval(), vae=vae.eval(),
-                       scheduler=DDIMScheduler(**ddim_scheduler_config()))
-
-    out = Path(out_dir)
-    with atomic_dir(out) as tmp:
-        pipe.save_pretrained(str(tmp), safe_serialization=True)
-        keep = {k: v for k, v in spec.items() if k != "run_config"}
-        keep["vae"] = "vae"  # relative: the folder's own vae/
-        (tmp / SPEC_FILE).write_text(json.dumps(keep, indent=2, default=str))
-    log.info("wrote a diffusers DiTPipeline of %s to %s", spec.get("model"), out)
-    return out
-
-
 def is_diffusers_folder(path: str | os.PathLike) -> bool:
     """True for a diffusers pipeline folder (``model_index.json`` with a ``transformer/``) or a
     ``DiTTransformer2DModel`` folder (``config.json`` whose ``_class_name`` names it)."""
@@ -267,7 +188,7 @@ def is_diffusers_folder(path: str | os.PathLike) -> bool:
 
 
 def load_diffusers(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a diffusers DiT (a ``DiTPipeline`` folder, e.g. one written by ``export_diffusers`` or
+    """Read a diffusers DiT (a ``DiTPipeline`` folder, e.g. one written by ``ditforge.export.export_diffusers`` or
     facebook/DiT-XL-2-256 downloaded beforehand, or its ``transformer/`` folder) as ditforge weights.
 
     Returns:

@@ -18,7 +18,8 @@ from ditforge.diffusion import create_diffusion  # noqa: E402
 from ditforge.diffusion.samplers import GuidedModel, sample_loop  # noqa: E402
 from ditforge.encoders.vae import load_vae  # noqa: E402
 from ditforge.errors import UserError  # noqa: E402
-from ditforge.interop import export_diffusers, load_diffusers, use_official_timestep_frequencies  # noqa: E402
+from ditforge.export import export_diffusers  # noqa: E402
+from ditforge.interop import load_diffusers, use_official_timestep_frequencies  # noqa: E402
 from ditforge.models import create_model  # noqa: E402
 
 SPEC = dict(model="DiT-T/2", input_size=8, in_channels=4, num_classes=1000, learn_sigma=True,

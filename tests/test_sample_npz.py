@@ -19,6 +19,7 @@ from ditforge import cli, sample
 from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate
+from ditforge.sample import loops
 from ditforge.models import create_model
 from ditforge.train.checkpoint import export_safetensors
 
@@ -89,7 +90,7 @@ def test_two_processes_write_the_same_samples(ckpt, reference, tmp_path, subproc
 
 def test_interrupted_run_resumes(ckpt, reference, tmp_path, monkeypatch, capsys):
     npz, parts = tmp_path / "s.npz", tmp_path / "s.npz.parts"
-    save, calls = sample._save_npz, []
+    save, calls = loops.save_npz, []
 
     def ctrl_c_after_one_part(path, **arrays):
         calls.append(path)
@@ -97,9 +98,9 @@ def test_interrupted_run_resumes(ckpt, reference, tmp_path, monkeypatch, capsys)
             raise KeyboardInterrupt
         save(path, **arrays)
 
-    monkeypatch.setattr(sample, "_save_npz", ctrl_c_after_one_part)
+    monkeypatch.setattr(loops, "save_npz", ctrl_c_after_one_part)
     assert _run(ckpt, npz, "--batch_size", "4") == 130
-    monkeypatch.setattr(sample, "_save_npz", save)
+    monkeypatch.setattr(loops, "save_npz", save)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.npz.parts"]
     assert sorted(p.name for p in parts.iterdir()) == ["part-0000000.npz", "settings.json"]
 
@@ -110,8 +111,8 @@ def test_interrupted_run_resumes(ckpt, reference, tmp_path, monkeypatch, capsys)
 
     # the re-run, in batches of 5, draws samples 4..9 only and gives the uninterrupted run's file
     drawn = []
-    real = sample._generate
-    monkeypatch.setattr(sample, "_generate", lambda *a, **k: drawn.append(k["seeds"]) or real(*a, **k))
+    real = loops.generate_samples
+    monkeypatch.setattr(loops, "generate_samples", lambda *a, **k: drawn.append(k["seeds"]) or real(*a, **k))
     assert _run(ckpt, npz, "--batch_size", "5") == 0
     assert drawn == [[derive_seed(SEED, i) for i in range(4, 9)], [derive_seed(SEED, 9)]]
     got = _read(npz)

@@ -21,7 +21,8 @@ from ditforge.data.video import display_scale, write_gif, write_video
 from ditforge.diffusion import generate, GuidedModel
 from ditforge.encoders.vae import load_vae
 from ditforge.models import create_model
-from ditforge.sample import load_model, slug
+from ditforge.sample import load_model
+from ditforge.sample.write import slug
 from ditforge.train.checkpoint import export_safetensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,6 +1,6 @@
 """Fine-tuning pretrained models: ``--init_from`` (a local diffusers pipeline folder, an official DiT ``.pt``, or a
-ditforge run / checkpoint / export), LoRA through peft, DreamBooth's prior preservation, and the way back to
-diffusers (pipeline folders and LoRA files).
+ditforge run / checkpoint / export), LoRA through peft, DreamBooth's prior preservation, and a fine-tuned
+pipeline loaded back for sampling (``ditforge.export`` writes it as a pipeline folder or a LoRA file).
 
 Nothing is downloaded: pipelines load with ``from_pretrained(folder, local_files_only=True)``.
 
@@ -12,17 +12,15 @@ the objective (``ditforge.diffusion.objective``); its VAE and text encoders enco
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ditforge.atomic import atomic_dir
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser
-from ditforge.models.adapters.pipeline import FLAG, Pretrained, load_pretrained, read_model_index
+from ditforge.models.adapters.pipeline import FLAG, Pretrained, load_pretrained
 
 # ---------------------------------------------------------------------------------------------------------------
 # DiT weights into ditforge's own DiT
@@ -173,54 +171,6 @@ def interleave_prior(batch: dict, prior_loss_weight: float) -> tuple[dict, torch
 
 def _component(pre: Pretrained) -> str:
     return pre.denoiser.component
-
-
-def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path) -> Path:
-    """A complete pipeline folder at ``out``: the fine-tuned (LoRA merged) denoiser and, when it trained, text
-    encoder saved with their ``save_pretrained``, every other component copied untouched from the folder the run
-    started from, so the family's pipeline class loads it offline. Written under a temporary name and renamed when
-    complete."""
-    trained = {_component(pre): denoiser.inner}
-    if denoiser.tokenize is not None:  # --train_text_encoder
-        trained["text_encoder"] = denoiser.text_encoder
-    with atomic_dir(out) as tmp:
-        for item in pre.folder.iterdir():
-            if item.name not in trained:
-                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
-        for name, module in trained.items():
-            module.save_pretrained(str(tmp / name), safe_serialization=True)
-    return Path(out)
-
-
-def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Path) -> Path:
-    """The adapters as a diffusers LoRA file, ``OUT/pytorch_lora_weights.safetensors``, which the family's
-    ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata; the text encoder's adapters too
-    when it trained). The pipeline class must have a LoRA loader (SD, SD3; not PixArt: ``export_pretrained``
-    refuses that first)."""
-    import diffusers
-
-    m = cfg.model
-    cls = getattr(diffusers, pre.pipeline_class)
-    config = lora_config(m.lora_rank, m.lora_alpha, m.lora_target_modules.split(","))
-    metadata = {**config.to_dict(), "base_model_name_or_path": None}
-    with atomic_dir(out) as tmp:
-        if pre.denoiser.component == "unet":
-            from diffusers.utils import convert_state_dict_to_diffusers
-
-            extra = {}
-            if denoiser.tokenize is not None:
-                text_config = lora_config(m.lora_rank, m.lora_alpha, list(TEXT_LORA_TARGETS))
-                extra = {"text_encoder_lora_layers": convert_state_dict_to_diffusers(
-                             lora_state_dict(denoiser.text_encoder)),
-                         "text_encoder_lora_adapter_metadata": {**text_config.to_dict(),
-                                                                "base_model_name_or_path": None}}
-            cls.save_lora_weights(str(tmp), unet_lora_layers=convert_state_dict_to_diffusers(
-                                      lora_state_dict(denoiser.inner)),
-                                  unet_lora_adapter_metadata=metadata, safe_serialization=True, **extra)
-        else:
-            cls.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(denoiser.inner),
-                                  transformer_lora_adapter_metadata=metadata, safe_serialization=True)
-    return Path(out)
 
 
 def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int],
@@ -422,34 +372,6 @@ def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: 
                         f"{', '.join(sorted(missing)[:3]) or '-'}; unexpected {', '.join(sorted(unexpected)[:3]) or '-'})")
     denoiser.load_state_dict(weights, strict=False)
     return pre, denoiser.to(device).eval(), cfg
-
-
-def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: str | Path, fmt: str,
-                      use_ema: bool = True) -> Path:
-    """``ditforge export`` of a fine-tuned pipeline run: ``diffusers`` writes a complete pipeline folder (LoRA
-    merged; ``write_pipeline``), ``lora`` the adapters as a diffusers LoRA file (``write_lora``).
-
-    Raises:
-        UserError: ``lora`` for a full fine-tune or a family without a LoRA loader; another format.
-    """
-    if fmt not in ("diffusers", "lora"):
-        raise UserError(f"--format {fmt}: a fine-tuned {config['model']['family']} pipeline exports as diffusers (a "
-                        "pipeline folder) or lora (a LoRA file)")
-    if fmt == "lora":
-        import diffusers
-
-        pipeline_class = read_model_index(config["model"]["init_from"], "--ckpt (the run's --init_from)")["_class_name"]
-        if not config["model"].get("lora_rank"):
-            raise UserError("--format lora: the run fine-tuned all weights (no --lora_rank); export --format diffusers")
-        if not hasattr(getattr(diffusers, pipeline_class), "save_lora_weights"):
-            raise UserError(f"--format lora: diffusers' {pipeline_class} has no LoRA loader (load_lora_weights); "
-                            "export --format diffusers for a pipeline with the LoRA merged")
-    pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema)
-    if fmt == "lora":
-        return write_lora(pre, denoiser, cfg, out)
-    if cfg.model.lora_rank:
-        merge_lora(denoiser)
-    return write_pipeline(pre, denoiser, out)
 
 
 def load_dit_lora(model: nn.Module, run_config: dict, state: dict[str, torch.Tensor] | Path,

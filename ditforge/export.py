@@ -1,0 +1,207 @@
+"""``ditforge export``: a checkpoint as one safetensors file (the run config in its metadata), as a diffusers
+``DiTPipeline`` folder (image class-conditional DiTs), or, for a run that fine-tuned a diffusers pipeline
+(``--init_from``), as a complete pipeline folder or a diffusers LoRA file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ditforge.atomic import atomic_dir
+from ditforge.errors import UserError
+from ditforge.interop import PIPELINE_NULL_LABEL, SPEC_FILE, ddim_scheduler_config, official_to_diffusers
+from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters.pipeline import Pretrained, read_model_index
+from ditforge.sample import load_model
+from ditforge.train.checkpoint import export_safetensors, load_weights
+from ditforge.train.finetune import TEXT_LORA_TARGETS, load_finetuned, lora_config, lora_state_dict, merge_lora
+
+log = logging.getLogger(__name__)
+
+
+def export(ckpt: str, out: str, fmt: str = "safetensors", use_ema: bool = True, vae: str | None = None) -> Path:
+    """``ditforge export``: ``fmt`` safetensors (``consolidate``), diffusers (``export_diffusers``; a fine-tuned
+    pipeline run: ``export_pretrained``) or lora (a LoRA fine-tune of a pipeline: ``export_pretrained``).
+    ``vae``: for diffusers, the local AutoencoderKL folder to put in a ``DiTPipeline``. Returns what was written.
+
+    Raises:
+        UserError: an unreadable checkpoint; lora for a run that is no LoRA fine-tune of a pipeline; ``vae`` with
+            another format than diffusers; the errors of the writer.
+    """
+    state, config = load_weights(ckpt, use_ema)
+    if config is not None and config["model"].get("family"):  # a fine-tuned diffusers pipeline
+        return export_pretrained(state, config, out, fmt, use_ema)
+    if fmt == "lora":
+        raise UserError("--format lora: the checkpoint is no LoRA fine-tune of a diffusers pipeline")
+    if fmt == "diffusers":
+        model, spec = load_model(ckpt, use_ema=use_ema)
+        return export_diffusers(model, spec, out, vae)
+    if vae is not None:
+        raise UserError("--vae: only --format diffusers puts a VAE in the export")
+    return consolidate(ckpt, out, use_ema)
+
+
+def consolidate(ckpt: str, out: str, use_ema: bool = True) -> Path:
+    """``ditforge export``'s default: consolidate a checkpoint (sharded or not) into one safetensors file for sampling,
+    with the run config in its metadata. Returns the file written."""
+    model, spec = load_model(ckpt, use_ema=use_ema)
+    config = spec.pop("run_config") or {"model": spec}
+    export_safetensors(model.state_dict(), config, Path(out))
+    log.info("wrote %s weights of %s to %s", "EMA" if use_ema else "raw", spec["model"], out)
+    return Path(out)
+
+
+def export_diffusers(model: torch.nn.Module, spec: dict, out_dir: str | os.PathLike,
+                     vae_path: str | os.PathLike | None = None) -> Path:
+    """Write a folder that ``diffusers.DiTPipeline.from_pretrained(out_dir, local_files_only=True)`` loads.
+
+    Layout: ``model_index.json``, ``transformer/`` (``DiTTransformer2DModel``, fp32 safetensors), ``scheduler/``
+    (``DDIMScheduler``, ``ddim_scheduler_config``), ``vae/`` (the ``AutoencoderKL`` of ``vae_path``, else of
+    ``spec["vae"]``, loaded and saved again) and ``ditforge.json`` (``spec`` without its run config: the class
+    count and model name the import needs). Written under ``.NAME.tmp`` beside ``out_dir`` and renamed when
+    complete; an existing ``out_dir`` is replaced only then.
+
+    Args:
+        model: an image class-conditional ``DiT`` (official layout), any device; its weights are copied to CPU.
+        spec: ``load_model``'s settings dict (model, input_size, in_channels, num_classes, learn_sigma, vae,
+            condition, num_frames, ...).
+        out_dir: the folder to write.
+        vae_path: a local diffusers ``AutoencoderKL`` folder (or a pipeline folder with ``vae/``).
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        UserError: a text-conditioned or video model, a model whose heads or patch are not a square DiT's,
+            more than 1000 classes, no VAE (pixel-space models included: DiTPipeline always decodes with one),
+            or a VAE whose latent channels differ from the model's.
+    """
+    from diffusers import AutoencoderKL, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+
+    if spec.get("condition", "class") != "class" or getattr(model, "text_dim", None) is not None:
+        raise UserError(f"--format diffusers: {spec.get('model')} is text-conditioned; DiTPipeline takes class "
+                        "labels only (use --format safetensors)")
+    if spec.get("num_frames") is not None or type(model).__name__ != "DiT":
+        raise UserError(f"--format diffusers: {spec.get('model')} is a video model; DiTPipeline makes images "
+                        "(use --format safetensors)")
+    if any(k.endswith(("q_norm.weight", "k_norm.weight")) for k in model.state_dict()):
+        raise UserError("--format diffusers: the model uses QK-norm, which DiTTransformer2DModel lacks "
+                        "(use --format safetensors)")
+    path = vae_path if vae_path is not None else spec.get("vae")
+    if path is None or str(path).lower() == "none":
+        raise UserError("--vae: DiTPipeline decodes latents with an AutoencoderKL; pass --vae FOLDER (a local "
+                        "diffusers AutoencoderKL, e.g. sd-vae-ft-ema)" +
+                        (" -- a pixel-space model cannot be exported as a DiTPipeline"
+                         if spec["in_channels"] in (1, 3) else ""))
+    p = Path(path)
+    sub = "vae" if (p / "vae" / "config.json").is_file() else None
+    try:
+        vae = AutoencoderKL.from_pretrained(str(p), subfolder=sub, local_files_only=True)
+    except (OSError, ValueError, EnvironmentError) as e:
+        raise UserError(f"--vae {path}: not a local diffusers AutoencoderKL folder ({' '.join(str(e).split())[:200]})"
+                        ) from None
+    if vae.config.latent_channels != spec["in_channels"]:
+        raise UserError(f"--vae {path}: its latents have {vae.config.latent_channels} channels, the model's "
+                        f"{spec['in_channels']}")
+
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    hidden = state["x_embedder.proj.weight"].shape[0]
+    transformer = DiTTransformer2DModel(
+        num_attention_heads=model.num_heads, attention_head_dim=hidden // model.num_heads,
+        in_channels=model.in_channels, out_channels=model.out_channels, num_layers=len(model.blocks),
+        sample_size=spec["input_size"], patch_size=model.patch_size, norm_eps=1e-6,
+        num_embeds_ada_norm=PIPELINE_NULL_LABEL)
+    missing, unexpected = transformer.load_state_dict(official_to_diffusers(state, spec["num_classes"]), strict=True)
+    assert not missing and not unexpected
+    pipe = DiTPipeline(transformer=transformer.eval(), vae=vae.eval(),
+                       scheduler=DDIMScheduler(**ddim_scheduler_config()))
+
+    out = Path(out_dir)
+    with atomic_dir(out) as tmp:
+        pipe.save_pretrained(str(tmp), safe_serialization=True)
+        keep = {k: v for k, v in spec.items() if k != "run_config"}
+        keep["vae"] = "vae"  # relative: the folder's own vae/
+        (tmp / SPEC_FILE).write_text(json.dumps(keep, indent=2, default=str))
+    log.info("wrote a diffusers DiTPipeline of %s to %s", spec.get("model"), out)
+    return out
+
+
+def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: str | Path, fmt: str,
+                      use_ema: bool = True) -> Path:
+    """``ditforge export`` of a fine-tuned pipeline run: ``diffusers`` writes a complete pipeline folder (LoRA
+    merged; ``write_pipeline``), ``lora`` the adapters as a diffusers LoRA file (``write_lora``).
+
+    Raises:
+        UserError: ``lora`` for a full fine-tune or a family without a LoRA loader; another format.
+    """
+    if fmt not in ("diffusers", "lora"):
+        raise UserError(f"--format {fmt}: a fine-tuned {config['model']['family']} pipeline exports as diffusers (a "
+                        "pipeline folder) or lora (a LoRA file)")
+    if fmt == "lora":
+        import diffusers
+
+        pipeline_class = read_model_index(config["model"]["init_from"], "--ckpt (the run's --init_from)")["_class_name"]
+        if not config["model"].get("lora_rank"):
+            raise UserError("--format lora: the run fine-tuned all weights (no --lora_rank); export --format diffusers")
+        if not hasattr(getattr(diffusers, pipeline_class), "save_lora_weights"):
+            raise UserError(f"--format lora: diffusers' {pipeline_class} has no LoRA loader (load_lora_weights); "
+                            "export --format diffusers for a pipeline with the LoRA merged")
+    pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema)
+    if fmt == "lora":
+        return write_lora(pre, denoiser, cfg, out)
+    if cfg.model.lora_rank:
+        merge_lora(denoiser)
+    return write_pipeline(pre, denoiser, out)
+
+
+def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path) -> Path:
+    """A complete pipeline folder at ``out``: the fine-tuned (LoRA merged) denoiser and, when it trained, text
+    encoder saved with their ``save_pretrained``, every other component copied untouched from the folder the run
+    started from, so the family's pipeline class loads it offline. Written under a temporary name and renamed when
+    complete."""
+    trained = {pre.denoiser.component: denoiser.inner}
+    if denoiser.tokenize is not None:  # --train_text_encoder
+        trained["text_encoder"] = denoiser.text_encoder
+    with atomic_dir(out) as tmp:
+        for item in pre.folder.iterdir():
+            if item.name not in trained:
+                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        for name, module in trained.items():
+            module.save_pretrained(str(tmp / name), safe_serialization=True)
+    return Path(out)
+
+
+def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Path) -> Path:
+    """The adapters as a diffusers LoRA file, ``OUT/pytorch_lora_weights.safetensors``, which the family's
+    ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata; the text encoder's adapters too
+    when it trained). The pipeline class must have a LoRA loader (SD, SD3; not PixArt: ``export_pretrained``
+    refuses that first)."""
+    import diffusers
+
+    m = cfg.model
+    cls = getattr(diffusers, pre.pipeline_class)
+    config = lora_config(m.lora_rank, m.lora_alpha, m.lora_target_modules.split(","))
+    metadata = {**config.to_dict(), "base_model_name_or_path": None}
+    with atomic_dir(out) as tmp:
+        if pre.denoiser.component == "unet":
+            from diffusers.utils import convert_state_dict_to_diffusers
+
+            extra = {}
+            if denoiser.tokenize is not None:
+                text_config = lora_config(m.lora_rank, m.lora_alpha, list(TEXT_LORA_TARGETS))
+                extra = {"text_encoder_lora_layers": convert_state_dict_to_diffusers(
+                             lora_state_dict(denoiser.text_encoder)),
+                         "text_encoder_lora_adapter_metadata": {**text_config.to_dict(),
+                                                                "base_model_name_or_path": None}}
+            cls.save_lora_weights(str(tmp), unet_lora_layers=convert_state_dict_to_diffusers(
+                                      lora_state_dict(denoiser.inner)),
+                                  unet_lora_adapter_metadata=metadata, safe_serialization=True, **extra)
+        else:
+            cls.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(denoiser.inner),
+                                  transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+    return Path(out)

@@ -1,0 +1,212 @@
+"""What ``ditforge sample`` reads before it draws: its settings (``SampleConfig``), the prompts, a checkpoint as
+a model (``load_model``), and the run's VAE and text encoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ditforge.config import resolve_precision
+from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
+from ditforge.errors import UserError
+from ditforge.models import create_model, infer_dit_config, is_video_model
+from ditforge.train.checkpoint import load_weights, read_checkpoint_weights
+
+
+# Keys of a run config's "model" section that older configs lack, and what they meant then.
+SPEC_DEFAULTS = dict(condition="class", text_encoder=None, text_max_length=None, vae="none", qk_norm=False,
+                     num_frames=None, text_dim=None, class_dropout_prob=0.1)
+
+
+@dataclass
+class SampleConfig:
+    """Settings of ``ditforge sample`` (see ``ditforge sample --help``).
+
+    ``prompt`` / ``prompt_file`` are for text-conditioned models, ``class_labels`` / ``num_samples`` for class
+    models. ``image_size`` is the output side in pixels (the model's input size is ``image_size`` / the VAE's
+    downsample factor); ``num_frames`` overrides a video model's (latent) frame count. ``out`` defaults to
+    ``samples.png`` (image models: a PNG grid) or ``samples`` (video models: a folder of MP4s and GIFs).
+    Speed: ``mixed_precision`` (auto: bf16 on CUDA), ``compile``, ``enable_*`` as ``prepare_model``; ``pab`` turns
+    on Pyramid Attention Broadcast with ``PABConfig``'s defaults, ``fora`` FORA's static caching with that interval
+    (``PABConfig.fora``); they change the samples (README: their PSNR / SSIM).
+    """
+
+    ckpt: str
+    model: str | None = None
+    image_size: int | None = None
+    class_labels: list[int] | None = None
+    num_samples: int | None = None
+    prompt: list[str] | None = None
+    prompt_file: str | None = None
+    num_frames: int | None = None
+    cfg_scale: float = 4.0
+    num_sampling_steps: int = 250
+    sampler: str | None = None
+    eta: float = 0.0
+    seed: int = 0
+    batch_size: int = 256
+    out: str | None = None
+    save_npz: str | None = None
+    fps: int = 8
+    vae: str | None = None
+    use_ema: bool = True
+    device: str = "auto"
+    sequence_parallel_size: int = 1
+    sequence_parallel_type: str = "auto"
+    mixed_precision: str = "auto"
+    compile: str = "none"
+    enable_flashattn: bool = False
+    enable_modulate_kernel: bool = False
+    enable_layernorm_kernel: bool = False
+    guidance_channels: int | None = None
+    cfg_interval: tuple[int, int] | None = None
+    pab: bool = False
+    fora: int | None = None
+    cfg_parallel: bool = False
+
+
+def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:
+    """(weights or DCP folder, model settings with ``SPEC_DEFAULTS`` filled in and ``run_config``)."""
+    state, config = load_weights(ckpt, use_ema)
+    if config is None and isinstance(state, Path):
+        raise UserError(f"--ckpt {ckpt}: the checkpoint's meta.json has no config")
+    spec = dict(config["model"]) if config else infer_dit_config(state)
+    for key, value in SPEC_DEFAULTS.items():
+        if spec.get(key) is None:
+            spec[key] = value
+    spec["run_config"] = config
+    return state, spec
+
+
+def build_model(ckpt: str, state: dict | Path, spec: dict, use_ema: bool,
+                rebuild_fixed: bool = False) -> torch.nn.Module:
+    """The model ``spec`` describes, with the checkpoint's weights (strict). ``rebuild_fixed``: keep the model's
+    own values of its untrained parameters (the fixed sin-cos position embeddings, ``requires_grad=False``)
+    instead of the checkpoint's, which were computed for another token grid."""
+    model = create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
+                         spec["learn_sigma"], spec["class_dropout_prob"], num_frames=spec["num_frames"],
+                         text_dim=spec["text_dim"], qk_norm=spec["qk_norm"])
+    config = spec.get("run_config") or {}
+    if config.get("model", {}).get("lora_rank"):  # a DiT LoRA run: its base weights come from its --init_from
+        from ditforge.train.finetune import load_dit_lora
+
+        return load_dit_lora(model, config, state, use_ema).eval()
+    own = model.state_dict()
+    fixed = {k for k, p in model.named_parameters() if not p.requires_grad} if rebuild_fixed else set()
+    if isinstance(state, Path):  # a DCP checkpoint folder: read its (gathered) tensors into this model's shapes
+        state = read_checkpoint_weights(state, {k: v for k, v in own.items() if k not in fixed}, use_ema)
+    state = {**{k: v for k, v in state.items() if k not in fixed}, **{k: own[k] for k in fixed}}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())[:300]
+        frames = f", {spec['num_frames']} frames" if spec["num_frames"] is not None else ""
+        raise UserError(f"--ckpt {ckpt}: weights do not fit {spec['model']} at input size "
+                        f"{spec['input_size']}{frames} ({detail})") from None
+    return model.eval()
+
+
+def load_model(ckpt: str, model_name: str | None = None, input_size: int | None = None, use_ema: bool = True,
+               num_frames: int | None = None):
+    """Build the model a checkpoint was trained as and load its weights (strict).
+
+    ``ckpt`` is anything ``load_weights`` accepts. Model, size, frames and conditioning come from the saved config
+    (older configs lack some keys: ``SPEC_DEFAULTS`` fills them: class conditioning, no VAE, no QK-norm), or, for
+    an official DiT .pt, from the tensor shapes. ``model_name`` / ``input_size`` (the model's spatial input, in
+    latent pixels) / ``num_frames`` (a video model's latent frames) override them; a new size or frame count
+    rebuilds the fixed sin-cos position embeddings for the new token grid (they are not learned; all other weights
+    are independent of the grid).
+
+    Returns:
+        (model in eval mode on the CPU, model settings dict with model, input_size, in_channels, num_classes,
+        learn_sigma, class_dropout_prob, condition, text_encoder, text_max_length, vae, qk_norm, num_frames,
+        text_dim, and ``run_config``: the saved run config, or None).
+
+    Raises:
+        UserError: unreadable checkpoint, bad overrides (``create_model``'s errors), or weights that do not fit
+            the (overridden) model.
+    """
+    state, spec = read_spec(ckpt, use_ema)
+    if model_name is not None:
+        spec["model"] = model_name
+    rebuild = (input_size is not None and input_size != spec["input_size"]
+               or num_frames is not None and num_frames != spec["num_frames"])
+    if input_size is not None:
+        spec["input_size"] = input_size
+    if num_frames is not None:
+        if not is_video_model(spec["model"]):
+            raise UserError(f"--num_frames: {spec['model']} is an image model; frames apply to video models")
+        spec["num_frames"] = num_frames
+    return build_model(ckpt, state, spec, use_ema, rebuild), spec
+
+
+def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str]:
+    """The prompts of ``--prompt`` (in order), then those of ``--prompt_file`` (one per non-empty line, stripped).
+
+    Raises:
+        UserError: an empty ``--prompt``; a prompt file that is missing, unreadable, not UTF-8, or has no prompt.
+    """
+    out = []
+    for p in prompts or []:
+        if not p.strip():
+            raise UserError("--prompt: empty prompt")
+        out.append(p.strip())
+    if prompt_file is not None:
+        try:
+            lines = Path(prompt_file).read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise UserError(f"--prompt_file {prompt_file}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--prompt_file {prompt_file}: unreadable ({type(e).__name__}: {e})") from None
+        found = [line.strip() for line in lines if line.strip()]
+        if not found:
+            raise UserError(f"--prompt_file {prompt_file}: no prompts (expected one prompt per non-empty line)")
+        out.extend(found)
+    return out
+
+
+def load_sample_vae(cfg: SampleConfig, spec: dict, device: torch.device) -> VAE | IdentityVAE:
+    """The run's VAE (``--vae`` overrides it); the identity for pixel-space models (1 or 3 channels)."""
+
+    path = cfg.vae if cfg.vae is not None else spec["vae"]
+    channels = spec["in_channels"]
+    if str(path).lower() == "none":
+        if channels not in (1, 3):
+            raise UserError(f"--vae: the model works on {channels}-channel latents and {cfg.ckpt} names no VAE; "
+                            "pass --vae FOLDER (a local diffusers AutoencoderKL, e.g. sd-vae-ft-ema) to decode them")
+        return load_vae("none", device, pixel_channels=channels)
+    vae = load_vae(path, device, resolve_precision(cfg.mixed_precision, device))  # decoded in the model's precision
+    if vae.latent_channels != channels:
+        raise UserError(f"--vae {path}: its latents have {vae.latent_channels} channels, the model's {channels}")
+    return vae.compile() if cfg.compile != "none" else vae
+
+
+def load_prompt_encoder(cfg: SampleConfig, spec: dict, device):
+    """The run's text encoder (float32, on ``device``), checked against the model's text width."""
+    from ditforge.encoders.text import load_text_encoder
+
+    try:
+        encoder = load_text_encoder(spec["text_encoder"], device, torch.float32, spec["text_max_length"])
+    except UserError as e:
+        raise UserError(f"--ckpt {cfg.ckpt}: cannot load the run's text encoder: {e}") from None
+    if encoder.hidden_size != spec["text_dim"]:
+        raise UserError(f"--ckpt {cfg.ckpt}: the text encoder {encoder.path} gives {encoder.hidden_size}-wide "
+                        f"states, the model expects {spec['text_dim']}")
+    return encoder
+
+
+def encode_prompts(cfg: SampleConfig, spec: dict, prompts: list[str], device, encoder=None,
+                   one_by_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states (N, L, D_text) float32, mask (N, L) bool) on ``device``, in batches padded to one length L.
+    ``one_by_one``: encode each prompt alone and pad to the encoder's ``max_length``, so a prompt's states do
+    not depend on which prompts share its batch (streaming and resuming)."""
+    from ditforge.encoders.text import pad_states
+
+    encoder = encoder if encoder is not None else load_prompt_encoder(cfg, spec, device)
+    step = 1 if one_by_one else cfg.batch_size
+    parts = [encoder.encode(prompts[i : i + step]) for i in range(0, len(prompts), step)]
+    length = encoder.max_length if one_by_one else max(s.shape[1] for s, _ in parts)
+    padded = [pad_states(s, m, length) for s, m in parts]
+    return torch.cat([s for s, _ in padded]).float(), torch.cat([m for _, m in padded])

@@ -1,0 +1,50 @@
+"""The files ``ditforge sample`` writes besides PNG grids (``data.images.save_grid``): an MP4 and a GIF per video
+sample, and .npz files, each written atomically."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ditforge.atomic import atomic_path
+
+log = logging.getLogger(__name__)
+
+
+def slug(text: str, max_len: int = 48) -> str:
+    """A file-name part for a prompt: lower-case ASCII letters and digits, other runs as one ``-``, at most
+    ``max_len`` characters; ``"prompt"`` when nothing is left. ``"A red car, at night!"`` -> ``a-red-car-at-night``."""
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:max_len].rstrip("-")
+    return s or "prompt"
+
+
+def write_video_files(frames: np.ndarray, stem: Path, fps: int) -> None:
+    """Write (T, H, W, C) uint8 frames as ``stem.mp4`` and ``stem.gif`` (grey is repeated to RGB); the GIF is
+    written last, so an existing GIF marks a complete pair."""
+    from ditforge.data.video import display_scale, write_gif, write_video
+
+    if frames.shape[-1] == 1:
+        frames = frames.repeat(3, axis=-1)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    write_video(frames, stem.with_suffix(".mp4"), fps)
+    write_gif(frames, stem.with_suffix(".gif"), fps)
+    k = display_scale(*frames.shape[1:3])
+    log.info("wrote %s.mp4 and .gif: %d frames of %dx%d (shown %dx enlarged) at %d fps", stem, len(frames),
+             frames.shape[2], frames.shape[1], k, fps)
+
+
+def write_videos(videos: np.ndarray, folder: Path, names: list[str], fps: int) -> None:
+    """Write (N, T, H, W, C) uint8 videos as ``folder/NNN-name.mp4`` plus ``.gif`` (grey is repeated to RGB)."""
+    width = max(3, len(str(len(videos) - 1)))
+    for i, (frames, name) in enumerate(zip(videos, names)):
+        write_video_files(frames, folder / f"{i:0{width}d}-{name}", fps)
+    log.info("wrote %d videos to %s", len(videos), folder)
+
+
+def save_npz(path: str, **arrays: np.ndarray) -> None:
+    """Write ``arrays`` to the .npz file ``path`` (``np.savez``), atomically."""
+    with atomic_path(path, suffix=".npz") as tmp:  # np.savez appends .npz to other names
+        np.savez(tmp, **arrays)
