@@ -134,7 +134,7 @@ def video(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="models", required=True)
+    sub = p.add_subparsers(dest="suite", required=True)
     i = sub.add_parser("images", help="FORA, PAB and fewer steps on the default digits run")
     i.add_argument("--modes", default=",".join(MODES))
     i.add_argument("--samples_per_class", type=int, default=20)
@@ -152,7 +152,7 @@ def main() -> None:
     v.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "ditforge-pab-quality"))
     v.add_argument("--out")
     args = p.parse_args()
-    {"images": images, "video": video}[args.models](args)
+    {"images": images, "video": video}[args.suite](args)
 
 
 if __name__ == "__main__":
