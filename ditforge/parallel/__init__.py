@@ -233,62 +233,89 @@ def parallelize(
     set_sequence_attention(None)
     set_frame_exchange(None)
     if dist.sp_mesh is not None:
-        from ditforge.parallel.sequence.shard import apply_sequence_parallel, choose_sequence_parallel_type
-
-        variant, ms, usp_group = choose_sequence_parallel_type(sequence_parallel_type, model, dist, batch_size,
-                                                               param_dtype)
-        if ms:
-            log.info("sequence parallelism auto: ms per attention layer at this shape: %s",
-                     ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
-        apply_sequence_parallel(model, dist, variant, usp_group)
-        log.info("sequence parallelism: %s over %d processes (x %d data-parallel)", variant, dist.sp_size,
-                 dist.dp_size)
-    if enable_modulate_kernel or enable_layernorm_kernel:
-        from ditforge.ops.fused import check_triton
-
-        try:
-            check_triton(dist.device)
-        except RuntimeError as e:
-            flag = "--enable_modulate_kernel" if enable_modulate_kernel else "--enable_layernorm_kernel"
-            raise UserError(f"{flag}: {e}") from None
-    log.info("adaLN: %s", set_kernels(enable_modulate_kernel, enable_layernorm_kernel))
+        _apply_sequence_parallel(model, dist, sequence_parallel_type, batch_size, param_dtype)
+    _set_adaln_kernels(dist.device, enable_modulate_kernel, enable_layernorm_kernel)
     if fp8:
         log.info("fp8: %d linear layers run float8 matrix products (%s)", apply_fp8(model, dist.device, recipe=fp8),
                  fp8)
     apply_grad_checkpoint(model, grad_checkpoint, offload_activations)
     blocks = [model.get_submodule(path) for path in block_paths(model)]
-    mode = None if compile == "default" else compile
-    whole = getattr(model, "compile_whole", False) and plugin in ("none", "ddp") and not fused_backward_pass
-    if compile != "none" and whole:
+    if compile != "none":
+        whole = getattr(model, "compile_whole", False) and plugin in ("none", "ddp") and not fused_backward_pass
+        _apply_compile(model, blocks, None if compile == "default" else compile, whole)
+    if plugin == "ddp":
+        return _apply_ddp(model, dist, reduce_dtype)
+    if plugin in ("zero2", "fsdp"):
+        _apply_fsdp(model, blocks, dist, plugin == "fsdp", param_dtype, reduce_dtype, cpu_offload)
+    return model
+
+
+def _apply_sequence_parallel(model: nn.Module, dist: Dist, sequence_parallel_type: str, batch_size: int,
+                             param_dtype: torch.dtype | None) -> None:
+    """The split sequence's attention over ``dist.sp_mesh`` (``parallelize``'s ``sequence_parallel_type``)."""
+    from ditforge.parallel.sequence.shard import apply_sequence_parallel, choose_sequence_parallel_type
+
+    variant, ms, usp_group = choose_sequence_parallel_type(sequence_parallel_type, model, dist, batch_size,
+                                                           param_dtype)
+    if ms:
+        log.info("sequence parallelism auto: ms per attention layer at this shape: %s",
+                 ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
+    apply_sequence_parallel(model, dist, variant, usp_group)
+    log.info("sequence parallelism: %s over %d processes (x %d data-parallel)", variant, dist.sp_size,
+             dist.dp_size)
+
+
+def _set_adaln_kernels(device: torch.device, enable_modulate_kernel: bool, enable_layernorm_kernel: bool) -> None:
+    """The adaLN operators' fused Triton kernels, if asked (UserError naming the flag where Triton cannot run)."""
+    if enable_modulate_kernel or enable_layernorm_kernel:
+        from ditforge.ops.fused import check_triton
+
+        try:
+            check_triton(device)
+        except RuntimeError as e:
+            flag = "--enable_modulate_kernel" if enable_modulate_kernel else "--enable_layernorm_kernel"
+            raise UserError(f"{flag}: {e}") from None
+    log.info("adaLN: %s", set_kernels(enable_modulate_kernel, enable_layernorm_kernel))
+
+
+def _apply_compile(model: nn.Module, blocks: list[nn.Module], mode: str | None, whole: bool) -> None:
+    """``torch.compile`` in place with ``mode`` (None: the default): the whole model if ``whole``, else each block."""
+    if whole:
         # A diffusers UNet or transformer: its step is bound by the host (~2,000 small ops forward, an SD UNet step
         # at 512px spent 190 ms on the host for 62 ms of kernels on an H100), and blocks compiled one by one leave
         # the glue between them eager. One graph for the whole denoiser (and, with reduce-overhead, one CUDA graph
         # for its forward and one for its backward) removes that.
         model.compile(mode=mode)
-    elif compile != "none":
+    else:
         for block in blocks:
             block.compile(mode=mode)
-    if plugin == "ddp":
-        ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
-        if reduce_dtype == torch.bfloat16:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-            ddp.register_comm_hook(None, bf16_compress_hook)
-        return ddp
-    if plugin in ("zero2", "fsdp"):
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if cpu_offload else OffloadPolicy()
-        reshard = plugin == "fsdp"
+
+def _apply_ddp(model: nn.Module, dist: Dist, reduce_dtype: torch.dtype) -> DistributedDataParallel:
+    """DDP around ``model``; bf16 ``reduce_dtype`` compresses the gradients' all-reduce."""
+    ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+    if reduce_dtype == torch.bfloat16:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    return ddp
+
+
+def _apply_fsdp(model: nn.Module, blocks: list[nn.Module], dist: Dist, reshard: bool, param_dtype: torch.dtype | None,
+                reduce_dtype: torch.dtype, cpu_offload: bool) -> None:
+    """FSDP2 ``fully_shard`` of each block, then of the root; ``reshard`` (fsdp, ZeRO-3) frees the gathered
+    parameters after the forward, else (zero2) they stay through the backward."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if cpu_offload else OffloadPolicy()
+    for i, block in enumerate(blocks):
+        # The last block is the first one the backward needs: resharding it would only gather it again.
+        fully_shard(block, mesh=dist.mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=mp,
+                    offload_policy=offload)
+    if reshard:  # gather two blocks ahead in the backward, so each gather hides behind more compute
         for i, block in enumerate(blocks):
-            # The last block is the first one the backward needs: resharding it would only gather it again.
-            fully_shard(block, mesh=dist.mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=mp,
-                        offload_policy=offload)
-        if reshard:  # gather two blocks ahead in the backward, so each gather hides behind more compute
-            for i, block in enumerate(blocks):
-                block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
-        # The root's own parameters (embedders, final layer) are used last in the forward: keep them.
-        fully_shard(model, mesh=dist.mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
-    return model
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
+    # The root's own parameters (embedders, final layer) are used last in the forward: keep them.
+    fully_shard(model, mesh=dist.mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
 
 
 @torch.no_grad()
