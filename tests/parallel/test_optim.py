@@ -324,8 +324,9 @@ def test_step_in_backward_equals_the_ordinary_step(mode, max_grad_norm):
     give the same weights and moments bit for bit; the norms are the same per-gradient norms summed in another order
     (backward's), equal to the float32 bound stated below. With clipping the ordinary run clips step k by the fused
     run's norm of step k-1 (equal to its own to that bound, asserted): a last-bit difference in the factor would
-    otherwise flip an 8-bit code or the sign of a near-zero first Adam step now and then. The fp32 master weights (p + c for bf16 ones) then agree to
-    1e-6 (3 steps move them by ~3e-3; a wrong clipping rule would show at that scale)."""
+    otherwise flip an 8-bit code or the sign of a near-zero first Adam step now and then. The fp32 master weights
+    (p + c for bf16 ones) then agree to 1e-6 (3 steps move them by ~3e-3; a wrong clipping rule would show at that
+    scale)."""
     states, weights, rounding = mode
     if states == "8bit":
         pytest.importorskip("bitsandbytes")
