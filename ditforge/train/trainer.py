@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 import math
@@ -421,8 +422,7 @@ class _Run:
     grid_cond: dict | None = None
 
     def last_good(self) -> Path | None:
-        found = ckpt_io.list_checkpoints(self.run_dir)
-        return found[-1] if found else None
+        return _last_checkpoint(self.run_dir)
 
     def written(self, what: str) -> contextlib.AbstractContextManager:
         return disk_errors(what, self.run_dir, self.cfg.train.continue_on_save_error, self.last_good)
@@ -524,6 +524,11 @@ class _Run:
                             for k, y in enumerate(labels.split(256))])
         result = evaluate_digits(pixels.cpu(), labels.cpu(), device=device)
         return {f"digits_{k}": v for k, v in result.items()}
+
+
+def _last_checkpoint(run_dir: Path) -> Path | None:
+    found = ckpt_io.list_checkpoints(run_dir)
+    return found[-1] if found else None
 
 
 def _open_run(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> _Run:
@@ -821,7 +826,10 @@ def _open_logs(run: _Run) -> None:
     run.metrics = MetricsLog(run.run_dir / "metrics.jsonl") if d.is_main else None
     run.tracker = (Tracker(run.run_dir, t.report_to, cfg.to_dict(), run.start_step if run.resume_from else None)
                    if d.is_main else None)
-    run.nonfinite = NonfiniteGuard(1 if t.on_nonfinite == "stop" else t.max_nonfinite_steps, run.last_good)
+    # not run.last_good: a bound method kept in run.nonfinite would tie run to itself in a reference cycle, and the
+    # run's loader workers, which hold the run folder's lock file open, would outlive the run until a GC pass
+    run.nonfinite = NonfiniteGuard(1 if t.on_nonfinite == "stop" else t.max_nonfinite_steps,
+                                   functools.partial(_last_checkpoint, run.run_dir))
     if not d.is_main:
         return
     optimizer = run.optimizer

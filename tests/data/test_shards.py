@@ -190,7 +190,7 @@ def test_cli_resume_continues_the_same_samples(tmp_path, monkeypatch, capsys):
     assert meta["loader"]["streams"] == 4 and len(meta["loader"]["states"]) == 4
     rc = cli.main(["train", "--resume", "auto", "--outputs", str(tmp_path / "cut"), "--max_steps", "7",
                    "--data_streams", "8"])  # --data_streams is fixed for a run
-    assert rc == 2
+    assert rc == 2 and "the checkpoint's loader was saved with --data_streams 4" in capsys.readouterr().err
     rc = cli.main(["train", "--resume", "auto", "--outputs", str(tmp_path / "cut"), "--max_steps", "7",
                    "--seed", "1"])  # the saved positions belong to the order of the old seed
     assert rc == 2 and "--seed the checkpoint's loader read" in capsys.readouterr().err
