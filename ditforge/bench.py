@@ -71,7 +71,7 @@ from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.ops.attention import set_attention_backend
 from ditforge.ops.modulate import set_kernels
-from ditforge.ops.fused import check_triton
+from ditforge.ops.triton import check_triton
 from ditforge.parallel import fp8_unavailable, parallelize
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist

@@ -20,9 +20,9 @@ TINY = ["bench", "--model", "DiT-T/2", "--image_size", "64", "--batch_size", "2"
 
 
 def test_bench_table_and_json(tmp_path, monkeypatch, capsys):
-    from ditforge.ops import fused
+    from ditforge.ops import triton
 
-    monkeypatch.setattr(fused, "_interpreting", lambda: False)  # no interpreter: the kernel row says why it is skipped
+    monkeypatch.setattr(triton, "interpreting", lambda: False)  # no interpreter: the kernel row says why it is skipped
     assert cli.main([*TINY, "--rows", "abdfg", "--peak_tflops", "1", "--outputs", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     [path] = tmp_path.glob("bench-DiT-T-2-*.json")
@@ -138,9 +138,9 @@ def test_train_refuses_a_video_model_on_image_data(tiny_argv, tmp_path, capsys):
 
 def test_kernel_flags_without_triton_runtime_are_one_line_errors(tiny_argv, tmp_path, capsys, monkeypatch):
     """On a CPU without Triton's interpreter the kernel flags fail at start, naming the flag."""
-    from ditforge.ops import fused
+    from ditforge.ops import triton
 
-    monkeypatch.setattr(fused, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton, "interpreting", lambda: False)
     assert cli.main(tiny_argv(tmp_path / "run", "--enable_modulate_kernel")) == 2
     assert "--enable_modulate_kernel: Triton kernels need a CUDA GPU" in capsys.readouterr().err
 

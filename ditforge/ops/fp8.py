@@ -25,11 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.library import triton_op, wrap_triton
 
+from ditforge.ops.triton import AMAX_EPS, E4M3_MAX, check_triton, interpreting, row_major
+
 __all__ = ["Float8Rows", "RowwiseFloat8Linear", "layernorm_modulate_e4m3", "quantize_rows", "quantize_rows_reference",
            "to_rowwise_float8"]
-
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448, its largest finite value (the kernel's too)
-AMAX_EPS = 1e-12  # floor of a row's absolute maximum (an all-zero row gets scale 1e-12 / 448, not 0)
 
 
 class Float8Rows(NamedTuple):
@@ -108,11 +107,9 @@ def _layernorm_config(D: int) -> tuple[int, int, int, int]:
 @triton_op("ditforge::quantize_rows", mutates_args=())
 def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, D) with unit column stride -> (q (M, D) e4m3, s (M, 1) float32)."""
-    # imported here, not at the top: the model code imports this module, and Triton's interpreter must be
-    # chosen (TRITON_INTERPRET) before the kernels are built; check_triton raises where they cannot run
-    from ditforge.ops.fused import _interpreting, check_triton
-
     check_triton(x.device)
+    # imported here, not at the top: the model code imports this module, and Triton's interpreter must be
+    # chosen (TRITON_INTERPRET) before the kernels are built; check_triton raised where they cannot run
     from ditforge.ops.triton import quant as _k
 
     M, D = x.shape
@@ -123,7 +120,7 @@ def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.
     block_a, block_b, rows, num_warps = _config(D)
     wrap_triton(_k.rowwise_e4m3_kernel)[(-(-M // rows),)](
         x, q, s, M, D, x.stride(0), GELU=gelu, ROWS=rows, BLOCK_A=block_a, BLOCK_B=block_b,
-        INTERPRETED=_interpreting(), num_warps=num_warps,
+        INTERPRETED=interpreting(), num_warps=num_warps,
     )
     return q, s
 
@@ -157,10 +154,8 @@ def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, to
 
 def _launch_layernorm_modulate_e4m3(x, y, gate, shift, scale, eps):
     """The kernel over x (B, N, D) (and y, gate): (x + gate * y or None, q, s); see ``layernorm_modulate_e4m3``."""
-    from ditforge.ops.fused import _interpreting, check_triton
-
     check_triton(x.device)
-    from ditforge.ops.triton import quant as _k
+    from ditforge.ops.triton import quant as _k  # not at the top: see _quantize_rows_op
 
     B, N, D = x.shape
     q = torch.empty((B, N, D), dtype=torch.float8_e4m3fn, device=x.device)
@@ -173,7 +168,7 @@ def _launch_layernorm_modulate_e4m3(x, y, gate, shift, scale, eps):
     wrap_triton(_k.layernorm_modulate_e4m3_kernel)[(-(-N // rows), B)](
         x, y if residual else x, gate if residual else shift, x_out if residual else x, shift, scale, q, s, N, D,
         gate.stride(0) if residual else 0, shift.stride(0), scale.stride(0), eps, RESIDUAL=residual, ROWS=rows,
-        BLOCK_A=block_a, BLOCK_B=block_b, INTERPRETED=_interpreting(), num_warps=num_warps,
+        BLOCK_A=block_a, BLOCK_B=block_b, INTERPRETED=interpreting(), num_warps=num_warps,
     )
     return x_out, q, s
 
@@ -226,13 +221,11 @@ def layernorm_modulate_e4m3(x: torch.Tensor, shift: torch.Tensor, scale: torch.T
     Raises:
         RuntimeError: Triton cannot run here (no CUDA GPU for the tensors and no ``TRITON_INTERPRET=1``).
     """
-    from ditforge.ops.fused import _row_major  # not at the top: see _quantize_rows_op
-
     x = x.contiguous()
-    shift, scale = _row_major(shift), _row_major(scale)
+    shift, scale = row_major(shift), row_major(scale)
     if y is None:
         return x, Float8Rows(*_layernorm_modulate_e4m3_op(x, shift, scale, eps))
-    x, q, s = _residual_layernorm_modulate_e4m3_op(x, y.contiguous(), _row_major(gate), shift, scale, eps)
+    x, q, s = _residual_layernorm_modulate_e4m3_op(x, y.contiguous(), row_major(gate), shift, scale, eps)
     return x, Float8Rows(q, s)
 
 

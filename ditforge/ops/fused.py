@@ -21,51 +21,20 @@ Where the kernels run: CUDA tensors on a GPU, or CPU tensors under Triton's inte
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from torch.library import triton_op, wrap_triton
 
+from ditforge.ops.triton import check_triton, row_major, triton
+
 try:
-    import triton
-
     from ditforge.ops.triton import adaln as _k
-except ImportError:  # Triton is not installed (e.g. a CPU-only wheel on macOS): the ops raise when called
-    triton = None
+except ImportError:  # Triton is not installed: the ops raise when called (check_triton)
     _k = None
-    # torch's triton_op would log "Triton not available" once per op below, at every import of this module
-    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
 
-from ditforge.ops.modulate import modulate
-
-__all__ = ["check_triton", "gated_residual", "layernorm_modulate", "layernorm_then_modulate"]
+__all__ = ["gated_residual", "layernorm", "layernorm_modulate"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _interpreting() -> bool:
-    """True when the kernels run under Triton's CPU interpreter. ``triton.jit`` reads ``TRITON_INTERPRET``
-    once, when the kernels are decorated (when this module is first imported), so what counts is how they
-    were built, not the environment now."""
-    return _k is not None and type(_k.layernorm_modulate_fwd_kernel).__name__ == "InterpretedFunction"
-
-
-def check_triton(device: torch.device | str) -> None:
-    """Raise unless the Triton kernels can run on tensors of ``device`` here: a CUDA device, or any device
-    under Triton's interpreter. ``set_kernels`` callers may call it up front; every op calls it.
-
-    Raises:
-        RuntimeError: one line: Triton is missing, or neither a CUDA GPU nor ``TRITON_INTERPRET=1``.
-    """
-    if _k is None:
-        raise RuntimeError("Triton kernels need the 'triton' package, which is not installed here")
-    device_type = torch.device(device).type
-    if device_type == "cuda" or _interpreting():
-        return
-    raise RuntimeError(
-        f"Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (Triton's CPU interpreter, set before "
-        f"ditforge.ops.fused is first imported); got {device_type} tensors and neither is on"
-    )
 
 
 # Launch configuration, swept on an H100 (Triton 3.6, CUDA graphs timing) at D = 384 and 1152, B * N from
@@ -113,11 +82,6 @@ def _num_groups(n_blocks: int, B: int, device: torch.device) -> int:
     return max(1, min(n_blocks, 2))
 
 
-def _row_major(v: torch.Tensor) -> torch.Tensor:
-    """A (B, D) tensor with unit column stride (a view of adaLN's chunked output qualifies, no copy)."""
-    return v if v.stride(-1) == 1 else v.contiguous()
-
-
 def _check_tokens(name: str, x: torch.Tensor) -> None:
     if x.dim() != 3:
         raise ValueError(f"{name}: expected (B, N, D) tokens, got shape {tuple(x.shape)}")
@@ -154,7 +118,7 @@ def _ln_mod_op(
         return out, mean, rstd
     has_mod = shift is not None
     if has_mod:
-        shift, scale = _row_major(shift), _row_major(scale)
+        shift, scale = row_major(shift), row_major(scale)
     block_d, rows, num_warps = _fwd_config(D)
     grid = (triton.cdiv(N, rows), B)
     wrap_triton(_k.layernorm_modulate_fwd_kernel)[grid](
@@ -174,7 +138,7 @@ def _ln_mod_bwd_op(
     check_triton(x.device)
     B, N, D = x.shape
     x, dout = x.contiguous(), dout.contiguous()
-    scale = _row_major(scale)
+    scale = row_major(scale)
     dx = torch.empty_like(x)
     if x.numel() == 0:  # two tensors: an op's outputs may not alias each other
         return (dx, torch.zeros((B, D), dtype=shift_dtype, device=x.device),
@@ -267,17 +231,12 @@ def layernorm_modulate(
     return _ln_mod_op(x, shift, scale, float(eps), out_dtype)[0]
 
 
-def layernorm_then_modulate(
-    x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor | None, eps: float = 1e-6
-) -> torch.Tensor:
-    """Triton LayerNorm (no affine, fp32 statistics; output in x.dtype) then ``modulate`` in PyTorch: what
-    ``--enable_layernorm_kernel`` alone runs. Shapes, math and errors as ``layernorm_modulate``; the result
-    dtype is that of PyTorch's ``modulate`` on x.dtype, shift, scale (x.dtype without shift/scale)."""
+def layernorm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Triton LayerNorm (no affine, biased variance, fp32 statistics; output in x.dtype): what
+    ``--enable_layernorm_kernel`` runs, before ``modulate`` in PyTorch (``ops.modulate.layernorm_then_modulate``).
+    Differentiable in x. Shapes, math and errors as ``layernorm_modulate`` without shift and scale."""
     _check_tokens("x", x)
-    if (shift is None) != (scale is None):
-        raise ValueError("layernorm_then_modulate: give both shift and scale, or neither")
-    h = _ln_mod_op(x, None, None, float(eps), x.dtype)[0]
-    return h if shift is None else modulate(h, shift, scale)
+    return _ln_mod_op(x, None, None, float(eps), x.dtype)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -290,7 +249,7 @@ def _gated_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Ten
     """x + gate[:, None, :] * y, (B, N, D) in the promoted dtype."""
     check_triton(x.device)
     B, N, D = x.shape
-    x, y, gate = x.contiguous(), y.contiguous(), _row_major(gate)
+    x, y, gate = x.contiguous(), y.contiguous(), row_major(gate)
     out_dtype = torch.promote_types(x.dtype, torch.promote_types(y.dtype, gate.dtype))
     out = torch.empty((B, N, D), dtype=out_dtype, device=x.device)
     if x.numel() == 0:
@@ -307,7 +266,7 @@ def _gated_bwd_op(dout: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> tu
     """(dy = dout * gate in y.dtype, dgate = sum_n dout * y (B, D) in gate.dtype)."""
     check_triton(y.device)
     B, N, D = y.shape
-    dout, y, gate = dout.contiguous(), y.contiguous(), _row_major(gate)
+    dout, y, gate = dout.contiguous(), y.contiguous(), row_major(gate)
     dy = torch.empty_like(y)
     if y.numel() == 0:
         return dy, torch.zeros((B, D), dtype=gate.dtype, device=y.device)

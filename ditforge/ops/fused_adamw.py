@@ -8,7 +8,7 @@ bitsandbytes' kernel plus the compensation passes move about 3x that). ``Compens
 parameters are on a GPU (``fused``); the math and its sources are in the kernel's module.
 
 Where it runs: CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before the first
-import), as ``ditforge.ops.fused.check_triton`` says.
+import), as ``ditforge.ops.triton.check_triton`` says.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ditforge.ops.fused import check_triton
+from ditforge.ops.triton import check_triton
 
 __all__ = ["Kind", "OnePassAdamW", "on_gpu_with_triton"]
 

@@ -9,6 +9,8 @@ gated residual may be handed on unsummed (``GatedSum``), for that pass to sum fi
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -73,6 +75,24 @@ def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, gate: torch.Tenso
     return x + per_token(gate) * y
 
 
+def layernorm_then_modulate(
+    layernorm: Callable[[torch.Tensor, float], torch.Tensor], x: torch.Tensor, shift: torch.Tensor | None,
+    scale: torch.Tensor | None, eps: float = 1e-6,
+) -> torch.Tensor:
+    """``layernorm(x, eps)`` then ``modulate`` in PyTorch: with the Triton LayerNorm (``ops.fused.layernorm``: no
+    affine, fp32 statistics; output in x.dtype), what ``--enable_layernorm_kernel`` alone runs. Shapes and math
+    as ``layernorm_modulate_reference``; the result dtype is that of PyTorch's ``modulate`` on x.dtype, shift,
+    scale (x.dtype without shift/scale).
+
+    Raises:
+        ValueError: only one of shift and scale given; or what ``layernorm`` raises.
+    """
+    if (shift is None) != (scale is None):
+        raise ValueError("layernorm_then_modulate: give both shift and scale, or neither")
+    h = layernorm(x, eps)
+    return h if shift is None else modulate(h, shift, scale)
+
+
 _layernorm_modulate = layernorm_modulate_reference
 _gated_residual = gated_residual_reference
 
@@ -83,18 +103,18 @@ def set_kernels(enable_modulate_kernel: bool = False, enable_layernorm_kernel: b
     ``enable_layernorm_kernel``: LayerNorm runs as one Triton kernel (fp32 statistics), modulate in PyTorch.
     ``enable_modulate_kernel``: LayerNorm and modulate run as one Triton pass, and so does the gated residual.
     Neither: the PyTorch references. Returns a description for the log. The kernels raise RuntimeError on
-    their first call if Triton cannot run (``ditforge.ops.fused.check_triton`` checks up front).
+    their first call if Triton cannot run (``ditforge.ops.triton.check_triton`` checks up front).
     """
     global _layernorm_modulate, _gated_residual
     if not (enable_modulate_kernel or enable_layernorm_kernel):
         _layernorm_modulate, _gated_residual = layernorm_modulate_reference, gated_residual_reference
         return "PyTorch LayerNorm and modulate"
-    from ditforge.ops import fused
+    from ditforge.ops import fused  # here, not at the top: importing it builds the kernels (after TRITON_INTERPRET)
 
     if enable_modulate_kernel:
         _layernorm_modulate, _gated_residual = fused.layernorm_modulate, fused.gated_residual
         return "Triton: fused LayerNorm + modulate, fused gated residual"
-    _layernorm_modulate = fused.layernorm_then_modulate
+    _layernorm_modulate = functools.partial(layernorm_then_modulate, fused.layernorm)
     _gated_residual = gated_residual_reference
     return "Triton: LayerNorm; PyTorch modulate"
 

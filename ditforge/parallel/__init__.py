@@ -268,7 +268,7 @@ def _apply_sequence_parallel(model: nn.Module, dist: Dist, sequence_parallel_typ
 def _set_adaln_kernels(device: torch.device, enable_modulate_kernel: bool, enable_layernorm_kernel: bool) -> None:
     """The adaLN operators' fused Triton kernels, if asked (UserError naming the flag where Triton cannot run)."""
     if enable_modulate_kernel or enable_layernorm_kernel:
-        from ditforge.ops.fused import check_triton
+        from ditforge.ops.triton import check_triton
 
         try:
             check_triton(device)

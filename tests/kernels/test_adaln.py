@@ -22,15 +22,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditforge.ops import fused
+from ditforge.ops import fused, triton
 from ditforge.ops.modulate import (
     gated_residual_reference,
     layernorm_modulate_reference,
+    layernorm_then_modulate,
     set_kernels,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and not fused._interpreting():
+if DEV == "cpu" and not triton.interpreting():
     pytest.fail("ditforge.ops.fused was imported before tests/conftest.py set TRITON_INTERPRET=1, so its "
                 "kernels were built for a GPU; import it lazily elsewhere or set TRITON_INTERPRET=1", pytrace=False)
 EPS = 1e-6
@@ -82,7 +83,7 @@ def _assert_lowp_close(name, kernel, reference, oracle):
     scale = oracle.abs().max().item()
     torch.testing.assert_close(kernel.double(), oracle, rtol=2e-2, atol=1e-2 * scale, msg=lambda m: f"{name}: {m}")
     err_k, err_r = _max_err(kernel, oracle), _max_err(reference, oracle)
-    truncating = fused._interpreting() and kernel.dtype == torch.bfloat16  # interpreter: fp32 -> bf16 truncates
+    truncating = triton.interpreting() and kernel.dtype == torch.bfloat16  # interpreter: fp32 -> bf16 truncates
     slack = 2**-9 * scale if truncating else 0.0
     assert err_k <= 2 * err_r + slack, f"{name}: kernel error {err_k:.3g} > 2 x PyTorch's error {err_r:.3g}"
 
@@ -173,7 +174,7 @@ def test_layernorm_then_modulate_matches_reference(dtype, with_mod):
     x = _x(B, N, D, dtype, g)
     shift, scale = (_vec(B, D, dtype, g), _vec(B, D, dtype, g)) if with_mod else (None, None)
     upstream = torch.randn(B, N, D, generator=g).to(DEV, dtype)
-    out = fused.layernorm_then_modulate(x, shift, scale, EPS)
+    out = layernorm_then_modulate(fused.layernorm, x, shift, scale, EPS)
     ref = layernorm_modulate_reference(x, shift, scale, EPS)
     assert out.dtype == ref.dtype
     grads, ref_grads = _grads(out, [x, shift, scale], upstream), _grads(ref, [x, shift, scale], upstream)
@@ -290,7 +291,7 @@ def test_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"\(B, N, D\)"):
         fused.layernorm_modulate(x[0], None, None)
     # Neither a GPU for the tensors nor the interpreter: a one-line RuntimeError, not a crash in Triton
-    monkeypatch.setattr(fused, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="CUDA GPU or TRITON_INTERPRET=1"):
         fused.layernorm_modulate(x.cpu(), v.cpu(), v.cpu())
     with pytest.raises(RuntimeError, match="CUDA GPU or TRITON_INTERPRET=1"):

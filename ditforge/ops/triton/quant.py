@@ -23,10 +23,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ditforge.ops import fp8
+from ditforge.ops import triton as common
 
-E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
-AMAX_EPS = tl.constexpr(fp8.AMAX_EPS)
+E4M3_MAX = tl.constexpr(common.E4M3_MAX)
+AMAX_EPS = tl.constexpr(common.AMAX_EPS)
 GELU_K1 = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634)  # -2 sqrt(2 / pi) log2(e)
 GELU_K3 = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634 * 0.044715)
 
