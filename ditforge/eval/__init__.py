@@ -1,4 +1,4 @@
 """Sample-quality metrics: FID, sFID, Inception Score and precision / recall (``fid``), the built-in digits
-feature extractor (``digits``), FVD of videos from a local I3D (``fvd``), the CLIP score (``clip_score``), and
-``ditforge eval``: reading sample and reference sets, the metrics of one
-against the other (``evaluate``)."""
+feature extractor (``digits``), FVD of videos from a local I3D (``fvd``), the CLIP score (``clip_score``);
+reading sample and reference sets (``readers``); and ``ditforge eval``, the metrics of one against the other
+(``evaluate``)."""

@@ -28,6 +28,7 @@ import torch
 
 from ditforge.errors import UserError
 from ditforge.eval.fid import extract_features, feature_statistics, frechet_distance, save_reference
+from ditforge.eval.readers import load_reference, read_folder, read_npz, sample_array
 
 I3D_FILE = "i3d_torchscript.pt"
 I3D_SOURCE = "https://www.dropbox.com/s/ge9e5ujwgetktms/i3d_torchscript.pt, linked from StyleGAN-V's README"
@@ -123,8 +124,6 @@ def read_videos(source: str, flag: str, num_frames: int, frame_interval: int = 1
         UserError: a missing or unreadable file, an .npz without videos (N >= 2), a folder with fewer than 2
             videos, an unreadable one or videos of mixed sizes, videos shorter than ``num_frames``.
     """
-    from ditforge.eval.evaluate import read_folder, read_npz, sample_array
-
     path = Path(source)
     if flag == "--ref" and (source == "clips" or path.suffix.lower() == ".csv"):
         return _read_video_set(source, num_frames, frame_interval, size)
@@ -163,8 +162,6 @@ def evaluate_fvd(samples: str, ref: str | None, i3d: str, num_frames: int = FVD_
     Raises:
         UserError: see ``read_videos`` and ``I3D``; no ``ref``; a reference of another frame size or frame count.
     """
-    from ditforge.eval.evaluate import load_reference
-
     if ref is None:
         raise UserError("--ref: FVD needs a reference (an .npz of videos, a folder of videos, clips, a video CSV, or "
                         "statistics from --save_ref)")
