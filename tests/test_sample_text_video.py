@@ -293,30 +293,40 @@ def test_official_pt_needs_and_takes_vae(tmp_path, tiny_vae, capsys):
 # Guidance against two separate model calls
 
 
+# The guidance tests run in float64: the guided call is one batch of 2B rows and the references are two calls of B
+# rows, which the BLAS may block differently (in float32, MKL's AVX2 kernels moved the guided output by up to
+# 3.7e-6, 0.37 of the old 1e-5; AVX-512 by 0). Reordered float64 sums stay near 1e-15, amplified by guidance 3.5
+# to well under 1e-10, while a row's condition or the variance taken from the wrong pass moves outputs by > 1e-2.
+
+
 def test_text_guidance_equals_separate_cond_and_uncond_calls(encoder):
     model, _ = _make("DiT-T/2", text=True)
+    model.double()
     states, mask = encoder.encode(["a cat", "a long sentence about a dog running on a sunny beach", "sea"])
+    states = states.double()
     assert not mask.all()  # captions of different lengths: padding is exercised
-    x, t = torch.randn(3, 3, 8, 8), torch.randint(0, 1000, (3,))
+    x, t = torch.randn(3, 3, 8, 8, dtype=torch.float64), torch.randint(0, 1000, (3,))
     s = 3.5
     with torch.no_grad():
         got = GuidedModel(model, states, s, y_mask=mask)(x, t)
         cond = model(x, t, states, force_drop_ids=torch.zeros(3, dtype=torch.bool), y_mask=mask)
         uncond = model(x, t, states, force_drop_ids=torch.ones(3, dtype=torch.bool), y_mask=mask)
     assert (cond - uncond).abs().max() > 1e-2  # the caption matters
-    torch.testing.assert_close(got[:, :3], uncond[:, :3] + s * (cond[:, :3] - uncond[:, :3]), rtol=0, atol=1e-5)
-    torch.testing.assert_close(got[:, 3:], cond[:, 3:], rtol=0, atol=1e-5)  # variance from the conditional pass
+    torch.testing.assert_close(got[:, :3], uncond[:, :3] + s * (cond[:, :3] - uncond[:, :3]), rtol=0, atol=1e-10)
+    torch.testing.assert_close(got[:, 3:], cond[:, 3:], rtol=0, atol=1e-10)  # variance from the conditional pass
 
 
 def test_label_guidance_equals_explicit_null_label_formula():
     model, _ = _make("vDiT-T/122", frames=4, classes=7)
-    x, t, y = torch.randn(4, 3, 4, 8, 8), torch.randint(0, 1000, (4,)), torch.tensor([0, 6, 3, 3])
+    model.double()
+    x, t = torch.randn(4, 3, 4, 8, 8, dtype=torch.float64), torch.randint(0, 1000, (4,))
+    y = torch.tensor([0, 6, 3, 3])
     s = 2.0
     with torch.no_grad():
         got = GuidedModel(model, y, s)(x, t)
         cond, uncond = model(x, t, y), model(x, t, torch.full_like(y, 7))  # 7 = num_classes: the null label
-    torch.testing.assert_close(got[:, :3], uncond[:, :3] + s * (cond[:, :3] - uncond[:, :3]), rtol=0, atol=1e-5)
-    torch.testing.assert_close(got[:, 3:], cond[:, 3:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[:, :3], uncond[:, :3] + s * (cond[:, :3] - uncond[:, :3]), rtol=0, atol=1e-10)
+    torch.testing.assert_close(got[:, 3:], cond[:, 3:], rtol=0, atol=1e-10)
 
 
 # ----------------------------------------------------------------------------------------------------------
