@@ -262,9 +262,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    # bitsandbytes (imported by peft and diffusers too) warns on CPU-only machines about optional 4-bit kernels
-    # ditforge never uses.
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     command = args.pop("command")
     try:
         if command == "train":
