@@ -127,8 +127,8 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
                                      "nothing (inductor fuses the same operations)")
     fast.add_argument("--mixed_precision", default="auto", choices=SAMPLING_PRECISIONS,
                       help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU); fp8: bf16 with "
-                      "the blocks' linear layers as row-wise scaled float8 GEMMs (H100-class GPU, Triton; see the "
-                      "README for its speed and quality)")
+                      "the blocks' linear layers as row-wise scaled float8 GEMMs (H100-class GPU, Triton; see "
+                      "docs/sampling.md for its speed and quality)")
     fast.add_argument("--compile", nargs="?", const="reduce-overhead", default="none", choices=COMPILE_MODES,
                       help="torch.compile the model with static shapes, and the VAE decoder; the bare flag is "
                       "reduce-overhead: CUDA graphs, the whole loop as one graph for --sampler ddpm / ddim and a flow "
@@ -141,10 +141,10 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
     fast.add_argument("--enable_layernorm_kernel", action="store_true", help="LayerNorm as a Triton kernel")
     fast.add_argument("--pab", action="store_true", help="Pyramid Attention Broadcast (video models): recompute "
                       "spatial / temporal / cross-attention only every 2 / 3 / 5 steps in the middle of the "
-                      "schedule (timesteps 100-800, 100-900 for cross); changes the samples (see the README)")
+                      "schedule (timesteps 100-800, 100-900 for cross); changes the samples (see docs/sampling.md)")
     fast.add_argument("--fora", type=int, metavar="N", help="FORA static caching: recompute every block's attention "
-                      "and MLP outputs only every N steps, reusing them in between; changes the samples (see the "
-                      "README); not with --pab")
+                      "and MLP outputs only every N steps, reusing them in between; changes the samples (see "
+                      "docs/sampling.md); not with --pab")
     fast.add_argument("--cfg_parallel", action="store_true", help="under torchrun with 2 x --sequence_parallel_size "
                       "processes: the conditional and unconditional passes run on different GPUs (with --compile when "
                       "--sequence_parallel_size is 1)")

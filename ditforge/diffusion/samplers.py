@@ -354,7 +354,7 @@ class LoopGraphs:
     GPU runs all steps back to back with no host work or launch gaps between them. (A model compiled with
     torch.compile's own CUDA graphs replays one graph per model call, and the guidance and update kernels in
     between are launched from Python: a DiT-XL/2 DDIM-50 call at batch 1 took 0.13 s that way and 0.113 s as one
-    graph, H100, 2026-11-25, README "Sampling speed".)
+    graph, H100, 2026-11-25.)
 
     The first call with a key runs the loop once eagerly on a side stream (torch.compile compiles there, kernels
     autotune, lazy state is created: what the capture must not do), then captures it. Later calls copy their

@@ -30,7 +30,7 @@ class SampleConfig:
     ``samples.png`` (image models: a PNG grid) or ``samples`` (video models: a folder of MP4s and GIFs).
     Speed: ``mixed_precision`` (auto: bf16 on CUDA), ``compile``, ``enable_*`` as ``prepare_model``; ``pab`` turns
     on Pyramid Attention Broadcast with ``PABConfig``'s defaults, ``fora`` FORA's static caching with that interval
-    (``PABConfig.fora``); they change the samples (README: their PSNR / SSIM).
+    (``PABConfig.fora``); they change the samples (docs/sampling.md: their PSNR / SSIM).
     """
 
     ckpt: str

@@ -62,7 +62,7 @@ def use_sampling_gemm_settings(device: torch.device) -> None:
     need a zeroed workspace, and every GEMM launches a memset first (112 of a forward's 143 memsets, 4 a block
     with float8 layers). Without one it picks kernels that take as long (3.57 against 3.58 ms of GEMMs a forward)
     and no memset: a float8 forward at 16 x 256 tokens in a CUDA graph took 5.69 instead of 5.99 ms; at 2 x 256,
-    where no GEMM memsets, 2.08 ms either way (H200, 2026-11-27, torch 2.11.0+cu130; ``benchmarks/gemm_memsets.py``).
+    where no GEMM memsets, 2.08 ms either way (H200, 2026-11-27, torch 2.11.0+cu130; the probe ``benchmarks/gemm_memsets.py``, last at da2a95e; docs/speed.md).
     Training keeps the default (not measured without it: its weight-gradient GEMMs reduce over every token, the
     shape split-K kernels, which need the workspace, are for)."""
     if device.type == "cuda":

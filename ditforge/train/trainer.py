@@ -651,7 +651,7 @@ def _build_objective(run: _Run) -> None:
     t, m, pre = run.cfg.train, run.cfg.model, run.pre
     if t.lr is None and t.optimizer == "adafactor":  # its lr is a relative step size: the paper's 1e-2
         t.lr = 1e-2
-    if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_sweep.py
+    if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
     diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
                                  m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,

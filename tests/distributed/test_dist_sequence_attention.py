@@ -230,7 +230,7 @@ def test_sequence_parallel_attention_matches_single_process(world):
 
 
 def test_communication_formulas():
-    """The byte counts of the README table, against their derivations at N = 32k, D = 1152, bf16."""
+    """The byte counts of the table in docs/multi-gpu.md, against their derivations at N = 32k, D = 1152, bf16."""
     from ditforge.parallel.sequence import communication_bytes_per_layer as cb
 
     n, d = 32768, 1152

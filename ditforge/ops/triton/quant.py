@@ -16,7 +16,7 @@ Math (sources):
   function of 2u): one exponential and one division, no cancellation. The kernel is bound by its instructions
   here, not its bytes; this form took the GELU pass from 41 to 32 us (4096 x 4608, H100, 2026-11-27), and
   exp2 of the folded constants with an approximate division (``fast_dividef``, 2 ulp) from 31.1 to 27.2 us, with
-  the same e4m3 codes on that input (``benchmarks/gelu_forms.py``; the pass without the GELU: 21.9 us).
+  the same e4m3 codes on that input (the probe ``benchmarks/gelu_forms.py``, last at da2a95e; docs/speed.md; the pass without the GELU: 21.9 us).
 """
 
 import triton
@@ -99,7 +99,7 @@ def _store_e4m3(ptrs, v, mask, INTERPRETED: tl.constexpr):
 
     No clamp to +-448: v = h * RN(448 / amax) with |h| <= amax is at most 448 (1 + 2^-24)^2, which rounds to 448
     (e4m3's overflow starts at 464); inf never reaches here (an inf amax makes the factor 0, and inf * 0 NaN).
-    Dropping the clamp took 1.1 us from the GELU pass at 4096 x 4608 (``benchmarks/gelu_forms.py``)."""
+    Dropping the clamp took 1.1 us from the GELU pass at 4096 x 4608 (the probe ``benchmarks/gelu_forms.py``, last at da2a95e)."""
     if INTERPRETED:
         v = _round_to_e4m3(v)
     tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
