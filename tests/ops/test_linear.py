@@ -17,25 +17,27 @@ def reference(x: torch.Tensor, fc: nn.Linear) -> torch.Tensor:
 
 def test_cpu_values_and_gradients_match_float64():
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    fc = nn.Linear(24, 40)
+    fc = nn.Linear(24, 40, dtype=torch.float64)
     with torch.no_grad():
         fc.weight.copy_(torch.randn(40, 24, generator=g) / 3)
         fc.bias.copy_(torch.randn(40, generator=g))
-    x = torch.randn(2, 7, 24, generator=g, requires_grad=True)
+    x = torch.randn(2, 7, 24, generator=g, dtype=torch.float64, requires_grad=True)
     out = linear_gelu_tanh(x, fc)
     ref = reference(x, fc)
-    # float32 against float64: 1e-6 relative. The exact (erf) GELU, which CPU _addmm_activation computes,
-    # differs from the tanh form by ~1e-4 relative here, so a CPU dispatch to it fails this.
-    assert out.shape == (2, 7, 40) and out.dtype == torch.float32
-    assert (out.double() - ref).norm() / ref.norm() < 1e-6
-    dout = torch.randn(2, 7, 40, generator=g)
+    # float64 layer (the CPU path does not depend on the dtype): 1e-12 relative. In float32 the products' rounding
+    # alone reached 2.5e-7 relative (sums over 14 to 40 terms; 0.25 of the old 1e-6), in float64 ~1e-16. The exact
+    # (erf) GELU, which CPU _addmm_activation computes, differs from the tanh form by ~1e-4 relative here, so a CPU
+    # dispatch to it fails this.
+    assert out.shape == (2, 7, 40) and out.dtype == torch.float64
+    assert (out - ref).norm() / ref.norm() < 1e-12
+    dout = torch.randn(2, 7, 40, generator=g, dtype=torch.float64)
     out.backward(dout)
     xd = x.detach().double().requires_grad_()
     wd, bd = fc.weight.detach().double().requires_grad_(), fc.bias.detach().double().requires_grad_()
     h = xd @ wd.t() + bd
-    (0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))).backward(dout.double())
+    (0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))).backward(dout)
     for got, want in ((x.grad, xd.grad), (fc.weight.grad, wd.grad), (fc.bias.grad, bd.grad)):
-        assert (got.double() - want).norm() / want.norm() < 1e-6
+        assert (got - want).norm() / want.norm() < 1e-12
     with torch.no_grad():
         assert torch.equal(linear_gelu_tanh(x, fc), out.detach())  # the no-grad CPU path is the same one
 
