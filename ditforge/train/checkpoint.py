@@ -59,7 +59,7 @@ from ditforge.atomic import atomic_path
 from ditforge.errors import UserError
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
-from ditforge.train.guard import WriteFailed, write_failure
+from ditforge.train.guard import WriteFailed, rank_failures, space_error, write_failure
 
 # DCP says so whenever it runs without a process group, which is how one process saves and loads on purpose.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -163,7 +163,14 @@ class _ChecksumFileSystem(dcp.filesystem.FileSystem):
                 yield f
                 return
             out = _Checksummed(f)
-            yield out
+            try:
+                yield out
+            except RuntimeError as e:
+                # The zip writer's short write carries no errno: the rank that saw it names a full disk now,
+                # while what it wrote still fills it, and every rank gets that OSError in DCP's exception.
+                if (space := space_error(e, Path(path).parent)) is not None:
+                    raise space from e
+                raise
         with self.lock:
             self.sums[Path(path).name] = (out.size, out.crc)
 
@@ -312,16 +319,20 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _failing_save(self, tmp: Path):
-        """A save that raises removes its temporary folder; a full disk or another write error becomes one
-        ``SaveError`` line (Ctrl-C stays KeyboardInterrupt)."""
+        """A save that raises removes its temporary folder; a lack of space (``space_error``: an OSError, the zip
+        writer's RuntimeError, either inside DCP's CheckpointException) or another OSError becomes one ``SaveError``
+        line; any other error passes unchanged (Ctrl-C stays KeyboardInterrupt)."""
         try:
             yield
         except (Exception, CheckpointException) as e:  # DCP wraps a rank's error in CheckpointException
             self.staged = self.pending = None
+            cause = space_error(e, tmp)  # before the temporary folder, which filled the disk, is removed
+            if cause is None:
+                first = rank_failures(e)[0] if isinstance(e, CheckpointException) and e.failures else e
+                cause = first if isinstance(first, OSError) else None
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            cause = _rank_failures(e)[0] if isinstance(e, CheckpointException) and e.failures else e
-            if not isinstance(cause, OSError):
+            if cause is None:
                 raise
             raise SaveError(self._describe_failure(tmp, cause)) from None
 
@@ -417,12 +428,6 @@ def newest_intact(run_dir: Path) -> Path | None:
     return None
 
 
-def _rank_failures(e: CheckpointException) -> list[BaseException]:
-    """The exceptions DCP collected from the ranks; each arrives as (exception, traceback frames) or as a
-    wrapper holding ``.exception``."""
-    return [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in e.failures.values()]
-
-
 @contextlib.contextmanager
 def _interrupts_unwrapped():
     """DCP wraps every exception of a save, Ctrl-C included, in CheckpointException (a BaseException);
@@ -430,7 +435,7 @@ def _interrupts_unwrapped():
     try:
         yield
     except CheckpointException as e:
-        if any(isinstance(x, KeyboardInterrupt) for x in _rank_failures(e)):
+        if any(isinstance(x, KeyboardInterrupt) for x in rank_failures(e)):
             raise KeyboardInterrupt from None
         raise
 
@@ -475,7 +480,7 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
 def _describe(e: BaseException) -> str:
     """One line for a load error; DCP wraps each rank's exception (and its traceback) in CheckpointException."""
     if isinstance(e, CheckpointException) and e.failures:
-        e = _rank_failures(e)[0]
+        e = rank_failures(e)[0]
     return " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
 

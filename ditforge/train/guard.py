@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ditforge.errors import RunError, UserError
 from ditforge.parallel.mesh import Dist
@@ -200,6 +202,58 @@ def all_finite(tensors: list[torch.Tensor], d: Dist) -> bool:
     return bool(ok.item())
 
 
+# PyTorch's zip writer (torch.save, DCP's tensor files) reports a short write as a RuntimeError without an errno:
+# "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598" (writing to a Python stream) or
+# "... file write failed" (writing to a path).
+_ZIP_WRITE_FAILED = re.compile(r"unexpected pos \d+ vs \d+|file write failed")
+NEARLY_FULL = 1 << 20  # bytes: a file system with less free is out of space (a failed write leaves ~0)
+
+
+def rank_failures(e: CheckpointException) -> list[BaseException]:
+    """The exceptions DCP collected from the ranks; each arrives as (exception, traceback frames) or as a
+    wrapper holding ``.exception``."""
+    return [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in e.failures.values()]
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes an unprivileged user may still write on the file system holding ``folder`` (or its nearest existing
+    parent), from ``os.statvfs``."""
+    folder = Path(folder).absolute()
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def space_error(e: BaseException, folder: Path) -> OSError | None:
+    """The lack of space behind ``e``, whatever layer raised it, or None when ``e`` has another cause.
+
+    Lack of space is an ``OSError`` with errno ENOSPC or EDQUOT anywhere in ``e``'s chain (``__cause__``,
+    ``__context__``) or among a DCP ``CheckpointException``'s per-rank failures; or PyTorch's zip writer's
+    RuntimeError (``_ZIP_WRITE_FAILED``), which carries no errno, while the file system holding ``folder`` (the
+    folder being written) has less than ``NEARLY_FULL`` bytes free. Call it before removing what the failed write
+    left there.
+
+    Returns:
+        the OSError found, or for the zip writer's error a new ``OSError(ENOSPC)``.
+    """
+    todo, seen, zip_failed = [e], set(), False
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return x
+        zip_failed |= isinstance(x, RuntimeError) and _ZIP_WRITE_FAILED.search(str(x)) is not None
+        if isinstance(x, CheckpointException):
+            todo += rank_failures(x)
+        todo += [x.__cause__, x.__context__]
+    if zip_failed and free_bytes(folder) < NEARLY_FULL:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
+
+
 def write_failure(what: str, folder: Path, e: OSError, last_good: Path | None, needed: int | None = None) -> str:
     """One line for an error writing ``what`` into ``folder``: for a full disk (ENOSPC) or an exceeded quota
     (EDQUOT) the space needed (``needed`` bytes, when known) and free; and the last good checkpoint."""
@@ -218,19 +272,20 @@ class WriteFailed(RunError):
 
 @contextlib.contextmanager
 def disk_errors(what: str, folder: Path, go_on: bool, last_good: Callable[[], Path | None]) -> Iterator[None]:
-    """Turn a full disk or an exceeded quota while writing ``what`` (metrics, a sample grid) into one line
-    (``write_failure``), and a checkpoint's ``WriteFailed`` (``checkpoint.SaveError``) likewise: raised, or with
-    ``go_on`` (``--continue_on_save_error``) a warning."""
+    """Turn a lack of space while writing ``what`` (metrics, a sample grid) into one line (``write_failure``),
+    whatever layer raised it (``space_error``), and a checkpoint's ``WriteFailed`` (``checkpoint.SaveError``)
+    likewise: raised, or with ``go_on`` (``--continue_on_save_error``) a warning. Other errors pass unchanged."""
     try:
         yield
     except WriteFailed as e:
         if not go_on:
             raise
         log.warning("%s; going on (--continue_on_save_error)", e)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except Exception as e:
+        space = space_error(e, folder)
+        if space is None:
             raise
-        message = write_failure(what, folder, e, last_good())
+        message = write_failure(what, folder, space, last_good())
         if not go_on:
             raise WriteFailed(message) from None
         log.warning("%s; going on (--continue_on_save_error)", message)

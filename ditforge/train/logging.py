@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,29 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """Appends one JSON object per call to ``path``; flushed at once so a crash loses nothing logged."""
+    """Appends one JSON object per line to ``path``, each line in unbuffered writes, so a crash loses nothing
+    logged. A line that cannot be written whole (a full disk) is cut off again before the error is raised: the
+    file holds whole lines only, and nothing is left in a buffer for ``close`` to write."""
 
     def __init__(self, path: Path):
-        self.file = open(path, "a", buffering=1)
+        self.file = open(path, "ab", buffering=0)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (non-finite floats as null).
+
+        Raises:
+            OSError: the line could not be written (the file is as it was).
+        """
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self.file.write(json.dumps(clean) + "\n")
+        line = (json.dumps(clean) + "\n").encode()
+        end = self.file.seek(0, os.SEEK_END)
+        try:
+            done = 0
+            while done < len(line):  # a raw write may be short; the next one says why
+                done += self.file.write(line[done:])
+        except OSError:
+            self.file.truncate(end)
+            raise
 
     def close(self) -> None:
         self.file.close()
