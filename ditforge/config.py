@@ -211,6 +211,16 @@ class TrainConfig:
                                    "stop (at the first)", choices=("skip", "stop"))
     max_nonfinite_steps: int = _f(20, "with --on_nonfinite skip: stop the run after this many non-finite steps "
                                       "in a row")
+    loss_spike_factor: float | None = _f(None, "roll back on a loss spike (PaLM, Chowdhery et al. 2022, sec. 5.1): at "
+                                               "each metrics record (--log_every), when the mean loss over the last "
+                                               "--loss_spike_window steps (all processes, skipped steps left out) is "
+                                               "more than F times the median of the latest 100 such means that were "
+                                               "not spikes, reload the newest checkpoint saved before that window, "
+                                               "skip the batches from it up to the spike, and go on; F > 1 (default: "
+                                               "off)")
+    loss_spike_window: int = _f(100, "with --loss_spike_factor: the steps whose mean loss is checked")
+    max_loss_spike_rollbacks: int = _f(3, "with --loss_spike_factor: stop the run at a spike that follows this many "
+                                          "rollbacks with no spike-free check between them (0: at the first spike)")
     continue_on_save_error: bool = _f(False, "go on when a checkpoint, sample grid or metrics line cannot be "
                                              "written (a full disk), warning each time, instead of stopping")
     log_every: int = _f(50, "write metrics every N steps")
@@ -486,7 +496,7 @@ def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train
     positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps, "max_nonfinite_steps": t.max_nonfinite_steps,
-                "eval_samples": t.eval_samples,
+                "eval_samples": t.eval_samples, "loss_spike_window": t.loss_spike_window,
                 "sequence_parallel_size": cfg.parallel.sequence_parallel_size, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
                 "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
                 "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes,
@@ -495,14 +505,16 @@ def validate(cfg: RunConfig) -> None:
     for name, value in positive.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise UserError(f"--{name}: expected a positive integer, got {value!r}")
-    for name, value in {"warmup_steps": t.warmup_steps, "sample_every": t.sample_every,
-                        "num_workers": cfg.data.num_workers, "pack_tokens": t.pack_tokens}.items():
+    nonnegative = {"warmup_steps": t.warmup_steps, "sample_every": t.sample_every, "pack_tokens": t.pack_tokens,
+                   "num_workers": cfg.data.num_workers, "max_loss_spike_rollbacks": t.max_loss_spike_rollbacks}
+    for name, value in nonnegative.items():
         if value is not None and (not isinstance(value, int) or value < 0):
             raise UserError(f"--{name}: expected an integer >= 0, got {value!r}")
     if t.max_steps is not None and t.epochs is not None:
         raise UserError("--max_steps and --epochs: give one, not both")
-    if t.lr is not None and not t.lr > 0:
-        raise UserError(f"--lr: expected a positive number, got {t.lr}")
+    for name, value, low in (("lr", t.lr, 0), ("loss_spike_factor", t.loss_spike_factor, 1)):
+        if value is not None and not value > low:
+            raise UserError(f"--{name}: expected a number > {low}, got {value}")
     if not 0 <= t.ema_decay < 1:
         raise UserError(f"--ema_decay: expected a number in [0, 1), got {t.ema_decay}")
     if not 0 <= cfg.model.class_dropout_prob < 1:
@@ -575,7 +587,6 @@ def validate(cfg: RunConfig) -> None:
     if t.offload_activations and kind != "none" and every == 1:  # full, op and every-1 check every block
         raise UserError(f"--offload_activations: offloads the activations of blocks that are not checkpointed; "
                         f"--grad_checkpoint {t.grad_checkpoint} checkpoints every block (use every-K, or none)")
-
     if cfg.model.model is not None:
         model_spec(cfg.model.model)
     if t.pack_tokens:

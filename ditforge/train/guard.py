@@ -1,5 +1,6 @@
 """What keeps a long run safe from its accidents: one run per folder (a lock), a run folder every rank sees,
-non-finite steps skipped and counted, and a full disk reported in one line.
+non-finite steps skipped and counted, loss spikes found (the trainer rolls them back), and a full disk reported
+in one line.
 
 The checkpoint side (checksums, falling back past a damaged checkpoint, a failed save) is in
 ``ditforge.train.checkpoint``.
@@ -17,6 +18,7 @@ import re
 import secrets
 import shutil
 import socket
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -186,6 +188,109 @@ class NonfiniteGuard:
             raise RunError(f"step {step}: {self.in_row} steps in a row had a non-finite loss or gradient norm "
                            f"(--max_nonfinite_steps); the weights are those after step {step - self.in_row}, "
                            f"{last}; lower --lr, add --warmup_steps or keep --max_grad_norm")
+
+
+class LossSpikeGuard:
+    """Finds loss spikes for ``--loss_spike_factor F --loss_spike_window W``, which the trainer answers by rolling
+    back to a checkpoint before the spike and skipping the batches in between (PaLM, Chowdhery et al. 2022, sec.
+    5.1: restart about 100 steps before the spike, skip 200-500 batches; ``trainer._roll_back``).
+
+    The test. Each step's loss (this process's, as optimised; a skipped non-finite step's left out) goes into a
+    ring of the last W steps on the device. At each check (the trainer's metrics records, every ``--log_every``
+    steps and at the end), once W steps have run, the window mean ``m`` is read: the mean over those W steps'
+    good steps and over all processes. Its reference ``r`` is the median of ``history``, the latest ``HISTORY``
+    window means that were not spikes. A spike is ``m > F * r`` (no check before ``history`` holds a mean); a
+    spike's mean never enters ``history``. A spike after ``max_in_row`` rollbacks with no spike-free check between
+    them stops the run.
+
+    The cost: a step writes its loss into the ring on the device (no host sync); the ring is read at the metrics
+    records' cadence, where the trainer reads the loss on the host anyway (one all-reduce of 2W numbers). Checking
+    at every step would add a sync per step; checking only at records delays a rollback by at most
+    ``--log_every`` steps, whose batches are skipped with the rest.
+
+    What a resume needs to decide alike (the ring, ``history``, the counts) is ``state_dict``'s, saved in each
+    checkpoint's meta: a resumed run makes the same checks, with the same numbers, as an uninterrupted one.
+    """
+
+    HISTORY = 100
+
+    def __init__(self, factor: float, window: int, max_in_row: int, device: torch.device,
+                 last_good: Callable[[], Path | None]):
+        self.factor, self.window, self.max_in_row, self.device = factor, window, max_in_row, device
+        self.last_good = last_good
+        self.in_row = self.rollbacks = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ring = torch.zeros(2, self.window, device=self.device)  # losses, good-step flags; step k at k % W
+        self.filled, self.history = 0, []
+
+    def push(self, step: int, loss: torch.Tensor, skipped: torch.Tensor) -> None:
+        """The loss (0-dim) and skipped flag (0-dim bool) of step ``step`` (counted from 0); no host sync."""
+        loss = loss.float()  # (where takes the flag from either device, as in ``trainer._Window``)
+        self.ring[:, step % self.window] = torch.stack([torch.where(skipped, 0.0, loss),
+                                                        torch.where(skipped, 0.0, torch.ones_like(loss))])
+        self.filled = min(self.filled + 1, self.window)
+
+    def check(self, step: int, d: Dist) -> tuple[float, float] | None:
+        """The test above after step ``step`` (counted from 1), a collective: every rank calls it and gets the same
+        answer. Returns the spike's window mean and reference median, or None.
+
+        Raises:
+            RunError: a spike after ``max_in_row`` rollbacks in a row (the message names the last checkpoint).
+        """
+        if self.filled < self.window:
+            return None
+        losses, good = _summed_over_processes(self.ring, d)
+        if not sum(good):  # every step of the window was skipped: the non-finite guard's business
+            return None
+        mean = sum(losses) / sum(good)
+        if not self.history or not mean > self.factor * statistics.median(self.history):
+            self.history, self.in_row = [*self.history, mean][-self.HISTORY:], 0
+            return None
+        median = statistics.median(self.history)
+        if self.in_row >= self.max_in_row:
+            ckpt = self.last_good()
+            last = f"the last checkpoint is {ckpt}" if ckpt else "no checkpoint was saved"
+            raise RunError(f"step {step}: mean loss {mean:.4g} over the last {self.window} steps is more than "
+                           f"{self.factor:g} x the median {median:.4g}, after {self.in_row} rollbacks in a row "
+                           f"(--max_loss_spike_rollbacks); {last}; lower --lr, add --warmup_steps, or look at the "
+                           "data")
+        return mean, median
+
+    def state_dict(self, d: Dist) -> dict:
+        """The guard's state, JSON-serialisable, for a checkpoint's meta; a collective (the ring summed over
+        processes)."""
+        ring = _summed_over_processes(self.ring, d)
+        return {"window": self.window, "filled": self.filled, "ring": ring, "history": self.history,
+                "in_row": self.in_row, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict | None, d: Dist) -> None:
+        """Continue from ``state_dict``'s ``state`` (None: a checkpoint saved without the guard)."""
+        if state is not None:
+            self.in_row, self.rollbacks = state["in_row"], state["rollbacks"]
+        self._restore(state, d)
+
+    def rolled_back(self, state: dict | None, d: Dist) -> None:
+        """The run went back to the checkpoint holding ``state``: its ring and history, the counts one up."""
+        self._restore(state, d)
+        self.in_row, self.rollbacks = self.in_row + 1, self.rollbacks + 1
+
+    def _restore(self, state: dict | None, d: Dist) -> None:
+        self._reset()
+        if state is None or state["window"] != self.window:  # another window: its ring and means do not apply
+            return
+        self.filled, self.history = state["filled"], list(state["history"])
+        if d.is_main:  # the sums over processes, on one rank: summing them again adds zeros, exactly
+            self.ring = torch.tensor(state["ring"], device=self.device)
+
+
+def _summed_over_processes(t: torch.Tensor, d: Dist) -> list:
+    """``t`` summed over all processes (one all-reduce), as (nested) Python floats."""
+    t = t.clone()
+    if d.mesh is not None:
+        dist.all_reduce(t)
+    return t.tolist()
 
 
 @torch.no_grad()

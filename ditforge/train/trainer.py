@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -57,7 +58,7 @@ from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
 from ditforge.train.mixed import check_bucket_tokens, chunk, mixed_step_inputs
 from ditforge.train.randomness import StepRandomness
-from ditforge.train.guard import NonfiniteGuard, all_finite, claim_run_folder, disk_errors
+from ditforge.train.guard import LossSpikeGuard, NonfiniteGuard, all_finite, claim_run_folder, disk_errors
 from ditforge.train.logging import MetricsLog, Tracker
 
 log = logging.getLogger(__name__)
@@ -408,6 +409,10 @@ class _Run:
     scaler: torch.amp.GradScaler | None = None  # fp16
     start_step: int = 0
     loader_state: dict | None = None  # the shard loader's, saved with the checkpoint resumed
+    # batches skipped by loss-spike rollbacks: step k reads the batch, and draws the randomness, of data position
+    # k + data_offset (a function of (seed, position))
+    data_offset: int = 0
+    spikes: LossSpikeGuard | None = None  # --loss_spike_factor
     # outputs, loader and logs (_open_outputs, _build_loader, _open_logs)
     checkpointer: ckpt_io.Checkpointer | None = None
     shard_loader: object = None  # streamed shards: their loader, whose position each checkpoint saves
@@ -439,8 +444,10 @@ class _Run:
         meta = {"config": self.cfg.to_dict(), "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "step_in_backward": self.stepper.state_dict() if self.stepper is not None else None,
                 "world_size": d.world_size, "plugin": self.cfg.parallel.plugin,
-                "loader": (self.shard_loader.state_dict(step, self.checkpointer.group)
-                           if self.shard_loader is not None else None)}
+                "loader": (self.shard_loader.state_dict(step + self.data_offset, self.checkpointer.group)
+                           if self.shard_loader is not None else None),
+                "data_offset": self.data_offset,
+                "loss_spike": self.spikes.state_dict(d) if self.spikes is not None else None}
         with self.written(f"checkpoint step-{step:07d}"):
             return self.checkpointer.save(step, ckpt_io.training_state(model, self.optimizer, ema, self.adapters_only),
                                           meta)
@@ -753,24 +760,38 @@ def _build_optimizer(run: _Run) -> None:
 
 
 def _resume(run: _Run) -> None:
-    """--resume: the weights, optimizer, EMA, grad scaler and step-in-backward states of ``run.resume_from``, its
-    step, and its shard loader's position."""
+    """The loss-spike guard (--loss_spike_factor); --resume: the weights, optimizer, EMA, grad scaler,
+    step-in-backward and loss-spike guard states of ``run.resume_from``, its step, data offset and shard loader's
+    position."""
     resume_from, t = run.resume_from, run.cfg.train
+    if t.loss_spike_factor is not None:  # a partial, not run.last_good (see _open_logs)
+        run.spikes = LossSpikeGuard(t.loss_spike_factor, t.loss_spike_window, t.max_loss_spike_rollbacks,
+                                    run.d.device, functools.partial(_last_checkpoint, run.run_dir))
     if resume_from is None:
         return
     saved = bool(ckpt_io.read_meta(resume_from).get("config", {}).get("train", {}).get("delayed_update"))
     if saved != t.delayed_update:  # its optimizer state holds the masters, one update ahead of the weights
         raise UserError(f"--resume {resume_from}: saved {'with' if saved else 'without'} --delayed_update; "
                         f"resume it {'with' if saved else 'without'} the flag")
-    meta = ckpt_io.load_training_state(resume_from, run.model, run.optimizer, run.ema, run.adapters_only)
+    meta = _load_checkpoint(run, resume_from)
     run.start_step, run.loader_state = int(meta["step"]), meta.get("loader")
+    run.data_offset = meta.get("data_offset", 0)  # kept with the guard off: the skipped batches stay skipped
+    if run.spikes is not None:
+        run.spikes.load_state_dict(meta.get("loss_spike"), run.d)
+    if run.d.is_main:
+        log.info("resumed from %s at step %d (saved by %s processes, plugin %s)", resume_from, run.start_step,
+                 meta.get("world_size", 1), meta.get("plugin", "none"))
+
+
+def _load_checkpoint(run: _Run, ckpt: Path) -> dict:
+    """The weights, optimizer, EMA, grad scaler and step-in-backward states of ``ckpt`` into the run's; returns
+    its meta (``ckpt_io.load_training_state``'s errors)."""
+    meta = ckpt_io.load_training_state(ckpt, run.model, run.optimizer, run.ema, run.adapters_only)
     if run.scaler is not None and meta.get("scaler"):
         run.scaler.load_state_dict(meta["scaler"])
     if run.stepper is not None and meta.get("step_in_backward"):
         run.stepper.load_state_dict(meta["step_in_backward"])
-    if run.d.is_main:
-        log.info("resumed from %s at step %d (saved by %s processes, plugin %s)", resume_from, run.start_step,
-                 meta.get("world_size", 1), meta.get("plugin", "none"))
+    return meta
 
 
 def _open_outputs(run: _Run) -> None:
@@ -790,9 +811,11 @@ def _open_outputs(run: _Run) -> None:
 
 
 def _build_loader(run: _Run) -> None:
-    """This process's loader from ``run.start_step``, one batch ahead on the device, and ``--pack_tokens``'
-    packing (every bucket checked to fit a row)."""
-    cfg, d, dataset, device, start_step = run.cfg, run.d, run.dataset, run.d.device, run.start_step
+    """This process's loader from ``run.start_step``'s data position, one batch ahead on the device, and
+    ``--pack_tokens``' packing (every bucket checked to fit a row). A loss-spike rollback rewinds the steps, never
+    the loader: the batches it reads next are those after the spike."""
+    cfg, d, dataset, device = run.cfg, run.d, run.dataset, run.d.device
+    start_step = run.start_step + run.data_offset
     t, m = cfg.train, cfg.model
     if isinstance(dataset, ShardData):  # streamed shards: the position is the loader's state, saved with the checkpoint
         data = cfg.data
@@ -869,7 +892,7 @@ def _loop(run: _Run) -> int:
             waited = time.perf_counter()
             batch = as_batch(next(batches))
             window.data_wait += time.perf_counter() - waited
-            micro, rows, samples = _micro_batches(run, batch, step)
+            micro, rows, samples = _micro_batches(run, batch, step + run.data_offset)
             set_lr(run.optimizer, learning_rate(run.cfg, step))
             if run.ema_in_step:
                 run.optimizer.ema_decay = ema_decay_at(t.ema_decay, step)
@@ -882,12 +905,14 @@ def _loop(run: _Run) -> int:
             run.checkpointer.wait_for_staging()  # a skipped fp16 step runs no pre-step hook; the EMA changes next
             run.update_ema(step, skipped)
             run.nonfinite.push(step + 1, skipped, out["loss"], out["grad_norm"])  # reads the previous step's flag
+            if run.spikes is not None:
+                run.spikes.push(step, out["loss"], skipped)
             step, stepped = step + 1, False
             if step == measure_at:
                 _keep_states_within_budget(run)
             window.add(out, skipped, samples)
             bar.update(1)
-            _after_step(run, step, window, bar)
+            step = _after_step(run, step, window, bar)
     except KeyboardInterrupt:
         bar.close()
         if stepped:  # the optimizer already took this step: finish it, so the checkpoint is step-consistent
@@ -909,10 +934,11 @@ def _loop(run: _Run) -> int:
     return step
 
 
-def _micro_batches(run: _Run, batch: dict, step: int) -> tuple[list[tuple], int, int]:
-    """A loader batch -> step ``step``'s micro-batches for ``train_step`` (latents, conditioning, ``StepRandomness``
-    [, loss weights]; ``--grad_accum_steps`` of them), its rows per sample (2 for DreamBooth's prior pairs) and the
-    samples of its global batch."""
+def _micro_batches(run: _Run, batch: dict, position: int) -> tuple[list[tuple], int, int]:
+    """A loader batch -> the micro-batches for ``train_step`` (latents, conditioning, ``StepRandomness`` of data
+    position ``position``, the step plus the batches skipped (``_Run.data_offset``) [, loss weights];
+    ``--grad_accum_steps`` of them), its rows per sample (2 for DreamBooth's prior pairs) and the samples of its
+    global batch."""
     cfg, d, inputs, device = run.cfg, run.d, run.inputs, run.d.device
     t, m = cfg.train, cfg.model
     weights = None
@@ -921,12 +947,12 @@ def _micro_batches(run: _Run, batch: dict, step: int) -> tuple[list[tuple], int,
     rows = 1 if weights is None else 2
     cond = inputs.conditioning(batch, device)
     if run.mixed:
-        x, rnd = mixed_step_inputs(inputs, batch["x"], device, t.seed, step, run.diffusion, m.class_dropout_prob,
+        x, rnd = mixed_step_inputs(inputs, batch["x"], device, t.seed, position, run.diffusion, m.class_dropout_prob,
                                    d.dp_rank * len(batch["x"]))
     else:
         mean, std = inputs.moments(batch, device)
         # the global batch and its shape: this step's bucket's with --buckets
-        rnd = step_randomness(t.seed, step, len(mean) * d.dp_size, tuple(mean.shape[1:]), run.diffusion,
+        rnd = step_randomness(t.seed, position, len(mean) * d.dp_size, tuple(mean.shape[1:]), run.diffusion,
                               m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
         x = inputs.draw(mean, std, rnd.eps)
     if not cfg.data.random_flip:
@@ -979,18 +1005,30 @@ class _Window:
         return record
 
 
-def _after_step(run: _Run, step: int, window: _Window, bar: tqdm) -> None:
-    """What follows step ``step`` (counted from 1) on its schedule: the evaluation (--eval_every), the metrics
-    record (--log_every), a sample grid (--sample_every) and a checkpoint (--ckpt_every); the last step's grid
-    and checkpoint are ``_finish``'s."""
-    t, max_steps, metrics = run.cfg.train, run.max_steps, run.metrics
+def _after_step(run: _Run, step: int, window: _Window, bar: tqdm) -> int:
+    """What follows step ``step`` (counted from 1) on its schedule: the loss-spike check and the metrics record
+    (--log_every), the evaluation (--eval_every), a sample grid (--sample_every) and a checkpoint (--ckpt_every);
+    the last step's grid and checkpoint are ``_finish``'s. Returns the step reached: ``step``, or after a
+    loss spike the step rolled back to (``_roll_back``)."""
+    t, max_steps = run.cfg.train, run.max_steps
+    logs = step % t.log_every == 0 or step == max_steps
+    spike = run.spikes.check(step, run.d) if run.spikes is not None and logs else None
+    if spike is not None:
+        step = _roll_back(run, step, *spike)
+        window.reset()
+        bar.n = step
+        bar.refresh()
+        return step
+    metrics = run.metrics
     evaluated = run.evaluate() if t.eval_every and (step % t.eval_every == 0 or step == max_steps) else {}
     if evaluated and step % t.log_every and step != max_steps and metrics is not None:
         with run.written("metrics.jsonl"):  # between two log steps: a record of its own
             metrics.write({"step": step, **evaluated})
             run.tracker.log(step, evaluated)
-    if step % t.log_every == 0 or step == max_steps:
+    if logs:
         record = window.record(run, step) | evaluated
+        if run.spikes is not None:
+            record["rollbacks"] = run.spikes.rollbacks
         if metrics is not None:
             with run.written("metrics.jsonl"):
                 metrics.write({"step": step, **record})
@@ -1001,6 +1039,55 @@ def _after_step(run: _Run, step: int, window: _Window, bar: tqdm) -> None:
         run.write_samples(step)
     if step % t.ckpt_every == 0 and step < max_steps:
         run.save(step)
+    return step
+
+
+def _roll_back(run: _Run, step: int, mean: float, median: float) -> int:
+    """A loss spike found after step ``step``: reload the newest checkpoint saved before the window that spiked
+    (``run.spikes``), drop the checkpoints and metrics records after it (they belong to the abandoned steps), and
+    skip the batches of the steps from it up to ``step``: the loader goes on where it is, so the data offset grows
+    by those steps. Returns the checkpoint's step.
+
+    Raises:
+        RunError: no checkpoint was saved before the window.
+    """
+    d, window = run.d, run.spikes.window
+    run.finish_saves()
+    run.nonfinite.flush()
+    found = [None]  # rank 0 lists the folder (another rank may see a background save's rename late)
+    if d.is_main:
+        before = [p for p in ckpt_io.list_checkpoints(run.run_dir) if _step_of(p) <= step - window]
+        found = [before[-1] if before else None]
+    if d.mesh is not None:
+        dist.broadcast_object_list(found, src=0)
+    spike = (f"step {step}: mean loss {mean:.4g} over the last {window} steps is more than "
+             f"{run.spikes.factor:g} x the median {median:.4g}")
+    if found[0] is None:
+        raise RunError(f"{spike}, and no checkpoint was saved before step {step - window + 1} to roll back to; "
+                       "save more often (--ckpt_every) or keep more checkpoints (--keep_last)")
+    ckpt, back = found[0], _step_of(found[0])
+    if d.is_main:
+        for later in ckpt_io.list_checkpoints(run.run_dir):
+            if _step_of(later) > back:  # out of the listing first, as the checkpointer drops old ones
+                doomed = later.with_name(f".tmp-delete-{later.name}")
+                os.replace(later, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+        run.metrics.close()
+        _truncate_metrics(run.run_dir / "metrics.jsonl", back)
+        run.metrics = MetricsLog(run.run_dir / "metrics.jsonl")
+    d.barrier()
+    meta = _load_checkpoint(run, ckpt)
+    run.checkpointer.last_step = back
+    run.data_offset += step - back
+    run.spikes.rolled_back(meta.get("loss_spike"), d)
+    if d.is_main:
+        log.warning("%s: rolled back to %s, skipping the batches of steps %d-%d (rollback %d in a row, %d in all)",
+                    spike, ckpt.name, back + 1, step, run.spikes.in_row, run.spikes.rollbacks)
+    return back
+
+
+def _step_of(ckpt: Path) -> int:
+    return int(ckpt.name.split("-")[1])
 
 
 def _finish(run: _Run, step: int) -> Path:
