@@ -91,3 +91,15 @@ def test_spikes_in_a_row_stop_the_run_in_one_line(tmp_path, tiny_argv, corrupt, 
 def test_bad_settings_are_refused(tmp_path, tiny_argv, capsys, flags, expected):
     assert cli.main(tiny_argv(tmp_path / "run", *flags)) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_a_spike_with_no_checkpoint_before_it_stops_in_one_line(tmp_path, tiny_argv, corrupt, capsys):
+    """Data position 2 corrupted, no checkpoint saved yet (--ckpt_every 100): the spike found after step 3 stops
+    the run with one line saying what to change."""
+    corrupt({2})
+    assert cli.main(tiny_argv(tmp_path / "run", "--max_steps", "4", *SPIKE, "--ckpt_every", "100")) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("ditforge train: stopped: step 3: mean loss ") and err.endswith(
+        "and no checkpoint was saved before step 2 to roll back to; save more often (--ckpt_every) or keep more "
+        "checkpoints (--keep_last)"), err
