@@ -26,6 +26,15 @@ def minilm() -> TextEncoder:
     return load_text_encoder()  # path=None: the shipped all-MiniLM-L6-v2, offline
 
 
+@pytest.fixture(scope="module")
+def minilm64() -> TextEncoder:
+    """MiniLM in float64, for comparisons of one caption encoded in batches of other shapes (padded to another
+    length), whose products the BLAS blocks differently: in float32 that moved states by up to 2.4e-6 (0.23 of the
+    old 1e-5) on one CPU; in float64 it stays near 1e-14, far under 1e-10, while another caption's or position's
+    states differ by ~1e-1."""
+    return load_text_encoder(dtype=torch.float64)
+
+
 def _pooled(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked mean over tokens, L2-normalised: sentence-transformers' recipe for all-MiniLM-L6-v2."""
     m = mask[..., None].to(states.dtype)
@@ -57,18 +66,18 @@ def test_minilm_shapes_mask_defaults(minilm):
     assert (states[~mask] == 0).all() and (states[mask].abs().sum(-1) > 0).all()
 
 
-def test_minilm_padding_invariance(minilm):
-    alone, mask_alone = minilm.encode([DOG])
-    batch, mask_batch = minilm.encode([LONG, DOG])
+def test_minilm_padding_invariance(minilm64):
+    alone, mask_alone = minilm64.encode([DOG])
+    batch, mask_batch = minilm64.encode([LONG, DOG])
     n = int(mask_alone.sum())
     assert mask_alone.all() and batch.shape[1] > n + 10
     assert torch.equal(mask_batch[1, :n], mask_alone[0]) and not mask_batch[1, n:].any()
-    torch.testing.assert_close(batch[1, :n], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batch[1, :n], alone[0], atol=1e-10, rtol=1e-10)
     assert (batch[1, n:] == 0).all()
     # pad_states lines the single encoding up with the batch
     padded, padded_mask = pad_states(alone, mask_alone, batch.shape[1])
     assert torch.equal(padded_mask[0], mask_batch[1])
-    torch.testing.assert_close(padded[0], batch[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded[0], batch[1], atol=1e-10, rtol=1e-10)
 
 
 def test_minilm_embeddings_mean_something(minilm):
@@ -96,16 +105,16 @@ def test_minilm_truncation_and_max_length_flag():
         load_text_encoder(None, max_length=513)  # BERT's learned positions stop at 512
 
 
-def test_null_states_are_the_empty_caption(minilm):
-    states, mask = minilm.encode([DOG, ""])
-    null, null_mask = minilm.null_states(3, length=states.shape[1])
+def test_null_states_are_the_empty_caption(minilm64):
+    states, mask = minilm64.encode([DOG, ""])
+    null, null_mask = minilm64.null_states(3, length=states.shape[1])
     assert null.shape == (3, states.shape[1], 384) and null_mask.shape == (3, states.shape[1])
-    torch.testing.assert_close(null, states[1:2].expand(3, -1, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(null, states[1:2].expand(3, -1, -1), atol=1e-10, rtol=1e-10)
     assert torch.equal(null_mask, mask[1:2].expand(3, -1))
-    short, short_mask = minilm.null_states()
+    short, short_mask = minilm64.null_states()
     assert short.shape == (1, 2, 384) and short_mask.all()
     null[0].fill_(1.0)  # fresh tensors: the cache is not aliased
-    assert not (minilm.null_states()[0] == 1.0).all()
+    assert not (minilm64.null_states()[0] == 1.0).all()
     with pytest.raises(ValueError):
         pad_states(states, mask, 1)
 
@@ -190,11 +199,13 @@ def test_t5_encoder_only(tmp_path):
     # the same weights as a diffusers pipeline folder: text_encoder/ + tokenizer/
     shutil.copytree(tmp_path / "t5", tmp_path / "pipe" / "text_encoder")
     shutil.copytree(tmp_path / "t5", tmp_path / "pipe" / "tokenizer")
-    piped = load_text_encoder(str(tmp_path / "pipe"), max_length=3)
+    # float64: truncated and full batches have other lengths, so their products sum in other orders (float32:
+    # up to 7e-7, 0.42 of the old bound; float64 ~1e-16), while a wrong token's states differ by ~1e-1
+    piped = load_text_encoder(str(tmp_path / "pipe"), max_length=3, dtype=torch.float64)
     states, _ = piped.encode(CAPTIONS)
-    full_states, _ = enc.encode(CAPTIONS)
+    full_states, _ = load_text_encoder(str(tmp_path / "t5"), dtype=torch.float64).encode(CAPTIONS)
     assert states.shape == (4, 3, 32)
-    torch.testing.assert_close(states[1], full_states[1, :3], atol=1e-6, rtol=1e-5)  # "cat </s>" fits in 3
+    torch.testing.assert_close(states[1], full_states[1, :3], atol=1e-10, rtol=1e-10)  # "cat </s>" fits in 3
 
 
 def test_clip_text_model(tmp_path):
