@@ -796,13 +796,14 @@ def _load_checkpoint(run: _Run, ckpt: Path) -> dict:
 
 def _open_outputs(run: _Run) -> None:
     """The run folder's ``samples/`` and ``config.yaml`` (rank 0), the metrics of steps after the resumed
-    checkpoint dropped, and the checkpointer, whose async staging every optimizer step waits for."""
+    checkpoint (all of them on a fresh start) dropped, and the checkpointer, whose async staging every optimizer
+    step waits for."""
     d, run_dir, t = run.d, run.run_dir, run.cfg.train
     if d.is_main:
         (run_dir / "samples").mkdir(parents=True, exist_ok=True)
         _write_config(run_dir / "config.yaml", run.cfg)
-        if run.resume_from is not None:
-            _truncate_metrics(run_dir / "metrics.jsonl", run.start_step)
+        # a fresh start drops them all: they are a killed run's that saved no checkpoint
+        _truncate_metrics(run_dir / "metrics.jsonl", run.start_step)
     d.barrier()
     checkpointer = run.checkpointer = ckpt_io.Checkpointer(
         run_dir, t.keep_last, run.cfg.parallel.async_checkpoint, d,
@@ -1164,7 +1165,13 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records logged after ``step`` (by a run that died before its next checkpoint), atomically."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except json.JSONDecodeError:  # blank, or the last line cut short by a kill in the middle of its write
+            continue
     with atomic_path(path) as tmp:
         tmp.write_text("".join(line + "\n" for line in keep))
 
