@@ -36,7 +36,7 @@ Two implementations of one update:
     the device. Ours: nothing maintained fuses 8-bit moments, Kahan bf16 and an EMA into one pass.
   * the libraries' (CPU, or no Triton): ``torch.optim.adam.adam`` for fp32 moments,
     ``bitsandbytes.functional.optimizer_update_8bit_blockwise`` for 8-bit ones; this module only holds the
-    compensation and the chunking.
+    compensation, the chunking and the skip (``found_inf``: each chunk's old values selected back on the device).
 They agree to fp32 rounding (tests/parallel/test_fused_adamw.py states the bounds; 8-bit codes can differ by one
 where a value sits at a midpoint of the map). The state is per parameter (``step``, a 0-dim fp32 tensor;
 ``exp_avg``/``exp_avg_sq`` or bitsandbytes' ``state1``/``state2``/``absmax1``/``absmax2``; ``compensation``), the
@@ -135,10 +135,17 @@ class CompensatedAdamW(torch.optim.Optimizer):
             them through a ring on the device for each step (``ditforge.parallel.offload``; fused only).
         ring_bytes: the ring's size with ``offload`` (at least 4x the largest parameter's state).
 
-    Attributes set by the caller for one ``step`` (fused only; they are read on the device, no host sync):
-        found_inf: non-zero skips the step (torch's fused optimizers' protocol, ``_step_supports_amp_scaling``).
-        clip_coef: multiplier of the gradients, min(1, max_norm / (norm + 1e-6)) (``folds_clipping``).
-        ema_decay: the decay of the attached EMA for this step.
+    Attributes set by the caller for one ``step`` (0-dim tensors on the device, read there: no host sync):
+        found_inf: non-zero skips the step (torch's fused optimizers' protocol, ``_step_supports_amp_scaling``):
+            weights, states, step counters and the attached EMA stay as they were, bit for bit. The one-pass step
+            masks its kernel; the libraries' path steps each chunk and selects its old values back with
+            ``torch.where`` (a copy of the chunk's weights and states meanwhile). One host read remains there:
+            bitsandbytes takes the step count as a Python int, so on a GPU its 8-bit tensors' counters (on the
+            host) read the flag back once per step. ``rounding_step`` (the stochastic rounding's stream) counts
+            the skipped step too: a host int, advanced before the flag is known.
+        clip_coef: multiplier of the gradients, min(1, max_norm / (norm + 1e-6)) (``folds_clipping``); the
+            libraries' path multiplies the gradients by it in place, as ``clip_grad_norm_`` would.
+        ema_decay: the decay of the attached EMA for this step (fused only).
 
     Raises:
         UserError: ``states="8bit"`` without bitsandbytes. ValueError: a parameter that is neither fp32 nor bf16;
@@ -181,7 +188,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
             device = next(p.device for g in self.param_groups for p in g["params"])
             self._stream = StreamedStates(device, max(ring_bytes, 4 * largest))
         # torch's protocol for optimizers that skip on the device (GradScaler, the trainer's divergence guard)
-        self._step_supports_amp_scaling = self.folds_clipping = fused
+        self._step_supports_amp_scaling = self.folds_clipping = True
         self.ema_decay = 1.0  # until the caller sets it: a step (e.g. DCP's state initialisation) leaves the EMA
         self._ema: dict[torch.Tensor, torch.Tensor] = {}
         self._launches: dict[tuple, list] = {}  # fused: per list of parameters, its kernel launches
@@ -339,8 +346,28 @@ class CompensatedAdamW(torch.optim.Optimizer):
             if self.fused:
                 self._fused_update(group, mine)
                 continue
+            scale = self._grad_factor()
+            if scale is not None and mine:
+                torch._foreach_mul_([p.grad for p in mine], scale.to(mine[0].grad.device))
+            for p in mine:
+                if not self.state[p]:
+                    self._init_state(p)
+                elif self._eightbit(p) and self.state[p]["step"].device.type != "cpu":
+                    # states saved by the fused step: bitsandbytes takes the count as a number, kept on the host
+                    self.state[p]["step"] = self.state[p]["step"].cpu()
             for chunk in self._chunks(mine):
-                self._step_chunk(group, chunk)
+                if self.found_inf is None:
+                    self._step_chunk(group, chunk)
+                else:
+                    self._step_chunk_or_skip(group, chunk)
+
+    def _grad_factor(self) -> torch.Tensor | None:
+        """This step's multiplier of the gradients (0-dim): the clipping coefficient over GradScaler's loss scale
+        when it did not unscale first; None for 1."""
+        scale = self.clip_coef
+        if self.grad_scale is not None:
+            scale = (1.0 if scale is None else scale) / self.grad_scale
+        return scale
 
     def _fused_update(self, group: dict, params: list[torch.Tensor]) -> None:
         """One ``OnePassAdamW`` launch per kind of parameter (dtype, 8-bit or not, EMA or not); the launches are
@@ -397,9 +424,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 (ps, OnePassAdamW([p.detach() for p in ps], [states[p] for p in ps], kind,
                                   [self._ema[p] for p in ps] if kind.ema else None,
                                   [self._index[p][1] for p in ps])) for kind, ps in kinds.items()]
-        scale = self.clip_coef
-        if self.grad_scale is not None:  # GradScaler's loss scale, when it did not unscale first
-            scale = (1.0 if scale is None else scale) / self.grad_scale
+        scale = self._grad_factor()
         beta1, beta2 = group["betas"]
         for ps, launch in launches:
             launch([p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in ps], lr=group["lr"],
@@ -408,8 +433,27 @@ class CompensatedAdamW(torch.optim.Optimizer):
                    codes=self._qmap(ps[0].device) if launch.kind.eightbit else None,
                    seed=rounding_seed(group["rounding_step"], 0))
 
+    def _step_chunk_or_skip(self, group: dict, chunk: list[tuple[torch.Tensor, int, int]]) -> None:
+        """``_step_chunk``, then every tensor it wrote (each piece's weight, moments or 8-bit codes and their
+        blocks' absmax, compensation, step counter) selected back to its old value where ``found_inf`` is
+        non-zero: ``torch.where`` on the device, so a step not skipped is bit for bit ``_step_chunk``'s."""
+        written = []
+        for p, a, b in chunk:
+            state = self.state[p]
+            written += [p.detach().view(-1)[a:b], state["step"]]
+            for name in self._state_shapes(p):
+                lo, hi = (a // BLOCKSIZE, -(-b // BLOCKSIZE)) if name.startswith("absmax") else (a, b)
+                written.append(state[name].view(-1)[lo:hi])
+        before = [t.clone() for t in written]
+        self._step_chunk(group, chunk)
+        skip: dict[torch.device, torch.Tensor] = {}
+        for t, old in zip(written, before):
+            if t.device not in skip:  # bitsandbytes' step counters are on the host: a GPU flag is read back
+                skip[t.device] = (self.found_inf != 0).reshape(()).to(t.device)
+            t.copy_(torch.where(skip[t.device], old, t))
+
     def _step_chunk(self, group: dict, chunk: list[tuple[torch.Tensor, int, int]]) -> None:
-        states = [self.state[p] if self.state[p] else self._init_state(p) for p, _, _ in chunk]
+        states = [self.state[p] for p, _, _ in chunk]
         flat = [lambda t, a=a, b=b: t.view(-1)[a:b] for _, a, b in chunk]  # a piece's slice of a tensor
         half = [i for i, (p, _, _) in enumerate(chunk) if p.dtype == torch.bfloat16]
         # fp32 master weights and gradients of the chunk: the parameters themselves where fp32, else rebuilt
@@ -442,8 +486,6 @@ class CompensatedAdamW(torch.optim.Optimizer):
         for i, (p, a, b) in enumerate(chunk):
             if self._eightbit(p):
                 s = states[i]
-                if s["step"].device.type != "cpu":  # states saved by the fused step: counted on the host here
-                    s["step"] = s["step"].cpu()
                 if a == 0:
                     s["step"] += 1
                 qmap1, qmap2 = self._qmap(p.device)
@@ -496,6 +538,14 @@ class StepInBackward:
     exist, so step k's gradients are scaled by min(1, max_grad_norm / (n_{k-1} + 1e-6)), n_{k-1} the global
     norm of step k-1's gradients before clipping; step 0 is not clipped. ``finish`` returns step k's norm.
 
+    Skipping (``arm(found_inf)``): each block's update takes the device flag as the optimizer's ``found_inf``,
+    so a step whose loss is already known to be non-finite when the backward starts changes nothing (weights,
+    states, step counters, the clipping norm carried to the next step) with no host sync. A gradient that turns
+    non-finite during the backward of a finite loss is found only in ``finish``'s norm, after the blocks before
+    it (in the backward's order) have stepped: the flag must exist before the first hook runs, and a block's
+    update cannot be taken back once later blocks' gradients show the fault without keeping a copy of every
+    block's weights and states, the memory this pass exists to save.
+
     Use: ``arm()`` before the backward of a step's last micro-batch (earlier micro-batches accumulate as
     usual), ``finish()`` after it. One process only: DDP and FSDP reduce gradients after the hooks would step.
 
@@ -547,9 +597,10 @@ class StepInBackward:
         norm = state.get("prev_grad_norm")
         self.prev_norm = None if norm is None else torch.tensor(norm)
 
-    def arm(self) -> None:
-        """The next backward completes a step: update each block as its gradients arrive."""
-        self.armed, self.started = True, False
+    def arm(self, found_inf: torch.Tensor | None = None) -> None:
+        """The next backward completes a step: update each block as its gradients arrive, skipped where
+        ``found_inf`` (0-dim float on the device) is non-zero."""
+        self.armed, self.started, self.found_inf = True, False, found_inf
         self.arrived = [0] * len(self.groups)
         self.norms: list[torch.Tensor] = []  # per gradient its L2 norm (0-dim, the gradient's dtype)
         self.scale = None
@@ -576,11 +627,8 @@ class StepInBackward:
             self.optimizer.advance()
             if self.scale is not None:
                 self.scale = self.scale.to(grads[0].device)
-            if self.optimizer.folds_clipping:  # the fused step reads the factor on the device
-                self.optimizer.clip_coef = self.scale
+            self.optimizer.clip_coef, self.optimizer.found_inf = self.scale, self.found_inf  # read on the device
         self.norms.extend(torch._foreach_norm(grads, 2.0))  # one launch per block; summed in finish
-        if self.scale is not None and not self.optimizer.folds_clipping:
-            torch._foreach_mul_(grads, self.scale)
         self.optimizer.update(params)
         for p in params:
             p.grad = None
@@ -591,8 +639,13 @@ class StepInBackward:
         for group in self.groups:
             self._update(group)
         self.armed = False
+        self.optimizer.clip_coef = self.optimizer.found_inf = None
         norm = torch.stack(self.norms).float().pow(2).sum().sqrt() if self.norms else torch.zeros(())
-        self.prev_norm = norm
+        if self.found_inf is None:
+            self.prev_norm = norm
+        else:  # a skipped step keeps the norm that clips the next one (none yet: 0, which clips by exactly 1)
+            prev = torch.zeros((), device=norm.device) if self.prev_norm is None else self.prev_norm.to(norm.device)
+            self.prev_norm = torch.where(self.found_inf.to(norm.device) != 0, prev, norm)
         return norm
 
 

@@ -117,11 +117,13 @@ def train_step(
     micro-batch. ``stepper`` (``--fused_backward_pass``): the optimizer steps block by block during the last
     micro-batch's backward instead of after it (clipping by the previous step's norm, ``StepInBackward``).
     Divergence guard: a step whose loss or global gradient norm is not finite on any process changes nothing:
-    the optimizer skips it (a fused torch optimizer on the device through its ``found_inf`` input, as the fp16
-    grad scaler drives it, so no host sync; other optimizers after reading the flag on the host), and the caller
-    skips the EMA update by ``"skipped"``. Under fp16 the grad scaler's own skip is that skip. With ``stepper``
-    the blocks step during the backward: a non-finite loss skips the step (checked before the backward, a host
-    sync), but a non-finite gradient is found only after its block stepped; the EMA still skips that step, and
+    the optimizer skips it on the device through its ``found_inf`` input, as the fp16 grad scaler drives torch's
+    fused AdamW (``CompensatedAdamW`` on either of its paths, torch's fused AdamW), so no host sync; the
+    libraries' own optimizers (torchao's, Adafactor) and torch's unfused AdamW (the CPU) step after the flag is
+    read on the host. The caller skips the EMA update by ``"skipped"``. Under fp16 the grad scaler's own skip is
+    that skip. With ``stepper`` the blocks step during the backward, each skipped on the device where the loss
+    is not finite (the flag is computed before the backward); a non-finite gradient of a finite loss is found
+    only after the blocks before it stepped (``StepInBackward`` says why); the EMA still skips that step, and
     the trainer's weight check refuses to save non-finite weights. ``packing`` (``--pack_tokens``): (tokens per
     row, the model's patch shape); each micro-batch's samples run packed (``data.packing``), same loss terms.
 
@@ -153,20 +155,16 @@ def train_step(
             per_row = terms["loss"] * weight[0].to(terms["loss"]) if weight else terms["loss"]
             loss = per_row.sum() / local_batch
             last = i == len(micro_batches) - 1
-            if stepper is not None and last:
-                if not (total + loss.detach()).isfinite().item():  # before the hooks step any block (one process)
-                    optimizer.zero_grad(set_to_none=True)
-                    nan = torch.full((), float("nan"), device=loss.device)
-                    return {k: v / rows for k, v in sums.items()} | {"loss": total + loss.detach(), "grad_norm": nan,
-                                                                     "skipped": nan.isnan()}
-                stepper.arm()
+            if stepper is not None and last:  # the hooks step each block, skipped where the loss is not finite
+                stepper.arm((~(total + loss.detach()).isfinite()).float())
             (scaler.scale(loss) if scaler is not None else loss).backward()
         for k, v in terms.items():
             sums[k] = sums.get(k, 0) + v.detach().sum()
         total = total + loss.detach()
     if stepper is not None:
         norm = stepper.finish()
-        return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": norm, "skipped": ~norm.isfinite()}
+        skipped = ~(total.isfinite() & norm.isfinite())
+        return {k: v / rows for k, v in sums.items()} | {"loss": total, "grad_norm": norm, "skipped": skipped}
     if scaler is not None:
         scaler.unscale_(optimizer)
     # The fused steps scale the gradients as they read them, instead of a pass of their own over the gradients:
@@ -188,7 +186,7 @@ def train_step(
     if scaler is not None:  # its found-inf is the same test (non-finite unscaled gradients)
         scaler.step(optimizer)
         scaler.update()
-    elif getattr(optimizer, "_step_supports_amp_scaling", False):  # fused AdamW: skipped on the device
+    elif getattr(optimizer, "_step_supports_amp_scaling", False):  # skipped on the device
         optimizer.found_inf = skipped.float().to(scalar_device)
         optimizer.step()
         optimizer.found_inf = None
