@@ -7,6 +7,13 @@ is a blocking copy or wait that leaves the GPU idle while the host catches up).
     PYTHONPATH=. python benchmarks/profile_step.py --model DiT-XL/2 --rows bcdef [--batch_size 64]
 
 ``--rows`` picks the row's settings as in ``ditforge bench`` (cumulative); the last letter is profiled.
+
+    PYTHONPATH=. python benchmarks/profile_step.py --model DiT-B/2 --rows bc --guarded
+
+``--guarded``: instead of the profile, one table over the optimizer paths (``GUARDED``, each on top of the
+rows' settings): the median step time and the host syncs per step of ``train_step``, whose divergence guard
+hands every optimizer its skip flag on the device (0 expected everywhere but the libraries' 8-bit path, where
+bitsandbytes takes the step count as a host int).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ditforge.bench import ROWS, Settings, run_steps
 from ditforge.config import BenchConfig
+from ditforge.errors import UserError
 from timing import cuda_kernels, host_syncs
 
 KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor kernels on Hopper
@@ -32,6 +40,51 @@ KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor kernels on 
     ("layernorm", ("layer_norm", "layernorm")),
     ("inductor fused", ("triton_",)),
 ]
+
+
+GUARDED = [  # (optimizer path, its settings)
+    ("adamw fp32, torch fused AdamW", dict(fused_optimizer=False)),
+    ("adamw fp32, one-pass", dict(fused_optimizer=True)),
+    ("adamw8bit, one-pass", dict(fused_optimizer=True, optimizer="adamw8bit")),
+    ("adamw8bit + Kahan bf16, one-pass", dict(fused_optimizer=True, optimizer="adamw8bit", master_weights="bf16")),
+    ("adamw + stochastic bf16, one-pass", dict(fused_optimizer=True, master_weights="bf16_sr")),
+    ("adamw fp32, fused backward, one-pass", dict(fused_optimizer=True, fused_backward_pass=True)),
+    ("adamw8bit + stochastic bf16, fused backward", dict(fused_optimizer=True, optimizer="adamw8bit",
+                                                         master_weights="bf16_sr", fused_backward_pass=True)),
+    ("adamw8bit + stochastic bf16, states offloaded", dict(fused_optimizer=True, optimizer="adamw8bit",
+                                                           master_weights="bf16_sr", cpu_offload=True)),
+    ("adamw + Kahan bf16, libraries' path", dict(fused_optimizer=False, master_weights="bf16")),
+    ("adamw + stochastic bf16, libraries' path", dict(fused_optimizer=False, master_weights="bf16_sr")),
+    ("adamw8bit (bitsandbytes), libraries' path", dict(fused_optimizer=False, optimizer="adamw8bit")),
+    ("adamw fp32, fused backward, libraries' path", dict(fused_optimizer=False, fused_backward_pass=True)),
+]
+
+
+def guarded(cfg: BenchConfig, base: Settings, steps: int, device: torch.device) -> None:
+    """Print, per optimizer path of ``GUARDED`` over ``base``: median ms per guarded step and host syncs per step
+    in the timed steps (``host_syncs``; the warm-up's one-off syncs, such as a first step's state set-up, are
+    not counted), with the three lines behind most of them."""
+    print(f"{cfg.model} batch {cfg.batch_size}, base settings {base}\n"
+          "| optimizer path | ms/step | host syncs/step | from |\n|---|---:|---:|---|")
+    for name, change in GUARDED:
+        s = replace(base, **change)
+        if s.master_weights != "fp32" and s.precision == "fp32":
+            s = replace(s, precision="bf16")  # bf16 weights need bf16 compute (--master_weights)
+        found: list[str] = []
+
+        @contextlib.contextmanager
+        def counted():
+            with host_syncs() as syncs:
+                yield
+            found.extend(syncs)
+
+        try:
+            m = run_steps(cfg, s, device, cfg.batch_size, steps, warmup=5, timed=counted())
+        except UserError as e:  # a library missing here (bitsandbytes)
+            print(f"| {name} | | | not run: {e} |", flush=True)
+            continue
+        where = ", ".join(f"{w} ({n / steps:g})" for w, n in Counter(found).most_common(3))
+        print(f"| {name} | {m['step_time_s'] * 1e3:.1f} | {len(found) / steps:g} | {where} |", flush=True)
 
 
 def kind(name: str) -> str:
@@ -52,6 +105,7 @@ def main() -> None:
     p.add_argument("--text_tokens", type=int, default=120)
     p.add_argument("--fp8_recipe", default="tensorwise", help="row g's, as ditforge bench --fp8_recipe")
     p.add_argument("--out")
+    p.add_argument("--guarded", action="store_true", help="the table of optimizer paths instead (docstring)")
     args = p.parse_args()
     cfg = BenchConfig(model=args.model, image_size=args.image_size, num_frames=args.num_frames,
                       batch_size=args.batch_size, grad_checkpoint=args.grad_checkpoint, text_dim=args.text_dim,
@@ -61,6 +115,9 @@ def main() -> None:
         if key in args.rows:
             s = replace(s, **change)
     device = torch.device("cuda")
+    if args.guarded:
+        guarded(cfg, s, args.steps, device)
+        return
     prof = profile(activities=[ProfilerActivity.CUDA])
     syncs: list[str] = []  # where each host sync of the timed steps came from (the Python line behind it)
 
