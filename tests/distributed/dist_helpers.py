@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -140,6 +141,51 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc: torchrun starts each worker in a session of its own, so
+    killing the launcher's process group alone would leave the workers running)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's process group and every worker's (as a power cut or the OOM killer would)."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The process id of torchrun worker ``rank`` of the launcher ``launcher`` (found by its RANK variable)."""
+    for pid in descendants(launcher):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and b"ditforge" in cmdline:
+            return pid
+    return None
 
 
 @contextlib.contextmanager

@@ -19,37 +19,8 @@ import pytest
 from ditforge.models import create_model
 from ditforge.train.checkpoint import list_checkpoints, read_checkpoint_weights
 from ditforge.train.logging import read_metrics
-from dist_helpers import LOSS_RTOL, TINY, assert_same_losses, dist_env, read_run, run_single, torchrun_cmd
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc: torchrun starts each worker in a session of its own, so
-    killing the launcher's process group alone would leave the workers running)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_all(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher's process group and every worker's (as a power cut or the OOM killer would)."""
-    for pid in [*_descendants(proc.pid), proc.pid]:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+from dist_helpers import (LOSS_RTOL, TINY, assert_same_losses, dist_env, kill_all, rank_pid, read_run, run_single,
+                          torchrun_cmd)
 
 
 @pytest.mark.slow
@@ -75,7 +46,7 @@ def test_sigkill_during_async_save(tmp_path):
             time.sleep(0.02)
         alive = proc.poll() is None
     finally:
-        _kill_all(proc)
+        kill_all(proc)
         _, err = proc.communicate(timeout=60)
     assert alive, f"the run ended before a save was caught in flight:\n{err[-4000:]}"
     assert published and in_flight, f"no save seen in flight within 180 s:\n{err[-4000:]}"
@@ -103,18 +74,6 @@ def test_sigkill_during_async_save(tmp_path):
         assert records[-1]["loss"] == pytest.approx(before[last + 1]["loss"], rel=LOSS_RTOL)
 
 
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    for pid in _descendants(launcher):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if env.get(b"RANK") == str(rank).encode() and b"ditforge" in open(f"/proc/{pid}/cmdline", "rb").read():
-            return pid
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
 def test_ctrl_c_on_one_rank_stops_all_with_a_checkpoint(tmp_path, tiny_reference):
@@ -131,7 +90,7 @@ def test_ctrl_c_on_one_rank_stops_all_with_a_checkpoint(tmp_path, tiny_reference
         while time.monotonic() < deadline and proc.poll() is None:
             metrics = run / "metrics.jsonl"
             if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                target = _rank_pid(proc.pid, 1)
+                target = rank_pid(proc.pid, 1)
                 if target is not None:
                     os.kill(target, signal.SIGINT)
                     break
@@ -139,7 +98,7 @@ def test_ctrl_c_on_one_rank_stops_all_with_a_checkpoint(tmp_path, tiny_reference
         assert target is not None, "rank 1 not found, or the run ended early"
         _, err = proc.communicate(timeout=120)
     finally:
-        _kill_all(proc)
+        kill_all(proc)
         if proc.poll() is None:
             proc.communicate(timeout=60)
     # both ranks stopped through the Ctrl-C path (torchrun then reports their exit code 130 as a failure)
