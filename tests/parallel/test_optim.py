@@ -32,6 +32,7 @@ import torch
 
 from ditforge.errors import UserError
 from ditforge.parallel.optim import CompensatedAdamW, StepInBackward, library_optimizer, plan_placement, set_lr
+from adamw_drift import fp32_adamw_drift
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -239,9 +240,10 @@ def test_low_bit_states_approximate_adamw(optimizer):
         if y.numel() >= 4096:
             assert isinstance(state, kind), type(state)
             assert torch.linalg.vector_norm(y - z) / torch.linalg.vector_norm(z - before) < bound, seed
-        else:  # fp32 moments: AdamW to fp32 rounding (torchao's lerp form)
+        else:  # fp32 moments: AdamW to fp32 rounding (torchao's lerp form, its float32 bias corrections: the old
+            # 1e-5 relative + 1e-7 was reached to 0.18 and lies under this bound for weights below 0.16)
             assert state.dtype == torch.float32
-            torch.testing.assert_close(y, z, rtol=1e-5, atol=1e-7)
+            assert ((y - z).abs() <= fp32_adamw_drift(z, 2, 5, 1e-3)).all(), seed
 
 
 def _adafactor_float64(params, grads_per_step, lr, wd, d=1.0, beta2_decay=-0.8, eps2=1e-3):
