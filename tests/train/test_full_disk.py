@@ -22,7 +22,6 @@ from ditforge import cli
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train.guard import NEARLY_FULL, WriteFailed, disk_errors, free_bytes, space_error
 from ditforge.train.logging import read_metrics
-from conftest import tiny_train_argv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,7 +93,7 @@ def _stopped_with_one_line(capsys, rc: int, what: str, folder: Path, run: Path) 
                         rf"{re.escape(str(good))}", err), err
 
 
-def _resumes_from_step_1(run: Path, ballast: Path, *extra: str) -> None:
+def _resumes_from_step_1(tiny_argv, run: Path, ballast: Path, *extra: str) -> None:
     """Nothing half-written is left; step 1 is the newest checkpoint, intact; with the ballast gone the run
     resumes from it and ends."""
     assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001"]
@@ -103,25 +102,25 @@ def _resumes_from_step_1(run: Path, ballast: Path, *extra: str) -> None:
     assert ckpt_io.damage(run / "checkpoints" / "step-0000001") is None
     read_metrics(run / "metrics.jsonl")  # whole lines only
     ballast.unlink()
-    assert cli.main(tiny_train_argv(run, "--max_steps", "2", "--resume", "auto", *extra)) == 0
+    assert cli.main(tiny_argv(run, "--max_steps", "2", "--resume", "auto", *extra)) == 0
     assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000002"]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_checkpoint_on_a_full_disk(small_disk, monkeypatch, capsys, async_save):
+def test_checkpoint_on_a_full_disk(tiny_argv, small_disk, monkeypatch, capsys, async_save):
     """Step 2's checkpoint does not fit (64 KiB left): DCP's CheckpointException around the zip writer's
     RuntimeError (or an ENOSPC) ends in SaveError's one line, in the foreground and in the background."""
     run = small_disk / "run"
     extra = ["--report_to", "none", *(["--async_checkpoint"] if async_save else [])]
     _fill_after_first_save(monkeypatch, small_disk, 64 << 10)
     capsys.readouterr()
-    rc = cli.main(tiny_train_argv(run, "--max_steps", "2", "--ckpt_every", "1", "--keep_last", "5", *extra))
+    rc = cli.main(tiny_argv(run, "--max_steps", "2", "--ckpt_every", "1", "--keep_last", "5", *extra))
     _stopped_with_one_line(capsys, rc, "checkpoint step-0000002", run / "checkpoints", run)
-    _resumes_from_step_1(run, small_disk / "ballast", *extra)
+    _resumes_from_step_1(tiny_argv, run, small_disk / "ballast", *extra)
 
 
-def test_metrics_line_on_a_full_disk(small_disk, monkeypatch, capsys):
+def test_metrics_line_on_a_full_disk(tiny_argv, small_disk, monkeypatch, capsys):
     """metrics.jsonl's next line needs a page the disk no longer has: one line, and the file keeps whole lines."""
     run = small_disk / "run"
 
@@ -134,22 +133,22 @@ def test_metrics_line_on_a_full_disk(small_disk, monkeypatch, capsys):
 
     _fill_after_first_save(monkeypatch, small_disk, 0, metrics_page_full)
     capsys.readouterr()
-    rc = cli.main(tiny_train_argv(run, "--max_steps", "2", "--ckpt_every", "1", "--report_to", "none"))
+    rc = cli.main(tiny_argv(run, "--max_steps", "2", "--ckpt_every", "1", "--report_to", "none"))
     _stopped_with_one_line(capsys, rc, "metrics.jsonl", run, run)
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]
-    _resumes_from_step_1(run, small_disk / "ballast", "--report_to", "none")
+    _resumes_from_step_1(tiny_argv, run, small_disk / "ballast", "--report_to", "none")
 
 
-def test_sample_grid_on_a_full_disk(small_disk, monkeypatch, capsys, fast_grid):
+def test_sample_grid_on_a_full_disk(tiny_argv, small_disk, monkeypatch, capsys, fast_grid):
     """Step 2's sample grid does not fit (8 KiB left; its metrics line does): one line, no half-written PNG."""
     run = small_disk / "run"
     _fill_after_first_save(monkeypatch, small_disk, 8 << 10)
     capsys.readouterr()
-    rc = cli.main(tiny_train_argv(run, "--max_steps", "3", "--ckpt_every", "1", "--sample_every", "1",
+    rc = cli.main(tiny_argv(run, "--max_steps", "3", "--ckpt_every", "1", "--sample_every", "1",
                                   "--report_to", "none"))
     _stopped_with_one_line(capsys, rc, "sample grid of step 2", run, run)
     assert [p.name for p in (run / "samples").iterdir()] == ["step-0000001.png"]
-    _resumes_from_step_1(run, small_disk / "ballast", "--report_to", "none")
+    _resumes_from_step_1(tiny_argv, run, small_disk / "ballast", "--report_to", "none")
 
 
 def test_zip_writer_error_on_a_full_disk(tmp_path):
