@@ -8,6 +8,7 @@ only reorders sums: attention over blocks of keys, gradients summed over the gro
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -63,7 +64,40 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _worker(rank: int, world: int, port: int, variant: str, kind: str, out: dict) -> None:
+def _split_run(d: Dist, world: int, kind: str, variant: str) -> dict:
+    """One case on this process: the model split by ``variant``, its forward and backward; rank 0's output, the
+    averaged gradients and the token counts the blocks saw (every rank: the measured figures of ``auto``)."""
+    model = _model(kind)
+    out = {}
+    if variant == "auto" and kind == "vdit":  # the measurement behind auto, which must not move the RNG
+        from ditforge.parallel.sequence.shard import measure_sequence_parallel_types, usp_attention_group
+
+        rng = torch.get_rng_state()
+        usp = usp_attention_group(d, model.num_heads) if world == 4 else None  # 6 heads: U 2 x R 2
+        ms = measure_sequence_parallel_types(model.train(), d, batch_size=2, usp_group=usp)
+        assert torch.equal(torch.get_rng_state(), rng)
+        figures = [None] * world
+        dist.all_gather_object(figures, ms)
+        out.update(measured=figures)
+    model = parallelize(model, d, "none", sequence_parallel_type=variant)
+    seen = []  # the split is really on: later blocks see this process's slice of the tokens
+    model.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    x, t, y, mask, up = _inputs(kind)
+    y_out = model(x, t, y, y_mask=mask)
+    (y_out * up).sum().backward()
+    grads = _grads(model)
+    for g in grads.values():  # what the data-parallel average over dp x sp does, for dp = 1
+        dist.all_reduce(g)
+        g /= world
+    out.update(output=y_out.detach(), grads=grads, local_tokens=seen)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], out: dict) -> None:
+    """Every case of ``world`` processes in one process group, one after the other: starting the processes
+    (each imports torch and ditforge) costs far more than a case does."""
+    from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -72,37 +106,19 @@ def _worker(rank: int, world: int, port: int, variant: str, kind: str, out: dict
 
         sp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "sp"))
         d = Dist(rank=rank, world_size=world, sp_mesh=sp_mesh)
-        model = _model(kind)
-        if variant == "auto" and kind == "vdit":  # the measurement behind auto, which must not move the RNG
-            from ditforge.parallel.sequence.shard import measure_sequence_parallel_types, usp_attention_group
-
-            rng = torch.get_rng_state()
-            usp = usp_attention_group(d, model.num_heads) if world == 4 else None  # 6 heads: U 2 x R 2
-            ms = measure_sequence_parallel_types(model.train(), d, batch_size=2, usp_group=usp)
-            assert torch.equal(torch.get_rng_state(), rng)
-            figures = [None] * world
-            dist.all_gather_object(figures, ms)
-            out.update(measured=figures)
-        model = parallelize(model, d, "none", sequence_parallel_type=variant)
-        seen = []  # the split is really on: later blocks see this process's slice of the tokens
-        model.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
-        x, t, y, mask, up = _inputs(kind)
-        y_out = model(x, t, y, y_mask=mask)
-        (y_out * up).sum().backward()
-        grads = _grads(model)
-        for g in grads.values():  # what the data-parallel average over dp x sp does, for dp = 1
-            dist.all_reduce(g)
-            g /= world
-        if rank == 0:
-            out.update(output=y_out.detach(), grads=grads, local_tokens=seen)
+        for kind, variant in cases:
+            try:
+                result = _split_run(d, world, kind, variant)
+            finally:  # the next case starts from the unsplit attention, as a fresh process would
+                set_sequence_attention(None)
+                set_frame_exchange(None)
+            if rank == 0:
+                out[kind, variant] = result
     finally:
-        from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
-
-        set_sequence_attention(None)
-        set_frame_exchange(None)
         dist.destroy_process_group()
 
 
+@functools.cache  # one per model kind, shared by its cases (read only)
 def _reference(kind: str):
     model = _model(kind)
     x, t, y, mask, up = _inputs(kind)
@@ -111,29 +127,46 @@ def _reference(kind: str):
     return y_out.detach(), _grads(model)
 
 
-@pytest.mark.parametrize("kind,variant,world", [("vdit", "ulysses", 2), ("vdit", "ring", 2), ("vdit", "fastseq", 2),
-                                                ("vdit", "ring", 4), ("vdit", "fastseq", 4), ("vdit", "usp", 4),
-                                                ("vdit4", "ulysses", 4), ("vdit4", "fastseq", 4),
-                                                ("vdit", "auto", 2), ("vdit", "auto", 4),
-                                                ("stdit", "auto", 2), ("stdit", "auto", 4)])
-def test_split_model_equals_whole(kind, variant, world):
+SPLIT_CASES = [("vdit", "ulysses", 2), ("vdit", "ring", 2), ("vdit", "fastseq", 2), ("vdit", "ring", 4),
+               ("vdit", "fastseq", 4), ("vdit", "usp", 4), ("vdit4", "ulysses", 4), ("vdit4", "fastseq", 4),
+               ("vdit", "auto", 2), ("vdit", "auto", 4), ("stdit", "auto", 2), ("stdit", "auto", 4)]
+
+
+@pytest.fixture(scope="module")
+def split_runs():
+    """``split_runs(world)``: the results of every case of ``SPLIT_CASES`` at ``world`` processes, keyed by
+    (kind, variant), from one spawn of ``world`` processes (made on first use)."""
+    results = {}
+
+    def get(world: int) -> dict:
+        if world not in results:
+            cases = [(kind, variant) for kind, variant, w in SPLIT_CASES if w == world]
+            # the manager's server spawned, not forked: a fork of this multi-threaded pytest process can inherit
+            # a held lock, and once hung CI on a futex while serving the workers' tensors (2026-11-27)
+            with mp.get_context("spawn").Manager() as manager:
+                out = manager.dict()
+                mp.spawn(_worker, args=(world, free_port(), cases, out), nprocs=world, join=True)
+                results[world] = dict(out)
+        return results[world]
+
+    return get
+
+
+@pytest.mark.parametrize("kind,variant,world", SPLIT_CASES)
+def test_split_model_equals_whole(split_runs, kind, variant, world):
     """vDiT: 27 tokens, the last process padded (vdit4: a 4-head vDiT, for the head-splitting variants at 4
     processes). STDiT: whole frames per process, columns for the temporal
     attention (its temporal projections are random here, so the exchange is exercised). vDiT with ``auto``:
     every process measured the same figures for the variants its 6 heads allow, and runs the fastest."""
-    # the manager's server spawned, not forked: a fork of this multi-threaded pytest process can inherit a held
-    # lock, and once hung CI on a futex while serving the workers' tensors (2026-11-27)
-    with mp.get_context("spawn").Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(world, free_port(), variant, kind, out), nprocs=world, join=True)
-        output, grads = out["output"], dict(out["grads"])
-        tokens = STDIT_FRAMES * (STDIT_SIZE // 2) ** 2 if kind == "stdit" else FRAMES * (SIZE // 2) ** 2
-        assert out["local_tokens"] == [-(-tokens // world)]  # the blocks see this process's slice
-        if "measured" in out:
-            figures = out["measured"]
-            assert all(f == figures[0] for f in figures), figures
-            allowed = ["ulysses", "fastseq", "fastseq_kv", "ring"] if world == 2 else ["fastseq_kv", "ring", "usp"]
-            assert list(figures[0]) == allowed and all(0 < v < 1e4 for v in figures[0].values()), figures
+    out = split_runs(world)[kind, variant]
+    output, grads = out["output"], dict(out["grads"])
+    tokens = STDIT_FRAMES * (STDIT_SIZE // 2) ** 2 if kind == "stdit" else FRAMES * (SIZE // 2) ** 2
+    assert out["local_tokens"] == [-(-tokens // world)]  # the blocks see this process's slice
+    if "measured" in out:
+        figures = out["measured"]
+        assert all(f == figures[0] for f in figures), figures
+        allowed = ["ulysses", "fastseq", "fastseq_kv", "ring"] if world == 2 else ["fastseq_kv", "ring", "usp"]
+        assert list(figures[0]) == allowed and all(0 < v < 1e4 for v in figures[0].values()), figures
     ref_out, ref_grads = _reference(kind)
     torch.testing.assert_close(output, ref_out, rtol=0, atol=1e-5 * ref_out.abs().max().item())
     assert grads.keys() == ref_grads.keys()
