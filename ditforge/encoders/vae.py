@@ -8,7 +8,14 @@ in [-1, 1]. Videos go through the 2-D autoencoder frame by frame (T folded into 
 Latents follow diffusers' convention (Stable Diffusion's "scale factor", Rombach et al. 2022, Sec. 4.3.2 / App. G):
 ``latents = (z - shift_factor) * scaling_factor`` on encode and ``z = latents / scaling_factor + shift_factor`` on
 decode, with both factors read from the VAE's config (sd-vae-ft-ema / sd-vae-ft-mse: 0.18215 and no shift; SD3 /
-FLUX VAEs: a shift too). ``sample=True`` draws ``z = mean + std * eps`` from the encoder's diagonal Gaussian, as
+FLUX VAEs: a shift too).
+
+Wan 2.1's ``AutoencoderKLWan`` (a causal 3-D VAE) takes whole clips of ``4k + 1`` frames (temporal compression
+``scale_factor_temporal`` = 4: k + 1 latent frames, the first frame alone) and normalises each latent channel:
+``shift_factor`` = ``latents_mean`` (C,) and ``scaling_factor`` = ``1 / latents_std`` (C,) float32, the tensors
+diffusers' ``pipeline_wan.py`` builds to un-normalise (``latents / (1 / latents_std) + latents_mean``) before
+decoding, so the two directions are the same float32 operations as the pipeline's. Clips are encoded whole, in
+chunks of ``micro_batch // T`` clips. ``sample=True`` draws ``z = mean + std * eps`` from the encoder's diagonal Gaussian, as
 fast-DiT's ``extract_features.py`` does with ``latent_dist.sample()``; ``sample=False`` takes the mean.
 """
 
@@ -63,7 +70,9 @@ class VAE(FrozenModel):
 
     Attributes:
         model: the ``AutoencoderKL``.
-        micro_batch: frames (or images) per encoder/decoder call; the default for ``encode``/``decode``.
+        micro_batch: frames (or images) per encoder/decoder call; the default for ``encode``/``decode``. A 3-D VAE
+            takes whole clips: ``micro_batch // T`` of them (at least one) per call.
+        temporal: frames per latent frame (``scale_factor_temporal``; 1 for a 2-D VAE, 4 for Wan's).
         path: the folder it was loaded from ("" when wrapped directly).
     """
 
@@ -71,14 +80,23 @@ class VAE(FrozenModel):
         self.model = model.eval().requires_grad_(False)
         self.micro_batch = int(micro_batch)
         self.path = path
-        shift = getattr(model.config, "shift_factor", None)
-        self._shift = float(shift) if shift is not None else 0.0
-        self._scale = float(getattr(model.config, "scaling_factor", 1.0))
+        config = model.config
+        self.temporal = int(getattr(config, "scale_factor_temporal", None) or 1)  # > 1: a 3-D VAE taking whole clips
+        self._shift: float | torch.Tensor
+        self._scale: float | torch.Tensor
+        if getattr(config, "latents_mean", None) is not None:  # per-channel statistics (pipeline_wan.py)
+            self._shift = torch.tensor(config.latents_mean)
+            self._scale = 1.0 / torch.tensor(config.latents_std)
+        else:
+            shift = getattr(config, "shift_factor", None)
+            self._shift = float(shift) if shift is not None else 0.0
+            self._scale = float(getattr(config, "scaling_factor", 1.0))
 
     @property
     def latent_channels(self) -> int:
-        """Channels of the latents (4 for SD's VAE)."""
-        return int(self.model.config.latent_channels)
+        """Channels of the latents (4 for SD's VAE, 16 for Wan's ``z_dim``)."""
+        config = self.model.config
+        return int(config.z_dim if getattr(config, "latent_channels", None) is None else config.latent_channels)
 
     @property
     def in_channels(self) -> int:
@@ -87,18 +105,39 @@ class VAE(FrozenModel):
 
     @property
     def downsample(self) -> int:
-        """Spatial factor H / h = 2 ** (len(block_out_channels) - 1) (8 for SD's VAE)."""
-        return 2 ** (len(self.model.config.block_out_channels) - 1)
+        """Spatial factor H / h: ``scale_factor_spatial`` where the config has one (Wan: 8), else
+        2 ** (len(block_out_channels) - 1) (8 for SD's VAE)."""
+        config = self.model.config
+        spatial = getattr(config, "scale_factor_spatial", None)
+        return int(spatial) if spatial is not None else 2 ** (len(config.block_out_channels) - 1)
+
+    def valid_frames(self, frames: int) -> bool:
+        """Whether a clip of ``frames`` frames encodes: any count for a 2-D VAE (frame by frame), ``temporal k + 1``
+        for a 3-D one (Wan: 1, 5, 9, ...; ``pipeline_wan.py``'s rule, ``num_frames % 4 == 1``)."""
+        return frames >= 1 and (self.temporal == 1 or frames % self.temporal == 1)
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a clip of ``frames`` (valid) frames: ``(frames - 1) // temporal + 1``."""
+        return (frames - 1) // self.temporal + 1
 
     @property
-    def scaling_factor(self) -> float:
-        """Multiplies latents on encode, divides them on decode (0.18215 for SD's VAE)."""
+    def scaling_factor(self) -> float | torch.Tensor:
+        """Multiplies latents on encode, divides them on decode (0.18215 for SD's VAE; Wan: ``1 / latents_std``,
+        (C,) float32)."""
         return self._scale
 
     @property
-    def shift_factor(self) -> float:
-        """Subtracted before scaling on encode, added back on decode (0 unless the config has one: SD3, FLUX)."""
+    def shift_factor(self) -> float | torch.Tensor:
+        """Subtracted before scaling on encode, added back on decode (0 unless the config has one: SD3, FLUX; Wan:
+        ``latents_mean``, (C,) float32)."""
         return self._shift
+
+    def _factors(self, like: torch.Tensor) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """(shift, scale) broadcastable against ``like`` (channels in dim 1), on its device and in its dtype."""
+        if isinstance(self._scale, float):
+            return self._shift, self._scale
+        view = (1, -1) + (1,) * (like.ndim - 2)
+        return (self._shift.view(view).to(like.device, like.dtype), self._scale.view(view).to(like.device, like.dtype))
 
     @torch.no_grad()
     def encode(self, x: torch.Tensor, generator: torch.Generator | None = None, sample: bool = True,
@@ -129,7 +168,8 @@ class VAE(FrozenModel):
 
             eps = randn_tensor(z.shape, generator=generator, device=z.device, dtype=z.dtype)
             z = z + std * eps
-        return _unfold((z - self._shift) * self._scale, t)
+        shift, scale = self._factors(z)
+        return _unfold((z - shift) * scale, t)
 
     @torch.no_grad()
     def encode_moments(self, x: torch.Tensor, micro_batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,13 +180,25 @@ class VAE(FrozenModel):
         ``(mean_z - shift_factor) * scaling_factor`` and ``std_z * scaling_factor``.
         """
         z, std, t = self._posterior(x, micro_batch)
-        return _unfold((z - self._shift) * self._scale, t), _unfold(std * self._scale, t)
+        shift, scale = self._factors(z)
+        return _unfold((z - shift) * scale, t), _unfold(std * scale, t)
 
     def _posterior(self, x: torch.Tensor, micro_batch: int | None) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        """Unscaled posterior mean and std of the frames (folded to (B*T, c, h, w)), and T (None for images)."""
+        """Unscaled posterior mean and std of the frames (folded to (B*T, c, h, w)), and T (None for images); a 3-D
+        VAE's of whole clips ((B, c, T', h, w), None).
+
+        Raises:
+            ValueError: a 3-D VAE given images or a frame count it cannot take (``valid_frames``).
+        """
         _check_input(x, self.in_channels, self.downsample, "pixels", self.path)
-        frames, t = _fold(x.to(device=self.device, dtype=self.dtype))
         step = int(micro_batch or self.micro_batch)
+        if self.temporal > 1:
+            if x.ndim != 5 or not self.valid_frames(x.shape[2]):
+                raise ValueError(f"expected videos (B, C, T, H, W) with T = {self.temporal} k + 1 frames for a 3-D "
+                                 f"VAE, got shape {tuple(x.shape)}")
+            frames, t, step = x.to(device=self.device, dtype=self.dtype), None, max(1, step // x.shape[2])
+        else:
+            frames, t = _fold(x.to(device=self.device, dtype=self.dtype))
         means, stds = [], []
         for i in range(0, frames.shape[0], step):
             dist = self.model.encode(frames[i:i + step]).latent_dist
@@ -163,13 +215,18 @@ class VAE(FrozenModel):
             micro_batch: frames per decoder call (None: ``self.micro_batch``); the result does not depend on it.
 
         Returns:
-            pixels (B, 3, H, W) or (B, 3, T, H, W), H = h * downsample, nominally in [-1, 1] but not clamped, in the
-            VAE's dtype on its device: ``decoder(latents / scaling_factor + shift_factor)``.
+            pixels (B, 3, H, W) or (B, 3, T, H, W), H = h * downsample, nominally in [-1, 1] but not clamped (Wan's
+            decoder clamps), in the VAE's dtype on its device: ``decoder(latents / scaling_factor + shift_factor)``;
+            a 3-D VAE gives ``temporal (T' - 1) + 1`` frames for T' latent frames.
         """
         _check_input(latents, self.latent_channels, 1, "latents", self.path)
-        frames, t = _fold(latents.to(device=self.device, dtype=self.dtype))
-        frames = frames / self._scale + self._shift
         step = int(micro_batch or self.micro_batch)
+        if self.temporal > 1:  # whole clips
+            frames, t, step = latents.to(device=self.device, dtype=self.dtype), None, max(1, step // latents.shape[2])
+        else:
+            frames, t = _fold(latents.to(device=self.device, dtype=self.dtype))
+        shift, scale = self._factors(frames)
+        frames = frames / scale + shift
         out = [self.model.decode(frames[i:i + step]).sample for i in range(0, frames.shape[0], step)]
         return _unfold(torch.cat(out), t)
 
@@ -201,6 +258,16 @@ class IdentityVAE:
     latent_channels = property(lambda self: self.channels)
     in_channels = property(lambda self: self.channels)
     downsample = property(lambda self: 1)
+    temporal = 1
+
+    def valid_frames(self, frames: int) -> bool:
+        """Any positive frame count (pixels are their own latents)."""
+        return frames >= 1
+
+    def latent_frames(self, frames: int) -> int:
+        """``frames``."""
+        return frames
+
     scaling_factor = property(lambda self: 1.0)
     shift_factor = property(lambda self: 0.0)
 
