@@ -17,18 +17,27 @@ FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteSche
 
 
 def objective_of_scheduler(config: dict, where: str = "scheduler") -> str:
-    """``ddpm`` | ``v`` | ``flow`` for a diffusers scheduler config: flow-matching schedulers are ``flow``; the
-    others by ``prediction_type`` (epsilon -> ``ddpm``, v_prediction -> ``v``).
+    """``ddpm`` | ``v`` | ``flow`` for a diffusers scheduler config: flow-matching schedulers are ``flow``, and so is
+    a multistep solver on flow sigmas (``prediction_type`` ``flow_prediction`` with ``use_flow_sigmas``: Wan 2.1's
+    ``UniPCMultistepScheduler``, whose ``flow_shift`` is the shift); the others by ``prediction_type`` (epsilon ->
+    ``ddpm``, v_prediction -> ``v``).
 
     Raises:
-        UserError: a prediction type other than epsilon / v_prediction (``sample``), naming ``where``.
+        UserError: a prediction type other than epsilon / v_prediction (``sample``, or ``flow_prediction`` without
+            flow sigmas), naming ``where``.
     """
-    if config.get("_class_name") in FLOW_SCHEDULERS:
+    if config.get("_class_name") in FLOW_SCHEDULERS or _flow_sigmas(config):
         return "flow"
     pred = config.get("prediction_type", "epsilon")
     if pred not in ("epsilon", "v_prediction"):
         raise UserError(f"{where}: prediction_type {pred!r} is not supported (expected epsilon or v_prediction)")
     return "ddpm" if pred == "epsilon" else "v"
+
+
+def _flow_sigmas(config: dict) -> bool:
+    """A solver scheduler (UniPC, DPM-Solver) configured for flow matching, as Wan 2.1's: its sigmas are the
+    shifted flow times (``use_flow_sigmas``, ``flow_shift``), its model output the velocity noise - x0."""
+    return config.get("prediction_type") == "flow_prediction" and bool(config.get("use_flow_sigmas"))
 
 
 def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict | None = None,
@@ -46,7 +55,8 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     Gaussian objectives take the scheduler's ``beta_schedule`` / ``beta_start`` / ``beta_end`` /
     ``num_train_timesteps`` / ``trained_betas`` (recomputed in float64) or, without a scheduler config, DiT's
     1000 linear betas; ``timestep_respacing`` respaces them for sampling. Flow takes ``flow_shift``, else the
-    scheduler's ``shift``, else 1.
+    scheduler's ``shift`` (``FlowMatchEulerDiscreteScheduler``) or ``flow_shift`` (a solver on flow sigmas, Wan's
+    UniPC: 3.0 at 480p, 5.0 at 720p), else 1.
 
     Raises:
         UserError: a scheduler with dynamic (resolution-dependent) shifting, an unknown beta schedule, or
@@ -60,7 +70,8 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     if objective == "flow":
         if sched.get("use_dynamic_shifting"):
             raise UserError(f"{where}: dynamic timestep shifting (use_dynamic_shifting) is not supported")
-        shift = flow_shift if flow_shift is not None else float(sched.get("shift", 1.0))
+        shift = flow_shift if flow_shift is not None else float(
+            sched.get("flow_shift", 1.0) if _flow_sigmas(sched) else sched.get("shift", 1.0))
         if weighting_scheme not in WEIGHTING_SCHEMES:
             raise UserError(f"--weighting_scheme: expected one of {', '.join(WEIGHTING_SCHEMES)}, got {weighting_scheme}")
         return RectifiedFlow(shift, weighting_scheme, logit_mean, logit_std, learn_sigma,
