@@ -201,8 +201,9 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
     scaled by its config) and its own prompt encoding.
 
     Raises:
-        UserError: ``--model`` given (the folder decides the denoiser); class conditioning or video data (these
-            families make images from text); an ``--image_size`` the VAE and denoiser cannot take.
+        UserError: ``--model`` given (the folder decides the denoiser); class conditioning; video data for an image
+            family or images for a video family (Wan); an ``--image_size`` the VAE and denoiser cannot take; a
+            ``--num_frames`` the video VAE cannot take (Wan's: 4k + 1), naming the nearest valid counts.
     """
     from ditforge.encoders.vae import VAE
     from ditforge.errors import UserError
@@ -215,21 +216,33 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
                         + (f"with --init_from {stored}" if stored else "without --init_from") + f", not {where}")
     if m.model is not None:
         raise UserError(f"--model {m.model}: {where} decides the denoiser (a {pre.pipeline_class}); leave --model out")
-    if getattr(dataset, "num_frames", None) is not None:
-        raise UserError(f"--data {data.data} holds videos; {where} is a {pre.pipeline_class}, which makes images")
+    video = getattr(dataset, "num_frames", None) is not None
+    if video != pre.denoiser.video:
+        makes = "videos" if pre.denoiser.video else "images"
+        raise UserError(f"--data {data.data} holds {'videos' if video else 'images'}; {where} is a "
+                        f"{pre.pipeline_class}, which makes {makes}")
     if m.condition == "class":
-        raise UserError(f"--condition class: {where} is a text-to-image {pre.pipeline_class}")
+        raise UserError(f"--condition class: {where} is a text-to-{'video' if video else 'image'} "
+                        f"{pre.pipeline_class}")
     inner, scale = pre.denoiser.inner, pre.denoiser.vae_scale
     size = dataset.image_size
+    patch = inner.config.get("patch_size", None)
     multiple = scale * (2 ** (len(inner.config.block_out_channels) - 1) if pre.denoiser.component == "unet"
-                        else int(inner.config.patch_size))
+                        else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))  # Wan: (t, h, w)
     if size % multiple:
         raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
                         f"(the VAE's downsample {scale} x the denoiser's own)")
-    m.family, m.condition = pre.denoiser.family, "text"
-    m.in_channels, m.input_size, m.num_frames = pre.denoiser.in_channels, size // scale, None
-    m.learn_sigma, m.text_encoder, m.text_dim, m.text_max_length = pre.denoiser.learn_sigma, None, None, None
     m.vae = str(pre.folder / "vae")
-    data.image_size = size
-    return BatchEncoder("text", VAE(pre.pipe.vae, path=m.vae), prompt_encoder=pre.encode_prompt,
+    vae = VAE(pre.pipe.vae, path=m.vae)
+    if video and not vae.valid_frames(dataset.num_frames):
+        k = vae.temporal
+        below = (dataset.num_frames - 1) // k * k + 1
+        raise UserError(f"--num_frames {dataset.num_frames}: the VAE of {where} takes {k}k + 1 frames; the nearest "
+                        f"valid counts are {below} and {below + k}")
+    m.family, m.condition = pre.denoiser.family, "text"
+    m.in_channels, m.input_size = pre.denoiser.in_channels, size // scale
+    m.num_frames = vae.latent_frames(dataset.num_frames) if video else None  # the denoiser's (latent) frames
+    m.learn_sigma, m.text_encoder, m.text_dim, m.text_max_length = pre.denoiser.learn_sigma, None, None, None
+    data.image_size, data.num_frames = size, dataset.num_frames if video else None
+    return BatchEncoder("text", vae, prompt_encoder=pre.encode_prompt,
                         class_captions=getattr(dataset, "class_captions", None))

@@ -175,13 +175,14 @@ def _component(pre: Pretrained) -> str:
 
 def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int],
                            image_size: int, num_steps: int, guidance_scale: float,
-                           batch_size: int = 8) -> torch.Tensor:
+                           batch_size: int = 8, num_frames: int | None = None) -> torch.Tensor:
     """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (an adapter of the
     fine-tuned diffusers model; its text encoder too when it trained one) in it: row i starts from the noise of
     ``torch.Generator(device).manual_seed(seeds[i])``, so it depends on its prompt and seed only. The prompts are
     encoded (``pre.encode_prompt``, or the denoiser's own text encoder) and handed over as embeddings, the empty
     prompt's as the negative ones: what the pipeline does with the prompt strings. Returns (N, 3, S, S) float32 in
-    [-1, 1] on the CPU. A VAE kept on the CPU (training from features) visits the denoiser's device meanwhile."""
+    [-1, 1] on the CPU; a video family's (Wan) videos of ``num_frames`` frames, (N, 3, T, S, S). A VAE kept on
+    the CPU (training from features) visits the denoiser's device meanwhile."""
     pipe = pre.pipe
     setattr(pipe, _component(pre), denoiser.inner)
     device = next(denoiser.inner.parameters()).device
@@ -195,9 +196,12 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
             with torch.no_grad():
                 cond = ({k: v.to(device) for k, v in denoiser.tokenize(prompts[rows]).items()}
                         if denoiser.tokenize is not None else pre.encode_prompt(prompts[rows]))
-                images = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=image_size,
+                video = {"num_frames": num_frames} if denoiser.video else {}
+                result = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=image_size,
                               width=image_size, generator=gens, output_type="pt", **denoiser.pipeline_inputs(cond),
-                              **denoiser.pipeline_kwargs).images
+                              **denoiser.pipeline_kwargs, **video)
+                # videos come as frames (N, T, 3, S, S)
+                images = result.frames.transpose(1, 2) if denoiser.video else result.images
             out.append(images.float().cpu() * 2 - 1)
     finally:
         pipe.vae.to(vae_home)
@@ -210,7 +214,8 @@ def sample_grid(pre: Pretrained, cfg, weights: dict[str, torch.Tensor], dataset,
     """The trainer's periodic samples of a fine-tuned pipeline: the first 8 distinct captions of the data (each
     repeated to 8 images), ``weights`` (the EMA, as ``EMA.full_state_dict``) in a second denoiser (built on the first
     call from the folder, on the run's ``device``, and passed back in later), drawn by the family's pipeline with
-    per-image seeds ``derive_seed(seed, i)``. Returns ((8, 3, S, S) pixels in [-1, 1], the denoiser)."""
+    per-image seeds ``derive_seed(seed, i)``. Returns ((8, 3, S, S) pixels in [-1, 1], or (8, 3, T, S, S) videos
+    of ``--num_frames`` frames for a video family, the denoiser)."""
     from ditforge.data.sampler import derive_seed
 
     if denoiser is None:
@@ -219,7 +224,8 @@ def sample_grid(pre: Pretrained, cfg, weights: dict[str, torch.Tensor], dataset,
     captions = list(dict.fromkeys(getattr(dataset, "texts", None) or dataset.class_captions))[:8]
     prompts = (captions * 8)[:8]
     seeds = [derive_seed(cfg.train.seed, i) for i in range(len(prompts))]
-    pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, cfg.data.image_size, num_steps, guidance_scale)
+    pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, cfg.data.image_size, num_steps, guidance_scale,
+                                    num_frames=cfg.data.num_frames)
     return pixels, denoiser
 
 

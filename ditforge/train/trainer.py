@@ -481,16 +481,18 @@ class _Run:
         weights = self.ema.full_state_dict()  # a collective under zero2/fsdp: every rank takes part
         if not self.d.is_main:
             return
+        name = self.run_dir / "samples" / f"step-{step:07d}"
         if self.pre is not None:  # the family's own pipeline and scheduler draw the grid
             # on the run's device: under --cpu_offload all the trained weights are in host memory
             pixels, self.grid_model = finetune.sample_grid(self.pre, cfg, weights, self.dataset, self.grid_model,
                                                            device=device)
-            save_grid(to_uint8(pixels), (self.run_dir / "samples" / f"step-{step:07d}.png"), nrow=4)
-            return
-        if self.grid_cond is None:
-            self.grid_cond = _grid_conditioning(cfg, self.dataset, self.inputs, device)
-        pixels = self.draw(weights, self.grid_cond, cfg.train.seed)
-        name = self.run_dir / "samples" / f"step-{step:07d}"
+            if not self.video:
+                save_grid(to_uint8(pixels), name.with_suffix(".png"), nrow=4)
+                return
+        else:
+            if self.grid_cond is None:
+                self.grid_cond = _grid_conditioning(cfg, self.dataset, self.inputs, device)
+            pixels = self.draw(weights, self.grid_cond, cfg.train.seed)
         if self.video:  # a GIF of grids: frame k of every sample side by side
             from ditforge.data.video import write_gif  # PyAV: ditforge[video]
 

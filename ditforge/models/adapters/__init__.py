@@ -14,8 +14,9 @@ shards them, as it does the blocks of ditforge's own models (``ditforge.models.b
 change.
 
 Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL), both in ``sd_unet.py``;
-``pixart`` (PixArt-alpha / sigma, ``pixart.py``); ``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``). Official and diffusers DiT weights load into ditforge's own
-``DiT`` (``ditforge.interop``), which is the same network.
+``pixart`` (PixArt-alpha / sigma, ``pixart.py``); ``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``); ``wan`` (Wan 2.1
+text-to-video, ``wan.py``: videos (B, C, T, H, W), ``video = True``). Official and diffusers DiT weights load into
+ditforge's own ``DiT`` (``ditforge.interop``), which is the same network.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class DiffusersDenoiser(nn.Module):
         component: the pipeline component that is the denoiser (``unet`` / ``transformer``).
         block_classes: class names of the repeated blocks.
         default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
+        video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
     """
 
     family: str = ""
@@ -44,6 +46,7 @@ class DiffusersDenoiser(nn.Module):
     block_classes: tuple[str, ...] = ()
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_kwargs: dict[str, Any] = {}  # extra arguments of the pipeline's __call__ when ditforge samples
+    video = False
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 
     def __init__(self, model: nn.Module, vae_scale: int = 8):
@@ -140,8 +143,9 @@ def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.pixart import PixArtDenoiser
     from ditforge.models.adapters.sd3 import SD3Denoiser
     from ditforge.models.adapters.sd_unet import SDUNetDenoiser, SDXLUNetDenoiser
+    from ditforge.models.adapters.wan import WanDenoiser
 
-    return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser)}
+    return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

@@ -63,7 +63,7 @@ def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
 
 
 def is_adapted_pipeline(path: str | Path) -> bool:
-    """True for a pipeline folder of a family behind an adapter (SD, PixArt, SD3); False for anything else
+    """True for a pipeline folder of a family behind an adapter (SD, PixArt, SD3, Wan); False for anything else
     (DiT weights in any form, or a path that is no pipeline folder). Raises UserError for a pipeline folder
     that is incomplete or of an unsupported family (``read_model_index``)."""
     if not (Path(path) / "model_index.json").is_file():
@@ -144,7 +144,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
                 module.to(denoiser_device or device)
             else:
                 module.to(device)
-    vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    vae_config = pipe.vae.config  # a video VAE (Wan's) states its factor; an AutoencoderKL's follows its blocks
+    vae_scale = getattr(vae_config, "scale_factor_spatial", None) or 2 ** (len(vae_config.block_out_channels) - 1)
     denoiser = family(getattr(pipe, family.component), vae_scale).requires_grad_(True)
     pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
     denoiser.set_null_condition(family.null_condition(pipe, pre.encode_prompt([""])))
