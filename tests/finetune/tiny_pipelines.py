@@ -1,4 +1,4 @@
-"""Tiny random diffusers pipelines of four families, built offline for the fine-tuning, export and sampling tests.
+"""Tiny random diffusers pipelines of six families, built offline for the fine-tuning, export and sampling tests.
 
 Every builder writes a complete pipeline folder (``model_index.json`` and one subfolder per component) with
 diffusers' and transformers' own classes and ``save_pretrained``, and returns its ``Path``. Nothing is downloaded:
@@ -18,11 +18,16 @@ sd3               32 px  16 x 8 x 8  CLIP 77 x 32 + CLIP 77 x 48 (pooled 32 + 48
                                      256 x 96
 sdxl              32 px  4 x 8 x 8   CLIP 77 x 32 + CLIP 77 x 48 (pooled 48)              Euler (SDXL), epsilon
 dit               32 px  4 x 8 x 8   none (class labels 0..2; null label 1000)           DDIM (DiT's betas)
+wan               16 px  16 x T' x   UMT5 512 x 32                                       UniPC on flow sigmas,
+                  4k+1   2 x 2                                                           flow_shift 3
+                  frames
 ================  =====  ==========  ==================================================  =========================
 
-All VAEs are ``AutoencoderKL`` with 3 blocks (8, 16, 16 channels): they downsample by 4 (the real ones by 8), so
-32-pixel images have 8 x 8 latents; all transformers use 2 x 2 patches (16 tokens at 32 px). ``SPECS`` has these
-numbers per family (``IMAGE_SIZE`` the image side alone). Each folder holds 0.7-1.8 MB of float32
+All image VAEs are ``AutoencoderKL`` with 3 blocks (8, 16, 16 channels): they downsample by 4 (the real ones by 8),
+so 32-pixel images have 8 x 8 latents; all image transformers use 2 x 2 patches (16 tokens at 32 px). Wan's
+``AutoencoderKLWan`` downsamples by 8 in space and 4 in time (T' = (T - 1) / 4 + 1), as the real one; its
+transformer's 1 x 2 x 2 patches give one token per latent frame at 16 px. ``SPECS`` has these numbers per image
+family (``IMAGE_SIZE`` the image side alone). Each folder holds 0.7-1.8 MB of float32
 safetensors and takes well under a second to build (after the imports).
 
 Quirks the callers need to know:
@@ -296,6 +301,19 @@ def _t5_encoder(tokenizer, d_model: int):
     return T5EncoderModel(config).eval()
 
 
+def _umt5_encoder(tokenizer, d_model: int):
+    """A UMT5 encoder (Wan's text encoder class: T5 v1.1 layers with a relative-position bias in every layer),
+    2 layers."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(vocab_size=_round8(len(tokenizer)), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
+                        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                        is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return UMT5EncoderModel(config).eval()
+
+
 def _save(pipe, path) -> Path:
     """``save_pretrained``, then the tokenizers' source files beside the ``tokenizer.json`` that transformers 5
     writes: ``vocab.json`` + ``merges.txt`` (CLIP; what the real SD folders ship, and all that transformers 4's
@@ -474,6 +492,45 @@ def make_sdxl(path) -> Path:
     return _save(pipe, path)
 
 
+# Wan 2.1 T2V 480p's scheduler_config.json (UniPC on flow sigmas; the 720p model ships flow_shift 5.0).
+WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
+                     flow_shift=3.0, solver_order=2, solver_type="bh2", lower_order_final=True,
+                     timestep_spacing="linspace", final_sigmas_type="zero")
+
+
+def make_wan(path) -> Path:
+    """A tiny Wan 2.1 text-to-video ``WanPipeline`` folder, with the configs of diffusers' own
+    ``tests/pipelines/wan/test_wan.py``.
+
+    Sizes: videos of 4k + 1 frames x 16 x 16 RGB <-> 16 x (k + 1) x 2 x 2 latents (``AutoencoderKLWan``, base
+    width 3, ``dim_mult`` (1, 1, 1, 1), temporal downsampling by 4, spatial by 8; Wan 2.1's 16 ``latents_mean`` /
+    ``latents_std``, the class defaults); ``WanTransformer3DModel`` (2 layers, 2 heads x 12 = 24 wide, patches
+    1 x 2 x 2: one token per latent frame at 16 px, ``rope_max_seq_len`` 32) cross-attends to UMT5 states 32 wide
+    (``UMT5EncoderModel``, 2 layers, the sentencepiece ``T5Tokenizer`` of ``make_t5_tokenizer``), 512 tokens (the
+    pipeline's ``max_sequence_length`` default; padded with zeros past each prompt). Scheduler:
+    ``UniPCMultistepScheduler`` with Wan 2.1 480p's settings (``WAN_SCHEDULER``: flow prediction, flow sigmas,
+    ``flow_shift`` 3).
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    tokenizer = make_t5_tokenizer()
+    text_encoder = _umt5_encoder(tokenizer, 32)
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32).eval()
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER))
+    return _save(pipe, path)
+
+
 DIT_LABELS = {0: "red apple, apple", 1: "green pear", 2: "yellow banana, banana"}
 
 
@@ -519,4 +576,5 @@ BUILDERS = {
     "sd3": make_sd3,
     "sdxl": make_sdxl,
     "dit": make_dit,
+    "wan": make_wan,
 }

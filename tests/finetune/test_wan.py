@@ -1,0 +1,223 @@
+"""Wan 2.1 text-to-video fine-tuning (``ditforge train --init_from WAN_FOLDER --data clips``), end to end on the CPU
+with the tiny random ``WanPipeline`` of ``tiny_pipelines.make_wan`` (16 px, 5 frames: latents 16 x 2 x 2 x 2): the
+first step's loss against diffusers' model and the scheduler's flow arithmetic written out here, full and LoRA runs
+resumed bit for bit, the exported pipeline folder and LoRA file read back by diffusers, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ditforge import cli
+from ditforge.data import build_dataset
+from ditforge.data.sampler import GlobalBatchSampler, derive_seed
+from ditforge.train.logging import read_metrics
+from tiny_pipelines import BUILDERS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SIZE, FRAMES, INTERVAL, BATCH = 16, 5, 2, 2  # 5 = 4 x 1 + 1 frames: 2 latent frames
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory, one_thread_module) -> Path:
+    """The tiny ``WanPipeline`` folder, built once for this module."""
+    return BUILDERS["wan"](tmp_path_factory.mktemp("wan") / "pipe")
+
+
+def _argv(folder: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--init_from", str(folder), "--data", "clips", "--num_frames", str(FRAMES), "--frame_interval",
+            str(INTERVAL), "--image_size", str(SIZE), "--batch_size", str(BATCH), "--log_every", "1",
+            "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--num_workers", "0",
+            "--class_dropout_prob", "0", "--no-random_flip", "--outputs", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(wan, tmp_path_factory, one_thread_module) -> dict[str, Path]:
+    """4 steps of full (lr 1e-3) and of LoRA (rank 4, lr 1e-2) fine-tuning, checkpoints every 2 steps."""
+    root = tmp_path_factory.mktemp("wan_runs")
+    out = {}
+    for kind, extra in (("full", ["--lr", "1e-3"]), ("lora", ["--lora_rank", "4", "--lr", "1e-2"])):
+        assert cli.main(_argv(wan, root / kind, "--max_steps", "4", "--ckpt_every", "2", *extra)) == 0
+        out[kind] = root / kind
+    return out
+
+
+def _reference_first_loss(folder: Path) -> float:
+    """Step 0's loss from diffusers' pieces: the clips of the run's first batch (``GlobalBatchSampler``, seed 0)
+    through ``AutoencoderKLWan``'s posterior, normalised as ``WanPipeline`` un-normalises before decoding
+    (``latents / (1 / latents_std) + latents_mean``, inverted); the UMT5 states of ``pipe.encode_prompt`` at the
+    call's ``max_sequence_length`` (512); the step's random draws in ditforge's order (noise, logit-normal u, drop,
+    flip, posterior eps) from ``derive_seed(0, 0)``; sigma = shift u / (1 + (shift - 1) u) with the scheduler's
+    ``flow_shift`` (checked here against ``UniPCMultistepScheduler``'s own flow sigmas); x_t = (1 - sigma) x0 +
+    sigma noise, target noise - x0, ``pipe.transformer`` called directly at timestep 1000 sigma; MSE in float32."""
+    import diffusers
+
+    pipe = diffusers.WanPipeline.from_pretrained(str(folder), local_files_only=True)
+    sched = dict(pipe.scheduler.config)
+    shift, n_train = float(sched["flow_shift"]), int(sched["num_train_timesteps"])
+    # The shift map is the scheduler's: its flow sigmas for 10 steps are the shifted linear grid (float32; the
+    # first, 1, is moved 1e-6 down by the scheduler, so it is left out).
+    pipe.scheduler.set_timesteps(10)
+    u_grid = np.linspace(1, 1 / n_train, 11)[1:-1]
+    np.testing.assert_allclose(pipe.scheduler.sigmas[1:-1].numpy(), shift * u_grid / (1 + (shift - 1) * u_grid),
+                               rtol=1e-6)
+
+    ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
+    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
+    pixels = torch.stack([ds[i]["video"] for i in idx])
+    texts = [ds[i]["text"] for i in idx]
+    with torch.no_grad():
+        post = pipe.vae.encode(pixels).latent_dist
+        shape = tuple(post.mean.shape[1:])
+        g = torch.Generator().manual_seed(derive_seed(0, 0))
+        noise = torch.randn((BATCH, *shape), generator=g)
+        u = torch.sigmoid(torch.randn(BATCH, generator=g))  # logit-normal, mean 0, std 1
+        torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)  # caption drop, flip: unused here
+        eps = torch.randn((BATCH, *shape), generator=g)
+        sigma = shift * u / (1 + (shift - 1) * u)
+        view = (1, pipe.vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(pipe.vae.config.latents_mean).view(view)
+        inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(view)
+        x0 = (post.mean + post.std * eps - mean) * inv_std
+        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        pred = pipe.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * n_train,
+                                encoder_hidden_states=embeds, return_dict=False)[0]
+    return float(torch.nn.functional.mse_loss(pred.float(), (noise - x0).float()))
+
+
+def test_first_step_loss_matches_diffusers(wan, runs):
+    """Both runs' first loss (LoRA starts with B = 0: the same model) equals the diffusers loss within 1e-5
+    relative (fp32); the run recorded the flow objective with the scheduler's shift and the latent frame count."""
+    ref = _reference_first_loss(wan)
+    for kind, run in runs.items():
+        records = read_metrics(run / "metrics.jsonl")
+        assert [r["step"] for r in records] == [1, 2, 3, 4], kind
+        assert records[0]["loss"] == pytest.approx(ref, rel=1e-5), kind
+    config = __import__("yaml").safe_load((runs["full"] / "config.yaml").read_text())
+    assert (config["model"]["family"], config["model"]["objective"], config["model"]["flow_shift"]) == ("wan", "flow", 3.0)
+    assert (config["model"]["num_frames"], config["data"]["num_frames"]) == (2, FRAMES)
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_resume_equals_uninterrupted(kind, wan, runs, tmp_path):
+    """Stopped after 2 steps and resumed to 4 (``--resume auto``): the same 4 losses, bit for bit, and the same
+    final weights, bit for bit, as the run of 4 steps in one go."""
+    from ditforge.train.checkpoint import load_weights
+    from ditforge.train.finetune import load_finetuned
+
+    extra = ["--lr", "1e-3"] if kind == "full" else ["--lora_rank", "4", "--lr", "1e-2"]
+    part = tmp_path / "part"
+    assert cli.main(_argv(wan, part, "--max_steps", "2", "--ckpt_every", "2", *extra)) == 0
+    assert cli.main(["train", "--outputs", str(part), "--resume", "auto", "--max_steps", "4"]) == 0
+    assert [r["loss"] for r in read_metrics(part / "metrics.jsonl")] == [
+        r["loss"] for r in read_metrics(runs[kind] / "metrics.jsonl")]
+    weights = [load_finetuned(*load_weights(run, use_ema=True), torch.device("cpu"))[1].state_dict()
+               for run in (runs[kind], part)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_export_folder_loads_with_wan_pipeline(runs, tmp_path):
+    """``--format diffusers`` of the full run: ``WanPipeline.from_pretrained(local_files_only=True)`` loads it and its
+    transformer holds the trained (EMA) weights exactly, which moved away from the base."""
+    import diffusers
+
+    from ditforge.train.checkpoint import load_weights
+    from ditforge.train.finetune import load_finetuned
+
+    out = tmp_path / "export"
+    assert cli.main(["export", "--ckpt", str(runs["full"]), "--format", "diffusers", "--out", str(out)]) == 0
+    pipe = diffusers.WanPipeline.from_pretrained(str(out), local_files_only=True)
+    pre, trained, _ = load_finetuned(*load_weights(runs["full"], use_ema=True), torch.device("cpu"))
+    exported, trained = pipe.transformer.state_dict(), trained.inner.state_dict()
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+    base = diffusers.WanTransformer3DModel.from_pretrained(str(pre.folder), subfolder="transformer",
+                                                           local_files_only=True).state_dict()
+    assert any(not torch.equal(base[k], trained[k]) for k in trained)
+
+
+def test_lora_file_loads_with_load_lora_weights(wan, runs, tmp_path):
+    """``--format lora``: ``pipe.load_lora_weights`` reads the file, and the transformer then gives ditforge's
+    LoRA model's output on fresh random latents, times and states within 1e-5 of the output's largest magnitude
+    (float32 sums of the adapters in another order), while the base model is off by over 100 times that."""
+    import diffusers
+
+    from ditforge.train.checkpoint import load_weights
+    from ditforge.train.finetune import load_finetuned
+
+    out = tmp_path / "lora"
+    assert cli.main(["export", "--ckpt", str(runs["lora"]), "--format", "lora", "--out", str(out)]) == 0
+    pipe = diffusers.WanPipeline.from_pretrained(str(wan), local_files_only=True)
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(2, 16, 2, 2, 2, generator=g)
+    t = torch.rand(2, generator=g) * 1000
+    states = torch.randn(2, 512, 32, generator=g)
+    _, ours, _ = load_finetuned(*load_weights(runs["lora"], use_ema=True), torch.device("cpu"))
+
+    def call(model):
+        with torch.no_grad():
+            return model(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
+
+    base = call(pipe.transformer)
+    pipe.load_lora_weights(str(out))
+    theirs, mine = call(pipe.transformer), call(ours.inner)
+    tol = 1e-5 * mine.abs().max()
+    assert (theirs - mine).abs().max() <= tol
+    assert (base - mine).abs().max() > 100 * tol
+
+
+def _fails(capsys, argv: list[str], *needles: str) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
+    """A pipeline folder of a family ditforge does not fine-tune (CogVideoX): one line naming it and listing the
+    supported pipeline classes, Wan's among them; no checkpoint written."""
+    folder = tmp_path / "cog"
+    shutil.copytree(wan, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["_class_name"] = "CogVideoXPipeline"
+    (folder / "model_index.json").write_text(json.dumps(index))
+    _fails(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from", "CogVideoXPipeline",
+           "WanPipeline", "StableDiffusionPipeline", "StableDiffusion3Pipeline")
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("frames, nearest", [(6, "5 and 9"), (4, "1 and 5"), (12, "9 and 13")])
+def test_num_frames_the_vae_cannot_take(frames, nearest, wan, tmp_path, capsys):
+    """A frame count other than 4k + 1: one line naming ``--num_frames`` and the valid counts either side; no
+    checkpoint and no metrics written."""
+    argv = _argv(wan, tmp_path / "r", "--max_steps", "1")
+    argv[argv.index("--num_frames") + 1] = str(frames)
+    _fails(capsys, argv, f"--num_frames {frames}", nearest)
+    assert not (tmp_path / "r" / "checkpoints").exists() and not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_images_for_a_video_pipeline(wan, tmp_path, capsys):
+    """Captioned images for Wan (it makes videos): one line saying so; no checkpoint written."""
+    from PIL import Image
+
+    data = tmp_path / "images"
+    data.mkdir()
+    rng = np.random.default_rng(7)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(data / f"img{i}.png")
+        (data / f"img{i}.txt").write_text("a dog runs on the grass")
+    argv = _argv(wan, tmp_path / "r", "--max_steps", "1")
+    argv[argv.index("--data") + 1] = str(data)
+    del argv[argv.index("--num_frames"):argv.index("--num_frames") + 4]  # --num_frames N --frame_interval N
+    _fails(capsys, argv, f"--data {data}", "holds images", "WanPipeline", "makes videos")
+    assert not (tmp_path / "r" / "checkpoints").exists()
