@@ -234,15 +234,15 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
                         f"(the VAE's downsample {scale} x the denoiser's own)")
     m.vae = str(pre.folder / "vae")
     vae = VAE(pre.pipe.vae, path=m.vae)
-    if video and not vae.valid_frames(dataset.num_frames):
-        k = vae.temporal
-        below = (dataset.num_frames - 1) // k * k + 1
-        raise UserError(f"--num_frames {dataset.num_frames}: the VAE of {where} takes {k}k + 1 frames; the nearest "
-                        f"valid counts are {below} and {below + k}")
+    frames = dataset.num_frames if video else None
+    if video and stored is not False:  # features store latents: their frames are the latent frames
+        frames = (frames - 1) * vae.temporal + 1
+    if video:
+        vae.check_frames(frames, f"the VAE of {where}")
     m.family, m.condition = pre.denoiser.family, "text"
     m.in_channels, m.input_size = pre.denoiser.in_channels, size // scale
-    m.num_frames = vae.latent_frames(dataset.num_frames) if video else None  # the denoiser's (latent) frames
+    m.num_frames = vae.latent_frames(frames) if video else None  # the denoiser's (latent) frames
     m.learn_sigma, m.text_encoder, m.text_dim, m.text_max_length = pre.denoiser.learn_sigma, None, None, None
-    data.image_size, data.num_frames = size, dataset.num_frames if video else None
+    data.image_size, data.num_frames = size, frames
     return BatchEncoder("text", vae, prompt_encoder=pre.encode_prompt,
                         class_captions=getattr(dataset, "class_captions", None))

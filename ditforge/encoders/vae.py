@@ -120,6 +120,15 @@ class VAE(FrozenModel):
         """Latent frames of a clip of ``frames`` (valid) frames: ``(frames - 1) // temporal + 1``."""
         return (frames - 1) // self.temporal + 1
 
+    def check_frames(self, frames: int, where: str) -> None:
+        """Raises UserError (one line naming ``--num_frames``, ``where`` and the valid counts either side) unless
+        ``valid_frames(frames)``."""
+        if not self.valid_frames(frames):
+            k = self.temporal
+            below = (frames - 1) // k * k + 1
+            raise UserError(f"--num_frames {frames}: {where} takes {k}k + 1 frames; the nearest valid counts are "
+                            f"{below} and {below + k}")
+
     @property
     def scaling_factor(self) -> float | torch.Tensor:
         """Multiplies latents on encode, divides them on decode (0.18215 for SD's VAE; Wan: ``1 / latents_std``,

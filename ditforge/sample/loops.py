@@ -23,11 +23,11 @@ from ditforge.data.images import save_grid, to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate
 from ditforge.diffusion.pab import PABConfig
-from ditforge.encoders.vae import IdentityVAE
+from ditforge.encoders.vae import VAE, IdentityVAE
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
 from ditforge.sample.load import SampleConfig, encode_prompts, load_prompt_encoder
-from ditforge.sample.write import save_npz, slug, write_video_files
+from ditforge.sample.write import save_npz, slug, write_video_files, write_videos
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,13 @@ def _read_part(path: Path, key: str) -> np.ndarray:
 def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, state, spec: dict) -> np.ndarray:
     """A fine-tuned diffusers pipeline (``ditforge train --init_from FOLDER``): its own pipeline class and
     scheduler draw ``num_sampling_steps`` steps with guidance ``cfg_scale``; sample i starts from the noise of seed
-    ``derive_seed(seed, i)``. Writes one PNG grid (``out``, default samples.png) and the optional .npz."""
+    ``derive_seed(seed, i)``. Writes one PNG grid (``out``, default samples.png), or for a video family (Wan) one
+    ``NNN-<prompt slug>.mp4`` + ``.gif`` per prompt into the folder ``out`` (default samples) with
+    ``--num_frames`` frames (default: the run's; 4k + 1), and the optional .npz.
+
+    Raises:
+        UserError: no prompts, class labels, several processes, or a frame count the video VAE cannot take.
+    """
     from ditforge.train.finetune import generate_with_pipeline, load_finetuned
 
     if d.world_size > 1:
@@ -325,12 +331,19 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, state, spec:
         raise UserError("--class_labels/--num_samples: the model is text-conditioned; give --prompt or --prompt_file")
     pre, denoiser, run = load_finetuned(state, spec["run_config"], d.device, cfg.use_ema)
     size = cfg.image_size or run.data.image_size
+    frames = (cfg.num_frames or run.data.num_frames) if denoiser.video else None
+    if frames is not None:
+        VAE(pre.pipe.vae).check_frames(frames, f"the VAE of {pre.pipeline_class}")
     seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]
     pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, size, cfg.num_sampling_steps, cfg.cfg_scale,
-                                    cfg.batch_size)
-    images = to_uint8(pixels)
-    out = cfg.out or "samples.png"
-    save_grid(images, out, nrow=min(len(images), 8))
+                                    cfg.batch_size, num_frames=frames)
+    images = to_uint8(pixels)  # (N, H, W, C), videos (N, T, H, W, C)
+    if denoiser.video:
+        out = cfg.out or "samples"
+        write_videos(images, Path(out), [slug(p) for p in prompts], cfg.fps)
+    else:
+        out = cfg.out or "samples.png"
+        save_grid(images, out, nrow=min(len(images), 8))
     if cfg.save_npz:
         save_npz(cfg.save_npz, samples=images, prompts=np.array(prompts))
     log.info("wrote %d samples of %s to %s", len(images), pre.pipeline_class, out)

@@ -126,7 +126,9 @@ def test_resume_equals_uninterrupted(kind, wan, runs, tmp_path):
 
 def test_export_folder_loads_with_wan_pipeline(runs, tmp_path):
     """``--format diffusers`` of the full run: ``WanPipeline.from_pretrained(local_files_only=True)`` loads it and its
-    transformer holds the trained (EMA) weights exactly, which moved away from the base."""
+    transformer holds the trained (EMA) weights exactly, which moved away from the base; from the same seed, prompt
+    and steps it draws the video ``ditforge sample --prompt`` draws (mp4 + gif, frames in the .npz), to one uint8
+    level."""
     import diffusers
 
     from ditforge.train.checkpoint import load_weights
@@ -142,6 +144,39 @@ def test_export_folder_loads_with_wan_pipeline(runs, tmp_path):
     base = diffusers.WanTransformer3DModel.from_pretrained(str(pre.folder), subfolder="transformer",
                                                            local_files_only=True).state_dict()
     assert any(not torch.equal(base[k], trained[k]) for k in trained)
+
+    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
+    assert cli.main(["sample", "--ckpt", str(runs["full"]), "--prompt", prompt, "--num_sampling_steps", "3",
+                     "--cfg_scale", "4", "--out", str(tmp_path / "videos"), "--save_npz", str(npz), "--device",
+                     "cpu"]) == 0
+    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == ["000-a-rabbit-on-a-green-hill.gif",
+                                                                       "000-a-rabbit-on-a-green-hill.mp4"]
+    g = torch.Generator("cpu").manual_seed(derive_seed(0, 0))
+    video = pipe(prompt=[prompt], num_inference_steps=3, guidance_scale=4.0, height=SIZE, width=SIZE,
+                 num_frames=FRAMES, generator=[g], output_type="np").frames
+    expected = np.round(video * 255).astype(np.int16)
+    got = np.load(npz)["samples"].astype(np.int16)
+    assert got.shape == expected.shape == (1, FRAMES, SIZE, SIZE, 3)
+    assert np.abs(got - expected).max() <= 1
+
+
+def test_features_train_like_on_the_fly(wan, runs, tmp_path):
+    """``extract-features --init_from`` stores the VAE posterior of whole clips (2 latent frames) and the UMT5
+    states; a run on them (the pipeline read from the features) logs the on-the-fly run's losses for the same
+    seed within 1e-5 relative (stored float32 moments, summed in another order)."""
+    feats = tmp_path / "feats"
+    assert cli.main(["extract-features", "--init_from", str(wan), "--data", "clips", "--num_frames", str(FRAMES),
+                     "--frame_interval", str(INTERVAL), "--image_size", str(SIZE), "--device", "cpu",
+                     "--num_workers", "0", "--out", str(feats)]) == 0
+    argv = ["train", "--data", str(feats), "--batch_size", str(BATCH), "--max_steps", "2", "--log_every", "1",
+            "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--class_dropout_prob", "0",
+            "--no-random_flip", "--lr", "1e-3", "--outputs", str(tmp_path / "run")]
+    assert cli.main(argv) == 0
+    config = __import__("yaml").safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert (config["model"]["num_frames"], config["data"]["num_frames"]) == (2, FRAMES)
+    ours = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    fly = [r["loss"] for r in read_metrics(runs["full"] / "metrics.jsonl")][:2]
+    assert ours == pytest.approx(fly, rel=1e-5)
 
 
 def test_lora_file_loads_with_load_lora_weights(wan, runs, tmp_path):
