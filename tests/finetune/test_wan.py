@@ -231,6 +231,19 @@ def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("setting, needle", [({"boundary_ratio": 0.875}, "boundary_ratio"),
+                                             ({"expand_timesteps": True}, "expand_timesteps")])
+def test_wan22_variants_are_refused(setting, needle, wan, tmp_path, capsys):
+    """A Wan 2.2 folder (two-stage denoising by boundary_ratio, or TI2V's per-token timesteps): one line naming
+    the setting, not a run that trains the wrong thing; no checkpoint written."""
+    folder = tmp_path / "wan22"
+    shutil.copytree(wan, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, **setting}))
+    _fails(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from", "Wan 2.2", needle)
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("frames, nearest", [(6, "5 and 9"), (4, "1 and 5"), (12, "9 and 13")])
 def test_num_frames_the_vae_cannot_take(frames, nearest, wan, tmp_path, capsys):
     """A frame count other than 4k + 1: one line naming ``--num_frames`` and the valid counts either side; no

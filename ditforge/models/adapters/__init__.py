@@ -85,6 +85,11 @@ class DiffusersDenoiser(nn.Module):
         return cond
 
     @staticmethod
+    def unsupported(pipe: Any) -> str | None:
+        """Why ditforge cannot fine-tune this pipeline of the family (a variant it does not train yet), or None."""
+        return None
+
+    @staticmethod
     def null_condition(pipe: Any, empty: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The condition dropped captions get and guidance samples against, given ``empty``, the empty prompt's
         encoding: that encoding, unless the family's pipeline uses another unconditional input by default."""

@@ -113,8 +113,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     The adapter's null condition (the empty prompt) is set.
 
     Raises:
-        UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); or a load failure
-            from diffusers / transformers (one line).
+        UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); a load failure
+            from diffusers / transformers; a variant the family's adapter refuses (``unsupported``); one line each.
     """
     spec = read_model_index(folder, flag)
     family = family_of_pipeline(spec["_class_name"])
@@ -131,6 +131,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
         raise UserError(f"{flag} {folder}: could not load the pipeline ({type(e).__name__}: "
                         f"{' '.join(str(e).split())[:200]})") from None
     pipe.set_progress_bar_config(disable=True)
+    if (why := family.unsupported(pipe)) is not None:
+        raise UserError(f"{flag} {folder}: {why}")
     for name, module in pipe.components.items():
         if isinstance(module, nn.Module):
             module.requires_grad_(False).eval()

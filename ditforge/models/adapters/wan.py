@@ -28,6 +28,15 @@ class WanDenoiser(DiffusersDenoiser):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
 
+    @staticmethod
+    def unsupported(pipe):
+        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
+            return ("a Wan 2.2 pipeline with two transformers (transformer_2, boundary_ratio); ditforge fine-tunes "
+                    "Wan 2.1's one")
+        if pipe.config.get("expand_timesteps"):
+            return "a Wan 2.2 TI2V pipeline (expand_timesteps: a timestep per token); ditforge fine-tunes Wan 2.1"
+        return None
+
     def denoise(self, x, t, encoder_hidden_states):
         return self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=encoder_hidden_states,
                                 return_dict=False)[0]
