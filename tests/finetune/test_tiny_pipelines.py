@@ -1,7 +1,8 @@
 """The tiny pipeline folders of ``tiny_pipelines``: each loads offline with its family's pipeline class and with
 ``DiffusionPipeline``, holds the documented components, sizes and scheduler settings, tokenizes like its
-tokenizer's source (sentencepiece for T5, the trained BPE for CLIP), encodes prompts to the documented shapes and
-generates finite images of the documented size in 2 steps; the builders are deterministic."""
+tokenizer's source (sentencepiece for T5, the trained BPE for CLIP), encodes prompts (and Wan I2V's images) to the
+documented shapes and generates finite images (Wan: videos) of the documented size in 2 steps; the builders are
+deterministic."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from tiny_pipelines import BUILDERS, CAPTIONS, SPECS, clip_vocab_and_merges, t5_
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = list(SPECS)
-PIPELINE_CLASS = {"sd": "StableDiffusionPipeline", "sd_v": "StableDiffusionPipeline",
+WAN_FAMILIES = ["wan", "wan_i2v"]  # videos: not in SPECS (an image table)
+PIPELINE_CLASS = {"wan": "WanPipeline", "wan_i2v": "WanImageToVideoPipeline","sd": "StableDiffusionPipeline", "sd_v": "StableDiffusionPipeline",
                   "pixart": "PixArtAlphaPipeline", "pixart_sigma": "PixArtSigmaPipeline",
                   "sd3": "StableDiffusion3Pipeline", "sdxl": "StableDiffusionXLPipeline", "dit": "DiTPipeline"}
 SCHEDULER = {"sd": ("PNDMScheduler", "epsilon"), "sd_v": ("DDIMScheduler", "v_prediction"),
@@ -113,7 +115,70 @@ def test_clip_tokenizers(request, family):
     assert plain(CAPTIONS).input_ids == pipe.tokenizer(CAPTIONS).input_ids
 
 
-@pytest.mark.parametrize("family", ["pixart", "pixart_sigma", "sd3"])
+@pytest.mark.parametrize("family", WAN_FAMILIES)
+def test_wan_loads_offline(request, family):
+    """The documented Wan components: ``AutoencoderKLWan`` (z_dim 16, 8x in space, 4x in time, Wan 2.1's 16
+    latents_mean / latents_std), a ``WanTransformer3DModel`` with 1 x 2 x 2 patches taking 16 channels (T2V) or
+    36 = 16 + 4 + 16 and 4-wide image states (I2V), UMT5 32 wide, and UniPC on flow sigmas with flow_shift 3; I2V
+    also a CLIP vision model and image processor (named ``CLIPImageProcessor`` in model_index.json)."""
+    folder = _folder(request, family)
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == PIPELINE_CLASS[family]
+    assert 0 < sum(p.stat().st_size for p in folder.rglob("*.safetensors")) < 2 * 2**20
+    pipe = _pipe(request, family)
+    generic = diffusers.DiffusionPipeline.from_pretrained(str(folder), local_files_only=True)
+    assert type(generic) is type(pipe) and generic.components.keys() == pipe.components.keys()
+    vae = pipe.vae.config
+    assert (vae.z_dim, vae.scale_factor_spatial, vae.scale_factor_temporal) == (16, 8, 4)
+    assert len(vae.latents_mean) == len(vae.latents_std) == 16
+    sched = pipe.scheduler.config
+    assert type(pipe.scheduler).__name__ == "UniPCMultistepScheduler"
+    assert (sched.prediction_type, sched.use_flow_sigmas, sched.flow_shift) == ("flow_prediction", True, 3.0)
+    t = pipe.transformer.config
+    assert tuple(t.patch_size) == (1, 2, 2) and t.out_channels == 16 and t.text_dim == 32
+    assert pipe.text_encoder.config.d_model == 32 and type(pipe.text_encoder).__name__ == "UMT5EncoderModel"
+    if family == "wan":
+        assert t.in_channels == 16 and t.image_dim is None
+    else:
+        assert t.in_channels == 36 and t.image_dim == 4
+        assert index["image_processor"] == ["transformers", "CLIPImageProcessor"]
+        assert type(pipe.image_encoder).__name__ == "CLIPVisionModelWithProjection"
+        assert pipe.image_processor.crop_size["height"] == pipe.image_encoder.config.image_size == 32
+
+
+@pytest.mark.parametrize("family", WAN_FAMILIES)
+def test_wan_states(request, family):
+    """UMT5 states of ``encode_prompt`` at the call's 512 tokens, zero past the prompt's; I2V's image states
+    (the CLIP vision model's second-to-last hidden states): 1 + 32 x 32 tokens, 4 wide."""
+    pipe = _pipe(request, family)
+    with torch.no_grad():
+        states, _ = pipe.encode_prompt(PROMPT, do_classifier_free_guidance=False, max_sequence_length=512)
+        n = len(pipe.tokenizer(PROMPT).input_ids)
+        assert states.shape == (1, 512, 32)
+        assert states[0, :n].abs().amax(-1).min() > 0 and not states[0, n:].any()
+        if family == "wan_i2v":
+            from PIL import Image
+
+            image = pipe.encode_image(Image.new("RGB", (16, 16), (200, 30, 30)), "cpu")
+            assert image.shape == (1, 1025, 4) and torch.isfinite(image).all()
+
+
+@pytest.mark.parametrize("family", WAN_FAMILIES)
+def test_wan_two_step_video(request, family):
+    """2 steps give a finite 5-frame 16 px video (I2V from a 16 px image)."""
+    from PIL import Image
+
+    pipe = _pipe(request, family)
+    kwargs = dict(prompt=PROMPT, num_inference_steps=2, output_type="np", height=16, width=16, num_frames=5,
+                  generator=torch.Generator().manual_seed(0))
+    if family == "wan_i2v":
+        kwargs["image"] = Image.new("RGB", (16, 16), (200, 30, 30))
+    out = pipe(**kwargs).frames
+    assert isinstance(out, np.ndarray) and out.shape == (1, 5, 16, 16, 3)
+    assert np.isfinite(out).all() and out.min() >= 0 and out.max() <= 1 and out.std() > 0
+
+
+@pytest.mark.parametrize("family", ["pixart", "pixart_sigma", "sd3", "wan"])
 def test_t5_tokenizer(request, family):
     import sentencepiece as spm
 
@@ -174,7 +239,7 @@ def test_two_step_generation(request, family):
     assert np.isfinite(out).all() and out.min() >= 0 and out.max() <= 1 and out.std() > 0
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + WAN_FAMILIES)
 def test_builders_deterministic(request, family, tmp_path):
     clip_vocab_and_merges.cache_clear()  # tokenizers trained again too
     t5_spiece_model.cache_clear()

@@ -1,4 +1,4 @@
-"""Tiny random diffusers pipelines of six families, built offline for the fine-tuning, export and sampling tests.
+"""Tiny random diffusers pipelines of seven families, built offline for the fine-tuning, export and sampling tests.
 
 Every builder writes a complete pipeline folder (``model_index.json`` and one subfolder per component) with
 diffusers' and transformers' own classes and ``save_pretrained``, and returns its ``Path``. Nothing is downloaded:
@@ -21,6 +21,7 @@ dit               32 px  4 x 8 x 8   none (class labels 0..2; null label 1000)  
 wan               16 px  16 x T' x   UMT5 512 x 32                                       UniPC on flow sigmas,
                   4k+1   2 x 2                                                           flow_shift 3
                   frames
+wan_i2v           16 px  as wan      as wan, + CLIP vision 1025 x 4 (32 px, patch 1)     as wan
 ================  =====  ==========  ==================================================  =========================
 
 All image VAEs are ``AutoencoderKL`` with 3 blocks (8, 16, 16 channels): they downsample by 4 (the real ones by 8),
@@ -531,6 +532,48 @@ def make_wan(path) -> Path:
     return _save(pipe, path)
 
 
+def make_wan_i2v(path) -> Path:
+    """A tiny Wan 2.1 image-to-video ``WanImageToVideoPipeline`` folder, with the configs of diffusers' own
+    ``tests/pipelines/wan/test_wan_image_to_video.py``: ``make_wan``'s tokenizer, UMT5, VAE and scheduler; a
+    ``WanTransformer3DModel`` of ``make_wan``'s shape taking 36 = 16 + 4 + 16 input channels (noisy latents, the 4
+    mask channels, the first frame's latents) and CLIP image states 4 wide (``image_dim`` 4: ``added_kv_proj_dim``
+    cross-attention); ``image_encoder`` a ``CLIPVisionModelWithProjection`` (2 layers, 4 wide, 32 px images in
+    1 x 1 patches: 1025 states; the pipeline takes ``hidden_states[-2]``), ``image_processor`` a
+    ``CLIPImageProcessor`` (resize and centre crop to 32 px, CLIP's mean / std).
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    tokenizer = make_t5_tokenizer()
+    text_encoder = _umt5_encoder(tokenizer, 32)
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=36, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32, image_dim=4).eval()
+    torch.manual_seed(0)
+    image_encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+        intermediate_size=16, patch_size=1)).eval()
+    image_processor = CLIPImageProcessor(crop_size=32, size=32)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                                   scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), image_encoder=image_encoder,
+                                   image_processor=image_processor)
+    out = _save(pipe, path)
+    # transformers 5 without torchvision builds CLIPImageProcessorPil and saves that name; the real folders (and
+    # diffusers' loader, which falls back to the Pil class by itself) name CLIPImageProcessor
+    index = json.loads((out / "model_index.json").read_text())
+    index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out
+
+
 DIT_LABELS = {0: "red apple, apple", 1: "green pear", 2: "yellow banana, banana"}
 
 
@@ -577,4 +620,5 @@ BUILDERS = {
     "sdxl": make_sdxl,
     "dit": make_dit,
     "wan": make_wan,
+    "wan_i2v": make_wan_i2v,
 }
