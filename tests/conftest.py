@@ -33,6 +33,10 @@ def pytest_configure(config):
     # DCP warns whenever it saves or loads without a process group, which is how one process does it on purpose;
     # ditforge.train.checkpoint silences it, but pytest re-installs the warning filters for every test.
     config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled:UserWarning")
+    # A pytest-xdist worker (the README's `-n 2`) shares the cores with the other worker: one intra-op thread, so
+    # that the two do not spin OpenMP threads against each other (see _single_thread).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @contextlib.contextmanager

@@ -41,6 +41,24 @@ def setup(tmp_path_factory):
     return pipe, data
 
 
+@pytest.fixture(scope="module")
+def references(setup, tmp_path_factory):
+    """``references(lora)``: the one-process run of ``_args`` (with LoRA or not), made on first use; the plain one
+    is the reference of every full fine-tuning case (--cpu_offload all too: the offloaded run must equal it)."""
+    from dist_helpers import run_single
+
+    pipe, data = setup
+    runs = {}
+
+    def get(lora: bool) -> Path:
+        if lora not in runs:
+            runs[lora] = run_single(tmp_path_factory.mktemp("ref") / "run",
+                                    *_args(pipe, data, *(("--lora_rank", "4") if lora else ())))
+        return runs[lora]
+
+    return get
+
+
 def _args(pipe: Path, data: Path, *extra: str) -> list[str]:
     # COMMON of dist_helpers names --data digits; a later --data wins (argparse keeps the last)
     return ["--init_from", str(pipe), "--data", str(data), "--image_size", "32", "--batch_size", "4",
@@ -58,13 +76,11 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("plugin,extra", [("fsdp", ()), ("zero2", ()), ("fsdp", ("--lora_rank", "4")),
                                           ("fsdp", ("--cpu_offload", "all"))])
-def test_finetune_equals_single_process(setup, tmp_path, plugin, extra):
-    """The reference is one plain process (with --cpu_offload all too: the offloaded run must equal it)."""
+def test_finetune_equals_single_process(setup, references, tmp_path, plugin, extra):
+    """The reference is one plain process (``references``)."""
     pipe, data = setup
-    from dist_helpers import run_single
-
     lora = "--lora_rank" in extra
-    ref = run_single(tmp_path / "ref", *_args(pipe, data, *(extra if lora else ())))
+    ref = references(lora)
     run = torchrun(2, tmp_path / "run", *_args(pipe, data, *extra, "--plugin", plugin))
     assert_same_losses([{**r, "vb": 0} for r in read_metrics(run / "metrics.jsonl")],
                        [{**r, "vb": 0} for r in read_metrics(ref / "metrics.jsonl")], steps=[1, 2, 3, 4, 5])
