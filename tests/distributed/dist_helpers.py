@@ -7,6 +7,7 @@ Every run uses fp32 on the CPU, one OpenMP thread per process, no sample grids a
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -48,6 +49,48 @@ def torchrun(nproc: int, outputs: Path, *args: str, timeout: float = 300) -> Pat
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"torchrun x{nproc} {args} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return outputs
+
+
+# Several `ditforge train` runs one after another in the same torchrun processes and process group: the CLI's
+# shutdown leaves the group (destroy_process_group) after each run, which is made a no-op here until the last run
+# is over, so that the next run's init_distributed finds the group already joined. Each run is the command line
+# torchrun would run alone (its own --outputs, its own seed); only the process start-up (~3 s of CPU per process:
+# torch, ditforge and gloo) is shared.
+_LAUNCH_MANY = """
+import json, sys
+import torch.distributed as dist
+from ditforge.cli import main
+destroy = dist.destroy_process_group
+dist.destroy_process_group = lambda *args, **kwargs: None
+rc = 0
+for argv in json.loads(open(sys.argv[1]).read()):
+    rc = main(argv)
+    if rc:
+        break
+dist.destroy_process_group = destroy
+if dist.is_initialized():
+    if not rc:
+        dist.barrier()  # every process done before process 0's store goes
+    destroy()
+sys.exit(rc)
+"""
+
+
+def torchrun_many(nproc: int, runs: list[tuple[Path, list[str]]], timeout: float = 600) -> list[Path]:
+    """``torchrun(nproc, outputs, *args)`` for each ``(outputs, args)`` of ``runs``, in one torchrun launch (one
+    start-up of its processes) that runs them in turn; returns the run folders."""
+    outs = [Path(o) for o, _ in runs]
+    for o in outs:
+        o.parent.mkdir(parents=True, exist_ok=True)
+    work = outs[0].parent
+    (work / "launch_many.py").write_text(_LAUNCH_MANY)
+    (work / "runs.json").write_text(json.dumps([["train", *COMMON, "--outputs", str(o), *map(str, args)]
+                                                for o, (_, args) in zip(outs, runs)]))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                        str(work / "launch_many.py"), str(work / "runs.json")], env=dist_env(), cwd=work,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"torchrun x{nproc} of {len(runs)} runs failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return outs
 
 
 def run_single(outputs: Path, *args: str) -> Path:

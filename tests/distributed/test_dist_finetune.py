@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_helpers import WEIGHT_ATOL, assert_same_losses, dist_env, torchrun  # noqa: F401
+from dist_helpers import WEIGHT_ATOL, assert_same_losses, torchrun_many
 from ditforge.train.logging import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -74,14 +74,27 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in denoiser.state_dict().items() if not k.startswith("null_")}
 
 
-@pytest.mark.parametrize("plugin,extra", [("fsdp", ()), ("zero2", ()), ("fsdp", ("--lora_rank", "4")),
-                                          ("fsdp", ("--cpu_offload", "all"))])
-def test_finetune_equals_single_process(setup, references, tmp_path, plugin, extra):
+CASES = [("fsdp", ()), ("zero2", ()), ("fsdp", ("--lora_rank", "4")), ("fsdp", ("--cpu_offload", "all"))]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(setup, tmp_path_factory):
+    """The run folder of every case of ``CASES``, all made by one torchrun launch of 2 processes that runs the
+    cases' command lines in turn (``torchrun_many``)."""
+    pipe, data = setup
+    root = tmp_path_factory.mktemp("two")
+    runs = torchrun_many(2, [(root / f"case{i}", _args(pipe, data, *extra, "--plugin", plugin))
+                             for i, (plugin, extra) in enumerate(CASES)])
+    return dict(zip(CASES, runs))
+
+
+@pytest.mark.parametrize("plugin,extra", CASES)
+def test_finetune_equals_single_process(setup, references, two_process_runs, plugin, extra):
     """The reference is one plain process (``references``)."""
     pipe, data = setup
     lora = "--lora_rank" in extra
     ref = references(lora)
-    run = torchrun(2, tmp_path / "run", *_args(pipe, data, *extra, "--plugin", plugin))
+    run = two_process_runs[(plugin, extra)]
     assert_same_losses([{**r, "vb": 0} for r in read_metrics(run / "metrics.jsonl")],
                        [{**r, "vb": 0} for r in read_metrics(ref / "metrics.jsonl")], steps=[1, 2, 3, 4, 5])
     got, want = _weights(run), _weights(ref)
