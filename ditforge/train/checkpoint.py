@@ -194,7 +194,8 @@ class Checkpointer:
         run_dir: the run folder. keep_last: how many complete checkpoints to keep.
         last_step: the step of the checkpoint the run resumed from (saving that step again is a no-op).
         async_save: return as soon as the state is staged in host memory and write it in a background
-            thread (``dcp.async_save``); the next save, or ``wait()``, completes the previous one.
+            thread (``dcp.async_save``); ``wait()`` publishes it once written (the trainer calls it between steps when
+            ``writing()`` is False on every rank), else the next save completes it.
         d: this process's ``Dist``; a separate gloo group carries the background save's collectives so they
             never interleave with training's.
 
@@ -279,6 +280,11 @@ class Checkpointer:
             future = dcp.async_save(staged, storage_writer=writer, process_group=self.group,
                                     no_dist=self.group is None, async_stager=_AlreadyStaged())
             self.pending = (future, writer, tmp, final, meta)
+
+    def writing(self) -> bool:
+        """True while a background save is staged or its writes are under way on this process (``wait`` would
+        block); False when none is in flight or its writes have ended (``wait`` then only publishes it)."""
+        return self.staged is not None or (self.pending is not None and not self.pending[0].done())
 
     def wait(self) -> None:
         """Complete a background save: wait for its writes, then publish it.

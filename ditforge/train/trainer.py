@@ -889,7 +889,10 @@ def _loop(run: _Run) -> int:
     try:
         batches = iter(run.loader)
         while step < run.max_steps:
-            interrupted.check(control_group)
+            if not interrupted.check(run.checkpointer.writing(), control_group):
+                # a background save written on every rank is published now, not by the next save: a kill then
+                # redoes at most --ckpt_every steps, not up to twice that
+                run.finish_saves()
             waited = time.perf_counter()
             batch = as_batch(next(batches))
             window.data_wait += time.perf_counter() - waited
@@ -1124,16 +1127,18 @@ class _DeferredInterrupt:
         log.warning("%s: finishing this step and saving a checkpoint (again to stop at once)",
                     signal.Signals(signum).name)
 
-    def check(self, group: dist.ProcessGroup | None = None) -> None:
-        """Raise KeyboardInterrupt on every rank if any rank was interrupted (torchrun may signal only some
-        ranks, e.g. only one host's); a tiny all-reduce on ``group`` (gloo) per step makes them agree."""
-        pending = self.pending
+    def check(self, writing: bool, group: dist.ProcessGroup | None = None) -> bool:
+        """Between two steps: raise KeyboardInterrupt on every rank if any rank was interrupted (torchrun may
+        signal only some ranks, e.g. only one host's); else return whether a background save is still being
+        written on any rank (``writing``: this rank's ``Checkpointer.writing()``). One tiny all-reduce on ``group``
+        (gloo, host tensors: no device sync) per step makes the ranks agree on both."""
+        flags = torch.tensor([int(self.pending), int(writing)])
         if group is not None:
-            flag = torch.tensor([int(pending)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            pending = bool(flag.item())
-        if pending:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        interrupt, writing = flags.tolist()
+        if interrupt:
             raise KeyboardInterrupt
+        return bool(writing)
 
     def restore(self) -> None:
         for s, handler in self.previous.items():
