@@ -79,6 +79,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "line (after any --prompt); streams them in batches into the --out folder (default samples), one "
                    "NNN-<prompt>.png (or .mp4 + .gif) per prompt written as soon as done, skipping those that exist "
                    "(re-run to resume); --out FILE.png instead writes one grid (image models)")
+    s.add_argument("--image", help="image-to-video pipelines (Wan I2V): the first frame to animate (any image "
+                   "Pillow reads; resized to the frame size); refused by other models")
     who = s.add_mutually_exclusive_group()
     who.add_argument("--class_labels", type=_labels, help="class-conditional models: labels to draw, e.g. 0,1,2")
     who.add_argument("--num_samples", type=int, default=argparse.SUPPRESS, help="class-conditional models: draw "
@@ -96,7 +98,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")
     s.add_argument("--out", default=argparse.SUPPRESS, help="image models: the PNG grid to write (default "
                    "samples.png); video models: the folder for NNN-<prompt or class-K>.mp4 and a .gif preview of "
-                   "each (default samples)")
+                   "each (default samples); a fine-tuned video pipeline (Wan) with one prompt also takes a file "
+                   "name, clip.mp4 (or .gif), and writes that file alone")
     s.add_argument("--fps", type=int, default=8, help="video models: frames per second of the MP4 and GIF")
     s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
                    "(needed for an official DiT .pt: e.g. sd-vae-ft-ema)")

@@ -96,7 +96,9 @@ class DataConfig:
     num_frames: int | None = _f(None, "frames per video clip (video data; default 16)")
     frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
                                 "stride that fits")
-    random_flip: bool | None = _f(None, "random horizontal flips (default: on for image folders, off for digits)")
+    random_flip: bool | None = _f(None, "random horizontal flips of the latents (default: on for image folders, off "
+                                     "for digits and for video pipelines such as Wan, whose 3-D VAE latents are not "
+                                     "mirror-symmetric; refused for image-to-video pipelines)")
     resize_mode: str = _f("center_crop", "captioned images: center_crop (short side to --image_size, centre square) "
                                          "| letterbox (long side to --image_size, padded with mid grey)",
                           choices=RESIZE_MODES)

@@ -1,9 +1,11 @@
 """Video data: a CSV of ``path,text`` rows (the OpenDiT / Open-Sora convention), decoded with PyAV.
 
 A CSV has a header row and the columns ``path`` (a video file; relative paths resolve against the CSV's
-folder) and ``text`` (its caption); the optional columns ``num_frames, fps, height, width`` (written by
-``ditforge preprocess``) are accepted and ignored: the container is opened to decode it anyway, and its own
-metadata is what counts. The built-in ``clips`` data set (``ditforge.data.clips``) is a list of the same rows.
+folder) and ``text`` (its caption); an optional ``image`` column names each clip's conditioning image for
+image-to-video training (resolved the same way; an empty cell: the clip's first frame); the optional columns
+``num_frames, fps, height, width`` (written by ``ditforge preprocess``) are accepted and ignored: the container is
+opened to decode it anyway, and its own metadata is what counts. The built-in ``clips`` data set
+(``ditforge.data.clips``) is a list of the same rows.
 """
 
 from __future__ import annotations
@@ -242,7 +244,10 @@ class VideoDataset(Dataset):
     Items are dicts: ``video`` (3, T, S, S) float32 in [-1, 1] (``uint8 / 127.5 - 1``), ``text`` str, ``label``
     int (the caption's index in ``classes``, the sorted distinct captions: class-conditional training on e.g.
     UCF101, whose captions are the action classes), ``index`` int (the sample actually returned, which is a
-    substitute when ``index`` was bad).
+    substitute when ``index`` was bad); where the rows have an ``image`` column, also ``image`` (3, S, S) float32
+    in [-1, 1]: that file, resized and cropped as the frames, or the clip's first frame where the cell is empty
+    (an image-to-video pipeline's first frame; ``image_paths`` holds the files, None without the column). A row
+    naming a missing image file is dropped as one with a missing video; an unreadable image makes a bad sample.
 
     Bad input never stops a run. Rows whose file is missing (or whose ``path`` is empty or row is cut short)
     are dropped at start, counted in ``num_dropped`` and recorded in ``bad_samples_path`` (JSON lines with the
@@ -271,6 +276,8 @@ class VideoDataset(Dataset):
         self.bad_samples_path, self.seed, self.random_start = bad_samples_path, seed, random_start
         self.paths: list[str] = []
         self.texts: list[str] = []
+        images: list[str | None] = []
+        with_images = any("image" in row for row in rows)
         dropped = []
         for row in rows:
             raw = (row.get("path") or "").strip()
@@ -282,8 +289,11 @@ class VideoDataset(Dataset):
                 reason = "row has fewer fields than the header (no text)"
             else:
                 file = base / Path(raw).expanduser()
+                image = (row.get("image") or "").strip()
                 if not file.is_file():
                     reason = "file not found"
+                elif image and not (base / Path(image).expanduser()).is_file():
+                    reason = "image file not found"
             if reason is not None:
                 record = {"path": str(base / raw) if raw else "", "error": reason,
                           "row": {k: v for k, v in row.items() if k != "_line"}}
@@ -293,6 +303,7 @@ class VideoDataset(Dataset):
                 continue
             self.paths.append(str(file))
             self.texts.append(text)
+            images.append(str(base / Path(image).expanduser()) if image else None)
         self.num_dropped = len(dropped)
         if dropped:
             report_bad_samples(bad_samples_path, dropped, "video row")
@@ -307,6 +318,7 @@ class VideoDataset(Dataset):
         self.max_substitutions = len(self.paths)  # every sample may be tried before giving up
         self._bad: dict[int, str] = {}  # known bad samples of this process (index -> error): not decoded again
         self._cache: dict[int, torch.Tensor] | None = {} if cache else None
+        self.image_paths: list[str | None] | None = images if with_images else None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -335,10 +347,30 @@ class VideoDataset(Dataset):
             self._cache[index] = clip
         return clip
 
+    def load_with_image(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``load(index)`` and the sample's conditioning image (3, S, S) float32 in [-1, 1] (its ``image`` file,
+        else the clip's first frame), or None without an ``image`` column.
+
+        Raises:
+            as ``load``; OSError, ValueError: an unreadable image file.
+        """
+        clip = self.load(index)
+        if self.image_paths is None:
+            return clip, None
+        path = self.image_paths[index]
+        if path is None:
+            return clip, clip[:, 0]
+        with Image.open(path) as img:
+            arr = center_crop_arr(img.convert("RGB"), self.image_size)
+        return clip, torch.from_numpy(arr).permute(2, 0, 1).float().div(127.5).sub(1.0)
+
     def __getitem__(self, index: int) -> dict:
-        j, video = load_or_substitute(index, len(self.paths), self.load, self._report_bad, DECODE_ERRORS,
-                                      self.max_substitutions, "unusable videos")
-        return {"video": video, "text": self.texts[j], "label": self._label[self.texts[j]], "index": j}
+        j, (video, image) = load_or_substitute(index, len(self.paths), self.load_with_image, self._report_bad,
+                                               DECODE_ERRORS, self.max_substitutions, "unusable videos")
+        item = {"video": video, "text": self.texts[j], "label": self._label[self.texts[j]], "index": j}
+        if image is not None:
+            item["image"] = image
+        return item
 
     def _report_bad(self, j: int, error: Exception) -> None:
         if j in self._bad:

@@ -45,17 +45,23 @@ class BatchEncoder:
         prompt_encoder: instead of ``text_encoder``, a function from captions to the denoiser's conditioning
             keywords (a pretrained pipeline's own encoders, ``Pretrained.encode_prompt``: e.g.
             ``{"encoder_hidden_states": (B, 77, 768)}``); ``conditioning`` then returns its dict.
+        image_encoder: image-to-video pipelines (Wan I2V, ``Pretrained.encode_image``): a function from first
+            frames (B, 3, H, W) in [-1, 1] and the clip's frame count to more conditioning keywords, added to the
+            prompt's; the first frame is the batch's ``image`` (a video CSV's ``image`` column) where it has one,
+            else frame 0 of its pixels ``x``. Computed for every batch (the image differs per clip).
     """
 
     def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,
                  text_length: int | None = None, class_captions: Sequence[str] | None = None,
-                 prompt_encoder: Callable[[list[str]], dict[str, torch.Tensor]] | None = None):
+                 prompt_encoder: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
+                 image_encoder: Callable[[torch.Tensor, int], dict[str, torch.Tensor]] | None = None):
         if condition not in ("class", "text"):
             raise ValueError(f"condition must be 'class' or 'text', got {condition!r}")
         self.condition = condition
         self.vae = vae
         self.text_encoder = text_encoder
         self.prompt_encoder = prompt_encoder
+        self.image_encoder = image_encoder
         self._prompts: dict[str, dict[str, torch.Tensor]] = {}
         self.text_length = text_length or (text_encoder.max_length if text_encoder is not None else None)
         self.class_captions = list(class_captions) if class_captions is not None else None
@@ -126,8 +132,16 @@ class BatchEncoder:
     @torch.no_grad()
     def conditioning(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
         """Keyword arguments of the denoiser for the condition: ``{"y": labels (B,) int64}``,
-        ``{"y": states (B, L, D_text) float32, "y_mask": (B, L) bool}``, or ``prompt_encoder``'s dict, on
-        ``device``."""
+        ``{"y": states (B, L, D_text) float32, "y_mask": (B, L) bool}``, or ``prompt_encoder``'s dict (with
+        ``image_encoder``'s added), on ``device``."""
+        cond = self._text_conditioning(batch, device)
+        if self.image_encoder is not None and "cond" not in batch:  # stored features hold it already
+            x = batch["x"]  # (B, 3, T, H, W)
+            first = batch["image"] if "image" in batch else x[:, :, 0]
+            cond.update({k: v.to(device) for k, v in self.image_encoder(first, x.shape[2]).items()})
+        return cond
+
+    def _text_conditioning(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
         if self.condition == "class":
             return {"y": torch.as_tensor(batch["label"]).to(device)}
         if "cond" in batch:  # stored features of a pretrained pipeline's prompt encoding
@@ -245,4 +259,5 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
     m.learn_sigma, m.text_encoder, m.text_dim, m.text_max_length = pre.denoiser.learn_sigma, None, None, None
     data.image_size, data.num_frames = size, frames
     return BatchEncoder("text", vae, prompt_encoder=pre.encode_prompt,
-                        class_captions=getattr(dataset, "class_captions", None))
+                        class_captions=getattr(dataset, "class_captions", None),
+                        image_encoder=pre.encode_image if pre.denoiser.image_to_video else None)

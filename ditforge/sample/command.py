@@ -126,6 +126,9 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     state, spec = read_spec(cfg.ckpt, cfg.use_ema)
     if spec.get("family"):
         return sample_pipeline(cfg, prompts, d, state, spec)
+    if cfg.image is not None:
+        raise UserError(f"--image {cfg.image}: {cfg.ckpt} is a ditforge {spec['model']}, which takes no image; "
+                        "--image is for image-to-video pipelines (Wan I2V); leave it out")
     if cfg.model is not None:
         spec["model"] = cfg.model
     video = is_video_model(spec["model"])

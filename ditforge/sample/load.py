@@ -27,7 +27,9 @@ class SampleConfig:
     ``prompt`` / ``prompt_file`` are for text-conditioned models, ``class_labels`` / ``num_samples`` for class
     models. ``image_size`` is the output side in pixels (the model's input size is ``image_size`` / the VAE's
     downsample factor); ``num_frames`` overrides a video model's (latent) frame count. ``out`` defaults to
-    ``samples.png`` (image models: a PNG grid) or ``samples`` (video models: a folder of MP4s and GIFs).
+    ``samples.png`` (image models: a PNG grid) or ``samples`` (video models: a folder of MP4s and GIFs; a fine-tuned
+    video pipeline also takes a video file name for one prompt). ``image`` is the first frame of an image-to-video
+    pipeline (Wan I2V), refused by other models.
     Speed: ``mixed_precision`` (auto: bf16 on CUDA), ``compile``, ``enable_*`` as ``prepare_model``; ``pab`` turns
     on Pyramid Attention Broadcast with ``PABConfig``'s defaults, ``fora`` FORA's static caching with that interval
     (``PABConfig.fora``); they change the samples (docs/sampling.md: their PSNR / SSIM).
@@ -40,6 +42,7 @@ class SampleConfig:
     num_samples: int | None = None
     prompt: list[str] | None = None
     prompt_file: str | None = None
+    image: str | None = None
     num_frames: int | None = None
     cfg_scale: float = 4.0
     num_sampling_steps: int = 250

@@ -27,7 +27,8 @@ from ditforge.encoders.vae import VAE, IdentityVAE
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
 from ditforge.sample.load import SampleConfig, encode_prompts, load_prompt_encoder
-from ditforge.sample.write import save_npz, slug, write_video_files, write_videos
+from ditforge.sample.write import (save_npz, slug, video_file_out, write_video_file, write_video_files,
+                                   write_videos)
 
 log = logging.getLogger(__name__)
 
@@ -314,10 +315,14 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, state, spec:
     scheduler draw ``num_sampling_steps`` steps with guidance ``cfg_scale``; sample i starts from the noise of seed
     ``derive_seed(seed, i)``. Writes one PNG grid (``out``, default samples.png), or for a video family (Wan) one
     ``NNN-<prompt slug>.mp4`` + ``.gif`` per prompt into the folder ``out`` (default samples) with
-    ``--num_frames`` frames (default: the run's; 4k + 1), and the optional .npz.
+    ``--num_frames`` frames (default: the run's; 4k + 1), or, where ``out`` names a video file (``clip.mp4``) and
+    there is one prompt, that file alone; and the optional .npz. An image-to-video pipeline
+    (``WanImageToVideoPipeline``) draws every prompt from the image ``--image``.
 
     Raises:
-        UserError: no prompts, class labels, several processes, or a frame count the video VAE cannot take.
+        UserError: no prompts, class labels, several processes, a frame count the video VAE cannot take, a video
+            file ``out`` for several prompts or an image file ``out`` for a video, ``--image`` missing for an
+            image-to-video pipeline or given to another.
     """
     from ditforge.train.finetune import generate_with_pipeline, load_finetuned
 
@@ -334,11 +339,17 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, state, spec:
     frames = (cfg.num_frames or run.data.num_frames) if denoiser.video else None
     if frames is not None:
         VAE(pre.pipe.vae).check_frames(frames, f"the VAE of {pre.pipeline_class}")
+    image = _conditioning_image(cfg, denoiser, pre.pipeline_class)
+    one_file = video_file_out(cfg.out, len(prompts)) if denoiser.video else None
     seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]
     pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, size, cfg.num_sampling_steps, cfg.cfg_scale,
-                                    cfg.batch_size, num_frames=frames)
+                                    cfg.batch_size, num_frames=frames,
+                                    images=[image] * len(prompts) if image is not None else None)
     images = to_uint8(pixels)  # (N, H, W, C), videos (N, T, H, W, C)
-    if denoiser.video:
+    if one_file is not None:
+        out = str(one_file)
+        write_video_file(images[0], one_file, cfg.fps)
+    elif denoiser.video:
         out = cfg.out or "samples"
         write_videos(images, Path(out), [slug(p) for p in prompts], cfg.fps)
     else:
@@ -348,3 +359,29 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, state, spec:
         save_npz(cfg.save_npz, samples=images, prompts=np.array(prompts))
     log.info("wrote %d samples of %s to %s", len(images), pre.pipeline_class, out)
     return images
+
+
+def _conditioning_image(cfg: SampleConfig, denoiser, pipeline_class: str):
+    """``--image`` for an image-to-video pipeline (``WanImageToVideoPipeline``): the file as a PIL RGB image (the
+    pipeline resizes it to the frame size); None for other pipelines.
+
+    Raises:
+        UserError: ``--image`` missing for an image-to-video pipeline, given to another, or not a readable image
+            (one line each, naming ``--image``).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if not denoiser.image_to_video:
+        if cfg.image is not None:
+            raise UserError(f"--image {cfg.image}: {cfg.ckpt} is a {pipeline_class}, which takes no image; leave "
+                            "--image out")
+        return None
+    if cfg.image is None:
+        raise UserError(f"--image: {cfg.ckpt} is a {pipeline_class}; give the first frame, --image FILE.png")
+    try:
+        with Image.open(cfg.image) as img:
+            return img.convert("RGB")
+    except FileNotFoundError:
+        raise UserError(f"--image {cfg.image}: no such file") from None
+    except (OSError, UnidentifiedImageError) as e:
+        raise UserError(f"--image {cfg.image}: not a readable image ({type(e).__name__})") from None

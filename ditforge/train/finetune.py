@@ -175,20 +175,25 @@ def _component(pre: Pretrained) -> str:
 
 def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int],
                            image_size: int, num_steps: int, guidance_scale: float,
-                           batch_size: int = 8, num_frames: int | None = None) -> torch.Tensor:
+                           batch_size: int = 8, num_frames: int | None = None, images: list | None = None
+                           ) -> torch.Tensor:
     """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (an adapter of the
     fine-tuned diffusers model; its text encoder too when it trained one) in it: row i starts from the noise of
     ``torch.Generator(device).manual_seed(seeds[i])``, so it depends on its prompt and seed only. The prompts are
     encoded (``pre.encode_prompt``, or the denoiser's own text encoder) and handed over as embeddings, the empty
     prompt's as the negative ones: what the pipeline does with the prompt strings. Returns (N, 3, S, S) float32 in
     [-1, 1] on the CPU; a video family's (Wan) videos of ``num_frames`` frames, (N, 3, T, S, S). A VAE kept on
-    the CPU (training from features) visits the denoiser's device meanwhile."""
+    the CPU (training from features) visits the denoiser's device meanwhile. An image-to-video family
+    (``WanImageToVideoPipeline``) takes ``images``, one PIL image per prompt, passed as the pipeline's ``image``;
+    its rows are drawn one per call (the pipeline takes one image a call, ``pipeline_wan_i2v.py``)."""
     pipe = pre.pipe
     setattr(pipe, _component(pre), denoiser.inner)
     device = next(denoiser.inner.parameters()).device
     vae_home = pipe.vae.device
     pipe.vae.to(device)
-    out = []
+    out, first_images = [], images  # ``images`` is the loop's output below
+    if denoiser.image_to_video:
+        batch_size = 1
     try:
         for start in range(0, len(prompts), batch_size):
             rows = slice(start, start + batch_size)
@@ -197,6 +202,8 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
                 cond = ({k: v.to(device) for k, v in denoiser.tokenize(prompts[rows]).items()}
                         if denoiser.tokenize is not None else pre.encode_prompt(prompts[rows]))
                 video = {"num_frames": num_frames} if denoiser.video else {}
+                if denoiser.image_to_video:
+                    video["image"] = first_images[start]
                 result = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=image_size,
                               width=image_size, generator=gens, output_type="pt", **denoiser.pipeline_inputs(cond),
                               **denoiser.pipeline_kwargs, **video)
@@ -221,12 +228,41 @@ def sample_grid(pre: Pretrained, cfg, weights: dict[str, torch.Tensor], dataset,
     if denoiser is None:
         denoiser = fresh_denoiser(pre, cfg).to(device).eval()
     denoiser.load_state_dict(weights, strict=False)  # the EMA holds trainable parameters; the rest is the folder's
-    captions = list(dict.fromkeys(getattr(dataset, "texts", None) or dataset.class_captions))[:8]
-    prompts = (captions * 8)[:8]
+    images = None
+    if denoiser.image_to_video:  # the data's first 8 clips: their captions and first frames
+        items = [dataset[i % len(dataset)] for i in range(8)]
+        prompts, images = [it["text"] for it in items], [first_frame_image(it) for it in items]
+    else:
+        captions = list(dict.fromkeys(getattr(dataset, "texts", None) or dataset.class_captions))[:8]
+        prompts = (captions * 8)[:8]
     seeds = [derive_seed(cfg.train.seed, i) for i in range(len(prompts))]
     pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, cfg.data.image_size, num_steps, guidance_scale,
-                                    num_frames=cfg.data.num_frames)
+                                    num_frames=cfg.data.num_frames, images=images)
     return pixels, denoiser
+
+
+def first_frame_image(item: dict):
+    """The conditioning image of a video data set's item as a PIL RGB image: its ``image`` (a video CSV's
+    ``image`` column) where it has one, else the first frame of its ``video`` (3, T, S, S) in [-1, 1], as uint8
+    ``round((x + 1) * 127.5)`` (a decoded frame's bytes back).
+
+    Raises:
+        UserError: an item without pixels (stored features: the trainer's periodic image-to-video samples need
+            clips; pass --sample_every 0).
+    """
+    from PIL import Image
+
+    from ditforge.errors import UserError
+
+    if "image" in item:
+        x = item["image"]
+    elif "video" in item:
+        x = item["video"][:, 0]
+    else:
+        raise UserError("--sample_every: the periodic samples of an image-to-video run need clips, not stored "
+                        "features; pass --sample_every 0")
+    pixels = ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)
+    return Image.fromarray(pixels.cpu().numpy())
 
 
 def fresh_denoiser(pre: Pretrained, cfg) -> DiffusersDenoiser:

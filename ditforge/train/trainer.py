@@ -610,6 +610,23 @@ def _load_init(run: _Run) -> None:
     run.features = features
 
 
+def _settle_flips(cfg: RunConfig, dataset, pre) -> None:
+    """``--random_flip``'s default: the data set's, but off for a video pipeline (Wan), whose flips would act on
+    the latents of a 3-D VAE (not mirror-symmetric: the flipped clip's latents are not the flipped latents); on
+    asked explicitly it flips those latents (text-to-video), and an image-to-video pipeline refuses it: its
+    conditioning (the first frame's latents and CLIP states) is not flipped with them.
+
+    Raises:
+        UserError: ``--random_flip`` for an image-to-video pipeline.
+    """
+    video_pipeline = pre is not None and pre.denoiser.video
+    if cfg.data.random_flip is None:
+        cfg.data.random_flip = False if video_pipeline else getattr(dataset, "random_flip", True)
+    elif cfg.data.random_flip and video_pipeline and pre.denoiser.image_to_video:
+        raise UserError(f"--random_flip: {pre.pipeline_class} conditions on the unflipped first frame, and flips "
+                        "act on the latents; leave --random_flip off")
+
+
 def _build_data(run: _Run) -> None:
     """Data: the data set, the batch encoder (VAE, text encoder), the data and model settings the data decides
     (flips, streams, workers, classes, the default model), the bucket sampler and the run's length in steps."""
@@ -626,8 +643,7 @@ def _build_data(run: _Run) -> None:
             raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
                             f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
         inputs = build_batch_encoder(cfg, dataset, device, run.amp_dtype if device.type == "cuda" else torch.float32)
-    if cfg.data.random_flip is None:
-        cfg.data.random_flip = getattr(dataset, "random_flip", True)
+    _settle_flips(cfg, dataset, pre)
     if isinstance(dataset, ShardData) and cfg.data.data_streams is None:
         cfg.data.data_streams = math.gcd(t.batch_size, math.lcm(16, d.dp_size))  # >= 16 and every rank its streams
     if cfg.data.num_workers is None:

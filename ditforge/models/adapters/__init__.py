@@ -14,9 +14,10 @@ shards them, as it does the blocks of ditforge's own models (``ditforge.models.b
 change.
 
 Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL), both in ``sd_unet.py``;
-``pixart`` (PixArt-alpha / sigma, ``pixart.py``); ``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``); ``wan`` (Wan 2.1
-text-to-video, ``wan.py``: videos (B, C, T, H, W), ``video = True``). Official and diffusers DiT weights load into
-ditforge's own ``DiT`` (``ditforge.interop``), which is the same network.
+``pixart`` (PixArt-alpha / sigma, ``pixart.py``); ``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``); ``wan`` and
+``wan_i2v`` (Wan 2.1 text-to-video and image-to-video, ``wan.py``: videos (B, C, T, H, W), ``video = True``;
+image-to-video also ``image_to_video = True``: conditioning from the first frame, ``encode_image``). Official and
+diffusers DiT weights load into ditforge's own ``DiT`` (``ditforge.interop``), which is the same network.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class DiffusersDenoiser(nn.Module):
         block_classes: class names of the repeated blocks.
         default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
         video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
+        image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan I2V).
     """
 
     family: str = ""
@@ -47,6 +49,7 @@ class DiffusersDenoiser(nn.Module):
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_kwargs: dict[str, Any] = {}  # extra arguments of the pipeline's __call__ when ditforge samples
     video = False
+    image_to_video = False
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 
     def __init__(self, model: nn.Module, vae_scale: int = 8):
@@ -127,6 +130,12 @@ class DiffusersDenoiser(nn.Module):
         """Prompts -> the conditioning tensors, through the pipeline's own ``encode_prompt`` (no guidance)."""
         raise NotImplementedError
 
+    @staticmethod
+    def encode_image(pipe: Any, first: torch.Tensor, num_frames: int) -> dict[str, torch.Tensor]:
+        """Image-to-video families: first frames (B, 3, H, W) in [-1, 1] of clips of ``num_frames`` frames -> the
+        image conditioning tensors, as the pipeline builds them."""
+        raise NotImplementedError
+
     pipeline_embeds: dict[str, str] = {}  # conditioning key -> the pipeline __call__'s argument for it
 
     def pipeline_inputs(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -148,9 +157,10 @@ def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.pixart import PixArtDenoiser
     from ditforge.models.adapters.sd3 import SD3Denoiser
     from ditforge.models.adapters.sd_unet import SDUNetDenoiser, SDXLUNetDenoiser
-    from ditforge.models.adapters.wan import WanDenoiser
+    from ditforge.models.adapters.wan import WanDenoiser, WanI2VDenoiser
 
-    return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser)}
+    return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser,
+                                        WanI2VDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

@@ -51,6 +51,8 @@ def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
             needed = [sub / "scheduler_config.json"]
         elif "Tokenizer" in kind:
             needed = [sub]
+        elif "Processor" in kind or "FeatureExtractor" in kind:  # Wan I2V's CLIPImageProcessor
+            needed = [sub / "preprocessor_config.json"]
         else:
             needed = [sub / "config.json"]
             if not any((sub / f).is_file() for f in _WEIGHT_FILES):
@@ -100,6 +102,14 @@ class Pretrained:
         device = next(self.denoiser.parameters()).device
         return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in out.items()}
 
+    def encode_image(self, first: torch.Tensor, num_frames: int) -> dict[str, torch.Tensor]:
+        """Image-to-video (``denoiser.image_to_video``): first frames (B, 3, H, W) float in [-1, 1] of clips of
+        ``num_frames`` frames -> the denoiser's image conditioning tensors (float32, on the denoiser's device),
+        with the pipeline's VAE and image encoder (``DiffusersDenoiser.encode_image``)."""
+        out = self.denoiser.encode_image(self.pipe, first, num_frames)
+        device = next(self.denoiser.parameters()).device
+        return {k: v.float().to(device) for k, v in out.items()}
+
 
 def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
                     flag: str = FLAG, text_device: torch.device | None = None,
@@ -136,7 +146,7 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     for name, module in pipe.components.items():
         if isinstance(module, nn.Module):
             module.requires_grad_(False).eval()
-            if name.startswith("text_encoder"):
+            if name.startswith("text_encoder") or name == "image_encoder":  # Wan I2V's CLIP vision model
                 module.to(text_device or device, text_dtype)
             elif name == "vae":
                 module.to(vae_device or device)

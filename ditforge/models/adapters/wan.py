@@ -1,11 +1,15 @@
-"""Wan 2.1 text-to-video: diffusers' ``WanTransformer3DModel`` (a DiT over 3-D patches of the causal video VAE's
-latents, cross-attending to UMT5 states) trained with flow matching (its ``UniPCMultistepScheduler`` runs on flow
-sigmas with ``flow_shift``; ``ditforge.diffusion.objective``). Source of the calls below: diffusers'
-``pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__`` and ``encode_prompt``)."""
+"""Wan 2.1 text-to-video and image-to-video: diffusers' ``WanTransformer3DModel`` (a DiT over 3-D patches of the
+causal video VAE's latents, cross-attending to UMT5 states, and for image-to-video to CLIP image states too)
+trained with flow matching (its ``UniPCMultistepScheduler`` runs on flow sigmas with ``flow_shift``;
+``ditforge.diffusion.objective``). Sources of the calls below: diffusers' ``pipelines/wan/pipeline_wan.py``
+(``WanPipeline.__call__`` and ``encode_prompt``) and ``pipelines/wan/pipeline_wan_i2v.py``
+(``WanImageToVideoPipeline.__call__``, ``prepare_latents`` and ``encode_image``)."""
 
 from __future__ import annotations
 
 import inspect
+
+import torch
 
 from ditforge.models.adapters import DiffusersDenoiser
 
@@ -47,3 +51,66 @@ class WanDenoiser(DiffusersDenoiser):
         embeds, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
                                        max_sequence_length=length)
         return {"encoder_hidden_states": embeds}
+
+
+class WanI2VDenoiser(WanDenoiser):
+    """Wan 2.1 image-to-video (``WanImageToVideoPipeline``): ``transformer(cat([x, image_condition], 1), timestep,
+    encoder_hidden_states, encoder_hidden_states_image)``, x (B, 16, T', h, w) as ``WanDenoiser``'s (16 = the
+    transformer's ``out_channels``, its ``in_channels`` being 36), and two more conditioning tensors built from the
+    clip's first frame by ``encode_image`` as ``pipeline_wan_i2v.py`` builds them. Caption dropout replaces the
+    UMT5 states alone (the empty prompt's); the image conditioning is never dropped, because the pipeline's
+    unconditional pass keeps it (``negative_prompt_embeds`` with the same ``latent_model_input`` and
+    ``image_embeds``), so guidance contrasts captions, not images."""
+
+    family = "wan_i2v"
+    pipelines = ("WanImageToVideoPipeline",)
+    image_to_video = True
+    pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
+
+    @property
+    def in_channels(self) -> int:
+        """Channels of the latents x (the transformer's ``out_channels``, 16), not of its input (36)."""
+        return int(self.inner.config.out_channels)
+
+    def denoise(self, x, t, encoder_hidden_states, image_condition, encoder_hidden_states_image):
+        hidden = torch.cat([x, image_condition.to(x.dtype)], dim=1)
+        return self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=encoder_hidden_states,
+                                encoder_hidden_states_image=encoder_hidden_states_image, return_dict=False)[0]
+
+    @staticmethod
+    def encode_image(pipe, first: torch.Tensor, num_frames: int) -> dict[str, torch.Tensor]:
+        """The image conditioning of clips of ``num_frames`` (4k + 1) frames whose first frames are ``first``
+        (B, 3, H, W) float in [-1, 1], as ``WanImageToVideoPipeline`` builds it for ``image``:
+
+        * ``image_condition`` (B, 20, T', H/8, W/8) float32: the 4 mask channels (``prepare_latents``: the first
+          pixel frame's mask, 1, repeated 4 times, then the 4k others, 0, folded 4 to a latent frame, so the first
+          latent frame's 4 channels are 1 and the others' 0), then the mode of ``AutoencoderKLWan``'s posterior of
+          the clip [first frame, 4k zero frames], normalised by ``latents_mean`` / ``latents_std`` as
+          ``prepare_latents`` does;
+        * ``encoder_hidden_states_image`` (B, L_img, D_img) float32: ``pipe.encode_image`` of the frames as uint8
+          images (``round((x + 1) * 127.5)``, which gives back a decoded frame's bytes), the CLIP vision model's
+          second-to-last hidden states (``image_processor`` resizes and normalises).
+
+        Both on the VAE's device. Raises nothing of its own (diffusers' errors pass through).
+        """
+        from PIL import Image
+
+        vae = pipe.vae
+        device = next(vae.parameters()).device
+        b, _, h, w = first.shape
+        clip = torch.cat([first[:, :, None], first.new_zeros(b, 3, num_frames - 1, h, w)], dim=2)
+        with torch.no_grad():
+            latents = vae.encode(clip.to(device, vae.dtype)).latent_dist.mode().float()
+            z = vae.config.z_dim
+            mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(device)
+            inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(device)
+            latents = (latents - mean) * inv_std
+            k = pipe.vae_scale_factor_temporal
+            mask = torch.zeros(b, 1, num_frames, *latents.shape[-2:], device=device)
+            mask[:, :, 0] = 1
+            mask = torch.cat([mask[:, :, :1].repeat_interleave(k, dim=2), mask[:, :, 1:]], dim=2)
+            mask = mask.view(b, -1, k, *latents.shape[-2:]).transpose(1, 2)  # (B, 4, T', h, w)
+            pixels = ((first.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+            images = [Image.fromarray(p.cpu().numpy()) for p in pixels]
+            states = pipe.encode_image(images, device).float()
+        return {"image_condition": torch.cat([mask, latents], dim=1), "encoder_hidden_states_image": states}
