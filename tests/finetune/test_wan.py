@@ -457,6 +457,18 @@ def test_i2v_lora_moves_and_export_samples_like_the_pipeline(wan_i2v, i2v_runs, 
     got = np.load(npz)["samples"].astype(np.int16)
     assert got.shape == expected.shape == (1, FRAMES, SIZE, SIZE, 3)
     assert np.abs(got - expected).max() <= 1
+    # two prompts (drawn one pipeline call each, the pipeline taking one image a call) into a folder, the second
+    # prompt's video the same as drawn alone with its seed
+    folder, npz2 = tmp_path / "two", tmp_path / "two.npz"
+    assert cli.main(["sample", "--ckpt", str(i2v_runs["full"]), "--prompt", "a cat", "--prompt", prompt, "--image",
+                     str(png), "--num_sampling_steps", "3", "--cfg_scale", "4", "--out", str(folder), "--save_npz",
+                     str(npz2), "--device", "cpu"]) == 0
+    assert len(list(folder.glob("*.mp4"))) == len(list(folder.glob("*.gif"))) == 2
+    g = torch.Generator("cpu").manual_seed(derive_seed(0, 1))
+    video = pipe(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=4.0,
+                 height=SIZE, width=SIZE, num_frames=FRAMES, generator=[g], output_type="np").frames
+    second = np.load(npz2)["samples"][1].astype(np.int16)
+    assert np.abs(second - np.round(video[0] * 255).astype(np.int16)).max() <= 1
 
 
 def test_i2v_bad_input_lines(wan_i2v, runs, i2v_runs, tmp_path, capsys):
