@@ -51,45 +51,65 @@ def torchrun(nproc: int, outputs: Path, *args: str, timeout: float = 300) -> Pat
     return outputs
 
 
-# Several `ditforge train` runs one after another in the same torchrun processes and process group: the CLI's
+# Several `ditforge` command lines one after another in the same torchrun processes and process group: the CLI's
 # shutdown leaves the group (destroy_process_group) after each run, which is made a no-op here until the last run
 # is over, so that the next run's init_distributed finds the group already joined. Each run is the command line
-# torchrun would run alone (its own --outputs, its own seed); only the process start-up (~3 s of CPU per process:
-# torch, ditforge and gloo) is shared.
+# torchrun would run alone (its own outputs, its own seed); only the process start-up (~3 s of CPU per process for
+# torch and ditforge, more with diffusers, and gloo's connections) is shared. A run listed as failing must exit
+# non-zero (every process at the same point, a refusal); a marker line on stderr starts each run's output.
 _LAUNCH_MANY = """
 import json, sys
 import torch.distributed as dist
 from ditforge.cli import main
 destroy = dist.destroy_process_group
 dist.destroy_process_group = lambda *args, **kwargs: None
-rc = 0
-for argv in json.loads(open(sys.argv[1]).read()):
+bad = 0
+for i, (argv, fails) in enumerate(json.loads(open(sys.argv[1]).read())):
+    print(f"=== torchrun_many run {i} ===", file=sys.stderr, flush=True)
     rc = main(argv)
-    if rc:
+    sys.stdout.flush(); sys.stderr.flush()
+    if bool(rc) != fails:
+        bad = rc or 1
+        print(f"torchrun_many: run {i} exited {rc}", file=sys.stderr, flush=True)
         break
+    if dist.is_initialized():
+        dist.barrier()  # every process's output of this run is written before any marker of the next
 dist.destroy_process_group = destroy
 if dist.is_initialized():
-    if not rc:
-        dist.barrier()  # every process done before process 0's store goes
-    destroy()
-sys.exit(rc)
+    destroy()  # after the last run's barrier: every process is done before process 0's store goes
+sys.exit(bad)
 """
 
 
-def torchrun_many(nproc: int, runs: list[tuple[Path, list[str]]], timeout: float = 600) -> list[Path]:
-    """``torchrun(nproc, outputs, *args)`` for each ``(outputs, args)`` of ``runs``, in one torchrun launch (one
-    start-up of its processes) that runs them in turn; returns the run folders."""
-    outs = [Path(o) for o, _ in runs]
-    for o in outs:
-        o.parent.mkdir(parents=True, exist_ok=True)
-    work = outs[0].parent
+def torchrun_cli_many(nproc: int, work: Path, argvs: list[list[str]], fails: tuple[int, ...] = (),
+                      timeout: float = 600) -> list[str]:
+    """``python -m ditforge ARGV`` under torchrun with ``nproc`` processes for each ARGV of ``argvs``, in turn in one
+    torchrun launch (one start-up of its processes); the runs whose index is in ``fails`` must exit non-zero, the
+    others 0. Returns each run's stderr (every process's, interleaved)."""
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
     (work / "launch_many.py").write_text(_LAUNCH_MANY)
-    (work / "runs.json").write_text(json.dumps([["train", *COMMON, "--outputs", str(o), *map(str, args)]
-                                                for o, (_, args) in zip(outs, runs)]))
+    (work / "runs.json").write_text(json.dumps([[[str(a) for a in argv], i in fails] for i, argv in enumerate(argvs)]))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                         str(work / "launch_many.py"), str(work / "runs.json")], env=dist_env(), cwd=work,
                        capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"torchrun x{nproc} of {len(runs)} runs failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    assert p.returncode == 0, f"torchrun x{nproc} of {len(argvs)} runs failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    parts = p.stderr.split("=== torchrun_many run ")
+    err = [""] * len(argvs)
+    for part in parts[1:]:  # "I ===\n...": every process prints the marker; a run's parts are joined
+        i, _, text = part.partition(" ===")
+        err[int(i)] += text
+    return err
+
+
+def torchrun_many(nproc: int, runs: list[tuple[Path, list[str]]], timeout: float = 600) -> list[Path]:
+    """``torchrun(nproc, outputs, *args)`` for each ``(outputs, args)`` of ``runs``, in one torchrun launch
+    (``torchrun_cli_many``) that runs them in turn; returns the run folders."""
+    outs = [Path(o) for o, _ in runs]
+    for o in outs:
+        o.parent.mkdir(parents=True, exist_ok=True)
+    torchrun_cli_many(nproc, outs[0].parent, [["train", *COMMON, "--outputs", str(o), *args]
+                                              for o, (_, args) in zip(outs, runs)], timeout=timeout)
     return outs
 
 

@@ -18,7 +18,7 @@ from dist_helpers import (
     assert_same_weights,
     read_run,
     run_single,
-    torchrun,
+    torchrun_many,
 )
 from ditforge.models import create_model
 
@@ -31,12 +31,41 @@ def small_reference(tmp_path_factory):
     return read_run(run, "DiT-S/2", drop_checkpoints=True)
 
 
-@pytest.mark.slow
 # 4 processes for FSDP only: its shards of 4 (uneven for some parameters) differ from those of 2; ZeRO-2 is the same
 # fully_shard with reshard_after_forward=False and DDP's all-reduce does not change with the count (~35 s each)
-@pytest.mark.parametrize("nproc,plugin", [(2, "ddp"), (2, "zero2"), (2, "fsdp"), (4, "fsdp")])
-def test_equals_single_process(small_reference, tmp_path, nproc, plugin):
-    run = torchrun(nproc, tmp_path / "run", *SMALL, "--plugin", plugin)
+EQUAL = [(2, "ddp"), (2, "zero2"), (2, "fsdp"), (4, "fsdp")]
+# 2 micro-batches of 4 per process per step (x 2 processes) = the global batch of 16 in one go
+ACCUM = [(1, "none"), (2, "ddp"), (2, "fsdp")]
+
+
+def _accum_args(plugin: str) -> list[str]:
+    return [*TINY, "--max_steps", "5", "--ckpt_every", "1000", "--grad_accum_steps", "2", "--plugin", plugin]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(nproc)``: the run folders of this module's runs under torchrun with ``nproc`` processes, keyed
+    ("equal" | "accum", plugin), all made by one torchrun launch that runs their command lines in turn
+    (``torchrun_many``; one launch per process count, made on first use)."""
+    made = {}
+
+    def get(nproc: int) -> dict:
+        if nproc not in made:
+            root = tmp_path_factory.mktemp(f"x{nproc}")
+            keys = [("equal", p) for n, p in EQUAL if n == nproc] + [("accum", p) for n, p in ACCUM if n == nproc]
+            args = {("equal", p): [*SMALL, "--plugin", p] for n, p in EQUAL} | {
+                ("accum", p): _accum_args(p) for n, p in ACCUM}
+            runs = torchrun_many(nproc, [(root / f"{kind}-{p}", args[kind, p]) for kind, p in keys])
+            made[nproc] = dict(zip(keys, runs))
+        return made[nproc]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,plugin", EQUAL)
+def test_equals_single_process(small_reference, launched, nproc, plugin):
+    run = launched(nproc)["equal", plugin]
     got = read_run(run, "DiT-S/2", drop_checkpoints=True)
     assert got.meta["step"] == 5 and got.meta["world_size"] == nproc and got.meta["plugin"] == plugin
     assert got.meta["config"]["parallel"]["plugin"] == plugin
@@ -50,15 +79,14 @@ def test_equals_single_process(small_reference, tmp_path, nproc, plugin):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,plugin", [(1, "none"), (2, "ddp"), (2, "fsdp")])
-def test_gradient_accumulation_equals_single_process(tiny_reference, tmp_path, nproc, plugin):
+@pytest.mark.parametrize("nproc,plugin", ACCUM)
+def test_gradient_accumulation_equals_single_process(tiny_reference, launched, tmp_path, nproc, plugin):
     """2 micro-batches of 4 per process per step (x 2 processes) = the global batch of 16 in one go."""
     _, ref = tiny_reference
-    args = [*TINY, "--max_steps", "5", "--ckpt_every", "1000", "--grad_accum_steps", "2", "--plugin", plugin]
     if nproc == 1:
-        run = run_single(tmp_path / "run", *args)
+        run = run_single(tmp_path / "run", *_accum_args(plugin))
     else:
-        run = torchrun(nproc, tmp_path / "run", *args)
+        run = launched(nproc)["accum", plugin]
     got = read_run(run, "DiT-T/2")
     assert got.meta["config"]["parallel"]["grad_accum_steps"] == 2
     assert_same_losses(got.records, ref.records, steps=[1, 2, 3, 4, 5])
