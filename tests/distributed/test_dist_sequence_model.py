@@ -11,14 +11,13 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dist_helpers import dist_env, free_port, read_run, run_single, torchrun_cmd
+from dist_helpers import dist_env, free_port, read_run, run_single, torchrun_cli_many, torchrun_cmd
 
 from ditforge.models import VideoDiT, create_model
 from ditforge.parallel import parallelize
@@ -209,16 +208,16 @@ def test_train_dp2_sp2_equals_one_process(tmp_path):
         torch.testing.assert_close(split.model[name], w, rtol=0, atol=1e-5)
 
 
-def _sample_one_and_two(tmp_path, model_spec: dict, data: dict, seed: int, args: list[str], two_flags: list[str],
-                        out_suffix: str = ""):
+def _sample_one(tmp_path, model_spec: dict, data: dict, seed: int, args: list[str], out_suffix: str = ""):
     """Export a checkpoint of ``model_spec``'s model with random weights (every trainable parameter N(0, 0.05^2),
-    seeded), run `ditforge sample` with ``args`` once in this process and once under torchrun with 2 processes and
-    ``two_flags``. Returns (samples of one, samples of two (uint8), the torchrun command, its stderr)."""
+    seeded) into ``tmp_path`` and run `ditforge sample` with ``args`` in this process. Returns (its samples (uint8),
+    the `ditforge sample` command line for 2 processes, which write ``tmp_path / "two.npz"``)."""
     import numpy as np
 
     from ditforge import cli
     from ditforge.train.checkpoint import export_safetensors
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     spec = dict(condition="class", text_encoder=None, text_max_length=None, vae="none", qk_norm=False,
                 num_classes=10, learn_sigma=True, class_dropout_prob=0.1, in_channels=3, text_dim=None, **model_spec)
     model = create_model(spec["model"], spec["input_size"], 3, 10, num_frames=spec["num_frames"])
@@ -232,48 +231,64 @@ def _sample_one_and_two(tmp_path, model_spec: dict, data: dict, seed: int, args:
     common = ["sample", "--ckpt", str(ckpt), "--num_sampling_steps", "4", "--device", "cpu", *args]
     one_out, two_out = tmp_path / f"one{out_suffix}", tmp_path / f"two{out_suffix}"
     assert cli.main([*common, "--out", str(one_out), "--save_npz", str(tmp_path / "one.npz")]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ditforge",
-           *common, "--out", str(two_out), "--save_npz", str(tmp_path / "two.npz"), *two_flags]
-    p = subprocess.run(cmd, env=dist_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return np.load(tmp_path / "one.npz")["samples"], np.load(tmp_path / "two.npz")["samples"], cmd, p.stderr
+    return np.load(tmp_path / "one.npz")["samples"], [*common, "--out", str(two_out), "--save_npz",
+                                                      str(tmp_path / "two.npz")]
 
 
-def test_sample_sp2_equals_sp1(tmp_path):
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    """The sampling cases of this module: each one-process sample, and the 2-process runs, all from one torchrun
+    launch that runs their command lines in turn (``torchrun_cli_many``): "sp2" (--sequence_parallel_size 2),
+    "cfg" (--cfg_parallel), "compiled" (--cfg_parallel --compile default) and "refused" (the cfg case's
+    command without --cfg_parallel, which must exit non-zero). Values: (one-process samples or None, 2-process
+    samples or None, stderr of the 2-process run)."""
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("sample")
+    # vDiT-S/122 in pixel space (3 channels), 27 tokens: odd, so the second process holds a padding token
+    sp_one, sp_two = _sample_one(root / "sp2", dict(model="vDiT-S/122", input_size=SIZE, num_frames=FRAMES),
+                                 dict(image_size=SIZE, num_frames=FRAMES, frame_interval=1), 3,
+                                 ["--class_labels", "1,2", "--seed", "5"])
+    cfg_one, cfg_two = _sample_one(root / "cfg", dict(model="DiT-S/2", input_size=8, num_frames=None),
+                                   dict(image_size=8), 4,
+                                   ["--class_labels", "1,2,3", "--seed", "6", "--cfg_scale", "4"], out_suffix=".png")
+    compiled = root / "cfg" / "compiled.npz"
+    argvs = [[*sp_two, "--sequence_parallel_size", "2", "--sequence_parallel_type", "ring"],
+             [*cfg_two, "--cfg_parallel"],
+             [*cfg_two[:-2], "--save_npz", str(compiled), "--cfg_parallel", "--compile", "default"],
+             cfg_two]  # without --cfg_parallel, 2 processes would each need half a sequence-parallel sample
+    err = torchrun_cli_many(2, root, argvs, fails=(3,))
+    return {"sp2": (sp_one, np.load(root / "sp2" / "two.npz")["samples"], err[0]),
+            "cfg": (cfg_one, np.load(root / "cfg" / "two.npz")["samples"], err[1]),
+            "compiled": (cfg_one, np.load(compiled)["samples"], err[2]),
+            "refused": (None, None, err[3])}
+
+
+def test_sample_sp2_equals_sp1(sampled):
     """`ditforge sample` under torchrun with --sequence_parallel_size 2 writes the video one process writes for
     the same seed (uint8 after decoding: equal up to a rounding flip of 1 on a few values)."""
     import numpy as np
 
-    # vDiT-S/122 in pixel space (3 channels), 27 tokens: odd, so the second process holds a padding token
-    one, two, _, stderr = _sample_one_and_two(
-        tmp_path, dict(model="vDiT-S/122", input_size=SIZE, num_frames=FRAMES),
-        dict(image_size=SIZE, num_frames=FRAMES, frame_interval=1), 3, ["--class_labels", "1,2", "--seed", "5"],
-        ["--sequence_parallel_size", "2", "--sequence_parallel_type", "ring"])
+    one, two, stderr = sampled["sp2"]
     assert "sequence parallelism: ring over 2 processes" in stderr
     assert one.shape == two.shape == (2, FRAMES, SIZE, SIZE, 3)
     diff = np.abs(one.astype(int) - two.astype(int))
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
 
 
-def test_sample_cfg_parallel_equals_one_process(tmp_path):
+def test_sample_cfg_parallel_equals_one_process(sampled):
     """`ditforge sample --cfg_parallel` under torchrun (2 processes: conditional and unconditional halves apart),
     eager and with --compile (the model compiled on each process, the halves gathered outside it), writes the
     one-process samples (uint8, a rounding flip of 1 allowed on a few values)."""
     import numpy as np
 
-    one, two, cmd, _ = _sample_one_and_two(
-        tmp_path, dict(model="DiT-S/2", input_size=8, num_frames=None), dict(image_size=8), 4,
-        ["--class_labels", "1,2,3", "--seed", "6", "--cfg_scale", "4"], ["--cfg_parallel"], out_suffix=".png")
+    one, two, _ = sampled["cfg"]
     assert one.shape == two.shape == (3, 8, 8, 3) and one.std() > 5  # non-constant images
     diff = np.abs(one.astype(int) - two.astype(int))
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
-    compiled = tmp_path / "compiled.npz"
-    p = subprocess.run([*cmd[:-2], str(compiled), "--cfg_parallel", "--compile", "default"], env=dist_env(),
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    diff = np.abs(one.astype(int) - np.load(compiled)["samples"].astype(int))
+    one, compiled, _ = sampled["compiled"]
+    diff = np.abs(one.astype(int) - compiled.astype(int))
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
-    # without --cfg_parallel, 2 processes would each need half a sequence-parallel sample: refused
-    bad = [c for c in cmd if c != "--cfg_parallel"]
-    p = subprocess.run(bad, env=dist_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and "--sequence_parallel_size 1" in p.stderr
+    # without --cfg_parallel, 2 processes would each need half a sequence-parallel sample: refused (non-zero exit,
+    # torchrun_cli_many's check)
+    assert "--sequence_parallel_size 1" in sampled["refused"][2]
