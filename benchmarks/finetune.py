@@ -13,6 +13,18 @@ Models (``--model``):
   sdxl    UNet2DConditionModel with SDXL's config (~2.57B), 1024px (latents 4x128x128), batch 1, SDXL's VAE config,
           CLIP-L and OpenCLIP-G-width text encoders of 2 layers (the states and pooled output have SDXL's shapes),
           Euler scheduler
+  wan13   WanPipeline with Wan2.1-T2V-1.3B's transformer config (30 layers, 12 heads of 128, FFN 8960, 1.42B: the
+          anchor ``wan_finetune.py``'s ``wan1.3b``), AutoencoderKLWan's default config (the real Wan 2.1 VAE's), a
+          one-layer UMT5 encoder of width 4096 (512 x 4096 caption states, as the real UMT5-XXL's), Wan 480p's UniPC
+          flow scheduler (flow_shift 3); batch 1, 81 frames at 640 x 640: latents 16 x 21 x 80 x 80, 33,600 tokens.
+          The anchor's 480 x 832 (16 x 21 x 60 x 104, 32,760 tokens) is not possible: ditforge trains at one
+          square --image_size. The features are not extracted at that size: ``extract-features --init_from`` runs
+          on the built-in clips at 16 px x 5 frames (the real UMT5 states, captions, manifest) and ``wan_features``
+          replaces the posterior moments by random ones of the real shape, in extract-features' own format (the
+          Wan VAE on 81 float32 frames of 640 px per clip costs GPU minutes and no part of the step). Rows:
+          ``lora32`` (rank 32 on to_q, to_k, to_v, to_out.0, every block checkpointed, as the anchor's ``lora``),
+          ``lora32_compile``, ``lora32_budget8`` (+ --gpu_memory_budget 8GiB), ``full`` and ``full_compile``
+          (bf16 autocast, fp32 master weights, fused AdamW, EMA, every block checkpointed as the anchor's ``full``)
 Rows (``--rows``, comma-separated): ``full`` (all weights, bf16 autocast, fp32 master weights, fused AdamW),
 ``full_compile`` (+ --compile: the whole denoiser in one graph), ``full_ro`` (+ --compile reduce-overhead: CUDA
 graphs too), ``full_ckpt`` (+ --grad_checkpoint), ``lora64`` (--lora_rank 64 on the attention projections, frozen
@@ -43,7 +55,9 @@ median over the logged windows after the first (compilation and warm-up), from `
 
 Usage (repository root, GPU machine): ``PYTHONPATH=. python benchmarks/finetune.py --model sd15 --work /tmp/ft
 --rows full,full_compile,lora64,lora64_compile --json $OUT/finetune_sd15.json``; ``--tiny`` builds the tests' tiny
-pipeline instead (a CPU check of the script).
+pipeline instead (a CPU check of the script; wan13: the tiny WanPipeline's features rewritten to 32 px x 9 frames).
+Rows that set --gpu_memory_budget are skipped without CUDA. ``bash benchmarks/run.sh finetune-wan`` runs the wan13
+job (the anchor between ``lora32`` and the other rows, ``--append`` into one JSON).
 """
 
 from __future__ import annotations
@@ -70,6 +84,7 @@ LOWMEM = ["--optimizer", "adamw8bit", "--master_weights", "bf16", "--ema_decay",
 SR_FUSED = ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--fused_backward_pass", "--ema_decay", "0"]
 OFFLOAD = [*SR_FUSED, "--cpu_offload", "optimizer"]
 OFFLOAD_ALL = ["--cpu_offload", "all", "--ema_decay", "0"]
+WAN_LORA = ["--lora_rank", "32", "--lora_target_modules", "to_q,to_k,to_v,to_out.0", "--grad_checkpoint"]
 ROWS = {
     "full": [],
     "full_compile": ["--compile"],
@@ -125,7 +140,15 @@ ROWS = {
     "offload_all8_z2_ckpt": [*OFFLOAD_ALL, "--plugin", "zero2", "--grad_checkpoint", "--gpu_memory_budget", "8GiB"],
     "offload_all8_z2_ckpt_dpu": [*OFFLOAD_ALL, "--plugin", "zero2", "--grad_checkpoint", "--delayed_update",
                                  "--gpu_memory_budget", "8GiB"],
+    # Wan 2.1 (--model wan13), as ../shared/anchors/wan_finetune.py: rank-32 LoRA on the attention projections
+    # (alpha = rank: scale 1) and full fine-tunes, both with every block checkpointed
+    "lora32": [*WAN_LORA],
+    "lora32_compile": [*WAN_LORA, "--compile"],
+    "lora32_budget8": [*WAN_LORA, "--gpu_memory_budget", "8GiB"],
 }
+# rows of one name for every model whose flags differ for wan13: the anchor checkpoints every block of its full row
+WAN_ROWS = {"full": ["--grad_checkpoint"], "full_compile": ["--grad_checkpoint", "--compile"]}
+CUDA_ONLY = ("--gpu_memory_budget",)  # rows with these flags skip on a machine without CUDA
 
 
 def sd_vae():
@@ -203,6 +226,79 @@ def build_sdxl(path: Path) -> Path:
     return path
 
 
+WAN13 = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+             text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+             qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024)
+# The anchor's workload is 480 x 832 x 81 frames (latents 16 x 21 x 60 x 104, 32,760 tokens); ditforge trains at one
+# square --image_size (its features and sample shapes are C x T x s x s), so the rows run at the nearest square with
+# at least the anchor's tokens: 640 px (latents 16 x 21 x 80 x 80, 33,600 tokens = 1.026x; attention 1.052x).
+WAN_SIDE, WAN_FRAMES = 640, 81
+
+
+def wan13_transformer(device: str | torch.device = "cpu"):
+    """Wan2.1-T2V-1.3B's ``WanTransformer3DModel`` (its published config; ~1.42B parameters), random weights,
+    built on ``device`` (``meta``: shapes only)."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return WanTransformer3DModel(**WAN13)
+
+
+def build_wan13(path: Path) -> Path:
+    """A ``WanPipeline`` folder: Wan2.1-T2V-1.3B's transformer config with random weights (initialised on the GPU
+    when there is one: seconds instead of a minute of CPU), ``AutoencoderKLWan``'s default config (the real Wan
+    2.1 VAE's: base 96, z 16, latents_mean / latents_std), a one-layer UMT5 encoder of width 4096 (the real
+    UMT5-XXL's: the 512 x 4096 caption states have the real shape; the tokenizer trained offline as the tests'),
+    and Wan 480p's UniPC flow scheduler (flow_shift 3.0)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    transformer = wan13_transformer("cuda" if torch.cuda.is_available() else "cpu").cpu().eval()
+    tokenizer = tiny_pipelines.make_t5_tokenizer()
+    torch.manual_seed(0)
+    text = UMT5EncoderModel(UMT5Config(vocab_size=-(-len(tokenizer) // 8) * 8, d_model=4096, d_kv=64, d_ff=256,
+                                       num_layers=1, num_heads=2, feed_forward_proj="gated-gelu", pad_token_id=0,
+                                       eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False,
+                                       use_cache=False, tie_word_embeddings=False)).eval()
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan().eval()
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text, vae=vae, transformer=transformer,
+                       scheduler=UniPCMultistepScheduler(**tiny_pipelines.WAN_SCHEDULER))
+    return tiny_pipelines._save(pipe, path)  # save_pretrained + the T5 tokenizer's spiece.model
+
+
+def wan_features(small: Path, out: Path, side: int, frames: int) -> Path:
+    """The features folder ``extract-features`` would write for clips of ``frames`` (4k + 1) frames of ``side`` px,
+    made from ``small``, one it wrote for the same pipeline at a small size: the same samples, captions, labels and
+    UMT5 states (``cond.encoder_hidden_states``, computed by the pipeline's own encoder), the same manifest with the
+    size keys changed (``image_size``, ``input_size`` = side / 8, ``num_frames`` = the latent frames (frames - 1) /
+    4 + 1), and random posterior moments of that shape (mean N(0, 1), as normalised latents; std in [0.05, 0.3])
+    written as ``ditforge.data.store`` writes its shards. Encoding 81 real frames at 640 px with the Wan VAE in
+    float32 would cost minutes of the job's GPU time and says nothing about the training step."""
+    from safetensors.torch import load_file
+
+    from ditforge.data.features import FEATURES_MANIFEST, read_manifest
+    from ditforge.data.store import _write_shard
+
+    manifest = read_manifest(small)
+    latent_frames, s = (frames - 1) // 4 + 1, side // 8
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for spec in manifest["shards"]:
+        tensors = load_file(str(small / spec["file"]))
+        shape = (spec["num_samples"], manifest["in_channels"], latent_frames, s, s)
+        tensors["mean"] = torch.randn(shape, generator=g)
+        if manifest["stochastic"]:
+            tensors["std"] = 0.05 + 0.25 * torch.rand(shape, generator=g)
+        _write_shard(out / spec["file"], tensors)
+    manifest |= {"image_size": side, "input_size": s, "num_frames": latent_frames}
+    with atomic_path(out / FEATURES_MANIFEST) as tmp:  # last, as extract-features: the folder is complete
+        tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out
+
+
 def images(folder: Path, n: int, size: int) -> Path:
     from PIL import Image
 
@@ -226,16 +322,22 @@ def ditforge(*argv: str, timeout: float | None = None) -> str:
     return proc.stderr
 
 
+def row_flags(model: str, name: str) -> list[str]:
+    """The ``ditforge train`` flags of row ``name`` for ``model`` (``WAN_ROWS`` override ``ROWS`` for wan13)."""
+    return (WAN_ROWS if model == "wan13" and name in WAN_ROWS else ROWS)[name]
+
+
 def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: int, log_every: int,
-            device: str, timeout: float | None = None) -> dict:
+            device: str, timeout: float | None = None, flags: list[str] | None = None) -> dict:
     out = work / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)
     try:
         log = ditforge("train", "--init_from", str(pipe), "--data", str(feats), "--batch_size", str(batch),
                        "--max_steps", str(steps), "--log_every", str(log_every), "--sample_every", "0",
                        "--ckpt_every", str(10 * steps), "--keep_last", "1", "--device", device, "--num_workers", "0",
-                       "--outputs", str(out), *ROWS[name], timeout=timeout)
+                       "--outputs", str(out), *(ROWS[name] if flags is None else flags), timeout=timeout)
     except RuntimeError as e:
+        shutil.rmtree(out, ignore_errors=True)  # a row cut short must not leave its checkpoint to fill the disk
         return {"error": str(e)[-600:]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out, ignore_errors=True)  # full fine-tunes write ~14 GB of checkpoint
@@ -333,34 +435,52 @@ def library_versions() -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl"), required=True)
+    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13"), required=True)
     ap.add_argument("--rows", default="full,full_compile,lora64,lora64_compile")
     ap.add_argument("--work", default="/tmp/ditforge-finetune")
-    ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl), 8 (pixart), as the anchors")
+    ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl, wan13), 8 (pixart), as the "
+                    "anchors")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--log_every", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny pipeline at 32 px (checks the script on CPU)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None)
     ap.add_argument("--row_timeout", type=float, default=None, help="seconds a row may take (then it is an error)")
+    ap.add_argument("--append", action="store_true", help="keep the rows already in --json (a job that runs the "
+                    "anchor between two calls of this script)")
     ap.add_argument("--profile", action="store_true", help="profile the rows in this process instead of timing them "
                     "through `ditforge train` (profile_row)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     batch = args.batch_size or (8 if args.model == "pixart" else 1)
-    size = 32 if args.tiny else 1024 if args.model == "sdxl" else 512
+    wan = args.model == "wan13"
+    # wan13: 640 px x 81 frames (WAN_SIDE); --tiny: the tiny Wan's features rewritten to 32 px x 9 frames
+    size = (32 if args.tiny else 1024 if args.model == "sdxl" else WAN_SIDE if wan else 512)
+    frames = (9 if args.tiny else WAN_FRAMES) if wan else None
     pipe = work / f"{args.model}{'-tiny' if args.tiny else ''}"
     if not (pipe / "model_index.json").is_file():
-        builders = ({"sd15": tiny_pipelines.make_sd, "pixart": tiny_pipelines.make_pixart, "sdxl": tiny_pipelines.make_sdxl}
-                    if args.tiny else {"sd15": build_sd15, "pixart": build_pixart, "sdxl": build_sdxl})
+        builders = ({"sd15": tiny_pipelines.make_sd, "pixart": tiny_pipelines.make_pixart,
+                     "sdxl": tiny_pipelines.make_sdxl, "wan13": tiny_pipelines.make_wan}
+                    if args.tiny else {"sd15": build_sd15, "pixart": build_pixart, "sdxl": build_sdxl,
+                                       "wan13": build_wan13})
         builders[args.model](pipe)
+        if torch.cuda.is_available():  # wan13 initialises its transformer on the GPU: free it for the rows
+            torch.cuda.empty_cache()
     feats = work / f"feats-{pipe.name}"
     if not (feats / "features.json").is_file():
         shutil.rmtree(feats, ignore_errors=True)
-        data = images(work / f"images-{size}", 16, size)
-        ditforge("extract-features", "--init_from", str(pipe), "--data", str(data), "--image_size", str(size),
-                 "--device", args.device, "--num_workers", "0", "--batch_size", "8", "--out", str(feats))
+        if wan:  # extract at 16 px x 5 frames (the built-in clips: 3 captioned clips), then the real-size moments
+            small = work / f"feats-{pipe.name}-16px"
+            shutil.rmtree(small, ignore_errors=True)
+            ditforge("extract-features", "--init_from", str(pipe), "--data", "clips", "--num_frames", "5",
+                     "--image_size", "16", "--device", args.device, "--num_workers", "0", "--batch_size", "4",
+                     "--out", str(small))
+            wan_features(small, feats, size, frames)
+        else:
+            data = images(work / f"images-{size}", 16, size)
+            ditforge("extract-features", "--init_from", str(pipe), "--data", str(data), "--image_size", str(size),
+                     "--device", args.device, "--num_workers", "0", "--batch_size", "8", "--out", str(feats))
     if args.profile:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         for name in args.rows.split(","):
@@ -372,10 +492,27 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "torch": torch.__version__, "diffusers": diffusers.__version__, "steps": args.steps,
             "log_every": args.log_every, **library_versions()}
+    if wan:
+        from ditforge.data import build_dataset
+
+        item = build_dataset(str(feats), None)[0]  # the shapes the rows train on, as read back
+        meta |= {"num_frames": frames, "latents": list(item["mean"].shape),
+                 "caption_states": list(item["cond"]["encoder_hidden_states"].shape),
+                 "note": "square frames: ditforge trains at one --image_size; the anchor runs 480 x 832 (latents "
+                         "16 x 21 x 60 x 104, 32,760 tokens), these rows 640 x 640 (16 x 21 x 80 x 80, 33,600 tokens)"
+                         if not args.tiny else "the tests' tiny WanPipeline"}
     results = {}
+    if args.append and args.json and Path(args.json).is_file():
+        results = json.loads(Path(args.json).read_text())["rows"]
+    cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     for name in args.rows.split(","):
+        flags = row_flags(args.model, name)
+        if not cuda and any(f in flags for f in CUDA_ONLY):
+            print(f"{args.model} {name}: skipped ({' '.join(f for f in flags if f in CUDA_ONLY)} needs a CUDA GPU)",
+                  flush=True)
+            continue
         results[name] = run_row(name, pipe, feats, work, batch, args.steps, args.log_every, args.device,
-                                args.row_timeout)
+                                args.row_timeout, flags)
         print(f"{args.model} {name}: {results[name]}", flush=True)
         if args.json:  # after every row, so that a job cut short keeps the rows it measured
             with atomic_path(args.json) as tmp:

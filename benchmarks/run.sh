@@ -26,12 +26,21 @@
 #                       (e.g. "sd15/adamw_nockpt sd15/ao_offload"), then ditforge's rows through finetune.py (MODEL
 #                       sd15 | pixart | sdxl; ROWS as finetune.py names them); STEPS, LOG_EVERY and ROW_TIMEOUT
 #                       (default 30, 10, 240 s) set the rows' length
+#   finetune-wan [FIRST] [ANCHOR_ROWS] [REST]  Wan2.1-T2V-1.3B (random weights, 640 x 640 x 81 frames: latents
+#                       16 x 21 x 80 x 80, 512 x 4096 caption states, batch 1; issue 42): finetune.py --model wan13
+#                       builds the folder and features and times rows FIRST (default lora32), then the unchanged
+#                       wan_finetune.py anchor rows (default "wan1.3b/lora wan1.3b/full", at 480 x 832; "" skips it),
+#                       then rows REST (default full,lora32_budget8,lora32_compile,full_compile; --append: one
+#                       wan13.json). The job stops itself after JOB_LIMIT s (default 530), keeping the rows it
+#                       finished; STEPS, LOG_EVERY, ROW_TIMEOUT default 6, 2, 240 s. TINY=1: the tests' tiny Wan and
+#                       the anchor's tiny config (a CPU check of the job)
 #   memory-dit [CKPT] [ROWS]  `ditforge bench --memory` on DiT-XL/2 256px batch 32: the plain row, the memory rows
 #                       ROWS (default noema,8bit,sr,capped) with --grad_checkpoint CKPT (default every-2) under
 #                       8 GiB, the plain row again
 #   multi-gpu           multi_gpu.py on 1 GPU, then on every GPU of the host, then the table
 #
-# Results land in $OUT (default benchmarks/results). Wheels the machine lacks (diffusers, bitsandbytes, torchao:
+# Results land in $OUT (default benchmarks/results). Wheels the machine lacks (diffusers, bitsandbytes, torchao;
+# peft, ftfy and its wcwidth for finetune-wan:
 # `pip download --no-deps -d .whl PACKAGE==VERSION`) are carried in .whl/ and installed into /tmp/site. The anchors
 # are read from .anchors/, a copy of ../shared/anchors (which does not travel to the GPU machine).
 set -uo pipefail
@@ -134,6 +143,27 @@ finetune)
             --log_every "${LOG_EVERY:-10}" --row_timeout "${ROW_TIMEOUT:-240}" --json "$out/${model}.json" 2>&1 \
             | grep --line-buffered -v gemm_4bit | tee "$out/${model}.log"
     fi
+    ;;
+finetune-wan)
+    python3 -c "import torch, diffusers, peft, ftfy, transformers; print('diffusers', diffusers.__version__, \
+'peft', peft.__version__, 'ftfy', ftfy.__version__, 'transformers', transformers.__version__)"
+    left() { local n=$(( ${JOB_LIMIT:-530} - SECONDS )); echo $(( n > 1 ? n : 1 )); }  # (timeout 0: no limit)
+    ft() {  # the rows named by $1; each row cut at ROW_TIMEOUT, the whole job at JOB_LIMIT (finished rows stay)
+        timeout "$(left)" python3 benchmarks/finetune.py --model wan13 --work /tmp/ft-wan \
+            --rows "$1" --steps "${STEPS:-6}" --log_every "${LOG_EVERY:-2}" --row_timeout "${ROW_TIMEOUT:-240}" \
+            --json "$out/wan13.json" ${TINY:+--tiny} "${@:2}" 2>&1 | grep --line-buffered -v gemm_4bit \
+            | tee -a "$out/wan13.log"
+    }
+    [ -n "${TINY-}" ] && export TINY=1  # the anchor's own switch
+    ft "${2:-lora32}"  # first: builds the pipeline folder and the features (~2 minutes with the row)
+    anchors=${3-wan1.3b/lora wan1.3b/full}
+    if [ -n "$anchors" ]; then
+        (cd .anchors && timeout "$(left)" python3 wan_finetune.py $anchors) \
+            2>&1 | grep --line-buffered -v gemm_4bit | tee "$out/wan13_anchor.log"
+        [ -f "$out/wan_finetune.json" ] && mv "$out/wan_finetune.json" "$out/wan13_anchor.json"
+    fi
+    rest=${4-full,lora32_budget8,lora32_compile,full_compile}  # the compile rows last: the slowest to start
+    [ -n "$rest" ] && ft "$rest" --append
     ;;
 memory-dit)
     for rows in plain "${3:-noema,8bit,sr,capped}" plain; do
