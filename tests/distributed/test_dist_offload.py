@@ -18,7 +18,7 @@ from dist_helpers import (
     assert_same_weights,
     read_run,
     run_single,
-    torchrun,
+    torchrun_many,
 )
 
 OFFLOAD = ["--cpu_offload", "all"]
@@ -26,12 +26,22 @@ DELAYED = [*OFFLOAD, "--delayed_update"]
 STEPS = ["--max_steps", "5", "--ckpt_every", "1000"]
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """The 2-process runs of this module, "offload" (``OFFLOAD``) and "delayed" (``DELAYED``), 5 steps each, made
+    by one torchrun launch that runs their command lines in turn (``torchrun_many``)."""
+    root = tmp_path_factory.mktemp("x2")
+    runs = torchrun_many(2, [(root / "offload", [*TINY, *STEPS, *OFFLOAD]),
+                             (root / "delayed", [*TINY, *STEPS, *DELAYED])])
+    return dict(zip(("offload", "delayed"), runs))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_offload_all_equals_plain_single_process(tiny_reference, tmp_path, nproc):
+def test_offload_all_equals_plain_single_process(tiny_reference, request, tmp_path, nproc):
     _, ref = tiny_reference
     args = [*TINY, *STEPS, *OFFLOAD]
-    run = run_single(tmp_path / "run", *args) if nproc == 1 else torchrun(nproc, tmp_path / "run", *args)
+    run = run_single(tmp_path / "run", *args) if nproc == 1 else request.getfixturevalue("two_process_runs")["offload"]
     got = read_run(run, "DiT-T/2")
     assert got.meta["plugin"] == "fsdp" and got.meta["world_size"] == nproc
     assert_same_losses(got.records, ref.records, steps=[1, 2, 3, 4, 5])
@@ -48,9 +58,9 @@ def delayed_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_delayed_update_two_processes_equal_one(delayed_reference, tiny_reference, tmp_path):
+def test_delayed_update_two_processes_equal_one(delayed_reference, tiny_reference, two_process_runs):
     _, ref = delayed_reference
-    got = read_run(torchrun(2, tmp_path / "run", *TINY, *STEPS, *DELAYED), "DiT-T/2")
+    got = read_run(two_process_runs["delayed"], "DiT-T/2")
     assert_same_losses(got.records, ref.records, steps=[1, 2, 3, 4, 5])
     worst = assert_same_weights(got.model, ref.model), assert_same_weights(got.ema, ref.ema)
     print(f"--delayed_update x2: max abs diff model {worst[0]:.2g}, EMA {worst[1]:.2g}")

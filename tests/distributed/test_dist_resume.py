@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from dist_helpers import TINY, assert_same_losses, assert_same_weights, read_run, run_single, torchrun
+from dist_helpers import (TINY, assert_same_losses, assert_same_weights, read_run, run_single, torchrun,
+                          torchrun_many)
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +36,30 @@ def test_fsdp4_checkpoint_is_sharded(fsdp4_run, tiny_reference):
     assert_same_weights(got.ema, at3.ema)
 
 
+def _resume_args(plugin: str, ckpt) -> list[str]:
+    return [*TINY, "--max_steps", "5", "--ckpt_every", "1000", "--plugin", plugin, "--resume", str(ckpt)]
+
+
+@pytest.fixture(scope="module")
+def two_process_resumes(fsdp4_run, tiny_reference, tmp_path_factory):
+    """The 2-process resumes of this module, made by one torchrun launch that runs their command lines in turn
+    (``torchrun_many``): "fsdp4" (zero2, from ``fsdp4_run``'s step 3) and "single" (ddp, from the single-process
+    reference's step 3)."""
+    root = tmp_path_factory.mktemp("resumed_x2")
+    runs = torchrun_many(2, [
+        (root / "fsdp4", _resume_args("zero2", fsdp4_run / "checkpoints" / "step-0000003")),
+        (root / "single", _resume_args("ddp", tiny_reference[0] / "checkpoints" / "step-0000003"))])
+    return dict(zip(("fsdp4", "single"), runs))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,plugin", [(2, "zero2"), (1, "none")])
-def test_resume_fsdp4_checkpoint_elsewhere(fsdp4_run, tiny_reference, tmp_path, nproc, plugin):
-    args = [*TINY, "--max_steps", "5", "--ckpt_every", "1000", "--plugin", plugin,
-            "--resume", str(fsdp4_run / "checkpoints" / "step-0000003")]
-    out = tmp_path / "resumed"
-    run = torchrun(nproc, out, *args) if nproc > 1 else run_single(out, *args)
+def test_resume_fsdp4_checkpoint_elsewhere(fsdp4_run, tiny_reference, request, tmp_path, nproc, plugin):
+    args = _resume_args(plugin, fsdp4_run / "checkpoints" / "step-0000003")
+    if nproc > 1:
+        run = request.getfixturevalue("two_process_resumes")["fsdp4"]
+    else:
+        run = run_single(tmp_path / "resumed", *args)
     _, ref = tiny_reference
     got = read_run(run, "DiT-T/2")
     # the new run folder logs steps 4 and 5 only; they equal the uninterrupted run's, which needs the weights,
@@ -53,10 +71,9 @@ def test_resume_fsdp4_checkpoint_elsewhere(fsdp4_run, tiny_reference, tmp_path, 
 
 
 @pytest.mark.slow
-def test_resume_single_process_checkpoint_under_ddp(tiny_reference, tmp_path):
+def test_resume_single_process_checkpoint_under_ddp(tiny_reference, two_process_resumes):
     ref_run, ref = tiny_reference
-    run = torchrun(2, tmp_path / "resumed", *TINY, "--max_steps", "5", "--ckpt_every", "1000", "--plugin", "ddp",
-                   "--resume", str(ref_run / "checkpoints" / "step-0000003"))
+    run = two_process_resumes["single"]
     got = read_run(run, "DiT-T/2")
     assert_same_losses(got.records, ref.records, steps=[4, 5])
     assert_same_weights(got.model, ref.model)
