@@ -274,13 +274,14 @@ def test_seam_hands_a_float8_layer_its_quantized_rows(monkeypatch):
     torch.testing.assert_close(r4.s.cpu(), s_ref.cpu(), rtol=0, atol=0)
 
 
-def _float8_dit_s2(image_size: int, batch: int):
-    """A DiT-S/2 (4 channels, 10 classes) with its zero-initialised layers perturbed (seed 0), before any cast,
-    and a fresh batch (x, t, y) on DEV: the model the float8 model tests convert."""
-    from ditforge.models import create_model
+def _float8_dit_s2(image_size: int, batch: int, depth: int = 12, seed: int = 0):
+    """A DiT-S/2 (4 channels, 10 classes; ``depth`` blocks, 12 as registered) with its zero-initialised layers
+    perturbed (``seed``), before any cast, and a fresh batch (x, t, y) on DEV: the model the float8 model tests
+    convert."""
+    from ditforge.models.dit import DiT
 
-    torch.manual_seed(0)
-    model = create_model("DiT-S/2", image_size, 4, 10)
+    torch.manual_seed(seed)
+    model = DiT(image_size, 2, 4, hidden_size=384, depth=depth, num_heads=6, num_classes=10)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -289,18 +290,20 @@ def _float8_dit_s2(image_size: int, batch: int):
 
 
 def test_float8_dit_blocks_quantize_in_their_layernorm_passes(monkeypatch):
-    """A float8 DiT-S/2: each block's two LayerNorms run the fused pass, all but the first summing a gated
-    residual before it (the attention's; the previous block's MLP's, handed on as a ``GatedSum``), and the model
-    is as accurate against its float64 self as the same float8 model whose layers quantize their own bf16
-    inputs: within 10% of that one's relative error (fused 1.45-1.61%, own 1.40-1.59% at seeds 0-2; bf16 alone
-    1.3%). The two differ from each other by about as much (1.1%): other values round to other e4m3 steps."""
+    """A float8 DiT-S/2 (4 of its 12 blocks: the interpreter runs the passes row by row): each block's two
+    LayerNorms run the fused pass, all but the first summing a gated residual before it (the attention's; the
+    previous block's MLP's, handed on as a ``GatedSum``), and the model is as accurate against its float64 self
+    as the same float8 model whose layers quantize their own bf16 inputs: within 10% of that one's relative
+    error (4 blocks: fused 0.87-1.04%, own 0.87-1.03%, ratio 0.99-1.01 at seeds 0-2; 12 blocks: fused
+    1.45-1.61%, own 1.40-1.59%; bf16 alone 1.3%). The two differ from each other by about as much (1.1% at 12
+    blocks): other values round to other e4m3 steps."""
     import copy
     import importlib
 
     import ditforge.ops.fp8 as fp8_module
     from ditforge.parallel import _big_linear
 
-    model, (x, t, y) = _float8_dit_s2(8, 2)
+    model, (x, t, y) = _float8_dit_s2(8, 2, depth=4)
     exact = copy.deepcopy(model).to(DEV, torch.float64).eval()
     model = model.to(DEV, torch.bfloat16).eval()
     to_rowwise_float8(model, _big_linear)
@@ -312,7 +315,7 @@ def test_float8_dit_blocks_quantize_in_their_layernorm_passes(monkeypatch):
         fused = model(x, t, y).double()
         monkeypatch.setattr(importlib.import_module("ditforge.ops.modulate"), "RowwiseFloat8Linear", type("No", (), {}))
         own = model(x, t, y).double()
-    assert calls == [False] + [True] * 23
+    assert calls == [False] + [True] * 7
     err = lambda a: ((a - want).norm() / want.norm()).item()  # noqa: E731
     assert err(fused) < 1.1 * err(own) < 0.05, (err(fused), err(own))
 
