@@ -101,6 +101,7 @@ def _fp8_roundtrip_rows(a: torch.Tensor) -> torch.Tensor:
     return (a.float() * (top / amax)).to(torch.float8_e4m3fn).float() * (amax / top)
 
 
+@pytest.mark.slow
 def test_fp8_sampling_layers_are_the_float8_rounded_products(monkeypatch):
     """fp8: exactly the blocks' qkv, proj, fc1 and fc2 run float8 GEMMs, each equal to an independent float32
     emulation (weight rounded to e4m3 per output channel, input per row) up to its bf16 output rounding, which

@@ -41,6 +41,7 @@ def _decode(path: Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
+@pytest.mark.slow
 def test_train_on_clips_then_sample_each_caption(tmp_path):
     run = tmp_path / "run"
     assert cli.main(["train", "--data", "clips", "--model", "vDiT-T/122", "--image_size", str(SIZE),

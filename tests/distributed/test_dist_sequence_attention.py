@@ -221,6 +221,7 @@ def _worker(rank: int, world: int, port: int, base_seed: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_attention_matches_single_process(world):
     base_seed = int.from_bytes(os.urandom(3), "little") * 1000  # fresh inputs every run (seed in messages)

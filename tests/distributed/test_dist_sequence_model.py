@@ -151,6 +151,7 @@ def split_runs():
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,variant,world", SPLIT_CASES)
 def test_split_model_equals_whole(split_runs, kind, variant, world):
     """vDiT: 27 tokens, the last process padded (vdit4: a 4-head vDiT, for the head-splitting variants at 4
@@ -190,6 +191,7 @@ def test_named_sequence_parallel_types():
     assert choose("auto", stdit, two) == choose("ring", stdit, four) == ("frames", {}, None)
 
 
+@pytest.mark.slow
 def test_train_dp2_sp2_equals_one_process(tmp_path):
     """5 steps of `ditforge train` on 4 processes as 2 data-parallel x 2 sequence-parallel (fastseq, whose
     head-sliced projection reads the parameters FSDP gathers; DiT-S/2 on
@@ -276,6 +278,7 @@ def test_sample_sp2_equals_sp1(sampled):
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99
 
 
+@pytest.mark.slow
 def test_sample_cfg_parallel_equals_one_process(sampled):
     """`ditforge sample --cfg_parallel` under torchrun (2 processes: conditional and unconditional halves apart),
     eager and with --compile (the model compiled on each process, the halves gathered outside it), writes the

@@ -38,6 +38,7 @@ def test_eval_every_needs_digits(tmp_path, tiny_argv, capsys):
     assert "--eval_every: the built-in extractor measures DiT runs on --data digits" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_undertrained_run_has_a_clearly_worse_fid(tmp_path):
     """100 steps of the default recipe (batch 64, lr 1e-3) against the default 1,000-step run, both evaluated
     with DDIM 25 at guidance 4: the default run's figures are the ones benchmarks/digits_quality.py measured and
