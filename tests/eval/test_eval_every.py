@@ -44,7 +44,7 @@ def test_undertrained_run_has_a_clearly_worse_fid(tmp_path):
     with DDIM 25 at guidance 4: the default run's figures are the ones benchmarks/digits_quality.py measured and
     recorded with 1,000 EMA samples (2026-11-24: digits-FID 174, accuracy 99.3%); here 500, in half the time
     (FID's upward bias at fewer samples is small against the margin: this run measured 852 at 1,000 samples, 882
-    at 500). All the machine's threads: nothing else runs beside it."""
+    at 500). All of its worker's threads (under pytest-xdist another worker shares the cores)."""
     default = json.loads((REPO / "benchmarks/results/digits_quality.json").read_text())["eval_at_end"]
     run = tmp_path / "run"
     assert cli.main(["train", "--outputs", str(run), "--max_steps", "100", "--eval_every", "100", "--eval_samples", "500", "--sample_every",
