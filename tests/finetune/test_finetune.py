@@ -439,7 +439,8 @@ def test_diffusers_dit_pipeline_into_ditforge_dit(dit_runs, tmp_path):
 # Bad input: one line naming the flag or file, exit code 2, nothing half-written
 
 
-def _fails(capsys, argv: list[str], *needles: str) -> str:
+def assert_one_line_error(capsys, argv: list[str], *needles: str) -> str:
+    """``ditforge ARGV`` exits 2 with one line on stderr holding every needle (also used by test_wan.py)."""
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
@@ -460,7 +461,7 @@ def test_unsupported_family_folder(sd_pipeline, captioned, tmp_path, capsys):
     index = json.loads((folder / "model_index.json").read_text())
     index["_class_name"] = "KandinskyV22Pipeline"
     (folder / "model_index.json").write_text(json.dumps(index))
-    _fails(capsys, _train_argv(folder, captioned, tmp_path / "r"), "--init_from", "KandinskyV22Pipeline",
+    assert_one_line_error(capsys, _train_argv(folder, captioned, tmp_path / "r"), "--init_from", "KandinskyV22Pipeline",
            "StableDiffusionPipeline")
     assert not (tmp_path / "r" / "checkpoints").exists()
 
@@ -469,19 +470,19 @@ def test_incomplete_folder_names_the_missing_file(sd_pipeline, captioned, tmp_pa
     folder = tmp_path / "sd"
     shutil.copytree(sd_pipeline, folder)
     (folder / "unet" / "diffusion_pytorch_model.safetensors").unlink()
-    _fails(capsys, _train_argv(folder, captioned, tmp_path / "r"), "--init_from",
+    assert_one_line_error(capsys, _train_argv(folder, captioned, tmp_path / "r"), "--init_from",
            "unet/diffusion_pytorch_model.safetensors")
 
 
 def test_lora_target_that_matches_nothing(sd_pipeline, captioned, tmp_path, capsys):
-    _fails(capsys, _train_argv(sd_pipeline, captioned, tmp_path / "r", "--lora_rank", "4", "--lora_target_modules",
+    assert_one_line_error(capsys, _train_argv(sd_pipeline, captioned, tmp_path / "r", "--lora_rank", "4", "--lora_target_modules",
                                "to_q,qkv_nope"), "--lora_target_modules", "qkv_nope")
 
 
 def test_resolution_the_vae_cannot_take(sd_pipeline, captioned, tmp_path, capsys):
     argv = _train_argv(sd_pipeline, captioned, tmp_path / "r")
     argv[argv.index("--image_size") + 1] = "36"
-    _fails(capsys, argv, "--image_size 36", "multiples of 8")
+    assert_one_line_error(capsys, argv, "--image_size 36", "multiples of 8")
 
 
 def test_dreambooth_folder_without_images(sd_pipeline, tmp_path, capsys):
@@ -489,13 +490,13 @@ def test_dreambooth_folder_without_images(sd_pipeline, tmp_path, capsys):
     argv = ["train", "--init_from", str(sd_pipeline), "--instance_data", str(tmp_path / "empty"), "--instance_prompt",
             "a photo of sks dog", "--image_size", str(SIZE), "--max_steps", "1", "--device", "cpu",
             "--outputs", str(tmp_path / "r")]
-    _fails(capsys, argv, "--instance_data", str(tmp_path / "empty"))
+    assert_one_line_error(capsys, argv, "--instance_data", str(tmp_path / "empty"))
 
 
 def test_checkpoint_of_another_family(runs, captioned, tmp_path, capsys):
     """--init_from a fine-tuned SD run where DiT weights (or a pipeline folder) are expected."""
     data = _labelled(tmp_path / "data", 2, SIZE)
-    _fails(capsys, ["train", "--init_from", str(runs("sd")["full"]), "--data", str(data), "--image_size", str(SIZE),
+    assert_one_line_error(capsys, ["train", "--init_from", str(runs("sd")["full"]), "--data", str(data), "--image_size", str(SIZE),
                     "--max_steps", "1", "--device", "cpu", "--outputs", str(tmp_path / "r")],
            "--init_from", "fine-tuned sd pipeline")
 
@@ -545,7 +546,7 @@ def test_dit_pipeline_with_unshared_embedders(tmp_path, capsys):
         transformer.transformer_blocks[3].norm1.emb.timestep_embedder.linear_1.bias.add_(0.1)
     transformer.save_pretrained(str(folder / "transformer"))
     data = _labelled(tmp_path / "data", 2, SIZE)
-    _fails(capsys, ["train", "--init_from", str(folder), "--data", str(data), "--image_size", str(SIZE),
+    assert_one_line_error(capsys, ["train", "--init_from", str(folder), "--data", str(data), "--image_size", str(SIZE),
                     "--max_steps", "1", "--device", "cpu", "--outputs", str(tmp_path / "r")],
            "--init_from", "different timestep/label embedders")
 

@@ -19,6 +19,7 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
+from test_finetune import assert_one_line_error  # tests/finetune is on sys.path, as for tiny_pipelines
 from tiny_pipelines import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,15 +51,23 @@ def runs(wan, tmp_path_factory, one_thread_module) -> dict[str, Path]:
     return out
 
 
-def _step0_draws(post, g: torch.Generator, shift: float):
-    """Step 0's draws in ditforge's order (noise, logit-normal u, caption drop, flip, posterior eps) and sigma =
-    shift u / (1 + (shift - 1) u): (noise, sigma, eps)."""
+def _step0_latents(pipe, pixels: torch.Tensor, shift: float):
+    """Step 0's latents from diffusers' pieces: ``pixels`` (B, 3, T, H, W) through ``AutoencoderKLWan``'s posterior,
+    with the step's draws in ditforge's order from ``derive_seed(0, 0)`` (noise, logit-normal u, caption drop, flip,
+    posterior eps), normalised as ``WanPipeline`` un-normalises before decoding (``latents / (1 / latents_std) +
+    latents_mean``, inverted). Returns (x0, noise, sigma = shift u / (1 + (shift - 1) u), mean, inv_std), the last
+    two (1, C, 1, 1, 1)."""
+    post = pipe.vae.encode(pixels).latent_dist
+    g = torch.Generator().manual_seed(derive_seed(0, 0))
     shape = tuple(post.mean.shape[1:])
     noise = torch.randn((BATCH, *shape), generator=g)
     u = torch.sigmoid(torch.randn(BATCH, generator=g))  # logit-normal, mean 0, std 1
     torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)  # caption drop, flip: unused here
     eps = torch.randn((BATCH, *shape), generator=g)
-    return noise, shift * u / (1 + (shift - 1) * u), eps
+    view = (1, pipe.vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(view)
+    inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(view)
+    return (post.mean + post.std * eps - mean) * inv_std, noise, shift * u / (1 + (shift - 1) * u), mean, inv_std
 
 
 def _reference_first_loss(folder: Path) -> float:
@@ -86,12 +95,7 @@ def _reference_first_loss(folder: Path) -> float:
     pixels = torch.stack([ds[i]["video"] for i in idx])
     texts = [ds[i]["text"] for i in idx]
     with torch.no_grad():
-        post = pipe.vae.encode(pixels).latent_dist
-        noise, sigma, eps = _step0_draws(post, torch.Generator().manual_seed(derive_seed(0, 0)), shift)
-        view = (1, pipe.vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(pipe.vae.config.latents_mean).view(view)
-        inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(view)
-        x0 = (post.mean + post.std * eps - mean) * inv_std
+        x0, noise, sigma, *_ = _step0_latents(pipe, pixels, shift)
         embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)
         s = sigma.view(-1, 1, 1, 1, 1)
         pred = pipe.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * n_train,
@@ -220,15 +224,6 @@ def test_lora_file_loads_with_load_lora_weights(wan, runs, tmp_path):
     assert (base - mine).abs().max() > 100 * tol
 
 
-def _fails(capsys, argv: list[str], *needles: str) -> str:
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for needle in needles:
-        assert needle in err, err
-    return err
-
-
 def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
     """A pipeline folder of a family ditforge does not fine-tune (CogVideoX): one line naming it and listing the
     supported pipeline classes, Wan's among them; no checkpoint written."""
@@ -237,7 +232,7 @@ def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
     index = json.loads((folder / "model_index.json").read_text())
     index["_class_name"] = "CogVideoXPipeline"
     (folder / "model_index.json").write_text(json.dumps(index))
-    _fails(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from", "CogVideoXPipeline",
+    assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from", "CogVideoXPipeline",
            "WanPipeline", "StableDiffusionPipeline", "StableDiffusion3Pipeline")
     assert not (tmp_path / "r" / "checkpoints").exists()
 
@@ -251,7 +246,7 @@ def test_wan22_variants_are_refused(setting, needle, wan, tmp_path, capsys):
     shutil.copytree(wan, folder)
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, **setting}))
-    _fails(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from", "Wan 2.2", needle)
+    assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from", "Wan 2.2", needle)
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
@@ -261,7 +256,7 @@ def test_num_frames_the_vae_cannot_take(frames, nearest, wan, tmp_path, capsys):
     checkpoint and no metrics written."""
     argv = _argv(wan, tmp_path / "r", "--max_steps", "1")
     argv[argv.index("--num_frames") + 1] = str(frames)
-    _fails(capsys, argv, f"--num_frames {frames}", nearest)
+    assert_one_line_error(capsys, argv, f"--num_frames {frames}", nearest)
     assert not (tmp_path / "r" / "checkpoints").exists() and not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
@@ -278,7 +273,7 @@ def test_images_for_a_video_pipeline(wan, tmp_path, capsys):
     argv = _argv(wan, tmp_path / "r", "--max_steps", "1")
     argv[argv.index("--data") + 1] = str(data)
     del argv[argv.index("--num_frames"):argv.index("--num_frames") + 4]  # --num_frames N --frame_interval N
-    _fails(capsys, argv, f"--data {data}", "holds images", "WanPipeline", "makes videos")
+    assert_one_line_error(capsys, argv, f"--data {data}", "holds images", "WanPipeline", "makes videos")
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
@@ -356,12 +351,7 @@ def _i2v_reference_first_loss(folder: Path, data: str) -> float:
     first = torch.stack([it.get("image", it["video"][:, 0]) for it in items])
     texts = [it["text"] for it in items]
     with torch.no_grad():
-        post = pipe.vae.encode(pixels).latent_dist
-        noise, sigma, eps = _step0_draws(post, torch.Generator().manual_seed(derive_seed(0, 0)), shift)
-        view = (1, pipe.vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(pipe.vae.config.latents_mean).view(view)
-        inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(view)
-        x0 = (post.mean + post.std * eps - mean) * inv_std
+        x0, noise, sigma, mean, inv_std = _step0_latents(pipe, pixels, shift)
         clip = torch.cat([first[:, :, None], torch.zeros(BATCH, 3, FRAMES - 1, SIZE, SIZE)], dim=2)
         latent_condition = (pipe.vae.encode(clip).latent_dist.mode() - mean) * inv_std
         mask = torch.zeros(BATCH, 4, *latent_condition.shape[2:])
@@ -479,15 +469,15 @@ def test_i2v_bad_input_lines(wan_i2v, runs, i2v_runs, tmp_path, capsys):
     __import__("PIL.Image").Image.new("RGB", (SIZE, SIZE)).save(png)
     out = tmp_path / "out"
     base = ["sample", "--prompt", "a dog", "--num_sampling_steps", "2", "--device", "cpu"]
-    _fails(capsys, [*base, "--ckpt", str(runs["full"]), "--image", str(png), "--out", str(out)], "--image",
+    assert_one_line_error(capsys, [*base, "--ckpt", str(runs["full"]), "--image", str(png), "--out", str(out)], "--image",
            "WanPipeline", "takes no image")
-    _fails(capsys, [*base, "--ckpt", str(i2v_runs["full"]), "--out", str(out)], "--image",
+    assert_one_line_error(capsys, [*base, "--ckpt", str(i2v_runs["full"]), "--out", str(out)], "--image",
            "WanImageToVideoPipeline")
-    _fails(capsys, [*base, "--ckpt", str(i2v_runs["full"]), "--image", str(png), "--prompt", "a cat", "--out",
+    assert_one_line_error(capsys, [*base, "--ckpt", str(i2v_runs["full"]), "--image", str(png), "--prompt", "a cat", "--out",
                     str(out / "clip.mp4")], f"--out {out / 'clip.mp4'}", "2 prompts")
-    _fails(capsys, [*base, "--ckpt", str(runs["full"]), "--out", str(out / "x.png")], "--out", ".mp4")
+    assert_one_line_error(capsys, [*base, "--ckpt", str(runs["full"]), "--out", str(out / "x.png")], "--out", ".mp4")
     assert not out.exists()
-    _fails(capsys, _argv(wan_i2v, tmp_path / "r", "--max_steps", "1", "--random_flip"), "--random_flip",
+    assert_one_line_error(capsys, _argv(wan_i2v, tmp_path / "r", "--max_steps", "1", "--random_flip"), "--random_flip",
            "WanImageToVideoPipeline")
     assert not (tmp_path / "r" / "checkpoints").exists() and not (tmp_path / "r" / "metrics.jsonl").exists()
 

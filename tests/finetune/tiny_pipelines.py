@@ -499,6 +499,27 @@ WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction"
                      timestep_spacing="linspace", final_sigmas_type="zero")
 
 
+def _wan_parts(**transformer: int) -> dict:
+    """The components ``make_wan`` and ``make_wan_i2v`` share, as keyword arguments of their pipelines: the T5
+    tokenizer, a UMT5 encoder 32 wide, the tiny ``AutoencoderKLWan``, Wan 2.1 480p's scheduler, and a
+    ``WanTransformer3DModel`` of 2 layers and 2 heads x 12 with ``transformer`` (``in_channels``, ``image_dim``)
+    on top of its config; each model's weights drawn after ``torch.manual_seed(0)``."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    tokenizer = make_t5_tokenizer()
+    text_encoder = _umt5_encoder(tokenizer, 32)
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    torch.manual_seed(0)
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                  out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    return dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                transformer=WanTransformer3DModel(**{**config, **transformer}).eval(),
+                scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER))
+
+
 def make_wan(path) -> Path:
     """A tiny Wan 2.1 text-to-video ``WanPipeline`` folder, with the configs of diffusers' own
     ``tests/pipelines/wan/test_wan.py``.
@@ -515,20 +536,9 @@ def make_wan(path) -> Path:
     Returns:
         ``Path(path)``.
     """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import WanPipeline
 
-    tokenizer = make_t5_tokenizer()
-    text_encoder = _umt5_encoder(tokenizer, 32)
-    torch.manual_seed(0)
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True]).eval()
-    torch.manual_seed(0)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32).eval()
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER))
+    pipe = WanPipeline(**_wan_parts())
     return _save(pipe, path)
 
 
@@ -544,27 +554,16 @@ def make_wan_i2v(path) -> Path:
     Returns:
         ``Path(path)``.
     """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from diffusers import WanImageToVideoPipeline
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
-    tokenizer = make_t5_tokenizer()
-    text_encoder = _umt5_encoder(tokenizer, 32)
-    torch.manual_seed(0)
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True]).eval()
-    torch.manual_seed(0)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=36, out_channels=16,
-        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32, image_dim=4).eval()
+    parts = _wan_parts(in_channels=36, image_dim=4)
     torch.manual_seed(0)
     image_encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
         hidden_size=4, projection_dim=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
         intermediate_size=16, patch_size=1)).eval()
     image_processor = CLIPImageProcessor(crop_size=32, size=32)
-    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                                   scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), image_encoder=image_encoder,
-                                   image_processor=image_processor)
+    pipe = WanImageToVideoPipeline(**parts, image_encoder=image_encoder, image_processor=image_processor)
     out = _save(pipe, path)
     # transformers 5 without torchvision builds CLIPImageProcessorPil and saves that name; the real folders (and
     # diffusers' loader, which falls back to the Pil class by itself) name CLIPImageProcessor
