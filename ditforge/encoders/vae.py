@@ -192,6 +192,17 @@ class VAE(FrozenModel):
         shift, scale = self._factors(z)
         return _unfold((z - shift) * scale, t), _unfold(std * scale, t)
 
+    def _calls(self, x: torch.Tensor, micro_batch: int | None) -> tuple[torch.Tensor, int | None, int]:
+        """``x`` on the VAE's device and dtype as the model takes it, with T (None for images) and the rows per
+        call: a 2-D VAE's frames folded to (B*T, c, h, w), ``micro_batch`` (default ``self.micro_batch``) a call; a
+        3-D VAE's whole clips (B, c, T, h, w), ``micro_batch // T`` (at least 1) a call, T None."""
+        step = int(micro_batch or self.micro_batch)
+        x = x.to(device=self.device, dtype=self.dtype)
+        if self.temporal > 1:
+            return x, None, max(1, step // x.shape[2])
+        frames, t = _fold(x)
+        return frames, t, step
+
     def _posterior(self, x: torch.Tensor, micro_batch: int | None) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """Unscaled posterior mean and std of the frames (folded to (B*T, c, h, w)), and T (None for images); a 3-D
         VAE's of whole clips ((B, c, T', h, w), None).
@@ -200,14 +211,10 @@ class VAE(FrozenModel):
             ValueError: a 3-D VAE given images or a frame count it cannot take (``valid_frames``).
         """
         _check_input(x, self.in_channels, self.downsample, "pixels", self.path)
-        step = int(micro_batch or self.micro_batch)
-        if self.temporal > 1:
-            if x.ndim != 5 or not self.valid_frames(x.shape[2]):
-                raise ValueError(f"expected videos (B, C, T, H, W) with T = {self.temporal} k + 1 frames for a 3-D "
-                                 f"VAE, got shape {tuple(x.shape)}")
-            frames, t, step = x.to(device=self.device, dtype=self.dtype), None, max(1, step // x.shape[2])
-        else:
-            frames, t = _fold(x.to(device=self.device, dtype=self.dtype))
+        if self.temporal > 1 and (x.ndim != 5 or not self.valid_frames(x.shape[2])):
+            raise ValueError(f"expected videos (B, C, T, H, W) with T = {self.temporal} k + 1 frames for a 3-D "
+                             f"VAE, got shape {tuple(x.shape)}")
+        frames, t, step = self._calls(x, micro_batch)
         means, stds = [], []
         for i in range(0, frames.shape[0], step):
             dist = self.model.encode(frames[i:i + step]).latent_dist
@@ -229,11 +236,7 @@ class VAE(FrozenModel):
             a 3-D VAE gives ``temporal (T' - 1) + 1`` frames for T' latent frames.
         """
         _check_input(latents, self.latent_channels, 1, "latents", self.path)
-        step = int(micro_batch or self.micro_batch)
-        if self.temporal > 1:  # whole clips
-            frames, t, step = latents.to(device=self.device, dtype=self.dtype), None, max(1, step // latents.shape[2])
-        else:
-            frames, t = _fold(latents.to(device=self.device, dtype=self.dtype))
+        frames, t, step = self._calls(latents, micro_batch)
         shift, scale = self._factors(frames)
         frames = frames / scale + shift
         out = [self.model.decode(frames[i:i + step]).sample for i in range(0, frames.shape[0], step)]

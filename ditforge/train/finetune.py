@@ -244,7 +244,7 @@ def sample_grid(pre: Pretrained, cfg, weights: dict[str, torch.Tensor], dataset,
 def first_frame_image(item: dict):
     """The conditioning image of a video data set's item as a PIL RGB image: its ``image`` (a video CSV's
     ``image`` column) where it has one, else the first frame of its ``video`` (3, T, S, S) in [-1, 1], as uint8
-    ``round((x + 1) * 127.5)`` (a decoded frame's bytes back).
+    (``data.images.to_uint8``: ``round((x + 1) * 127.5)``, a decoded frame's bytes back).
 
     Raises:
         UserError: an item without pixels (stored features: the trainer's periodic image-to-video samples need
@@ -252,7 +252,7 @@ def first_frame_image(item: dict):
     """
     from PIL import Image
 
-    from ditforge.errors import UserError
+    from ditforge.data.images import to_uint8
 
     if "image" in item:
         x = item["image"]
@@ -261,8 +261,7 @@ def first_frame_image(item: dict):
     else:
         raise UserError("--sample_every: the periodic samples of an image-to-video run need clips, not stored "
                         "features; pass --sample_every 0")
-    pixels = ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)
-    return Image.fromarray(pixels.cpu().numpy())
+    return Image.fromarray(to_uint8(x[None])[0])
 
 
 def fresh_denoiser(pre: Pretrained, cfg) -> DiffusersDenoiser:
