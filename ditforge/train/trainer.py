@@ -905,7 +905,7 @@ def _loop(run: _Run) -> int:
     try:
         batches = iter(run.loader)
         while step < run.max_steps:
-            if not interrupted.check(run.checkpointer.writing(), control_group):
+            if not interrupted.check(run.checkpointer.writing(), control_group) and run.checkpointer.pending:
                 # a background save written on every rank is published now, not by the next save: a kill then
                 # redoes at most --ckpt_every steps, not up to twice that
                 run.finish_saves()
