@@ -179,7 +179,8 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio, text_dim is not None, qk_norm)
                                      for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, self.x_embedder.patch_shape, self.out_channels)
-        self.initialize_weights()
+        if not self.pos_embed.is_meta:  # a meta build (create_model(device=)) initialises as it materialises
+            self.initialize_weights()
 
     def _build_x_embedder(self, input_size, patch_size, in_channels: int, hidden_size: int) -> nn.Module:
         """The patch embedding (hook): ``PatchEmbed``, a Conv2d of kernel = stride = p."""

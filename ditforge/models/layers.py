@@ -65,7 +65,10 @@ class LabelEmbedder(nn.Module):
     def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float):
         super().__init__()
         use_cfg_embedding = int(dropout_prob > 0)
-        self.embedding_table = nn.Embedding(num_classes + use_cfg_embedding, hidden_size)
+        rows = num_classes + use_cfg_embedding
+        # the table's values come from DiT.initialize_weights; nn.Embedding's own N(0, 1) draw is skipped, since on
+        # the meta device (create_model(device=)) torch's normal_ imports torch._dynamo: ~2 s of a process's start
+        self.embedding_table = nn.Embedding(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
         self.num_classes = num_classes
         self.dropout_prob = dropout_prob
 
@@ -288,7 +291,9 @@ class CaptionEmbedder(nn.Module):
     def __init__(self, text_dim: int, hidden_size: int, dropout_prob: float):
         super().__init__()
         self.y_proj = Mlp(text_dim, hidden_size, out_features=hidden_size)
-        self.null_caption = nn.Parameter(torch.randn(1, text_dim) / text_dim**0.5)
+        null = torch.randn(1, text_dim)  # a meta build draws it as it materialises (initialize_weights); scaling
+        # it here would import torch._dynamo, as any arithmetic on meta tensors does: ~2 s of a process's start
+        self.null_caption = nn.Parameter(null if null.is_meta else null / text_dim**0.5)
         self.dropout_prob = dropout_prob
 
     def forward(

@@ -227,7 +227,8 @@ class STDiT(DiT):
             STDiTBlock(hidden_size, num_heads, frames, height * width, mlp_ratio, text_dim is not None, qk_norm)
             for _ in range(depth)
         ])
-        self.initialize_weights()
+        if not self.pos_embed.is_meta:  # a meta build (create_model(device=)) initialises as it materialises
+            self.initialize_weights()
 
     def _build_x_embedder(self, input_size, patch_size, in_channels: int, hidden_size: int) -> nn.Module:
         """``PatchEmbed3D`` over (T, H, W) with (t, p, p) patches."""

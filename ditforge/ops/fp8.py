@@ -18,6 +18,7 @@ LayerNorm pass already quantized (``layernorm_modulate_e4m3``, as ``Float8Rows``
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -104,7 +105,6 @@ def _layernorm_config(D: int) -> tuple[int, int, int, int]:
     return block_a, block_b, 1, _warps(block_a + block_b)
 
 
-@triton_op("ditforge::quantize_rows", mutates_args=())
 def _quantize_rows_op(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, D) with unit column stride -> (q (M, D) e4m3, s (M, 1) float32)."""
     check_triton(x.device)
@@ -148,7 +148,7 @@ def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, to
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    q, s = _quantize_rows_op(rows, gelu)
+    q, s = _ops().quantize_rows(rows, gelu)
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 
 
@@ -173,19 +173,33 @@ def _launch_layernorm_modulate_e4m3(x, y, gate, shift, scale, eps):
     return x_out, q, s
 
 
-@triton_op("ditforge::layernorm_modulate_e4m3", mutates_args=())
 def _layernorm_modulate_e4m3_op(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x (B, N, D) contiguous, shift / scale (B, D) with unit column stride -> (q (B, N, D) e4m3, s (B, N, 1))."""
     return _launch_layernorm_modulate_e4m3(x, None, None, shift, scale, eps)[1:]
 
 
-@triton_op("ditforge::residual_layernorm_modulate_e4m3", mutates_args=())
 def _residual_layernorm_modulate_e4m3_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor,
                                          scale: torch.Tensor, eps: float
                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As ``_layernorm_modulate_e4m3_op`` after x <- x + gate * y (y like x, gate (B, D)); returns that x too."""
     return _launch_layernorm_modulate_e4m3(x, y, gate, shift, scale, eps)
+
+
+_OPS: SimpleNamespace | None = None
+
+
+def _ops() -> SimpleNamespace:
+    """The three launchers above as ``torch.library.triton_op``s (``ditforge::``), registered on first use rather
+    than at import: registering one imports ``torch._inductor`` (it reads the launcher's source for its kernels),
+    1.5-2 s of every process's start that never quantizes. ``to_rowwise_float8`` registers them, so a model is
+    compiled after they exist."""
+    global _OPS
+    if _OPS is None:
+        _OPS = SimpleNamespace(**{name: triton_op(f"ditforge::{name}", fn, mutates_args=()) for name, fn in (
+            ("quantize_rows", _quantize_rows_op), ("layernorm_modulate_e4m3", _layernorm_modulate_e4m3_op),
+            ("residual_layernorm_modulate_e4m3", _residual_layernorm_modulate_e4m3_op))})
+    return _OPS
 
 
 def layernorm_modulate_e4m3(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
@@ -224,8 +238,8 @@ def layernorm_modulate_e4m3(x: torch.Tensor, shift: torch.Tensor, scale: torch.T
     x = x.contiguous()
     shift, scale = row_major(shift), row_major(scale)
     if y is None:
-        return x, Float8Rows(*_layernorm_modulate_e4m3_op(x, shift, scale, eps))
-    x, q, s = _residual_layernorm_modulate_e4m3_op(x, y.contiguous(), row_major(gate), shift, scale, eps)
+        return x, Float8Rows(*_ops().layernorm_modulate_e4m3(x, shift, scale, eps))
+    x, q, s = _ops().residual_layernorm_modulate_e4m3(x, y.contiguous(), row_major(gate), shift, scale, eps)
     return x, Float8Rows(q, s)
 
 
@@ -291,6 +305,7 @@ class RowwiseFloat8Linear(nn.Module):
 def to_rowwise_float8(model: nn.Module, keep) -> int:
     """Replace every ``nn.Linear`` of ``model`` for which ``keep(module, qualified_name)`` is true by its
     ``RowwiseFloat8Linear``. Returns the number replaced."""
+    _ops()
     chosen = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and keep(m, fqn)]
     for fqn in chosen:
         parent, _, name = fqn.rpartition(".")
