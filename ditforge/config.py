@@ -139,8 +139,8 @@ class TrainConfig:
     lr: float | None = _f(None, "learning rate (default: 1e-4 as DiT's paper; 1e-3 for the tiny DiT-T and vDiT-T; "
                                 "with --init_from 1e-5, LoRA 1e-4; --optimizer adafactor 1e-2)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
-    optimizer: str = _f("adamw", "adamw (fp32 moments; fused on CUDA) | adamw8bit (bitsandbytes' 8-bit blockwise "
-                                 "moments: 2 bytes per parameter instead of 8) | adamw4bit (torchao's 4-bit "
+    optimizer: str = _f("adamw", "adamw (fp32 moments; torch's fused kernel) | adamw8bit (bitsandbytes' 8-bit "
+                                 "blockwise moments: 2 bytes per parameter instead of 8) | adamw4bit (torchao's 4-bit "
                                  "moments: 1 byte) | adamw_fp8 (torchao's float8 moments: 2 bytes) | adafactor "
                                  "(torch's: factored second moments, no first; --lr is its maximum relative step "
                                  "size, default 1e-2). The last three step after the backward, over fp32 weights",

@@ -2,7 +2,7 @@
 stochastically rounded bf16 weights, fp32 or 8-bit AdamW states, and the optimizer step fused into the backward.
 
 ``build_optimizer`` picks one of:
-  * ``--optimizer adamw --master_weights fp32`` (the default): ``torch.optim.AdamW`` (fused on CUDA) over fp32
+  * ``--optimizer adamw --master_weights fp32`` (the default): ``torch.optim.AdamW`` (fused: CUDA and CPU) over fp32
     parameters; 16 bytes per trainable parameter (weights, gradients, two moments) before the EMA.
   * ``CompensatedAdamW`` for everything else: AdamW with the moments in fp32 or as bitsandbytes' 8-bit blockwise
     codes (``--optimizer adamw8bit``: Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization";
@@ -656,8 +656,8 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     """The optimizer for ``--optimizer`` over ``params`` (bf16 ones take their updates as ``master_weights``
     says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``CompensatedAdamW`` with the one-pass
     Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device, plain tensors: not
-    fully_shard's DTensors); otherwise ``torch.optim.AdamW`` (fused on CUDA) for ``adamw`` over fp32 weights stepped
-    after the backward, else ``CompensatedAdamW`` with the libraries' kernels; ``LIBRARY_OPTIMIZERS``: the
+    fully_shard's DTensors); otherwise ``torch.optim.AdamW`` (fused, CUDA and CPU) for ``adamw`` over fp32
+    weights stepped after the backward, else ``CompensatedAdamW`` with the libraries' kernels; ``LIBRARY_OPTIMIZERS``: the
     library's own (``library_optimizer``; ``config.validate`` keeps them to the step after the backward). betas (0.9, 0.999), eps 1e-8 (DiT's
     and diffusers' training scripts'). ``offload`` ``optimizer`` (``--cpu_offload optimizer``): the states in pinned
     host memory; ``all``: the parameters are FSDP2's host shards, stepped by torch's fused AdamW on the CPU
@@ -681,7 +681,7 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
                         f"--fused_optimizer auto, --plugin none or ddp); here the device is {device}")
     if not fused and optimizer == "adamw" and not in_backward and all(p.dtype == torch.float32 for p in params):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999),
-                                 fused=device.type == "cuda")
+                                 fused=device.type in ("cuda", "cpu"))
     return CompensatedAdamW(params, lr=lr, weight_decay=weight_decay,
                             states="8bit" if optimizer == "adamw8bit" else "fp32",
                             rounding="stochastic" if master_weights == "bf16_sr" else "kahan", fused=fused,

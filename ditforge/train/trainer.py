@@ -119,9 +119,8 @@ def train_step(
     Divergence guard: a step whose loss or global gradient norm is not finite on any process changes nothing:
     the optimizer skips it on the device through its ``found_inf`` input, as the fp16 grad scaler drives torch's
     fused AdamW (``CompensatedAdamW`` on either of its paths, torch's fused AdamW), so no host sync; the
-    libraries' own optimizers (torchao's, Adafactor) and torch's unfused AdamW (the CPU) step after the flag is
-    read on the host. The caller skips the EMA update by ``"skipped"``. Under fp16 the grad scaler's own skip is
-    that skip. With ``stepper`` the blocks step during the backward, each skipped on the device where the loss
+    libraries' own optimizers (torchao's, Adafactor) step after the flag is read on the host. The caller skips
+    the EMA update by ``"skipped"``. Under fp16 the grad scaler's own skip is that skip. With ``stepper`` the blocks step during the backward, each skipped on the device where the loss
     is not finite (the flag is computed before the backward); a non-finite gradient of a finite loss is found
     only after the blocks before it stepped (``StepInBackward`` says why); the EMA still skips that step, and
     the trainer's weight check refuses to save non-finite weights. ``packing`` (``--pack_tokens``): (tokens per
@@ -132,14 +131,15 @@ def train_step(
     """
     rows = sum(len(mb[0]) for mb in micro_batches)
     local_batch = rows / rows_per_sample
-    # A new iteration for compiled CUDA graphs (--compile reduce-overhead / max-autotune): lets them replay
-    # instead of falling back while the previous step's graphs look pending. A no-op without them.
-    torch.compiler.cudagraph_mark_step_begin()
     first = micro_batches[0][0]
-    autocast = (
-        torch.autocast((first[0] if isinstance(first, list) else first).device.type, dtype=amp_dtype)
-        if amp_dtype != torch.float32 else contextlib.nullcontext()
-    )
+    device_type = (first[0] if isinstance(first, list) else first).device.type
+    # A new iteration for compiled CUDA graphs (--compile reduce-overhead / max-autotune): lets them replay
+    # instead of falling back while the previous step's graphs look pending. A no-op without them; not called
+    # off CUDA, where importing it (torch._inductor) would add ~1.5 s to every process's start.
+    if device_type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+    autocast = (torch.autocast(device_type, dtype=amp_dtype) if amp_dtype != torch.float32
+                else contextlib.nullcontext())
     sums: dict[str, torch.Tensor] = {}
     total = 0  # the loss as optimised: the sum of the micro-batches' (each already divided by local_batch)
     for i, (x, cond, rnd, *weight) in enumerate(micro_batches):
