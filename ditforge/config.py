@@ -74,6 +74,12 @@ class ModelConfig:
     lora_alpha: float | None = _f(None, "LoRA scale numerator: updates are scaled by alpha / rank (default: rank)")
     lora_target_modules: str | None = _f(None, "comma-separated module names LoRA adapts (default: to_q,to_k,to_v,"
                                                "to_out.0 for diffusers models; qkv,proj for ditforge's DiT)")
+    fp8_base: bool = _f(False, "LoRA on a diffusers pipeline: store the frozen transformer's layers in float8 "
+                               "e4m3, each upcast to the compute dtype while it runs (diffusers' "
+                               "enable_layerwise_casting, as finetrainers' layerwise upcasting and musubi-tuner's "
+                               "--fp8_base): half the bf16 base's memory; adapters, norms and embedders stay as "
+                               "they are. --gpu_memory_budget turns it on where the bf16 base would take over a "
+                               "quarter of the budget")
     train_text_encoder: bool = _f(False, "train the --init_from pipeline's text encoder too (Stable Diffusion 1.x / "
                                          "2.x; with --lora_rank, LoRA on its attention projections)")
     family: str | None = _f(None, "the --init_from pipeline's family (sd | pixart | sd3), or None", cli=False)
@@ -602,6 +608,8 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("--train_text_encoder: trains a pretrained pipeline's text encoder; give --init_from")
     if m.lora_rank and m.init_from is None:
         raise UserError("--lora_rank: LoRA adapts pretrained weights; give --init_from")
+    if m.fp8_base and not m.lora_rank:
+        raise UserError("--fp8_base: stores the frozen base of a LoRA run; give --lora_rank")
     if data.resize_mode not in RESIZE_MODES:
         raise UserError(f"--resize_mode: expected one of {', '.join(RESIZE_MODES)}, got {data.resize_mode}")
     if (data.instance_data is None) != (data.instance_prompt is None):

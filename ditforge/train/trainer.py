@@ -715,11 +715,19 @@ def _build_model(run: _Run) -> None:
             finetune.load_dit_weights(model, finetune.dit_init_weights(run.dit_init, cfg), t.seed)
     if m.lora_rank:
         finetune.add_lora_to_denoiser(model, cfg)
+    if m.lora_rank and pre is not None and run.budget is not None and not m.fp8_base and plugin in ("none", "ddp"):
+        m.fp8_base = finetune.fp8_base_pays(sum(p.numel() for p in model.parameters() if not p.requires_grad),
+                                            run.budget)
+        if m.fp8_base and d.is_main:
+            log.info("--gpu_memory_budget %s: --fp8_base", t.gpu_memory_budget)
+    if m.fp8_base:
+        finetune.store_base_in_fp8(model, amp_dtype, plugin)
     (model if skeleton is not None else model.to(home)).train()
     if run.budget is not None:
         _place_under_budget(run, model)
     for p in model.parameters():  # what is not bf16 yet (a LoRA's base built here; the budget's choice)
-        if (run.half_base and not p.requires_grad) or (p.requires_grad and t.master_weights != "fp32"):
+        if (run.half_base and not p.requires_grad and p.element_size() > 1) or (
+                p.requires_grad and t.master_weights != "fp32"):
             p.data = p.data.to(amp_dtype)
     reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
     model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
@@ -739,8 +747,8 @@ def _place_under_budget(run: _Run, model: nn.Module) -> None:
     """--gpu_memory_budget: the optimizer, master weights, fused backward and CPU offload that fit the budget
     (``plan_placement``'s rule), written into the config."""
     t, d, plugin = run.cfg.train, run.d, run.cfg.parallel.plugin
-    frozen = sum(p.numel() * (2 if run.half_base else p.element_size()) for p in model.parameters()
-                 if not p.requires_grad)
+    frozen = sum(p.numel() * (min(2, p.element_size()) if run.half_base else p.element_size())
+                 for p in model.parameters() if not p.requires_grad)
     given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
     choice = plan_placement(run.budget, sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
                             t.ema_decay != 0, given, run.amp_dtype == torch.bfloat16,
