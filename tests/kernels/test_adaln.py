@@ -319,7 +319,7 @@ def test_dit_with_kernels_matches_reference(flags, restore_kernels):
 
     torch.manual_seed(29)
     model = DiT(input_size=8, patch_size=2, in_channels=4, hidden_size=72, depth=2, num_heads=3,
-                num_classes=10).to(DEV)
+                num_classes=10).to(DEV).eval()  # eval: no label dropout draws, which would differ between the runs
     with torch.no_grad():  # adaLN-Zero zeroes these at init, which would make modulation and gates trivial
         for module in [*model.blocks, model.final_layer]:
             module.adaLN_modulation[-1].weight.normal_(0, 0.05)
