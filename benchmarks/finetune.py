@@ -25,8 +25,9 @@ Models (``--model``):
           ``lora32`` (rank 32 on to_q, to_k, to_v, to_out.0, every block checkpointed, as the anchor's ``lora``),
           ``lora32_compile``, ``lora32_budget8`` (+ --gpu_memory_budget 8GiB), ``lora32_nockpt`` (no checkpointing,
           as the anchor's ``lora_nockpt``), ``lora32_ckpt2`` (every second block), ``lora32_op`` (op-level
-          selective checkpointing), ``lora32_fp8`` (+ --fp8_base: the frozen base stored in float8),
-          ``lora32_fp8_budget8`` (and under 8 GiB), ``full`` and ``full_compile``
+          selective checkpointing), ``lora32_attn`` (attention outputs kept, the rest recomputed),
+          ``lora32_fp8`` (+ --fp8_base: the frozen base stored in float8), ``lora32_fp8_attn``,
+          ``lora32_fp8_budget8`` (under 8 GiB), ``full``, ``full_attn`` and ``full_compile``
           (bf16 autocast, fp32 master weights, fused AdamW, EMA, every block checkpointed as the anchor's ``full``)
 Rows (``--rows``, comma-separated): ``full`` (all weights, bf16 autocast, fp32 master weights, fused AdamW),
 ``full_compile`` (+ --compile: the whole denoiser in one graph), ``full_ro`` (+ --compile reduce-overhead: CUDA
@@ -151,11 +152,14 @@ ROWS = {
     "lora32_nockpt": [*WAN_LORA[:-1]],  # the anchor's lora_nockpt: every activation kept
     "lora32_ckpt2": [*WAN_LORA[:-1], "--grad_checkpoint", "every-2"],
     "lora32_op": [*WAN_LORA[:-1], "--grad_checkpoint", "op"],  # matmul and attention outputs kept
+    "lora32_attn": [*WAN_LORA[:-1], "--grad_checkpoint", "attn"],  # attention outputs kept
+    "lora32_fp8_attn": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base"],
     "lora32_fp8": [*WAN_LORA, "--fp8_base"],
     "lora32_fp8_budget8": [*WAN_LORA, "--fp8_base", "--gpu_memory_budget", "8GiB"],
 }
 # rows of one name for every model whose flags differ for wan13: the anchor checkpoints every block of its full row
-WAN_ROWS = {"full": ["--grad_checkpoint"], "full_compile": ["--grad_checkpoint", "--compile"]}
+WAN_ROWS = {"full": ["--grad_checkpoint"], "full_compile": ["--grad_checkpoint", "--compile"],
+            "full_attn": ["--grad_checkpoint", "attn"]}
 CUDA_ONLY = ("--gpu_memory_budget",)  # rows with these flags skip on a machine without CUDA
 
 

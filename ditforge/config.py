@@ -192,7 +192,8 @@ class TrainConfig:
                                        "needs --compile)", choices=FP8_RECIPES)
     grad_checkpoint: str = _f("none", "activation checkpointing: none | full (every block; the bare flag) | "
                                       "every-K (every K-th block) | op (keep matmul and attention outputs, "
-                                      "recompute the element-wise ops)", const="full")
+                                      "recompute the element-wise ops) | attn (keep the attention outputs alone: "
+                                      "long video sequences)", const="full")
     offload_activations: bool = _f(False, "the transformer blocks that --grad_checkpoint leaves unchecked keep the "
                                           "tensors saved for their backward, parameters excepted, in pinned host "
                                           "memory (copied out in the forward, back in the backward, on the compute "
@@ -290,7 +291,7 @@ class BenchConfig:
     fp8_recipe: str = _f("tensorwise", "row g's float8 scaling (as train's --fp8_recipe; rowwise_with_gw_hp needs "
                                        "row e, compile)", choices=FP8_RECIPES)
     compile_mode: str = _f("default", "torch.compile mode of the compile rows", choices=COMPILE_MODES[1:])
-    grad_checkpoint: str = _f("none", "activation checkpointing in every row: none | full | every-K | op",
+    grad_checkpoint: str = _f("none", "activation checkpointing in every row: none | full | every-K | op | attn",
                               const="full")
     find_max_batch: bool = _f(False, "also search the largest batch that fits with the last row's "
                                       "settings (CUDA only)")
@@ -420,7 +421,7 @@ def parse_bytes(text: str, flag: str) -> int:
     return int(value)
 
 
-CHECKPOINT_POLICIES = "none | full | every-K | op"
+CHECKPOINT_POLICIES = "none | full | every-K | op | attn"
 _EVERY = re.compile(r"^every-([1-9][0-9]*)$")
 
 
@@ -428,12 +429,13 @@ def parse_checkpoint_policy(policy: str) -> tuple[str, int]:
     """``--grad_checkpoint`` value -> (kind, k): ``none``, ``full`` (every block), ``every-K`` (blocks
     0, K, 2K, ...: 1/K of the recomputation for 1/K of the saving), ``op`` (every block, but the outputs of
     matrix products and attention are kept and only the cheap element-wise ops are recomputed; torchtitan's
-    op-level selective checkpointing).
+    op-level selective checkpointing), ``attn`` (every block, keeping the attention outputs alone: long video
+    sequences, where attention's quadratic cost dominates and the matrix products' outputs are the memory).
 
     Raises:
         UserError: any other value (names the flag and the choices).
     """
-    if policy in ("none", "full", "op"):
+    if policy in ("none", "full", "op", "attn"):
         return policy, 1
     m = _EVERY.match(policy)
     if not m:

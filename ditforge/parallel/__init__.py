@@ -4,6 +4,7 @@ the model code knows nothing of them."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -36,27 +37,27 @@ def resolve_plugin(plugin: str, world_size: int, cpu_offload: str = "none") -> s
     return "zero2" if plugin in ("auto", "none") else plugin
 
 
-# Ops whose outputs op-level selective checkpointing keeps: the matrix products and attention (expensive to
+# Ops whose outputs selective checkpointing keeps. ``op``: the matrix products and attention (expensive to
 # recompute); LayerNorm, modulate, GELU and residuals are recomputed (cheap, and most of the activations).
-_SAVED_OPS = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+# ``attn``: attention alone, whose cost grows with the square of the sequence (at Wan's 32,760 video tokens most of
+# a block's FLOPs); the matrix products are recomputed, so only the attention outputs stay (a block's width each).
+_ATTENTION_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+_SAVED_OPS = {"op": _ATTENTION_OPS | {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                                     torch.ops.aten.bmm.default},
+              "attn": _ATTENTION_OPS}
 
 
-def _op_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
+def _selective_context(kind: str):
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_op_policy)
+    saved = _SAVED_OPS[kind]
+    return create_selective_checkpoint_contexts(
+        lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def _pack_to_host(tensor: torch.Tensor) -> torch.Tensor | tuple[torch.device, torch.Tensor]:
@@ -100,8 +101,8 @@ def apply_grad_checkpoint(model: nn.Module, policy: str, offload: bool = False) 
     kind, k = parse_checkpoint_policy(policy)
     for i, path in enumerate(block_paths(model)):
         block = model.get_submodule(path)
-        if kind == "op":
-            replace_block(model, path, checkpoint_wrapper(block, context_fn=_selective_context))
+        if kind in _SAVED_OPS:
+            replace_block(model, path, checkpoint_wrapper(block, context_fn=functools.partial(_selective_context, kind)))
         elif kind != "none" and i % k == 0:
             replace_block(model, path, checkpoint_wrapper(block))
         elif offload:

@@ -62,7 +62,8 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_op_policy_recomputes_only_elementwise_ops():
     """What the backward reruns: nothing without checkpointing; the element-wise ops (GELU) but no matrix
-    product under ``op``; both under ``full``. All three give the same gradients (float64)."""
+    product under ``op``; both under ``full``; both but not attention under ``attn``. All four give the same
+    gradients (float64)."""
 
     torch.manual_seed(0)
     base = create_model("DiT-T/2", 8, 1, 10).double()
@@ -71,7 +72,7 @@ def test_op_policy_recomputes_only_elementwise_ops():
     x, t, y = torch.randn(2, 1, 8, 8, dtype=torch.float64), torch.tensor([3, 700]), torch.tensor([1, 4])
     grads, reruns = {}, {}
     aten = torch.ops.aten
-    for policy in ("none", "full", "op"):
+    for policy in ("none", "full", "op", "attn"):
         model = create_model("DiT-T/2", 8, 1, 10).double()
         model.load_state_dict(base.state_dict())
         model = parallelize(model, Dist(), "none", grad_checkpoint=policy)
@@ -79,12 +80,14 @@ def test_op_policy_recomputes_only_elementwise_ops():
         with _CountOps() as counter:
             loss.backward()
         reruns[policy] = (counter.calls.get(aten.gelu.default, 0),
-                          counter.calls.get(aten.addmm.default, 0) + counter.calls.get(aten.mm.default, 0))
+                          counter.calls.get(aten.addmm.default, 0) + counter.calls.get(aten.mm.default, 0),
+                          counter.calls.get(aten._scaled_dot_product_flash_attention_for_cpu.default, 0))
         grads[policy] = [p.grad for p in model.parameters() if p.requires_grad]
     depth = len(base.blocks)
-    assert reruns["none"][0] == 0 and reruns["op"][0] == depth and reruns["full"][0] == depth
-    assert reruns["none"][1] == reruns["op"][1] < reruns["full"][1]
-    for policy in ("full", "op"):
+    assert reruns["none"][0] == 0 and reruns["op"][0] == reruns["attn"][0] == reruns["full"][0] == depth
+    assert reruns["none"][1] == reruns["op"][1] < reruns["attn"][1] == reruns["full"][1]
+    assert reruns["none"][2] == reruns["op"][2] == reruns["attn"][2] == 0 and reruns["full"][2] == depth
+    for policy in ("full", "op", "attn"):
         for a, b in zip(grads[policy], grads["none"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
