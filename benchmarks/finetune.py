@@ -27,7 +27,9 @@ Models (``--model``):
           as the anchor's ``lora_nockpt``), ``lora32_ckpt2`` (every second block), ``lora32_op`` (op-level
           selective checkpointing), ``lora32_attn`` (attention outputs kept, the rest recomputed),
           ``lora32_fp8`` (+ --fp8_base: the frozen base stored in float8), ``lora32_fp8_attn``,
-          ``lora32_fp8_budget8`` (under 8 GiB), ``full``, ``full_attn`` and ``full_compile``
+          ``lora32_fp8_budget8`` (under 8 GiB), ``lora32_off_budget8``, ``lora32_fp8_off_budget8`` (+
+          --offload_activations: the checkpointed blocks' inputs in host memory), ``lora32_fp8_attn_off``,
+          ``full``, ``full_attn`` and ``full_compile``
           (bf16 autocast, fp32 master weights, fused AdamW, EMA, every block checkpointed as the anchor's ``full``)
 Rows (``--rows``, comma-separated): ``full`` (all weights, bf16 autocast, fp32 master weights, fused AdamW),
 ``full_compile`` (+ --compile: the whole denoiser in one graph), ``full_ro`` (+ --compile reduce-overhead: CUDA
@@ -156,6 +158,10 @@ ROWS = {
     "lora32_fp8_attn": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base"],
     "lora32_fp8": [*WAN_LORA, "--fp8_base"],
     "lora32_fp8_budget8": [*WAN_LORA, "--fp8_base", "--gpu_memory_budget", "8GiB"],
+    # + --offload_activations: the checkpointed blocks' inputs in pinned host memory
+    "lora32_off_budget8": [*WAN_LORA, "--offload_activations", "--gpu_memory_budget", "8GiB"],
+    "lora32_fp8_off_budget8": [*WAN_LORA, "--fp8_base", "--offload_activations", "--gpu_memory_budget", "8GiB"],
+    "lora32_fp8_attn_off": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base", "--offload_activations"],
 }
 # rows of one name for every model whose flags differ for wan13: the anchor checkpoints every block of its full row
 WAN_ROWS = {"full": ["--grad_checkpoint"], "full_compile": ["--grad_checkpoint", "--compile"],

@@ -194,10 +194,10 @@ class TrainConfig:
                                       "every-K (every K-th block) | op (keep matmul and attention outputs, "
                                       "recompute the element-wise ops) | attn (keep the attention outputs alone: "
                                       "long video sequences)", const="full")
-    offload_activations: bool = _f(False, "the transformer blocks that --grad_checkpoint leaves unchecked keep the "
-                                          "tensors saved for their backward, parameters excepted, in pinned host "
-                                          "memory (copied out in the forward, back in the backward, on the compute "
-                                          "stream)")
+    offload_activations: bool = _f(False, "the transformer blocks keep the tensors saved for their backward, "
+                                          "parameters excepted, in pinned host memory (copied out in the forward, "
+                                          "back in the backward, on the compute stream): a block --grad_checkpoint "
+                                          "checkpoints saves its inputs alone, the others all their activations")
     enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs (cuDNN, then Flash, on "
                                        "Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "
@@ -593,10 +593,7 @@ def validate(cfg: RunConfig) -> None:
                         "--save_npz` and measure them with `ditforge eval --inception`")
     from ditforge.models import model_spec  # raises UserError for unknown names
 
-    kind, every = parse_checkpoint_policy(t.grad_checkpoint)
-    if t.offload_activations and kind != "none" and every == 1:  # full, op and every-1 check every block
-        raise UserError(f"--offload_activations: offloads the activations of blocks that are not checkpointed; "
-                        f"--grad_checkpoint {t.grad_checkpoint} checkpoints every block (use every-K, or none)")
+    parse_checkpoint_policy(t.grad_checkpoint)
     if cfg.model.model is not None:
         model_spec(cfg.model.model)
     if t.pack_tokens:

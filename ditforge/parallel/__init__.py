@@ -92,21 +92,23 @@ class ActivationOffload(OffloadWrapper):
 
 def apply_grad_checkpoint(model: nn.Module, policy: str, offload: bool = False) -> None:
     """Wrap the model's repeated blocks (``block_paths``) for activation checkpointing (Chen et al. 2016) by
-    ``policy`` (see ``parse_checkpoint_policy``), and with ``offload`` (``--offload_activations``) the blocks it
-    leaves unchecked for activation offload (``ActivationOffload``): each tensor the block saves for its backward,
+    ``policy`` (see ``parse_checkpoint_policy``), and with ``offload`` (``--offload_activations``) every block
+    for activation offload (``ActivationOffload``): each tensor the block saves for its backward,
     parameters excepted, is copied to pinned host memory in the forward (non-blocking, on the compute stream) and
-    back in the backward (a checkpointed block keeps only its input, which its recomputation holds). The
-    state-dict keys do not change.
+    back in the backward; a checkpointed block saves only its inputs (and, selectively, the kept ops' outputs,
+    which stay on the device). The state-dict keys do not change.
     """
     kind, k = parse_checkpoint_policy(policy)
     for i, path in enumerate(block_paths(model)):
         block = model.get_submodule(path)
         if kind in _SAVED_OPS:
-            replace_block(model, path, checkpoint_wrapper(block, context_fn=functools.partial(_selective_context, kind)))
+            block = checkpoint_wrapper(block, context_fn=functools.partial(_selective_context, kind))
         elif kind != "none" and i % k == 0:
-            replace_block(model, path, checkpoint_wrapper(block))
-        elif offload:
-            replace_block(model, path, ActivationOffload(block))
+            block = checkpoint_wrapper(block)
+        # a checkpointed block saves its inputs (torch's non-reentrant checkpoint saves them for the backward
+        # outside its own hooks), so under these hooks they go to host memory too; what it saves inside it
+        # recomputes (or, selectively, keeps on the device)
+        replace_block(model, path, ActivationOffload(block) if offload else block)
 
 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper or newer
