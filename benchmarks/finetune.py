@@ -367,7 +367,7 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
             "final_loss": round(records[-1]["loss"], 4), **({"placement": placement} if placement else {})}
 
 
-def profile_row(name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) -> None:
+def profile_row(model_name: str, name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) -> None:
     """Where a row's step goes, in this process (the trainer's pieces, not its loop): wall ms per step against the
     GPU kernel time of the same steps (torch.profiler), and the largest kernels. Wall far above kernel time: the
     step waits on the host (launches, Python)."""
@@ -384,9 +384,16 @@ def profile_row(name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) 
     from ditforge.train import finetune
     from ditforge.train.trainer import step_randomness, train_step
 
-    flags = dict(zip(ROWS[name][::2], ROWS[name][1::2])) if name.startswith("lora") else {}
+    row = row_flags(model_name, name)
+
+    def value(flag: str, bare: str) -> str | None:  # a flag's value, ``bare`` when given without one, None if absent
+        if flag not in row:
+            return None
+        i = row.index(flag)
+        return row[i + 1] if i + 1 < len(row) and not row[i + 1].startswith("--") else bare
+
     cfg = build_config(overrides={"init_from": str(pipe), "data": str(feats),
-                                  "lora_rank": int(flags.get("--lora_rank", 0))})
+                                  "lora_rank": int(value("--lora_rank", "0") or 0)})
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     pre = load_pretrained(pipe, dev, text_device=torch.device("cpu"))
@@ -394,15 +401,17 @@ def profile_row(name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) 
     model = pre.denoiser.train()
     if cfg.model.lora_rank:
         finetune.add_lora_to_denoiser(model, cfg)
+        if "--fp8_base" in row:
+            finetune.store_base_in_fp8(model, torch.bfloat16, "none")
         for p in model.parameters():
-            if not p.requires_grad:
+            if not p.requires_grad and p.element_size() > 1:
                 p.data = p.data.to(torch.bfloat16)
-    if "--compile" in ROWS[name]:
-        from ditforge.parallel import parallelize
+    # the row's checkpointing, activation offload and compile, as the trainer applies them
+    from ditforge.parallel import parallelize
 
-        i = ROWS[name].index("--compile")
-        mode = ROWS[name][i + 1] if i + 1 < len(ROWS[name]) and not ROWS[name][i + 1].startswith("--") else "default"
-        model = parallelize(model, Dist(device=dev), compile=mode)
+    model = parallelize(model, Dist(device=dev), grad_checkpoint=value("--grad_checkpoint", "full") or "none",
+                        compile=value("--compile", "default") or "none",
+                        offload_activations="--offload_activations" in row)
     objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, device=dev)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     ema = EMA(model, trainable_only=bool(cfg.model.lora_rank))
@@ -502,7 +511,7 @@ def main() -> None:
     if args.profile:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         for name in args.rows.split(","):
-            profile_row(name, pipe, feats, batch)
+            profile_row(args.model, name, pipe, feats, batch)
         return
     import diffusers
 

@@ -198,10 +198,10 @@ def parallelize(
             all-reduced), ``zero2`` (FSDP2 ``fully_shard`` with ``reshard_after_forward=False``: gradients
             and optimizer states sharded, parameters gathered once per step and kept through the backward),
             ``fsdp`` (ZeRO-3: parameters resharded after the forward and gathered again for the backward).
-        grad_checkpoint: activation checkpointing policy, ``none | full | every-K | op``
+        grad_checkpoint: activation checkpointing policy, ``none | full | every-K | op | attn``
             (``parse_checkpoint_policy``).
-        offload_activations: the blocks left unchecked save their activations in pinned host memory
-            (``apply_grad_checkpoint``).
+        offload_activations: every block saves what it keeps for its backward (a checkpointed block its inputs)
+            in pinned host memory (``apply_grad_checkpoint``).
         compile: ``torch.compile`` mode for each block, compiled in place (after checkpointing, before
             sharding, as torchtitan orders them; every block has the same code, so it compiles once), or
             ``none``. ``reduce-overhead`` / ``max-autotune`` add CUDA graphs (static shapes). A model that sets
