@@ -56,8 +56,11 @@ def _selective_context(kind: str):
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     saved = _SAVED_OPS[kind]
-    return create_selective_checkpoint_contexts(
-        lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _pack_to_host(tensor: torch.Tensor) -> torch.Tensor | tuple[torch.device, torch.Tensor]:

@@ -657,11 +657,11 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``CompensatedAdamW`` with the one-pass
     Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device, plain tensors: not
     fully_shard's DTensors); otherwise ``torch.optim.AdamW`` (fused, CUDA and CPU) for ``adamw`` over fp32
-    weights stepped after the backward, else ``CompensatedAdamW`` with the libraries' kernels; ``LIBRARY_OPTIMIZERS``: the
-    library's own (``library_optimizer``; ``config.validate`` keeps them to the step after the backward). betas (0.9, 0.999), eps 1e-8 (DiT's
-    and diffusers' training scripts'). ``offload`` ``optimizer`` (``--cpu_offload optimizer``): the states in pinned
-    host memory; ``all``: the parameters are FSDP2's host shards, stepped by torch's fused AdamW on the CPU
-    (``DelayedAdamW`` with ``delayed_update``).
+    weights stepped after the backward, else ``CompensatedAdamW`` with the libraries' kernels;
+    ``LIBRARY_OPTIMIZERS``: the library's own (``library_optimizer``; ``config.validate`` keeps them to the step
+    after the backward). betas (0.9, 0.999), eps 1e-8 (DiT's and diffusers' training scripts'). ``offload``
+    ``optimizer`` (``--cpu_offload optimizer``): the states in pinned host memory; ``all``: the parameters are
+    FSDP2's host shards, stepped by torch's fused AdamW on the CPU (``DelayedAdamW`` with ``delayed_update``).
 
     Raises:
         UserError: an unknown ``optimizer``, ``adamw8bit`` without bitsandbytes, adamw4bit / adamw_fp8 without

@@ -120,10 +120,11 @@ def train_step(
     the optimizer skips it on the device through its ``found_inf`` input, as the fp16 grad scaler drives torch's
     fused AdamW (``CompensatedAdamW`` on either of its paths, torch's fused AdamW), so no host sync; the
     libraries' own optimizers (torchao's, Adafactor) step after the flag is read on the host. The caller skips
-    the EMA update by ``"skipped"``. Under fp16 the grad scaler's own skip is that skip. With ``stepper`` the blocks step during the backward, each skipped on the device where the loss
-    is not finite (the flag is computed before the backward); a non-finite gradient of a finite loss is found
-    only after the blocks before it stepped (``StepInBackward`` says why); the EMA still skips that step, and
-    the trainer's weight check refuses to save non-finite weights. ``packing`` (``--pack_tokens``): (tokens per
+    the EMA update by ``"skipped"``. Under fp16 the grad scaler's own skip is that skip. With ``stepper`` the
+    blocks step during the backward, each skipped on the device where the loss is not finite (the flag is
+    computed before the backward); a non-finite gradient of a finite loss is found only after the blocks before
+    it stepped (``StepInBackward`` says why); the EMA still skips that step, and the trainer's weight check
+    refuses to save non-finite weights. ``packing`` (``--pack_tokens``): (tokens per
     row, the model's patch shape); each micro-batch's samples run packed (``data.packing``), same loss terms.
 
     Returns this process's loss (as optimised) and mean terms per row, the global gradient norm, and

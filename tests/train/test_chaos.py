@@ -17,8 +17,8 @@ benchmarks/results/chaos_cpu.json and docs/troubleshooting.md:
     CHAOS_KILLS=20 CHAOS_STEPS=250 CHAOS_JSON=benchmarks/results/chaos_cpu.json \\
         python -m pytest -s -p no:cacheprovider tests/train/test_chaos.py -k one_process
 
-and with ``... -k two_processes`` (the same 20 kills over 250 steps) (``CHAOS_SEED`` seeds the kill moments, default 0). The kill
-driver lives here rather than in benchmarks/, which holds at most 15 scripts.
+and with ``... -k two_processes`` (the same 20 kills over 250 steps; ``CHAOS_SEED`` seeds the kill moments,
+default 0). The kill driver lives here rather than in benchmarks/, which holds at most 15 scripts.
 """
 
 from __future__ import annotations
