@@ -67,7 +67,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("sample", help="draw samples from a checkpoint: a PNG grid (image models) or an MP4 and a "
                        "GIF per prompt or label (video models)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--ckpt", required=True, help="run folder (newest checkpoint), checkpoint folder, "
-                   ".safetensors file, or an official DiT .pt state dict")
+                   ".safetensors file, an official DiT .pt state dict, or a local diffusers pipeline folder of a "
+                   "family ditforge adapts (Wan 2.1 T2V / I2V, SD, SDXL, PixArt, SD3)")
     s.add_argument("--model", help="model name, overriding the checkpoint's (e.g. DiT-XL/2)")
     s.add_argument("--image_size", type=int, help="image (frame) side in pixels, overriding the checkpoint's (the "
                    "model's input is this / the VAE's downsample factor)")
@@ -85,8 +86,17 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     who.add_argument("--class_labels", type=_labels, help="class-conditional models: labels to draw, e.g. 0,1,2")
     who.add_argument("--num_samples", type=int, default=argparse.SUPPRESS, help="class-conditional models: draw "
                      "N samples, labels cycling over the classes (default: one per class)")
-    s.add_argument("--cfg_scale", type=float, default=4.0, help="classifier-free guidance scale (1: no guidance)")
-    s.add_argument("--num_sampling_steps", type=int, default=250, help="respaced diffusion steps (2..1000)")
+    s.add_argument("--cfg_scale", type=float, help="classifier-free guidance scale (1: no guidance; default 4.0, "
+                   "a diffusers pipeline's own: Wan 5.0)")
+    s.add_argument("--num_sampling_steps", type=int, help="respaced diffusion steps (2..1000; default 250, a "
+                   "diffusers pipeline's own: Wan 50)")
+    s.add_argument("--height", type=int, help="video pipelines (Wan): frame height in pixels (default: the run's "
+                   "--image_size, else the pipeline's 480)")
+    s.add_argument("--width", type=int, help="video pipelines (Wan): frame width in pixels (default: the run's "
+                   "--image_size, else the pipeline's 832)")
+    s.add_argument("--negative_prompt", help="video pipelines (Wan): the prompt guidance steers away from "
+                   "(default: the empty prompt, as the pipeline)")
+    s.add_argument("--gif", action="store_true", help="video pipelines (Wan): also write a GIF beside each MP4")
     s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
                    "dpm++ (DPM-Solver++ 2M) and euler are diffusers' schedulers on DiT's schedule (needs diffusers; "
@@ -98,9 +108,10 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")
     s.add_argument("--out", default=argparse.SUPPRESS, help="image models: the PNG grid to write (default "
                    "samples.png); video models: the folder for NNN-<prompt or class-K>.mp4 and a .gif preview of "
-                   "each (default samples); a fine-tuned video pipeline (Wan) with one prompt also takes a file "
-                   "name, clip.mp4 (or .gif), and writes that file alone")
-    s.add_argument("--fps", type=int, default=8, help="video models: frames per second of the MP4 and GIF")
+                   "each (default samples); a video pipeline (Wan: MP4s, GIFs with --gif) with one prompt also takes "
+                   "a file name, clip.mp4 (or .gif), and writes that file alone")
+    s.add_argument("--fps", type=int, default=8, help="video models: frames per second of the MP4 and GIF (Wan 2.1 "
+                   "is 16)")
     s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
                    "(needed for an official DiT .pt: e.g. sd-vae-ft-ema)")
     s.add_argument("--save_npz", help="with --out (or for text models): also write samples (N,H,W,C or "
@@ -136,7 +147,8 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
                       help="torch.compile the model with static shapes, and the VAE decoder; the bare flag is "
                       "reduce-overhead: CUDA graphs, the whole loop as one graph for --sampler ddpm / ddim and a flow "
                       "model's euler (without --cfg_interval / --cfg_parallel), else one per model call; the first "
-                      "batch and the first decode are slow while they compile")
+                      "batch and the first decode are slow while they compile; a video pipeline (Wan): each "
+                      "transformer block compiled, without CUDA graphs")
     fast.add_argument("--enable_flashattn", action="store_true", help="attention through the fastest exact kernel "
                       "(cuDNN, then Flash, on Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     fast.add_argument("--enable_modulate_kernel", action="store_true", help="fused Triton LayerNorm + adaLN "
@@ -148,6 +160,10 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
     fast.add_argument("--fora", type=int, metavar="N", help="FORA static caching: recompute every block's attention "
                       "and MLP outputs only every N steps, reusing them in between; changes the samples (see "
                       "docs/sampling.md); not with --pab")
+    fast.add_argument("--first_block_cache", type=float, metavar="THRESHOLD", help="video pipelines (Wan): "
+                      "diffusers' First Block Cache: reuse the other blocks' residual while the first block's "
+                      "output changed by less than THRESHOLD (mean relative L1, e.g. 0.05) since the last full "
+                      "pass; changes the samples (see docs/sampling.md)")
     fast.add_argument("--cfg_parallel", action="store_true", help="under torchrun with 2 x --sequence_parallel_size "
                       "processes: the conditional and unconditional passes run on different GPUs (with --compile when "
                       "--sequence_parallel_size is 1)")

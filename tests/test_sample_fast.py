@@ -210,7 +210,6 @@ def test_pab_through_generate():
     (dict(guidance_channels=0), "--guidance_channels"),
     (dict(mixed_precision="fp64"), "--mixed_precision"),
     (dict(mixed_precision="fp8", device="cpu"), "--mixed_precision fp8: needs a CUDA GPU"),  # before --ckpt is read
-    (dict(compile="default", sequence_parallel_size=2), "--compile"),
     (dict(cfg_parallel=True, cfg_scale=1.0), "--cfg_parallel"),
     (dict(cfg_parallel=True), "--cfg_parallel: needs 2"),  # one process, not two
 ])

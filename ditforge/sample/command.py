@@ -3,17 +3,19 @@ the run's VAE, and write a PNG grid (image models) or one MP4 + GIF per sample (
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ditforge.config import COMPILE_MODES
+from ditforge.config import COMPILE_MODES, resolve_precision
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import SAMPLERS
 from ditforge.errors import UserError
 from ditforge.models import is_video_model
+from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
 from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.sample.load import (SampleConfig, build_model, encode_prompts, load_sample_vae, read_prompts,
@@ -27,6 +29,10 @@ log = logging.getLogger(__name__)
 
 def sample(cfg: SampleConfig) -> np.ndarray:
     """Draw samples and write them.
+
+    ``ckpt`` is a ditforge run or checkpoint (its own DiTs, or a fine-tuned diffusers pipeline), or a diffusers
+    pipeline folder of a family ditforge adapts; a video family (Wan) is drawn by ``sample.video``'s loop, an image
+    family by its own pipeline (``loops.sample_pipeline``). What follows is about ditforge's own models.
 
     Conditions: text models take ``prompt`` then the lines of ``prompt_file``, one sample per prompt, encoded by
     the run's text encoder; class models take ``class_labels`` as given, else ``num_samples`` labels cycling
@@ -75,18 +81,17 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     """
     if cfg.sampler is not None and cfg.sampler not in SAMPLERS:
         raise UserError(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {cfg.sampler}")
-    if not 2 <= cfg.num_sampling_steps <= 1000:
+    if cfg.num_sampling_steps is not None and not 2 <= cfg.num_sampling_steps <= 1000:
         raise UserError(f"--num_sampling_steps: expected 2..1000, got {cfg.num_sampling_steps}")
-    for name in ("num_samples", "batch_size", "fps", "image_size", "num_frames"):
+    for name in ("num_samples", "batch_size", "fps", "image_size", "num_frames", "height", "width"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UserError(f"--{name}: expected a positive integer, got {value}")
     check_precision(cfg.mixed_precision)
     if cfg.compile not in COMPILE_MODES:
         raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {cfg.compile}")
-    if cfg.compile != "none" and cfg.sequence_parallel_size > 1:  # --cfg_parallel's gather is outside the model
-        raise UserError(f"--compile {cfg.compile}: not with --sequence_parallel_size > 1 (collectives inside a "
-                        "compiled, CUDA-graph-replayed model are untested); drop --compile")
+    if cfg.first_block_cache is not None and not cfg.first_block_cache > 0:
+        raise UserError(f"--first_block_cache: expected a threshold > 0 (e.g. 0.05), got {cfg.first_block_cache}")
     if cfg.cfg_parallel and cfg.cfg_scale == 1.0:
         raise UserError("--cfg_parallel: --cfg_scale 1 runs no unconditional pass to put on the second GPU")
     if cfg.fora is not None and (cfg.fora < 2 or cfg.pab):
@@ -107,6 +112,11 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         shutdown(d)
 
 
+def _text_dtype(d: Dist) -> torch.dtype:
+    """The pipeline's text and image encoders: bf16 on a GPU (UMT5-XXL is 11 GB so), float32 on the CPU."""
+    return torch.bfloat16 if d.device.type == "cuda" else torch.float32
+
+
 def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     if cfg.mixed_precision == "fp8":  # before the checkpoint is read
         check_fp8(d)
@@ -122,10 +132,25 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         f"splits every sample over all {d.world_size} processes; give --sequence_parallel_size "
                         f"{d.world_size} (or --cfg_parallel with half of that), or --save_npz without --out to "
                         "split the samples among the processes")
-    device = d.device
+    if is_adapted_pipeline(cfg.ckpt):  # a diffusers pipeline folder itself
+        pre = load_pretrained(cfg.ckpt, d.device, _text_dtype(d), flag="--ckpt",
+                              denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device))
+        return sample_pipeline(cfg, prompts, d, pre, pre.denoiser.eval())
     state, spec = read_spec(cfg.ckpt, cfg.use_ema)
     if spec.get("family"):
-        return sample_pipeline(cfg, prompts, d, state, spec)
+        from ditforge.train.finetune import load_finetuned
+
+        return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema))
+    for name in ("height", "width", "negative_prompt", "first_block_cache"):
+        if getattr(cfg, name) is not None:
+            raise UserError(f"--{name}: for diffusers video pipelines; {cfg.ckpt} is a ditforge {spec['model']}"
+                            + (" (give --image_size)" if name in ("height", "width") else ""))
+    if cfg.compile != "none" and cfg.sequence_parallel_size > 1:  # --cfg_parallel's gather is outside the model
+        raise UserError(f"--compile {cfg.compile}: not with --sequence_parallel_size > 1 (collectives inside a "
+                        "compiled, CUDA-graph-replayed model are untested); drop --compile")
+    cfg = dataclasses.replace(cfg, num_sampling_steps=cfg.num_sampling_steps or 250,
+                              cfg_scale=4.0 if cfg.cfg_scale is None else cfg.cfg_scale)
+    device = d.device
     if cfg.image is not None:
         raise UserError(f"--image {cfg.image}: {cfg.ckpt} is a ditforge {spec['model']}, which takes no image; "
                         "--image is for image-to-video pipelines (Wan I2V); leave it out")

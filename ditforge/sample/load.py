@@ -44,8 +44,8 @@ class SampleConfig:
     prompt_file: str | None = None
     image: str | None = None
     num_frames: int | None = None
-    cfg_scale: float = 4.0
-    num_sampling_steps: int = 250
+    cfg_scale: float | None = None
+    num_sampling_steps: int | None = None
     sampler: str | None = None
     eta: float = 0.0
     seed: int = 0
@@ -68,6 +68,11 @@ class SampleConfig:
     pab: bool = False
     fora: int | None = None
     cfg_parallel: bool = False
+    height: int | None = None
+    width: int | None = None
+    negative_prompt: str | None = None
+    first_block_cache: float | None = None
+    gif: bool = False
 
 
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:

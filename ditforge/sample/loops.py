@@ -23,12 +23,11 @@ from ditforge.data.images import save_grid, to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate
 from ditforge.diffusion.pab import PABConfig
-from ditforge.encoders.vae import VAE, IdentityVAE
+from ditforge.encoders.vae import IdentityVAE
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
 from ditforge.sample.load import SampleConfig, encode_prompts, load_prompt_encoder
-from ditforge.sample.write import (save_npz, slug, video_file_out, write_video_file, write_video_files,
-                                   write_videos)
+from ditforge.sample.write import save_npz, slug, write_video_files
 
 log = logging.getLogger(__name__)
 
@@ -310,51 +309,41 @@ def _read_part(path: Path, key: str) -> np.ndarray:
         return f[key]
 
 
-def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, state, spec: dict) -> np.ndarray:
-    """A fine-tuned diffusers pipeline (``ditforge train --init_from FOLDER``): its own pipeline class and
-    scheduler draw ``num_sampling_steps`` steps with guidance ``cfg_scale``; sample i starts from the noise of seed
-    ``derive_seed(seed, i)``. Writes one PNG grid (``out``, default samples.png), or for a video family (Wan) one
-    ``NNN-<prompt slug>.mp4`` + ``.gif`` per prompt into the folder ``out`` (default samples) with
-    ``--num_frames`` frames (default: the run's; 4k + 1), or, where ``out`` names a video file (``clip.mp4``) and
-    there is one prompt, that file alone; and the optional .npz. An image-to-video pipeline
-    (``WanImageToVideoPipeline``) draws every prompt from the image ``--image``.
+def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser, run=None) -> np.ndarray:
+    """A diffusers pipeline: a pipeline folder (``run`` None) or a fine-tuned one (``ditforge train --init_from
+    FOLDER``; ``run`` its ``RunConfig``, whose frame size and count are the defaults). A video family (Wan) is drawn
+    by ditforge's own loop (``sample.video.sample_video_family``). An image family is drawn by its own pipeline
+    class and scheduler, ``num_sampling_steps`` steps (default: the pipeline's) with guidance ``cfg_scale`` (default:
+    the pipeline's); sample i starts from the noise of seed ``derive_seed(seed, i)``; writes one PNG grid (``out``,
+    default samples.png) and the optional .npz.
 
     Raises:
-        UserError: no prompts, class labels, several processes, a frame count the video VAE cannot take, a video
-            file ``out`` for several prompts or an image file ``out`` for a video, ``--image`` missing for an
-            image-to-video pipeline or given to another.
+        UserError: no prompts, class labels; an image family under torchrun; ``--image`` missing for an
+            image-to-video pipeline or given to another; ``sample_video_family``'s.
     """
-    from ditforge.train.finetune import generate_with_pipeline, load_finetuned
+    from ditforge.sample.video import pipeline_defaults, sample_video_family
+    from ditforge.train.finetune import generate_with_pipeline
 
-    if d.world_size > 1:
-        raise UserError("--sequence_parallel_size / --cfg_parallel: a fine-tuned diffusers pipeline samples in one "
-                        "process")
     if not prompts:
-        raise UserError(f"--prompt: {cfg.ckpt} is a text-to-image pipeline; give --prompt \"...\" (repeatable) or "
-                        "--prompt_file FILE")
+        raise UserError(f"--prompt: {cfg.ckpt} is a text-to-{'video' if denoiser.video else 'image'} pipeline; give "
+                        "--prompt \"...\" (repeatable) or --prompt_file FILE")
     if cfg.class_labels is not None or cfg.num_samples is not None:
         raise UserError("--class_labels/--num_samples: the model is text-conditioned; give --prompt or --prompt_file")
-    pre, denoiser, run = load_finetuned(state, spec["run_config"], d.device, cfg.use_ema)
-    size = cfg.image_size or run.data.image_size
-    frames = (cfg.num_frames or run.data.num_frames) if denoiser.video else None
-    if frames is not None:
-        VAE(pre.pipe.vae).check_frames(frames, f"the VAE of {pre.pipeline_class}")
     image = _conditioning_image(cfg, denoiser, pre.pipeline_class)
-    one_file = video_file_out(cfg.out, len(prompts)) if denoiser.video else None
+    if denoiser.video:
+        return sample_video_family(cfg, prompts, d, pre, denoiser, run, image)
+    if d.world_size > 1:
+        raise UserError("--sequence_parallel_size / --cfg_parallel: an image pipeline samples in one process")
+    defaults = pipeline_defaults(pre.pipe)
+    size = cfg.image_size or (run.data.image_size if run is not None else defaults["height"])
     seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]
-    pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, size, cfg.num_sampling_steps, cfg.cfg_scale,
-                                    cfg.batch_size, num_frames=frames,
-                                    images=[image] * len(prompts) if image is not None else None)
-    images = to_uint8(pixels)  # (N, H, W, C), videos (N, T, H, W, C)
-    if one_file is not None:
-        out = str(one_file)
-        write_video_file(images[0], one_file, cfg.fps)
-    elif denoiser.video:
-        out = cfg.out or "samples"
-        write_videos(images, Path(out), [slug(p) for p in prompts], cfg.fps)
-    else:
-        out = cfg.out or "samples.png"
-        save_grid(images, out, nrow=min(len(images), 8))
+    pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, size,
+                                    cfg.num_sampling_steps or defaults["num_inference_steps"],
+                                    cfg.cfg_scale if cfg.cfg_scale is not None else defaults["guidance_scale"],
+                                    cfg.batch_size)
+    images = to_uint8(pixels)  # (N, H, W, C)
+    out = cfg.out or "samples.png"
+    save_grid(images, out, nrow=min(len(images), 8))
     if cfg.save_npz:
         save_npz(cfg.save_npz, samples=images, prompts=np.array(prompts))
     log.info("wrote %d samples of %s to %s", len(images), pre.pipeline_class, out)

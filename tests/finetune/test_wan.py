@@ -163,7 +163,7 @@ def test_export_folder_loads_with_wan_pipeline(runs, tmp_path):
     prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
     assert cli.main(["sample", "--ckpt", str(runs["full"]), "--prompt", prompt, "--num_sampling_steps", "3",
                      "--cfg_scale", "4", "--out", str(tmp_path / "videos"), "--save_npz", str(npz), "--device",
-                     "cpu"]) == 0
+                     "cpu", "--gif"]) == 0
     assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == ["000-a-rabbit-on-a-green-hill.gif",
                                                                        "000-a-rabbit-on-a-green-hill.mp4"]
     g = torch.Generator("cpu").manual_seed(derive_seed(0, 0))
@@ -515,7 +515,7 @@ def test_i2v_lora_moves_and_export_samples_like_the_pipeline(wan_i2v, i2v_runs, 
     folder, npz2 = tmp_path / "two", tmp_path / "two.npz"
     assert cli.main(["sample", "--ckpt", str(i2v_runs["full"]), "--prompt", "a cat", "--prompt", prompt, "--image",
                      str(png), "--num_sampling_steps", "3", "--cfg_scale", "4", "--out", str(folder), "--save_npz",
-                     str(npz2), "--device", "cpu"]) == 0
+                     str(npz2), "--device", "cpu", "--gif"]) == 0
     assert len(list(folder.glob("*.mp4"))) == len(list(folder.glob("*.gif"))) == 2
     g = torch.Generator("cpu").manual_seed(derive_seed(0, 1))
     video = pipe(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=4.0,

@@ -131,9 +131,11 @@ class DiffusersDenoiser(nn.Module):
         raise NotImplementedError
 
     @staticmethod
-    def encode_image(pipe: Any, first: torch.Tensor, num_frames: int) -> dict[str, torch.Tensor]:
-        """Image-to-video families: first frames (B, 3, H, W) in [-1, 1] of clips of ``num_frames`` frames -> the
-        image conditioning tensors, as the pipeline builds them."""
+    def encode_image(pipe: Any, first: torch.Tensor, num_frames: int, images: list | None = None
+                     ) -> dict[str, torch.Tensor]:
+        """Image-to-video families: first frames (B, 3, H, W) in [-1, 1] of clips of ``num_frames`` frames (and
+        optionally the PIL images the pipeline was given, for its image encoder) -> the image conditioning
+        tensors, as the pipeline builds them."""
         raise NotImplementedError
 
     pipeline_embeds: dict[str, str] = {}  # conditioning key -> the pipeline __call__'s argument for it

@@ -78,7 +78,8 @@ class WanI2VDenoiser(WanDenoiser):
                                 encoder_hidden_states_image=encoder_hidden_states_image, return_dict=False)[0]
 
     @staticmethod
-    def encode_image(pipe, first: torch.Tensor, num_frames: int) -> dict[str, torch.Tensor]:
+    def encode_image(pipe, first: torch.Tensor, num_frames: int, images: list | None = None
+                     ) -> dict[str, torch.Tensor]:
         """The image conditioning of clips of ``num_frames`` (4k + 1) frames whose first frames are ``first``
         (B, 3, H, W) float in [-1, 1], as ``WanImageToVideoPipeline`` builds it for ``image``:
 
@@ -88,8 +89,9 @@ class WanI2VDenoiser(WanDenoiser):
           the clip [first frame, 4k zero frames], normalised by ``latents_mean`` / ``latents_std`` as
           ``prepare_latents`` does;
         * ``encoder_hidden_states_image`` (B, L_img, D_img) float32: ``pipe.encode_image`` of the frames as uint8
-          images (``round((x + 1) * 127.5)``, which gives back a decoded frame's bytes), the CLIP vision model's
-          second-to-last hidden states (``image_processor`` resizes and normalises).
+          images (``round((x + 1) * 127.5)``, which gives back a decoded frame's bytes), or of ``images`` (B PIL
+          images; the pipeline encodes the image it was given, before resizing it to the frame size), the CLIP
+          vision model's second-to-last hidden states (``image_processor`` resizes and normalises).
 
         Both on the VAE's device. Raises nothing of its own (diffusers' errors pass through).
         """
@@ -110,7 +112,8 @@ class WanI2VDenoiser(WanDenoiser):
             mask[:, :, 0] = 1
             mask = torch.cat([mask[:, :, :1].repeat_interleave(k, dim=2), mask[:, :, 1:]], dim=2)
             mask = mask.view(b, -1, k, *latents.shape[-2:]).transpose(1, 2)  # (B, 4, T', h, w)
-            pixels = ((first.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-            images = [Image.fromarray(p.cpu().numpy()) for p in pixels]
+            if images is None:
+                pixels = ((first.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+                images = [Image.fromarray(p.cpu().numpy()) for p in pixels]
             states = pipe.encode_image(images, device).float()
         return {"image_condition": torch.cat([mask, latents], dim=1), "encoder_hidden_states_image": states}

@@ -1,0 +1,286 @@
+"""The video families of diffusers (Wan 2.1 text- and image-to-video) sampled by ditforge's own loop instead of the
+pipeline's ``__call__``: the pipeline's scheduler, conditioning and VAE, with the conditional and unconditional
+passes in one batch (or on two GPUs), the transformer in bf16 or with float8 linear layers, compiled block by
+block, split over GPUs along its tokens (diffusers' context parallelism: Ulysses and ring attention), and optionally
+with diffusers' First Block Cache.
+
+The arithmetic follows diffusers' ``pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__``) and
+``pipeline_wan_i2v.py`` (``WanImageToVideoPipeline.__call__``); ``tests/test_sample_video.py`` checks that the loop
+gives the pipeline's frames from the same noise."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ditforge.config import resolve_precision
+from ditforge.data.images import to_uint8
+from ditforge.data.sampler import derive_seed
+from ditforge.encoders.vae import VAE
+from ditforge.errors import UserError
+from ditforge.parallel.mesh import Dist
+from ditforge.sample.load import SampleConfig
+from ditforge.sample.write import slug, video_file_out, write_video_file
+
+log = logging.getLogger(__name__)
+
+
+def pipeline_defaults(pipe) -> dict:
+    """The defaults of the pipeline's ``__call__`` that ``ditforge sample`` falls back on: height, width,
+    num_frames, num_inference_steps, guidance_scale (Wan 2.1: 480, 832, 81, 50, 5.0)."""
+    params = inspect.signature(pipe.__call__).parameters
+    names = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
+    return {n: params[n].default for n in names if n in params}
+
+
+class VideoSampler:
+    """A video family's transformer made fast for sampling, and the guided loop around it.
+
+    Preparation, in this order (each changes the module in place):
+
+    - weights cast to the compute dtype (``mixed_precision``: auto is bf16 on CUDA, fp32 on CPU; fp8 is bf16);
+    - ``fp8``: the linear layers of ``transformer.blocks`` as ``ops.fp8.RowwiseFloat8Linear`` (``parallel.apply_fp8``:
+      e4m3 weights with one scale per output channel, each activation row scaled by its own maximum; H100-class
+      GPU and Triton);
+    - ``sequence_parallel_size`` > 1: diffusers' context parallelism (``ModelMixin.enable_parallelism`` with a
+      ``ContextParallelConfig`` on the ``ring`` x ``ulysses`` part of ``mesh``): every block's tokens are split
+      over the group and attention runs Ulysses (all-to-all over heads), ring (rotating K/V), or both (USP). ``auto``
+      puts as many processes on Ulysses as the head count allows (the largest divisor of both) and the rest on
+      ring;
+    - ``first_block_cache`` (a threshold): diffusers' First Block Cache (ParaAttention; TeaCache's idea): when the
+      first block's residual changed by less than this mean relative L1 distance since the last full pass, the
+      other blocks' residual of that pass is reused;
+    - ``compile``: each repeated block compiled (``torch.compile``, static shapes; ``fullgraph`` unless caching,
+      whose decision is a host-side branch), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a step of a
+      480x832x81 Wan clip takes about a second, which launches do not bound.
+
+    With ``cfg_group`` (a process group of 2; ``--cfg_parallel``) process 0 of the group runs the conditional pass
+    and process 1 the unconditional one; the two are gathered before guidance, so every process keeps the same
+    latents.
+
+    Raises:
+        UserError: fp8 without an FP8 GPU or Triton; a sequence-parallel size the token count or heads cannot
+            take (diffusers' message); first block cache under sequence parallelism.
+    """
+
+    def __init__(self, pre, denoiser, d: Dist, cfg: SampleConfig):
+        self.pre, self.denoiser, self.device = pre, denoiser, d.device
+        self.dtype = resolve_precision(cfg.mixed_precision, d.device)
+        self.transformer = denoiser.inner
+        denoiser.to(device=d.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.cache = cfg.first_block_cache
+        if cfg.mixed_precision == "fp8":
+            from ditforge.parallel import apply_fp8
+
+            log.info("fp8: %d linear layers run float8 GEMMs", apply_fp8(self.transformer, d.device, inference=True))
+        self.cfg_group = self.cfg_rank = None
+        if cfg.cfg_parallel:
+            self.cfg_group = (d.sp_mesh["dp"] if d.sp_mesh is not None else d.mesh).get_group()
+            self.cfg_rank = dist.get_rank(self.cfg_group)
+        if d.sp_size > 1:
+            if self.cache is not None:
+                raise UserError("--first_block_cache: not with --sequence_parallel_size > 1 (each process would "
+                                "decide on its own slice of the tokens, and a skip on one would hang the others); "
+                                "use --cfg_parallel, or drop --first_block_cache")
+            self._split_tokens(d, cfg.sequence_parallel_type)
+        if self.cache is not None:
+            from diffusers.hooks import FirstBlockCacheConfig
+
+            self.transformer.enable_cache(FirstBlockCacheConfig(threshold=self.cache))
+        if cfg.compile != "none":
+            from torch._inductor import list_mode_options
+
+            mode = "max-autotune-no-cudagraphs" if cfg.compile.startswith("max-autotune") else "default"
+            blocks = [m for m in self.transformer.modules() if type(m).__name__ in denoiser.block_classes]
+            for block in blocks:
+                block.compile(fullgraph=self.cache is None, dynamic=False, options=dict(list_mode_options(mode)))
+
+    def _split_tokens(self, d: Dist, kind: str) -> None:
+        from diffusers import ContextParallelConfig
+        from torch.distributed.device_mesh import init_device_mesh
+
+        size = d.sp_size
+        heads = int(self.transformer.config.num_attention_heads)
+        if kind == "ulysses":
+            ulysses = size
+        elif kind == "ring":
+            ulysses = 1
+        elif kind in ("auto", "usp"):
+            ulysses = max(u for u in range(1, size + 1) if size % u == 0 and heads % u == 0)
+        else:
+            raise UserError(f"--sequence_parallel_type {kind}: a diffusers video transformer splits its tokens "
+                            "with ulysses, ring, or usp (auto)")
+        if heads % ulysses:
+            raise UserError(f"--sequence_parallel_size {size}: Ulysses needs a process count that divides the "
+                            f"{heads} attention heads; use --sequence_parallel_type ring or usp")
+        ring = size // ulysses
+        if ring > 1:
+            if d.device.type != "cuda":
+                raise UserError(f"--sequence_parallel_size {size}: ring attention over a diffusers transformer "
+                                "runs on CUDA only (it needs the log-sum-exp of cuDNN attention); on the CPU use "
+                                f"--sequence_parallel_type ulysses with a size that divides the {heads} heads")
+            self.transformer.set_attention_backend("_native_cudnn")  # the SDPA kernel that returns it
+        mesh = init_device_mesh(d.device.type, (d.world_size // size, ring, ulysses),
+                                mesh_dim_names=("cfg", "ring", "ulysses"))
+        config = ContextParallelConfig(ring_degree=ring if ring > 1 else None,
+                                       ulysses_degree=ulysses if ulysses > 1 else None, mesh=mesh["ring", "ulysses"])
+        with contextlib.ExitStack() as stack:
+            if d.device.type == "cpu":  # diffusers takes the device index rank % torch.accelerator.device_count(),
+                from unittest import mock  # 0 on a machine without one; the index is unused on the CPU
+
+                stack.enter_context(mock.patch.object(torch.accelerator, "device_count", lambda: 1))
+            self.transformer.enable_parallelism(config=config)
+        log.info("context parallel: %d processes per sample (ulysses %d x ring %d)", size, ulysses, ring)
+
+    def denoise(self, cond: dict, uncond: dict | None, shape: tuple[int, ...], seed: int, steps: int,
+                guidance: float, image_cond: dict | None = None, progress: bool = False) -> torch.Tensor:
+        """One video's latents (1, C, T', h, w) float32 from the noise of ``torch.Generator(device).manual_seed(seed)``
+        (drawn as the pipeline's ``prepare_latents`` draws it), after ``steps`` steps of a fresh copy of the
+        pipeline's scheduler. ``cond`` / ``uncond``: the denoiser's text conditioning tensors (batch 1) of the
+        prompt and the negative prompt (None: no guidance); ``image_cond``: an image-to-video family's image
+        tensors, the same for both passes. Guidance: ``uncond + guidance (cond - uncond)`` in float32."""
+        pipe, device = self.pre.pipe, self.device
+        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        scheduler.set_timesteps(steps, device=device)
+        scheduler.set_begin_index(0)
+        from diffusers.utils.torch_utils import randn_tensor
+
+        latents = randn_tensor(shape, generator=torch.Generator(device).manual_seed(seed), device=device,
+                               dtype=torch.float32)
+        image_cond = {k: v.to(self.dtype) for k, v in (image_cond or {}).items()}
+        halves = [cond] if uncond is None else [cond, uncond]
+        if self.cfg_group is not None:
+            halves = [halves[self.cfg_rank]]
+        inputs = {k: torch.cat([h[k] for h in halves]).to(self.dtype) for k in cond}
+        inputs.update({k: v.expand(len(halves), *v.shape[1:]) for k, v in image_cond.items()})
+        if self.cache is not None:
+            self.transformer._reset_stateful_cache()
+        context = self.transformer.cache_context("cfg") if self.cache is not None else contextlib.nullcontext()
+        with torch.no_grad(), context:
+            for t in tqdm(scheduler.timesteps, desc="steps", unit="step", disable=not progress, leave=False):
+                x = latents.to(self.dtype).expand(len(halves), *latents.shape[1:])
+                out = self.denoiser.denoise(x, t.expand(len(halves)), **inputs).float()
+                if self.cfg_group is not None:
+                    parts = [torch.empty_like(out) for _ in range(2)]
+                    dist.all_gather(parts, out.contiguous(), group=self.cfg_group)
+                    out = torch.cat(parts)
+                if uncond is not None:
+                    pred, pred_uncond = out.chunk(2)
+                    out = pred_uncond + guidance * (pred - pred_uncond)
+                latents = scheduler.step(out, t, latents, return_dict=False)[0]
+        return latents
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the
+        VAE's ``latents_mean`` / ``latents_std`` undone, ``vae.decode`` in the VAE's dtype."""
+        vae = self.pre.pipe.vae
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
+        with torch.no_grad():
+            return vae.decode(latents.to(vae.dtype) * std + mean, return_dict=False)[0]
+
+
+def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser, run=None,
+                        image=None) -> np.ndarray:
+    """``ditforge sample`` for a video family (Wan 2.1 T2V / I2V): a pipeline folder (``run`` None) or a fine-tuned
+    run (``run``: its ``RunConfig``, whose frame size and count are the defaults). Each prompt is one video of
+    ``height`` x ``width`` x ``num_frames`` (defaults: the run's, else the pipeline's, ``pipeline_defaults``),
+    drawn by ``VideoSampler`` from the seed ``derive_seed(seed, i)`` for prompt i, guided against
+    ``negative_prompt`` (default: the empty prompt, as the pipeline) with ``cfg_scale`` (default: the pipeline's),
+    ``num_sampling_steps`` steps (default: the pipeline's). ``image`` (a PIL image) is the first frame of an
+    image-to-video family.
+
+    Writes (process 0): with one prompt and ``out`` a video file name (``clip.mp4``, ``.gif``, ...) that file;
+    else ``out/NNN-<prompt slug>.mp4`` (default folder ``samples``) and, with ``gif``, a ``.gif`` beside it, a
+    video written as soon as it is decoded; prompts whose files exist are skipped, so a re-run resumes.
+    ``save_npz`` also writes the videos drawn, (N, T, H, W, 3) uint8, and their prompts.
+
+    Returns:
+        The videos drawn in this run, (M, T, H, W, 3) uint8 (empty on processes other than 0).
+
+    Raises:
+        UserError: a frame count the VAE cannot take, a frame size the latents and patches do not divide, a video
+            file ``out`` for several prompts, speed settings this path lacks (``--pab`` / ``--fora``; use
+            ``--first_block_cache``), and ``VideoSampler``'s.
+    """
+    from ditforge.sample.write import save_npz
+
+    if cfg.pab or cfg.fora is not None:
+        raise UserError("--pab/--fora: ditforge's step caching works on its own DiTs; a diffusers video pipeline "
+                        "takes --first_block_cache THRESHOLD")
+    pipe = pre.pipe
+    defaults = pipeline_defaults(pipe)
+    size = run.data.image_size if run is not None else None
+    height = cfg.height or cfg.image_size or size or defaults["height"]
+    width = cfg.width or cfg.image_size or size or defaults["width"]
+    frames = cfg.num_frames or (run.data.num_frames if run is not None else defaults["num_frames"])
+    steps = cfg.num_sampling_steps or defaults["num_inference_steps"]
+    guidance = cfg.cfg_scale if cfg.cfg_scale is not None else defaults["guidance_scale"]
+    VAE(pipe.vae).check_frames(frames, f"the VAE of {pre.pipeline_class}")
+    patch = tuple(denoiser.inner.config.patch_size)
+    step = pipe.vae_scale_factor_spatial * patch[-1]
+    for flag, value in (("--height", height), ("--width", width)):
+        if value % step:
+            raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of {step} "
+                            f"(the VAE's {pipe.vae_scale_factor_spatial} x the {patch[-1]}-pixel patches)")
+    if cfg.cfg_parallel and guidance <= 1.0:
+        raise UserError("--cfg_parallel: --cfg_scale 1 runs no unconditional pass to put on the second GPU")
+    one_file = video_file_out(cfg.out, len(prompts))
+    folder = Path(cfg.out or "samples") if one_file is None else None
+    width_digits = max(3, len(str(len(prompts) - 1)))
+    targets = [one_file] if one_file is not None else [
+        folder / f"{i:0{width_digits}d}-{slug(p)}.mp4" for i, p in enumerate(prompts)]
+    todo = [i for i, t in enumerate(targets) if not (t.exists() and (not cfg.gif or t.with_suffix(".gif").exists()))
+            ] if one_file is None else list(range(len(prompts)))
+    if d.is_main and len(todo) < len(prompts):
+        log.info("%d of %d videos to draw into %s (%d done already)", len(todo), len(prompts), folder,
+                 len(prompts) - len(todo))
+    if not todo:
+        return np.empty(0, dtype=np.uint8)
+
+    # Conditioning first, then the text encoders leave the GPU before the transformer is made fast.
+    guided = guidance > 1.0  # the pipelines' do_classifier_free_guidance
+    conds = {i: pre.encode_prompt([prompts[i]]) for i in todo}
+    uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None
+    latent_frames = (frames - 1) // pipe.vae_scale_factor_temporal + 1
+    shape = (1, denoiser.in_channels, latent_frames, height // pipe.vae_scale_factor_spatial,
+             width // pipe.vae_scale_factor_spatial)
+    image_cond = None
+    if denoiser.image_to_video:
+        first = pipe.video_processor.preprocess(image, height=height, width=width)
+        image_cond = pre.encode_image(first, frames, images=[image])
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module) and (name.startswith("text_encoder") or name == "image_encoder"):
+            module.to("cpu")
+    if d.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    sampler = VideoSampler(pre, denoiser, d, cfg)
+    drawn = []
+    for i in tqdm(todo, desc="videos", unit="video", disable=not d.is_main or len(todo) == 1):
+        latents = sampler.denoise(conds[i], uncond, shape, derive_seed(cfg.seed, i), steps, guidance, image_cond,
+                                  progress=d.is_main)
+        if not d.is_main:
+            continue
+        video = to_uint8(sampler.decode(latents))[0]  # (T, H, W, 3)
+        write_video_file(video, targets[i], cfg.fps)
+        if cfg.gif and targets[i].suffix.lower() != ".gif":
+            write_video_file(video, targets[i].with_suffix(".gif"), cfg.fps)
+        drawn.append(video)
+    d.barrier()
+    if not d.is_main:
+        return np.empty(0, dtype=np.uint8)
+    videos = np.stack(drawn)
+    if cfg.save_npz:
+        save_npz(cfg.save_npz, samples=videos, prompts=np.array([prompts[i] for i in todo]))
+    log.info("wrote %d videos (%d frames of %dx%d) of %s to %s", len(videos), frames, width, height,
+             pre.pipeline_class, one_file or folder)
+    return videos

@@ -1,0 +1,77 @@
+"""``ditforge sample`` of a Wan pipeline folder under torchrun equals one process: 2 gloo processes with the tokens
+split (diffusers' context parallelism, Ulysses over the 2 heads) and with ``--cfg_parallel``, and 4 processes with
+both (CFG-parallel x Ulysses 2), on the tiny random ``WanPipeline`` of ``tests/finetune/tiny_pipelines.py``.
+Tolerance: the frames (uint8) within one level; the one-process run draws the same noise from the same seed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_helpers import torchrun_cli_many
+
+pytestmark = pytest.mark.slow
+
+H, W, FRAMES = 16, 48, 5  # 2 latent frames x 2 x 6 = 24 tokens: 12 (or 6) a process
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    spec = importlib.util.spec_from_file_location("tiny_pipelines",
+                                                  Path(__file__).parents[1] / "finetune" / "tiny_pipelines.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    return tiny.make_wan(tmp_path_factory.mktemp("wan") / "pipe")
+
+
+def _argv(folder: Path, npz: Path, *extra: str) -> list[str]:
+    return ["sample", "--ckpt", str(folder), "--prompt", "a heron in the reeds", "--prompt", "rain on a window",
+            "--height", str(H), "--width", str(W), "--num_frames", str(FRAMES), "--num_sampling_steps", "3",
+            "--cfg_scale", "5", "--seed", "7", "--device", "cpu", "--out", str(npz.with_suffix("")),
+            "--save_npz", str(npz), *extra]
+
+
+@pytest.fixture(scope="module")
+def want(folder, tmp_path_factory) -> np.ndarray:
+    """The one-process videos, (2, T, H, W, 3)."""
+    from ditforge import cli
+
+    npz = tmp_path_factory.mktemp("one") / "one.npz"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert cli.main(_argv(folder, npz)) == 0
+    finally:
+        torch.set_num_threads(before)
+    return np.load(npz)["samples"].astype(np.int16)
+
+
+def _assert_same(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape == (2, FRAMES, H, W, 3) and want.std() > 5  # two non-constant videos
+    assert np.abs(got.astype(np.int16) - want).max() <= 1
+
+
+def test_two_processes_equal_one(folder, want, tmp_path):
+    """2 processes, ``--sequence_parallel_size 2`` (Ulysses: each process holds 12 of the 24 tokens and 1 of the 2
+    heads in attention) and ``--cfg_parallel`` (conditional and unconditional passes apart), each write the
+    one-process videos."""
+    err = torchrun_cli_many(2, tmp_path, [_argv(folder, tmp_path / "sp.npz", "--sequence_parallel_size", "2"),
+                                          _argv(folder, tmp_path / "cfg.npz", "--cfg_parallel")])
+    assert "ulysses 2 x ring 1" in err[0]
+    for name in ("sp", "cfg"):
+        _assert_same(np.load(tmp_path / f"{name}.npz")["samples"], want)
+
+
+def test_four_processes_cfg_parallel_times_ulysses_equal_one(folder, want, tmp_path):
+    """4 processes: ``--cfg_parallel --sequence_parallel_size 2`` (two pairs, one per guidance half, each splitting
+    the tokens over Ulysses 2) write the one-process videos; ring attention is refused on the CPU in one line."""
+    err = torchrun_cli_many(4, tmp_path, [
+        _argv(folder, tmp_path / "both.npz", "--cfg_parallel", "--sequence_parallel_size", "2"),
+        _argv(folder, tmp_path / "ring.npz", "--sequence_parallel_size", "4", "--sequence_parallel_type", "ring")],
+        fails=(1,))
+    _assert_same(np.load(tmp_path / "both.npz")["samples"], want)
+    assert "ring attention over a diffusers transformer runs on CUDA only" in err[1]

@@ -1,0 +1,168 @@
+"""``ditforge sample`` for the diffusers video families (``sample.video``): ditforge's loop against diffusers'
+``WanPipeline`` / ``WanImageToVideoPipeline`` from the same noise on the tiny random pipelines of
+``tests/finetune/tiny_pipelines.py`` (float32 on the CPU: latents within 1e-5, frames within one uint8 level), the
+file it writes (an MP4 of the asked frame count, read back with PyAV), resuming a folder, First Block Cache, and the
+one-line errors. The 2-process runs (context parallelism, CFG-parallel) are in
+``tests/distributed/test_dist_sample_video.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ditforge import cli
+from ditforge.data.sampler import derive_seed
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+H, W, FRAMES, STEPS = 16, 32, 5, 3  # latents 16 x 2 x 2 x 4: 16 tokens of 1 x 2 x 2 patches
+PROMPT = "a red fox running through snow"
+
+
+def _tiny_pipelines():
+    spec = importlib.util.spec_from_file_location("tiny_pipelines",
+                                                  Path(__file__).parent / "finetune" / "tiny_pipelines.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, one_thread_module) -> dict[str, Path]:
+    tiny = _tiny_pipelines()
+    root = tmp_path_factory.mktemp("video_pipelines")
+    return {"t2v": tiny.make_wan(root / "wan"), "i2v": tiny.make_wan_i2v(root / "wan_i2v")}
+
+
+def _pipeline(folder: Path):
+    import diffusers
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(str(folder), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _sample(folder: Path, out: Path, *extra: str) -> int:
+    return cli.main(["sample", "--ckpt", str(folder), "--prompt", PROMPT, "--height", str(H), "--width", str(W),
+                     "--num_frames", str(FRAMES), "--num_sampling_steps", str(STEPS), "--cfg_scale", "4.5",
+                     "--device", "cpu", "--out", str(out), *extra])
+
+
+def _first_frame(tmp_path: Path) -> Path:
+    from PIL import Image
+
+    png = tmp_path / "first.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(png)
+    return png
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+def test_loop_equals_the_pipeline(kind, folders, tmp_path):
+    """The latents of ``VideoSampler.denoise`` (conditional and unconditional passes in one batch, guidance in
+    float32) equal the pipeline's ``output_type="latent"`` from the same generator within 1e-5, and the CLI's
+    frames (``--save_npz``) equal the pipeline's to one uint8 level. The I2V case conditions on a 24 x 40 image
+    (resized by the pipeline's video processor; CLIP sees the original)."""
+    from PIL import Image
+
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel.mesh import Dist
+    from ditforge.sample.load import SampleConfig
+    from ditforge.sample.video import VideoSampler
+
+    folder = folders[kind]
+    pipe = _pipeline(folder)
+    image = None
+    extra: dict = {}
+    if kind == "i2v":
+        png = _first_frame(tmp_path)
+        image = Image.open(png).convert("RGB")
+        extra = {"image": image}
+    seed = derive_seed(0, 0)
+    call = dict(prompt=PROMPT, height=H, width=W, num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=4.5,
+                **extra)
+    expected = pipe(**call, output_type="latent", generator=torch.Generator("cpu").manual_seed(seed)).frames
+
+    pre = load_pretrained(folder, torch.device("cpu"), flag="--ckpt")
+    cfg = SampleConfig(ckpt=str(folder), mixed_precision="fp32")
+    sampler = VideoSampler(pre, pre.denoiser.eval(), Dist(), cfg)
+    image_cond = None
+    if kind == "i2v":
+        first = pipe.video_processor.preprocess(image, height=H, width=W)
+        image_cond = pre.encode_image(first, FRAMES, images=[image])
+    got = sampler.denoise(pre.encode_prompt([PROMPT]), pre.encode_prompt([""]), tuple(expected.shape), seed, STEPS,
+                          4.5, image_cond)
+    assert got.shape == expected.shape == (1, 16, 2, H // 8, W // 8)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    unguided = pipe(**{**call, "guidance_scale": 1.0}, output_type="latent",
+                    generator=torch.Generator("cpu").manual_seed(seed)).frames
+    assert (got - unguided).abs().max() > 1e-3  # guidance acts
+
+    npz, clip = tmp_path / "s.npz", tmp_path / "out" / "clip.mp4"
+    assert _sample(folder, clip, "--save_npz", str(npz), *(("--image", str(png)) if kind == "i2v" else ())) == 0
+    frames = pipe(**call, output_type="np", generator=torch.Generator("cpu").manual_seed(seed)).frames
+    want = np.round(frames * 255).astype(np.int16)
+    have = np.load(npz)["samples"].astype(np.int16)
+    assert have.shape == want.shape == (1, FRAMES, H, W, 3)
+    assert np.abs(have - want).max() <= 1
+    assert sorted(p.name for p in clip.parent.iterdir()) == ["clip.mp4"]
+
+
+def test_mp4_holds_the_frames_and_a_folder_resumes(folders, tmp_path):
+    """``--out clip.mp4`` holds ``--num_frames`` frames of the asked size (read back with PyAV); two prompts into a
+    folder write NNN-<slug>.mp4 (and a GIF with ``--gif``), and a re-run after one file is deleted draws that one
+    alone, the same video again."""
+    import av
+
+    clip = tmp_path / "clip.mp4"
+    assert _sample(folders["t2v"], clip, "--num_frames", "9", "--fps", "16") == 0
+    with av.open(str(clip)) as f:
+        decoded = [fr.to_ndarray(format="rgb24") for fr in f.decode(video=0)]
+    assert len(decoded) == 9 and decoded[0].shape[:2] == (64, 128)  # 16 x 32 shown 4x enlarged (write_video)
+
+    folder = tmp_path / "videos"
+    argv = ["--prompt", "a second prompt", "--gif", "--save_npz", str(tmp_path / "a.npz")]
+    assert _sample(folders["t2v"], folder, *argv) == 0
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["000-a-red-fox-running-through-snow.gif", "000-a-red-fox-running-through-snow.mp4",
+                     "001-a-second-prompt.gif", "001-a-second-prompt.mp4"]
+    first = np.load(tmp_path / "a.npz")["samples"]
+    (folder / names[3]).unlink()
+    argv[-1] = str(tmp_path / "b.npz")
+    assert _sample(folders["t2v"], folder, *argv) == 0
+    again = np.load(tmp_path / "b.npz")
+    assert list(again["prompts"]) == ["a second prompt"] and np.array_equal(again["samples"][0], first[1])
+    assert sorted(p.name for p in folder.iterdir()) == names
+
+
+def test_first_block_cache_skips_passes_and_stays_close(folders, tmp_path):
+    """diffusers' First Block Cache through ``--first_block_cache``: at a threshold no step reaches (1e-9) the
+    video equals the exact one bit for bit; at 10 (every step after the first reuses the cached residual) it
+    differs, but only by the tail blocks' change (a bounded difference, not noise)."""
+    runs = {}
+    for name, extra in (("exact", ()), ("never", ("--first_block_cache", "1e-9")),
+                        ("always", ("--first_block_cache", "10"))):
+        npz = tmp_path / f"{name}.npz"
+        assert _sample(folders["t2v"], tmp_path / f"{name}.mp4", "--save_npz", str(npz), *extra) == 0
+        runs[name] = np.load(npz)["samples"].astype(np.int16)
+    assert np.array_equal(runs["never"], runs["exact"])
+    diff = np.abs(runs["always"] - runs["exact"])
+    assert diff.max() > 0 and diff.mean() < 20
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--height", "20"), "--height 20: WanPipeline takes frame sides that are multiples of 16"),
+    (("--num_frames", "6"), "--num_frames 6"),
+    (("--pab",), "--pab/--fora"),
+    (("--image", "x.png"), "--image x.png"),
+    (("--first_block_cache", "0"), "--first_block_cache: expected a threshold > 0"),
+    (("--cfg_parallel",), "--cfg_parallel"),
+])
+def test_bad_input_is_one_line(flags, needle, folders, tmp_path, capsys):
+    assert _sample(folders["t2v"], tmp_path / "c.mp4", *flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "c.mp4").exists()
