@@ -34,6 +34,11 @@
 #                       wan13.json). The job stops itself after JOB_LIMIT s (default 530), keeping the rows it
 #                       finished; STEPS, LOG_EVERY, ROW_TIMEOUT default 6, 2, 240 s. TINY=1: the tests' tiny Wan and
 #                       the anchor's tiny config (a CPU check of the job)
+#   sample-wan [ROWS] [STEPS] [ANCHOR]  Wan2.1-T2V-1.3B sampling at 480 x 832 x 81 frames, guidance 5 (issue 43):
+#                       the unchanged wan_sampling.py anchor at STEPS steps (default 10; ANCHOR "none" skips it),
+#                       then sample_wan.py's ROWS (default eager,compiled,fp8,fp32) under torchrun with NPROC
+#                       processes (default 1); REPEAT, WARMUP_STEPS (default 2, 2) and TAG (the result file's
+#                       suffix, default 1gpu) set the rest
 #   memory-dit [CKPT] [ROWS]  `ditforge bench --memory` on DiT-XL/2 256px batch 32: the plain row, the memory rows
 #                       ROWS (default noema,8bit,sr,capped) with --grad_checkpoint CKPT (default every-2) under
 #                       8 GiB, the plain row again
@@ -164,6 +169,15 @@ finetune-wan)
     fi
     rest=${4-full,lora32_budget8,lora32_compile,full_compile}  # the compile rows last: the slowest to start
     [ -n "$rest" ] && ft "$rest" --append
+    ;;
+sample-wan)
+    python3 -c "import diffusers; print('diffusers', diffusers.__version__)"
+    anchor=(); [ "${4:-anchor}" = none ] || anchor=(--anchor ../.anchors/wan_sampling.py)
+    (cd benchmarks && torchrun --standalone --nproc_per_node "${NPROC:-1}" sample_wan.py \
+        --rows "${2:-eager,compiled,fp8,fp32}" --steps "${3:-10}" --repeat "${REPEAT:-2}" \
+        --warmup_steps "${WARMUP_STEPS:-2}" "${anchor[@]}" --out "$out/sample_wan_${TAG:-1gpu}.json") 2>&1 \
+        | grep --line-buffered -v -E "gemm_4bit|enable_parallelism. is an experimental" \
+        | tee "$out/sample_wan_${TAG:-1gpu}.log"
     ;;
 memory-dit)
     for rows in plain "${3:-noema,8bit,sr,capped}" plain; do

@@ -97,6 +97,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--negative_prompt", help="video pipelines (Wan): the prompt guidance steers away from "
                    "(default: the empty prompt, as the pipeline)")
     s.add_argument("--gif", action="store_true", help="video pipelines (Wan): also write a GIF beside each MP4")
+    s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines (Wan): decode in spatial tiles of PX "
+                   "pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode (less memory; "
+                   "default: whole frames, and 256-pixel tiles split over the processes under torchrun)")
     s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
                    "dpm++ (DPM-Solver++ 2M) and euler are diffusers' schedulers on DiT's schedule (needs diffusers; "

@@ -92,6 +92,9 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {cfg.compile}")
     if cfg.first_block_cache is not None and not cfg.first_block_cache > 0:
         raise UserError(f"--first_block_cache: expected a threshold > 0 (e.g. 0.05), got {cfg.first_block_cache}")
+    if cfg.vae_tile is not None and (cfg.vae_tile < 32 or cfg.vae_tile % 32):
+        raise UserError(f"--vae_tile: expected a multiple of 32 pixels (tiles overlap by a quarter, in whole latent "
+                        f"pixels), got {cfg.vae_tile}")
     if cfg.cfg_parallel and cfg.cfg_scale == 1.0:
         raise UserError("--cfg_parallel: --cfg_scale 1 runs no unconditional pass to put on the second GPU")
     if cfg.fora is not None and (cfg.fora < 2 or cfg.pab):
@@ -141,7 +144,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         from ditforge.train.finetune import load_finetuned
 
         return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema))
-    for name in ("height", "width", "negative_prompt", "first_block_cache"):
+    for name in ("height", "width", "negative_prompt", "first_block_cache", "vae_tile"):
         if getattr(cfg, name) is not None:
             raise UserError(f"--{name}: for diffusers video pipelines; {cfg.ckpt} is a ditforge {spec['model']}"
                             + (" (give --image_size)" if name in ("height", "width") else ""))

@@ -73,6 +73,7 @@ class SampleConfig:
     negative_prompt: str | None = None
     first_block_cache: float | None = None
     gif: bool = False
+    vae_tile: int | None = None
 
 
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:

@@ -58,8 +58,12 @@ class VideoSampler:
       first block's residual changed by less than this mean relative L1 distance since the last full pass, the
       other blocks' residual of that pass is reused;
     - ``compile``: each repeated block compiled (``torch.compile``, static shapes; ``fullgraph`` unless caching,
-      whose decision is a host-side branch), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a step of a
+      whose decision is a host-side branch, or context parallelism, whose split is a hook diffusers' way of
+      reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a step of a
       480x832x81 Wan clip takes about a second, which launches do not bound.
+
+    The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode; under torchrun 256 by
+    default), split over all processes (``decode_tiles_split``).
 
     With ``cfg_group`` (a process group of 2; ``--cfg_parallel``) process 0 of the group runs the conditional pass
     and process 1 the unconditional one; the two are gathered before guidance, so every process keeps the same
@@ -76,6 +80,14 @@ class VideoSampler:
         self.transformer = denoiser.inner
         denoiser.to(device=d.device, dtype=self.dtype).eval().requires_grad_(False)
         self.cache = cfg.first_block_cache
+        self.is_main = d.is_main
+        vae = pre.pipe.vae
+        tile = cfg.vae_tile or (256 if d.world_size > 1 else None)  # diffusers' default tile under torchrun
+        if tile:
+            vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                              tile_sample_stride_height=tile * 3 // 4, tile_sample_stride_width=tile * 3 // 4)
+        split = d.world_size > 1 and getattr(vae.config, "patch_size", None) is None
+        self.decode_group = d.mesh.get_group() if split else None
         if cfg.mixed_precision == "fp8":
             from ditforge.parallel import apply_fp8
 
@@ -100,7 +112,10 @@ class VideoSampler:
             mode = "max-autotune-no-cudagraphs" if cfg.compile.startswith("max-autotune") else "default"
             blocks = [m for m in self.transformer.modules() if type(m).__name__ in denoiser.block_classes]
             for block in blocks:
-                block.compile(fullgraph=self.cache is None, dynamic=False, options=dict(list_mode_options(mode)))
+                # the hooks of caching (a host-side decision) and of context parallelism (block 0 splits its
+                # input) are not traceable whole: those blocks compile in parts
+                block.compile(fullgraph=self.cache is None and d.sp_size == 1, dynamic=False,
+                              options=dict(list_mode_options(mode)))
 
     def _split_tokens(self, d: Dist, kind: str) -> None:
         from diffusers import ContextParallelConfig
@@ -177,15 +192,90 @@ class VideoSampler:
                 latents = scheduler.step(out, t, latents, return_dict=False)[0]
         return latents
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the
-        VAE's ``latents_mean`` / ``latents_std`` undone, ``vae.decode`` in the VAE's dtype."""
+        VAE's ``latents_mean`` / ``latents_std`` undone, ``vae.decode`` in the VAE's dtype; in spatial tiles where
+        ``vae_tile`` is set (diffusers' ``tiled_decode``: tiles of that side overlapping by a quarter, blended).
+        Under torchrun every process calls it: the tiles are split over the processes (``decode_tiles_split``)
+        and process 0 returns the frames, the others None."""
         vae = self.pre.pipe.vae
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
         std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
+        z = latents.to(vae.dtype) * std + mean
         with torch.no_grad():
-            return vae.decode(latents.to(vae.dtype) * std + mean, return_dict=False)[0]
+            if self.decode_group is not None:
+                return decode_tiles_split(vae, z, self.decode_group)
+            return vae.decode(z, return_dict=False)[0] if self.is_main else None
+
+
+class _Router(torch.nn.Module):
+    """Stands in for ``vae.decoder`` during ``decode_tiles_split``: each call goes to ``route(decoder, ...)``."""
+
+    def __init__(self, decoder: torch.nn.Module, route):
+        super().__init__()
+        self.decoder, self.route = decoder, route
+
+    def forward(self, x, **kwargs):
+        return self.route(self.decoder, x, **kwargs)
+
+
+@contextlib.contextmanager
+def _routed(vae, route):
+    decoder = vae.decoder
+    vae.decoder = _Router(decoder, route)
+    try:
+        yield
+    finally:
+        vae.decoder = decoder
+
+
+def decode_tiles_split(vae, z: torch.Tensor, group) -> torch.Tensor | None:
+    """diffusers' ``AutoencoderKLWan.tiled_decode`` of ``z`` (B, C, T', h, w) with its tiles split over the
+    processes of ``group``, as xDiT's DistVAE and ParaAttention split a VAE decode: tile k (in diffusers' order,
+    row by row) is decoded, all its frames, by process k mod P. Every process runs ``tiled_decode`` once with the
+    decoder calls of other processes' tiles answered by zeros of their shape (first latent frame: 1 frame, the
+    others ``scale_factor_temporal``; ``scale_factor_spatial`` x the tile); the decoded calls go to process 0
+    (point to point), which runs ``tiled_decode`` again with every decoder call answered by its recorded output:
+    the blending, cropping and clamping are diffusers' own, so the result equals the one-process tiled decode
+    (each tile is the same computation). Returns (B, 3, T, H, W) on process 0, None elsewhere.
+
+    The decoder's caches are cleared at each tile by ``tiled_decode`` itself, so skipping another process's tile
+    leaves this process's tiles unchanged. Needs a VAE without ``patch_size`` (Wan 2.1's)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    frames = z.shape[2]
+    t_up, s_up = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial
+    shapes, mine = [], {}
+
+    def split(decoder, x, first_chunk=False, **kwargs):
+        n = len(shapes)
+        b, _, _, h, w = x.shape
+        shapes.append((b, vae.config.out_channels, 1 if first_chunk else t_up, h * s_up, w * s_up))
+        if (n // frames) % world != rank:
+            return x.new_zeros(shapes[-1])
+        out = decoder(x, first_chunk=first_chunk, **kwargs)
+        assert out.shape == shapes[-1], (out.shape, shapes[-1])  # the zeros above must match a decoded tile
+        mine[n] = out
+        return out
+
+    with _routed(vae, split):
+        vae.tiled_decode(z, return_dict=False)
+    owner = [(n // frames) % world for n in range(len(shapes))]
+    if rank != 0:
+        flat = torch.cat([mine[n].flatten() for n in sorted(mine)]) if mine else z.new_zeros(0)
+        dist.send(flat.contiguous(), group=group, group_dst=0)
+        return None
+    outputs = dict(mine)
+    for src in range(1, world):
+        calls = [n for n in range(len(shapes)) if owner[n] == src]
+        flat = z.new_empty(sum(int(np.prod(shapes[n])) for n in calls))
+        dist.recv(flat, group=group, group_src=src)
+        for n, part in zip(calls, flat.split([int(np.prod(shapes[n])) for n in calls])):
+            outputs[n] = part.view(shapes[n])
+    replay = iter(range(len(shapes)))
+
+    with _routed(vae, lambda decoder, x, **kwargs: outputs[next(replay)]):
+        return vae.tiled_decode(z, return_dict=False)[0]
 
 
 def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser, run=None,
@@ -268,9 +358,10 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     for i in tqdm(todo, desc="videos", unit="video", disable=not d.is_main or len(todo) == 1):
         latents = sampler.denoise(conds[i], uncond, shape, derive_seed(cfg.seed, i), steps, guidance, image_cond,
                                   progress=d.is_main)
+        pixels = sampler.decode(latents)  # every process decodes its share of the tiles
         if not d.is_main:
             continue
-        video = to_uint8(sampler.decode(latents))[0]  # (T, H, W, 3)
+        video = to_uint8(pixels)[0]  # (T, H, W, 3)
         write_video_file(video, targets[i], cfg.fps)
         if cfg.gif and targets[i].suffix.lower() != ".gif":
             write_video_file(video, targets[i].with_suffix(".gif"), cfg.fps)

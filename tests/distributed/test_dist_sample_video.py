@@ -56,14 +56,24 @@ def _assert_same(got: np.ndarray, want: np.ndarray) -> None:
 
 
 def test_two_processes_equal_one(folder, want, tmp_path):
-    """2 processes, ``--sequence_parallel_size 2`` (Ulysses: each process holds 12 of the 24 tokens and 1 of the 2
-    heads in attention) and ``--cfg_parallel`` (conditional and unconditional passes apart), each write the
-    one-process videos."""
+    """2 processes, in one torchrun launch: ``--sequence_parallel_size 2`` (Ulysses: each process holds 12 of the
+    24 tokens and 1 of the 2 heads in attention) and ``--cfg_parallel`` (conditional and unconditional passes apart)
+    each write the one-process videos. ``--cfg_parallel --vae_tile 32`` (tiles of 32 px every 24 px: two tiles
+    across the 16 x 48 frames, blended over 8 px): each process decodes one tile and process 0 blends them
+    (``decode_tiles_split``) into the frames of the one-process tiled decode, which differ from the whole-frame
+    decode (the tiles are really used)."""
+    from ditforge import cli
+
     err = torchrun_cli_many(2, tmp_path, [_argv(folder, tmp_path / "sp.npz", "--sequence_parallel_size", "2"),
-                                          _argv(folder, tmp_path / "cfg.npz", "--cfg_parallel")])
+                                          _argv(folder, tmp_path / "cfg.npz", "--cfg_parallel"),
+                                          _argv(folder, tmp_path / "tiles.npz", "--cfg_parallel", "--vae_tile", "32")])
     assert "ulysses 2 x ring 1" in err[0]
     for name in ("sp", "cfg"):
         _assert_same(np.load(tmp_path / f"{name}.npz")["samples"], want)
+    assert cli.main(_argv(folder, tmp_path / "one_tiled.npz", "--vae_tile", "32")) == 0
+    tiled = np.load(tmp_path / "one_tiled.npz")["samples"].astype(np.int16)
+    _assert_same(np.load(tmp_path / "tiles.npz")["samples"], tiled)
+    assert np.abs(tiled - want).max() > 2
 
 
 def test_four_processes_cfg_parallel_times_ulysses_equal_one(folder, want, tmp_path):

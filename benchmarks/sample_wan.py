@@ -1,0 +1,205 @@
+"""Wan2.1-T2V-1.3B video sampling (issue 43): ``ditforge sample``'s loop (``sample.video.VideoSampler``) against the
+unchanged anchor ``../shared/anchors/wan_sampling.py`` (diffusers' ``WanPipeline``, eager and with
+``compile_repeated_blocks``), run first in the same job.
+
+    PYTHONPATH=. python benchmarks/sample_wan.py --rows eager,compiled,fp8 --steps 10 \
+        --anchor .anchors/wan_sampling.py --out r.json                                   # one GPU
+    PYTHONPATH=. torchrun --nproc_per_node 4 benchmarks/sample_wan.py --rows cfg2_ulysses2,ulysses4 --out r4.json
+
+Workload (the anchor's): Wan2.1-T2V-1.3B's transformer config (30 layers, 12 heads of 128, FFN 8960) with random
+weights, ``AutoencoderKLWan``'s default config in float32, UniPC with flow shift 3, guidance 5, 480 x 832, 81 frames
+(latents 16 x 21 x 60 x 104: 32,760 tokens), random 512 x 4096 caption states for the prompt and the negative
+prompt (the text encoder is outside the timed call in every system compared), the VAE decode and the conversion to
+uint8 frames included. One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of ``--repeat`` timed calls
+after one warm-up call (which compiles), wall clock between synchronisations; ``loop_s`` / ``decode_s``: the same
+call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, First Block Cache, fp32 (the
+reference for PSNR / SSIM of the uint8 frames), and under torchrun CFG-parallel and context parallelism (Ulysses).
+Every row rebuilds the transformer from the same seed on its GPU, so every row draws the same video up to its
+arithmetic. ``--steps`` sets our rows' denoising steps and the anchor's; TINY=1: the anchor's tiny config on the
+CPU (a check of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ditforge.data.images import to_uint8
+from ditforge.models.adapters.pipeline import Pretrained
+from ditforge.models.adapters.wan import WanDenoiser
+from ditforge.parallel.mesh import init_distributed
+from ditforge.sample.load import SampleConfig
+from ditforge.sample.loops import use_sampling_gemm_settings
+from ditforge.sample.video import VideoSampler
+from timing import psnr, ssim
+
+TINY = os.environ.get("TINY") == "1"
+# row -> SampleConfig settings (and the processes it needs: sequence_parallel_size x (2 with cfg_parallel))
+ROWS = {
+    "eager": dict(),
+    "compiled": dict(compile="default"),
+    "fp8": dict(compile="default", mixed_precision="fp8"),
+    "fbc05": dict(compile="default", first_block_cache=0.05),
+    "fbc10": dict(compile="default", first_block_cache=0.10),
+    "fp8_fbc05": dict(compile="default", mixed_precision="fp8", first_block_cache=0.05),
+    "fp8_fbc10": dict(compile="default", mixed_precision="fp8", first_block_cache=0.10),
+    "fp32": dict(mixed_precision="fp32"),
+    "cfg2": dict(compile="default", cfg_parallel=True),
+    "ulysses2": dict(compile="default", sequence_parallel_size=2),
+    "ulysses4": dict(compile="default", sequence_parallel_size=4),
+    "cfg2_ulysses2": dict(compile="default", cfg_parallel=True, sequence_parallel_size=2),
+    "cfg2_fp8": dict(compile="default", cfg_parallel=True, mixed_precision="fp8"),
+}
+WORKLOAD = dict(height=32, width=32, frames=5) if TINY else dict(height=480, width=832, frames=81)
+
+
+def build_pipe(device: torch.device):
+    """The anchor's ``WanPipeline`` parts: a fresh transformer (seed 0; fp32 on ``device``), the default VAE (fp32),
+    UniPC with flow shift 3."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        if TINY:
+            tr = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
+                                       text_dim=64, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32)
+            vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                   temperal_downsample=[False, True, True])
+        else:
+            tr = WanTransformer3DModel(num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                                       out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30,
+                                       cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+            vae = AutoencoderKLWan()
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
+                                    flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae.eval(), scheduler=sched, transformer=tr.eval())
+    return Pretrained(Path("-"), "WanPipeline", pipe, WanDenoiser(tr, 8), dict(sched.config))
+
+
+def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: str) -> tuple[dict, np.ndarray | None]:
+    """One row: ``repeat`` timed calls of ``steps`` steps after a warm-up call of ``warmup_steps`` (compiling happens
+    there whatever the step count); ``repeat`` 0: one call, untimed (a reference's frames)."""
+    settings = ROWS[name]
+    d = init_distributed(device_arg, settings.get("sequence_parallel_size", 1))
+    device = d.device
+    need = settings.get("sequence_parallel_size", 1) * (2 if settings.get("cfg_parallel") else 1)
+    if need != d.world_size:
+        raise SystemExit(f"row {name} needs {need} processes, this run has {d.world_size}")
+    pre = build_pipe(device)
+    cfg = SampleConfig(ckpt="-", **settings)
+    sampler = VideoSampler(pre, pre.denoiser, d, cfg)
+    g = torch.Generator(device).manual_seed(0)
+    text = 64 if TINY else 4096
+    cond = {"encoder_hidden_states": torch.randn(1, 512, text, generator=g, device=device)}
+    uncond = {"encoder_hidden_states": torch.randn(1, 512, text, generator=g, device=device)}
+    w = WORKLOAD
+    shape = (1, 16, (w["frames"] - 1) // 4 + 1, w["height"] // 8, w["width"] // 8)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def call(n=steps):
+        sync(); t0 = time.perf_counter()
+        latents = sampler.denoise(cond, uncond, shape, 1, n, 5.0)
+        sync(); t1 = time.perf_counter()
+        pixels = sampler.decode(latents)  # under torchrun every process decodes its share of the tiles
+        frames = to_uint8(pixels)[0] if d.is_main else None
+        sync(); t2 = time.perf_counter()
+        d.barrier()
+        return frames, t1 - t0, t2 - t1, time.perf_counter() - t0
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if repeat:
+        call(warmup_steps)  # warm-up: compiles
+    times = [call() for _ in range(max(repeat, 1))]
+    frames = times[-1][0]
+    total = statistics.median(t[3] for t in times)
+    row = dict(row=name, settings=settings, processes=d.world_size, steps=steps, s_per_call=round(total, 3),
+               s_per_step=round(total / steps, 4), loop_s=round(statistics.median(t[1] for t in times), 3),
+               decode_s=round(statistics.median(t[2] for t in times), 3))
+    if device.type == "cuda":
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    del sampler, pre
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row, frames
+
+
+def run_anchor(anchor: str, steps: int, out: Path) -> dict:
+    """The anchor in its own process (its own defaults), its JSON read back."""
+    env = dict(os.environ, OUT=str(out.parent))
+    w = WORKLOAD
+    subprocess.run([sys.executable, anchor, str(steps), str(w["frames"]), str(w["height"]), str(w["width"])],
+                   check=True, env=env)
+    return json.loads((out.parent / "wan_sampling.json").read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="eager,compiled,fp8", help=f"which of {', '.join(ROWS)}")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeat", type=int, default=2, help="timed calls a row (0: one untimed call, for frames only)")
+    p.add_argument("--untimed", default="fp32", help="rows drawn once, untimed (references for PSNR / SSIM)")
+    p.add_argument("--warmup_steps", type=int, default=2, help="steps of the warm-up call (it compiles)")
+    p.add_argument("--reference", default=None, help="the row whose frames the others' PSNR / SSIM are against "
+                   "(default: fp32 where run, else the first row)")
+    p.add_argument("--anchor", help="../shared/anchors/wan_sampling.py, run first with --steps")
+    p.add_argument("--device", default="cpu" if TINY else "cuda")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    if args.device == "cuda":
+        use_sampling_gemm_settings(torch.device("cuda"))
+    import diffusers
+
+    result = dict(date=datetime.now().isoformat(timespec="minutes"), torch=torch.__version__,
+                  diffusers=diffusers.__version__, workload=WORKLOAD, guidance=5.0, flow_shift=3.0,
+                  device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", rows=[])
+    if args.anchor and rank == 0:
+        result["anchor"] = run_anchor(args.anchor, args.steps, out)
+    names = args.rows.split(",")
+    frames = {}
+    for name in names:
+        repeat = 0 if name in args.untimed.split(",") else args.repeat
+        row, f = run_row(name, args.steps, repeat, args.warmup_steps, args.device)
+        if rank == 0:
+            frames[name] = f
+            anchor = result.get("anchor", {}).get("compiled")
+            if anchor:
+                row["x_compiled_anchor"] = round(anchor["s_per_call"] / row["s_per_call"], 3)
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
+    if rank == 0:
+        ref = args.reference or ("fp32" if "fp32" in frames else names[0])
+        for row in result["rows"]:
+            if row["row"] != ref:
+                row[f"psnr_vs_{ref}"] = round(psnr(frames[ref], frames[row["row"]]), 2)
+                row[f"ssim_vs_{ref}"] = round(ssim(frames[ref], frames[row["row"]]), 4)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print("| row | processes | s/call | s/step | loop s | decode s | peak GiB | x compiled anchor | PSNR / SSIM vs "
+              f"{ref} |")
+        for r in result["rows"]:
+            print(f"| {r['row']} | {r['processes']} | {r['s_per_call']} | {r['s_per_step']} | {r['loop_s']} | "
+                  f"{r['decode_s']} | {r.get('peak_gib', '-')} | {r.get('x_compiled_anchor', '-')} | "
+                  f"{r.get(f'psnr_vs_{ref}', '-')} / {r.get(f'ssim_vs_{ref}', '-')} |")
+        if "anchor" in result:
+            a = result["anchor"]
+            print(f"anchor: eager {a['eager']['s_per_call']} s/call, compiled {a['compiled']['s_per_call']} s/call "
+                  f"({args.steps} steps)")
+    if torch.distributed.is_initialized():  # the group stays from row to row (init_distributed joins it once)
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
