@@ -97,6 +97,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--negative_prompt", help="video pipelines (Wan): the prompt guidance steers away from "
                    "(default: the empty prompt, as the pipeline)")
     s.add_argument("--gif", action="store_true", help="video pipelines (Wan): also write a GIF beside each MP4")
+    s.add_argument("--lora", help="with a diffusers pipeline folder as --ckpt: a LoRA file or folder (`ditforge "
+                   "export --format lora`, or any LoRA the pipeline's load_lora_weights reads), merged into the "
+                   "weights before sampling")
     s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines (Wan): decode in spatial tiles of PX "
                    "pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode (less memory; "
                    "default: whole frames, and 256-pixel tiles split over the processes under torchrun)")

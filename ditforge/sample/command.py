@@ -120,6 +120,27 @@ def _text_dtype(d: Dist) -> torch.dtype:
     return torch.bfloat16 if d.device.type == "cuda" else torch.float32
 
 
+def _fuse_lora(pre, path: str) -> None:
+    """Load the LoRA file or folder ``path`` (``ditforge export --format lora``, or any LoRA diffusers reads for
+    this pipeline) with the pipeline's ``load_lora_weights`` and merge it into the weights (``fuse_lora``, then
+    ``unload_lora_weights``: the sampling loop runs plain layers).
+
+    Raises:
+        UserError: no such path, diffusers / peft could not load it, or it matched none of the pipeline's modules
+            (one line each)."""
+    if not Path(path).exists():
+        raise UserError(f"--lora {path}: no such file or folder")
+    try:
+        pre.pipe.load_lora_weights(path)
+    except Exception as e:  # diffusers and peft raise many types for a file that does not fit
+        raise UserError(f"--lora {path}: could not load it into {pre.pipeline_class} ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:200]})") from None
+    if not any(pre.pipe.get_list_adapters().values()):  # diffusers only warns when no key matched
+        raise UserError(f"--lora {path}: holds no LoRA weights for {pre.pipeline_class}'s modules")
+    pre.pipe.fuse_lora()
+    pre.pipe.unload_lora_weights()
+
+
 def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     if cfg.mixed_precision == "fp8":  # before the checkpoint is read
         check_fp8(d)
@@ -138,7 +159,12 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     if is_adapted_pipeline(cfg.ckpt):  # a diffusers pipeline folder itself
         pre = load_pretrained(cfg.ckpt, d.device, _text_dtype(d), flag="--ckpt",
                               denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device))
+        if cfg.lora is not None:
+            _fuse_lora(pre, cfg.lora)
         return sample_pipeline(cfg, prompts, d, pre, pre.denoiser.eval())
+    if cfg.lora is not None:
+        raise UserError(f"--lora {cfg.lora}: for a diffusers pipeline folder as --ckpt (a LoRA run's own adapters "
+                        f"load with its checkpoint); {cfg.ckpt} is none")
     state, spec = read_spec(cfg.ckpt, cfg.use_ema)
     if spec.get("family"):
         from ditforge.train.finetune import load_finetuned

@@ -74,6 +74,7 @@ class SampleConfig:
     first_block_cache: float | None = None
     gif: bool = False
     vae_tile: int | None = None
+    lora: str | None = None
 
 
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:

@@ -224,6 +224,33 @@ def test_lora_file_loads_with_load_lora_weights(wan, runs, tmp_path):
     assert (base - mine).abs().max() > 100 * tol
 
 
+def test_sample_base_with_lora_file_equals_the_lora_run(wan, runs, tmp_path, capsys):
+    """``ditforge sample --ckpt WAN_FOLDER --lora EXPORTED`` (the LoRA merged by diffusers' ``fuse_lora``) draws the
+    video ``ditforge sample --ckpt LORA_RUN`` draws (peft's unmerged adapters), to one uint8 level, and not the base
+    folder's; a file that is no LoRA of this pipeline is one line."""
+    out = tmp_path / "lora"
+    assert cli.main(["export", "--ckpt", str(runs["lora"]), "--format", "lora", "--out", str(out)]) == 0
+    common = ["--prompt", "a rabbit on a green hill", "--num_sampling_steps", "3", "--height", str(SIZE), "--width",
+              str(SIZE), "--num_frames", str(FRAMES), "--device", "cpu"]
+    videos = {}
+    for name, ckpt in (("run", [str(runs["lora"])]), ("file", [str(wan), "--lora", str(out)]),
+                       ("base", [str(wan)])):
+        npz = tmp_path / f"{name}.npz"
+        assert cli.main(["sample", "--ckpt", *ckpt, *common, "--out", str(tmp_path / f"{name}.mp4"),
+                         "--save_npz", str(npz)]) == 0
+        videos[name] = np.load(npz)["samples"].astype(np.int16)
+    assert np.abs(videos["file"] - videos["run"]).max() <= 1
+    assert np.abs(videos["base"] - videos["run"]).max() > 1
+    bad = tmp_path / "bad.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"unrelated.lora_A.weight": torch.randn(4, 4)}, str(bad))
+    capsys.readouterr()
+    assert cli.main(["sample", "--ckpt", str(wan), "--lora", str(bad), *common, "--out", str(tmp_path / "x.mp4")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"error: --lora {bad}: holds no LoRA weights" in err[0], err
+
+
 def test_fp8_base_gives_the_gradients_of_fp8_rounded_weights(wan):
     """--fp8_base (``store_base_in_fp8``): the frozen attention and FFN layers of the transformer are stored in
     float8 e4m3 (one byte each: the memory), while the adapters, norms and embedders keep float32. Independent
