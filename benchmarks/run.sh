@@ -37,8 +37,9 @@
 #   sample-wan [ROWS] [STEPS] [ANCHOR]  Wan2.1-T2V-1.3B sampling at 480 x 832 x 81 frames, guidance 5 (issue 43):
 #                       the unchanged wan_sampling.py anchor at STEPS steps (default 10; ANCHOR "none" skips it),
 #                       then sample_wan.py's ROWS (default eager,compiled,fp8,fp32) under torchrun with NPROC
-#                       processes (default 1); REPEAT, WARMUP_STEPS (default 2, 2) and TAG (the result file's
-#                       suffix, default 1gpu) set the rest
+#                       processes (default 1); REPEAT, WARMUP_STEPS (default 2, 2), PROFILE (N > 0: the N largest
+#                       kernels of 2 profiled steps a row, GPU time by kind) and TAG (the result file's suffix,
+#                       default 1gpu) set the rest
 #   memory-dit [CKPT] [ROWS]  `ditforge bench --memory` on DiT-XL/2 256px batch 32: the plain row, the memory rows
 #                       ROWS (default noema,8bit,sr,capped) with --grad_checkpoint CKPT (default every-2) under
 #                       8 GiB, the plain row again
@@ -175,7 +176,7 @@ sample-wan)
     anchor=(); [ "${4:-anchor}" = none ] || anchor=(--anchor ../.anchors/wan_sampling.py)
     (cd benchmarks && torchrun --standalone --nproc_per_node "${NPROC:-1}" sample_wan.py \
         --rows "${2:-eager,compiled,fp8,fp32}" --steps "${3:-10}" --repeat "${REPEAT:-2}" \
-        --warmup_steps "${WARMUP_STEPS:-2}" "${anchor[@]}" --out "$out/sample_wan_${TAG:-1gpu}.json") 2>&1 \
+        --warmup_steps "${WARMUP_STEPS:-2}" --profile "${PROFILE:-0}" "${anchor[@]}" --out "$out/sample_wan_${TAG:-1gpu}.json") 2>&1 \
         | grep --line-buffered -v -E "gemm_4bit|enable_parallelism. is an experimental" \
         | tee "$out/sample_wan_${TAG:-1gpu}.log"
     ;;

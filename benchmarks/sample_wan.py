@@ -86,9 +86,12 @@ def build_pipe(device: torch.device):
     return Pretrained(Path("-"), "WanPipeline", pipe, WanDenoiser(tr, 8), dict(sched.config))
 
 
-def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: str) -> tuple[dict, np.ndarray | None]:
+def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: str, profile: int = 0
+            ) -> tuple[dict, np.ndarray | None]:
     """One row: ``repeat`` timed calls of ``steps`` steps after a warm-up call of ``warmup_steps`` (compiling happens
-    there whatever the step count); ``repeat`` 0: one call, untimed (a reference's frames)."""
+    there whatever the step count); ``repeat`` 0: one call, untimed (a reference's frames). ``profile`` > 0: then
+    one 2-step loop under torch.profiler: its ``profile`` largest kernels, GPU time by kind, and the self-attention
+    kernels' rate (4 L^2 D FLOPs a layer and row)."""
     settings = ROWS[name]
     d = init_distributed(device_arg, settings.get("sequence_parallel_size", 1))
     device = d.device
@@ -128,10 +131,39 @@ def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: s
                decode_s=round(statistics.median(t[2] for t in times), 3))
     if device.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if profile and device.type == "cuda":
+        row["profile"] = profile_loop(sampler, lambda: sampler.denoise(cond, uncond, shape, 1, 2, 5.0), shape,
+                                      profile, name)
     del sampler, pre
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row, frames
+
+
+def profile_loop(sampler: VideoSampler, loop, shape: tuple[int, ...], top: int, name: str) -> dict:
+    """GPU kernel time of ``loop`` (2 steps) by kind (``profile_step.kind``), and the attention kernels' TFLOPS
+    counting self-attention alone (cross-attention over 512 text tokens is under 2% of it)."""
+    from profile_step import kind
+    from timing import cuda_kernels, print_top_kernels
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        loop()
+        torch.cuda.synchronize()
+    print_top_kernels(prof, top, f"{name}: 2 steps")
+    by_kind: dict[str, float] = {}
+    for ms, kernel in cuda_kernels(prof):
+        by_kind[kind(kernel)] = by_kind.get(kind(kernel), 0.0) + ms
+    config = sampler.transformer.config
+    tokens = shape[2] * (shape[3] // 2) * (shape[4] // 2)
+    rows = 2 if sampler.cfg_group is None else 1  # the guided batch on this process
+    flops = 2 * rows * config.num_layers * 4 * tokens**2 * config.num_attention_heads * config.attention_head_dim
+    total = sum(by_kind.values())
+    out = {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+    out["total_ms"] = round(total, 1)
+    out["attention_tflops"] = round(flops / (by_kind.get("attention", 0) / 1e3) / 1e12, 1) if "attention" in by_kind \
+        else None
+    print(f"{name}: GPU ms by kind {out}", flush=True)
+    return out
 
 
 def run_anchor(anchor: str, steps: int, out: Path) -> dict:
@@ -154,6 +186,8 @@ def main() -> None:
                    "(default: fp32 where run, else the first row)")
     p.add_argument("--anchor", help="../shared/anchors/wan_sampling.py, run first with --steps")
     p.add_argument("--device", default="cpu" if TINY else "cuda")
+    p.add_argument("--profile", type=int, default=0, help="profile 2 steps of each row after its timing; print its N "
+                   "largest kernels")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
@@ -172,7 +206,7 @@ def main() -> None:
     frames = {}
     for name in names:
         repeat = 0 if name in args.untimed.split(",") else args.repeat
-        row, f = run_row(name, args.steps, repeat, args.warmup_steps, args.device)
+        row, f = run_row(name, args.steps, repeat, args.warmup_steps, args.device, args.profile)
         if rank == 0:
             frames[name] = f
             anchor = result.get("anchor", {}).get("compiled")
