@@ -88,6 +88,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                      "N samples, labels cycling over the classes (default: one per class)")
     s.add_argument("--cfg_scale", type=float, help="classifier-free guidance scale (1: no guidance; default 4.0, "
                    "a diffusers pipeline's own: Wan 5.0)")
+    s.add_argument("--cfg_scale_2", type=float, help="Wan 2.2 A14B: the guidance scale of the low-noise expert "
+                   "(transformer_2; default: --cfg_scale)")
     s.add_argument("--num_sampling_steps", type=int, help="respaced diffusion steps (2..1000; default 250, a "
                    "diffusers pipeline's own: Wan 50)")
     s.add_argument("--height", type=int, help="video pipelines (Wan): frame height in pixels (default: the run's "

@@ -35,7 +35,8 @@ def _tiny_pipelines():
 def folders(tmp_path_factory, one_thread_module) -> dict[str, Path]:
     tiny = _tiny_pipelines()
     root = tmp_path_factory.mktemp("video_pipelines")
-    return {"t2v": tiny.make_wan(root / "wan"), "i2v": tiny.make_wan_i2v(root / "wan_i2v")}
+    return {"t2v": tiny.make_wan(root / "wan"), "i2v": tiny.make_wan_i2v(root / "wan_i2v"),
+            "t2v22": tiny.make_wan22(root / "wan22"), "i2v22": tiny.make_wan22(root / "wan22_i2v", image_to_video=True)}
 
 
 def _pipeline(folder: Path):
@@ -60,12 +61,14 @@ def _first_frame(tmp_path: Path) -> Path:
     return png
 
 
-@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+@pytest.mark.parametrize("kind", ["t2v", "i2v", "t2v22", "i2v22"])
 def test_loop_equals_the_pipeline(kind, folders, tmp_path):
     """The latents of ``VideoSampler.denoise`` (conditional and unconditional passes in one batch, guidance in
     float32) equal the pipeline's ``output_type="latent"`` from the same generator within 1e-5, and the CLI's
-    frames (``--save_npz``) equal the pipeline's to one uint8 level. The I2V case conditions on a 24 x 40 image
-    (resized by the pipeline's video processor; CLIP sees the original)."""
+    frames (``--save_npz``) equal the pipeline's to one uint8 level. The I2V cases condition on a 24 x 40 image
+    (resized by the pipeline's video processor; Wan 2.1's CLIP sees the original, Wan 2.2 has none). Wan 2.2 A14B
+    (``*22``): the 3 steps run at t = 999 (high-noise expert, guidance 4.5), 857 and 600 (low-noise expert, its own
+    guidance 3 through ``--cfg_scale_2``)."""
     from PIL import Image
 
     from ditforge.models.adapters.pipeline import load_pretrained
@@ -77,32 +80,38 @@ def test_loop_equals_the_pipeline(kind, folders, tmp_path):
     pipe = _pipeline(folder)
     image = None
     extra: dict = {}
-    if kind == "i2v":
+    if kind.startswith("i2v"):
         png = _first_frame(tmp_path)
         image = Image.open(png).convert("RGB")
         extra = {"image": image}
     seed = derive_seed(0, 0)
+    two = kind.endswith("22")
+    if two:
+        extra["guidance_scale_2"] = 3.0
     call = dict(prompt=PROMPT, height=H, width=W, num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=4.5,
                 **extra)
     expected = pipe(**call, output_type="latent", generator=torch.Generator("cpu").manual_seed(seed)).frames
 
-    pre = load_pretrained(folder, torch.device("cpu"), flag="--ckpt")
+    pre = load_pretrained(folder, torch.device("cpu"), flag="--ckpt", sampling=True)
     cfg = SampleConfig(ckpt=str(folder), mixed_precision="fp32")
     sampler = VideoSampler(pre, pre.denoiser.eval(), Dist(), cfg)
     image_cond = None
-    if kind == "i2v":
+    if kind.startswith("i2v"):
         first = pipe.video_processor.preprocess(image, height=H, width=W)
         image_cond = pre.encode_image(first, FRAMES, images=[image])
     got = sampler.denoise(pre.encode_prompt([PROMPT]), pre.encode_prompt([""]), tuple(expected.shape), seed, STEPS,
-                          4.5, image_cond)
+                          4.5, image_cond, guidance_2=3.0 if two else None)
+    assert len(sampler.experts) == (2 if two else 1)
     assert got.shape == expected.shape == (1, 16, 2, H // 8, W // 8)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    unguided = pipe(**{**call, "guidance_scale": 1.0}, output_type="latent",
+    unguided = pipe(**{**call, "guidance_scale": 1.0, **({"guidance_scale_2": 1.0} if two else {})},
+                    output_type="latent",
                     generator=torch.Generator("cpu").manual_seed(seed)).frames
     assert (got - unguided).abs().max() > 1e-3  # guidance acts
 
     npz, clip = tmp_path / "s.npz", tmp_path / "out" / "clip.mp4"
-    assert _sample(folder, clip, "--save_npz", str(npz), *(("--image", str(png)) if kind == "i2v" else ())) == 0
+    flags = (("--image", str(png)) if kind.startswith("i2v") else ()) + (("--cfg_scale_2", "3") if two else ())
+    assert _sample(folder, clip, "--save_npz", str(npz), *flags) == 0
     frames = pipe(**call, output_type="np", generator=torch.Generator("cpu").manual_seed(seed)).frames
     want = np.round(frames * 255).astype(np.int16)
     have = np.load(npz)["samples"].astype(np.int16)
@@ -167,3 +176,19 @@ def test_bad_input_is_one_line(flags, needle, folders, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "c.mp4").exists()
+
+
+@pytest.mark.parametrize("setting, needle", [({"expand_timesteps": True}, "expand_timesteps"),
+                                             ({"boundary_ratio": 0.875}, "needs both transformer_2")])
+def test_variants_it_cannot_sample_are_one_line(setting, needle, folders, tmp_path, capsys):
+    """Wan 2.2 TI2V-5B (a timestep per token) and a boundary_ratio without a second expert: one line, exit 2."""
+    import json
+    import shutil
+
+    folder = tmp_path / "wan"
+    shutil.copytree(folders["t2v"], folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, **setting}))
+    assert _sample(folder, tmp_path / "c.mp4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err

@@ -158,7 +158,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         "split the samples among the processes")
     if is_adapted_pipeline(cfg.ckpt):  # a diffusers pipeline folder itself
         pre = load_pretrained(cfg.ckpt, d.device, _text_dtype(d), flag="--ckpt",
-                              denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device))
+                              denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device), sampling=True)
         if cfg.lora is not None:
             _fuse_lora(pre, cfg.lora)
         return sample_pipeline(cfg, prompts, d, pre, pre.denoiser.eval())
@@ -170,7 +170,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         from ditforge.train.finetune import load_finetuned
 
         return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema))
-    for name in ("height", "width", "negative_prompt", "first_block_cache", "vae_tile"):
+    for name in ("height", "width", "negative_prompt", "first_block_cache", "vae_tile", "cfg_scale_2"):
         if getattr(cfg, name) is not None:
             raise UserError(f"--{name}: for diffusers video pipelines; {cfg.ckpt} is a ditforge {spec['model']}"
                             + (" (give --image_size)" if name in ("height", "width") else ""))

@@ -75,6 +75,7 @@ class SampleConfig:
     gif: bool = False
     vae_tile: int | None = None
     lora: str | None = None
+    cfg_scale_2: float | None = None
 
 
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:

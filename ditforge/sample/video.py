@@ -1,4 +1,4 @@
-"""The video families of diffusers (Wan 2.1 text- and image-to-video) sampled by ditforge's own loop instead of the
+"""The video families of diffusers (Wan 2.1 text- and image-to-video, Wan 2.2 A14B's two experts) sampled by ditforge's own loop instead of the
 pipeline's ``__call__``: the pipeline's scheduler, conditioning and VAE, with the conditional and unconditional
 passes in one batch (or on two GPUs), the transformer in bf16 or with float8 linear layers, compiled block by
 block, split over GPUs along its tokens (diffusers' context parallelism: Ulysses and ring attention), and optionally
@@ -75,50 +75,70 @@ class VideoSampler:
     """
 
     def __init__(self, pre, denoiser, d: Dist, cfg: SampleConfig):
-        self.pre, self.denoiser, self.device = pre, denoiser, d.device
+        self.pre, self.device = pre, d.device
         self.dtype = resolve_precision(cfg.mixed_precision, d.device)
-        self.transformer = denoiser.inner
-        denoiser.to(device=d.device, dtype=self.dtype).eval().requires_grad_(False)
+        pipe = pre.pipe
+        # Wan 2.2 A14B: the high-noise expert (``transformer``) runs the steps at t >= boundary_ratio x 1000, the
+        # low-noise one (``transformer_2``) the rest (``WanPipeline.__call__``)
+        self.experts = [denoiser]
+        if getattr(pipe, "transformer_2", None) is not None:
+            self.experts.append(type(denoiser)(pipe.transformer_2, denoiser.vae_scale))
+        ratio = getattr(pipe.config, "boundary_ratio", None) if len(self.experts) > 1 else None
+        self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.cache = cfg.first_block_cache
         self.is_main = d.is_main
-        vae = pre.pipe.vae
+        vae = pipe.vae
         tile = cfg.vae_tile or (256 if d.world_size > 1 else None)  # diffusers' default tile under torchrun
         if tile:
             vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
                               tile_sample_stride_height=tile * 3 // 4, tile_sample_stride_width=tile * 3 // 4)
         split = d.world_size > 1 and getattr(vae.config, "patch_size", None) is None
         self.decode_group = d.mesh.get_group() if split else None
-        if cfg.mixed_precision == "fp8":
-            from ditforge.parallel import apply_fp8
-
-            log.info("fp8: %d linear layers run float8 GEMMs", apply_fp8(self.transformer, d.device, inference=True))
         self.cfg_group = self.cfg_rank = None
         if cfg.cfg_parallel:
             self.cfg_group = (d.sp_mesh["dp"] if d.sp_mesh is not None else d.mesh).get_group()
             self.cfg_rank = dist.get_rank(self.cfg_group)
-        if d.sp_size > 1:
-            if self.cache is not None:
-                raise UserError("--first_block_cache: not with --sequence_parallel_size > 1 (each process would "
-                                "decide on its own slice of the tokens, and a skip on one would hang the others); "
-                                "use --cfg_parallel, or drop --first_block_cache")
-            self._split_tokens(d, cfg.sequence_parallel_type)
+        if d.sp_size > 1 and self.cache is not None:
+            raise UserError("--first_block_cache: not with --sequence_parallel_size > 1 (each process would decide on "
+                            "its own slice of the tokens, and a skip on one would hang the others); use "
+                            "--cfg_parallel, or drop --first_block_cache")
+        mesh = self._token_mesh(d, cfg.sequence_parallel_type) if d.sp_size > 1 else None
+        for expert in self.experts:
+            self._prepare(expert, d, cfg, mesh)
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The (first) diffusers transformer."""
+        return self.experts[0].inner
+
+    def _prepare(self, denoiser, d: Dist, cfg: SampleConfig, mesh) -> None:
+        """One expert made fast, in place: dtype, fp8, context parallelism, First Block Cache, compile."""
+        transformer = denoiser.inner
+        denoiser.to(device=d.device, dtype=self.dtype).eval().requires_grad_(False)
+        if cfg.mixed_precision == "fp8":
+            from ditforge.parallel import apply_fp8
+
+            log.info("fp8: %d linear layers run float8 GEMMs", apply_fp8(transformer, d.device, inference=True))
+        if mesh is not None:
+            self._split_tokens(transformer, d, mesh)
         if self.cache is not None:
             from diffusers.hooks import FirstBlockCacheConfig
 
-            self.transformer.enable_cache(FirstBlockCacheConfig(threshold=self.cache))
+            transformer.enable_cache(FirstBlockCacheConfig(threshold=self.cache))
         if cfg.compile != "none":
             from torch._inductor import list_mode_options
 
             mode = "max-autotune-no-cudagraphs" if cfg.compile.startswith("max-autotune") else "default"
-            blocks = [m for m in self.transformer.modules() if type(m).__name__ in denoiser.block_classes]
-            for block in blocks:
+            for block in [m for m in transformer.modules() if type(m).__name__ in denoiser.block_classes]:
                 # the hooks of caching (a host-side decision) and of context parallelism (block 0 splits its
                 # input) are not traceable whole: those blocks compile in parts
-                block.compile(fullgraph=self.cache is None and d.sp_size == 1, dynamic=False,
+                block.compile(fullgraph=self.cache is None and mesh is None, dynamic=False,
                               options=dict(list_mode_options(mode)))
 
-    def _split_tokens(self, d: Dist, kind: str) -> None:
-        from diffusers import ContextParallelConfig
+    def _token_mesh(self, d: Dist, kind: str):
+        """The (cfg, ring, ulysses) DeviceMesh of ``--sequence_parallel_size`` over the processes; ``auto`` / ``usp``
+        put as many on Ulysses as the head count allows and the rest on ring (CUDA only: diffusers' ring attention
+        needs the log-sum-exp of cuDNN attention)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         size = d.sp_size
@@ -136,14 +156,22 @@ class VideoSampler:
             raise UserError(f"--sequence_parallel_size {size}: Ulysses needs a process count that divides the "
                             f"{heads} attention heads; use --sequence_parallel_type ring or usp")
         ring = size // ulysses
-        if ring > 1:
-            if d.device.type != "cuda":
-                raise UserError(f"--sequence_parallel_size {size}: ring attention over a diffusers transformer "
-                                "runs on CUDA only (it needs the log-sum-exp of cuDNN attention); on the CPU use "
-                                f"--sequence_parallel_type ulysses with a size that divides the {heads} heads")
-            self.transformer.set_attention_backend("_native_cudnn")  # the SDPA kernel that returns it
-        mesh = init_device_mesh(d.device.type, (d.world_size // size, ring, ulysses),
+        if ring > 1 and d.device.type != "cuda":
+            raise UserError(f"--sequence_parallel_size {size}: ring attention over a diffusers transformer runs on "
+                            "CUDA only (it needs the log-sum-exp of cuDNN attention); on the CPU use "
+                            f"--sequence_parallel_type ulysses with a size that divides the {heads} heads")
+        log.info("context parallel: %d processes per sample (ulysses %d x ring %d)", size, ulysses, ring)
+        return init_device_mesh(d.device.type, (d.world_size // size, ring, ulysses),
                                 mesh_dim_names=("cfg", "ring", "ulysses"))
+
+    @staticmethod
+    def _split_tokens(transformer: torch.nn.Module, d: Dist, mesh) -> None:
+        """diffusers' context parallelism on ``transformer`` over ``mesh``'s ring x ulysses part."""
+        from diffusers import ContextParallelConfig
+
+        ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
+        if ring > 1:
+            transformer.set_attention_backend("_native_cudnn")  # the SDPA kernel that returns the log-sum-exp
         config = ContextParallelConfig(ring_degree=ring if ring > 1 else None,
                                        ulysses_degree=ulysses if ulysses > 1 else None, mesh=mesh["ring", "ulysses"])
         with contextlib.ExitStack() as stack:
@@ -151,16 +179,17 @@ class VideoSampler:
                 from unittest import mock  # 0 on a machine without one; the index is unused on the CPU
 
                 stack.enter_context(mock.patch.object(torch.accelerator, "device_count", lambda: 1))
-            self.transformer.enable_parallelism(config=config)
-        log.info("context parallel: %d processes per sample (ulysses %d x ring %d)", size, ulysses, ring)
+            transformer.enable_parallelism(config=config)
 
     def denoise(self, cond: dict, uncond: dict | None, shape: tuple[int, ...], seed: int, steps: int,
-                guidance: float, image_cond: dict | None = None, progress: bool = False) -> torch.Tensor:
+                guidance: float, image_cond: dict | None = None, progress: bool = False,
+                guidance_2: float | None = None) -> torch.Tensor:
         """One video's latents (1, C, T', h, w) float32 from the noise of ``torch.Generator(device).manual_seed(seed)``
         (drawn as the pipeline's ``prepare_latents`` draws it), after ``steps`` steps of a fresh copy of the
         pipeline's scheduler. ``cond`` / ``uncond``: the denoiser's text conditioning tensors (batch 1) of the
         prompt and the negative prompt (None: no guidance); ``image_cond``: an image-to-video family's image
-        tensors, the same for both passes. Guidance: ``uncond + guidance (cond - uncond)`` in float32."""
+        tensors, the same for both passes. Guidance: ``uncond + guidance (cond - uncond)`` in float32; Wan 2.2's
+        low-noise expert guides with ``guidance_2`` (default ``guidance``)."""
         pipe, device = self.pre.pipe, self.device
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
         scheduler.set_timesteps(steps, device=device)
@@ -175,20 +204,23 @@ class VideoSampler:
             halves = [halves[self.cfg_rank]]
         inputs = {k: torch.cat([h[k] for h in halves]).to(self.dtype) for k in cond}
         inputs.update({k: v.expand(len(halves), *v.shape[1:]) for k, v in image_cond.items()})
-        if self.cache is not None:
-            self.transformer._reset_stateful_cache()
-        context = self.transformer.cache_context("cfg") if self.cache is not None else contextlib.nullcontext()
-        with torch.no_grad(), context:
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            if self.cache is not None:
+                for expert in self.experts:
+                    expert.inner._reset_stateful_cache()
+                    stack.enter_context(expert.inner.cache_context("cfg"))
             for t in tqdm(scheduler.timesteps, desc="steps", unit="step", disable=not progress, leave=False):
+                low = self.boundary is not None and t < self.boundary
                 x = latents.to(self.dtype).expand(len(halves), *latents.shape[1:])
-                out = self.denoiser.denoise(x, t.expand(len(halves)), **inputs).float()
+                out = self.experts[int(low)].denoise(x, t.expand(len(halves)), **inputs).float()
                 if self.cfg_group is not None:
                     parts = [torch.empty_like(out) for _ in range(2)]
                     dist.all_gather(parts, out.contiguous(), group=self.cfg_group)
                     out = torch.cat(parts)
                 if uncond is not None:
                     pred, pred_uncond = out.chunk(2)
-                    out = pred_uncond + guidance * (pred - pred_uncond)
+                    scale = guidance_2 if low and guidance_2 is not None else guidance
+                    out = pred_uncond + scale * (pred - pred_uncond)
                 latents = scheduler.step(out, t, latents, return_dict=False)[0]
         return latents
 
@@ -284,7 +316,8 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     run (``run``: its ``RunConfig``, whose frame size and count are the defaults). Each prompt is one video of
     ``height`` x ``width`` x ``num_frames`` (defaults: the run's, else the pipeline's, ``pipeline_defaults``),
     drawn by ``VideoSampler`` from the seed ``derive_seed(seed, i)`` for prompt i, guided against
-    ``negative_prompt`` (default: the empty prompt, as the pipeline) with ``cfg_scale`` (default: the pipeline's),
+    ``negative_prompt`` (default: the empty prompt, as the pipeline) with ``cfg_scale`` (default: the pipeline's;
+    Wan 2.2's low-noise expert with ``cfg_scale_2``, default the same),
     ``num_sampling_steps`` steps (default: the pipeline's). ``image`` (a PIL image) is the first frame of an
     image-to-video family.
 
@@ -314,6 +347,9 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     frames = cfg.num_frames or (run.data.num_frames if run is not None else defaults["num_frames"])
     steps = cfg.num_sampling_steps or defaults["num_inference_steps"]
     guidance = cfg.cfg_scale if cfg.cfg_scale is not None else defaults["guidance_scale"]
+    if cfg.cfg_scale_2 is not None and getattr(pipe, "transformer_2", None) is None:
+        raise UserError(f"--cfg_scale_2: for Wan 2.2's low-noise expert (transformer_2); {pre.pipeline_class} at "
+                        f"{cfg.ckpt} has one transformer")
     VAE(pipe.vae).check_frames(frames, f"the VAE of {pre.pipeline_class}")
     patch = tuple(denoiser.inner.config.patch_size)
     step = pipe.vae_scale_factor_spatial * patch[-1]
@@ -357,7 +393,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     drawn = []
     for i in tqdm(todo, desc="videos", unit="video", disable=not d.is_main or len(todo) == 1):
         latents = sampler.denoise(conds[i], uncond, shape, derive_seed(cfg.seed, i), steps, guidance, image_cond,
-                                  progress=d.is_main)
+                                  progress=d.is_main, guidance_2=cfg.cfg_scale_2)
         pixels = sampler.decode(latents)  # every process decodes its share of the tiles
         if not d.is_main:
             continue

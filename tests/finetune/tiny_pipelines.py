@@ -573,6 +573,30 @@ def make_wan_i2v(path) -> Path:
     return out
 
 
+def make_wan22(path, image_to_video: bool = False) -> Path:
+    """A tiny Wan 2.2 A14B folder: ``make_wan``'s parts with two experts, ``transformer`` (high noise) and
+    ``transformer_2`` (low noise, its weights drawn after ``torch.manual_seed(1)``), and ``boundary_ratio`` 0.875 (the
+    T2V model's; the experts switch at t = 875). ``image_to_video``: a ``WanImageToVideoPipeline`` as Wan 2.2 I2V
+    A14B's: transformers of 36 input channels without CLIP image states (``image_dim`` None), no image encoder,
+    ``boundary_ratio`` 0.9.
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
+
+    extra = dict(in_channels=36) if image_to_video else {}
+    parts = _wan_parts(**extra)
+    torch.manual_seed(1)
+    second = WanTransformer3DModel(**{**dict(parts["transformer"].config), **extra}).eval()
+    if image_to_video:
+        pipe = WanImageToVideoPipeline(**parts, transformer_2=second, boundary_ratio=0.9, image_encoder=None,
+                                       image_processor=None)
+    else:
+        pipe = WanPipeline(**parts, transformer_2=second, boundary_ratio=0.875)
+    return _save(pipe, path)
+
+
 DIT_LABELS = {0: "red apple, apple", 1: "green pear", 2: "yellow banana, banana"}
 
 

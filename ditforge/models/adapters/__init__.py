@@ -88,8 +88,9 @@ class DiffusersDenoiser(nn.Module):
         return cond
 
     @staticmethod
-    def unsupported(pipe: Any) -> str | None:
-        """Why ditforge cannot fine-tune this pipeline of the family (a variant it does not train yet), or None."""
+    def unsupported(pipe: Any, sampling: bool = False) -> str | None:
+        """Why ditforge cannot fine-tune this pipeline of the family (a variant it does not train yet), or with
+        ``sampling`` cannot sample it, or None."""
         return None
 
     @staticmethod

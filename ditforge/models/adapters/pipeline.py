@@ -116,12 +116,14 @@ class Pretrained:
 def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
                     flag: str = FLAG, text_device: torch.device | None = None,
                     vae_device: torch.device | None = None, denoiser_device: torch.device | None = None,
-                    denoiser_dtype: torch.dtype = torch.float32) -> Pretrained:
+                    denoiser_dtype: torch.dtype = torch.float32, sampling: bool = False) -> Pretrained:
     """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
     ``device``) in ``text_dtype``, its VAE to ``vae_device`` (default ``device``) and the denoiser to
     ``denoiser_device`` (default ``device``; the CPU under ``--cpu_offload all``) with its parameters in
     ``denoiser_dtype``, cast in host memory before the move (bf16 weights: the fp32 model never is on the GPU, which
-    SDXL's 10.3 GB would overflow under an 8 GiB budget); all are frozen but the denoiser.
+    SDXL's 10.3 GB would overflow under an 8 GiB budget; a second expert, Wan 2.2's ``transformer_2``, likewise); all
+    are frozen but the denoiser. ``sampling``: the folder is for ``ditforge sample``, which takes variants that
+    fine-tuning refuses (the family's ``unsupported``).
     The adapter's null condition (the empty prompt) is set.
 
     Raises:
@@ -143,7 +145,7 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
         raise UserError(f"{flag} {folder}: could not load the pipeline ({type(e).__name__}: "
                         f"{' '.join(str(e).split())[:200]})") from None
     pipe.set_progress_bar_config(disable=True)
-    if (why := family.unsupported(pipe)) is not None:
+    if (why := family.unsupported(pipe, sampling)) is not None:
         raise UserError(f"{flag} {folder}: {why}")
     for name, module in pipe.components.items():
         if isinstance(module, nn.Module):
@@ -152,7 +154,7 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
                 module.to(text_device or device, text_dtype)
             elif name == "vae":
                 module.to(vae_device or device)
-            elif module is getattr(pipe, family.component):
+            elif name == family.component or name.startswith(family.component + "_"):  # Wan 2.2's transformer_2
                 for p in module.parameters():
                     p.data = p.data.to(denoiser_dtype)
                 module.to(denoiser_device or device)

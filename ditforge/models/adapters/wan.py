@@ -33,12 +33,18 @@ class WanDenoiser(DiffusersDenoiser):
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
 
     @staticmethod
-    def unsupported(pipe):
-        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
-            return ("a Wan 2.2 pipeline with two transformers (transformer_2, boundary_ratio); ditforge fine-tunes "
-                    "Wan 2.1's one")
+    def unsupported(pipe, sampling: bool = False):
         if pipe.config.get("expand_timesteps"):
-            return "a Wan 2.2 TI2V pipeline (expand_timesteps: a timestep per token); ditforge fine-tunes Wan 2.1"
+            return (f"a Wan 2.2 TI2V pipeline (expand_timesteps: a timestep per token); ditforge "
+                    f"{'samples Wan 2.1 and Wan 2.2 A14B' if sampling else 'fine-tunes Wan 2.1'}")
+        if getattr(pipe, "transformer", None) is None:
+            return "a Wan pipeline without its first transformer (the high-noise expert); ditforge needs both"
+        two = getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None
+        if two and not sampling:
+            return ("a Wan 2.2 pipeline with two transformers (transformer_2, boundary_ratio); ditforge fine-tunes "
+                    "Wan 2.1's one (it samples both)")
+        if two and (getattr(pipe, "transformer_2", None) is None or pipe.config.get("boundary_ratio") is None):
+            return "a Wan 2.2 pipeline needs both transformer_2 and boundary_ratio"
         return None
 
     def denoise(self, x, t, encoder_hidden_states):
@@ -72,7 +78,7 @@ class WanI2VDenoiser(WanDenoiser):
         """Channels of the latents x (the transformer's ``out_channels``, 16), not of its input (36)."""
         return int(self.inner.config.out_channels)
 
-    def denoise(self, x, t, encoder_hidden_states, image_condition, encoder_hidden_states_image):
+    def denoise(self, x, t, encoder_hidden_states, image_condition, encoder_hidden_states_image=None):
         hidden = torch.cat([x, image_condition.to(x.dtype)], dim=1)
         return self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=encoder_hidden_states,
                                 encoder_hidden_states_image=encoder_hidden_states_image, return_dict=False)[0]
@@ -112,8 +118,11 @@ class WanI2VDenoiser(WanDenoiser):
             mask[:, :, 0] = 1
             mask = torch.cat([mask[:, :, :1].repeat_interleave(k, dim=2), mask[:, :, 1:]], dim=2)
             mask = mask.view(b, -1, k, *latents.shape[-2:]).transpose(1, 2)  # (B, 4, T', h, w)
+            condition = {"image_condition": torch.cat([mask, latents], dim=1)}
+            if pipe.transformer.config.image_dim is None:  # Wan 2.2 A14B: no CLIP states
+                return condition
             if images is None:
                 pixels = ((first.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
                 images = [Image.fromarray(p.cpu().numpy()) for p in pixels]
             states = pipe.encode_image(images, device).float()
-        return {"image_condition": torch.cat([mask, latents], dim=1), "encoder_hidden_states_image": states}
+        return {**condition, "encoder_hidden_states_image": states}
