@@ -118,8 +118,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "samples.png); video models: the folder for NNN-<prompt or class-K>.mp4 and a .gif preview of "
                    "each (default samples); a video pipeline (Wan: MP4s, GIFs with --gif) with one prompt also takes "
                    "a file name, clip.mp4 (or .gif), and writes that file alone")
-    s.add_argument("--fps", type=int, default=8, help="video models: frames per second of the MP4 and GIF (Wan 2.1 "
-                   "is 16)")
+    s.add_argument("--fps", type=int, help="video models: frames per second of the MP4 and GIF (default 8; Wan "
+                   "pipelines: 16, their training rate)")
     s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
                    "(needed for an official DiT .pt: e.g. sd-vae-ft-ema)")
     s.add_argument("--save_npz", help="with --out (or for text models): also write samples (N,H,W,C or "

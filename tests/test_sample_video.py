@@ -121,16 +121,19 @@ def test_loop_equals_the_pipeline(kind, folders, tmp_path):
 
 
 def test_mp4_holds_the_frames_and_a_folder_resumes(folders, tmp_path):
-    """``--out clip.mp4`` holds ``--num_frames`` frames of the asked size (read back with PyAV); two prompts into a
+    """``--out clip.mp4`` holds ``--num_frames`` frames of the asked size at Wan's 16 fps (read back with PyAV); two
+    prompts into a
     folder write NNN-<slug>.mp4 (and a GIF with ``--gif``), and a re-run after one file is deleted draws that one
     alone, the same video again."""
     import av
 
     clip = tmp_path / "clip.mp4"
-    assert _sample(folders["t2v"], clip, "--num_frames", "9", "--fps", "16") == 0
+    assert _sample(folders["t2v"], clip, "--num_frames", "9") == 0
     with av.open(str(clip)) as f:
+        rate = f.streams.video[0].average_rate
         decoded = [fr.to_ndarray(format="rgb24") for fr in f.decode(video=0)]
     assert len(decoded) == 9 and decoded[0].shape[:2] == (64, 128)  # 16 x 32 shown 4x enlarged (write_video)
+    assert rate == 16  # Wan's frame rate unless --fps says otherwise
 
     folder = tmp_path / "videos"
     argv = ["--prompt", "a second prompt", "--gif", "--save_npz", str(tmp_path / "a.npz")]
@@ -192,3 +195,18 @@ def test_variants_it_cannot_sample_are_one_line(setting, needle, folders, tmp_pa
     assert _sample(folder, tmp_path / "c.mp4") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_flags_a_pipeline_does_not_take_are_one_line(folders, tmp_path, capsys):
+    """``--lora`` on Wan 2.2's two experts, and the video loop's flags on an image pipeline folder (SD, drawn by
+    its own pipeline): one line each, exit 2."""
+    sd = _tiny_pipelines().make_sd(tmp_path / "sd")
+    cases = [(["--ckpt", str(folders["t2v22"]), "--lora", str(tmp_path)], "has two experts"),
+             (["--ckpt", str(sd), "--height", "32"], "--height: StableDiffusionPipeline samples through its own"),
+             (["--ckpt", str(sd), "--compile"], "--compile: StableDiffusionPipeline")]
+    for argv, needle in cases:
+        capsys.readouterr()
+        assert cli.main(["sample", *argv, "--prompt", PROMPT, "--device", "cpu", "--out",
+                         str(tmp_path / "x.png")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err

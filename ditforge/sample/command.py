@@ -160,6 +160,9 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         pre = load_pretrained(cfg.ckpt, d.device, _text_dtype(d), flag="--ckpt",
                               denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device), sampling=True)
         if cfg.lora is not None:
+            if getattr(pre.pipe, "transformer_2", None) is not None:
+                raise UserError(f"--lora {cfg.lora}: {cfg.ckpt} has two experts (Wan 2.2); a LoRA of one of them "
+                                "is not applied by ditforge yet")
             _fuse_lora(pre, cfg.lora)
         return sample_pipeline(cfg, prompts, d, pre, pre.denoiser.eval())
     if cfg.lora is not None:
@@ -178,7 +181,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         raise UserError(f"--compile {cfg.compile}: not with --sequence_parallel_size > 1 (collectives inside a "
                         "compiled, CUDA-graph-replayed model are untested); drop --compile")
     cfg = dataclasses.replace(cfg, num_sampling_steps=cfg.num_sampling_steps or 250,
-                              cfg_scale=4.0 if cfg.cfg_scale is None else cfg.cfg_scale)
+                              cfg_scale=4.0 if cfg.cfg_scale is None else cfg.cfg_scale, fps=cfg.fps or 8)
     device = d.device
     if cfg.image is not None:
         raise UserError(f"--image {cfg.image}: {cfg.ckpt} is a ditforge {spec['model']}, which takes no image; "

@@ -52,7 +52,7 @@ class SampleConfig:
     batch_size: int = 256
     out: str | None = None
     save_npz: str | None = None
-    fps: int = 8
+    fps: int | None = None
     vae: str | None = None
     use_ema: bool = True
     device: str = "auto"

@@ -318,7 +318,8 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
     default samples.png) and the optional .npz.
 
     Raises:
-        UserError: no prompts, class labels; an image family under torchrun; ``--image`` missing for an
+        UserError: no prompts, class labels; an image family under torchrun or with a flag of the video loop
+            (``--height``, ``--compile``, fp8, ...); ``--image`` missing for an
             image-to-video pipeline or given to another; ``sample_video_family``'s.
     """
     from ditforge.sample.video import pipeline_defaults, sample_video_family
@@ -334,6 +335,13 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
         return sample_video_family(cfg, prompts, d, pre, denoiser, run, image)
     if d.world_size > 1:
         raise UserError("--sequence_parallel_size / --cfg_parallel: an image pipeline samples in one process")
+    video_only = ("height", "width", "negative_prompt", "cfg_scale_2", "first_block_cache", "vae_tile", "num_frames")
+    given = [f"--{n}" for n in video_only if getattr(cfg, n) is not None] + (["--gif"] if cfg.gif else [])
+    if cfg.compile != "none" or cfg.mixed_precision == "fp8":
+        given.append("--compile" if cfg.compile != "none" else "--mixed_precision fp8")
+    if given:
+        raise UserError(f"{given[0]}: {pre.pipeline_class} samples through its own diffusers pipeline, which takes "
+                        "--image_size, --num_sampling_steps, --cfg_scale and --batch_size; leave it out")
     defaults = pipeline_defaults(pre.pipe)
     size = cfg.image_size or (run.data.image_size if run is not None else defaults["height"])
     seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]

@@ -67,7 +67,8 @@ class VideoSampler:
 
     With ``cfg_group`` (a process group of 2; ``--cfg_parallel``) process 0 of the group runs the conditional pass
     and process 1 the unconditional one; the two are gathered before guidance, so every process keeps the same
-    latents.
+    latents. First Block Cache then decides on each half alone (one process decides on the pair), so its video can
+    differ from one process's where a skip happens.
 
     Raises:
         UserError: fp8 without an FP8 GPU or Triton; a sequence-parallel size the token count or heads cannot
@@ -262,50 +263,74 @@ def _routed(vae, route):
         vae.decoder = decoder
 
 
+class _Decoded(Exception):
+    """Ends ``tiled_decode`` after a process's last tile: what it would blend is not this process's to return."""
+
+
+def _tile_calls(vae, z: torch.Tensor) -> list[tuple[int, tuple[int, ...]]]:
+    """The decoder calls diffusers' ``tiled_decode`` makes for ``z`` (B, C, T', h, w), in order: (tile index, output
+    shape) for each tile (row by row, the tiles at the strides of ``vae.tile_sample_stride_*``) and each latent
+    frame of it (the first decodes to 1 frame, each other to ``scale_factor_temporal``)."""
+    b, _, frames, h, w = z.shape
+    ratio = vae.spatial_compression_ratio
+    tile_h, tile_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
+    stride_h, stride_w = vae.tile_sample_stride_height // ratio, vae.tile_sample_stride_width // ratio
+    up_t, up_s, channels = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.out_channels
+    calls = []
+    for i in range(0, h, stride_h):
+        for j in range(0, w, stride_w):
+            size = (min(tile_h, h - i) * up_s, min(tile_w, w - j) * up_s)
+            calls += [(len(calls) // frames, (b, channels, 1 if k == 0 else up_t, *size)) for k in range(frames)]
+    return calls
+
+
 def decode_tiles_split(vae, z: torch.Tensor, group) -> torch.Tensor | None:
     """diffusers' ``AutoencoderKLWan.tiled_decode`` of ``z`` (B, C, T', h, w) with its tiles split over the
     processes of ``group``, as xDiT's DistVAE and ParaAttention split a VAE decode: tile k (in diffusers' order,
-    row by row) is decoded, all its frames, by process k mod P. Every process runs ``tiled_decode`` once with the
-    decoder calls of other processes' tiles answered by zeros of their shape (first latent frame: 1 frame, the
-    others ``scale_factor_temporal``; ``scale_factor_spatial`` x the tile); the decoded calls go to process 0
-    (point to point), which runs ``tiled_decode`` again with every decoder call answered by its recorded output:
-    the blending, cropping and clamping are diffusers' own, so the result equals the one-process tiled decode
-    (each tile is the same computation). Returns (B, 3, T, H, W) on process 0, None elsewhere.
+    row by row) is decoded, all its frames, by process k mod P. Each process runs ``tiled_decode`` up to its last
+    tile, the decoder calls of other processes' tiles answered by zeros of their shape (``_tile_calls``; each
+    decoded shape is checked against it); the decoded calls go to process 0 (point to point), which runs
+    ``tiled_decode`` again with every decoder call answered by its recorded output: the blending, cropping and
+    clamping are diffusers' own, so the result equals the one-process tiled decode (each tile is the same
+    computation). Returns (B, 3, T, H, W) on process 0, None elsewhere.
 
     The decoder's caches are cleared at each tile by ``tiled_decode`` itself, so skipping another process's tile
     leaves this process's tiles unchanged. Needs a VAE without ``patch_size`` (Wan 2.1's)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    frames = z.shape[2]
-    t_up, s_up = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial
-    shapes, mine = [], {}
+    calls = _tile_calls(vae, z)
+    owner = [tile % world for tile, _ in calls]
+    last = max((n for n in range(len(calls)) if owner[n] == rank), default=-1)
+    mine, seen = {}, iter(range(len(calls)))
 
-    def split(decoder, x, first_chunk=False, **kwargs):
-        n = len(shapes)
-        b, _, _, h, w = x.shape
-        shapes.append((b, vae.config.out_channels, 1 if first_chunk else t_up, h * s_up, w * s_up))
-        if (n // frames) % world != rank:
-            return x.new_zeros(shapes[-1])
-        out = decoder(x, first_chunk=first_chunk, **kwargs)
-        assert out.shape == shapes[-1], (out.shape, shapes[-1])  # the zeros above must match a decoded tile
-        mine[n] = out
+    def split(decoder, x, **kwargs):
+        n = next(seen)
+        if owner[n] != rank:
+            return x.new_zeros(calls[n][1])
+        out = mine[n] = decoder(x, **kwargs)
+        if tuple(out.shape) != calls[n][1]:
+            raise RuntimeError(f"decoder call {n} gave {tuple(out.shape)}, _tile_calls expected {calls[n][1]}")
+        if n == last:
+            raise _Decoded
         return out
 
-    with _routed(vae, split):
-        vae.tiled_decode(z, return_dict=False)
-    owner = [(n // frames) % world for n in range(len(shapes))]
+    if last >= 0:
+        with _routed(vae, split), contextlib.suppress(_Decoded):
+            vae.tiled_decode(z, return_dict=False)
     if rank != 0:
-        flat = torch.cat([mine[n].flatten() for n in sorted(mine)]) if mine else z.new_zeros(0)
-        dist.send(flat.contiguous(), group=group, group_dst=0)
+        if mine:  # a process with no tile (more processes than tiles) sends nothing
+            dist.send(torch.cat([mine[n].flatten() for n in sorted(mine)]), group=group, group_dst=0)
         return None
     outputs = dict(mine)
     for src in range(1, world):
-        calls = [n for n in range(len(shapes)) if owner[n] == src]
-        flat = z.new_empty(sum(int(np.prod(shapes[n])) for n in calls))
+        theirs = [n for n in range(len(calls)) if owner[n] == src]
+        if not theirs:
+            continue
+        sizes = [int(np.prod(calls[n][1])) for n in theirs]
+        flat = z.new_empty(sum(sizes))
         dist.recv(flat, group=group, group_src=src)
-        for n, part in zip(calls, flat.split([int(np.prod(shapes[n])) for n in calls])):
-            outputs[n] = part.view(shapes[n])
-    replay = iter(range(len(shapes)))
-
+        for n, part in zip(theirs, flat.split(sizes)):
+            outputs[n] = part.view(calls[n][1])
+    replay = iter(range(len(calls)))
     with _routed(vae, lambda decoder, x, **kwargs: outputs[next(replay)]):
         return vae.tiled_decode(z, return_dict=False)[0]
 
@@ -327,7 +352,8 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     ``save_npz`` also writes the videos drawn, (N, T, H, W, 3) uint8, and their prompts.
 
     Returns:
-        The videos drawn in this run, (M, T, H, W, 3) uint8 (empty on processes other than 0).
+        With ``save_npz``, the videos drawn in this run, (M, T, H, W, 3) uint8; else (and on processes other than
+        0) an empty array: a written video is not kept.
 
     Raises:
         UserError: a frame count the VAE cannot take, a frame size the latents and patches do not divide, a video
@@ -374,7 +400,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
 
     # Conditioning first, then the text encoders leave the GPU before the transformer is made fast.
     guided = guidance > 1.0  # the pipelines' do_classifier_free_guidance
-    conds = {i: pre.encode_prompt([prompts[i]]) for i in todo}
+    conds = {i: {k: v.cpu() for k, v in pre.encode_prompt([prompts[i]]).items()} for i in todo}  # GPU: one at a time
     uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None
     latent_frames = (frames - 1) // pipe.vae_scale_factor_temporal + 1
     shape = (1, denoiser.in_channels, latent_frames, height // pipe.vae_scale_factor_spatial,
@@ -389,25 +415,33 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     if d.device.type == "cuda":
         torch.cuda.empty_cache()
 
+    if run is not None and run.model.lora_rank:  # the adapters folded into the weights: plain layers for fp8
+        from ditforge.train.finetune import merge_lora  # (whose float8 weights peft's LoRA input cast would take)
+
+        merge_lora(denoiser)
     sampler = VideoSampler(pre, denoiser, d, cfg)
+    fps = cfg.fps or denoiser.fps
     drawn = []
     for i in tqdm(todo, desc="videos", unit="video", disable=not d.is_main or len(todo) == 1):
-        latents = sampler.denoise(conds[i], uncond, shape, derive_seed(cfg.seed, i), steps, guidance, image_cond,
+        cond = {k: v.to(d.device) for k, v in conds.pop(i).items()}
+        latents = sampler.denoise(cond, uncond, shape, derive_seed(cfg.seed, i), steps, guidance, image_cond,
                                   progress=d.is_main, guidance_2=cfg.cfg_scale_2)
         pixels = sampler.decode(latents)  # every process decodes its share of the tiles
         if not d.is_main:
             continue
         video = to_uint8(pixels)[0]  # (T, H, W, 3)
-        write_video_file(video, targets[i], cfg.fps)
+        del pixels
+        write_video_file(video, targets[i], fps)
         if cfg.gif and targets[i].suffix.lower() != ".gif":
-            write_video_file(video, targets[i].with_suffix(".gif"), cfg.fps)
-        drawn.append(video)
+            write_video_file(video, targets[i].with_suffix(".gif"), fps)
+        if cfg.save_npz:  # else nothing of a written video stays in memory
+            drawn.append(video)
     d.barrier()
     if not d.is_main:
         return np.empty(0, dtype=np.uint8)
-    videos = np.stack(drawn)
+    videos = np.stack(drawn) if drawn else np.empty(0, dtype=np.uint8)
     if cfg.save_npz:
         save_npz(cfg.save_npz, samples=videos, prompts=np.array([prompts[i] for i in todo]))
-    log.info("wrote %d videos (%d frames of %dx%d) of %s to %s", len(videos), frames, width, height,
+    log.info("wrote %d videos (%d frames of %dx%d) of %s to %s", len(todo), frames, width, height,
              pre.pipeline_class, one_file or folder)
     return videos

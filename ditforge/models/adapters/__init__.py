@@ -50,6 +50,7 @@ class DiffusersDenoiser(nn.Module):
     pipeline_kwargs: dict[str, Any] = {}  # extra arguments of the pipeline's __call__ when ditforge samples
     video = False
     image_to_video = False
+    fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 
     def __init__(self, model: nn.Module, vae_scale: int = 8):
