@@ -104,7 +104,7 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "weights before sampling")
     s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines (Wan): decode in spatial tiles of PX "
                    "pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode (less memory; "
-                   "default: whole frames, and 256-pixel tiles split over the processes under torchrun)")
+                   "default: whole frames; under torchrun one column strip per process, blended over 64 pixels)")
     s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
                    "dpm++ (DPM-Solver++ 2M) and euler are diffusers' schedulers on DiT's schedule (needs diffusers; "

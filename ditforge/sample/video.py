@@ -1,8 +1,8 @@
-"""The video families of diffusers (Wan 2.1 text- and image-to-video, Wan 2.2 A14B's two experts) sampled by ditforge's own loop instead of the
-pipeline's ``__call__``: the pipeline's scheduler, conditioning and VAE, with the conditional and unconditional
-passes in one batch (or on two GPUs), the transformer in bf16 or with float8 linear layers, compiled block by
-block, split over GPUs along its tokens (diffusers' context parallelism: Ulysses and ring attention), and optionally
-with diffusers' First Block Cache.
+"""The video families of diffusers (Wan 2.1 text- and image-to-video, Wan 2.2 A14B's two experts) sampled by
+ditforge's own loop instead of the pipeline's ``__call__``: the pipeline's scheduler, conditioning and VAE, with the
+conditional and unconditional passes in one batch (or on two GPUs), the transformer in bf16 or with float8 linear
+layers, compiled block by block, split over GPUs along its tokens (diffusers' context parallelism: Ulysses and ring
+attention), optionally with diffusers' First Block Cache, and the VAE decode split in tiles over the GPUs.
 
 The arithmetic follows diffusers' ``pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__``) and
 ``pipeline_wan_i2v.py`` (``WanImageToVideoPipeline.__call__``); ``tests/test_sample_video.py`` checks that the loop
@@ -59,11 +59,12 @@ class VideoSampler:
       other blocks' residual of that pass is reused;
     - ``compile``: each repeated block compiled (``torch.compile``, static shapes; ``fullgraph`` unless caching,
       whose decision is a host-side branch, or context parallelism, whose split is a hook diffusers' way of
-      reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a step of a
-      480x832x81 Wan clip takes about a second, which launches do not bound.
+      reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a
+      step of a 480x832x81 Wan clip takes about a second, which launches do not bound.
 
-    The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode; under torchrun 256 by
-    default), split over all processes (``decode_tiles_split``).
+    The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; under
+    torchrun in tiles split over all processes (``decode_tiles_split``): by default one column strip per process
+    (``use_strips``).
 
     With ``cfg_group`` (a process group of 2; ``--cfg_parallel``) process 0 of the group runs the conditional pass
     and process 1 the unconditional one; the two are gathered before guidance, so every process keeps the same
@@ -89,10 +90,11 @@ class VideoSampler:
         self.cache = cfg.first_block_cache
         self.is_main = d.is_main
         vae = pipe.vae
-        tile = cfg.vae_tile or (256 if d.world_size > 1 else None)  # diffusers' default tile under torchrun
-        if tile:
-            vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
-                              tile_sample_stride_height=tile * 3 // 4, tile_sample_stride_width=tile * 3 // 4)
+        self.strips = d.world_size > 1 and cfg.vae_tile is None  # else square tiles, or whole frames
+        if cfg.vae_tile:
+            vae.enable_tiling(tile_sample_min_height=cfg.vae_tile, tile_sample_min_width=cfg.vae_tile,
+                              tile_sample_stride_height=cfg.vae_tile * 3 // 4,
+                              tile_sample_stride_width=cfg.vae_tile * 3 // 4)
         split = d.world_size > 1 and getattr(vae.config, "patch_size", None) is None
         self.decode_group = d.mesh.get_group() if split else None
         self.cfg_group = self.cfg_rank = None
@@ -229,8 +231,9 @@ class VideoSampler:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the
         VAE's ``latents_mean`` / ``latents_std`` undone, ``vae.decode`` in the VAE's dtype; in spatial tiles where
         ``vae_tile`` is set (diffusers' ``tiled_decode``: tiles of that side overlapping by a quarter, blended).
-        Under torchrun every process calls it: the tiles are split over the processes (``decode_tiles_split``)
-        and process 0 returns the frames, the others None."""
+        Under torchrun every process calls it: the tiles, by default one column strip per process
+        (``use_strips``), are split over the processes (``decode_tiles_split``) and process 0 returns the frames,
+        the others None."""
         vae = self.pre.pipe.vae
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
@@ -238,8 +241,26 @@ class VideoSampler:
         z = latents.to(vae.dtype) * std + mean
         with torch.no_grad():
             if self.decode_group is not None:
+                if self.strips:
+                    use_strips(vae, z.shape, dist.get_world_size(self.decode_group))
                 return decode_tiles_split(vae, z, self.decode_group)
             return vae.decode(z, return_dict=False)[0] if self.is_main else None
+
+
+STRIP_OVERLAP = 64  # pixels two neighbouring strips share and blend: diffusers' default tiles overlap so much
+
+
+def use_strips(vae, shape: tuple[int, ...], parts: int) -> None:
+    """Set ``vae``'s tiling to ``parts`` column strips of the latents ``shape`` (B, C, T', h, w): each strip the full
+    height and ceil(w / parts) latent columns wide plus ``STRIP_OVERLAP`` pixels of its right neighbour, blended
+    by ``tiled_decode`` as its tiles are. Against diffusers' default 256-pixel squares overlapping by a quarter
+    (1.66x the frame's area at 480 x 832 in 15 tiles), strips decode 1.08x (2 parts) or 1.23x (4 parts) of it, so a
+    process's share of the decode shrinks nearly as 1 / parts."""
+    ratio = vae.spatial_compression_ratio
+    h, w = shape[-2:]
+    stride = -(-w // parts)
+    vae.enable_tiling(tile_sample_min_height=h * ratio, tile_sample_stride_height=h * ratio,
+                      tile_sample_min_width=stride * ratio + STRIP_OVERLAP, tile_sample_stride_width=stride * ratio)
 
 
 class _Router(torch.nn.Module):

@@ -28,8 +28,11 @@ def folder(tmp_path_factory) -> Path:
     return tiny.make_wan(tmp_path_factory.mktemp("wan") / "pipe")
 
 
+PROMPTS = ("a heron in the reeds", "rain on a window")
+
+
 def _argv(folder: Path, npz: Path, *extra: str) -> list[str]:
-    return ["sample", "--ckpt", str(folder), "--prompt", "a heron in the reeds", "--prompt", "rain on a window",
+    return ["sample", "--ckpt", str(folder), "--prompt", PROMPTS[0], "--prompt", PROMPTS[1],
             "--height", str(H), "--width", str(W), "--num_frames", str(FRAMES), "--num_sampling_steps", "3",
             "--cfg_scale", "5", "--seed", "7", "--device", "cpu", "--out", str(npz.with_suffix("")),
             "--save_npz", str(npz), *extra]
@@ -55,18 +58,51 @@ def _assert_same(got: np.ndarray, want: np.ndarray) -> None:
     assert np.abs(got.astype(np.int16) - want).max() <= 1
 
 
+def _strips_reference(folder: Path, parts: int) -> np.ndarray:
+    """The videos of ``_argv`` drawn in this process (``VideoSampler``) and decoded by diffusers' ``tiled_decode``
+    in the column strips ``use_strips`` cuts for ``parts`` processes: what the torchrun runs' default decode must
+    give. (2, T, H, W, 3) int16."""
+    from ditforge.data.images import to_uint8
+    from ditforge.data.sampler import derive_seed
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel.mesh import Dist
+    from ditforge.sample.load import SampleConfig
+    from ditforge.sample.video import VideoSampler, use_strips
+
+    pre = load_pretrained(folder, torch.device("cpu"), flag="--ckpt", sampling=True)
+    sampler = VideoSampler(pre, pre.denoiser.eval(), Dist(), SampleConfig(ckpt=str(folder)))
+    uncond, vae = pre.encode_prompt([""]), pre.pipe.vae
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        latents = sampler.denoise(pre.encode_prompt([prompt]), uncond, (1, 16, 2, H // 8, W // 8),
+                                  derive_seed(7, i), 3, 5.0)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+        z = latents * std + torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        use_strips(vae, z.shape, parts)
+        with torch.no_grad():
+            out.append(to_uint8(vae.tiled_decode(z, return_dict=False)[0])[0])
+    return np.stack(out).astype(np.int16)
+
+
 def test_two_processes_equal_one(folder, want, tmp_path):
-    """2 processes, in one torchrun launch: ``--sequence_parallel_size 2`` (Ulysses: each process holds 12 of the
-    24 tokens and 1 of the 2 heads in attention) and ``--cfg_parallel`` (conditional and unconditional passes apart)
-    each write the one-process videos. ``--cfg_parallel --vae_tile 32`` (tiles of 32 px every 24 px: two tiles
-    across the 16 x 48 frames, blended over 8 px): each process decodes one tile and process 0 blends them
-    (``decode_tiles_split``) into the frames of the one-process tiled decode, which differ from the whole-frame
-    decode (the tiles are really used)."""
+    """2 processes, in one torchrun launch, each run writing the videos of one process:
+
+    - ``--sequence_parallel_size 2`` (Ulysses: each process holds 12 of the 24 tokens and 1 of the 2 heads in
+      attention) and ``--cfg_parallel`` (conditional and unconditional passes apart), with ``--vae_tile 64`` (one
+      tile covers the 16 x 48 frames: the whole-frame decode);
+    - ``--cfg_parallel --vae_tile 32`` (tiles of 32 px every 24 px: two tiles across the frames, blended over 8 px):
+      each process decodes one tile and process 0 blends them (``decode_tiles_split``) into the frames of the
+      one-process tiled decode, which differ from the whole-frame decode (the tiles are really used);
+    - ``--cfg_parallel`` alone: the default split, one column strip per process (``use_strips``), equal to the
+      one-process strips."""
     from ditforge import cli
 
-    err = torchrun_cli_many(2, tmp_path, [_argv(folder, tmp_path / "sp.npz", "--sequence_parallel_size", "2"),
-                                          _argv(folder, tmp_path / "cfg.npz", "--cfg_parallel"),
-                                          _argv(folder, tmp_path / "tiles.npz", "--cfg_parallel", "--vae_tile", "32")])
+    one_tile = ("--vae_tile", "64")
+    err = torchrun_cli_many(2, tmp_path, [
+        _argv(folder, tmp_path / "sp.npz", "--sequence_parallel_size", "2", *one_tile),
+        _argv(folder, tmp_path / "cfg.npz", "--cfg_parallel", *one_tile),
+        _argv(folder, tmp_path / "tiles.npz", "--cfg_parallel", "--vae_tile", "32"),
+        _argv(folder, tmp_path / "strips.npz", "--cfg_parallel")])
     assert "ulysses 2 x ring 1" in err[0]
     for name in ("sp", "cfg"):
         _assert_same(np.load(tmp_path / f"{name}.npz")["samples"], want)
@@ -74,13 +110,17 @@ def test_two_processes_equal_one(folder, want, tmp_path):
     tiled = np.load(tmp_path / "one_tiled.npz")["samples"].astype(np.int16)
     _assert_same(np.load(tmp_path / "tiles.npz")["samples"], tiled)
     assert np.abs(tiled - want).max() > 2
+    strips = _strips_reference(folder, 2)
+    _assert_same(np.load(tmp_path / "strips.npz")["samples"], strips)
+    assert np.abs(strips - want).max() > 2
 
 
 def test_four_processes_cfg_parallel_times_ulysses_equal_one(folder, want, tmp_path):
     """4 processes: ``--cfg_parallel --sequence_parallel_size 2`` (two pairs, one per guidance half, each splitting
-    the tokens over Ulysses 2) write the one-process videos; ring attention is refused on the CPU in one line."""
+    the tokens over Ulysses 2; ``--vae_tile 64``: one tile, the whole-frame decode) write the one-process videos;
+    ring attention is refused on the CPU in one line."""
     err = torchrun_cli_many(4, tmp_path, [
-        _argv(folder, tmp_path / "both.npz", "--cfg_parallel", "--sequence_parallel_size", "2"),
+        _argv(folder, tmp_path / "both.npz", "--cfg_parallel", "--sequence_parallel_size", "2", "--vae_tile", "64"),
         _argv(folder, tmp_path / "ring.npz", "--sequence_parallel_size", "4", "--sequence_parallel_type", "ring")],
         fails=(1,))
     _assert_same(np.load(tmp_path / "both.npz")["samples"], want)
