@@ -236,11 +236,16 @@ class VAE(FrozenModel):
             a 3-D VAE gives ``temporal (T' - 1) + 1`` frames for T' latent frames.
         """
         _check_input(latents, self.latent_channels, 1, "latents", self.path)
-        frames, t, step = self._calls(latents, micro_batch)
-        shift, scale = self._factors(frames)
-        frames = frames / scale + shift
+        frames, t, step = self._calls(self.unscale(latents), micro_batch)
         out = [self.model.decode(frames[i:i + step]).sample for i in range(0, frames.shape[0], step)]
         return _unfold(torch.cat(out), t)
+
+    def unscale(self, latents: torch.Tensor) -> torch.Tensor:
+        """Scaled latents (B, C, ...) -> the decoder's input ``latents / scaling_factor + shift_factor``, on the VAE's
+        device in its dtype (Wan: ``pipeline_wan.py``'s ``latents / (1 / latents_std) + latents_mean``)."""
+        x = latents.to(device=self.device, dtype=self.dtype)
+        shift, scale = self._factors(x)
+        return x / scale + shift
 
     def compile(self) -> VAE:
         """``torch.compile`` the decoder in place (inductor fuses its GroupNorm + SiLU pairs); no CUDA graphs, since

@@ -15,11 +15,11 @@ from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import SAMPLERS
 from ditforge.errors import UserError
 from ditforge.models import is_video_model
-from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
+from ditforge.models.adapters.pipeline import encoder_dtype, is_adapted_pipeline, load_pretrained
 from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
-from ditforge.sample.load import (SampleConfig, build_model, encode_prompts, load_sample_vae, read_prompts,
-                                  read_spec)
+from ditforge.sample.load import (VIDEO_LOOP_FLAGS, SampleConfig, build_model, encode_prompts, load_sample_vae,
+                                  read_prompts, read_spec)
 from ditforge.sample.loops import (check_fp8, check_precision, generate_samples, prepare_model, sample_npz,
                                    sample_pipeline, sample_shape, sample_stream)
 from ditforge.sample.write import save_npz, slug, write_videos
@@ -115,11 +115,6 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         shutdown(d)
 
 
-def _text_dtype(d: Dist) -> torch.dtype:
-    """The pipeline's text and image encoders: bf16 on a GPU (UMT5-XXL is 11 GB so), float32 on the CPU."""
-    return torch.bfloat16 if d.device.type == "cuda" else torch.float32
-
-
 def _fuse_lora(pre, path: str) -> None:
     """Load the LoRA file or folder ``path`` (``ditforge export --format lora``, or any LoRA diffusers reads for
     this pipeline) with the pipeline's ``load_lora_weights`` and merge it into the weights (``fuse_lora``, then
@@ -157,7 +152,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         f"{d.world_size} (or --cfg_parallel with half of that), or --save_npz without --out to "
                         "split the samples among the processes")
     if is_adapted_pipeline(cfg.ckpt):  # a diffusers pipeline folder itself
-        pre = load_pretrained(cfg.ckpt, d.device, _text_dtype(d), flag="--ckpt",
+        pre = load_pretrained(cfg.ckpt, d.device, encoder_dtype(d.device), flag="--ckpt",
                               denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device), sampling=True)
         if cfg.lora is not None:
             if getattr(pre.pipe, "transformer_2", None) is not None:
@@ -173,7 +168,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         from ditforge.train.finetune import load_finetuned
 
         return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema))
-    for name in ("height", "width", "negative_prompt", "first_block_cache", "vae_tile", "cfg_scale_2"):
+    for name in VIDEO_LOOP_FLAGS:
         if getattr(cfg, name) is not None:
             raise UserError(f"--{name}: for diffusers video pipelines; {cfg.ckpt} is a ditforge {spec['model']}"
                             + (" (give --image_size)" if name in ("height", "width") else ""))

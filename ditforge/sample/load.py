@@ -78,6 +78,10 @@ class SampleConfig:
     cfg_scale_2: float | None = None
 
 
+# SampleConfig fields only the video pipelines' loop (``sample.video``) reads; other models refuse them in one line.
+VIDEO_LOOP_FLAGS = ("height", "width", "negative_prompt", "first_block_cache", "vae_tile", "cfg_scale_2")
+
+
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:
     """(weights or DCP folder, model settings with ``SPEC_DEFAULTS`` filled in and ``run_config``)."""
     state, config = load_weights(ckpt, use_ema)

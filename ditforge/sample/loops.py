@@ -26,7 +26,7 @@ from ditforge.diffusion.pab import PABConfig
 from ditforge.encoders.vae import IdentityVAE
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
-from ditforge.sample.load import SampleConfig, encode_prompts, load_prompt_encoder
+from ditforge.sample.load import VIDEO_LOOP_FLAGS, SampleConfig, encode_prompts, load_prompt_encoder
 from ditforge.sample.write import save_npz, slug, write_video_files
 
 log = logging.getLogger(__name__)
@@ -335,8 +335,8 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
         return sample_video_family(cfg, prompts, d, pre, denoiser, run, image)
     if d.world_size > 1:
         raise UserError("--sequence_parallel_size / --cfg_parallel: an image pipeline samples in one process")
-    video_only = ("height", "width", "negative_prompt", "cfg_scale_2", "first_block_cache", "vae_tile", "num_frames")
-    given = [f"--{n}" for n in video_only if getattr(cfg, n) is not None] + (["--gif"] if cfg.gif else [])
+    given = [f"--{n}" for n in (*VIDEO_LOOP_FLAGS, "num_frames") if getattr(cfg, n) is not None]
+    given += ["--gif"] if cfg.gif else []
     if cfg.compile != "none" or cfg.mixed_precision == "fp8":
         given.append("--compile" if cfg.compile != "none" else "--mixed_precision fp8")
     if given:

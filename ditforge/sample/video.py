@@ -89,6 +89,7 @@ class VideoSampler:
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.cache = cfg.first_block_cache
         self.is_main = d.is_main
+        self.vae = VAE(pipe.vae)  # the family's latent normalisation
         vae = pipe.vae
         self.strips = d.world_size > 1 and cfg.vae_tile is None  # else square tiles, or whole frames
         if cfg.vae_tile:
@@ -229,16 +230,13 @@ class VideoSampler:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the
-        VAE's ``latents_mean`` / ``latents_std`` undone, ``vae.decode`` in the VAE's dtype; in spatial tiles where
-        ``vae_tile`` is set (diffusers' ``tiled_decode``: tiles of that side overlapping by a quarter, blended).
-        Under torchrun every process calls it: the tiles, by default one column strip per process
-        (``use_strips``), are split over the processes (``decode_tiles_split``) and process 0 returns the frames,
-        the others None."""
+        VAE's ``latents_mean`` / ``latents_std`` undone (``VAE.unscale``), ``vae.decode`` in the VAE's dtype; in
+        spatial tiles where ``vae_tile`` is set (diffusers' ``tiled_decode``: tiles of that side overlapping by a
+        quarter, blended). Under torchrun every process calls it: the tiles, by default one column strip per
+        process (``use_strips``), are split over the processes (``decode_tiles_split``) and process 0 returns the
+        frames, the others None."""
         vae = self.pre.pipe.vae
-        z = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
-        std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, vae.dtype)
-        z = latents.to(vae.dtype) * std + mean
+        z = self.vae.unscale(latents)
         with torch.no_grad():
             if self.decode_group is not None:
                 if self.strips:
@@ -397,13 +395,14 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     if cfg.cfg_scale_2 is not None and getattr(pipe, "transformer_2", None) is None:
         raise UserError(f"--cfg_scale_2: for Wan 2.2's low-noise expert (transformer_2); {pre.pipeline_class} at "
                         f"{cfg.ckpt} has one transformer")
-    VAE(pipe.vae).check_frames(frames, f"the VAE of {pre.pipeline_class}")
+    vae = VAE(pipe.vae)
+    vae.check_frames(frames, f"the VAE of {pre.pipeline_class}")
     patch = tuple(denoiser.inner.config.patch_size)
-    step = pipe.vae_scale_factor_spatial * patch[-1]
+    step = vae.downsample * patch[-1]
     for flag, value in (("--height", height), ("--width", width)):
         if value % step:
             raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of {step} "
-                            f"(the VAE's {pipe.vae_scale_factor_spatial} x the {patch[-1]}-pixel patches)")
+                            f"(the VAE's {vae.downsample} x the {patch[-1]}-pixel patches)")
     if cfg.cfg_parallel and guidance <= 1.0:
         raise UserError("--cfg_parallel: --cfg_scale 1 runs no unconditional pass to put on the second GPU")
     one_file = video_file_out(cfg.out, len(prompts))
@@ -423,9 +422,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     guided = guidance > 1.0  # the pipelines' do_classifier_free_guidance
     conds = {i: {k: v.cpu() for k, v in pre.encode_prompt([prompts[i]]).items()} for i in todo}  # GPU: one at a time
     uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None
-    latent_frames = (frames - 1) // pipe.vae_scale_factor_temporal + 1
-    shape = (1, denoiser.in_channels, latent_frames, height // pipe.vae_scale_factor_spatial,
-             width // pipe.vae_scale_factor_spatial)
+    shape = (1, denoiser.in_channels, vae.latent_frames(frames), height // vae.downsample, width // vae.downsample)
     image_cond = None
     if denoiser.image_to_video:
         first = pipe.video_processor.preprocess(image, height=height, width=width)

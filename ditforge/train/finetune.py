@@ -20,7 +20,7 @@ from torch import nn
 
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser
-from ditforge.models.adapters.pipeline import FLAG, Pretrained, load_pretrained
+from ditforge.models.adapters.pipeline import FLAG, Pretrained, encoder_dtype, load_pretrained
 
 # ---------------------------------------------------------------------------------------------------------------
 # DiT weights into ditforge's own DiT
@@ -421,8 +421,7 @@ def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: 
     from ditforge.train.checkpoint import read_checkpoint_weights
 
     cfg = build_config(base=config)
-    text_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    pre = load_pretrained(cfg.model.init_from, device, text_dtype, flag=f"{flag} (the run's --init_from)")
+    pre = load_pretrained(cfg.model.init_from, device, encoder_dtype(device), flag=f"{flag} (the run's --init_from)")
     denoiser = pre.denoiser
     if cfg.model.train_text_encoder:
         train_text_encoder(denoiser, pre.pipe.text_encoder, pre.pipe, cfg)

@@ -76,8 +76,7 @@ def _strips_reference(folder: Path, parts: int) -> np.ndarray:
     for i, prompt in enumerate(PROMPTS):
         latents = sampler.denoise(pre.encode_prompt([prompt]), uncond, (1, 16, 2, H // 8, W // 8),
                                   derive_seed(7, i), 3, 5.0)
-        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-        z = latents * std + torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        z = sampler.vae.unscale(latents)
         use_strips(vae, z.shape, parts)
         with torch.no_grad():
             out.append(to_uint8(vae.tiled_decode(z, return_dict=False)[0])[0])

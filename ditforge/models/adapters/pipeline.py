@@ -113,6 +113,12 @@ class Pretrained:
         return {k: v.float().to(device) for k, v in out.items()}
 
 
+def encoder_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of a pipeline's frozen text and image encoders outside training: bf16 on a GPU (UMT5-XXL is 11 GB
+    so), float32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
                     flag: str = FLAG, text_device: torch.device | None = None,
                     vae_device: torch.device | None = None, denoiser_device: torch.device | None = None,
