@@ -168,6 +168,12 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
         from ditforge.train.finetune import load_finetuned
 
         return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema))
+    return _sample_dit(cfg, prompts, d, state, spec, evaluation)
+
+
+def _sample_dit(cfg: SampleConfig, prompts: list[str], d: Dist, state: dict, spec: dict,
+                evaluation: bool) -> np.ndarray:
+    """``sample`` for ditforge's own DiTs: ``state`` / ``spec`` as ``read_spec`` returns them."""
     for name in VIDEO_LOOP_FLAGS:
         if getattr(cfg, name) is not None:
             raise UserError(f"--{name}: for diffusers video pipelines; {cfg.ckpt} is a ditforge {spec['model']}"
