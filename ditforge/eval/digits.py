@@ -1,6 +1,6 @@
 """The built-in feature extractor of ``digits``: a small CNN trained on scikit-learn's real 8x8 digits, shipped
-as ``digits_cnn.safetensors`` (trained by ``benchmarks/train_digits_extractor.py``, deterministic on the CPU),
-so that ``ditforge eval --ref digits`` needs nothing downloaded.
+as ``digits_cnn.safetensors`` (trained by ``benchmarks/digits_quality.py --train_extractor``, deterministic on
+the CPU), so that ``ditforge eval --ref digits`` needs nothing downloaded.
 
 Held-out accuracy: 98.9%, 356 of the 360 digits of ``held_out_split`` it never saw in training (the script prints
 it and writes it to ``benchmarks/results/digits_extractor.json``; torch 2.13 CPU).
