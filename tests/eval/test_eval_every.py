@@ -40,18 +40,18 @@ def test_eval_every_needs_digits(tmp_path, tiny_argv, capsys):
 
 @pytest.mark.slow
 def test_undertrained_run_has_a_clearly_worse_fid(tmp_path):
-    """50 steps of the default recipe (batch 64, lr 1e-3) against the default 1,000-step run, both evaluated
+    """25 steps of the default recipe (batch 64, lr 1e-3) against the default 1,000-step run, both evaluated
     with DDIM 25 at guidance 4: the default run's figures are the ones benchmarks/digits_quality.py measured and
-    recorded with 1,000 EMA samples (2026-11-24: digits-FID 174, accuracy 99.3%); here 250 (FID's upward bias at
+    recorded with 1,000 EMA samples (2026-11-24: digits-FID 174, accuracy 99.3%); here 150 (FID's upward bias at
     fewer samples is small against the margin: 100 steps measured 852 at 1,000 samples, 882 at 500; the 64-d
-    features keep the 250-sample covariance full rank). 50 steps at 250 samples measured digits-FID 1,087 and
-    accuracy 13.6% (2026-11-28). All of its worker's threads (under pytest-xdist another worker shares the
+    features keep the 150-sample covariance full rank). 25 steps at 150 samples measured digits-FID 1,039 and
+    accuracy 11.3% (2026-11-28). All of its worker's threads (under pytest-xdist another worker shares the
     cores)."""
     default = json.loads((REPO / "benchmarks/results/digits_quality.json").read_text())["eval_at_end"]
     run = tmp_path / "run"
-    assert cli.main(["train", "--outputs", str(run), "--max_steps", "50", "--eval_every", "50", "--eval_samples", "250", "--sample_every",
+    assert cli.main(["train", "--outputs", str(run), "--max_steps", "25", "--eval_every", "25", "--eval_samples", "150", "--sample_every",
                      "0", "--device", "cpu", "--num_workers", "0"]) == 0
     short = _records(run)[-1]
-    assert short["step"] == 50
+    assert short["step"] == 25
     assert short["digits_fid"] > 3 * default["digits_fid"], (short, default)
     assert short["digits_accuracy"] < default["digits_accuracy"] - 0.3, (short, default)
