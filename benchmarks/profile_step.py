@@ -12,8 +12,8 @@ is a blocking copy or wait that leaves the GPU idle while the host catches up).
 
 ``--guarded``: instead of the profile, one table over the optimizer paths (``GUARDED``, each on top of the
 rows' settings): the median step time and the host syncs per step of ``train_step``, whose divergence guard
-hands every optimizer its skip flag on the device (0 expected everywhere but the libraries' 8-bit path, where
-bitsandbytes takes the step count as a host int).
+hands every optimizer its skip flag on the device (0 expected everywhere: the step counters that bitsandbytes,
+torchao and torch's Adafactor keep on the host are put back one step late, ``optim.SkipUndo``).
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ GUARDED = [  # (optimizer path, its settings)
     ("adamw + stochastic bf16, libraries' path", dict(fused_optimizer=False, master_weights="bf16_sr")),
     ("adamw8bit (bitsandbytes), libraries' path", dict(fused_optimizer=False, optimizer="adamw8bit")),
     ("adamw fp32, fused backward, libraries' path", dict(fused_optimizer=False, fused_backward_pass=True)),
+    ("adamw4bit (torchao), selected back per parameter", dict(fused_optimizer=False, optimizer="adamw4bit")),
+    ("adamw_fp8 (torchao), selected back per parameter", dict(fused_optimizer=False, optimizer="adamw_fp8")),
+    ("adafactor (torch), selected back per parameter", dict(fused_optimizer=False, optimizer="adafactor")),
 ]
 
 

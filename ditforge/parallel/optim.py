@@ -113,6 +113,110 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
             group["lr"] = lr
 
 
+class LateFlag:
+    """A 0-dim flag on the device, to be read on the host later without waiting for the work queued after it:
+    copied at once, without blocking, into pinned host memory behind a CUDA event; ``read`` waits for that event
+    only, which has passed by the next step unless the GPU runs more than a step behind. On the CPU: the flag."""
+
+    def __init__(self, flag: torch.Tensor):
+        self.event = None
+        if flag.is_cuda:
+            self.flag = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+            self.flag.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flag = flag
+
+    def read(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.flag)
+
+
+class SkipUndo:
+    """Takes back what a skipped step wrote, without a host read of its flag. Device tensors are selected back at
+    once (``torch.where``). Step counters kept on the host (0-dim CPU tensors: torchao's, torch's Adafactor's,
+    bitsandbytes' counts, which their kernels read as numbers) keep the count until the flag is read one step late
+    (``LateFlag``); ``settle`` puts them back then. The optimizer settles at its next step; ``settle_skip`` before
+    its state is saved."""
+
+    def __init__(self):
+        self.flag: LateFlag | None = None
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def select_back(self, written: list[torch.Tensor], before: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """Where ``found_inf`` (0-dim, on the device) is non-zero, each tensor of ``written`` takes back its value
+        in ``before``."""
+        flag = (found_inf != 0).reshape(())
+        for t, old in zip(written, before):
+            if t.device.type == "cpu" and t.dim() == 0:
+                self.saved.append((t, old))
+            else:
+                t.copy_(torch.where(flag.to(t.device), old, t))
+        if self.saved and self.flag is None:
+            self.flag = LateFlag(flag)
+
+    def settle(self) -> None:
+        if self.flag is not None and self.flag.read():
+            for t, old in reversed(self.saved):  # a counter saved twice in a step (a parameter cut in pieces):
+                t.copy_(old)  # its first value wins
+        self.flag, self.saved = None, []
+
+
+def settle_skip(optimizer: torch.optim.Optimizer) -> None:
+    """Read the last step's skip flag and put back the host step counters it skipped (``SkipUndo``); before the
+    optimizer's state is saved."""
+    undo = getattr(optimizer, "skip_undo", None)
+    if undo is not None:
+        undo.settle()
+
+
+def _held(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s values: ``t``, a DTensor's local shard, or the inner tensors of a tensor
+    subclass (torchao's quantized optimizer states, through ``__tensor_flatten__``)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if isinstance(t, nn.Parameter):
+        t = t.detach()
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for name in names for x in _held(getattr(t, name))]
+    return [t]
+
+
+@torch.no_grad()
+def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()`` for a library optimizer that takes no ``found_inf`` (torchao's ``AdamW4bit`` /
+    ``AdamWFp8``, torch's ``Adafactor``), undone where ``found_inf`` (0-dim float on the parameters' device) is
+    non-zero, without reading it on the host: one parameter at a time (its group's ``params`` narrowed to it), its
+    weight and state tensors are copied, stepped and selected back (``SkipUndo``), so the extra memory is one
+    parameter's. A step that creates a state (a parameter's first) reads the flag on the host instead: a state
+    cannot be selected back to not existing."""
+    undo = optimizer.__dict__.setdefault("skip_undo", SkipUndo())
+    undo.settle()
+    stepping = [[p for p in group["params"] if p.grad is not None] for group in optimizer.param_groups]
+    if any(not optimizer.state.get(p) for ps in stepping for p in ps):
+        if not found_inf.item():
+            optimizer.step()
+        return
+    kept = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = []
+        for group, ps in zip(optimizer.param_groups, stepping):
+            for p in ps:
+                group["params"] = [p]
+                written = _held(p) + [x for v in optimizer.state[p].values() if torch.is_tensor(v) for x in _held(v)]
+                before = [t.clone() for t in written]
+                optimizer.step()
+                undo.select_back(written, before, found_inf)
+            group["params"] = []
+    finally:
+        for group, ps in zip(optimizer.param_groups, kept):
+            group["params"] = ps
+
+
 def rounding_seed(step: int, index: int, start: int = 0) -> int:
     """The stochastic rounding's seed for optimizer step ``step``, parameter ``index`` (its position over all
     groups) and first element ``start``: mixed by odd multipliers, so a stream repeats only after 2^32 steps."""
@@ -176,6 +280,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         self._F = bitsandbytes_functional() if states == "8bit" else None
         self._qmaps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.skip_undo = SkipUndo()
         if fused is None:
             fused = on_gpu_with_triton(next(p.device for g in self.param_groups for p in g["params"]))
         self.fused = fused
@@ -203,6 +308,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         self._launches.clear()
 
     def state_dict(self) -> dict:
+        self.skip_undo.settle()
         if self._stream is not None:  # the host copies are current once the last step's downloads end
             self._stream.flush()
         return super().state_dict()
@@ -332,6 +438,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
 
     def advance(self) -> None:
         """Count one optimizer step (``step`` does; ``StepInBackward`` calls it before a step's first ``update``)."""
+        self.skip_undo.settle()
         for group in self.param_groups:
             group["rounding_step"] += 1
         if self._stream is not None:
@@ -436,7 +543,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
     def _step_chunk_or_skip(self, group: dict, chunk: list[tuple[torch.Tensor, int, int]]) -> None:
         """``_step_chunk``, then every tensor it wrote (each piece's weight, moments or 8-bit codes and their
         blocks' absmax, compensation, step counter) selected back to its old value where ``found_inf`` is
-        non-zero: ``torch.where`` on the device, so a step not skipped is bit for bit ``_step_chunk``'s."""
+        non-zero (``SkipUndo``: on the device, bitsandbytes' host step counters one step late), so a step not
+        skipped is bit for bit ``_step_chunk``'s."""
         written = []
         for p, a, b in chunk:
             state = self.state[p]
@@ -446,11 +554,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 written.append(state[name].view(-1)[lo:hi])
         before = [t.clone() for t in written]
         self._step_chunk(group, chunk)
-        skip: dict[torch.device, torch.Tensor] = {}
-        for t, old in zip(written, before):
-            if t.device not in skip:  # bitsandbytes' step counters are on the host: a GPU flag is read back
-                skip[t.device] = (self.found_inf != 0).reshape(()).to(t.device)
-            t.copy_(torch.where(skip[t.device], old, t))
+        self.skip_undo.select_back(written, before, self.found_inf)
 
     def _step_chunk(self, group: dict, chunk: list[tuple[torch.Tensor, int, int]]) -> None:
         states = [self.state[p] for p, _, _ in chunk]

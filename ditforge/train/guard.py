@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ditforge.errors import RunError, UserError
 from ditforge.parallel.mesh import Dist
+from ditforge.parallel.optim import LateFlag
 
 log = logging.getLogger(__name__)
 
@@ -150,20 +151,21 @@ class NonfiniteGuard:
     """Counts the steps whose loss or global gradient norm was not finite (their optimizer and EMA updates were
     skipped, on the device, see ``trainer.train_step``) and stops the run after ``max_in_row`` of them in a row.
 
-    A step's flag is read on the host one step late (``push`` of step k reads step k-1's), so checking never
-    stalls the GPU's queue; ``flush`` reads the last one (before a save).
+    A step's flag is read on the host one step late (``push`` of step k reads step k-1's, copied without blocking
+    when it was pushed: ``LateFlag``), so checking never stalls the GPU's queue; ``flush`` reads the last one
+    (before a save).
     """
 
     def __init__(self, max_in_row: int, last_good: Callable[[], Path | None]):
         self.max_in_row, self.last_good = max_in_row, last_good
-        self.pending: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.pending: tuple[int, LateFlag, torch.Tensor, torch.Tensor] | None = None
         self.in_row = self.total = 0
 
     def push(self, step: int, bad: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """The flag (0-dim bool) and values (0-dim, for the message) of step ``step``, counted from 1 as in
         metrics.jsonl."""
         self.flush()
-        self.pending = (step, bad, loss, grad_norm)
+        self.pending = (step, LateFlag(bad), loss, grad_norm)
 
     def flush(self) -> None:
         """Read the pending flag.
@@ -175,7 +177,7 @@ class NonfiniteGuard:
             return
         step, bad, loss, grad_norm = self.pending
         self.pending = None
-        if not bad.item():
+        if not bad.read():
             self.in_row = 0
             return
         self.in_row += 1

@@ -52,7 +52,7 @@ from ditforge.parallel import (clip_coefficient, clip_grad_norm_, gradient_sync,
                                resolve_plugin, unwrap)
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.optim import (StepInBackward, build_optimizer, cap_gpu_memory, keep_states_within,
-                                     out_of_memory, plan_placement, set_lr)
+                                     out_of_memory, plan_placement, set_lr, settle_skip, step_skipping_on_device)
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -119,7 +119,8 @@ def train_step(
     Divergence guard: a step whose loss or global gradient norm is not finite on any process changes nothing:
     the optimizer skips it on the device through its ``found_inf`` input, as the fp16 grad scaler drives torch's
     fused AdamW (``CompensatedAdamW`` on either of its paths, torch's fused AdamW), so no host sync; the
-    libraries' own optimizers (torchao's, Adafactor) step after the flag is read on the host. The caller skips
+    libraries' own optimizers (torchao's, Adafactor) are stepped and selected back on the device
+    (``step_skipping_on_device``; their first step reads the flag on the host). The caller skips
     the EMA update by ``"skipped"``. Under fp16 the grad scaler's own skip is that skip. With ``stepper`` the
     blocks step during the backward, each skipped on the device where the loss is not finite (the flag is
     computed before the backward); a non-finite gradient of a finite loss is found only after the blocks before
@@ -191,8 +192,8 @@ def train_step(
         optimizer.found_inf = skipped.float().to(scalar_device)
         optimizer.step()
         optimizer.found_inf = None
-    elif not skipped.item():
-        optimizer.step()
+    else:
+        step_skipping_on_device(optimizer, skipped.float())
     if folds:
         optimizer.clip_coef = None
     if divides:
@@ -436,6 +437,7 @@ class _Run:
         with --continue_on_save_error a warning (returns None)."""
         model, ema, d = self.model, self.ema, self.d
         self.nonfinite.flush()
+        settle_skip(self.optimizer)
         weights = [p for p in model.parameters() if p.requires_grad] + [ema.shadow[k] for k in ema.trainable]
         if not all_finite(weights, d):
             raise RunError(f"step {step}: the weights hold NaN or inf; not saved (the last good checkpoint is "

@@ -12,7 +12,12 @@ optimizers' protocol), on the CPU:
     counter too;
   * on the libraries' path directly: NaN gradients with ``found_inf`` = 1 change nothing, parameters cut into
     several chunks included, and ``found_inf`` = 0 gives the unguarded step bit for bit; GradScaler's
-    ``grad_scale`` (now that the path declares ``_step_supports_amp_scaling``) divides the gradients.
+    ``grad_scale`` (now that the path declares ``_step_supports_amp_scaling``) divides the gradients;
+  * the libraries' own optimizers (torchao's AdamW4bit / AdamWFp8, torch's Adafactor), which take no flag, through
+    ``step_skipping_on_device``: the same two checks.
+
+Step counters kept on the host are put back when the flag is read, one step late (``SkipUndo``), so the states
+are compared after ``settle_skip``.
 
 That a guarded step makes no host sync cannot be seen on the CPU (a read of a CPU tensor is no sync);
 ``benchmarks/profile_step.py --guarded`` counts them per optimizer path on a GPU.
@@ -62,7 +67,11 @@ def _model(seed, dtype):
 
 
 def _state(model, opt, ema, stepper):
-    """Everything a step may change: weights, the optimizer's tensors, the EMA, the carried clipping norm."""
+    """Everything a step may change: weights, the optimizer's tensors, the EMA, the carried clipping norm (the
+    host step counters as they are once the step's flag is read, ``settle_skip``)."""
+    from ditforge.parallel.optim import settle_skip
+
+    settle_skip(opt)
     out = [p.detach().clone() for p in model.parameters()]
     out += [v.clone() for p in model.parameters() for v in opt.state[p].values() if torch.is_tensor(v)]
     out += [v.clone() for v in ema.shadow.values()]
@@ -154,6 +163,7 @@ def test_libraries_path_skips_on_the_flag_and_is_unchanged_without_it(states, dt
         p.grad = torch.full_like(p, float("nan"))
     opt_a.found_inf = torch.ones(())
     opt_a.step()
+    opt_a.state_dict()  # reads the flag: the host step counters are put back
     assert all(torch.equal(x, y) for x, y in zip([t for p in a for t in (p.detach(), *opt_a.state[p].values())],
                                                  before))
     for p, grad in zip(a, _grads(a, seed + 9)):
@@ -168,3 +178,57 @@ def test_libraries_path_skips_on_the_flag_and_is_unchanged_without_it(states, dt
         assert torch.equal(p, q)
         for key, value in opt_a.state[p].items():
             assert torch.equal(value, opt_b.state[q][key]), key
+
+
+def _tensors(params, opt):
+    """Every plain tensor a step may write: the weights and the inner tensors of their states (torchao's
+    quantized states hold codes and scales)."""
+    from ditforge.parallel.optim import _held
+
+    return [x for p in params for t in (p, *opt.state[p].values()) if torch.is_tensor(t) for x in _held(t)]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw4bit", "adamw_fp8"])
+def test_library_optimizers_skip_on_the_flag_and_are_unchanged_without_it(optimizer, device):
+    """torchao's AdamW4bit / AdamWFp8 and torch's Adafactor take no ``found_inf``; ``step_skipping_on_device``
+    steps them a parameter at a time and selects each back on the device. A first step with the flag set creates
+    no state (the one host read). After two steps alike, NaN gradients with the flag set leave every tensor as it
+    was, their host step counters once the flag is read (``settle_skip``; until then they count the skipped
+    step); found_inf = 0 then gives the optimizer's own step bit for bit. On a GPU too, where there is one."""
+    from ditforge.parallel.optim import library_optimizer, settle_skip, step_skipping_on_device
+
+    if optimizer != "adafactor":
+        pytest.importorskip("torchao")
+    seed = _seed()
+    a, b = ([torch.nn.Parameter(p.detach().to(device)) for p in _params(torch.float32, seed)] for _ in range(2))
+    opt_a, opt_b = library_optimizer(a, optimizer, LR, WD), library_optimizer(b, optimizer, LR, WD)
+    flag = {k: torch.tensor(float(k), device=device) for k in (0, 1)}
+    for p in a:
+        p.grad = torch.full_like(p, float("nan"))
+    step_skipping_on_device(opt_a, flag[1])
+    assert not opt_a.state and all(torch.equal(p, q) for p, q in zip(a, b))
+    for step in range(2):
+        for ps in (a, b):
+            for p, grad in zip(ps, _grads(ps, seed + step)):
+                p.grad = grad.to(device)
+        step_skipping_on_device(opt_a, flag[0])
+        opt_b.step()
+    before = [t.clone() for t in _tensors(a, opt_a)]
+    for p in a:
+        p.grad = torch.full_like(p, float("nan"))
+    step_skipping_on_device(opt_a, flag[1])
+    counters = [opt_a.state[p]["step"] for p in a]
+    assert all(c.device.type == "cpu" and float(c) == 3 for c in counters)  # counted until the flag is read
+    settle_skip(opt_a)
+    after = _tensors(a, opt_a)
+    assert len(after) == len(before) and all(torch.equal(x, y) for x, y in zip(after, before))
+    for ps in (a, b):
+        for p, grad in zip(ps, _grads(ps, seed + 9)):
+            p.grad = grad.to(device)
+    step_skipping_on_device(opt_a, flag[0])
+    opt_b.step()
+    settle_skip(opt_a)
+    got, want = _tensors(a, opt_a), _tensors(b, opt_b)
+    assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
+    assert not all(torch.equal(x, y) for x, y in zip(got, before))
