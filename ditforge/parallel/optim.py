@@ -185,14 +185,18 @@ def _held(t: torch.Tensor) -> list[torch.Tensor]:
     return [t]
 
 
+SKIP_CHUNK_NUMEL = 1 << 24  # step_skipping_on_device: weights copied at a time (64 MiB in fp32), with their states
+
+
 @torch.no_grad()
 def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
     """``optimizer.step()`` for a library optimizer that takes no ``found_inf`` (torchao's ``AdamW4bit`` /
     ``AdamWFp8``, torch's ``Adafactor``), undone where ``found_inf`` (0-dim float on the parameters' device) is
-    non-zero, without reading it on the host: one parameter at a time (its group's ``params`` narrowed to it), its
-    weight and state tensors are copied, stepped and selected back (``SkipUndo``), so the extra memory is one
-    parameter's. A step that creates a state (a parameter's first) reads the flag on the host instead: a state
-    cannot be selected back to not existing."""
+    non-zero, without reading it on the host. The parameters step in chunks of at least one parameter and about
+    ``SKIP_CHUNK_NUMEL`` elements (their group's ``params`` narrowed to the chunk): the chunk's weights and state
+    tensors are copied, stepped and selected back (``SkipUndo``), so the extra memory is one chunk's. A step that
+    creates a state (a parameter's first) reads the flag on the host instead: a state cannot be selected back to
+    not existing."""
     undo = optimizer.__dict__.setdefault("skip_undo", SkipUndo())
     undo.settle()
     stepping = [[p for p in group["params"] if p.grad is not None] for group in optimizer.param_groups]
@@ -205,9 +209,17 @@ def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.T
         for group in optimizer.param_groups:
             group["params"] = []
         for group, ps in zip(optimizer.param_groups, stepping):
+            chunks, size = [[]], 0
             for p in ps:
-                group["params"] = [p]
-                written = _held(p) + [x for v in optimizer.state[p].values() if torch.is_tensor(v) for x in _held(v)]
+                if size >= SKIP_CHUNK_NUMEL:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append(p)
+                size += p.numel()
+            for chunk in chunks if ps else []:
+                group["params"] = chunk
+                written = [x for p in chunk for t in (p, *optimizer.state[p].values()) if torch.is_tensor(t)
+                           for x in _held(t)]
                 before = [t.clone() for t in written]
                 optimizer.step()
                 undo.select_back(written, before, found_inf)

@@ -190,13 +190,17 @@ def _tensors(params, opt):
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("optimizer", ["adafactor", "adamw4bit", "adamw_fp8"])
-def test_library_optimizers_skip_on_the_flag_and_are_unchanged_without_it(optimizer, device):
+def test_library_optimizers_skip_on_the_flag_and_are_unchanged_without_it(optimizer, device, monkeypatch):
     """torchao's AdamW4bit / AdamWFp8 and torch's Adafactor take no ``found_inf``; ``step_skipping_on_device``
     steps them a parameter at a time and selects each back on the device. A first step with the flag set creates
     no state (the one host read). After two steps alike, NaN gradients with the flag set leave every tensor as it
     was, their host step counters once the flag is read (``settle_skip``; until then they count the skipped
-    step); found_inf = 0 then gives the optimizer's own step bit for bit. On a GPU too, where there is one."""
+    step); found_inf = 0 then gives the optimizer's own step bit for bit. On a GPU too, where there is one. Chunks
+    of 5,000 elements: the (300, 64) weight alone, then (10,) and (5000,) together, then (7, 5)."""
+    from ditforge.parallel import optim
     from ditforge.parallel.optim import library_optimizer, settle_skip, step_skipping_on_device
+
+    monkeypatch.setattr(optim, "SKIP_CHUNK_NUMEL", 5000)
 
     if optimizer != "adafactor":
         pytest.importorskip("torchao")
