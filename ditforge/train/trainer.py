@@ -1085,6 +1085,7 @@ def _roll_back(run: _Run, step: int, mean: float, median: float) -> int:
     d, window = run.d, run.spikes.window
     run.finish_saves()
     run.nonfinite.flush()
+    settle_skip(run.optimizer)  # before the checkpoint's states are loaded into the same tensors
     found = [None]  # rank 0 lists the folder (another rank may see a background save's rename late)
     if d.is_main:
         before = [p for p in ckpt_io.list_checkpoints(run.run_dir) if _step_of(p) <= step - window]
