@@ -133,6 +133,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "tokens over this many processes (all of them; half of them with --cfg_parallel)")
     s.add_argument("--sequence_parallel_type", default="auto", choices=SEQUENCE_PARALLEL_TYPES,
                    help="how the split sequence attends (see `ditforge train --help`)")
+    s.add_argument("--plugin", choices=("fsdp",), help="video pipelines (Wan) under torchrun: fsdp shards the "
+                   "transformer's weights over all processes (FSDP2, gathered block by block), for a model that does "
+                   "not fit one GPU; composes with --cfg_parallel and --sequence_parallel_size")
     _add_sample_speed_flags(s)
     s.add_argument("--guidance_channels", type=int, help="guide only the first K latent channels (the official DiT "
                    "sampler guides 3 of 4); default: all")

@@ -173,6 +173,7 @@ def test_first_block_cache_skips_passes_and_stays_close(folders, tmp_path):
     (("--first_block_cache", "0"), "--first_block_cache: expected a threshold > 0"),
     (("--cfg_parallel",), "--cfg_parallel"),
     (("--vae_tile", "40"), "--vae_tile: expected a multiple of 32"),
+    (("--plugin", "fsdp"), "--plugin fsdp: shards the transformer over the processes of torchrun"),
 ])
 def test_bad_input_is_one_line(flags, needle, folders, tmp_path, capsys):
     assert _sample(folders["t2v"], tmp_path / "c.mp4", *flags) == 2

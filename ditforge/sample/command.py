@@ -153,7 +153,8 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         "split the samples among the processes")
     if is_adapted_pipeline(cfg.ckpt):  # a diffusers pipeline folder itself
         pre = load_pretrained(cfg.ckpt, d.device, encoder_dtype(d.device), flag="--ckpt",
-                              denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device), sampling=True)
+                              denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device), sampling=True,
+                              denoiser_device=torch.device("cpu") if cfg.plugin == "fsdp" else None)
         if cfg.lora is not None:
             if getattr(pre.pipe, "transformer_2", None) is not None:
                 raise UserError(f"--lora {cfg.lora}: {cfg.ckpt} has two experts (Wan 2.2); a LoRA of one of them "

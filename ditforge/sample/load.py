@@ -76,10 +76,12 @@ class SampleConfig:
     vae_tile: int | None = None
     lora: str | None = None
     cfg_scale_2: float | None = None
+    plugin: str | None = None  # video pipelines: fsdp shards the transformer over the torchrun processes
 
 
 # SampleConfig fields only the video pipelines' loop (``sample.video``) reads; other models refuse them in one line.
-VIDEO_LOOP_FLAGS = ("height", "width", "negative_prompt", "first_block_cache", "vae_tile", "cfg_scale_2")
+VIDEO_LOOP_FLAGS = ("height", "width", "negative_prompt", "first_block_cache", "vae_tile", "cfg_scale_2",
+                    "plugin")
 
 
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:

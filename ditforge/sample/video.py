@@ -54,6 +54,12 @@ class VideoSampler:
       over the group and attention runs Ulysses (all-to-all over heads), ring (rotating K/V), or both (USP). ``auto``
       puts as many processes on Ulysses as the head count allows (the largest divisor of both) and the rest on
       ring;
+    - ``plugin`` fsdp: every repeated block and the rest of the transformer sharded over all processes (FSDP2's
+      ``fully_shard`` on the 1-D mesh of the world: each process holds 1 / N of the weights, and a block's are
+      gathered for its forward and freed after it), for a model that does not fit one GPU with room for its
+      activations (Wan-14B's 28 GB of bf16 weights on 24 GB cards). The weights are cast on the host and move to
+      the GPU as shards. Composes with ``cfg_parallel`` and context parallelism, whose processes run the same
+      blocks in the same order;
     - ``first_block_cache`` (a threshold): diffusers' First Block Cache (ParaAttention; TeaCache's idea): when the
       first block's residual changed by less than this mean relative L1 distance since the last full pass, the
       other blocks' residual of that pass is reused;
@@ -73,7 +79,8 @@ class VideoSampler:
 
     Raises:
         UserError: fp8 without an FP8 GPU or Triton; a sequence-parallel size the token count or heads cannot
-            take (diffusers' message); first block cache under sequence parallelism.
+            take (diffusers' message); first block cache under sequence parallelism or with fsdp; fsdp with fp8
+            or in one process.
     """
 
     def __init__(self, pre, denoiser, d: Dist, cfg: SampleConfig):
@@ -106,6 +113,14 @@ class VideoSampler:
             raise UserError("--first_block_cache: not with --sequence_parallel_size > 1 (each process would decide on "
                             "its own slice of the tokens, and a skip on one would hang the others); use "
                             "--cfg_parallel, or drop --first_block_cache")
+        self.shard = cfg.plugin == "fsdp"
+        if self.shard and d.mesh is None:
+            raise UserError("--plugin fsdp: shards the transformer over the processes of torchrun; in one process "
+                            "drop it")
+        if self.shard and (self.cache is not None or cfg.mixed_precision == "fp8"):
+            other = ("--first_block_cache (a skip on one process would leave the others waiting in a gather)"
+                     if self.cache is not None else "--mixed_precision fp8")
+            raise UserError(f"--plugin fsdp: not with {other}; drop one of them")
         mesh = self._token_mesh(d, cfg.sequence_parallel_type) if d.sp_size > 1 else None
         for expert in self.experts:
             self._prepare(expert, d, cfg, mesh)
@@ -116,9 +131,21 @@ class VideoSampler:
         return self.experts[0].inner
 
     def _prepare(self, denoiser, d: Dist, cfg: SampleConfig, mesh) -> None:
-        """One expert made fast, in place: dtype, fp8, context parallelism, First Block Cache, compile."""
+        """One expert made fast, in place: dtype, shards, fp8, context parallelism, First Block Cache, compile."""
         transformer = denoiser.inner
-        denoiser.to(device=d.device, dtype=self.dtype).eval().requires_grad_(False)
+        denoiser.to(dtype=self.dtype).eval().requires_grad_(False)
+        if self.shard:  # before the move: the whole model never is on one GPU
+            from torch.distributed.fsdp import fully_shard
+
+            for block in [m for m in transformer.modules() if type(m).__name__ in denoiser.block_classes]:
+                fully_shard(block, mesh=d.mesh)
+            fully_shard(transformer, mesh=d.mesh)  # moves the shards and buffers to the device
+            params = list(transformer.parameters())
+            log.info("fsdp: %d of the transformer's %d weights held by this process",
+                     sum(p.to_local().numel() for p in params), sum(p.numel() for p in params))
+            denoiser._apply(lambda t: t.to(d.device), recurse=False)  # the adapter's own (null condition) buffers
+        else:
+            denoiser.to(device=d.device)
         if cfg.mixed_precision == "fp8":
             from ditforge.parallel import apply_fp8
 

@@ -6,6 +6,7 @@ Tolerance: the frames (uint8) within one level; the one-process run draws the sa
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +94,8 @@ def test_two_processes_equal_one(folder, want, tmp_path):
       each process decodes one tile and process 0 blends them (``decode_tiles_split``) into the frames of the
       one-process tiled decode, which differ from the whole-frame decode (the tiles are really used);
     - ``--cfg_parallel`` alone: the default split, one column strip per process (``use_strips``), equal to the
-      one-process strips."""
+      one-process strips;
+    - ``--sequence_parallel_size 2 --plugin fsdp``: the transformer's weights sharded over the two (FSDP2)."""
     from ditforge import cli
 
     one_tile = ("--vae_tile", "64")
@@ -101,9 +103,12 @@ def test_two_processes_equal_one(folder, want, tmp_path):
         _argv(folder, tmp_path / "sp.npz", "--sequence_parallel_size", "2", *one_tile),
         _argv(folder, tmp_path / "cfg.npz", "--cfg_parallel", *one_tile),
         _argv(folder, tmp_path / "tiles.npz", "--cfg_parallel", "--vae_tile", "32"),
-        _argv(folder, tmp_path / "strips.npz", "--cfg_parallel")])
+        _argv(folder, tmp_path / "strips.npz", "--cfg_parallel"),
+        _argv(folder, tmp_path / "sp_fsdp.npz", "--sequence_parallel_size", "2", "--plugin", "fsdp", *one_tile)])
     assert "ulysses 2 x ring 1" in err[0]
-    for name in ("sp", "cfg"):
+    held, total = map(int, re.search(r"fsdp: (\d+) of the transformer's (\d+) weights", err[4]).groups())
+    assert held <= total // 2 + 1000  # sharded: about half each (a few small tensors are cut unevenly)
+    for name in ("sp", "cfg", "sp_fsdp"):
         _assert_same(np.load(tmp_path / f"{name}.npz")["samples"], want)
     assert cli.main(_argv(folder, tmp_path / "one_tiled.npz", "--vae_tile", "32")) == 0
     tiled = np.load(tmp_path / "one_tiled.npz")["samples"].astype(np.int16)
@@ -116,11 +121,15 @@ def test_two_processes_equal_one(folder, want, tmp_path):
 
 def test_four_processes_cfg_parallel_times_ulysses_equal_one(folder, want, tmp_path):
     """4 processes: ``--cfg_parallel --sequence_parallel_size 2`` (two pairs, one per guidance half, each splitting
-    the tokens over Ulysses 2; ``--vae_tile 64``: one tile, the whole-frame decode) write the one-process videos;
-    ring attention is refused on the CPU in one line."""
+    the tokens over Ulysses 2; ``--vae_tile 64``: one tile, the whole-frame decode), with the transformer's
+    weights sharded over all four (``--plugin fsdp``), write the one-process videos; ring attention is refused on
+    the CPU in one line."""
     err = torchrun_cli_many(4, tmp_path, [
-        _argv(folder, tmp_path / "both.npz", "--cfg_parallel", "--sequence_parallel_size", "2", "--vae_tile", "64"),
+        _argv(folder, tmp_path / "both.npz", "--cfg_parallel", "--sequence_parallel_size", "2", "--vae_tile", "64",
+              "--plugin", "fsdp"),
         _argv(folder, tmp_path / "ring.npz", "--sequence_parallel_size", "4", "--sequence_parallel_type", "ring")],
         fails=(1,))
     _assert_same(np.load(tmp_path / "both.npz")["samples"], want)
+    held, total = map(int, re.search(r"fsdp: (\d+) of the transformer's (\d+) weights", err[0]).groups())
+    assert held <= total // 4 + 1000
     assert "ring attention over a diffusers transformer runs on CUDA only" in err[1]

@@ -19,28 +19,31 @@ import torch.multiprocessing as mp
 
 from dist_helpers import dist_env, free_port, read_run, run_single, torchrun_cli_many, torchrun_cmd
 
-from ditforge.models import VideoDiT, create_model
+from ditforge.models import STDiT, VideoDiT, create_model
 from ditforge.parallel import parallelize
 from ditforge.parallel.mesh import Dist
 
-# vDiT-S/122 (6 heads: Ulysses needs the heads to divide among the processes) on 3 frames of 6x6 latents:
-# 3 x 3 x 3 = 27 tokens = 2 * 14 - 1 = 4 * 7 - 1, so the last process holds one padding token.
+# A vDiT with (1, 2, 2) patches and 6 heads (as vDiT-S; Ulysses needs the heads to divide among the processes: 2
+# does, 4 does not), 2 blocks of width 96, on 3 frames of 6x6 latents: 3 x 3 x 3 = 27 tokens = 2 * 14 - 1 =
+# 4 * 7 - 1, so the last process holds one padding token.
 FRAMES, SIZE = 3, 6
 
 
-# STDiT-S/2 on 4 frames of 4x4 latents: 4 frames x 4 tokens, split by whole frames and by token columns.
+# An STDiT with 2 x 2 patches, 6 heads, 2 blocks of width 96 on 4 frames of 4x4 latents: 4 frames x 4 tokens, split
+# by whole frames and by token columns.
 STDIT_FRAMES, STDIT_SIZE = 4, 4
 
 
 def _model(kind: str = "vdit") -> torch.nn.Module:
     torch.manual_seed(0)
+    small = dict(depth=2, hidden_size=96, num_heads=6, in_channels=4, num_classes=10, text_dim=16)
     if kind == "stdit":
-        model = create_model("STDiT-S/2", STDIT_SIZE, 4, 10, num_frames=STDIT_FRAMES, text_dim=16)
+        model = STDiT(input_size=STDIT_SIZE, num_frames=STDIT_FRAMES, patch_size=2, **small)
     elif kind == "vdit4":  # 4 heads, which Ulysses and OpenDiT's FastSeq can split over 4 processes
         model = VideoDiT(input_size=SIZE, num_frames=FRAMES, patch_size=(1, 2, 2), depth=2, hidden_size=64,
                          num_heads=4, in_channels=4, num_classes=10, text_dim=16)
     else:
-        model = create_model("vDiT-S/122", SIZE, 4, 10, num_frames=FRAMES, text_dim=16)
+        model = VideoDiT(input_size=SIZE, num_frames=FRAMES, patch_size=(1, 2, 2), **small)
     with torch.no_grad():  # every parameter random, so adaLN-Zero's zeros cannot hide a wrong path
         g = torch.Generator().manual_seed(1)
         for p in model.parameters():
@@ -177,7 +180,7 @@ def test_split_model_equals_whole(split_runs, kind, variant, world):
 
 def test_named_sequence_parallel_types():
     """Names other than ``auto`` are not measured: OpenDiT's FastSeq splits the heads and becomes the K/V form
-    when they do not divide (vDiT-S: 6 heads); an STDiT is split by frames whatever the name."""
+    when they do not divide (6 heads); an STDiT is split by frames whatever the name."""
     from types import SimpleNamespace
 
     from ditforge.parallel.sequence.shard import choose_sequence_parallel_type as choose
@@ -247,11 +250,11 @@ def sampled(tmp_path_factory):
     import numpy as np
 
     root = tmp_path_factory.mktemp("sample")
-    # vDiT-S/122 in pixel space (3 channels), 27 tokens: odd, so the second process holds a padding token
-    sp_one, sp_two = _sample_one(root / "sp2", dict(model="vDiT-S/122", input_size=SIZE, num_frames=FRAMES),
+    # vDiT-T/122 in pixel space (3 channels), 27 tokens: odd, so the second process holds a padding token
+    sp_one, sp_two = _sample_one(root / "sp2", dict(model="vDiT-T/122", input_size=SIZE, num_frames=FRAMES),
                                  dict(image_size=SIZE, num_frames=FRAMES, frame_interval=1), 3,
                                  ["--class_labels", "1,2", "--seed", "5"])
-    cfg_one, cfg_two = _sample_one(root / "cfg", dict(model="DiT-S/2", input_size=8, num_frames=None),
+    cfg_one, cfg_two = _sample_one(root / "cfg", dict(model="DiT-T/2", input_size=8, num_frames=None),
                                    dict(image_size=8), 4,
                                    ["--class_labels", "1,2,3", "--seed", "6", "--cfg_scale", "4"], out_suffix=".png")
     compiled = root / "cfg" / "compiled.npz"
