@@ -13,7 +13,8 @@ prompt (the text encoder is outside the timed call in every system compared), th
 uint8 frames included. One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of ``--repeat`` timed calls
 after one warm-up call (which compiles), wall clock between synchronisations; ``loop_s`` / ``decode_s``: the same
 call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, First Block Cache, fp32 (the
-reference for PSNR / SSIM of the uint8 frames), and under torchrun CFG-parallel and context parallelism (Ulysses).
+reference for PSNR / SSIM of the uint8 frames), and under torchrun CFG-parallel and context parallelism (Ulysses),
+and CFG-parallel with the weights sharded (``cfg2_fsdp``: ``--plugin fsdp``; the peak memory shows the saving).
 Every row rebuilds the transformer from the same seed on its GPU, so every row draws the same video up to its
 arithmetic. ``--steps`` sets our rows' denoising steps and the anchor's; TINY=1: the anchor's tiny config on the
 CPU (a check of the script).
@@ -59,27 +60,28 @@ ROWS = {
     "ulysses4": dict(compile="default", sequence_parallel_size=4),
     "cfg2_ulysses2": dict(compile="default", cfg_parallel=True, sequence_parallel_size=2),
     "cfg2_fp8": dict(compile="default", cfg_parallel=True, mixed_precision="fp8"),
+    "cfg2_fsdp": dict(compile="default", cfg_parallel=True, plugin="fsdp"),
 }
 WORKLOAD = dict(height=32, width=32, frames=5) if TINY else dict(height=480, width=832, frames=81)
 
 
-def build_pipe(device: torch.device):
-    """The anchor's ``WanPipeline`` parts: a fresh transformer (seed 0; fp32 on ``device``), the default VAE (fp32),
-    UniPC with flow shift 3."""
+def build_pipe(device: torch.device, transformer_device: torch.device):
+    """The anchor's ``WanPipeline`` parts: a fresh transformer (seed 0; fp32 on ``transformer_device``: the host for
+    ``--plugin fsdp``, which shards it from there), the default VAE (fp32 on ``device``), UniPC with flow shift 3."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
     torch.manual_seed(0)
-    with torch.device(device):
+    with torch.device(transformer_device):
         if TINY:
             tr = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
                                        text_dim=64, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32)
-            vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                   temperal_downsample=[False, True, True])
         else:
             tr = WanTransformer3DModel(num_attention_heads=12, attention_head_dim=128, in_channels=16,
                                        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30,
                                        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
-            vae = AutoencoderKLWan()
+    with torch.device(device):
+        vae = (AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                temperal_downsample=[False, True, True]) if TINY else AutoencoderKLWan())
     sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
                                     flow_shift=3.0)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae.eval(), scheduler=sched, transformer=tr.eval())
@@ -98,7 +100,7 @@ def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: s
     need = settings.get("sequence_parallel_size", 1) * (2 if settings.get("cfg_parallel") else 1)
     if need != d.world_size:
         raise SystemExit(f"row {name} needs {need} processes, this run has {d.world_size}")
-    pre = build_pipe(device)
+    pre = build_pipe(device, torch.device("cpu") if settings.get("plugin") else device)
     cfg = SampleConfig(ckpt="-", **settings)
     sampler = VideoSampler(pre, pre.denoiser, d, cfg)
     g = torch.Generator(device).manual_seed(0)
