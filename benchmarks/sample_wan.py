@@ -23,6 +23,7 @@ CPU (a check of the script).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -66,12 +67,13 @@ WORKLOAD = dict(height=32, width=32, frames=5) if TINY else dict(height=480, wid
 
 
 def build_pipe(device: torch.device, transformer_device: torch.device):
-    """The anchor's ``WanPipeline`` parts: a fresh transformer (seed 0; fp32 on ``transformer_device``: the host for
-    ``--plugin fsdp``, which shards it from there), the default VAE (fp32 on ``device``), UniPC with flow shift 3."""
+    """The anchor's ``WanPipeline`` parts: a fresh transformer (seed 0, drawn on ``device``, so every row has the same
+    weights; fp32, then on ``transformer_device``: the host for ``--plugin fsdp``, which shards it from there, as
+    the CLI loads it), the default VAE (fp32 on ``device``), UniPC with flow shift 3."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
     torch.manual_seed(0)
-    with torch.device(transformer_device):
+    with torch.device(device):
         if TINY:
             tr = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
                                        text_dim=64, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32)
@@ -79,6 +81,9 @@ def build_pipe(device: torch.device, transformer_device: torch.device):
             tr = WanTransformer3DModel(num_attention_heads=12, attention_head_dim=128, in_channels=16,
                                        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30,
                                        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+    tr.to(transformer_device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     with torch.device(device):
         vae = (AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                 temperal_downsample=[False, True, True]) if TINY else AutoencoderKLWan())
@@ -103,6 +108,7 @@ def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: s
     pre = build_pipe(device, torch.device("cpu") if settings.get("plugin") else device)
     cfg = SampleConfig(ckpt="-", **settings)
     sampler = VideoSampler(pre, pre.denoiser, d, cfg)
+    resident = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None  # weights held, VAE included
     g = torch.Generator(device).manual_seed(0)
     text = 64 if TINY else 4096
     cond = {"encoder_hidden_states": torch.randn(1, 512, text, generator=g, device=device)}
@@ -133,10 +139,13 @@ def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: s
                decode_s=round(statistics.median(t[2] for t in times), 3))
     if device.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        row["resident_gib"] = round(resident, 2)
     if profile and device.type == "cuda":
         row["profile"] = profile_loop(sampler, lambda: sampler.denoise(cond, uncond, shape, 1, 2, 5.0), shape,
                                       profile, name)
     del sampler, pre
+    torch._dynamo.reset()  # compiled code holds the row's weights: the next row's memory would count them
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row, frames
@@ -223,11 +232,12 @@ def main() -> None:
                 row[f"psnr_vs_{ref}"] = round(psnr(frames[ref], frames[row["row"]]), 2)
                 row[f"ssim_vs_{ref}"] = round(ssim(frames[ref], frames[row["row"]]), 4)
         out.write_text(json.dumps(result, indent=1) + "\n")
-        print("| row | processes | s/call | s/step | loop s | decode s | peak GiB | x compiled anchor | PSNR / SSIM vs "
-              f"{ref} |")
+        print("| row | processes | s/call | s/step | loop s | decode s | resident / peak GiB | x compiled anchor | "
+              f"PSNR / SSIM vs {ref} |")
         for r in result["rows"]:
             print(f"| {r['row']} | {r['processes']} | {r['s_per_call']} | {r['s_per_step']} | {r['loop_s']} | "
-                  f"{r['decode_s']} | {r.get('peak_gib', '-')} | {r.get('x_compiled_anchor', '-')} | "
+                  f"{r['decode_s']} | {r.get('resident_gib', '-')} / {r.get('peak_gib', '-')} | "
+                  f"{r.get('x_compiled_anchor', '-')} | "
                   f"{r.get(f'psnr_vs_{ref}', '-')} / {r.get(f'ssim_vs_{ref}', '-')} |")
         if "anchor" in result:
             a = result["anchor"]
