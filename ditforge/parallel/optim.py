@@ -137,9 +137,9 @@ class LateFlag:
 class SkipUndo:
     """Takes back what a skipped step wrote, without a host read of its flag. Device tensors are selected back at
     once (``torch.where``). Step counters kept on the host (0-dim CPU tensors: torchao's, torch's Adafactor's,
-    bitsandbytes' counts, which their kernels read as numbers) keep the count until the flag is read one step late
-    (``LateFlag``); ``settle`` puts them back then. The optimizer settles at its next step; ``settle_skip`` before
-    its state is saved."""
+    bitsandbytes' counts, which their kernels read as numbers; callers pass weights flat, so no weight is taken for
+    one) keep the count until the flag is read one step late (``LateFlag``); ``settle`` puts them back then. The
+    optimizer settles at its next step; ``settle_skip`` before its state is saved."""
 
     def __init__(self):
         self.flag: LateFlag | None = None
@@ -218,8 +218,10 @@ def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.T
                 size += p.numel()
             for chunk in chunks if ps else []:
                 group["params"] = chunk
-                written = [x for p in chunk for t in (p, *optimizer.state[p].values()) if torch.is_tensor(t)
-                           for x in _held(t)]
+                # the weights flat (a 0-dim weight is not a host counter) and every tensor of their states
+                written = [x.view(-1) for p in chunk for x in _held(p)]
+                written += [x for p in chunk for t in optimizer.state[p].values() if torch.is_tensor(t)
+                            for x in _held(t)]
                 before = [t.clone() for t in written]
                 optimizer.step()
                 undo.select_back(written, before, found_inf)
