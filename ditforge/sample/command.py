@@ -151,10 +151,11 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         f"splits every sample over all {d.world_size} processes; give --sequence_parallel_size "
                         f"{d.world_size} (or --cfg_parallel with half of that), or --save_npz without --out to "
                         "split the samples among the processes")
+    host = torch.device("cpu") if cfg.plugin == "fsdp" else None  # the transformer reaches the GPU as shards
     if is_adapted_pipeline(cfg.ckpt):  # a diffusers pipeline folder itself
         pre = load_pretrained(cfg.ckpt, d.device, encoder_dtype(d.device), flag="--ckpt",
                               denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device), sampling=True,
-                              denoiser_device=torch.device("cpu") if cfg.plugin == "fsdp" else None)
+                              denoiser_device=host)
         if cfg.lora is not None:
             if getattr(pre.pipe, "transformer_2", None) is not None:
                 raise UserError(f"--lora {cfg.lora}: {cfg.ckpt} has two experts (Wan 2.2); a LoRA of one of them "
@@ -168,7 +169,8 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     if spec.get("family"):
         from ditforge.train.finetune import load_finetuned
 
-        return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema))
+        return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema,
+                                                                denoiser_device=host))
     return _sample_dit(cfg, prompts, d, state, spec, evaluation)
 
 

@@ -406,10 +406,12 @@ def dit_init_weights(dit_init: tuple[dict | Path, dict], cfg) -> dict[str, torch
 
 
 def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: torch.device,
-                   use_ema: bool = True, flag: str = "--ckpt") -> tuple[Pretrained, DiffusersDenoiser, Any]:
+                   use_ema: bool = True, flag: str = "--ckpt", denoiser_device: torch.device | None = None
+                   ) -> tuple[Pretrained, DiffusersDenoiser, Any]:
     """A fine-tuned pipeline back from its run: the ``--init_from`` folder loaded again, the run's LoRA adapters
     injected, and the checkpoint's EMA (or raw) weights loaded into the denoiser (the adapters alone for LoRA).
-    Returns (the pipeline, the denoiser in eval mode on ``device``, the run's ``RunConfig``).
+    Returns (the pipeline, the denoiser in eval mode on ``denoiser_device`` (default ``device``; the CPU for
+    ``ditforge sample --plugin fsdp``, which shards it from there), the run's ``RunConfig``).
 
     Args:
         state: a DCP checkpoint folder, or a state dict (``load_weights``); config: the run's config dict.
@@ -421,7 +423,8 @@ def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: 
     from ditforge.train.checkpoint import read_checkpoint_weights
 
     cfg = build_config(base=config)
-    pre = load_pretrained(cfg.model.init_from, device, encoder_dtype(device), flag=f"{flag} (the run's --init_from)")
+    pre = load_pretrained(cfg.model.init_from, device, encoder_dtype(device), flag=f"{flag} (the run's --init_from)",
+                          denoiser_device=denoiser_device)
     denoiser = pre.denoiser
     if cfg.model.train_text_encoder:
         train_text_encoder(denoiser, pre.pipe.text_encoder, pre.pipe, cfg)
@@ -437,7 +440,7 @@ def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: 
         raise UserError(f"{flag}: the checkpoint does not fit {cfg.model.init_from} (missing "
                         f"{', '.join(sorted(missing)[:3]) or '-'}; unexpected {', '.join(sorted(unexpected)[:3]) or '-'})")
     denoiser.load_state_dict(weights, strict=False)
-    return pre, denoiser.to(device).eval(), cfg
+    return pre, denoiser.to(denoiser_device or device).eval(), cfg
 
 
 def load_dit_lora(model: nn.Module, run_config: dict, state: dict[str, torch.Tensor] | Path,
