@@ -211,3 +211,33 @@ def test_flags_a_pipeline_does_not_take_are_one_line(folders, tmp_path, capsys):
                          str(tmp_path / "x.png")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
+
+
+def test_fsdp_shards_and_compiles_every_expert(folders):
+    """``--plugin fsdp --compile`` on Wan 2.2's two experts, in a process group of one: every block of both is
+    sharded (FSDP2 renames its class) and has its forward compiled (sharding once hid the blocks from the compile
+    loop), and each root frees its gathered weights after a forward (``reshard_after_forward``; FSDP2 keeps a
+    root's for a backward by default). The frames of such runs are checked against one process on 2 and 4 gloo
+    processes (tests/distributed/test_dist_sample_video.py); compiling is left to the GPU benchmark."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel.mesh import init_distributed, shutdown
+    from ditforge.sample.load import SampleConfig
+    from ditforge.sample.video import VideoSampler
+
+    d = init_distributed("cpu", group_of_one=True)
+    try:
+        pre = load_pretrained(folders["t2v22"], d.device, flag="--ckpt", sampling=True,
+                              denoiser_device=torch.device("cpu"))
+        sampler = VideoSampler(pre, pre.denoiser, d, SampleConfig(ckpt="-", plugin="fsdp", compile="default"))
+        assert len(sampler.experts) == 2
+        for expert in sampler.experts:
+            blocks = list(expert.inner.blocks)
+            assert blocks and all(isinstance(b, FSDPModule) for b in blocks)
+            assert all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks)
+            assert expert.inner._get_fsdp_state()._auto_reshard_after_forward is False  # None: the root keeps them
+    finally:
+        shutdown(d)
+    assert not dist.is_initialized()

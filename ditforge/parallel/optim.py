@@ -197,7 +197,10 @@ def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.T
     tensors are copied, stepped and selected back (``SkipUndo``), so the extra memory is one chunk's. A step that
     creates a state (a parameter's first) reads the flag on the host instead: a state cannot be selected back to
     not existing."""
-    undo = optimizer.__dict__.setdefault("skip_undo", SkipUndo())
+    if "skip_undo" not in optimizer.__dict__:
+        optimizer.skip_undo = SkipUndo()
+        optimizer.register_state_dict_pre_hook(settle_skip)  # a saved state never holds an unsettled count
+    undo = optimizer.skip_undo
     undo.settle()
     stepping = [[p for p in group["params"] if p.grad is not None] for group in optimizer.param_groups]
     if any(not optimizer.state.get(p) for ps in stepping for p in ps):
@@ -218,8 +221,8 @@ def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.T
                 size += p.numel()
             for chunk in chunks if ps else []:
                 group["params"] = chunk
-                # the weights flat (a 0-dim weight is not a host counter) and every tensor of their states
-                written = [x.view(-1) for p in chunk for x in _held(p)]
+                # the weights (a 0-dim one as 1-dim: it is no host counter) and every tensor of their states
+                written = [x if x.dim() else x.view(1) for p in chunk for x in _held(p)]
                 written += [x for p in chunk for t in optimizer.state[p].values() if torch.is_tensor(t)
                             for x in _held(t)]
                 before = [t.clone() for t in written]
@@ -257,10 +260,10 @@ class CompensatedAdamW(torch.optim.Optimizer):
         found_inf: non-zero skips the step (torch's fused optimizers' protocol, ``_step_supports_amp_scaling``):
             weights, states, step counters and the attached EMA stay as they were, bit for bit. The one-pass step
             masks its kernel; the libraries' path steps each chunk and selects its old values back with
-            ``torch.where`` (a copy of the chunk's weights and states meanwhile). One host read remains there:
-            bitsandbytes takes the step count as a Python int, so on a GPU its 8-bit tensors' counters (on the
-            host) read the flag back once per step. ``rounding_step`` (the stochastic rounding's stream) counts
-            the skipped step too: a host int, advanced before the flag is known.
+            ``torch.where`` (a copy of the chunk's weights and states meanwhile). bitsandbytes takes the step
+            count as a Python int: its 8-bit tensors' counters stay on the host and are put back one step late
+            (``SkipUndo``). ``rounding_step`` (the stochastic rounding's stream) counts the skipped step too: a
+            host int, advanced before the flag is known.
         clip_coef: multiplier of the gradients, min(1, max_norm / (norm + 1e-6)) (``folds_clipping``); the
             libraries' path multiplies the gradients by it in place, as ``clip_grad_norm_`` would.
         ema_decay: the decay of the attached EMA for this step (fused only).

@@ -133,13 +133,16 @@ class VideoSampler:
     def _prepare(self, denoiser, d: Dist, cfg: SampleConfig, mesh) -> None:
         """One expert made fast, in place: dtype, shards, fp8, context parallelism, First Block Cache, compile."""
         transformer = denoiser.inner
+        # found before sharding, which renames the classes (FSDPWanTransformerBlock)
+        blocks = [m for m in transformer.modules() if type(m).__name__ in denoiser.block_classes]
         denoiser.to(dtype=self.dtype).eval().requires_grad_(False)
         if self.shard:  # before the move: the whole model never is on one GPU
             from torch.distributed.fsdp import fully_shard
 
-            for block in [m for m in transformer.modules() if type(m).__name__ in denoiser.block_classes]:
+            for block in blocks:
                 fully_shard(block, mesh=d.mesh)
-            fully_shard(transformer, mesh=d.mesh)  # moves the shards and buffers to the device
+            # the root frees its gathered weights after each forward too (by default it keeps them for a backward)
+            fully_shard(transformer, mesh=d.mesh, reshard_after_forward=True)  # moves shards and buffers to the device
             params = list(transformer.parameters())
             log.info("fsdp: %d of the transformer's %d weights held by this process",
                      sum(p.to_local().numel() for p in params), sum(p.numel() for p in params))
@@ -160,11 +163,16 @@ class VideoSampler:
             from torch._inductor import list_mode_options
 
             mode = "max-autotune-no-cudagraphs" if cfg.compile.startswith("max-autotune") else "default"
-            for block in [m for m in transformer.modules() if type(m).__name__ in denoiser.block_classes]:
+            options = dict(fullgraph=self.cache is None and mesh is None, dynamic=False,
+                           options=dict(list_mode_options(mode)))
+            for block in blocks:
                 # the hooks of caching (a host-side decision) and of context parallelism (block 0 splits its
-                # input) are not traceable whole: those blocks compile in parts
-                block.compile(fullgraph=self.cache is None and mesh is None, dynamic=False,
-                              options=dict(list_mode_options(mode)))
+                # input) are not traceable whole: those blocks compile in parts. FSDP's gathers are hooks that
+                # dynamo does not trace (it finds no frame): a sharded block compiles its forward, inside them
+                if self.shard:
+                    block.forward = torch.compile(block.forward, **options)
+                else:
+                    block.compile(**options)
 
     def _token_mesh(self, d: Dist, kind: str):
         """The (cfg, ring, ulysses) DeviceMesh of ``--sequence_parallel_size`` over the processes; ``auto`` / ``usp``
