@@ -165,8 +165,8 @@ class SkipUndo:
 
 
 def settle_skip(optimizer: torch.optim.Optimizer) -> None:
-    """Read the last step's skip flag and put back the host step counters it skipped (``SkipUndo``); before the
-    optimizer's state is saved."""
+    """Read the last step's skip flag and put back the host step counters it skipped (``SkipUndo``): before the
+    optimizer's state is saved (its ``state_dict``, which DCP calls, does it) or loaded."""
     undo = getattr(optimizer, "skip_undo", None)
     if undo is not None:
         undo.settle()
@@ -212,14 +212,14 @@ def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.T
         for group in optimizer.param_groups:
             group["params"] = []
         for group, ps in zip(optimizer.param_groups, stepping):
-            chunks, size = [[]], 0
+            chunks, size = [], SKIP_CHUNK_NUMEL
             for p in ps:
                 if size >= SKIP_CHUNK_NUMEL:
                     chunks.append([])
                     size = 0
                 chunks[-1].append(p)
                 size += p.numel()
-            for chunk in chunks if ps else []:
+            for chunk in chunks:
                 group["params"] = chunk
                 # the weights (a 0-dim one as 1-dim: it is no host counter) and every tensor of their states
                 written = [x if x.dim() else x.view(1) for p in chunk for x in _held(p)]

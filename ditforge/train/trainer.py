@@ -437,7 +437,6 @@ class _Run:
         with --continue_on_save_error a warning (returns None)."""
         model, ema, d = self.model, self.ema, self.d
         self.nonfinite.flush()
-        settle_skip(self.optimizer)
         weights = [p for p in model.parameters() if p.requires_grad] + [ema.shadow[k] for k in ema.trainable]
         if not all_finite(weights, d):
             raise RunError(f"step {step}: the weights hold NaN or inf; not saved (the last good checkpoint is "
