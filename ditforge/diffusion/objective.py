@@ -58,9 +58,13 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     scheduler's ``shift`` (``FlowMatchEulerDiscreteScheduler``) or ``flow_shift`` (a solver on flow sigmas, Wan's
     UniPC: 3.0 at 480p, 5.0 at 720p), else 1.
 
+    CogVideoX's schedulers change the betas' ``alphas_cumprod`` twice (``shift_and_rescale``), and any DDPM-family
+    scheduler may rescale them to zero terminal SNR (``rescale_betas_zero_snr``); the objective trains on the
+    changed ones.
+
     Raises:
-        UserError: a scheduler with dynamic (resolution-dependent) shifting, an unknown beta schedule, or
-            zero-terminal-SNR rescaling, naming ``where``.
+        UserError: a scheduler with dynamic (resolution-dependent) shifting or an unknown beta schedule, naming
+            ``where``.
     """
     sched = scheduler_config or {}
     if objective not in OBJECTIVES:
@@ -78,8 +82,6 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
                              int(sched.get("num_train_timesteps", 1000)))
     betas = None
     if sched:
-        if sched.get("rescale_betas_zero_snr"):
-            raise UserError(f"{where}: rescale_betas_zero_snr is not supported")
         import torch
 
         if sched.get("trained_betas") is not None:
@@ -91,7 +93,33 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
                                 f"{', '.join(BETA_SCHEDULES)})")
             betas = betas_from_schedule(schedule, int(sched.get("num_train_timesteps", 1000)),
                                         float(sched.get("beta_start", 1e-4)), float(sched.get("beta_end", 0.02)))
+        betas = shift_and_rescale(betas, sched.get("snr_shift_scale"), bool(sched.get("rescale_betas_zero_snr")))
     diffusion = create_diffusion(timestep_respacing, learn_sigma, betas=betas,
                                  prediction_type="v_prediction" if objective == "v" else "epsilon")
     return diffusion if device is None else diffusion.to(device)
 
+
+def shift_and_rescale(betas, snr_shift_scale: float | None, zero_terminal_snr: bool):
+    """float64 (T,) betas whose ``alphas_cumprod`` abar are changed as a diffusers scheduler's config asks:
+
+    - ``snr_shift_scale`` s (CogVideoX's schedulers: 3.0 for the 2B model, 1.0 for the 5B): abar / (s + (1 - s) abar),
+      which divides the SNR abar / (1 - abar) by s (``CogVideoXDDIMScheduler.__init__``, "SNR shift following SD3");
+    - ``zero_terminal_snr``: sqrt(abar) shifted so that its last value is 0 and scaled so that its first is kept
+      (Lin et al. 2024, "Common Diffusion Noise Schedules and Sample Steps are Flawed", Algorithm 1; diffusers'
+      ``rescale_zero_terminal_snr``). The last beta becomes 1: x_T is pure noise, and v-prediction's target there
+      is -x_0.
+
+    Returns the betas of the changed abar, 1 - abar_t / abar_{t-1} (``betas`` itself when nothing changes).
+    """
+    import torch
+
+    if snr_shift_scale in (None, 1.0) and not zero_terminal_snr:
+        return betas
+    abar = torch.cumprod(1.0 - betas, 0)
+    if snr_shift_scale is not None:
+        abar = abar / (snr_shift_scale + (1 - snr_shift_scale) * abar)
+    if zero_terminal_snr:
+        root = abar.sqrt()
+        root = (root - root[-1]) * root[0] / (root[0] - root[-1])
+        abar = root**2
+    return 1.0 - abar / torch.cat([abar.new_ones(1), abar[:-1]])

@@ -72,7 +72,8 @@ class VAE(FrozenModel):
         model: the ``AutoencoderKL``.
         micro_batch: frames (or images) per encoder/decoder call; the default for ``encode``/``decode``. A 3-D VAE
             takes whole clips: ``micro_batch // T`` of them (at least one) per call.
-        temporal: frames per latent frame (``scale_factor_temporal``; 1 for a 2-D VAE, 4 for Wan's).
+        temporal: frames per latent frame (``scale_factor_temporal``; 1 for a 2-D VAE, 4 for Wan's and CogVideoX's).
+        frame_step: a valid clip has ``frame_step k + 1`` frames (``valid_frames``; Wan 4, CogVideoX 8).
         path: the folder it was loaded from ("" when wrapped directly).
     """
 
@@ -81,7 +82,13 @@ class VAE(FrozenModel):
         self.micro_batch = int(micro_batch)
         self.path = path
         config = model.config
-        self.temporal = int(getattr(config, "scale_factor_temporal", None) or 1)  # > 1: a 3-D VAE taking whole clips
+        # > 1: a 3-D VAE taking whole clips (Wan's scale_factor_temporal, CogVideoX's temporal_compression_ratio)
+        self.temporal = int(getattr(config, "scale_factor_temporal", None)
+                            or getattr(config, "temporal_compression_ratio", None) or 1)
+        # frames a valid clip grows by: CogVideoX's decoder doubles the latent frames twice, keeping the first apart
+        # only when their count is odd (1 + 2 (T' - 1)), so only an odd T' decodes back to 4 (T' - 1) + 1 frames:
+        # clips of 8k + 1 frames (49 -> 13 -> 49; 5 -> 2 -> 8)
+        self.frame_step = self.temporal * (2 if type(model).__name__ == "AutoencoderKLCogVideoX" else 1)
         self._shift: float | torch.Tensor
         self._scale: float | torch.Tensor
         if getattr(config, "latents_mean", None) is not None:  # per-channel statistics (pipeline_wan.py)
@@ -112,9 +119,10 @@ class VAE(FrozenModel):
         return int(spatial) if spatial is not None else 2 ** (len(config.block_out_channels) - 1)
 
     def valid_frames(self, frames: int) -> bool:
-        """Whether a clip of ``frames`` frames encodes: any count for a 2-D VAE (frame by frame), ``temporal k + 1``
-        for a 3-D one (Wan: 1, 5, 9, ...; ``pipeline_wan.py``'s rule, ``num_frames % 4 == 1``)."""
-        return frames >= 1 and (self.temporal == 1 or frames % self.temporal == 1)
+        """Whether a clip of ``frames`` frames encodes and decodes back to as many: any count for a 2-D VAE (frame
+        by frame), ``frame_step k + 1`` for a 3-D one (Wan: 1, 5, 9, ...; ``pipeline_wan.py``'s rule,
+        ``num_frames % 4 == 1``; CogVideoX: 1, 9, 17, ..., 49)."""
+        return frames >= 1 and (self.temporal == 1 or frames % self.frame_step == 1)
 
     def latent_frames(self, frames: int) -> int:
         """Latent frames of a clip of ``frames`` (valid) frames: ``(frames - 1) // temporal + 1``."""
@@ -124,7 +132,7 @@ class VAE(FrozenModel):
         """Raises UserError (one line naming ``--num_frames``, ``where`` and the valid counts either side) unless
         ``valid_frames(frames)``."""
         if not self.valid_frames(frames):
-            k = self.temporal
+            k = self.frame_step
             below = (frames - 1) // k * k + 1
             raise UserError(f"--num_frames {frames}: {where} takes {k}k + 1 frames; the nearest valid counts are "
                             f"{below} and {below + k}")
@@ -212,7 +220,7 @@ class VAE(FrozenModel):
         """
         _check_input(x, self.in_channels, self.downsample, "pixels", self.path)
         if self.temporal > 1 and (x.ndim != 5 or not self.valid_frames(x.shape[2])):
-            raise ValueError(f"expected videos (B, C, T, H, W) with T = {self.temporal} k + 1 frames for a 3-D "
+            raise ValueError(f"expected videos (B, C, T, H, W) with T = {self.frame_step} k + 1 frames for a 3-D "
                              f"VAE, got shape {tuple(x.shape)}")
         frames, t, step = self._calls(x, micro_batch)
         means, stds = [], []

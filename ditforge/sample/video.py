@@ -34,10 +34,16 @@ log = logging.getLogger(__name__)
 
 def pipeline_defaults(pipe) -> dict:
     """The defaults of the pipeline's ``__call__`` that ``ditforge sample`` falls back on: height, width,
-    num_frames, num_inference_steps, guidance_scale (Wan 2.1: 480, 832, 81, 50, 5.0)."""
+    num_frames, num_inference_steps, guidance_scale (Wan 2.1: 480, 832, 81, 50, 5.0; CogVideoX-5B: 480, 720, 49,
+    50, 6.0, the first three from its transformer's config, ``call_defaults``)."""
+    from ditforge.models.adapters import family_of_pipeline
+
     params = inspect.signature(pipe.__call__).parameters
     names = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
-    return {n: params[n].default for n in names if n in params}
+    out = {n: params[n].default for n in names if n in params}
+    family = family_of_pipeline(type(pipe).__name__)
+    computed = family.call_defaults(pipe) if family is not None else {}
+    return {n: computed.get(n) if v is None else v for n, v in out.items()}
 
 
 class VideoSampler:
@@ -68,9 +74,9 @@ class VideoSampler:
       reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a
       step of a 480x832x81 Wan clip takes about a second, which launches do not bound.
 
-    The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; under
+    The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; Wan's under
     torchrun in tiles split over all processes (``decode_tiles_split``): by default one column strip per process
-    (``use_strips``).
+    (``use_strips``); another family's on process 0.
 
     With ``cfg_group`` (a process group of 2; ``--cfg_parallel``) process 0 of the group runs the conditional pass
     and process 1 the unconditional one; the two are gathered before guidance, so every process keeps the same
@@ -99,11 +105,16 @@ class VideoSampler:
         self.vae = VAE(pipe.vae)  # the family's latent normalisation
         vae = pipe.vae
         self.strips = d.world_size > 1 and cfg.vae_tile is None  # else square tiles, or whole frames
-        if cfg.vae_tile:
+        wan_vae = type(vae).__name__ == "AutoencoderKLWan"
+        if cfg.vae_tile and wan_vae:
             vae.enable_tiling(tile_sample_min_height=cfg.vae_tile, tile_sample_min_width=cfg.vae_tile,
                               tile_sample_stride_height=cfg.vae_tile * 3 // 4,
                               tile_sample_stride_width=cfg.vae_tile * 3 // 4)
-        split = d.world_size > 1 and getattr(vae.config, "patch_size", None) is None
+        elif cfg.vae_tile:  # CogVideoX's VAE states the overlap as a fraction of the tile
+            vae.enable_tiling(tile_sample_min_height=cfg.vae_tile, tile_sample_min_width=cfg.vae_tile,
+                              tile_overlap_factor_height=0.25, tile_overlap_factor_width=0.25)
+        # the decode split over the processes replays Wan 2.1's tiled_decode (not Wan 2.2 TI2V's patched VAE)
+        split = d.world_size > 1 and wan_vae and getattr(vae.config, "patch_size", None) is None
         self.decode_group = d.mesh.get_group() if split else None
         self.cfg_group = self.cfg_rank = None
         if cfg.cfg_parallel:
@@ -232,11 +243,20 @@ class VideoSampler:
         pipe, device = self.pre.pipe, self.device
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
         scheduler.set_timesteps(steps, device=device)
-        scheduler.set_begin_index(0)
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
         from diffusers.utils.torch_utils import randn_tensor
 
-        latents = randn_tensor(shape, generator=torch.Generator(device).manual_seed(seed), device=device,
-                               dtype=torch.float32)
+        # the noise is drawn, and the scheduler steps, in the pipeline's layout: CogVideoX's frames first, whose
+        # DPM scheduler draws fresh noise of that shape from the same generator at each step
+        swap = self.experts[0].frames_first
+        generator = torch.Generator(device).manual_seed(seed)
+        latents = randn_tensor(_layout(shape, swap), generator=generator, device=device, dtype=torch.float32)
+        latents = latents * scheduler.init_noise_sigma
+        step_args = inspect.signature(scheduler.step).parameters
+        extra = {k: v for k, v in (("eta", 0.0), ("generator", generator)) if k in step_args}  # as the pipelines'
+        two_step = "old_pred_original_sample" in step_args  # CogVideoXDPMScheduler: a second-order SDE solver
+        old_x0 = None
         image_cond = {k: v.to(self.dtype) for k, v in (image_cond or {}).items()}
         halves = [cond] if uncond is None else [cond, uncond]
         if self.cfg_group is not None:
@@ -248,10 +268,11 @@ class VideoSampler:
                 for expert in self.experts:
                     expert.inner._reset_stateful_cache()
                     stack.enter_context(expert.inner.cache_context("cfg"))
-            for t in tqdm(scheduler.timesteps, desc="steps", unit="step", disable=not progress, leave=False):
+            timesteps = scheduler.timesteps
+            for i, t in enumerate(tqdm(timesteps, desc="steps", unit="step", disable=not progress, leave=False)):
                 low = self.boundary is not None and t < self.boundary
-                x = latents.to(self.dtype).expand(len(halves), *latents.shape[1:])
-                out = self.experts[int(low)].denoise(x, t.expand(len(halves)), **inputs).float()
+                x = _layout(latents, swap).to(self.dtype).expand(len(halves), *shape[1:])
+                out = _layout(self.experts[int(low)].denoise(x, t.expand(len(halves)), **inputs).float(), swap)
                 if self.cfg_group is not None:
                     parts = [torch.empty_like(out) for _ in range(2)]
                     dist.all_gather(parts, out.contiguous(), group=self.cfg_group)
@@ -260,8 +281,12 @@ class VideoSampler:
                     pred, pred_uncond = out.chunk(2)
                     scale = guidance_2 if low and guidance_2 is not None else guidance
                     out = pred_uncond + scale * (pred - pred_uncond)
-                latents = scheduler.step(out, t, latents, return_dict=False)[0]
-        return latents
+                if two_step:  # (model output, last x0 estimate, t, the previous t, sample), as CogVideoXPipeline
+                    latents, old_x0 = scheduler.step(out, old_x0, t, timesteps[i - 1] if i else None, latents,
+                                                     return_dict=False, **extra)
+                else:
+                    latents = scheduler.step(out, t, latents, return_dict=False, **extra)[0]
+        return _layout(latents, swap)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the
@@ -278,6 +303,15 @@ class VideoSampler:
                     use_strips(vae, z.shape, dist.get_world_size(self.decode_group))
                 return decode_tiles_split(vae, z, self.decode_group)
             return vae.decode(z, return_dict=False)[0] if self.is_main else None
+
+
+def _layout(x, swap: bool):
+    """Latents (B, C, T', h, w) as (B, T', C, h, w) and back when ``swap`` (a shape tuple too); else ``x``."""
+    if not swap:
+        return x
+    if isinstance(x, tuple):
+        return (x[0], x[2], x[1], *x[3:])
+    return x.transpose(1, 2)
 
 
 STRIP_OVERLAP = 64  # pixels two neighbouring strips share and blend: diffusers' default tiles overlap so much
@@ -432,7 +466,8 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
                         f"{cfg.ckpt} has one transformer")
     vae = VAE(pipe.vae)
     vae.check_frames(frames, f"the VAE of {pre.pipeline_class}")
-    patch = tuple(denoiser.inner.config.patch_size)
+    patch = denoiser.inner.config.patch_size
+    patch = tuple(patch) if isinstance(patch, (list, tuple)) else (patch,)  # Wan (1, 2, 2), CogVideoX 2
     step = vae.downsample * patch[-1]
     for flag, value in (("--height", height), ("--width", width)):
         if value % step:

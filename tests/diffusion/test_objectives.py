@@ -364,11 +364,38 @@ def test_auto_flow_scheduler_gives_rectified_flow():
     assert create_objective("flow", False, {"shift": 4.0, "num_train_timesteps": 500}).num_timesteps == 500
 
 
+def test_zero_terminal_snr_and_snr_shift_equal_the_schedulers_tables():
+    """``rescale_betas_zero_snr`` (any DDPM-family scheduler) and CogVideoX's ``snr_shift_scale``: the objective's
+    float64 abar equals the scheduler's own ``alphas_cumprod`` (CogVideoX's are float64: 1e-12; DDIMScheduler's
+    float32 betas: 2e-6 absolute), the last is exactly 0 (the last beta 1), and the v-loss at that step is the MSE
+    against -x_0 (v = sqrt(abar) eps - sqrt(1 - abar) x_0). The shift alone divides the SNR by s."""
+    from diffusers import CogVideoXDDIMScheduler, CogVideoXDPMScheduler
+
+    cog = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, prediction_type="v_prediction",
+               rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    for sched, tol in ((CogVideoXDDIMScheduler(**cog, snr_shift_scale=3.0), 1e-12),
+                       (CogVideoXDPMScheduler(**cog, snr_shift_scale=1.0), 1e-12),
+                       (DDIMScheduler(**SD, prediction_type="v_prediction", rescale_betas_zero_snr=True), 2e-6)):
+        d = create_objective("auto", False, _json_config(sched))
+        assert isinstance(d, GaussianDiffusion) and d.prediction_type == "v_prediction"
+        torch.testing.assert_close(d.alphas_cumprod, sched.alphas_cumprod.double(), rtol=0, atol=tol)
+        assert d.alphas_cumprod[-1] == 0 and d.betas[-1] == 1
+    g = torch.Generator().manual_seed(_seed())
+    x0, noise = torch.randn(2, 3, 4, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)
+    out = torch.randn(2, 3, 4, 4, generator=g)
+    t = torch.full((2,), 999)
+    loss = d.training_losses(lambda x_t, ts: out, x0, t, noise)["loss"]
+    torch.testing.assert_close(loss, ((out.double() + x0.double()) ** 2).mean((1, 2, 3)), rtol=1e-12, atol=0)
+    shifted = create_objective("auto", False, {**_json_config(CogVideoXDDIMScheduler(**cog)),
+                                               "rescale_betas_zero_snr": False, "snr_shift_scale": 3.0})
+    plain, a = ref_abar(ref_betas("scaled_linear", 1000, 0.00085, 0.012)), shifted.alphas_cumprod
+    torch.testing.assert_close(a / (1 - a), plain / (1 - plain) / 3, rtol=1e-10, atol=0)
+
+
 @pytest.mark.parametrize("config,match", [
     ({**SD15_PNDM, "prediction_type": "sample"}, "prediction_type 'sample'"),
     (FLUX_FLOW, "use_dynamic_shifting"),
     ({**SD15_PNDM, "beta_schedule": "sigmoid"}, "beta_schedule 'sigmoid'"),
-    ({**SD2_768_V, "rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
 ])
 def test_create_objective_rejects_unsupported_schedulers(config, match):
     where = "--init_from some/pipeline: scheduler"

@@ -1,4 +1,4 @@
-"""Tiny random diffusers pipelines of seven families, built offline for the fine-tuning, export and sampling tests.
+"""Tiny random diffusers pipelines of ten families, built offline for the fine-tuning, export and sampling tests.
 
 Every builder writes a complete pipeline folder (``model_index.json`` and one subfolder per component) with
 diffusers' and transformers' own classes and ``save_pretrained``, and returns its ``Path``. Nothing is downloaded:
@@ -22,6 +22,9 @@ wan               16 px  16 x T' x   UMT5 512 x 32                              
                   4k+1   2 x 2                                                           flow_shift 3
                   frames
 wan_i2v           16 px  as wan      as wan, + CLIP vision 1025 x 4 (32 px, patch 1)     as wan
+cogvideox         32 px  4 x T' x    T5 226 x 32                                         CogVideoX DPM, v, zero
+                  8k+1   4 x 4                                                           terminal SNR, SNR shift 3
+                  frames
 ================  =====  ==========  ==================================================  =========================
 
 All image VAEs are ``AutoencoderKL`` with 3 blocks (8, 16, 16 channels): they downsample by 4 (the real ones by 8),
@@ -597,6 +600,50 @@ def make_wan22(path, image_to_video: bool = False) -> Path:
     return _save(pipe, path)
 
 
+# CogVideoX-5B's scheduler_config.json (v-prediction DDPM on scaled-linear betas with zero terminal SNR), but with
+# CogVideoX-2B's SNR shift (3.0; the 5B's is 1.0), so that the tiny pipeline exercises both of the scheduler's changes
+# to the betas' alphas_cumprod.
+COGVIDEOX_SCHEDULER = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                           prediction_type="v_prediction", rescale_betas_zero_snr=True, snr_shift_scale=3.0,
+                           timestep_spacing="trailing", set_alpha_to_one=True, clip_sample=False, steps_offset=0)
+
+
+def make_cogvideox(path) -> Path:
+    """A tiny CogVideoX 1.0 text-to-video ``CogVideoXPipeline`` folder, with the shapes of diffusers' own
+    ``tests/pipelines/cogvideo/test_cogvideox.py`` and the 5B model's rotary positions.
+
+    Sizes: videos of 8k + 1 frames x 32 x 32 RGB <-> 4 x (2k + 1) x 4 x 4 latents (``AutoencoderKLCogVideoX``, 4
+    blocks of 8 channels, ``norm_num_groups`` 2, temporal compression 4, spatial 8, ``scaling_factor`` 1.15258426,
+    the class default); ``CogVideoXTransformer3DModel`` (2 layers, 2 heads x 16 = 32 wide, ``time_embed_dim`` 8,
+    2 x 2 patches: 4 tokens a latent frame, 3-D rotary positions (``use_rotary_positional_embeddings``) on a
+    ``sample_height`` x ``sample_width`` = 4 x 4 latent grid, ``sample_frames`` 9) cross-attends (joint attention)
+    to T5 states 32 wide (``T5EncoderModel``, 2 layers, the sentencepiece ``T5Tokenizer`` of ``make_t5_tokenizer``),
+    226 tokens (the pipeline's ``max_sequence_length`` and the transformer's ``max_text_seq_length``). Scheduler:
+    ``CogVideoXDPMScheduler`` with ``COGVIDEOX_SCHEDULER`` (stochastic: each step draws noise from the call's
+    generator).
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+
+    tokenizer = make_t5_tokenizer()
+    text_encoder = _t5_encoder(tokenizer, 32)
+    torch.manual_seed(0)
+    vae = AutoencoderKLCogVideoX(
+        in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), latent_channels=4,
+        layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4).eval()
+    torch.manual_seed(0)
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
+        text_embed_dim=32, num_layers=2, sample_width=4, sample_height=4, sample_frames=9, patch_size=2,
+        temporal_compression_ratio=4, max_text_seq_length=226, use_rotary_positional_embeddings=True).eval()
+    pipe = CogVideoXPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                             scheduler=CogVideoXDPMScheduler(**COGVIDEOX_SCHEDULER))
+    return _save(pipe, path)
+
+
 DIT_LABELS = {0: "red apple, apple", 1: "green pear", 2: "yellow banana, banana"}
 
 
@@ -644,4 +691,5 @@ BUILDERS = {
     "dit": make_dit,
     "wan": make_wan,
     "wan_i2v": make_wan_i2v,
+    "cogvideox": make_cogvideox,
 }

@@ -16,7 +16,9 @@ change.
 Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL), both in ``sd_unet.py``;
 ``pixart`` (PixArt-alpha / sigma, ``pixart.py``); ``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``); ``wan`` and
 ``wan_i2v`` (Wan 2.1 text-to-video and image-to-video, ``wan.py``: videos (B, C, T, H, W), ``video = True``;
-image-to-video also ``image_to_video = True``: conditioning from the first frame, ``encode_image``). Official and
+image-to-video also ``image_to_video = True``: conditioning from the first frame, ``encode_image``);
+``cogvideox`` (CogVideoX 1.0 text-to-video, ``cogvideox.py``: a video family whose pipeline puts frames before
+channels, ``frames_first = True``). Official and
 diffusers DiT weights load into ditforge's own ``DiT`` (``ditforge.interop``), which is the same network.
 """
 
@@ -40,6 +42,8 @@ class DiffusersDenoiser(nn.Module):
         default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
         video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
         image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan I2V).
+        frames_first: the pipeline lays its video latents out (B, T', C, h, w) (CogVideoX), not (B, C, T', h, w);
+            its noise is drawn, and its scheduler steps, in that layout.
     """
 
     family: str = ""
@@ -50,6 +54,7 @@ class DiffusersDenoiser(nn.Module):
     pipeline_kwargs: dict[str, Any] = {}  # extra arguments of the pipeline's __call__ when ditforge samples
     video = False
     image_to_video = False
+    frames_first = False
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 
@@ -93,6 +98,12 @@ class DiffusersDenoiser(nn.Module):
         """Why ditforge cannot fine-tune this pipeline of the family (a variant it does not train yet), or with
         ``sampling`` cannot sample it, or None."""
         return None
+
+    @staticmethod
+    def call_defaults(pipe: Any) -> dict[str, int]:
+        """Defaults of the pipeline call's ``height`` / ``width`` / ``num_frames`` that its signature leaves None
+        and its body computes (CogVideoX's from the transformer's config); {} for the others."""
+        return {}
 
     @staticmethod
     def null_condition(pipe: Any, empty: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -158,13 +169,14 @@ class DiffusersDenoiser(nn.Module):
 
 
 def _families() -> dict[str, type[DiffusersDenoiser]]:
+    from ditforge.models.adapters.cogvideox import CogVideoXDenoiser
     from ditforge.models.adapters.pixart import PixArtDenoiser
     from ditforge.models.adapters.sd3 import SD3Denoiser
     from ditforge.models.adapters.sd_unet import SDUNetDenoiser, SDXLUNetDenoiser
     from ditforge.models.adapters.wan import WanDenoiser, WanI2VDenoiser
 
     return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser,
-                                        WanI2VDenoiser)}
+                                        WanI2VDenoiser, CogVideoXDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

@@ -1,0 +1,85 @@
+"""CogVideoX 1.0 text-to-video (2B and 5B): diffusers' ``CogVideoXTransformer3DModel`` (an MM-DiT over 2 x 2
+patches of the causal 3-D VAE's latents, its video tokens attending jointly with 226 T5 tokens) trained as a
+v-prediction DDPM whose scaled-linear ``alphas_cumprod`` are SNR-shifted and rescaled to zero terminal SNR
+(``CogVideoXDDIMScheduler`` / ``CogVideoXDPMScheduler``; ``ditforge.diffusion.objective``). Sources of the calls below:
+diffusers' ``pipelines/cogvideo/pipeline_cogvideox.py`` (``CogVideoXPipeline.__call__``, ``encode_prompt`` and
+``_prepare_rotary_positional_embeddings``)."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import torch
+
+from ditforge.models.adapters import DiffusersDenoiser
+
+
+class CogVideoXDenoiser(DiffusersDenoiser):
+    """``transformer(hidden_states, encoder_hidden_states, timestep, image_rotary_emb)``: x (B, C, T', H/8, W/8) float
+    latents of ``AutoencoderKLCogVideoX`` (T' = (T - 1) / 4 + 1 for T = 8k + 1 frames; times the VAE's
+    ``scaling_factor``, ``ditforge.encoders.vae``), handed to the transformer frames first, (B, T', C, h, w), as
+    the pipeline lays its latents out; t (B,) int64 DDPM timesteps; condition ``encoder_hidden_states`` (B, L,
+    text_dim) float T5 states of ``pipe.encode_prompt(..., do_classifier_free_guidance=False,
+    max_sequence_length=L)``, L the call's default (226). The 5B model's 3-D rotary positions are the pipeline's
+    own (``_prepare_rotary_positional_embeddings`` of the frame size, cached per shape and device). Output
+    (B, C, T', h, w): v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0."""
+
+    family = "cogvideox"
+    pipelines = ("CogVideoXPipeline",)
+    component = "transformer"
+    block_classes = ("CogVideoXBlock",)
+    video = True
+    frames_first = True
+    fps = 8  # CogVideoX 1.0 is trained on (and exports) 8 fps clips of 49 frames
+    # LoRA on the attention projections (finetrainers' and diffusers' train_cogvideox_lora.py default)
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
+
+    def __init__(self, model, vae_scale: int = 8):
+        super().__init__(model, vae_scale)
+        self._rotary: dict = {}
+
+    @staticmethod
+    def unsupported(pipe, sampling: bool = False):
+        if pipe.transformer.config.patch_size_t is not None:
+            return ("a CogVideoX 1.5 pipeline (patch_size_t: latent frames patched in pairs); ditforge "
+                    f"{'samples' if sampling else 'fine-tunes'} CogVideoX 1.0 (2B, 5B)")
+        return None
+
+    @staticmethod
+    def call_defaults(pipe) -> dict:
+        """The pipeline's frame size and count when its call is given none (``CogVideoXPipeline.__call__``: the
+        transformer's sample size times the VAE's factor, 480 x 720 x 49 for the released models)."""
+        config, scale = pipe.transformer.config, pipe.vae_scale_factor_spatial
+        return {"height": config.sample_height * scale, "width": config.sample_width * scale,
+                "num_frames": config.sample_frames}
+
+    def rotary(self, x: torch.Tensor):
+        """The (cos, sin) rotary tables of latents ``x`` (B, C, T', h, w), or None for a model without them (2B).
+        ``CogVideoXPipeline._prepare_rotary_positional_embeddings`` is called with this model and the VAE's factor
+        in place of the pipeline."""
+        config = self.transformer.config
+        if not config.use_rotary_positional_embeddings:
+            return None
+        frames, h, w = x.shape[2:]
+        key = (frames, h, w, x.device)
+        if key not in self._rotary:
+            from diffusers import CogVideoXPipeline
+
+            owner = SimpleNamespace(vae_scale_factor_spatial=self.vae_scale, transformer=self.transformer)
+            self._rotary[key] = CogVideoXPipeline._prepare_rotary_positional_embeddings(
+                owner, h * self.vae_scale, w * self.vae_scale, frames, x.device)
+        return self._rotary[key]
+
+    def denoise(self, x, t, encoder_hidden_states):
+        out = self.transformer(hidden_states=x.transpose(1, 2), encoder_hidden_states=encoder_hidden_states,
+                               timestep=t, image_rotary_emb=self.rotary(x), return_dict=False)[0]
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def encode_prompt(pipe, texts, device):
+        length = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+        embeds, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
+                                       max_sequence_length=length)
+        return {"encoder_hidden_states": embeds}
