@@ -19,7 +19,7 @@ Models (``--model``):
           flow scheduler (flow_shift 3); batch 1, 81 frames at 640 x 640: latents 16 x 21 x 80 x 80, 33,600 tokens.
           The anchor's 480 x 832 (16 x 21 x 60 x 104, 32,760 tokens) is not possible: ditforge trains at one
           square --image_size. The features are not extracted at that size: ``extract-features --init_from`` runs
-          on the built-in clips at 16 px x 5 frames (the real UMT5 states, captions, manifest) and ``wan_features``
+          on the built-in clips at 16 px x 5 frames (the real UMT5 states, captions, manifest) and ``video_features``
           replaces the posterior moments by random ones of the real shape, in extract-features' own format (the
           Wan VAE on 81 float32 frames of 640 px per clip costs GPU minutes and no part of the step). Rows:
           ``lora32`` (rank 32 on to_q, to_k, to_v, to_out.0, every block checkpointed, as the anchor's ``lora``),
@@ -31,6 +31,14 @@ Models (``--model``):
           --offload_activations: the checkpointed blocks' inputs in host memory), ``lora32_fp8_attn_off``,
           ``full``, ``full_attn`` and ``full_compile``
           (bf16 autocast, fp32 master weights, fused AdamW, EMA, every block checkpointed as the anchor's ``full``)
+  cog5b   CogVideoXPipeline with CogVideoX-5B's transformer config (42 layers, 48 heads of 64, rotary positions,
+          5.57B), ``AutoencoderKLCogVideoX``'s default config with the 5B's scaling factor 0.7, a one-layer T5
+          encoder of width 4096 (226 x 4096 caption states), the 5B's DPM scheduler (v, zero terminal SNR); batch 1,
+          49 frames at 592 x 592: latents 16 x 13 x 74 x 74, 17,797 tokens (the released 480 x 720: 17,550). The
+          weights are saved in bf16 (11 GB; random either way). Features as wan13's (extracted at 16 px x 9
+          frames). Rows ``lora64_ckpt`` (rank 64 on to_q, to_k, to_v, to_out.0, every block checkpointed) and
+          ``lora64_ckpt_budget24`` (+ --gpu_memory_budget 24GiB). No anchor: the issue asks for the step time
+          and peak memory.
 Rows (``--rows``, comma-separated): ``full`` (all weights, bf16 autocast, fp32 master weights, fused AdamW),
 ``full_compile`` (+ --compile: the whole denoiser in one graph), ``full_ro`` (+ --compile reduce-overhead: CUDA
 graphs too), ``full_ckpt`` (+ --grad_checkpoint), ``lora64`` (--lora_rank 64 on the attention projections, frozen
@@ -91,6 +99,7 @@ SR_FUSED = ["--optimizer", "adamw8bit", "--master_weights", "bf16_sr", "--fused_
 OFFLOAD = [*SR_FUSED, "--cpu_offload", "optimizer"]
 OFFLOAD_ALL = ["--cpu_offload", "all", "--ema_decay", "0"]
 WAN_LORA = ["--lora_rank", "32", "--lora_target_modules", "to_q,to_k,to_v,to_out.0", "--grad_checkpoint"]
+COG_LORA = ["--lora_rank", "64", "--lora_target_modules", "to_q,to_k,to_v,to_out.0", "--grad_checkpoint"]
 ROWS = {
     "full": [],
     "full_compile": ["--compile"],
@@ -162,6 +171,9 @@ ROWS = {
     "lora32_off_budget8": [*WAN_LORA, "--offload_activations", "--gpu_memory_budget", "8GiB"],
     "lora32_fp8_off_budget8": [*WAN_LORA, "--fp8_base", "--offload_activations", "--gpu_memory_budget", "8GiB"],
     "lora32_fp8_attn_off": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base", "--offload_activations"],
+    # CogVideoX-5B (--model cog5b): rank-64 LoRA on the attention projections, every block checkpointed
+    "lora64_ckpt": [*COG_LORA],
+    "lora64_ckpt_budget24": [*COG_LORA, "--gpu_memory_budget", "24GiB"],
 }
 # rows of one name for every model whose flags differ for wan13: the anchor checkpoints every block of its full row
 WAN_ROWS = {"full": ["--grad_checkpoint"], "full_compile": ["--grad_checkpoint", "--compile"],
@@ -251,6 +263,21 @@ WAN13 = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=12
 # square --image_size (its features and sample shapes are C x T x s x s), so the rows run at the nearest square with
 # at least the anchor's tokens: 640 px (latents 16 x 21 x 80 x 80, 33,600 tokens = 1.026x; attention 1.052x).
 WAN_SIDE, WAN_FRAMES = 640, 81
+# CogVideoX-5B's released size is 480 x 720 x 49 (latents 16 x 13 x 60 x 90: 17,550 tokens in 2 x 2 patches); the
+# nearest square with at least as many: 592 px (13 x 37 x 37 = 17,797 tokens, 1.014x)
+COG_SIDE, COG_FRAMES = 592, 49
+# the video models: (side, frames, frames of the small extraction whose captions and states the features keep)
+VIDEO = {"wan13": (WAN_SIDE, WAN_FRAMES, 5), "cog5b": (COG_SIDE, COG_FRAMES, 9)}
+# CogVideoX-5B's transformer/config.json (THUDM/CogVideoX-5b)
+COG5B = dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, flip_sin_to_cos=True,
+             freq_shift=0, time_embed_dim=512, text_embed_dim=4096, num_layers=42, dropout=0.0, attention_bias=True,
+             sample_width=90, sample_height=60, sample_frames=49, patch_size=2, temporal_compression_ratio=4,
+             max_text_seq_length=226, activation_fn="gelu-approximate", timestep_activation_fn="silu",
+             norm_elementwise_affine=True, norm_eps=1e-5, spatial_interpolation_scale=1.875,
+             temporal_interpolation_scale=1.0, use_rotary_positional_embeddings=True,
+             use_learned_positional_embeddings=False)
+# its scheduler_config.json: CogVideoXDPMScheduler, v-prediction, zero terminal SNR, no SNR shift
+COG5B_SCHEDULER = {**tiny_pipelines.COGVIDEOX_SCHEDULER, "snr_shift_scale": 1.0}
 
 
 def wan13_transformer(device: str | torch.device = "cpu"):
@@ -286,13 +313,38 @@ def build_wan13(path: Path) -> Path:
     return tiny_pipelines._save(pipe, path)  # save_pretrained + the T5 tokenizer's spiece.model
 
 
-def wan_features(small: Path, out: Path, side: int, frames: int) -> Path:
+def build_cog5b(path: Path) -> Path:
+    """A ``CogVideoXPipeline`` folder: CogVideoX-5B's transformer config with random weights (initialised on the GPU
+    when there is one, saved in bf16), ``AutoencoderKLCogVideoX``'s default config with ``scaling_factor`` 0.7, a
+    one-layer T5 encoder of width 4096 (the real T5-XXL's: 226 x 4096 caption states; the tokenizer trained offline
+    as the tests') and the 5B's ``CogVideoXDPMScheduler``."""
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        transformer = CogVideoXTransformer3DModel(**COG5B).to(torch.bfloat16)
+    transformer = transformer.cpu().eval()
+    tokenizer = tiny_pipelines.make_t5_tokenizer()
+    torch.manual_seed(0)
+    text = T5EncoderModel(T5Config(vocab_size=-(-len(tokenizer) // 8) * 8, d_model=4096, d_kv=64, d_ff=256,
+                                   num_layers=1, num_heads=2, feed_forward_proj="gated-gelu", pad_token_id=0,
+                                   eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False,
+                                   use_cache=False, tie_word_embeddings=False)).eval()
+    torch.manual_seed(0)
+    vae = AutoencoderKLCogVideoX(scaling_factor=0.7).eval()
+    pipe = CogVideoXPipeline(tokenizer=tokenizer, text_encoder=text, vae=vae, transformer=transformer,
+                             scheduler=CogVideoXDPMScheduler(**COG5B_SCHEDULER))
+    return tiny_pipelines._save(pipe, path)
+
+
+def video_features(small: Path, out: Path, side: int, frames: int) -> Path:
     """The features folder ``extract-features`` would write for clips of ``frames`` (4k + 1) frames of ``side`` px,
     made from ``small``, one it wrote for the same pipeline at a small size: the same samples, captions, labels and
-    UMT5 states (``cond.encoder_hidden_states``, computed by the pipeline's own encoder), the same manifest with the
+    text states (``cond.encoder_hidden_states``, UMT5 / T5, computed by the pipeline's own encoder), the manifest with the
     size keys changed (``image_size``, ``input_size`` = side / 8, ``num_frames`` = the latent frames (frames - 1) /
     4 + 1), and random posterior moments of that shape (mean N(0, 1), as normalised latents; std in [0.05, 0.3])
-    written as ``ditforge.data.store`` writes its shards. Encoding 81 real frames at 640 px with the Wan VAE in
+    written as ``ditforge.data.store`` writes its shards (wan13, cog5b). Encoding 81 real frames at 640 px with the Wan VAE in
     float32 would cost minutes of the job's GPU time and says nothing about the training step."""
     from safetensors.torch import load_file
 
@@ -462,10 +514,10 @@ def library_versions() -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13"), required=True)
+    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "cog5b"), required=True)
     ap.add_argument("--rows", default="full,full_compile,lora64,lora64_compile")
     ap.add_argument("--work", default="/tmp/ditforge-finetune")
-    ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl, wan13), 8 (pixart), as the "
+    ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl, video), 8 (pixart), as the "
                     "anchors")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--log_every", type=int, default=10)
@@ -481,29 +533,30 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     batch = args.batch_size or (8 if args.model == "pixart" else 1)
-    wan = args.model == "wan13"
-    # wan13: 640 px x 81 frames (WAN_SIDE); --tiny: the tiny Wan's features rewritten to 32 px x 9 frames
-    size = (32 if args.tiny else 1024 if args.model == "sdxl" else WAN_SIDE if wan else 512)
-    frames = (9 if args.tiny else WAN_FRAMES) if wan else None
+    wan = args.model in VIDEO  # a video model: features rewritten to the real size (video_features)
+    # wan13: 640 px x 81 frames, cog5b 592 px x 49 (VIDEO); --tiny: the tiny pipeline's rewritten to 32 px x 9 frames
+    size = (32 if args.tiny else 1024 if args.model == "sdxl" else VIDEO[args.model][0] if wan else 512)
+    frames = (9 if args.tiny else VIDEO[args.model][1]) if wan else None
     pipe = work / f"{args.model}{'-tiny' if args.tiny else ''}"
     if not (pipe / "model_index.json").is_file():
         builders = ({"sd15": tiny_pipelines.make_sd, "pixart": tiny_pipelines.make_pixart,
-                     "sdxl": tiny_pipelines.make_sdxl, "wan13": tiny_pipelines.make_wan}
+                     "sdxl": tiny_pipelines.make_sdxl, "wan13": tiny_pipelines.make_wan,
+                     "cog5b": tiny_pipelines.make_cogvideox}
                     if args.tiny else {"sd15": build_sd15, "pixart": build_pixart, "sdxl": build_sdxl,
-                                       "wan13": build_wan13})
+                                       "wan13": build_wan13, "cog5b": build_cog5b})
         builders[args.model](pipe)
         if torch.cuda.is_available():  # wan13 initialises its transformer on the GPU: free it for the rows
             torch.cuda.empty_cache()
     feats = work / f"feats-{pipe.name}"
     if not (feats / "features.json").is_file():
         shutil.rmtree(feats, ignore_errors=True)
-        if wan:  # extract at 16 px x 5 frames (the built-in clips: 3 captioned clips), then the real-size moments
+        if wan:  # extract at 16 (cog tiny: 32) px x 5 or 9 frames (the built-in clips), then the real-size moments
             small = work / f"feats-{pipe.name}-16px"
             shutil.rmtree(small, ignore_errors=True)
-            ditforge("extract-features", "--init_from", str(pipe), "--data", "clips", "--num_frames", "5",
-                     "--image_size", "16", "--device", args.device, "--num_workers", "0", "--batch_size", "4",
+            ditforge("extract-features", "--init_from", str(pipe), "--data", "clips", "--num_frames",
+                     str(VIDEO[args.model][2]), "--image_size", "32" if args.tiny and args.model == "cog5b" else "16", "--device", args.device, "--num_workers", "0", "--batch_size", "4",
                      "--out", str(small))
-            wan_features(small, feats, size, frames)
+            video_features(small, feats, size, frames)
         else:
             data = images(work / f"images-{size}", 16, size)
             ditforge("extract-features", "--init_from", str(pipe), "--data", str(data), "--image_size", str(size),
@@ -525,9 +578,12 @@ def main() -> None:
         item = build_dataset(str(feats), None)[0]  # the shapes the rows train on, as read back
         meta |= {"num_frames": frames, "latents": list(item["mean"].shape),
                  "caption_states": list(item["cond"]["encoder_hidden_states"].shape),
-                 "note": "square frames: ditforge trains at one --image_size; the anchor runs 480 x 832 (latents "
-                         "16 x 21 x 60 x 104, 32,760 tokens), these rows 640 x 640 (16 x 21 x 80 x 80, 33,600 tokens)"
-                         if not args.tiny else "the tests' tiny WanPipeline"}
+                 "note": ("the tests' tiny pipeline" if args.tiny else
+                          "square frames: ditforge trains at one --image_size; the anchor runs 480 x 832 (latents 16 x "
+                          "21 x 60 x 104, 32,760 tokens), these rows 640 x 640 (16 x 21 x 80 x 80, 33,600 tokens)"
+                          if args.model == "wan13" else
+                          "square frames: CogVideoX-5B's 480 x 720 x 49 is 17,550 tokens, these rows 592 x 592 x 49 "
+                          "(16 x 13 x 74 x 74, 17,797 tokens)")}
     results = {}
     if args.append and args.json and Path(args.json).is_file():
         results = json.loads(Path(args.json).read_text())["rows"]

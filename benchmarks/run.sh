@@ -34,6 +34,9 @@
 #                       wan13.json). The job stops itself after JOB_LIMIT s (default 530), keeping the rows it
 #                       finished; STEPS, LOG_EVERY, ROW_TIMEOUT default 6, 2, 240 s. TINY=1: the tests' tiny Wan and
 #                       the anchor's tiny config (a CPU check of the job)
+#   finetune-cog5b [ROWS]  CogVideoX-5B (random weights, 592 x 592 x 49 frames: latents 16 x 13 x 74 x 74, 226 x 4096
+#                       caption states, batch 1; issue 42): finetune.py --model cog5b, rows ROWS (default
+#                       lora64_ckpt,lora64_ckpt_budget24), the same STEPS / LOG_EVERY / ROW_TIMEOUT / JOB_LIMIT / TINY
 #   sample-wan [ROWS] [STEPS] [ANCHOR]  Wan2.1-T2V-1.3B sampling at 480 x 832 x 81 frames, guidance 5 (issue 43):
 #                       the unchanged wan_sampling.py anchor at STEPS steps (default 10; ANCHOR "none" skips it),
 #                       then sample_wan.py's ROWS (default eager,compiled,fp8,fp32) under torchrun with NPROC
@@ -150,17 +153,22 @@ finetune)
             | grep --line-buffered -v gemm_4bit | tee "$out/${model}.log"
     fi
     ;;
-finetune-wan)
+finetune-wan|finetune-cog5b)
+    model=wan13; [ "$1" = finetune-cog5b ] && model=cog5b
     python3 -c "import torch, diffusers, peft, ftfy, transformers; print('diffusers', diffusers.__version__, \
 'peft', peft.__version__, 'ftfy', ftfy.__version__, 'transformers', transformers.__version__)"
     left() { local n=$(( ${JOB_LIMIT:-530} - SECONDS )); echo $(( n > 1 ? n : 1 )); }  # (timeout 0: no limit)
     ft() {  # the rows named by $1; each row cut at ROW_TIMEOUT, the whole job at JOB_LIMIT (finished rows stay)
-        timeout "$(left)" python3 benchmarks/finetune.py --model wan13 --work /tmp/ft-wan \
+        timeout "$(left)" python3 benchmarks/finetune.py --model $model --work /tmp/ft-$model \
             --rows "$1" --steps "${STEPS:-6}" --log_every "${LOG_EVERY:-2}" --row_timeout "${ROW_TIMEOUT:-240}" \
-            --json "$out/wan13.json" ${TINY:+--tiny} "${@:2}" 2>&1 | grep --line-buffered -v gemm_4bit \
-            | tee -a "$out/wan13.log"
+            --json "$out/$model.json" ${TINY:+--tiny} "${@:2}" 2>&1 | grep --line-buffered -v gemm_4bit \
+            | tee -a "$out/$model.log"
     }
     [ -n "${TINY-}" ] && export TINY=1  # the anchor's own switch
+    if [ $model = cog5b ]; then  # no anchor: the step time and peak memory of the rows
+        ft "${2:-lora64_ckpt,lora64_ckpt_budget24}"
+        exit
+    fi
     ft "${2:-lora32}"  # first: builds the pipeline folder and the features (~2 minutes with the row)
     anchors=${3-wan1.3b/lora wan1.3b/full}
     if [ -n "$anchors" ]; then
