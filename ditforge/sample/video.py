@@ -11,6 +11,7 @@ gives the pipeline's frames from the same noise."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from pathlib import Path
@@ -238,7 +239,7 @@ class VideoSampler:
         (drawn as the pipeline's ``prepare_latents`` draws it), after ``steps`` steps of a fresh copy of the
         pipeline's scheduler. ``cond`` / ``uncond``: the denoiser's text conditioning tensors (batch 1) of the
         prompt and the negative prompt (None: no guidance); ``image_cond``: an image-to-video family's image
-        tensors, the same for both passes. Guidance: ``uncond + guidance (cond - uncond)`` in float32; Wan 2.2's
+        tensors, the same for both passes, or a function of the generator giving them (drawn first). Guidance: ``uncond + guidance (cond - uncond)`` in float32; Wan 2.2's
         low-noise expert guides with ``guidance_2`` (default ``guidance``)."""
         pipe, device = self.pre.pipe, self.device
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
@@ -251,6 +252,8 @@ class VideoSampler:
         # DPM scheduler draws fresh noise of that shape from the same generator at each step
         swap = self.experts[0].frames_first
         generator = torch.Generator(device).manual_seed(seed)
+        if callable(image_cond):  # drawn from the generator before the noise (CogVideoX I2V's prepare_latents)
+            image_cond = image_cond(generator=generator)
         latents = randn_tensor(_layout(shape, swap), generator=generator, device=device, dtype=torch.float32)
         latents = latents * scheduler.init_noise_sigma
         step_args = inspect.signature(scheduler.step).parameters
@@ -496,7 +499,9 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     image_cond = None
     if denoiser.image_to_video:
         first = pipe.video_processor.preprocess(image, height=height, width=width)
-        image_cond = pre.encode_image(first, frames, images=[image])
+        image_cond = functools.partial(pre.encode_image, first, frames, images=[image])
+        if not denoiser.image_from_generator:  # else drawn per video from its seed's generator (VideoSampler.denoise)
+            image_cond = image_cond()
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module) and (name.startswith("text_encoder") or name == "image_encoder"):
             module.to("cpu")

@@ -215,3 +215,70 @@ def test_bad_input_lines(cog, tmp_path, capsys):
     assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from",
                           "CogVideoX 1.5", "patch_size_t")
     assert not (tmp_path / "r").exists() or not (tmp_path / "r" / "checkpoints").exists()
+
+
+@pytest.fixture(scope="module")
+def cog_i2v(tmp_path_factory, one_thread_module) -> Path:
+    """The tiny ``CogVideoXImageToVideoPipeline`` folder, built once for this module."""
+    return BUILDERS["cogvideox_i2v"](tmp_path_factory.mktemp("cogvideox_i2v") / "pipe")
+
+
+def test_i2v_first_loss_and_sample_like_the_pipeline(cog_i2v, tmp_path, capsys):
+    """Image-to-video, 2 steps of full fine-tuning on the clips (each its own first frame): the first loss equals
+    diffusers' arithmetic with the pipeline's conditioning written out (the first frame's posterior mode times
+    ``scaling_factor``, T' - 1 zero latent frames after it, concatenated to the noisy latents along the channels)
+    within 1e-5; the exported folder loads in ``CogVideoXImageToVideoPipeline``, whose call on an image (the
+    image latents drawn from the call's generator before the noise) gives the video ``ditforge sample --image``
+    gives, to one uint8 level; ``--image`` left out is one line."""
+    import diffusers
+    from PIL import Image
+
+    run = tmp_path / "run"
+    assert cli.main(_argv(cog_i2v, run, "--max_steps", "2", "--lr", "1e-3")) == 0
+    pipe = diffusers.CogVideoXImageToVideoPipeline.from_pretrained(str(cog_i2v), local_files_only=True)
+    ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
+    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
+    pixels = torch.stack([ds[i]["video"] for i in idx])
+    with torch.no_grad():
+        post = pipe.vae.encode(pixels).latent_dist
+        g = torch.Generator().manual_seed(derive_seed(0, 0))
+        shape = tuple(post.mean.shape[1:])
+        noise = torch.randn((BATCH, *shape), generator=g).transpose(1, 2)
+        t = torch.randint(0, 1000, (BATCH,), generator=g)
+        torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)
+        eps = torch.randn((BATCH, *shape), generator=g)
+        scale = pipe.vae.config.scaling_factor
+        x0 = ((post.mean + post.std * eps) * scale).transpose(1, 2)
+        image = pipe.vae.encode(pixels[:, :, :1]).latent_dist.mode().transpose(1, 2) * scale  # (B, 1, C, h, w)
+        image = torch.cat([image, image.new_zeros(BATCH, x0.shape[1] - 1, *image.shape[2:])], dim=1)
+        embeds, _ = pipe.encode_prompt([ds[i]["text"] for i in idx], do_classifier_free_guidance=False,
+                                       device="cpu", max_sequence_length=226)
+        noisy = pipe.scheduler.add_noise(x0, noise, t)
+        rotary = pipe._prepare_rotary_positional_embeddings(SIZE, SIZE, x0.shape[1], torch.device("cpu"))
+        out = pipe.transformer(hidden_states=torch.cat([noisy, image], dim=2), encoder_hidden_states=embeds,
+                               timestep=t, image_rotary_emb=rotary, return_dict=False)[0]
+        v = pipe.scheduler.get_velocity(x0, noise, t)  # sqrt(abar) noise - sqrt(1 - abar) x0
+    ref = float(((out - v) ** 2).mean())
+    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(ref, rel=1e-5)
+
+    export = tmp_path / "export"
+    assert cli.main(["export", "--ckpt", str(run), "--format", "diffusers", "--out", str(export)]) == 0
+    pipe = diffusers.CogVideoXImageToVideoPipeline.from_pretrained(str(export), local_files_only=True)
+    rng = np.random.default_rng(7)
+    first = Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+    first.save(tmp_path / "first.png")
+    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
+    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--image", str(tmp_path / "first.png"),
+                     "--num_sampling_steps", "3", "--cfg_scale", "4", "--out", str(tmp_path / "clip.mp4"),
+                     "--save_npz", str(npz), "--device", "cpu"]) == 0
+    video = pipe(image=first, prompt=prompt, num_inference_steps=3, guidance_scale=4.0, height=SIZE, width=SIZE,
+                 num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
+                 output_type="np").frames
+    expected = np.round(video * 255).astype(np.int16)
+    got = np.load(npz)["samples"].astype(np.int16)
+    assert got.shape == expected.shape == (1, FRAMES, SIZE, SIZE, 3)
+    assert np.abs(got - expected).max() <= 1
+    capsys.readouterr()  # the progress bars of the calls above
+    assert_one_line_error(capsys, ["sample", "--ckpt", str(run), "--prompt", prompt, "--out", str(tmp_path / "x.mp4"),
+                                   "--device", "cpu"], "--image")
+    assert not (tmp_path / "x.mp4").exists()

@@ -1,4 +1,4 @@
-"""Tiny random diffusers pipelines of ten families, built offline for the fine-tuning, export and sampling tests.
+"""Tiny random diffusers pipelines of eleven families, built offline for the fine-tuning, export and sampling tests.
 
 Every builder writes a complete pipeline folder (``model_index.json`` and one subfolder per component) with
 diffusers' and transformers' own classes and ``save_pretrained``, and returns its ``Path``. Nothing is downloaded:
@@ -25,6 +25,8 @@ wan_i2v           16 px  as wan      as wan, + CLIP vision 1025 x 4 (32 px, patc
 cogvideox         32 px  4 x T' x    T5 226 x 32                                         CogVideoX DPM, v, zero
                   8k+1   4 x 4                                                           terminal SNR, SNR shift 3
                   frames
+cogvideox_i2v     32 px  as          as cogvideox                                        as cogvideox
+                         cogvideox
 ================  =====  ==========  ==================================================  =========================
 
 All image VAEs are ``AutoencoderKL`` with 3 blocks (8, 16, 16 channels): they downsample by 4 (the real ones by 8),
@@ -608,7 +610,7 @@ COGVIDEOX_SCHEDULER = dict(num_train_timesteps=1000, beta_schedule="scaled_linea
                            timestep_spacing="trailing", set_alpha_to_one=True, clip_sample=False, steps_offset=0)
 
 
-def make_cogvideox(path) -> Path:
+def make_cogvideox(path, image_to_video: bool = False) -> Path:
     """A tiny CogVideoX 1.0 text-to-video ``CogVideoXPipeline`` folder, with the shapes of diffusers' own
     ``tests/pipelines/cogvideo/test_cogvideox.py`` and the 5B model's rotary positions.
 
@@ -620,12 +622,14 @@ def make_cogvideox(path) -> Path:
     to T5 states 32 wide (``T5EncoderModel``, 2 layers, the sentencepiece ``T5Tokenizer`` of ``make_t5_tokenizer``),
     226 tokens (the pipeline's ``max_sequence_length`` and the transformer's ``max_text_seq_length``). Scheduler:
     ``CogVideoXDPMScheduler`` with ``COGVIDEOX_SCHEDULER`` (stochastic: each step draws noise from the call's
-    generator).
+    generator). ``image_to_video``: a ``CogVideoXImageToVideoPipeline`` as the 5B I2V model's: the transformer takes
+    8 = 4 + 4 input channels (the noisy latents, then the first frame's latents padded with zero frames).
 
     Returns:
         ``Path(path)``.
     """
-    from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+    from diffusers import (AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXImageToVideoPipeline,
+                           CogVideoXPipeline, CogVideoXTransformer3DModel)
 
     tokenizer = make_t5_tokenizer()
     text_encoder = _t5_encoder(tokenizer, 32)
@@ -636,11 +640,13 @@ def make_cogvideox(path) -> Path:
         layers_per_block=1, norm_num_groups=2, temporal_compression_ratio=4).eval()
     torch.manual_seed(0)
     transformer = CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
+        num_attention_heads=2, attention_head_dim=16, in_channels=8 if image_to_video else 4, out_channels=4,
+        time_embed_dim=8,
         text_embed_dim=32, num_layers=2, sample_width=4, sample_height=4, sample_frames=9, patch_size=2,
         temporal_compression_ratio=4, max_text_seq_length=226, use_rotary_positional_embeddings=True).eval()
-    pipe = CogVideoXPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                             scheduler=CogVideoXDPMScheduler(**COGVIDEOX_SCHEDULER))
+    cls = CogVideoXImageToVideoPipeline if image_to_video else CogVideoXPipeline
+    pipe = cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+               scheduler=CogVideoXDPMScheduler(**COGVIDEOX_SCHEDULER))
     return _save(pipe, path)
 
 
@@ -692,4 +698,5 @@ BUILDERS = {
     "wan": make_wan,
     "wan_i2v": make_wan_i2v,
     "cogvideox": make_cogvideox,
+    "cogvideox_i2v": functools.partial(make_cogvideox, image_to_video=True),
 }

@@ -17,8 +17,8 @@ Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL)
 ``pixart`` (PixArt-alpha / sigma, ``pixart.py``); ``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``); ``wan`` and
 ``wan_i2v`` (Wan 2.1 text-to-video and image-to-video, ``wan.py``: videos (B, C, T, H, W), ``video = True``;
 image-to-video also ``image_to_video = True``: conditioning from the first frame, ``encode_image``);
-``cogvideox`` (CogVideoX 1.0 text-to-video, ``cogvideox.py``: a video family whose pipeline puts frames before
-channels, ``frames_first = True``). Official and
+``cogvideox`` and ``cogvideox_i2v`` (CogVideoX 1.0 text- and image-to-video, ``cogvideox.py``: a video family
+whose pipeline puts frames before channels, ``frames_first = True``). Official and
 diffusers DiT weights load into ditforge's own ``DiT`` (``ditforge.interop``), which is the same network.
 """
 
@@ -42,6 +42,8 @@ class DiffusersDenoiser(nn.Module):
         default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
         video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
         image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan I2V).
+        image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
+            (``encode_image(..., generator=)``; CogVideoX I2V's posterior sample), so it is encoded per video.
         frames_first: the pipeline lays its video latents out (B, T', C, h, w) (CogVideoX), not (B, C, T', h, w);
             its noise is drawn, and its scheduler steps, in that layout.
     """
@@ -55,6 +57,7 @@ class DiffusersDenoiser(nn.Module):
     video = False
     image_to_video = False
     frames_first = False
+    image_from_generator = False
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 
@@ -169,14 +172,14 @@ class DiffusersDenoiser(nn.Module):
 
 
 def _families() -> dict[str, type[DiffusersDenoiser]]:
-    from ditforge.models.adapters.cogvideox import CogVideoXDenoiser
+    from ditforge.models.adapters.cogvideox import CogVideoXDenoiser, CogVideoXI2VDenoiser
     from ditforge.models.adapters.pixart import PixArtDenoiser
     from ditforge.models.adapters.sd3 import SD3Denoiser
     from ditforge.models.adapters.sd_unet import SDUNetDenoiser, SDXLUNetDenoiser
     from ditforge.models.adapters.wan import WanDenoiser, WanI2VDenoiser
 
     return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser,
-                                        WanI2VDenoiser, CogVideoXDenoiser)}
+                                        WanI2VDenoiser, CogVideoXDenoiser, CogVideoXI2VDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

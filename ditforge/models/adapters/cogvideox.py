@@ -83,3 +83,44 @@ class CogVideoXDenoiser(DiffusersDenoiser):
         embeds, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
                                        max_sequence_length=length)
         return {"encoder_hidden_states": embeds}
+
+
+class CogVideoXI2VDenoiser(CogVideoXDenoiser):
+    """CogVideoX 1.0 image-to-video (``CogVideoXImageToVideoPipeline``, the 5B I2V model): the transformer takes the
+    noisy latents and ``image_condition`` concatenated along the channels (its ``in_channels`` 32 = 16 + 16), as
+    the pipeline's loop does frames first; x and the output as ``CogVideoXDenoiser``'s. Caption dropout replaces the
+    T5 states alone; the image conditioning stays, as in the pipeline's unconditional pass."""
+
+    family = "cogvideox_i2v"
+    pipelines = ("CogVideoXImageToVideoPipeline",)
+    image_to_video = True
+    image_from_generator = True
+
+    @property
+    def in_channels(self) -> int:
+        """Channels of the latents x (the transformer's ``out_channels``, 16), not of its input (32)."""
+        return int(self.inner.config.out_channels)
+
+    def denoise(self, x, t, encoder_hidden_states, image_condition):
+        return super().denoise(torch.cat([x, image_condition.to(x.dtype)], dim=1), t, encoder_hidden_states)
+
+    @staticmethod
+    def encode_image(pipe, first: torch.Tensor, num_frames: int, images: list | None = None,
+                     generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """``image_condition`` (B, C, T', H/8, W/8) float32 of clips of ``num_frames`` (8k + 1) frames whose first
+        frames are ``first`` (B, 3, H, W) float in [-1, 1], as ``CogVideoXImageToVideoPipeline.prepare_latents``
+        builds it: the first frame alone through ``AutoencoderKLCogVideoX``, times ``scaling_factor``, then T' - 1
+        latent frames of zeros. The latents are the posterior's mode, or with ``generator`` (sampling) a draw from
+        it, as the pipeline's ``retrieve_latents(..., generator)``, which draws before the initial noise from the
+        same generator. Training conditions on the mode (deterministic, so stored features hold it). ``images``
+        is unused (no image encoder). On the VAE's device."""
+        vae = pipe.vae
+        device = next(vae.parameters()).device
+        with torch.no_grad():
+            post = vae.encode(first[:, :, None].to(device, vae.dtype)).latent_dist
+            latents = (post.mode() if generator is None else post.sample(generator)).float()
+            scale = vae.config.scaling_factor
+            latents = latents / scale if vae.config.get("invert_scale_latents") else latents * scale
+            frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
+            pad = latents.new_zeros(latents.shape[0], latents.shape[1], frames - 1, *latents.shape[-2:])
+        return {"image_condition": torch.cat([latents, pad], dim=2)}
