@@ -341,11 +341,12 @@ def build_cog5b(path: Path) -> Path:
 def video_features(small: Path, out: Path, side: int, frames: int) -> Path:
     """The features folder ``extract-features`` would write for clips of ``frames`` (4k + 1) frames of ``side`` px,
     made from ``small``, one it wrote for the same pipeline at a small size: the same samples, captions, labels and
-    text states (``cond.encoder_hidden_states``, UMT5 / T5, computed by the pipeline's own encoder), the manifest with the
-    size keys changed (``image_size``, ``input_size`` = side / 8, ``num_frames`` = the latent frames (frames - 1) /
-    4 + 1), and random posterior moments of that shape (mean N(0, 1), as normalised latents; std in [0.05, 0.3])
-    written as ``ditforge.data.store`` writes its shards (wan13, cog5b). Encoding 81 real frames at 640 px with the Wan VAE in
-    float32 would cost minutes of the job's GPU time and says nothing about the training step."""
+    text states (``cond.encoder_hidden_states``, UMT5 / T5, computed by the pipeline's own encoder), the manifest
+    with the size keys changed (``image_size``, ``input_size`` = side / 8, ``num_frames`` = the latent frames
+    (frames - 1) / 4 + 1), and random posterior moments of that shape (mean N(0, 1), as normalised latents; std in
+    [0.05, 0.3]) written as ``ditforge.data.store`` writes its shards (wan13, cog5b). Encoding 81 real frames at
+    640 px with the Wan VAE in float32 would cost minutes of the job's GPU time and says nothing about the training
+    step."""
     from safetensors.torch import load_file
 
     from ditforge.data.features import FEATURES_MANIFEST, read_manifest
@@ -554,7 +555,8 @@ def main() -> None:
             small = work / f"feats-{pipe.name}-16px"
             shutil.rmtree(small, ignore_errors=True)
             ditforge("extract-features", "--init_from", str(pipe), "--data", "clips", "--num_frames",
-                     str(VIDEO[args.model][2]), "--image_size", "32" if args.tiny and args.model == "cog5b" else "16", "--device", args.device, "--num_workers", "0", "--batch_size", "4",
+                     str(VIDEO[args.model][2]), "--image_size", "32" if args.tiny and args.model == "cog5b" else "16",
+                     "--device", args.device, "--num_workers", "0", "--batch_size", "4",
                      "--out", str(small))
             video_features(small, feats, size, frames)
         else:

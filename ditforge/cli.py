@@ -80,8 +80,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "line (after any --prompt); streams them in batches into the --out folder (default samples), one "
                    "NNN-<prompt>.png (or .mp4 + .gif) per prompt written as soon as done, skipping those that exist "
                    "(re-run to resume); --out FILE.png instead writes one grid (image models)")
-    s.add_argument("--image", help="image-to-video pipelines (Wan, CogVideoX I2V): the first frame to animate (any image "
-                   "Pillow reads; resized to the frame size); refused by other models")
+    s.add_argument("--image", help="image-to-video pipelines (Wan, CogVideoX I2V): the first frame to animate (any "
+                   "image Pillow reads; resized to the frame size); refused by other models")
     who = s.add_mutually_exclusive_group()
     who.add_argument("--class_labels", type=_labels, help="class-conditional models: labels to draw, e.g. 0,1,2")
     who.add_argument("--num_samples", type=int, default=argparse.SUPPRESS, help="class-conditional models: draw "

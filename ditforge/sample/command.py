@@ -189,7 +189,7 @@ def _sample_dit(cfg: SampleConfig, prompts: list[str], d: Dist, state: dict, spe
     device = d.device
     if cfg.image is not None:
         raise UserError(f"--image {cfg.image}: {cfg.ckpt} is a ditforge {spec['model']}, which takes no image; "
-                        "--image is for image-to-video pipelines (Wan I2V); leave it out")
+                        "--image is for image-to-video pipelines (Wan, CogVideoX I2V); leave it out")
     if cfg.model is not None:
         spec["model"] = cfg.model
     video = is_video_model(spec["model"])

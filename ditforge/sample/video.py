@@ -239,8 +239,9 @@ class VideoSampler:
         (drawn as the pipeline's ``prepare_latents`` draws it), after ``steps`` steps of a fresh copy of the
         pipeline's scheduler. ``cond`` / ``uncond``: the denoiser's text conditioning tensors (batch 1) of the
         prompt and the negative prompt (None: no guidance); ``image_cond``: an image-to-video family's image
-        tensors, the same for both passes, or a function of the generator giving them (drawn first). Guidance: ``uncond + guidance (cond - uncond)`` in float32; Wan 2.2's
-        low-noise expert guides with ``guidance_2`` (default ``guidance``)."""
+        tensors, the same for both passes, or a function of the generator giving them (drawn first). Guidance:
+        ``uncond + guidance (cond - uncond)`` in float32; Wan 2.2's low-noise expert guides with ``guidance_2``
+        (default ``guidance``)."""
         pipe, device = self.pre.pipe, self.device
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
         scheduler.set_timesteps(steps, device=device)

@@ -41,7 +41,7 @@ class DiffusersDenoiser(nn.Module):
         block_classes: class names of the repeated blocks.
         default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
         video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
-        image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan I2V).
+        image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX I2V).
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
             (``encode_image(..., generator=)``; CogVideoX I2V's posterior sample), so it is encoded per video.
         frames_first: the pipeline lays its video latents out (B, T', C, h, w) (CogVideoX), not (B, C, T', h, w);
