@@ -7,6 +7,8 @@ Both objectives offer ``sample_timesteps(n, generator, device)``, ``training_los
 
 from __future__ import annotations
 
+import math
+
 from ditforge.config import OBJECTIVES, WEIGHTING_SCHEMES
 from ditforge.diffusion.flow import RectifiedFlow
 from ditforge.diffusion.gaussian import BETA_SCHEDULES, GaussianDiffusion, betas_from_schedule, create_diffusion
@@ -43,7 +45,8 @@ def _flow_sigmas(config: dict) -> bool:
 def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict | None = None,
                      flow_shift: float | None = None, weighting_scheme: str = "logit_normal",
                      logit_mean: float = 0.0, logit_std: float = 1.0, timestep_respacing: str | None = None,
-                     where: str = "scheduler", device=None) -> GaussianDiffusion | RectifiedFlow:
+                     where: str = "scheduler", device=None, seq_len: int | None = None
+                     ) -> GaussianDiffusion | RectifiedFlow:
     """The objective ``objective`` (``ddpm`` | ``v`` | ``flow``; ``auto`` = the scheduler's, else ``ddpm``).
 
     ``device`` (the batches' device): a Gaussian objective's schedule tables are moved there, so that a
@@ -62,9 +65,15 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     scheduler may rescale them to zero terminal SNR (``rescale_betas_zero_snr``); the objective trains on the
     changed ones.
 
+    A scheduler with dynamic (resolution-dependent) shifting (LTX-Video's ``FlowMatchEulerDiscreteScheduler``:
+    ``use_dynamic_shifting``) shifts by exp(mu), mu interpolated linearly in ``seq_len`` (the latent frames x height
+    x width of a training sample) from ``base_shift`` at ``base_image_seq_len`` to ``max_shift`` at
+    ``max_image_seq_len``, as its pipeline computes mu for the video it samples (``calculate_shift``); with the
+    scheduler's exponential time shift, exp(mu) sigma / (1 + (exp(mu) - 1) sigma), this is the shift map above.
+
     Raises:
-        UserError: a scheduler with dynamic (resolution-dependent) shifting or an unknown beta schedule, naming
-            ``where``.
+        UserError: a scheduler with dynamic shifting and no ``seq_len`` (or another time shift), or an unknown
+            beta schedule, naming ``where``.
     """
     sched = scheduler_config or {}
     if objective not in OBJECTIVES:
@@ -72,10 +81,16 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     if objective == "auto":
         objective = objective_of_scheduler(sched, where) if sched else "ddpm"
     if objective == "flow":
-        if sched.get("use_dynamic_shifting"):
-            raise UserError(f"{where}: dynamic timestep shifting (use_dynamic_shifting) is not supported")
-        shift = flow_shift if flow_shift is not None else float(
-            sched.get("flow_shift", 1.0) if _flow_sigmas(sched) else sched.get("shift", 1.0))
+        dynamic = bool(sched.get("use_dynamic_shifting")) and flow_shift is None
+        if dynamic and (seq_len is None or sched.get("time_shift_type", "exponential") != "exponential"):
+            raise UserError(f"{where}: dynamic timestep shifting (use_dynamic_shifting) is supported for video "
+                            "pipelines with the exponential time shift; give --flow_shift")
+        if dynamic:
+            mu = dynamic_shift_mu(seq_len, sched)
+            shift = math.exp(mu)
+        else:
+            shift = flow_shift if flow_shift is not None else float(
+                sched.get("flow_shift", 1.0) if _flow_sigmas(sched) else sched.get("shift", 1.0))
         if weighting_scheme not in WEIGHTING_SCHEMES:
             raise UserError(f"--weighting_scheme: expected one of {', '.join(WEIGHTING_SCHEMES)}, got {weighting_scheme}")
         return RectifiedFlow(shift, weighting_scheme, logit_mean, logit_std, learn_sigma,
@@ -123,3 +138,12 @@ def shift_and_rescale(betas, snr_shift_scale: float | None, zero_terminal_snr: b
         root = (root - root[-1]) * root[0] / (root[0] - root[-1])
         abar = root**2
     return 1.0 - abar / torch.cat([abar.new_ones(1), abar[:-1]])
+
+
+def dynamic_shift_mu(seq_len: int, sched: dict) -> float:
+    """mu of a dynamically shifting flow scheduler for ``seq_len`` latent positions: linear from ``base_shift`` at
+    ``base_image_seq_len`` to ``max_shift`` at ``max_image_seq_len`` (diffusers' ``calculate_shift``; the defaults
+    are ``FlowMatchEulerDiscreteScheduler``'s)."""
+    x0, x1 = sched.get("base_image_seq_len", 256), sched.get("max_image_seq_len", 4096)
+    y0, y1 = sched.get("base_shift", 0.5), sched.get("max_shift", 1.15)
+    return (y1 - y0) / (x1 - x0) * seq_len + y0 - (y1 - y0) / (x1 - x0) * x0

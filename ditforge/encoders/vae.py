@@ -82,18 +82,26 @@ class VAE(FrozenModel):
         self.micro_batch = int(micro_batch)
         self.path = path
         config = model.config
-        # > 1: a 3-D VAE taking whole clips (Wan's scale_factor_temporal, CogVideoX's temporal_compression_ratio)
+        # > 1: a 3-D VAE taking whole clips (Wan's scale_factor_temporal, CogVideoX's temporal_compression_ratio in
+        # its config, LTX-Video's as an attribute computed from its blocks)
         self.temporal = int(getattr(config, "scale_factor_temporal", None)
-                            or getattr(config, "temporal_compression_ratio", None) or 1)
+                            or getattr(config, "temporal_compression_ratio", None)
+                            or getattr(model, "temporal_compression_ratio", None) or 1)
         # frames a valid clip grows by: CogVideoX's decoder doubles the latent frames twice, keeping the first apart
         # only when their count is odd (1 + 2 (T' - 1)), so only an odd T' decodes back to 4 (T' - 1) + 1 frames:
         # clips of 8k + 1 frames (49 -> 13 -> 49; 5 -> 2 -> 8)
         self.frame_step = self.temporal * (2 if type(model).__name__ == "AutoencoderKLCogVideoX" else 1)
         self._shift: float | torch.Tensor
         self._scale: float | torch.Tensor
-        if getattr(config, "latents_mean", None) is not None:  # per-channel statistics (pipeline_wan.py)
-            self._shift = torch.tensor(config.latents_mean)
-            self._scale = 1.0 / torch.tensor(config.latents_std)
+        # per-channel statistics: Wan's in its config (pipeline_wan.py), LTX-Video's as buffers, with its scaling
+        # factor on top (pipeline_ltx.py's _normalize_latents: (z - mean) * scaling_factor / std)
+        stats = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if stats[0] is None and isinstance(getattr(model, "latents_mean", None), torch.Tensor):
+            stats = model.latents_mean, model.latents_std
+        if stats[0] is not None:
+            self._shift = torch.as_tensor(stats[0]).detach().float().cpu()
+            self._scale = float(getattr(config, "scaling_factor", None) or 1.0) / torch.as_tensor(
+                stats[1]).detach().float().cpu()
         else:
             shift = getattr(config, "shift_factor", None)
             self._shift = float(shift) if shift is not None else 0.0
@@ -112,10 +120,10 @@ class VAE(FrozenModel):
 
     @property
     def downsample(self) -> int:
-        """Spatial factor H / h: ``scale_factor_spatial`` where the config has one (Wan: 8), else
-        2 ** (len(block_out_channels) - 1) (8 for SD's VAE)."""
+        """Spatial factor H / h: ``scale_factor_spatial`` where the config has one (Wan: 8), the model's
+        ``spatial_compression_ratio`` (LTX-Video: 32), else 2 ** (len(block_out_channels) - 1) (8 for SD's VAE)."""
         config = self.model.config
-        spatial = getattr(config, "scale_factor_spatial", None)
+        spatial = getattr(config, "scale_factor_spatial", None) or getattr(self.model, "spatial_compression_ratio", None)
         return int(spatial) if spatial is not None else 2 ** (len(config.block_out_channels) - 1)
 
     def valid_frames(self, frames: int) -> bool:

@@ -244,7 +244,7 @@ class VideoSampler:
         (default ``guidance``)."""
         pipe, device = self.pre.pipe, self.device
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-        scheduler.set_timesteps(steps, device=device)
+        scheduler.set_timesteps(steps, device=device, **self.experts[0].timestep_kwargs(pipe, shape, steps))
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(0)
         from diffusers.utils.torch_utils import randn_tensor
@@ -256,7 +256,7 @@ class VideoSampler:
         if callable(image_cond):  # drawn from the generator before the noise (CogVideoX I2V's prepare_latents)
             image_cond = image_cond(generator=generator)
         latents = randn_tensor(_layout(shape, swap), generator=generator, device=device, dtype=torch.float32)
-        latents = latents * scheduler.init_noise_sigma
+        latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # the DDPM-family schedulers scale it
         step_args = inspect.signature(scheduler.step).parameters
         extra = {k: v for k, v in (("eta", 0.0), ("generator", generator)) if k in step_args}  # as the pipelines'
         two_step = "old_pred_original_sample" in step_args  # CogVideoXDPMScheduler: a second-order SDE solver
@@ -306,7 +306,12 @@ class VideoSampler:
                 if self.strips:
                     use_strips(vae, z.shape, dist.get_world_size(self.decode_group))
                 return decode_tiles_split(vae, z, self.decode_group)
-            return vae.decode(z, return_dict=False)[0] if self.is_main else None
+            if not self.is_main:
+                return None
+            # LTX-Video 0.9.1+: a decoder conditioned on the decode timestep, the call's default 0 (its decode
+            # noise, scaled by that timestep, then changes nothing)
+            temb = (z.new_zeros(z.shape[0]),) if getattr(vae.config, "timestep_conditioning", False) else ()
+            return vae.decode(z, *temb, return_dict=False)[0]
 
 
 def _layout(x, swap: bool):

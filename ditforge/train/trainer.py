@@ -680,7 +680,9 @@ def _build_objective(run: _Run) -> None:
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
     diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
                                  m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
-                                 where=f"--init_from {m.init_from}", device=run.d.device)
+                                 where=f"--init_from {m.init_from}", device=run.d.device,
+                                 seq_len=m.num_frames * m.input_size**2 if pre is not None and pre.denoiser.video
+                                 else None)  # LTX's shift follows the latent frames x height x width
     m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
     if m.objective == "flow":
         m.flow_shift = diffusion.shift

@@ -315,15 +315,16 @@ def test_fp8_base_trains_from_the_cli(wan, runs, tmp_path, capsys):
 
 
 def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
-    """A pipeline folder of a family ditforge does not fine-tune (LTX-Video): one line naming it and listing the
-    supported pipeline classes, Wan's and CogVideoX's among them; no checkpoint written."""
-    folder = tmp_path / "ltx"
+    """A pipeline folder of a family ditforge does not fine-tune (HunyuanVideo): one line naming it and listing the
+    supported pipeline classes, Wan's, CogVideoX's and LTX-Video's among them; no checkpoint written."""
+    folder = tmp_path / "hunyuan"
     shutil.copytree(wan, folder)
     index = json.loads((folder / "model_index.json").read_text())
-    index["_class_name"] = "LTXPipeline"
+    index["_class_name"] = "HunyuanVideoPipeline"
     (folder / "model_index.json").write_text(json.dumps(index))
-    assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from", "LTXPipeline",
-           "WanPipeline", "CogVideoXPipeline", "StableDiffusionPipeline", "StableDiffusion3Pipeline")
+    assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from",
+                          "HunyuanVideoPipeline", "WanPipeline", "CogVideoXPipeline", "LTXPipeline",
+                          "StableDiffusionPipeline", "StableDiffusion3Pipeline")
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 

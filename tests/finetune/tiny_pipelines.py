@@ -1,4 +1,4 @@
-"""Tiny random diffusers pipelines of eleven families, built offline for the fine-tuning, export and sampling tests.
+"""Tiny random diffusers pipelines of twelve families, built offline for the fine-tuning, export and sampling tests.
 
 Every builder writes a complete pipeline folder (``model_index.json`` and one subfolder per component) with
 diffusers' and transformers' own classes and ``save_pretrained``, and returns its ``Path``. Nothing is downloaded:
@@ -27,6 +27,9 @@ cogvideox         32 px  4 x T' x    T5 226 x 32                                
                   frames
 cogvideox_i2v     32 px  as          as cogvideox                                        as cogvideox
                          cogvideox
+ltx               32 px  8 x T' x    T5 128 x 32 (+ attention mask)                      flow-match Euler, dynamic
+                  4k+1   8 x 8                                                           shift (exp(mu))
+                  frames
 ================  =====  ==========  ==================================================  =========================
 
 All image VAEs are ``AutoencoderKL`` with 3 blocks (8, 16, 16 channels): they downsample by 4 (the real ones by 8),
@@ -650,6 +653,50 @@ def make_cogvideox(path, image_to_video: bool = False) -> Path:
     return _save(pipe, path)
 
 
+# LTX-Video 0.9's scheduler_config.json: Euler on flow sigmas shifted by exp(mu), mu growing with the video's latent
+# size (dynamic shifting), the last sigma stretched to 0.1
+LTX_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                     base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
+
+
+def make_ltx(path) -> Path:
+    """A tiny LTX-Video ``LTXPipeline`` folder, with the shapes of diffusers' own ``tests/pipelines/ltx/test_ltx.py``.
+
+    Sizes: videos of 4k + 1 frames x 32 x 32 RGB <-> 8 x (k + 1) x 8 x 8 latents (``AutoencoderKLLTXVideo``, 4 blocks
+    of 8 channels, the first two scaling space and time by 2: 4 x 4 x 4 pixels a latent; the real one 32 x 32 x 8;
+    its ``latents_mean`` / ``latents_std`` buffers drawn at random, the real ones are not 0 and 1 either);
+    ``LTXVideoTransformer3DModel`` (1 layer, 4 heads x 8 = 32 wide, 1 x 1 x 1 patches: 64 tokens a latent frame)
+    cross-attends to T5 states 32 wide (``T5EncoderModel``, 2 layers, the sentencepiece ``T5Tokenizer``), 128
+    tokens with their attention mask (the call's ``max_sequence_length``). Scheduler:
+    ``FlowMatchEulerDiscreteScheduler`` with ``LTX_SCHEDULER`` (dynamic shifting).
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+
+    tokenizer = make_t5_tokenizer()
+    text_encoder = _t5_encoder(tokenizer, 32)
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTXVideo(
+        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, False, False),
+        decoder_spatio_temporal_scaling=(True, True, False, False), decoder_inject_noise=(False,) * 5,
+        upsample_residual=(False,) * 4, upsample_factor=(1,) * 4, timestep_conditioning=False, patch_size=1,
+        patch_size_t=1, encoder_causal=True, decoder_causal=False).eval()
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.randn(8) * 0.3)
+        vae.latents_std.copy_(0.5 + torch.rand(8))
+    torch.manual_seed(0)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4, attention_head_dim=8,
+        cross_attention_dim=32, num_layers=1, caption_channels=32).eval()
+    pipe = LTXPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER))
+    return _save(pipe, path)
+
+
 DIT_LABELS = {0: "red apple, apple", 1: "green pear", 2: "yellow banana, banana"}
 
 
@@ -699,4 +746,5 @@ BUILDERS = {
     "wan_i2v": make_wan_i2v,
     "cogvideox": make_cogvideox,
     "cogvideox_i2v": functools.partial(make_cogvideox, image_to_video=True),
+    "ltx": make_ltx,
 }

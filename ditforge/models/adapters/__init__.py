@@ -18,7 +18,8 @@ Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL)
 ``wan_i2v`` (Wan 2.1 text-to-video and image-to-video, ``wan.py``: videos (B, C, T, H, W), ``video = True``;
 image-to-video also ``image_to_video = True``: conditioning from the first frame, ``encode_image``);
 ``cogvideox`` and ``cogvideox_i2v`` (CogVideoX 1.0 text- and image-to-video, ``cogvideox.py``: a video family
-whose pipeline puts frames before channels, ``frames_first = True``). Official and
+whose pipeline puts frames before channels, ``frames_first = True``); ``ltx`` (LTX-Video text-to-video,
+``ltx.py``: latents packed into tokens inside the adapter, a dynamically shifted flow objective). Official and
 diffusers DiT weights load into ditforge's own ``DiT`` (``ditforge.interop``), which is the same network.
 """
 
@@ -102,6 +103,16 @@ class DiffusersDenoiser(nn.Module):
         ``sampling`` cannot sample it, or None."""
         return None
 
+    def attach_pipeline(self, pipe: Any) -> None:
+        """Reads what the family's call needs from its loaded pipeline (LTX-Video: the VAE's temporal factor and the
+        call's frame rate); nothing for the others."""
+
+    @staticmethod
+    def timestep_kwargs(pipe: Any, latent_shape: tuple[int, ...], steps: int) -> dict:
+        """Extra arguments of ``scheduler.set_timesteps`` for a video of ``latent_shape`` (B, C, T', h, w), as the
+        family's pipeline passes them (LTX-Video: sigmas and the dynamic shift's mu); {} for the others."""
+        return {}
+
     @staticmethod
     def call_defaults(pipe: Any) -> dict[str, int]:
         """Defaults of the pipeline call's ``height`` / ``width`` / ``num_frames`` that its signature leaves None
@@ -173,13 +184,14 @@ class DiffusersDenoiser(nn.Module):
 
 def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.cogvideox import CogVideoXDenoiser, CogVideoXI2VDenoiser
+    from ditforge.models.adapters.ltx import LTXDenoiser
     from ditforge.models.adapters.pixart import PixArtDenoiser
     from ditforge.models.adapters.sd3 import SD3Denoiser
     from ditforge.models.adapters.sd_unet import SDUNetDenoiser, SDXLUNetDenoiser
     from ditforge.models.adapters.wan import WanDenoiser, WanI2VDenoiser
 
     return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser,
-                                        WanI2VDenoiser, CogVideoXDenoiser, CogVideoXI2VDenoiser)}
+                                        WanI2VDenoiser, CogVideoXDenoiser, CogVideoXI2VDenoiser, LTXDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

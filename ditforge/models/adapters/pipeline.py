@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditforge.encoders.vae import VAE
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser, family_of_pipeline, supported_pipelines
 
@@ -168,9 +169,9 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
                 module.to(denoiser_device or device)
             else:
                 module.to(device)
-    vae_config = pipe.vae.config  # a video VAE (Wan's) states its factor; an AutoencoderKL's follows its blocks
-    vae_scale = getattr(vae_config, "scale_factor_spatial", None) or 2 ** (len(vae_config.block_out_channels) - 1)
+    vae_scale = VAE(pipe.vae).downsample  # a video VAE states its factor; an AutoencoderKL's follows its blocks
     denoiser = family(getattr(pipe, family.component), vae_scale).requires_grad_(True)
+    denoiser.attach_pipeline(pipe)
     pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
     denoiser.set_null_condition(family.null_condition(pipe, pre.encode_prompt([""])))
     return pre

@@ -1,0 +1,74 @@
+"""LTX-Video text-to-video (0.9.x): diffusers' ``LTXVideoTransformer3DModel`` (a DiT over the tokens of a VAE that
+compresses 32 x 32 x 8 pixels into one 128-channel latent, cross-attending to T5 states under their attention mask)
+trained with flow matching, its shift following the video's latent size (the scheduler's dynamic shifting;
+``ditforge.diffusion.objective``). Sources of the calls below: diffusers' ``pipelines/ltx/pipeline_ltx.py``
+(``LTXPipeline.__call__``, ``encode_prompt``, ``_pack_latents`` / ``_unpack_latents``)."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from ditforge.models.adapters import DiffusersDenoiser
+
+
+class LTXDenoiser(DiffusersDenoiser):
+    """``transformer(hidden_states, encoder_hidden_states, timestep, encoder_attention_mask, num_frames, height,
+    width, rope_interpolation_scale)``: x (B, C, T', H/32, W/32) float latents of ``AutoencoderKLLTXVideo``
+    (T' = (T - 1) / 8 + 1 for T = 8k + 1 frames; normalised by the VAE's ``latents_mean`` / ``latents_std`` buffers
+    and ``scaling_factor``, ``ditforge.encoders.vae``), packed into tokens by the pipeline's ``_pack_latents``; t
+    (B,) float = 1000 sigma; condition ``encoder_hidden_states`` (B, L, 4096) float T5 states and
+    ``encoder_attention_mask`` (B, L) of ``pipe.encode_prompt(..., max_sequence_length=L)``, L the call's default
+    (128). The rotary positions are scaled as the pipeline scales them at its call's default ``frame_rate`` (25):
+    (temporal compression / frame_rate, spatial compression, spatial compression). Output (B, C, T', h, w): the
+    velocity noise - x0."""
+
+    family = "ltx"
+    pipelines = ("LTXPipeline",)
+    component = "transformer"
+    block_classes = ("LTXVideoTransformerBlock",)
+    video = True
+    fps = 25  # LTX-Video is trained on (and exports) 25 fps clips
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask"}
+
+    def __init__(self, model, vae_scale: int = 32):
+        super().__init__(model, vae_scale)
+        self.vae_temporal = 8  # LTX-Video's; attach_pipeline reads the folder's
+        self.frame_rate = 25
+
+    def attach_pipeline(self, pipe) -> None:
+        self.vae_temporal = int(pipe.vae_temporal_compression_ratio)
+        self.frame_rate = int(inspect.signature(pipe.__call__).parameters["frame_rate"].default)
+
+    def denoise(self, x, t, encoder_hidden_states, encoder_attention_mask):
+        from diffusers import LTXPipeline
+
+        config = self.transformer.config
+        p, pt = config.patch_size, config.patch_size_t
+        frames, h, w = x.shape[2:]
+        scale = (self.vae_temporal / self.frame_rate, self.vae_scale, self.vae_scale)
+        out = self.transformer(hidden_states=LTXPipeline._pack_latents(x, p, pt),
+                               encoder_hidden_states=encoder_hidden_states, timestep=t,
+                               encoder_attention_mask=encoder_attention_mask, num_frames=frames, height=h, width=w,
+                               rope_interpolation_scale=scale, return_dict=False)[0]
+        return LTXPipeline._unpack_latents(out, frames, h, w, p, pt)
+
+    @staticmethod
+    def encode_prompt(pipe, texts, device):
+        length = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+        embeds, mask, _, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
+                                                max_sequence_length=length)
+        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
+
+    @staticmethod
+    def timestep_kwargs(pipe, latent_shape: tuple[int, ...], steps: int) -> dict:
+        """``scheduler.set_timesteps`` arguments as ``LTXPipeline.__call__`` passes them: linear sigmas from 1 and mu
+        of the video's latent frames x height x width (``calculate_shift`` of the scheduler's config)."""
+        from ditforge.diffusion.objective import dynamic_shift_mu
+
+        frames, h, w = latent_shape[-3:]
+        return {"sigmas": np.linspace(1.0, 1 / steps, steps),
+                "mu": dynamic_shift_mu(frames * h * w, dict(pipe.scheduler.config))}
