@@ -68,7 +68,7 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                        "GIF per prompt or label (video models)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--ckpt", required=True, help="run folder (newest checkpoint), checkpoint folder, "
                    ".safetensors file, an official DiT .pt state dict, or a local diffusers pipeline folder of a "
-                   "family ditforge adapts (Wan 2.1 T2V / I2V, CogVideoX, SD, SDXL, PixArt, SD3)")
+                   "family ditforge adapts (Wan 2.1 T2V / I2V, CogVideoX, LTX-Video, SD, SDXL, PixArt, SD3)")
     s.add_argument("--model", help="model name, overriding the checkpoint's (e.g. DiT-XL/2)")
     s.add_argument("--image_size", type=int, help="image (frame) side in pixels, overriding the checkpoint's (the "
                    "model's input is this / the VAE's downsample factor)")
@@ -92,21 +92,21 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "(transformer_2; default: --cfg_scale)")
     s.add_argument("--num_sampling_steps", type=int, help="respaced diffusion steps (2..1000; default 250, a "
                    "diffusers pipeline's own: Wan 50)")
-    s.add_argument("--height", type=int, help="video pipelines (Wan, CogVideoX): frame height in pixels "
-                   "(default: the run's --image_size, else the pipeline's: Wan 480, CogVideoX 480)")
-    s.add_argument("--width", type=int, help="video pipelines (Wan, CogVideoX): frame width in pixels "
-                   "(default: the run's --image_size, else the pipeline's: Wan 832, CogVideoX 720)")
-    s.add_argument("--negative_prompt", help="video pipelines (Wan, CogVideoX): the prompt guidance steers away from "
-                   "(default: the empty prompt, as the pipeline)")
-    s.add_argument("--gif", action="store_true", help="video pipelines (Wan, CogVideoX): also write a GIF beside "
+    s.add_argument("--height", type=int, help="video pipelines (Wan, CogVideoX, LTX): frame height in pixels "
+                   "(default: the run's --image_size, else the pipeline's: Wan 480, CogVideoX 480, LTX 512)")
+    s.add_argument("--width", type=int, help="video pipelines (Wan, CogVideoX, LTX): frame width in pixels "
+                   "(default: the run's --image_size, else the pipeline's: Wan 832, CogVideoX 720, LTX 704)")
+    s.add_argument("--negative_prompt", help="video pipelines (Wan, CogVideoX, LTX): the prompt guidance steers "
+                   "away from (default: the empty prompt, as the pipeline)")
+    s.add_argument("--gif", action="store_true", help="video pipelines (Wan, CogVideoX, LTX): also write a GIF beside "
                    "each MP4")
     s.add_argument("--lora", help="with a diffusers pipeline folder as --ckpt: a LoRA file or folder (`ditforge "
                    "export --format lora`, or any LoRA the pipeline's load_lora_weights reads), merged into the "
                    "weights before sampling")
-    s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines (Wan, CogVideoX): decode in spatial "
-                   "tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode (less "
-                   "memory; default: whole frames; under torchrun, Wan's in one column strip per process, blended "
-                   "over 64 pixels)")
+    s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines (Wan, CogVideoX, LTX): decode in "
+                   "spatial tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode "
+                   "(less memory; default: whole frames; under torchrun, Wan's in one column strip per process, "
+                   "blended over 64 pixels)")
     s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
                    "dpm++ (DPM-Solver++ 2M) and euler are diffusers' schedulers on DiT's schedule (needs diffusers; "
@@ -173,7 +173,7 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
     fast.add_argument("--fora", type=int, metavar="N", help="FORA static caching: recompute every block's attention "
                       "and MLP outputs only every N steps, reusing them in between; changes the samples (see "
                       "docs/sampling.md); not with --pab")
-    fast.add_argument("--first_block_cache", type=float, metavar="THRESHOLD", help="video pipelines (Wan, CogVideoX): "
+    fast.add_argument("--first_block_cache", type=float, metavar="THRESHOLD", help="video pipelines (Wan): "
                       "diffusers' First Block Cache: reuse the other blocks' residual while the first block's "
                       "output changed by less than THRESHOLD (mean relative L1, e.g. 0.05) since the last full "
                       "pass; changes the samples (see docs/sampling.md)")

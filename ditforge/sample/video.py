@@ -107,7 +107,8 @@ class VideoSampler:
         vae = pipe.vae
         self.strips = d.world_size > 1 and cfg.vae_tile is None  # else square tiles, or whole frames
         wan_vae = type(vae).__name__ == "AutoencoderKLWan"
-        if cfg.vae_tile and wan_vae:
+        if cfg.vae_tile and "tile_sample_stride_height" in inspect.signature(vae.enable_tiling).parameters:
+            # Wan's and LTX-Video's VAEs state the tiles' strides
             vae.enable_tiling(tile_sample_min_height=cfg.vae_tile, tile_sample_min_width=cfg.vae_tile,
                               tile_sample_stride_height=cfg.vae_tile * 3 // 4,
                               tile_sample_stride_width=cfg.vae_tile * 3 // 4)
