@@ -32,6 +32,7 @@ SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 OBJECTIVES = ("auto", "ddpm", "v", "flow")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform")
+EXPERTS = ("high_noise", "low_noise")  # Wan 2.2 A14B's transformer and transformer_2
 RESIZE_MODES = ("center_crop", "letterbox")
 REPORT_TO = ("auto", "tensorboard", "wandb", "all", "none")
 
@@ -81,6 +82,11 @@ class ModelConfig:
                                "--fp8_base): half the bf16 base's memory; adapters, norms and embedders stay as "
                                "they are. --gpu_memory_budget turns it on where the bf16 base would take over a "
                                "quarter of the budget")
+    expert: str | None = _f(None, "Wan 2.2 A14B (two experts): the one to fine-tune, high_noise (transformer: "
+                                  "timesteps at and above boundary_ratio x 1000) or low_noise (transformer_2: those "
+                                  "below); its training times are drawn from its range alone. The other expert stays "
+                                  "frozen in host memory and joins it for ditforge sample and export",
+                            choices=EXPERTS)
     train_text_encoder: bool = _f(False, "train the --init_from pipeline's text encoder too (Stable Diffusion 1.x / "
                                          "2.x; with --lora_rank, LoRA on its attention projections)")
     family: str | None = _f(None, "the --init_from pipeline's family (sd | pixart | sd3), or None", cli=False)

@@ -14,6 +14,8 @@ diffusers' ``FlowMatchEulerDiscreteScheduler(shift=...)`` applies to its samplin
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ditforge.config import WEIGHTING_SCHEMES
@@ -35,6 +37,8 @@ class RectifiedFlow:
         logit_mean, logit_std: m and s of the logit-normal density.
         learn_sigma: the model returns 2C channels (as a DiT with learned sigma); the extra C are ignored.
         num_train_timesteps: the model's timestep scale (times are passed as ``num_train_timesteps * t``).
+        t_range: (lo, hi): training times are drawn from their density restricted to [lo, hi) (the shifted
+            logit-normal or uniform, truncated: Wan 2.2 A14B's experts each train on their side of the boundary).
 
     Timesteps are float (B,) in [0, 1].
     """
@@ -42,7 +46,8 @@ class RectifiedFlow:
     prediction_type = "flow"
 
     def __init__(self, shift: float = 1.0, weighting_scheme: str = "logit_normal", logit_mean: float = 0.0,
-                 logit_std: float = 1.0, learn_sigma: bool = False, num_train_timesteps: int = 1000):
+                 logit_std: float = 1.0, learn_sigma: bool = False, num_train_timesteps: int = 1000,
+                 t_range: tuple[float, float] = (0.0, 1.0)):
         if weighting_scheme not in WEIGHTING_SCHEMES:
             raise ValueError(f"weighting_scheme must be one of {WEIGHTING_SCHEMES}, got {weighting_scheme!r}")
         if not shift > 0:
@@ -51,14 +56,40 @@ class RectifiedFlow:
         self.logit_mean, self.logit_std = float(logit_mean), float(logit_std)
         self.learn_sigma = learn_sigma
         self.num_timesteps = num_train_timesteps
+        if not 0.0 <= t_range[0] < t_range[1] <= 1.0:
+            raise ValueError(f"t_range must satisfy 0 <= lo < hi <= 1, got {t_range}")
+        self.t_range = (float(t_range[0]), float(t_range[1]))
 
     def sample_timesteps(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-        """Training times (n,) float32 in (0, 1), drawn by ``weighting_scheme`` and shifted."""
+        """Training times (n,) float32 in (0, 1), drawn by ``weighting_scheme`` and shifted; within ``t_range`` when
+        it is not the whole interval, by inverting the distribution function: the shift is monotone, so
+        [lo, hi) maps back to an interval of u, and for the logit-normal to one of the normal draw, whose
+        probabilities bound one uniform draw per sample."""
+        if self.t_range != (0.0, 1.0):
+            return self._sample_in_range(n, generator, device)
         if self.weighting_scheme == "logit_normal":
             u = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(n, generator=generator, device=device))
         else:
             u = torch.rand(n, generator=generator, device=device)
         return shift_times(u, self.shift)
+
+    def _sample_in_range(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+        def inverse_shift(t: float) -> float:
+            return t / (self.shift - (self.shift - 1) * t)
+
+        def normal_cdf(u: float) -> float:  # P(m + s n <= logit(u)): 0 at u = 0, 1 at u = 1
+            if u <= 0.0 or u >= 1.0:
+                return float(u >= 1.0)
+            return 0.5 * (1 + math.erf((math.log(u / (1 - u)) - self.logit_mean) / (self.logit_std * math.sqrt(2))))
+
+        u_lo, u_hi = (inverse_shift(t) for t in self.t_range)
+        v = torch.rand(n, generator=generator, device=device, dtype=torch.float64)
+        if self.weighting_scheme == "uniform":
+            u = u_lo + (u_hi - u_lo) * v
+        else:
+            c_lo, c_hi = normal_cdf(u_lo), normal_cdf(u_hi)
+            u = torch.sigmoid(self.logit_mean + self.logit_std * torch.special.ndtri(c_lo + (c_hi - c_lo) * v))
+        return shift_times(u, self.shift).clamp(*self.t_range).float()
 
     def model_timesteps(self, t: torch.Tensor) -> torch.Tensor:
         """What the model is called with: ``num_train_timesteps * t`` (float)."""

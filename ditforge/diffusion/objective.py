@@ -45,8 +45,8 @@ def _flow_sigmas(config: dict) -> bool:
 def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict | None = None,
                      flow_shift: float | None = None, weighting_scheme: str = "logit_normal",
                      logit_mean: float = 0.0, logit_std: float = 1.0, timestep_respacing: str | None = None,
-                     where: str = "scheduler", device=None, seq_len: int | None = None
-                     ) -> GaussianDiffusion | RectifiedFlow:
+                     where: str = "scheduler", device=None, seq_len: int | None = None,
+                     t_range: tuple[float, float] = (0.0, 1.0)) -> GaussianDiffusion | RectifiedFlow:
     """The objective ``objective`` (``ddpm`` | ``v`` | ``flow``; ``auto`` = the scheduler's, else ``ddpm``).
 
     ``device`` (the batches' device): a Gaussian objective's schedule tables are moved there, so that a
@@ -64,6 +64,9 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     CogVideoX's schedulers change the betas' ``alphas_cumprod`` twice (``shift_and_rescale``), and any DDPM-family
     scheduler may rescale them to zero terminal SNR (``rescale_betas_zero_snr``); the objective trains on the
     changed ones.
+
+    ``t_range`` (flow only; Wan 2.2 A14B's experts): the training times are drawn from their density restricted to
+    [lo, hi) (``RectifiedFlow``).
 
     A scheduler with dynamic (resolution-dependent) shifting (LTX-Video's ``FlowMatchEulerDiscreteScheduler``:
     ``use_dynamic_shifting``) shifts by exp(mu), mu interpolated linearly in ``seq_len`` (the latent frames x height
@@ -94,7 +97,7 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
         if weighting_scheme not in WEIGHTING_SCHEMES:
             raise UserError(f"--weighting_scheme: expected one of {', '.join(WEIGHTING_SCHEMES)}, got {weighting_scheme}")
         return RectifiedFlow(shift, weighting_scheme, logit_mean, logit_std, learn_sigma,
-                             int(sched.get("num_train_timesteps", 1000)))
+                             int(sched.get("num_train_timesteps", 1000)), t_range)
     betas = None
     if sched:
         import torch

@@ -96,9 +96,9 @@ class VideoSampler:
         pipe = pre.pipe
         # Wan 2.2 A14B: the high-noise expert (``transformer``) runs the steps at t >= boundary_ratio x 1000, the
         # low-noise one (``transformer_2``) the rest (``WanPipeline.__call__``)
-        self.experts = [denoiser]
-        if getattr(pipe, "transformer_2", None) is not None:
-            self.experts.append(type(denoiser)(pipe.transformer_2, denoiser.vae_scale))
+        # (the denoiser is one of them: the one a fine-tuned Wan 2.2 run trained, --expert)
+        self.experts = [denoiser if denoiser.inner is model else _wrap(denoiser, model, pipe)
+                        for model in (pipe.transformer, getattr(pipe, "transformer_2", None)) if model is not None]
         ratio = getattr(pipe.config, "boundary_ratio", None) if len(self.experts) > 1 else None
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.cache = cfg.first_block_cache
@@ -313,6 +313,13 @@ class VideoSampler:
             # noise, scaled by that timestep, then changes nothing)
             temb = (z.new_zeros(z.shape[0]),) if getattr(vae.config, "timestep_conditioning", False) else ()
             return vae.decode(z, *temb, return_dict=False)[0]
+
+
+def _wrap(denoiser, model: torch.nn.Module, pipe):
+    """``model`` (another expert of ``denoiser``'s pipeline) behind the same adapter."""
+    other = type(denoiser)(model, denoiser.vae_scale)
+    other.attach_pipeline(pipe)
+    return other
 
 
 def _layout(x, swap: bool):

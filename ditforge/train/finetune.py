@@ -424,7 +424,7 @@ def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: 
 
     cfg = build_config(base=config)
     pre = load_pretrained(cfg.model.init_from, device, encoder_dtype(device), flag=f"{flag} (the run's --init_from)",
-                          denoiser_device=denoiser_device)
+                          denoiser_device=denoiser_device, expert=cfg.model.expert)
     denoiser = pre.denoiser
     if cfg.model.train_text_encoder:
         train_text_encoder(denoiser, pre.pipe.text_encoder, pre.pipe, cfg)

@@ -606,7 +606,12 @@ def _load_init(run: _Run) -> None:
             helpers = device if features is None else torch.device("cpu")
             run.pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
                                       text_device=helpers, vae_device=helpers, denoiser_device=run.home,
-                                      denoiser_dtype=amp_dtype if run.bf16_weights else torch.float32)
+                                      denoiser_dtype=amp_dtype if run.bf16_weights else torch.float32,
+                                      expert=m.expert, other_expert_device=torch.device("cpu"))
+            if m.expert is not None and cfg.train.sample_every:  # the pipeline's grid would need both experts
+                log.info("--expert %s: no periodic samples (the other expert stays in host memory); draw them "
+                         "with ditforge sample --ckpt RUN", m.expert)
+                cfg.train.sample_every = 0
         else:
             run.dit_init = finetune.read_dit_init(cfg)
     run.features = features
@@ -678,8 +683,12 @@ def _build_objective(run: _Run) -> None:
         t.lr = 1e-2
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
+    t_range = (0.0, 1.0)
+    if m.expert is not None:  # Wan 2.2 A14B: the high-noise expert runs sigma >= boundary_ratio, the other below
+        boundary = float(pre.pipe.config.boundary_ratio)
+        t_range = (boundary, 1.0) if m.expert == "high_noise" else (0.0, boundary)
     diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
-                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
+                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std, t_range=t_range,
                                  where=f"--init_from {m.init_from}", device=run.d.device,
                                  seq_len=m.num_frames * m.input_size**2 if pre is not None and pre.denoiser.video
                                  else None)  # LTX's shift follows the latent frames x height x width

@@ -98,10 +98,11 @@ class DiffusersDenoiser(nn.Module):
         return cond
 
     @staticmethod
-    def unsupported(pipe: Any, sampling: bool = False) -> str | None:
+    def unsupported(pipe: Any, sampling: bool = False, expert: str | None = None) -> str | None:
         """Why ditforge cannot fine-tune this pipeline of the family (a variant it does not train yet), or with
-        ``sampling`` cannot sample it, or None."""
-        return None
+        ``sampling`` cannot sample it, or None. ``expert``: ``--expert``, for a pipeline of two experts (Wan 2.2
+        A14B); a family without them refuses it."""
+        return f"--expert {expert}: for Wan 2.2 A14B's two experts" if expert is not None else None
 
     def attach_pipeline(self, pipe: Any) -> None:
         """Reads what the family's call needs from its loaded pipeline (LTX-Video: the VAE's temporal factor and the

@@ -41,7 +41,9 @@ class CogVideoXDenoiser(DiffusersDenoiser):
         self._rotary: dict = {}
 
     @staticmethod
-    def unsupported(pipe, sampling: bool = False):
+    def unsupported(pipe, sampling: bool = False, expert: str | None = None):
+        if expert is not None:
+            return f"--expert {expert}: for Wan 2.2 A14B's two experts"
         if pipe.transformer.config.patch_size_t is not None:
             return ("a CogVideoX 1.5 pipeline (patch_size_t: latent frames patched in pairs); ditforge "
                     f"{'samples' if sampling else 'fine-tunes'} CogVideoX 1.0 (2B, 5B)")

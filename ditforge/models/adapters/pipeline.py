@@ -116,6 +116,12 @@ class Pretrained:
         return {k: v.float().to(device) for k, v in out.items()}
 
 
+def expert_component(component: str, expert: str) -> str:
+    """The pipeline component of a Wan 2.2 A14B expert: ``transformer`` (high_noise) or ``transformer_2``
+    (low_noise)."""
+    return component if expert == "high_noise" else f"{component}_2"
+
+
 def encoder_dtype(device: torch.device) -> torch.dtype:
     """The dtype of a pipeline's frozen text and image encoders outside training: bf16 on a GPU (UMT5-XXL is 11 GB
     so), float32 on the CPU."""
@@ -125,15 +131,17 @@ def encoder_dtype(device: torch.device) -> torch.dtype:
 def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.dtype = torch.float32,
                     flag: str = FLAG, text_device: torch.device | None = None,
                     vae_device: torch.device | None = None, denoiser_device: torch.device | None = None,
-                    denoiser_dtype: torch.dtype = torch.float32, sampling: bool = False) -> Pretrained:
+                    denoiser_dtype: torch.dtype = torch.float32, sampling: bool = False, expert: str | None = None,
+                    other_expert_device: torch.device | None = None) -> Pretrained:
     """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
     ``device``) in ``text_dtype``, its VAE to ``vae_device`` (default ``device``) and the denoiser to
     ``denoiser_device`` (default ``device``; the CPU under ``--cpu_offload all``) with its parameters in
     ``denoiser_dtype``, cast in host memory before the move (bf16 weights: the fp32 model never is on the GPU, which
     SDXL's 10.3 GB would overflow under an 8 GiB budget; a second expert, Wan 2.2's ``transformer_2``, likewise); all
     are frozen but the denoiser. ``sampling``: the folder is for ``ditforge sample``, which takes variants that
-    fine-tuning refuses (the family's ``unsupported``).
-    The adapter's null condition (the empty prompt) is set.
+    fine-tuning refuses (the family's ``unsupported``). ``expert`` (Wan 2.2 A14B, ``config.EXPERTS``): the denoiser
+    wraps ``transformer`` (high_noise) or ``transformer_2`` (low_noise), and the other expert goes to
+    ``other_expert_device`` (default: the denoiser's), frozen. The adapter's null condition (the empty prompt) is set.
 
     Raises:
         UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); a load failure
@@ -154,7 +162,7 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
         raise UserError(f"{flag} {folder}: could not load the pipeline ({type(e).__name__}: "
                         f"{' '.join(str(e).split())[:200]})") from None
     pipe.set_progress_bar_config(disable=True)
-    if (why := family.unsupported(pipe, sampling)) is not None:
+    if (why := family.unsupported(pipe, sampling, expert)) is not None:
         raise UserError(f"{flag} {folder}: {why}")
     for name, module in pipe.components.items():
         if isinstance(module, nn.Module):
@@ -166,11 +174,16 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
             elif name == family.component or name.startswith(family.component + "_"):  # Wan 2.2's transformer_2
                 for p in module.parameters():
                     p.data = p.data.to(denoiser_dtype)
-                module.to(denoiser_device or device)
+                other = expert is not None and name != expert_component(family.component, expert)
+                if other and other_expert_device is not None:  # frozen, unused until sampling: bf16 on the host
+                    module.to(other_expert_device, torch.bfloat16)
+                else:
+                    module.to(denoiser_device or device)
             else:
                 module.to(device)
     vae_scale = VAE(pipe.vae).downsample  # a video VAE states its factor; an AutoencoderKL's follows its blocks
-    denoiser = family(getattr(pipe, family.component), vae_scale).requires_grad_(True)
+    trained = getattr(pipe, expert_component(family.component, expert) if expert else family.component)
+    denoiser = family(trained, vae_scale).requires_grad_(True)
     denoiser.attach_pipeline(pipe)
     pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
     denoiser.set_null_condition(family.null_condition(pipe, pre.encode_prompt([""])))

@@ -34,18 +34,20 @@ class WanDenoiser(DiffusersDenoiser):
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
 
     @staticmethod
-    def unsupported(pipe, sampling: bool = False):
+    def unsupported(pipe, sampling: bool = False, expert: str | None = None):
         if pipe.config.get("expand_timesteps"):
             return (f"a Wan 2.2 TI2V pipeline (expand_timesteps: a timestep per token); ditforge "
-                    f"{'samples Wan 2.1 and Wan 2.2 A14B' if sampling else 'fine-tunes Wan 2.1'}")
+                    f"{'samples' if sampling else 'fine-tunes'} Wan 2.1 and Wan 2.2 A14B")
         if getattr(pipe, "transformer", None) is None:
             return "a Wan pipeline without its first transformer (the high-noise expert); ditforge needs both"
         two = getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None
-        if two and not sampling:
-            return ("a Wan 2.2 pipeline with two transformers (transformer_2, boundary_ratio); ditforge fine-tunes "
-                    "Wan 2.1's one (it samples both)")
         if two and (getattr(pipe, "transformer_2", None) is None or pipe.config.get("boundary_ratio") is None):
             return "a Wan 2.2 pipeline needs both transformer_2 and boundary_ratio"
+        if two and not sampling and expert is None:
+            return ("a Wan 2.2 A14B pipeline has two experts (transformer for the timesteps at and above "
+                    "boundary_ratio x 1000, transformer_2 below); give --expert high_noise or low_noise")
+        if expert is not None and not two:
+            return f"--expert {expert}: for Wan 2.2 A14B's two experts; this pipeline has one transformer"
         return None
 
     def denoise(self, x, t, encoder_hidden_states):
