@@ -68,7 +68,7 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                        "GIF per prompt or label (video models)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--ckpt", required=True, help="run folder (newest checkpoint), checkpoint folder, "
                    ".safetensors file, an official DiT .pt state dict, or a local diffusers pipeline folder of a "
-                   "family ditforge adapts (Wan 2.1 T2V / I2V, CogVideoX, LTX-Video, SD, SDXL, PixArt, SD3)")
+                   "family ditforge adapts (Wan, CogVideoX, LTX-Video, HunyuanVideo, SD, SDXL, PixArt, SD3)")
     s.add_argument("--model", help="model name, overriding the checkpoint's (e.g. DiT-XL/2)")
     s.add_argument("--image_size", type=int, help="image (frame) side in pixels, overriding the checkpoint's (the "
                    "model's input is this / the VAE's downsample factor)")
@@ -87,23 +87,24 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     who.add_argument("--num_samples", type=int, default=argparse.SUPPRESS, help="class-conditional models: draw "
                      "N samples, labels cycling over the classes (default: one per class)")
     s.add_argument("--cfg_scale", type=float, help="classifier-free guidance scale (1: no guidance; default 4.0, "
-                   "a diffusers pipeline's own: Wan 5.0)")
+                   "a diffusers pipeline's own: Wan 5.0; HunyuanVideo's guidance-distilled model embeds it in one "
+                   "pass, default 6.0)")
     s.add_argument("--cfg_scale_2", type=float, help="Wan 2.2 A14B: the guidance scale of the low-noise expert "
                    "(transformer_2; default: --cfg_scale)")
     s.add_argument("--num_sampling_steps", type=int, help="respaced diffusion steps (2..1000; default 250, a "
                    "diffusers pipeline's own: Wan 50)")
-    s.add_argument("--height", type=int, help="video pipelines (Wan, CogVideoX, LTX): frame height in pixels "
+    s.add_argument("--height", type=int, help="video pipelines: frame height in pixels "
                    "(default: the run's --image_size, else the pipeline's: Wan 480, CogVideoX 480, LTX 512)")
-    s.add_argument("--width", type=int, help="video pipelines (Wan, CogVideoX, LTX): frame width in pixels "
+    s.add_argument("--width", type=int, help="video pipelines: frame width in pixels "
                    "(default: the run's --image_size, else the pipeline's: Wan 832, CogVideoX 720, LTX 704)")
-    s.add_argument("--negative_prompt", help="video pipelines (Wan, CogVideoX, LTX): the prompt guidance steers "
+    s.add_argument("--negative_prompt", help="video pipelines: the prompt guidance steers "
                    "away from (default: the empty prompt, as the pipeline)")
-    s.add_argument("--gif", action="store_true", help="video pipelines (Wan, CogVideoX, LTX): also write a GIF beside "
+    s.add_argument("--gif", action="store_true", help="video pipelines: also write a GIF beside "
                    "each MP4")
     s.add_argument("--lora", help="with a diffusers pipeline folder as --ckpt: a LoRA file or folder (`ditforge "
                    "export --format lora`, or any LoRA the pipeline's load_lora_weights reads), merged into the "
                    "weights before sampling")
-    s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines (Wan, CogVideoX, LTX): decode in "
+    s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines: decode in "
                    "spatial tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode "
                    "(less memory; default: whole frames; under torchrun, Wan's in one column strip per process, "
                    "blended over 64 pixels)")

@@ -61,7 +61,8 @@ class ModelConfig:
     class_dropout_prob: float = _f(0.1, "label (or caption) dropout probability for classifier-free guidance")
     init_from: str | None = _f(None, "start from pretrained weights: a local diffusers pipeline folder "
                                      "(model_index.json) of Stable Diffusion 1.x/2.x/XL, PixArt-alpha/sigma, SD3, "
-                                     "Wan 2.1 (T2V, I2V), CogVideoX 1.0 (T2V, I2V), LTX-Video or DiT, "
+                                     "Wan 2.1 (T2V, I2V), Wan 2.2 A14B, CogVideoX 1.0 (T2V, I2V), LTX-Video, "
+                                     "HunyuanVideo or DiT, "
                                      "an official DiT .pt, or a ditforge run, checkpoint or export; the folder decides "
                                      "the denoiser, text encoders, VAE and objective")
     objective: str = _f("auto", "training objective: ddpm (epsilon) | v (v-prediction) | flow (rectified flow) | "

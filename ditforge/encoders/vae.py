@@ -86,7 +86,7 @@ class VAE(FrozenModel):
         # its config, LTX-Video's as an attribute computed from its blocks)
         self.temporal = int(getattr(config, "scale_factor_temporal", None)
                             or getattr(config, "temporal_compression_ratio", None)
-                            or getattr(model, "temporal_compression_ratio", None) or 1)
+                            or vars(model).get("temporal_compression_ratio") or 1)
         # frames a valid clip grows by: CogVideoX's decoder doubles the latent frames twice, keeping the first apart
         # only when their count is odd (1 + 2 (T' - 1)), so only an odd T' decodes back to 4 (T' - 1) + 1 frames:
         # clips of 8k + 1 frames (49 -> 13 -> 49; 5 -> 2 -> 8)
@@ -96,7 +96,7 @@ class VAE(FrozenModel):
         # per-channel statistics: Wan's in its config (pipeline_wan.py), LTX-Video's as buffers, with its scaling
         # factor on top (pipeline_ltx.py's _normalize_latents: (z - mean) * scaling_factor / std)
         stats = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-        if stats[0] is None and isinstance(getattr(model, "latents_mean", None), torch.Tensor):
+        if stats[0] is None and "latents_mean" in getattr(model, "_buffers", {}):
             stats = model.latents_mean, model.latents_std
         if stats[0] is not None:
             self._shift = torch.as_tensor(stats[0]).detach().float().cpu()
@@ -123,7 +123,9 @@ class VAE(FrozenModel):
         """Spatial factor H / h: ``scale_factor_spatial`` where the config has one (Wan: 8), the model's
         ``spatial_compression_ratio`` (LTX-Video: 32), else 2 ** (len(block_out_channels) - 1) (8 for SD's VAE)."""
         config = self.model.config
-        spatial = getattr(config, "scale_factor_spatial", None) or getattr(self.model, "spatial_compression_ratio", None)
+        # vars(): LTX-Video's is an attribute; diffusers' __getattr__ would warn for a config key (HunyuanVideo's)
+        spatial = (getattr(config, "scale_factor_spatial", None) or getattr(config, "spatial_compression_ratio", None)
+                   or vars(self.model).get("spatial_compression_ratio"))
         return int(spatial) if spatial is not None else 2 ** (len(config.block_out_channels) - 1)
 
     def valid_frames(self, frames: int) -> bool:

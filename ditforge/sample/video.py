@@ -442,12 +442,14 @@ def decode_tiles_split(vae, z: torch.Tensor, group) -> torch.Tensor | None:
 
 def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser, run=None,
                         image=None) -> np.ndarray:
-    """``ditforge sample`` for a video family (Wan 2.1 T2V / I2V): a pipeline folder (``run`` None) or a fine-tuned
-    run (``run``: its ``RunConfig``, whose frame size and count are the defaults). Each prompt is one video of
+    """``ditforge sample`` for a video family (Wan, CogVideoX, LTX-Video, HunyuanVideo): a pipeline folder (``run``
+    None) or a fine-tuned run (``run``: its ``RunConfig``, whose frame size and count are the defaults). Each prompt
+    is one video of
     ``height`` x ``width`` x ``num_frames`` (defaults: the run's, else the pipeline's, ``pipeline_defaults``),
     drawn by ``VideoSampler`` from the seed ``derive_seed(seed, i)`` for prompt i, guided against
     ``negative_prompt`` (default: the empty prompt, as the pipeline) with ``cfg_scale`` (default: the pipeline's;
-    Wan 2.2's low-noise expert with ``cfg_scale_2``, default the same),
+    Wan 2.2's low-noise expert with ``cfg_scale_2``, default the same; a guidance-distilled family, HunyuanVideo,
+    embeds it in its one pass),
     ``num_sampling_steps`` steps (default: the pipeline's). ``image`` (a PIL image) is the first frame of an
     image-to-video family.
 
@@ -490,8 +492,11 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
         if value % step:
             raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of {step} "
                             f"(the VAE's {vae.downsample} x the {patch[-1]}-pixel patches)")
-    if cfg.cfg_parallel and guidance <= 1.0:
-        raise UserError("--cfg_parallel: --cfg_scale 1 runs no unconditional pass to put on the second GPU")
+    if cfg.cfg_parallel and (guidance <= 1.0 or denoiser.embedded_guidance):
+        raise UserError("--cfg_parallel: " + (f"{pre.pipeline_class} embeds --cfg_scale in one pass (guidance "
+                                              "distilled): no unconditional pass to put on the second GPU"
+                                              if denoiser.embedded_guidance else
+                                              "--cfg_scale 1 runs no unconditional pass to put on the second GPU"))
     one_file = video_file_out(cfg.out, len(prompts))
     folder = Path(cfg.out or "samples") if one_file is None else None
     width_digits = max(3, len(str(len(prompts) - 1)))
@@ -506,8 +511,12 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
         return np.empty(0, dtype=np.uint8)
 
     # Conditioning first, then the text encoders leave the GPU before the transformer is made fast.
-    guided = guidance > 1.0  # the pipelines' do_classifier_free_guidance
-    conds = {i: {k: v.cpu() for k, v in pre.encode_prompt([prompts[i]]).items()} for i in todo}  # GPU: one at a time
+    # the pipelines' do_classifier_free_guidance; a guidance-distilled model (HunyuanVideo) takes the scale as an input
+    # of its one pass instead (its pipeline's true CFG, off by default, is not offered)
+    guided = guidance > 1.0 and not denoiser.embedded_guidance
+    embedded = {"guidance": torch.tensor([guidance * 1000.0])} if denoiser.embedded_guidance else {}
+    conds = {i: {**{k: v.cpu() for k, v in pre.encode_prompt([prompts[i]]).items()}, **embedded}
+             for i in todo}  # GPU: one at a time
     uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None
     shape = (1, denoiser.in_channels, vae.latent_frames(frames), height // vae.downsample, width // vae.downsample)
     image_cond = None

@@ -1,4 +1,4 @@
-"""Tiny random diffusers pipelines of twelve families, built offline for the fine-tuning, export and sampling tests.
+"""Tiny random diffusers pipelines of thirteen families, built offline for the fine-tuning, export and sampling tests.
 
 Every builder writes a complete pipeline folder (``model_index.json`` and one subfolder per component) with
 diffusers' and transformers' own classes and ``save_pretrained``, and returns its ``Path``. Nothing is downloaded:
@@ -29,6 +29,9 @@ cogvideox_i2v     32 px  as          as cogvideox                               
                          cogvideox
 ltx               32 px  8 x T' x    T5 128 x 32 (+ attention mask)                      flow-match Euler, dynamic
                   4k+1   8 x 8                                                           shift (exp(mu))
+                  frames
+hunyuan_video     16 px  4 x T' x    Llama 256 x 16 (+ mask; template cropped) + CLIP     flow-match Euler, shift 7
+                  4k+1   2 x 2       pooled 8
                   frames
 ================  =====  ==========  ==================================================  =========================
 
@@ -697,6 +700,72 @@ def make_ltx(path) -> Path:
     return _save(pipe, path)
 
 
+def make_llama_tokenizer():
+    """A ``PreTrainedTokenizerFast`` standing in for HunyuanVideo's Llama tokenizer: word-level over the words and
+    punctuation (``tokenizers``' ``Whitespace`` pre-tokenizer) of ``CAPTIONS`` and of the pipeline's prompt
+    template, ``<s>`` prepended as Llama's, ``<pad>`` (id 0) for padding, ``<unk>`` for other words. The template's
+    system part comes to 99 of its tokens, so the pipeline's crop of the first 95 (the real tokenizer's count)
+    leaves each prompt's tokens in the states, as the real one does."""
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    split = pre_tokenizers.Whitespace()
+    words = sorted({w for text in [*CAPTIONS, DEFAULT_PROMPT_TEMPLATE["template"]]
+                    for w, _ in split.pre_tokenize_str(text)})
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate([*specials, *words])}, unk_token="<unk>"))
+    backend.pre_tokenizer = split
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=1024)
+
+
+def make_hunyuan_video(path) -> Path:
+    """A tiny HunyuanVideo ``HunyuanVideoPipeline`` folder, with the configs of diffusers' own
+    ``tests/pipelines/hunyuan_video/test_hunyuan_video.py``.
+
+    Sizes: videos of 4k + 1 frames x 16 x 16 RGB <-> 4 x (k + 1) x 2 x 2 latents (``AutoencoderKLHunyuanVideo``, 4
+    blocks of 8 channels, compression 8 in space and 4 in time, ``scaling_factor`` 0.476986);
+    ``HunyuanVideoTransformer3DModel`` (1 double-stream and 1 single-stream block, 1 token-refiner layer, 2 heads x
+    10, 1 x 1 x 1 patches, guidance embedding on) reads the states of a 3-layer ``LlamaModel`` 16 wide
+    (``make_llama_tokenizer``; the pipeline takes the third-to-last hidden states, crops the prompt template's 95
+    first tokens and keeps 256) and the pooled output of a ``CLIPTextModel`` 8 wide (``make_clip_tokenizer``, 77
+    tokens). Scheduler: ``FlowMatchEulerDiscreteScheduler(shift=7.0)``, HunyuanVideo's.
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
+                           HunyuanVideoTransformer3DModel)
+    from transformers import LlamaConfig, LlamaModel
+
+    tokenizer = make_llama_tokenizer()
+    torch.manual_seed(0)
+    text_encoder = LlamaModel(LlamaConfig(
+        vocab_size=_round8(len(tokenizer)), hidden_size=16, intermediate_size=37, num_attention_heads=4,
+        num_key_value_heads=4, num_hidden_layers=3, hidden_act="silu", max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)).eval()
+    tokenizer_2 = make_clip_tokenizer()
+    text_encoder_2 = _clip_text(tokenizer_2, 8, projection=False)
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+        act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
+        temporal_compression_ratio=4, mid_block_add_attention=True).eval()
+    torch.manual_seed(0)
+    transformer = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4)).eval()
+    pipe = HunyuanVideoPipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+                                scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=text_encoder_2,
+                                tokenizer_2=tokenizer_2)
+    return _save(pipe, path)
+
+
 DIT_LABELS = {0: "red apple, apple", 1: "green pear", 2: "yellow banana, banana"}
 
 
@@ -747,4 +816,5 @@ BUILDERS = {
     "cogvideox": make_cogvideox,
     "cogvideox_i2v": functools.partial(make_cogvideox, image_to_video=True),
     "ltx": make_ltx,
+    "hunyuan_video": make_hunyuan_video,
 }

@@ -19,8 +19,10 @@ Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL)
 image-to-video also ``image_to_video = True``: conditioning from the first frame, ``encode_image``);
 ``cogvideox`` and ``cogvideox_i2v`` (CogVideoX 1.0 text- and image-to-video, ``cogvideox.py``: a video family
 whose pipeline puts frames before channels, ``frames_first = True``); ``ltx`` (LTX-Video text-to-video,
-``ltx.py``: latents packed into tokens inside the adapter, a dynamically shifted flow objective). Official and
-diffusers DiT weights load into ditforge's own ``DiT`` (``ditforge.interop``), which is the same network.
+``ltx.py``: latents packed into tokens inside the adapter, a dynamically shifted flow objective);
+``hunyuan_video`` (HunyuanVideo text-to-video, ``hunyuan.py``: guidance-distilled, ``embedded_guidance = True``).
+Official and diffusers DiT weights load into ditforge's own ``DiT`` (``ditforge.interop``), which is the same
+network.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class DiffusersDenoiser(nn.Module):
         default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
         video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
         image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX I2V).
+        embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
+            (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
             (``encode_image(..., generator=)``; CogVideoX I2V's posterior sample), so it is encoded per video.
         frames_first: the pipeline lays its video latents out (B, T', C, h, w) (CogVideoX), not (B, C, T', h, w);
@@ -59,6 +63,7 @@ class DiffusersDenoiser(nn.Module):
     image_to_video = False
     frames_first = False
     image_from_generator = False
+    embedded_guidance = False
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 
@@ -185,6 +190,7 @@ class DiffusersDenoiser(nn.Module):
 
 def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.cogvideox import CogVideoXDenoiser, CogVideoXI2VDenoiser
+    from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
     from ditforge.models.adapters.ltx import LTXDenoiser
     from ditforge.models.adapters.pixart import PixArtDenoiser
     from ditforge.models.adapters.sd3 import SD3Denoiser
@@ -192,7 +198,8 @@ def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.wan import WanDenoiser, WanI2VDenoiser
 
     return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser,
-                                        WanI2VDenoiser, CogVideoXDenoiser, CogVideoXI2VDenoiser, LTXDenoiser)}
+                                        WanI2VDenoiser, CogVideoXDenoiser, CogVideoXI2VDenoiser, LTXDenoiser,
+                                        HunyuanVideoDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

@@ -67,8 +67,11 @@ class LTXDenoiser(DiffusersDenoiser):
     def timestep_kwargs(pipe, latent_shape: tuple[int, ...], steps: int) -> dict:
         """``scheduler.set_timesteps`` arguments as ``LTXPipeline.__call__`` passes them: linear sigmas from 1 and mu
         of the video's latent frames x height x width (``calculate_shift`` of the scheduler's config)."""
-        from ditforge.diffusion.objective import dynamic_shift_mu
+        from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
         frames, h, w = latent_shape[-3:]
-        return {"sigmas": np.linspace(1.0, 1 / steps, steps),
-                "mu": dynamic_shift_mu(frames * h * w, dict(pipe.scheduler.config))}
+        config = pipe.scheduler.config
+        mu = calculate_shift(frames * h * w, config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        return {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditforge.encoders.vae import VAE
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser, family_of_pipeline, supported_pipelines
 
@@ -181,7 +180,10 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
                     module.to(denoiser_device or device)
             else:
                 module.to(device)
-    vae_scale = VAE(pipe.vae).downsample  # a video VAE states its factor; an AutoencoderKL's follows its blocks
+    # pixels per latent pixel, as the pipeline states it (SD, PixArt, SD3: vae_scale_factor; LTX-Video:
+    # vae_spatial_compression_ratio; Wan, CogVideoX, HunyuanVideo: vae_scale_factor_spatial)
+    vae_scale = next(int(getattr(pipe, name)) for name in ("vae_scale_factor_spatial", "vae_spatial_compression_ratio",
+                                                           "vae_scale_factor") if hasattr(pipe, name))
     trained = getattr(pipe, expert_component(family.component, expert) if expert else family.component)
     denoiser = family(trained, vae_scale).requires_grad_(True)
     denoiser.attach_pipeline(pipe)
