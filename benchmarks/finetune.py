@@ -31,6 +31,9 @@ Models (``--model``):
           --offload_activations: the checkpointed blocks' inputs in host memory), ``lora32_fp8_attn_off``,
           ``full``, ``full_attn`` and ``full_compile``
           (bf16 autocast, fp32 master weights, fused AdamW, EMA, every block checkpointed as the anchor's ``full``)
+  wan14   the same with Wan2.1-T2V-14B's transformer config (40 layers, 40 heads of 128, FFN 13824, 14.3B: the
+          anchor's ``wan14b``), saved in bf16 (28 GB). Rows ``lora32_off_budget24`` (rank 32, every block
+          checkpointed, their inputs in host memory, under --gpu_memory_budget 24GiB) and ``lora32`` (uncapped)
   cog5b   CogVideoXPipeline with CogVideoX-5B's transformer config (42 layers, 48 heads of 64, rotary positions,
           5.57B), ``AutoencoderKLCogVideoX``'s default config with the 5B's scaling factor 0.7, a one-layer T5
           encoder of width 4096 (226 x 4096 caption states), the 5B's DPM scheduler (v, zero terminal SNR); batch 1,
@@ -78,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import shutil
@@ -171,6 +175,8 @@ ROWS = {
     "lora32_off_budget8": [*WAN_LORA, "--offload_activations", "--gpu_memory_budget", "8GiB"],
     "lora32_fp8_off_budget8": [*WAN_LORA, "--fp8_base", "--offload_activations", "--gpu_memory_budget", "8GiB"],
     "lora32_fp8_attn_off": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base", "--offload_activations"],
+    # Wan-14B (--model wan14) on a 24 GB card: the budget stores the base in fp8, the checkpointed inputs go to host
+    "lora32_off_budget24": [*WAN_LORA, "--offload_activations", "--gpu_memory_budget", "24GiB"],
     # CogVideoX-5B (--model cog5b): rank-64 LoRA on the attention projections, every block checkpointed
     "lora64_ckpt": [*COG_LORA],
     "lora64_ckpt_budget24": [*COG_LORA, "--gpu_memory_budget", "24GiB"],
@@ -259,6 +265,8 @@ def build_sdxl(path: Path) -> Path:
 WAN13 = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
              text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
              qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024)
+# Wan2.1-T2V-14B: the same with 40 layers of 40 heads (width 5120) and FFN 13824 (the anchor's wan14b)
+WAN14 = {**WAN13, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 # The anchor's workload is 480 x 832 x 81 frames (latents 16 x 21 x 60 x 104, 32,760 tokens); ditforge trains at one
 # square --image_size (its features and sample shapes are C x T x s x s), so the rows run at the nearest square with
 # at least the anchor's tokens: 640 px (latents 16 x 21 x 80 x 80, 33,600 tokens = 1.026x; attention 1.052x).
@@ -267,7 +275,7 @@ WAN_SIDE, WAN_FRAMES = 640, 81
 # nearest square with at least as many: 592 px (13 x 37 x 37 = 17,797 tokens, 1.014x)
 COG_SIDE, COG_FRAMES = 592, 49
 # the video models: (side, frames, frames of the small extraction whose captions and states the features keep)
-VIDEO = {"wan13": (WAN_SIDE, WAN_FRAMES, 5), "cog5b": (COG_SIDE, COG_FRAMES, 9)}
+VIDEO = {"wan13": (WAN_SIDE, WAN_FRAMES, 5), "wan14": (WAN_SIDE, WAN_FRAMES, 5), "cog5b": (COG_SIDE, COG_FRAMES, 9)}
 # CogVideoX-5B's transformer/config.json (THUDM/CogVideoX-5b)
 COG5B = dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, flip_sin_to_cos=True,
              freq_shift=0, time_embed_dim=512, text_embed_dim=4096, num_layers=42, dropout=0.0, attention_bias=True,
@@ -280,26 +288,26 @@ COG5B = dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_
 COG5B_SCHEDULER = {**tiny_pipelines.COGVIDEOX_SCHEDULER, "snr_shift_scale": 1.0}
 
 
-def wan13_transformer(device: str | torch.device = "cpu"):
-    """Wan2.1-T2V-1.3B's ``WanTransformer3DModel`` (its published config; ~1.42B parameters), random weights,
-    built on ``device`` (``meta``: shapes only)."""
+def wan_transformer(config: dict, device: str | torch.device = "cpu"):
+    """A ``WanTransformer3DModel`` of ``config`` (``WAN13``: Wan2.1-T2V-1.3B's published config, ~1.42B
+    parameters; ``WAN14``: the 14B's), random weights, built on ``device`` (``meta``: shapes only)."""
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
     with torch.device(device):
-        return WanTransformer3DModel(**WAN13)
+        return WanTransformer3DModel(**config)
 
 
-def build_wan13(path: Path) -> Path:
-    """A ``WanPipeline`` folder: Wan2.1-T2V-1.3B's transformer config with random weights (initialised on the GPU
-    when there is one: seconds instead of a minute of CPU), ``AutoencoderKLWan``'s default config (the real Wan
-    2.1 VAE's: base 96, z 16, latents_mean / latents_std), a one-layer UMT5 encoder of width 4096 (the real
-    UMT5-XXL's: the 512 x 4096 caption states have the real shape; the tokenizer trained offline as the tests'),
-    and Wan 480p's UniPC flow scheduler (flow_shift 3.0)."""
+def build_wan(path: Path, config: dict = WAN13, dtype: torch.dtype = torch.float32) -> Path:
+    """A ``WanPipeline`` folder: a transformer of ``config`` with random weights (initialised on the GPU when there
+    is one: seconds instead of a minute of CPU; saved in ``dtype``: the 14B in bf16, 28 GB), ``AutoencoderKLWan``'s
+    default config (the real Wan 2.1 VAE's: base 96, z 16, latents_mean / latents_std), a one-layer UMT5 encoder
+    of width 4096 (the real UMT5-XXL's: the 512 x 4096 caption states have the real shape; the tokenizer trained
+    offline as the tests'), and Wan 480p's UniPC flow scheduler (flow_shift 3.0)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
-    transformer = wan13_transformer("cuda" if torch.cuda.is_available() else "cpu").cpu().eval()
+    transformer = wan_transformer(config, "cuda" if torch.cuda.is_available() else "cpu").to(dtype).cpu().eval()
     tokenizer = tiny_pipelines.make_t5_tokenizer()
     torch.manual_seed(0)
     text = UMT5EncoderModel(UMT5Config(vocab_size=-(-len(tokenizer) // 8) * 8, d_model=4096, d_kv=64, d_ff=256,
@@ -395,7 +403,7 @@ def ditforge(*argv: str, timeout: float | None = None) -> str:
 
 def row_flags(model: str, name: str) -> list[str]:
     """The ``ditforge train`` flags of row ``name`` for ``model`` (``WAN_ROWS`` override ``ROWS`` for wan13)."""
-    return (WAN_ROWS if model == "wan13" and name in WAN_ROWS else ROWS)[name]
+    return (WAN_ROWS if model.startswith("wan") and name in WAN_ROWS else ROWS)[name]
 
 
 def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: int, log_every: int,
@@ -515,7 +523,7 @@ def library_versions() -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "cog5b"), required=True)
+    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "wan14", "cog5b"), required=True)
     ap.add_argument("--rows", default="full,full_compile,lora64,lora64_compile")
     ap.add_argument("--work", default="/tmp/ditforge-finetune")
     ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl, video), 8 (pixart), as the "
@@ -542,9 +550,12 @@ def main() -> None:
     if not (pipe / "model_index.json").is_file():
         builders = ({"sd15": tiny_pipelines.make_sd, "pixart": tiny_pipelines.make_pixart,
                      "sdxl": tiny_pipelines.make_sdxl, "wan13": tiny_pipelines.make_wan,
+                     "wan14": tiny_pipelines.make_wan,
                      "cog5b": tiny_pipelines.make_cogvideox}
                     if args.tiny else {"sd15": build_sd15, "pixart": build_pixart, "sdxl": build_sdxl,
-                                       "wan13": build_wan13, "cog5b": build_cog5b})
+                                       "wan13": build_wan,
+                                       "wan14": functools.partial(build_wan, config=WAN14, dtype=torch.bfloat16),
+                                       "cog5b": build_cog5b})
         builders[args.model](pipe)
         if torch.cuda.is_available():  # wan13 initialises its transformer on the GPU: free it for the rows
             torch.cuda.empty_cache()
@@ -583,7 +594,7 @@ def main() -> None:
                  "note": ("the tests' tiny pipeline" if args.tiny else
                           "square frames: ditforge trains at one --image_size; the anchor runs 480 x 832 (latents 16 x "
                           "21 x 60 x 104, 32,760 tokens), these rows 640 x 640 (16 x 21 x 80 x 80, 33,600 tokens)"
-                          if args.model == "wan13" else
+                          if args.model.startswith("wan") else
                           "square frames: CogVideoX-5B's 480 x 720 x 49 is 17,550 tokens, these rows 592 x 592 x 49 "
                           "(16 x 13 x 74 x 74, 17,797 tokens)")}
     results = {}

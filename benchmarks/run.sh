@@ -34,6 +34,8 @@
 #                       wan13.json). The job stops itself after JOB_LIMIT s (default 530), keeping the rows it
 #                       finished; STEPS, LOG_EVERY, ROW_TIMEOUT default 6, 2, 240 s. TINY=1: the tests' tiny Wan and
 #                       the anchor's tiny config (a CPU check of the job)
+#   finetune-wan14 [FIRST] [ANCHOR_ROWS] [REST]  the same for Wan2.1-T2V-14B (finetune.py --model wan14, saved in
+#                       bf16): FIRST default lora32_off_budget24, the anchor's wan14b/lora, REST default lora32
 #   finetune-cog5b [ROWS]  CogVideoX-5B (random weights, 592 x 592 x 49 frames: latents 16 x 13 x 74 x 74, 226 x 4096
 #                       caption states, batch 1; issue 42): finetune.py --model cog5b, rows ROWS (default
 #                       lora64_ckpt,lora64_ckpt_budget24), the same STEPS / LOG_EVERY / ROW_TIMEOUT / JOB_LIMIT / TINY
@@ -153,8 +155,8 @@ finetune)
             | grep --line-buffered -v gemm_4bit | tee "$out/${model}.log"
     fi
     ;;
-finetune-wan|finetune-cog5b)
-    model=wan13; [ "$1" = finetune-cog5b ] && model=cog5b
+finetune-wan|finetune-wan14|finetune-cog5b)
+    model=wan13; [ "$1" = finetune-cog5b ] && model=cog5b; [ "$1" = finetune-wan14 ] && model=wan14
     python3 -c "import torch, diffusers, peft, ftfy, transformers; print('diffusers', diffusers.__version__, \
 'peft', peft.__version__, 'ftfy', ftfy.__version__, 'transformers', transformers.__version__)"
     left() { local n=$(( ${JOB_LIMIT:-530} - SECONDS )); echo $(( n > 1 ? n : 1 )); }  # (timeout 0: no limit)
@@ -169,14 +171,20 @@ finetune-wan|finetune-cog5b)
         ft "${2:-lora64_ckpt,lora64_ckpt_budget24}"
         exit
     fi
-    ft "${2:-lora32}"  # first: builds the pipeline folder and the features (~2 minutes with the row)
-    anchors=${3-wan1.3b/lora wan1.3b/full}
+    if [ $model = wan14 ]; then  # the 24 GiB row first, the anchor's LoRA row, then ditforge's uncapped row
+        ft "${2:-lora32_off_budget24}"
+        anchors=${3-wan14b/lora}
+    else
+        ft "${2:-lora32}"  # first: builds the pipeline folder and the features (~2 minutes with the row)
+        anchors=${3-wan1.3b/lora wan1.3b/full}
+    fi
     if [ -n "$anchors" ]; then
         (cd .anchors && timeout "$(left)" python3 wan_finetune.py $anchors) \
-            2>&1 | grep --line-buffered -v gemm_4bit | tee "$out/wan13_anchor.log"
-        [ -f "$out/wan_finetune.json" ] && mv "$out/wan_finetune.json" "$out/wan13_anchor.json"
+            2>&1 | grep --line-buffered -v gemm_4bit | tee "$out/${model}_anchor.log"
+        [ -f "$out/wan_finetune.json" ] && mv "$out/wan_finetune.json" "$out/${model}_anchor.json"
     fi
     rest=${4-full,lora32_budget8,lora32_compile,full_compile}  # the compile rows last: the slowest to start
+    [ $model = wan14 ] && rest=${4-lora32}
     [ -n "$rest" ] && ft "$rest" --append
     ;;
 sample-wan)
