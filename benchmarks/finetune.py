@@ -33,7 +33,8 @@ Models (``--model``):
           (bf16 autocast, fp32 master weights, fused AdamW, EMA, every block checkpointed as the anchor's ``full``)
   wan14   the same with Wan2.1-T2V-14B's transformer config (40 layers, 40 heads of 128, FFN 13824, 14.3B: the
           anchor's ``wan14b``), saved in bf16 (28 GB). Rows ``lora32_off_budget24`` (rank 32, every block
-          checkpointed, their inputs in host memory, under --gpu_memory_budget 24GiB) and ``lora32`` (uncapped)
+          checkpointed, their inputs in host memory, under --gpu_memory_budget 24GiB),
+          ``lora32_swap20_off_budget24`` (+ --blocks_to_swap 20) and ``lora32`` (uncapped)
   cog5b   CogVideoXPipeline with CogVideoX-5B's transformer config (42 layers, 48 heads of 64, rotary positions,
           5.57B), ``AutoencoderKLCogVideoX``'s default config with the 5B's scaling factor 0.7, a one-layer T5
           encoder of width 4096 (226 x 4096 caption states), the 5B's DPM scheduler (v, zero terminal SNR); batch 1,
@@ -177,6 +178,9 @@ ROWS = {
     "lora32_fp8_attn_off": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base", "--offload_activations"],
     # Wan-14B (--model wan14) on a 24 GB card: the budget stores the base in fp8, the checkpointed inputs go to host
     "lora32_off_budget24": [*WAN_LORA, "--offload_activations", "--gpu_memory_budget", "24GiB"],
+    # + the frozen weights of the last 20 of the 40 blocks in pinned host memory, a block at a time on the GPU
+    "lora32_swap20_off_budget24": [*WAN_LORA, "--offload_activations", "--blocks_to_swap", "20",
+                                   "--gpu_memory_budget", "24GiB"],
     # CogVideoX-5B (--model cog5b): rank-64 LoRA on the attention projections, every block checkpointed
     "lora64_ckpt": [*COG_LORA],
     "lora64_ckpt_budget24": [*COG_LORA, "--gpu_memory_budget", "24GiB"],

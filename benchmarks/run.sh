@@ -35,7 +35,7 @@
 #                       finished; STEPS, LOG_EVERY, ROW_TIMEOUT default 6, 2, 240 s. TINY=1: the tests' tiny Wan and
 #                       the anchor's tiny config (a CPU check of the job)
 #   finetune-wan14 [FIRST] [ANCHOR_ROWS] [REST]  the same for Wan2.1-T2V-14B (finetune.py --model wan14, saved in
-#                       bf16): FIRST default lora32_off_budget24, the anchor's wan14b/lora, REST default lora32
+#                       bf16): FIRST default lora32_swap20_off_budget24, the anchor's wan14b/lora, REST default lora32
 #   finetune-cog5b [ROWS]  CogVideoX-5B (random weights, 592 x 592 x 49 frames: latents 16 x 13 x 74 x 74, 226 x 4096
 #                       caption states, batch 1; issue 42): finetune.py --model cog5b, rows ROWS (default
 #                       lora64_ckpt,lora64_ckpt_budget24), the same STEPS / LOG_EVERY / ROW_TIMEOUT / JOB_LIMIT / TINY
@@ -172,7 +172,7 @@ finetune-wan|finetune-wan14|finetune-cog5b)
         exit
     fi
     if [ $model = wan14 ]; then  # the 24 GiB row first, the anchor's LoRA row, then ditforge's uncapped row
-        ft "${2:-lora32_off_budget24}"
+        ft "${2:-lora32_swap20_off_budget24}"
         anchors=${3-wan14b/lora}
     else
         ft "${2:-lora32}"  # first: builds the pipeline folder and the features (~2 minutes with the row)

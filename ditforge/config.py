@@ -206,6 +206,11 @@ class TrainConfig:
                                           "parameters excepted, in pinned host memory (copied out in the forward, "
                                           "back in the backward, on the compute stream): a block --grad_checkpoint "
                                           "checkpoints saves its inputs alone, the others all their activations")
+    blocks_to_swap: int = _f(0, "LoRA on a diffusers pipeline: the frozen weights of the last N transformer blocks "
+                                "live in pinned host memory and visit the GPU one block at a time, copied a block "
+                                "ahead on a side stream (diffusion-pipe's blocks_to_swap; for a base that does not "
+                                "fit, Wan-14B on 24 GB). Needs --grad_checkpoint (else the backward holds every "
+                                "block's copy) and no --compile")
     enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs (cuDNN, then Flash, on "
                                        "Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "
@@ -524,6 +529,7 @@ def validate(cfg: RunConfig) -> None:
         if value is not None and (not isinstance(value, int) or value < 1):
             raise UserError(f"--{name}: expected a positive integer, got {value!r}")
     nonnegative = {"warmup_steps": t.warmup_steps, "sample_every": t.sample_every, "pack_tokens": t.pack_tokens,
+                   "blocks_to_swap": t.blocks_to_swap,
                    "num_workers": cfg.data.num_workers, "max_loss_spike_rollbacks": t.max_loss_spike_rollbacks}
     for name, value in nonnegative.items():
         if value is not None and (not isinstance(value, int) or value < 0):
@@ -615,6 +621,10 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("--train_text_encoder: trains a pretrained pipeline's text encoder; give --init_from")
     if m.lora_rank and m.init_from is None:
         raise UserError("--lora_rank: LoRA adapts pretrained weights; give --init_from")
+    if t.blocks_to_swap and not (m.lora_rank and t.grad_checkpoint != "none" and t.compile == "none"
+                                 and cfg.parallel.plugin in ("auto", "none", "ddp")):
+        raise UserError("--blocks_to_swap: swaps a LoRA run's frozen base; needs --lora_rank, --grad_checkpoint, no "
+                        "--compile and --plugin none or ddp")
     if m.fp8_base and not m.lora_rank:
         raise UserError("--fp8_base: stores the frozen base of a LoRA run; give --lora_rank")
     if data.resize_mode not in RESIZE_MODES:

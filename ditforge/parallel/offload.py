@@ -287,3 +287,83 @@ class DelayedAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict):
         self.wait()
         super().load_state_dict(state_dict)
+
+
+class BlockSwap:
+    """``--blocks_to_swap N``: the frozen weights of the last ``N`` repeated blocks live in (pinned) host memory and
+    visit the GPU one block at a time, as diffusion-pipe's ``blocks_to_swap`` and musubi-tuner's block swap do for
+    LoRA on models whose frozen base does not fit (Wan-14B's on 24 GB cards).
+
+    A forward pre-hook of each swapped block points its frozen parameters at device copies, and its forward hook
+    points them back at the host tensors, so the device copy is freed as soon as nothing else holds it (the
+    backward of a block that kept it; under ``--grad_checkpoint`` the block recomputes in the backward and its
+    pre-hook runs again, the copy living until that block's backward is done; a recomputation stops as soon as it
+    has what the backward needs, before the forward hook, so the next block's pre-hook points the parameters of
+    any other block back at the host). On CUDA each copy is issued on a side
+    stream one block ahead, in the order the blocks ran last (forward, or the reverse for the recomputation of the
+    backward), and the compute stream waits on its event: two swapped blocks' weights are on the GPU at most.
+    Trainable parameters (LoRA's adapters) and buffers stay where they are.
+
+    Args:
+        blocks: the swapped blocks, in forward order.
+        device: the compute device.
+    """
+
+    def __init__(self, blocks: list[torch.nn.Module], device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.params = [[p for p in b.parameters() if not p.requires_grad] for b in blocks]
+        self.host = []
+        for params in self.params:
+            host = [p.data.to("cpu", copy=True) for p in params]
+            self.host.append([h.pin_memory() for h in host] if self.cuda else host)
+            for p, h in zip(params, self.host[-1]):
+                p.data = h
+        self.staged: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
+        self.resident: set[int] = set()  # blocks whose parameters point at device copies
+        self.last = -1
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda module, args, i=i: self._enter(i))
+            block.register_forward_hook(lambda module, args, out, i=i: self._leave(i))
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of frozen weights held in host memory instead of the device."""
+        return sum(h.numel() * h.element_size() for host in self.host for h in host)
+
+    def _stage(self, i: int) -> None:
+        """Issue block ``i``'s copy to the device (on the side stream on CUDA)."""
+        if i in self.staged or not 0 <= i < len(self.host):
+            return
+        if not self.cuda:
+            self.staged[i] = ([h.to(self.device, copy=True) for h in self.host[i]], None)  # a copy, as on CUDA
+            return
+        # the copy's buffers come from the caching allocator: what the compute stream freed must be done with
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            copies = [h.to(self.device, non_blocking=True) for h in self.host[i]]
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.staged[i] = (copies, event)
+
+    def _enter(self, i: int) -> None:
+        step = -1 if i < self.last else 1  # the backward's recomputation runs the blocks in reverse
+        for j in self.resident - {i}:  # a recomputation stops early, before its forward hook: released here
+            self._leave(j)
+        self._stage(i)
+        copies, event = self.staged.pop(i)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            for c in copies:  # made on the side stream, used and freed on the compute stream
+                c.record_stream(torch.cuda.current_stream(self.device))
+        for p, c in zip(self.params[i], copies):
+            p.data = c
+        self.resident.add(i)
+        self.last = i
+        self._stage(i + step)
+
+    def _leave(self, i: int) -> None:
+        for p, h in zip(self.params[i], self.host[i]):
+            p.data = h
+        self.resident.discard(i)

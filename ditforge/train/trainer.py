@@ -753,7 +753,28 @@ def _build_model(run: _Run) -> None:
                         offload_activations=t.offload_activations)
     if skeleton is not None:
         init_sharded(model, skeleton, d)
+    if t.blocks_to_swap:
+        _swap_blocks(run, model)
     run.model = model
+
+
+def _swap_blocks(run: _Run, model: nn.Module) -> None:
+    """--blocks_to_swap: the last N repeated blocks' frozen weights to host memory (``parallel.offload.BlockSwap``).
+
+    Raises:
+        UserError: a model that is no diffusers pipeline's, or fewer blocks than asked.
+    """
+    from ditforge.parallel.offload import BlockSwap
+
+    n, pre = run.cfg.train.blocks_to_swap, run.pre
+    if pre is None:
+        raise UserError("--blocks_to_swap: swaps the blocks of a diffusers pipeline's transformer (--init_from)")
+    blocks = [m for m in model.modules() if type(m).__name__ in pre.denoiser.block_classes]
+    if n > len(blocks):
+        raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {len(blocks)} blocks")
+    swap = BlockSwap(blocks[len(blocks) - n:], run.d.device)  # its hooks hold it
+    if run.d.is_main:
+        log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n, swap.host_bytes / 2**30)
 
 
 def _place_under_budget(run: _Run, model: nn.Module) -> None:

@@ -314,6 +314,61 @@ def test_fp8_base_trains_from_the_cli(wan, runs, tmp_path, capsys):
                           "--fp8_base: stores the frozen base of a LoRA run; give --lora_rank")
 
 
+def test_blocks_to_swap_trains_as_the_resident_base(wan, tmp_path, capsys, caplog):
+    """``--blocks_to_swap 2`` (both blocks' frozen fp8 weights in host memory, copied in for each forward and each
+    recomputation) logs the losses of the same LoRA run with the base resident, bit for bit (on the CPU the copies
+    are exact; the hooks and the recomputation are what is tested), and its log names the host bytes; without
+    --grad_checkpoint it is one line."""
+    common = ["--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2", "--fp8_base", "--grad_checkpoint"]
+    assert cli.main(_argv(wan, tmp_path / "resident", *common)) == 0
+    with caplog.at_level("INFO"):
+        assert cli.main(_argv(wan, tmp_path / "swapped", *common, "--blocks_to_swap", "2")) == 0
+    assert "--blocks_to_swap 2: 0.00 GiB of frozen weights in host memory" in caplog.text
+    losses = [[r["loss"] for r in read_metrics(tmp_path / run / "metrics.jsonl")] for run in ("resident", "swapped")]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    assert_one_line_error(capsys, _argv(wan, tmp_path / "r", "--max_steps", "1", "--lora_rank", "4",
+                                        "--blocks_to_swap", "1"), "--blocks_to_swap", "--grad_checkpoint")
+
+
+def test_block_swap_runs_each_block_on_fresh_copies(wan):
+    """``BlockSwap`` on the tiny Wan's two blocks: outside a forward the frozen weights are the host tensors; inside
+    one (and inside the checkpointed recomputation of the backward) they are copies made for it; the LoRA
+    gradients equal those of the resident model bit for bit."""
+    import copy
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel.offload import BlockSwap
+    from ditforge.train.finetune import add_lora
+
+    den = load_pretrained(wan, torch.device("cpu")).denoiser
+    add_lora(den.inner, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in den.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ref = copy.deepcopy(den)
+    blocks = list(den.inner.blocks)
+    swap = BlockSwap(blocks, torch.device("cpu"))
+    weight = blocks[1].attn1.to_q.base_layer.weight
+    host_ptr, seen = weight.data_ptr(), []
+    blocks[1].attn1.to_q.register_forward_pre_hook(lambda m, a: seen.append(m.base_layer.weight.data_ptr()))
+    for i, block in enumerate(blocks):  # as --grad_checkpoint wraps them: the backward recomputes each block
+        den.inner.blocks[i] = checkpoint_wrapper(block)
+    x, t = torch.randn(2, 16, 2, 2, 2, generator=g), torch.rand(2, generator=g) * 1000
+    states = torch.randn(2, 7, 32, generator=g)
+    grads = []
+    for model in (den, ref):
+        model.denoise(x, t, states).square().mean().backward()
+        grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()
+                      if p.requires_grad})
+    assert len(seen) == 2 and host_ptr not in seen  # the forward and the recomputation, each on a copy
+    assert swap.resident <= {0} and weight.data_ptr() == host_ptr and swap.host_bytes > 0  # block 0 recomputed last
+    assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
 def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
     """A pipeline folder of a family ditforge does not fine-tune (HunyuanVideo): one line naming it and listing the
     supported pipeline classes, Wan's, CogVideoX's and LTX-Video's among them; no checkpoint written."""
