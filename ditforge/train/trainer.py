@@ -604,8 +604,12 @@ def _load_init(run: _Run) -> None:
             # decodes the grids: kept on the CPU (the VAE visits the GPU for a grid), out of a tight memory budget.
             on_gpu = device.type == "cuda" and features is None
             helpers = device if features is None else torch.device("cpu")
+            # a base to be stored in fp8, swapped, or placed under a budget is cast and changed in host memory and
+            # moves to the GPU after (_build_model): the bf16 base alone can exceed the budget (Wan-14B's 26.6 GiB)
+            staged = m.fp8_base or cfg.train.blocks_to_swap or cfg.train.gpu_memory_budget is not None
             run.pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
-                                      text_device=helpers, vae_device=helpers, denoiser_device=run.home,
+                                      text_device=helpers, vae_device=helpers,
+                                      denoiser_device=torch.device("cpu") if staged else run.home,
                                       denoiser_dtype=amp_dtype if run.bf16_weights else torch.float32,
                                       expert=m.expert, other_expert_device=torch.device("cpu"))
             if m.expert is not None and cfg.train.sample_every:  # the pipeline's grid would need both experts
