@@ -86,7 +86,8 @@ class VideoSampler:
 
     Raises:
         UserError: fp8 without an FP8 GPU or Triton; a sequence-parallel size the token count or heads cannot
-            take (diffusers' message); first block cache under sequence parallelism or with fsdp; fsdp with fp8
+            take (diffusers' message), or for a family whose tokens are not split (``context_parallel``); first block
+            cache under sequence parallelism or with fsdp; fsdp with fp8
             or in one process.
     """
 
@@ -134,6 +135,10 @@ class VideoSampler:
             other = ("--first_block_cache (a skip on one process would leave the others waiting in a gather)"
                      if self.cache is not None else "--mixed_precision fp8")
             raise UserError(f"--plugin fsdp: not with {other}; drop one of them")
+        if d.sp_size > 1 and not denoiser.context_parallel:
+            raise UserError(f"--sequence_parallel_size {d.sp_size}: {pre.pipeline_class} does not split its tokens "
+                            "(diffusers' context parallelism has no plan for CogVideoX and HunyuanVideo, and fails on "
+                            "LTX-Video's attention mask under Ulysses); use --cfg_parallel, or one process a video")
         mesh = self._token_mesh(d, cfg.sequence_parallel_type) if d.sp_size > 1 else None
         for expert in self.experts:
             self._prepare(expert, d, cfg, mesh)

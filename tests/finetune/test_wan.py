@@ -370,15 +370,16 @@ def test_block_swap_runs_each_block_on_fresh_copies(wan):
 
 
 def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
-    """A pipeline folder of a family ditforge does not fine-tune (HunyuanVideo): one line naming it and listing the
-    supported pipeline classes, Wan's, CogVideoX's and LTX-Video's among them; no checkpoint written."""
-    folder = tmp_path / "hunyuan"
+    """A pipeline folder of a family ditforge does not fine-tune (Mochi): one line naming it and listing the
+    supported pipeline classes, Wan's, CogVideoX's, LTX-Video's and HunyuanVideo's among them; no checkpoint
+    written."""
+    folder = tmp_path / "mochi"
     shutil.copytree(wan, folder)
     index = json.loads((folder / "model_index.json").read_text())
-    index["_class_name"] = "HunyuanVideoPipeline"
+    index["_class_name"] = "MochiPipeline"
     (folder / "model_index.json").write_text(json.dumps(index))
     assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from",
-                          "HunyuanVideoPipeline", "WanPipeline", "CogVideoXPipeline", "LTXPipeline",
+                          "MochiPipeline", "WanPipeline", "CogVideoXPipeline", "LTXPipeline", "HunyuanVideoPipeline",
                           "StableDiffusionPipeline", "StableDiffusion3Pipeline")
     assert not (tmp_path / "r" / "checkpoints").exists()
 

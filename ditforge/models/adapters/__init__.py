@@ -45,6 +45,8 @@ class DiffusersDenoiser(nn.Module):
         default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
         video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
         image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX I2V).
+        context_parallel: sampling may split the tokens over processes (diffusers' context parallelism with the
+            model's ``_cp_plan``, tested with this family: Wan).
         embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
             (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
@@ -64,6 +66,7 @@ class DiffusersDenoiser(nn.Module):
     frames_first = False
     image_from_generator = False
     embedded_guidance = False
+    context_parallel = False
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 
