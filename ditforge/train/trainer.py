@@ -347,6 +347,11 @@ def train(cfg: RunConfig) -> Path:
         # Under a cap the caching allocator's fixed-size segments fragment (a free 300 MB that no 350 MB request
         # fits is lost to the budget); segments that grow in place do not. Read when CUDA first allocates.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    m = cfg.model
+    if cfg.parallel.sequence_parallel_size > 1 and m.init_from is not None and is_adapted_pipeline(m.init_from):
+        # diffusers' context parallelism splits a video pipeline's tokens for sampling (Wan) only
+        raise UserError("--sequence_parallel_size: fine-tuning a diffusers pipeline's transformer does not split its "
+                        "tokens yet; shard a large one with --plugin fsdp, or split its sampling")
     d = init_distributed(cfg.train.device, cfg.parallel.sequence_parallel_size,
                          group_of_one=cfg.train.cpu_offload == "all")  # FSDP2 offloads, even in one process
     try:
