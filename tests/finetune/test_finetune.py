@@ -449,6 +449,27 @@ def assert_one_line_error(capsys, argv: list[str], *needles: str) -> str:
     return err
 
 
+def video_train_argv(folder, out, size: int, frames: int, interval: int, batch: int, *extra: str) -> list[str]:
+    """``ditforge train`` of a video pipeline folder on the built-in clips for the video family tests (test_wan.py,
+    test_cogvideox.py, test_ltx.py, ...): fp32 on the CPU, a loss logged every step, no sample grid, no caption
+    dropout."""
+    return ["train", "--init_from", str(folder), "--data", "clips", "--num_frames", str(frames), "--frame_interval",
+            str(interval), "--image_size", str(size), "--batch_size", str(batch), "--log_every", "1",
+            "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--num_workers", "0",
+            "--class_dropout_prob", "0", "--outputs", str(out), *extra]
+
+
+def assert_frames_match(npz, frames, shape: tuple[int, ...]) -> None:
+    """The videos ``ditforge sample --save_npz npz`` wrote equal a pipeline's ``output_type="np"`` frames (floats in
+    [0, 1]) to one uint8 level, both of ``shape`` (N, T, H, W, 3)."""
+    import numpy as np
+
+    expected = np.round(frames * 255).astype(np.int16)
+    got = np.load(npz)["samples"].astype(np.int16)
+    assert got.shape == expected.shape == shape
+    assert np.abs(got - expected).max() <= 1
+
+
 def _train_argv(folder, data, out, *extra) -> list[str]:
     return ["train", "--init_from", str(folder), "--data", str(data), "--image_size", str(SIZE), "--max_steps", "1",
             "--batch_size", "2", "--device", "cpu", "--num_workers", "0", "--sample_every", "0", "--outputs",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,8 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from test_finetune import assert_one_line_error  # tests/finetune is on sys.path, as for tiny_pipelines
+from test_finetune import (assert_frames_match, assert_one_line_error,  # tests/finetune is on sys.path
+                           video_train_argv)
 from tiny_pipelines import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,10 +33,7 @@ def ltx(tmp_path_factory, one_thread_module) -> Path:
 
 
 def _argv(folder: Path, out: Path, *extra: str) -> list[str]:
-    return ["train", "--init_from", str(folder), "--data", "clips", "--num_frames", str(FRAMES), "--frame_interval",
-            str(INTERVAL), "--image_size", str(SIZE), "--batch_size", str(BATCH), "--log_every", "1",
-            "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--num_workers", "0",
-            "--class_dropout_prob", "0", "--outputs", str(out), *extra]
+    return video_train_argv(folder, out, SIZE, FRAMES, INTERVAL, BATCH, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +133,7 @@ def test_export_folder_samples_like_the_pipeline(runs, tmp_path):
     video = pipe(prompt=[prompt], num_inference_steps=4, guidance_scale=3.0, height=SIZE, width=SIZE,
                  num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
                  output_type="np").frames
-    expected = np.round(video * 255).astype(np.int16)
-    got = np.load(npz)["samples"].astype(np.int16)
-    assert got.shape == expected.shape == (1, FRAMES, SIZE, SIZE, 3)
-    assert np.abs(got - expected).max() <= 1
+    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
 
 
 def test_lora_file_loads_with_load_lora_weights(ltx, runs, tmp_path):

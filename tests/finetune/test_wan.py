@@ -19,7 +19,8 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from test_finetune import assert_one_line_error  # tests/finetune is on sys.path, as for tiny_pipelines
+from test_finetune import (assert_frames_match, assert_one_line_error,  # tests/finetune is on sys.path
+                           video_train_argv)
 from tiny_pipelines import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,10 +35,7 @@ def wan(tmp_path_factory, one_thread_module) -> Path:
 
 
 def _argv(folder: Path, out: Path, *extra: str) -> list[str]:
-    return ["train", "--init_from", str(folder), "--data", "clips", "--num_frames", str(FRAMES), "--frame_interval",
-            str(INTERVAL), "--image_size", str(SIZE), "--batch_size", str(BATCH), "--log_every", "1",
-            "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--num_workers", "0",
-            "--class_dropout_prob", "0", "--outputs", str(out), *extra]  # flips: off by default for Wan
+    return video_train_argv(folder, out, SIZE, FRAMES, INTERVAL, BATCH, *extra)  # flips: off by default for Wan
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +167,7 @@ def test_export_folder_loads_with_wan_pipeline(runs, tmp_path):
     g = torch.Generator("cpu").manual_seed(derive_seed(0, 0))
     video = pipe(prompt=[prompt], num_inference_steps=3, guidance_scale=4.0, height=SIZE, width=SIZE,
                  num_frames=FRAMES, generator=[g], output_type="np").frames
-    expected = np.round(video * 255).astype(np.int16)
-    got = np.load(npz)["samples"].astype(np.int16)
-    assert got.shape == expected.shape == (1, FRAMES, SIZE, SIZE, 3)
-    assert np.abs(got - expected).max() <= 1
+    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
 
 
 def test_features_train_like_on_the_fly(wan, runs, tmp_path):
@@ -599,10 +594,7 @@ def test_i2v_lora_moves_and_export_samples_like_the_pipeline(wan_i2v, i2v_runs, 
     g = torch.Generator("cpu").manual_seed(derive_seed(0, 0))
     video = pipe(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=4.0,
                  height=SIZE, width=SIZE, num_frames=FRAMES, generator=[g], output_type="np").frames
-    expected = np.round(video * 255).astype(np.int16)
-    got = np.load(npz)["samples"].astype(np.int16)
-    assert got.shape == expected.shape == (1, FRAMES, SIZE, SIZE, 3)
-    assert np.abs(got - expected).max() <= 1
+    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
     # two prompts (drawn one pipeline call each, the pipeline taking one image a call) into a folder, the second
     # prompt's video the same as drawn alone with its seed
     folder, npz2 = tmp_path / "two", tmp_path / "two.npz"

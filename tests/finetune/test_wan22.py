@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from test_finetune import assert_one_line_error  # tests/finetune is on sys.path, as for tiny_pipelines
+from test_finetune import assert_frames_match, assert_one_line_error  # on sys.path
 from test_wan import _argv
 from tiny_pipelines import make_wan22
 
@@ -121,10 +120,7 @@ def test_low_noise_export_and_sample_like_the_pipeline(wan22, runs, tmp_path):
     video = pipe(prompt=[prompt], num_inference_steps=4, guidance_scale=4.0, height=SIZE, width=SIZE,
                  num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
                  output_type="np").frames
-    expected = np.round(video * 255).astype(np.int16)
-    got = np.load(npz)["samples"].astype(np.int16)
-    assert got.shape == expected.shape == (1, FRAMES, SIZE, SIZE, 3)
-    assert np.abs(got - expected).max() <= 1
+    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
 
 
 def test_high_noise_lora_file_loads_into_transformer(wan22, runs, tmp_path):

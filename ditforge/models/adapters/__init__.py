@@ -191,6 +191,14 @@ class DiffusersDenoiser(nn.Module):
         return out
 
 
+def call_default(pipe: Any, name: str) -> Any:
+    """The default of argument ``name`` of the pipeline's ``__call__`` (``max_sequence_length``, ``frame_rate``, ...):
+    what the pipeline encodes and samples with when its caller gives none."""
+    import inspect
+
+    return inspect.signature(pipe.__call__).parameters[name].default
+
+
 def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.cogvideox import CogVideoXDenoiser, CogVideoXI2VDenoiser
     from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
@@ -218,4 +226,4 @@ def supported_pipelines() -> list[str]:
     return [p for cls in _families().values() for p in cls.pipelines] + ["DiTPipeline"]
 
 
-__all__ = ["DiffusersDenoiser", "family_of_pipeline", "supported_pipelines"]
+__all__ = ["DiffusersDenoiser", "call_default", "family_of_pipeline", "supported_pipelines"]

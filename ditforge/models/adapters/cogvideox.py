@@ -7,12 +7,11 @@ diffusers' ``pipelines/cogvideo/pipeline_cogvideox.py`` (``CogVideoXPipeline.__c
 
 from __future__ import annotations
 
-import inspect
 from types import SimpleNamespace
 
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters import DiffusersDenoiser, call_default
 
 
 class CogVideoXDenoiser(DiffusersDenoiser):
@@ -81,7 +80,7 @@ class CogVideoXDenoiser(DiffusersDenoiser):
 
     @staticmethod
     def encode_prompt(pipe, texts, device):
-        length = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+        length = call_default(pipe, "max_sequence_length")
         embeds, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
                                        max_sequence_length=length)
         return {"encoder_hidden_states": embeds}

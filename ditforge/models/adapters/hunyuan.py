@@ -7,11 +7,9 @@ diffusers' ``pipelines/hunyuan_video/pipeline_hunyuan_video.py`` (``HunyuanVideo
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 
-from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters import DiffusersDenoiser, call_default
 
 TRAIN_GUIDANCE = 1.0  # the embedded guidance scale fine-tuning runs at (finetrainers, musubi-tuner, diffusion-pipe)
 
@@ -47,7 +45,7 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
 
     @staticmethod
     def encode_prompt(pipe, texts, device):
-        length = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+        length = call_default(pipe, "max_sequence_length")
         embeds, pooled, mask = pipe.encode_prompt(list(texts), device=device, max_sequence_length=length)
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask, "pooled_projections": pooled}
 

@@ -6,12 +6,10 @@ trained with flow matching, its shift following the video's latent size (the sch
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters import DiffusersDenoiser, call_default
 
 
 class LTXDenoiser(DiffusersDenoiser):
@@ -41,7 +39,7 @@ class LTXDenoiser(DiffusersDenoiser):
 
     def attach_pipeline(self, pipe) -> None:
         self.vae_temporal = int(pipe.vae_temporal_compression_ratio)
-        self.frame_rate = int(inspect.signature(pipe.__call__).parameters["frame_rate"].default)
+        self.frame_rate = int(call_default(pipe, "frame_rate"))
 
     def denoise(self, x, t, encoder_hidden_states, encoder_attention_mask):
         from diffusers import LTXPipeline
@@ -58,7 +56,7 @@ class LTXDenoiser(DiffusersDenoiser):
 
     @staticmethod
     def encode_prompt(pipe, texts, device):
-        length = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+        length = call_default(pipe, "max_sequence_length")
         embeds, mask, _, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
                                                 max_sequence_length=length)
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}

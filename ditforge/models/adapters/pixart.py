@@ -3,10 +3,8 @@ learned sigma) conditioned on T5 states and their mask."""
 
 from __future__ import annotations
 
-import inspect
 
-
-from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters import DiffusersDenoiser, call_default
 
 
 class PixArtDenoiser(DiffusersDenoiser):
@@ -37,7 +35,7 @@ class PixArtDenoiser(DiffusersDenoiser):
 
     @staticmethod
     def encode_prompt(pipe, texts, device):
-        length = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+        length = call_default(pipe, "max_sequence_length")
         embeds, mask, _, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
                                                 clean_caption=False, max_sequence_length=length)
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}

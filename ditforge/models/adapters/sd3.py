@@ -3,10 +3,8 @@ with rectified flow (its scheduler is ``FlowMatchEulerDiscreteScheduler``)."""
 
 from __future__ import annotations
 
-import inspect
 
-
-from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters import DiffusersDenoiser, call_default
 
 
 class SD3Denoiser(DiffusersDenoiser):
@@ -27,7 +25,7 @@ class SD3Denoiser(DiffusersDenoiser):
 
     @staticmethod
     def encode_prompt(pipe, texts, device):
-        length = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+        length = call_default(pipe, "max_sequence_length")
         embeds, _, pooled, _ = pipe.encode_prompt(list(texts), None, None, device=device,
                                                   do_classifier_free_guidance=False, max_sequence_length=length)
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}

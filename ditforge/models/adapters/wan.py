@@ -7,11 +7,9 @@ trained with flow matching (its ``UniPCMultistepScheduler`` runs on flow sigmas 
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters import DiffusersDenoiser, call_default
 
 
 class WanDenoiser(DiffusersDenoiser):
@@ -57,7 +55,7 @@ class WanDenoiser(DiffusersDenoiser):
 
     @staticmethod
     def encode_prompt(pipe, texts, device):
-        length = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+        length = call_default(pipe, "max_sequence_length")
         embeds, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
                                        max_sequence_length=length)
         return {"encoder_hidden_states": embeds}
