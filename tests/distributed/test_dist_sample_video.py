@@ -20,13 +20,22 @@ pytestmark = pytest.mark.slow
 H, W, FRAMES = 16, 48, 5  # 2 latent frames x 2 x 6 = 24 tokens: 12 (or 6) a process
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
+def _tiny_pipelines():
     spec = importlib.util.spec_from_file_location("tiny_pipelines",
                                                   Path(__file__).parents[1] / "finetune" / "tiny_pipelines.py")
     tiny = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tiny)
-    return tiny.make_wan(tmp_path_factory.mktemp("wan") / "pipe")
+    return tiny
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return _tiny_pipelines().make_wan(tmp_path_factory.mktemp("wan") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def cog_folder(tmp_path_factory) -> Path:
+    return _tiny_pipelines().make_cogvideox(tmp_path_factory.mktemp("cog") / "cog")
 
 
 PROMPTS = ("a heron in the reeds", "rain on a window")
@@ -84,7 +93,7 @@ def _strips_reference(folder: Path, parts: int) -> np.ndarray:
     return np.stack(out).astype(np.int16)
 
 
-def test_two_processes_equal_one(folder, want, tmp_path):
+def test_two_processes_equal_one(folder, want, two_processes, tmp_path):
     """2 processes, in one torchrun launch, each run writing the videos of one process:
 
     - ``--sequence_parallel_size 2`` (Ulysses: each process holds 12 of the 24 tokens and 1 of the 2 heads in
@@ -98,24 +107,18 @@ def test_two_processes_equal_one(folder, want, tmp_path):
     - ``--sequence_parallel_size 2 --plugin fsdp``: the transformer's weights sharded over the two (FSDP2)."""
     from ditforge import cli
 
-    one_tile = ("--vae_tile", "64")
-    err = torchrun_cli_many(2, tmp_path, [
-        _argv(folder, tmp_path / "sp.npz", "--sequence_parallel_size", "2", *one_tile),
-        _argv(folder, tmp_path / "cfg.npz", "--cfg_parallel", *one_tile),
-        _argv(folder, tmp_path / "tiles.npz", "--cfg_parallel", "--vae_tile", "32"),
-        _argv(folder, tmp_path / "strips.npz", "--cfg_parallel"),
-        _argv(folder, tmp_path / "sp_fsdp.npz", "--sequence_parallel_size", "2", "--plugin", "fsdp", *one_tile)])
+    work, err = two_processes
     assert "ulysses 2 x ring 1" in err[0]
     held, total = map(int, re.search(r"fsdp: (\d+) of the transformer's (\d+) weights", err[4]).groups())
     assert held <= total // 2 + 1000  # sharded: about half each (a few small tensors are cut unevenly)
     for name in ("sp", "cfg", "sp_fsdp"):
-        _assert_same(np.load(tmp_path / f"{name}.npz")["samples"], want)
+        _assert_same(np.load(work / f"{name}.npz")["samples"], want)
     assert cli.main(_argv(folder, tmp_path / "one_tiled.npz", "--vae_tile", "32")) == 0
     tiled = np.load(tmp_path / "one_tiled.npz")["samples"].astype(np.int16)
-    _assert_same(np.load(tmp_path / "tiles.npz")["samples"], tiled)
+    _assert_same(np.load(work / "tiles.npz")["samples"], tiled)
     assert np.abs(tiled - want).max() > 2
     strips = _strips_reference(folder, 2)
-    _assert_same(np.load(tmp_path / "strips.npz")["samples"], strips)
+    _assert_same(np.load(work / "strips.npz")["samples"], strips)
     assert np.abs(strips - want).max() > 2
 
 
@@ -135,34 +138,47 @@ def test_four_processes_cfg_parallel_times_ulysses_equal_one(folder, want, tmp_p
     assert "ring attention over a diffusers transformer runs on CUDA only" in err[1]
 
 
-def test_cogvideox_cfg_parallel_equals_one_process(tmp_path):
+def _cog_argv(folder: Path, npz: Path, *extra: str) -> list[str]:
+    return ["sample", "--ckpt", str(folder), "--prompt", PROMPTS[0], "--height", "32", "--width", "32",
+            "--num_frames", "9", "--num_sampling_steps", "3", "--cfg_scale", "4", "--seed", "3", "--device", "cpu",
+            "--out", str(npz.with_suffix(".mp4")), "--save_npz", str(npz), *extra]
+
+
+@pytest.fixture(scope="module")
+def two_processes(folder, cog_folder, tmp_path_factory) -> tuple[Path, list[str]]:
+    """Every 2-process run of this module, in one torchrun launch (``torchrun_cli_many``: one start-up of the two
+    processes, which import diffusers, for the Wan and the CogVideoX cases): (the folder of their .npz files, each
+    run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX, 6 refused."""
+    work = tmp_path_factory.mktemp("two")
+    one_tile = ("--vae_tile", "64")
+    err = torchrun_cli_many(2, work, [
+        _argv(folder, work / "sp.npz", "--sequence_parallel_size", "2", *one_tile),
+        _argv(folder, work / "cfg.npz", "--cfg_parallel", *one_tile),
+        _argv(folder, work / "tiles.npz", "--cfg_parallel", "--vae_tile", "32"),
+        _argv(folder, work / "strips.npz", "--cfg_parallel"),
+        _argv(folder, work / "sp_fsdp.npz", "--sequence_parallel_size", "2", "--plugin", "fsdp", *one_tile),
+        _cog_argv(cog_folder, work / "cog_cfg.npz", "--cfg_parallel"),
+        _cog_argv(cog_folder, work / "cog_sp.npz", "--sequence_parallel_size", "2")], fails=(6,))
+    return work, err
+
+
+def test_cogvideox_cfg_parallel_equals_one_process(cog_folder, two_processes, tmp_path):
     """CogVideoX (frames-first latents, its stochastic DPM scheduler drawing the same noise in both processes) under 2
     gloo processes with ``--cfg_parallel`` equals one process, to one uint8 level; ``--sequence_parallel_size 2`` is
     one line (diffusers has no context-parallel plan for it; LTX-Video's plan fails under Ulysses on its attention
-    mask in diffusers 0.42.1, and is refused the same way)."""
+    mask in diffusers 0.42.1, and is refused the same way). The 2-process runs share the Wan cases' launch
+    (``two_processes``)."""
     from ditforge import cli
-
-    spec = importlib.util.spec_from_file_location("tiny_pipelines",
-                                                  Path(__file__).parents[1] / "finetune" / "tiny_pipelines.py")
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    folder = tiny.make_cogvideox(tmp_path / "cog")
-
-    def argv(npz: Path, *extra: str) -> list[str]:
-        return ["sample", "--ckpt", str(folder), "--prompt", PROMPTS[0], "--height", "32", "--width", "32",
-                "--num_frames", "9", "--num_sampling_steps", "3", "--cfg_scale", "4", "--seed", "3", "--device", "cpu",
-                "--out", str(npz.with_suffix(".mp4")), "--save_npz", str(npz), *extra]
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert cli.main(argv(tmp_path / "one.npz")) == 0
+        assert cli.main(_cog_argv(cog_folder, tmp_path / "one.npz")) == 0
     finally:
         torch.set_num_threads(before)
-    err = torchrun_cli_many(2, tmp_path, [argv(tmp_path / "cfg.npz", "--cfg_parallel"),
-                                          argv(tmp_path / "sp.npz", "--sequence_parallel_size", "2")], fails=(1,))
-    assert "--sequence_parallel_size 2: CogVideoXPipeline does not split its tokens" in err[1]
+    work, err = two_processes
+    assert "--sequence_parallel_size 2: CogVideoXPipeline does not split its tokens" in err[6]
     want = np.load(tmp_path / "one.npz")["samples"].astype(np.int16)
-    got = np.load(tmp_path / "cfg.npz")["samples"].astype(np.int16)
+    got = np.load(work / "cog_cfg.npz")["samples"].astype(np.int16)
     assert got.shape == want.shape and want.std() > 5
     assert np.abs(got - want).max() <= 1
