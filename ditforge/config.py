@@ -273,6 +273,9 @@ class ParallelConfig:
     async_checkpoint: bool = _f(False, "write checkpoints in the background while training goes on")
     sequence_parallel_size: int = _f(1, "split every sample's token sequence over this many processes (long "
                                         "videos); the other factor of the world size is data parallelism")
+    tensor_parallel: int = _f(1, "split every block's attention heads and MLP over this many processes "
+                                 "(Megatron-LM's tensor parallelism, on DTensor; ditforge's DiTs); the world size is "
+                                 "data x sequence x tensor parallel, FSDP2 shards over the data-parallel part")
     sequence_parallel_type: str = _f("auto", "how split sequences attend: ulysses (all-to-all to split heads) | "
                                              "ring (K/V passed around a ring) | fastseq (OpenDiT's: all-gathered "
                                              "attention input, heads split; fastseq_kv when they do not divide) | "
@@ -515,12 +518,31 @@ def _check_packing(cfg: RunConfig) -> None:
                         "sample, packed tokens carry one each); --enable_layernorm_kernel works")
 
 
+def _check_tensor_parallel(cfg: RunConfig) -> None:
+    """``--tensor_parallel`` with what it does not support: one line naming the other flag."""
+    t, m, tp = cfg.train, cfg.model, cfg.parallel.tensor_parallel
+    others = [("--init_from", m.init_from is not None and not (m.model or "").startswith(("DiT", "vDiT", "STDiT"))),
+              ("--lora_rank", bool(m.lora_rank)), ("--mixed_precision fp8", t.mixed_precision == "fp8"),
+              ("--pack_tokens", bool(t.pack_tokens)), ("--fused_backward_pass", t.fused_backward_pass),
+              (f"--cpu_offload {t.cpu_offload}", t.cpu_offload != "none"),
+              (f"--optimizer {t.optimizer}", t.optimizer != "adamw"),
+              (f"--master_weights {t.master_weights}", t.master_weights != "fp32"),
+              (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin == "ddp"),
+              (f"--sequence_parallel_type {cfg.parallel.sequence_parallel_type}",
+               cfg.parallel.sequence_parallel_type.startswith("fastseq"))]
+    clash = next((flag for flag, on in others if on), None)
+    if clash:
+        raise UserError(f"--tensor_parallel {tp}: splits ditforge's own DiTs, trained by AdamW over fp32 weights, "
+                        f"with zero2 / fsdp over the data-parallel processes; not with {clash}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train
     positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps, "max_nonfinite_steps": t.max_nonfinite_steps,
                 "eval_samples": t.eval_samples, "loss_spike_window": t.loss_spike_window,
-                "sequence_parallel_size": cfg.parallel.sequence_parallel_size, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
+                "sequence_parallel_size": cfg.parallel.sequence_parallel_size,
+                "tensor_parallel": cfg.parallel.tensor_parallel, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
                 "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
                 "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes,
                 "num_frames": cfg.data.num_frames, "frame_interval": cfg.data.frame_interval,
@@ -594,6 +616,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:
         raise UserError(f"--sequence_parallel_type: expected one of {', '.join(SEQUENCE_PARALLEL_TYPES)}, got "
                         f"{cfg.parallel.sequence_parallel_type}")
+    if cfg.parallel.tensor_parallel > 1:
+        _check_tensor_parallel(cfg)
     if cfg.model.condition not in CONDITIONS:
         raise UserError(f"--condition: expected one of {', '.join(CONDITIONS)}, got {cfg.model.condition}")
     if t.compile not in COMPILE_MODES:

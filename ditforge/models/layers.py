@@ -213,7 +213,7 @@ class Attention(nn.Module):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"hidden size {dim} is not divisible by {num_heads} heads")
-        self.num_heads = num_heads
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.q_norm, self.k_norm = _qk_norms(dim // num_heads, qk_norm)
         self.proj = nn.Linear(dim, dim)
@@ -224,9 +224,9 @@ class Attention(nn.Module):
         and bias, three products on views of them (FastSeq projects one head group of the whole sequence; not with a
         float8 ``qkv``, whose weight is an e4m3 buffer: sampling refuses fp8 with sequence parallelism)."""
         B, N, D = x.shape
-        dh = D // self.num_heads
-        if heads is None:
-            q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, dh).permute(2, 0, 3, 1, 4)
+        dh = self.head_dim
+        if heads is None:  # -1: the heads this process holds (all, or its share under tensor parallelism)
+            q, k, v = self.qkv(x).reshape(B, N, 3, -1, dh).permute(2, 0, 3, 1, 4)
         else:
             w = self.qkv.weight.unflatten(0, (3, self.num_heads, dh))[:, heads]  # (3, h, Dh, D); w[i] contiguous
             b = self.qkv.bias
@@ -235,9 +235,9 @@ class Attention(nn.Module):
         return self.q_norm(q), self.k_norm(k), v
 
     def forward(self, x: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
-        B, N, D = x.shape
+        B, N, _ = x.shape
         out = self_attention(x, self.project, packed)
-        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+        return self.proj(out.transpose(1, 2).reshape(B, N, -1))
 
 
 def _qk_norms(head_dim: int, enabled: bool) -> tuple[nn.Module, nn.Module]:
@@ -259,20 +259,20 @@ class CrossAttention(nn.Module):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"hidden size {dim} is not divisible by {num_heads} heads")
-        self.num_heads = num_heads
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.q_linear = nn.Linear(dim, dim)
         self.kv_linear = nn.Linear(dim, dim * 2)
         self.q_norm, self.k_norm = _qk_norms(dim // num_heads, qk_norm)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        B, N, D = x.shape
-        H, L = self.num_heads, context.shape[1]
-        q = self.q_linear(x).reshape(B, N, H, D // H).transpose(1, 2)
-        k, v = self.kv_linear(context).reshape(context.shape[0], L, 2, H, D // H).permute(2, 0, 3, 1, 4)
+        B, N, _ = x.shape
+        dh, L = self.head_dim, context.shape[1]
+        q = self.q_linear(x).unflatten(-1, (-1, dh)).transpose(1, 2)  # -1: the heads held, as in Attention
+        k, v = self.kv_linear(context).reshape(context.shape[0], L, 2, -1, dh).permute(2, 0, 3, 1, 4)
         k, v = self.k_norm(k).expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)  # shared captions of packed rows
         out = attention(self.q_norm(q), k, v, mask)
-        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+        return self.proj(out.transpose(1, 2).reshape(B, N, -1))
 
 
 class CaptionEmbedder(nn.Module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from ditforge.ops.attention import set_attention_backend, set_frame_exchange, se
 from ditforge.ops.modulate import set_kernels
 from ditforge.parallel.ema import canonical_name
 from ditforge.parallel.mesh import Dist
+from ditforge.parallel.tensor import apply_tensor_parallel, local_part
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +205,8 @@ def parallelize(
             ``fsdp`` (ZeRO-3: parameters resharded after the forward and gathered again for the backward).
         grad_checkpoint: activation checkpointing policy, ``none | full | every-K | op | attn``
             (``parse_checkpoint_policy``).
+        Under tensor parallelism (``dist.tp_mesh``) every block's attention and MLP are split over it first
+        (``parallel.tensor``), then the rest applies as without it; zero2 / fsdp shard over ``dist.mesh``.
         offload_activations: every block saves what it keeps for its backward (a checkpointed block its inputs)
             in pinned host memory (``apply_grad_checkpoint``).
         compile: ``torch.compile`` mode for each block, compiled in place (after checkpointing, before
@@ -238,6 +242,8 @@ def parallelize(
     log.info("attention: %s", set_attention_backend(attention, dist.device))
     set_sequence_attention(None)
     set_frame_exchange(None)
+    if dist.tp_mesh is not None:
+        apply_tensor_parallel(model, [model.get_submodule(path) for path in block_paths(model)], dist.tp_mesh)
     if dist.sp_mesh is not None:
         _apply_sequence_parallel(model, dist, sequence_parallel_type, batch_size, param_dtype)
     _set_adaln_kernels(dist.device, enable_modulate_kernel, enable_layernorm_kernel)
@@ -329,18 +335,18 @@ def init_sharded(model: nn.Module, skeleton: nn.Module, dist: Dist) -> None:
     """Materialise and initialise a model that ``parallelize`` sharded on the meta device (zero2 / fsdp), as
     torchtitan does (``to_empty``, then initialise), without the model ever being whole on a device: each
     process initialises ``skeleton`` (an unsharded meta copy of the model, ``initialize_weights``) one block at a
-    time on its device, copies its own shard of each block (``torch.chunk`` along dim 0: FSDP2's ``Shard(0)``)
-    into the model's DTensors and frees the block before the next. Every process makes the same draws, so the
-    shards are those of the single-process model built after the same seed (tested: 2 processes equal 1)."""
+    time on its device, copies its own shard of each block (``parallel.tensor.local_part``: the tensor-parallel
+    slice, then FSDP2's ``torch.chunk`` along dim 0) into the model's DTensors and frees the block before the next.
+    Every process makes the same draws, so the shards are those of the single-process model built after the same
+    seed (tested: 2 processes equal 1)."""
     model.to_empty(device=dist.device)
     targets = {canonical_name(n): p for n, p in model.named_parameters()}
 
     def copy(named) -> None:  # (name, full tensor) pairs of the skeleton
         for name, full in named:
             target = targets[name]
-            if isinstance(target, DTensor):  # FSDP2's shards: torch.chunk's, then empty ones for the ranks left over
-                chunks, rank = full.chunk(target.device_mesh.size(), dim=0), target.device_mesh.get_local_rank()
-                target.to_local().copy_(chunks[rank] if rank < len(chunks) else full[:0])
+            if isinstance(target, DTensor):
+                target.to_local().copy_(local_part(name, full, target))
             else:
                 target.copy_(full)
 
@@ -374,23 +380,37 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 def clip_grad_norm_(model: nn.Module, max_norm: float, dist: Dist) -> torch.Tensor:
     """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm before.
 
-    Under zero2/fsdp every gradient is a DTensor shard: the squared norms of the local shards are summed and
-    all-reduced once, instead of one reduction per parameter as a DTensor-generic clip does (torchtitan
-    does the same). Under DDP or one process the gradients are whole and identical on every rank.
-    ``max_norm`` <= 0 only measures.
+    Under zero2/fsdp or tensor parallelism gradients are DTensor shards: the squared norms of the local shards
+    are summed and all-reduced once, instead of one reduction per parameter as a DTensor-generic clip does
+    (torchtitan does the same). A gradient that several processes hold alike (replicated over ``tp``, or every
+    plain gradient beside DTensors) counts once: weighted by 1 / its copies. Under DDP or one process the
+    gradients are whole and identical on every rank. ``max_norm`` <= 0 only measures.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    squares = squared_norm(local)
-    if grads and isinstance(grads[0], DTensor):
-        squares = squares.to(dist.device)  # host shards (--cpu_offload all) reduce on the process group's device
-        torch.distributed.all_reduce(squares, group=dist.mesh.get_group())
+    if not any(isinstance(g, DTensor) for g in grads):
+        squares = squared_norm(local)
+    else:
+        by_copies: dict[int, list[torch.Tensor]] = {}
+        for g, t in zip(grads, local):
+            by_copies.setdefault(dist.world_size // _shards(g), []).append(t)
+        # host shards (--cpu_offload all) reduce on the process group's device
+        squares = sum(squared_norm(ts).to(dist.device) / copies for copies, ts in by_copies.items())
+        torch.distributed.all_reduce(squares)
     total = squares.sqrt()
     if max_norm > 0:
         torch._foreach_mul_(local, clip_coefficient(total, max_norm).to(local[0].device))
     return total
+
+
+def _shards(t: torch.Tensor) -> int:
+    """Into how many pieces a DTensor is cut (the product of its sharded mesh dimensions); 1 for a plain tensor."""
+    if not isinstance(t, DTensor):
+        return 1
+    sizes = [t.device_mesh.size(i) for i, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial())]
+    return math.prod(sizes)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

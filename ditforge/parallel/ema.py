@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ditforge.parallel.tensor import canonical_rows, gather
+
 _WRAPPER_SEGMENTS = {"_orig_mod", "_checkpoint_wrapped_module"}  # torch.compile, activation checkpointing
 
 
@@ -96,7 +98,7 @@ class EMA:
         return self.shadow
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: _full(v).detach().cpu() for k, v in self.shadow.items()}
+        return {k: canonical_rows(k, v, _full(v)).detach().cpu() for k, v in self.shadow.items()}
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -107,4 +109,4 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     local, mesh = t.to_local(), t.device_mesh
     if local.device.type != mesh.device_type:
         t = DTensor.from_local(local.to(mesh.device_type), mesh, t.placements, shape=t.shape, stride=t.stride())
-    return t.full_tensor()
+    return gather(t)

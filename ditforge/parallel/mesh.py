@@ -15,10 +15,12 @@ from ditforge.errors import UserError
 
 @dataclass
 class Dist:
-    """Where this process stands: its rank, the world size, its device, the 1-D mesh over all processes
-    (``mesh``, dim ``dp``: parameters, gradients and checkpoints are sharded or reduced over every process),
-    and, under sequence parallelism, its place on the 2-D mesh ``sp_mesh`` (dims ``dp``, ``sp``): processes
-    of one ``sp`` group share each sample, split along its tokens; the ``dp`` coordinate picks the samples.
+    """Where this process stands: its rank, the world size, its device, the 1-D mesh ``mesh`` over which
+    parameters, gradients and checkpoints are sharded or reduced (every process; under tensor parallelism, the
+    processes that hold the same slices of the weights: one per ``tp`` group), and, under sequence parallelism,
+    its place on the 2-D mesh ``sp_mesh`` (dims ``dp``, ``sp``): processes of one ``sp`` group share each sample,
+    split along its tokens; the ``dp`` coordinate picks the samples. Under tensor parallelism ``tp_mesh`` (1-D,
+    dim ``tp``) holds the processes that split each block's weights and see the same samples.
 
     ``mesh`` is None in a single process (no process group is created then).
     """
@@ -29,19 +31,26 @@ class Dist:
     device: torch.device = torch.device("cpu")
     mesh: DeviceMesh | None = None
     sp_mesh: DeviceMesh | None = None
+    tp_mesh: DeviceMesh | None = None
 
     @property
     def sp_size(self) -> int:
         return self.sp_mesh["sp"].size() if self.sp_mesh is not None else 1
 
     @property
+    def tp_size(self) -> int:
+        return self.tp_mesh.size() if self.tp_mesh is not None else 1
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel width: how many different slices of the global batch are processed at once."""
-        return self.world_size // self.sp_size
+        return self.world_size // (self.sp_size * self.tp_size)
 
     @property
     def dp_rank(self) -> int:
-        return self.sp_mesh["dp"].get_local_rank() if self.sp_mesh is not None else self.rank
+        if self.sp_mesh is not None:
+            return self.sp_mesh["dp"].get_local_rank()
+        return self.mesh.get_local_rank() if self.tp_mesh is not None else self.rank
 
     @property
     def is_main(self) -> bool:
@@ -52,10 +61,13 @@ class Dist:
             dist.barrier()
 
 
-def init_distributed(device: str = "auto", sequence_parallel_size: int = 1, group_of_one: bool = False) -> Dist:
+def init_distributed(device: str = "auto", sequence_parallel_size: int = 1, group_of_one: bool = False,
+                     tensor_parallel_size: int = 1) -> Dist:
     """Join the process group torchrun set up (NCCL on GPUs, gloo on CPUs) and build a 1-D ``dp`` mesh, and
     with ``sequence_parallel_size`` > 1 the 2-D (``dp``, ``sp``) mesh, consecutive ranks in one ``sp`` group
-    (on one host first: sequence parallelism communicates every layer).
+    (on one host first: sequence parallelism communicates every layer). With ``tensor_parallel_size`` > 1 the
+    world is the 3-D mesh (``dp``, ``sp``, ``tp``), consecutive ranks in one ``tp`` group (it communicates twice
+    per block); ``mesh`` is then its (``dp``, ``sp``) part flattened, over which FSDP2 shards.
 
     Without torchrun (WORLD_SIZE unset or 1) returns a single-process ``Dist`` and starts nothing, unless
     ``group_of_one`` (FSDP2 in one process, for ``--cpu_offload all``): then a process group of this process
@@ -67,6 +79,9 @@ def init_distributed(device: str = "auto", sequence_parallel_size: int = 1, grou
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % sequence_parallel_size:
         raise UserError(f"--sequence_parallel_size {sequence_parallel_size} does not divide the {world} processes")
+    if world % (sequence_parallel_size * tensor_parallel_size):
+        raise UserError(f"--tensor_parallel {tensor_parallel_size} x --sequence_parallel_size "
+                        f"{sequence_parallel_size} does not divide the {world} processes")
     if world == 1 and not group_of_one:
         return Dist(device=resolve_device(device))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -80,11 +95,17 @@ def init_distributed(device: str = "auto", sequence_parallel_size: int = 1, grou
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             dist.init_process_group(backend)
+    sp, tp = sequence_parallel_size, tensor_parallel_size
+    if tp > 1:
+        world_mesh = init_device_mesh(dev.type, (world // (sp * tp), sp, tp), mesh_dim_names=("dp", "sp", "tp"))
+        sp_mesh = world_mesh["dp", "sp"] if sp > 1 else None
+        mesh = world_mesh["dp", "sp"]._flatten("dp_sp") if sp > 1 else world_mesh["dp"]
+        return Dist(rank=rank, world_size=world, local_rank=local_rank, device=dev, mesh=mesh, sp_mesh=sp_mesh,
+                    tp_mesh=world_mesh["tp"])
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
     sp_mesh = None
-    if sequence_parallel_size > 1:
-        sp_mesh = init_device_mesh(dev.type, (world // sequence_parallel_size, sequence_parallel_size),
-                                   mesh_dim_names=("dp", "sp"))
+    if sp > 1:
+        sp_mesh = init_device_mesh(dev.type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
     return Dist(rank=rank, world_size=world, local_rank=local_rank, device=dev, mesh=mesh, sp_mesh=sp_mesh)
 
 

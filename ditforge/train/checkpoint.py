@@ -59,6 +59,7 @@ from ditforge.atomic import atomic_path
 from ditforge.errors import UserError
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
+from ditforge.parallel.tensor import checkpoint_layout, restore_from
 from ditforge.train.guard import WriteFailed, rank_failures, space_error, write_failure
 
 # DCP says so whenever it runs without a process group, which is how one process saves and loads on purpose.
@@ -121,8 +122,14 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA,
                    adapters_only: bool = False) -> dict[str, Any]:
-    """The state DCP saves and loads in place: model and optimizer by plain parameter names, and the EMA.
+    """The state DCP saves: model and optimizer by plain parameter names, and the EMA, each tensor in the layout of
+    a model without tensor parallelism (``parallel.tensor.checkpoint_layout``: a copy of the fused projections
+    that tensor parallelism keeps blocked; every other tensor is the training object's own, loaded in place).
     ``adapters_only`` (LoRA): the model's trainable parameters alone; the frozen base comes from ``--init_from``."""
+    return checkpoint_layout(_own_state(model, optimizer, ema, adapters_only))[0]
+
+
+def _own_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA, adapters_only: bool) -> dict[str, Any]:
     options = StateDictOptions(ignore_frozen_params=adapters_only)
     return {
         "model": get_model_state_dict(model, options=options),
@@ -471,12 +478,14 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
         UserError: unreadable checkpoint, or one whose tensors do not fit the configured model.
     """
     meta = read_meta(ckpt)
-    state = training_state(model, optimizer, ema, adapters_only)
+    state = _own_state(model, optimizer, ema, adapters_only)
+    saved, moved = checkpoint_layout(state)
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(),
+        dcp.load(saved, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(),
                  no_dist=not dist.is_initialized())
     except (CheckpointException, RuntimeError, ValueError, KeyError) as e:  # DCP's mismatch errors vary
         raise UserError(f"--resume: {ckpt} does not fit the configured model ({_describe(e)})") from None
+    restore_from(moved)  # the fused projections' canonical rows back into the blocked tensors of ``state``
     options = StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
     set_model_state_dict(model, state["model"], options=options)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)

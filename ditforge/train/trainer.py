@@ -353,7 +353,8 @@ def train(cfg: RunConfig) -> Path:
         raise UserError("--sequence_parallel_size: fine-tuning a diffusers pipeline's transformer does not split its "
                         "tokens yet; shard a large one with --plugin fsdp, or split its sampling")
     d = init_distributed(cfg.train.device, cfg.parallel.sequence_parallel_size,
-                         group_of_one=cfg.train.cpu_offload == "all")  # FSDP2 offloads, even in one process
+                         group_of_one=cfg.train.cpu_offload == "all",  # FSDP2 offloads, even in one process
+                         tensor_parallel_size=cfg.parallel.tensor_parallel)
     try:
         with contextlib.ExitStack() as held:
             return _train(cfg, d, held)

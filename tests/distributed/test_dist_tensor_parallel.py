@@ -1,0 +1,171 @@
+"""Tensor parallelism (``--tensor_parallel``, ``parallel.tensor``) against one process: gloo processes that split
+every block's attention heads and MLP units under FSDP2 (a ``dp`` x ``tp`` mesh: 1 x 2, and 2 x 2 built on the
+meta device and initialised shard by shard) train the same model on the same global batch as one process does:
+after two AdamW steps with gradient clipping they hold the same weights (gathered back into the canonical q, k, v
+order) to fp32 tolerance, with the same losses and gradient norms. Checkpoints reshard across tensor-parallel
+sizes: the one-process run's checkpoint resumes under tensor parallelism (weights, AdamW moments and EMA equal),
+one more step stays equal, and the tensor-parallel checkpoint of that step loads back into one process. The
+text-conditioned DiT with qk-norm covers the fused ``qkv`` and cross-attention's ``kv_linear``, STDiT its temporal
+attention.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dist_helpers import free_port
+
+# fp32 on the CPU: the split products sum in another order (~1e-7), and AdamW turns a gradient near 0 into a step of
+# up to lr (1e-3) whatever its rounding, so a weight may differ by a small part of one step: 1e-5 is 1% of it
+ATOL, RTOL = 1e-5, 1e-5
+GLOBAL_BATCH = 4
+
+
+def _data(name: str, kw: dict):
+    g = torch.Generator().manual_seed(7)
+    shape = (4, kw["num_frames"], 8, 8) if "num_frames" in kw else (4, 8, 8)
+    x = torch.randn((GLOBAL_BATCH, *shape), generator=g)
+    if "text_dim" in kw:
+        mask = torch.arange(5) < torch.randint(1, 6, (GLOBAL_BATCH, 1), generator=g)
+        cond = {"y": torch.randn(GLOBAL_BATCH, 5, kw["text_dim"], generator=g) * mask[..., None], "y_mask": mask}
+    else:
+        cond = {"y": torch.randint(0, 10, (GLOBAL_BATCH,), generator=g)}
+    return x, cond, shape
+
+
+def _trainer(model):
+    from ditforge.diffusion import create_diffusion
+    from ditforge.parallel.ema import EMA
+
+    return create_diffusion(None), torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01), EMA(model)
+
+
+def _train(model, parts, d, x, cond, shape, steps):
+    from ditforge.train.trainer import step_randomness, train_step
+
+    diffusion, opt, ema = parts
+    b = GLOBAL_BATCH // d.dp_size
+    rows = slice(d.dp_rank * b, (d.dp_rank + 1) * b)
+    terms = []
+    for step in steps:
+        rnd = step_randomness(0, step, GLOBAL_BATCH, shape, diffusion, 0.1, d.device, d.dp_rank, d.dp_size)
+        out = train_step(model, diffusion, opt, None, [(x[rows], {k: v[rows] for k, v in cond.items()}, rnd)],
+                         torch.float32, 0.05, d)  # max norm 0.05: the clipping scales every step
+        ema.update(model, 0.9)
+        terms.append((out["loss"], out["grad_norm"]))
+    return terms
+
+
+def _full_state(model, parts) -> dict[str, torch.Tensor]:
+    """Weights, AdamW moments and EMA, gathered whole in canonical layout (a collective under parallelism)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from ditforge.parallel.ema import canonical_name
+    from ditforge.parallel.tensor import full_tensor
+
+    state = {f"w.{canonical_name(n)}": full_tensor(canonical_name(n), p.detach()) for n, p in model.named_parameters()}
+    for n, s in get_optimizer_state_dict(model, parts[1])["state"].items():
+        state.update({f"{k}.{n}": full_tensor(n, v) for k, v in s.items() if k.startswith("exp_avg")})
+    return state | {f"ema.{k}": v for k, v in parts[2].full_state_dict().items()}
+
+
+def _assert_states_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=ATOL, rtol=RTOL, msg=lambda m: f"{k}: {m}")
+
+
+def _create(name, kw, device):
+    """The model with two blocks (the split is per block), built on the meta device and, unless ``device`` is
+    meta, materialised there as ``create_model(device=)`` does."""
+    from ditforge.models import create_model
+
+    model = create_model(name, 8, 4, 10, device="meta", **kw)
+    model.blocks = model.blocks[:2]
+    if device != "meta":
+        model.initialize_weights(device)
+    return model
+
+
+def _build(name, kw, d, plugin, meta, seed):
+    from ditforge.parallel import init_sharded, parallelize
+
+    torch.manual_seed(seed)
+    if not meta:
+        return parallelize(_create(name, kw, "cpu"), d, plugin)
+    skeleton = _create(name, kw, "meta")  # each process initialises only its shards
+    model = parallelize(copy.deepcopy(skeleton), d, plugin)
+    torch.manual_seed(seed)
+    init_sharded(model, skeleton, d)
+    return model
+
+
+def _worker(rank: int, port: int, world: int, tp: int, plugin: str, meta: bool, name: str, kw: dict,
+            tmp: str) -> None:
+    import torch.distributed as dist
+
+    from ditforge.parallel.mesh import Dist, init_distributed, shutdown
+    from ditforge.train import checkpoint as ckpt_io
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    d = init_distributed("cpu", tensor_parallel_size=tp)
+    try:
+        assert d.tp_size == tp and d.dp_size == world // tp
+        x, cond, shape = _data(name, kw)
+        torch.manual_seed(3)
+        reference = _create(name, kw, "cpu")  # drawn as a meta build draws
+        ref_parts = _trainer(reference)
+        model = _build(name, kw, d, plugin, meta, 3)
+        parts = _trainer(model)
+        local = sum(p.to_local().numel() for p in model.parameters())
+        assert local < 0.8 * sum(p.numel() for p in reference.parameters()), local  # sharded
+        got = _train(model, parts, d, x, cond, shape, range(2))
+        want = _train(reference, ref_parts, Dist(), x, cond, shape, range(2))
+        for (loss, norm), (loss_1, norm_1) in zip(got, want):
+            loss = loss.clone()
+            dist.all_reduce(loss)  # every process's mean over its samples; tp copies are alike
+            torch.testing.assert_close(loss / world, loss_1, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(norm, norm_1, atol=1e-6, rtol=1e-5)
+        _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
+
+        # one process's checkpoint -> a fresh tensor-parallel model (other seed), one more step on each
+        if rank == 0:
+            ckpt_io.Checkpointer(Path(tmp) / "one", 1, False, Dist()).save(
+                2, ckpt_io.training_state(reference, ref_parts[1], ref_parts[2]), {})
+        dist.barrier()
+        model = _build(name, kw, d, plugin, meta, 11)
+        parts = _trainer(model)
+        ckpt_io.load_training_state(Path(tmp) / "one" / "checkpoints" / "step-0000002", model, parts[1], parts[2])
+        _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
+        _train(model, parts, d, x, cond, shape, [2])
+        _train(reference, ref_parts, Dist(), x, cond, shape, [2])
+        _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
+        # ... and its checkpoint, for the parent to load into one process
+        ckpt_io.Checkpointer(Path(tmp) / "tp", 1, False, d).save(3, ckpt_io.training_state(model, *parts[1:]), {})
+        if rank == 0:
+            torch.save(_full_state(reference, ref_parts), Path(tmp) / "want.pt")
+    finally:
+        shutdown(d)
+
+
+CASES = [(2, 2, "zero2", False, "DiT-S/2", dict(text_dim=16, qk_norm=True)),
+         (4, 2, "fsdp", True, "STDiT-S/2", dict(num_frames=2))]
+
+
+@pytest.mark.parametrize("world,tp,plugin,meta,name,kw", CASES, ids=["dp1xtp2-zero2", "dp2xtp2-fsdp-meta"])
+def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path, world, tp, plugin, meta, name, kw):
+    from ditforge.train import checkpoint as ckpt_io
+
+    mp.spawn(_worker, args=(free_port(), world, tp, plugin, meta, name, kw, str(tmp_path)), nprocs=world, join=True)
+    model = _create(name, kw, "cpu")
+    parts = _trainer(model)
+    ckpt_io.load_training_state(tmp_path / "tp" / "checkpoints" / "step-0000003", model, parts[1], parts[2])
+    _assert_states_equal(_full_state(model, parts), torch.load(tmp_path / "want.pt"))
