@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from timing import max_over_ranks
+
 from ditforge.diffusion import create_diffusion
 from ditforge.models import create_model
 from ditforge.parallel import parallelize
@@ -27,13 +29,6 @@ from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train.trainer import step_randomness, train_step
-
-
-def max_over_ranks(value: float, device) -> float:
-    t = torch.tensor([value], device=device, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def run_plugin(d, plugin, model_name, batch_per_gpu, steps, warmup, save_dir):

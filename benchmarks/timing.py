@@ -1,5 +1,6 @@
 """What the benchmark scripts share: GPU timing (warm up, CUDA events or CUDA graphs, medians; kernel time from
-torch.profiler), the host-sync counter, and the image fidelity measures (PSNR, SSIM) of the sampling rows."""
+torch.profiler; the slowest rank's figure), the host-sync counter, and the image fidelity measures (PSNR, SSIM) of
+the sampling rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest ``value`` over the processes of the default group (``value`` itself without one)."""
+    t = torch.tensor([value], device=device, dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t)
 
 
 def cuda_median_ms(fn: Callable[[], object], steps: int = 20, warmup: int = 5, inner: int = 1) -> float:
