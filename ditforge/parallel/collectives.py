@@ -30,6 +30,11 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
+# Eager inside compiled blocks (a graph break on each side). Traced by torch.compile on CUDA (torch 2.11, NCCL), the
+# collectives inside these autograd Functions gave the right forward but no gradient: the qkv gradient of a compiled
+# Ulysses block was exactly 0 on 4 H200s, while eager it equals one GPU's to bf16 rounding (2026-11-28; gloo on the
+# CPU traced them correctly). The attention around them is one SDPA kernel either way.
+@torch.compiler.disable
 def all_to_all(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Autograd-aware equal-split all-to-all over dim 0 of ``x`` (size P = group size), see ``_AllToAll``."""
     return _AllToAll.apply(x, group)

@@ -99,6 +99,7 @@ class SequenceShard:
         """Forward hook of the final layer: this process's (B, n, P*C) -> the whole (B, N, P*C)."""
         return _GatherSequence.apply(out, self.group)[:, :self.length]
 
+    @torch.compiler.disable  # eager inside compiled blocks: see collectives.all_to_all (the same for every variant)
     def attention(self, x: torch.Tensor, project: Projection) -> torch.Tensor:
         """The ``ops.self_attention`` of this process's tokens x (B, n, D) -> (B, H, n, Dh)."""
         if self.variant == "fastseq":
