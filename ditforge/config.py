@@ -275,7 +275,7 @@ class ParallelConfig:
                                         "videos); the other factor of the world size is data parallelism")
     tensor_parallel: int = _f(1, "split every block's attention heads and MLP over this many processes "
                                  "(Megatron-LM's tensor parallelism, on DTensor; ditforge's DiTs); the world size is "
-                                 "data x sequence x tensor parallel, FSDP2 shards over the data-parallel part")
+                                 "data x tensor parallel, FSDP2 shards over the data-parallel part")
     sequence_parallel_type: str = _f("auto", "how split sequences attend: ulysses (all-to-all to split heads) | "
                                              "ring (K/V passed around a ring) | fastseq (OpenDiT's: all-gathered "
                                              "attention input, heads split; fastseq_kv when they do not divide) | "
@@ -528,6 +528,9 @@ def _check_tensor_parallel(cfg: RunConfig) -> None:
               (f"--optimizer {t.optimizer}", t.optimizer != "adamw"),
               (f"--master_weights {t.master_weights}", t.master_weights != "fp32"),
               (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin == "ddp"),
+              # the (dp, sp, tp) mesh exists, but the pair is not tested yet
+              (f"--sequence_parallel_size {cfg.parallel.sequence_parallel_size}",
+               cfg.parallel.sequence_parallel_size > 1),
               (f"--sequence_parallel_type {cfg.parallel.sequence_parallel_type}",
                cfg.parallel.sequence_parallel_type.startswith("fastseq"))]
     clash = next((flag for flag, on in others if on), None)
