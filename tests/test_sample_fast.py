@@ -107,7 +107,7 @@ def test_fp8_sampling_layers_are_the_float8_rounded_products(monkeypatch):
     emulation (weight rounded to e4m3 per output channel, input per row) up to its bf16 output rounding, which
     is far below float8's own rounding (the distance to the exact float32 product); the whole model stays
     within 5% of float32. On the CPU (Triton's interpreter; torch's CPU ``_scaled_mm``) the GPU check is
-    bypassed. DiT-S/2 is cut to 4 of its 12 blocks: each block's float8 layers run under the interpreter, and
+    bypassed. DiT-S/2 is cut to 2 of its 12 blocks: each block's float8 layers run under the interpreter, and
     every block has the same four."""
     from ditforge import models, parallel
     from ditforge.ops.fp8 import RowwiseFloat8Linear
@@ -117,16 +117,16 @@ def test_fp8_sampling_layers_are_the_float8_rounded_products(monkeypatch):
         monkeypatch.setattr(parallel, "fp8_unavailable", lambda device, inference=False: None)
     elif parallel.fp8_unavailable(dev, inference=True):
         pytest.skip(parallel.fp8_unavailable(dev, inference=True))
-    monkeypatch.setitem(models.DIT_SIZES, "S", (4, 384, 6))
+    monkeypatch.setitem(models.DIT_SIZES, "S", (2, 384, 6))
     seed = int(torch.randint(0, 2**31, ()))
     exact = _model("DiT-S/2", seed=seed).to(dev)
     fp8 = prepare_model(_model("DiT-S/2", seed=seed), Dist(device=dev), "fp8")
     quantized = {n for n, m in fp8.named_modules() if isinstance(m, RowwiseFloat8Linear)}
-    assert quantized == {f"blocks.{i}.{n}" for i in range(4) for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    assert quantized == {f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
     g = torch.Generator(dev).manual_seed(seed)
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
     for name in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"):
-        fc, ref = fp8.blocks[3].get_submodule(name), exact.blocks[3].get_submodule(name)
+        fc, ref = fp8.blocks[1].get_submodule(name), exact.blocks[1].get_submodule(name)
         x = torch.randn(64, fc.in_features, generator=g, device=dev).bfloat16()
         with torch.no_grad():
             got = fc(x).float()
@@ -140,7 +140,7 @@ def test_fp8_sampling_layers_are_the_float8_rounded_products(monkeypatch):
     with torch.no_grad():
         whole = rel(fp8(x, t, y).float(), exact(x, t, y))
     assert 1e-3 < whole < 0.05, (seed, whole)  # torchao's path measured 1.6-2.3% (H200, 3 seeds, 12 blocks);
-    # 4 blocks on the CPU: 0.98-1.07% (2 seeds)
+    # 2 blocks on the CPU: 0.80-1.05% (2 seeds)
 
 
 class _Counting(torch.nn.Module):
