@@ -49,12 +49,12 @@
 #                       ROWS (default noema,8bit,sr,capped) with --grad_checkpoint CKPT (default every-2) under
 #                       8 GiB, the plain row again
 #   multi-gpu           multi_gpu.py on 1 GPU, then on every GPU of the host, then the table
-#   scale [ROWS]        issue 45's large-DiT rows on every GPU of the host through scale.py, one torchrun a row, into
-#                       scale_<GPUs>gpu.json: ROWS (default "7b8k 7b8k_b2 7b64k") of 7b8k (vDiT-7B/222, 512 px x 16
+#   scale [ROWS]        issue 45's large-DiT rows on every GPU of the host through multi_gpu.py, one torchrun a row,
+#                       into scale_<GPUs>gpu.json: ROWS (default "7b8k 7b8k_b2 7b64k") of 7b8k (vDiT-7B/222, 512 px x 16
 #                       latent frames: 8,192 tokens; zero2, batch 1), 7b8k_b2 (zero2, batch 2, op checkpointing),
 #                       7b64k (1,024 px x 32 frames: 65,536 tokens; fsdp, Ulysses over all GPUs, full checkpointing),
 #                       7b8k_tp2 (zero2 over 2 x --tensor_parallel 2, batch 2 per data-parallel group), 7b64k_ring
-#                       (7b64k with ring attention)
+#                       (7b64k with ring attention); all with fast attention, compile, EMA, 5 steps after 3
 #
 # Results land in $OUT (default benchmarks/results). Wheels the machine lacks (diffusers, bitsandbytes, torchao;
 # peft, ftfy and its wcwidth for finetune-wan:
@@ -219,17 +219,18 @@ multi-gpu)
     ;;
 scale)
     n=$(python3 -c "import torch; print(torch.cuda.device_count())")
-    run_row() { torchrun --standalone --nproc_per_node "$n" benchmarks/scale.py --json "$out/scale_${n}gpu.json" "$@" \
-        2>&1 | grep -E "^\{|Error" | cut -c1-600; }
+    run_row() { torchrun --standalone --nproc_per_node "$n" benchmarks/multi_gpu.py --json "$out/scale_${n}gpu.json" \
+        --model vDiT-7B/222 --image_size 512 --num_frames 16 --enable_flashattn --compile default --save_plugin "" \
+        --steps 5 --warmup 3 "$@" 2>&1 | grep -E "^\{|Error" | cut -c1-600; }
     for row in ${2:-7b8k 7b8k_b2 7b64k}; do
         case $row in
-        7b8k) run_row --plugin zero2 --batch_per_gpu 1 ;;
-        7b8k_b2) run_row --plugin zero2 --batch_per_gpu 2 --grad_checkpoint op ;;
-        7b64k) run_row --image_size 1024 --num_frames 32 --plugin fsdp --sequence_parallel_size "$n" \
-            --grad_checkpoint full ;;
-        7b64k_ring) run_row --image_size 1024 --num_frames 32 --plugin fsdp --sequence_parallel_size "$n" \
-            --sequence_parallel_type ring --grad_checkpoint full ;;
-        7b8k_tp2) run_row --plugin zero2 --tensor_parallel 2 --batch_per_gpu 2 ;;
+        7b8k) run_row --plugins zero2 --batch_per_gpu 1 ;;
+        7b8k_b2) run_row --plugins zero2 --batch_per_gpu 2 --grad_checkpoint op ;;
+        7b64k) run_row --image_size 1024 --num_frames 32 --plugins fsdp --batch_per_gpu 1 \
+            --sequence_parallel_size "$n" --grad_checkpoint full ;;
+        7b64k_ring) run_row --image_size 1024 --num_frames 32 --plugins fsdp --batch_per_gpu 1 \
+            --sequence_parallel_size "$n" --sequence_parallel_type ring --grad_checkpoint full ;;
+        7b8k_tp2) run_row --plugins zero2 --tensor_parallel 2 --batch_per_gpu 2 ;;
         *) echo "unknown scale row $row" ;;
         esac
     done
