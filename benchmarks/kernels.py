@@ -13,6 +13,14 @@
     gated residual, LayerNorm, modulate and the quantization in one pass; and without the residual) over its
     configurations, against the same PyTorch ops compiled by inductor (multi-kernel reductions on, as sampling
     compiles them) followed by ``quantize_rows``. Each launch timed inside a CUDA graph (``timing.graph_us``).
+``fp8-train``: is float8 training worth it at a width? One DiT block (``models.dit.DiTBlock``: qkv, attention,
+    proj, MLP 4x, adaLN-Zero; heads of 128, 72 at 1152 as DiT-XL's), fp32 weights under bf16 autocast, compiled,
+    forward + backward over B = 1 x ``--tokens`` tokens through the fast attention, in bf16 and with its linear
+    layers as torchao's float8 training linears (``parallel.apply_fp8``, each ``--recipes``), for each width of
+    ``--widths``. The ratio bf16 / float8 per width is what ``--fp8_min_width`` (``config.FP8_MIN_WIDTH``) is
+    set from: float8 where it is above 1. Median of 10 (CUDA events, 3 calls each) after 5 warm-up calls; the
+    float8 outputs' relative error against bf16 is printed beside them, and the GPU kernel time of each by kind
+    (``timing.kernel_kind``: matrix products, attention, inductor's fused kernels, which hold the float8 casts).
 ``ring-attention``: one block of ring attention (``parallel.sequence.ring``), forward and backward, through each
     fused kernel the ring can call (FlashAttention-2's and cuDNN's aten ops with the log-sum-exp), B = 1, bf16, for
     Nq = Nk in ``--tokens``. Checks first, per length: the kernels' outputs and lse against each other, and the
@@ -22,6 +30,7 @@
 
     PYTHONPATH=. python benchmarks/kernels.py adaln --out benchmarks/results/single_gpu/adaln_kernels.json
     PYTHONPATH=. python benchmarks/kernels.py fp8 --out benchmarks/results/sampling/quant_kernel_h100.json
+    PYTHONPATH=. python benchmarks/kernels.py fp8-train --out benchmarks/results/single_gpu/fp8_train_widths.json
     PYTHONPATH=. python benchmarks/kernels.py ring-attention --out benchmarks/results/attention_blocks_h100.json
 """
 
@@ -35,7 +44,7 @@ from datetime import datetime
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from timing import cuda_median_ms, graph_us
+from timing import cuda_kernels, cuda_median_ms, graph_us, kernel_kind
 
 from ditforge.ops.modulate import gated_residual_reference, layernorm_modulate_reference
 
@@ -184,6 +193,69 @@ def fp8_layernorm(B: int, residual: bool, N: int = 256, D: int = 1152) -> dict:
 HEADS, DH = 16, 72
 
 
+def fp8_train(args) -> dict:
+    import copy
+
+    from torch import nn
+
+    from ditforge.models.dit import DiTBlock
+    from ditforge.ops.attention import set_attention_backend
+    from ditforge.parallel import apply_fp8
+
+    dev = torch.device("cuda")
+    set_attention_backend("fast", dev)
+    recipes = args.recipes.split(",")
+    rows = []
+    for width in (int(w) for w in args.widths.split(",")):
+        torch.manual_seed(0)
+        base = nn.Module()  # apply_fp8 converts the layers under "blocks."
+        base.blocks = nn.ModuleList([DiTBlock(width, 16 if width == 1152 else width // 128)]).to(dev)
+        for p in base.parameters():  # adaLN-Zero's zeros would leave the MLP and attention without gradients
+            nn.init.normal_(p, std=width ** -0.5)
+        x = torch.randn(1, args.tokens, width, device=dev, requires_grad=True)
+        c, dy = torch.randn(1, width, device=dev), torch.randn(1, args.tokens, width, device=dev)
+        row, ref = dict(width=width, tokens=args.tokens), None
+        for mode in ["bf16", *recipes]:
+            model = copy.deepcopy(base)
+            if mode != "bf16":
+                row[f"{mode}_layers"] = apply_fp8(model, dev, recipe=mode)
+            block = torch.compile(model.blocks[0])
+
+            def fwd_bwd():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = block(x, c)
+                y.backward(dy)
+                return y
+
+            out = fwd_bwd().detach().float()
+            if ref is None:
+                ref = out
+            row[f"{mode}_ms"] = cuda_median_ms(fwd_bwd, steps=10, warmup=5, inner=3)
+            row[f"{mode}_rel_err"] = ((out - ref).norm() / ref.norm()).item()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fwd_bwd()
+                torch.cuda.synchronize()
+            kinds = row[f"{mode}_kernel_ms"] = {}
+            for ms, name in cuda_kernels(prof):
+                kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms / 3
+            if mode != "bf16":
+                row[f"{mode}_speedup"] = row["bf16_ms"] / row[f"{mode}_ms"]
+            torch._dynamo.reset()
+        rows.append(row)
+        print(f"| {width} GPU kernel ms by kind | " + " | ".join(
+            ", ".join(f"{k} {v:.2f}" for k, v in sorted(row[f"{m}_kernel_ms"].items(), key=lambda kv: -kv[1]))
+            for m in ["bf16", *recipes]) + " |", flush=True)
+        print(f"| {width} | {row['bf16_ms']:.2f} | " + " | ".join(
+            f"{row[r + '_ms']:.2f} ({row[r + '_speedup']:.2f}x, err {row[r + '_rel_err']:.3f})" for r in recipes)
+            + " |", flush=True)
+    import torchao
+
+    env = dict(date=datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
+               torch=torch.__version__, torchao=torchao.__version__, cuda=torch.version.cuda)
+    return dict(env=env, rows=rows)
+
+
 def ring_block(n: int) -> dict:
     """One row of the ``ring-attention`` table: n query and key tokens."""
     from ditforge.parallel.sequence.ring import fused_block_backward, fused_block_forward
@@ -231,13 +303,17 @@ def ring_attention(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="kernel", required=True)
-    for name in ("adaln", "fp8", "ring-attention"):
+    for name in ("adaln", "fp8", "fp8-train", "ring-attention"):
         s = sub.add_parser(name)
         s.add_argument("--out", help="JSON file")
         if name == "ring-attention":
             s.add_argument("--tokens", default="4096,16384,32768")
+        if name == "fp8-train":
+            s.add_argument("--widths", default="1152,2048,3072,4096")
+            s.add_argument("--recipes", default="tensorwise,rowwise")
+            s.add_argument("--tokens", type=int, default=8192)
     args = p.parse_args()
-    result = {"adaln": adaln, "fp8": fp8, "ring-attention": ring_attention}[args.kernel](args)
+    result = {"adaln": adaln, "fp8": fp8, "fp8-train": fp8_train, "ring-attention": ring_attention}[args.kernel](args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

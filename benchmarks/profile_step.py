@@ -31,17 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 from ditforge.bench import ROWS, Settings, run_steps
 from ditforge.config import BenchConfig
 from ditforge.errors import UserError
-from timing import cuda_kernels, host_syncs
-
-KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor kernels on Hopper
-    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax")),
-    ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "splitk")),
-    ("adaln kernels", ("layernorm_modulate", "gated_residual")),
-    ("optimizer + ema", ("adam", "lerp", "foreach", "multi_tensor", "norm_kernel")),
-    ("layernorm", ("layer_norm", "layernorm")),
-    ("inductor fused", ("triton_",)),
-]
-
+from timing import cuda_kernels, host_syncs, kernel_kind
 
 GUARDED = [  # (optimizer path, its settings)
     ("adamw fp32, torch fused AdamW", dict(fused_optimizer=False)),
@@ -108,11 +98,6 @@ def _guarded_rows(cfg: BenchConfig, base: Settings, steps: int, device: torch.de
         print(f"| {name} | {m['step_time_s'] * 1e3:.1f} | {len(found) / steps:g} | {where} |", flush=True)
 
 
-def kind(name: str) -> str:
-    low = name.lower()
-    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other element-wise")
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="DiT-XL/2")
@@ -157,7 +142,7 @@ def main() -> None:
     total = sum(per_kernel.values())
     per_kind = defaultdict(float)
     for name, ms in per_kernel.items():
-        per_kind[kind(name)] += ms
+        per_kind[kernel_kind(name)] += ms
     print(f"{args.model} batch {cfg.batch_size}, settings {s}: GPU kernel time {total:.1f} ms per step, "
           f"wall {wall:.1f} ms per step (median, under the profiler; GPU idle {100 * (1 - total / wall):.0f}%), "
           f"host syncs {len(syncs) / args.steps:g} per step")
@@ -169,7 +154,7 @@ def main() -> None:
     print("\ntop kernels:\n| kernel | kind | ms/step |\n|---|---|---:|")
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:20]
     for name, ms in top:
-        print(f"| {name[:90]} | {kind(name)} | {ms:.2f} |")
+        print(f"| {name[:90]} | {kernel_kind(name)} | {ms:.2f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(settings=str(s), total_ms=total, wall_ms=wall, host_syncs_per_step=len(syncs) / args.steps,

@@ -11,7 +11,9 @@ of each mode against a reference and a second seed. Two suites:
     bf16_seed1  the same with --seed 1 (initialisation, data order, noise): the run-to-run noise
     fast        + --enable_flashattn --enable_modulate_kernel --compile, the one-pass optimizer step (bench row f)
     fast_no_kernels  + --enable_flashattn --compile (inductor's own norm fusion, the one-pass step)
-    fp8         fast_no_kernels + --mixed_precision fp8 (torchao's float8 linears; bench row g without the kernels)
+    fp8         fast_no_kernels + --mixed_precision fp8 --fp8_min_width 16 (torchao's float8 linears in every
+                block linear, below the width where they pay too: this checks their numerics; bench row g without
+                the kernels). Issue 45's check at width 4096: ``--model DiT-7B/2 --depth 2 --image_size 16``
 
 ``memory``: DiT-T/2 trained ``--base_steps`` steps on the built-in digits at lr 1e-3 (the base), then fine-tuned
     (``--init_from`` the base run) for ``--steps`` steps at lr 1e-4 in each mode (where bf16 weights without
@@ -37,6 +39,8 @@ of each mode against a reference and a second seed. Two suites:
 ``--modes`` picks some; the reference and its second seed always run.
 
     PYTHONPATH=. python benchmarks/quality_curves.py speed --work /tmp/sq --jobs 5 --json OUT.json --plot OUT.png
+    PYTHONPATH=. python benchmarks/quality_curves.py speed --model DiT-7B/2 --depth 2 --image_size 16 --modes fp8 \
+        --jobs 3 --work /tmp/fq --json OUT.json --plot OUT.png
     PYTHONPATH=. python benchmarks/quality_curves.py memory --work /tmp/q --json OUT.json --plot OUT.png
 
 (one GPU: speed's fast, fast_no_kernels and fp8 modes need it; on a CPU ``speed --steps 20 --modes bf16`` or
@@ -200,7 +204,7 @@ SPEED_MODES = {
     "bf16_seed1": ["--fused_optimizer", "off", "--seed", "1"],
     "fast": ["--enable_flashattn", "--enable_modulate_kernel", "--compile"],
     "fast_no_kernels": ["--enable_flashattn", "--compile"],
-    "fp8": ["--enable_flashattn", "--compile", "--mixed_precision", "fp8"],
+    "fp8": ["--enable_flashattn", "--compile", "--mixed_precision", "fp8", "--fp8_min_width", "16"],
 }
 
 MEMORY_MODES = {
@@ -243,11 +247,12 @@ def speed(args) -> None:
     # every mode after these: a later --mixed_precision (fp8) wins
     curves = run_modes(SPEED_MODES, {"bf16", "bf16_seed1", *args.modes.split(",")}, work, args.window, args.steps,
                        "--data", str(data), "--image_size", str(args.image_size), "--model", args.model,
-                       "--batch_size", "64", "--max_steps", str(args.steps), "--lr", "1e-4", "--mixed_precision",
+                       *(["--depth", str(args.depth)] if args.depth else []), "--batch_size", "64", "--max_steps", str(args.steps), "--lr", "1e-4", "--mixed_precision",
                        "bf16", "--sample_every", "0", "--log_every", "1", "--device", args.device, jobs=args.jobs)
+    model = f"{args.model}, {args.depth} blocks" if args.depth else args.model
     report(curves, "bf16", "bf16_seed1", args.window,
-           f"{args.model} on digits upsampled to {args.image_size}px, from scratch, lr 1e-4", args.json, args.plot,
-           model=args.model, image_size=args.image_size, steps=args.steps)
+           f"{model} on digits upsampled to {args.image_size}px, from scratch, lr 1e-4", args.json, args.plot,
+           model=args.model, depth=args.depth, image_size=args.image_size, steps=args.steps)
 
 
 def memory(args) -> None:
@@ -271,6 +276,7 @@ def main() -> None:
     add_options(s, "/tmp/ditforge-speed-quality", SPEED_MODES)
     s.add_argument("--model", default="DiT-S/2")
     s.add_argument("--image_size", type=int, default=32)
+    s.add_argument("--depth", type=int, default=None, help="blocks in place of the size's (train's --depth)")
     m = sub.add_parser("memory", help="the memory modes as fine-tunes")
     add_options(m, "/tmp/ditforge-lowmem-quality", MEMORY_MODES)
     m.add_argument("--base_steps", type=int, default=1000)

@@ -22,6 +22,11 @@
 #                       50; the anchor always runs 50), the 15 largest kernels of each loop
 #   fp8-kernels         the float8 tests, then kernels.py fp8 (launch configurations of the quantization passes)
 #   speed-quality       quality_curves.py speed: 2,000-step DiT-S/2 loss curves of the speed modes against bf16
+#   fp8-train           issue 45's FP8 rows: kernels.py fp8-train (a DiT block's step in bf16 and float8 by width,
+#                       the --fp8_min_width policy), then `ditforge bench --memory` vDiT-7B/222 at 8,192 tokens on one
+#                       GPU (8-bit AdamW, bf16 weights), bf16 then --mixed_precision fp8 (needs bitsandbytes, torchao)
+#   fp8-quality         quality_curves.py speed at width 4096 (DiT-7B/2 with 2 blocks, 16 px digits): 2,000-step
+#                       curves of bf16, its second seed and fp8
 #   finetune MODEL "ANCHOR_ROWS" ROWS  one model's fine-tuning rows in one job: the lowmem_finetune.py anchor rows
 #                       (e.g. "sd15/adamw_nockpt sd15/ao_offload"), then ditforge's rows through finetune.py (MODEL
 #                       sd15 | pixart | sdxl; ROWS as finetune.py names them); STEPS, LOG_EVERY and ROW_TIMEOUT
@@ -55,6 +60,9 @@
 #                       7b64k (1,024 px x 32 frames: 65,536 tokens; fsdp, Ulysses over all GPUs, full checkpointing),
 #                       7b8k_tp2 (zero2 over 2 x --tensor_parallel 2, batch 2 per data-parallel group), 7b64k_ring
 #                       (7b64k with ring attention); all with fast attention, compile, EMA, 5 steps after 3
+#
+# Row g (FP8) at width 1152 or 2048 runs with --fp8_min_width 16: every block linear in float8, as those rows were
+# measured before the width policy (which keeps them bf16).
 #
 # Results land in $OUT (default benchmarks/results). Wheels the machine lacks (diffusers, bitsandbytes, torchao;
 # peft, ftfy and its wcwidth for finetune-wan:
@@ -100,14 +108,15 @@ anchor-video)
 ablation-image)
     python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -1
     python3 benchmarks/kernels.py adaln --out "$out/adaln_kernels.json"
-    $bench --model DiT-XL/2 --image_size 256 --batch_size 64
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --fp8_min_width 16
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --compile_mode reduce-overhead --steps 10
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --grad_checkpoint op --steps 10 --warmup 3
     ;;
 ablation-video)
-    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bcdeg --steps 10 --warmup 3
+    $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows bcdeg --steps 10 --warmup 3 \
+        --fp8_min_width 16
     $bench --model vDiT-XL/222 --num_frames 16 --image_size 256 --batch_size 8 --rows c --steps 10 --warmup 3
-    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bceg --steps 10 --warmup 3
+    $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bceg --steps 10 --warmup 3 --fp8_min_width 16
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcd --steps 2 --warmup 1 --find_max_batch
     ;;
 profile)
@@ -118,7 +127,7 @@ profile)
 fp8-step)
     echo "row g: --fp8_recipe ${2:-rowwise}"
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcdefg --fp8_recipe "${2:-rowwise}" --steps 10 \
-        --warmup 3 --anchor .anchors/plain_dit_train.py 2>&1 | rows_only
+        --warmup 3 --fp8_min_width 16 --anchor .anchors/plain_dit_train.py 2>&1 | rows_only
     ;;
 t2v)
     $bench --model "${2:?model}" --batch_size 8 --num_frames 16 --image_size 256 --text_dim 4096 --text_tokens 120 \
@@ -144,6 +153,15 @@ fp8-kernels)
 speed-quality)
     python3 benchmarks/quality_curves.py speed --work /tmp/speed_quality --jobs 5 --json "$out/speed_quality.json" \
         --plot "$out/speed_quality.png"
+    ;;
+fp8-train)
+    python3 benchmarks/kernels.py fp8-train --out "$out/fp8_train_widths.json"
+    $bench --memory --model vDiT-7B/222 --image_size 512 --num_frames 16 --batch_size 1 \
+        --memory_rows noema,8bit,bf16,fp8 --steps 5 --warmup 3 2>&1 | rows_only
+    ;;
+fp8-quality)
+    python3 benchmarks/quality_curves.py speed --model DiT-7B/2 --depth 2 --image_size 16 --modes fp8 --jobs 3 \
+        --work /tmp/fp8_quality --json "$out/fp8_quality.json" --plot "$out/fp8_quality.png"
     ;;
 finetune)
     model=${2:?model} anchors=${3-} rows=${4-}

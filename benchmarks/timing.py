@@ -78,6 +78,22 @@ def cuda_kernels(prof: torch.profiler.profile) -> list[tuple[float, str]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+KERNEL_KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor kernels on Hopper
+    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax")),
+    ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "splitk")),
+    ("adaln kernels", ("layernorm_modulate", "gated_residual")),
+    ("optimizer + ema", ("adam", "lerp", "foreach", "multi_tensor", "norm_kernel")),
+    ("layernorm", ("layer_norm", "layernorm")),
+    ("inductor fused", ("triton_",)),
+]
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel by its name (``KERNEL_KINDS``; "other element-wise" if none matches)."""
+    low = name.lower()
+    return next((k for k, keys in KERNEL_KINDS if any(s in low for s in keys)), "other element-wise")
+
+
 def print_top_kernels(prof: torch.profiler.profile, n: int, title: str) -> None:
     """Print where a torch.profiler profile's GPU time went: the total and its ``n`` largest kernels (ms, share)."""
     kernels = sorted(cuda_kernels(prof), reverse=True)

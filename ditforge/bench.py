@@ -122,6 +122,7 @@ MEMORY_ROWS: list[tuple[str, str, dict]] = [
     ("bf16", "+ Kahan bf16 weights (--master_weights bf16)", {"master_weights": "bf16"}),
     ("sr", "stochastically rounded bf16 weights instead (--master_weights bf16_sr)", {"master_weights": "bf16_sr"}),
     ("fused", "+ optimizer step in the backward (--fused_backward_pass)", {"fused_backward_pass": True}),
+    ("fp8", "+ FP8 linears (--mixed_precision fp8)", {"precision": "fp8"}),
     ("offload", "+ optimizer states in host memory (--cpu_offload optimizer)", {"cpu_offload": True}),
     ("capped", "+ --gpu_memory_budget", {"budget": True}),
     ("capped_ckpt", "+ activation checkpointing (full)", {"grad_checkpoint": "full"}),
@@ -182,6 +183,7 @@ def _build(cfg: BenchConfig, s: Settings, device: torch.device):
     model = parallelize(model, Dist(device=device), "none", s.grad_checkpoint or cfg.grad_checkpoint,
                         cfg.compile_mode if s.compile else "none", s.attention,
                         enable_modulate_kernel=s.kernels, fp8=cfg.fp8_recipe if s.precision == "fp8" else None,
+                        fp8_min_width=cfg.fp8_min_width,
                         fused_backward_pass=s.fused_backward_pass)
     return model, amp, flops, tokens, shape
 

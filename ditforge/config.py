@@ -21,6 +21,10 @@ if typing.TYPE_CHECKING:
 
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName
+# --mixed_precision fp8 in training: float8 only in layers at least this wide on both sides, where it was measured
+# to pay (a DiT block's compiled forward + backward, bf16 against torchao's tensorwise float8, 8,192 tokens:
+# benchmarks/kernels.py fp8-train; docs/speed.md#fp8-training-by-width).
+FP8_MIN_WIDTH = 2048
 SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cast for sampling
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adafactor")
@@ -47,6 +51,8 @@ class ModelConfig:
                                  "videos vDiT-{T,S,B,L,XL,7B}/{t}{h}{w} (3-D patches, full attention, e.g. "
                                  "vDiT-XL/222) or STDiT-{T,S,B,L,XL,7B}/{p} (spatial and temporal attention, e.g. STDiT-XL/2) "
                                  "(default: DiT-T/2 for images, vDiT-T/244 for videos)")
+    depth: int | None = _f(None, "transformer blocks, in place of the --model size's (its width and heads stay): "
+                                 "e.g. --model DiT-7B/2 --depth 2 for a quick run at width 4096")
     condition: str = _f("auto", "conditioning: class (labels) | text (cross-attention to caption states) | auto "
                                 "(text for video data, class for images)", choices=CONDITIONS)
     text_encoder: str | None = _f(None, "local Hugging Face folder of the caption encoder (T5, CLIP or BERT-like; "
@@ -192,8 +198,13 @@ class TrainConfig:
     warmup_steps: int = _f(0, "linear learning-rate warm-up steps")
     max_grad_norm: float = _f(1.0, "clip the gradient norm to this (0: no clipping)")
     mixed_precision: str = _f("auto", "compute precision: fp32 | bf16 | fp16 | fp8 (bf16, with float8 matrix "
-                                      "products in the blocks' linear layers; torchao, H100-class GPU) | auto "
-                                      "(bf16 on GPU, fp32 on CPU)", choices=MIXED_PRECISION)
+                                      "products in the blocks' linear layers at least --fp8_min_width wide; "
+                                      "torchao, H100-class GPU) | auto (bf16 on GPU, fp32 on CPU)",
+                              choices=MIXED_PRECISION)
+    fp8_min_width: int = _f(FP8_MIN_WIDTH, "--mixed_precision fp8: float8 only in the blocks' linear layers whose "
+                                           "input and output widths are both at least this; narrower ones stay "
+                                           "bf16 (float8 pays from width 2048 on H100 / H200: docs/speed.md; "
+                                           "DiT-XL/2's 1152 is not)")
     fp8_recipe: str = _f("tensorwise", "scaling of --mixed_precision fp8 (torchao's float8 training recipes): "
                                        "tensorwise (one scale per tensor) | rowwise (per row of each operand, e4m3 "
                                        "everywhere) | rowwise_with_gw_hp (rowwise, the weight gradient in bf16; "
@@ -306,6 +317,7 @@ class BenchConfig:
                              "fused kernels)")
     fp8_recipe: str = _f("tensorwise", "row g's float8 scaling (as train's --fp8_recipe; rowwise_with_gw_hp needs "
                                        "row e, compile)", choices=FP8_RECIPES)
+    fp8_min_width: int = _f(FP8_MIN_WIDTH, "float8 only in layers at least this wide (as train's --fp8_min_width)")
     compile_mode: str = _f("default", "torch.compile mode of the compile rows", choices=COMPILE_MODES[1:])
     grad_checkpoint: str = _f("none", "activation checkpointing in every row: none | full | every-K | op | attn",
                               const="full")
@@ -549,7 +561,8 @@ def validate(cfg: RunConfig) -> None:
                 "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
                 "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes,
                 "num_frames": cfg.data.num_frames, "frame_interval": cfg.data.frame_interval,
-                "text_max_length": cfg.model.text_max_length}
+                "text_max_length": cfg.model.text_max_length, "depth": cfg.model.depth,
+                "fp8_min_width": t.fp8_min_width}
     for name, value in positive.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise UserError(f"--{name}: expected a positive integer, got {value!r}")

@@ -304,3 +304,19 @@ def test_sigterm_saves_and_exits_130(tmp_path):
     step = json.loads((ckpts[0] / "meta.json").read_text())["step"]
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert step >= logged[-1] >= 2  # every logged step is in the checkpoint; nothing half-done
+
+
+def test_depth_trains_resumes_and_samples_the_cut_model(tiny_argv, tmp_path, one_thread):
+    """``--depth 2`` builds the size's width and heads with 2 blocks; the checkpoint carries it, so the run
+    resumes and samples from it without the flag, and a different ``--depth`` on its ``--init_from`` is one line."""
+    from ditforge.sample.load import build_model, read_spec
+
+    run = tmp_path / "run"
+    assert cli.main(tiny_argv(run, "--model", "DiT-S/2", "--depth", "2", "--max_steps", "2")) == 0
+    state, spec = read_spec(str(run), use_ema=True)
+    model = build_model(str(run), state, spec, use_ema=True)
+    assert len(model.blocks) == 2 and model.blocks[0].attn.qkv.in_features == 384  # DiT-S: width 384
+    assert cli.main(["train", "--resume", str(run), "--max_steps", "3", "--outputs", str(tmp_path / "more")]) == 0
+    assert cli.main(["sample", "--ckpt", str(tmp_path / "more"), "--num_samples", "2", "--num_sampling_steps", "2",
+                     "--out", str(tmp_path / "grid.png")]) == 0
+    assert cli.main(tiny_argv(tmp_path / "ft", "--init_from", str(run), "--depth", "3")) == 2

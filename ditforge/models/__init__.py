@@ -86,6 +86,7 @@ def create_model(
     num_frames: int | None = None,
     text_dim: int | None = None,
     qk_norm: bool = False,
+    depth: int | None = None,
     device: torch.device | str | None = None,
     block_ready: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
@@ -102,6 +103,7 @@ def create_model(
         num_classes: number of class labels (the null label is ``num_classes``).
         num_frames: T of the (latent) video, divisible by t (STDiT: any positive T); required for vDiT and
             STDiT, must be None for DiT.
+        depth: the number of blocks in place of the size's (``--depth``), or None.
         device: build on the meta device, then materialise and initialise there one block at a time
             (``DiT.initialize_weights``); the model never is whole in host memory, nor whole in fp32 when
             ``block_ready`` casts each block. None: the ordinary build on the current default device.
@@ -118,6 +120,8 @@ def create_model(
             (``--num_frames``).
     """
     spec = model_spec(name)
+    if depth is not None:
+        spec["depth"] = depth
     common = dict(input_size=input_size, in_channels=in_channels, num_classes=num_classes, learn_sigma=learn_sigma,
                   class_dropout_prob=class_dropout_prob, text_dim=text_dim, qk_norm=qk_norm, **spec)
     if is_video_model(name):

@@ -136,22 +136,26 @@ def fp8_unavailable(device: torch.device, inference: bool = False) -> str | None
     return None
 
 
-def _big_linear(module: nn.Module, fqn: str) -> bool:
-    """The blocks' linear layers worth float8: not the adaLN regressions (M = batch rows) or the embedders, too
-    small to gain; both sides multiples of 16, as the float8 GEMMs require."""
+def fp8_layer(module: nn.Module, fqn: str, min_width: int = 16) -> bool:
+    """A transformer block's linear layer worth float8: not the adaLN regressions (M = batch rows) or the
+    embedders, too small to gain; both sides multiples of 16, as the float8 GEMMs require, and at least
+    ``min_width`` (training's policy, ``FP8_MIN_WIDTH``)."""
     return (isinstance(module, nn.Linear) and fqn.startswith("blocks.") and "adaLN" not in fqn
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            and min(module.in_features, module.out_features) >= min_width)
 
 
-def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False, recipe: str = "tensorwise") -> int:
-    """Run the transformer blocks' big linear layers (qkv, proj, fc1, fc2, cross-attention; ``_big_linear``)
-    as float8 matrix products. Returns the number of layers changed.
+def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False, recipe: str = "tensorwise",
+              min_width: int = 16) -> int:
+    """Run the transformer blocks' big linear layers (qkv, proj, fc1, fc2, cross-attention; ``fp8_layer``)
+    as float8 matrix products. Returns the number of layers changed (0 where none is ``min_width`` wide).
 
     - training (default): torchao's float8 training linears with dynamic scaling by ``recipe``
       (``Float8LinearConfig.from_recipe_name``): ``tensorwise`` (one scale per tensor; e4m3 forward, e5m2
       gradients; Micikevicius et al. 2022, "FP8 Formats for Deep Learning"), ``rowwise`` (one scale per row of
       each GEMM operand along its contraction, e4m3 throughout) or ``rowwise_with_gw_hp`` (rowwise, the weight
-      gradient's product in bf16). Parameter names, shapes and fp32 master weights do not change.
+      gradient's product in bf16). Parameter names, shapes and fp32 master weights do not change. Training
+      passes ``min_width`` = ``--fp8_min_width``: layers narrower than that stay bf16 (``FP8_MIN_WIDTH``).
     - ``inference``: ``ditforge.ops.fp8.RowwiseFloat8Linear`` in place of each layer: its bf16 weight
       (D_out, D_in) stored once as e4m3 with one scale per output channel, each activation row scaled by its
       own absolute maximum at run time by one Triton pass (for fc2, with the MLP's GELU in the same pass);
@@ -167,11 +171,12 @@ def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False, r
     if inference:
         from ditforge.ops.fp8 import to_rowwise_float8
 
-        return to_rowwise_float8(model, _big_linear)
+        return to_rowwise_float8(model, fp8_layer)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     before = sum(type(m) is nn.Linear for m in model.modules())
-    convert_to_float8_training(model, module_filter_fn=_big_linear, config=Float8LinearConfig.from_recipe_name(recipe))
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fp8_layer(m, fqn, min_width),
+                               config=Float8LinearConfig.from_recipe_name(recipe))
     return before - sum(type(m) is nn.Linear for m in model.modules())
 
 
@@ -187,6 +192,7 @@ def parallelize(
     enable_modulate_kernel: bool = False,
     enable_layernorm_kernel: bool = False,
     fp8: str | None = None,
+    fp8_min_width: int = 16,
     sequence_parallel_type: str = "auto",
     batch_size: int = 1,
     fused_backward_pass: bool = False,
@@ -218,7 +224,8 @@ def parallelize(
             ``math``.
         enable_modulate_kernel, enable_layernorm_kernel: fused Triton adaLN kernels (``ops.set_kernels``).
         fp8: float8 matrix products in the blocks' big linear layers with this torchao recipe (``apply_fp8``),
-            or None.
+            or None; only in those whose input and output are both at least ``fp8_min_width`` wide
+            (``--fp8_min_width``; the rest stay in the compute dtype).
         param_dtype: dtype of the gathered parameters under zero2/fsdp (the compute dtype); the sharded fp32
             parameters stay the optimizer's master weights.
         reduce_dtype: dtype of the gradient reduction (fp32 by default; bf16 halves its traffic).
@@ -248,8 +255,12 @@ def parallelize(
         _apply_sequence_parallel(model, dist, sequence_parallel_type, batch_size, param_dtype)
     _set_adaln_kernels(dist.device, enable_modulate_kernel, enable_layernorm_kernel)
     if fp8:
-        log.info("fp8: %d linear layers run float8 matrix products (%s)", apply_fp8(model, dist.device, recipe=fp8),
-                 fp8)
+        changed = apply_fp8(model, dist.device, recipe=fp8, min_width=fp8_min_width)
+        if changed:
+            log.info("fp8: %d linear layers run float8 matrix products (%s)", changed, fp8)
+        else:
+            log.warning("--mixed_precision fp8: no linear layer of the blocks is --fp8_min_width %d wide, where "
+                        "float8 pays; all run in bf16", fp8_min_width)
     apply_grad_checkpoint(model, grad_checkpoint, offload_activations)
     blocks = [model.get_submodule(path) for path in block_paths(model)]
     if compile != "none":

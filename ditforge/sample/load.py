@@ -104,7 +104,7 @@ def build_model(ckpt: str, state: dict | Path, spec: dict, use_ema: bool,
     instead of the checkpoint's, which were computed for another token grid."""
     model = create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
                          spec["learn_sigma"], spec["class_dropout_prob"], num_frames=spec["num_frames"],
-                         text_dim=spec["text_dim"], qk_norm=spec["qk_norm"])
+                         text_dim=spec["text_dim"], qk_norm=spec["qk_norm"], depth=spec.get("depth"))
     config = spec.get("run_config") or {}
     if config.get("model", {}).get("lora_rank"):  # a DiT LoRA run: its base weights come from its --init_from
         from ditforge.train.finetune import load_dit_lora

@@ -374,7 +374,11 @@ def read_dit_init(cfg) -> tuple[dict[str, torch.Tensor] | Path, dict]:
     cond = spec.get("condition") or "class"
     if m.condition not in ("auto", cond):
         raise UserError(f"--condition {m.condition}: {FLAG} {m.init_from} is {cond}-conditioned")
+    if m.depth not in (None, spec.get("depth")):
+        raise UserError(f"--depth {m.depth}: {FLAG} {m.init_from} has {spec.get('depth') or 'its size'}'s blocks; "
+                        "leave --depth out")
     m.model, m.learn_sigma, m.qk_norm, m.condition = spec["model"], spec["learn_sigma"], spec.get("qk_norm", False), cond
+    m.depth = spec.get("depth")
     if cond == "text":
         m.text_encoder = m.text_encoder or spec.get("text_encoder")
         m.text_max_length = m.text_max_length or spec.get("text_max_length")
@@ -400,7 +404,8 @@ def dit_init_weights(dit_init: tuple[dict | Path, dict], cfg) -> dict[str, torch
     if isinstance(state, Path):
         skeleton = create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
                                 spec["learn_sigma"], spec.get("class_dropout_prob", 0.1), num_frames=spec.get("num_frames"),
-                                text_dim=spec.get("text_dim"), qk_norm=spec.get("qk_norm", False))
+                                text_dim=spec.get("text_dim"), qk_norm=spec.get("qk_norm", False),
+                                depth=spec.get("depth"))
         state = read_checkpoint_weights(state, skeleton.state_dict())
     return state
 

@@ -228,7 +228,7 @@ def _create_model(cfg: RunConfig, device: torch.device, dtype: torch.dtype | Non
             p.data = p.data.to(dtype)
 
     return create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob,
-                        num_frames=m.num_frames, text_dim=m.text_dim, qk_norm=m.qk_norm, device=device,
+                        num_frames=m.num_frames, text_dim=m.text_dim, qk_norm=m.qk_norm, depth=m.depth, device=device,
                         block_ready=cast if dtype is not None else None)
 
 
@@ -757,7 +757,7 @@ def _build_model(run: _Run) -> None:
                         param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype,
                         enable_modulate_kernel=t.enable_modulate_kernel,
                         enable_layernorm_kernel=t.enable_layernorm_kernel,
-                        fp8=t.fp8_recipe if t.mixed_precision == "fp8" else None,
+                        fp8=t.fp8_recipe if t.mixed_precision == "fp8" else None, fp8_min_width=t.fp8_min_width,
                         sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // run.per_step,
                         fused_backward_pass=t.fused_backward_pass, cpu_offload=t.cpu_offload == "all",
                         offload_activations=t.offload_activations)
@@ -927,7 +927,8 @@ def _open_logs(run: _Run) -> None:
     optimizer = run.optimizer
     n_params = sum(p.numel() for p in unwrap(run.model).parameters() if p.requires_grad)
     log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %s, "
-             "run folder %s", m.model or f"{run.pre.pipeline_class} denoiser", n_params / 1e6, d.world_size,
+             "run folder %s", (f"{m.model} ({m.depth} blocks)" if m.depth else m.model) if m.model
+             else f"{run.pre.pipeline_class} denoiser", n_params / 1e6, d.world_size,
              d.device.type, cfg.parallel.plugin, str(run.amp_dtype).removeprefix("torch."), run.max_steps,
              "per bucket" if run.bucketed and not run.mixed else t.batch_size, run.run_dir)
     log.info("optimizer step: %s%s", "one Triton pass (clipping, AdamW" + (", EMA)" if run.ema_in_step else ")")

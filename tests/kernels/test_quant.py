@@ -301,12 +301,12 @@ def test_float8_dit_blocks_quantize_in_their_layernorm_passes(monkeypatch):
     import importlib
 
     import ditforge.ops.fp8 as fp8_module
-    from ditforge.parallel import _big_linear
+    from ditforge.parallel import fp8_layer
 
     model, (x, t, y) = _float8_dit_s2(8, 2, depth=4)
     exact = copy.deepcopy(model).to(DEV, torch.float64).eval()
     model = model.to(DEV, torch.bfloat16).eval()
-    to_rowwise_float8(model, _big_linear)
+    to_rowwise_float8(model, fp8_layer)
     calls, launch = [], fp8_module._launch_layernorm_modulate_e4m3
     monkeypatch.setattr(fp8_module, "_launch_layernorm_modulate_e4m3", lambda *a: calls.append(a[1] is not None)
                         or launch(*a))
@@ -383,11 +383,11 @@ def test_to_rowwise_float8_replaces_the_chosen_layers_only():
 def test_compiled_float8_model_matches_eager():
     """torch.compile (fullgraph) traces through quantize_rows and _scaled_mm: a float8 DiT-S/2 gives the eager
     float8 model's output up to bf16 rounding (inductor may fuse the bf16 operations around them differently)."""
-    from ditforge.parallel import _big_linear
+    from ditforge.parallel import fp8_layer
 
     model, (x, t, y) = _float8_dit_s2(16, 4)
     model = model.to(DEV, torch.bfloat16).eval()
-    assert to_rowwise_float8(model, _big_linear) == 48
+    assert to_rowwise_float8(model, fp8_layer) == 48
     with torch.no_grad():
         eager = model(x, t, y).float()
         compiled = torch.compile(model, fullgraph=True, dynamic=False)(x, t, y).float()

@@ -45,7 +45,7 @@ def test_recipe_reaches_the_layers_and_rounds_as_float8(recipe, monkeypatch):
     model = create_model("DiT-T/2", 16, 4, 10)
     reference = create_model("DiT-T/2", 16, 4, 10)
     reference.load_state_dict(model.state_dict())
-    chosen = [n for n, m in model.named_modules() if par._big_linear(m, n)]
+    chosen = [n for n, m in model.named_modules() if par.fp8_layer(m, n)]
     assert par.apply_fp8(model, torch.device("cpu"), recipe=recipe) == len(chosen) > 0
     expected = Float8LinearConfig.from_recipe_name(recipe)
     for name, module in model.named_modules():
@@ -75,3 +75,33 @@ def test_recipe_reaches_the_layers_and_rounds_as_float8(recipe, monkeypatch):
         assert _rel(dw8, dw) < 1e-3
     else:
         assert _rel(dw8, dw) == pytest.approx(GRAD[recipe], rel=0.15)
+
+
+@pytest.mark.parametrize("min_width", [192, 208])
+def test_width_policy_converts_only_wide_layers(min_width, monkeypatch):
+    """``--fp8_min_width``: a layer runs float8 only where its input and output are both that wide. A text DiT-T's
+    6 blocks hold 7 such layers each (qkv 192 -> 576, proj, cross-attention q, kv (caption states embedded to 192
+    first) and proj, MLP 192 -> 768 -> 192), all of width 192: 192 converts the 42, 208 none."""
+    from torch import nn
+    from torchao.float8.float8_linear import Float8Linear
+
+    monkeypatch.setattr(par, "fp8_unavailable", lambda device, inference=False: None)
+    model = create_model("DiT-T/2", 16, 4, 10, text_dim=48)
+    expected = {n for n, m in model.named_modules() if type(m) is nn.Linear and n.startswith("blocks.")
+                and "adaLN" not in n and min(m.in_features, m.out_features) >= min_width}
+    assert len(expected) == {192: 6 * 7, 208: 0}[min_width]
+    assert par.apply_fp8(model, torch.device("cpu"), min_width=min_width) == len(expected)
+    assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == expected
+
+
+def test_run_below_the_width_warns_and_trains_in_bf16(tmp_path, monkeypatch, caplog):
+    """``ditforge train --mixed_precision fp8`` on a model narrower than ``--fp8_min_width`` says so in one warning
+    and trains with no float8 layer."""
+    from ditforge import cli
+
+    monkeypatch.setattr(par, "fp8_unavailable", lambda device, inference=False: None)
+    with caplog.at_level("WARNING"):
+        assert cli.main(["train", "--mixed_precision", "fp8", "--fp8_min_width", "4096", "--max_steps", "1",
+                         "--batch_size", "4", "--sample_every", "0", "--outputs", str(tmp_path / "run")]) == 0
+    assert "no linear layer of the blocks is --fp8_min_width 4096 wide" in caplog.text
+    assert cli.main(["train", "--fp8_min_width", "0", "--outputs", str(tmp_path / "bad")]) == 2
