@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from timing import max_over_ranks
+from timing import cuda_kernels, kernel_kind, max_over_ranks
 
 from ditforge.bench import peak_flops
 from ditforge.diffusion import create_diffusion
@@ -110,10 +110,27 @@ def run_plugin(d, plugin: str, args, save_dir: str | None) -> dict:
            "peak_memory_gib": memory(torch.cuda.max_memory_allocated() if cuda else 0),
            # weights + Adam + EMA, no gradients
            "weights_optimizer_ema_gib": memory(torch.cuda.memory_allocated() if cuda else 0)}
+    if args.profile and cuda:
+        row["kernel_ms_by_kind"] = profile_kinds(lambda: step(args.warmup + args.steps), d)
     if save_dir is not None:
         row.update(save_blocking(d, plugin, model, opt, ema, lambda: step(99), step_s, save_dir))
     del model, ema, opt
     return row
+
+
+def profile_kinds(step, d, steps: int = 2) -> dict[str, float]:
+    """GPU kernel time per step by kind (``timing.kernel_kind``: NCCL's kernels are "communication") over
+    ``steps`` profiled steps, on rank 0. Kernels of one stream add up, so with communication overlapping compute
+    the kinds can add to more than the step."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kinds = {}
+    for ms, name in cuda_kernels(prof):
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms / steps
+    d.barrier()
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
 def save_blocking(d, plugin, model, opt, ema, step, step_s: float, save_dir: str) -> dict:
@@ -192,6 +209,7 @@ def main() -> None:
     p.add_argument("--save_plugin", default="zero2", help="plugin whose checkpoint save is timed ('' for none)")
     p.add_argument("--save_dir", default=None)
     p.add_argument("--json")
+    p.add_argument("--profile", action="store_true", help="add rank 0's GPU kernel time per step by kind")
     args = p.parse_args()
     if args.table:
         table(*args.table)

@@ -59,7 +59,9 @@
 #                       latent frames: 8,192 tokens; zero2, batch 1), 7b8k_b2 (zero2, batch 2, op checkpointing),
 #                       7b64k (1,024 px x 32 frames: 65,536 tokens; fsdp, Ulysses over all GPUs, full checkpointing),
 #                       7b8k_tp2 (zero2 over 2 x --tensor_parallel 2, batch 2 per data-parallel group), 7b64k_ring
-#                       (7b64k with ring attention); all with fast attention, compile, EMA, 5 steps after 3
+#                       (7b64k with ring attention); all with fast attention, compile, EMA, 5 steps after 3;
+#                       PROFILE=1 adds rank 0's GPU kernel time per step by kind (communication, matrix products,
+#                       attention, ...)
 #
 # Row g (FP8) at width 1152 or 2048 runs with --fp8_min_width 16: every block linear in float8, as those rows were
 # measured before the width policy (which keeps them bf16).
@@ -239,7 +241,7 @@ scale)
     n=$(python3 -c "import torch; print(torch.cuda.device_count())")
     run_row() { torchrun --standalone --nproc_per_node "$n" benchmarks/multi_gpu.py --json "$out/scale_${n}gpu.json" \
         --model vDiT-7B/222 --image_size 512 --num_frames 16 --enable_flashattn --compile default --save_plugin "" \
-        --steps 5 --warmup 3 "$@" 2>&1 | grep -E "^\{|Error" | cut -c1-600; }
+        --steps 5 --warmup 3 ${PROFILE:+--profile} "$@" 2>&1 | grep -E "^\{|Error" | cut -c1-900; }
     for row in ${2:-7b8k 7b8k_b2 7b64k}; do
         case $row in
         7b8k) run_row --plugins zero2 --batch_per_gpu 1 ;;

@@ -78,7 +78,8 @@ def cuda_kernels(prof: torch.profiler.profile) -> list[tuple[float, str]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-KERNEL_KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor kernels on Hopper
+KERNEL_KINDS = [  # first match wins; names of cuBLAS/cuDNN/Triton/inductor/NCCL kernels on Hopper
+    ("communication", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax")),
     ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "splitk")),
     ("adaln kernels", ("layernorm_modulate", "gated_residual")),
