@@ -286,7 +286,9 @@ class ParallelConfig:
                                         "videos); the other factor of the world size is data parallelism")
     tensor_parallel: int = _f(1, "split every block's attention heads and MLP over this many processes "
                                  "(Megatron-LM's tensor parallelism, on DTensor; ditforge's DiTs); the world size is "
-                                 "data x tensor parallel, FSDP2 shards over the data-parallel part")
+                                 "data x sequence x tensor parallel, FSDP2 shards over the data- and "
+                                 "sequence-parallel part; with --sequence_parallel_size the sequence attends by "
+                                 "ring attention")
     sequence_parallel_type: str = _f("auto", "how split sequences attend: ulysses (all-to-all to split heads) | "
                                              "ring (K/V passed around a ring) | fastseq (OpenDiT's: all-gathered "
                                              "attention input, heads split; fastseq_kv when they do not divide) | "
@@ -539,12 +541,12 @@ def _check_tensor_parallel(cfg: RunConfig) -> None:
               (f"--cpu_offload {t.cpu_offload}", t.cpu_offload != "none"),
               (f"--optimizer {t.optimizer}", t.optimizer != "adamw"),
               (f"--master_weights {t.master_weights}", t.master_weights != "fp32"),
-              (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin == "ddp"),
-              # the (dp, sp, tp) mesh exists, but the pair is not tested yet
-              (f"--sequence_parallel_size {cfg.parallel.sequence_parallel_size}",
-               cfg.parallel.sequence_parallel_size > 1),
-              (f"--sequence_parallel_type {cfg.parallel.sequence_parallel_type}",
-               cfg.parallel.sequence_parallel_type.startswith("fastseq"))]
+              (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin == "ddp")]
+    sp_type = cfg.parallel.sequence_parallel_type
+    if cfg.parallel.sequence_parallel_size > 1 and sp_type not in ("auto", "ring"):
+        raise UserError(f"--tensor_parallel {tp} with --sequence_parallel_size: ring attention (auto picks it), "
+                        f"which leaves the heads tensor parallelism split whole; not --sequence_parallel_type "
+                        f"{sp_type}")
     clash = next((flag for flag, on in others if on), None)
     if clash:
         raise UserError(f"--tensor_parallel {tp}: splits ditforge's own DiTs, trained by AdamW over fp32 weights, "

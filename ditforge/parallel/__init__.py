@@ -252,6 +252,8 @@ def parallelize(
     if dist.tp_mesh is not None:
         apply_tensor_parallel(model, [model.get_submodule(path) for path in block_paths(model)], dist.tp_mesh)
     if dist.sp_mesh is not None:
+        if dist.tp_mesh is not None:  # the heads are split over tp already; ring attention keeps them whole
+            sequence_parallel_type = "ring"
         _apply_sequence_parallel(model, dist, sequence_parallel_type, batch_size, param_dtype)
     _set_adaln_kernels(dist.device, enable_modulate_kernel, enable_layernorm_kernel)
     if fp8:

@@ -4,7 +4,9 @@ block's attention heads and MLP units and train the same model on the same globa
 two AdamW steps with gradient clipping they hold the same weights (gathered back into the canonical q, k, v order),
 AdamW moments and EMA to fp32 tolerance, with the same losses and gradient norms. Checkpoints reshard across
 tensor-parallel sizes: the one-process run's checkpoint resumes under tensor parallelism, one more step stays
-equal, and the tensor-parallel checkpoint of that step loads back into one process. The text-conditioned DiT with
+equal, and the tensor-parallel checkpoint of that step loads back into one process. In the same processes, a
+2 x 2 ``sp`` x ``tp`` mesh (sequence parallelism by ring attention over the heads each process holds, FSDP2 over
+the sequence-parallel pair) trains the same two steps equal to one process. The text-conditioned DiT with
 qk-norm covers the fused ``qkv``, cross-attention's fused ``kv_linear`` and the head-split qk-norms (STDiT's temporal
 attention is the same ``Attention`` class).
 """
@@ -106,42 +108,44 @@ def _build(name, kw, d, plugin, meta, seed):
     return model
 
 
-def _worker(rank: int, port: int, world: int, tp: int, plugin: str, meta: bool, name: str, kw: dict,
-            tmp: str) -> None:
+def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str) -> None:
+    """One mesh on this process: dp x sp x tp = world, FSDP2 over dp x sp, the model meta-built."""
     import torch.distributed as dist
 
     from ditforge.parallel.mesh import Dist, init_distributed, shutdown
     from ditforge.train import checkpoint as ckpt_io
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    d = init_distributed("cpu", tensor_parallel_size=tp)
+    d = init_distributed("cpu", sequence_parallel_size=sp, tensor_parallel_size=tp)
     try:
-        assert d.tp_size == tp and d.dp_size == world // tp
+        assert d.tp_size == tp and d.dp_size == world // (sp * tp)
         x, cond, shape = _data(name, kw)
         torch.manual_seed(3)
         reference = _create(name, kw, "cpu")  # drawn as a meta build draws
         ref_parts = _trainer(reference)
-        model = _build(name, kw, d, plugin, meta, 3)
+        model = _build(name, kw, d, "fsdp", True, 3)
         parts = _trainer(model)
         local = sum(p.to_local().numel() for p in model.parameters())
         assert local < 0.8 * sum(p.numel() for p in reference.parameters()), local  # sharded
+        seen = []  # under sequence parallelism the blocks see this process's half of the 16 tokens
+        model.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
         got = _train(model, parts, d, x, cond, shape, range(2))
+        assert seen == [16 // sp] * 2, seen
         want = _train(reference, ref_parts, Dist(), x, cond, shape, range(2))
         for (loss, norm), (loss_1, norm_1) in zip(got, want):
             loss = loss.clone()
-            dist.all_reduce(loss)  # every process's mean over its samples; tp copies are alike
+            dist.all_reduce(loss)  # every process's mean over its samples; tp and sp copies are alike
             torch.testing.assert_close(loss / world, loss_1, atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(norm, norm_1, atol=1e-6, rtol=1e-5)
         _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
+        if sp > 1:
+            return
 
         # one process's checkpoint -> a fresh tensor-parallel model (other seed), one more step on each
         if rank == 0:
             ckpt_io.Checkpointer(Path(tmp) / "one", 1, False, Dist()).save(
                 2, ckpt_io.training_state(reference, ref_parts[1], ref_parts[2]), {})
         dist.barrier()
-        model = _build(name, kw, d, plugin, meta, 11)
+        model = _build(name, kw, d, "fsdp", True, 11)
         parts = _trainer(model)
         ckpt_io.load_training_state(Path(tmp) / "one" / "checkpoints" / "step-0000002", model, parts[1], parts[2])
         _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
@@ -156,29 +160,46 @@ def _worker(rank: int, port: int, world: int, tp: int, plugin: str, meta: bool, 
         shutdown(d)
 
 
+def _worker(rank: int, ports: list[int], world: int, meshes: list[tuple[int, int]], name: str, kw: dict,
+            tmp: str) -> None:
+    """Every mesh of ``meshes`` (sp, tp) in turn, each in a process group of its own (its own port), in one
+    start-up of the processes."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    torch.set_num_threads(1)
+    for port, (sp, tp) in zip(ports, meshes):
+        os.environ["MASTER_PORT"] = str(port)
+        _case(rank, world, sp, tp, name, kw, tmp)
+
+
 def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path):
-    world, tp, plugin, meta, name, kw = 4, 2, "fsdp", True, "DiT-S/2", dict(text_dim=16, qk_norm=True)
+    """dp 2 x tp 2 (with the checkpoints both ways), then sp 2 x tp 2: tensor parallelism with ring attention
+    over the sequence halves, FSDP2 over the sequence-parallel pair."""
+    world, name, kw, meshes = 4, "DiT-S/2", dict(text_dim=16, qk_norm=True), [(1, 2), (2, 2)]
     from ditforge.train import checkpoint as ckpt_io
 
-    mp.spawn(_worker, args=(free_port(), world, tp, plugin, meta, name, kw, str(tmp_path)), nprocs=world, join=True)
+    ports = [free_port() for _ in meshes]
+    mp.spawn(_worker, args=(ports, world, meshes, name, kw, str(tmp_path)), nprocs=world, join=True)
     model = _create(name, kw, "cpu")
     parts = _trainer(model)
     ckpt_io.load_training_state(tmp_path / "tp" / "checkpoints" / "step-0000003", model, parts[1], parts[2])
     _assert_states_equal(_full_state(model, parts), torch.load(tmp_path / "want.pt"))
 
 
-@pytest.mark.parametrize("field,value,flag", [("parallel.sequence_parallel_size", 2, "--sequence_parallel_size 2"),
-                                              ("train.optimizer", "adamw8bit", "--optimizer adamw8bit"),
-                                              ("model.lora_rank", 4, "--lora_rank"),
-                                              ("parallel.plugin", "ddp", "--plugin ddp")])
-def test_tensor_parallel_refuses_what_it_does_not_split_in_one_line(field, value, flag):
+@pytest.mark.parametrize("fields,flag", [({"parallel.sequence_parallel_size": 2,
+                                           "parallel.sequence_parallel_type": "ulysses"},
+                                          "--sequence_parallel_type ulysses"),
+                                         ({"train.optimizer": "adamw8bit"}, "--optimizer adamw8bit"),
+                                         ({"model.lora_rank": 4}, "--lora_rank"),
+                                         ({"parallel.plugin": "ddp"}, "--plugin ddp")])
+def test_tensor_parallel_refuses_what_it_does_not_split_in_one_line(fields, flag):
     from ditforge.config import RunConfig, validate
     from ditforge.errors import UserError
 
     cfg = RunConfig()
     cfg.model.model, cfg.parallel.tensor_parallel = "DiT-S/2", 2
-    section, name = field.split(".")
-    setattr(getattr(cfg, section), name, value)
+    for field, value in fields.items():
+        section, name = field.split(".")
+        setattr(getattr(cfg, section), name, value)
     with pytest.raises(UserError) as e:
         validate(cfg)
-    assert str(e.value).startswith("--tensor_parallel 2:") and flag in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("--tensor_parallel 2") and flag in str(e.value) and "\n" not in str(e.value)
