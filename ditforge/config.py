@@ -553,6 +553,48 @@ def _check_tensor_parallel(cfg: RunConfig) -> None:
                         f"with zero2 / fsdp over the data-parallel processes; not with {clash}")
 
 
+def _check_optimizer(cfg: RunConfig) -> None:
+    """``--optimizer``, ``--master_weights``, ``--cpu_offload`` and ``--delayed_update`` against each other and the
+    precision: one line naming the flags."""
+    t = cfg.train
+    if t.optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {t.optimizer}")
+    if t.master_weights not in MASTER_WEIGHTS:
+        raise UserError(f"--master_weights: expected one of {', '.join(MASTER_WEIGHTS)}, got {t.master_weights}")
+    if t.optimizer in LIBRARY_OPTIMIZERS:
+        # torchao's bf16 stochastic rounding draws from the global generator (a resume would not be exact) and
+        # keeps the moments of its unquantized small tensors in bf16, where the second moment stalls
+        if t.master_weights != "fp32":
+            raise UserError(f"--optimizer {t.optimizer}: takes --master_weights fp32, got {t.master_weights} (bf16 "
+                            "weights: --optimizer adamw8bit)")
+        if t.fused_backward_pass or t.cpu_offload != "none":
+            raise UserError(f"--optimizer {t.optimizer}: the library's optimizer steps after the backward, on the "
+                            "GPU; not with --fused_backward_pass or --cpu_offload (use adamw or adamw8bit)")
+        if cfg.parallel.async_checkpoint and t.optimizer != "adafactor":
+            # torch's staging copy of a state dict calls zeros_like, which torchao's state tensors do not implement
+            raise UserError(f"--optimizer {t.optimizer}: its torchao states are saved synchronously; not with "
+                            "--async_checkpoint")
+    if t.master_weights != "fp32" and t.mixed_precision not in ("bf16", "auto"):
+        raise UserError(f"--master_weights {t.master_weights}: needs --mixed_precision bf16, got {t.mixed_precision}")
+    if t.fused_backward_pass and t.mixed_precision == "fp16":
+        raise UserError("--fused_backward_pass: not with --mixed_precision fp16 (the loss scaler must see every "
+                        "gradient before any step); use bf16")
+    if t.gpu_memory_budget is not None:
+        parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget")
+    if t.cpu_offload not in CPU_OFFLOAD:
+        raise UserError(f"--cpu_offload: expected one of {', '.join(CPU_OFFLOAD)}, got {t.cpu_offload}")
+    if t.cpu_offload == "optimizer" and t.fused_optimizer == "off":
+        raise UserError("--cpu_offload optimizer: needs the one-pass optimizer step, not --fused_optimizer off")
+    if t.cpu_offload == "all" and (t.optimizer, t.master_weights, t.fused_backward_pass) != ("adamw", "fp32", False):
+        raise UserError("--cpu_offload all: steps torch's AdamW over fp32 weights on the CPU; not with --optimizer "
+                        f"{t.optimizer}, --master_weights {t.master_weights} or --fused_backward_pass")
+    if t.cpu_offload == "all" and t.mixed_precision == "fp16":  # the scaler's found-inf would stay on the GPU
+        raise UserError("--cpu_offload all: not with --mixed_precision fp16 (the CPU step takes no loss scaler); "
+                        "use bf16")
+    if t.delayed_update and t.cpu_offload != "all":
+        raise UserError(f"--delayed_update: needs --cpu_offload all, got --cpu_offload {t.cpu_offload}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
     t = cfg.train
@@ -595,42 +637,7 @@ def validate(cfg: RunConfig) -> None:
         # eager, torchao's bf16 weight-gradient product meets the fp32 master weight: "expected m1 and m2 to have
         # the same dtype" (torchao 0.18); compiled, the same recipe runs
         raise UserError("--fp8_recipe rowwise_with_gw_hp: needs --compile (eager it fails in torchao)")
-    if t.optimizer not in OPTIMIZERS:
-        raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {t.optimizer}")
-    if t.master_weights not in MASTER_WEIGHTS:
-        raise UserError(f"--master_weights: expected one of {', '.join(MASTER_WEIGHTS)}, got {t.master_weights}")
-    if t.optimizer in LIBRARY_OPTIMIZERS:
-        # torchao's bf16 stochastic rounding draws from the global generator (a resume would not be exact) and
-        # keeps the moments of its unquantized small tensors in bf16, where the second moment stalls
-        if t.master_weights != "fp32":
-            raise UserError(f"--optimizer {t.optimizer}: takes --master_weights fp32, got {t.master_weights} (bf16 "
-                            "weights: --optimizer adamw8bit)")
-        if t.fused_backward_pass or t.cpu_offload != "none":
-            raise UserError(f"--optimizer {t.optimizer}: the library's optimizer steps after the backward, on the "
-                            "GPU; not with --fused_backward_pass or --cpu_offload (use adamw or adamw8bit)")
-        if cfg.parallel.async_checkpoint and t.optimizer != "adafactor":
-            # torch's staging copy of a state dict calls zeros_like, which torchao's state tensors do not implement
-            raise UserError(f"--optimizer {t.optimizer}: its torchao states are saved synchronously; not with "
-                            "--async_checkpoint")
-    if t.master_weights != "fp32" and t.mixed_precision not in ("bf16", "auto"):
-        raise UserError(f"--master_weights {t.master_weights}: needs --mixed_precision bf16, got {t.mixed_precision}")
-    if t.fused_backward_pass and t.mixed_precision == "fp16":
-        raise UserError("--fused_backward_pass: not with --mixed_precision fp16 (the loss scaler must see every "
-                        "gradient before any step); use bf16")
-    if t.gpu_memory_budget is not None:
-        parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget")
-    if t.cpu_offload not in CPU_OFFLOAD:
-        raise UserError(f"--cpu_offload: expected one of {', '.join(CPU_OFFLOAD)}, got {t.cpu_offload}")
-    if t.cpu_offload == "optimizer" and t.fused_optimizer == "off":
-        raise UserError("--cpu_offload optimizer: needs the one-pass optimizer step, not --fused_optimizer off")
-    if t.cpu_offload == "all" and (t.optimizer, t.master_weights, t.fused_backward_pass) != ("adamw", "fp32", False):
-        raise UserError("--cpu_offload all: steps torch's AdamW over fp32 weights on the CPU; not with --optimizer "
-                        f"{t.optimizer}, --master_weights {t.master_weights} or --fused_backward_pass")
-    if t.cpu_offload == "all" and t.mixed_precision == "fp16":  # the scaler's found-inf would stay on the GPU
-        raise UserError("--cpu_offload all: not with --mixed_precision fp16 (the CPU step takes no loss scaler); "
-                        "use bf16")
-    if t.delayed_update and t.cpu_offload != "all":
-        raise UserError(f"--delayed_update: needs --cpu_offload all, got --cpu_offload {t.cpu_offload}")
+    _check_optimizer(cfg)
     if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:
         raise UserError(f"--sequence_parallel_type: expected one of {', '.join(SEQUENCE_PARALLEL_TYPES)}, got "
                         f"{cfg.parallel.sequence_parallel_type}")

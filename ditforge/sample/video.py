@@ -445,6 +445,22 @@ def decode_tiles_split(vae, z: torch.Tensor, group) -> torch.Tensor | None:
         return vae.tiled_decode(z, return_dict=False)[0]
 
 
+def _video_targets(cfg: SampleConfig, prompts: list[str], d: Dist) -> tuple[Path | None, list[Path], list[int]]:
+    """(the one video file ``--out`` names or None, each prompt's file, the prompts still to draw): a folder's
+    ``NNN-<prompt slug>.mp4`` files that exist (with their ``.gif`` under ``--gif``) are done already."""
+    one_file = video_file_out(cfg.out, len(prompts))
+    if one_file is not None:
+        return one_file, [one_file], list(range(len(prompts)))
+    folder = Path(cfg.out or "samples")
+    digits = max(3, len(str(len(prompts) - 1)))
+    targets = [folder / f"{i:0{digits}d}-{slug(p)}.mp4" for i, p in enumerate(prompts)]
+    todo = [i for i, t in enumerate(targets) if not (t.exists() and (not cfg.gif or t.with_suffix(".gif").exists()))]
+    if d.is_main and len(todo) < len(prompts):
+        log.info("%d of %d videos to draw into %s (%d done already)", len(todo), len(prompts), folder,
+                 len(prompts) - len(todo))
+    return None, targets, todo
+
+
 def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser, run=None,
                         image=None) -> np.ndarray:
     """``ditforge sample`` for a video family (Wan, CogVideoX, LTX-Video, HunyuanVideo): a pipeline folder (``run``
@@ -502,16 +518,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
                                               "distilled): no unconditional pass to put on the second GPU"
                                               if denoiser.embedded_guidance else
                                               "--cfg_scale 1 runs no unconditional pass to put on the second GPU"))
-    one_file = video_file_out(cfg.out, len(prompts))
-    folder = Path(cfg.out or "samples") if one_file is None else None
-    width_digits = max(3, len(str(len(prompts) - 1)))
-    targets = [one_file] if one_file is not None else [
-        folder / f"{i:0{width_digits}d}-{slug(p)}.mp4" for i, p in enumerate(prompts)]
-    todo = [i for i, t in enumerate(targets) if not (t.exists() and (not cfg.gif or t.with_suffix(".gif").exists()))
-            ] if one_file is None else list(range(len(prompts)))
-    if d.is_main and len(todo) < len(prompts):
-        log.info("%d of %d videos to draw into %s (%d done already)", len(todo), len(prompts), folder,
-                 len(prompts) - len(todo))
+    one_file, targets, todo = _video_targets(cfg, prompts, d)
     if not todo:
         return np.empty(0, dtype=np.uint8)
 
@@ -564,5 +571,5 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     if cfg.save_npz:
         save_npz(cfg.save_npz, samples=videos, prompts=np.array([prompts[i] for i in todo]))
     log.info("wrote %d videos (%d frames of %dx%d) of %s to %s", len(todo), frames, width, height,
-             pre.pipeline_class, one_file or folder)
+             pre.pipeline_class, one_file or targets[0].parent)
     return videos
