@@ -232,6 +232,8 @@ def parallelize(
         sequence_parallel_type: with ``dist.sp_mesh`` (``--sequence_parallel_size`` > 1), how the split
             sequence attends (``apply_sequence_parallel``): ulysses | ring | fastseq | fastseq_kv | usp | auto
             (the fastest at this shape, measured on one attention layer: ``choose_sequence_parallel_type``).
+            Under tensor parallelism it is ring, whatever is asked: the other variants split the heads, which
+            ``dist.tp_mesh`` has split already (``config`` refuses them in one line).
         batch_size: samples per process in one forward; sizes ``auto``'s measurement.
         fused_backward_pass: the optimizer steps inside the backward block by block (``optim.StepInBackward``):
             the blocks compile one by one even where the model sets ``compile_whole``, since one graph's
