@@ -145,6 +145,19 @@ def create_model(
     return _materialize(lambda: DiT(**common), device, block_ready)
 
 
+def create_model_from_spec(spec: dict) -> nn.Module:
+    """``create_model`` from a run's saved model settings (the ``model`` section of its config, or
+    ``infer_dit_config``'s dict), the optional keys defaulted as a run defaults them: one place, so that a new
+    setting (such as ``depth``) reaches every model rebuilt from a checkpoint.
+
+    Raises:
+        UserError: as ``create_model``.
+    """
+    return create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
+                        spec["learn_sigma"], spec.get("class_dropout_prob", 0.1), num_frames=spec.get("num_frames"),
+                        text_dim=spec.get("text_dim"), qk_norm=spec.get("qk_norm", False), depth=spec.get("depth"))
+
+
 def _materialize(build: Callable[[], nn.Module], device, block_ready) -> nn.Module:
     if device is None:
         return build()
@@ -182,6 +195,7 @@ __all__ = [
     "STDiT",
     "inflate_image_state_dict",
     "create_model",
+    "create_model_from_spec",
     "model_spec",
     "is_video_model",
     "infer_dit_config",

@@ -11,7 +11,7 @@ import torch
 from ditforge.config import resolve_precision
 from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
 from ditforge.errors import UserError
-from ditforge.models import create_model, infer_dit_config, is_video_model
+from ditforge.models import create_model_from_spec, infer_dit_config, is_video_model
 from ditforge.train.checkpoint import load_weights, read_checkpoint_weights
 
 
@@ -102,9 +102,7 @@ def build_model(ckpt: str, state: dict | Path, spec: dict, use_ema: bool,
     """The model ``spec`` describes, with the checkpoint's weights (strict). ``rebuild_fixed``: keep the model's
     own values of its untrained parameters (the fixed sin-cos position embeddings, ``requires_grad=False``)
     instead of the checkpoint's, which were computed for another token grid."""
-    model = create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
-                         spec["learn_sigma"], spec["class_dropout_prob"], num_frames=spec["num_frames"],
-                         text_dim=spec["text_dim"], qk_norm=spec["qk_norm"], depth=spec.get("depth"))
+    model = create_model_from_spec(spec)
     config = spec.get("run_config") or {}
     if config.get("model", {}).get("lora_rank"):  # a DiT LoRA run: its base weights come from its --init_from
         from ditforge.train.finetune import load_dit_lora

@@ -394,7 +394,7 @@ def dit_init_weights(dit_init: tuple[dict | Path, dict], cfg) -> dict[str, torch
     Raises:
         UserError: the weights take other input channels than the data (through ``--vae``) gives.
     """
-    from ditforge.models import create_model
+    from ditforge.models import create_model_from_spec
     from ditforge.train.checkpoint import read_checkpoint_weights
 
     state, spec = dit_init
@@ -402,10 +402,7 @@ def dit_init_weights(dit_init: tuple[dict | Path, dict], cfg) -> dict[str, torch
         raise UserError(f"{FLAG} {cfg.model.init_from}: the weights take {spec['in_channels']} input channels, the "
                         f"data gives {cfg.model.in_channels} (--vae {cfg.model.vae})")
     if isinstance(state, Path):
-        skeleton = create_model(spec["model"], spec["input_size"], spec["in_channels"], spec["num_classes"],
-                                spec["learn_sigma"], spec.get("class_dropout_prob", 0.1), num_frames=spec.get("num_frames"),
-                                text_dim=spec.get("text_dim"), qk_norm=spec.get("qk_norm", False),
-                                depth=spec.get("depth"))
+        skeleton = create_model_from_spec(spec)
         state = read_checkpoint_weights(state, skeleton.state_dict())
     return state
 
