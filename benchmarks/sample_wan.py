@@ -152,10 +152,9 @@ def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: s
 
 
 def profile_loop(sampler: VideoSampler, loop, shape: tuple[int, ...], top: int, name: str) -> dict:
-    """GPU kernel time of ``loop`` (2 steps) by kind (``profile_step.kind``), and the attention kernels' TFLOPS
+    """GPU kernel time of ``loop`` (2 steps) by kind (``timing.kernel_kind``), and the attention kernels' TFLOPS
     counting self-attention alone (cross-attention over 512 text tokens is under 2% of it)."""
-    from profile_step import kind
-    from timing import cuda_kernels, print_top_kernels
+    from timing import cuda_kernels, kernel_kind, print_top_kernels
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         loop()
@@ -163,7 +162,7 @@ def profile_loop(sampler: VideoSampler, loop, shape: tuple[int, ...], top: int, 
     print_top_kernels(prof, top, f"{name}: 2 steps")
     by_kind: dict[str, float] = {}
     for ms, kernel in cuda_kernels(prof):
-        by_kind[kind(kernel)] = by_kind.get(kind(kernel), 0.0) + ms
+        by_kind[kernel_kind(kernel)] = by_kind.get(kernel_kind(kernel), 0.0) + ms
     config = sampler.transformer.config
     tokens = shape[2] * (shape[3] // 2) * (shape[4] // 2)
     rows = 2 if sampler.cfg_group is None else 1  # the guided batch on this process
