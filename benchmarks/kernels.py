@@ -44,7 +44,7 @@ from datetime import datetime
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from timing import cuda_kernels, cuda_median_ms, graph_us, kernel_kind
+from timing import cuda_median_ms, graph_us, kernel_ms_by_kind
 
 from ditforge.ops.modulate import gated_residual_reference, layernorm_modulate_reference
 
@@ -232,19 +232,13 @@ def fp8_train(args) -> dict:
                 ref = out
             row[f"{mode}_ms"] = cuda_median_ms(fwd_bwd, steps=10, warmup=5, inner=3)
             row[f"{mode}_rel_err"] = ((out - ref).norm() / ref.norm()).item()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    fwd_bwd()
-                torch.cuda.synchronize()
-            kinds = row[f"{mode}_kernel_ms"] = {}
-            for ms, name in cuda_kernels(prof):
-                kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms / 3
+            row[f"{mode}_kernel_ms"] = kernel_ms_by_kind(fwd_bwd, calls=3)
             if mode != "bf16":
                 row[f"{mode}_speedup"] = row["bf16_ms"] / row[f"{mode}_ms"]
             torch._dynamo.reset()
         rows.append(row)
         print(f"| {width} GPU kernel ms by kind | " + " | ".join(
-            ", ".join(f"{k} {v:.2f}" for k, v in sorted(row[f"{m}_kernel_ms"].items(), key=lambda kv: -kv[1]))
+            ", ".join(f"{k} {v:.2f}" for k, v in row[f"{m}_kernel_ms"].items())
             for m in ["bf16", *recipes]) + " |", flush=True)
         print(f"| {width} | {row['bf16_ms']:.2f} | " + " | ".join(
             f"{row[r + '_ms']:.2f} ({row[r + '_speedup']:.2f}x, err {row[r + '_rel_err']:.3f})" for r in recipes)

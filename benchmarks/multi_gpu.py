@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from timing import cuda_kernels, kernel_kind, max_over_ranks
+from timing import kernel_ms_by_kind, max_over_ranks
 
 from ditforge.bench import peak_flops
 from ditforge.diffusion import create_diffusion
@@ -111,26 +111,13 @@ def run_plugin(d, plugin: str, args, save_dir: str | None) -> dict:
            # weights + Adam + EMA, no gradients
            "weights_optimizer_ema_gib": memory(torch.cuda.memory_allocated() if cuda else 0)}
     if args.profile and cuda:
-        row["kernel_ms_by_kind"] = profile_kinds(lambda: step(args.warmup + args.steps), d)
+        # rank 0's, each rank profiling its own steps (NCCL's kernels are "communication")
+        row["kernel_ms_by_kind"] = kernel_ms_by_kind(lambda: step(args.warmup + args.steps))
+        d.barrier()
     if save_dir is not None:
         row.update(save_blocking(d, plugin, model, opt, ema, lambda: step(99), step_s, save_dir))
     del model, ema, opt
     return row
-
-
-def profile_kinds(step, d, steps: int = 2) -> dict[str, float]:
-    """GPU kernel time per step by kind (``timing.kernel_kind``: NCCL's kernels are "communication") over
-    ``steps`` profiled steps, on rank 0. Kernels of one stream add up, so with communication overlapping compute
-    the kinds can add to more than the step."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    kinds = {}
-    for ms, name in cuda_kernels(prof):
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms / steps
-    d.barrier()
-    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
 def save_blocking(d, plugin, model, opt, ema, step, step_s: float, save_dir: str) -> dict:

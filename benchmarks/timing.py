@@ -95,6 +95,20 @@ def kernel_kind(name: str) -> str:
     return next((k for k, keys in KERNEL_KINDS if any(s in low for s in keys)), "other element-wise")
 
 
+def kernel_ms_by_kind(fn: Callable[[], object], calls: int = 2) -> dict[str, float]:
+    """GPU kernel time per ``fn()`` in milliseconds by ``kernel_kind``, largest first, over ``calls`` profiled
+    calls. Kernels of one stream add up, so with communication overlapping compute the kinds can add to more
+    than the call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    for ms, name in cuda_kernels(prof):
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms / calls
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
 def print_top_kernels(prof: torch.profiler.profile, n: int, title: str) -> None:
     """Print where a torch.profiler profile's GPU time went: the total and its ``n`` largest kernels (ms, share)."""
     kernels = sorted(cuda_kernels(prof), reverse=True)
