@@ -29,15 +29,13 @@ ATOL, RTOL = 1e-5, 1e-5
 GLOBAL_BATCH = 4
 
 
-def _data(name: str, kw: dict):
+def _data(kw: dict):
+    """A global batch of latents and caption states of ``kw["text_dim"]`` with a random number of valid tokens."""
     g = torch.Generator().manual_seed(7)
-    shape = (4, kw["num_frames"], 8, 8) if "num_frames" in kw else (4, 8, 8)
+    shape = (4, 8, 8)
     x = torch.randn((GLOBAL_BATCH, *shape), generator=g)
-    if "text_dim" in kw:
-        mask = torch.arange(5) < torch.randint(1, 6, (GLOBAL_BATCH, 1), generator=g)
-        cond = {"y": torch.randn(GLOBAL_BATCH, 5, kw["text_dim"], generator=g) * mask[..., None], "y_mask": mask}
-    else:
-        cond = {"y": torch.randint(0, 10, (GLOBAL_BATCH,), generator=g)}
+    mask = torch.arange(5) < torch.randint(1, 6, (GLOBAL_BATCH, 1), generator=g)
+    cond = {"y": torch.randn(GLOBAL_BATCH, 5, kw["text_dim"], generator=g) * mask[..., None], "y_mask": mask}
     return x, cond, shape
 
 
@@ -88,21 +86,19 @@ def _create(name, kw, device):
     meta, materialised there as ``create_model(device=)`` does."""
     from ditforge.models import create_model
 
-    model = create_model(name, 8, 4, 10, device="meta", **kw)
-    model.blocks = model.blocks[:2]
+    model = create_model(name, 8, 4, 10, depth=2, device="meta", **kw)
     if device != "meta":
         model.initialize_weights(device)
     return model
 
 
-def _build(name, kw, d, plugin, meta, seed):
+def _build(name, kw, d, seed):
+    """The model split by ``parallelize`` (FSDP2, and ``d``'s tensor and sequence parallelism) on the meta device,
+    each process initialising only its shards."""
     from ditforge.parallel import init_sharded, parallelize
 
-    torch.manual_seed(seed)
-    if not meta:
-        return parallelize(_create(name, kw, "cpu"), d, plugin)
-    skeleton = _create(name, kw, "meta")  # each process initialises only its shards
-    model = parallelize(copy.deepcopy(skeleton), d, plugin)
+    skeleton = _create(name, kw, "meta")
+    model = parallelize(copy.deepcopy(skeleton), d, "fsdp")
     torch.manual_seed(seed)
     init_sharded(model, skeleton, d)
     return model
@@ -118,11 +114,11 @@ def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str
     d = init_distributed("cpu", sequence_parallel_size=sp, tensor_parallel_size=tp)
     try:
         assert d.tp_size == tp and d.dp_size == world // (sp * tp)
-        x, cond, shape = _data(name, kw)
+        x, cond, shape = _data(kw)
         torch.manual_seed(3)
         reference = _create(name, kw, "cpu")  # drawn as a meta build draws
         ref_parts = _trainer(reference)
-        model = _build(name, kw, d, "fsdp", True, 3)
+        model = _build(name, kw, d, 3)
         parts = _trainer(model)
         local = sum(p.to_local().numel() for p in model.parameters())
         assert local < 0.8 * sum(p.numel() for p in reference.parameters()), local  # sharded
@@ -145,7 +141,7 @@ def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str
             ckpt_io.Checkpointer(Path(tmp) / "one", 1, False, Dist()).save(
                 2, ckpt_io.training_state(reference, ref_parts[1], ref_parts[2]), {})
         dist.barrier()
-        model = _build(name, kw, d, "fsdp", True, 11)
+        model = _build(name, kw, d, 11)
         parts = _trainer(model)
         ckpt_io.load_training_state(Path(tmp) / "one" / "checkpoints" / "step-0000002", model, parts[1], parts[2])
         _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
