@@ -12,7 +12,8 @@ weights, ``AutoencoderKLWan``'s default config in float32, UniPC with flow shift
 prompt (the text encoder is outside the timed call in every system compared), the VAE decode and the conversion to
 uint8 frames included. One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of ``--repeat`` timed calls
 after one warm-up call (which compiles), wall clock between synchronisations; ``loop_s`` / ``decode_s``: the same
-call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, First Block Cache, fp32 (the
+call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, 8-bit self-attention
+(``qattn``: ``--quantized_attention``; and with fp8 linears), First Block Cache, fp32 (the
 reference for PSNR / SSIM of the uint8 frames), and under torchrun CFG-parallel and context parallelism (Ulysses),
 and CFG-parallel with the weights sharded (``cfg2_fsdp``: ``--plugin fsdp``; the peak memory shows the saving).
 Every row rebuilds the transformer from the same seed on its GPU, so every row draws the same video up to its
@@ -51,6 +52,8 @@ ROWS = {
     "eager": dict(),
     "compiled": dict(compile="default"),
     "fp8": dict(compile="default", mixed_precision="fp8"),
+    "qattn": dict(compile="default", quantized_attention=True),
+    "fp8_qattn": dict(compile="default", mixed_precision="fp8", quantized_attention=True),
     "fbc05": dict(compile="default", first_block_cache=0.05),
     "fbc10": dict(compile="default", first_block_cache=0.10),
     "fp8_fbc05": dict(compile="default", mixed_precision="fp8", first_block_cache=0.05),

@@ -178,6 +178,9 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
                       "diffusers' First Block Cache: reuse the other blocks' residual while the first block's "
                       "output changed by less than THRESHOLD (mean relative L1, e.g. 0.05) since the last full "
                       "pass; changes the samples (see docs/sampling.md)")
+    fast.add_argument("--quantized_attention", action="store_true", default=None, help="video pipelines: "
+                      "self-attention with int8 Q K^T and float8 P V (ditforge's Triton kernel, SageAttention's "
+                      "scaling; FP8 GPU); cross-attention stays exact; changes the samples (see docs/sampling.md)")
     fast.add_argument("--cfg_parallel", action="store_true", help="under torchrun with 2 x --sequence_parallel_size "
                       "processes: the conditional and unconditional passes run on different GPUs (with --compile when "
                       "--sequence_parallel_size is 1)")

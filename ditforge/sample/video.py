@@ -70,6 +70,9 @@ class VideoSampler:
     - ``first_block_cache`` (a threshold): diffusers' First Block Cache (ParaAttention; TeaCache's idea): when the
       first block's residual changed by less than this mean relative L1 distance since the last full pass, the
       other blocks' residual of that pass is reused;
+    - ``quantized_attention``: the transformer's self-attention through ``ops.quant_attention`` (int8 Q K^T,
+      float8 P V; SageAttention's scaling), routed at diffusers' attention dispatcher
+      (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default;
     - ``compile``: each repeated block compiled (``torch.compile``, static shapes; ``fullgraph`` unless caching,
       whose decision is a host-side branch, or context parallelism, whose split is a hook diffusers' way of
       reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a
@@ -85,7 +88,8 @@ class VideoSampler:
     differ from one process's where a skip happens.
 
     Raises:
-        UserError: fp8 without an FP8 GPU or Triton; a sequence-parallel size the token count or heads cannot
+        UserError: fp8 or quantized attention without an FP8 GPU or Triton, quantized attention under sequence
+            parallelism; a sequence-parallel size the token count or heads cannot
             take (diffusers' message), or for a family whose tokens are not split (``context_parallel``); first block
             cache under sequence parallelism or with fsdp; fsdp with fp8
             or in one process.
@@ -135,6 +139,8 @@ class VideoSampler:
             other = ("--first_block_cache (a skip on one process would leave the others waiting in a gather)"
                      if self.cache is not None else "--mixed_precision fp8")
             raise UserError(f"--plugin fsdp: not with {other}; drop one of them")
+        if cfg.quantized_attention:
+            _check_quantized_attention(d)
         if d.sp_size > 1 and not denoiser.context_parallel:
             raise UserError(f"--sequence_parallel_size {d.sp_size}: {pre.pipeline_class} does not split its tokens "
                             "(diffusers' context parallelism has no plan for CogVideoX and HunyuanVideo, and fails on "
@@ -171,6 +177,20 @@ class VideoSampler:
             from ditforge.parallel import apply_fp8
 
             log.info("fp8: %d linear layers run float8 GEMMs", apply_fp8(transformer, d.device, inference=True))
+        if cfg.quantized_attention:
+            from ditforge.models.adapters.dispatch import route_self_attention
+            from ditforge.ops.quant_attention import HEAD_DIMS, ops, quantized_attention
+
+            width = getattr(transformer.config, "attention_head_dim", None)
+            if width not in HEAD_DIMS:
+                raise UserError(f"--quantized_attention: the kernel takes heads {', '.join(map(str, HEAD_DIMS))} "
+                                f"wide; {type(transformer).__name__}'s are {width}")
+            ops()  # registered before the blocks compile
+            routed = route_self_attention(transformer, quantized_attention, HEAD_DIMS)
+            if not routed:
+                raise UserError(f"--quantized_attention: {type(transformer).__name__}'s attention processors do not "
+                                "call diffusers' attention dispatcher; drop the flag")
+            log.info("quantized attention: %d self-attention modules run int8 Q K^T and float8 P V", routed)
         if mesh is not None:
             self._split_tokens(transformer, d, mesh)
         if self.cache is not None:
@@ -318,6 +338,21 @@ class VideoSampler:
             # noise, scaled by that timestep, then changes nothing)
             temb = (z.new_zeros(z.shape[0]),) if getattr(vae.config, "timestep_conditioning", False) else ()
             return vae.decode(z, *temb, return_dict=False)[0]
+
+
+def _check_quantized_attention(d: Dist) -> None:
+    """``--quantized_attention``'s one-line refusals: no FP8 GPU (nor Triton's interpreter), or a split sequence."""
+    from ditforge.ops.triton import interpreting
+
+    if d.device.type == "cuda" or not interpreting():
+        from ditforge.parallel import fp8_unavailable
+
+        reason = fp8_unavailable(d.device, inference=True)
+        if reason:
+            raise UserError(f"--quantized_attention: {reason}")
+    if d.sp_size > 1:
+        raise UserError("--quantized_attention: not with --sequence_parallel_size > 1 (the split sequence attends "
+                        "through diffusers' context-parallel kernels); use --cfg_parallel, or drop one of them")
 
 
 def _wrap(denoiser, model: torch.nn.Module, pipe):

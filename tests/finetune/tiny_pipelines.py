@@ -531,7 +531,7 @@ def _wan_parts(**transformer: int) -> dict:
                 scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER))
 
 
-def make_wan(path) -> Path:
+def make_wan(path, **transformer: int) -> Path:
     """A tiny Wan 2.1 text-to-video ``WanPipeline`` folder, with the configs of diffusers' own
     ``tests/pipelines/wan/test_wan.py``.
 
@@ -542,14 +542,14 @@ def make_wan(path) -> Path:
     (``UMT5EncoderModel``, 2 layers, the sentencepiece ``T5Tokenizer`` of ``make_t5_tokenizer``), 512 tokens (the
     pipeline's ``max_sequence_length`` default; padded with zeros past each prompt). Scheduler:
     ``UniPCMultistepScheduler`` with Wan 2.1 480p's settings (``WAN_SCHEDULER``: flow prediction, flow sigmas,
-    ``flow_shift`` 3).
+    ``flow_shift`` 3). ``transformer``: settings of the transformer's config to change (e.g. heads 16 wide).
 
     Returns:
         ``Path(path)``.
     """
     from diffusers import WanPipeline
 
-    pipe = WanPipeline(**_wan_parts())
+    pipe = WanPipeline(**_wan_parts(**transformer))
     return _save(pipe, path)
 
 

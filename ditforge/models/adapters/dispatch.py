@@ -1,0 +1,69 @@
+"""The attention seam of diffusers' transformers: their processors call diffusers' ``dispatch_attention_fn``
+(``diffusers.models.attention_dispatch``) with the processor's ``_attention_backend``; ``route_self_attention``
+sends the self-attention calls of one transformer to a ditforge kernel instead, leaving diffusers' code as it is.
+
+How: the module of each processor class gets a router in place of its ``dispatch_attention_fn`` (installed once a
+module; every other call goes on to diffusers' function unchanged), and the routed processors get a marker as
+their backend. A call is routed when it carries the marker and is a plain self-attention: no mask, no dropout, not
+causal, keys as many as queries, no context-parallel config, and a head width the kernel takes. Anything else
+(cross-attention, a masked joint attention, a split sequence) runs diffusers' default backend, as it would have.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["route_self_attention"]
+
+
+class _Route:
+    """The marker put in a processor's ``_attention_backend``: the kernel and the head widths it takes."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], head_dims: tuple[int, ...]):
+        self.fn, self.head_dims = fn, head_dims
+
+
+def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A ``dispatch_attention_fn`` that sends marked plain self-attention calls to the marker's kernel."""
+
+    def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                              enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+        if isinstance(backend, _Route):
+            if (attn_mask is None and dropout_p == 0.0 and not is_causal and parallel_config is None
+                    and not attention_kwargs and query.shape == key.shape == value.shape
+                    and query.shape[-1] in backend.head_dims):
+                return backend.fn(query, key, value, scale=scale).to(query.dtype)
+            backend = None  # diffusers' default, as before the routing
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
+                        parallel_config=parallel_config)
+
+    dispatch_attention_fn.routes_ditforge = True
+    return dispatch_attention_fn
+
+
+def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor],
+                         head_dims: tuple[int, ...]) -> int:
+    """Send the self-attention of ``transformer``'s attention modules (those whose processor calls diffusers'
+    dispatcher and is not cross-attention) to ``fn(q, k, v, scale=) -> (B, S, H, D)`` for q, k, v (B, S, H, D) of
+    a head width in ``head_dims``. Returns how many modules were routed (0: the transformer's processors do not
+    call the dispatcher, e.g. an older diffusers)."""
+    route = _Route(fn, head_dims)
+    routed = 0
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if processor is None or getattr(module, "is_cross_attention", False) or not hasattr(
+                processor, "_attention_backend"):
+            continue
+        home = sys.modules[type(processor).__module__]
+        original = getattr(home, "dispatch_attention_fn", None)
+        if original is None:
+            continue
+        if not getattr(original, "routes_ditforge", False):
+            home.dispatch_attention_fn = _router(original)
+        processor._attention_backend = route
+        routed += 1
+    return routed
