@@ -229,10 +229,12 @@ def test_bad_input_is_one_line(flags, needle, folders, tmp_path, capsys):
     assert not (tmp_path / "c.mp4").exists()
 
 
-@pytest.mark.parametrize("setting, needle", [({"expand_timesteps": True}, "expand_timesteps"),
+@pytest.mark.parametrize("setting, needle", [({"expand_timesteps": True, "_class_name": "WanImageToVideoPipeline"},
+                                              "TI2V's image-to-video"),
                                              ({"boundary_ratio": 0.875}, "needs both transformer_2")])
 def test_variants_it_cannot_sample_are_one_line(setting, needle, folders, tmp_path, capsys):
-    """Wan 2.2 TI2V-5B (a timestep per token) and a boundary_ratio without a second expert: one line, exit 2."""
+    """Wan 2.2 TI2V-5B's image-to-video (its first frame at timestep 0) and a boundary_ratio without a second expert:
+    one line, exit 2."""
     import json
     import shutil
 

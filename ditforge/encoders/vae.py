@@ -115,8 +115,10 @@ class VAE(FrozenModel):
 
     @property
     def in_channels(self) -> int:
-        """Channels of the pixels (3)."""
-        return int(self.model.config.in_channels)
+        """Channels of the pixels (3): the config's, over the pixels a patch folds into channels when the VAE
+        patchifies first (Wan 2.2's: 12 input channels of 2 x 2 patches)."""
+        config = self.model.config
+        return int(config.in_channels) // (getattr(config, "patch_size", None) or 1) ** 2
 
     @property
     def downsample(self) -> int:

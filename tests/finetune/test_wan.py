@@ -68,14 +68,15 @@ def _step0_latents(pipe, pixels: torch.Tensor, shift: float):
     return (post.mean + post.std * eps - mean) * inv_std, noise, shift * u / (1 + (shift - 1) * u), mean, inv_std
 
 
-def _reference_first_loss(folder: Path) -> float:
+def _reference_first_loss(folder: Path, size: int = SIZE) -> float:
     """Step 0's loss from diffusers' pieces: the clips of the run's first batch (``GlobalBatchSampler``, seed 0)
     through ``AutoencoderKLWan``'s posterior, normalised as ``WanPipeline`` un-normalises before decoding
     (``latents / (1 / latents_std) + latents_mean``, inverted); the UMT5 states of ``pipe.encode_prompt`` at the
     call's ``max_sequence_length`` (512); the step's random draws in ditforge's order (noise, logit-normal u, drop,
     flip, posterior eps) from ``derive_seed(0, 0)``; sigma = shift u / (1 + (shift - 1) u) with the scheduler's
     ``flow_shift`` (checked here against ``UniPCMultistepScheduler``'s own flow sigmas); x_t = (1 - sigma) x0 +
-    sigma noise, target noise - x0, ``pipe.transformer`` called directly at timestep 1000 sigma; MSE in float32."""
+    sigma noise, target noise - x0, ``pipe.transformer`` called directly at timestep 1000 sigma (Wan 2.2 TI2V,
+    ``expand_timesteps``: repeated for each token, as ``WanPipeline.__call__`` feeds it); MSE in float32."""
     import diffusers
 
     pipe = diffusers.WanPipeline.from_pretrained(str(folder), local_files_only=True)
@@ -88,7 +89,7 @@ def _reference_first_loss(folder: Path) -> float:
     np.testing.assert_allclose(pipe.scheduler.sigmas[1:-1].numpy(), shift * u_grid / (1 + (shift - 1) * u_grid),
                                rtol=1e-6)
 
-    ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
+    ds = build_dataset("clips", size, None, FRAMES, INTERVAL, 0)
     idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
     pixels = torch.stack([ds[i]["video"] for i in idx])
     texts = [ds[i]["text"] for i in idx]
@@ -96,7 +97,10 @@ def _reference_first_loss(folder: Path) -> float:
         x0, noise, sigma, *_ = _step0_latents(pipe, pixels, shift)
         embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)
         s = sigma.view(-1, 1, 1, 1, 1)
-        pred = pipe.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * n_train,
+        timestep = sigma * n_train
+        if pipe.config.get("expand_timesteps"):  # the 1 x 2 x 2 patches' tokens: T' x h / 2 x w / 2
+            timestep = timestep[:, None].expand(-1, x0.shape[2] * (x0.shape[3] // 2) * (x0.shape[4] // 2))
+        pred = pipe.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=timestep,
                                 encoder_hidden_states=embeds, return_dict=False)[0]
     return float(torch.nn.functional.mse_loss(pred.float(), (noise - x0).float()))
 
@@ -116,6 +120,31 @@ def test_first_step_loss_matches_diffusers(wan, runs):
     # flipped clip's latents): step 0 of seed 0 draws a flip for its second row, so the old default (on) fails
     # the loss above
     assert config["data"]["random_flip"] is False
+
+
+def test_wan22_ti2v_text_to_video_first_loss_export_and_sample(tmp_path):
+    """Wan 2.2 TI2V-5B's text-to-video (``WanPipeline`` with ``expand_timesteps``: 48 latent channels from a VAE
+    that patchifies 2 x 2 pixels, spatial factor 16, and a timestep per token): at 32 px the first loss of a full
+    run equals the diffusers reference (per-token timesteps, 1e-5 relative), and the exported folder's own call
+    samples what ``ditforge sample`` of the run samples (frames within one uint8 level)."""
+    import diffusers
+
+    folder = BUILDERS["wan22_ti2v"](tmp_path / "pipe")
+    run = tmp_path / "run"
+    argv = video_train_argv(folder, run, 32, FRAMES, INTERVAL, BATCH, "--max_steps", "1", "--lr", "1e-3")
+    assert cli.main(argv) == 0
+    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(_reference_first_loss(folder, 32),
+                                                                           rel=1e-5)
+    assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "exported"), "--format", "diffusers"]) == 0
+    pipe = diffusers.WanPipeline.from_pretrained(str(tmp_path / "exported"), local_files_only=True)
+    assert pipe.config.expand_timesteps
+    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
+    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--num_sampling_steps", "3", "--cfg_scale", "4",
+                     "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz), "--device", "cpu"]) == 0
+    g = torch.Generator("cpu").manual_seed(derive_seed(0, 0))
+    video = pipe(prompt=[prompt], num_inference_steps=3, guidance_scale=4.0, height=32, width=32, num_frames=FRAMES,
+                 generator=[g], output_type="np").frames
+    assert_frames_match(npz, video, (1, FRAMES, 32, 32, 3))
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
@@ -389,10 +418,12 @@ def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("setting, needle", [({"boundary_ratio": 0.875}, "boundary_ratio"),
-                                             ({"expand_timesteps": True}, "expand_timesteps")])
+                                             ({"expand_timesteps": True, "_class_name": "WanImageToVideoPipeline"},
+                                              "TI2V's image-to-video")])
 def test_wan22_variants_are_refused(setting, needle, wan, tmp_path, capsys):
-    """A Wan 2.2 folder (two-stage denoising by boundary_ratio, or TI2V's per-token timesteps): one line naming
-    the setting, not a run that trains the wrong thing; no checkpoint written."""
+    """A Wan 2.2 folder (two-stage denoising by boundary_ratio without its second expert, or TI2V's image-to-video,
+    whose first frame stays clean at timestep 0): one line naming it, not a run that trains the wrong thing; no
+    checkpoint written."""
     folder = tmp_path / "wan22"
     shutil.copytree(wan, folder)
     index = json.loads((folder / "model_index.json").read_text())

@@ -608,6 +608,27 @@ def make_wan22(path, image_to_video: bool = False) -> Path:
     return _save(pipe, path)
 
 
+def make_wan22_ti2v(path) -> Path:
+    """A tiny Wan 2.2 TI2V-5B ``WanPipeline`` folder (``expand_timesteps``: a timestep per token), with the configs of
+    diffusers' own ``tests/pipelines/wan/test_wan_22.py`` (``Wan225BPipelineFastTests``): ``make_wan``'s parts with
+    Wan 2.2's VAE (``AutoencoderKLWan`` with 48 latent channels, 2 x 2-pixel patches, residual blocks, spatial
+    factor 16; ``latents_mean`` 0 and ``latents_std`` 1) and a transformer of 48 input and output channels.
+    Videos of 4k + 1 frames x 32 x 32 RGB <-> 48 x (k + 1) x 2 x 2 latents.
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    parts = _wan_parts(in_channels=48, out_channels=48)
+    torch.manual_seed(0)
+    parts["vae"] = AutoencoderKLWan(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True,
+                                    patch_size=2, latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
+                                    dim_mult=[1, 1, 1, 1], num_res_blocks=1, scale_factor_spatial=16,
+                                    scale_factor_temporal=4, temperal_downsample=[False, True, True]).eval()
+    return _save(WanPipeline(**parts, expand_timesteps=True), path)
+
+
 # CogVideoX-5B's scheduler_config.json (v-prediction DDPM on scaled-linear betas with zero terminal SNR), but with
 # CogVideoX-2B's SNR shift (3.0; the 5B's is 1.0), so that the tiny pipeline exercises both of the scheduler's changes
 # to the betas' alphas_cumprod.
@@ -813,6 +834,7 @@ BUILDERS = {
     "dit": make_dit,
     "wan": make_wan,
     "wan_i2v": make_wan_i2v,
+    "wan22_ti2v": make_wan22_ti2v,
     "cogvideox": make_cogvideox,
     "cogvideox_i2v": functools.partial(make_cogvideox, image_to_video=True),
     "ltx": make_ltx,
