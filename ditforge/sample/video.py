@@ -287,7 +287,8 @@ class VideoSampler:
         extra = {k: v for k, v in (("eta", 0.0), ("generator", generator)) if k in step_args}  # as the pipelines'
         two_step = "old_pred_original_sample" in step_args  # CogVideoXDPMScheduler: a second-order SDE solver
         old_x0 = None
-        image_cond = {k: v.to(self.dtype) for k, v in (image_cond or {}).items()}
+        given = dict(image_cond or {})  # as encoded (float32): what finish puts back
+        image_cond = {k: v.to(self.dtype) for k, v in given.items()}
         halves = [cond] if uncond is None else [cond, uncond]
         if self.cfg_group is not None:
             halves = [halves[self.cfg_rank]]
@@ -316,7 +317,7 @@ class VideoSampler:
                                                      return_dict=False, **extra)
                 else:
                     latents = scheduler.step(out, t, latents, return_dict=False, **extra)[0]
-        return _layout(latents, swap)
+        return self.experts[0].finish(_layout(latents, swap), given)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the

@@ -419,7 +419,7 @@ def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
 
 @pytest.mark.parametrize("setting, needle", [({"boundary_ratio": 0.875}, "boundary_ratio"),
                                              ({"expand_timesteps": True, "_class_name": "WanImageToVideoPipeline"},
-                                              "TI2V's image-to-video")])
+                                              "fine-tuning Wan 2.2 TI2V's image-to-video")])
 def test_wan22_variants_are_refused(setting, needle, wan, tmp_path, capsys):
     """A Wan 2.2 folder (two-stage denoising by boundary_ratio without its second expert, or TI2V's image-to-video,
     whose first frame stays clean at timestep 0): one line naming it, not a run that trains the wrong thing; no

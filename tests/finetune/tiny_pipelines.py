@@ -608,17 +608,18 @@ def make_wan22(path, image_to_video: bool = False) -> Path:
     return _save(pipe, path)
 
 
-def make_wan22_ti2v(path) -> Path:
+def make_wan22_ti2v(path, image_to_video: bool = False) -> Path:
     """A tiny Wan 2.2 TI2V-5B ``WanPipeline`` folder (``expand_timesteps``: a timestep per token), with the configs of
     diffusers' own ``tests/pipelines/wan/test_wan_22.py`` (``Wan225BPipelineFastTests``): ``make_wan``'s parts with
     Wan 2.2's VAE (``AutoencoderKLWan`` with 48 latent channels, 2 x 2-pixel patches, residual blocks, spatial
     factor 16; ``latents_mean`` 0 and ``latents_std`` 1) and a transformer of 48 input and output channels.
-    Videos of 4k + 1 frames x 32 x 32 RGB <-> 48 x (k + 1) x 2 x 2 latents.
+    Videos of 4k + 1 frames x 32 x 32 RGB <-> 48 x (k + 1) x 2 x 2 latents. ``image_to_video``: the same parts as
+    a ``WanImageToVideoPipeline`` (TI2V's image-to-video: no image encoder, the first frame's latents given).
 
     Returns:
         ``Path(path)``.
     """
-    from diffusers import AutoencoderKLWan, WanPipeline
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
 
     parts = _wan_parts(in_channels=48, out_channels=48)
     torch.manual_seed(0)
@@ -626,6 +627,9 @@ def make_wan22_ti2v(path) -> Path:
                                     patch_size=2, latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
                                     dim_mult=[1, 1, 1, 1], num_res_blocks=1, scale_factor_spatial=16,
                                     scale_factor_temporal=4, temperal_downsample=[False, True, True]).eval()
+    if image_to_video:
+        return _save(WanImageToVideoPipeline(**parts, expand_timesteps=True, image_encoder=None, image_processor=None),
+                     path)
     return _save(WanPipeline(**parts, expand_timesteps=True), path)
 
 

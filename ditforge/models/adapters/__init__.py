@@ -174,6 +174,12 @@ class DiffusersDenoiser(nn.Module):
         tensors, as the pipeline builds them."""
         raise NotImplementedError
 
+    @staticmethod
+    def finish(latents: torch.Tensor, image_cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sampled latents (B, C, T', h, w) after the last step -> the latents to decode, as the family's pipeline
+        ends its loop (Wan 2.2 TI2V puts the given first frame back); the latents themselves for the others."""
+        return latents
+
     pipeline_embeds: dict[str, str] = {}  # conditioning key -> the pipeline __call__'s argument for it
 
     def pipeline_inputs(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

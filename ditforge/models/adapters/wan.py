@@ -23,8 +23,8 @@ class WanDenoiser(DiffusersDenoiser):
     (its VAE patchifies 2 x 2 pixels). Its pipeline gives the transformer a timestep per token, t for every token of
     a text-to-video call; the transformer computes the same from t (B,) (tested to 1e-5), without the per-token
     timestep embedding (an L x D x 6D product and a (B, L, 6, D) modulation table more: for the 5B at 704 x 1280 x
-    121, L = 27,280 and D = 3,072, about 3.6 TFLOP and 1 GB in bf16 a pass). Its image-to-video, which gives the
-    first frame's tokens timestep 0, is not built."""
+    121, L = 27,280 and D = 3,072, about 3.6 TFLOP and 1 GB in bf16 a pass). Its image-to-video is
+    ``WanI2VDenoiser``'s (sampling only)."""
 
     family = "wan"
     pipelines = ("WanPipeline",)
@@ -39,10 +39,10 @@ class WanDenoiser(DiffusersDenoiser):
 
     @staticmethod
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
-        if pipe.config.get("expand_timesteps") and type(pipe).__name__ != "WanPipeline":
-            return ("Wan 2.2 TI2V's image-to-video (the first frame's latents kept clean at timestep 0, out of the "
-                    f"loss) is not built; {'sample' if sampling else 'fine-tune'} its text-to-video WanPipeline "
-                    "folder")
+        if pipe.config.get("expand_timesteps") and type(pipe).__name__ != "WanPipeline" and not sampling:
+            return ("fine-tuning Wan 2.2 TI2V's image-to-video (the first frame's latents kept clean at timestep 0, "
+                    "out of the loss) is not built; ditforge samples it, and fine-tunes its text-to-video "
+                    "WanPipeline folder")
         if getattr(pipe, "transformer", None) is None:
             return "a Wan pipeline without its first transformer (the high-noise expert); ditforge needs both"
         two = getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None
@@ -74,7 +74,9 @@ class WanI2VDenoiser(WanDenoiser):
     clip's first frame by ``encode_image`` as ``pipeline_wan_i2v.py`` builds them. Caption dropout replaces the
     UMT5 states alone (the empty prompt's); the image conditioning is never dropped, because the pipeline's
     unconditional pass keeps it (``negative_prompt_embeds`` with the same ``latent_model_input`` and
-    ``image_embeds``), so guidance contrasts captions, not images."""
+    ``image_embeds``), so guidance contrasts captions, not images. Wan 2.2 TI2V-5B's image-to-video (sampling
+    only): ``transformer(x with its first latent frame replaced by first_frame, a timestep per token, 0 on that
+    frame)``, x (B, 48, T', h, w) (``_first_frame_timesteps``, ``finish``)."""
 
     family = "wan_i2v"
     pipelines = ("WanImageToVideoPipeline",)
@@ -86,10 +88,24 @@ class WanI2VDenoiser(WanDenoiser):
         """Channels of the latents x (the transformer's ``out_channels``, 16), not of its input (36)."""
         return int(self.inner.config.out_channels)
 
-    def denoise(self, x, t, encoder_hidden_states, image_condition, encoder_hidden_states_image=None):
+    def denoise(self, x, t, encoder_hidden_states, image_condition=None, encoder_hidden_states_image=None,
+                first_frame=None):
+        if first_frame is not None:  # Wan 2.2 TI2V: the first latent frame given, its tokens at timestep 0
+            x = torch.cat([first_frame.to(x.dtype), x[:, :, 1:]], dim=2)
+            return self.transformer(hidden_states=x, timestep=_first_frame_timesteps(self.transformer, x, t),
+                                    encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
         hidden = torch.cat([x, image_condition.to(x.dtype)], dim=1)
         return self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=encoder_hidden_states,
                                 encoder_hidden_states_image=encoder_hidden_states_image, return_dict=False)[0]
+
+    @staticmethod
+    def finish(latents: torch.Tensor, image_cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Wan 2.2 TI2V: the sampled latents with the given first frame in place of the first latent frame (the
+        pipeline's last blend); the others' unchanged."""
+        if "first_frame" not in image_cond:
+            return latents
+        return torch.cat([image_cond["first_frame"][:1].to(latents.dtype).expand(len(latents), -1, -1, -1, -1),
+                          latents[:, :, 1:]], dim=2)
 
     @staticmethod
     def encode_image(pipe, first: torch.Tensor, num_frames: int, images: list | None = None
@@ -107,6 +123,10 @@ class WanI2VDenoiser(WanDenoiser):
           images; the pipeline encodes the image it was given, before resizing it to the frame size), the CLIP
           vision model's second-to-last hidden states (``image_processor`` resizes and normalises).
 
+        Wan 2.2 TI2V (``expand_timesteps``): ``first_frame`` (B, 48, 1, H/16, W/16) float32 alone, the posterior mode
+        of the first frame by itself, normalised the same way (``prepare_latents``); ``denoise`` puts it in place of
+        the first latent frame, whose tokens get timestep 0, and ``finish`` puts it in the sampled latents.
+
         Both on the VAE's device. Raises nothing of its own (diffusers' errors pass through).
         """
         from PIL import Image
@@ -114,13 +134,17 @@ class WanI2VDenoiser(WanDenoiser):
         vae = pipe.vae
         device = next(vae.parameters()).device
         b, _, h, w = first.shape
-        clip = torch.cat([first[:, :, None], first.new_zeros(b, 3, num_frames - 1, h, w)], dim=2)
+        ti2v = bool(pipe.config.get("expand_timesteps"))  # Wan 2.2 TI2V: the first frame alone
+        clip = first[:, :, None] if ti2v else torch.cat([first[:, :, None], first.new_zeros(b, 3, num_frames - 1, h, w)],
+                                                        dim=2)
         with torch.no_grad():
             latents = vae.encode(clip.to(device, vae.dtype)).latent_dist.mode().float()
             z = vae.config.z_dim
             mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(device)
             inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(device)
             latents = (latents - mean) * inv_std
+            if ti2v:
+                return {"first_frame": latents}
             k = pipe.vae_scale_factor_temporal
             mask = torch.zeros(b, 1, num_frames, *latents.shape[-2:], device=device)
             mask[:, :, 0] = 1
@@ -134,3 +158,14 @@ class WanI2VDenoiser(WanDenoiser):
                 images = [Image.fromarray(p.cpu().numpy()) for p in pixels]
             states = pipe.encode_image(images, device).float()
         return {**condition, "encoder_hidden_states_image": states}
+
+
+def _first_frame_timesteps(transformer, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Wan 2.2 TI2V image-to-video's timestep per token of latents x (B, C, T', h, w): 0 for the first latent frame's
+    tokens, t (B,) for the others (``WanImageToVideoPipeline.__call__``'s ``temp_ts``: the first-frame mask times t,
+    one value per patch). (B, T' / p_t x h / p_h x w / p_w)."""
+    p_t, p_h, p_w = transformer.config.patch_size
+    frames, per_frame = x.shape[2] // p_t, (x.shape[3] // p_h) * (x.shape[4] // p_w)
+    mask = torch.ones(frames, per_frame, device=t.device, dtype=t.dtype)
+    mask[0] = 0
+    return mask.flatten()[None] * t[:, None]
