@@ -36,7 +36,7 @@ def folders(tmp_path_factory, one_thread_module) -> dict[str, Path]:
     tiny = _tiny_pipelines()
     root = tmp_path_factory.mktemp("video_pipelines")
     return {"t2v": tiny.make_wan(root / "wan"), "i2v": tiny.make_wan_i2v(root / "wan_i2v"),
-            "t2v16": tiny.make_wan(root / "wan16", attention_head_dim=16),  # heads the 8-bit kernel takes
+            "t2v32": tiny.make_wan(root / "wan32", attention_head_dim=32),  # heads the 8-bit kernel takes
             "t2v22": tiny.make_wan22(root / "wan22"), "i2v22": tiny.make_wan22(root / "wan22_i2v", image_to_video=True)}
 
 
@@ -166,22 +166,21 @@ def test_first_block_cache_skips_passes_and_stays_close(folders, tmp_path):
     assert diff.max() > 0 and diff.mean() < 20
 
 
-def test_quantized_attention_runs_the_self_attention_through_the_kernel(folders, tmp_path, capsys, caplog):
+def test_quantized_attention_runs_the_self_attention_through_the_kernel(folders, tmp_path, capsys, monkeypatch):
     """``--quantized_attention`` (``models.adapters.dispatch``, ``ops.quant_attention``) on a Wan transformer with
-    heads 16 wide. Routed to exact attention, the transformer's output is unchanged (1e-6) and the route saw only
-    the self-attention calls: one a block, q, k and v (B, tokens, heads, 16); the cross-attention to the 512 text
-    tokens stays diffusers'. Through the CLI the two blocks' self-attention runs the 8-bit kernel (Triton's
-    interpreter here), and the frames stay within one uint8 level of the exact ones on average (the kernel's own
-    error is tested against float64 attention in tests/kernels/test_quant_attention.py); heads it cannot take (12
-    wide) are one line."""
-    import logging
-
+    heads 32 wide. Routed to exact attention, the transformer's output is unchanged (1e-6) and the route saw only
+    the self-attention calls: one a block, q, k and v (B, tokens, heads, 32); the cross-attention to the 512 text
+    tokens stays diffusers'. Through the CLI every self-attention call of the 3 steps (2 blocks, the guided batch in
+    one call) runs the 8-bit kernel (Triton's interpreter here), and the frames stay within one uint8 level of the
+    exact ones on average (the kernel's own error is tested against float64 attention in
+    tests/kernels/test_quant_attention.py); heads it cannot take (12 wide) are one line."""
     import torch.nn.functional as F
     from diffusers import WanTransformer3DModel
 
     from ditforge.models.adapters.dispatch import route_self_attention
+    from ditforge.ops import quant_attention
 
-    transformer = WanTransformer3DModel.from_pretrained(folders["t2v16"] / "transformer").eval()
+    transformer = WanTransformer3DModel.from_pretrained(folders["t2v32"] / "transformer").eval()
     g = torch.Generator().manual_seed(0)
     x, t, text = torch.randn(1, 16, 2, 4, 4, generator=g), torch.tensor([500.0]), torch.randn(1, 512, 32, generator=g)
     with torch.no_grad():
@@ -192,24 +191,27 @@ def test_quantized_attention_runs_the_self_attention_through_the_kernel(folders,
         calls.append(q.shape)
         return F.scaled_dot_product_attention(*(a.transpose(1, 2) for a in (q, k, v)), scale=scale).transpose(1, 2)
 
-    assert route_self_attention(transformer, exact, (16,)) == 2
+    assert route_self_attention(transformer, exact, (32,)) == 2
     with torch.no_grad():
         routed = transformer(x, t, text, return_dict=False)[0]
     torch.testing.assert_close(routed, plain, rtol=0, atol=1e-6)
-    assert calls == [torch.Size([1, 2 * 2 * 2, 2, 16])] * 2  # 2 frames x 2 x 2 patches of 2 x 2, 2 heads
+    assert calls == [torch.Size([1, 2 * 2 * 2, 2, 32])] * 2  # 2 frames x 2 x 2 patches of 2 x 2, 2 heads
 
+    kernel_calls = []
+    kernel = quant_attention.quantized_attention
+    monkeypatch.setattr(quant_attention, "quantized_attention",
+                        lambda q, k, v, scale=None: kernel_calls.append(q.shape) or kernel(q, k, v, scale))
     runs = {}
     for name, extra in (("exact", ()), ("quantized", ("--quantized_attention",))):
         npz = tmp_path / f"{name}.npz"
-        with caplog.at_level(logging.INFO, logger="ditforge"):
-            assert _sample(folders["t2v16"], tmp_path / f"{name}.mp4", "--save_npz", str(npz), *extra) == 0
+        assert _sample(folders["t2v32"], tmp_path / f"{name}.mp4", "--save_npz", str(npz), *extra) == 0
         runs[name] = np.load(npz)["samples"].astype(np.int16)
-    assert "quantized attention: 2 self-attention modules" in caplog.text
+    assert kernel_calls == [torch.Size([2, 4, 2, 32])] * (2 * STEPS)  # 2 frames x 1 x 2 patches, 2 heads; cond + uncond
     assert np.abs(runs["quantized"] - runs["exact"]).mean() < 1
     capsys.readouterr()
     assert _sample(folders["t2v"], tmp_path / "c.mp4", "--quantized_attention") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "heads 16, 32, 64, 128 wide; WanTransformer3DModel's are 12" in err[0], err
+    assert len(err) == 1 and "heads 32, 64, 128 wide; WanTransformer3DModel's are 12" in err[0], err
 
 
 def test_ti2v_image_to_video_equals_the_pipeline(tmp_path):

@@ -115,10 +115,11 @@ class VAE(FrozenModel):
 
     @property
     def in_channels(self) -> int:
-        """Channels of the pixels (3): the config's, over the pixels a patch folds into channels when the VAE
-        patchifies first (Wan 2.2's: 12 input channels of 2 x 2 patches)."""
+        """Channels of the pixels (3): the config's; Wan 2.2's VAE states them after folding 2 x 2 pixels into
+        channels (12), LTX-Video's before its patching (3)."""
         config = self.model.config
-        return int(config.in_channels) // (getattr(config, "patch_size", None) or 1) ** 2
+        patch = getattr(config, "patch_size", None) if type(self.model).__name__ == "AutoencoderKLWan" else None
+        return int(config.in_channels) // (patch or 1) ** 2
 
     @property
     def downsample(self) -> int:

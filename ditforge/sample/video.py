@@ -141,6 +141,9 @@ class VideoSampler:
             raise UserError(f"--plugin fsdp: not with {other}; drop one of them")
         if cfg.quantized_attention:
             _check_quantized_attention(d)
+            if denoiser.masked_self_attention:
+                raise UserError(f"--quantized_attention: {pre.pipeline_class}'s self-attention carries a mask (its "
+                                "text tokens join the video's), which the 8-bit kernel does not take; drop the flag")
         if d.sp_size > 1 and not denoiser.context_parallel:
             raise UserError(f"--sequence_parallel_size {d.sp_size}: {pre.pipeline_class} does not split its tokens "
                             "(diffusers' context parallelism has no plan for CogVideoX and HunyuanVideo, and fails on "

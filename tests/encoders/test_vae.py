@@ -169,3 +169,17 @@ def test_pipeline_folder(saved, tmp_path):
 
     shutil.copytree(saved[0], tmp_path / "vae")
     assert load_vae(str(tmp_path)).latent_channels == 4
+
+
+def test_pixel_channels_of_patchifying_video_vaes():
+    """Wan 2.2's VAE states its input channels after folding 2 x 2 pixels into them (12); LTX-Video's states the
+    pixels' (3) beside its patch size (4 in the released model): both take RGB clips."""
+    from diffusers import AutoencoderKLLTXVideo, AutoencoderKLWan
+
+    wan22 = AutoencoderKLWan(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                             dim_mult=[1, 1, 1, 1], num_res_blocks=1, scale_factor_spatial=16,
+                             temperal_downsample=[False, True, True])
+    ltx = AutoencoderKLLTXVideo(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+                                decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                                decoder_layers_per_block=(1, 1, 1, 1, 1), patch_size=4, patch_size_t=1)
+    assert VAE(wan22).in_channels == VAE(ltx).in_channels == 3

@@ -16,7 +16,7 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from test_finetune import assert_frames_match, video_train_argv  # on sys.path
+from test_finetune import assert_frames_match, assert_one_line_error, video_train_argv  # on sys.path
 from tiny_pipelines import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,7 +105,7 @@ def test_lora_resume_equals_uninterrupted(hunyuan, runs, tmp_path):
         r["loss"] for r in read_metrics(runs["lora"] / "metrics.jsonl")]
 
 
-def test_export_folder_samples_like_the_pipeline(runs, tmp_path):
+def test_export_folder_samples_like_the_pipeline(runs, tmp_path, capsys):
     """``--format diffusers`` of the full run loads in ``HunyuanVideoPipeline`` with the trained weights exactly; its
     own call at guidance 6 (embedded: one pass a step, its sigmas linear from 1 and shifted by 7) draws the video
     ``ditforge sample --cfg_scale 6`` draws from the same seed, to one uint8 level."""
@@ -124,6 +124,10 @@ def test_export_folder_samples_like_the_pipeline(runs, tmp_path):
     common = ["sample", "--ckpt", str(runs["full"]), "--prompt", prompt, "--num_sampling_steps", "4", "--cfg_scale",
               "6", "--out", str(tmp_path / "clip.mp4"), "--device", "cpu"]
     assert cli.main([*common, "--save_npz", str(npz)]) == 0
+    # its joint text-video attention is masked in every block: the 8-bit kernel would never run, so one line
+    capsys.readouterr()
+    assert_one_line_error(capsys, [*common, "--quantized_attention"], "--quantized_attention",
+                          "self-attention carries a mask")
     video = pipe(prompt=[prompt], num_inference_steps=4, guidance_scale=6.0, height=SIZE, width=SIZE,
                  num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
                  output_type="np").frames

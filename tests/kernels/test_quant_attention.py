@@ -42,9 +42,9 @@ def _exact(q, k, v) -> torch.Tensor:
     return F.scaled_dot_product_attention(*(x.double().transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
 
 
-@pytest.mark.parametrize("S, D", [(100, 128), (300, 64), (257, 16)])
+@pytest.mark.parametrize("S, D", [(100, 128), (300, 64), (257, 32)])
 def test_kernel_equals_its_unfused_reference(S, D):
-    """One key block with padding (100), several with a masked tail (300 = 2 x 128 + 44), heads 16 wide."""
+    """One key block with padding (100), several with a masked tail (300 = 2 x 128 + 44), heads 32 wide."""
     q, k, v = _qkv(S, D, seed=S)
     parts = quantize_attention_inputs(q, k, v)
     out = quantized_attention(q, k, v)
@@ -72,7 +72,7 @@ def test_quantization_is_within_half_a_step():
 
 
 def test_error_against_exact_attention_is_that_of_the_8_bit_operands():
-    S, D = 640, 128
+    S, D = 600, 128  # 4 key blocks and a masked tail of 88
     q, k, v = _qkv(S, D, seed=2, B=1)
     out = quantized_attention(q, k, v).double()
     exact = _exact(q, k, v)

@@ -67,6 +67,7 @@ class DiffusersDenoiser(nn.Module):
     image_from_generator = False
     embedded_guidance = False
     context_parallel = False
+    masked_self_attention = False  # every self-attention call carries a mask (--quantized_attention cannot take it)
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 

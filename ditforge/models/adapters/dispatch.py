@@ -48,15 +48,19 @@ def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor],
                          head_dims: tuple[int, ...]) -> int:
     """Send the self-attention of ``transformer``'s attention modules (those whose processor calls diffusers'
-    dispatcher and is not cross-attention) to ``fn(q, k, v, scale=) -> (B, S, H, D)`` for q, k, v (B, S, H, D) of
+    dispatcher and that are not cross-attention: ``is_cross_attention``, else not named ``attn2``) to ``fn(q, k, v, scale=) -> (B, S, H, D)`` for q, k, v (B, S, H, D) of
     a head width in ``head_dims``. Returns how many modules were routed (0: the transformer's processors do not
     call the dispatcher, e.g. an older diffusers)."""
     route = _Route(fn, head_dims)
     routed = 0
-    for module in transformer.modules():
+    for name, module in transformer.named_modules():
         processor = getattr(module, "processor", None)
-        if processor is None or getattr(module, "is_cross_attention", False) or not hasattr(
-                processor, "_attention_backend"):
+        # cross-attention: as the module says (Wan's), else by diffusers' block naming (LTX-Video's attn2, whose
+        # key width can equal the query's)
+        cross = getattr(module, "is_cross_attention", None)
+        if cross is None:
+            cross = name.rsplit(".", 1)[-1] == "attn2"
+        if processor is None or cross or not hasattr(processor, "_attention_backend"):
             continue
         home = sys.modules[type(processor).__module__]
         original = getattr(home, "dispatch_attention_fn", None)

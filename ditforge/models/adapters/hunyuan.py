@@ -31,6 +31,8 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
     block_classes = ("HunyuanVideoTransformerBlock", "HunyuanVideoSingleTransformerBlock")
     video = True
     embedded_guidance = True
+    # the transformer attends over the video and text tokens jointly under the text's padding mask, in every block
+    masked_self_attention = True
     fps = 24  # HunyuanVideo is trained on (and exports) 24 fps clips
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask",
