@@ -39,6 +39,8 @@ class RectifiedFlow:
         num_train_timesteps: the model's timestep scale (times are passed as ``num_train_timesteps * t``).
         t_range: (lo, hi): training times are drawn from their density restricted to [lo, hi) (the shifted
             logit-normal or uniform, truncated: Wan 2.2 A14B's experts each train on their side of the boundary).
+        given_frames: the first latent frames (dim 2 of a video) that are conditioning, not learned: the loss
+            averages over the others (Wan 2.2 TI2V's image-to-video, whose model sees its first frame clean).
 
     Timesteps are float (B,) in [0, 1].
     """
@@ -47,7 +49,7 @@ class RectifiedFlow:
 
     def __init__(self, shift: float = 1.0, weighting_scheme: str = "logit_normal", logit_mean: float = 0.0,
                  logit_std: float = 1.0, learn_sigma: bool = False, num_train_timesteps: int = 1000,
-                 t_range: tuple[float, float] = (0.0, 1.0)):
+                 t_range: tuple[float, float] = (0.0, 1.0), given_frames: int = 0):
         if weighting_scheme not in WEIGHTING_SCHEMES:
             raise ValueError(f"weighting_scheme must be one of {WEIGHTING_SCHEMES}, got {weighting_scheme!r}")
         if not shift > 0:
@@ -59,6 +61,7 @@ class RectifiedFlow:
         if not 0.0 <= t_range[0] < t_range[1] <= 1.0:
             raise ValueError(f"t_range must satisfy 0 <= lo < hi <= 1, got {t_range}")
         self.t_range = (float(t_range[0]), float(t_range[1]))
+        self.given_frames = int(given_frames)
 
     def sample_timesteps(self, n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
         """Training times (n,) float32 in (0, 1), drawn by ``weighting_scheme`` and shifted; within ``t_range`` when
@@ -102,7 +105,8 @@ class RectifiedFlow:
 
     def training_losses(self, model_fn: ModelFn, x_start: torch.Tensor, t: torch.Tensor,
                         noise: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Flow-matching loss: mean over elements of (v_theta(x_t, t) - (eps - x_0))^2.
+        """Flow-matching loss: mean over elements of (v_theta(x_t, t) - (eps - x_0))^2 (over the frames after the
+        ``given_frames`` first).
 
         Args:
             model_fn: (x_t, 1000 t) -> (B, C or 2C, ...) velocity (the first C channels are used).
@@ -113,7 +117,8 @@ class RectifiedFlow:
         """
         out = model_fn(self.noisy(x_start, t, noise), self.model_timesteps(t))
         v = out[:, : x_start.shape[1]]
-        mse = mean_flat((noise.double() - x_start.double() - v.double()) ** 2)
+        error = (noise.double() - x_start.double() - v.double()) ** 2
+        mse = mean_flat(error[:, :, self.given_frames:] if self.given_frames else error)
         return {"loss": mse, "mse": mse}
 
     def sampling_times(self, num_steps: int) -> torch.Tensor:

@@ -46,7 +46,8 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
                      flow_shift: float | None = None, weighting_scheme: str = "logit_normal",
                      logit_mean: float = 0.0, logit_std: float = 1.0, timestep_respacing: str | None = None,
                      where: str = "scheduler", device=None, seq_len: int | None = None,
-                     t_range: tuple[float, float] = (0.0, 1.0)) -> GaussianDiffusion | RectifiedFlow:
+                     t_range: tuple[float, float] = (0.0, 1.0), given_frames: int = 0
+                     ) -> GaussianDiffusion | RectifiedFlow:
     """The objective ``objective`` (``ddpm`` | ``v`` | ``flow``; ``auto`` = the scheduler's, else ``ddpm``).
 
     ``device`` (the batches' device): a Gaussian objective's schedule tables are moved there, so that a
@@ -66,7 +67,8 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     changed ones.
 
     ``t_range`` (flow only; Wan 2.2 A14B's experts): the training times are drawn from their density restricted to
-    [lo, hi) (``RectifiedFlow``).
+    [lo, hi) (``RectifiedFlow``). ``given_frames`` (flow only; Wan 2.2 TI2V's image-to-video): the first latent
+    frames are conditioning, out of the loss.
 
     A scheduler with dynamic (resolution-dependent) shifting (LTX-Video's ``FlowMatchEulerDiscreteScheduler``:
     ``use_dynamic_shifting``) shifts by exp(mu), mu interpolated linearly in ``seq_len`` (the latent frames x height
@@ -97,7 +99,7 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
         if weighting_scheme not in WEIGHTING_SCHEMES:
             raise UserError(f"--weighting_scheme: expected one of {', '.join(WEIGHTING_SCHEMES)}, got {weighting_scheme}")
         return RectifiedFlow(shift, weighting_scheme, logit_mean, logit_std, learn_sigma,
-                             int(sched.get("num_train_timesteps", 1000)), t_range)
+                             int(sched.get("num_train_timesteps", 1000)), t_range, given_frames)
     betas = None
     if sched:
         import torch

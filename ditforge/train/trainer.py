@@ -699,6 +699,7 @@ def _build_objective(run: _Run) -> None:
         t_range = (boundary, 1.0) if m.expert == "high_noise" else (0.0, boundary)
     diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
                                  m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std, t_range=t_range,
+                                 given_frames=pre.denoiser.given_frames if pre is not None else 0,
                                  where=f"--init_from {m.init_from}", device=run.d.device,
                                  seq_len=m.num_frames * m.input_size**2 if pre is not None and pre.denoiser.video
                                  else None)  # LTX's shift follows the latent frames x height x width

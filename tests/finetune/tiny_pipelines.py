@@ -839,6 +839,7 @@ BUILDERS = {
     "wan": make_wan,
     "wan_i2v": make_wan_i2v,
     "wan22_ti2v": make_wan22_ti2v,
+    "wan22_ti2v_i2v": functools.partial(make_wan22_ti2v, image_to_video=True),
     "cogvideox": make_cogvideox,
     "cogvideox_i2v": functools.partial(make_cogvideox, image_to_video=True),
     "ltx": make_ltx,

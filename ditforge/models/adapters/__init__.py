@@ -68,6 +68,7 @@ class DiffusersDenoiser(nn.Module):
     embedded_guidance = False
     context_parallel = False
     masked_self_attention = False  # every self-attention call carries a mask (--quantized_attention cannot take it)
+    given_frames = 0  # first latent frames the conditioning gives, out of the loss (Wan 2.2 TI2V image-to-video)
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 

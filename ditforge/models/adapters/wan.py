@@ -24,7 +24,7 @@ class WanDenoiser(DiffusersDenoiser):
     a text-to-video call; the transformer computes the same from t (B,) (tested to 1e-5), without the per-token
     timestep embedding (an L x D x 6D product and a (B, L, 6, D) modulation table more: for the 5B at 704 x 1280 x
     121, L = 27,280 and D = 3,072, about 3.6 TFLOP and 1 GB in bf16 a pass). Its image-to-video is
-    ``WanI2VDenoiser``'s (sampling only)."""
+    ``WanI2VDenoiser``'s."""
 
     family = "wan"
     pipelines = ("WanPipeline",)
@@ -39,10 +39,6 @@ class WanDenoiser(DiffusersDenoiser):
 
     @staticmethod
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
-        if pipe.config.get("expand_timesteps") and type(pipe).__name__ != "WanPipeline" and not sampling:
-            return ("fine-tuning Wan 2.2 TI2V's image-to-video (the first frame's latents kept clean at timestep 0, "
-                    "out of the loss) is not built; ditforge samples it, and fine-tunes its text-to-video "
-                    "WanPipeline folder")
         if getattr(pipe, "transformer", None) is None:
             return "a Wan pipeline without its first transformer (the high-noise expert); ditforge needs both"
         two = getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None
@@ -74,14 +70,19 @@ class WanI2VDenoiser(WanDenoiser):
     clip's first frame by ``encode_image`` as ``pipeline_wan_i2v.py`` builds them. Caption dropout replaces the
     UMT5 states alone (the empty prompt's); the image conditioning is never dropped, because the pipeline's
     unconditional pass keeps it (``negative_prompt_embeds`` with the same ``latent_model_input`` and
-    ``image_embeds``), so guidance contrasts captions, not images. Wan 2.2 TI2V-5B's image-to-video (sampling
-    only): ``transformer(x with its first latent frame replaced by first_frame, a timestep per token, 0 on that
-    frame)``, x (B, 48, T', h, w) (``_first_frame_timesteps``, ``finish``)."""
+    ``image_embeds``), so guidance contrasts captions, not images. Wan 2.2 TI2V-5B's image-to-video:
+    ``transformer(x with its first latent frame replaced by first_frame, a timestep per token, 0 on that
+    frame)``, x (B, 48, T', h, w) (``_first_frame_timesteps``, ``finish``); training leaves that frame out of the
+    loss (``given_frames``, the objective's)."""
 
     family = "wan_i2v"
     pipelines = ("WanImageToVideoPipeline",)
     image_to_video = True
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
+
+    def attach_pipeline(self, pipe) -> None:
+        # Wan 2.2 TI2V: the first latent frame is the image's, given at timestep 0, not learned
+        self.given_frames = 1 if pipe.config.get("expand_timesteps") else 0
 
     @property
     def in_channels(self) -> int:
