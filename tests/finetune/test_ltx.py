@@ -1,4 +1,4 @@
-"""LTX-Video text-to-video fine-tuning and sampling (``ditforge train --init_from LTX_FOLDER --data clips``,
+"""LTX-Video text- and image-to-video fine-tuning and sampling (``ditforge train --init_from LTX_FOLDER --data clips``,
 ``ditforge sample``), end to end on the CPU with the tiny random ``LTXPipeline`` of ``tiny_pipelines.make_ltx`` (32 px,
 5 frames: latents 8 x 2 x 8 x 8): the first step's loss against diffusers' pieces (the pipeline's latent
 normalisation, packing and ``calculate_shift``) written out here; a LoRA run resumed bit for bit; the exported folder
@@ -45,7 +45,7 @@ def runs(ltx, tmp_path_factory, one_thread_module) -> dict[str, Path]:
     return {kind: root / kind for kind in KINDS}
 
 
-def _reference_first_loss(folder: Path) -> tuple[float, float]:
+def _reference_first_loss(folder: Path, image_to_video: bool = False) -> tuple[float, float]:
     """Step 0's loss from diffusers' pieces, and the shift: the clips of the run's first batch (``GlobalBatchSampler``,
     seed 0) through ``AutoencoderKLLTXVideo``'s posterior, normalised by ``LTXPipeline._normalize_latents`` (its
     ``latents_mean`` / ``latents_std`` buffers and ``scaling_factor``); the T5 states and attention mask of
@@ -53,11 +53,15 @@ def _reference_first_loss(folder: Path) -> tuple[float, float]:
     posterior eps) from ``derive_seed(0, 0)``; shift = exp(mu), mu of the pipeline's ``calculate_shift`` at the
     latent frames x height x width (128) with the scheduler's settings; sigma = shift u / (1 + (shift - 1) u); the
     transformer on ``_pack_latents`` of x_t = (1 - sigma) x0 + sigma noise with the pipeline's rotary scale at 25
-    fps, its output unpacked, against noise - x0; float32."""
+    fps, its output unpacked, against noise - x0; float32. ``image_to_video`` (``LTXImageToVideoPipeline``): the
+    first latent frame of x_t is the clip's first frame alone through the VAE's posterior mode, normalised as
+    ``prepare_latents`` normalises its draw, its 64 tokens at timestep 0 (the pipeline's ``t (1 -
+    conditioning_mask)``), and the loss is over the other frames."""
     import diffusers
     from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
-    pipe = diffusers.LTXPipeline.from_pretrained(str(folder), local_files_only=True)
+    cls = diffusers.LTXImageToVideoPipeline if image_to_video else diffusers.LTXPipeline
+    pipe = cls.from_pretrained(str(folder), local_files_only=True)
     ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
     idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
     pixels = torch.stack([ds[i]["video"] for i in idx])
@@ -79,13 +83,20 @@ def _reference_first_loss(folder: Path) -> tuple[float, float]:
         embeds, mask, _, _ = pipe.encode_prompt([ds[i]["text"] for i in idx], do_classifier_free_guidance=False,
                                                 device="cpu", max_sequence_length=128)
         x_t = (1 - sigma) * x0 + sigma * noise
+        timestep = sigma.flatten() * 1000
+        if image_to_video:
+            first = pipe._normalize_latents(pipe.vae.encode(pixels[:, :, :1]).latent_dist.mode(),
+                                            pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor)
+            x_t = torch.cat([first, x_t[:, :, 1:]], dim=2)
+            timestep = torch.cat([torch.zeros(BATCH, h * w), timestep[:, None].expand(-1, (frames - 1) * h * w)], 1)
         ratio = pipe.vae_spatial_compression_ratio
         out = pipe.transformer(hidden_states=pipe._pack_latents(x_t, 1, 1), encoder_hidden_states=embeds,
-                               timestep=sigma.flatten() * 1000, encoder_attention_mask=mask, num_frames=frames,
+                               timestep=timestep, encoder_attention_mask=mask, num_frames=frames,
                                height=h, width=w, rope_interpolation_scale=(pipe.vae_temporal_compression_ratio / 25,
                                                                             ratio, ratio), return_dict=False)[0]
         pred = pipe._unpack_latents(out, frames, h, w, 1, 1)
-    return float(((pred - (noise - x0)) ** 2).mean()), shift
+    given = 1 if image_to_video else 0
+    return float(((pred - (noise - x0))[:, :, given:] ** 2).mean()), shift
 
 
 def test_first_step_loss_matches_diffusers(ltx, runs):
@@ -99,6 +110,34 @@ def test_first_step_loss_matches_diffusers(ltx, runs):
     config = __import__("yaml").safe_load((runs["full"] / "config.yaml").read_text())
     assert (config["model"]["family"], config["model"]["objective"]) == ("ltx", "flow")
     assert config["model"]["flow_shift"] == pytest.approx(shift, rel=1e-12)
+
+
+def test_image_to_video_first_loss_and_sample(tmp_path):
+    """``LTXImageToVideoPipeline``: a full run's first loss equals ``_reference_first_loss``'s image-to-video form
+    (1e-5 relative), and ``ditforge sample --image`` of the run draws what the exported pipeline's own call draws
+    from the same seed (its first latent frame a draw from the image's posterior, before the noise), frames within
+    one uint8 level."""
+    import diffusers
+    import numpy as np
+    from PIL import Image
+
+    folder = BUILDERS["ltx_i2v"](tmp_path / "pipe")
+    run = tmp_path / "run"
+    assert cli.main(_argv(folder, run, "--max_steps", "1", "--lr", "1e-3")) == 0
+    ref, _ = _reference_first_loss(folder, image_to_video=True)
+    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(ref, rel=1e-5)
+    assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "exported"), "--format", "diffusers"]) == 0
+    pipe = diffusers.LTXImageToVideoPipeline.from_pretrained(str(tmp_path / "exported"), local_files_only=True)
+    png = tmp_path / "first.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(png)
+    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
+    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--image", str(png), "--num_sampling_steps",
+                     "3", "--cfg_scale", "3", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
+                     "--device", "cpu"]) == 0
+    video = pipe(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=3.0,
+                 height=SIZE, width=SIZE, num_frames=FRAMES,
+                 generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)), output_type="np").frames
+    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
 
 
 def test_lora_resume_equals_uninterrupted(ltx, runs, tmp_path):

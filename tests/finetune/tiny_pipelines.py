@@ -687,8 +687,9 @@ LTX_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=T
                      base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
 
 
-def make_ltx(path) -> Path:
-    """A tiny LTX-Video ``LTXPipeline`` folder, with the shapes of diffusers' own ``tests/pipelines/ltx/test_ltx.py``.
+def make_ltx(path, image_to_video: bool = False) -> Path:
+    """A tiny LTX-Video ``LTXPipeline`` folder, with the shapes of diffusers' own ``tests/pipelines/ltx/test_ltx.py``;
+    with ``image_to_video`` the same parts as an ``LTXImageToVideoPipeline``.
 
     Sizes: videos of 4k + 1 frames x 32 x 32 RGB <-> 8 x (k + 1) x 8 x 8 latents (``AutoencoderKLLTXVideo``, 4 blocks
     of 8 channels, the first two scaling space and time by 2: 4 x 4 x 4 pixels a latent; the real one 32 x 32 x 8;
@@ -701,7 +702,8 @@ def make_ltx(path) -> Path:
     Returns:
         ``Path(path)``.
     """
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from diffusers import (AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXImageToVideoPipeline, LTXPipeline,
+                           LTXVideoTransformer3DModel)
 
     tokenizer = make_t5_tokenizer()
     text_encoder = _t5_encoder(tokenizer, 32)
@@ -720,8 +722,9 @@ def make_ltx(path) -> Path:
     transformer = LTXVideoTransformer3DModel(
         in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4, attention_head_dim=8,
         cross_attention_dim=32, num_layers=1, caption_channels=32).eval()
-    pipe = LTXPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER))
+    pipe = (LTXImageToVideoPipeline if image_to_video else LTXPipeline)(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER))
     return _save(pipe, path)
 
 
@@ -843,5 +846,6 @@ BUILDERS = {
     "cogvideox": make_cogvideox,
     "cogvideox_i2v": functools.partial(make_cogvideox, image_to_video=True),
     "ltx": make_ltx,
+    "ltx_i2v": functools.partial(make_ltx, image_to_video=True),
     "hunyuan_video": make_hunyuan_video,
 }

@@ -18,8 +18,9 @@ Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL)
 ``wan_i2v`` (Wan 2.1 text-to-video and image-to-video, ``wan.py``: videos (B, C, T, H, W), ``video = True``;
 image-to-video also ``image_to_video = True``: conditioning from the first frame, ``encode_image``);
 ``cogvideox`` and ``cogvideox_i2v`` (CogVideoX 1.0 text- and image-to-video, ``cogvideox.py``: a video family
-whose pipeline puts frames before channels, ``frames_first = True``); ``ltx`` (LTX-Video text-to-video,
-``ltx.py``: latents packed into tokens inside the adapter, a dynamically shifted flow objective);
+whose pipeline puts frames before channels, ``frames_first = True``); ``ltx`` and ``ltx_i2v`` (LTX-Video text- and
+image-to-video, ``ltx.py``: latents packed into tokens inside the adapter, a dynamically shifted flow objective;
+image-to-video gives the first latent frame, ``given_frames``);
 ``hunyuan_video`` (HunyuanVideo text-to-video, ``hunyuan.py``: guidance-distilled, ``embedded_guidance = True``).
 Official and diffusers DiT weights load into ditforge's own ``DiT`` (``ditforge.interop``), which is the same
 network.
@@ -178,9 +179,14 @@ class DiffusersDenoiser(nn.Module):
 
     @staticmethod
     def finish(latents: torch.Tensor, image_cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Sampled latents (B, C, T', h, w) after the last step -> the latents to decode, as the family's pipeline
-        ends its loop (Wan 2.2 TI2V puts the given first frame back); the latents themselves for the others."""
-        return latents
+        """Sampled latents (B, C, T', h, w) after the last step -> the latents to decode: with a given first latent
+        frame (``image_cond["first_frame"]`` (1, C, 1, h, w); Wan 2.2 TI2V's and LTX-Video's image-to-video) that
+        frame in place of the first, as their pipelines end (Wan's last blend; LTX-Video never steps it); else the
+        latents themselves."""
+        if "first_frame" not in image_cond:
+            return latents
+        first = image_cond["first_frame"][:1].to(latents.dtype).expand(len(latents), -1, -1, -1, -1)
+        return torch.cat([first, latents[:, :, 1:]], dim=2)
 
     pipeline_embeds: dict[str, str] = {}  # conditioning key -> the pipeline __call__'s argument for it
 
@@ -199,6 +205,17 @@ class DiffusersDenoiser(nn.Module):
         return out
 
 
+def first_frame_timesteps(t: torch.Tensor, frames: int, per_frame: int) -> torch.Tensor:
+    """A timestep per token for latents whose first latent frame is given clean: 0 for its ``per_frame`` tokens, t
+    (B,) for the ``(frames - 1) per_frame`` others, frame by frame as the transformers order their tokens. (B,
+    frames x per_frame), t's dtype. The image-to-video pipelines' first-frame mask times t
+    (``WanImageToVideoPipeline`` with ``expand_timesteps``: ``temp_ts``; ``LTXImageToVideoPipeline``:
+    ``t (1 - conditioning_mask)``)."""
+    mask = torch.ones(frames, per_frame, device=t.device, dtype=t.dtype)
+    mask[0] = 0
+    return mask.flatten()[None] * t[:, None]
+
+
 def call_default(pipe: Any, name: str) -> Any:
     """The default of argument ``name`` of the pipeline's ``__call__`` (``max_sequence_length``, ``frame_rate``, ...):
     what the pipeline encodes and samples with when its caller gives none."""
@@ -210,7 +227,7 @@ def call_default(pipe: Any, name: str) -> Any:
 def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.cogvideox import CogVideoXDenoiser, CogVideoXI2VDenoiser
     from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
-    from ditforge.models.adapters.ltx import LTXDenoiser
+    from ditforge.models.adapters.ltx import LTXDenoiser, LTXI2VDenoiser
     from ditforge.models.adapters.pixart import PixArtDenoiser
     from ditforge.models.adapters.sd3 import SD3Denoiser
     from ditforge.models.adapters.sd_unet import SDUNetDenoiser, SDXLUNetDenoiser
@@ -218,7 +235,7 @@ def _families() -> dict[str, type[DiffusersDenoiser]]:
 
     return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser,
                                         WanI2VDenoiser, CogVideoXDenoiser, CogVideoXI2VDenoiser, LTXDenoiser,
-                                        HunyuanVideoDenoiser)}
+                                        LTXI2VDenoiser, HunyuanVideoDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

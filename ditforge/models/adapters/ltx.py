@@ -1,15 +1,16 @@
-"""LTX-Video text-to-video (0.9.x): diffusers' ``LTXVideoTransformer3DModel`` (a DiT over the tokens of a VAE that
+"""LTX-Video text- and image-to-video (0.9.x): diffusers' ``LTXVideoTransformer3DModel`` (a DiT over the tokens of a VAE that
 compresses 32 x 32 x 8 pixels into one 128-channel latent, cross-attending to T5 states under their attention mask)
 trained with flow matching, its shift following the video's latent size (the scheduler's dynamic shifting;
 ``ditforge.diffusion.objective``). Sources of the calls below: diffusers' ``pipelines/ltx/pipeline_ltx.py``
-(``LTXPipeline.__call__``, ``encode_prompt``, ``_pack_latents`` / ``_unpack_latents``)."""
+(``LTXPipeline.__call__``, ``encode_prompt``, ``_pack_latents`` / ``_unpack_latents``) and
+``pipelines/ltx/pipeline_ltx_image2video.py`` (``LTXImageToVideoPipeline.__call__`` and ``prepare_latents``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, call_default
+from ditforge.models.adapters import DiffusersDenoiser, call_default, first_frame_timesteps
 
 
 class LTXDenoiser(DiffusersDenoiser):
@@ -41,12 +42,15 @@ class LTXDenoiser(DiffusersDenoiser):
         self.vae_temporal = int(pipe.vae_temporal_compression_ratio)
         self.frame_rate = int(call_default(pipe, "frame_rate"))
 
-    def denoise(self, x, t, encoder_hidden_states, encoder_attention_mask):
+    def denoise(self, x, t, encoder_hidden_states, encoder_attention_mask, first_frame=None):
         from diffusers import LTXPipeline
 
         config = self.transformer.config
         p, pt = config.patch_size, config.patch_size_t
         frames, h, w = x.shape[2:]
+        if first_frame is not None:  # image-to-video: the first latent frame given, its tokens at timestep 0
+            x = torch.cat([first_frame.to(x.dtype), x[:, :, 1:]], dim=2)
+            t = first_frame_timesteps(t, frames // pt, (h // p) * (w // p))
         scale = (self.vae_temporal / self.frame_rate, self.vae_scale, self.vae_scale)
         out = self.transformer(hidden_states=LTXPipeline._pack_latents(x, p, pt),
                                encoder_hidden_states=encoder_hidden_states, timestep=t,
@@ -73,3 +77,33 @@ class LTXDenoiser(DiffusersDenoiser):
                              config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
                              config.get("max_shift", 1.15))
         return {"sigmas": np.linspace(1.0, 1 / steps, steps), "mu": mu}
+
+
+class LTXI2VDenoiser(LTXDenoiser):
+    """LTX-Video image-to-video (``LTXImageToVideoPipeline``): ``LTXDenoiser``'s call with the first latent frame
+    replaced by the image's latents (``first_frame``, from ``encode_image``) and a timestep per token, 0 for that
+    frame's and 1000 sigma for the others' (the pipeline's ``t (1 - conditioning_mask)``). The pipeline never steps
+    that frame and decodes it as given (``finish``); training leaves it out of the loss (``given_frames``)."""
+
+    family = "ltx_i2v"
+    pipelines = ("LTXImageToVideoPipeline",)
+    image_to_video = True
+    image_from_generator = True
+    given_frames = 1
+
+    @staticmethod
+    def encode_image(pipe, first: torch.Tensor, num_frames: int, images: list | None = None,
+                     generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """``first_frame`` (B, C, 1, H/32, W/32) float32: the first frames ``first`` (B, 3, H, W) in [-1, 1], each alone
+        through ``AutoencoderKLLTXVideo``, normalised by ``_normalize_latents`` (``latents_mean`` / ``latents_std``
+        and ``scaling_factor``), as ``LTXImageToVideoPipeline.prepare_latents`` builds the first latent frame. The
+        posterior's mode, or with ``generator`` (sampling) a draw from it, the pipeline's ``retrieve_latents(...,
+        generator)`` before the noise from the same generator. ``num_frames`` and ``images`` are unused. On the VAE's
+        device."""
+        vae = pipe.vae
+        device = next(vae.parameters()).device
+        with torch.no_grad():
+            post = vae.encode(first[:, :, None].to(device, vae.dtype)).latent_dist
+            latents = (post.mode() if generator is None else post.sample(generator)).float()
+            latents = pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        return {"first_frame": latents}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, call_default
+from ditforge.models.adapters import DiffusersDenoiser, call_default, first_frame_timesteps
 
 
 class WanDenoiser(DiffusersDenoiser):
@@ -72,7 +72,7 @@ class WanI2VDenoiser(WanDenoiser):
     unconditional pass keeps it (``negative_prompt_embeds`` with the same ``latent_model_input`` and
     ``image_embeds``), so guidance contrasts captions, not images. Wan 2.2 TI2V-5B's image-to-video:
     ``transformer(x with its first latent frame replaced by first_frame, a timestep per token, 0 on that
-    frame)``, x (B, 48, T', h, w) (``_first_frame_timesteps``, ``finish``); training leaves that frame out of the
+    frame)``, x (B, 48, T', h, w) (``first_frame_timesteps``, ``finish``); training leaves that frame out of the
     loss (``given_frames``, the objective's)."""
 
     family = "wan_i2v"
@@ -93,20 +93,13 @@ class WanI2VDenoiser(WanDenoiser):
                 first_frame=None):
         if first_frame is not None:  # Wan 2.2 TI2V: the first latent frame given, its tokens at timestep 0
             x = torch.cat([first_frame.to(x.dtype), x[:, :, 1:]], dim=2)
-            return self.transformer(hidden_states=x, timestep=_first_frame_timesteps(self.transformer, x, t),
-                                    encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
+            p_t, p_h, p_w = self.transformer.config.patch_size
+            timestep = first_frame_timesteps(t, x.shape[2] // p_t, (x.shape[3] // p_h) * (x.shape[4] // p_w))
+            return self.transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+                                    return_dict=False)[0]
         hidden = torch.cat([x, image_condition.to(x.dtype)], dim=1)
         return self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=encoder_hidden_states,
                                 encoder_hidden_states_image=encoder_hidden_states_image, return_dict=False)[0]
-
-    @staticmethod
-    def finish(latents: torch.Tensor, image_cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Wan 2.2 TI2V: the sampled latents with the given first frame in place of the first latent frame (the
-        pipeline's last blend); the others' unchanged."""
-        if "first_frame" not in image_cond:
-            return latents
-        return torch.cat([image_cond["first_frame"][:1].to(latents.dtype).expand(len(latents), -1, -1, -1, -1),
-                          latents[:, :, 1:]], dim=2)
 
     @staticmethod
     def encode_image(pipe, first: torch.Tensor, num_frames: int, images: list | None = None
@@ -126,7 +119,7 @@ class WanI2VDenoiser(WanDenoiser):
 
         Wan 2.2 TI2V (``expand_timesteps``): ``first_frame`` (B, 48, 1, H/16, W/16) float32 alone, the posterior mode
         of the first frame by itself, normalised the same way (``prepare_latents``); ``denoise`` puts it in place of
-        the first latent frame, whose tokens get timestep 0, and ``finish`` puts it in the sampled latents.
+        the first latent frame, whose tokens get timestep 0, and ``finish`` puts it back in the sampled latents.
 
         Both on the VAE's device. Raises nothing of its own (diffusers' errors pass through).
         """
@@ -160,13 +153,3 @@ class WanI2VDenoiser(WanDenoiser):
             states = pipe.encode_image(images, device).float()
         return {**condition, "encoder_hidden_states_image": states}
 
-
-def _first_frame_timesteps(transformer, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """Wan 2.2 TI2V image-to-video's timestep per token of latents x (B, C, T', h, w): 0 for the first latent frame's
-    tokens, t (B,) for the others (``WanImageToVideoPipeline.__call__``'s ``temp_ts``: the first-frame mask times t,
-    one value per patch). (B, T' / p_t x h / p_h x w / p_w)."""
-    p_t, p_h, p_w = transformer.config.patch_size
-    frames, per_frame = x.shape[2] // p_t, (x.shape[3] // p_h) * (x.shape[4] // p_w)
-    mask = torch.ones(frames, per_frame, device=t.device, dtype=t.dtype)
-    mask[0] = 0
-    return mask.flatten()[None] * t[:, None]
