@@ -470,6 +470,31 @@ def assert_frames_match(npz, frames, shape: tuple[int, ...]) -> None:
     assert np.abs(got - expected).max() <= 1
 
 
+def assert_image_to_video_run_samples_like_its_export(run, tmp_path, pipeline_class: str, size: int, frames: int,
+                                                      guidance: float) -> None:
+    """``ditforge sample --image`` of an image-to-video run draws what the run's ``--format diffusers`` export draws
+    from the same seed, prompt and random 24-bit first frame (``pipeline_class`` of diffusers), to one uint8 level
+    (test_wan.py, test_ltx.py)."""
+    import diffusers
+    import numpy as np
+    from PIL import Image
+
+    from ditforge.data.sampler import derive_seed
+
+    assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "exported"), "--format", "diffusers"]) == 0
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(str(tmp_path / "exported"), local_files_only=True)
+    png = tmp_path / "first.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(png)
+    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
+    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--image", str(png), "--num_sampling_steps",
+                     "3", "--cfg_scale", str(guidance), "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
+                     "--device", "cpu"]) == 0
+    video = pipe(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=guidance,
+                 height=size, width=size, num_frames=frames,
+                 generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)), output_type="np").frames
+    assert_frames_match(npz, video, (1, frames, size, size, 3))
+
+
 def _train_argv(folder, data, out, *extra) -> list[str]:
     return ["train", "--init_from", str(folder), "--data", str(data), "--image_size", str(SIZE), "--max_steps", "1",
             "--batch_size", "2", "--device", "cpu", "--num_workers", "0", "--sample_every", "0", "--outputs",

@@ -16,8 +16,8 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from test_finetune import (assert_frames_match, assert_one_line_error,  # tests/finetune is on sys.path
-                           video_train_argv)
+from test_finetune import (assert_frames_match, assert_image_to_video_run_samples_like_its_export,  # on sys.path
+                           assert_one_line_error, video_train_argv)
 from tiny_pipelines import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,27 +117,12 @@ def test_image_to_video_first_loss_and_sample(tmp_path):
     (1e-5 relative), and ``ditforge sample --image`` of the run draws what the exported pipeline's own call draws
     from the same seed (its first latent frame a draw from the image's posterior, before the noise), frames within
     one uint8 level."""
-    import diffusers
-    import numpy as np
-    from PIL import Image
-
     folder = BUILDERS["ltx_i2v"](tmp_path / "pipe")
     run = tmp_path / "run"
     assert cli.main(_argv(folder, run, "--max_steps", "1", "--lr", "1e-3")) == 0
     ref, _ = _reference_first_loss(folder, image_to_video=True)
     assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(ref, rel=1e-5)
-    assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "exported"), "--format", "diffusers"]) == 0
-    pipe = diffusers.LTXImageToVideoPipeline.from_pretrained(str(tmp_path / "exported"), local_files_only=True)
-    png = tmp_path / "first.png"
-    Image.fromarray(np.random.default_rng(3).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(png)
-    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
-    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--image", str(png), "--num_sampling_steps",
-                     "3", "--cfg_scale", "3", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
-                     "--device", "cpu"]) == 0
-    video = pipe(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=3.0,
-                 height=SIZE, width=SIZE, num_frames=FRAMES,
-                 generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)), output_type="np").frames
-    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
+    assert_image_to_video_run_samples_like_its_export(run, tmp_path, "LTXImageToVideoPipeline", SIZE, FRAMES, 3.0)
 
 
 def test_lora_resume_equals_uninterrupted(ltx, runs, tmp_path):

@@ -19,8 +19,8 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from test_finetune import (assert_frames_match, assert_one_line_error,  # tests/finetune is on sys.path
-                           video_train_argv)
+from test_finetune import (assert_frames_match, assert_image_to_video_run_samples_like_its_export,  # on sys.path
+                           assert_one_line_error, video_train_argv)
 from tiny_pipelines import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,7 +155,6 @@ def test_wan22_ti2v_image_to_video_first_loss_and_sample(tmp_path):
     here with diffusers' pieces (1e-5 relative), and ``ditforge sample --image`` of the run draws what the exported
     pipeline's own call draws (frames within one uint8 level)."""
     import diffusers
-    from PIL import Image
 
     folder = BUILDERS["wan22_ti2v_i2v"](tmp_path / "pipe")
     run, size = tmp_path / "run", 32
@@ -185,18 +184,7 @@ def test_wan22_ti2v_image_to_video_first_loss_and_sample(tmp_path):
     want = float(torch.nn.functional.mse_loss(pred[:, :, 1:], (noise - x0)[:, :, 1:]))
     assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(want, rel=1e-5)
 
-    assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "exported"), "--format", "diffusers"]) == 0
-    exported = diffusers.WanImageToVideoPipeline.from_pretrained(str(tmp_path / "exported"), local_files_only=True)
-    png = tmp_path / "first.png"
-    Image.fromarray(np.random.default_rng(3).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(png)
-    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
-    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--image", str(png), "--num_sampling_steps",
-                     "3", "--cfg_scale", "4", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
-                     "--device", "cpu"]) == 0
-    g = torch.Generator("cpu").manual_seed(derive_seed(0, 0))
-    video = exported(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=4.0,
-                     height=size, width=size, num_frames=FRAMES, generator=[g], output_type="np").frames
-    assert_frames_match(npz, video, (1, FRAMES, size, size, 3))
+    assert_image_to_video_run_samples_like_its_export(run, tmp_path, "WanImageToVideoPipeline", size, FRAMES, 4.0)
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
