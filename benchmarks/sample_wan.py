@@ -1,6 +1,8 @@
-"""Wan2.1-T2V-1.3B video sampling (issue 43): ``ditforge sample``'s loop (``sample.video.VideoSampler``) against the
+"""Video sampling (issue 43): ``ditforge sample``'s loop (``sample.video.VideoSampler``) on Wan2.1-T2V-1.3B against the
 unchanged anchor ``../shared/anchors/wan_sampling.py`` (diffusers' ``WanPipeline``, eager and with
-``compile_repeated_blocks``), run first in the same job.
+``compile_repeated_blocks``), run first in the same job; with ``--model cog5b`` on CogVideoX-5B against diffusers'
+``CogVideoXPipeline`` timed in this script the anchor's way (rows ``diffusers`` and ``diffusers_compiled``:
+``compile_repeated_blocks(fullgraph=True)``), for want of an anchor of its own.
 
     PYTHONPATH=. python benchmarks/sample_wan.py --rows eager,compiled,fp8 --steps 10 \
         --anchor .anchors/wan_sampling.py --out r.json                                   # one GPU
@@ -10,7 +12,10 @@ Workload (the anchor's): Wan2.1-T2V-1.3B's transformer config (30 layers, 12 hea
 weights, ``AutoencoderKLWan``'s default config in float32, UniPC with flow shift 3, guidance 5, 480 x 832, 81 frames
 (latents 16 x 21 x 60 x 104: 32,760 tokens), random 512 x 4096 caption states for the prompt and the negative
 prompt (the text encoder is outside the timed call in every system compared), the VAE decode and the conversion to
-uint8 frames included. One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of ``--repeat`` timed calls
+uint8 frames included. ``cog5b``: CogVideoX-5B's transformer config (``finetune.COG5B``: 42 layers, 48 heads of 64,
+3-D rotary positions), ``AutoencoderKLCogVideoX``'s default config (``scaling_factor`` 0.7) in bf16, its
+``CogVideoXDPMScheduler``, guidance 6, 480 x 720, 49 frames (latents 16 x 13 x 60 x 90: 17,550 video tokens beside
+226 text tokens), random 226 x 4096 caption states. One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of ``--repeat`` timed calls
 after one warm-up call (which compiles), wall clock between synchronisations; ``loop_s`` / ``decode_s``: the same
 call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, 8-bit self-attention
 (``qattn``: ``--quantized_attention``; and with fp8 linears), First Block Cache, fp32 (the
@@ -65,8 +70,43 @@ ROWS = {
     "cfg2_ulysses2": dict(compile="default", cfg_parallel=True, sequence_parallel_size=2),
     "cfg2_fp8": dict(compile="default", cfg_parallel=True, mixed_precision="fp8"),
     "cfg2_fsdp": dict(compile="default", cfg_parallel=True, plugin="fsdp"),
+    "diffusers": dict(),  # the pipeline's own call (bf16 transformer), eager
+    "diffusers_compiled": dict(),  # ... each repeated block compiled (fullgraph), as the Wan anchor
 }
-WORKLOAD = dict(height=32, width=32, frames=5) if TINY else dict(height=480, width=832, frames=81)
+# the model's workload: frame size and count, guidance, caption states (tokens x width)
+MODELS = {"wan13": dict(height=480, width=832, frames=81, guidance=5.0, text=(512, 4096)),
+          "cog5b": dict(height=480, width=720, frames=49, guidance=6.0, text=(226, 4096))}
+if TINY:
+    MODELS = {"wan13": dict(height=32, width=32, frames=5, guidance=5.0, text=(512, 64)),
+              "cog5b": dict(height=32, width=32, frames=9, guidance=6.0, text=(226, 32))}
+
+
+def build_cog_pipe(device: torch.device, transformer_device: torch.device):
+    """CogVideoX-5B's parts (``finetune.COG5B``; TINY: the tests' tiny CogVideoX), random weights drawn as
+    ``build_pipe`` draws Wan's, the default ``AutoencoderKLCogVideoX`` (``scaling_factor`` 0.7, bf16 on a GPU) and the 5B's
+    ``CogVideoXDPMScheduler``; no text encoder."""
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+    from finetune import COG5B, COG5B_SCHEDULER
+
+    from ditforge.models.adapters.cogvideox import CogVideoXDenoiser
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        tr = CogVideoXTransformer3DModel(**(dict(num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                                 out_channels=4, time_embed_dim=8, text_embed_dim=32, num_layers=2,
+                                                 sample_width=4, sample_height=4, sample_frames=9, patch_size=2,
+                                                 max_text_seq_length=226, use_rotary_positional_embeddings=True)
+                                            if TINY else COG5B))
+    tr.to(transformer_device)
+    with torch.device(device):
+        vae = (AutoencoderKLCogVideoX(down_block_types=("CogVideoXDownBlock3D",) * 4, block_out_channels=(8,) * 4,
+                                      up_block_types=("CogVideoXUpBlock3D",) * 4, latent_channels=4, layers_per_block=1,
+                                      norm_num_groups=2) if TINY else AutoencoderKLCogVideoX(scaling_factor=0.7))
+    if device.type == "cuda":  # bf16, as CogVideoX's pipelines run whole (its pipeline decodes in the latents' dtype)
+        vae.to(torch.bfloat16)
+    sched = CogVideoXDPMScheduler(**COG5B_SCHEDULER)
+    pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=vae.eval(), scheduler=sched, transformer=tr.eval())
+    return Pretrained(Path("-"), "CogVideoXPipeline", pipe, CogVideoXDenoiser(tr, 8), dict(sched.config))
 
 
 def build_pipe(device: torch.device, transformer_device: torch.device):
@@ -96,7 +136,7 @@ def build_pipe(device: torch.device, transformer_device: torch.device):
     return Pretrained(Path("-"), "WanPipeline", pipe, WanDenoiser(tr, 8), dict(sched.config))
 
 
-def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: str, profile: int = 0
+def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, device_arg: str, profile: int = 0
             ) -> tuple[dict, np.ndarray | None]:
     """One row: ``repeat`` timed calls of ``steps`` steps after a warm-up call of ``warmup_steps`` (compiling happens
     there whatever the step count); ``repeat`` 0: one call, untimed (a reference's frames). ``profile`` > 0: then
@@ -108,27 +148,49 @@ def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: s
     need = settings.get("sequence_parallel_size", 1) * (2 if settings.get("cfg_parallel") else 1)
     if need != d.world_size:
         raise SystemExit(f"row {name} needs {need} processes, this run has {d.world_size}")
-    pre = build_pipe(device, torch.device("cpu") if settings.get("plugin") else device)
-    cfg = SampleConfig(ckpt="-", **settings)
-    sampler = VideoSampler(pre, pre.denoiser, d, cfg)
-    resident = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None  # weights held, VAE included
+    w = MODELS[model]
+    pre = (build_cog_pipe if model == "cog5b" else build_pipe)(
+        device, torch.device("cpu") if settings.get("plugin") else device)
     g = torch.Generator(device).manual_seed(0)
-    text = 64 if TINY else 4096
-    cond = {"encoder_hidden_states": torch.randn(1, 512, text, generator=g, device=device)}
-    uncond = {"encoder_hidden_states": torch.randn(1, 512, text, generator=g, device=device)}
-    w = WORKLOAD
-    shape = (1, 16, (w["frames"] - 1) // 4 + 1, w["height"] // 8, w["width"] // 8)
+    cond = {"encoder_hidden_states": torch.randn(1, *w["text"], generator=g, device=device)}
+    uncond = {"encoder_hidden_states": torch.randn(1, *w["text"], generator=g, device=device)}
+    channels = pre.denoiser.in_channels
+    shape = (1, channels, (w["frames"] - 1) // 4 + 1, w["height"] // 8, w["width"] // 8)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if name.startswith("diffusers"):  # the pipeline's own call: no loop / decode split
+        pipe = pre.pipe
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        pipe.transformer.to(dtype)
+        cond, uncond = ({k: v.to(dtype) for k, v in c.items()} for c in (cond, uncond))  # the text encoder's dtype
+        if name == "diffusers_compiled" and pipe.transformer._repeated_blocks:
+            pipe.transformer.compile_repeated_blocks(fullgraph=True)
+        elif name == "diffusers_compiled":  # CogVideoX's class names no repeated blocks (diffusers 0.42.1): each
+            for block in pipe.transformer.modules():  # block compiled, as compile_repeated_blocks compiles them
+                if type(block).__name__ in pre.denoiser.block_classes:
+                    block.compile(fullgraph=True)
+        sampler = None
 
-    def call(n=steps):
-        sync(); t0 = time.perf_counter()
-        latents = sampler.denoise(cond, uncond, shape, 1, n, 5.0)
-        sync(); t1 = time.perf_counter()
-        pixels = sampler.decode(latents)  # under torchrun every process decodes its share of the tiles
-        frames = to_uint8(pixels)[0] if d.is_main else None
-        sync(); t2 = time.perf_counter()
-        d.barrier()
-        return frames, t1 - t0, t2 - t1, time.perf_counter() - t0
+        def call(n=steps):
+            sync(); t0 = time.perf_counter()
+            video = pipe(prompt_embeds=cond["encoder_hidden_states"], negative_prompt_embeds=uncond[
+                "encoder_hidden_states"], height=w["height"], width=w["width"], num_frames=w["frames"],
+                num_inference_steps=n, guidance_scale=w["guidance"], generator=torch.Generator(device).manual_seed(1),
+                output_type="np").frames[0]
+            sync()
+            return np.round(video * 255).astype(np.uint8), None, None, time.perf_counter() - t0
+    else:
+        sampler = VideoSampler(pre, pre.denoiser, d, SampleConfig(ckpt="-", **settings))
+
+        def call(n=steps):
+            sync(); t0 = time.perf_counter()
+            latents = sampler.denoise(cond, uncond, shape, 1, n, w["guidance"])
+            sync(); t1 = time.perf_counter()
+            pixels = sampler.decode(latents)  # under torchrun every process decodes its share of the tiles
+            frames = to_uint8(pixels)[0] if d.is_main else None
+            sync(); t2 = time.perf_counter()
+            d.barrier()
+            return frames, t1 - t0, t2 - t1, time.perf_counter() - t0
+    resident = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None  # weights held, VAE included
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -137,15 +199,17 @@ def run_row(name: str, steps: int, repeat: int, warmup_steps: int, device_arg: s
     times = [call() for _ in range(max(repeat, 1))]
     frames = times[-1][0]
     total = statistics.median(t[3] for t in times)
-    row = dict(row=name, settings=settings, processes=d.world_size, steps=steps, s_per_call=round(total, 3),
-               s_per_step=round(total / steps, 4), loop_s=round(statistics.median(t[1] for t in times), 3),
-               decode_s=round(statistics.median(t[2] for t in times), 3))
+    split = sampler is not None  # the pipeline's own call has no loop / decode split
+    row = dict(row=name, model=model, settings=settings, processes=d.world_size, steps=steps,
+               s_per_call=round(total, 3), s_per_step=round(total / steps, 4),
+               loop_s=round(statistics.median(t[1] for t in times), 3) if split else None,
+               decode_s=round(statistics.median(t[2] for t in times), 3) if split else None)
     if device.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         row["resident_gib"] = round(resident, 2)
-    if profile and device.type == "cuda":
-        row["profile"] = profile_loop(sampler, lambda: sampler.denoise(cond, uncond, shape, 1, 2, 5.0), shape,
-                                      profile, name)
+    if profile and device.type == "cuda" and split:
+        row["profile"] = profile_loop(sampler, lambda: sampler.denoise(cond, uncond, shape, 1, 2, w["guidance"]),
+                                      shape, profile, name)
     del sampler, pre
     torch._dynamo.reset()  # compiled code holds the row's weights: the next row's memory would count them
     gc.collect()
@@ -182,7 +246,7 @@ def profile_loop(sampler: VideoSampler, loop, shape: tuple[int, ...], top: int, 
 def run_anchor(anchor: str, steps: int, out: Path) -> dict:
     """The anchor in its own process (its own defaults), its JSON read back."""
     env = dict(os.environ, OUT=str(out.parent))
-    w = WORKLOAD
+    w = MODELS["wan13"]
     subprocess.run([sys.executable, anchor, str(steps), str(w["frames"]), str(w["height"]), str(w["width"])],
                    check=True, env=env)
     return json.loads((out.parent / "wan_sampling.json").read_text())
@@ -197,7 +261,8 @@ def main() -> None:
     p.add_argument("--warmup_steps", type=int, default=2, help="steps of the warm-up call (it compiles)")
     p.add_argument("--reference", default=None, help="the row whose frames the others' PSNR / SSIM are against "
                    "(default: fp32 where run, else the first row)")
-    p.add_argument("--anchor", help="../shared/anchors/wan_sampling.py, run first with --steps")
+    p.add_argument("--model", default="wan13", choices=tuple(MODELS), help="wan13: Wan2.1-T2V-1.3B; cog5b: CogVideoX-5B")
+    p.add_argument("--anchor", help="../shared/anchors/wan_sampling.py, run first with --steps (wan13)")
     p.add_argument("--device", default="cpu" if TINY else "cuda")
     p.add_argument("--profile", type=int, default=0, help="profile 2 steps of each row after its timing; print its N "
                    "largest kernels")
@@ -211,7 +276,7 @@ def main() -> None:
     import diffusers
 
     result = dict(date=datetime.now().isoformat(timespec="minutes"), torch=torch.__version__,
-                  diffusers=diffusers.__version__, workload=WORKLOAD, guidance=5.0, flow_shift=3.0,
+                  diffusers=diffusers.__version__, model=args.model, workload=MODELS[args.model],
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", rows=[])
     if args.anchor and rank == 0:
         result["anchor"] = run_anchor(args.anchor, args.steps, out)
@@ -219,17 +284,19 @@ def main() -> None:
     frames = {}
     for name in names:
         repeat = 0 if name in args.untimed.split(",") else args.repeat
-        row, f = run_row(name, args.steps, repeat, args.warmup_steps, args.device, args.profile)
+        row, f = run_row(args.model, name, args.steps, repeat, args.warmup_steps, args.device, args.profile)
         if rank == 0:
             frames[name] = f
-            anchor = result.get("anchor", {}).get("compiled")
-            if anchor:
-                row["x_compiled_anchor"] = round(anchor["s_per_call"] / row["s_per_call"], 3)
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
     if rank == 0:
+        # the compiled baseline: the anchor's (Wan), else diffusers' pipeline compiled in this job (CogVideoX)
+        anchor = result.get("anchor", {}).get("compiled") or next(
+            (r for r in result["rows"] if r["row"] == "diffusers_compiled"), None)
         ref = args.reference or ("fp32" if "fp32" in frames else names[0])
         for row in result["rows"]:
+            if anchor:
+                row["x_compiled_anchor"] = round(anchor["s_per_call"] / row["s_per_call"], 3)
             if row["row"] != ref:
                 row[f"psnr_vs_{ref}"] = round(psnr(frames[ref], frames[row["row"]]), 2)
                 row[f"ssim_vs_{ref}"] = round(ssim(frames[ref], frames[row["row"]]), 4)
