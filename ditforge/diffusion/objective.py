@@ -77,8 +77,8 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     scheduler's exponential time shift, exp(mu) sigma / (1 + (exp(mu) - 1) sigma), this is the shift map above.
 
     Raises:
-        UserError: a scheduler with dynamic shifting and no ``seq_len`` (or another time shift), or an unknown
-            beta schedule, naming ``where``.
+        UserError: a scheduler with dynamic shifting and no ``seq_len`` (or another time shift), an unknown
+            beta schedule, or ``given_frames`` with a Gaussian objective, naming ``where``.
     """
     sched = scheduler_config or {}
     if objective not in OBJECTIVES:
@@ -100,6 +100,9 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
             raise UserError(f"--weighting_scheme: expected one of {', '.join(WEIGHTING_SCHEMES)}, got {weighting_scheme}")
         return RectifiedFlow(shift, weighting_scheme, logit_mean, logit_std, learn_sigma,
                              int(sched.get("num_train_timesteps", 1000)), t_range, given_frames)
+    if given_frames:
+        raise UserError(f"{where}: a given first frame (image-to-video) is trained with flow matching; its "
+                        f"scheduler's objective is {objective}")
     betas = None
     if sched:
         import torch

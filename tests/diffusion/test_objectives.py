@@ -849,3 +849,27 @@ def test_training_losses_on_the_device_copy_nothing_from_the_host(objective):
     assert losses(create_objective(objective, True, device="meta")) == 0
     if objective != "flow":
         assert losses(create_objective(objective, True)) > 5
+
+
+def test_given_frames_leave_the_first_latent_frames_out_of_the_flow_loss():
+    """``given_frames`` 1 (image-to-video's given first frame): a model exact on frames 1: and wrong on frame 0 has
+    loss 0, and its loss over a wrong frame 1 is that frame's MSE over the 2 of 3 frames counted; a Gaussian
+    objective refuses it in one line."""
+    from ditforge.diffusion.objective import create_objective
+    from ditforge.errors import UserError
+
+    g = torch.Generator().manual_seed(0)
+    x0, noise = (torch.randn(2, 4, 3, 2, 2, generator=g, dtype=torch.float64) for _ in range(2))
+    t = torch.rand(2, generator=g)
+    flow = create_objective("flow", False, None, given_frames=1)
+    target = noise - x0
+    wrong_first = target.clone()
+    wrong_first[:, :, 0] += 5.0
+    assert torch.equal(flow.training_losses(lambda xt, tt: wrong_first, x0, t, noise)["loss"], torch.zeros(2,
+                                                                                                        dtype=torch.float64))
+    wrong_second = target.clone()
+    wrong_second[:, :, 1] += 3.0
+    torch.testing.assert_close(flow.training_losses(lambda xt, tt: wrong_second, x0, t, noise)["loss"],
+                               torch.full((2,), 9.0 / 2, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    with pytest.raises(UserError, match="given first frame"):
+        create_objective("ddpm", False, None, given_frames=1)
