@@ -53,7 +53,7 @@
 #   sample-cog [ROWS] [STEPS]  CogVideoX-5B sampling at 480 x 720 x 49 frames, guidance 6 (issue 43): sample_wan.py
 #                       --model cog5b, rows ROWS (default diffusers_compiled,compiled: diffusers' CogVideoXPipeline
 #                       with compile_repeated_blocks, then ditforge --compile) of STEPS DPM steps (default 10), one
-#                       timed call each (REPEAT) after a 1-step warm-up; PSNR / SSIM against REFERENCE (default the
+#                       median of REPEAT (default 2) timed calls each after a 1-step warm-up; PSNR / SSIM against REFERENCE (default the
 #                       diffusers row: the same seed draws the same video)
 #   memory-dit [CKPT] [ROWS]  `ditforge bench --memory` on DiT-XL/2 256px batch 32: the plain row, the memory rows
 #                       ROWS (default noema,8bit,sr,capped) with --grad_checkpoint CKPT (default every-2) under
@@ -229,7 +229,7 @@ sample-wan)
     ;;
 sample-cog)
     (cd benchmarks && python3 sample_wan.py --model cog5b --rows "${2:-diffusers_compiled,compiled}" \
-        --steps "${3:-10}" --repeat "${REPEAT:-1}" --warmup_steps 1 --reference "${REFERENCE:-diffusers_compiled}" \
+        --steps "${3:-10}" --repeat "${REPEAT:-2}" --warmup_steps 1 --reference "${REFERENCE:-diffusers_compiled}" \
         --untimed none --out "$out/sample_cog5b.json") 2>&1 | grep --line-buffered -v -E "gemm_4bit|kept in float32" \
         | tee "$out/sample_cog5b.log"
     ;;

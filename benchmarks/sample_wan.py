@@ -14,16 +14,16 @@ weights, ``AutoencoderKLWan``'s default config in float32, UniPC with flow shift
 prompt (the text encoder is outside the timed call in every system compared), the VAE decode and the conversion to
 uint8 frames included. ``cog5b``: CogVideoX-5B's transformer config (``finetune.COG5B``: 42 layers, 48 heads of 64,
 3-D rotary positions), ``AutoencoderKLCogVideoX``'s default config (``scaling_factor`` 0.7) in bf16, its
-``CogVideoXDPMScheduler``, guidance 6, 480 x 720, 49 frames (latents 16 x 13 x 60 x 90: 17,550 video tokens beside
-226 text tokens), random 226 x 4096 caption states. One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of ``--repeat`` timed calls
-after one warm-up call (which compiles), wall clock between synchronisations; ``loop_s`` / ``decode_s``: the same
-call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, 8-bit self-attention
-(``qattn``: ``--quantized_attention``; and with fp8 linears), First Block Cache, fp32 (the
-reference for PSNR / SSIM of the uint8 frames), and under torchrun CFG-parallel and context parallelism (Ulysses),
-and CFG-parallel with the weights sharded (``cfg2_fsdp``: ``--plugin fsdp``; the peak memory shows the saving).
-Every row rebuilds the transformer from the same seed on its GPU, so every row draws the same video up to its
-arithmetic. ``--steps`` sets our rows' denoising steps and the anchor's; TINY=1: the anchor's tiny config on the
-CPU (a check of the script).
+``CogVideoXDPMScheduler``, guidance 6, 480 x 720, 49 frames (latents 16 x 13 x 60 x 90: 17,550 video tokens beside 226
+text tokens), random 226 x 4096 caption states. One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of
+``--repeat`` timed calls after one warm-up call (which compiles), wall clock between synchronisations; ``loop_s`` /
+``decode_s``: the same call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, 8-bit
+self-attention (``qattn``: ``--quantized_attention``; and with fp8 linears), First Block Cache, fp32 (the reference
+for PSNR / SSIM of the uint8 frames), and under torchrun CFG-parallel and context parallelism (Ulysses), and
+CFG-parallel with the weights sharded (``cfg2_fsdp``: ``--plugin fsdp``; the peak memory shows the saving). Every row
+rebuilds the transformer from the same seed on its GPU, so every row draws the same video up to its arithmetic.
+``--steps`` sets our rows' denoising steps and the anchor's; TINY=1: the anchor's tiny config on the CPU (a check of
+the script).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ if TINY:
 
 def build_cog_pipe(device: torch.device, transformer_device: torch.device):
     """CogVideoX-5B's parts (``finetune.COG5B``; TINY: the tests' tiny CogVideoX), random weights drawn as
-    ``build_pipe`` draws Wan's, the default ``AutoencoderKLCogVideoX`` (``scaling_factor`` 0.7, bf16 on a GPU) and the 5B's
-    ``CogVideoXDPMScheduler``; no text encoder."""
+    ``build_pipe`` draws Wan's, the default ``AutoencoderKLCogVideoX`` (``scaling_factor`` 0.7, bf16 on a GPU) and the
+    5B's ``CogVideoXDPMScheduler``; no text encoder."""
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
     from finetune import COG5B, COG5B_SCHEDULER
 
@@ -175,9 +175,10 @@ def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, d
             video = pipe(prompt_embeds=cond["encoder_hidden_states"], negative_prompt_embeds=uncond[
                 "encoder_hidden_states"], height=w["height"], width=w["width"], num_frames=w["frames"],
                 num_inference_steps=n, guidance_scale=w["guidance"], generator=torch.Generator(device).manual_seed(1),
-                output_type="np").frames[0]
+                output_type="pt").frames  # (1, T, 3, H, W) in [0, 1] on the GPU
+            frames = to_uint8(video.permute(0, 2, 1, 3, 4) * 2 - 1)[0]  # the conversion ditforge's rows time too
             sync()
-            return np.round(video * 255).astype(np.uint8), None, None, time.perf_counter() - t0
+            return frames, None, None, time.perf_counter() - t0
     else:
         sampler = VideoSampler(pre, pre.denoiser, d, SampleConfig(ckpt="-", **settings))
 
@@ -261,7 +262,8 @@ def main() -> None:
     p.add_argument("--warmup_steps", type=int, default=2, help="steps of the warm-up call (it compiles)")
     p.add_argument("--reference", default=None, help="the row whose frames the others' PSNR / SSIM are against "
                    "(default: fp32 where run, else the first row)")
-    p.add_argument("--model", default="wan13", choices=tuple(MODELS), help="wan13: Wan2.1-T2V-1.3B; cog5b: CogVideoX-5B")
+    p.add_argument("--model", default="wan13", choices=tuple(MODELS),
+                   help="wan13: Wan2.1-T2V-1.3B; cog5b: CogVideoX-5B")
     p.add_argument("--anchor", help="../shared/anchors/wan_sampling.py, run first with --steps (wan13)")
     p.add_argument("--device", default="cpu" if TINY else "cuda")
     p.add_argument("--profile", type=int, default=0, help="profile 2 steps of each row after its timing; print its N "

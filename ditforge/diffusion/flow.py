@@ -39,8 +39,8 @@ class RectifiedFlow:
         num_train_timesteps: the model's timestep scale (times are passed as ``num_train_timesteps * t``).
         t_range: (lo, hi): training times are drawn from their density restricted to [lo, hi) (the shifted
             logit-normal or uniform, truncated: Wan 2.2 A14B's experts each train on their side of the boundary).
-        given_frames: the first latent frames (dim 2 of a video) that are conditioning, not learned: the loss
-            averages over the others (Wan 2.2 TI2V's image-to-video, whose model sees its first frame clean).
+        given_frames: the first latent frames (dim 2 of a video) that are conditioning, not learned: the loss averages
+            over the others (Wan 2.2 TI2V's and LTX-Video's image-to-video, whose model sees its first frame clean).
 
     Timesteps are float (B,) in [0, 1].
     """

@@ -67,8 +67,8 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     changed ones.
 
     ``t_range`` (flow only; Wan 2.2 A14B's experts): the training times are drawn from their density restricted to
-    [lo, hi) (``RectifiedFlow``). ``given_frames`` (flow only; Wan 2.2 TI2V's image-to-video): the first latent
-    frames are conditioning, out of the loss.
+    [lo, hi) (``RectifiedFlow``). ``given_frames`` (flow only; Wan 2.2 TI2V's and LTX-Video's image-to-video): the
+    first latent frames are conditioning, out of the loss.
 
     A scheduler with dynamic (resolution-dependent) shifting (LTX-Video's ``FlowMatchEulerDiscreteScheduler``:
     ``use_dynamic_shifting``) shifts by exp(mu), mu interpolated linearly in ``seq_len`` (the latent frames x height

@@ -45,10 +45,10 @@ class BatchEncoder:
         prompt_encoder: instead of ``text_encoder``, a function from captions to the denoiser's conditioning
             keywords (a pretrained pipeline's own encoders, ``Pretrained.encode_prompt``: e.g.
             ``{"encoder_hidden_states": (B, 77, 768)}``); ``conditioning`` then returns its dict.
-        image_encoder: image-to-video pipelines (Wan, CogVideoX I2V, ``Pretrained.encode_image``): a function from first
-            frames (B, 3, H, W) in [-1, 1] and the clip's frame count to more conditioning keywords, added to the
-            prompt's; the first frame is the batch's ``image`` (a video CSV's ``image`` column) where it has one,
-            else frame 0 of its pixels ``x``. Computed for every batch (the image differs per clip).
+        image_encoder: image-to-video pipelines (Wan, CogVideoX, LTX-Video; ``Pretrained.encode_image``): a function
+            from first frames (B, 3, H, W) in [-1, 1] and the clip's frame count to more conditioning keywords, added
+            to the prompt's; the first frame is the batch's ``image`` (a video CSV's ``image`` column) where it has
+            one, else frame 0 of its pixels ``x``. Computed for every batch (the image differs per clip).
     """
 
     def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,

@@ -31,7 +31,8 @@ import torch
 
 from ditforge.ops.triton import AMAX_EPS, E4M3_MAX, check_triton, interpreting
 
-__all__ = ["HEAD_DIMS", "KEY_BLOCK", "quantize_attention_inputs", "quantized_attention", "quantized_attention_reference"]
+__all__ = ["HEAD_DIMS", "KEY_BLOCK", "quantize_attention_inputs", "quantized_attention",
+           "quantized_attention_reference"]
 
 KEY_BLOCK = 128  # keys per K scale; the kernel's key blocks divide it
 HEAD_DIMS = (32, 64, 128)  # head widths the kernel takes (a power of two: its tiles; >= 32: Triton's 8-bit dot's K)

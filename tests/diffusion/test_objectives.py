@@ -865,8 +865,8 @@ def test_given_frames_leave_the_first_latent_frames_out_of_the_flow_loss():
     target = noise - x0
     wrong_first = target.clone()
     wrong_first[:, :, 0] += 5.0
-    assert torch.equal(flow.training_losses(lambda xt, tt: wrong_first, x0, t, noise)["loss"], torch.zeros(2,
-                                                                                                        dtype=torch.float64))
+    loss = flow.training_losses(lambda xt, tt: wrong_first, x0, t, noise)["loss"]
+    assert torch.equal(loss, torch.zeros(2, dtype=torch.float64))
     wrong_second = target.clone()
     wrong_second[:, :, 1] += 3.0
     torch.testing.assert_close(flow.training_losses(lambda xt, tt: wrong_second, x0, t, noise)["loss"],

@@ -86,7 +86,7 @@ def _reference_first_loss(folder: Path, image_to_video: bool = False) -> tuple[f
         timestep = sigma.flatten() * 1000
         if image_to_video:
             first = pipe._normalize_latents(pipe.vae.encode(pixels[:, :, :1]).latent_dist.mode(),
-                                            pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor)
+                                            pipe.vae.latents_mean, pipe.vae.latents_std)  # prepare_latents' call
             x_t = torch.cat([first, x_t[:, :, 1:]], dim=2)
             timestep = torch.cat([torch.zeros(BATCH, h * w), timestep[:, None].expand(-1, (frames - 1) * h * w)], 1)
         ratio = pipe.vae_spatial_compression_ratio

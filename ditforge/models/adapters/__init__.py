@@ -45,13 +45,17 @@ class DiffusersDenoiser(nn.Module):
         block_classes: class names of the repeated blocks.
         default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
         video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
-        image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX I2V).
+        image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX and
+            LTX-Video I2V).
         context_parallel: sampling may split the tokens over processes (diffusers' context parallelism with the
             model's ``_cp_plan``, tested with this family: Wan).
         embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
             (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
-            (``encode_image(..., generator=)``; CogVideoX I2V's posterior sample), so it is encoded per video.
+            (``encode_image(..., generator=)``; CogVideoX's and LTX-Video's I2V posterior sample), so it is encoded per
+            video.
+        given_frames: the first latent frames the conditioning gives clean (Wan 2.2 TI2V's and LTX-Video's I2V):
+            out of the loss (the objective's ``given_frames``), put back after sampling (``finish``).
         frames_first: the pipeline lays its video latents out (B, T', C, h, w) (CogVideoX), not (B, C, T', h, w);
             its noise is drawn, and its scheduler steps, in that layout.
     """
@@ -69,7 +73,7 @@ class DiffusersDenoiser(nn.Module):
     embedded_guidance = False
     context_parallel = False
     masked_self_attention = False  # every self-attention call carries a mask (--quantized_attention cannot take it)
-    given_frames = 0  # first latent frames the conditioning gives, out of the loss (Wan 2.2 TI2V image-to-video)
+    given_frames = 0
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 

@@ -48,9 +48,9 @@ def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor],
                          head_dims: tuple[int, ...]) -> int:
     """Send the self-attention of ``transformer``'s attention modules (those whose processor calls diffusers'
-    dispatcher and that are not cross-attention: ``is_cross_attention``, else not named ``attn2``) to ``fn(q, k, v, scale=) -> (B, S, H, D)`` for q, k, v (B, S, H, D) of
-    a head width in ``head_dims``. Returns how many modules were routed (0: the transformer's processors do not
-    call the dispatcher, e.g. an older diffusers)."""
+    dispatcher and that are not cross-attention: ``is_cross_attention``, else not named ``attn2``) to ``fn(q, k, v,
+    scale=) -> (B, S, H, D)`` for q, k, v (B, S, H, D) of a head width in ``head_dims``. Returns how many modules were
+    routed (0: the transformer's processors do not call the dispatcher, e.g. an older diffusers)."""
     route = _Route(fn, head_dims)
     routed = 0
     for name, module in transformer.named_modules():

@@ -1,6 +1,6 @@
-"""LTX-Video text- and image-to-video (0.9.x): diffusers' ``LTXVideoTransformer3DModel`` (a DiT over the tokens of a VAE that
-compresses 32 x 32 x 8 pixels into one 128-channel latent, cross-attending to T5 states under their attention mask)
-trained with flow matching, its shift following the video's latent size (the scheduler's dynamic shifting;
+"""LTX-Video text- and image-to-video (0.9.x): diffusers' ``LTXVideoTransformer3DModel`` (a DiT over the tokens of a
+VAE that compresses 32 x 32 x 8 pixels into one 128-channel latent, cross-attending to T5 states under their attention
+mask) trained with flow matching, its shift following the video's latent size (the scheduler's dynamic shifting;
 ``ditforge.diffusion.objective``). Sources of the calls below: diffusers' ``pipelines/ltx/pipeline_ltx.py``
 (``LTXPipeline.__call__``, ``encode_prompt``, ``_pack_latents`` / ``_unpack_latents``) and
 ``pipelines/ltx/pipeline_ltx_image2video.py`` (``LTXImageToVideoPipeline.__call__`` and ``prepare_latents``)."""
@@ -83,7 +83,11 @@ class LTXI2VDenoiser(LTXDenoiser):
     """LTX-Video image-to-video (``LTXImageToVideoPipeline``): ``LTXDenoiser``'s call with the first latent frame
     replaced by the image's latents (``first_frame``, from ``encode_image``) and a timestep per token, 0 for that
     frame's and 1000 sigma for the others' (the pipeline's ``t (1 - conditioning_mask)``). The pipeline never steps
-    that frame and decodes it as given (``finish``); training leaves it out of the loss (``given_frames``)."""
+    that frame and decodes it as given (``finish``); training leaves it out of the loss (``given_frames``). ditforge's
+    loop steps every frame and puts the given one back in each pass and at the end: the same frames for a scheduler
+    whose step is elementwise and deterministic (the pipeline's Euler; UniPC and DPM++ too); a stochastic one would
+    draw its noise over all frames where the pipeline draws it over the others. Latent frames patched in groups
+    (``patch_size_t`` > 1) are refused: the pipeline's mask takes single ones."""
 
     family = "ltx_i2v"
     pipelines = ("LTXImageToVideoPipeline",)
@@ -92,11 +96,20 @@ class LTXI2VDenoiser(LTXDenoiser):
     given_frames = 1
 
     @staticmethod
+    def unsupported(pipe, sampling: bool = False, expert: str | None = None):
+        config = pipe.transformer.config
+        if config.patch_size_t != 1 or config.patch_size != 1:
+            return (f"an LTX-Video image-to-video transformer with {config.patch_size_t} x {config.patch_size} x "
+                    f"{config.patch_size} patches; the first latent frame is given alone (1 x 1 x 1 patches)")
+        return DiffusersDenoiser.unsupported(pipe, sampling, expert)
+
+    @staticmethod
     def encode_image(pipe, first: torch.Tensor, num_frames: int, images: list | None = None,
                      generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """``first_frame`` (B, C, 1, H/32, W/32) float32: the first frames ``first`` (B, 3, H, W) in [-1, 1], each alone
-        through ``AutoencoderKLLTXVideo``, normalised by ``_normalize_latents`` (``latents_mean`` / ``latents_std``
-        and ``scaling_factor``), as ``LTXImageToVideoPipeline.prepare_latents`` builds the first latent frame. The
+        through ``AutoencoderKLLTXVideo``, normalised by ``_normalize_latents`` with ``latents_mean`` / ``latents_std``
+        and its default scaling factor 1, as ``LTXImageToVideoPipeline.prepare_latents`` builds the first latent frame
+        (the released configs' ``scaling_factor`` is 1 too, so it equals the clip latents' normalisation). The
         posterior's mode, or with ``generator`` (sampling) a draw from it, the pipeline's ``retrieve_latents(...,
         generator)`` before the noise from the same generator. ``num_frames`` and ``images`` are unused. On the VAE's
         device."""
@@ -105,5 +118,5 @@ class LTXI2VDenoiser(LTXDenoiser):
         with torch.no_grad():
             post = vae.encode(first[:, :, None].to(device, vae.dtype)).latent_dist
             latents = (post.mode() if generator is None else post.sample(generator)).float()
-            latents = pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+            latents = pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std)
         return {"first_frame": latents}

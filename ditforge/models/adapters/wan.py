@@ -39,7 +39,11 @@ class WanDenoiser(DiffusersDenoiser):
 
     @staticmethod
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
-        if getattr(pipe, "transformer", None) is None:
+        transformer = getattr(pipe, "transformer", None)
+        if pipe.config.get("expand_timesteps") and transformer is not None and transformer.config.patch_size[0] != 1:
+            return (f"a Wan 2.2 TI2V transformer with {transformer.config.patch_size[0]} latent frames a patch; its "
+                    "first latent frame is given alone (ditforge takes 1)")
+        if transformer is None:
             return "a Wan pipeline without its first transformer (the high-noise expert); ditforge needs both"
         two = getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None
         if two and (getattr(pipe, "transformer_2", None) is None or pipe.config.get("boundary_ratio") is None):
@@ -81,6 +85,7 @@ class WanI2VDenoiser(WanDenoiser):
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
 
     def attach_pipeline(self, pipe) -> None:
+        super().attach_pipeline(pipe)
         # Wan 2.2 TI2V: the first latent frame is the image's, given at timestep 0, not learned
         self.given_frames = 1 if pipe.config.get("expand_timesteps") else 0
 
@@ -129,8 +134,8 @@ class WanI2VDenoiser(WanDenoiser):
         device = next(vae.parameters()).device
         b, _, h, w = first.shape
         ti2v = bool(pipe.config.get("expand_timesteps"))  # Wan 2.2 TI2V: the first frame alone
-        clip = first[:, :, None] if ti2v else torch.cat([first[:, :, None], first.new_zeros(b, 3, num_frames - 1, h, w)],
-                                                        dim=2)
+        zeros = first.new_zeros(b, 3, num_frames - 1, h, w)
+        clip = first[:, :, None] if ti2v else torch.cat([first[:, :, None], zeros], dim=2)
         with torch.no_grad():
             latents = vae.encode(clip.to(device, vae.dtype)).latent_dist.mode().float()
             z = vae.config.z_dim

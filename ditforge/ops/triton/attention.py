@@ -1,6 +1,6 @@
 """Triton kernel of 8-bit attention for sampling: softmax(Q K^T * scale) V with Q K^T in int8 and P V in float8
-(e4m3), and FlashAttention's online softmax. Only the ``@triton.jit`` function lives here; the quantization of Q, K and V
-and the ``torch.library`` op are in ``ditforge.ops.quant_attention``.
+(e4m3), and FlashAttention's online softmax. Only the ``@triton.jit`` function lives here; the quantization of Q, K
+and V and the ``torch.library`` op are in ``ditforge.ops.quant_attention``.
 
 Math (sources):
 - The online softmax over key blocks: Dao et al. 2022, "FlashAttention", algorithm 1; with base-2 exponentials and
