@@ -6,7 +6,7 @@ How: the module of each processor class gets a router in place of its ``dispatch
 module; every other call goes on to diffusers' function unchanged), and the routed processors get a marker as
 their backend. A call is routed when it carries the marker and is a plain self-attention: no mask, no dropout, not
 causal, keys as many as queries, no context-parallel config, and a head width the kernel takes. Anything else
-(cross-attention, a masked joint attention, a split sequence) runs diffusers' default backend, as it would have.
+(cross-attention, a masked joint attention, a split sequence) runs the processor's own backend, as it would have.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ __all__ = ["route_self_attention"]
 
 
 class _Route:
-    """The marker put in a processor's ``_attention_backend``: the kernel and the head widths it takes."""
+    """The marker put in a processor's ``_attention_backend``: the kernel, the head widths it takes, and the backend
+    the processor had (what the calls the kernel does not take go to)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], head_dims: tuple[int, ...]):
-        self.fn, self.head_dims = fn, head_dims
+    def __init__(self, fn: Callable[..., torch.Tensor], head_dims: tuple[int, ...], previous=None):
+        self.fn, self.head_dims, self.previous = fn, head_dims, previous
 
 
 def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -36,7 +37,7 @@ def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
                     and not attention_kwargs and query.shape == key.shape == value.shape
                     and query.shape[-1] in backend.head_dims):
                 return backend.fn(query, key, value, scale=scale).to(query.dtype)
-            backend = None  # diffusers' default, as before the routing
+            backend = backend.previous  # the processor's own, as before the routing
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
                         parallel_config=parallel_config)
@@ -51,7 +52,6 @@ def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.T
     dispatcher and that are not cross-attention: ``is_cross_attention``, else not named ``attn2``) to ``fn(q, k, v,
     scale=) -> (B, S, H, D)`` for q, k, v (B, S, H, D) of a head width in ``head_dims``. Returns how many modules were
     routed (0: the transformer's processors do not call the dispatcher, e.g. an older diffusers)."""
-    route = _Route(fn, head_dims)
     routed = 0
     for name, module in transformer.named_modules():
         processor = getattr(module, "processor", None)
@@ -68,6 +68,8 @@ def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.T
             continue
         if not getattr(original, "routes_ditforge", False):
             home.dispatch_attention_fn = _router(original)
-        processor._attention_backend = route
+        previous = processor._attention_backend
+        processor._attention_backend = _Route(fn, head_dims, previous.previous if isinstance(previous, _Route)
+                                              else previous)
         routed += 1
     return routed
