@@ -80,8 +80,9 @@ def quantize_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # from ``benchmarks/kernels.py attention8`` at 2 x 32,760 tokens x 12 heads of 128 (H200, 2026-11-28,
-# ``results/sampling/attention8_h200.json``): 18.3 ms against 20.7 with 3 stages, 24.1 with 128-query blocks and
-# 8 warps, 21.3 with 64-key blocks; cuDNN's bf16 kernel took 23.4 ms
+# ``results/sampling/attention8_h200.json``): 18.05 ms against 20.40 with 3 stages, 19.05 with Hopper's imprecise
+# float8 accumulation (no PV_PRECISE_K), 21.78 with 64-key blocks, 25.60 with 128-query blocks and 8 warps, 18.22
+# with Triton's warp_specialize; cuDNN's bf16 kernel took 23.16 ms
 CONFIG = dict(block_m=64, block_n=128, num_warps=4, num_stages=2, pv_precise_k=128, warp_specialize=False)
 
 
