@@ -140,10 +140,7 @@ class VideoSampler:
                      if self.cache is not None else "--mixed_precision fp8")
             raise UserError(f"--plugin fsdp: not with {other}; drop one of them")
         if cfg.quantized_attention:
-            _check_quantized_attention(d)
-            if denoiser.masked_self_attention:
-                raise UserError(f"--quantized_attention: {pre.pipeline_class}'s self-attention carries a mask (its "
-                                "text tokens join the video's), which the 8-bit kernel does not take; drop the flag")
+            _check_quantized_attention(d, denoiser, pre.pipeline_class)
         if d.sp_size > 1 and not denoiser.context_parallel:
             raise UserError(f"--sequence_parallel_size {d.sp_size}: {pre.pipeline_class} does not split its tokens "
                             "(diffusers' context parallelism has no plan for CogVideoX and HunyuanVideo, and fails on "
@@ -184,10 +181,6 @@ class VideoSampler:
             from ditforge.models.adapters.dispatch import route_self_attention
             from ditforge.ops.quant_attention import HEAD_DIMS, ops, quantized_attention
 
-            width = getattr(transformer.config, "attention_head_dim", None)
-            if width not in HEAD_DIMS:
-                raise UserError(f"--quantized_attention: the kernel takes heads {', '.join(map(str, HEAD_DIMS))} "
-                                f"wide; {type(transformer).__name__}'s are {width}")
             ops()  # registered before the blocks compile
             routed = route_self_attention(transformer, quantized_attention, HEAD_DIMS)
             if not routed:
@@ -344,8 +337,10 @@ class VideoSampler:
             return vae.decode(z, *temb, return_dict=False)[0]
 
 
-def _check_quantized_attention(d: Dist) -> None:
-    """``--quantized_attention``'s one-line refusals: no FP8 GPU (nor Triton's interpreter), or a split sequence."""
+def _check_quantized_attention(d: Dist, denoiser, pipeline_class: str) -> None:
+    """``--quantized_attention``'s one-line refusals: no FP8 GPU (nor Triton's interpreter), a split sequence, a
+    family whose self-attention is masked, heads the kernel does not take."""
+    from ditforge.ops.quant_attention import HEAD_DIMS
     from ditforge.ops.triton import interpreting
 
     if d.device.type == "cuda" or not interpreting():
@@ -357,6 +352,13 @@ def _check_quantized_attention(d: Dist) -> None:
     if d.sp_size > 1:
         raise UserError("--quantized_attention: not with --sequence_parallel_size > 1 (the split sequence attends "
                         "through diffusers' context-parallel kernels); use --cfg_parallel, or drop one of them")
+    if denoiser.masked_self_attention:
+        raise UserError(f"--quantized_attention: {pipeline_class}'s self-attention carries a mask (its text tokens "
+                        "join the video's), which the 8-bit kernel does not take; drop the flag")
+    width = getattr(denoiser.inner.config, "attention_head_dim", None)
+    if width not in HEAD_DIMS:
+        raise UserError(f"--quantized_attention: the kernel takes heads {', '.join(map(str, HEAD_DIMS))} wide; "
+                        f"{type(denoiser.inner).__name__}'s are {width}")
 
 
 def _wrap(denoiser, model: torch.nn.Module, pipe):

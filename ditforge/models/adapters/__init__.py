@@ -209,15 +209,19 @@ class DiffusersDenoiser(nn.Module):
         return out
 
 
-def first_frame_timesteps(t: torch.Tensor, frames: int, per_frame: int) -> torch.Tensor:
-    """A timestep per token for latents whose first latent frame is given clean: 0 for its ``per_frame`` tokens, t
-    (B,) for the ``(frames - 1) per_frame`` others, frame by frame as the transformers order their tokens. (B,
-    frames x per_frame), t's dtype. The image-to-video pipelines' first-frame mask times t
-    (``WanImageToVideoPipeline`` with ``expand_timesteps``: ``temp_ts``; ``LTXImageToVideoPipeline``:
-    ``t (1 - conditioning_mask)``)."""
-    mask = torch.ones(frames, per_frame, device=t.device, dtype=t.dtype)
+def give_first_frame(x: torch.Tensor, t: torch.Tensor, first_frame: torch.Tensor,
+                     patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer's input when the first latent frame is given clean (image-to-video of Wan 2.2 TI2V and
+    LTX-Video): latents x (B, C, T', h, w) with ``first_frame`` (B or 1, C, 1, h, w) in place of their first frame,
+    and a timestep per token, 0 for that frame's tokens and t (B,) for the others', frame by frame as the
+    transformers order their tokens (``patch`` (p_t, p_h, p_w), p_t = 1): (B, T' x h / p_h x w / p_w), t's dtype.
+    The pipelines' first-frame mask times t (``WanImageToVideoPipeline`` with ``expand_timesteps``: ``temp_ts``;
+    ``LTXImageToVideoPipeline``: ``t (1 - conditioning_mask)``)."""
+    p_t, p_h, p_w = patch
+    x = torch.cat([first_frame.to(x.dtype).expand(len(x), -1, -1, -1, -1), x[:, :, 1:]], dim=2)
+    mask = torch.ones(x.shape[2] // p_t, (x.shape[3] // p_h) * (x.shape[4] // p_w), device=t.device, dtype=t.dtype)
     mask[0] = 0
-    return mask.flatten()[None] * t[:, None]
+    return x, mask.flatten()[None] * t[:, None]
 
 
 def call_default(pipe: Any, name: str) -> Any:

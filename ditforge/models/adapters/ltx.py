@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, call_default, first_frame_timesteps
+from ditforge.models.adapters import DiffusersDenoiser, call_default, give_first_frame
 
 
 class LTXDenoiser(DiffusersDenoiser):
@@ -49,8 +49,7 @@ class LTXDenoiser(DiffusersDenoiser):
         p, pt = config.patch_size, config.patch_size_t
         frames, h, w = x.shape[2:]
         if first_frame is not None:  # image-to-video: the first latent frame given, its tokens at timestep 0
-            x = torch.cat([first_frame.to(x.dtype), x[:, :, 1:]], dim=2)
-            t = first_frame_timesteps(t, frames // pt, (h // p) * (w // p))
+            x, t = give_first_frame(x, t, first_frame, (pt, p, p))
         scale = (self.vae_temporal / self.frame_rate, self.vae_scale, self.vae_scale)
         out = self.transformer(hidden_states=LTXPipeline._pack_latents(x, p, pt),
                                encoder_hidden_states=encoder_hidden_states, timestep=t,

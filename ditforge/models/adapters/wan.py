@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, call_default, first_frame_timesteps
+from ditforge.models.adapters import DiffusersDenoiser, call_default, give_first_frame
 
 
 class WanDenoiser(DiffusersDenoiser):
@@ -40,9 +40,10 @@ class WanDenoiser(DiffusersDenoiser):
     @staticmethod
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
         transformer = getattr(pipe, "transformer", None)
-        if pipe.config.get("expand_timesteps") and transformer is not None and transformer.config.patch_size[0] != 1:
-            return (f"a Wan 2.2 TI2V transformer with {transformer.config.patch_size[0]} latent frames a patch; its "
-                    "first latent frame is given alone (ditforge takes 1)")
+        if (pipe.config.get("expand_timesteps") and type(pipe).__name__ != "WanPipeline" and transformer is not None
+                and transformer.config.patch_size[0] != 1):
+            return (f"a Wan 2.2 TI2V image-to-video transformer with {transformer.config.patch_size[0]} latent frames "
+                    "a patch; its first latent frame is given alone (ditforge takes 1)")
         if transformer is None:
             return "a Wan pipeline without its first transformer (the high-noise expert); ditforge needs both"
         two = getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None
@@ -76,7 +77,7 @@ class WanI2VDenoiser(WanDenoiser):
     unconditional pass keeps it (``negative_prompt_embeds`` with the same ``latent_model_input`` and
     ``image_embeds``), so guidance contrasts captions, not images. Wan 2.2 TI2V-5B's image-to-video:
     ``transformer(x with its first latent frame replaced by first_frame, a timestep per token, 0 on that
-    frame)``, x (B, 48, T', h, w) (``first_frame_timesteps``, ``finish``); training leaves that frame out of the
+    frame)``, x (B, 48, T', h, w) (``give_first_frame``, ``finish``); training leaves that frame out of the
     loss (``given_frames``, the objective's)."""
 
     family = "wan_i2v"
@@ -97,9 +98,7 @@ class WanI2VDenoiser(WanDenoiser):
     def denoise(self, x, t, encoder_hidden_states, image_condition=None, encoder_hidden_states_image=None,
                 first_frame=None):
         if first_frame is not None:  # Wan 2.2 TI2V: the first latent frame given, its tokens at timestep 0
-            x = torch.cat([first_frame.to(x.dtype), x[:, :, 1:]], dim=2)
-            p_t, p_h, p_w = self.transformer.config.patch_size
-            timestep = first_frame_timesteps(t, x.shape[2] // p_t, (x.shape[3] // p_h) * (x.shape[4] // p_w))
+            x, timestep = give_first_frame(x, t, first_frame, self.transformer.config.patch_size)
             return self.transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
                                     return_dict=False)[0]
         hidden = torch.cat([x, image_condition.to(x.dtype)], dim=1)
@@ -134,8 +133,9 @@ class WanI2VDenoiser(WanDenoiser):
         device = next(vae.parameters()).device
         b, _, h, w = first.shape
         ti2v = bool(pipe.config.get("expand_timesteps"))  # Wan 2.2 TI2V: the first frame alone
-        zeros = first.new_zeros(b, 3, num_frames - 1, h, w)
-        clip = first[:, :, None] if ti2v else torch.cat([first[:, :, None], zeros], dim=2)
+        clip = first[:, :, None]
+        if not ti2v:  # Wan 2.1 / 2.2 A14B: [the first frame, zero frames]
+            clip = torch.cat([clip, first.new_zeros(b, 3, num_frames - 1, h, w)], dim=2)
         with torch.no_grad():
             latents = vae.encode(clip.to(device, vae.dtype)).latent_dist.mode().float()
             z = vae.config.z_dim
