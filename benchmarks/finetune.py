@@ -35,6 +35,12 @@ Models (``--model``):
           anchor's ``wan14b``), saved in bf16 (28 GB). Rows ``lora32_off_budget24`` (rank 32, every block
           checkpointed, their inputs in host memory, under --gpu_memory_budget 24GiB),
           ``lora32_swap20_off_budget24`` (+ --blocks_to_swap 20) and ``lora32`` (uncapped)
+  hv13b   HunyuanVideoPipeline with the released transformer config (``build_hv13b``: 20 double- and 40
+          single-stream blocks, 24 heads of 128, 12.8B, saved in bf16), the real VAE config, 256 x 4096 Llama states
+          and CLIP's pooled 768; batch 1, 61 frames at 544 x 544: latents 16 x 16 x 68 x 68, 18,496 tokens. Features
+          as wan13's (extracted at 16 px x 5 frames). Rows ``lora32`` (uncapped) and ``lora32_off_budget24`` (rank 32
+          on to_q, to_k, to_v, to_out.0, every block checkpointed and its input in host memory, under
+          --gpu_memory_budget 24GiB). No anchor, as cog5b.
   cog5b   CogVideoXPipeline with CogVideoX-5B's transformer config (42 layers, 48 heads of 64, rotary positions,
           5.57B), ``AutoencoderKLCogVideoX``'s default config with the 5B's scaling factor 0.7, a one-layer T5
           encoder of width 4096 (226 x 4096 caption states), the 5B's DPM scheduler (v, zero terminal SNR); batch 1,
@@ -278,8 +284,12 @@ WAN_SIDE, WAN_FRAMES = 640, 81
 # CogVideoX-5B's released size is 480 x 720 x 49 (latents 16 x 13 x 60 x 90: 17,550 tokens in 2 x 2 patches); the
 # nearest square with at least as many: 592 px (13 x 37 x 37 = 17,797 tokens, 1.014x)
 COG_SIDE, COG_FRAMES = 592, 49
+# HunyuanVideo at 544 x 544 x 61 frames (latents 16 x 16 x 68 x 68: 18,496 tokens in 2 x 2 patches), about the
+# tokens of 960 x 544 x 33, the size musubi-tuner quotes for 12 GB cards
+HV_SIDE, HV_FRAMES = 544, 61
 # the video models: (side, frames, frames of the small extraction whose captions and states the features keep)
-VIDEO = {"wan13": (WAN_SIDE, WAN_FRAMES, 5), "wan14": (WAN_SIDE, WAN_FRAMES, 5), "cog5b": (COG_SIDE, COG_FRAMES, 9)}
+VIDEO = {"wan13": (WAN_SIDE, WAN_FRAMES, 5), "wan14": (WAN_SIDE, WAN_FRAMES, 5), "cog5b": (COG_SIDE, COG_FRAMES, 9),
+         "hv13b": (HV_SIDE, HV_FRAMES, 5)}
 # CogVideoX-5B's transformer/config.json (THUDM/CogVideoX-5b)
 COG5B = dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, flip_sin_to_cos=True,
              freq_shift=0, time_embed_dim=512, text_embed_dim=4096, num_layers=42, dropout=0.0, attention_bias=True,
@@ -347,6 +357,38 @@ def build_cog5b(path: Path) -> Path:
     vae = AutoencoderKLCogVideoX(scaling_factor=0.7).eval()
     pipe = CogVideoXPipeline(tokenizer=tokenizer, text_encoder=text, vae=vae, transformer=transformer,
                              scheduler=CogVideoXDPMScheduler(**COG5B_SCHEDULER))
+    return tiny_pipelines._save(pipe, path)
+
+
+def build_hv13b(path: Path) -> Path:
+    """A ``HunyuanVideoPipeline`` folder: ``HunyuanVideoTransformer3DModel``'s default config (the released
+    HunyuanVideo's: 20 double- and 40 single-stream blocks, 24 heads of 128, 12.8B) with random weights (initialised
+    on the GPU when there is one, saved in bf16, 26 GB), ``AutoencoderKLHunyuanVideo``'s default config (the real
+    VAE's: 16 channels, 8 x 8 x 4 compression), a two-layer Llama of width 4096 (the pipeline reads the
+    third-to-last hidden states: 256 x 4096 caption states, the real Llama-3-8B's width; the tests' word-level
+    tokenizer), a one-layer CLIP text model of width 768 (the pooled 768 the transformer reads) and
+    ``FlowMatchEulerDiscreteScheduler(shift=7.0)``."""
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
+                           HunyuanVideoTransformer3DModel)
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        transformer = HunyuanVideoTransformer3DModel().to(torch.bfloat16)
+    transformer = transformer.cpu().eval()
+    tokenizer = tiny_pipelines.make_llama_tokenizer()
+    torch.manual_seed(0)
+    text = LlamaModel(LlamaConfig(vocab_size=-(-len(tokenizer) // 8) * 8, hidden_size=4096, intermediate_size=256,
+                                  num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=2,
+                                  hidden_act="silu", max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+    tokenizer_2 = tiny_pipelines.make_clip_tokenizer()
+    text_2 = tiny_pipelines._clip_text(tokenizer_2, 768, projection=False)
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo().eval()
+    pipe = HunyuanVideoPipeline(text_encoder=text, tokenizer=tokenizer, transformer=transformer, vae=vae,
+                                scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=text_2,
+                                tokenizer_2=tokenizer_2)
     return tiny_pipelines._save(pipe, path)
 
 
@@ -527,7 +569,7 @@ def library_versions() -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "wan14", "cog5b"), required=True)
+    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "wan14", "cog5b", "hv13b"), required=True)
     ap.add_argument("--rows", default="full,full_compile,lora64,lora64_compile")
     ap.add_argument("--work", default="/tmp/ditforge-finetune")
     ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl, video), 8 (pixart), as the "
@@ -555,11 +597,11 @@ def main() -> None:
         builders = ({"sd15": tiny_pipelines.make_sd, "pixart": tiny_pipelines.make_pixart,
                      "sdxl": tiny_pipelines.make_sdxl, "wan13": tiny_pipelines.make_wan,
                      "wan14": tiny_pipelines.make_wan,
-                     "cog5b": tiny_pipelines.make_cogvideox}
+                     "cog5b": tiny_pipelines.make_cogvideox, "hv13b": tiny_pipelines.make_hunyuan_video}
                     if args.tiny else {"sd15": build_sd15, "pixart": build_pixart, "sdxl": build_sdxl,
                                        "wan13": build_wan,
                                        "wan14": functools.partial(build_wan, config=WAN14, dtype=torch.bfloat16),
-                                       "cog5b": build_cog5b})
+                                       "cog5b": build_cog5b, "hv13b": build_hv13b})
         builders[args.model](pipe)
         if torch.cuda.is_available():  # wan13 initialises its transformer on the GPU: free it for the rows
             torch.cuda.empty_cache()
@@ -600,7 +642,8 @@ def main() -> None:
                           "21 x 60 x 104, 32,760 tokens), these rows 640 x 640 (16 x 21 x 80 x 80, 33,600 tokens)"
                           if args.model.startswith("wan") else
                           "square frames: CogVideoX-5B's 480 x 720 x 49 is 17,550 tokens, these rows 592 x 592 x 49 "
-                          "(16 x 13 x 74 x 74, 17,797 tokens)")}
+                          "(16 x 13 x 74 x 74, 17,797 tokens)" if args.model == "cog5b" else
+                          "HunyuanVideo at 544 x 544 x 61 (16 x 16 x 68 x 68, 18,496 tokens), about 960 x 544 x 33")}
     results = {}
     if args.append and args.json and Path(args.json).is_file():
         results = json.loads(Path(args.json).read_text())["rows"]

@@ -36,15 +36,28 @@ of each mode against a reference and a second seed. Two suites:
     adafactor   --optimizer adafactor --lr 1e-2 (torch's Adafactor at its documented default: lr is its maximum
                 relative step size, so the reference's 1e-4 does not carry over)
 
+``video``: LoRA (rank 32 on the attention projections, lr 1e-4, batch 3: the three clips, each a random window)
+    on a Wan2.1-T2V-1.3B folder (the published config with random weights, ``finetune.build_wan``; or ``--pipe``
+    an existing folder) for ``--steps`` steps on the built-in clips (real videos, ``--image_size`` px x
+    ``--num_frames``), bf16 compute; issue 42's quality check of the fp8-stored base:
+
+    bf16        the frozen base stored in bf16 (the reference)
+    bf16_seed1  the same with --seed 1 (data order, noise, timesteps, caption dropout): the run-to-run noise
+    fp8_base    --fp8_base: the frozen base's linear layers stored in float8 e4m3 (a scale per output channel),
+                upcast for each product
+
 ``--modes`` picks some; the reference and its second seed always run.
 
     PYTHONPATH=. python benchmarks/quality_curves.py speed --work /tmp/sq --jobs 5 --json OUT.json --plot OUT.png
     PYTHONPATH=. python benchmarks/quality_curves.py speed --model DiT-7B/2 --depth 2 --image_size 16 --modes fp8 \
         --jobs 3 --work /tmp/fq --json OUT.json --plot OUT.png
     PYTHONPATH=. python benchmarks/quality_curves.py memory --work /tmp/q --json OUT.json --plot OUT.png
+    PYTHONPATH=. python benchmarks/quality_curves.py video --steps 1000 --window 200 --jobs 3 --json OUT.json \
+        --plot OUT.png
 
 (one GPU: speed's fast, fast_no_kernels and fp8 modes need it; on a CPU ``speed --steps 20 --modes bf16`` or
-``memory --steps 20 --base_steps 20`` checks the script.)
+``memory --steps 20 --base_steps 20``, or ``video --pipe TINY_WAN --steps 4 --window 2 --modes bf16 --image_size 16
+--num_frames 5``, checks the script.)
 
 The verdict compares the mean loss of each mode's last ``window`` steps with the reference's:
 
@@ -222,6 +235,12 @@ MEMORY_MODES = {
     "adafactor": ["--optimizer", "adafactor", "--lr", "1e-2"],
 }
 
+VIDEO_MODES = {
+    "bf16": [],
+    "bf16_seed1": ["--seed", "1"],
+    "fp8_base": ["--fp8_base"],
+}
+
 
 def write_digits_folder(root: Path, size: int) -> Path:
     """The built-in digits as ``root/<label>/<index>.png``, (size, size) 8-bit grey, bicubic; written once (a
@@ -247,8 +266,9 @@ def speed(args) -> None:
     # every mode after these: a later --mixed_precision (fp8) wins
     curves = run_modes(SPEED_MODES, {"bf16", "bf16_seed1", *args.modes.split(",")}, work, args.window, args.steps,
                        "--data", str(data), "--image_size", str(args.image_size), "--model", args.model,
-                       *(["--depth", str(args.depth)] if args.depth else []), "--batch_size", "64", "--max_steps", str(args.steps), "--lr", "1e-4", "--mixed_precision",
-                       "bf16", "--sample_every", "0", "--log_every", "1", "--device", args.device, jobs=args.jobs)
+                       *(["--depth", str(args.depth)] if args.depth else []), "--batch_size", "64", "--max_steps",
+                       str(args.steps), "--lr", "1e-4", "--mixed_precision", "bf16", "--sample_every", "0",
+                       "--log_every", "1", "--device", args.device, jobs=args.jobs)
     model = f"{args.model}, {args.depth} blocks" if args.depth else args.model
     report(curves, "bf16", "bf16_seed1", args.window,
            f"{model} on digits upsampled to {args.image_size}px, from scratch, lr 1e-4", args.json, args.plot,
@@ -269,6 +289,23 @@ def memory(args) -> None:
            args.plot, base_steps=args.base_steps, steps=args.steps)
 
 
+def video(args) -> None:
+    work = Path(args.work)
+    pipe = Path(args.pipe) if args.pipe else work / "wan13"
+    if not args.pipe and not (pipe / "model_index.json").exists():
+        from finetune import build_wan  # benchmarks/ is the script's folder, first on sys.path
+
+        build_wan(pipe)
+    curves = run_modes(VIDEO_MODES, {"bf16", "bf16_seed1", *args.modes.split(",")}, work, args.window, args.steps,
+                       "--init_from", str(pipe), "--data", "clips", "--num_frames", str(args.num_frames),
+                       "--frame_interval", "2", "--image_size", str(args.image_size), "--batch_size", "3",
+                       "--lora_rank", "32", "--max_steps", str(args.steps), "--lr", "1e-4", "--mixed_precision",
+                       "bf16", "--sample_every", "0", "--log_every", "1", "--device", args.device, jobs=args.jobs)
+    report(curves, "bf16", "bf16_seed1", args.window,
+           f"Wan2.1-T2V-1.3B config LoRA r32 on clips {args.image_size}px x {args.num_frames}, lr 1e-4", args.json,
+           args.plot, pipe=str(pipe), image_size=args.image_size, num_frames=args.num_frames, steps=args.steps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="suite", required=True)
@@ -280,8 +317,13 @@ def main() -> None:
     m = sub.add_parser("memory", help="the memory modes as fine-tunes")
     add_options(m, "/tmp/ditforge-lowmem-quality", MEMORY_MODES)
     m.add_argument("--base_steps", type=int, default=1000)
+    v = sub.add_parser("video", help="a video pipeline's LoRA with its base stored in fp8")
+    add_options(v, "/tmp/ditforge-video-quality", VIDEO_MODES)
+    v.add_argument("--pipe", default=None, help="a WanPipeline folder (default: the 1.3B config built in --work)")
+    v.add_argument("--image_size", type=int, default=128)
+    v.add_argument("--num_frames", type=int, default=9)
     args = ap.parse_args()
-    {"speed": speed, "memory": memory}[args.suite](args)
+    {"speed": speed, "memory": memory, "video": video}[args.suite](args)
 
 
 if __name__ == "__main__":

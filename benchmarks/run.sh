@@ -27,6 +27,9 @@
 #                       GPU (8-bit AdamW, bf16 weights), bf16 then --mixed_precision fp8 (needs bitsandbytes, torchao)
 #   fp8-quality         quality_curves.py speed at width 4096 (DiT-7B/2 with 2 blocks, 16 px digits): 2,000-step
 #                       curves of bf16, its second seed and fp8
+#   video-quality [STEPS]  quality_curves.py video: LoRA r32 on the Wan2.1-T2V-1.3B config (random weights) on the
+#                       built-in clips at 128 px x 9 frames, STEPS steps (default 1,000; the last 200 judged), bf16
+#                       base, its second seed and --fp8_base, 3 at once (issue 42; needs peft, ftfy, scikit-video)
 #   finetune MODEL "ANCHOR_ROWS" ROWS  one model's fine-tuning rows in one job: the lowmem_finetune.py anchor rows
 #                       (e.g. "sd15/adamw_nockpt sd15/ao_offload"), then ditforge's rows through finetune.py (MODEL
 #                       sd15 | pixart | sdxl; ROWS as finetune.py names them); STEPS, LOG_EVERY and ROW_TIMEOUT
@@ -44,6 +47,10 @@
 #   finetune-cog5b [ROWS]  CogVideoX-5B (random weights, 592 x 592 x 49 frames: latents 16 x 13 x 74 x 74, 226 x 4096
 #                       caption states, batch 1; issue 42): finetune.py --model cog5b, rows ROWS (default
 #                       lora64_ckpt,lora64_ckpt_budget24), the same STEPS / LOG_EVERY / ROW_TIMEOUT / JOB_LIMIT / TINY
+#   finetune-hv13b [ROWS]  HunyuanVideo (random weights of the released config, 544 x 544 x 61 frames: latents 16 x 16
+#                       x 68 x 68, 256 x 4096 caption states, batch 1; issue 42): finetune.py --model hv13b, rows ROWS
+#                       (default lora32_off_budget24,lora32), the same STEPS / LOG_EVERY / ROW_TIMEOUT / JOB_LIMIT /
+#                       TINY
 #   sample-wan [ROWS] [STEPS] [ANCHOR]  Wan2.1-T2V-1.3B sampling at 480 x 832 x 81 frames, guidance 5 (issue 43):
 #                       the unchanged wan_sampling.py anchor at STEPS steps (default 10; ANCHOR "none" skips it),
 #                       then sample_wan.py's ROWS (default eager,compiled,fp8,fp32) under torchrun with NPROC
@@ -170,6 +177,10 @@ fp8-quality)
     python3 benchmarks/quality_curves.py speed --model DiT-7B/2 --depth 2 --image_size 16 --modes fp8 --jobs 3 \
         --work /tmp/fp8_quality --json "$out/fp8_quality.json" --plot "$out/fp8_quality.png"
     ;;
+video-quality)
+    python3 benchmarks/quality_curves.py video --steps "${2:-1000}" --window 200 --jobs 3 --work /tmp/video_quality \
+        --json "$out/video_quality.json" --plot "$out/video_quality.png"
+    ;;
 finetune)
     model=${2:?model} anchors=${3-} rows=${4-}
     python3 -c "import torch, diffusers, bitsandbytes, peft, transformers; print('diffusers', diffusers.__version__, \
@@ -186,8 +197,9 @@ finetune)
             | grep --line-buffered -v gemm_4bit | tee "$out/${model}.log"
     fi
     ;;
-finetune-wan|finetune-wan14|finetune-cog5b)
+finetune-wan|finetune-wan14|finetune-cog5b|finetune-hv13b)
     model=wan13; [ "$1" = finetune-cog5b ] && model=cog5b; [ "$1" = finetune-wan14 ] && model=wan14
+    [ "$1" = finetune-hv13b ] && model=hv13b
     python3 -c "import torch, diffusers, peft, ftfy, transformers; print('diffusers', diffusers.__version__, \
 'peft', peft.__version__, 'ftfy', ftfy.__version__, 'transformers', transformers.__version__)"
     left() { local n=$(( ${JOB_LIMIT:-530} - SECONDS )); echo $(( n > 1 ? n : 1 )); }  # (timeout 0: no limit)
@@ -200,6 +212,10 @@ finetune-wan|finetune-wan14|finetune-cog5b)
     [ -n "${TINY-}" ] && export TINY=1  # the anchor's own switch
     if [ $model = cog5b ]; then  # no anchor: the step time and peak memory of the rows
         ft "${2:-lora64_ckpt,lora64_ckpt_budget24}"
+        exit
+    fi
+    if [ $model = hv13b ]; then  # no anchor either
+        ft "${2:-lora32_off_budget24,lora32}"
         exit
     fi
     if [ $model = wan14 ]; then  # the 24 GiB row first, the anchor's LoRA row, then ditforge's uncapped row

@@ -18,8 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 from ditforge.config import parse_checkpoint_policy
 from ditforge.errors import UserError
 from ditforge.models import block_paths, replace_block
+from ditforge.models.adapters import DiffusersDenoiser
 from ditforge.ops.attention import set_attention_backend, set_frame_exchange, set_sequence_attention
 from ditforge.ops.modulate import set_kernels
+from ditforge.parallel.context import apply_context_parallel
 from ditforge.parallel.ema import canonical_name
 from ditforge.parallel.mesh import Dist
 from ditforge.parallel.tensor import apply_tensor_parallel, local_part
@@ -232,6 +234,8 @@ def parallelize(
         sequence_parallel_type: with ``dist.sp_mesh`` (``--sequence_parallel_size`` > 1), how the split
             sequence attends (``apply_sequence_parallel``): ulysses | ring | fastseq | fastseq_kv | usp | auto
             (the fastest at this shape, measured on one attention layer: ``choose_sequence_parallel_type``).
+            A diffusers video transformer (the adapter of a pipeline) splits its tokens by its own context-parallel
+            plan instead (``parallel.context``: ulysses | ring | usp | auto).
             Under tensor parallelism it is ring, whatever is asked: the other variants split the heads, which
             ``dist.tp_mesh`` has split already (``config`` refuses them in one line).
         batch_size: samples per process in one forward; sizes ``auto``'s measurement.
@@ -253,7 +257,9 @@ def parallelize(
     set_frame_exchange(None)
     if dist.tp_mesh is not None:
         apply_tensor_parallel(model, [model.get_submodule(path) for path in block_paths(model)], dist.tp_mesh)
-    if dist.sp_mesh is not None:
+    if dist.sp_mesh is not None and isinstance(model, DiffusersDenoiser):
+        apply_context_parallel(model, dist, sequence_parallel_type)  # the diffusers model's own plan
+    elif dist.sp_mesh is not None:
         if dist.tp_mesh is not None:  # the heads are split over tp already; ring attention keeps them whole
             sequence_parallel_type = "ring"
         _apply_sequence_parallel(model, dist, sequence_parallel_type, batch_size, param_dtype)

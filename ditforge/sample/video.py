@@ -26,6 +26,7 @@ from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.encoders.vae import VAE
 from ditforge.errors import UserError
+from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
 from ditforge.parallel.mesh import Dist
 from ditforge.sample.load import SampleConfig
 from ditforge.sample.write import slug, video_file_out, write_video_file
@@ -56,11 +57,11 @@ class VideoSampler:
     - ``fp8``: the linear layers of ``transformer.blocks`` as ``ops.fp8.RowwiseFloat8Linear`` (``parallel.apply_fp8``:
       e4m3 weights with one scale per output channel, each activation row scaled by its own maximum; H100-class
       GPU and Triton);
-    - ``sequence_parallel_size`` > 1: diffusers' context parallelism (``ModelMixin.enable_parallelism`` with a
-      ``ContextParallelConfig`` on the ``ring`` x ``ulysses`` part of ``mesh``): every block's tokens are split
-      over the group and attention runs Ulysses (all-to-all over heads), ring (rotating K/V), or both (USP). ``auto``
-      puts as many processes on Ulysses as the head count allows (the largest divisor of both) and the rest on
-      ring;
+    - ``sequence_parallel_size`` > 1: diffusers' context parallelism (``parallel.context``:
+      ``ModelMixin.enable_parallelism`` with a ``ContextParallelConfig`` on the ``ring`` x ``ulysses`` part of
+      ``mesh``): every block's tokens are split over the group and attention runs Ulysses (all-to-all over
+      heads), ring (rotating K/V), or both (USP). ``auto`` puts as many processes on Ulysses as the head count
+      allows (the largest divisor of both) and the rest on ring;
     - ``plugin`` fsdp: every repeated block and the rest of the transformer sharded over all processes (FSDP2's
       ``fully_shard`` on the 1-D mesh of the world: each process holds 1 / N of the weights, and a block's are
       gathered for its forward and freed after it), for a model that does not fit one GPU with room for its
@@ -141,11 +142,8 @@ class VideoSampler:
             raise UserError(f"--plugin fsdp: not with {other}; drop one of them")
         if cfg.quantized_attention:
             _check_quantized_attention(d, denoiser, pre.pipeline_class)
-        if d.sp_size > 1 and not denoiser.context_parallel:
-            raise UserError(f"--sequence_parallel_size {d.sp_size}: {pre.pipeline_class} does not split its tokens "
-                            "(diffusers' context parallelism has no plan for CogVideoX and HunyuanVideo, and fails on "
-                            "LTX-Video's attention mask under Ulysses); use --cfg_parallel, or one process a video")
-        mesh = self._token_mesh(d, cfg.sequence_parallel_type) if d.sp_size > 1 else None
+        refuse_unsplittable(type(denoiser), d, "use --cfg_parallel, or one process a video")
+        mesh = token_mesh(self.transformer, d, cfg.sequence_parallel_type) if d.sp_size > 1 else None
         for expert in self.experts:
             self._prepare(expert, d, cfg, mesh)
 
@@ -188,7 +186,7 @@ class VideoSampler:
                                 "call diffusers' attention dispatcher; drop the flag")
             log.info("quantized attention: %d self-attention modules run int8 Q K^T and float8 P V", routed)
         if mesh is not None:
-            self._split_tokens(transformer, d, mesh)
+            split_tokens(transformer, d, mesh)
         if self.cache is not None:
             from diffusers.hooks import FirstBlockCacheConfig
 
@@ -207,52 +205,6 @@ class VideoSampler:
                     block.forward = torch.compile(block.forward, **options)
                 else:
                     block.compile(**options)
-
-    def _token_mesh(self, d: Dist, kind: str):
-        """The (cfg, ring, ulysses) DeviceMesh of ``--sequence_parallel_size`` over the processes; ``auto`` / ``usp``
-        put as many on Ulysses as the head count allows and the rest on ring (CUDA only: diffusers' ring attention
-        needs the log-sum-exp of cuDNN attention)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        size = d.sp_size
-        heads = int(self.transformer.config.num_attention_heads)
-        if kind == "ulysses":
-            ulysses = size
-        elif kind == "ring":
-            ulysses = 1
-        elif kind in ("auto", "usp"):
-            ulysses = max(u for u in range(1, size + 1) if size % u == 0 and heads % u == 0)
-        else:
-            raise UserError(f"--sequence_parallel_type {kind}: a diffusers video transformer splits its tokens "
-                            "with ulysses, ring, or usp (auto)")
-        if heads % ulysses:
-            raise UserError(f"--sequence_parallel_size {size}: Ulysses needs a process count that divides the "
-                            f"{heads} attention heads; use --sequence_parallel_type ring or usp")
-        ring = size // ulysses
-        if ring > 1 and d.device.type != "cuda":
-            raise UserError(f"--sequence_parallel_size {size}: ring attention over a diffusers transformer runs on "
-                            "CUDA only (it needs the log-sum-exp of cuDNN attention); on the CPU use "
-                            f"--sequence_parallel_type ulysses with a size that divides the {heads} heads")
-        log.info("context parallel: %d processes per sample (ulysses %d x ring %d)", size, ulysses, ring)
-        return init_device_mesh(d.device.type, (d.world_size // size, ring, ulysses),
-                                mesh_dim_names=("cfg", "ring", "ulysses"))
-
-    @staticmethod
-    def _split_tokens(transformer: torch.nn.Module, d: Dist, mesh) -> None:
-        """diffusers' context parallelism on ``transformer`` over ``mesh``'s ring x ulysses part."""
-        from diffusers import ContextParallelConfig
-
-        ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
-        if ring > 1:
-            transformer.set_attention_backend("_native_cudnn")  # the SDPA kernel that returns the log-sum-exp
-        config = ContextParallelConfig(ring_degree=ring if ring > 1 else None,
-                                       ulysses_degree=ulysses if ulysses > 1 else None, mesh=mesh["ring", "ulysses"])
-        with contextlib.ExitStack() as stack:
-            if d.device.type == "cpu":  # diffusers takes the device index rank % torch.accelerator.device_count(),
-                from unittest import mock  # 0 on a machine without one; the index is unused on the CPU
-
-                stack.enter_context(mock.patch.object(torch.accelerator, "device_count", lambda: 1))
-            transformer.enable_parallelism(config=config)
 
     def denoise(self, cond: dict, uncond: dict | None, shape: tuple[int, ...], seed: int, steps: int,
                 guidance: float, image_cond: dict | None = None, progress: bool = False,

@@ -45,11 +45,14 @@ from ditforge.diffusion import generate
 from ditforge.diffusion.objective import Objective, create_objective
 from ditforge.errors import RunError, UserError
 from ditforge.models import create_model, is_video_model
-from ditforge.models.adapters.pipeline import Pretrained, is_adapted_pipeline, load_pretrained
+from ditforge.models.adapters import family_of_pipeline
+from ditforge.models.adapters.pipeline import (Pretrained, is_adapted_pipeline, load_pretrained,
+                                               read_model_index)
 from ditforge.ops.attention import whole_sequences
 from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel import (clip_coefficient, clip_grad_norm_, gradient_sync, init_sharded, parallelize,
                                resolve_plugin, unwrap)
+from ditforge.parallel.context import refuse_unsplittable
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.optim import (StepInBackward, build_optimizer, cap_gpu_memory, keep_states_within,
                                      out_of_memory, plan_placement, set_lr, settle_skip, step_skipping_on_device)
@@ -347,11 +350,6 @@ def train(cfg: RunConfig) -> Path:
         # Under a cap the caching allocator's fixed-size segments fragment (a free 300 MB that no 350 MB request
         # fits is lost to the budget); segments that grow in place do not. Read when CUDA first allocates.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    m = cfg.model
-    if cfg.parallel.sequence_parallel_size > 1 and m.init_from is not None and is_adapted_pipeline(m.init_from):
-        # diffusers' context parallelism splits a video pipeline's tokens for sampling (Wan) only
-        raise UserError("--sequence_parallel_size: fine-tuning a diffusers pipeline's transformer does not split its "
-                        "tokens yet; shard a large one with --plugin fsdp, or split its sampling")
     d = init_distributed(cfg.train.device, cfg.parallel.sequence_parallel_size,
                          group_of_one=cfg.train.cpu_offload == "all",  # FSDP2 offloads, even in one process
                          tensor_parallel_size=cfg.parallel.tensor_parallel)
@@ -606,6 +604,8 @@ def _load_init(run: _Run) -> None:
         m.init_from = features.get("init_from")  # features of a pretrained pipeline: fine-tune that pipeline
     if m.init_from is not None:
         if is_adapted_pipeline(m.init_from):
+            refuse_unsplittable(family_of_pipeline(read_model_index(m.init_from)["_class_name"]), run.d,
+                                "shard it with --plugin fsdp instead")
             # From features, the text encoders only encode the empty prompt and the sample grids, and the VAE only
             # decodes the grids: kept on the CPU (the VAE visits the GPU for a grid), out of a tight memory budget.
             on_gpu = device.type == "cuda" and features is None

@@ -1,6 +1,8 @@
 """Fine-tuning a diffusers pipeline (``--init_from``) under torchrun equals one process: FSDP and ZeRO-2 (full
 fine-tuning) and FSDP with LoRA on 2 gloo processes, a tiny SD pipeline on captioned images (the adapter's
-repeated blocks are what ``fully_shard`` wraps). Tolerances: ``dist_helpers``."""
+repeated blocks are what ``fully_shard`` wraps); a tiny Wan 2.1 pipeline on the built-in clips with its tokens
+split over the 2 processes (``--sequence_parallel_size 2``: diffusers' context parallelism, Ulysses over its 2
+heads, ``parallel.context``). Tolerances: ``dist_helpers``."""
 
 from __future__ import annotations
 
@@ -75,17 +77,36 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 CASES = [("fsdp", ()), ("zero2", ()), ("fsdp", ("--lora_rank", "4")), ("fsdp", ("--cpu_offload", "all"))]
+# 2 latent frames of 4 x 4 latents in 2 x 2 patches: 8 tokens, 4 a process; lr 1e-3 moves the weights visibly
+VIDEO = ("--data", "clips", "--num_frames", "5", "--frame_interval", "2", "--image_size", "32", "--batch_size",
+         "2", "--max_steps", "3", "--ckpt_every", "1000", "--class_dropout_prob", "0", "--lr", "1e-3")
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(setup, tmp_path_factory):
-    """The run folder of every case of ``CASES``, all made by one torchrun launch of 2 processes that runs the
-    cases' command lines in turn (``torchrun_many``)."""
+def video_pipes(tmp_path_factory) -> dict[str, Path]:
+    tiny = _tiny_pipelines()
+    root = tmp_path_factory.mktemp("video_pipes")
+    return {"wan": tiny.make_wan(root / "wan"), "cog": tiny.make_cogvideox(root / "cog")}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(setup, video_pipes, tmp_path_factory):
+    """The run folder of every case of ``CASES``, then of the Wan run with its tokens split (key ``"wan_sp"``), and
+    the stderr of CogVideoX's refusal (``"cog_sp"``), all made by one torchrun launch of 2 processes that runs the
+    command lines in turn (``torchrun_cli_many``)."""
+    from dist_helpers import COMMON, torchrun_cli_many
+
     pipe, data = setup
     root = tmp_path_factory.mktemp("two")
-    runs = torchrun_many(2, [(root / f"case{i}", _args(pipe, data, *extra, "--plugin", plugin))
-                             for i, (plugin, extra) in enumerate(CASES)])
-    return dict(zip(CASES, runs))
+    argvs = [(root / f"case{i}", _args(pipe, data, *extra, "--plugin", plugin)) for i, (plugin, extra) in
+             enumerate(CASES)]
+    argvs += [(root / "wan_sp", ["--init_from", str(video_pipes["wan"]), *VIDEO, "--sequence_parallel_size", "2"]),
+              (root / "cog_sp", ["--init_from", str(video_pipes["cog"]), *VIDEO, "--sequence_parallel_size", "2"])]
+    err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
+                            fails=(len(argvs) - 1,))
+    runs = dict(zip([*CASES, "wan_sp"], [out for out, _ in argvs]))
+    runs["cog_sp"] = err[-1]
+    return runs
 
 
 @pytest.mark.parametrize("plugin,extra", CASES)
@@ -109,3 +130,28 @@ def test_finetune_equals_single_process(setup, references, two_process_runs, plu
                 if k.removeprefix("unet.") in base) if not lora else max(
         want[k].abs().max().item() for k in want if "lora_B" in k)
     assert moved > 20 * WEIGHT_ATOL, moved
+
+
+def test_wan_with_its_tokens_split_equals_single_process(video_pipes, two_process_runs, tmp_path):
+    """Wan 2.1 full fine-tuning with ``--sequence_parallel_size 2`` (each process holds half of every clip's tokens;
+    Ulysses attention; the gathered output's gradient scaled by 2 before ZeRO-2's average over both processes)
+    equals one plain process: the losses and gradient norms of 3 steps and the weights after them. A CogVideoX folder
+    is one line (diffusers has no context-parallel plan for it)."""
+    from dist_helpers import run_single
+
+    ref = run_single(tmp_path / "ref", "--init_from", str(video_pipes["wan"]), *VIDEO)
+    run = two_process_runs["wan_sp"]
+    assert_same_losses([{**r, "vb": 0} for r in read_metrics(run / "metrics.jsonl")],
+                       [{**r, "vb": 0} for r in read_metrics(ref / "metrics.jsonl")], steps=[1, 2, 3])
+    got, want = _weights(run), _weights(ref)
+    assert got.keys() == want.keys()
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= WEIGHT_ATOL, worst
+    from diffusers import WanTransformer3DModel
+
+    base = WanTransformer3DModel.from_pretrained(str(video_pipes["wan"]), subfolder="transformer").state_dict()
+    moved = max((want[k] - base[k.removeprefix("transformer.")]).abs().max().item() for k in want
+                if k.removeprefix("transformer.") in base)
+    assert moved > 20 * WEIGHT_ATOL, moved  # not vacuous: 3 Adam steps at lr 1e-3
+    err = two_process_runs["cog_sp"]
+    assert "--sequence_parallel_size 2: CogVideoXPipeline does not split its tokens" in err, err[-2000:]

@@ -433,15 +433,6 @@ def test_block_swap_runs_each_block_on_fresh_copies(wan):
     assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
-def test_sequence_parallel_fine_tuning_is_one_line(wan, tmp_path, capsys):
-    """``--sequence_parallel_size 2`` on a Wan folder: one line saying fine-tuning does not split a diffusers
-    transformer's tokens yet, before any process group or run folder (under torchrun it was an AttributeError from
-    inside the model)."""
-    assert_one_line_error(capsys, _argv(wan, tmp_path / "r", "--max_steps", "1", "--sequence_parallel_size", "2"),
-                          "--sequence_parallel_size", "does not split its tokens")
-    assert not (tmp_path / "r").exists()
-
-
 def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
     """A pipeline folder of a family ditforge does not fine-tune (Mochi): one line naming it and listing the
     supported pipeline classes, Wan's, CogVideoX's, LTX-Video's and HunyuanVideo's among them; no checkpoint
