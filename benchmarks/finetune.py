@@ -41,6 +41,13 @@ Models (``--model``):
           as wan13's (extracted at 16 px x 5 frames). Rows ``lora32`` (uncapped) and ``lora32_off_budget24`` (rank 32
           on to_q, to_k, to_v, to_out.0, every block checkpointed and its input in host memory, under
           --gpu_memory_budget 24GiB). No anchor, as cog5b.
+  wan5b   Wan 2.2 TI2V-5B's WanPipeline (``build_wan5b``: 30 layers, 24 heads of 128, 48 latent channels, 5.0B,
+          saved in bf16; Wan 2.2's VAE, 16 x 16 x 4); batch 1, 121 frames at 960 x 960: latents 48 x 31 x 60 x 60,
+          27,900 tokens (the released 704 x 1280's 27,280). Features extracted at 32 px x 5 frames.
+  ltx2b   LTXPipeline (``build_ltx2b``: LTX-Video 0.9's 28 layers, 32 heads of 64, 1.9B, saved in bf16; its VAE, 32 x
+          32 x 8); batch 1, 161 frames at 576 x 576: latents 128 x 21 x 18 x 18, 6,804 tokens (704 x 480's 6,930).
+          Features extracted at 32 px x 9 frames. Both: rows ``lora32`` and ``lora32_off_budget8``,
+          ``lora32_off_budget24``, no anchor.
   cog5b   CogVideoXPipeline with CogVideoX-5B's transformer config (42 layers, 48 heads of 64, rotary positions,
           5.57B), ``AutoencoderKLCogVideoX``'s default config with the 5B's scaling factor 0.7, a one-layer T5
           encoder of width 4096 (226 x 4096 caption states), the 5B's DPM scheduler (v, zero terminal SNR); batch 1,
@@ -287,9 +294,18 @@ COG_SIDE, COG_FRAMES = 592, 49
 # HunyuanVideo at 544 x 544 x 61 frames (latents 16 x 16 x 68 x 68: 18,496 tokens in 2 x 2 patches), about the
 # tokens of 960 x 544 x 33, the size musubi-tuner quotes for 12 GB cards
 HV_SIDE, HV_FRAMES = 544, 61
-# the video models: (side, frames, frames of the small extraction whose captions and states the features keep)
-VIDEO = {"wan13": (WAN_SIDE, WAN_FRAMES, 5), "wan14": (WAN_SIDE, WAN_FRAMES, 5), "cog5b": (COG_SIDE, COG_FRAMES, 9),
-         "hv13b": (HV_SIDE, HV_FRAMES, 5)}
+# Wan 2.2 TI2V-5B's 704 x 1280 x 121 is 27,280 tokens (latents 48 x 31 x 44 x 80, 2 x 2 patches); 960 x 960 x 121 is
+# 27,900 (1.02x). LTX-Video's 704 x 480 x 161 is 6,930 (latents 128 x 21 x 15 x 22, 1 x 1 patches); 576 x 576 x 161
+# is 6,804 (0.98x).
+TI2V_SIDE, TI2V_FRAMES = 960, 121
+LTX_SIDE, LTX_FRAMES = 576, 161
+# the video models: (side, frames, and the frames and side of the small extraction whose captions and text states
+# the features keep: the VAE's smallest input)
+VIDEO = {"wan13": (WAN_SIDE, WAN_FRAMES, 5, 16), "wan14": (WAN_SIDE, WAN_FRAMES, 5, 16),
+         "cog5b": (COG_SIDE, COG_FRAMES, 9, 16), "hv13b": (HV_SIDE, HV_FRAMES, 5, 16),
+         "wan5b": (TI2V_SIDE, TI2V_FRAMES, 5, 32), "ltx2b": (LTX_SIDE, LTX_FRAMES, 9, 32)}
+# Wan2.2-TI2V-5B's transformer/config.json
+WAN5B = {**WAN13, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48, "ffn_dim": 14336}
 # CogVideoX-5B's transformer/config.json (THUDM/CogVideoX-5b)
 COG5B = dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, flip_sin_to_cos=True,
              freq_shift=0, time_embed_dim=512, text_embed_dim=4096, num_layers=42, dropout=0.0, attention_bias=True,
@@ -392,22 +408,69 @@ def build_hv13b(path: Path) -> Path:
     return tiny_pipelines._save(pipe, path)
 
 
-def video_features(small: Path, out: Path, side: int, frames: int) -> Path:
-    """The features folder ``extract-features`` would write for clips of ``frames`` (4k + 1) frames of ``side`` px,
-    made from ``small``, one it wrote for the same pipeline at a small size: the same samples, captions, labels and
-    text states (``cond.encoder_hidden_states``, UMT5 / T5, computed by the pipeline's own encoder), the manifest
-    with the size keys changed (``image_size``, ``input_size`` = side / 8, ``num_frames`` = the latent frames
-    (frames - 1) / 4 + 1), and random posterior moments of that shape (mean N(0, 1), as normalised latents; std in
-    [0.05, 0.3]) written as ``ditforge.data.store`` writes its shards (wan13, cog5b). Encoding 81 real frames at
-    640 px with the Wan VAE in float32 would cost minutes of the job's GPU time and says nothing about the training
-    step."""
+def build_wan5b(path: Path) -> Path:
+    """A Wan 2.2 TI2V-5B ``WanPipeline`` folder (``expand_timesteps``): the released transformer config (``WAN5B``:
+    30 layers, 24 heads of 128, 48 latent channels, 5.0B) with random weights (initialised on the GPU when there is
+    one, saved in bf16), Wan 2.2's VAE (``AutoencoderKLWan`` with 48 channels, 2 x 2-pixel patches, residual blocks,
+    16 x 16 x 4 compression; ``latents_mean`` 0 and ``latents_std`` 1: random weights either way), ``build_wan``'s
+    one-layer UMT5 of width 4096 and Wan's UniPC flow scheduler."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    wan = WanPipeline.from_pretrained(str(build_wan(path.with_name(path.name + "-parts"), config=WAN5B,
+                                                    dtype=torch.bfloat16)))
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=160, decoder_base_dim=256, z_dim=48, in_channels=12, out_channels=12,
+                           is_residual=True, patch_size=2, latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
+                           scale_factor_spatial=16, scale_factor_temporal=4).eval()
+    pipe = WanPipeline(tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, vae=vae, transformer=wan.transformer,
+                       scheduler=wan.scheduler, expand_timesteps=True)
+    out = tiny_pipelines._save(pipe, path)
+    shutil.rmtree(path.with_name(path.name + "-parts"))
+    return out
+
+
+def build_ltx2b(path: Path) -> Path:
+    """An ``LTXPipeline`` folder: ``LTXVideoTransformer3DModel``'s default config (LTX-Video 0.9's: 28 layers, 32
+    heads of 64, 128 latent channels in 1 x 1 x 1 patches, 1.9B) with random weights (saved in bf16),
+    ``AutoencoderKLLTXVideo``'s default config (32 x 32 x 8 compression), a one-layer T5 of width 4096 (128 x 4096
+    caption states) and LTX-Video's dynamically shifted flow scheduler."""
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        transformer = LTXVideoTransformer3DModel().to(torch.bfloat16)
+    transformer = transformer.cpu().eval()
+    tokenizer = tiny_pipelines.make_t5_tokenizer()
+    torch.manual_seed(0)
+    text = T5EncoderModel(T5Config(vocab_size=-(-len(tokenizer) // 8) * 8, d_model=4096, d_kv=64, d_ff=256,
+                                   num_layers=1, num_heads=2, feed_forward_proj="gated-gelu", pad_token_id=0,
+                                   eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False,
+                                   use_cache=False, tie_word_embeddings=False)).eval()
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTXVideo().eval()
+    pipe = LTXPipeline(tokenizer=tokenizer, text_encoder=text, vae=vae, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(**tiny_pipelines.LTX_SCHEDULER))
+    return tiny_pipelines._save(pipe, path)
+
+
+def video_features(small: Path, out: Path, side: int, frames: int, small_frames: int) -> Path:
+    """The features folder ``extract-features`` would write for clips of ``frames`` frames of ``side`` px, made from
+    ``small``, one it wrote for the same pipeline from clips of ``small_frames`` frames at a small size: the same
+    samples, captions, labels and text states (``cond``, computed by the pipeline's own encoders), the manifest with
+    the size keys changed (``image_size``, ``input_size`` = side / f_s, ``num_frames`` = the latent frames
+    (frames - 1) / f_t + 1, the VAE's factors f_s and f_t read off ``small``'s manifest), and random posterior
+    moments of that shape (mean N(0, 1), as normalised latents; std in [0.05, 0.3]) written as
+    ``ditforge.data.store`` writes its shards (the video models). Encoding 81 real frames at 640 px with the Wan VAE
+    in float32 would cost minutes of the job's GPU time and says nothing about the training step."""
     from safetensors.torch import load_file
 
     from ditforge.data.features import FEATURES_MANIFEST, read_manifest
     from ditforge.data.store import _write_shard
 
     manifest = read_manifest(small)
-    latent_frames, s = (frames - 1) // 4 + 1, side // 8
+    f_s, f_t = manifest["image_size"] // manifest["input_size"], (small_frames - 1) // (manifest["num_frames"] - 1)
+    latent_frames, s = (frames - 1) // f_t + 1, side // f_s
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
@@ -569,7 +632,8 @@ def library_versions() -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "wan14", "cog5b", "hv13b"), required=True)
+    ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "wan14", "cog5b", "hv13b", "wan5b",
+                                        "ltx2b"), required=True)
     ap.add_argument("--rows", default="full,full_compile,lora64,lora64_compile")
     ap.add_argument("--work", default="/tmp/ditforge-finetune")
     ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl, video), 8 (pixart), as the "
@@ -597,25 +661,29 @@ def main() -> None:
         builders = ({"sd15": tiny_pipelines.make_sd, "pixart": tiny_pipelines.make_pixart,
                      "sdxl": tiny_pipelines.make_sdxl, "wan13": tiny_pipelines.make_wan,
                      "wan14": tiny_pipelines.make_wan,
-                     "cog5b": tiny_pipelines.make_cogvideox, "hv13b": tiny_pipelines.make_hunyuan_video}
+                     "cog5b": tiny_pipelines.make_cogvideox, "hv13b": tiny_pipelines.make_hunyuan_video,
+                     "wan5b": tiny_pipelines.make_wan22_ti2v, "ltx2b": tiny_pipelines.make_ltx}
                     if args.tiny else {"sd15": build_sd15, "pixart": build_pixart, "sdxl": build_sdxl,
                                        "wan13": build_wan,
                                        "wan14": functools.partial(build_wan, config=WAN14, dtype=torch.bfloat16),
-                                       "cog5b": build_cog5b, "hv13b": build_hv13b})
+                                       "cog5b": build_cog5b, "hv13b": build_hv13b, "wan5b": build_wan5b,
+                                       "ltx2b": build_ltx2b})
         builders[args.model](pipe)
         if torch.cuda.is_available():  # wan13 initialises its transformer on the GPU: free it for the rows
             torch.cuda.empty_cache()
     feats = work / f"feats-{pipe.name}"
     if not (feats / "features.json").is_file():
         shutil.rmtree(feats, ignore_errors=True)
-        if wan:  # extract at 16 (cog tiny: 32) px x 5 or 9 frames (the built-in clips), then the real-size moments
-            small = work / f"feats-{pipe.name}-16px"
+        if wan:  # extract at the VAE's smallest size (the built-in clips), then the real-size moments
+            _, _, small_frames, small_side = VIDEO[args.model]
+            if args.tiny:  # the tiny VAEs compress less; Wan 2.2's 2 x 2 patches of 16 px latents take 32 px
+                small_side = 32 if args.model in ("cog5b", "wan5b") else 16
+            small = work / f"feats-{pipe.name}-small"
             shutil.rmtree(small, ignore_errors=True)
             ditforge("extract-features", "--init_from", str(pipe), "--data", "clips", "--num_frames",
-                     str(VIDEO[args.model][2]), "--image_size", "32" if args.tiny and args.model == "cog5b" else "16",
-                     "--device", args.device, "--num_workers", "0", "--batch_size", "4",
-                     "--out", str(small))
-            video_features(small, feats, size, frames)
+                     str(small_frames), "--image_size", str(small_side), "--device", args.device, "--num_workers",
+                     "0", "--batch_size", "4", "--out", str(small))
+            video_features(small, feats, size, frames, small_frames)
         else:
             data = images(work / f"images-{size}", 16, size)
             ditforge("extract-features", "--init_from", str(pipe), "--data", str(data), "--image_size", str(size),
@@ -643,7 +711,11 @@ def main() -> None:
                           if args.model.startswith("wan") else
                           "square frames: CogVideoX-5B's 480 x 720 x 49 is 17,550 tokens, these rows 592 x 592 x 49 "
                           "(16 x 13 x 74 x 74, 17,797 tokens)" if args.model == "cog5b" else
-                          "HunyuanVideo at 544 x 544 x 61 (16 x 16 x 68 x 68, 18,496 tokens), about 960 x 544 x 33")}
+                          "HunyuanVideo at 544 x 544 x 61 (16 x 16 x 68 x 68, 18,496 tokens), about 960 x 544 x 33"
+                          if args.model == "hv13b" else
+                          "Wan 2.2 TI2V-5B at 960 x 960 x 121 (48 x 31 x 60 x 60, 27,900 tokens): 704 x 1280 x 121's "
+                          "27,280" if args.model == "wan5b" else
+                          "LTX-Video at 576 x 576 x 161 (128 x 21 x 18 x 18, 6,804 tokens): 704 x 480 x 161's 6,930")}
     results = {}
     if args.append and args.json and Path(args.json).is_file():
         results = json.loads(Path(args.json).read_text())["rows"]

@@ -51,6 +51,8 @@
 #                       x 68 x 68, 256 x 4096 caption states, batch 1; issue 42): finetune.py --model hv13b, rows ROWS
 #                       (default lora32_off_budget24,lora32), the same STEPS / LOG_EVERY / ROW_TIMEOUT / JOB_LIMIT /
 #                       TINY
+#   finetune-wan5b [ROWS], finetune-ltx2b [ROWS]  the same for Wan 2.2 TI2V-5B at 960 x 960 x 121 and LTX-Video at
+#                       576 x 576 x 161 (finetune.py --model wan5b | ltx2b)
 #   sample-wan [ROWS] [STEPS] [ANCHOR]  Wan2.1-T2V-1.3B sampling at 480 x 832 x 81 frames, guidance 5 (issue 43):
 #                       the unchanged wan_sampling.py anchor at STEPS steps (default 10; ANCHOR "none" skips it),
 #                       then sample_wan.py's ROWS (default eager,compiled,fp8,fp32) under torchrun with NPROC
@@ -197,9 +199,10 @@ finetune)
             | grep --line-buffered -v gemm_4bit | tee "$out/${model}.log"
     fi
     ;;
-finetune-wan|finetune-wan14|finetune-cog5b|finetune-hv13b)
+finetune-wan|finetune-wan14|finetune-cog5b|finetune-hv13b|finetune-wan5b|finetune-ltx2b)
     model=wan13; [ "$1" = finetune-cog5b ] && model=cog5b; [ "$1" = finetune-wan14 ] && model=wan14
-    [ "$1" = finetune-hv13b ] && model=hv13b
+    [ "$1" = finetune-hv13b ] && model=hv13b; [ "$1" = finetune-wan5b ] && model=wan5b
+    [ "$1" = finetune-ltx2b ] && model=ltx2b
     python3 -c "import torch, diffusers, peft, ftfy, transformers; print('diffusers', diffusers.__version__, \
 'peft', peft.__version__, 'ftfy', ftfy.__version__, 'transformers', transformers.__version__)"
     left() { local n=$(( ${JOB_LIMIT:-530} - SECONDS )); echo $(( n > 1 ? n : 1 )); }  # (timeout 0: no limit)
@@ -214,7 +217,7 @@ finetune-wan|finetune-wan14|finetune-cog5b|finetune-hv13b)
         ft "${2:-lora64_ckpt,lora64_ckpt_budget24}"
         exit
     fi
-    if [ $model = hv13b ]; then  # no anchor either
+    if [ $model = hv13b ] || [ $model = wan5b ] || [ $model = ltx2b ]; then  # no anchor either
         ft "${2:-lora32_off_budget24,lora32}"
         exit
     fi
