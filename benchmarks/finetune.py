@@ -232,7 +232,6 @@ def build_sd15(path: Path) -> Path:
 
 def build_pixart(path: Path) -> Path:
     from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(0)
     transformer = PixArtTransformer2DModel(num_attention_heads=16, attention_head_dim=72, in_channels=4,
@@ -318,6 +317,29 @@ COG5B = dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_
 COG5B_SCHEDULER = {**tiny_pipelines.COGVIDEOX_SCHEDULER, "snr_shift_scale": 1.0}
 
 
+def wide_t5(tokenizer, umt5: bool = False):
+    """A one-layer T5 (or UMT5) encoder of width 4096 for ``tokenizer``, random weights after
+    ``torch.manual_seed(0)``: the caption states have the real T5-XXL's / UMT5-XXL's width at a fraction of its
+    cost."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config, model = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    torch.manual_seed(0)
+    return model(config(vocab_size=-(-len(tokenizer) // 8) * 8, d_model=4096, d_kv=64, d_ff=256, num_layers=1,
+                        num_heads=2, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
+                        decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False,
+                        tie_word_embeddings=False)).eval()
+
+
+def random_bf16(cls, **config):
+    """``cls(**config)`` with random weights after ``torch.manual_seed(0)``, initialised on the GPU when there is one
+    (seconds instead of minutes of CPU), in bf16 on the CPU."""
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = cls(**config).to(torch.bfloat16)
+    return model.cpu().eval()
+
+
 def wan_transformer(config: dict, device: str | torch.device = "cpu"):
     """A ``WanTransformer3DModel`` of ``config`` (``WAN13``: Wan2.1-T2V-1.3B's published config, ~1.42B
     parameters; ``WAN14``: the 14B's), random weights, built on ``device`` (``meta``: shapes only)."""
@@ -335,15 +357,10 @@ def build_wan(path: Path, config: dict = WAN13, dtype: torch.dtype = torch.float
     of width 4096 (the real UMT5-XXL's: the 512 x 4096 caption states have the real shape; the tokenizer trained
     offline as the tests'), and Wan 480p's UniPC flow scheduler (flow_shift 3.0)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
-    from transformers import UMT5Config, UMT5EncoderModel
 
     transformer = wan_transformer(config, "cuda" if torch.cuda.is_available() else "cpu").to(dtype).cpu().eval()
     tokenizer = tiny_pipelines.make_t5_tokenizer()
-    torch.manual_seed(0)
-    text = UMT5EncoderModel(UMT5Config(vocab_size=-(-len(tokenizer) // 8) * 8, d_model=4096, d_kv=64, d_ff=256,
-                                       num_layers=1, num_heads=2, feed_forward_proj="gated-gelu", pad_token_id=0,
-                                       eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False,
-                                       use_cache=False, tie_word_embeddings=False)).eval()
+    text = wide_t5(tokenizer, umt5=True)
     torch.manual_seed(0)
     vae = AutoencoderKLWan().eval()
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text, vae=vae, transformer=transformer,
@@ -357,18 +374,10 @@ def build_cog5b(path: Path) -> Path:
     one-layer T5 encoder of width 4096 (the real T5-XXL's: 226 x 4096 caption states; the tokenizer trained offline
     as the tests') and the 5B's ``CogVideoXDPMScheduler``."""
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
-    from transformers import T5Config, T5EncoderModel
 
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        transformer = CogVideoXTransformer3DModel(**COG5B).to(torch.bfloat16)
-    transformer = transformer.cpu().eval()
+    transformer = random_bf16(CogVideoXTransformer3DModel, **COG5B)
     tokenizer = tiny_pipelines.make_t5_tokenizer()
-    torch.manual_seed(0)
-    text = T5EncoderModel(T5Config(vocab_size=-(-len(tokenizer) // 8) * 8, d_model=4096, d_kv=64, d_ff=256,
-                                   num_layers=1, num_heads=2, feed_forward_proj="gated-gelu", pad_token_id=0,
-                                   eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False,
-                                   use_cache=False, tie_word_embeddings=False)).eval()
+    text = wide_t5(tokenizer)
     torch.manual_seed(0)
     vae = AutoencoderKLCogVideoX(scaling_factor=0.7).eval()
     pipe = CogVideoXPipeline(tokenizer=tokenizer, text_encoder=text, vae=vae, transformer=transformer,
@@ -388,10 +397,7 @@ def build_hv13b(path: Path) -> Path:
                            HunyuanVideoTransformer3DModel)
     from transformers import LlamaConfig, LlamaModel
 
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        transformer = HunyuanVideoTransformer3DModel().to(torch.bfloat16)
-    transformer = transformer.cpu().eval()
+    transformer = random_bf16(HunyuanVideoTransformer3DModel)
     tokenizer = tiny_pipelines.make_llama_tokenizer()
     torch.manual_seed(0)
     text = LlamaModel(LlamaConfig(vocab_size=-(-len(tokenizer) // 8) * 8, hidden_size=4096, intermediate_size=256,
@@ -435,18 +441,10 @@ def build_ltx2b(path: Path) -> Path:
     ``AutoencoderKLLTXVideo``'s default config (32 x 32 x 8 compression), a one-layer T5 of width 4096 (128 x 4096
     caption states) and LTX-Video's dynamically shifted flow scheduler."""
     from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
-    from transformers import T5Config, T5EncoderModel
 
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        transformer = LTXVideoTransformer3DModel().to(torch.bfloat16)
-    transformer = transformer.cpu().eval()
+    transformer = random_bf16(LTXVideoTransformer3DModel)
     tokenizer = tiny_pipelines.make_t5_tokenizer()
-    torch.manual_seed(0)
-    text = T5EncoderModel(T5Config(vocab_size=-(-len(tokenizer) // 8) * 8, d_model=4096, d_kv=64, d_ff=256,
-                                   num_layers=1, num_heads=2, feed_forward_proj="gated-gelu", pad_token_id=0,
-                                   eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False,
-                                   use_cache=False, tie_word_embeddings=False)).eval()
+    text = wide_t5(tokenizer)
     torch.manual_seed(0)
     vae = AutoencoderKLLTXVideo().eval()
     pipe = LTXPipeline(tokenizer=tokenizer, text_encoder=text, vae=vae, transformer=transformer,
