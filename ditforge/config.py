@@ -89,6 +89,11 @@ class ModelConfig:
                                "--fp8_base): half the bf16 base's memory; adapters, norms and embedders stay as "
                                "they are. --gpu_memory_budget turns it on where the bf16 base would take over a "
                                "quarter of the budget")
+    noised_image_input: bool = _f(True, "CogVideoX image-to-video fine-tuning: each clip's first frame gets "
+                                        "Gaussian pixel noise of sigma = exp(N(-3, 0.5)) before the VAE, and its "
+                                        "latents are a posterior draw (CogVideoX's own I2V recipe); "
+                                        "--no-noised_image_input conditions on the clean frame. Stored features "
+                                        "hold the clean frame's latents")
     expert: str | None = _f(None, "Wan 2.2 A14B (two experts): the one to fine-tune, high_noise (transformer: "
                                   "timesteps at and above boundary_ratio x 1000) or low_noise (transformer_2: those "
                                   "below); its training times are drawn from its range alone. The other expert stays "

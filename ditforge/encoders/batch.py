@@ -130,15 +130,18 @@ class BatchEncoder:
         return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
 
     @torch.no_grad()
-    def conditioning(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    def conditioning(self, batch: dict, device: torch.device, noise_seeds: list[int] | None = None
+                     ) -> dict[str, torch.Tensor]:
         """Keyword arguments of the denoiser for the condition: ``{"y": labels (B,) int64}``,
         ``{"y": states (B, L, D_text) float32, "y_mask": (B, L) bool}``, or ``prompt_encoder``'s dict (with
-        ``image_encoder``'s added), on ``device``."""
+        ``image_encoder``'s added), on ``device``. ``noise_seeds``: B seeds for the image encoder's training noise
+        (``Pretrained.encode_image``), or None."""
         cond = self._text_conditioning(batch, device)
         if self.image_encoder is not None and "cond" not in batch:  # stored features hold it already
             x = batch["x"]  # (B, 3, T, H, W)
             first = batch["image"] if "image" in batch else x[:, :, 0]
-            cond.update({k: v.to(device) for k, v in self.image_encoder(first, x.shape[2]).items()})
+            extra = {"noise_seeds": noise_seeds} if noise_seeds is not None else {}
+            cond.update({k: v.to(device) for k, v in self.image_encoder(first, x.shape[2], **extra).items()})
         return cond
 
     def _text_conditioning(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:

@@ -618,6 +618,9 @@ def _load_init(run: _Run) -> None:
                                       denoiser_device=torch.device("cpu") if staged else run.home,
                                       denoiser_dtype=amp_dtype if run.bf16_weights else torch.float32,
                                       expert=m.expert, other_expert_device=torch.device("cpu"))
+            if features is not None and run.pre.denoiser.image_noise and m.noised_image_input:
+                log.info("--noised_image_input: the features hold the clean first frames' latents, so the image "
+                         "conditioning is not noised; train on the clips to noise it")
             if m.expert is not None and cfg.train.sample_every:  # the pipeline's grid would need both experts
                 log.info("--expert %s: no periodic samples (the other expert stays in host memory); draw them "
                          "with ditforge sample --ckpt RUN", m.expert)
@@ -1008,6 +1011,9 @@ def _loop(run: _Run) -> int:
     return step
 
 
+IMAGE_NOISE_STREAM = 7919  # the key that sets the image-to-video training noise's seeds apart from every other's
+
+
 def _micro_batches(run: _Run, batch: dict, position: int) -> tuple[list[tuple], int, int]:
     """A loader batch -> the micro-batches for ``train_step`` (latents, conditioning, ``StepRandomness`` of data
     position ``position``, the step plus the batches skipped (``_Run.data_offset``) [, loss weights];
@@ -1019,7 +1025,12 @@ def _micro_batches(run: _Run, batch: dict, position: int) -> tuple[list[tuple], 
     if "class_x" in batch:  # DreamBooth with prior preservation: instance and class rows alternate
         batch, weights = finetune.interleave_prior(batch, cfg.data.prior_loss_weight)
     rows = 1 if weights is None else 2
-    cond = inputs.conditioning(batch, device)
+    noise_seeds = None
+    if run.pre is not None and run.pre.denoiser.image_noise and m.noised_image_input and "x" in batch:
+        # sample j of the global batch noises its first frame from its own stream: the same at any world size
+        first = d.dp_rank * len(batch["x"])
+        noise_seeds = [derive_seed(t.seed, IMAGE_NOISE_STREAM, position, first + i) for i in range(len(batch["x"]))]
+    cond = inputs.conditioning(batch, device, noise_seeds)
     if run.mixed:
         x, rnd = mixed_step_inputs(inputs, batch["x"], device, t.seed, position, run.diffusion, m.class_dropout_prob,
                                    d.dp_rank * len(batch["x"]))

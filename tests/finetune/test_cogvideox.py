@@ -220,16 +220,20 @@ def cog_i2v(tmp_path_factory, one_thread_module) -> Path:
 
 def test_i2v_first_loss_and_sample_like_the_pipeline(cog_i2v, tmp_path, capsys):
     """Image-to-video, 2 steps of full fine-tuning on the clips (each its own first frame): the first loss equals
-    diffusers' arithmetic with the pipeline's conditioning written out (the first frame's posterior mode times
+    diffusers' arithmetic with the pipeline's conditioning written out (the first frame's latents times
     ``scaling_factor``, T' - 1 zero latent frames after it, concatenated to the noisy latents along the channels)
-    within 1e-5; the exported folder loads in ``CogVideoXImageToVideoPipeline``, whose call on an image (the
-    image latents drawn from the call's generator before the noise) gives the video ``ditforge sample --image``
-    gives, to one uint8 level; ``--image`` left out is one line."""
+    within 1e-5, both with CogVideoX's training noise on the frame (the default: sigma_i = exp(-3 + 0.5 z_i) of
+    pixel noise, then a posterior draw, from sample i's own seed ``derive_seed(seed, 7919, step, i)``) and with
+    ``--no-noised_image_input`` (the clean frame's posterior mode); the two differ. The exported folder loads in
+    ``CogVideoXImageToVideoPipeline``, whose call on an image (the image latents drawn from the call's generator
+    before the noise) gives the video ``ditforge sample --image`` gives, to one uint8 level; ``--image`` left out
+    is one line."""
     import diffusers
     from PIL import Image
 
-    run = tmp_path / "run"
+    run, clean = tmp_path / "run", tmp_path / "clean"
     assert cli.main(_argv(cog_i2v, run, "--max_steps", "2", "--lr", "1e-3")) == 0
+    assert cli.main(_argv(cog_i2v, clean, "--max_steps", "1", "--no-noised_image_input")) == 0
     pipe = diffusers.CogVideoXImageToVideoPipeline.from_pretrained(str(cog_i2v), local_files_only=True)
     ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
     idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
@@ -244,17 +248,29 @@ def test_i2v_first_loss_and_sample_like_the_pipeline(cog_i2v, tmp_path, capsys):
         eps = torch.randn((BATCH, *shape), generator=g)
         scale = pipe.vae.config.scaling_factor
         x0 = ((post.mean + post.std * eps) * scale).transpose(1, 2)
-        image = pipe.vae.encode(pixels[:, :, :1]).latent_dist.mode().transpose(1, 2) * scale  # (B, 1, C, h, w)
-        image = torch.cat([image, image.new_zeros(BATCH, x0.shape[1] - 1, *image.shape[2:])], dim=1)
         embeds, _ = pipe.encode_prompt([ds[i]["text"] for i in idx], do_classifier_free_guidance=False,
                                        device="cpu", max_sequence_length=226)
         noisy = pipe.scheduler.add_noise(x0, noise, t)
         rotary = pipe._prepare_rotary_positional_embeddings(SIZE, SIZE, x0.shape[1], torch.device("cpu"))
-        out = pipe.transformer(hidden_states=torch.cat([noisy, image], dim=2), encoder_hidden_states=embeds,
-                               timestep=t, image_rotary_emb=rotary, return_dict=False)[0]
         v = pipe.scheduler.get_velocity(x0, noise, t)  # sqrt(abar) noise - sqrt(1 - abar) x0
-    ref = float(((out - v) ** 2).mean())
-    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(ref, rel=1e-5)
+
+        def loss(image):  # image: the first frame's latents (B, 1, C, h, w), zero frames after it
+            image = torch.cat([image * scale, image.new_zeros(BATCH, x0.shape[1] - 1, *image.shape[2:])], dim=1)
+            out = pipe.transformer(hidden_states=torch.cat([noisy, image], dim=2), encoder_hidden_states=embeds,
+                                   timestep=t, image_rotary_emb=rotary, return_dict=False)[0]
+            return float(((out - v) ** 2).mean())
+
+        gens = [torch.Generator().manual_seed(derive_seed(0, 7919, 0, i)) for i in range(BATCH)]
+        sigma = torch.stack([(-3 + 0.5 * torch.randn(1, generator=g)).exp() for g in gens])
+        frames = pixels[:, :, 0] + sigma.view(-1, 1, 1, 1) * torch.stack([torch.randn(3, SIZE, SIZE, generator=g)
+                                                                          for g in gens])
+        first = pipe.vae.encode(frames[:, :, None]).latent_dist
+        draw = first.mean + first.std * torch.stack([torch.randn(first.mean.shape[1:], generator=g) for g in gens])
+        noised = loss(draw.transpose(1, 2))
+        plain = loss(pipe.vae.encode(pixels[:, :, :1]).latent_dist.mode().transpose(1, 2))
+    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(noised, rel=1e-5)
+    assert read_metrics(clean / "metrics.jsonl")[0]["loss"] == pytest.approx(plain, rel=1e-5)
+    assert abs(noised - plain) > 1e-3 * plain  # the noise reaches the loss
 
     export = tmp_path / "export"
     assert cli.main(["export", "--ckpt", str(run), "--format", "diffusers", "--out", str(export)]) == 0

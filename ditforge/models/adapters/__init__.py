@@ -58,6 +58,8 @@ class DiffusersDenoiser(nn.Module):
             out of the loss (the objective's ``given_frames``), put back after sampling (``finish``).
         frames_first: the pipeline lays its video latents out (B, T', C, h, w) (CogVideoX), not (B, C, T', h, w);
             its noise is drawn, and its scheduler steps, in that layout.
+        image_noise: (mean, std) of log sigma: training noises the first frame's pixels by sigma = exp(mean + std z)
+            before encoding it (``encode_image(..., noise_seeds=)``; CogVideoX I2V's recipe), or None.
     """
 
     family: str = ""
@@ -74,6 +76,7 @@ class DiffusersDenoiser(nn.Module):
     context_parallel = False
     masked_self_attention = False  # every self-attention call carries a mask (--quantized_attention cannot take it)
     given_frames = 0
+    image_noise: tuple[float, float] | None = None
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 

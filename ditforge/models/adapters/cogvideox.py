@@ -96,6 +96,7 @@ class CogVideoXI2VDenoiser(CogVideoXDenoiser):
     pipelines = ("CogVideoXImageToVideoPipeline",)
     image_to_video = True
     image_from_generator = True
+    image_noise = (-3.0, 0.5)  # training: the first frame's pixel noise, sigma = exp(N(-3, 0.5)) (CogVideoX's recipe)
 
     @property
     def in_channels(self) -> int:
@@ -105,21 +106,37 @@ class CogVideoXI2VDenoiser(CogVideoXDenoiser):
     def denoise(self, x, t, encoder_hidden_states, image_condition):
         return super().denoise(torch.cat([x, image_condition.to(x.dtype)], dim=1), t, encoder_hidden_states)
 
-    @staticmethod
-    def encode_image(pipe, first: torch.Tensor, num_frames: int, images: list | None = None,
-                     generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    @classmethod
+    def encode_image(cls, pipe, first: torch.Tensor, num_frames: int, images: list | None = None,
+                     generator: torch.Generator | None = None, noise_seeds: list[int] | None = None
+                     ) -> dict[str, torch.Tensor]:
         """``image_condition`` (B, C, T', H/8, W/8) float32 of clips of ``num_frames`` (8k + 1) frames whose first
         frames are ``first`` (B, 3, H, W) float in [-1, 1], as ``CogVideoXImageToVideoPipeline.prepare_latents``
         builds it: the first frame alone through ``AutoencoderKLCogVideoX``, times ``scaling_factor``, then T' - 1
         latent frames of zeros. The latents are the posterior's mode, or with ``generator`` (sampling) a draw from
         it, as the pipeline's ``retrieve_latents(..., generator)``, which draws before the initial noise from the
-        same generator. Training conditions on the mode (deterministic, so stored features hold it). ``images``
-        is unused (no image encoder). On the VAE's device."""
+        same generator. ``noise_seeds`` (training, ``--noised_image_input``; B seeds): CogVideoX's own I2V
+        fine-tuning recipe (THUDM/CogVideo ``finetune``, as SAT's ``noised_image_input``): clip i's frame gets
+        Gaussian pixel noise of sigma_i = exp(-3 + 0.5 z) before the VAE, and its latents are a posterior draw;
+        from ``torch.Generator(vae device).manual_seed(noise_seeds[i])``: z (1 value), the noise (3, H, W), then the
+        posterior's eps (C, 1, h, w). Without them, training conditions on the clean frame's mode (what stored
+        features hold). ``images`` is unused (no image encoder). On the VAE's device."""
         vae = pipe.vae
         device = next(vae.parameters()).device
+        first = first.to(device, torch.float32)
+        gens = [torch.Generator(device).manual_seed(s) for s in noise_seeds] if noise_seeds is not None else None
+        if gens is not None:
+            mean, std = cls.image_noise
+            sigma = torch.cat([(mean + std * torch.randn(1, generator=g, device=device)).exp() for g in gens])
+            noise = torch.stack([torch.randn(first.shape[1:], generator=g, device=device) for g in gens])
+            first = first + sigma.view(-1, 1, 1, 1) * noise
         with torch.no_grad():
-            post = vae.encode(first[:, :, None].to(device, vae.dtype)).latent_dist
-            latents = (post.mode() if generator is None else post.sample(generator)).float()
+            post = vae.encode(first[:, :, None].to(vae.dtype)).latent_dist
+            if gens is not None:
+                eps = torch.stack([torch.randn(post.mean.shape[1:], generator=g, device=device) for g in gens])
+                latents = post.mean.float() + post.std.float() * eps
+            else:
+                latents = (post.mode() if generator is None else post.sample(generator)).float()
             scale = vae.config.scaling_factor
             latents = latents / scale if vae.config.get("invert_scale_latents") else latents * scale
             frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1

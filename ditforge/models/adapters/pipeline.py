@@ -103,13 +103,17 @@ class Pretrained:
         return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in out.items()}
 
     def encode_image(self, first: torch.Tensor, num_frames: int, images: list | None = None,
-                     generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+                     generator: torch.Generator | None = None, noise_seeds: list[int] | None = None
+                     ) -> dict[str, torch.Tensor]:
         """Image-to-video (``denoiser.image_to_video``): first frames (B, 3, H, W) float in [-1, 1] of clips of
         ``num_frames`` frames -> the denoiser's image conditioning tensors (float32, on the denoiser's device),
         with the pipeline's VAE and image encoder (``DiffusersDenoiser.encode_image``; ``images``: the PIL images
         for the image encoder, where they are not the frames; ``generator``: a family that samples its image latents,
-        ``image_from_generator``, draws them from it)."""
+        ``image_from_generator``, draws them from it; ``noise_seeds``: one per frame, a family with an
+        ``image_noise`` recipe noises the frames for training)."""
         extra = {"generator": generator} if generator is not None else {}
+        if noise_seeds is not None:
+            extra["noise_seeds"] = noise_seeds
         out = self.denoiser.encode_image(self.pipe, first, num_frames, images=images, **extra)
         device = next(self.denoiser.parameters()).device
         return {k: v.float().to(device) for k, v in out.items()}
