@@ -113,28 +113,30 @@ class _ScaleGradient(torch.autograd.Function):
 
 
 def scale_gradient(transformer: nn.Module, factor: int) -> None:
-    """A forward hook on ``transformer``: its output (a tensor, a tuple or a diffusers output whose first item is
-    the prediction) passes through unchanged and its gradient comes back ``factor`` times larger."""
+    """A forward hook on ``transformer``: its output (the prediction, or a tuple that starts with it: the adapters
+    call with ``return_dict=False``) passes through unchanged and its gradient comes back ``factor`` times larger."""
 
     def hook(module, args, out):
-        if isinstance(out, torch.Tensor):
-            return _ScaleGradient.apply(out, factor)
         if isinstance(out, tuple):
             return (_ScaleGradient.apply(out[0], factor), *out[1:])
-        out["sample"] = _ScaleGradient.apply(out["sample"], factor)
-        return out
+        return _ScaleGradient.apply(out, factor)
 
     transformer.register_forward_hook(hook)
 
 
-def refuse_unsplittable(family, d: Dist, remedy: str) -> None:
-    """UserError (one line, ending in ``remedy``) when ``d`` splits each sample's tokens (``--sequence_parallel_size``
-    > 1) and the adapter class ``family`` (a ``DiffusersDenoiser`` subclass) has no tested context-parallel plan
-    (``context_parallel``)."""
-    if d.sp_size > 1 and not family.context_parallel:
-        raise UserError(f"--sequence_parallel_size {d.sp_size}: {' / '.join(family.pipelines)} does not split its "
-                        "tokens (diffusers' context parallelism has no plan for CogVideoX and HunyuanVideo, and "
-                        f"fails on LTX-Video's attention mask under Ulysses); {remedy}")
+def refuse_unsplittable(family, sp_size: int, remedy: str) -> None:
+    """UserError (one line, ending in ``remedy``) when each sample's tokens are split over ``sp_size`` > 1 processes
+    (``--sequence_parallel_size``) and the adapter class ``family`` (a ``DiffusersDenoiser`` subclass) has no tested
+    context-parallel plan (``context_parallel``: the Wan families)."""
+    if sp_size > 1 and not family.context_parallel:
+        raise UserError(f"--sequence_parallel_size {sp_size}: {' / '.join(family.pipelines)} does not split its "
+                        "tokens (ditforge splits the Wan families' by diffusers' context-parallel plan; diffusers "
+                        "has none for CogVideoX, HunyuanVideo and the image families, and LTX-Video's fails under "
+                        f"Ulysses on its attention mask); {remedy}")
+
+
+MAX_TRAINING_RING = 2  # diffusers 0.42.1's ring backward passes each K/V chunk's gradient the wrong way round a ring
+# of 3 or more (an index walk of TemplatedRingAttention.backward: it sums different chunks' gradients); 2 is exact
 
 
 def apply_context_parallel(denoiser: nn.Module, d: Dist, kind: str) -> None:
@@ -143,7 +145,13 @@ def apply_context_parallel(denoiser: nn.Module, d: Dist, kind: str) -> None:
     gradients scaled so that the data-parallel average over every process is one process's gradient.
 
     Raises:
-        UserError: ``token_mesh``'s.
+        UserError: ``token_mesh``'s, or a ring of more than ``MAX_TRAINING_RING`` processes.
     """
-    split_tokens(denoiser.inner, d, token_mesh(denoiser.inner, d, kind))
+    mesh = token_mesh(denoiser.inner, d, kind)
+    if mesh["ring"].size() > MAX_TRAINING_RING:
+        raise UserError(f"--sequence_parallel_size {d.sp_size}: fine-tuning would run ring attention over "
+                        f"{mesh['ring'].size()} processes, whose backward in diffusers 0.42.1 is wrong beyond "
+                        f"{MAX_TRAINING_RING}; use a size whose Ulysses part divides the "
+                        f"{denoiser.inner.config.num_attention_heads} heads with a ring of at most {MAX_TRAINING_RING}")
+    split_tokens(denoiser.inner, d, mesh)
     scale_gradient(denoiser.inner, d.sp_size)

@@ -142,7 +142,7 @@ class VideoSampler:
             raise UserError(f"--plugin fsdp: not with {other}; drop one of them")
         if cfg.quantized_attention:
             _check_quantized_attention(d, denoiser, pre.pipeline_class)
-        refuse_unsplittable(type(denoiser), d, "use --cfg_parallel, or one process a video")
+        refuse_unsplittable(type(denoiser), d.sp_size, "use --cfg_parallel, or one process a video")
         mesh = token_mesh(self.transformer, d, cfg.sequence_parallel_type) if d.sp_size > 1 else None
         for expert in self.experts:
             self._prepare(expert, d, cfg, mesh)

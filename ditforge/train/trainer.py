@@ -350,7 +350,10 @@ def train(cfg: RunConfig) -> Path:
         # Under a cap the caching allocator's fixed-size segments fragment (a free 300 MB that no 350 MB request
         # fits is lost to the budget); segments that grow in place do not. Read when CUDA first allocates.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    d = init_distributed(cfg.train.device, cfg.parallel.sequence_parallel_size,
+    sp = cfg.parallel.sequence_parallel_size
+    if sp > 1 and (family := _pipeline_family(cfg)) is not None:  # before any process group or run folder
+        refuse_unsplittable(family, sp, "shard it with --plugin fsdp instead")
+    d = init_distributed(cfg.train.device, sp,
                          group_of_one=cfg.train.cpu_offload == "all",  # FSDP2 offloads, even in one process
                          tensor_parallel_size=cfg.parallel.tensor_parallel)
     try:
@@ -358,6 +361,17 @@ def train(cfg: RunConfig) -> Path:
             return _train(cfg, d, held)
     finally:
         shutdown(d)
+
+
+def _pipeline_family(cfg: RunConfig):
+    """The adapter class of the diffusers pipeline the run fine-tunes (``--init_from``, or the one a features folder
+    was made from), or None."""
+    init = cfg.model.init_from
+    if init is None and source_of(cfg.data.data) is FEATURES:
+        init = read_manifest(cfg.data.data).get("init_from")
+    if init is None or not is_adapted_pipeline(init):
+        return None
+    return family_of_pipeline(read_model_index(init)["_class_name"])
 
 
 def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
@@ -604,8 +618,6 @@ def _load_init(run: _Run) -> None:
         m.init_from = features.get("init_from")  # features of a pretrained pipeline: fine-tune that pipeline
     if m.init_from is not None:
         if is_adapted_pipeline(m.init_from):
-            refuse_unsplittable(family_of_pipeline(read_model_index(m.init_from)["_class_name"]), run.d,
-                                "shard it with --plugin fsdp instead")
             # From features, the text encoders only encode the empty prompt and the sample grids, and the VAE only
             # decodes the grids: kept on the CPU (the VAE visits the GPU for a grid), out of a tight memory budget.
             on_gpu = device.type == "cuda" and features is None

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_helpers import WEIGHT_ATOL, assert_same_losses, torchrun_many
+from dist_helpers import WEIGHT_ATOL, assert_same_losses
 from ditforge.train.logging import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -83,30 +83,23 @@ VIDEO = ("--data", "clips", "--num_frames", "5", "--frame_interval", "2", "--ima
 
 
 @pytest.fixture(scope="module")
-def video_pipes(tmp_path_factory) -> dict[str, Path]:
-    tiny = _tiny_pipelines()
-    root = tmp_path_factory.mktemp("video_pipes")
-    return {"wan": tiny.make_wan(root / "wan"), "cog": tiny.make_cogvideox(root / "cog")}
+def wan(tmp_path_factory) -> Path:
+    return _tiny_pipelines().make_wan(tmp_path_factory.mktemp("wan") / "pipe")
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(setup, video_pipes, tmp_path_factory):
-    """The run folder of every case of ``CASES``, then of the Wan run with its tokens split (key ``"wan_sp"``), and
-    the stderr of CogVideoX's refusal (``"cog_sp"``), all made by one torchrun launch of 2 processes that runs the
-    command lines in turn (``torchrun_cli_many``)."""
+def two_process_runs(setup, wan, tmp_path_factory):
+    """The run folder of every case of ``CASES``, then of the Wan run with its tokens split (key ``"wan_sp"``), all
+    made by one torchrun launch of 2 processes that runs the command lines in turn (``torchrun_cli_many``)."""
     from dist_helpers import COMMON, torchrun_cli_many
 
     pipe, data = setup
     root = tmp_path_factory.mktemp("two")
     argvs = [(root / f"case{i}", _args(pipe, data, *extra, "--plugin", plugin)) for i, (plugin, extra) in
              enumerate(CASES)]
-    argvs += [(root / "wan_sp", ["--init_from", str(video_pipes["wan"]), *VIDEO, "--sequence_parallel_size", "2"]),
-              (root / "cog_sp", ["--init_from", str(video_pipes["cog"]), *VIDEO, "--sequence_parallel_size", "2"])]
-    err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
-                            fails=(len(argvs) - 1,))
-    runs = dict(zip([*CASES, "wan_sp"], [out for out, _ in argvs]))
-    runs["cog_sp"] = err[-1]
-    return runs
+    argvs.append((root / "wan_sp", ["--init_from", str(wan), *VIDEO, "--sequence_parallel_size", "2"]))
+    torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs])
+    return dict(zip([*CASES, "wan_sp"], [out for out, _ in argvs]))
 
 
 @pytest.mark.parametrize("plugin,extra", CASES)
@@ -132,14 +125,14 @@ def test_finetune_equals_single_process(setup, references, two_process_runs, plu
     assert moved > 20 * WEIGHT_ATOL, moved
 
 
-def test_wan_with_its_tokens_split_equals_single_process(video_pipes, two_process_runs, tmp_path):
+def test_wan_with_its_tokens_split_equals_single_process(wan, two_process_runs, tmp_path):
     """Wan 2.1 full fine-tuning with ``--sequence_parallel_size 2`` (each process holds half of every clip's tokens;
     Ulysses attention; the gathered output's gradient scaled by 2 before ZeRO-2's average over both processes)
-    equals one plain process: the losses and gradient norms of 3 steps and the weights after them. A CogVideoX folder
-    is one line (diffusers has no context-parallel plan for it)."""
+    equals one plain process: the losses and gradient norms of 3 steps and the weights after them (without the
+    scaling the gradient norms differ)."""
     from dist_helpers import run_single
 
-    ref = run_single(tmp_path / "ref", "--init_from", str(video_pipes["wan"]), *VIDEO)
+    ref = run_single(tmp_path / "ref", "--init_from", str(wan), *VIDEO)
     run = two_process_runs["wan_sp"]
     assert_same_losses([{**r, "vb": 0} for r in read_metrics(run / "metrics.jsonl")],
                        [{**r, "vb": 0} for r in read_metrics(ref / "metrics.jsonl")], steps=[1, 2, 3])
@@ -149,9 +142,7 @@ def test_wan_with_its_tokens_split_equals_single_process(video_pipes, two_proces
     assert worst <= WEIGHT_ATOL, worst
     from diffusers import WanTransformer3DModel
 
-    base = WanTransformer3DModel.from_pretrained(str(video_pipes["wan"]), subfolder="transformer").state_dict()
+    base = WanTransformer3DModel.from_pretrained(str(wan), subfolder="transformer").state_dict()
     moved = max((want[k] - base[k.removeprefix("transformer.")]).abs().max().item() for k in want
                 if k.removeprefix("transformer.") in base)
     assert moved > 20 * WEIGHT_ATOL, moved  # not vacuous: 3 Adam steps at lr 1e-3
-    err = two_process_runs["cog_sp"]
-    assert "--sequence_parallel_size 2: CogVideoXPipeline does not split its tokens" in err, err[-2000:]
