@@ -299,7 +299,10 @@ class ParallelConfig:
                                              "attention input, heads split; fastseq_kv when they do not divide) | "
                                              "fastseq_kv (all-gathered K/V) | usp (Ulysses inside groups, ring "
                                              "across) | auto (the fastest of those that apply, timed on one "
-                                             "attention layer at the run's shape at start)",
+                                             "attention layer at the run's shape at start; under "
+                                             "--tensor_parallel ulysses over the heads each process holds where "
+                                             "they divide, else ring; a diffusers video transformer: ulysses, "
+                                             "ring, or auto / usp)",
                                      choices=SEQUENCE_PARALLEL_TYPES)
 
 
@@ -548,10 +551,9 @@ def _check_tensor_parallel(cfg: RunConfig) -> None:
               (f"--master_weights {t.master_weights}", t.master_weights != "fp32"),
               (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin == "ddp")]
     sp_type = cfg.parallel.sequence_parallel_type
-    if cfg.parallel.sequence_parallel_size > 1 and sp_type not in ("auto", "ring"):
-        raise UserError(f"--tensor_parallel {tp} with --sequence_parallel_size: ring attention (auto picks it), "
-                        f"which leaves the heads tensor parallelism split whole; not --sequence_parallel_type "
-                        f"{sp_type}")
+    if cfg.parallel.sequence_parallel_size > 1 and sp_type not in ("auto", "ring", "ulysses"):
+        raise UserError(f"--tensor_parallel {tp} with --sequence_parallel_size: ulysses (over the heads each "
+                        f"process holds) or ring attention (auto picks one); not --sequence_parallel_type {sp_type}")
     clash = next((flag for flag, on in others if on), None)
     if clash:
         raise UserError(f"--tensor_parallel {tp}: splits ditforge's own DiTs, trained by AdamW over fp32 weights, "

@@ -236,8 +236,9 @@ def parallelize(
             (the fastest at this shape, measured on one attention layer: ``choose_sequence_parallel_type``).
             A diffusers video transformer (the adapter of a pipeline) splits its tokens by its own context-parallel
             plan instead (``parallel.context``: ulysses | ring | usp | auto).
-            Under tensor parallelism it is ring, whatever is asked: the other variants split the heads, which
-            ``dist.tp_mesh`` has split already (``config`` refuses them in one line).
+            Under tensor parallelism Ulysses runs over the heads each process holds (``auto`` takes it where the
+            sequence-parallel size divides them, else ring; ``tensor_parallel_sequence_type``); FastSeq and USP
+            are refused in one line (``config``).
         batch_size: samples per process in one forward; sizes ``auto``'s measurement.
         fused_backward_pass: the optimizer steps inside the backward block by block (``optim.StepInBackward``):
             the blocks compile one by one even where the model sets ``compile_whole``, since one graph's
@@ -260,8 +261,9 @@ def parallelize(
     if dist.sp_mesh is not None and isinstance(model, DiffusersDenoiser):
         apply_context_parallel(model, dist, sequence_parallel_type)  # the diffusers model's own plan
     elif dist.sp_mesh is not None:
-        if dist.tp_mesh is not None:  # the heads are split over tp already; ring attention keeps them whole
-            sequence_parallel_type = "ring"
+        if dist.tp_mesh is not None:  # the heads are split over tp already
+            sequence_parallel_type = tensor_parallel_sequence_type(sequence_parallel_type, model.num_heads,
+                                                                   dist.tp_size, dist.sp_size)
         _apply_sequence_parallel(model, dist, sequence_parallel_type, batch_size, param_dtype)
     _set_adaln_kernels(dist.device, enable_modulate_kernel, enable_layernorm_kernel)
     if fp8:
@@ -281,6 +283,25 @@ def parallelize(
     if plugin in ("zero2", "fsdp"):
         _apply_fsdp(model, blocks, dist, plugin == "fsdp", param_dtype, reduce_dtype, cpu_offload)
     return model
+
+
+def tensor_parallel_sequence_type(kind: str, num_heads: int, tp: int, sp: int) -> str:
+    """The sequence-parallel variant under tensor parallelism, where each process holds num_heads / tp heads:
+    ``ulysses`` (all-to-all over those heads: the tp and sp splits multiply) where sp divides them, else ``ring``
+    (whole heads, rotating K/V); ``auto`` takes Ulysses where it can (an all-to-all of a quarter of q, k, v and o
+    each against ring's P - 1 exchanges of K and V: docs/multi-gpu.md's table).
+
+    Raises:
+        UserError: ``ulysses`` asked for when sp does not divide the heads each process holds.
+    """
+    local = num_heads // tp
+    if kind in ("auto", "ulysses") and local % sp == 0:
+        return "ulysses"
+    if kind == "ulysses":
+        raise UserError(f"--sequence_parallel_type ulysses: --tensor_parallel {tp} leaves {local} of the "
+                        f"{num_heads} heads on each process, which --sequence_parallel_size {sp} does not divide; "
+                        "use ring or auto")
+    return "ring"
 
 
 def _apply_sequence_parallel(model: nn.Module, dist: Dist, sequence_parallel_type: str, batch_size: int,

@@ -5,8 +5,9 @@ two AdamW steps with gradient clipping they hold the same weights (gathered back
 AdamW moments and EMA to fp32 tolerance, with the same losses and gradient norms. Checkpoints reshard across
 tensor-parallel sizes: the one-process run's checkpoint resumes under tensor parallelism, one more step stays
 equal, and the tensor-parallel checkpoint of that step loads back into one process. In the same processes, a
-2 x 2 ``sp`` x ``tp`` mesh (sequence parallelism by ring attention over the heads each process holds, FSDP2 over
-the sequence-parallel pair) trains the same two steps equal to one process. The text-conditioned DiT with
+2 x 2 ``sp`` x ``tp`` mesh (sequence parallelism by ring attention over the heads each process holds, and by Ulysses
+over them where the sequence-parallel size divides them; FSDP2 over the sequence-parallel pair) trains the same two
+steps equal to one process. The text-conditioned DiT with
 qk-norm covers the fused ``qkv``, cross-attention's fused ``kv_linear`` and the head-split qk-norms (STDiT's temporal
 attention is the same ``Attention`` class).
 """
@@ -92,20 +93,21 @@ def _create(name, kw, device):
     return model
 
 
-def _build(name, kw, d, seed):
-    """The model split by ``parallelize`` (FSDP2, and ``d``'s tensor and sequence parallelism) on the meta device,
-    each process initialising only its shards."""
+def _build(name, kw, d, seed, variant="auto"):
+    """The model split by ``parallelize`` (FSDP2, and ``d``'s tensor and sequence parallelism, ``variant``) on the
+    meta device, each process initialising only its shards."""
     from ditforge.parallel import init_sharded, parallelize
 
     skeleton = _create(name, kw, "meta")
-    model = parallelize(copy.deepcopy(skeleton), d, "fsdp")
+    model = parallelize(copy.deepcopy(skeleton), d, "fsdp", sequence_parallel_type=variant)
     torch.manual_seed(seed)
     init_sharded(model, skeleton, d)
     return model
 
 
-def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str) -> None:
-    """One mesh on this process: dp x sp x tp = world, FSDP2 over dp x sp, the model meta-built."""
+def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str, variant: str = "auto") -> None:
+    """One mesh on this process: dp x sp x tp = world, FSDP2 over dp x sp, the model meta-built, sequence
+    parallelism ``variant``."""
     import torch.distributed as dist
 
     from ditforge.parallel.mesh import Dist, init_distributed, shutdown
@@ -118,7 +120,12 @@ def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str
         torch.manual_seed(3)
         reference = _create(name, kw, "cpu")  # drawn as a meta build draws
         ref_parts = _trainer(reference)
-        model = _build(name, kw, d, 3)
+        model = _build(name, kw, d, 3, variant)
+        if sp > 1:  # the variant auto took: Ulysses where sp divides the heads each process holds
+            import importlib
+
+            took = importlib.import_module("ditforge.ops.attention")._split_sequence_attention.__self__.variant
+            assert took == ("ulysses" if (model.num_heads // tp) % sp == 0 else "ring"), took
         parts = _trainer(model)
         local = sum(p.to_local().numel() for p in model.parameters())
         assert local < 0.8 * sum(p.numel() for p in reference.parameters()), local  # sharded
@@ -156,25 +163,34 @@ def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str
         shutdown(d)
 
 
-def _worker(rank: int, ports: list[int], world: int, meshes: list[tuple[int, int]], name: str, kw: dict,
-            tmp: str) -> None:
-    """Every mesh of ``meshes`` (sp, tp) in turn, each in a process group of its own (its own port), in one
-    start-up of the processes."""
+def _worker(rank: int, ports: list[int], world: int, meshes: list[tuple], kw: dict, tmp: str) -> None:
+    """Every mesh of ``meshes`` (sp, tp, model name, sequence-parallel variant) in turn, each in a process group of
+    its own (its own port), in one start-up of the processes."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     torch.set_num_threads(1)
-    for port, (sp, tp) in zip(ports, meshes):
+    for port, (sp, tp, name, variant) in zip(ports, meshes):
         os.environ["MASTER_PORT"] = str(port)
-        _case(rank, world, sp, tp, name, kw, tmp)
+        _case(rank, world, sp, tp, name, kw, tmp, variant)
 
 
 def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path):
     """dp 2 x tp 2 (with the checkpoints both ways), then sp 2 x tp 2: tensor parallelism with ring attention
-    over the sequence halves, FSDP2 over the sequence-parallel pair."""
-    world, name, kw, meshes = 4, "DiT-S/2", dict(text_dim=16, qk_norm=True), [(1, 2), (2, 2)]
+    over the sequence halves (DiT-S: 3 heads a process, which 2 do not divide, so ``auto`` takes ring), and with
+    Ulysses over the heads each process holds (DiT-B: 6 of its 12; ``auto`` takes Ulysses), FSDP2 over the
+    sequence-parallel pair."""
+    world, kw = 4, dict(text_dim=16, qk_norm=True)
+    meshes = [(1, 2, "DiT-S/2", "auto"), (2, 2, "DiT-S/2", "auto"), (2, 2, "DiT-B/2", "auto")]
+    from ditforge.errors import UserError
+    from ditforge.parallel import tensor_parallel_sequence_type
+
+    assert [tensor_parallel_sequence_type("auto", heads, 2, 2) for heads in (6, 12)] == ["ring", "ulysses"]
+    with pytest.raises(UserError, match="leaves 3 of the 6 heads"):
+        tensor_parallel_sequence_type("ulysses", 6, 2, 2)
     from ditforge.train import checkpoint as ckpt_io
 
     ports = [free_port() for _ in meshes]
-    mp.spawn(_worker, args=(ports, world, meshes, name, kw, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(ports, world, meshes, kw, str(tmp_path)), nprocs=world, join=True)
+    name = meshes[0][2]
     model = _create(name, kw, "cpu")
     parts = _trainer(model)
     ckpt_io.load_training_state(tmp_path / "tp" / "checkpoints" / "step-0000003", model, parts[1], parts[2])
@@ -182,8 +198,8 @@ def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("fields,flag", [({"parallel.sequence_parallel_size": 2,
-                                           "parallel.sequence_parallel_type": "ulysses"},
-                                          "--sequence_parallel_type ulysses"),
+                                           "parallel.sequence_parallel_type": "fastseq"},
+                                          "--sequence_parallel_type fastseq"),
                                          ({"train.optimizer": "adamw8bit"}, "--optimizer adamw8bit"),
                                          ({"model.lora_rank": 4}, "--lora_rank"),
                                          ({"parallel.plugin": "ddp"}, "--plugin ddp")])

@@ -167,7 +167,7 @@ def apply_sequence_parallel(model: nn.Module, d: Dist, variant: str, usp_group=N
         model.final_layer.register_forward_hook(shard.gather)
         set_frame_exchange((lambda x: _frames_to_positions(x, group), lambda x: _positions_to_frames(x, group)))
         return shard
-    if variant in ("ulysses", "fastseq") and model.num_heads % size:
+    if variant in ("ulysses", "fastseq") and (model.num_heads // d.tp_size) % size:  # the heads a process holds
         raise UserError(f"--sequence_parallel_type {variant}: {model.num_heads} heads are not divisible by "
                         f"--sequence_parallel_size {size}; use ring, fastseq_kv or usp")
     attention_group = None
