@@ -89,8 +89,9 @@ def wan(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_process_runs(setup, wan, tmp_path_factory):
-    """The run folder of every case of ``CASES``, then of the Wan run with its tokens split (key ``"wan_sp"``), all
-    made by one torchrun launch of 2 processes that runs the command lines in turn (``torchrun_cli_many``)."""
+    """The run folder of every case of ``CASES``, then of the Wan run with its tokens split (key ``"wan_sp"``), and the
+    stderr of a Wan run whose token count 2 processes cannot halve (``"odd"``), all made by one torchrun launch of 2
+    processes that runs the command lines in turn (``torchrun_cli_many``)."""
     from dist_helpers import COMMON, torchrun_cli_many
 
     pipe, data = setup
@@ -98,8 +99,12 @@ def two_process_runs(setup, wan, tmp_path_factory):
     argvs = [(root / f"case{i}", _args(pipe, data, *extra, "--plugin", plugin)) for i, (plugin, extra) in
              enumerate(CASES)]
     argvs.append((root / "wan_sp", ["--init_from", str(wan), *VIDEO, "--sequence_parallel_size", "2"]))
-    torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs])
-    return dict(zip([*CASES, "wan_sp"], [out for out, _ in argvs]))
+    # one latent frame of 3 x 3 tokens at 48 px: 9 tokens, which 2 processes cannot halve
+    argvs.append((root / "odd", ["--init_from", str(wan), *VIDEO, "--num_frames", "1", "--image_size", "48",
+                                 "--sequence_parallel_size", "2"]))
+    err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
+                            fails=(len(argvs) - 1,))
+    return dict(zip([*CASES, "wan_sp"], [out for out, _ in argvs])) | {"odd": err[-1]}
 
 
 @pytest.mark.parametrize("plugin,extra", CASES)
@@ -129,7 +134,7 @@ def test_wan_with_its_tokens_split_equals_single_process(wan, two_process_runs, 
     """Wan 2.1 full fine-tuning with ``--sequence_parallel_size 2`` (each process holds half of every clip's tokens;
     Ulysses attention; the gathered output's gradient scaled by 2 before ZeRO-2's average over both processes)
     equals one plain process: the losses and gradient norms of 3 steps and the weights after them (without the
-    scaling the gradient norms differ)."""
+    scaling the gradient norms differ). A clip of 9 tokens stops with one line naming the flag."""
     from dist_helpers import run_single
 
     ref = run_single(tmp_path / "ref", "--init_from", str(wan), *VIDEO)
@@ -146,3 +151,5 @@ def test_wan_with_its_tokens_split_equals_single_process(wan, two_process_runs, 
     moved = max((want[k] - base[k.removeprefix("transformer.")]).abs().max().item() for k in want
                 if k.removeprefix("transformer.") in base)
     assert moved > 20 * WEIGHT_ATOL, moved  # not vacuous: 3 Adam steps at lr 1e-3
+    odd = [line for line in two_process_runs["odd"].splitlines() if "error:" in line]
+    assert odd and "--sequence_parallel_size 2: a video of 9 tokens" in odd[0], two_process_runs["odd"][-2000:]
