@@ -46,9 +46,10 @@ class BatchEncoder:
             keywords (a pretrained pipeline's own encoders, ``Pretrained.encode_prompt``: e.g.
             ``{"encoder_hidden_states": (B, 77, 768)}``); ``conditioning`` then returns its dict.
         image_encoder: image-to-video pipelines (Wan, CogVideoX, LTX-Video; ``Pretrained.encode_image``): a function
-            from first frames (B, 3, H, W) in [-1, 1] and the clip's frame count to more conditioning keywords, added
-            to the prompt's; the first frame is the batch's ``image`` (a video CSV's ``image`` column) where it has
-            one, else frame 0 of its pixels ``x``. Computed for every batch (the image differs per clip).
+            from first frames (B, 3, H, W) in [-1, 1], the clip's frame count and ``noise_seeds=`` (training noise
+            seeds, or None) to more conditioning keywords, added to the prompt's; the first frame is the batch's
+            ``image`` (a video CSV's ``image`` column) where it has one, else frame 0 of its pixels ``x``. Computed
+            for every batch (the image differs per clip).
     """
 
     def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,
@@ -140,8 +141,8 @@ class BatchEncoder:
         if self.image_encoder is not None and "cond" not in batch:  # stored features hold it already
             x = batch["x"]  # (B, 3, T, H, W)
             first = batch["image"] if "image" in batch else x[:, :, 0]
-            extra = {"noise_seeds": noise_seeds} if noise_seeds is not None else {}
-            cond.update({k: v.to(device) for k, v in self.image_encoder(first, x.shape[2], **extra).items()})
+            cond.update({k: v.to(device) for k, v in
+                         self.image_encoder(first, x.shape[2], noise_seeds=noise_seeds).items()})
         return cond
 
     def _text_conditioning(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:

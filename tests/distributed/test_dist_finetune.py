@@ -107,26 +107,37 @@ def two_process_runs(setup, wan, tmp_path_factory):
     return dict(zip([*CASES, "wan_sp"], [out for out, _ in argvs])) | {"odd": err[-1]}
 
 
+def _assert_equal_runs(run: Path, ref: Path, steps: list[int]) -> dict[str, torch.Tensor]:
+    """``run``'s losses and gradient norms of ``steps`` and its final weights equal the one-process run ``ref``'s
+    (``dist_helpers``' tolerances); returns ``ref``'s weights."""
+    assert_same_losses([{**r, "vb": 0} for r in read_metrics(run / "metrics.jsonl")],
+                       [{**r, "vb": 0} for r in read_metrics(ref / "metrics.jsonl")], steps=steps)
+    got, want = _weights(run), _weights(ref)
+    assert got.keys() == want.keys()
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= WEIGHT_ATOL, worst
+    return want
+
+
+def _moved(weights: dict[str, torch.Tensor], base: dict[str, torch.Tensor], component: str) -> float:
+    """The largest change of a trained weight (named ``component.<diffusers key>``) from the folder's ``base``."""
+    prefix = f"{component}."
+    return max((weights[k] - base[k.removeprefix(prefix)]).abs().max().item() for k in weights
+               if k.removeprefix(prefix) in base)
+
+
 @pytest.mark.parametrize("plugin,extra", CASES)
 def test_finetune_equals_single_process(setup, references, two_process_runs, plugin, extra):
     """The reference is one plain process (``references``)."""
     pipe, data = setup
     lora = "--lora_rank" in extra
-    ref = references(lora)
-    run = two_process_runs[(plugin, extra)]
-    assert_same_losses([{**r, "vb": 0} for r in read_metrics(run / "metrics.jsonl")],
-                       [{**r, "vb": 0} for r in read_metrics(ref / "metrics.jsonl")], steps=[1, 2, 3, 4, 5])
-    got, want = _weights(run), _weights(ref)
-    assert got.keys() == want.keys()
-    worst = max((got[k] - want[k]).abs().max().item() for k in want)
-    assert worst <= WEIGHT_ATOL, worst
+    want = _assert_equal_runs(two_process_runs[(plugin, extra)], references(lora), [1, 2, 3, 4, 5])
     # not vacuous: 5 Adam steps at lr 1e-4 moved the trained weights ~50 times the tolerance
     from diffusers import UNet2DConditionModel
 
     base = UNet2DConditionModel.from_pretrained(str(pipe), subfolder="unet").state_dict()
-    moved = max((want[k] - base[k.removeprefix("unet.")]).abs().max().item() for k in want
-                if k.removeprefix("unet.") in base) if not lora else max(
-        want[k].abs().max().item() for k in want if "lora_B" in k)
+    moved = _moved(want, base, "unet") if not lora else max(want[k].abs().max().item() for k in want
+                                                             if "lora_B" in k)
     assert moved > 20 * WEIGHT_ATOL, moved
 
 
@@ -138,18 +149,11 @@ def test_wan_with_its_tokens_split_equals_single_process(wan, two_process_runs, 
     from dist_helpers import run_single
 
     ref = run_single(tmp_path / "ref", "--init_from", str(wan), *VIDEO)
-    run = two_process_runs["wan_sp"]
-    assert_same_losses([{**r, "vb": 0} for r in read_metrics(run / "metrics.jsonl")],
-                       [{**r, "vb": 0} for r in read_metrics(ref / "metrics.jsonl")], steps=[1, 2, 3])
-    got, want = _weights(run), _weights(ref)
-    assert got.keys() == want.keys()
-    worst = max((got[k] - want[k]).abs().max().item() for k in want)
-    assert worst <= WEIGHT_ATOL, worst
+    want = _assert_equal_runs(two_process_runs["wan_sp"], ref, [1, 2, 3])
     from diffusers import WanTransformer3DModel
 
     base = WanTransformer3DModel.from_pretrained(str(wan), subfolder="transformer").state_dict()
-    moved = max((want[k] - base[k.removeprefix("transformer.")]).abs().max().item() for k in want
-                if k.removeprefix("transformer.") in base)
+    moved = _moved(want, base, "transformer")
     assert moved > 20 * WEIGHT_ATOL, moved  # not vacuous: 3 Adam steps at lr 1e-3
     odd = [line for line in two_process_runs["odd"].splitlines() if "error:" in line]
     assert odd and "--sequence_parallel_size 2: a video of 9 tokens" in odd[0], two_process_runs["odd"][-2000:]
