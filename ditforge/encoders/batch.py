@@ -50,12 +50,15 @@ class BatchEncoder:
             seeds, or None) to more conditioning keywords, added to the prompt's; the first frame is the batch's
             ``image`` (a video CSV's ``image`` column) where it has one, else frame 0 of its pixels ``x``. Computed
             for every batch (the image differs per clip).
+        prompt_sees_image: the prompt encoder takes the first frames too (``prompt_encoder(texts, images=first)``,
+            HunyuanVideo I2V's Llava encoder): the captions are then encoded per batch, not cached.
     """
 
     def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,
                  text_length: int | None = None, class_captions: Sequence[str] | None = None,
                  prompt_encoder: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
-                 image_encoder: Callable[[torch.Tensor, int], dict[str, torch.Tensor]] | None = None):
+                 image_encoder: Callable[[torch.Tensor, int], dict[str, torch.Tensor]] | None = None,
+                 prompt_sees_image: bool = False):
         if condition not in ("class", "text"):
             raise ValueError(f"condition must be 'class' or 'text', got {condition!r}")
         self.condition = condition
@@ -63,6 +66,7 @@ class BatchEncoder:
         self.text_encoder = text_encoder
         self.prompt_encoder = prompt_encoder
         self.image_encoder = image_encoder
+        self.prompt_sees_image = prompt_sees_image
         self._prompts: dict[str, dict[str, torch.Tensor]] = {}
         self.text_length = text_length or (text_encoder.max_length if text_encoder is not None else None)
         self.class_captions = list(class_captions) if class_captions is not None else None
@@ -137,12 +141,16 @@ class BatchEncoder:
         ``{"y": states (B, L, D_text) float32, "y_mask": (B, L) bool}``, or ``prompt_encoder``'s dict (with
         ``image_encoder``'s added), on ``device``. ``noise_seeds``: B seeds for the image encoder's training noise
         (``Pretrained.encode_image``), or None."""
-        cond = self._text_conditioning(batch, device)
-        if self.image_encoder is not None and "cond" not in batch:  # stored features hold it already
-            x = batch["x"]  # (B, 3, T, H, W)
-            first = batch["image"] if "image" in batch else x[:, :, 0]
-            cond.update({k: v.to(device) for k, v in
-                         self.image_encoder(first, x.shape[2], noise_seeds=noise_seeds).items()})
+        if self.image_encoder is None or "cond" in batch:  # stored features hold it already
+            return self._text_conditioning(batch, device)
+        x = batch["x"]  # (B, 3, T, H, W)
+        first = batch["image"] if "image" in batch else x[:, :, 0]
+        if self.prompt_sees_image:  # per clip: the caption's encoding depends on its frame
+            cond = {k: v.to(device) for k, v in self.prompt_encoder(list(batch["text"]), images=first).items()}
+        else:
+            cond = self._text_conditioning(batch, device)
+        image = self.image_encoder(first, x.shape[2], noise_seeds=noise_seeds)
+        cond.update({k: v.to(device) for k, v in image.items()})
         return cond
 
     def _text_conditioning(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
@@ -264,4 +272,5 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
     data.image_size, data.num_frames = size, frames
     return BatchEncoder("text", vae, prompt_encoder=pre.encode_prompt,
                         class_captions=getattr(dataset, "class_captions", None),
-                        image_encoder=pre.encode_image if pre.denoiser.image_to_video else None)
+                        image_encoder=pre.encode_image if pre.denoiser.image_to_video else None,
+                        prompt_sees_image=pre.denoiser.prompt_sees_image)

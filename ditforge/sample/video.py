@@ -1,11 +1,13 @@
-"""The video families of diffusers (Wan 2.1 text- and image-to-video, Wan 2.2 A14B's two experts) sampled by
+"""The video families of diffusers (Wan 2.1 / 2.2, CogVideoX, LTX-Video and HunyuanVideo, text- and image-to-video)
+sampled by
 ditforge's own loop instead of the pipeline's ``__call__``: the pipeline's scheduler, conditioning and VAE, with the
 conditional and unconditional passes in one batch (or on two GPUs), the transformer in bf16 or with float8 linear
 layers, compiled block by block, split over GPUs along its tokens (diffusers' context parallelism: Ulysses and ring
 attention), optionally with diffusers' First Block Cache, and the VAE decode split in tiles over the GPUs.
 
 The arithmetic follows diffusers' ``pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__``) and
-``pipeline_wan_i2v.py`` (``WanImageToVideoPipeline.__call__``); ``tests/test_sample_video.py`` checks that the loop
+``pipeline_wan_i2v.py`` (``WanImageToVideoPipeline.__call__``), with each family's differences behind its adapter
+(``models.adapters``); ``tests/test_sample_video.py`` and the family tests in ``tests/finetune`` check that the loop
 gives the pipeline's frames from the same noise."""
 
 from __future__ import annotations
@@ -231,11 +233,12 @@ class VideoSampler:
             image_cond = image_cond(generator=generator)
         latents = randn_tensor(_layout(shape, swap), generator=generator, device=device, dtype=torch.float32)
         latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # the DDPM-family schedulers scale it
+        given = dict(image_cond or {})  # as encoded (float32): what finish puts back
+        latents = _layout(self.experts[0].start(_layout(latents, swap), given), swap)
         step_args = inspect.signature(scheduler.step).parameters
         extra = {k: v for k, v in (("eta", 0.0), ("generator", generator)) if k in step_args}  # as the pipelines'
         two_step = "old_pred_original_sample" in step_args  # CogVideoXDPMScheduler: a second-order SDE solver
         old_x0 = None
-        given = dict(image_cond or {})  # as encoded (float32): what finish puts back
         image_cond = {k: v.to(self.dtype) for k, v in given.items()}
         halves = [cond] if uncond is None else [cond, uncond]
         if self.cfg_group is not None:
@@ -520,9 +523,10 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     # of its one pass instead (its pipeline's true CFG, off by default, is not offered)
     guided = guidance > 1.0 and not denoiser.embedded_guidance
     embedded = {"guidance": torch.tensor([guidance * 1000.0])} if denoiser.embedded_guidance else {}
-    conds = {i: {**{k: v.cpu() for k, v in pre.encode_prompt([prompts[i]]).items()}, **embedded}
+    seen = {"images": [image]} if denoiser.prompt_sees_image else {}  # HunyuanVideo I2V: Llava reads the image
+    conds = {i: {**{k: v.cpu() for k, v in pre.encode_prompt([prompts[i]], **seen).items()}, **embedded}
              for i in todo}  # GPU: one at a time
-    uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None
+    uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None  # (with a black image)
     shape = (1, denoiser.in_channels, vae.latent_frames(frames), height // vae.downsample, width // vae.downsample)
     image_cond = None
     if denoiser.image_to_video:
@@ -550,6 +554,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
         pixels = sampler.decode(latents)  # every process decodes its share of the tiles
         if not d.is_main:
             continue
+        pixels = denoiser.decoded_frames(pipe, pixels)
         video = to_uint8(pixels)[0]  # (T, H, W, 3)
         del pixels
         write_video_file(video, targets[i], fps)
@@ -563,6 +568,6 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     videos = np.stack(drawn) if drawn else np.empty(0, dtype=np.uint8)
     if cfg.save_npz:
         save_npz(cfg.save_npz, samples=videos, prompts=np.array([prompts[i] for i in todo]))
-    log.info("wrote %d videos (%d frames of %dx%d) of %s to %s", len(todo), frames, width, height,
+    log.info("wrote %d videos (%d frames of %dx%d) of %s to %s", len(todo), len(video), width, height,
              pre.pipeline_class, one_file or targets[0].parent)
     return videos

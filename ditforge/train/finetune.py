@@ -199,8 +199,9 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
             rows = slice(start, start + batch_size)
             gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[rows]]
             with torch.no_grad():
+                seen = {"images": [first_images[start]]} if denoiser.prompt_sees_image else {}
                 cond = ({k: v.to(device) for k, v in denoiser.tokenize(prompts[rows]).items()}
-                        if denoiser.tokenize is not None else pre.encode_prompt(prompts[rows]))
+                        if denoiser.tokenize is not None else pre.encode_prompt(prompts[rows], **seen))
                 video = {"num_frames": num_frames} if denoiser.video else {}
                 if denoiser.image_to_video:
                     video["image"] = first_images[start]

@@ -1,9 +1,11 @@
-"""HunyuanVideo text-to-video fine-tuning and sampling (``ditforge train --init_from HUNYUAN_FOLDER --data clips``,
-``ditforge sample``), end to end on the CPU with the tiny random ``HunyuanVideoPipeline`` of
+"""HunyuanVideo text- and image-to-video fine-tuning and sampling (``ditforge train --init_from HUNYUAN_FOLDER --data
+clips``, ``ditforge sample``), end to end on the CPU with the tiny random ``HunyuanVideoPipeline`` of
 ``tiny_pipelines.make_hunyuan_video`` (16 px, 5 frames: latents 4 x 2 x 2 x 2): the first step's loss against
 diffusers' model called directly (flow matching at the scheduler's shift 7, the embedded guidance at 1.0 x 1000); a
 LoRA run resumed bit for bit; the exported folder read back by ``HunyuanVideoPipeline``, whose own call (its
-distilled guidance embedded, no unconditional pass) draws what ``ditforge sample`` draws; the LoRA file."""
+distilled guidance embedded, no unconditional pass) draws what ``ditforge sample`` draws; the LoRA file. Image to
+video (``HunyuanVideoImageToVideoPipeline``, both of its transformers): the first loss, and sampling against the
+pipeline's own call."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from test_finetune import assert_frames_match, assert_one_line_error, video_train_argv  # on sys.path
+from test_finetune import (assert_frames_match, assert_image_to_video_run_samples_like_its_export,  # on sys.path
+                           assert_one_line_error, video_train_argv)
 from tiny_pipelines import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,16 +47,26 @@ def runs(hunyuan, tmp_path_factory, one_thread_module) -> dict[str, Path]:
     return {kind: root / kind for kind in KINDS}
 
 
-def _reference_first_loss(folder: Path) -> float:
+def _reference_first_loss(folder: Path, condition: str | None = None) -> float:
     """Step 0's loss from diffusers' pieces: the first batch's clips through ``AutoencoderKLHunyuanVideo``'s posterior
     times its ``scaling_factor``; the Llama states, mask and CLIP pooled states of ``pipe.encode_prompt`` (256
     tokens); the draws from ``derive_seed(0, 0)`` in ditforge's order (noise, logit-normal u, drop, flip, posterior
     eps); sigma = 7 u / (1 + 6 u) (the scheduler's shift 7, checked against its own sigmas); the transformer at
     1000 sigma with guidance 1000 (embedded guidance 1.0) on x_t = (1 - sigma) x0 + sigma noise, against
-    noise - x0."""
-    import diffusers
+    noise - x0.
 
-    pipe = diffusers.HunyuanVideoPipeline.from_pretrained(str(folder), local_files_only=True)
+    ``condition`` (``HunyuanVideoImageToVideoPipeline``, its transformer's ``image_condition_type``): the prompts
+    encoded with the clips' first frames as uint8 images (every 4th / 2nd of the image states, the call's
+    ``image_embed_interleave``), and the first frames' posterior mode times ``scaling_factor`` (``prepare_latents``):
+    token_replace puts it in place of x_t's first latent frame and leaves that frame out of the loss;
+    latent_concat concatenates [it on frame 0 and zeros, the first-frame mask] to x_t's channels, as
+    ``__call__``'s ``latent_model_input``."""
+    import diffusers
+    import numpy as np
+    from PIL import Image
+
+    cls = diffusers.HunyuanVideoPipeline if condition is None else diffusers.HunyuanVideoImageToVideoPipeline
+    pipe = cls.from_pretrained(str(folder), local_files_only=True)
     shift = float(pipe.scheduler.config.shift)
     assert shift == 7.0
     pipe.scheduler.set_timesteps(sigmas=[0.5])
@@ -71,12 +84,29 @@ def _reference_first_loss(folder: Path) -> float:
         eps = torch.randn((BATCH, *shape), generator=g)
         x0 = (post.mean + post.std * eps) * pipe.vae.config.scaling_factor
         sigma = shift * u / (1 + (shift - 1) * u)
-        embeds, pooled, mask = pipe.encode_prompt([ds[i]["text"] for i in idx], device="cpu", max_sequence_length=256)
+        texts = [ds[i]["text"] for i in idx]
         s = sigma.view(-1, 1, 1, 1, 1)
-        pred = pipe.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * 1000,
+        x_t, given = (1 - s) * x0 + s * noise, 0
+        if condition is None:
+            embeds, pooled, mask = pipe.encode_prompt(texts, device="cpu", max_sequence_length=256)
+        else:
+            first = pixels[:, :, 0]
+            images = [Image.fromarray(np.asarray(((f + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)))
+                      for f in first]
+            embeds, pooled, mask = pipe.encode_prompt(image=images, prompt=texts, device="cpu", max_sequence_length=256,
+                                                      image_embed_interleave=4 if condition == "token_replace" else 2)
+            image = pipe.vae.encode(first[:, :, None]).latent_dist.mode() * pipe.vae.config.scaling_factor
+            if condition == "token_replace":
+                x_t, given = torch.cat([image, x_t[:, :, 1:]], dim=2), 1
+            else:
+                padded = torch.cat([image, torch.zeros_like(x_t[:, :, 1:])], dim=2)
+                frame_mask = torch.zeros_like(x_t[:, :1])
+                frame_mask[:, :, 0] = 1
+                x_t = torch.cat([x_t, padded, frame_mask], dim=1)
+        pred = pipe.transformer(hidden_states=x_t, timestep=sigma * 1000,
                                 encoder_hidden_states=embeds, encoder_attention_mask=mask, pooled_projections=pooled,
                                 guidance=torch.full((BATCH,), 1000.0), return_dict=False)[0]
-    return float(((pred - (noise - x0)) ** 2).mean())
+    return float(((pred - (noise - x0))[:, :, given:] ** 2).mean())
 
 
 def test_first_step_loss_matches_diffusers(hunyuan, runs):
@@ -166,3 +196,30 @@ def test_lora_file_loads_with_load_lora_weights(hunyuan, runs, tmp_path):
     tol = 1e-5 * mine.abs().max()
     assert (theirs - mine).abs().max() <= tol
     assert (base - mine).abs().max() > 100 * tol
+
+
+@pytest.mark.parametrize("family, condition, kind, guidance, returned", [
+    ("hunyuan_video_i2v", "token_replace", "full", 6.0, FRAMES),
+    ("hunyuan_video_i2v_33ch", "latent_concat", "lora", 1.0, FRAMES - 4)])
+def test_image_to_video_first_loss_and_sample(family, condition, kind, guidance, returned, tmp_path):
+    """``HunyuanVideoImageToVideoPipeline``, both transformers: a run's first loss (full for HunyuanVideo-I2V, LoRA
+    for the 33-channel model) equals ``_reference_first_loss``'s image-to-video form (1e-5 relative), whose Llava
+    states carry the image (two first frames give two encodings of one prompt); and ``ditforge sample --image`` of
+    the run draws what the exported pipeline's own call draws from the same seed (guidance embedded at 6 / none),
+    frames within one uint8 level, the 33-channel model's first latent frame's 4 dropped as its pipeline drops
+    them."""
+    import diffusers
+    from PIL import Image
+
+    folder = BUILDERS[family](tmp_path / "pipe")
+    run = tmp_path / "run"
+    assert cli.main(_argv(folder, run, "--max_steps", "1", *KINDS[kind])) == 0
+    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(_reference_first_loss(folder, condition),
+                                                                           rel=1e-5)
+    pipe = diffusers.HunyuanVideoImageToVideoPipeline.from_pretrained(str(folder), local_files_only=True)
+    with torch.no_grad():
+        embeds = [pipe.encode_prompt(image=[Image.new("RGB", (16, 16), color)], prompt=["a red bicycle"],
+                                     device="cpu")[0] for color in ((0, 0, 0), (200, 30, 90))]
+    assert not torch.allclose(*embeds)
+    assert_image_to_video_run_samples_like_its_export(run, tmp_path, "HunyuanVideoImageToVideoPipeline", SIZE, FRAMES,
+                                                      guidance, returned)

@@ -1,4 +1,4 @@
-"""Tiny random diffusers pipelines of thirteen families, built offline for the fine-tuning, export and sampling tests.
+"""Tiny random diffusers pipelines of fourteen families, built offline for the fine-tuning, export and sampling tests.
 
 Every builder writes a complete pipeline folder (``model_index.json`` and one subfolder per component) with
 diffusers' and transformers' own classes and ``save_pretrained``, and returns its ``Path``. Nothing is downloaded:
@@ -33,6 +33,10 @@ ltx               32 px  8 x T' x    T5 128 x 32 (+ attention mask)             
 hunyuan_video     16 px  4 x T' x    Llama 256 x 16 (+ mask; template cropped) + CLIP     flow-match Euler, shift 7
                   4k+1   2 x 2       pooled 8
                   frames
+hunyuan_video_i2v 16 px  as          Llava (Llama as hunyuan_video, CLIP vision 576 x 8   as hunyuan_video
+                         hunyuan_    at 48 px) 144 image + 252 text x 16 (+ mask) +
+                         video       CLIP pooled 8; token_replace (_33ch: latent_concat,
+                                     288 image states)
 ================  =====  ==========  ==================================================  =========================
 
 All image VAEs are ``AutoencoderKL`` with 3 blocks (8, 16, 16 channels): they downsample by 4 (the real ones by 8),
@@ -329,7 +333,8 @@ def _umt5_encoder(tokenizer, d_model: int):
 def _save(pipe, path) -> Path:
     """``save_pretrained``, then the tokenizers' source files beside the ``tokenizer.json`` that transformers 5
     writes: ``vocab.json`` + ``merges.txt`` (CLIP; what the real SD folders ship, and all that transformers 4's
-    slow ``CLIPTokenizer`` reads) and ``spiece.model`` (T5)."""
+    slow ``CLIPTokenizer`` reads) and ``spiece.model`` (T5); an image processor named ``CLIPImageProcessor`` in
+    ``model_index.json``."""
     from transformers import CLIPTokenizer, T5Tokenizer
 
     out = Path(path)
@@ -343,6 +348,12 @@ def _save(pipe, path) -> Path:
                 "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
         elif isinstance(component, T5Tokenizer):
             (out / name / "spiece.model").write_bytes(t5_spiece_model())
+    if pipe.components.get("image_processor") is not None:
+        # transformers 5 without torchvision builds CLIPImageProcessorPil and saves that name; the real folders (and
+        # diffusers' loader, which falls back to the Pil class by itself) name CLIPImageProcessor
+        index = json.loads((out / "model_index.json").read_text())
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+        (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -575,13 +586,7 @@ def make_wan_i2v(path) -> Path:
         intermediate_size=16, patch_size=1)).eval()
     image_processor = CLIPImageProcessor(crop_size=32, size=32)
     pipe = WanImageToVideoPipeline(**parts, image_encoder=image_encoder, image_processor=image_processor)
-    out = _save(pipe, path)
-    # transformers 5 without torchvision builds CLIPImageProcessorPil and saves that name; the real folders (and
-    # diffusers' loader, which falls back to the Pil class by itself) name CLIPImageProcessor
-    index = json.loads((out / "model_index.json").read_text())
-    index["image_processor"] = ["transformers", "CLIPImageProcessor"]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return out
+    return _save(pipe, path)
 
 
 def make_wan22(path, image_to_video: bool = False) -> Path:
@@ -728,25 +733,78 @@ def make_ltx(path, image_to_video: bool = False) -> Path:
     return _save(pipe, path)
 
 
-def make_llama_tokenizer():
+# The special tokens of the Llama 3 chat template (and Llava's image token) in HunyuanVideo I2V's prompt template
+LLAVA_SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<image>", "\n\n"]
+
+
+def make_llama_tokenizer(image_to_video: bool = False):
     """A ``PreTrainedTokenizerFast`` standing in for HunyuanVideo's Llama tokenizer: word-level over the words and
     punctuation (``tokenizers``' ``Whitespace`` pre-tokenizer) of ``CAPTIONS`` and of the pipeline's prompt
     template, ``<s>`` prepended as Llama's, ``<pad>`` (id 0) for padding, ``<unk>`` for other words. The template's
     system part comes to 99 of its tokens, so the pipeline's crop of the first 95 (the real tokenizer's count)
-    leaves each prompt's tokens in the states, as the real one does."""
-    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    leaves each prompt's tokens in the states, as the real one does.
+
+    ``image_to_video``: for ``HunyuanVideoImageToVideoPipeline``'s template, whose code finds tokens by position and
+    by id: ``LLAVA_SPECIALS`` are added tokens, so ``<image>`` is token 5 (the template's ``image_emb_start``, after
+    ``<s> <|start_header_id|> system <|end_header_id|> \\n\\n``) and each prompt holds three ``<|end_header_id|>``
+    (the pipeline crops the assistant header after the last); and a WordPiece model that splits the template's two
+    "relationships" as a subword tokenizer would, so its system part comes to the real tokenizer's 103 tokens
+    (``crop_start``). The pipeline's crop then starts at the prompt, as its arithmetic needs: with fewer, an empty
+    prompt would keep more states than the others and the two could not be batched."""
+    from diffusers.pipelines.hunyuan_video import pipeline_hunyuan_video, pipeline_hunyuan_video_image2video
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
+    module = pipeline_hunyuan_video_image2video if image_to_video else pipeline_hunyuan_video
+    template, added = module.DEFAULT_PROMPT_TEMPLATE["template"], LLAVA_SPECIALS if image_to_video else []
+    for token in added:
+        template = template.replace(token, " ")
     split = pre_tokenizers.Whitespace()
-    words = sorted({w for text in [*CAPTIONS, DEFAULT_PROMPT_TEMPLATE["template"]]
-                    for w, _ in split.pre_tokenize_str(text)})
+    words = sorted({w for text in [*CAPTIONS, template] for w, _ in split.pre_tokenize_str(text)})
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate([*specials, *words])}, unk_token="<unk>"))
+    if image_to_video:  # "relationships" (twice in the template) in two pieces: a WordPiece vocabulary
+        words = [w for w in words if w != "relationships"] + ["relation", "##ships"]
+        model = models.WordPiece({w: i for i, w in enumerate([*specials, *words])}, unk_token="<unk>")
+    else:
+        model = models.WordLevel({w: i for i, w in enumerate([*specials, *words])}, unk_token="<unk>")
+    backend = Tokenizer(model)
     backend.pre_tokenizer = split
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.add_special_tokens([AddedToken(token, normalized=False) for token in added])
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>", model_max_length=1024)
+
+
+def _hunyuan_parts(**transformer) -> dict:
+    """The components ``make_hunyuan_video`` describes but the Llama encoder: VAE, transformer (``transformer``
+    overrides its config), scheduler, CLIP."""
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoTransformer3DModel
+
+    tokenizer_2 = make_clip_tokenizer()
+    text_encoder_2 = _clip_text(tokenizer_2, 8, projection=False)
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+        act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
+        temporal_compression_ratio=4, mid_block_add_attention=True).eval()
+    torch.manual_seed(0)
+    transformer = HunyuanVideoTransformer3DModel(**{
+        **dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+               num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
+               text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4)), **transformer}).eval()
+    return dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
+
+
+def _llama_config(tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=_round8(len(tokenizer)), hidden_size=16, intermediate_size=37, num_attention_heads=4,
+        num_key_value_heads=4, num_hidden_layers=3, hidden_act="silu", max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
 
 
 def make_hunyuan_video(path) -> Path:
@@ -764,33 +822,43 @@ def make_hunyuan_video(path) -> Path:
     Returns:
         ``Path(path)``.
     """
-    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
-                           HunyuanVideoTransformer3DModel)
-    from transformers import LlamaConfig, LlamaModel
+    from diffusers import HunyuanVideoPipeline
+    from transformers import LlamaModel
 
     tokenizer = make_llama_tokenizer()
     torch.manual_seed(0)
-    text_encoder = LlamaModel(LlamaConfig(
-        vocab_size=_round8(len(tokenizer)), hidden_size=16, intermediate_size=37, num_attention_heads=4,
-        num_key_value_heads=4, num_hidden_layers=3, hidden_act="silu", max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    text_encoder = LlamaModel(_llama_config(tokenizer)).eval()
+    pipe = HunyuanVideoPipeline(text_encoder=text_encoder, tokenizer=tokenizer, **_hunyuan_parts())
+    return _save(pipe, path)
+
+
+def make_hunyuan_video_i2v(path, condition: str = "token_replace") -> Path:
+    """A tiny ``HunyuanVideoImageToVideoPipeline`` folder: ``make_hunyuan_video``'s VAE, CLIP and scheduler; its text
+    encoder a ``LlavaForConditionalGeneration`` (``make_llama_tokenizer(image_to_video=True)``; ``make_hunyuan_video``'s
+    Llama; a ``CLIPVisionModel`` 8 wide, 2 layers, 48 px images in 2 x 2 patches: 576 patch states, the count the
+    pipeline's template reserves, as the real 336 px / 14) with a ``CLIPImageProcessor`` (resize and centre crop to
+    48 px). The transformer as ``make_hunyuan_video``'s with ``image_condition_type`` ``condition``: token_replace
+    (HunyuanVideo-I2V: 4 input channels, guidance embedding, token-replace blocks) or latent_concat
+    (HunyuanVideo-I2V-33ch: 2 x 4 + 1 input channels, no guidance embedding), as diffusers'
+    ``tests/pipelines/hunyuan_video/test_hunyuan_image2video.py`` (which uses a shorter template of its own).
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import HunyuanVideoImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    tokenizer = make_llama_tokenizer(image_to_video=True)
+    torch.manual_seed(0)
+    text_encoder = LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                       num_attention_heads=2, image_size=48, patch_size=2),
+        text_config=_llama_config(tokenizer), image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         pad_token_id=tokenizer.pad_token_id)).eval()
-    tokenizer_2 = make_clip_tokenizer()
-    text_encoder_2 = _clip_text(tokenizer_2, 8, projection=False)
-    torch.manual_seed(0)
-    vae = AutoencoderKLHunyuanVideo(
-        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-        act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
-        temporal_compression_ratio=4, mid_block_add_attention=True).eval()
-    torch.manual_seed(0)
-    transformer = HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
-        num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
-        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4)).eval()
-    pipe = HunyuanVideoPipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
-                                scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=text_encoder_2,
-                                tokenizer_2=tokenizer_2)
+    replace = condition == "token_replace"
+    parts = _hunyuan_parts(in_channels=4 if replace else 9, guidance_embeds=replace, image_condition_type=condition)
+    pipe = HunyuanVideoImageToVideoPipeline(text_encoder=text_encoder, tokenizer=tokenizer,
+                                            image_processor=CLIPImageProcessor(crop_size=48, size=48), **parts)
     return _save(pipe, path)
 
 
@@ -848,4 +916,6 @@ BUILDERS = {
     "ltx": make_ltx,
     "ltx_i2v": functools.partial(make_ltx, image_to_video=True),
     "hunyuan_video": make_hunyuan_video,
+    "hunyuan_video_i2v": make_hunyuan_video_i2v,
+    "hunyuan_video_i2v_33ch": functools.partial(make_hunyuan_video_i2v, condition="latent_concat"),
 }

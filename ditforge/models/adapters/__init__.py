@@ -21,7 +21,9 @@ image-to-video also ``image_to_video = True``: conditioning from the first frame
 whose pipeline puts frames before channels, ``frames_first = True``); ``ltx`` and ``ltx_i2v`` (LTX-Video text- and
 image-to-video, ``ltx.py``: latents packed into tokens inside the adapter, a dynamically shifted flow objective;
 image-to-video gives the first latent frame, ``given_frames``);
-``hunyuan_video`` (HunyuanVideo text-to-video, ``hunyuan.py``: guidance-distilled, ``embedded_guidance = True``).
+``hunyuan_video`` and ``hunyuan_video_i2v`` (HunyuanVideo text- and image-to-video, ``hunyuan.py``: guidance-distilled,
+``embedded_guidance = True``; image-to-video's Llava text encoder sees the image with the prompt,
+``prompt_sees_image``).
 Official and diffusers DiT weights load into ditforge's own ``DiT`` (``ditforge.interop``), which is the same
 network.
 """
@@ -60,6 +62,9 @@ class DiffusersDenoiser(nn.Module):
             its noise is drawn, and its scheduler steps, in that layout.
         image_noise: (mean, std) of log sigma: training noises the first frame's pixels by sigma = exp(mean + std z)
             before encoding it (``encode_image(..., noise_seeds=)``; CogVideoX I2V's recipe), or None.
+        prompt_sees_image: the prompt's encoding depends on the first frame (HunyuanVideo I2V: a Llava encoder reads
+            the image with the prompt): ``encode_prompt(..., images=)``, without images the black image the pipeline
+            pairs with its negative prompt. Such a condition is encoded per clip, never cached per caption.
     """
 
     family: str = ""
@@ -77,6 +82,7 @@ class DiffusersDenoiser(nn.Module):
     masked_self_attention = False  # every self-attention call carries a mask (--quantized_attention cannot take it)
     given_frames = 0
     image_noise: tuple[float, float] | None = None
+    prompt_sees_image = False
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
 
@@ -173,7 +179,8 @@ class DiffusersDenoiser(nn.Module):
 
     @staticmethod
     def encode_prompt(pipe: Any, texts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        """Prompts -> the conditioning tensors, through the pipeline's own ``encode_prompt`` (no guidance)."""
+        """Prompts -> the conditioning tensors, through the pipeline's own ``encode_prompt`` (no guidance); a
+        ``prompt_sees_image`` family takes ``images=`` too."""
         raise NotImplementedError
 
     @staticmethod
@@ -194,6 +201,18 @@ class DiffusersDenoiser(nn.Module):
             return latents
         first = image_cond["first_frame"][:1].to(latents.dtype).expand(len(latents), -1, -1, -1, -1)
         return torch.cat([first, latents[:, :, 1:]], dim=2)
+
+    @staticmethod
+    def start(latents: torch.Tensor, image_cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The initial noise (B, C, T', h, w) float32 -> the latents the pipeline's loop starts from: the noise itself
+        (HunyuanVideo I2V mixes in the image's latents)."""
+        return latents
+
+    @staticmethod
+    def decoded_frames(pipe: Any, frames: torch.Tensor) -> torch.Tensor:
+        """The decoded video (B, 3, T, H, W) -> the frames the pipeline returns: all of them (HunyuanVideo I2V's
+        latent-concatenation model drops the first latent frame's)."""
+        return frames
 
     pipeline_embeds: dict[str, str] = {}  # conditioning key -> the pipeline __call__'s argument for it
 
@@ -227,6 +246,18 @@ def give_first_frame(x: torch.Tensor, t: torch.Tensor, first_frame: torch.Tensor
     return x, mask.flatten()[None] * t[:, None]
 
 
+def as_images(frames) -> list:
+    """Frames (B, 3, H, W) float in [-1, 1] -> B PIL RGB images (``round((x + 1) * 127.5)``, which gives back a
+    decoded frame's bytes); a list (of PIL images) is returned as it is. For the image encoders of the pipelines,
+    which take PIL images."""
+    if isinstance(frames, list):
+        return frames
+    from PIL import Image
+
+    pixels = ((frames.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(p) for p in pixels]
+
+
 def call_default(pipe: Any, name: str) -> Any:
     """The default of argument ``name`` of the pipeline's ``__call__`` (``max_sequence_length``, ``frame_rate``, ...):
     what the pipeline encodes and samples with when its caller gives none."""
@@ -237,7 +268,7 @@ def call_default(pipe: Any, name: str) -> Any:
 
 def _families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.cogvideox import CogVideoXDenoiser, CogVideoXI2VDenoiser
-    from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
+    from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser
     from ditforge.models.adapters.ltx import LTXDenoiser, LTXI2VDenoiser
     from ditforge.models.adapters.pixart import PixArtDenoiser
     from ditforge.models.adapters.sd3 import SD3Denoiser
@@ -246,7 +277,7 @@ def _families() -> dict[str, type[DiffusersDenoiser]]:
 
     return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser,
                                         WanI2VDenoiser, CogVideoXDenoiser, CogVideoXI2VDenoiser, LTXDenoiser,
-                                        LTXI2VDenoiser, HunyuanVideoDenoiser)}
+                                        LTXI2VDenoiser, HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

@@ -1,15 +1,17 @@
-"""HunyuanVideo text-to-video: diffusers' ``HunyuanVideoTransformer3DModel`` (double-stream then single-stream
+"""HunyuanVideo text- and image-to-video: diffusers' ``HunyuanVideoTransformer3DModel`` (double-stream then single-stream
 blocks, as FLUX, over 1 x 2 x 2 patches of the causal 3-D VAE's latents; a Llama encoder's states through a token
 refiner, a CLIP pooled vector, and a distilled guidance scale embedded like the timestep) trained with flow matching,
 shift 7 (its ``FlowMatchEulerDiscreteScheduler``; ``ditforge.diffusion.objective``). Sources of the calls below:
 diffusers' ``pipelines/hunyuan_video/pipeline_hunyuan_video.py`` (``HunyuanVideoPipeline.__call__`` and
-``encode_prompt``)."""
+``encode_prompt``) and ``pipeline_hunyuan_video_image2video.py`` (``HunyuanVideoImageToVideoPipeline.__call__``,
+``prepare_latents`` and ``encode_prompt``)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, call_default
+from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default
 
 TRAIN_GUIDANCE = 1.0  # the embedded guidance scale fine-tuning runs at (finetrainers, musubi-tuner, diffusion-pipe)
 
@@ -56,3 +58,112 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
         """The sigmas ``HunyuanVideoPipeline.__call__`` passes: linear from 1 down, ``steps`` of them (then shifted
         by the scheduler's shift)."""
         return {"sigmas": np.linspace(1.0, 0.0, steps + 1)[:-1]}
+
+
+class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
+    """HunyuanVideo image-to-video (``HunyuanVideoImageToVideoPipeline``), both released transformers, told apart by
+    their config's ``image_condition_type``:
+
+    * ``token_replace`` (HunyuanVideo-I2V; guidance-distilled, ``guidance_embeds``): x (B, 16, T', h, w) with its
+      first latent frame replaced by the image's (``first_frame`` (B, 16, 1, h, w)); the transformer modulates that
+      frame's tokens at timestep 0 itself. Training leaves the frame out of the loss (``given_frames`` 1),
+      sampling puts it back (``finish``).
+    * ``latent_concat`` (HunyuanVideo-I2V-33ch; no guidance embedding): ``cat([x, image_condition], 1)``, 16 + 17 =
+      33 channels: the image's latents on the first latent frame and zeros on the others, then one mask channel, 1 on
+      the first frame. Every frame is learned; its pipeline drops the first latent frame's pixels after decoding
+      (``decoded_frames``: a call for T frames returns T - 4).
+
+    Either way the prompt is encoded with the image (``prompt_sees_image``): the pipeline's Llava text encoder reads
+    the image's 576 CLIP patch states in the prompt template, and the conditioning's ``encoder_hidden_states`` (B,
+    576 / k + L - 4, 4096) are its image states (every k-th, k = 4 for token_replace, 2 for latent_concat: the call's
+    ``image_embed_interleave``) then the prompt's; ``encoder_attention_mask`` likewise. Caption dropout and the
+    negative prompt use the empty prompt with a black image, as the pipeline's unconditional pass does; the image
+    latents stay. ``guidance``: as ``HunyuanVideoDenoiser``'s (training at ``TRAIN_GUIDANCE``); the 33-channel
+    model ignores it and samples with true classifier-free guidance (``--cfg_scale``, its ``true_cfg_scale``; off
+    at the pipeline's default 1)."""
+
+    family = "hunyuan_video_i2v"
+    pipelines = ("HunyuanVideoImageToVideoPipeline",)
+    block_classes = HunyuanVideoDenoiser.block_classes + ("HunyuanVideoTokenReplaceTransformerBlock",
+                                                          "HunyuanVideoTokenReplaceSingleTransformerBlock")
+    image_to_video = True
+    prompt_sees_image = True
+
+    @property
+    def replaces_tokens(self) -> bool:
+        return self.inner.config.image_condition_type == "token_replace"
+
+    @property
+    def embedded_guidance(self) -> bool:
+        return bool(self.inner.config.guidance_embeds)
+
+    @property
+    def given_frames(self) -> int:
+        return int(self.replaces_tokens)
+
+    @property
+    def in_channels(self) -> int:
+        """Channels of the latents x (the transformer's ``out_channels``, 16), not of its input (33 when the image is
+        concatenated)."""
+        return int(self.inner.config.out_channels)
+
+    def denoise(self, x, t, encoder_hidden_states, encoder_attention_mask, pooled_projections, guidance=None,
+                image_condition=None, first_frame=None):
+        if first_frame is not None:
+            x = torch.cat([first_frame.to(x.dtype).expand(len(x), -1, -1, -1, -1), x[:, :, 1:]], dim=2)
+        else:
+            x = torch.cat([x, image_condition.to(x.dtype)], dim=1)
+        return super().denoise(x, t, encoder_hidden_states, encoder_attention_mask, pooled_projections, guidance)
+
+    @staticmethod
+    def encode_prompt(pipe, texts, device, images=None):
+        """``pipe.encode_prompt(image=, prompt=, max_sequence_length=L, image_embed_interleave=k)`` with the call's
+        defaults (L = 256; k by ``image_condition_type``, as ``__call__`` picks it). ``images``: B first frames
+        (B, 3, H, W) float in [-1, 1] or B PIL images; None: black ones, what the pipeline encodes its negative prompt
+        with (any size: the image processor's resize and crop keep a black image black)."""
+        from PIL import Image
+
+        texts = list(texts)
+        images = [Image.new("RGB", (64, 64), 0)] * len(texts) if images is None else as_images(images)
+        condition = pipe.transformer.config.image_condition_type
+        embeds, pooled, mask = pipe.encode_prompt(image=images, prompt=texts, device=device,
+                                                  max_sequence_length=call_default(pipe, "max_sequence_length"),
+                                                  image_embed_interleave=4 if condition == "token_replace" else 2)
+        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask, "pooled_projections": pooled}
+
+    @staticmethod
+    def encode_image(pipe, first: torch.Tensor, num_frames: int, images: list | None = None
+                     ) -> dict[str, torch.Tensor]:
+        """The image latents of clips of ``num_frames`` (4k + 1) frames whose first frames are ``first`` (B, 3, H, W)
+        float in [-1, 1], as ``prepare_latents`` builds them: the frame alone through ``AutoencoderKLHunyuanVideo``,
+        its posterior's mode times ``scaling_factor``. token_replace: ``first_frame`` (B, 16, 1, H/8, W/8) float32;
+        latent_concat: ``image_condition`` (B, 17, T', H/8, W/8) float32, those latents on latent frame 0, zeros on
+        the T' - 1 others, then the mask channel (1 on frame 0, else 0). ``images`` is unused (the prompt encoder
+        reads the image). On the VAE's device."""
+        vae = pipe.vae
+        device = next(vae.parameters()).device
+        with torch.no_grad():
+            latents = vae.encode(first[:, :, None].to(device, vae.dtype)).latent_dist.mode().float()
+        latents = latents * vae.config.scaling_factor
+        if pipe.transformer.config.image_condition_type == "token_replace":
+            return {"first_frame": latents}
+        frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
+        b, c, _, h, w = latents.shape
+        image = torch.cat([latents, latents.new_zeros(b, c, frames - 1, h, w)], dim=2)
+        mask = torch.zeros(b, 1, frames, h, w, device=device)
+        mask[:, :, 0] = 1
+        return {"image_condition": torch.cat([image, mask], dim=1)}
+
+    @staticmethod
+    def start(latents, image_cond):
+        """``prepare_latents``: 0.999 noise + 0.001 image latents, the first frame's on every latent frame."""
+        image = image_cond["first_frame"] if "first_frame" in image_cond else (
+            image_cond["image_condition"][:, :latents.shape[1], :1])
+        keep = torch.tensor(0.999, dtype=latents.dtype)  # float32 arithmetic, as the pipeline's
+        return latents * keep + image.to(latents.dtype) * (1 - keep)
+
+    @staticmethod
+    def decoded_frames(pipe, frames):
+        if pipe.transformer.config.image_condition_type == "token_replace":
+            return frames
+        return frames[:, :, pipe.vae_scale_factor_temporal:]

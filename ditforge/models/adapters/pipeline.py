@@ -90,15 +90,18 @@ class Pretrained:
     denoiser: DiffusersDenoiser
     scheduler_config: dict
 
-    def encode_prompt(self, texts: list[str]) -> dict[str, torch.Tensor]:
+    def encode_prompt(self, texts: list[str], images=None) -> dict[str, torch.Tensor]:
         """Prompts -> the denoiser's conditioning tensors (float32, batch-first, on the denoiser's device), with
-        the pipeline's encoders (wherever they are); the token ids when the denoiser trains its text encoder."""
+        the pipeline's encoders (wherever they are); the token ids when the denoiser trains its text encoder.
+        ``images``: a ``prompt_sees_image`` family's first frames, one per prompt ((B, 3, H, W) in [-1, 1] or PIL
+        images; None: its black image)."""
         if getattr(self.denoiser, "tokenize", None) is not None:
             out = self.denoiser.tokenize(list(texts))
             return {k: v.to(next(self.denoiser.parameters()).device) for k, v in out.items()}
         encoder = next(m for n, m in self.pipe.components.items() if n.startswith("text_encoder") and m is not None)
+        extra = {"images": images} if images is not None else {}
         with torch.no_grad():
-            out = self.denoiser.encode_prompt(self.pipe, list(texts), encoder.device)
+            out = self.denoiser.encode_prompt(self.pipe, list(texts), encoder.device, **extra)
         device = next(self.denoiser.parameters()).device
         return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in out.items()}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, call_default, give_first_frame
+from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default, give_first_frame
 
 
 class WanDenoiser(DiffusersDenoiser):
@@ -117,7 +117,7 @@ class WanI2VDenoiser(WanDenoiser):
           the clip [first frame, 4k zero frames], normalised by ``latents_mean`` / ``latents_std`` as
           ``prepare_latents`` does;
         * ``encoder_hidden_states_image`` (B, L_img, D_img) float32: ``pipe.encode_image`` of the frames as uint8
-          images (``round((x + 1) * 127.5)``, which gives back a decoded frame's bytes), or of ``images`` (B PIL
+          images (``as_images``), or of ``images`` (B PIL
           images; the pipeline encodes the image it was given, before resizing it to the frame size), the CLIP
           vision model's second-to-last hidden states (``image_processor`` resizes and normalises).
 
@@ -127,8 +127,6 @@ class WanI2VDenoiser(WanDenoiser):
 
         Both on the VAE's device. Raises nothing of its own (diffusers' errors pass through).
         """
-        from PIL import Image
-
         vae = pipe.vae
         device = next(vae.parameters()).device
         b, _, h, w = first.shape
@@ -152,9 +150,6 @@ class WanI2VDenoiser(WanDenoiser):
             condition = {"image_condition": torch.cat([mask, latents], dim=1)}
             if pipe.transformer.config.image_dim is None:  # Wan 2.2 A14B: no CLIP states
                 return condition
-            if images is None:
-                pixels = ((first.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-                images = [Image.fromarray(p.cpu().numpy()) for p in pixels]
-            states = pipe.encode_image(images, device).float()
+            states = pipe.encode_image(as_images(first if images is None else images), device).float()
         return {**condition, "encoder_hidden_states_image": states}
 
