@@ -64,6 +64,8 @@
 #                       with compile_repeated_blocks, then ditforge --compile) of STEPS DPM steps (default 10), one
 #                       median of REPEAT (default 2) timed calls each after a 1-step warm-up; PSNR / SSIM against REFERENCE (default the
 #                       diffusers row: the same seed draws the same video)
+#   sample-hv [ROWS] [STEPS]  the same for HunyuanVideo (12.8B) at 480 x 848 x 61 frames, its guidance 6 embedded
+#                       (sample_wan.py --model hv13b)
 #   memory-dit [CKPT] [ROWS]  `ditforge bench --memory` on DiT-XL/2 256px batch 32: the plain row, the memory rows
 #                       ROWS (default noema,8bit,sr,capped) with --grad_checkpoint CKPT (default every-2) under
 #                       8 GiB, the plain row again
@@ -246,11 +248,12 @@ sample-wan)
         | grep --line-buffered -v -E "gemm_4bit|enable_parallelism. is an experimental" \
         | tee "$out/sample_wan_${TAG:-1gpu}.log"
     ;;
-sample-cog)
-    (cd benchmarks && python3 sample_wan.py --model cog5b --rows "${2:-diffusers_compiled,compiled}" \
+sample-cog|sample-hv)
+    model=cog5b; [ "$job" = sample-hv ] && model=hv13b
+    (cd benchmarks && python3 sample_wan.py --model "$model" --rows "${2:-diffusers_compiled,compiled}" \
         --steps "${3:-10}" --repeat "${REPEAT:-2}" --warmup_steps 1 --reference "${REFERENCE:-diffusers_compiled}" \
-        --untimed none --out "$out/sample_cog5b.json") 2>&1 | grep --line-buffered -v -E "gemm_4bit|kept in float32" \
-        | tee "$out/sample_cog5b.log"
+        --untimed none --out "$out/sample_$model.json") 2>&1 | grep --line-buffered -v -E "gemm_4bit|kept in float32" \
+        | tee "$out/sample_$model.log"
     ;;
 memory-dit)
     for rows in plain "${3:-noema,8bit,sr,capped}" plain; do

@@ -1,8 +1,9 @@
 """Video sampling (issue 43): ``ditforge sample``'s loop (``sample.video.VideoSampler``) on Wan2.1-T2V-1.3B against the
 unchanged anchor ``../shared/anchors/wan_sampling.py`` (diffusers' ``WanPipeline``, eager and with
-``compile_repeated_blocks``), run first in the same job; with ``--model cog5b`` on CogVideoX-5B against diffusers'
-``CogVideoXPipeline`` timed in this script the anchor's way (rows ``diffusers`` and ``diffusers_compiled``:
-``compile_repeated_blocks(fullgraph=True)``), for want of an anchor of its own.
+``compile_repeated_blocks``), run first in the same job; with ``--model cog5b`` on CogVideoX-5B (``hv13b``:
+HunyuanVideo) against diffusers' ``CogVideoXPipeline`` (``HunyuanVideoPipeline``) timed in this script the anchor's
+way (rows ``diffusers`` and ``diffusers_compiled``: ``compile_repeated_blocks(fullgraph=True)``), for want of an
+anchor of its own.
 
     PYTHONPATH=. python benchmarks/sample_wan.py --rows eager,compiled,fp8 --steps 10 \
         --anchor .anchors/wan_sampling.py --out r.json                                   # one GPU
@@ -15,7 +16,10 @@ prompt (the text encoder is outside the timed call in every system compared), th
 uint8 frames included. ``cog5b``: CogVideoX-5B's transformer config (``finetune.COG5B``: 42 layers, 48 heads of 64,
 3-D rotary positions), ``AutoencoderKLCogVideoX``'s default config (``scaling_factor`` 0.7) in bf16, its
 ``CogVideoXDPMScheduler``, guidance 6, 480 x 720, 49 frames (latents 16 x 13 x 60 x 90: 17,550 video tokens beside 226
-text tokens), random 226 x 4096 caption states. One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of
+text tokens), random 226 x 4096 caption states. ``hv13b``: HunyuanVideo's transformer config (the class default, 12.8B),
+``AutoencoderKLHunyuanVideo``'s default config in bf16 with diffusers' tiled decode, flow Euler at shift 7, its
+guidance 6 embedded (one pass a step), 480 x 848, 61 frames (latents 16 x 16 x 60 x 106: 25,440 video tokens beside
+256 text tokens, a prompt of 40 of them). One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of
 ``--repeat`` timed calls after one warm-up call (which compiles), wall clock between synchronisations; ``loop_s`` /
 ``decode_s``: the same call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, 8-bit
 self-attention (``qattn``: ``--quantized_attention``; and with fp8 linears), First Block Cache, fp32 (the reference
@@ -75,10 +79,12 @@ ROWS = {
 }
 # the model's workload: frame size and count, guidance, caption states (tokens x width)
 MODELS = {"wan13": dict(height=480, width=832, frames=81, guidance=5.0, text=(512, 4096)),
-          "cog5b": dict(height=480, width=720, frames=49, guidance=6.0, text=(226, 4096))}
+          "cog5b": dict(height=480, width=720, frames=49, guidance=6.0, text=(226, 4096)),
+          "hv13b": dict(height=480, width=848, frames=61, guidance=6.0, text=(256, 4096), pooled=768, prompt=40)}
 if TINY:
     MODELS = {"wan13": dict(height=32, width=32, frames=5, guidance=5.0, text=(512, 64)),
-              "cog5b": dict(height=32, width=32, frames=9, guidance=6.0, text=(226, 32))}
+              "cog5b": dict(height=32, width=32, frames=9, guidance=6.0, text=(226, 32)),
+              "hv13b": dict(height=32, width=32, frames=5, guidance=6.0, text=(256, 16), pooled=8, prompt=7)}
 
 
 def build_cog_pipe(device: torch.device, transformer_device: torch.device):
@@ -109,6 +115,55 @@ def build_cog_pipe(device: torch.device, transformer_device: torch.device):
     return Pretrained(Path("-"), "CogVideoXPipeline", pipe, CogVideoXDenoiser(tr, 8), dict(sched.config))
 
 
+def build_hv_pipe(device: torch.device, transformer_device: torch.device):
+    """HunyuanVideo's parts: ``HunyuanVideoTransformer3DModel``'s default config (the released model's: 20 double- and 40
+    single-stream blocks, 24 heads of 128, 12.8B; TINY: the tests' tiny one), random weights drawn as ``build_pipe``
+    draws Wan's, the default ``AutoencoderKLHunyuanVideo`` (bf16 on a GPU, tiled as diffusers' HunyuanVideo docs run
+    it: ``enable_tiling``) and ``FlowMatchEulerDiscreteScheduler(shift=7.0)``; no text encoders."""
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
+                           HunyuanVideoTransformer3DModel)
+
+    from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        tr = HunyuanVideoTransformer3DModel(**(dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16,
+            pooled_projection_dim=8, rope_axes_dim=(2, 4, 4)) if TINY else {}))
+    tr.to(transformer_device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    with torch.device(device):
+        vae = (AutoencoderKLHunyuanVideo(latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+                                         norm_num_groups=4) if TINY else AutoencoderKLHunyuanVideo())
+    if device.type == "cuda":
+        vae.to(torch.bfloat16).enable_tiling()
+    sched = FlowMatchEulerDiscreteScheduler(shift=7.0)
+    pipe = HunyuanVideoPipeline(tokenizer=None, text_encoder=None, tokenizer_2=None, text_encoder_2=None,
+                                vae=vae.eval(), scheduler=sched, transformer=tr.eval())
+    return Pretrained(Path("-"), "HunyuanVideoPipeline", pipe, HunyuanVideoDenoiser(tr, 8), dict(sched.config))
+
+
+def conditions(model: str, device: torch.device) -> tuple[dict, dict | None, dict]:
+    """(the prompt's conditioning, the negative prompt's or None, the pipeline call's arguments for both): random
+    caption states of the model's shape; HunyuanVideo's with a prompt of ``prompt`` of its 256 tokens (the mask), a
+    CLIP pooled vector and the guidance embedded (guidance-distilled: one pass, no negative)."""
+    w = MODELS[model]
+    g = torch.Generator(device).manual_seed(0)
+    cond = {"encoder_hidden_states": torch.randn(1, *w["text"], generator=g, device=device)}
+    if model != "hv13b":
+        uncond = {"encoder_hidden_states": torch.randn(1, *w["text"], generator=g, device=device)}
+        return cond, uncond, dict(prompt_embeds=cond["encoder_hidden_states"],
+                                  negative_prompt_embeds=uncond["encoder_hidden_states"])
+    cond["encoder_attention_mask"] = (torch.arange(w["text"][0], device=device) < w["prompt"])[None]
+    cond["pooled_projections"] = torch.randn(1, w["pooled"], generator=g, device=device)
+    call = dict(prompt_embeds=cond["encoder_hidden_states"], prompt_attention_mask=cond["encoder_attention_mask"],
+                pooled_prompt_embeds=cond["pooled_projections"])
+    cond["guidance"] = torch.tensor([w["guidance"] * 1000.0], device=device)
+    return cond, None, call
+
+
 def build_pipe(device: torch.device, transformer_device: torch.device):
     """The anchor's ``WanPipeline`` parts: a fresh transformer (seed 0, drawn on ``device``, so every row has the same
     weights; fp32, then on ``transformer_device``: the host for ``--plugin fsdp``, which shards it from there, as
@@ -136,6 +191,9 @@ def build_pipe(device: torch.device, transformer_device: torch.device):
     return Pretrained(Path("-"), "WanPipeline", pipe, WanDenoiser(tr, 8), dict(sched.config))
 
 
+BUILDERS = {"wan13": build_pipe, "cog5b": build_cog_pipe, "hv13b": build_hv_pipe}
+
+
 def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, device_arg: str, profile: int = 0
             ) -> tuple[dict, np.ndarray | None]:
     """One row: ``repeat`` timed calls of ``steps`` steps after a warm-up call of ``warmup_steps`` (compiling happens
@@ -149,11 +207,8 @@ def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, d
     if need != d.world_size:
         raise SystemExit(f"row {name} needs {need} processes, this run has {d.world_size}")
     w = MODELS[model]
-    pre = (build_cog_pipe if model == "cog5b" else build_pipe)(
-        device, torch.device("cpu") if settings.get("plugin") else device)
-    g = torch.Generator(device).manual_seed(0)
-    cond = {"encoder_hidden_states": torch.randn(1, *w["text"], generator=g, device=device)}
-    uncond = {"encoder_hidden_states": torch.randn(1, *w["text"], generator=g, device=device)}
+    pre = BUILDERS[model](device, torch.device("cpu") if settings.get("plugin") else device)
+    cond, uncond, call_args = conditions(model, device)
     channels = pre.denoiser.in_channels
     shape = (1, channels, (w["frames"] - 1) // 4 + 1, w["height"] // 8, w["width"] // 8)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -161,7 +216,7 @@ def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, d
         pipe = pre.pipe
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         pipe.transformer.to(dtype)
-        cond, uncond = ({k: v.to(dtype) for k, v in c.items()} for c in (cond, uncond))  # the text encoder's dtype
+        call_args = {k: v.to(dtype) if v.is_floating_point() else v for k, v in call_args.items()}  # the encoder's
         if name == "diffusers_compiled" and pipe.transformer._repeated_blocks:
             pipe.transformer.compile_repeated_blocks(fullgraph=True)
         elif name == "diffusers_compiled":  # CogVideoX's class names no repeated blocks (diffusers 0.42.1): each
@@ -172,8 +227,7 @@ def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, d
 
         def call(n=steps):
             sync(); t0 = time.perf_counter()
-            video = pipe(prompt_embeds=cond["encoder_hidden_states"], negative_prompt_embeds=uncond[
-                "encoder_hidden_states"], height=w["height"], width=w["width"], num_frames=w["frames"],
+            video = pipe(**call_args, height=w["height"], width=w["width"], num_frames=w["frames"],
                 num_inference_steps=n, guidance_scale=w["guidance"], generator=torch.Generator(device).manual_seed(1),
                 output_type="pt").frames  # (1, T, 3, H, W) in [0, 1] on the GPU
             frames = to_uint8(video.permute(0, 2, 1, 3, 4) * 2 - 1)[0]  # the conversion ditforge's rows time too
@@ -263,7 +317,7 @@ def main() -> None:
     p.add_argument("--reference", default=None, help="the row whose frames the others' PSNR / SSIM are against "
                    "(default: fp32 where run, else the first row)")
     p.add_argument("--model", default="wan13", choices=tuple(MODELS),
-                   help="wan13: Wan2.1-T2V-1.3B; cog5b: CogVideoX-5B")
+                   help="wan13: Wan2.1-T2V-1.3B; cog5b: CogVideoX-5B; hv13b: HunyuanVideo")
     p.add_argument("--anchor", help="../shared/anchors/wan_sampling.py, run first with --steps (wan13)")
     p.add_argument("--device", default="cpu" if TINY else "cuda")
     p.add_argument("--profile", type=int, default=0, help="profile 2 steps of each row after its timing; print its N "

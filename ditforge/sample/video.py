@@ -76,6 +76,10 @@ class VideoSampler:
     - ``quantized_attention``: the transformer's self-attention through ``ops.quant_attention`` (int8 Q K^T,
       float8 P V; SageAttention's scaling), routed at diffusers' attention dispatcher
       (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default;
+    - a family whose attention always carries a mask (HunyuanVideo: the text padding of its joint attention): the
+      padding cropped from the conditioning (the adapter's ``trim_padding``) and, when every mask is then all True
+      (batch 1), the attention run without them (``models.adapters.dispatch.unmask_full_attention``), so SDPA takes
+      its Flash / cuDNN kernels;
     - ``compile``: each repeated block compiled (``torch.compile``, static shapes; ``fullgraph`` unless caching,
       whose decision is a host-side branch, or context parallelism, whose split is a hook diffusers' way of
       reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a
@@ -145,6 +149,7 @@ class VideoSampler:
         if cfg.quantized_attention:
             _check_quantized_attention(d, denoiser, pre.pipeline_class)
         refuse_unsplittable(type(denoiser), d.sp_size, "use --cfg_parallel, or one process a video")
+        self.unmasked = []  # dispatch.Unmask markers of the experts' attention
         mesh = token_mesh(self.transformer, d, cfg.sequence_parallel_type) if d.sp_size > 1 else None
         for expert in self.experts:
             self._prepare(expert, d, cfg, mesh)
@@ -187,6 +192,10 @@ class VideoSampler:
                 raise UserError(f"--quantized_attention: {type(transformer).__name__}'s attention processors do not "
                                 "call diffusers' attention dispatcher; drop the flag")
             log.info("quantized attention: %d self-attention modules run int8 Q K^T and float8 P V", routed)
+        if denoiser.masked_self_attention:  # unmasked while trim_padding leaves the masks full (denoise)
+            from ditforge.models.adapters.dispatch import unmask_full_attention
+
+            self.unmasked += unmask_full_attention(transformer)
         if mesh is not None:
             split_tokens(transformer, d, mesh)
         if self.cache is not None:
@@ -245,6 +254,9 @@ class VideoSampler:
             halves = [halves[self.cfg_rank]]
         inputs = {k: torch.cat([h[k] for h in halves]).to(self.dtype) for k in cond}
         inputs.update({k: v.expand(len(halves), *v.shape[1:]) for k, v in image_cond.items()})
+        inputs, full = self.experts[0].trim_padding(inputs)
+        for marker in self.unmasked:
+            marker.full = full
         with torch.no_grad(), contextlib.ExitStack() as stack:
             if self.cache is not None:
                 for expert in self.experts:

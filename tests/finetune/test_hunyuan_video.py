@@ -223,3 +223,47 @@ def test_image_to_video_first_loss_and_sample(family, condition, kind, guidance,
     assert not torch.allclose(*embeds)
     assert_image_to_video_run_samples_like_its_export(run, tmp_path, "HunyuanVideoImageToVideoPipeline", SIZE, FRAMES,
                                                       guidance, returned)
+
+
+def test_sampling_crops_the_text_padding_and_drops_full_masks(hunyuan, monkeypatch):
+    """``trim_padding`` crops the text states past the last kept token, and with the masks then full the joint
+    attention runs without one (``unmask_full_attention``): the transformer's output on fresh random latents equals
+    its output with the padded, masked states (1e-5 of its largest magnitude, fp32), and no joint SDPA call (over
+    the video and text tokens; the token refiner's over the text alone calls PyTorch itself) of the second pass
+    gets a mask. With two rows of different lengths the masks stay (not full)."""
+    import diffusers
+
+    from ditforge.models.adapters.dispatch import unmask_full_attention
+    from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
+
+    pipe = diffusers.HunyuanVideoPipeline.from_pretrained(str(hunyuan), local_files_only=True)
+    denoiser = HunyuanVideoDenoiser(pipe.transformer)
+    g = torch.Generator().manual_seed(7)
+    x, t = torch.randn(1, 4, 2, 2, 2, generator=g), torch.rand(1, generator=g) * 1000
+    mask = torch.arange(256)[None] < 9
+    cond = {"encoder_hidden_states": torch.randn(1, 256, 16, generator=g), "encoder_attention_mask": mask,
+            "pooled_projections": torch.randn(1, 8, generator=g)}
+    markers = unmask_full_attention(pipe.transformer)
+    masks, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        if (args[0] if args else kwargs["query"]).shape[-2] > 9:  # the joint calls: video + text tokens
+            masks.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        padded = denoiser.denoise(x, t, **cond)
+        assert len(masks) > 0 and all(m is not None for m in masks)
+        trimmed, full = denoiser.trim_padding(cond)
+        assert full and trimmed["encoder_hidden_states"].shape[1] == 9
+        for marker in markers:
+            marker.full = full
+        masks.clear()
+        out = denoiser.denoise(x, t, **trimmed)
+    assert len(markers) == 2 and len(masks) > 0 and all(m is None for m in masks)
+    assert (out - padded).abs().max() <= 1e-5 * padded.abs().max()
+    two = {k: torch.cat([v, v]) for k, v in cond.items()}
+    two["encoder_attention_mask"] = torch.cat([mask, torch.arange(256)[None] < 4])
+    trimmed, full = denoiser.trim_padding(two)
+    assert not full and trimmed["encoder_hidden_states"].shape[1] == 9

@@ -203,6 +203,13 @@ class DiffusersDenoiser(nn.Module):
         return torch.cat([first, latents[:, :, 1:]], dim=2)
 
     @staticmethod
+    def trim_padding(cond: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bool]:
+        """Sampling: the loop's conditioning (fixed over its steps) -> (the same with the padding its masks hide
+        cropped away, whether every mask the transformer builds from it is then all True). Here: (``cond``, False);
+        HunyuanVideo crops its text padding."""
+        return cond, False
+
+    @staticmethod
     def start(latents: torch.Tensor, image_cond: dict[str, torch.Tensor]) -> torch.Tensor:
         """The initial noise (B, C, T', h, w) float32 -> the latents the pipeline's loop starts from: the noise itself
         (HunyuanVideo I2V mixes in the image's latents)."""

@@ -7,6 +7,11 @@ module; every other call goes on to diffusers' function unchanged), and the rout
 their backend. A call is routed when it carries the marker and is a plain self-attention: no mask, no dropout, not
 causal, keys as many as queries, no context-parallel config, and a head width the kernel takes. Anything else
 (cross-attention, a masked joint attention, a split sequence) runs the processor's own backend, as it would have.
+
+``unmask_full_attention`` uses the same router for another purpose: a family whose attention always carries a mask
+(HunyuanVideo's joint text-video attention masks the text padding) computes the same without it once the padding
+is cropped away, and a mask keeps PyTorch's SDPA off its Flash and cuDNN kernels. While the caller says the masks
+are full (``Unmask.full``), the marked processors' calls drop them.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["route_self_attention"]
+__all__ = ["Unmask", "route_self_attention", "unmask_full_attention"]
 
 
 class _Route:
@@ -27,11 +32,23 @@ class _Route:
         self.fn, self.head_dims, self.previous = fn, head_dims, previous
 
 
+class Unmask:
+    """The marker of ``unmask_full_attention``: while ``full`` (a host-side flag the caller sets) every mask the
+    processor passes is all True, and its calls go to ``previous`` (the processor's own backend) without it."""
+
+    def __init__(self, previous=None):
+        self.previous, self.full = previous, False
+
+
 def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """A ``dispatch_attention_fn`` that sends marked plain self-attention calls to the marker's kernel."""
+    """A ``dispatch_attention_fn`` that sends marked plain self-attention calls to the marker's kernel, and drops the
+    masks of processors marked ``Unmask`` while they are full."""
 
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+        if isinstance(backend, Unmask):
+            attn_mask = None if backend.full else attn_mask
+            backend = backend.previous
         if isinstance(backend, _Route):
             if (attn_mask is None and dropout_p == 0.0 and not is_causal and parallel_config is None
                     and not attention_kwargs and query.shape == key.shape == value.shape
@@ -46,6 +63,36 @@ def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
     return dispatch_attention_fn
 
 
+def _install(processor) -> None:
+    """The router in place of the ``dispatch_attention_fn`` of ``processor``'s module (once a module)."""
+    home = sys.modules[type(processor).__module__]
+    original = getattr(home, "dispatch_attention_fn")
+    if not getattr(original, "routes_ditforge", False):
+        home.dispatch_attention_fn = _router(original)
+
+
+def _dispatching(transformer: torch.nn.Module):
+    """(name, module, processor) of ``transformer``'s attention modules whose processor calls diffusers' dispatcher."""
+    for name, module in transformer.named_modules():
+        processor = getattr(module, "processor", None)
+        if (processor is not None and hasattr(processor, "_attention_backend")
+                and getattr(sys.modules[type(processor).__module__], "dispatch_attention_fn", None) is not None):
+            yield name, module, processor
+
+
+def unmask_full_attention(transformer: torch.nn.Module) -> list[Unmask]:
+    """Mark every attention module of ``transformer`` whose processor calls diffusers' dispatcher with an ``Unmask``
+    (returned, one a processor; none for processors that call PyTorch directly): set their ``full`` while the masks
+    the transformer builds are all True."""
+    markers = []
+    for _, _, processor in _dispatching(transformer):
+        _install(processor)
+        if not isinstance(processor._attention_backend, Unmask):
+            processor._attention_backend = Unmask(processor._attention_backend)
+        markers.append(processor._attention_backend)
+    return markers
+
+
 def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor],
                          head_dims: tuple[int, ...]) -> int:
     """Send the self-attention of ``transformer``'s attention modules (those whose processor calls diffusers'
@@ -53,21 +100,15 @@ def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.T
     scale=) -> (B, S, H, D)`` for q, k, v (B, S, H, D) of a head width in ``head_dims``. Returns how many modules were
     routed (0: the transformer's processors do not call the dispatcher, e.g. an older diffusers)."""
     routed = 0
-    for name, module in transformer.named_modules():
-        processor = getattr(module, "processor", None)
+    for name, module, processor in _dispatching(transformer):
         # cross-attention: as the module says (Wan's), else by diffusers' block naming (LTX-Video's attn2, whose
         # key width can equal the query's)
         cross = getattr(module, "is_cross_attention", None)
         if cross is None:
             cross = name.rsplit(".", 1)[-1] == "attn2"
-        if processor is None or cross or not hasattr(processor, "_attention_backend"):
+        if cross:
             continue
-        home = sys.modules[type(processor).__module__]
-        original = getattr(home, "dispatch_attention_fn", None)
-        if original is None:
-            continue
-        if not getattr(original, "routes_ditforge", False):
-            home.dispatch_attention_fn = _router(original)
+        _install(processor)
         previous = processor._attention_backend
         processor._attention_backend = _Route(fn, head_dims, previous.previous if isinstance(previous, _Route)
                                               else previous)

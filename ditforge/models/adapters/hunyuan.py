@@ -54,6 +54,20 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask, "pooled_projections": pooled}
 
     @staticmethod
+    def trim_padding(cond):
+        """The text tokens past the last one any row's ``encoder_attention_mask`` keeps, cropped: the transformer
+        masks them out as keys in every attention (its token refiner's and the joint text-video one) and drops them
+        from its output, so no kept token changes. Full when every row keeps all the rest (batch 1 always): the
+        joint attention then runs unmasked (``dispatch.unmask_full_attention``), on SDPA's Flash / cuDNN kernels
+        instead of the memory-efficient one a mask forces. One host sync."""
+        mask = cond["encoder_attention_mask"].bool()
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        keep = int((mask * positions).max())
+        out = {**cond, "encoder_hidden_states": cond["encoder_hidden_states"][:, :keep],
+               "encoder_attention_mask": cond["encoder_attention_mask"][:, :keep]}
+        return out, bool(mask[:, :keep].all())
+
+    @staticmethod
     def timestep_kwargs(pipe, latent_shape: tuple[int, ...], steps: int) -> dict:
         """The sigmas ``HunyuanVideoPipeline.__call__`` passes: linear from 1 down, ``steps`` of them (then shifted
         by the scheduler's shift)."""
