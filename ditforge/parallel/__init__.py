@@ -138,19 +138,22 @@ def fp8_unavailable(device: torch.device, inference: bool = False) -> str | None
     return None
 
 
-def fp8_layer(module: nn.Module, fqn: str, min_width: int = 16) -> bool:
-    """A transformer block's linear layer worth float8: not the adaLN regressions (M = batch rows) or the
-    embedders, too small to gain; both sides multiples of 16, as the float8 GEMMs require, and at least
-    ``min_width`` (training's policy, ``FP8_MIN_WIDTH``)."""
-    return (isinstance(module, nn.Linear) and fqn.startswith("blocks.") and "adaLN" not in fqn
+def fp8_layer(module: nn.Module, fqn: str, blocks: tuple[str, ...] = ("blocks",), min_width: int = 16) -> bool:
+    """A linear layer of one of the repeated blocks (``blocks``: their qualified names' common prefixes,
+    ``models.block_paths``) worth float8: not the adaLN regressions (ditforge's ``adaLN``, diffusers' ``norm*``
+    layers; M = batch rows) or the embedders, too small to gain; both sides multiples of 16, as the float8 GEMMs
+    require, and at least ``min_width`` (training's policy, ``FP8_MIN_WIDTH``)."""
+    parts = fqn.split(".")
+    return (isinstance(module, nn.Linear) and fqn.startswith(tuple(p + "." for p in blocks))
+            and "adaLN" not in fqn and not any(part.startswith("norm") for part in parts)
             and module.in_features % 16 == 0 and module.out_features % 16 == 0
             and min(module.in_features, module.out_features) >= min_width)
 
 
 def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False, recipe: str = "tensorwise",
               min_width: int = 16) -> int:
-    """Run the transformer blocks' big linear layers (qkv, proj, fc1, fc2, cross-attention; ``fp8_layer``)
-    as float8 matrix products. Returns the number of layers changed (0 where none is ``min_width`` wide).
+    """Run the repeated blocks' big linear layers (qkv, proj, fc1, fc2, cross-attention; ``fp8_layer``) of
+    ``model`` (a ditforge model, or an adapter of a diffusers one: its ``block_classes``) as float8 matrix products. Returns the number of layers changed (0 where none is ``min_width`` wide).
 
     - training (default): torchao's float8 training linears with dynamic scaling by ``recipe``
       (``Float8LinearConfig.from_recipe_name``): ``tensorwise`` (one scale per tensor; e4m3 forward, e5m2
@@ -170,14 +173,17 @@ def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False, r
     reason = fp8_unavailable(device, inference)
     if reason:
         raise UserError(f"--mixed_precision fp8: {reason}")
+    from ditforge.models import block_paths
+
+    blocks = tuple(block_paths(model))  # ditforge's blocks.i, or an adapter's diffusers blocks
     if inference:
         from ditforge.ops.fp8 import to_rowwise_float8
 
-        return to_rowwise_float8(model, fp8_layer)
+        return to_rowwise_float8(model, lambda m, fqn: fp8_layer(m, fqn, blocks))
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     before = sum(type(m) is nn.Linear for m in model.modules())
-    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fp8_layer(m, fqn, min_width),
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fp8_layer(m, fqn, blocks, min_width),
                                config=Float8LinearConfig.from_recipe_name(recipe))
     return before - sum(type(m) is nn.Linear for m in model.modules())
 

@@ -56,7 +56,7 @@ class VideoSampler:
     Preparation, in this order (each changes the module in place):
 
     - weights cast to the compute dtype (``mixed_precision``: auto is bf16 on CUDA, fp32 on CPU; fp8 is bf16);
-    - ``fp8``: the linear layers of ``transformer.blocks`` as ``ops.fp8.RowwiseFloat8Linear`` (``parallel.apply_fp8``:
+    - ``fp8``: the linear layers of the repeated blocks as ``ops.fp8.RowwiseFloat8Linear`` (``parallel.apply_fp8``:
       e4m3 weights with one scale per output channel, each activation row scaled by its own maximum; H100-class
       GPU and Triton);
     - ``sequence_parallel_size`` > 1: diffusers' context parallelism (``parallel.context``:
@@ -181,7 +181,7 @@ class VideoSampler:
         if cfg.mixed_precision == "fp8":
             from ditforge.parallel import apply_fp8
 
-            log.info("fp8: %d linear layers run float8 GEMMs", apply_fp8(transformer, d.device, inference=True))
+            log.info("fp8: %d linear layers run float8 GEMMs", apply_fp8(denoiser, d.device, inference=True))
         if cfg.quantized_attention:
             from ditforge.models.adapters.dispatch import route_self_attention
             from ditforge.ops.quant_attention import HEAD_DIMS, ops, quantized_attention

@@ -105,3 +105,27 @@ def test_run_below_the_width_warns_and_trains_in_bf16(tmp_path, monkeypatch, cap
                          "--batch_size", "4", "--sample_every", "0", "--outputs", str(tmp_path / "run")]) == 0
     assert "no linear layer of the blocks is --fp8_min_width 4096 wide" in caplog.text
     assert cli.main(["train", "--fp8_min_width", "0", "--outputs", str(tmp_path / "bad")]) == 2
+
+
+def test_adapter_blocks_of_a_diffusers_transformer(monkeypatch):
+    """An adapter's repeated blocks are found by their classes (HunyuanVideo's double- and single-stream blocks,
+    not ``blocks.i``): every linear layer inside them becomes float8 but the adaLN regressions (``norm*.linear``),
+    and nothing outside them (embedders, token refiner, output layer)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+    from torchao.float8.float8_linear import Float8Linear
+
+    from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
+
+    monkeypatch.setattr(par, "fp8_unavailable", lambda device, inference=False: None)
+    torch.manual_seed(0)
+    denoiser = HunyuanVideoDenoiser(HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16, pooled_projection_dim=8,
+        rope_axes_dim=(4, 6, 6)))
+    linears = {n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)}
+    expected = {n for n in linears if n.startswith(("transformer.transformer_blocks.0.",
+                                                    "transformer.single_transformer_blocks.0."))
+                and ".norm" not in n}
+    assert len(expected) == 17  # double: q, k, v, out, added q, k, v, out, 2 + 2 MLP; single: q, k, v, proj_mlp, out
+    assert par.apply_fp8(denoiser, torch.device("cpu")) == len(expected)
+    assert {n for n, m in denoiser.named_modules() if isinstance(m, Float8Linear)} == expected
