@@ -97,7 +97,9 @@ def test_first_step_loss_is_the_experts_on_its_side_of_the_boundary(expert, wan2
 def test_low_noise_export_and_sample_like_the_pipeline(wan22, runs, tmp_path):
     """``--format diffusers`` of the low-noise run writes its weights into ``transformer_2`` and copies
     ``transformer`` untouched (bit for bit the base's); the exported ``WanPipeline``'s own call (both experts,
-    switching at t = 875) draws the video ``ditforge sample --ckpt RUN`` draws, to one uint8 level."""
+    switching at t = 875) draws the video ``ditforge sample --ckpt RUN`` draws, to one uint8 level. Both experts
+    fine-tuned, one run each: a high-noise run from that export, exported, holds its trained ``transformer`` beside
+    the first run's ``transformer_2``."""
     import diffusers
 
     from ditforge.train.checkpoint import load_weights
@@ -121,6 +123,17 @@ def test_low_noise_export_and_sample_like_the_pipeline(wan22, runs, tmp_path):
                  num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
                  output_type="np").frames
     assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
+
+    # both experts, one run each: the high-noise one trained from this export, exported again, keeps its low one
+    second, both = tmp_path / "second", tmp_path / "both"
+    assert cli.main(_argv(out, second, "--max_steps", "1", "--expert", "high_noise", "--lr", "1e-3")) == 0
+    assert cli.main(["export", "--ckpt", str(second), "--format", "diffusers", "--out", str(both)]) == 0
+    pipe = diffusers.WanPipeline.from_pretrained(str(both), local_files_only=True)
+    _, high, _ = load_finetuned(*load_weights(second, use_ema=True), torch.device("cpu"))
+    high = high.inner.state_dict()
+    assert all(torch.equal(pipe.transformer.state_dict()[k], v) for k, v in high.items())
+    assert any(not torch.equal(base.transformer.state_dict()[k], v) for k, v in high.items())
+    assert all(torch.equal(pipe.transformer_2.state_dict()[k], v) for k, v in trained.items())
 
 
 def test_high_noise_lora_file_loads_into_transformer(wan22, runs, tmp_path):
