@@ -75,7 +75,8 @@ class VideoSampler:
       other blocks' residual of that pass is reused;
     - ``quantized_attention``: the transformer's self-attention through ``ops.quant_attention`` (int8 Q K^T,
       float8 P V; SageAttention's scaling), routed at diffusers' attention dispatcher
-      (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default;
+      (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default (HunyuanVideo's
+      joint attention takes the kernel once unmasked, below);
     - a family whose attention always carries a mask (HunyuanVideo: the text padding of its joint attention): the
       padding cropped from the conditioning (the adapter's ``trim_padding``) and, when every mask is then all True
       (batch 1), the attention run without them (``models.adapters.dispatch.unmask_full_attention``), so SDPA takes
@@ -147,9 +148,10 @@ class VideoSampler:
                      if self.cache is not None else "--mixed_precision fp8")
             raise UserError(f"--plugin fsdp: not with {other}; drop one of them")
         if cfg.quantized_attention:
-            _check_quantized_attention(d, denoiser, pre.pipeline_class)
+            _check_quantized_attention(d, denoiser)
         refuse_unsplittable(type(denoiser), d.sp_size, "use --cfg_parallel, or one process a video")
         self.unmasked = []  # dispatch.Unmask markers of the experts' attention
+        self.quantized = cfg.quantized_attention
         mesh = token_mesh(self.transformer, d, cfg.sequence_parallel_type) if d.sp_size > 1 else None
         for expert in self.experts:
             self._prepare(expert, d, cfg, mesh)
@@ -257,6 +259,9 @@ class VideoSampler:
         inputs, full = self.experts[0].trim_padding(inputs)
         for marker in self.unmasked:
             marker.full = full
+        if self.unmasked and not full and self.quantized:
+            log.warning("--quantized_attention: the guided passes' prompts differ in length, so the joint attention "
+                        "keeps its mask and the exact kernel")
         with torch.no_grad(), contextlib.ExitStack() as stack:
             if self.cache is not None:
                 for expert in self.experts:
@@ -304,9 +309,10 @@ class VideoSampler:
             return vae.decode(z, *temb, return_dict=False)[0]
 
 
-def _check_quantized_attention(d: Dist, denoiser, pipeline_class: str) -> None:
-    """``--quantized_attention``'s one-line refusals: no FP8 GPU (nor Triton's interpreter), a split sequence, a
-    family whose self-attention is masked, heads the kernel does not take."""
+def _check_quantized_attention(d: Dist, denoiser) -> None:
+    """``--quantized_attention``'s one-line refusals: no FP8 GPU (nor Triton's interpreter), a split sequence,
+    heads the kernel does not take. (A family whose attention is masked, HunyuanVideo, takes the kernel while its
+    masks are full, ``trim_padding``; a masked call keeps the exact kernel.)"""
     from ditforge.ops.quant_attention import HEAD_DIMS
     from ditforge.ops.triton import interpreting
 
@@ -319,9 +325,6 @@ def _check_quantized_attention(d: Dist, denoiser, pipeline_class: str) -> None:
     if d.sp_size > 1:
         raise UserError("--quantized_attention: not with --sequence_parallel_size > 1 (the split sequence attends "
                         "through diffusers' context-parallel kernels); use --cfg_parallel, or drop one of them")
-    if denoiser.masked_self_attention:
-        raise UserError(f"--quantized_attention: {pipeline_class}'s self-attention carries a mask (its text tokens "
-                        "join the video's), which the 8-bit kernel does not take; drop the flag")
     width = getattr(denoiser.inner.config, "attention_head_dim", None)
     if width not in HEAD_DIMS:
         raise UserError(f"--quantized_attention: the kernel takes heads {', '.join(map(str, HEAD_DIMS))} wide; "

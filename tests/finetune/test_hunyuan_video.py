@@ -154,10 +154,9 @@ def test_export_folder_samples_like_the_pipeline(runs, tmp_path, capsys):
     common = ["sample", "--ckpt", str(runs["full"]), "--prompt", prompt, "--num_sampling_steps", "4", "--cfg_scale",
               "6", "--out", str(tmp_path / "clip.mp4"), "--device", "cpu"]
     assert cli.main([*common, "--save_npz", str(npz)]) == 0
-    # its joint text-video attention is masked in every block: the 8-bit kernel would never run, so one line
-    capsys.readouterr()
+    capsys.readouterr()  # the 8-bit kernel takes heads 32, 64 or 128 wide
     assert_one_line_error(capsys, [*common, "--quantized_attention"], "--quantized_attention",
-                          "self-attention carries a mask")
+                          "HunyuanVideoTransformer3DModel's are 10")
     video = pipe(prompt=[prompt], num_inference_steps=4, guidance_scale=6.0, height=SIZE, width=SIZE,
                  num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
                  output_type="np").frames
@@ -225,45 +224,65 @@ def test_image_to_video_first_loss_and_sample(family, condition, kind, guidance,
                                                       guidance, returned)
 
 
-def test_sampling_crops_the_text_padding_and_drops_full_masks(hunyuan, monkeypatch):
+def test_sampling_crops_the_text_padding_and_drops_full_masks(monkeypatch):
     """``trim_padding`` crops the text states past the last kept token, and with the masks then full the joint
-    attention runs without one (``unmask_full_attention``): the transformer's output on fresh random latents equals
-    its output with the padded, masked states (1e-5 of its largest magnitude, fp32), and no joint SDPA call (over
-    the video and text tokens; the token refiner's over the text alone calls PyTorch itself) of the second pass
-    gets a mask. With two rows of different lengths the masks stay (not full)."""
-    import diffusers
+    attention runs without one (``unmask_full_attention``): the output of a HunyuanVideo transformer with heads 32
+    wide on fresh random latents equals its output with the padded, masked states (1e-5 of its largest magnitude,
+    fp32), and no joint SDPA call (over the video and text tokens; the token refiner's over the text alone calls
+    PyTorch itself) gets a mask. Routed as ``--quantized_attention`` routes (here to exact attention), the two joint
+    calls (one double-, one single-stream block) reach the route with the cropped token count, the output unchanged.
+    With two rows of different lengths the masks stay (not full) and nothing is routed."""
+    import torch.nn.functional as F
+    from diffusers import HunyuanVideoTransformer3DModel
 
-    from ditforge.models.adapters.dispatch import unmask_full_attention
+    from ditforge.models.adapters.dispatch import route_self_attention, unmask_full_attention
     from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
 
-    pipe = diffusers.HunyuanVideoPipeline.from_pretrained(str(hunyuan), local_files_only=True)
-    denoiser = HunyuanVideoDenoiser(pipe.transformer)
+    torch.manual_seed(0)
+    denoiser = HunyuanVideoDenoiser(HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=16, pooled_projection_dim=8,
+        rope_axes_dim=(8, 12, 12)).eval())
     g = torch.Generator().manual_seed(7)
     x, t = torch.randn(1, 4, 2, 2, 2, generator=g), torch.rand(1, generator=g) * 1000
     mask = torch.arange(256)[None] < 9
     cond = {"encoder_hidden_states": torch.randn(1, 256, 16, generator=g), "encoder_attention_mask": mask,
             "pooled_projections": torch.randn(1, 8, generator=g)}
-    markers = unmask_full_attention(pipe.transformer)
-    masks, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    masks, routed, sdpa = [], [], F.scaled_dot_product_attention
 
     def spy(*args, **kwargs):
-        if (args[0] if args else kwargs["query"]).shape[-2] > 9:  # the joint calls: video + text tokens
+        if (args[0] if args else kwargs["query"]).shape[-2] in (8 + 256, 8 + 9):  # joint: 8 video + the text tokens
             masks.append(kwargs.get("attn_mask"))
         return sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    def exact(q, k, v, scale=None):
+        routed.append(q.shape)
+        return sdpa(*(a.transpose(1, 2) for a in (q, k, v)), scale=scale).transpose(1, 2)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     with torch.no_grad():
         padded = denoiser.denoise(x, t, **cond)
-        assert len(masks) > 0 and all(m is not None for m in masks)
+        assert len(masks) == 2 and all(m is not None for m in masks)
         trimmed, full = denoiser.trim_padding(cond)
         assert full and trimmed["encoder_hidden_states"].shape[1] == 9
+        markers = unmask_full_attention(denoiser.inner)
         for marker in markers:
             marker.full = full
         masks.clear()
         out = denoiser.denoise(x, t, **trimmed)
-    assert len(markers) == 2 and len(masks) > 0 and all(m is None for m in masks)
-    assert (out - padded).abs().max() <= 1e-5 * padded.abs().max()
-    two = {k: torch.cat([v, v]) for k, v in cond.items()}
-    two["encoder_attention_mask"] = torch.cat([mask, torch.arange(256)[None] < 4])
-    trimmed, full = denoiser.trim_padding(two)
-    assert not full and trimmed["encoder_hidden_states"].shape[1] == 9
+        assert len(markers) == 2 and masks == [None, None]
+        assert (out - padded).abs().max() <= 1e-5 * padded.abs().max()
+        assert route_self_attention(denoiser.inner, exact, (32,)) == 2
+        masks.clear()
+        out = denoiser.denoise(x, t, **trimmed)
+        assert routed == [torch.Size([1, 8 + 9, 2, 32])] * 2 and masks == []
+        assert (out - padded).abs().max() <= 1e-5 * padded.abs().max()
+        two = {k: torch.cat([v, v]) for k, v in cond.items()}
+        two["encoder_attention_mask"] = torch.cat([mask, torch.arange(256)[None] < 4])
+        trimmed, full = denoiser.trim_padding(two)
+        assert not full and trimmed["encoder_hidden_states"].shape[1] == 9
+        for marker in markers:
+            marker.full = full
+        routed.clear()
+        denoiser.denoise(torch.cat([x, x]), torch.cat([t, t]), **trimmed)
+        assert routed == [] and len(masks) == 2 and all(m is not None for m in masks)

@@ -79,7 +79,9 @@ class DiffusersDenoiser(nn.Module):
     image_from_generator = False
     embedded_guidance = False
     context_parallel = False
-    masked_self_attention = False  # every self-attention call carries a mask (--quantized_attention cannot take it)
+    # every self-attention call carries a mask: sampling crops the padding it hides (trim_padding) and, with the
+    # masks then full, drops them (dispatch.unmask_full_attention), so the fast and 8-bit kernels take the calls
+    masked_self_attention = False
     given_frames = 0
     image_noise: tuple[float, float] | None = None
     prompt_sees_image = False

@@ -109,8 +109,12 @@ def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.T
         if cross:
             continue
         _install(processor)
-        previous = processor._attention_backend
-        processor._attention_backend = _Route(fn, head_dims, previous.previous if isinstance(previous, _Route)
-                                              else previous)
+        outer = processor._attention_backend if isinstance(processor._attention_backend, Unmask) else None
+        previous = outer.previous if outer is not None else processor._attention_backend
+        route = _Route(fn, head_dims, previous.previous if isinstance(previous, _Route) else previous)
+        if outer is not None:  # the mask drop stays first: a call it unmasks is a plain one the kernel takes
+            outer.previous = route
+        else:
+            processor._attention_backend = route
         routed += 1
     return routed
