@@ -115,13 +115,15 @@ def _dequant(q, absmax, code):
 
 def _blockwise_reference(w, grads, coefs, code1, code2):
     """Unfused float64 blockwise 8-bit AdamW on a flat fp32 tensor whose size is a multiple of 256: returns the
-    weights and the codes, plus each value's smallest distance from a midpoint of the map over the steps, relative
-    to the gap between its two nearest entries (0: a tie)."""
+    weights and the codes, plus the smallest distance from a midpoint of the map, relative to the gap between its
+    two nearest entries (0: a tie), of any code each weight depends on over the steps: its own moments' codes, and
+    the codes of the values that set its blocks' absmax (a tie there rescales the whole block: fp32 and float64 can
+    round it either way, and every code of the block follows)."""
     w = w.double().clone()
     q1 = q2 = torch.zeros(len(w), dtype=torch.long)  # any codes: the absmax of 0 makes both moments 0
     a1 = torch.zeros(len(w) // 256, dtype=torch.float64)
     a2 = torch.zeros_like(a1)
-    margin = torch.full_like(w, float("inf"))
+    own = [torch.full_like(w, float("inf")) for _ in range(2)]  # each moment's smallest margin so far
     for k, (g, c) in enumerate(zip(grads, coefs), start=1):
         g = g.double() * float(c)
         m = _dequant(q1, a1, code1) * 0.9 + 0.1 * g
@@ -129,15 +131,17 @@ def _blockwise_reference(w, grads, coefs, code1, code2):
         w = w - LR * WD * w
         w = w - LR / (1 - 0.9**k) * m / (v.sqrt() / (1 - 0.999**k) ** 0.5 + 1e-8)
         out = []
-        for x, code, absmax in ((m, code1, a1), (v, code2, a2)):
-            absmax[:] = x.view(-1, 256).abs().amax(1)
+        for x, code, absmax, h in ((m, code1, a1, own[0]), (v, code2, a2, own[1])):
+            absmax[:], at = x.view(-1, 256).abs().max(1)
+            block = h.view(-1, 256)
+            block[:] = torch.minimum(block, block.gather(1, at[:, None]))  # the scale rests on the largest value
             z = (x.view(-1, 256) / absmax[:, None]).view(-1)
             d = (z[:, None] - code.double()[None]).abs()
             two = d.topk(2, largest=False).values
-            margin = torch.minimum(margin, (two[:, 1] - two[:, 0]) / (two[:, 1] + two[:, 0]))  # 0 at a midpoint
+            h[:] = torch.minimum(h, (two[:, 1] - two[:, 0]) / (two[:, 1] + two[:, 0]))  # 0 at a midpoint
             out.append(d.argmin(1))
         q1, q2 = out
-    return w, q1, q2, margin
+    return w, q1, q2, torch.minimum(*own)
 
 
 def test_8bit_equals_an_unfused_blockwise_reference_and_approximates_adamw():
@@ -157,7 +161,7 @@ def test_8bit_equals_an_unfused_blockwise_reference_and_approximates_adamw():
     code1, code2 = (bnb_f.create_dynamic_map(signed=s) for s in (True, False))
     w, q1, q2, margin = _blockwise_reference(w0, grads, coefs, code1, code2)
     tie = margin < 1e-4  # fp32 and float64 may round a value this close to a midpoint to either neighbour
-    assert tie.float().mean() < 0.01
+    assert tie.float().mean() < 0.1  # a few values, and rarely the block (5.6%) whose absmax one of them set
     got = p.detach().cpu().double()
     torch.testing.assert_close(got[~tie], w[~tie], rtol=0, atol=1e-6 * w.abs().max().item())
     s = opt.state[p]
