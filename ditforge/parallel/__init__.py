@@ -140,12 +140,14 @@ def fp8_unavailable(device: torch.device, inference: bool = False) -> str | None
 
 def fp8_layer(module: nn.Module, fqn: str, blocks: tuple[str, ...] = ("blocks",), min_width: int = 16) -> bool:
     """A linear layer of one of the repeated blocks (``blocks``: their qualified names' common prefixes,
-    ``models.block_paths``) worth float8: not the adaLN regressions (ditforge's ``adaLN``, diffusers' ``norm*``
-    layers; M = batch rows) or the embedders, too small to gain; both sides multiples of 16, as the float8 GEMMs
-    require, and at least ``min_width`` (training's policy, ``FP8_MIN_WIDTH``)."""
+    ``models.block_paths``) worth float8: not the per-sample regressions (ditforge's ``adaLN``, diffusers' ``norm*``
+    layers and the UNet's ``time_emb_proj``; M = batch rows) or the embedders, too small to gain; not a layer whose
+    weight is stored in float8 already (``--fp8_base``: it upcasts for a bf16 product); both sides multiples of 16,
+    as the float8 GEMMs require, and at least ``min_width`` (training's policy, ``FP8_MIN_WIDTH``)."""
     parts = fqn.split(".")
     return (isinstance(module, nn.Linear) and fqn.startswith(tuple(p + "." for p in blocks))
-            and "adaLN" not in fqn and not any(part.startswith("norm") for part in parts)
+            and "adaLN" not in fqn and not any(part.startswith("norm") or part == "time_emb_proj" for part in parts)
+            and module.weight.element_size() > 1
             and module.in_features % 16 == 0 and module.out_features % 16 == 0
             and min(module.in_features, module.out_features) >= min_width)
 

@@ -81,9 +81,9 @@ class VideoSampler:
       padding cropped from the conditioning (the adapter's ``trim_padding``) and, when every mask is then all True
       (batch 1), the attention run without them (``models.adapters.dispatch.unmask_full_attention``), so SDPA takes
       its Flash / cuDNN kernels;
-    - ``compile``: each repeated block compiled (``torch.compile``, static shapes; ``fullgraph`` unless caching,
-      whose decision is a host-side branch, or context parallelism, whose split is a hook diffusers' way of
-      reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a
+    - ``compile``: each repeated block compiled (``torch.compile``, static shapes but a cropped text's length;
+      ``fullgraph`` unless caching, whose decision is a host-side branch, or context parallelism, whose split is a
+      hook diffusers' way of reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a
       step of a 480x832x81 Wan clip takes about a second, which launches do not bound.
 
     The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; Wan's under
@@ -208,7 +208,11 @@ class VideoSampler:
             from torch._inductor import list_mode_options
 
             mode = "max-autotune-no-cudagraphs" if cfg.compile.startswith("max-autotune") else "default"
-            options = dict(fullgraph=self.cache is None and mesh is None, dynamic=False,
+            # static shapes, but HunyuanVideo's text, cropped to each video's own length (trim_padding): dynamic
+            # after its second length (automatic dynamic shapes), where one graph a length would meet dynamo's
+            # recompile limit (8) within a prompt file
+            options = dict(fullgraph=self.cache is None and mesh is None,
+                           dynamic=None if denoiser.masked_self_attention else False,
                            options=dict(list_mode_options(mode)))
             for block in blocks:
                 # the hooks of caching (a host-side decision) and of context parallelism (block 0 splits its

@@ -9,6 +9,7 @@ pipeline's own call."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -135,10 +136,30 @@ def test_lora_resume_equals_uninterrupted(hunyuan, runs, tmp_path):
         r["loss"] for r in read_metrics(runs["lora"] / "metrics.jsonl")]
 
 
+@contextlib.contextmanager
+def _joint_masks(length: int):
+    """The ``attn_mask`` of every SDPA call over ``length`` tokens (the joint video + text attention) meanwhile."""
+    import torch.nn.functional as F
+
+    masks, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        if (args[0] if args else kwargs["query"]).shape[-2] == length:
+            masks.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = spy
+    try:
+        yield masks
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
 def test_export_folder_samples_like_the_pipeline(runs, tmp_path, capsys):
     """``--format diffusers`` of the full run loads in ``HunyuanVideoPipeline`` with the trained weights exactly; its
     own call at guidance 6 (embedded: one pass a step, its sigmas linear from 1 and shifted by 7) draws the video
-    ``ditforge sample --cfg_scale 6`` draws from the same seed, to one uint8 level."""
+    ``ditforge sample --cfg_scale 6`` draws from the same seed, to one uint8 level, with the prompt's padding cropped
+    and the joint attention unmasked (no SDPA call over the video and the kept text tokens gets a mask)."""
     import diffusers
 
     from ditforge.train.checkpoint import load_weights
@@ -153,7 +174,11 @@ def test_export_folder_samples_like_the_pipeline(runs, tmp_path, capsys):
     prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
     common = ["sample", "--ckpt", str(runs["full"]), "--prompt", prompt, "--num_sampling_steps", "4", "--cfg_scale",
               "6", "--out", str(tmp_path / "clip.mp4"), "--device", "cpu"]
-    assert cli.main([*common, "--save_npz", str(npz)]) == 0
+    with torch.no_grad():
+        kept = int(pipe.encode_prompt([prompt], device="cpu")[2].sum())
+    with _joint_masks(8 + kept) as masks:  # 2 x 2 x 2 latent tokens + the prompt's, cropped: no mask
+        assert cli.main([*common, "--save_npz", str(npz)]) == 0
+    assert len(masks) == 4 * 2 and all(m is None for m in masks)  # 4 steps x (one double, one single block)
     capsys.readouterr()  # the 8-bit kernel takes heads 32, 64 or 128 wide
     assert_one_line_error(capsys, [*common, "--quantized_attention"], "--quantized_attention",
                           "HunyuanVideoTransformer3DModel's are 10")
@@ -200,15 +225,20 @@ def test_lora_file_loads_with_load_lora_weights(hunyuan, runs, tmp_path):
 @pytest.mark.parametrize("family, condition, kind, guidance, returned", [
     ("hunyuan_video_i2v", "token_replace", "full", 6.0, FRAMES),
     ("hunyuan_video_i2v_33ch", "latent_concat", "lora", 1.0, FRAMES - 4)])
-def test_image_to_video_first_loss_and_sample(family, condition, kind, guidance, returned, tmp_path):
+def test_image_to_video_first_loss_and_sample(family, condition, kind, guidance, returned, tmp_path, monkeypatch):
     """``HunyuanVideoImageToVideoPipeline``, both transformers: a run's first loss (full for HunyuanVideo-I2V, LoRA
     for the 33-channel model) equals ``_reference_first_loss``'s image-to-video form (1e-5 relative), whose Llava
     states carry the image (two first frames give two encodings of one prompt); and ``ditforge sample --image`` of
     the run draws what the exported pipeline's own call draws from the same seed (guidance embedded at 6 / none),
     frames within one uint8 level, the 33-channel model's first latent frame's 4 dropped as its pipeline drops
-    them."""
+    them. The tiny videos barely depend on the image, so its two uses are checked on their own: the loop's start
+    equals ``prepare_latents``' (0.999 noise + 0.001 image latents, 1e-6), and the sampled prompt is encoded with
+    the given image; a batch of a prompt longer than the 256 tokens and a short one encodes as each alone."""
     import diffusers
+    import numpy as np
     from PIL import Image
+
+    from ditforge.models.adapters.hunyuan import HunyuanVideoI2VDenoiser
 
     folder = BUILDERS[family](tmp_path / "pipe")
     run = tmp_path / "run"
@@ -220,8 +250,30 @@ def test_image_to_video_first_loss_and_sample(family, condition, kind, guidance,
         embeds = [pipe.encode_prompt(image=[Image.new("RGB", (16, 16), color)], prompt=["a red bicycle"],
                                      device="cpu")[0] for color in ((0, 0, 0), (200, 30, 90))]
     assert not torch.allclose(*embeds)
+    images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+              for i in range(2)]
+    first = pipe.video_processor.preprocess(images[0], SIZE, SIZE)
+    with torch.no_grad():
+        start, _ = pipe.prepare_latents(first, 1, 4, SIZE, SIZE, FRAMES, torch.float32, "cpu",
+                                        torch.Generator().manual_seed(5), None, condition)
+        noise = torch.randn(start.shape, generator=torch.Generator().manual_seed(5))
+        ours = HunyuanVideoI2VDenoiser.start(noise, HunyuanVideoI2VDenoiser.encode_image(pipe, first, FRAMES))
+        torch.testing.assert_close(ours, start, rtol=0, atol=1e-6)
+        texts = [" ".join(["a dog runs on the grass"] * 60), "a red bicycle"]  # 360 words, and 3
+        both = HunyuanVideoI2VDenoiser.encode_prompt(pipe, texts, "cpu", images=images)
+        for i in range(2):
+            alone = HunyuanVideoI2VDenoiser.encode_prompt(pipe, texts[i:i + 1], "cpu", images=images[i:i + 1])
+            assert all(torch.equal(both[k][i], alone[k][0]) for k in alone)
+    seen = []
+    encode = HunyuanVideoI2VDenoiser.encode_prompt
+    monkeypatch.setattr(HunyuanVideoI2VDenoiser, "encode_prompt",
+                        staticmethod(lambda p, texts, device, images=None: seen.append(images) or encode(
+                            p, texts, device, images=images)))
     assert_image_to_video_run_samples_like_its_export(run, tmp_path, "HunyuanVideoImageToVideoPipeline", SIZE, FRAMES,
                                                       guidance, returned)
+    png = np.asarray(Image.open(tmp_path / "first.png").convert("RGB"))  # the helper's first frame
+    given = [i for i in seen if i is not None]
+    assert len(given) == 1 and np.array_equal(np.asarray(given[0][0]), png)
 
 
 def test_sampling_crops_the_text_padding_and_drops_full_masks(monkeypatch):

@@ -109,8 +109,9 @@ def test_run_below_the_width_warns_and_trains_in_bf16(tmp_path, monkeypatch, cap
 
 def test_adapter_blocks_of_a_diffusers_transformer(monkeypatch):
     """An adapter's repeated blocks are found by their classes (HunyuanVideo's double- and single-stream blocks,
-    not ``blocks.i``): every linear layer inside them becomes float8 but the adaLN regressions (``norm*.linear``),
-    and nothing outside them (embedders, token refiner, output layer)."""
+    not ``blocks.i``): every linear layer inside them becomes float8 but the adaLN regressions (``norm*.linear``) and
+    a layer whose weight is stored in float8 already (``--fp8_base``), and nothing outside them (embedders, token
+    refiner, output layer)."""
     from diffusers import HunyuanVideoTransformer3DModel
     from torchao.float8.float8_linear import Float8Linear
 
@@ -127,5 +128,9 @@ def test_adapter_blocks_of_a_diffusers_transformer(monkeypatch):
                                                     "transformer.single_transformer_blocks.0."))
                 and ".norm" not in n}
     assert len(expected) == 17  # double: q, k, v, out, added q, k, v, out, 2 + 2 MLP; single: q, k, v, proj_mlp, out
+    stored = "transformer.single_transformer_blocks.0.proj_mlp"  # --fp8_base stored it in float8: left as it is
+    layer = denoiser.get_submodule(stored)
+    layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
+    expected.remove(stored)
     assert par.apply_fp8(denoiser, torch.device("cpu")) == len(expected)
     assert {n for n, m in denoiser.named_modules() if isinstance(m, Float8Linear)} == expected

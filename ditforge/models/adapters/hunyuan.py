@@ -132,17 +132,20 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
     @staticmethod
     def encode_prompt(pipe, texts, device, images=None):
         """``pipe.encode_prompt(image=, prompt=, max_sequence_length=L, image_embed_interleave=k)`` with the call's
-        defaults (L = 256; k by ``image_condition_type``, as ``__call__`` picks it). ``images``: B first frames
-        (B, 3, H, W) float in [-1, 1] or B PIL images; None: black ones, what the pipeline encodes its negative prompt
-        with (any size: the image processor's resize and crop keep a black image black)."""
+        defaults (L = 256; k by ``image_condition_type``, as ``__call__`` picks it), one prompt a call (diffusers'
+        crop of a prompt longer than L is right for a batch of one only, as the pipeline calls it). ``images``: B
+        first frames (B, 3, H, W) float in [-1, 1] or B PIL images; None: black ones, what the pipeline encodes its
+        negative prompt with (any size: the image processor's resize and crop keep a black image black)."""
         from PIL import Image
 
         texts = list(texts)
         images = [Image.new("RGB", (64, 64), 0)] * len(texts) if images is None else as_images(images)
         condition = pipe.transformer.config.image_condition_type
-        embeds, pooled, mask = pipe.encode_prompt(image=images, prompt=texts, device=device,
-                                                  max_sequence_length=call_default(pipe, "max_sequence_length"),
-                                                  image_embed_interleave=4 if condition == "token_replace" else 2)
+        rows = [pipe.encode_prompt(image=[image], prompt=[text], device=device,
+                                   max_sequence_length=call_default(pipe, "max_sequence_length"),
+                                   image_embed_interleave=4 if condition == "token_replace" else 2)
+                for text, image in zip(texts, images)]  # one a call: a truncated prompt's crop holds for batch 1 only
+        embeds, pooled, mask = (torch.cat(parts) for parts in zip(*rows))
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask, "pooled_projections": pooled}
 
     @staticmethod
