@@ -116,10 +116,11 @@ def build_cog_pipe(device: torch.device, transformer_device: torch.device):
 
 
 def build_hv_pipe(device: torch.device, transformer_device: torch.device):
-    """HunyuanVideo's parts: ``HunyuanVideoTransformer3DModel``'s default config (the released model's: 20 double- and 40
-    single-stream blocks, 24 heads of 128, 12.8B; TINY: the tests' tiny one), random weights drawn as ``build_pipe``
-    draws Wan's, the default ``AutoencoderKLHunyuanVideo`` (bf16 on a GPU, tiled as diffusers' HunyuanVideo docs run
-    it: ``enable_tiling``) and ``FlowMatchEulerDiscreteScheduler(shift=7.0)``; no text encoders."""
+    """HunyuanVideo's parts: ``HunyuanVideoTransformer3DModel``'s default config (the released model's: 20 double- and
+    40 single-stream blocks, 24 heads of 128, 12.8B; TINY: the tests' tiny one), random weights drawn as
+    ``build_pipe`` draws Wan's, the default ``AutoencoderKLHunyuanVideo`` (bf16 on a GPU, tiled as diffusers'
+    HunyuanVideo docs run it: ``enable_tiling``) and ``FlowMatchEulerDiscreteScheduler(shift=7.0)``; no text
+    encoders."""
     from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
                            HunyuanVideoTransformer3DModel)
 

@@ -155,7 +155,8 @@ def fp8_layer(module: nn.Module, fqn: str, blocks: tuple[str, ...] = ("blocks",)
 def apply_fp8(model: nn.Module, device: torch.device, inference: bool = False, recipe: str = "tensorwise",
               min_width: int = 16) -> int:
     """Run the repeated blocks' big linear layers (qkv, proj, fc1, fc2, cross-attention; ``fp8_layer``) of
-    ``model`` (a ditforge model, or an adapter of a diffusers one: its ``block_classes``) as float8 matrix products. Returns the number of layers changed (0 where none is ``min_width`` wide).
+    ``model`` (a ditforge model, or an adapter of a diffusers one: its ``block_classes``) as float8 matrix
+    products. Returns the number of layers changed (0 where none is ``min_width`` wide).
 
     - training (default): torchao's float8 training linears with dynamic scaling by ``recipe``
       (``Float8LinearConfig.from_recipe_name``): ``tensorwise`` (one scale per tensor; e4m3 forward, e5m2

@@ -1,9 +1,8 @@
 """The video families of diffusers (Wan 2.1 / 2.2, CogVideoX, LTX-Video and HunyuanVideo, text- and image-to-video)
-sampled by
-ditforge's own loop instead of the pipeline's ``__call__``: the pipeline's scheduler, conditioning and VAE, with the
-conditional and unconditional passes in one batch (or on two GPUs), the transformer in bf16 or with float8 linear
-layers, compiled block by block, split over GPUs along its tokens (diffusers' context parallelism: Ulysses and ring
-attention), optionally with diffusers' First Block Cache, and the VAE decode split in tiles over the GPUs.
+sampled by ditforge's own loop instead of the pipeline's ``__call__``: the pipeline's scheduler, conditioning and VAE,
+with the conditional and unconditional passes in one batch (or on two GPUs), the transformer in bf16 or with float8
+linear layers, compiled block by block, split over GPUs along its tokens (diffusers' context parallelism: Ulysses and
+ring attention), optionally with diffusers' First Block Cache, and the VAE decode split in tiles over the GPUs.
 
 The arithmetic follows diffusers' ``pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__``) and
 ``pipeline_wan_i2v.py`` (``WanImageToVideoPipeline.__call__``), with each family's differences behind its adapter
@@ -83,8 +82,8 @@ class VideoSampler:
       its Flash / cuDNN kernels;
     - ``compile``: each repeated block compiled (``torch.compile``, static shapes but a cropped text's length;
       ``fullgraph`` unless caching, whose decision is a host-side branch, or context parallelism, whose split is a
-      hook diffusers' way of reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``. No CUDA graphs: a
-      step of a 480x832x81 Wan clip takes about a second, which launches do not bound.
+      hook diffusers' way of reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``.
+      No CUDA graphs: a step of a 480x832x81 Wan clip takes about a second, which launches do not bound.
 
     The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; Wan's under
     torchrun in tiles split over all processes (``decode_tiles_split``): by default one column strip per process

@@ -92,8 +92,8 @@ def _reference_first_loss(folder: Path, condition: str | None = None) -> float:
             embeds, pooled, mask = pipe.encode_prompt(texts, device="cpu", max_sequence_length=256)
         else:
             first = pixels[:, :, 0]
-            images = [Image.fromarray(np.asarray(((f + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)))
-                      for f in first]
+            uint8 = ((first + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+            images = [Image.fromarray(np.asarray(f)) for f in uint8]
             embeds, pooled, mask = pipe.encode_prompt(image=images, prompt=texts, device="cpu", max_sequence_length=256,
                                                       image_embed_interleave=4 if condition == "token_replace" else 2)
             image = pipe.vae.encode(first[:, :, None]).latent_dist.mode() * pipe.vae.config.scaling_factor

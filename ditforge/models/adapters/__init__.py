@@ -201,8 +201,7 @@ class DiffusersDenoiser(nn.Module):
         latents themselves."""
         if "first_frame" not in image_cond:
             return latents
-        first = image_cond["first_frame"][:1].to(latents.dtype).expand(len(latents), -1, -1, -1, -1)
-        return torch.cat([first, latents[:, :, 1:]], dim=2)
+        return with_first_frame(latents, image_cond["first_frame"][:1])
 
     @staticmethod
     def trim_padding(cond: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bool]:
@@ -240,6 +239,12 @@ class DiffusersDenoiser(nn.Module):
         return out
 
 
+def with_first_frame(x: torch.Tensor, first_frame: torch.Tensor) -> torch.Tensor:
+    """Latents x (B, C, T', h, w) with ``first_frame`` (B or 1, C, 1, h, w) in place of their first frame, in x's
+    dtype: an image-to-video family's given first latent frame."""
+    return torch.cat([first_frame.to(x.dtype).expand(len(x), -1, -1, -1, -1), x[:, :, 1:]], dim=2)
+
+
 def give_first_frame(x: torch.Tensor, t: torch.Tensor, first_frame: torch.Tensor,
                      patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The transformer's input when the first latent frame is given clean (image-to-video of Wan 2.2 TI2V and
@@ -249,7 +254,7 @@ def give_first_frame(x: torch.Tensor, t: torch.Tensor, first_frame: torch.Tensor
     The pipelines' first-frame mask times t (``WanImageToVideoPipeline`` with ``expand_timesteps``: ``temp_ts``;
     ``LTXImageToVideoPipeline``: ``t (1 - conditioning_mask)``)."""
     p_t, p_h, p_w = patch
-    x = torch.cat([first_frame.to(x.dtype).expand(len(x), -1, -1, -1, -1), x[:, :, 1:]], dim=2)
+    x = with_first_frame(x, first_frame)
     mask = torch.ones(x.shape[2] // p_t, (x.shape[3] // p_h) * (x.shape[4] // p_w), device=t.device, dtype=t.dtype)
     mask[0] = 0
     return x, mask.flatten()[None] * t[:, None]

@@ -1,9 +1,9 @@
-"""HunyuanVideo text- and image-to-video: diffusers' ``HunyuanVideoTransformer3DModel`` (double-stream then single-stream
-blocks, as FLUX, over 1 x 2 x 2 patches of the causal 3-D VAE's latents; a Llama encoder's states through a token
-refiner, a CLIP pooled vector, and a distilled guidance scale embedded like the timestep) trained with flow matching,
-shift 7 (its ``FlowMatchEulerDiscreteScheduler``; ``ditforge.diffusion.objective``). Sources of the calls below:
-diffusers' ``pipelines/hunyuan_video/pipeline_hunyuan_video.py`` (``HunyuanVideoPipeline.__call__`` and
-``encode_prompt``) and ``pipeline_hunyuan_video_image2video.py`` (``HunyuanVideoImageToVideoPipeline.__call__``,
+"""HunyuanVideo text- and image-to-video: diffusers' ``HunyuanVideoTransformer3DModel`` (double-stream then
+single-stream blocks, as FLUX, over 1 x 2 x 2 patches of the causal 3-D VAE's latents; a Llama encoder's states
+through a token refiner, a CLIP pooled vector, and a distilled guidance scale embedded like the timestep) trained
+with flow matching, shift 7 (its ``FlowMatchEulerDiscreteScheduler``; ``ditforge.diffusion.objective``). Sources of
+the calls below: diffusers' ``pipelines/hunyuan_video/pipeline_hunyuan_video.py`` (``HunyuanVideoPipeline.__call__``
+and ``encode_prompt``) and ``pipeline_hunyuan_video_image2video.py`` (``HunyuanVideoImageToVideoPipeline.__call__``,
 ``prepare_latents`` and ``encode_prompt``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default
+from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default, with_first_frame
 
 TRAIN_GUIDANCE = 1.0  # the embedded guidance scale fine-tuning runs at (finetrainers, musubi-tuner, diffusion-pipe)
 
@@ -74,6 +74,12 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
         return {"sigmas": np.linspace(1.0, 0.0, steps + 1)[:-1]}
 
 
+def _replaces_tokens(transformer) -> bool:
+    """Whether an image-to-video transformer gives the image as its first latent frame (``token_replace``,
+    HunyuanVideo-I2V), not concatenated to the channels (``latent_concat``, HunyuanVideo-I2V-33ch)."""
+    return transformer.config.image_condition_type == "token_replace"
+
+
 class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
     """HunyuanVideo image-to-video (``HunyuanVideoImageToVideoPipeline``), both released transformers, told apart by
     their config's ``image_condition_type``:
@@ -104,16 +110,12 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
     prompt_sees_image = True
 
     @property
-    def replaces_tokens(self) -> bool:
-        return self.inner.config.image_condition_type == "token_replace"
-
-    @property
     def embedded_guidance(self) -> bool:
         return bool(self.inner.config.guidance_embeds)
 
     @property
     def given_frames(self) -> int:
-        return int(self.replaces_tokens)
+        return int(_replaces_tokens(self.inner))
 
     @property
     def in_channels(self) -> int:
@@ -124,7 +126,7 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
     def denoise(self, x, t, encoder_hidden_states, encoder_attention_mask, pooled_projections, guidance=None,
                 image_condition=None, first_frame=None):
         if first_frame is not None:
-            x = torch.cat([first_frame.to(x.dtype).expand(len(x), -1, -1, -1, -1), x[:, :, 1:]], dim=2)
+            x = with_first_frame(x, first_frame)
         else:
             x = torch.cat([x, image_condition.to(x.dtype)], dim=1)
         return super().denoise(x, t, encoder_hidden_states, encoder_attention_mask, pooled_projections, guidance)
@@ -140,10 +142,10 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
 
         texts = list(texts)
         images = [Image.new("RGB", (64, 64), 0)] * len(texts) if images is None else as_images(images)
-        condition = pipe.transformer.config.image_condition_type
+        interleave = 4 if _replaces_tokens(pipe.transformer) else 2
         rows = [pipe.encode_prompt(image=[image], prompt=[text], device=device,
                                    max_sequence_length=call_default(pipe, "max_sequence_length"),
-                                   image_embed_interleave=4 if condition == "token_replace" else 2)
+                                   image_embed_interleave=interleave)
                 for text, image in zip(texts, images)]  # one a call: a truncated prompt's crop holds for batch 1 only
         embeds, pooled, mask = (torch.cat(parts) for parts in zip(*rows))
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask, "pooled_projections": pooled}
@@ -162,7 +164,7 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
         with torch.no_grad():
             latents = vae.encode(first[:, :, None].to(device, vae.dtype)).latent_dist.mode().float()
         latents = latents * vae.config.scaling_factor
-        if pipe.transformer.config.image_condition_type == "token_replace":
+        if _replaces_tokens(pipe.transformer):
             return {"first_frame": latents}
         frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
         b, c, _, h, w = latents.shape
@@ -181,6 +183,4 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
 
     @staticmethod
     def decoded_frames(pipe, frames):
-        if pipe.transformer.config.image_condition_type == "token_replace":
-            return frames
-        return frames[:, :, pipe.vae_scale_factor_temporal:]
+        return frames if _replaces_tokens(pipe.transformer) else frames[:, :, pipe.vae_scale_factor_temporal:]
