@@ -22,7 +22,8 @@ guidance 6 embedded (one pass a step), 480 x 848, 61 frames (latents 16 x 16 x 6
 256 text tokens, a prompt of 40 of them). One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of
 ``--repeat`` timed calls after one warm-up call (which compiles), wall clock between synchronisations; ``loop_s`` /
 ``decode_s``: the same call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, 8-bit
-self-attention (``qattn``: ``--quantized_attention``; and with fp8 linears), First Block Cache, fp32 (the reference
+self-attention (``qattn``: ``--quantized_attention``; and with fp8 linears), First Block Cache, TaylorSeer
+(``ts2``: ``--taylorseer_cache 2``; and with fp8 and 8-bit attention, interval 2 or 3), fp32 (the reference
 for PSNR / SSIM of the uint8 frames), and under torchrun CFG-parallel and context parallelism (Ulysses), and
 CFG-parallel with the weights sharded (``cfg2_fsdp``: ``--plugin fsdp``; the peak memory shows the saving). Every row
 rebuilds the transformer from the same seed on its GPU, so every row draws the same video up to its arithmetic.
@@ -67,6 +68,9 @@ ROWS = {
     "fbc10": dict(compile="default", first_block_cache=0.10),
     "fp8_fbc05": dict(compile="default", mixed_precision="fp8", first_block_cache=0.05),
     "fp8_fbc10": dict(compile="default", mixed_precision="fp8", first_block_cache=0.10),
+    "ts2": dict(compile="default", taylorseer_cache=2),
+    "fp8_qattn_ts2": dict(compile="default", mixed_precision="fp8", quantized_attention=True, taylorseer_cache=2),
+    "fp8_qattn_ts3": dict(compile="default", mixed_precision="fp8", quantized_attention=True, taylorseer_cache=3),
     "fp32": dict(mixed_precision="fp32"),
     "cfg2": dict(compile="default", cfg_parallel=True),
     "ulysses2": dict(compile="default", sequence_parallel_size=2),

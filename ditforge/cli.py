@@ -178,6 +178,10 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
                       "diffusers' First Block Cache: reuse the other blocks' residual while the first block's "
                       "output changed by less than THRESHOLD (mean relative L1, e.g. 0.05) since the last full "
                       "pass; changes the samples (see docs/sampling.md)")
+    fast.add_argument("--taylorseer_cache", type=int, metavar="N", help="video pipelines: diffusers' TaylorSeer cache "
+                      "(lite): after 3 full steps a full pass every N steps, the transformer's output forecast to "
+                      "first order from the last two in between (N = 2 skips 24 of 50 steps); changes the samples "
+                      "(see docs/sampling.md); not with --first_block_cache")
     fast.add_argument("--quantized_attention", action="store_true", default=None, help="video pipelines: "
                       "self-attention with int8 Q K^T and float8 P V (ditforge's Triton kernel, SageAttention's "
                       "scaling; FP8 GPU); cross-attention stays exact; changes the samples (see docs/sampling.md)")

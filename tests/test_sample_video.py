@@ -166,6 +166,45 @@ def test_first_block_cache_skips_passes_and_stays_close(folders, tmp_path):
     assert diff.max() > 0 and diff.mean() < 20
 
 
+def test_taylorseer_cache_equals_the_pipeline_with_the_same_hook(folders, tmp_path):
+    """``--taylorseer_cache 2`` (``sample.video.step_cache``) over 7 steps: ditforge's loop (the guided pair in one
+    call) equals diffusers' ``WanPipeline`` with the same ``TaylorSeerCacheConfig`` on its transformer (the pair in
+    two calls, each its own cache context) within 1e-5; the blocks compute at steps 0, 1, 2, 4 and 6 alone (5 of 7
+    calls reach the first block's self-attention); the latents move away from the exact ones (the forecast steps
+    are not the model's). With ``--compile`` each block's compiled forward sits inside the cache's hook, so the
+    cache's decision stays on the host (compiling is left to the GPU benchmark)."""
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel.mesh import Dist
+    from ditforge.sample.load import SampleConfig
+    from ditforge.sample.video import VideoSampler, step_cache
+
+    steps, seed = 7, derive_seed(0, 0)
+    folder = folders["t2v"]
+    cfg = SampleConfig(ckpt=str(folder), mixed_precision="fp32", taylorseer_cache=2)
+    pipe = _pipeline(folder)
+    call = dict(prompt=PROMPT, height=H, width=W, num_frames=FRAMES, num_inference_steps=steps, guidance_scale=4.5,
+                output_type="latent")
+    exact = pipe(**call, generator=torch.Generator("cpu").manual_seed(seed)).frames
+    pipe.transformer.enable_cache(step_cache(cfg)[1])
+    expected = pipe(**call, generator=torch.Generator("cpu").manual_seed(seed)).frames
+
+    pre = load_pretrained(folder, torch.device("cpu"), flag="--ckpt", sampling=True)
+    sampler = VideoSampler(pre, pre.denoiser.eval(), Dist(), cfg)
+    calls = []
+    pre.denoiser.inner.blocks[0].attn1.register_forward_pre_hook(lambda *_: calls.append(1))
+    got = sampler.denoise(pre.encode_prompt([PROMPT]), pre.encode_prompt([""]), tuple(expected.shape), seed, steps,
+                          4.5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert len(calls) == 5
+    assert (got - exact).abs().max() > 1e-3
+
+    compiled = load_pretrained(folder, torch.device("cpu"), flag="--ckpt", sampling=True)
+    VideoSampler(compiled, compiled.denoiser, Dist(), SampleConfig(ckpt="-", compile="default", taylorseer_cache=2))
+    for block in compiled.denoiser.inner.blocks:
+        hooked = block._diffusers_hook.get_hook("taylorseer_cache")
+        assert hasattr(hooked.fn_ref.original_forward, "_torchdynamo_orig_callable")
+
+
 def test_quantized_attention_runs_the_self_attention_through_the_kernel(folders, tmp_path, capsys, monkeypatch):
     """``--quantized_attention`` (``models.adapters.dispatch``, ``ops.quant_attention``) on a Wan transformer with
     heads 32 wide. Routed to exact attention, the transformer's output is unchanged (1e-6) and the route saw only
@@ -257,6 +296,8 @@ def test_ti2v_image_to_video_equals_the_pipeline(tmp_path):
     (("--pab",), "--pab/--fora"),
     (("--image", "x.png"), "--image x.png"),
     (("--first_block_cache", "0"), "--first_block_cache: expected a threshold > 0"),
+    (("--taylorseer_cache", "1"), "--taylorseer_cache: expected a full-pass interval N >= 2"),
+    (("--taylorseer_cache", "2", "--first_block_cache", "0.1"), "with --first_block_cache"),
     (("--cfg_parallel",), "--cfg_parallel"),
     (("--vae_tile", "40"), "--vae_tile: expected a multiple of 32"),
     (("--plugin", "fsdp"), "--plugin fsdp: shards the transformer over the processes of torchrun"),

@@ -92,6 +92,10 @@ def sample(cfg: SampleConfig) -> np.ndarray:
         raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {cfg.compile}")
     if cfg.first_block_cache is not None and not cfg.first_block_cache > 0:
         raise UserError(f"--first_block_cache: expected a threshold > 0 (e.g. 0.05), got {cfg.first_block_cache}")
+    if cfg.taylorseer_cache is not None and (cfg.taylorseer_cache < 2 or cfg.first_block_cache is not None):
+        raise UserError(f"--taylorseer_cache: expected a full-pass interval N >= 2 and no --first_block_cache (both "
+                        f"are step caches), got {cfg.taylorseer_cache}"
+                        + (" with --first_block_cache" if cfg.first_block_cache is not None else ""))
     if cfg.vae_tile is not None and (cfg.vae_tile < 32 or cfg.vae_tile % 32):
         raise UserError(f"--vae_tile: expected a multiple of 32 pixels (tiles overlap by a quarter, in whole latent "
                         f"pixels), got {cfg.vae_tile}")

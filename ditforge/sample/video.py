@@ -69,9 +69,11 @@ class VideoSampler:
       activations (Wan-14B's 28 GB of bf16 weights on 24 GB cards). The weights are cast on the host and move to
       the GPU as shards. Composes with ``cfg_parallel`` and context parallelism, whose processes run the same
       blocks in the same order;
-    - ``first_block_cache`` (a threshold): diffusers' First Block Cache (ParaAttention; TeaCache's idea): when the
-      first block's residual changed by less than this mean relative L1 distance since the last full pass, the
-      other blocks' residual of that pass is reused;
+    - step caching (``step_cache``), one of: ``first_block_cache`` (a threshold), diffusers' First Block Cache
+      (ParaAttention; TeaCache's idea): when the first block's residual changed by less than this mean relative L1
+      distance since the last full pass, the other blocks' residual of that pass is reused; ``taylorseer_cache``
+      (an interval N), diffusers' TaylorSeer cache (lite): a full pass every N steps after the first 3, and in
+      between the blocks skipped and the output forecast to first order;
     - ``quantized_attention``: the transformer's self-attention through ``ops.quant_attention`` (int8 Q K^T,
       float8 P V; SageAttention's scaling), routed at diffusers' attention dispatcher
       (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default (HunyuanVideo's
@@ -81,8 +83,9 @@ class VideoSampler:
       (batch 1), the attention run without them (``models.adapters.dispatch.unmask_full_attention``), so SDPA takes
       its Flash / cuDNN kernels;
     - ``compile``: each repeated block compiled (``torch.compile``, static shapes but a cropped text's length;
-      ``fullgraph`` unless caching, whose decision is a host-side branch, or context parallelism, whose split is a
-      hook diffusers' way of reading arguments keeps dynamo from tracing), as diffusers' ``compile_repeated_blocks``.
+      ``fullgraph`` unless context parallelism, whose split is a hook diffusers' way of reading arguments keeps
+      dynamo from tracing; a cache's hooks wrap the compiled forwards, so its decisions stay on the host), as
+      diffusers' ``compile_repeated_blocks``.
       No CUDA graphs: a step of a 480x832x81 Wan clip takes about a second, which launches do not bound.
 
     The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; Wan's under
@@ -96,10 +99,9 @@ class VideoSampler:
 
     Raises:
         UserError: fp8 or quantized attention without an FP8 GPU or Triton, quantized attention under sequence
-            parallelism; a sequence-parallel size the token count or heads cannot
-            take (diffusers' message), or for a family whose tokens are not split (``context_parallel``); first block
-            cache under sequence parallelism or with fsdp; fsdp with fp8
-            or in one process.
+            parallelism; a sequence-parallel size the token count or heads cannot take (diffusers' message), or
+            for a family whose tokens are not split (``context_parallel``); step caching under sequence parallelism
+            or with fsdp; fsdp with fp8 or in one process.
     """
 
     def __init__(self, pre, denoiser, d: Dist, cfg: SampleConfig):
@@ -113,7 +115,7 @@ class VideoSampler:
                         for model in (pipe.transformer, getattr(pipe, "transformer_2", None)) if model is not None]
         ratio = getattr(pipe.config, "boundary_ratio", None) if len(self.experts) > 1 else None
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
-        self.cache = cfg.first_block_cache
+        self.cache = step_cache(cfg)  # (flag, diffusers cache config) or None
         self.is_main = d.is_main
         self.vae = VAE(pipe.vae)  # the family's latent normalisation
         vae = pipe.vae
@@ -135,15 +137,15 @@ class VideoSampler:
             self.cfg_group = (d.sp_mesh["dp"] if d.sp_mesh is not None else d.mesh).get_group()
             self.cfg_rank = dist.get_rank(self.cfg_group)
         if d.sp_size > 1 and self.cache is not None:
-            raise UserError("--first_block_cache: not with --sequence_parallel_size > 1 (each process would decide on "
-                            "its own slice of the tokens, and a skip on one would hang the others); use "
-                            "--cfg_parallel, or drop --first_block_cache")
+            raise UserError(f"{self.cache[0]}: not with --sequence_parallel_size > 1 (the caches keep and skip whole "
+                            "blocks' outputs, which context parallelism splits and gathers inside); use "
+                            f"--cfg_parallel, or drop {self.cache[0]}")
         self.shard = cfg.plugin == "fsdp"
         if self.shard and d.mesh is None:
             raise UserError("--plugin fsdp: shards the transformer over the processes of torchrun; in one process "
                             "drop it")
         if self.shard and (self.cache is not None or cfg.mixed_precision == "fp8"):
-            other = ("--first_block_cache (a skip on one process would leave the others waiting in a gather)"
+            other = (f"{self.cache[0]} (a skipped block on one process would leave the others waiting in a gather)"
                      if self.cache is not None else "--mixed_precision fp8")
             raise UserError(f"--plugin fsdp: not with {other}; drop one of them")
         if cfg.quantized_attention:
@@ -199,10 +201,6 @@ class VideoSampler:
             self.unmasked += unmask_full_attention(transformer)
         if mesh is not None:
             split_tokens(transformer, d, mesh)
-        if self.cache is not None:
-            from diffusers.hooks import FirstBlockCacheConfig
-
-            transformer.enable_cache(FirstBlockCacheConfig(threshold=self.cache))
         if cfg.compile != "none":
             from torch._inductor import list_mode_options
 
@@ -210,17 +208,18 @@ class VideoSampler:
             # static shapes, but HunyuanVideo's text, cropped to each video's own length (trim_padding): dynamic
             # after its second length (automatic dynamic shapes), where one graph a length would meet dynamo's
             # recompile limit (8) within a prompt file
-            options = dict(fullgraph=self.cache is None and mesh is None,
-                           dynamic=None if denoiser.masked_self_attention else False,
+            options = dict(fullgraph=mesh is None, dynamic=None if denoiser.masked_self_attention else False,
                            options=dict(list_mode_options(mode)))
             for block in blocks:
-                # the hooks of caching (a host-side decision) and of context parallelism (block 0 splits its
-                # input) are not traceable whole: those blocks compile in parts. FSDP's gathers are hooks that
-                # dynamo does not trace (it finds no frame): a sharded block compiles its forward, inside them
-                if self.shard:
+                # the hooks of context parallelism (block 0 splits its input) are not traceable whole: those
+                # blocks compile in parts. FSDP's gathers are hooks that dynamo does not trace (it finds no frame),
+                # and a cache's decision is host-side: there a block compiles its forward, inside those hooks
+                if self.shard or self.cache is not None:
                     block.forward = torch.compile(block.forward, **options)
                 else:
                     block.compile(**options)
+        if self.cache is not None:  # after the compile: its hooks wrap the compiled forwards
+            transformer.enable_cache(self.cache[1])
 
     def denoise(self, cond: dict, uncond: dict | None, shape: tuple[int, ...], seed: int, steps: int,
                 guidance: float, image_cond: dict | None = None, progress: bool = False,
@@ -332,6 +331,34 @@ def _check_quantized_attention(d: Dist, denoiser) -> None:
     if width not in HEAD_DIMS:
         raise UserError(f"--quantized_attention: the kernel takes heads {', '.join(map(str, HEAD_DIMS))} wide; "
                         f"{type(denoiser.inner).__name__}'s are {width}")
+
+
+def step_cache(cfg: SampleConfig) -> tuple[str, object] | None:
+    """(the flag, its diffusers cache config) of the step caching asked for, or None; the command checks that one is
+    given at most.
+
+    - ``--first_block_cache T``: ``FirstBlockCacheConfig(threshold=T)`` (ParaAttention's First Block Cache,
+      TeaCache's idea: Liu et al. 2024, arXiv 2411.19108): the other blocks' residual is reused while the first
+      block's output moved by less than T (mean relative L1) since the last full pass. Adaptive: how many passes it
+      skips depends on the weights.
+    - ``--taylorseer_cache N``: ``TaylorSeerCacheConfig(cache_interval=N, max_order=1, use_lite_mode=True)``
+      (TaylorSeer: Liu et al. 2025, arXiv 2503.06923, its Taylor forecast to first order; diffusers' lite variant):
+      steps 0-2 and then 4, 4 + N, 4 + 2N, ... are full passes; at the others the blocks are skipped and the
+      transformer's output (``proj_out``'s) is forecast from the last two full passes,
+      ``f(k) + (s - k) (f(k) - f(j)) / (k - j)`` at step s (k, j the last two full steps; float32 factors). A fixed
+      schedule: of 50 steps 26 are full at N = 2, 19 at N = 3. Its memory is two of the transformer's outputs.
+    """
+    if cfg.first_block_cache is not None:
+        from diffusers.hooks import FirstBlockCacheConfig
+
+        return "--first_block_cache", FirstBlockCacheConfig(threshold=cfg.first_block_cache)
+    if cfg.taylorseer_cache is not None:
+        from diffusers.hooks import TaylorSeerCacheConfig
+
+        return "--taylorseer_cache", TaylorSeerCacheConfig(cache_interval=cfg.taylorseer_cache, max_order=1,
+                                                           disable_cache_before_step=3,
+                                                           taylor_factors_dtype=torch.float32, use_lite_mode=True)
+    return None
 
 
 def _wrap(denoiser, model: torch.nn.Module, pipe):
@@ -500,13 +527,13 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     Raises:
         UserError: a frame count the VAE cannot take, a frame size the latents and patches do not divide, a video
             file ``out`` for several prompts, speed settings this path lacks (``--pab`` / ``--fora``; use
-            ``--first_block_cache``), and ``VideoSampler``'s.
+            ``--first_block_cache`` or ``--taylorseer_cache``), and ``VideoSampler``'s.
     """
     from ditforge.sample.write import save_npz
 
     if cfg.pab or cfg.fora is not None:
         raise UserError("--pab/--fora: ditforge's step caching works on its own DiTs; a diffusers video pipeline "
-                        "takes --first_block_cache THRESHOLD")
+                        "takes --first_block_cache THRESHOLD or --taylorseer_cache N")
     pipe = pre.pipe
     defaults = pipeline_defaults(pipe)
     size = run.data.image_size if run is not None else None
