@@ -7,6 +7,12 @@ all-gather them at its output (Wan: ``proj_out``); attention runs Ulysses (all-t
 2023), ring (K/V rotated; Liu et al. 2023), or both (USP; Fang and Zhao 2024), with a backward for each. The
 diffusers code is not copied: this module chooses the split, builds its DeviceMesh and fixes the gradient scale.
 
+A joint text-video attention (HunyuanVideo's, whose blocks attend over [video tokens; text tokens] at once) has no
+diffusers plan: split as Wan is, the text tokens every process holds would enter Ulysses' all-to-all P times over, and
+weigh P times in the softmax. ``joint_text_plan`` splits the video tokens alone and ``JointTextAttention`` runs
+Ulysses on them while each process keeps the text's keys and values of its own heads (no communication for them),
+then gathers the text's output over the heads.
+
 Gradients when training: every process of a group computes the same loss on the gathered output; the gather's
 backward (``diffusers.hooks.context_parallel.AllGatherFunction``) keeps this process's slice of the gradient, so
 each process holds its tokens' share of every parameter gradient, and the group's shares sum to one process's
@@ -21,6 +27,7 @@ import contextlib
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ditforge.errors import UserError
@@ -63,12 +70,23 @@ def token_mesh(transformer: nn.Module, d: Dist, kind: str):
                             mesh_dim_names=("outer", "ring", "ulysses"))
 
 
-def split_tokens(transformer: nn.Module, d: Dist, mesh) -> None:
-    """diffusers' context parallelism on ``transformer`` over ``mesh``'s ring x ulysses part (``token_mesh``), in
-    place, with a one-line refusal of a token count the group does not divide (diffusers would assert)."""
+def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
+    """diffusers' context parallelism on ``denoiser``'s transformer over ``mesh``'s ring x ulysses part
+    (``token_mesh``), in place, with a one-line refusal of a token count the group does not divide (diffusers would
+    assert): by the model's own ``_cp_plan``, or for a joint text-video attention (HunyuanVideo) by
+    ``joint_text_plan`` with ``JointTextAttention`` (Ulysses only).
+
+    Raises:
+        UserError: a ring part for a joint text-video attention."""
     from diffusers import ContextParallelConfig
 
+    transformer = denoiser.inner
+    joint = denoiser.masked_self_attention  # HunyuanVideo: the text rides in every block's (masked) self-attention
     ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
+    if joint and ring > 1:
+        raise UserError(f"--sequence_parallel_size {ring * ulysses}: {type(transformer).__name__} splits its video "
+                        f"tokens by Ulysses alone; use a size that divides its {transformer.config.num_attention_heads} "
+                        "heads (--sequence_parallel_type ulysses)")
     if ring > 1:
         transformer.set_attention_backend("_native_cudnn")  # the SDPA kernel that returns the log-sum-exp
     config = ContextParallelConfig(ring_degree=ring if ring > 1 else None,
@@ -78,9 +96,80 @@ def split_tokens(transformer: nn.Module, d: Dist, mesh) -> None:
             from unittest import mock  # 0 on a machine without one; the index is unused on the CPU
 
             stack.enter_context(mock.patch.object(torch.accelerator, "device_count", lambda: 1))
-        transformer.enable_parallelism(config=config)
-    transformer.register_forward_pre_hook(_divisible_check(ring * ulysses, transformer.config.patch_size),
-                                          with_kwargs=True)
+        transformer.enable_parallelism(config=config, cp_plan=joint_text_plan() if joint else None)
+    if joint:
+        from ditforge.models.adapters.dispatch import intercept_attention
+
+        attention = JointTextAttention(mesh["ulysses"].get_group())
+        intercept_attention(transformer, attention)
+        transformer.register_forward_pre_hook(attention.read_text_length, with_kwargs=True)
+    patch = transformer.config.patch_size
+    if joint:  # HunyuanVideo states the temporal patch apart
+        patch = (transformer.config.patch_size_t, patch, patch)
+    transformer.register_forward_pre_hook(_divisible_check(ring * ulysses, patch), with_kwargs=True)
+
+
+def joint_text_plan() -> dict:
+    """A context-parallel plan (diffusers' ``ContextParallelInput`` / ``Output``) for HunyuanVideo's transformer:
+    the video tokens split at the first double-stream block's input and the RoPE tables (cos, sin; (N, D)) with
+    them, gathered at ``proj_out``; the text stays whole on every process (its token refiner, and the text stream of
+    every block)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    table = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+    return {"rope": {0: table, 1: table},
+            "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3,
+                                                                           split_output=False)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+
+
+class JointTextAttention:
+    """Ulysses over a joint attention whose queries, keys and values are (B, S + L, H, D): this process's S video
+    tokens (the sequence split over the group of P in order) then the L text tokens, the same on every process.
+
+    The video tokens go through Ulysses' all-to-all (``ulysses.seq_to_heads``): each process then holds all P S video
+    tokens of its H / P heads, beside the text tokens of the same heads (a slice, no communication); attention over
+    [video; text] runs there through the processor's own backend; the video output goes back by the inverse
+    all-to-all and the text output is gathered over the heads. Equal to one process's attention over the whole
+    sequence (Jacobs et al. 2023's Ulysses with the replicated tokens kept out of the exchange). A call whose queries
+    are the text alone (the token refiner's) runs whole on every process. Sampling only (no gradient through the
+    gathers). L is read from the transformer's ``encoder_hidden_states`` before each forward
+    (``read_text_length``).
+
+    Raises (in the call):
+        ValueError: a mask on a joint call (sampling unmasks the joint attention: one video a pass, its padding
+            cropped).
+    """
+
+    def __init__(self, group):
+        self.group, self.text = group, None
+
+    def read_text_length(self, module, args, kwargs) -> None:
+        self.text = (kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[2]).shape[1]
+
+    def __call__(self, query, key, value, attn_mask, attend):
+        from ditforge.parallel.collectives import all_gather_single
+        from ditforge.parallel.sequence.ulysses import heads_to_seq, seq_to_heads
+
+        video = query.shape[1] - self.text
+        if video == 0:  # the token refiner: text alone
+            return attend(query, key, value, attn_mask)
+        if attn_mask is not None:
+            raise ValueError("a masked joint text-video attention under context parallelism: sampling drops the "
+                             "mask (one video a pass, its text padding cropped)")
+        p, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        b, _, heads, dh = query.shape
+        own = slice(rank * heads // p, (rank + 1) * heads // p)
+        # (B, H, S, D) views of the video part -> (3, B, H/P, P S, D), tokens-major as the processor's own
+        qv, kv, vv = seq_to_heads(*(x[:, :video].transpose(1, 2) for x in (query, key, value)), self.group)
+        q, k, v = (torch.cat([x.transpose(1, 2), y[:, video:, own]], dim=1) for x, y in
+                   ((qv, query), (kv, key), (vv, value)))
+        out = attend(q, k, v, None)  # (B, P S + L, H/P, D)
+        video_out = heads_to_seq(out[:, :p * video].transpose(1, 2), self.group).transpose(1, 2)  # (B, S, H, D)
+        text_out = torch.empty(p, *out[:, p * video:].shape, dtype=out.dtype, device=out.device)
+        all_gather_single(text_out, out[None, :, p * video:].contiguous(), self.group)  # (P, B, L, H/P, D)
+        text_out = text_out.permute(1, 2, 0, 3, 4).reshape(b, self.text, heads, dh)
+        return torch.cat([video_out, text_out], dim=1)
 
 
 def _divisible_check(size: int, patch):
@@ -124,15 +213,18 @@ def scale_gradient(transformer: nn.Module, factor: int) -> None:
     transformer.register_forward_hook(hook)
 
 
-def refuse_unsplittable(family, sp_size: int, remedy: str) -> None:
+def refuse_unsplittable(family, sp_size: int, remedy: str, use: str = "sample") -> None:
     """UserError (one line, ending in ``remedy``) when each sample's tokens are split over ``sp_size`` > 1 processes
-    (``--sequence_parallel_size``) and the adapter class ``family`` (a ``DiffusersDenoiser`` subclass) has no tested
-    context-parallel plan (``context_parallel``: the Wan families)."""
-    if sp_size > 1 and not family.context_parallel:
+    (``--sequence_parallel_size``) for ``use`` (``"sample"`` or ``"train"``) and the adapter class ``family`` (a
+    ``DiffusersDenoiser`` subclass) has no tested context-parallel plan for it (``context_parallel``: the Wan
+    families both, HunyuanVideo text-to-video sampling)."""
+    if sp_size > 1 and use not in family.context_parallel:
+        doing = "fine-tuning" if use == "train" else "sampling"
         raise UserError(f"--sequence_parallel_size {sp_size}: {' / '.join(family.pipelines)} does not split its "
-                        "tokens (ditforge splits the Wan families' by diffusers' context-parallel plan; diffusers "
-                        "has none for CogVideoX, HunyuanVideo and the image families, and LTX-Video's fails under "
-                        f"Ulysses on its attention mask); {remedy}")
+                        f"tokens when {doing} (ditforge splits the Wan families' by diffusers' context-parallel "
+                        "plan, and HunyuanVideo's text-to-video sampling by its own; diffusers has none for CogVideoX "
+                        "and the image families, and LTX-Video's fails under Ulysses on its attention mask); "
+                        f"{remedy}")
 
 
 MAX_TRAINING_RING = 2  # diffusers 0.42.1's ring backward passes each K/V chunk's gradient the wrong way round a ring
@@ -153,5 +245,5 @@ def apply_context_parallel(denoiser: nn.Module, d: Dist, kind: str) -> None:
                         f"{mesh['ring'].size()} processes, whose backward in diffusers 0.42.1 is wrong beyond "
                         f"{MAX_TRAINING_RING}; use a size whose Ulysses part divides the "
                         f"{denoiser.inner.config.num_attention_heads} heads with a ring of at most {MAX_TRAINING_RING}")
-    split_tokens(denoiser.inner, d, mesh)
+    split_tokens(denoiser, d, mesh)
     scale_gradient(denoiser.inner, d.sp_size)

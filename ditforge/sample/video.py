@@ -195,12 +195,12 @@ class VideoSampler:
                 raise UserError(f"--quantized_attention: {type(transformer).__name__}'s attention processors do not "
                                 "call diffusers' attention dispatcher; drop the flag")
             log.info("quantized attention: %d self-attention modules run int8 Q K^T and float8 P V", routed)
+        if mesh is not None:  # before the unmasking, whose mask drop then comes first in each call
+            split_tokens(denoiser, d, mesh)
         if denoiser.masked_self_attention:  # unmasked while trim_padding leaves the masks full (denoise)
             from ditforge.models.adapters.dispatch import unmask_full_attention
 
             self.unmasked += unmask_full_attention(transformer)
-        if mesh is not None:
-            split_tokens(transformer, d, mesh)
         if cfg.compile != "none":
             from torch._inductor import list_mode_options
 

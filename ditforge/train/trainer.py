@@ -352,7 +352,7 @@ def train(cfg: RunConfig) -> Path:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     sp = cfg.parallel.sequence_parallel_size
     if sp > 1 and (family := _pipeline_family(cfg)) is not None:  # before any process group or run folder
-        refuse_unsplittable(family, sp, "shard it with --plugin fsdp instead")
+        refuse_unsplittable(family, sp, "shard it with --plugin fsdp instead", use="train")
     d = init_distributed(cfg.train.device, sp,
                          group_of_one=cfg.train.cpu_offload == "all",  # FSDP2 offloads, even in one process
                          tensor_parallel_size=cfg.parallel.tensor_parallel)

@@ -1,6 +1,8 @@
 """``ditforge sample`` of a Wan pipeline folder under torchrun equals one process: 2 gloo processes with the tokens
 split (diffusers' context parallelism, Ulysses over the 2 heads) and with ``--cfg_parallel``, and 4 processes with
-both (CFG-parallel x Ulysses 2), on the tiny random ``WanPipeline`` of ``tests/finetune/tiny_pipelines.py``.
+both (CFG-parallel x Ulysses 2), on the tiny random ``WanPipeline`` of ``tests/finetune/tiny_pipelines.py``;
+CogVideoX with ``--cfg_parallel``; HunyuanVideo with its video tokens split (its own plan: the text on every
+process).
 Tolerance: the frames (uint8) within one level; the one-process run draws the same noise from the same seed."""
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from dist_helpers import torchrun_cli_many
+from dist_helpers import free_port, gloo_dp, torchrun_cli_many
 
 pytestmark = pytest.mark.slow
 
@@ -51,13 +54,19 @@ def _argv(folder: Path, npz: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def want(folder, tmp_path_factory) -> np.ndarray:
     """The one-process videos, (2, T, H, W, 3)."""
+    npz = tmp_path_factory.mktemp("one") / "one.npz"
+    return _one_process(_argv(folder, npz), npz)
+
+
+def _one_process(argv: list[str], npz: Path) -> np.ndarray:
+    """``ditforge ARGV`` in this process on one thread (as each torchrun process runs); the videos it saved to
+    ``npz``, int16."""
     from ditforge import cli
 
-    npz = tmp_path_factory.mktemp("one") / "one.npz"
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert cli.main(_argv(folder, npz)) == 0
+        assert cli.main(argv) == 0
     finally:
         torch.set_num_threads(before)
     return np.load(npz)["samples"].astype(np.int16)
@@ -145,10 +154,22 @@ def _cog_argv(folder: Path, npz: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_processes(folder, cog_folder, tmp_path_factory) -> tuple[Path, list[str]]:
+def hunyuan_folder(tmp_path_factory) -> Path:
+    return _tiny_pipelines().make_hunyuan_video(tmp_path_factory.mktemp("hunyuan") / "pipe")
+
+
+def _hunyuan_argv(folder: Path, npz: Path, *extra: str) -> list[str]:
+    return ["sample", "--ckpt", str(folder), "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--height", "32",
+            "--width", "32", "--num_frames", "5", "--num_sampling_steps", "3", "--seed", "7", "--device", "cpu",
+            "--out", str(npz.with_suffix("")), "--save_npz", str(npz), *extra]
+
+
+@pytest.fixture(scope="module")
+def two_processes(folder, cog_folder, hunyuan_folder, tmp_path_factory) -> tuple[Path, list[str]]:
     """Every 2-process run of this module, in one torchrun launch (``torchrun_cli_many``: one start-up of the two
-    processes, which import diffusers, for the Wan and the CogVideoX cases): (the folder of their .npz files, each
-    run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX, 6 refused."""
+    processes, which import diffusers, for the Wan, CogVideoX and HunyuanVideo cases): (the folder of their .npz
+    files, each run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX, 6 refused; 7:
+    HunyuanVideo."""
     work = tmp_path_factory.mktemp("two")
     one_tile = ("--vae_tile", "64")
     err = torchrun_cli_many(2, work, [
@@ -158,7 +179,8 @@ def two_processes(folder, cog_folder, tmp_path_factory) -> tuple[Path, list[str]
         _argv(folder, work / "strips.npz", "--cfg_parallel"),
         _argv(folder, work / "sp_fsdp.npz", "--sequence_parallel_size", "2", "--plugin", "fsdp", *one_tile),
         _cog_argv(cog_folder, work / "cog_cfg.npz", "--cfg_parallel"),
-        _cog_argv(cog_folder, work / "cog_sp.npz", "--sequence_parallel_size", "2")], fails=(6,))
+        _cog_argv(cog_folder, work / "cog_sp.npz", "--sequence_parallel_size", "2"),
+        _hunyuan_argv(hunyuan_folder, work / "hv_sp.npz", "--sequence_parallel_size", "2")], fails=(6,))
     return work, err
 
 
@@ -168,17 +190,71 @@ def test_cogvideox_cfg_parallel_equals_one_process(cog_folder, two_processes, tm
     one line (diffusers has no context-parallel plan for it; LTX-Video's plan fails under Ulysses on its attention
     mask in diffusers 0.42.1, and is refused the same way). The 2-process runs share the Wan cases' launch
     (``two_processes``)."""
-    from ditforge import cli
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert cli.main(_cog_argv(cog_folder, tmp_path / "one.npz")) == 0
-    finally:
-        torch.set_num_threads(before)
+    want = _one_process(_cog_argv(cog_folder, tmp_path / "one.npz"), tmp_path / "one.npz")
     work, err = two_processes
     assert "--sequence_parallel_size 2: CogVideoXPipeline does not split its tokens" in err[6]
-    want = np.load(tmp_path / "one.npz")["samples"].astype(np.int16)
     got = np.load(work / "cog_cfg.npz")["samples"].astype(np.int16)
     assert got.shape == want.shape and want.std() > 5
     assert np.abs(got - want).max() <= 1
+
+
+def test_hunyuan_video_split_over_two_processes_equals_one(hunyuan_folder, two_processes, tmp_path):
+    """``ditforge sample`` of a HunyuanVideo folder with ``--sequence_parallel_size 2`` (the video tokens split,
+    8 a process; the text, cropped to each prompt's length, on both) writes the one-process videos, to one uint8
+    level. The attention itself is held to 1e-5 below."""
+    want = _one_process(_hunyuan_argv(hunyuan_folder, tmp_path / "one.npz"), tmp_path / "one.npz")
+    got = np.load(two_processes[0] / "hv_sp.npz")["samples"].astype(np.int16)
+    assert got.shape == want.shape == (2, 5, 32, 32, 3) and want.std() > 5
+    assert np.abs(got - want).max() <= 1
+
+
+def _joint_text_worker(rank: int, port: int) -> None:
+    import copy
+    from unittest import mock
+
+    from diffusers import ContextParallelConfig, HunyuanVideoTransformer3DModel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ditforge.models.adapters.dispatch import unmask_full_attention
+    from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
+    from ditforge.parallel.context import joint_text_plan, split_tokens
+
+    with gloo_dp(rank, port, 2) as d:
+        torch.manual_seed(0)
+        model = HunyuanVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8, num_layers=2,
+            num_single_layers=2, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
+            text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4)).eval()
+        g = torch.Generator().manual_seed(1)
+        inputs = dict(hidden_states=torch.randn(1, 4, 2, 4, 6, generator=g), timestep=torch.tensor([700.0]),
+                      encoder_hidden_states=3 * torch.randn(1, 9, 16, generator=g),
+                      encoder_attention_mask=torch.ones(1, 9, dtype=torch.bool),
+                      pooled_projections=torch.randn(1, 8, generator=g), guidance=torch.tensor([6000.0]),
+                      return_dict=False)
+        with torch.no_grad():
+            want = model(**inputs)[0]
+            naive = copy.deepcopy(model)
+            mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("outer", "ring", "ulysses"))
+            split_tokens(HunyuanVideoDenoiser(model), d, mesh)
+            for marker in unmask_full_attention(model):
+                marker.full = True  # batch 1, no padding: what the sampler sets
+            got = model(**inputs)[0]
+            # diffusers' own Ulysses over [video; text] with the same split: the text enters twice
+            with mock.patch.object(torch.accelerator, "device_count", lambda: 1):  # as split_tokens on the CPU
+                naive.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2,
+                                                                      mesh=mesh["ring", "ulysses"]),
+                                         cp_plan=joint_text_plan())
+            for marker in unmask_full_attention(naive):
+                marker.full = True
+            wrong = naive(**inputs)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (wrong - want).abs().max() > 1e-3 * want.abs().max()
+
+
+def test_hunyuan_video_joint_attention_split_equals_one_process():
+    """HunyuanVideo's transformer (4 heads, 2 double- and 2 single-stream blocks, 48 video and 9 text tokens) with its
+    video tokens split over 2 gloo processes (``parallel.context.joint_text_plan``, ``JointTextAttention``: Ulysses
+    on the video tokens, each process's heads of the text kept, the text's output gathered over the heads) equals
+    the unsplit transformer within 1e-5; diffusers' own Ulysses over the same split (each process's copy of the
+    text exchanged with the video) does not: the text would count twice in every softmax."""
+    mp.spawn(_joint_text_worker, args=(free_port(),), nprocs=2)

@@ -49,8 +49,9 @@ class DiffusersDenoiser(nn.Module):
         video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
         image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX and
             LTX-Video I2V).
-        context_parallel: sampling may split the tokens over processes (diffusers' context parallelism with the
-            model's ``_cp_plan``, tested with this family: Wan).
+        context_parallel: where each sample's tokens may be split over processes (``parallel.context``):
+            ``"sample"`` and / or ``"train"`` (Wan: both, by the model's own ``_cp_plan``; HunyuanVideo: sampling,
+            by ``joint_text_plan``); empty: neither.
         embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
             (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
@@ -78,7 +79,7 @@ class DiffusersDenoiser(nn.Module):
     frames_first = False
     image_from_generator = False
     embedded_guidance = False
-    context_parallel = False
+    context_parallel: tuple[str, ...] = ()
     # every self-attention call carries a mask: sampling crops the padding it hides (trim_padding) and, with the
     # masks then full, drops them (dispatch.unmask_full_attention), so the fast and 8-bit kernels take the calls
     masked_self_attention = False

@@ -8,6 +8,10 @@ their backend. A call is routed when it carries the marker and is a plain self-a
 causal, keys as many as queries, no context-parallel config, and a head width the kernel takes. Anything else
 (cross-attention, a masked joint attention, a split sequence) runs the processor's own backend, as it would have.
 
+``intercept_attention`` hands every call of a transformer's processors to a function of ditforge's (context
+parallelism of a joint text-video attention, ``parallel.context``), with the processor's own backend to call for the
+attention itself.
+
 ``unmask_full_attention`` uses the same router for another purpose: a family whose attention always carries a mask
 (HunyuanVideo's joint text-video attention masks the text padding) computes the same without it once the padding
 is cropped away, and a mask keeps PyTorch's SDPA off its Flash and cuDNN kernels. While the caller says the masks
@@ -21,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Unmask", "route_self_attention", "unmask_full_attention"]
+__all__ = ["Intercept", "Unmask", "intercept_attention", "route_self_attention", "unmask_full_attention"]
 
 
 class _Route:
@@ -40,6 +44,14 @@ class Unmask:
         self.previous, self.full = previous, False
 
 
+class Intercept:
+    """The marker of ``intercept_attention``: every call goes to ``fn(query, key, value, attn_mask, attend)``, where
+    ``attend(q, k, v, mask)`` is the processor's own backend (``previous``) without a context-parallel config."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], previous=None):
+        self.fn, self.previous = fn, previous
+
+
 def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A ``dispatch_attention_fn`` that sends marked plain self-attention calls to the marker's kernel, and drops the
     masks of processors marked ``Unmask`` while they are full."""
@@ -49,6 +61,14 @@ def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
         if isinstance(backend, Unmask):
             attn_mask = None if backend.full else attn_mask
             backend = backend.previous
+        if isinstance(backend, Intercept):
+            previous = backend.previous
+
+            def attend(q, k, v, mask):
+                return original(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=previous)
+
+            return backend.fn(query, key, value, attn_mask, attend)
         if isinstance(backend, _Route):
             if (attn_mask is None and dropout_p == 0.0 and not is_causal and parallel_config is None
                     and not attention_kwargs and query.shape == key.shape == value.shape
@@ -91,6 +111,19 @@ def unmask_full_attention(transformer: torch.nn.Module) -> list[Unmask]:
             processor._attention_backend = Unmask(processor._attention_backend)
         markers.append(processor._attention_backend)
     return markers
+
+
+def intercept_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> int:
+    """Hand every attention call of ``transformer``'s processors that call diffusers' dispatcher to ``fn`` (see
+    ``Intercept``; q, k, v (B, S, H, D) as the processor passes them, the output the same). Returns how many processors
+    were marked. Call it after ``enable_parallelism`` (which reads the backends) and before
+    ``unmask_full_attention`` (whose mask drop then comes first)."""
+    marked = 0
+    for _, _, processor in _dispatching(transformer):
+        _install(processor)
+        processor._attention_backend = Intercept(fn, processor._attention_backend)
+        marked += 1
+    return marked
 
 
 def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor],

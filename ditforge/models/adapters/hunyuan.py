@@ -35,6 +35,7 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
     embedded_guidance = True
     # the transformer attends over the video and text tokens jointly under the text's padding mask, in every block
     masked_self_attention = True
+    context_parallel = ("sample",)  # parallel.context.joint_text_plan: the video tokens split, the text on each
     fps = 24  # HunyuanVideo is trained on (and exports) 24 fps clips
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask",
@@ -108,6 +109,7 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
                                                           "HunyuanVideoTokenReplaceSingleTransformerBlock")
     image_to_video = True
     prompt_sees_image = True
+    context_parallel = ()  # token_replace splits its blocks' tokens at the first frame, which a split moves
 
     @property
     def embedded_guidance(self) -> bool:

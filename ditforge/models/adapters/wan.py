@@ -31,7 +31,7 @@ class WanDenoiser(DiffusersDenoiser):
     component = "transformer"
     block_classes = ("WanTransformerBlock",)
     video = True
-    context_parallel = True
+    context_parallel = ("sample", "train")
     fps = 16  # Wan 2.1 / 2.2 A14B are trained on (and export) 16 fps clips
     # LoRA on the self- and cross-attention projections (finetrainers' default for Wan)
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
