@@ -1,5 +1,5 @@
 """Collectives the parallel code shares: the autograd-correct all-to-all (Ulysses, the STDiT frame exchange) and
-single-tensor all-gather / reduce-scatter under their PyTorch >= 2.13 names with the older ones as fallback
+all-gather (the sequence gather, HunyuanVideo's text heads), and single-tensor all-gather / reduce-scatter under their PyTorch >= 2.13 names with the older ones as fallback
 (FastSeq, the sequence gather, CFG parallelism)."""
 
 from __future__ import annotations
@@ -50,3 +50,30 @@ def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: ProcessGrou
     """``reduce_scatter_single`` (PyTorch >= 2.13) or its older name ``reduce_scatter_tensor`` (sum)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, x, group=group)
+
+
+class _GatherDim1(torch.autograd.Function):
+    """(B, n, ...) slices of the group -> (B, P n, ...) in rank order; backward: the gradient summed over the group,
+    this rank's slice (a reduce-scatter: each rank's copy of the gathered tensor feeds its own part of the loss).
+    The collectives work on dim 1 moved to the front, with the single-tensor all-gather / reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        local = x.transpose(0, 1).contiguous()  # (n, B, ...)
+        out = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
+        all_gather_single(out, local, group)
+        return out.transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        full = grad.transpose(0, 1).contiguous()  # (P n, B, ...)
+        out = full.new_empty((full.shape[0] // dist.get_world_size(ctx.group), *full.shape[1:]))
+        reduce_scatter_single(out, full, ctx.group)
+        return out.transpose(0, 1), None
+
+
+@torch.compiler.disable  # eager inside compiled blocks, as all_to_all
+def gather_dim1(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Autograd-aware all-gather of ``x`` (B, n, ...) along dim 1 over ``group``, see ``_GatherDim1``."""
+    return _GatherDim1.apply(x, group)

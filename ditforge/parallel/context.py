@@ -129,16 +129,14 @@ class JointTextAttention:
 
     The video tokens go through Ulysses' all-to-all (``ulysses.seq_to_heads``): each process then holds all P S video
     tokens of its H / P heads, beside the text tokens of the same heads (a slice, no communication); attention over
-    [video; text] runs there through the processor's own backend; the video output goes back by the inverse
+    [video; text] runs there through the processor's own backend, under the text's key mask (the last L entries of
+    the transformer's (B, 1, 1, N + L) mask; video keys all kept); the video output goes back by the inverse
     all-to-all and the text output is gathered over the heads. Equal to one process's attention over the whole
     sequence (Jacobs et al. 2023's Ulysses with the replicated tokens kept out of the exchange). A call whose queries
-    are the text alone (the token refiner's) runs whole on every process. Sampling only (no gradient through the
-    gathers). L is read from the transformer's ``encoder_hidden_states`` before each forward
-    (``read_text_length``).
-
-    Raises (in the call):
-        ValueError: a mask on a joint call (sampling unmasks the joint attention: one video a pass, its padding
-            cropped).
+    are the text alone (the token refiner's) runs whole on every process. Gradients: the all-to-all's backward is
+    its inverse; the text gather's is a reduce-scatter (sum), since each process's copy of the text feeds its own
+    heads' part of the loss; the replicated text's parameter gradients then sum over the group as ``scale_gradient``
+    expects. L is read from the transformer's ``encoder_hidden_states`` before each forward (``read_text_length``).
     """
 
     def __init__(self, group):
@@ -148,15 +146,12 @@ class JointTextAttention:
         self.text = (kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[2]).shape[1]
 
     def __call__(self, query, key, value, attn_mask, attend):
-        from ditforge.parallel.collectives import all_gather_single
+        from ditforge.parallel.collectives import gather_dim1
         from ditforge.parallel.sequence.ulysses import heads_to_seq, seq_to_heads
 
         video = query.shape[1] - self.text
         if video == 0:  # the token refiner: text alone
             return attend(query, key, value, attn_mask)
-        if attn_mask is not None:
-            raise ValueError("a masked joint text-video attention under context parallelism: sampling drops the "
-                             "mask (one video a pass, its text padding cropped)")
         p, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         b, _, heads, dh = query.shape
         own = slice(rank * heads // p, (rank + 1) * heads // p)
@@ -164,12 +159,13 @@ class JointTextAttention:
         qv, kv, vv = seq_to_heads(*(x[:, :video].transpose(1, 2) for x in (query, key, value)), self.group)
         q, k, v = (torch.cat([x.transpose(1, 2), y[:, video:, own]], dim=1) for x, y in
                    ((qv, query), (kv, key), (vv, value)))
-        out = attend(q, k, v, None)  # (B, P S + L, H/P, D)
+        if attn_mask is not None:  # (B, 1, 1, N + L): the video keys all kept, the text's as given
+            text_keys = attn_mask[..., -self.text:]
+            attn_mask = torch.cat([text_keys.new_ones(*text_keys.shape[:-1], p * video), text_keys], dim=-1)
+        out = attend(q, k, v, attn_mask)  # (B, P S + L, H/P, D)
         video_out = heads_to_seq(out[:, :p * video].transpose(1, 2), self.group).transpose(1, 2)  # (B, S, H, D)
-        text_out = torch.empty(p, *out[:, p * video:].shape, dtype=out.dtype, device=out.device)
-        all_gather_single(text_out, out[None, :, p * video:].contiguous(), self.group)  # (P, B, L, H/P, D)
-        text_out = text_out.permute(1, 2, 0, 3, 4).reshape(b, self.text, heads, dh)
-        return torch.cat([video_out, text_out], dim=1)
+        text_out = gather_dim1(out[:, p * video:].transpose(1, 2), self.group)  # (B, H, L, D), heads in rank order
+        return torch.cat([video_out, text_out.transpose(1, 2)], dim=1)
 
 
 def _divisible_check(size: int, patch):
@@ -217,12 +213,12 @@ def refuse_unsplittable(family, sp_size: int, remedy: str, use: str = "sample") 
     """UserError (one line, ending in ``remedy``) when each sample's tokens are split over ``sp_size`` > 1 processes
     (``--sequence_parallel_size``) for ``use`` (``"sample"`` or ``"train"``) and the adapter class ``family`` (a
     ``DiffusersDenoiser`` subclass) has no tested context-parallel plan for it (``context_parallel``: the Wan
-    families both, HunyuanVideo text-to-video sampling)."""
+    families and HunyuanVideo text-to-video, both)."""
     if sp_size > 1 and use not in family.context_parallel:
         doing = "fine-tuning" if use == "train" else "sampling"
         raise UserError(f"--sequence_parallel_size {sp_size}: {' / '.join(family.pipelines)} does not split its "
                         f"tokens when {doing} (ditforge splits the Wan families' by diffusers' context-parallel "
-                        "plan, and HunyuanVideo's text-to-video sampling by its own; diffusers has none for CogVideoX "
+                        "plan, and HunyuanVideo's text-to-video by its own; diffusers has none for CogVideoX "
                         "and the image families, and LTX-Video's fails under Ulysses on its attention mask); "
                         f"{remedy}")
 

@@ -1,7 +1,7 @@
 """Fine-tuning a diffusers pipeline (``--init_from``) under torchrun equals one process: FSDP and ZeRO-2 (full
 fine-tuning) and FSDP with LoRA on 2 gloo processes, a tiny SD pipeline on captioned images (the adapter's
-repeated blocks are what ``fully_shard`` wraps); a tiny Wan 2.1 pipeline on the built-in clips with its tokens
-split over the 2 processes (``--sequence_parallel_size 2``: diffusers' context parallelism, Ulysses over its 2
+repeated blocks are what ``fully_shard`` wraps); tiny Wan 2.1 and HunyuanVideo pipelines on the built-in clips with
+their tokens split over the 2 processes (``--sequence_parallel_size 2``: context parallelism, Ulysses over their 2
 heads, ``parallel.context``). Tolerances: ``dist_helpers``."""
 
 from __future__ import annotations
@@ -88,10 +88,16 @@ def wan(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(setup, wan, tmp_path_factory):
-    """The run folder of every case of ``CASES``, then of the Wan run with its tokens split (key ``"wan_sp"``), and the
-    stderr of a Wan run whose token count 2 processes cannot halve (``"odd"``), all made by one torchrun launch of 2
-    processes that runs the command lines in turn (``torchrun_cli_many``)."""
+def hunyuan(tmp_path_factory) -> Path:
+    return _tiny_pipelines().make_hunyuan_video(tmp_path_factory.mktemp("hunyuan") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(setup, wan, hunyuan, tmp_path_factory):
+    """The run folder of every case of ``CASES``, then of the Wan and HunyuanVideo runs with their tokens split (keys
+    ``"wan_sp"``, ``"hunyuan_sp"``), and the stderr of a Wan run whose token count 2 processes cannot halve
+    (``"odd"``), all made by one torchrun launch of 2 processes that runs the command lines in turn
+    (``torchrun_cli_many``)."""
     from dist_helpers import COMMON, torchrun_cli_many
 
     pipe, data = setup
@@ -99,12 +105,13 @@ def two_process_runs(setup, wan, tmp_path_factory):
     argvs = [(root / f"case{i}", _args(pipe, data, *extra, "--plugin", plugin)) for i, (plugin, extra) in
              enumerate(CASES)]
     argvs.append((root / "wan_sp", ["--init_from", str(wan), *VIDEO, "--sequence_parallel_size", "2"]))
+    argvs.append((root / "hunyuan_sp", ["--init_from", str(hunyuan), *VIDEO, "--sequence_parallel_size", "2"]))
     # one latent frame of 3 x 3 tokens at 48 px: 9 tokens, which 2 processes cannot halve
     argvs.append((root / "odd", ["--init_from", str(wan), *VIDEO, "--num_frames", "1", "--image_size", "48",
                                  "--sequence_parallel_size", "2"]))
     err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
                             fails=(len(argvs) - 1,))
-    return dict(zip([*CASES, "wan_sp"], [out for out, _ in argvs])) | {"odd": err[-1]}
+    return dict(zip([*CASES, "wan_sp", "hunyuan_sp"], [out for out, _ in argvs])) | {"odd": err[-1]}
 
 
 def _assert_equal_runs(run: Path, ref: Path, steps: list[int]) -> dict[str, torch.Tensor]:
@@ -157,3 +164,18 @@ def test_wan_with_its_tokens_split_equals_single_process(wan, two_process_runs, 
     assert moved > 20 * WEIGHT_ATOL, moved  # not vacuous: 3 Adam steps at lr 1e-3
     odd = [line for line in two_process_runs["odd"].splitlines() if "error:" in line]
     assert odd and "--sequence_parallel_size 2: a video of 9 tokens" in odd[0], two_process_runs["odd"][-2000:]
+
+
+def test_hunyuan_video_with_its_video_tokens_split_equals_single_process(hunyuan, two_process_runs, tmp_path):
+    """HunyuanVideo full fine-tuning with ``--sequence_parallel_size 2`` (its own plan, ``parallel.context``: the 32
+    video tokens of each clip split, 16 a process, the 256 padded caption tokens on both; the joint attention's
+    text gathered over the heads, its backward a reduce-scatter; the text padding masked) equals one plain process:
+    the losses and gradient norms of 3 steps and the weights after them."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    from dist_helpers import run_single
+
+    ref = run_single(tmp_path / "ref", "--init_from", str(hunyuan), *VIDEO)
+    want = _assert_equal_runs(two_process_runs["hunyuan_sp"], ref, [1, 2, 3])
+    base = HunyuanVideoTransformer3DModel.from_pretrained(str(hunyuan), subfolder="transformer").state_dict()
+    assert _moved(want, base, "transformer") > 20 * WEIGHT_ATOL

@@ -339,12 +339,3 @@ def test_sampling_crops_the_text_padding_and_drops_full_masks(monkeypatch):
         denoiser.denoise(torch.cat([x, x]), torch.cat([t, t]), **trimmed)
         assert routed == [] and len(masks) == 2 and all(m is not None for m in masks)
 
-
-def test_fine_tuning_with_the_tokens_split_is_one_line(hunyuan, tmp_path, capsys):
-    """``--sequence_parallel_size 2`` when fine-tuning HunyuanVideo: one line (its split is for sampling: the
-    joint attention's text gather has no backward), before any process group or run folder."""
-    assert_one_line_error(capsys, _argv(hunyuan, tmp_path / "sp", "--max_steps", "1", "--sequence_parallel_size",
-                                        "2"),
-                          "--sequence_parallel_size 2: HunyuanVideoPipeline does not split its tokens when fine-tuning",
-                          "--plugin fsdp")
-    assert not (tmp_path / "sp").exists()

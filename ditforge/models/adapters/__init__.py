@@ -50,8 +50,8 @@ class DiffusersDenoiser(nn.Module):
         image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX and
             LTX-Video I2V).
         context_parallel: where each sample's tokens may be split over processes (``parallel.context``):
-            ``"sample"`` and / or ``"train"`` (Wan: both, by the model's own ``_cp_plan``; HunyuanVideo: sampling,
-            by ``joint_text_plan``); empty: neither.
+            ``"sample"`` and / or ``"train"`` (Wan: both, by the model's own ``_cp_plan``; HunyuanVideo text-to-video:
+            both, by ``joint_text_plan``); empty: neither.
         embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
             (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise

@@ -28,30 +28,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ditforge.errors import UserError
 from ditforge.ops.attention import Projection, set_frame_exchange, set_sequence_attention
-from ditforge.parallel.collectives import all_gather_single, all_to_all, reduce_scatter_single
+from ditforge.parallel.collectives import all_to_all, gather_dim1
 from ditforge.parallel.mesh import Dist
 from ditforge.parallel.sequence import fastseq_attention, sequence_parallel_attention
-
-
-class _GatherSequence(torch.autograd.Function):
-    """(B, n, C) slices of the sp group -> (B, sp * n, C) in rank order; backward: the gradient summed over
-    the group, this rank's slice (a reduce-scatter). The collectives work on the sequence dim moved to the
-    front, with the single-tensor all-gather / reduce-scatter that FastSeq uses."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        local = x.transpose(0, 1).contiguous()  # (n, B, C)
-        out = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
-        all_gather_single(out, local, group)
-        return out.transpose(0, 1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        full = grad.transpose(0, 1).contiguous()  # (sp n, B, C)
-        out = full.new_empty((full.shape[0] // dist.get_world_size(ctx.group), *full.shape[1:]))
-        reduce_scatter_single(out, full, ctx.group)
-        return out.transpose(0, 1), None
 
 
 class SequenceShard:
@@ -97,7 +76,7 @@ class SequenceShard:
 
     def gather(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         """Forward hook of the final layer: this process's (B, n, P*C) -> the whole (B, N, P*C)."""
-        return _GatherSequence.apply(out, self.group)[:, :self.length]
+        return gather_dim1(out, self.group)[:, :self.length]
 
     @torch.compiler.disable  # eager inside compiled blocks: see collectives.all_to_all (the same for every variant)
     def attention(self, x: torch.Tensor, project: Projection) -> torch.Tensor:
