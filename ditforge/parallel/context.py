@@ -73,20 +73,22 @@ def token_mesh(transformer: nn.Module, d: Dist, kind: str):
 def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
     """diffusers' context parallelism on ``denoiser``'s transformer over ``mesh``'s ring x ulysses part
     (``token_mesh``), in place, with a one-line refusal of a token count the group does not divide (diffusers would
-    assert): by the model's own ``_cp_plan``, or for a joint text-video attention (HunyuanVideo) by
-    ``joint_text_plan`` with ``JointTextAttention`` (Ulysses only).
+    assert), by the adapter's ``cp_plan``: the model's own ``_cp_plan`` (None); ``"joint_text"`` (HunyuanVideo),
+    ``joint_text_plan`` with ``JointTextAttention`` (Ulysses only); ``"whole_text"`` (LTX-Video),
+    ``whole_text_plan`` with each cross-attention over the whole text on every process.
 
     Raises:
         UserError: a ring part for a joint text-video attention."""
     from diffusers import ContextParallelConfig
 
     transformer = denoiser.inner
-    joint = denoiser.masked_self_attention  # HunyuanVideo: the text rides in every block's (masked) self-attention
+    plan = denoiser.cp_plan
     ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
-    if joint and ring > 1:
+    if plan == "joint_text" and ring > 1:
+        heads = transformer.config.num_attention_heads
         raise UserError(f"--sequence_parallel_size {ring * ulysses}: {type(transformer).__name__} splits its video "
-                        f"tokens by Ulysses alone; use a size that divides its {transformer.config.num_attention_heads} "
-                        "heads (--sequence_parallel_type ulysses)")
+                        f"tokens by Ulysses alone; use a size that divides its {heads} heads "
+                        "(--sequence_parallel_type ulysses)")
     if ring > 1:
         transformer.set_attention_backend("_native_cudnn")  # the SDPA kernel that returns the log-sum-exp
     config = ContextParallelConfig(ring_degree=ring if ring > 1 else None,
@@ -96,15 +98,18 @@ def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
             from unittest import mock  # 0 on a machine without one; the index is unused on the CPU
 
             stack.enter_context(mock.patch.object(torch.accelerator, "device_count", lambda: 1))
-        transformer.enable_parallelism(config=config, cp_plan=joint_text_plan() if joint else None)
-    if joint:
-        from ditforge.models.adapters.dispatch import intercept_attention
+        plans = {"joint_text": joint_text_plan, "whole_text": whole_text_plan}
+        transformer.enable_parallelism(config=config, cp_plan=plans[plan]() if plan else None)
+    from ditforge.models.adapters.dispatch import intercept_attention
 
+    if plan == "joint_text":
         attention = JointTextAttention(mesh["ulysses"].get_group())
         intercept_attention(transformer, attention)
         transformer.register_forward_pre_hook(attention.read_text_length, with_kwargs=True)
+    elif plan == "whole_text":  # this process's queries over the whole text: no exchange
+        intercept_attention(transformer, lambda q, k, v, mask, attend: attend(q, k, v, mask), cross_only=True)
     patch = transformer.config.patch_size
-    if joint:  # HunyuanVideo states the temporal patch apart
+    if plan:  # HunyuanVideo and LTX-Video state the temporal patch apart
         patch = (transformer.config.patch_size_t, patch, patch)
     transformer.register_forward_pre_hook(_divisible_check(ring * ulysses, patch), with_kwargs=True)
 
@@ -120,6 +125,21 @@ def joint_text_plan() -> dict:
     return {"rope": {0: table, 1: table},
             "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3,
                                                                            split_output=False)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+
+
+def whole_text_plan() -> dict:
+    """LTX-Video's own ``_cp_plan`` without its split of the text (``encoder_hidden_states`` and its mask): the
+    packed video tokens (B, N, C), a per-token timestep (B, N) (image-to-video) and the RoPE tables (B, N, D) split,
+    the output gathered at ``proj_out``. diffusers' split of the text left each process a slice of the cross-attention
+    mask that its Ulysses did not gather (it failed on the mask's shape); with the text whole, the cross-attention
+    needs no exchange (``split_tokens``)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    table = ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)
+    return {"": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+                 "timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)},
+            "rope": {0: table, 1: table},
             "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
 
 
@@ -169,17 +189,17 @@ class JointTextAttention:
 
 
 def _divisible_check(size: int, patch):
-    """A forward pre-hook: the video's token count (B, C, T, H, W latents over the (p_t, p_h, p_w) patch) must
-    divide into ``size`` equal slices."""
+    """A forward pre-hook: the video's token count (B, C, T, H, W latents over the (p_t, p_h, p_w) patch, or tokens
+    packed already, (B, N, C): LTX-Video's) must divide into ``size`` equal slices."""
     p_t, p_h, p_w = patch if isinstance(patch, (tuple, list)) else (1, patch, patch)
 
     def check(module, args, kwargs):
         x = args[0] if args else kwargs["hidden_states"]
-        tokens = (x.shape[2] // p_t) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
+        tokens = x.shape[1] if x.ndim == 3 else (x.shape[2] // p_t) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
         if tokens % size:
-            raise UserError(f"--sequence_parallel_size {size}: a video of {tokens} tokens (latents "
-                            f"{tuple(x.shape[2:])} over patches {(p_t, p_h, p_w)}) does not split into {size} "
-                            "equal parts; change --num_frames or the size, or the process count")
+            shape = "" if x.ndim == 3 else f" (latents {tuple(x.shape[2:])} over patches {(p_t, p_h, p_w)})"
+            raise UserError(f"--sequence_parallel_size {size}: a video of {tokens} tokens{shape} does not split "
+                            f"into {size} equal parts; change --num_frames or the size, or the process count")
 
     return check
 
@@ -213,14 +233,13 @@ def refuse_unsplittable(family, sp_size: int, remedy: str, use: str = "sample") 
     """UserError (one line, ending in ``remedy``) when each sample's tokens are split over ``sp_size`` > 1 processes
     (``--sequence_parallel_size``) for ``use`` (``"sample"`` or ``"train"``) and the adapter class ``family`` (a
     ``DiffusersDenoiser`` subclass) has no tested context-parallel plan for it (``context_parallel``: the Wan
-    families and HunyuanVideo text-to-video, both)."""
+    families, HunyuanVideo text-to-video and LTX-Video, both)."""
     if sp_size > 1 and use not in family.context_parallel:
         doing = "fine-tuning" if use == "train" else "sampling"
         raise UserError(f"--sequence_parallel_size {sp_size}: {' / '.join(family.pipelines)} does not split its "
-                        f"tokens when {doing} (ditforge splits the Wan families' by diffusers' context-parallel "
-                        "plan, and HunyuanVideo's text-to-video by its own; diffusers has none for CogVideoX "
-                        "and the image families, and LTX-Video's fails under Ulysses on its attention mask); "
-                        f"{remedy}")
+                        f"tokens when {doing} (ditforge splits the Wan families', HunyuanVideo's text-to-video and "
+                        "LTX-Video's; CogVideoX's attention calls PyTorch past diffusers' dispatcher, where no split "
+                        f"reaches, and the image families have no plan); {remedy}")
 
 
 MAX_TRAINING_RING = 2  # diffusers 0.42.1's ring backward passes each K/V chunk's gradient the wrong way round a ring

@@ -82,8 +82,8 @@ class SampleConfig:
 
 
 # SampleConfig fields only the video pipelines' loop (``sample.video``) reads; other models refuse them in one line.
-VIDEO_LOOP_FLAGS = ("height", "width", "negative_prompt", "first_block_cache", "taylorseer_cache", "quantized_attention",
-                    "vae_tile", "cfg_scale_2", "plugin")
+VIDEO_LOOP_FLAGS = ("height", "width", "negative_prompt", "first_block_cache", "taylorseer_cache",
+                    "quantized_attention", "vae_tile", "cfg_scale_2", "plugin")
 
 
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:

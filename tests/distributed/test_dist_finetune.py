@@ -1,8 +1,8 @@
 """Fine-tuning a diffusers pipeline (``--init_from``) under torchrun equals one process: FSDP and ZeRO-2 (full
 fine-tuning) and FSDP with LoRA on 2 gloo processes, a tiny SD pipeline on captioned images (the adapter's
-repeated blocks are what ``fully_shard`` wraps); tiny Wan 2.1 and HunyuanVideo pipelines on the built-in clips with
-their tokens split over the 2 processes (``--sequence_parallel_size 2``: context parallelism, Ulysses over their 2
-heads, ``parallel.context``). Tolerances: ``dist_helpers``."""
+repeated blocks are what ``fully_shard`` wraps); tiny Wan 2.1, HunyuanVideo and LTX-Video pipelines on the built-in
+clips with their tokens split over the 2 processes (``--sequence_parallel_size 2``: context parallelism, Ulysses
+over their heads, ``parallel.context``). Tolerances: ``dist_helpers``."""
 
 from __future__ import annotations
 
@@ -93,11 +93,16 @@ def hunyuan(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(setup, wan, hunyuan, tmp_path_factory):
-    """The run folder of every case of ``CASES``, then of the Wan and HunyuanVideo runs with their tokens split (keys
-    ``"wan_sp"``, ``"hunyuan_sp"``), and the stderr of a Wan run whose token count 2 processes cannot halve
-    (``"odd"``), all made by one torchrun launch of 2 processes that runs the command lines in turn
-    (``torchrun_cli_many``)."""
+def ltx(tmp_path_factory) -> Path:
+    return _tiny_pipelines().make_ltx(tmp_path_factory.mktemp("ltx") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(setup, wan, hunyuan, ltx, tmp_path_factory):
+    """The run folder of every case of ``CASES``, then of the Wan, HunyuanVideo and LTX-Video runs with their tokens
+    split (keys ``"wan_sp"``, ``"hunyuan_sp"``, ``"ltx_sp"``), and the stderr of a Wan run whose token count 2
+    processes cannot halve (``"odd"``), all made by one torchrun launch of 2 processes that runs the command lines in
+    turn (``torchrun_cli_many``)."""
     from dist_helpers import COMMON, torchrun_cli_many
 
     pipe, data = setup
@@ -106,12 +111,13 @@ def two_process_runs(setup, wan, hunyuan, tmp_path_factory):
              enumerate(CASES)]
     argvs.append((root / "wan_sp", ["--init_from", str(wan), *VIDEO, "--sequence_parallel_size", "2"]))
     argvs.append((root / "hunyuan_sp", ["--init_from", str(hunyuan), *VIDEO, "--sequence_parallel_size", "2"]))
+    argvs.append((root / "ltx_sp", ["--init_from", str(ltx), *VIDEO, "--sequence_parallel_size", "2"]))
     # one latent frame of 3 x 3 tokens at 48 px: 9 tokens, which 2 processes cannot halve
     argvs.append((root / "odd", ["--init_from", str(wan), *VIDEO, "--num_frames", "1", "--image_size", "48",
                                  "--sequence_parallel_size", "2"]))
     err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
                             fails=(len(argvs) - 1,))
-    return dict(zip([*CASES, "wan_sp", "hunyuan_sp"], [out for out, _ in argvs])) | {"odd": err[-1]}
+    return dict(zip([*CASES, "wan_sp", "hunyuan_sp", "ltx_sp"], [out for out, _ in argvs])) | {"odd": err[-1]}
 
 
 def _assert_equal_runs(run: Path, ref: Path, steps: list[int]) -> dict[str, torch.Tensor]:
@@ -166,16 +172,23 @@ def test_wan_with_its_tokens_split_equals_single_process(wan, two_process_runs, 
     assert odd and "--sequence_parallel_size 2: a video of 9 tokens" in odd[0], two_process_runs["odd"][-2000:]
 
 
-def test_hunyuan_video_with_its_video_tokens_split_equals_single_process(hunyuan, two_process_runs, tmp_path):
-    """HunyuanVideo full fine-tuning with ``--sequence_parallel_size 2`` (its own plan, ``parallel.context``: the 32
-    video tokens of each clip split, 16 a process, the 256 padded caption tokens on both; the joint attention's
-    text gathered over the heads, its backward a reduce-scatter; the text padding masked) equals one plain process:
-    the losses and gradient norms of 3 steps and the weights after them."""
-    from diffusers import HunyuanVideoTransformer3DModel
+@pytest.mark.parametrize("family", ["hunyuan", "ltx"])
+def test_video_tokens_split_by_ditforges_plans_equal_single_process(family, hunyuan, ltx, two_process_runs,
+                                                                     tmp_path):
+    """Full fine-tuning with ``--sequence_parallel_size 2`` by ditforge's plans (``parallel.context``) equals one
+    plain process: the losses and gradient norms of 3 steps and the weights after them.
+
+    - HunyuanVideo: the 32 video tokens of each clip split, 16 a process, the 256 padded caption tokens on both; the
+      joint attention's text gathered over the heads, its backward a reduce-scatter; the text padding masked.
+    - LTX-Video (2 latent frames of 8 x 8: 128 packed tokens, 64 a process; Ulysses over its 4 heads): the masked
+      caption whole on both processes, each cross-attention local."""
+    import diffusers
 
     from dist_helpers import run_single
 
-    ref = run_single(tmp_path / "ref", "--init_from", str(hunyuan), *VIDEO)
-    want = _assert_equal_runs(two_process_runs["hunyuan_sp"], ref, [1, 2, 3])
-    base = HunyuanVideoTransformer3DModel.from_pretrained(str(hunyuan), subfolder="transformer").state_dict()
+    folder = {"hunyuan": hunyuan, "ltx": ltx}[family]
+    ref = run_single(tmp_path / "ref", "--init_from", str(folder), *VIDEO)
+    want = _assert_equal_runs(two_process_runs[f"{family}_sp"], ref, [1, 2, 3])
+    model = {"hunyuan": diffusers.HunyuanVideoTransformer3DModel, "ltx": diffusers.LTXVideoTransformer3DModel}[family]
+    base = model.from_pretrained(str(folder), subfolder="transformer").state_dict()
     assert _moved(want, base, "transformer") > 20 * WEIGHT_ATOL

@@ -1,8 +1,8 @@
 """``ditforge sample`` of a Wan pipeline folder under torchrun equals one process: 2 gloo processes with the tokens
 split (diffusers' context parallelism, Ulysses over the 2 heads) and with ``--cfg_parallel``, and 4 processes with
 both (CFG-parallel x Ulysses 2), on the tiny random ``WanPipeline`` of ``tests/finetune/tiny_pipelines.py``;
-CogVideoX with ``--cfg_parallel``; HunyuanVideo with its video tokens split (its own plan: the text on every
-process).
+CogVideoX with ``--cfg_parallel``; HunyuanVideo and LTX-Video with their video tokens split (ditforge's plans: the
+text whole on every process).
 Tolerance: the frames (uint8) within one level; the one-process run draws the same noise from the same seed."""
 
 from __future__ import annotations
@@ -165,11 +165,34 @@ def _hunyuan_argv(folder: Path, npz: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_processes(folder, cog_folder, hunyuan_folder, tmp_path_factory) -> tuple[Path, list[str]]:
+def ltx_folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ltx")
+    tiny = _tiny_pipelines()
+    return {"t2v": tiny.make_ltx(root / "t2v"), "i2v": tiny.make_ltx(root / "i2v", image_to_video=True)}
+
+
+def _ltx_argv(folder: Path, npz: Path, *extra: str) -> list[str]:
+    image = ("--image", str(_first_png(npz.parent))) if folder.name == "i2v" else ()
+    return ["sample", "--ckpt", str(folder), "--prompt", PROMPTS[0], "--height", "32", "--width", "32",
+            "--num_frames", "9", "--num_sampling_steps", "3", "--seed", "7", "--device", "cpu",
+            "--out", str(npz.with_suffix(".mp4")), "--save_npz", str(npz), *image, *extra]
+
+
+def _first_png(folder: Path) -> Path:
+    from PIL import Image
+
+    png = folder / "first.png"
+    if not png.exists():
+        Image.fromarray(np.random.default_rng(3).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(png)
+    return png
+
+
+@pytest.fixture(scope="module")
+def two_processes(folder, cog_folder, hunyuan_folder, ltx_folders, tmp_path_factory) -> tuple[Path, list[str]]:
     """Every 2-process run of this module, in one torchrun launch (``torchrun_cli_many``: one start-up of the two
-    processes, which import diffusers, for the Wan, CogVideoX and HunyuanVideo cases): (the folder of their .npz
-    files, each run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX, 6 refused; 7:
-    HunyuanVideo."""
+    processes, which import diffusers, for the Wan, CogVideoX, HunyuanVideo and LTX-Video cases): (the folder of
+    their .npz files, each run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX, 6
+    refused; 7: HunyuanVideo; 8-9: LTX-Video text- and image-to-video."""
     work = tmp_path_factory.mktemp("two")
     one_tile = ("--vae_tile", "64")
     err = torchrun_cli_many(2, work, [
@@ -180,15 +203,17 @@ def two_processes(folder, cog_folder, hunyuan_folder, tmp_path_factory) -> tuple
         _argv(folder, work / "sp_fsdp.npz", "--sequence_parallel_size", "2", "--plugin", "fsdp", *one_tile),
         _cog_argv(cog_folder, work / "cog_cfg.npz", "--cfg_parallel"),
         _cog_argv(cog_folder, work / "cog_sp.npz", "--sequence_parallel_size", "2"),
-        _hunyuan_argv(hunyuan_folder, work / "hv_sp.npz", "--sequence_parallel_size", "2")], fails=(6,))
+        _hunyuan_argv(hunyuan_folder, work / "hv_sp.npz", "--sequence_parallel_size", "2"),
+        *(_ltx_argv(ltx_folders[kind], work / f"ltx_{kind}.npz", "--sequence_parallel_size", "2")
+          for kind in ("t2v", "i2v"))], fails=(6,))
     return work, err
 
 
 def test_cogvideox_cfg_parallel_equals_one_process(cog_folder, two_processes, tmp_path):
     """CogVideoX (frames-first latents, its stochastic DPM scheduler drawing the same noise in both processes) under 2
     gloo processes with ``--cfg_parallel`` equals one process, to one uint8 level; ``--sequence_parallel_size 2`` is
-    one line (diffusers has no context-parallel plan for it; LTX-Video's plan fails under Ulysses on its attention
-    mask in diffusers 0.42.1, and is refused the same way). The 2-process runs share the Wan cases' launch
+    one line (its attention calls PyTorch's SDPA past diffusers' dispatcher, where no split reaches). The 2-process
+    runs share the Wan cases' launch
     (``two_processes``)."""
     want = _one_process(_cog_argv(cog_folder, tmp_path / "one.npz"), tmp_path / "one.npz")
     work, err = two_processes
@@ -205,6 +230,18 @@ def test_hunyuan_video_split_over_two_processes_equals_one(hunyuan_folder, two_p
     want = _one_process(_hunyuan_argv(hunyuan_folder, tmp_path / "one.npz"), tmp_path / "one.npz")
     got = np.load(two_processes[0] / "hv_sp.npz")["samples"].astype(np.int16)
     assert got.shape == want.shape == (2, 5, 32, 32, 3) and want.std() > 5
+    assert np.abs(got - want).max() <= 1
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+def test_ltx_video_split_over_two_processes_equals_one(kind, ltx_folders, two_processes, tmp_path):
+    """LTX-Video with ``--sequence_parallel_size 2`` (``parallel.context.whole_text_plan``: the 192 packed video
+    tokens of 9 frames split, 96 a process, with the image-to-video model's per-token timesteps; the masked caption
+    whole on both, each cross-attention local) writes the one-process video, to one uint8 level. diffusers' own plan
+    split the text and failed on the cross-attention mask's shape."""
+    want = _one_process(_ltx_argv(ltx_folders[kind], tmp_path / "one.npz"), tmp_path / "one.npz")
+    got = np.load(two_processes[0] / f"ltx_{kind}.npz")["samples"].astype(np.int16)
+    assert got.shape == want.shape == (1, 9, 32, 32, 3) and want.std() > 5
     assert np.abs(got - want).max() <= 1
 
 

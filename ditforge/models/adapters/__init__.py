@@ -50,8 +50,9 @@ class DiffusersDenoiser(nn.Module):
         image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX and
             LTX-Video I2V).
         context_parallel: where each sample's tokens may be split over processes (``parallel.context``):
-            ``"sample"`` and / or ``"train"`` (Wan: both, by the model's own ``_cp_plan``; HunyuanVideo text-to-video:
-            both, by ``joint_text_plan``); empty: neither.
+            ``"sample"`` and / or ``"train"`` (Wan, HunyuanVideo text-to-video and LTX-Video: both); empty: neither.
+        cp_plan: which context-parallel plan splits them (``parallel.context.split_tokens``): None, the model's own
+            ``_cp_plan`` (Wan); ``"joint_text"`` (HunyuanVideo) or ``"whole_text"`` (LTX-Video), ditforge's.
         embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
             (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
@@ -80,6 +81,7 @@ class DiffusersDenoiser(nn.Module):
     image_from_generator = False
     embedded_guidance = False
     context_parallel: tuple[str, ...] = ()
+    cp_plan: str | None = None
     # every self-attention call carries a mask: sampling crops the padding it hides (trim_padding) and, with the
     # masks then full, drops them (dispatch.unmask_full_attention), so the fast and 8-bit kernels take the calls
     masked_self_attention = False

@@ -113,13 +113,24 @@ def unmask_full_attention(transformer: torch.nn.Module) -> list[Unmask]:
     return markers
 
 
-def intercept_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> int:
-    """Hand every attention call of ``transformer``'s processors that call diffusers' dispatcher to ``fn`` (see
-    ``Intercept``; q, k, v (B, S, H, D) as the processor passes them, the output the same). Returns how many processors
-    were marked. Call it after ``enable_parallelism`` (which reads the backends) and before
-    ``unmask_full_attention`` (whose mask drop then comes first)."""
+def _is_cross(name: str, module: torch.nn.Module) -> bool:
+    """Cross-attention: as the module says (Wan's), else by diffusers' block naming (LTX-Video's attn2, whose key
+    width can equal the query's)."""
+    cross = getattr(module, "is_cross_attention", None)
+    return name.rsplit(".", 1)[-1] == "attn2" if cross is None else bool(cross)
+
+
+def intercept_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor], cross_only: bool = False
+                        ) -> int:
+    """Hand every attention call of ``transformer``'s processors that call diffusers' dispatcher (with
+    ``cross_only``, of its cross-attention modules alone) to ``fn`` (see ``Intercept``; q, k, v (B, S, H, D) as the
+    processor passes them, the output the same). Returns how many processors were marked. Call it after
+    ``enable_parallelism`` (which reads the backends) and before ``unmask_full_attention`` (whose mask drop then
+    comes first)."""
     marked = 0
-    for _, _, processor in _dispatching(transformer):
+    for name, module, processor in _dispatching(transformer):
+        if cross_only and not _is_cross(name, module):
+            continue
         _install(processor)
         processor._attention_backend = Intercept(fn, processor._attention_backend)
         marked += 1
@@ -134,12 +145,7 @@ def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.T
     routed (0: the transformer's processors do not call the dispatcher, e.g. an older diffusers)."""
     routed = 0
     for name, module, processor in _dispatching(transformer):
-        # cross-attention: as the module says (Wan's), else by diffusers' block naming (LTX-Video's attn2, whose
-        # key width can equal the query's)
-        cross = getattr(module, "is_cross_attention", None)
-        if cross is None:
-            cross = name.rsplit(".", 1)[-1] == "attn2"
-        if cross:
+        if _is_cross(name, module):
             continue
         _install(processor)
         outer = processor._attention_backend if isinstance(processor._attention_backend, Unmask) else None

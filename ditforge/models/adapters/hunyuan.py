@@ -35,7 +35,8 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
     embedded_guidance = True
     # the transformer attends over the video and text tokens jointly under the text's padding mask, in every block
     masked_self_attention = True
-    context_parallel = ("sample", "train")  # parallel.context.joint_text_plan: the video tokens split, the text whole
+    context_parallel = ("sample", "train")
+    cp_plan = "joint_text"  # parallel.context: the video tokens split, the text whole on each process
     fps = 24  # HunyuanVideo is trained on (and exports) 24 fps clips
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask",

@@ -30,6 +30,8 @@ class LTXDenoiser(DiffusersDenoiser):
     block_classes = ("LTXVideoTransformerBlock",)
     video = True
     fps = 25  # LTX-Video is trained on (and exports) 25 fps clips
+    context_parallel = ("sample", "train")
+    cp_plan = "whole_text"  # parallel.context: the video tokens split, the (masked) text whole on each process
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask"}
 
