@@ -131,17 +131,24 @@ def test_two_processes_equal_one(folder, want, two_processes, tmp_path):
     assert np.abs(strips - want).max() > 2
 
 
-def test_four_processes_cfg_parallel_times_ulysses_equal_one(folder, want, tmp_path):
+def test_four_processes_cfg_parallel_times_ulysses_equal_one(folder, want, ltx_folders, ltx_one, tmp_path):
     """4 processes: ``--cfg_parallel --sequence_parallel_size 2`` (two pairs, one per guidance half, each splitting
     the tokens over Ulysses 2; ``--vae_tile 64``: one tile, the whole-frame decode), with the transformer's
     weights sharded over all four (``--plugin fsdp``), write the one-process videos; ring attention is refused on
-    the CPU in one line."""
+    the CPU in one line. LTX-Video: text-to-video with its tokens split 4 ways (48 a process, one of its 4 heads
+    each in Ulysses), image-to-video with ``--cfg_parallel --sequence_parallel_size 2``, each the one-process
+    video to one uint8 level."""
     err = torchrun_cli_many(4, tmp_path, [
         _argv(folder, tmp_path / "both.npz", "--cfg_parallel", "--sequence_parallel_size", "2", "--vae_tile", "64",
               "--plugin", "fsdp"),
-        _argv(folder, tmp_path / "ring.npz", "--sequence_parallel_size", "4", "--sequence_parallel_type", "ring")],
+        _argv(folder, tmp_path / "ring.npz", "--sequence_parallel_size", "4", "--sequence_parallel_type", "ring"),
+        _ltx_argv(ltx_folders["t2v"], tmp_path / "ltx_t2v.npz", "--sequence_parallel_size", "4"),
+        _ltx_argv(ltx_folders["i2v"], tmp_path / "ltx_i2v.npz", "--cfg_parallel", "--sequence_parallel_size", "2")],
         fails=(1,))
     _assert_same(np.load(tmp_path / "both.npz")["samples"], want)
+    for kind in ("t2v", "i2v"):
+        got = np.load(tmp_path / f"ltx_{kind}.npz")["samples"].astype(np.int16)
+        assert got.shape == ltx_one[kind].shape and np.abs(got - ltx_one[kind]).max() <= 1
     held, total = map(int, re.search(r"fsdp: (\d+) of the transformer's (\d+) weights", err[0]).groups())
     assert held <= total // 4 + 1000
     assert "ring attention over a diffusers transformer runs on CUDA only" in err[1]
@@ -233,13 +240,21 @@ def test_hunyuan_video_split_over_two_processes_equals_one(hunyuan_folder, two_p
     assert np.abs(got - want).max() <= 1
 
 
+@pytest.fixture(scope="module")
+def ltx_one(ltx_folders, tmp_path_factory) -> dict[str, np.ndarray]:
+    """The one-process LTX-Video videos of ``_ltx_argv``, text- and image-to-video, (1, 9, 32, 32, 3) int16."""
+    work = tmp_path_factory.mktemp("ltx_one")
+    return {kind: _one_process(_ltx_argv(ltx_folders[kind], work / f"{kind}.npz"), work / f"{kind}.npz")
+            for kind in ("t2v", "i2v")}
+
+
 @pytest.mark.parametrize("kind", ["t2v", "i2v"])
-def test_ltx_video_split_over_two_processes_equals_one(kind, ltx_folders, two_processes, tmp_path):
+def test_ltx_video_split_over_two_processes_equals_one(kind, ltx_one, two_processes):
     """LTX-Video with ``--sequence_parallel_size 2`` (``parallel.context.whole_text_plan``: the 192 packed video
     tokens of 9 frames split, 96 a process, with the image-to-video model's per-token timesteps; the masked caption
     whole on both, each cross-attention local) writes the one-process video, to one uint8 level. diffusers' own plan
     split the text and failed on the cross-attention mask's shape."""
-    want = _one_process(_ltx_argv(ltx_folders[kind], tmp_path / "one.npz"), tmp_path / "one.npz")
+    want = ltx_one[kind]
     got = np.load(two_processes[0] / f"ltx_{kind}.npz")["samples"].astype(np.int16)
     assert got.shape == want.shape == (1, 9, 32, 32, 3) and want.std() > 5
     assert np.abs(got - want).max() <= 1
