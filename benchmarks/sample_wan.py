@@ -71,6 +71,7 @@ ROWS = {
     "ts2": dict(compile="default", taylorseer_cache=2),
     "fp8_qattn_ts2": dict(compile="default", mixed_precision="fp8", quantized_attention=True, taylorseer_cache=2),
     "fp8_qattn_ts3": dict(compile="default", mixed_precision="fp8", quantized_attention=True, taylorseer_cache=3),
+    "fp8_ts2": dict(compile="default", mixed_precision="fp8", taylorseer_cache=2),  # CogVideoX: no 8-bit attention
     "fp32": dict(mixed_precision="fp32"),
     "cfg2": dict(compile="default", cfg_parallel=True),
     "ulysses2": dict(compile="default", sequence_parallel_size=2),

@@ -58,6 +58,9 @@ def want(folder, tmp_path_factory) -> np.ndarray:
     return _one_process(_argv(folder, npz), npz)
 
 
+TAYLORSEER = ("--taylorseer_cache", "2", "--num_sampling_steps", "6")  # full steps 0, 1, 2, 4; 3 and 5 forecast
+
+
 def _one_process(argv: list[str], npz: Path) -> np.ndarray:
     """``ditforge ARGV`` in this process on one thread (as each torchrun process runs); the videos it saved to
     ``npz``, int16."""
@@ -131,6 +134,19 @@ def test_two_processes_equal_one(folder, want, two_processes, tmp_path):
     assert np.abs(strips - want).max() > 2
 
 
+def test_taylorseer_under_cfg_parallel_equals_one_process(folder, two_processes, tmp_path):
+    """``--cfg_parallel --taylorseer_cache 2`` over 6 steps: each process forecasts its own guidance half, as one
+    process forecasts each half of its batch, so the videos are one process's, to one uint8 level; and the forecast
+    steps changed them (they differ from the exact 6-step videos)."""
+    npz = tmp_path / "one.npz"
+    want = _one_process(_argv(folder, npz, *TAYLORSEER, "--vae_tile", "64"), npz)
+    got = np.load(two_processes[0] / "cfg_ts.npz")["samples"].astype(np.int16)
+    _assert_same(got, want)
+    exact = _one_process(_argv(folder, tmp_path / "exact.npz", "--num_sampling_steps", "6", "--vae_tile", "64"),
+                         tmp_path / "exact.npz")
+    assert np.abs(exact - want).max() > 2
+
+
 def test_four_processes_cfg_parallel_times_ulysses_equal_one(folder, want, ltx_folders, ltx_one, tmp_path):
     """4 processes: ``--cfg_parallel --sequence_parallel_size 2`` (two pairs, one per guidance half, each splitting
     the tokens over Ulysses 2; ``--vae_tile 64``: one tile, the whole-frame decode), with the transformer's
@@ -199,7 +215,7 @@ def two_processes(folder, cog_folder, hunyuan_folder, ltx_folders, tmp_path_fact
     """Every 2-process run of this module, in one torchrun launch (``torchrun_cli_many``: one start-up of the two
     processes, which import diffusers, for the Wan, CogVideoX, HunyuanVideo and LTX-Video cases): (the folder of
     their .npz files, each run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX, 6
-    refused; 7: HunyuanVideo; 8-9: LTX-Video text- and image-to-video."""
+    refused; 7: HunyuanVideo; 8-9: LTX-Video text- and image-to-video; 10: Wan with TaylorSeer under CFG-parallel."""
     work = tmp_path_factory.mktemp("two")
     one_tile = ("--vae_tile", "64")
     err = torchrun_cli_many(2, work, [
@@ -212,7 +228,8 @@ def two_processes(folder, cog_folder, hunyuan_folder, ltx_folders, tmp_path_fact
         _cog_argv(cog_folder, work / "cog_sp.npz", "--sequence_parallel_size", "2"),
         _hunyuan_argv(hunyuan_folder, work / "hv_sp.npz", "--sequence_parallel_size", "2"),
         *(_ltx_argv(ltx_folders[kind], work / f"ltx_{kind}.npz", "--sequence_parallel_size", "2")
-          for kind in ("t2v", "i2v"))], fails=(6,))
+          for kind in ("t2v", "i2v")),
+        _argv(folder, work / "cfg_ts.npz", "--cfg_parallel", *TAYLORSEER, *one_tile)], fails=(6,))
     return work, err
 
 
