@@ -74,17 +74,17 @@ def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
     """diffusers' context parallelism on ``denoiser``'s transformer over ``mesh``'s ring x ulysses part
     (``token_mesh``), in place, with a one-line refusal of a token count the group does not divide (diffusers would
     assert), by the adapter's ``cp_plan``: the model's own ``_cp_plan`` (None); ``"joint_text"`` (HunyuanVideo),
-    ``joint_text_plan`` with ``JointTextAttention`` (Ulysses only); ``"whole_text"`` (LTX-Video),
-    ``whole_text_plan`` with each cross-attention over the whole text on every process.
+    ``joint_text_plan`` with ``JointTextAttention``; ``"whole_text"`` (LTX-Video), ``whole_text_plan`` with each
+    cross-attention over the whole text on every process. ditforge's plans run Ulysses only.
 
     Raises:
-        UserError: a ring part for a joint text-video attention."""
+        UserError: a ring part for one of ditforge's plans."""
     from diffusers import ContextParallelConfig
 
     transformer = denoiser.inner
     plan = denoiser.cp_plan
     ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
-    if plan == "joint_text" and ring > 1:
+    if plan and ring > 1:  # ditforge's plans keep the text whole, exchanged by Ulysses alone (tested)
         heads = transformer.config.num_attention_heads
         raise UserError(f"--sequence_parallel_size {ring * ulysses}: {type(transformer).__name__} splits its video "
                         f"tokens by Ulysses alone; use a size that divides its {heads} heads "
@@ -152,8 +152,8 @@ class JointTextAttention:
     [video; text] runs there through the processor's own backend, under the text's key mask (the last L entries of
     the transformer's (B, 1, 1, N + L) mask; video keys all kept); the video output goes back by the inverse
     all-to-all and the text output is gathered over the heads. Equal to one process's attention over the whole
-    sequence (Jacobs et al. 2023's Ulysses with the replicated tokens kept out of the exchange). A call whose queries
-    are the text alone (the token refiner's) runs whole on every process. Gradients: the all-to-all's backward is
+    sequence (Jacobs et al. 2023's Ulysses with the replicated tokens kept out of the exchange). (The token refiner's
+    text-only attention calls PyTorch directly, not the dispatcher: it runs whole on every process.) Gradients: the all-to-all's backward is
     its inverse; the text gather's is a reduce-scatter (sum), since each process's copy of the text feeds its own
     heads' part of the loss; the replicated text's parameter gradients then sum over the group as ``scale_gradient``
     expects. L is read from the transformer's ``encoder_hidden_states`` before each forward (``read_text_length``).
@@ -165,13 +165,14 @@ class JointTextAttention:
     def read_text_length(self, module, args, kwargs) -> None:
         self.text = (kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[2]).shape[1]
 
+    # eager inside compiled blocks: traced, the text length (a host int) would be a guard, and every prompt length
+    # of a file (trim_padding) a recompile of every block, past dynamo's limit of 8
+    @torch.compiler.disable
     def __call__(self, query, key, value, attn_mask, attend):
         from ditforge.parallel.collectives import gather_dim1
         from ditforge.parallel.sequence.ulysses import heads_to_seq, seq_to_heads
 
         video = query.shape[1] - self.text
-        if video == 0:  # the token refiner: text alone
-            return attend(query, key, value, attn_mask)
         p, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         b, _, heads, dh = query.shape
         own = slice(rank * heads // p, (rank + 1) * heads // p)
@@ -179,9 +180,11 @@ class JointTextAttention:
         qv, kv, vv = seq_to_heads(*(x[:, :video].transpose(1, 2) for x in (query, key, value)), self.group)
         q, k, v = (torch.cat([x.transpose(1, 2), y[:, video:, own]], dim=1) for x, y in
                    ((qv, query), (kv, key), (vv, value)))
-        if attn_mask is not None:  # (B, 1, 1, N + L): the video keys all kept, the text's as given
+        if attn_mask is not None:  # (B, 1, 1, N + L): the video keys all kept (True, or 0 added), the text's as given
             text_keys = attn_mask[..., -self.text:]
-            attn_mask = torch.cat([text_keys.new_ones(*text_keys.shape[:-1], p * video), text_keys], dim=-1)
+            keep = torch.ones if text_keys.dtype == torch.bool else torch.zeros
+            video_keys = keep(*text_keys.shape[:-1], p * video, dtype=text_keys.dtype, device=text_keys.device)
+            attn_mask = torch.cat([video_keys, text_keys], dim=-1)
         out = attend(q, k, v, attn_mask)  # (B, P S + L, H/P, D)
         video_out = heads_to_seq(out[:, :p * video].transpose(1, 2), self.group).transpose(1, 2)  # (B, S, H, D)
         text_out = gather_dim1(out[:, p * video:].transpose(1, 2), self.group)  # (B, H, L, D), heads in rank order
