@@ -155,8 +155,9 @@ class JointTextAttention:
     sequence (Jacobs et al. 2023's Ulysses with the replicated tokens kept out of the exchange). (The token refiner's
     text-only attention calls PyTorch directly, not the dispatcher: it runs whole on every process.) Gradients: the
     all-to-all's backward is its inverse; the text gather's is a reduce-scatter (sum), since each process's copy of
-    the text feeds its own heads' part of the loss; the replicated text's parameter gradients then sum over the group as ``scale_gradient``
-    expects. L is read from the transformer's ``encoder_hidden_states`` before each forward (``read_text_length``).
+    the text feeds its own heads' part of the loss; the replicated text's parameter gradients then sum over the
+    group as ``scale_gradient`` expects. L is read from the transformer's ``encoder_hidden_states`` before each
+    forward (``read_text_length``).
     """
 
     def __init__(self, group):
