@@ -100,8 +100,8 @@ class VideoSampler:
     Raises:
         UserError: fp8 or quantized attention without an FP8 GPU or Triton, quantized attention under sequence
             parallelism; a sequence-parallel size the token count or heads cannot take (diffusers' message), or
-            for a family whose tokens are not split (``context_parallel``); step caching under sequence parallelism
-            or with fsdp; fsdp with fp8 or in one process.
+            for a family whose tokens are not split (``context_parallel``); First Block Cache under sequence
+            parallelism; step caching with fsdp; fsdp with fp8 or in one process.
     """
 
     def __init__(self, pre, denoiser, d: Dist, cfg: SampleConfig):
@@ -136,10 +136,10 @@ class VideoSampler:
         if cfg.cfg_parallel:
             self.cfg_group = (d.sp_mesh["dp"] if d.sp_mesh is not None else d.mesh).get_group()
             self.cfg_rank = dist.get_rank(self.cfg_group)
-        if d.sp_size > 1 and self.cache is not None:
-            raise UserError(f"{self.cache[0]}: not with --sequence_parallel_size > 1 (the caches keep and skip whole "
-                            "blocks' outputs, which context parallelism splits and gathers inside); use "
-                            f"--cfg_parallel, or drop {self.cache[0]}")
+        if d.sp_size > 1 and cfg.first_block_cache is not None:  # TaylorSeer's fixed schedule skips on all alike
+            raise UserError("--first_block_cache: not with --sequence_parallel_size > 1 (each process would decide on "
+                            "its own slice of the tokens, and a skip on one would hang the others); use "
+                            "--cfg_parallel, --taylorseer_cache, or drop --first_block_cache")
         self.shard = cfg.plugin == "fsdp"
         if self.shard and d.mesh is None:
             raise UserError("--plugin fsdp: shards the transformer over the processes of torchrun; in one process "

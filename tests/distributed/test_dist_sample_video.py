@@ -134,14 +134,18 @@ def test_two_processes_equal_one(folder, want, two_processes, tmp_path):
     assert np.abs(strips - want).max() > 2
 
 
-def test_taylorseer_under_cfg_parallel_equals_one_process(folder, two_processes, tmp_path):
-    """``--cfg_parallel --taylorseer_cache 2`` over 6 steps: each process forecasts its own guidance half, as one
-    process forecasts each half of its batch, so the videos are one process's, to one uint8 level; and the forecast
-    steps changed them (they differ from the exact 6-step videos)."""
+def test_taylorseer_under_cfg_parallel_and_split_tokens_equals_one_process(folder, two_processes, tmp_path):
+    """``--taylorseer_cache 2`` over 6 steps on 2 processes: with ``--cfg_parallel`` each process forecasts its own
+    guidance half, as one process forecasts each half of its batch; with ``--sequence_parallel_size 2`` both skip
+    the same steps and forecast the gathered output. Either way the videos are one process's, to one uint8 level;
+    and the forecast steps changed them (they differ from the exact 6-step videos). First Block Cache with the
+    tokens split is one line."""
     npz = tmp_path / "one.npz"
     want = _one_process(_argv(folder, npz, *TAYLORSEER, "--vae_tile", "64"), npz)
-    got = np.load(two_processes[0] / "cfg_ts.npz")["samples"].astype(np.int16)
-    _assert_same(got, want)
+    for name in ("cfg_ts", "sp_ts"):
+        _assert_same(np.load(two_processes[0] / f"{name}.npz")["samples"].astype(np.int16), want)
+    # First Block Cache decides on each process's own tokens: a skip on one alone would hang the other
+    assert "--first_block_cache: not with --sequence_parallel_size > 1" in two_processes[1][12]
     exact = _one_process(_argv(folder, tmp_path / "exact.npz", "--num_sampling_steps", "6", "--vae_tile", "64"),
                          tmp_path / "exact.npz")
     assert np.abs(exact - want).max() > 2
@@ -215,7 +219,8 @@ def two_processes(folder, cog_folder, hunyuan_folder, ltx_folders, tmp_path_fact
     """Every 2-process run of this module, in one torchrun launch (``torchrun_cli_many``: one start-up of the two
     processes, which import diffusers, for the Wan, CogVideoX, HunyuanVideo and LTX-Video cases): (the folder of
     their .npz files, each run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX, 6
-    refused; 7: HunyuanVideo; 8-9: LTX-Video text- and image-to-video; 10: Wan with TaylorSeer under CFG-parallel."""
+    refused; 7: HunyuanVideo; 8-9: LTX-Video text- and image-to-video; 10-11: Wan with TaylorSeer under
+    CFG-parallel and with its tokens split; 12: First Block Cache with the tokens split, refused."""
     work = tmp_path_factory.mktemp("two")
     one_tile = ("--vae_tile", "64")
     err = torchrun_cli_many(2, work, [
@@ -229,7 +234,10 @@ def two_processes(folder, cog_folder, hunyuan_folder, ltx_folders, tmp_path_fact
         _hunyuan_argv(hunyuan_folder, work / "hv_sp.npz", "--sequence_parallel_size", "2"),
         *(_ltx_argv(ltx_folders[kind], work / f"ltx_{kind}.npz", "--sequence_parallel_size", "2")
           for kind in ("t2v", "i2v")),
-        _argv(folder, work / "cfg_ts.npz", "--cfg_parallel", *TAYLORSEER, *one_tile)], fails=(6,))
+        _argv(folder, work / "cfg_ts.npz", "--cfg_parallel", *TAYLORSEER, *one_tile),
+        _argv(folder, work / "sp_ts.npz", "--sequence_parallel_size", "2", *TAYLORSEER, *one_tile),
+        _argv(folder, work / "sp_fbc.npz", "--sequence_parallel_size", "2", "--first_block_cache", "0.1")],
+        fails=(6, 12))
     return work, err
 
 
