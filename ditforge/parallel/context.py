@@ -108,9 +108,9 @@ def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
         transformer.register_forward_pre_hook(attention.read_text_length, with_kwargs=True)
     elif plan == "whole_text":  # this process's queries over the whole text: no exchange
         intercept_attention(transformer, lambda q, k, v, mask, attend: attend(q, k, v, mask), cross_only=True)
-    patch = transformer.config.patch_size
-    if plan:  # HunyuanVideo and LTX-Video state the temporal patch apart
-        patch = (transformer.config.patch_size_t, patch, patch)
+    patch, patch_t = transformer.config.patch_size, getattr(transformer.config, "patch_size_t", None)
+    if patch_t:  # HunyuanVideo and LTX-Video state the temporal patch apart; Wan's patch_size holds all three
+        patch = (patch_t, patch, patch)
     transformer.register_forward_pre_hook(_divisible_check(ring * ulysses, patch), with_kwargs=True)
 
 

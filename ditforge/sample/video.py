@@ -1,8 +1,9 @@
 """The video families of diffusers (Wan 2.1 / 2.2, CogVideoX, LTX-Video and HunyuanVideo, text- and image-to-video)
 sampled by ditforge's own loop instead of the pipeline's ``__call__``: the pipeline's scheduler, conditioning and VAE,
 with the conditional and unconditional passes in one batch (or on two GPUs), the transformer in bf16 or with float8
-linear layers, compiled block by block, split over GPUs along its tokens (diffusers' context parallelism: Ulysses and
-ring attention), optionally with diffusers' First Block Cache, and the VAE decode split in tiles over the GPUs.
+linear layers, compiled block by block, split over GPUs along its tokens (context parallelism by diffusers' plan or
+ditforge's: Ulysses and ring attention), optionally with diffusers' step caching (First Block Cache, TaylorSeer), and
+the VAE decode split in tiles over the GPUs.
 
 The arithmetic follows diffusers' ``pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__``) and
 ``pipeline_wan_i2v.py`` (``WanImageToVideoPipeline.__call__``), with each family's differences behind its adapter
@@ -62,7 +63,8 @@ class VideoSampler:
       ``ModelMixin.enable_parallelism`` with a ``ContextParallelConfig`` on the ``ring`` x ``ulysses`` part of
       ``mesh``): every block's tokens are split over the group and attention runs Ulysses (all-to-all over
       heads), ring (rotating K/V), or both (USP). ``auto`` puts as many processes on Ulysses as the head count
-      allows (the largest divisor of both) and the rest on ring;
+      allows (the largest divisor of both) and the rest on ring. HunyuanVideo and LTX-Video split by ditforge's
+      plans (the adapter's ``cp_plan``: the text whole on every process), Ulysses only;
     - ``plugin`` fsdp: every repeated block and the rest of the transformer sharded over all processes (FSDP2's
       ``fully_shard`` on the 1-D mesh of the world: each process holds 1 / N of the weights, and a block's are
       gathered for its forward and freed after it), for a model that does not fit one GPU with room for its
