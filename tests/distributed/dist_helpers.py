@@ -1,19 +1,29 @@
-"""Helpers of the multi-process tests: real ``torchrun`` launches of ``ditforge train`` (gloo on CPU), the
-single-process reference runs they are compared with, reading runs back, and the stated tolerances.
+"""Helpers of the multi-process tests: launches of ``ditforge`` command lines as torchrun would run them (gloo on
+CPU), the single-process reference runs they are compared with, reading runs back, and the stated tolerances.
 
 Every run uses fp32 on the CPU, one OpenMP thread per process, no sample grids and a metrics record per step.
+
+The processes of a launch (``torchrun_cli_many``, ``spawn``) are forked from a forkserver that imported torch,
+ditforge, diffusers and transformers once per pytest process (``PRELOAD``). torchrun and ``mp.spawn`` start fresh
+interpreters that import them again: about 5 s of CPU a process for torch and ditforge, 17 s with diffusers' video
+pipelines, on the 2-core CI machine, and the torchrun agent 4 s more a launch. A process gets torchrun's
+environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``),
+which is all ditforge reads of it (``parallel.mesh``). The tests that kill processes (``tests/train/test_chaos.py``,
+``test_dist_async_kill.py``) and ``test_dist_guard.py`` launch the real torchrun, as users do.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,70 +51,98 @@ def torchrun_cmd(nproc: int, outputs: Path, *args: str) -> list[str]:
             "-m", "ditforge", "train", *COMMON, "--outputs", str(outputs), *args]
 
 
+PRELOAD = ("forkserver_preload",)  # tests/distributed/forkserver_preload.py
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 2, timeout: float = 600) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with the processes forked from the preloaded forkserver
+    (module docstring): ``fn(i, *args)`` in each, a failure in one ends the others and raises here."""
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # read when this pytest process's forkserver starts
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{nprocs} processes of {fn.__name__} still running after {timeout} s")
+
+
 def torchrun(nproc: int, outputs: Path, *args: str, timeout: float = 300) -> Path:
-    """Run ``ditforge train`` under torchrun with ``nproc`` processes; returns the run folder."""
-    outputs = Path(outputs)
-    outputs.parent.mkdir(parents=True, exist_ok=True)
-    p = subprocess.run(torchrun_cmd(nproc, outputs, *args), env=dist_env(), cwd=outputs.parent,
-                       capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"torchrun x{nproc} {args} failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return outputs
+    """Run ``ditforge train`` as torchrun would with ``nproc`` processes; returns the run folder."""
+    return torchrun_many(nproc, [(outputs, list(args))], timeout=timeout)[0]
 
 
-# Several `ditforge` command lines one after another in the same torchrun processes and process group: the CLI's
-# shutdown leaves the group (destroy_process_group) after each run, which is made a no-op here until the last run
-# is over, so that the next run's init_distributed finds the group already joined. Each run is the command line
-# torchrun would run alone (its own outputs, its own seed); only the process start-up (~3 s of CPU per process for
-# torch and ditforge, more with diffusers, and gloo's connections) is shared. A run listed as failing must exit
-# non-zero (every process at the same point, a refusal); a marker line on stderr starts each run's output.
-_LAUNCH_MANY = """
-import json, sys
-import torch.distributed as dist
-from ditforge.cli import main
-destroy = dist.destroy_process_group
-dist.destroy_process_group = lambda *args, **kwargs: None
-bad = 0
-for i, (argv, fails) in enumerate(json.loads(open(sys.argv[1]).read())):
-    print(f"=== torchrun_many run {i} ===", file=sys.stderr, flush=True)
-    rc = main(argv)
-    sys.stdout.flush(); sys.stderr.flush()
-    if bool(rc) != fails:
-        bad = rc or 1
-        print(f"torchrun_many: run {i} exited {rc}", file=sys.stderr, flush=True)
-        break
+def _cli_many(local_rank: int, nproc: int, port: int, work: str, runs: list, env: dict) -> None:
+    """One process of ``torchrun_cli_many``: the launching test's environment ``env`` (the forkserver's is that of
+    its start) with torchrun's variables, its output in ``work``/out.RANK, then each
+    ``(argv, fails)`` of ``runs`` in turn in the same process group. The CLI's shutdown leaves the group
+    (destroy_process_group) after each run, which is made a no-op here until the last run is over, so that the next
+    run's init_distributed finds the group already joined. Exits non-zero at the first run whose exit status is not
+    the one expected."""
+    import torch.distributed as dist
+
+    from ditforge.cli import main
+
+    os.chdir(work)
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    torch.set_num_threads(1)
+    out = open(Path(work) / f"out.{local_rank}", "w", buffering=1)
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    sys.stdout = sys.stderr = out
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *args, **kwargs: None
+    bad = 0
+    for i, (argv, fails) in enumerate(runs):
+        print(f"=== torchrun_many run {i} ===", flush=True)
+        rc = main(argv)
+        if bool(rc) != fails:
+            bad = rc or 1
+            print(f"torchrun_many: run {i} exited {rc}", flush=True)
+            break
+        if dist.is_initialized():
+            dist.barrier()  # every process's output of this run is written before any marker of the next
+    dist.destroy_process_group = destroy
     if dist.is_initialized():
-        dist.barrier()  # every process's output of this run is written before any marker of the next
-dist.destroy_process_group = destroy
-if dist.is_initialized():
-    destroy()  # after the last run's barrier: every process is done before process 0's store goes
-sys.exit(bad)
-"""
+        destroy()  # after the last run's barrier: every process is done before process 0's store goes
+    out.flush()
+    sys.exit(bad)
 
 
 def torchrun_cli_many(nproc: int, work: Path, argvs: list[list[str]], fails: tuple[int, ...] = (),
                       timeout: float = 600) -> list[str]:
-    """``python -m ditforge ARGV`` under torchrun with ``nproc`` processes for each ARGV of ``argvs``, in turn in one
-    torchrun launch (one start-up of its processes); the runs whose index is in ``fails`` must exit non-zero, the
-    others 0. Returns each run's stderr (every process's, interleaved)."""
+    """``ditforge ARGV`` in ``nproc`` processes as torchrun would run it, for each ARGV of ``argvs``, in turn in the
+    same processes and process group (one start-up of the processes, module docstring). Each run is the command line
+    torchrun would run alone (its own outputs, its own seed). The runs whose index is in ``fails`` must exit non-zero
+    (every process at the same point, a refusal), the others 0. Returns each run's output (every process's, one
+    after the other)."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "launch_many.py").write_text(_LAUNCH_MANY)
-    (work / "runs.json").write_text(json.dumps([[[str(a) for a in argv], i in fails] for i, argv in enumerate(argvs)]))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                        str(work / "launch_many.py"), str(work / "runs.json")], env=dist_env(), cwd=work,
-                       capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"torchrun x{nproc} of {len(argvs)} runs failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    parts = p.stderr.split("=== torchrun_many run ")
+    runs = [([str(a) for a in argv], i in fails) for i, argv in enumerate(argvs)]
+    logs = [work / f"out.{rank}" for rank in range(nproc)]
+    try:
+        spawn(_cli_many, (nproc, free_port(), str(work), runs, dist_env()), nprocs=nproc, timeout=timeout)
+    except Exception as e:
+        tails = "\n".join(f"--- process {rank}:\n{log.read_text()[-4000:]}" for rank, log in enumerate(logs)
+                          if log.exists())
+        raise AssertionError(f"{nproc} processes of {len(argvs)} runs failed: {e}\n{tails}") from None
     err = [""] * len(argvs)
-    for part in parts[1:]:  # "I ===\n...": every process prints the marker; a run's parts are joined
-        i, _, text = part.partition(" ===")
-        err[int(i)] += text
+    for log in logs:
+        for part in log.read_text().split("=== torchrun_many run ")[1:]:  # "I ===\n..."
+            i, _, text = part.partition(" ===")
+            err[int(i)] += text
     return err
 
 
 def torchrun_many(nproc: int, runs: list[tuple[Path, list[str]]], timeout: float = 600) -> list[Path]:
-    """``torchrun(nproc, outputs, *args)`` for each ``(outputs, args)`` of ``runs``, in one torchrun launch
-    (``torchrun_cli_many``) that runs them in turn; returns the run folders."""
+    """``ditforge train`` with the tiny settings for each ``(outputs, args)`` of ``runs``, in one launch of ``nproc``
+    processes (``torchrun_cli_many``) that runs them in turn; returns the run folders."""
     outs = [Path(o) for o, _ in runs]
     for o in outs:
         o.parent.mkdir(parents=True, exist_ok=True)

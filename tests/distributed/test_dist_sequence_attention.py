@@ -23,9 +23,8 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from dist_helpers import free_port
+from dist_helpers import free_port, spawn
 
 RTOL = 1e-5
 RTOL_BF16 = 3e-2
@@ -226,7 +225,7 @@ def _worker(rank: int, world: int, port: int, base_seed: int) -> None:
 def test_sequence_parallel_attention_matches_single_process(world):
     base_seed = int.from_bytes(os.urandom(3), "little") * 1000  # fresh inputs every run (seed in messages)
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(world, free_port(), base_seed), nprocs=world, join=True)
+    spawn(_worker, args=(world, free_port(), base_seed), nprocs=world)
     print(f"world {world}: {time.perf_counter() - t0:.1f} s (base seed {base_seed})")
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dist_helpers import dist_env, free_port, read_run, run_single, torchrun_cli_many, torchrun_cmd
+from dist_helpers import COMMON, free_port, read_run, run_single, spawn, torchrun_cli_many
 
 from ditforge.models import STDiT, VideoDiT, create_model
 from ditforge.parallel import parallelize
@@ -147,7 +146,7 @@ def split_runs():
             # a held lock, and once hung CI on a futex while serving the workers' tensors (2026-11-27)
             with mp.get_context("spawn").Manager() as manager:
                 out = manager.dict()
-                mp.spawn(_worker, args=(world, free_port(), cases, out), nprocs=world, join=True)
+                spawn(_worker, args=(world, free_port(), cases, out), nprocs=world)
                 results[world] = dict(out)
         return results[world]
 
@@ -202,10 +201,8 @@ def test_train_dp2_sp2_equals_one_process(tmp_path):
     args = ["--model", "DiT-S/2", "--depth", "2", "--batch_size", "8", "--max_steps", "5"]
     single = read_run(run_single(tmp_path / "single", *args), "DiT-S/2", depth=2)
     sp = ["--sequence_parallel_size", "2", "--sequence_parallel_type", "fastseq", "--plugin", "fsdp"]
-    p = subprocess.run(torchrun_cmd(4, tmp_path / "split", *args, *sp), env=dist_env(), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "sequence parallelism: fastseq over 2 processes (x 2 data-parallel)" in p.stderr
+    err = torchrun_cli_many(4, tmp_path, [["train", *COMMON, "--outputs", str(tmp_path / "split"), *args, *sp]])
+    assert "sequence parallelism: fastseq over 2 processes (x 2 data-parallel)" in err[0]
     split = read_run(tmp_path / "split", "DiT-S/2", depth=2)
     for step, loss in single.losses().items():
         assert split.losses()[step] == pytest.approx(loss, rel=1e-5)

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from dist_helpers import free_port, gloo_dp
+from dist_helpers import free_port, gloo_dp, spawn
 
 WORLD = 2
 
@@ -73,4 +72,4 @@ def _worker(rank: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_ema_is_sharded_like_the_weights():
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    spawn(_worker, args=(free_port(),), nprocs=WORLD)

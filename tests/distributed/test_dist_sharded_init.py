@@ -8,9 +8,8 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.multiprocessing as mp
 
-from dist_helpers import free_port, gloo_dp
+from dist_helpers import free_port, gloo_dp, spawn
 
 WORLD = 2
 
@@ -40,4 +39,4 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_sharded_initialisation_equals_the_single_process_model():
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    spawn(_worker, args=(free_port(),), nprocs=WORLD)

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from dist_helpers import free_port
+from dist_helpers import free_port, spawn
 
 # fp32 on the CPU: the split products sum in another order (~1e-7), and AdamW turns a gradient near 0 into a step of
 # up to lr (1e-3) whatever its rounding, so a weight may differ by a small part of one step: 1e-5 is 1% of it
@@ -189,7 +188,7 @@ def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path):
     from ditforge.train import checkpoint as ckpt_io
 
     ports = [free_port() for _ in meshes]
-    mp.spawn(_worker, args=(ports, world, meshes, kw, str(tmp_path)), nprocs=world, join=True)
+    spawn(_worker, args=(ports, world, meshes, kw, str(tmp_path)), nprocs=world)
     name = meshes[0][2]
     model = _create(name, kw, "cpu")
     parts = _trainer(model)
