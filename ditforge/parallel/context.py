@@ -7,11 +7,12 @@ all-gather them at its output (Wan: ``proj_out``); attention runs Ulysses (all-t
 2023), ring (K/V rotated; Liu et al. 2023), or both (USP; Fang and Zhao 2024), with a backward for each. The
 diffusers code is not copied: this module chooses the split, builds its DeviceMesh and fixes the gradient scale.
 
-A joint text-video attention (HunyuanVideo's, whose blocks attend over [video tokens; text tokens] at once) has no
-diffusers plan: split as Wan is, the text tokens every process holds would enter Ulysses' all-to-all P times over, and
-weigh P times in the softmax. ``joint_text_plan`` splits the video tokens alone and ``JointTextAttention`` runs
-Ulysses on them while each process keeps the text's keys and values of its own heads (no communication for them),
-then gathers the text's output over the heads.
+A joint text-video attention (HunyuanVideo's, whose blocks attend over [video tokens; text tokens] at once, and
+CogVideoX's, over [text tokens; video tokens]) has no diffusers plan: split as Wan is, the text tokens every process
+holds would enter Ulysses' all-to-all P times over, and weigh P times in the softmax. ``joint_text_plan`` (and
+``text_first_plan``) split the video tokens alone and ``JointTextAttention`` runs Ulysses on them while each process
+keeps the text's keys and values of its own heads (no communication for them), then gathers the text's output over
+the heads. HunyuanVideo-I2V's token_replace blocks modulate the first frame's tokens apart (``first_frame_tokens``).
 
 Gradients when training: every process of a group computes the same loss on the gathered output; the gather's
 backward (``diffusers.hooks.context_parallel.AllGatherFunction``) keeps this process's slice of the gradient, so
@@ -24,6 +25,7 @@ of one process per sample (the same bookkeeping as ``sequence.shard``'s gather o
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 
 import torch
@@ -74,8 +76,10 @@ def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
     """diffusers' context parallelism on ``denoiser``'s transformer over ``mesh``'s ring x ulysses part
     (``token_mesh``), in place, with a one-line refusal of a token count the group does not divide (diffusers would
     assert), by the adapter's ``cp_plan``: the model's own ``_cp_plan`` (None); ``"joint_text"`` (HunyuanVideo),
-    ``joint_text_plan`` with ``JointTextAttention``; ``"whole_text"`` (LTX-Video), ``whole_text_plan`` with each
-    cross-attention over the whole text on every process. ditforge's plans run Ulysses only.
+    ``joint_text_plan`` with ``JointTextAttention`` at diffusers' dispatcher; ``"text_first"`` (CogVideoX),
+    ``text_first_plan`` with ``JointTextAttention`` catching PyTorch's SDPA (``intercept_sdpa``); ``"whole_text"``
+    (LTX-Video), ``whole_text_plan`` with each cross-attention over the whole text on every process. ditforge's plans
+    run Ulysses only.
 
     Raises:
         UserError: a ring part for one of ditforge's plans."""
@@ -98,20 +102,24 @@ def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
             from unittest import mock  # 0 on a machine without one; the index is unused on the CPU
 
             stack.enter_context(mock.patch.object(torch.accelerator, "device_count", lambda: 1))
-        plans = {"joint_text": joint_text_plan, "whole_text": whole_text_plan}
+        plans = {"joint_text": joint_text_plan, "text_first": text_first_plan, "whole_text": whole_text_plan}
         transformer.enable_parallelism(config=config, cp_plan=plans[plan]() if plan else None)
-    from ditforge.models.adapters.dispatch import intercept_attention
+    from ditforge.models.adapters.dispatch import intercept_attention, intercept_sdpa
 
-    if plan == "joint_text":
-        attention = JointTextAttention(mesh["ulysses"].get_group())
-        intercept_attention(transformer, attention)
+    group = mesh["ulysses"].get_group()
+    if plan in ("joint_text", "text_first"):
+        attention = JointTextAttention(group, text_first=plan == "text_first")
+        (intercept_attention if plan == "joint_text" else intercept_sdpa)(transformer, attention)
         transformer.register_forward_pre_hook(attention.read_text_length, with_kwargs=True)
     elif plan == "whole_text":  # this process's queries over the whole text: no exchange
         intercept_attention(transformer, lambda q, k, v, mask, attend: attend(q, k, v, mask), cross_only=True)
+    if getattr(transformer.config, "image_condition_type", None) == "token_replace":
+        first_frame_tokens(transformer, group)
     patch, patch_t = transformer.config.patch_size, getattr(transformer.config, "patch_size_t", None)
     if patch_t:  # HunyuanVideo and LTX-Video state the temporal patch apart; Wan's patch_size holds all three
         patch = (patch_t, patch, patch)
-    transformer.register_forward_pre_hook(_divisible_check(ring * ulysses, patch), with_kwargs=True)
+    check = _divisible_check(ring * ulysses, patch, frames_first=getattr(denoiser, "frames_first", False))
+    transformer.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def joint_text_plan() -> dict:
@@ -126,6 +134,35 @@ def joint_text_plan() -> dict:
             "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3,
                                                                            split_output=False)},
             "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+
+
+def text_first_plan() -> dict:
+    """A context-parallel plan for CogVideoX 1.0's transformer, whose blocks take the video tokens and the text apart
+    and attend over [text; video]: the video tokens split at the first block's input, the rotary tables
+    (``image_rotary_emb``, (cos, sin) of (N, D), the 5B model's) at the transformer's input, the output gathered at
+    ``proj_out``; the text whole on every process. (The 2B model's learned positions are added before the split.)"""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    table = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
+    return {"": {"image_rotary_emb": [table, table]},
+            "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3,
+                                                                           split_output=False)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+
+
+def first_frame_tokens(transformer: nn.Module, group) -> None:
+    """HunyuanVideo-I2V's token_replace blocks modulate the first ``num_tokens`` video tokens (the first latent
+    frame's) at timestep 0, the rest at t (their 7th argument, which the transformer passes by position). With the
+    video tokens split in order, this process's slice [r S, (r + 1) S) holds min(max(num_tokens - r S, 0), S) of
+    them, first: a forward pre-hook on every block passes that count instead."""
+    rank = dist.get_rank(group)
+
+    def local(module, args):
+        held = args[0].shape[1]
+        return (*args[:6], min(max(args[6] - rank * held, 0), held), *args[7:])
+
+    for block in (*transformer.transformer_blocks, *transformer.single_transformer_blocks):
+        block.register_forward_pre_hook(local)
 
 
 def whole_text_plan() -> dict:
@@ -145,26 +182,33 @@ def whole_text_plan() -> dict:
 
 class JointTextAttention:
     """Ulysses over a joint attention whose queries, keys and values are (B, S + L, H, D): this process's S video
-    tokens (the sequence split over the group of P in order) then the L text tokens, the same on every process.
+    tokens (the sequence split over the group of P in order) then the L text tokens, the same on every process, or
+    the text first (``text_first``, CogVideoX's order).
 
     The video tokens go through Ulysses' all-to-all (``ulysses.seq_to_heads``): each process then holds all P S video
     tokens of its H / P heads, beside the text tokens of the same heads (a slice, no communication); attention over
-    [video; text] runs there through the processor's own backend, under the text's key mask (the last L entries of
+    video and text runs there through the processor's own backend, under the text's key mask (the text's entries of
     the transformer's (B, 1, 1, N + L) mask; video keys all kept); the video output goes back by the inverse
     all-to-all and the text output is gathered over the heads. Equal to one process's attention over the whole
-    sequence (Jacobs et al. 2023's Ulysses with the replicated tokens kept out of the exchange). (The token refiner's
-    text-only attention calls PyTorch directly, not the dispatcher: it runs whole on every process.) Gradients: the
-    all-to-all's backward is its inverse; the text gather's is a reduce-scatter (sum), since each process's copy of
-    the text feeds its own heads' part of the loss; the replicated text's parameter gradients then sum over the
-    group as ``scale_gradient`` expects. L is read from the transformer's ``encoder_hidden_states`` before each
-    forward (``read_text_length``).
+    sequence (Jacobs et al. 2023's Ulysses with the replicated tokens kept out of the exchange). (HunyuanVideo's token
+    refiner's text-only attention calls PyTorch directly, not the dispatcher: it runs whole on every process.)
+    Gradients: the all-to-all's backward is its inverse; the text gather's is a reduce-scatter (sum), since each
+    process's copy of the text feeds its own heads' part of the loss; the replicated text's parameter gradients then
+    sum over the group as ``scale_gradient`` expects. L is read from the transformer's ``encoder_hidden_states``
+    before each forward (``read_text_length``).
     """
 
-    def __init__(self, group):
-        self.group, self.text = group, None
+    def __init__(self, group, text_first: bool = False):
+        self.group, self.text_first, self.text = group, text_first, None
 
     def read_text_length(self, module, args, kwargs) -> None:
-        self.text = (kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[2]).shape[1]
+        if "encoder_hidden_states" not in kwargs:  # diffusers' hooks wrap the forward: bind to the class's own
+            kwargs = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
+        self.text = kwargs["encoder_hidden_states"].shape[1]
+
+    def _order(self, video, text) -> tuple:
+        """(video, text) in the attention's token order."""
+        return (text, video) if self.text_first else (video, text)
 
     # eager inside compiled blocks: traced, the text length (a host int) would be a guard, and every prompt length
     # of a file (trim_padding) a recompile of every block, past dynamo's limit of 8
@@ -173,32 +217,39 @@ class JointTextAttention:
         from ditforge.parallel.collectives import gather_dim1
         from ditforge.parallel.sequence.ulysses import heads_to_seq, seq_to_heads
 
-        video = query.shape[1] - self.text
+        text, video = self.text, query.shape[1] - self.text
         p, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        b, _, heads, dh = query.shape
+        heads = query.shape[2]
         own = slice(rank * heads // p, (rank + 1) * heads // p)
+        # the text's place in q, k, v and in the mask (whose video part is the whole video's)
+        at_video, at_text = (slice(text, None), slice(None, text)) if self.text_first else \
+            (slice(None, -text), slice(-text, None))
         # (B, H, S, D) views of the video part -> (3, B, H/P, P S, D), tokens-major as the processor's own
-        qv, kv, vv = seq_to_heads(*(x[:, :video].transpose(1, 2) for x in (query, key, value)), self.group)
-        q, k, v = (torch.cat([x.transpose(1, 2), y[:, video:, own]], dim=1) for x, y in
+        qv, kv, vv = seq_to_heads(*(x[:, at_video].transpose(1, 2) for x in (query, key, value)), self.group)
+        q, k, v = (torch.cat(self._order(x.transpose(1, 2), y[:, at_text, own]), dim=1) for x, y in
                    ((qv, query), (kv, key), (vv, value)))
         if attn_mask is not None:  # (B, 1, 1, N + L): the video keys all kept (True, or 0 added), the text's as given
-            text_keys = attn_mask[..., -self.text:]
+            text_keys = attn_mask[..., at_text]
             keep = torch.ones if text_keys.dtype == torch.bool else torch.zeros
             video_keys = keep(*text_keys.shape[:-1], p * video, dtype=text_keys.dtype, device=text_keys.device)
-            attn_mask = torch.cat([video_keys, text_keys], dim=-1)
-        out = attend(q, k, v, attn_mask)  # (B, P S + L, H/P, D)
-        video_out = heads_to_seq(out[:, :p * video].transpose(1, 2), self.group).transpose(1, 2)  # (B, S, H, D)
-        text_out = gather_dim1(out[:, p * video:].transpose(1, 2), self.group)  # (B, H, L, D), heads in rank order
-        return torch.cat([video_out, text_out.transpose(1, 2)], dim=1)
+            attn_mask = torch.cat(self._order(video_keys, text_keys), dim=-1)
+        out = attend(q, k, v, attn_mask)  # (B, P S + L, H/P, D), in the same order
+        video_out, text_out = self._order(*out.split(self._order(p * video, text), dim=1))
+        video_out = heads_to_seq(video_out.transpose(1, 2), self.group).transpose(1, 2)  # (B, S, H, D)
+        text_out = gather_dim1(text_out.transpose(1, 2), self.group)  # (B, H, L, D), heads in rank order
+        return torch.cat(self._order(video_out, text_out.transpose(1, 2)), dim=1)
 
 
-def _divisible_check(size: int, patch):
-    """A forward pre-hook: the video's token count (B, C, T, H, W latents over the (p_t, p_h, p_w) patch, or tokens
-    packed already, (B, N, C): LTX-Video's) must divide into ``size`` equal slices."""
+def _divisible_check(size: int, patch, frames_first: bool = False):
+    """A forward pre-hook: the video's token count (B, C, T, H, W latents over the (p_t, p_h, p_w) patch, (B, T, C, H,
+    W) with ``frames_first`` (CogVideoX's), or tokens packed already, (B, N, C): LTX-Video's) must divide into
+    ``size`` equal slices."""
     p_t, p_h, p_w = patch if isinstance(patch, (tuple, list)) else (1, patch, patch)
 
     def check(module, args, kwargs):
         x = args[0] if args else kwargs["hidden_states"]
+        if frames_first:
+            x = x.transpose(1, 2)
         tokens = x.shape[1] if x.ndim == 3 else (x.shape[2] // p_t) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
         if tokens % size:
             shape = "" if x.ndim == 3 else f" (latents {tuple(x.shape[2:])} over patches {(p_t, p_h, p_w)})"
@@ -236,14 +287,13 @@ def scale_gradient(transformer: nn.Module, factor: int) -> None:
 def refuse_unsplittable(family, sp_size: int, remedy: str, use: str = "sample") -> None:
     """UserError (one line, ending in ``remedy``) when each sample's tokens are split over ``sp_size`` > 1 processes
     (``--sequence_parallel_size``) for ``use`` (``"sample"`` or ``"train"``) and the adapter class ``family`` (a
-    ``DiffusersDenoiser`` subclass) has no tested context-parallel plan for it (``context_parallel``: the Wan
-    families, HunyuanVideo text-to-video and LTX-Video, both)."""
+    ``DiffusersDenoiser`` subclass) has no tested context-parallel plan for it (``context_parallel``: every video
+    family has one for both uses)."""
     if sp_size > 1 and use not in family.context_parallel:
         doing = "fine-tuning" if use == "train" else "sampling"
         raise UserError(f"--sequence_parallel_size {sp_size}: {' / '.join(family.pipelines)} does not split its "
-                        f"tokens when {doing} (ditforge splits the Wan families', HunyuanVideo's text-to-video and "
-                        "LTX-Video's; CogVideoX's attention calls PyTorch past diffusers' dispatcher, where no split "
-                        f"reaches, and the image families have no plan); {remedy}")
+                        f"tokens when {doing} (ditforge splits the video families' tokens; the image families have no "
+                        f"plan); {remedy}")
 
 
 MAX_TRAINING_RING = 2  # diffusers 0.42.1's ring backward passes each K/V chunk's gradient the wrong way round a ring

@@ -82,6 +82,9 @@ VIDEO = ("--data", "clips", "--num_frames", "5", "--frame_interval", "2", "--ima
          "2", "--max_steps", "3", "--ckpt_every", "1000", "--class_dropout_prob", "0", "--lr", "1e-3")
 
 
+COG_FRAMES = ("--num_frames", "9")  # CogVideoX's VAE takes 8k + 1 frames: 3 latent frames of 2 x 2 patches
+
+
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory) -> Path:
     return _tiny_pipelines().make_wan(tmp_path_factory.mktemp("wan") / "pipe")
@@ -98,11 +101,16 @@ def ltx(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(setup, wan, hunyuan, ltx, tmp_path_factory):
-    """The run folder of every case of ``CASES``, then of the Wan, HunyuanVideo and LTX-Video runs with their tokens
-    split (keys ``"wan_sp"``, ``"hunyuan_sp"``, ``"ltx_sp"``), and the stderr of a Wan run whose token count 2
-    processes cannot halve (``"odd"``), all made by one torchrun launch of 2 processes that runs the command lines in
-    turn (``torchrun_cli_many``)."""
+def cogvideox(tmp_path_factory) -> Path:
+    return _tiny_pipelines().make_cogvideox(tmp_path_factory.mktemp("cogvideox") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(setup, wan, hunyuan, ltx, cogvideox, tmp_path_factory):
+    """The run folder of every case of ``CASES``, then of the Wan, HunyuanVideo, LTX-Video and CogVideoX runs with
+    their tokens split (keys ``"wan_sp"``, ``"hunyuan_sp"``, ``"ltx_sp"``, ``"cogvideox_sp"``), and the stderr of a
+    Wan run whose token count 2 processes cannot halve (``"odd"``), all made by one launch of 2 processes that runs
+    the command lines in turn (``torchrun_cli_many``)."""
     from dist_helpers import COMMON, torchrun_cli_many
 
     pipe, data = setup
@@ -112,12 +120,15 @@ def two_process_runs(setup, wan, hunyuan, ltx, tmp_path_factory):
     argvs.append((root / "wan_sp", ["--init_from", str(wan), *VIDEO, "--sequence_parallel_size", "2"]))
     argvs.append((root / "hunyuan_sp", ["--init_from", str(hunyuan), *VIDEO, "--sequence_parallel_size", "2"]))
     argvs.append((root / "ltx_sp", ["--init_from", str(ltx), *VIDEO, "--sequence_parallel_size", "2"]))
+    argvs.append((root / "cogvideox_sp", ["--init_from", str(cogvideox), *VIDEO, *COG_FRAMES,
+                                          "--sequence_parallel_size", "2"]))
     # one latent frame of 3 x 3 tokens at 48 px: 9 tokens, which 2 processes cannot halve
     argvs.append((root / "odd", ["--init_from", str(wan), *VIDEO, "--num_frames", "1", "--image_size", "48",
                                  "--sequence_parallel_size", "2"]))
     err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
                             fails=(len(argvs) - 1,))
-    return dict(zip([*CASES, "wan_sp", "hunyuan_sp", "ltx_sp"], [out for out, _ in argvs])) | {"odd": err[-1]}
+    names = [*CASES, "wan_sp", "hunyuan_sp", "ltx_sp", "cogvideox_sp"]
+    return dict(zip(names, [out for out, _ in argvs])) | {"odd": err[-1]}
 
 
 def _assert_equal_runs(run: Path, ref: Path, steps: list[int]) -> dict[str, torch.Tensor]:
@@ -172,23 +183,27 @@ def test_wan_with_its_tokens_split_equals_single_process(wan, two_process_runs, 
     assert odd and "--sequence_parallel_size 2: a video of 9 tokens" in odd[0], two_process_runs["odd"][-2000:]
 
 
-@pytest.mark.parametrize("family", ["hunyuan", "ltx"])
-def test_video_tokens_split_by_ditforges_plans_equal_single_process(family, hunyuan, ltx, two_process_runs,
-                                                                     tmp_path):
+@pytest.mark.parametrize("family", ["hunyuan", "ltx", "cogvideox"])
+def test_video_tokens_split_by_ditforges_plans_equal_single_process(family, hunyuan, ltx, cogvideox,
+                                                                     two_process_runs, tmp_path):
     """Full fine-tuning with ``--sequence_parallel_size 2`` by ditforge's plans (``parallel.context``) equals one
     plain process: the losses and gradient norms of 3 steps and the weights after them.
 
     - HunyuanVideo: the 32 video tokens of each clip split, 16 a process, the 256 padded caption tokens on both; the
       joint attention's text gathered over the heads, its backward a reduce-scatter; the text padding masked.
     - LTX-Video (2 latent frames of 8 x 8: 128 packed tokens, 64 a process; Ulysses over its 4 heads): the masked
-      caption whole on both processes, each cross-attention local."""
+      caption whole on both processes, each cross-attention local.
+    - CogVideoX (v-prediction DDPM; 9 frames: 3 latent frames of 2 x 2 patches, 12 tokens, 6 a process): the 226 caption
+      tokens whole on both, first in each joint attention, whose SDPA call is caught (``intercept_sdpa``)."""
     import diffusers
 
     from dist_helpers import run_single
 
-    folder = {"hunyuan": hunyuan, "ltx": ltx}[family]
-    ref = run_single(tmp_path / "ref", "--init_from", str(folder), *VIDEO)
+    folder = {"hunyuan": hunyuan, "ltx": ltx, "cogvideox": cogvideox}[family]
+    frames = COG_FRAMES if family == "cogvideox" else ()
+    ref = run_single(tmp_path / "ref", "--init_from", str(folder), *VIDEO, *frames)
     want = _assert_equal_runs(two_process_runs[f"{family}_sp"], ref, [1, 2, 3])
-    model = {"hunyuan": diffusers.HunyuanVideoTransformer3DModel, "ltx": diffusers.LTXVideoTransformer3DModel}[family]
+    model = {"hunyuan": diffusers.HunyuanVideoTransformer3DModel, "ltx": diffusers.LTXVideoTransformer3DModel,
+             "cogvideox": diffusers.CogVideoXTransformer3DModel}[family]
     base = model.from_pretrained(str(folder), subfolder="transformer").state_dict()
     assert _moved(want, base, "transformer") > 20 * WEIGHT_ATOL

@@ -1,8 +1,8 @@
 """``ditforge sample`` of a Wan pipeline folder under torchrun equals one process: 2 gloo processes with the tokens
 split (diffusers' context parallelism, Ulysses over the 2 heads) and with ``--cfg_parallel``, and 4 processes with
 both (CFG-parallel x Ulysses 2), on the tiny random ``WanPipeline`` of ``tests/finetune/tiny_pipelines.py``;
-CogVideoX with ``--cfg_parallel``; HunyuanVideo and LTX-Video with their video tokens split (ditforge's plans: the
-text whole on every process).
+CogVideoX with ``--cfg_parallel``; CogVideoX, HunyuanVideo and LTX-Video with their video tokens split (ditforge's
+plans: the text whole on every process).
 Tolerance: the frames (uint8) within one level; the one-process run draws the same noise from the same seed."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from dist_helpers import free_port, gloo_dp, torchrun_cli_many
+from dist_helpers import free_port, gloo_dp, spawn, torchrun_cli_many
 
 pytestmark = pytest.mark.slow
 
@@ -218,8 +217,8 @@ def _first_png(folder: Path) -> Path:
 def two_processes(folder, cog_folder, hunyuan_folder, ltx_folders, tmp_path_factory) -> tuple[Path, list[str]]:
     """Every 2-process run of this module, in one torchrun launch (``torchrun_cli_many``: one start-up of the two
     processes, which import diffusers, for the Wan, CogVideoX, HunyuanVideo and LTX-Video cases): (the folder of
-    their .npz files, each run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX, 6
-    refused; 7: HunyuanVideo; 8-9: LTX-Video text- and image-to-video; 10-11: Wan with TaylorSeer under
+    their .npz files, each run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX; 7:
+    HunyuanVideo; 8-9: LTX-Video text- and image-to-video; 10-11: Wan with TaylorSeer under
     CFG-parallel and with its tokens split; 12: First Block Cache with the tokens split, refused."""
     work = tmp_path_factory.mktemp("two")
     one_tile = ("--vae_tile", "64")
@@ -237,22 +236,26 @@ def two_processes(folder, cog_folder, hunyuan_folder, ltx_folders, tmp_path_fact
         _argv(folder, work / "cfg_ts.npz", "--cfg_parallel", *TAYLORSEER, *one_tile),
         _argv(folder, work / "sp_ts.npz", "--sequence_parallel_size", "2", *TAYLORSEER, *one_tile),
         _argv(folder, work / "sp_fbc.npz", "--sequence_parallel_size", "2", "--first_block_cache", "0.1")],
-        fails=(6, 12))
+        fails=(12,))
     return work, err
 
 
-def test_cogvideox_cfg_parallel_equals_one_process(cog_folder, two_processes, tmp_path):
+@pytest.fixture(scope="module")
+def cog_one(cog_folder, tmp_path_factory) -> np.ndarray:
+    """The one-process CogVideoX video of ``_cog_argv``, (1, 9, 32, 32, 3) int16."""
+    npz = tmp_path_factory.mktemp("cog_one") / "one.npz"
+    return _one_process(_cog_argv(cog_folder, npz), npz)
+
+
+@pytest.mark.parametrize("split", ["cfg", "sp"])
+def test_cogvideox_split_over_two_processes_equals_one(split, cog_one, two_processes):
     """CogVideoX (frames-first latents, its stochastic DPM scheduler drawing the same noise in both processes) under 2
-    gloo processes with ``--cfg_parallel`` equals one process, to one uint8 level; ``--sequence_parallel_size 2`` is
-    one line (its attention calls PyTorch's SDPA past diffusers' dispatcher, where no split reaches). The 2-process
-    runs share the Wan cases' launch
-    (``two_processes``)."""
-    want = _one_process(_cog_argv(cog_folder, tmp_path / "one.npz"), tmp_path / "one.npz")
-    work, err = two_processes
-    assert "--sequence_parallel_size 2: CogVideoXPipeline does not split its tokens" in err[6]
-    got = np.load(work / "cog_cfg.npz")["samples"].astype(np.int16)
-    assert got.shape == want.shape and want.std() > 5
-    assert np.abs(got - want).max() <= 1
+    gloo processes with ``--cfg_parallel``, and with ``--sequence_parallel_size 2`` (``text_first_plan``: 12 video
+    tokens, 6 a process, the 226 caption tokens on both; its attention's SDPA caught by ``intercept_sdpa``), equals
+    one process, to one uint8 level. The 2-process runs share the Wan cases' launch (``two_processes``)."""
+    got = np.load(two_processes[0] / f"cog_{split}.npz")["samples"].astype(np.int16)
+    assert got.shape == cog_one.shape == (1, 9, 32, 32, 3) and cog_one.std() > 5
+    assert np.abs(got - cog_one).max() <= 1
 
 
 def test_hunyuan_video_split_over_two_processes_equals_one(hunyuan_folder, two_processes, tmp_path):
@@ -285,53 +288,99 @@ def test_ltx_video_split_over_two_processes_equals_one(kind, ltx_one, two_proces
     assert np.abs(got - want).max() <= 1
 
 
-def _joint_text_worker(rank: int, port: int) -> None:
+def _joint_model(family: str):
+    """(a tiny transformer of ``family``, its adapter, a fresh input of the adapter's ``denoise``): 48 video tokens
+    (2 latent frames of 4 x 6; 3 frames for the image-to-video model) and 9 text tokens; 4 heads (HunyuanVideo) or
+    2 (CogVideoX)."""
+    import diffusers
+
+    from ditforge.models.adapters.cogvideox import CogVideoXDenoiser
+    from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if family == "cogvideox":  # the 5B model's rotary positions; x (B, C, T, h, w), 2 x 2 patches
+        model = diffusers.CogVideoXTransformer3DModel(
+            num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
+            text_embed_dim=16, num_layers=2, sample_width=12, sample_height=8, sample_frames=5, patch_size=2,
+            temporal_compression_ratio=4, max_text_seq_length=9, use_rotary_positional_embeddings=True)
+        return model, CogVideoXDenoiser(model), dict(
+            x=torch.randn(1, 4, 2, 8, 12, generator=g), t=torch.tensor([700]),
+            encoder_hidden_states=3 * torch.randn(1, 9, 16, generator=g))
+    condition = {"hunyuan": None, "hunyuan_i2v": "token_replace"}[family]
+    model = diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8, num_layers=2, num_single_layers=2,
+        num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True, text_embed_dim=16,
+        pooled_projection_dim=8, rope_axes_dim=(2, 2, 4), **({"image_condition_type": condition} if condition else {}))
+    adapter = HunyuanVideoI2VDenoiser(model) if condition else HunyuanVideoDenoiser(model)
+    image = {"first_frame": torch.randn(1, 4, 1, 4, 6, generator=g)} if condition else {}
+    return model, adapter, dict(
+        x=torch.randn(1, 4, 3 if condition else 2, 4, 6, generator=g), t=torch.tensor([700.0]),
+        encoder_hidden_states=3 * torch.randn(1, 9, 16, generator=g),
+        encoder_attention_mask=torch.arange(9)[None] < 6, pooled_projections=torch.randn(1, 8, generator=g),
+        guidance=torch.tensor([6000.0]), **image)  # the caption's last 3 tokens padding
+
+
+def _joint_text_worker(rank: int, port: int, family: str) -> None:
     import copy
     from unittest import mock
 
-    from diffusers import ContextParallelConfig, HunyuanVideoTransformer3DModel
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
     from ditforge.models.adapters.dispatch import unmask_full_attention
-    from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
     from ditforge.parallel.context import joint_text_plan, split_tokens
 
     with gloo_dp(rank, port, 2) as d:
-        torch.manual_seed(0)
-        model = HunyuanVideoTransformer3DModel(
-            in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8, num_layers=2,
-            num_single_layers=2, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
-            text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4)).eval()
-        g = torch.Generator().manual_seed(1)
-        inputs = dict(hidden_states=torch.randn(1, 4, 2, 4, 6, generator=g), timestep=torch.tensor([700.0]),
-                      encoder_hidden_states=3 * torch.randn(1, 9, 16, generator=g),
-                      encoder_attention_mask=torch.ones(1, 9, dtype=torch.bool),
-                      pooled_projections=torch.randn(1, 8, generator=g), guidance=torch.tensor([6000.0]),
-                      return_dict=False)
-        with torch.no_grad():
-            want = model(**inputs)[0]
-            naive = copy.deepcopy(model)
-            mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("outer", "ring", "ulysses"))
-            split_tokens(HunyuanVideoDenoiser(model), d, mesh)
-            for marker in unmask_full_attention(model):
-                marker.full = True  # batch 1, no padding: what the sampler sets
-            got = model(**inputs)[0]
-            # diffusers' own Ulysses over [video; text] with the same split: the text enters twice
+        model, adapter, inputs = _joint_model(family)
+        weights = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(2))
+        naive = copy.deepcopy(model)
+
+        def run(adapter):
+            out = adapter.denoise(**{k: v.clone() for k, v in inputs.items()})
+            model.zero_grad()
+            (out * weights).sum().backward()
+            return out.detach(), {k: p.grad.clone() for k, p in adapter.named_parameters() if p.grad is not None}
+
+        want, want_grads = run(adapter)
+        if family == "hunyuan":  # the same without padding, for diffusers' own split below
+            unpadded = inputs | {"encoder_attention_mask": torch.ones(1, 9, dtype=torch.bool)}
+            with torch.no_grad():
+                want_unpadded = adapter.denoise(**unpadded)
+        mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("outer", "ring", "ulysses"))
+        split_tokens(adapter, d, mesh)
+        got, grads = run(adapter)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == want_grads.keys() and len(grads) > 20
+        for name, grad in grads.items():  # each process holds its tokens' share: the shares sum to the whole
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+        if family == "hunyuan":  # diffusers' own Ulysses over [video; text] with the same split: the text enters twice
             with mock.patch.object(torch.accelerator, "device_count", lambda: 1):  # as split_tokens on the CPU
                 naive.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2,
                                                                       mesh=mesh["ring", "ulysses"]),
                                          cp_plan=joint_text_plan())
             for marker in unmask_full_attention(naive):
-                marker.full = True
-            wrong = naive(**inputs)[0]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert (wrong - want).abs().max() > 1e-3 * want.abs().max()
+                marker.full = True  # no padding: what the sampler sets
+            with torch.no_grad():
+                wrong = type(adapter)(naive).denoise(**unpadded)
+            assert (wrong - want_unpadded).abs().max() > 1e-3 * want_unpadded.abs().max()
 
 
-def test_hunyuan_video_joint_attention_split_equals_one_process():
-    """HunyuanVideo's transformer (4 heads, 2 double- and 2 single-stream blocks, 48 video and 9 text tokens) with its
-    video tokens split over 2 gloo processes (``parallel.context.joint_text_plan``, ``JointTextAttention``: Ulysses
-    on the video tokens, each process's heads of the text kept, the text's output gathered over the heads) equals
-    the unsplit transformer within 1e-5; diffusers' own Ulysses over the same split (each process's copy of the
-    text exchanged with the video) does not: the text would count twice in every softmax."""
-    mp.spawn(_joint_text_worker, args=(free_port(),), nprocs=2)
+@pytest.mark.parametrize("family", ["hunyuan", "hunyuan_i2v", "cogvideox"])
+def test_joint_attention_split_equals_one_process(family):
+    """A joint text-video transformer with its video tokens split over 2 gloo processes (ditforge's plans:
+    Ulysses on the video tokens, each process's heads of the text kept, the text's output gathered over the heads)
+    equals the unsplit transformer: the output within 1e-5, and the parameter gradients of a weighted sum of it,
+    summed over the processes, within 1e-4 relative.
+
+    - HunyuanVideo (4 heads, 2 double- and 2 single-stream blocks, 48 video and 9 text tokens of which 3 are masked
+      padding; ``joint_text_plan``, at diffusers' dispatcher). diffusers' own Ulysses over the same split (each
+      process's copy of the text exchanged with the video) does not equal it: the text would count twice in every
+      softmax.
+    - HunyuanVideo-I2V's token_replace model (3 latent frames: 72 tokens, 36 a process): the first frame's 24 tokens
+      modulated at t = 0, the first 24 of process 0's 36 (``first_frame_tokens``).
+    - CogVideoX with 3-D rotary positions ([text; video], ``text_first_plan``; its processor calls PyTorch's SDPA,
+      caught by ``intercept_sdpa``)."""
+    spawn(_joint_text_worker, args=(free_port(), family), nprocs=2)

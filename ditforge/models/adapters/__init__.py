@@ -50,9 +50,10 @@ class DiffusersDenoiser(nn.Module):
         image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX and
             LTX-Video I2V).
         context_parallel: where each sample's tokens may be split over processes (``parallel.context``):
-            ``"sample"`` and / or ``"train"`` (Wan, HunyuanVideo text-to-video and LTX-Video: both); empty: neither.
+            ``"sample"`` and / or ``"train"`` (every video family: both); empty: neither (the image families).
         cp_plan: which context-parallel plan splits them (``parallel.context.split_tokens``): None, the model's own
-            ``_cp_plan`` (Wan); ``"joint_text"`` (HunyuanVideo) or ``"whole_text"`` (LTX-Video), ditforge's.
+            ``_cp_plan`` (Wan); ``"joint_text"`` (HunyuanVideo), ``"text_first"`` (CogVideoX) or ``"whole_text"``
+            (LTX-Video), ditforge's.
         embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
             (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise

@@ -34,6 +34,8 @@ class CogVideoXDenoiser(DiffusersDenoiser):
     # LoRA on the attention projections (finetrainers' and diffusers' train_cogvideox_lora.py default)
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
+    context_parallel = ("sample", "train")
+    cp_plan = "text_first"  # parallel.context: the video tokens split, the text whole on each process
 
     def __init__(self, model, vae_scale: int = 8):
         super().__init__(model, vae_scale)

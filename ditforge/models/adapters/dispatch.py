@@ -10,7 +10,8 @@ causal, keys as many as queries, no context-parallel config, and a head width th
 
 ``intercept_attention`` hands every call of a transformer's processors to a function of ditforge's (context
 parallelism of a joint text-video attention, ``parallel.context``), with the processor's own backend to call for the
-attention itself.
+attention itself. ``intercept_sdpa`` does the same for processors that call PyTorch's SDPA themselves, past the
+dispatcher (CogVideoX's): a ``TorchFunctionMode`` around each such attention module's forward catches the call.
 
 ``unmask_full_attention`` uses the same router for another purpose: a family whose attention always carries a mask
 (HunyuanVideo's joint text-video attention masks the text padding) computes the same without it once the padding
@@ -24,8 +25,11 @@ import sys
 from collections.abc import Callable
 
 import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["Intercept", "Unmask", "intercept_attention", "route_self_attention", "unmask_full_attention"]
+__all__ = ["Intercept", "Unmask", "intercept_attention", "intercept_sdpa", "route_self_attention",
+           "unmask_full_attention"]
 
 
 class _Route:
@@ -135,6 +139,51 @@ def intercept_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Te
         processor._attention_backend = Intercept(fn, processor._attention_backend)
         marked += 1
     return marked
+
+
+class _CatchSDPA(TorchFunctionMode):
+    """Every ``F.scaled_dot_product_attention(q, k, v, ...)`` ((B, H, S, D) each) made while active goes to ``fn(q, k,
+    v, attn_mask, attend)`` in the dispatcher's layout, (B, S, H, D) (``Intercept``); ``attend`` is PyTorch's SDPA
+    with the call's other options. Everything else runs as called (a mode is off inside its own handler)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.fn = fn
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask")
+        kwargs.update(zip(names, args))
+        q, k, v, mask = (kwargs.pop(name, None) for name in names)
+
+        def attend(q, k, v, mask):
+            return func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                        **kwargs).transpose(1, 2)
+
+        return self.fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, attend).transpose(1, 2)
+
+
+def intercept_sdpa(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor]) -> int:
+    """Hand the SDPA calls of ``transformer``'s attention modules whose processor calls PyTorch itself (not diffusers'
+    dispatcher) to ``fn`` (``Intercept``'s signature and layout). Each such module's forward runs under a
+    ``_CatchSDPA`` mode, eager (``torch.compiler.disable``: a compiled block breaks its graph there). Returns how
+    many modules were wrapped."""
+    wrapped = 0
+    for _, module in transformer.named_modules():
+        processor = getattr(module, "processor", None)
+        if processor is None or hasattr(processor, "_attention_backend"):
+            continue
+
+        @torch.compiler.disable
+        def forward(*args, _forward=module.forward, **kwargs):
+            with _CatchSDPA(fn):
+                return _forward(*args, **kwargs)
+
+        module.forward = forward
+        wrapped += 1
+    return wrapped
 
 
 def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor],

@@ -110,7 +110,6 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
                                                           "HunyuanVideoTokenReplaceSingleTransformerBlock")
     image_to_video = True
     prompt_sees_image = True
-    context_parallel = ()  # token_replace splits its blocks' tokens at the first frame, which a split moves
 
     @property
     def embedded_guidance(self) -> bool:
