@@ -10,7 +10,11 @@ the states resident on the GPU against streamed from pinned host memory. A step 
 transfers with, so the offloaded row is about the state's bytes over the bandwidth; inside a backward
 (``--fused_backward_pass``) the transfers overlap the blocks' compute.
 
-    PYTHONPATH=. python benchmarks/optimizer_step.py [--offload] [--out FILE]
+``--sharded``: the one-pass step over FSDP2's shards (each DiT block and the model under ``fully_shard`` on a
+one-GPU mesh: DTensor parameters and states, stepped shard by shard) against the same step over plain tensors,
+with whether the weights after the timed steps are equal bit for bit.
+
+    PYTHONPATH=. python benchmarks/optimizer_step.py [--offload | --sharded] [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import json
 
 import torch
 from timing import cuda_median_ms
+from torch.distributed.tensor import DTensor
 
 from ditforge.models import create_model
 from ditforge.parallel import clip_coefficient, squared_norm
-from ditforge.parallel.ema import EMA
+from ditforge.parallel.ema import EMA, local_shard
 from ditforge.parallel.optim import CompensatedAdamW
 
 ROWS = [  # name, weights dtype, states, ema
@@ -33,11 +38,23 @@ ROWS = [  # name, weights dtype, states, ema
 ]
 
 
-def run(dtype, states, ema_on, fused):
+def run(dtype, states, ema_on, fused, sharded=False, weights=None):
+    """Median ms of one step; ``weights`` (a list) receives the weights after the timed steps."""
     torch.manual_seed(0)
     model = create_model("DiT-XL/2", 32, 4, 1000).cuda()
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    if sharded:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
+        mesh = init_device_mesh("cuda", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     params = list(model.parameters())
     if not fused and states == "fp32" and dtype == torch.float32:
         opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
@@ -47,10 +64,11 @@ def run(dtype, states, ema_on, fused):
     if ema.fuse_into(model, opt):
         opt.ema_decay = 0.9999
     for p in params:  # the same gradient tensors every step, as the caching allocator mostly hands them back
-        p.grad = torch.randn_like(p)
+        grad = torch.randn_like(local_shard(p))  # sharded: the plain run's draws, as the one shard of one GPU
+        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
 
     def step():
-        coef = clip_coefficient(squared_norm([p.grad for p in params]).sqrt(), 1.0)
+        coef = clip_coefficient(squared_norm([local_shard(p.grad) for p in params]).sqrt(), 1.0)
         if getattr(opt, "folds_clipping", False):
             opt.clip_coef = coef
         else:
@@ -58,7 +76,10 @@ def run(dtype, states, ema_on, fused):
         opt.step()
         ema.update(model, 0.9999)
 
-    return cuda_median_ms(step, steps=20, warmup=5)
+    ms = cuda_median_ms(step, steps=20, warmup=5)
+    if weights is not None:
+        weights.extend(local_shard(p).detach().clone() for p in params)
+    return ms
 
 
 MIB = 256
@@ -118,14 +139,30 @@ def placements() -> list[dict]:
     return rows
 
 
+def sharded() -> list[dict]:
+    """Each ROWS placement's one-pass step over plain tensors and over FSDP2's shards (one GPU)."""
+    rows = []
+    for name, dtype, states, ema_on in ROWS:
+        plain_w, shard_w = [], []
+        plain = run(dtype, states, ema_on, fused=True, weights=plain_w)
+        shard = run(dtype, states, ema_on, fused=True, sharded=True, weights=shard_w)
+        same = len(plain_w) == len(shard_w) and all(torch.equal(a, b) for a, b in zip(plain_w, shard_w))
+        rows.append(dict(row=name, plain_ms=round(plain, 2), sharded_ms=round(shard, 2), same_weights=same))
+        print(f"| {name} | {plain:.2f} ms | {shard:.2f} ms | {'equal' if same else 'DIFFERENT'} |", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--offload", action="store_true", help="copy bandwidth and the step resident against streamed")
+    ap.add_argument("--sharded", action="store_true", help="the one-pass step over FSDP2's shards against plain")
     ap.add_argument("--out")
     args = ap.parse_args()
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda)
     if args.offload:
         result = dict(env=env, **offload())
+    elif args.sharded:
+        result = dict(env=env, rows=sharded())
     else:
         result = dict(env=env, rows=placements())
     if args.out:

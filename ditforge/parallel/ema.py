@@ -62,9 +62,8 @@ class EMA:
         """Hand the trainable shadows to a fused ``CompensatedAdamW`` (``attach_ema``), which then updates them in
         its own pass over the weights, with its ``ema_decay`` (the caller sets it before each step) and skipped
         with the step; ``update`` then does nothing. Returns whether it did (not for an alias, an unfused
-        optimizer, or sharded shadows)."""
-        if self.alias or not getattr(optimizer, "fused", False) or any(
-                isinstance(self.shadow[k], DTensor) for k in self.trainable):
+        optimizer). Sharded shadows (FSDP2) are updated shard by shard, as the weights."""
+        if self.alias or not getattr(optimizer, "fused", False):
             return False
         params = {canonical_name(n): p for n, p in model.named_parameters()}
         optimizer.attach_ema({params[k]: self.shadow[k] for k in self.trainable})

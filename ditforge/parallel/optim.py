@@ -42,6 +42,14 @@ where a value sits at a midpoint of the map). The state is per parameter (``step
 ``exp_avg``/``exp_avg_sq`` or bitsandbytes' ``state1``/``state2``/``absmax1``/``absmax2``; ``compensation``), the
 same for both, so ``torch.distributed.checkpoint`` saves and resumes it like any optimizer's.
 
+Under FSDP2 (``--plugin zero2 | fsdp``) the parameters are DTensors sharded on their first dimension; both
+implementations step each process's local shard. The states are made as DTensors like their parameter (the
+moments, codes and compensation with its shape and placements; the 8-bit blocks' absmax as a 1-D tensor of the
+parameter's blocks in order, sharded the same way), so DCP saves them once and reshards them at another world size.
+A parameter is 8-bit when it is at least 4,096 elements and every shard holds whole blocks (first dimension
+divisible by the shard count, shard a multiple of 256 elements): each process's blocks are then the whole tensor's
+blocks, and the update equals one process's. Other placements (tensor parallelism) are refused.
+
 ``--optimizer adamw4bit | adamw_fp8 | adafactor`` are the libraries' optimizers, whole (``library_optimizer``),
 stepped after the backward: nothing of ours but the choice. adamw4bit and adamw_fp8 are torchao's ``AdamW4bit``
 (Li et al. 2023, "Memory Efficient Optimizers with 4-bit States": both moments as 4-bit codes in blocks of 128,
@@ -66,10 +74,29 @@ from ditforge.config import LIBRARY_OPTIMIZERS, OPTIMIZERS
 from ditforge.errors import UserError
 from ditforge.ops.fused_adamw import Kind, OnePassAdamW, on_gpu_with_triton
 from ditforge.parallel import clip_coefficient
+from ditforge.parallel.ema import local_shard
 from ditforge.parallel.offload import RING_BYTES, DelayedAdamW, StreamedStates, aligned
 
 BLOCKSIZE = 256  # bitsandbytes' block of the 8-bit blockwise optimizers
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 moments
+
+
+def _shards(p: torch.Tensor) -> int:
+    """Into how many pieces a parameter's first dimension is split (1: a plain tensor or replicated)."""
+    from torch.distributed.tensor import Shard
+
+    if not isinstance(p, DTensor):
+        return 1
+    return math.prod(n for n, place in zip(p.device_mesh.shape, p.placements) if place == Shard(0))
+
+
+def _like(p: torch.Tensor, local: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A state tensor ``local`` (this process's part) as a DTensor placed like parameter ``p``, of global ``shape``;
+    ``local`` itself for a plain ``p``."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def bitsandbytes_functional():
@@ -292,6 +319,10 @@ class CompensatedAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.dtype not in (torch.float32, torch.bfloat16):
                     raise ValueError(f"CompensatedAdamW: parameters must be fp32 or bf16, got {p.dtype}")
+                if isinstance(p, DTensor) and any(not (place.is_replicate() or place.is_shard(0))
+                                                  for place in p.placements):
+                    raise ValueError(f"CompensatedAdamW: a DTensor parameter sharded only on its first dimension "
+                                     f"(FSDP2), got {p.placements}")
                 self._index[p] = (k, len(self._index))
         self.states, self.rounding, self.chunk_numel = states, rounding, chunk_numel
         self._F = bitsandbytes_functional() if states == "8bit" else None
@@ -384,18 +415,22 @@ class CompensatedAdamW(torch.optim.Optimizer):
         return moved
 
     def _eightbit(self, p: torch.Tensor) -> bool:
-        return self.states == "8bit" and p.numel() >= MIN_8BIT_SIZE
+        shards = _shards(p)  # a sharded parameter: whole blocks in every shard (module docstring)
+        return (self.states == "8bit" and p.numel() >= MIN_8BIT_SIZE and p.shape[0] % shards == 0
+                and p.numel() // shards % BLOCKSIZE == 0)
 
-    def _state_shapes(self, p: torch.Tensor) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """The state tensors of ``p`` besides its step counter: name -> (shape, dtype)."""
+    def _state_shapes(self, p: torch.Tensor, local: bool = True) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """The state tensors of ``p`` besides its step counter: name -> (shape, dtype), of this process's part
+        (``local``) or whole."""
+        shape = local_shard(p).shape if local else p.shape
         if self._eightbit(p):
-            blocks = torch.Size([-(-p.numel() // BLOCKSIZE)])
-            shapes = {"state1": (p.shape, torch.uint8), "state2": (p.shape, torch.uint8),
+            blocks = torch.Size([-(-shape.numel() // BLOCKSIZE)])
+            shapes = {"state1": (shape, torch.uint8), "state2": (shape, torch.uint8),
                       "absmax1": (blocks, torch.float32), "absmax2": (blocks, torch.float32)}
         else:
-            shapes = {"exp_avg": (p.shape, torch.float32), "exp_avg_sq": (p.shape, torch.float32)}
+            shapes = {"exp_avg": (shape, torch.float32), "exp_avg_sq": (shape, torch.float32)}
         if p.dtype == torch.bfloat16 and self.rounding == "kahan":
-            shapes["compensation"] = (p.shape, torch.bfloat16)
+            shapes["compensation"] = (shape, torch.bfloat16)
         return shapes
 
     def _state_bytes(self, p: torch.Tensor) -> int:
@@ -407,9 +442,11 @@ class CompensatedAdamW(torch.optim.Optimizer):
         # torch's fused AdamW's format; bitsandbytes' kernel takes the step as a number: on the host for it
         host = self._eightbit(p) and not self.fused
         state["step"] = torch.zeros((), dtype=torch.float32, device="cpu" if host else p.device)
+        whole = self._state_shapes(p, local=False)
         for name, (shape, dtype) in self._state_shapes(p).items():
             # offloaded: on the host, packed into its chunk's pinned buffer at the first step
-            state[name] = torch.zeros(shape, dtype=dtype, device="cpu" if self._streamed(p) else p.device)
+            zeros = torch.zeros(shape, dtype=dtype, device="cpu" if self._streamed(p) else p.device)
+            state[name] = _like(p, zeros, whole[name][0])
         return state
 
     def _qmap(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,8 +463,9 @@ class CompensatedAdamW(torch.optim.Optimizer):
         piece = max(BLOCKSIZE, self.chunk_numel // BLOCKSIZE * BLOCKSIZE)
         chunk, size = [], 0
         for p in params:
-            for a in range(0, p.numel(), piece):
-                b = min(p.numel(), a + piece)
+            numel = local_shard(p).numel()
+            for a in range(0, numel, piece):
+                b = min(numel, a + piece)
                 if chunk and size + b - a > self.chunk_numel:
                     yield chunk
                     chunk, size = [], 0
@@ -450,7 +488,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
             rate = 1.0 - self.ema_decay
             if self.found_inf is not None:  # a tensor weight: one per tensor (foreach takes no 0-dim "scalar")
                 rate = [rate * (1 - self.found_inf.float().reshape(()))] * len(idle)
-            torch._foreach_lerp_([self._ema[p] for p in idle], [p.detach().float() for p in idle], rate)
+            torch._foreach_lerp_([local_shard(self._ema[p]) for p in idle],
+                                 [local_shard(p).detach().float() for p in idle], rate)
         return loss
 
     def advance(self) -> None:
@@ -545,13 +584,14 @@ class CompensatedAdamW(torch.optim.Optimizer):
                             self.rounding if p.dtype == torch.bfloat16 else None, p in self._ema)
                 kinds.setdefault(kind, []).append(p)
             launches = self._launches[key] = [
-                (ps, OnePassAdamW([p.detach() for p in ps], [states[p] for p in ps], kind,
-                                  [self._ema[p] for p in ps] if kind.ema else None,
+                (ps, OnePassAdamW([local_shard(p).detach() for p in ps],
+                                  [{name: local_shard(t) for name, t in states[p].items()} for p in ps], kind,
+                                  [local_shard(self._ema[p]) for p in ps] if kind.ema else None,
                                   [self._index[p][1] for p in ps])) for kind, ps in kinds.items()]
         scale = self._grad_factor()
         beta1, beta2 = group["betas"]
         for ps, launch in launches:
-            launch([p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in ps], lr=group["lr"],
+            launch([local_shard(p.grad).contiguous() for p in ps], lr=group["lr"],
                    beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], scale=scale,
                    skip=self.found_inf, ema_rate=1.0 - self.ema_decay,
                    codes=self._qmap(ps[0].device) if launch.kind.eightbit else None,
@@ -565,17 +605,17 @@ class CompensatedAdamW(torch.optim.Optimizer):
         written = []
         for p, a, b in chunk:
             state = self.state[p]
-            written += [p.detach().view(-1)[a:b], state["step"]]
+            written += [local_shard(p).detach().view(-1)[a:b], state["step"]]
             for name in self._state_shapes(p):
                 lo, hi = (a // BLOCKSIZE, -(-b // BLOCKSIZE)) if name.startswith("absmax") else (a, b)
-                written.append(state[name].view(-1)[lo:hi])
+                written.append(local_shard(state[name]).view(-1)[lo:hi])
         before = [t.clone() for t in written]
         self._step_chunk(group, chunk)
         self.skip_undo.select_back(written, before, self.found_inf)
 
     def _step_chunk(self, group: dict, chunk: list[tuple[torch.Tensor, int, int]]) -> None:
         states = [self.state[p] for p, _, _ in chunk]
-        flat = [lambda t, a=a, b=b: t.view(-1)[a:b] for _, a, b in chunk]  # a piece's slice of a tensor
+        flat = [lambda t, a=a, b=b: local_shard(t).view(-1)[a:b] for _, a, b in chunk]  # a piece's slice of a tensor
         half = [i for i, (p, _, _) in enumerate(chunk) if p.dtype == torch.bfloat16]
         # fp32 master weights and gradients of the chunk: the parameters themselves where fp32, else rebuilt
         # as p + c in one transient buffer.
@@ -596,13 +636,13 @@ class CompensatedAdamW(torch.optim.Optimizer):
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         dense = [i for i, (p, _, _) in enumerate(chunk) if not self._eightbit(p)]
         if dense:
-            whole = [chunk[i][2] - chunk[i][1] == chunk[i][0].numel() for i in dense]
+            whole = [chunk[i][2] - chunk[i][1] == local_shard(chunk[i][0]).numel() for i in dense]
             # a piece of a cut parameter takes the step count as it was; the count advances after its last piece
             steps = [states[i]["step"] if all_of_it else states[i]["step"].clone() for i, all_of_it in zip(dense, whole)]
             self._adamw([w[i] for i in dense], [g[i] for i in dense], [flat[i](states[i]["exp_avg"]) for i in dense],
                         [flat[i](states[i]["exp_avg_sq"]) for i in dense], steps, lr, beta1, beta2, eps, wd)
             for i, all_of_it in zip(dense, whole):
-                if not all_of_it and chunk[i][2] == chunk[i][0].numel():
+                if not all_of_it and chunk[i][2] == local_shard(chunk[i][0]).numel():
                     states[i]["step"] += 1
         for i, (p, a, b) in enumerate(chunk):
             if self._eightbit(p):
@@ -613,7 +653,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 blocks = slice(a // BLOCKSIZE, -(-b // BLOCKSIZE))
                 self._F.optimizer_update_8bit_blockwise(  # it takes the step as a number: kept on the host
                     "adam", g[i], w[i], flat[i](s["state1"]), flat[i](s["state2"]), beta1, beta2, 0.0, 0.0, eps,
-                    int(s["step"]), lr, qmap1, qmap2, s["absmax1"][blocks], s["absmax2"][blocks], wd)
+                    int(s["step"]), lr, qmap1, qmap2, local_shard(s["absmax1"])[blocks],
+                    local_shard(s["absmax2"])[blocks], wd)
         if not half:
             return
         if self.rounding == "kahan":  # split the master again: p = bf16(w) (nearest), c = bf16(w - p)
@@ -776,8 +817,8 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
                     delayed_update: bool = False) -> torch.optim.Optimizer:
     """The optimizer for ``--optimizer`` over ``params`` (bf16 ones take their updates as ``master_weights``
     says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``CompensatedAdamW`` with the one-pass
-    Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device, plain tensors: not
-    fully_shard's DTensors); otherwise ``torch.optim.AdamW`` (fused, CUDA and CPU) for ``adamw`` over fp32
+    Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device; fully_shard's DTensors
+    stepped shard by shard); otherwise ``torch.optim.AdamW`` (fused, CUDA and CPU) for ``adamw`` over fp32
     weights stepped after the backward, else ``CompensatedAdamW`` with the libraries' kernels;
     ``LIBRARY_OPTIMIZERS``: the library's own (``library_optimizer``; ``config.validate`` keeps them to the step
     after the backward). betas (0.9, 0.999), eps 1e-8 (DiT's and diffusers' training scripts'). ``offload``
@@ -796,7 +837,7 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     if offload == "all":  # ZeRO-Offload's CPU step, with torch's fused (vectorised, multi-threaded) CPU kernel
         kind = DelayedAdamW if delayed_update else functools.partial(torch.optim.AdamW, fused=True)
         return kind(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
-    fused = fused and on_gpu_with_triton(device) and not any(isinstance(p, DTensor) for p in params)
+    fused = fused and on_gpu_with_triton(device)
     if offload == "optimizer" and not fused:
         raise UserError(f"--cpu_offload optimizer: needs the one-pass optimizer step (a CUDA GPU with Triton, "
                         f"--fused_optimizer auto, --plugin none or ddp); here the device is {device}")

@@ -582,10 +582,13 @@ def _open_run(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> _Run:
     if budget is not None and device.type == "cuda":
         cap_gpu_memory(budget, device)
     plugin = resolve_plugin(par.plugin, d.world_size, t.cpu_offload)
-    if plugin in ("zero2", "fsdp") and (t.optimizer, t.master_weights) != ("adamw", "fp32"):
-        # CompensatedAdamW's states and bitsandbytes' kernel take plain tensors, not fully_shard's DTensors
-        raise UserError(f"--optimizer {t.optimizer} --master_weights {t.master_weights}: supported with --plugin "
-                        f"none or ddp, got {plugin}")
+    if plugin in ("zero2", "fsdp") and t.optimizer in LIBRARY_OPTIMIZERS:  # not tested over DTensors
+        raise UserError(f"--optimizer {t.optimizer}: supported with --plugin none or ddp, got {plugin}; under "
+                        "zero2 / fsdp use --optimizer adamw or adamw8bit")
+    if cfg.parallel.tensor_parallel > 1 and (t.optimizer, t.master_weights) != ("adamw", "fp32"):
+        # CompensatedAdamW steps FSDP2's shards of the first dimension; tensor parallelism shards others
+        raise UserError(f"--optimizer {t.optimizer} --master_weights {t.master_weights}: not with --tensor_parallel "
+                        f"{cfg.parallel.tensor_parallel}; use --optimizer adamw --master_weights fp32")
     if t.cpu_offload == "optimizer" and plugin in ("zero2", "fsdp"):
         raise UserError(f"--cpu_offload optimizer: supported with --plugin none or ddp, got {plugin}; "
                         "--cpu_offload all offloads under zero2 / fsdp")

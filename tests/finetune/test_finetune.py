@@ -525,6 +525,15 @@ def test_lora_target_that_matches_nothing(sd_pipeline, captioned, tmp_path, caps
                                "to_q,qkv_nope"), "--lora_target_modules", "qkv_nope")
 
 
+def test_image_family_refuses_a_token_split(sd_pipeline, captioned, tmp_path, capsys):
+    """The image families have no context-parallel plan: ``--sequence_parallel_size 2`` is one line, before any
+    process group or run folder (the video families split their tokens: tests/distributed)."""
+    argv = _train_argv(sd_pipeline, captioned, tmp_path / "r", "--sequence_parallel_size", "2")
+    assert_one_line_error(capsys, argv, "--sequence_parallel_size 2: StableDiffusionPipeline does not split its tokens",
+                          "--plugin fsdp")
+    assert not (tmp_path / "r").exists()
+
+
 def test_resolution_the_vae_cannot_take(sd_pipeline, captioned, tmp_path, capsys):
     argv = _train_argv(sd_pipeline, captioned, tmp_path / "r")
     argv[argv.index("--image_size") + 1] = "36"

@@ -482,17 +482,18 @@ def test_plan_placement_bytes_and_order():
 
 
 @pytest.mark.parametrize("plugin", ["zero2", "fsdp"])
-def test_sharded_plugins_refuse_compensated_adamw(plugin, tiny_argv, tmp_path, capsys, monkeypatch):
-    """Under fully_shard the parameters are DTensors, which CompensatedAdamW's states and bitsandbytes' kernel do
-    not take: refused in one line (the plugin several processes would resolve to, without spawning them)."""
+def test_sharded_plugins_refuse_the_libraries_optimizers(plugin, tiny_argv, tmp_path, capsys, monkeypatch):
+    """Under fully_shard the parameters are DTensors: CompensatedAdamW steps their shards
+    (tests/distributed/test_dist_compensated_adamw.py); torchao's and torch's optimizers are not tested over them,
+    refused in one line (the plugin several processes would resolve to, without spawning them)."""
     from ditforge import cli
     from ditforge.train import trainer
 
     monkeypatch.setattr(trainer, "resolve_plugin", lambda *_: plugin)
-    assert cli.main(tiny_argv(tmp_path / "r", "--optimizer", "adamw8bit")) == 2
+    assert cli.main(tiny_argv(tmp_path / "r", "--optimizer", "adamw4bit")) == 2
     err = capsys.readouterr().err.strip()
-    assert err.endswith(f"--optimizer adamw8bit --master_weights fp32: supported with --plugin none or ddp, got "
-                        f"{plugin}") and len(err.splitlines()) == 1, err
+    assert err.endswith(f"--optimizer adamw4bit: supported with --plugin none or ddp, got {plugin}; under zero2 / "
+                        "fsdp use --optimizer adamw or adamw8bit") and len(err.splitlines()) == 1, err
 
 
 def test_fused_backward_pass_refuses_several_processes(tiny_argv, tmp_path, capsys, monkeypatch):
