@@ -4,7 +4,7 @@ CPU), the single-process reference runs they are compared with, reading runs bac
 Every run uses fp32 on the CPU, one OpenMP thread per process, no sample grids and a metrics record per step.
 
 The processes of a launch (``torchrun_cli_many``, ``spawn``) are forked from a forkserver that imported torch,
-ditforge, diffusers and transformers once per pytest process (``PRELOAD``). torchrun and ``mp.spawn`` start fresh
+ditforge, diffusers and transformers once per pytest process (``PRELOAD``; ``test_preload_reaches_the_processes``). torchrun and ``mp.spawn`` start fresh
 interpreters that import them again: about 5 s of CPU a process for torch and ditforge, 17 s with diffusers' video
 pipelines, on the 2-core CI machine, and the torchrun agent 4 s more a launch. A process gets torchrun's
 environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``),
@@ -51,7 +51,14 @@ def torchrun_cmd(nproc: int, outputs: Path, *args: str) -> list[str]:
             "-m", "ditforge", "train", *COMMON, "--outputs", str(outputs), *args]
 
 
-PRELOAD = ("forkserver_preload",)  # tests/distributed/forkserver_preload.py
+# What the forkserver imports once (by full name: Python 3.11's forkserver does not take the tests' sys.path, and skips
+# a module it cannot import without a word): torch's distributed stack, ditforge's trainer and samplers, and the
+# modules of diffusers' pipelines that the tests build (their transformers and text encoders, with transformers).
+PRELOAD = ("torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "peft",
+           "ditforge.cli", "ditforge.train.trainer", "ditforge.sample.video", "ditforge.models.adapters.pipeline",
+           "diffusers.pipelines.wan.pipeline_wan", "diffusers.pipelines.wan.pipeline_wan_i2v",
+           "diffusers.pipelines.cogvideo.pipeline_cogvideox", "diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video",
+           "diffusers.pipelines.ltx.pipeline_ltx", "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion")
 
 
 def spawn(fn, args: tuple = (), nprocs: int = 2, timeout: float = 600) -> None:
