@@ -42,7 +42,7 @@ def _accum_args(plugin: str) -> list[str]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """``launched(nproc)``: the run folders of this module's runs under torchrun with ``nproc`` processes, keyed
-    ("equal" | "accum", plugin), all made by one torchrun launch that runs their command lines in turn
+    ("equal" | "accum", plugin), all made by one launch that runs their command lines in turn
     (``torchrun_many``; one launch per process count, made on first use)."""
     made = {}
 

@@ -29,7 +29,7 @@ STEPS = ["--max_steps", "5", "--ckpt_every", "1000"]
 @pytest.fixture(scope="module")
 def two_process_runs(tmp_path_factory):
     """The 2-process runs of this module, "offload" (``OFFLOAD``) and "delayed" (``DELAYED``), 5 steps each, made
-    by one torchrun launch that runs their command lines in turn (``torchrun_many``)."""
+    by one launch that runs their command lines in turn (``torchrun_many``)."""
     root = tmp_path_factory.mktemp("x2")
     runs = torchrun_many(2, [(root / "offload", [*TINY, *STEPS, *OFFLOAD]),
                              (root / "delayed", [*TINY, *STEPS, *DELAYED])])

@@ -42,7 +42,7 @@ def _resume_args(plugin: str, ckpt) -> list[str]:
 
 @pytest.fixture(scope="module")
 def two_process_resumes(fsdp4_run, tiny_reference, tmp_path_factory):
-    """The 2-process resumes of this module, made by one torchrun launch that runs their command lines in turn
+    """The 2-process resumes of this module, made by one launch that runs their command lines in turn
     (``torchrun_many``): "fsdp4" (zero2, from ``fsdp4_run``'s step 3) and "single" (ddp, from the single-process
     reference's step 3)."""
     root = tmp_path_factory.mktemp("resumed_x2")

@@ -105,7 +105,7 @@ def _strips_reference(folder: Path, parts: int) -> np.ndarray:
 
 
 def test_two_processes_equal_one(folder, want, two_processes, tmp_path):
-    """2 processes, in one torchrun launch, each run writing the videos of one process:
+    """2 processes, in one launch, each run writing the videos of one process:
 
     - ``--sequence_parallel_size 2`` (Ulysses: each process holds 12 of the 24 tokens and 1 of the 2 heads in
       attention) and ``--cfg_parallel`` (conditional and unconditional passes apart), with ``--vae_tile 64`` (one
@@ -215,7 +215,7 @@ def _first_png(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def two_processes(folder, cog_folder, hunyuan_folder, ltx_folders, tmp_path_factory) -> tuple[Path, list[str]]:
-    """Every 2-process run of this module, in one torchrun launch (``torchrun_cli_many``: one start-up of the two
+    """Every 2-process run of this module, in one launch (``torchrun_cli_many``: one start-up of the two
     processes, which import diffusers, for the Wan, CogVideoX, HunyuanVideo and LTX-Video cases): (the folder of
     their .npz files, each run's stderr). Runs 0-4: Wan (``test_two_processes_equal_one``); 5-6: CogVideoX; 7:
     HunyuanVideo; 8-9: LTX-Video text- and image-to-video; 10-11: Wan with TaylorSeer under

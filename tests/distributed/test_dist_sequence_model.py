@@ -239,7 +239,7 @@ def _sample_one(tmp_path, model_spec: dict, data: dict, seed: int, args: list[st
 
 @pytest.fixture(scope="module")
 def sampled(tmp_path_factory):
-    """The sampling cases of this module: each one-process sample, and the 2-process runs, all from one torchrun
+    """The sampling cases of this module: each one-process sample, and the 2-process runs, all from one
     launch that runs their command lines in turn (``torchrun_cli_many``): "sp2" (--sequence_parallel_size 2),
     "cfg" (--cfg_parallel), "compiled" (--cfg_parallel --compile default) and "refused" (the cfg case's
     command without --cfg_parallel, which must exit non-zero). Values: (one-process samples or None, 2-process
