@@ -90,6 +90,12 @@ def _shards(p: torch.Tensor) -> int:
     return math.prod(n for n, place in zip(p.device_mesh.shape, p.placements) if place == Shard(0))
 
 
+def _sharded_by_rows(p: torch.Tensor) -> bool:
+    """A plain tensor, or a DTensor replicated or sharded on its first dimension only (FSDP2's, HSDP's): what
+    ``CompensatedAdamW`` steps shard by shard. Tensor parallelism shards other dimensions."""
+    return not isinstance(p, DTensor) or all(place.is_replicate() or place.is_shard(0) for place in p.placements)
+
+
 def _like(p: torch.Tensor, local: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """A state tensor ``local`` (this process's part) as a DTensor placed like parameter ``p``, of global ``shape``;
     ``local`` itself for a plain ``p``."""
@@ -319,8 +325,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.dtype not in (torch.float32, torch.bfloat16):
                     raise ValueError(f"CompensatedAdamW: parameters must be fp32 or bf16, got {p.dtype}")
-                if isinstance(p, DTensor) and any(not (place.is_replicate() or place.is_shard(0))
-                                                  for place in p.placements):
+                if not _sharded_by_rows(p):
                     raise ValueError(f"CompensatedAdamW: a DTensor parameter sharded only on its first dimension "
                                      f"(FSDP2), got {p.placements}")
                 self._index[p] = (k, len(self._index))
@@ -818,7 +823,7 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     """The optimizer for ``--optimizer`` over ``params`` (bf16 ones take their updates as ``master_weights``
     says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``CompensatedAdamW`` with the one-pass
     Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device; fully_shard's DTensors
-    stepped shard by shard); otherwise ``torch.optim.AdamW`` (fused, CUDA and CPU) for ``adamw`` over fp32
+    stepped shard by shard, not tensor parallelism's); otherwise ``torch.optim.AdamW`` (fused, CUDA and CPU) for ``adamw`` over fp32
     weights stepped after the backward, else ``CompensatedAdamW`` with the libraries' kernels;
     ``LIBRARY_OPTIMIZERS``: the library's own (``library_optimizer``; ``config.validate`` keeps them to the step
     after the backward). betas (0.9, 0.999), eps 1e-8 (DiT's and diffusers' training scripts'). ``offload``
@@ -837,7 +842,7 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     if offload == "all":  # ZeRO-Offload's CPU step, with torch's fused (vectorised, multi-threaded) CPU kernel
         kind = DelayedAdamW if delayed_update else functools.partial(torch.optim.AdamW, fused=True)
         return kind(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
-    fused = fused and on_gpu_with_triton(device)
+    fused = fused and on_gpu_with_triton(device) and all(_sharded_by_rows(p) for p in params)
     if offload == "optimizer" and not fused:
         raise UserError(f"--cpu_offload optimizer: needs the one-pass optimizer step (a CUDA GPU with Triton, "
                         f"--fused_optimizer auto, --plugin none or ddp); here the device is {device}")

@@ -83,6 +83,19 @@ def _worker(rank: int, port: int, rounding: str, fused: bool) -> None:
         start = _model().to(torch.bfloat16)
         assert all((q - q0).abs().max() > 0.05 for q, q0 in zip(ref.parameters(), start.parameters()))  # moved
 
+        if fused:  # on a GPU the one-pass step takes row shards, and leaves tensor parallelism's to torch's AdamW
+            from unittest import mock
+
+            from torch.distributed.tensor import Shard
+
+            from ditforge.parallel import optim
+
+            columns = nn.Parameter(distribute_tensor(torch.randn(8, 4), d.mesh, [Shard(1)]))
+            with mock.patch.object(optim, "on_gpu_with_triton", lambda device: True):
+                cpu = torch.device("cpu")
+                assert type(optim.build_optimizer([columns], "adamw", 1e-3, 0.0, cpu)) is torch.optim.AdamW
+                assert optim.build_optimizer(list(sharded.parameters()), "adamw", 1e-3, 0.0, cpu).fused
+
         # the gathered state dict (what DCP reshards) into one process's optimizer, stepped on as the uninterrupted
         full = get_optimizer_state_dict(sharded, opt, options=StateDictOptions(full_state_dict=True))
         ref_state = ref_opt.state_dict()

@@ -154,9 +154,10 @@ class _CatchSDPA(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask")
+        # SDPA's parameters in order: whatever the processor passed by position is named, the rest passed on as given
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         kwargs.update(zip(names, args))
-        q, k, v, mask = (kwargs.pop(name, None) for name in names)
+        q, k, v, mask = (kwargs.pop(name, None) for name in names[:4])
 
         def attend(q, k, v, mask):
             return func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
