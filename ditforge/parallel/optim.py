@@ -83,11 +83,9 @@ MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 moments
 
 def _shards(p: torch.Tensor) -> int:
     """Into how many pieces a parameter's first dimension is split (1: a plain tensor or replicated)."""
-    from torch.distributed.tensor import Shard
-
     if not isinstance(p, DTensor):
         return 1
-    return math.prod(n for n, place in zip(p.device_mesh.shape, p.placements) if place == Shard(0))
+    return math.prod(n for n, place in zip(p.device_mesh.shape, p.placements) if place.is_shard(0))
 
 
 def _sharded_by_rows(p: torch.Tensor) -> bool:

@@ -63,8 +63,8 @@ class VideoSampler:
       ``ModelMixin.enable_parallelism`` with a ``ContextParallelConfig`` on the ``ring`` x ``ulysses`` part of
       ``mesh``): every block's tokens are split over the group and attention runs Ulysses (all-to-all over
       heads), ring (rotating K/V), or both (USP). ``auto`` puts as many processes on Ulysses as the head count
-      allows (the largest divisor of both) and the rest on ring. HunyuanVideo and LTX-Video split by ditforge's
-      plans (the adapter's ``cp_plan``: the text whole on every process), Ulysses only;
+      allows (the largest divisor of both) and the rest on ring. HunyuanVideo, CogVideoX and LTX-Video split by
+      ditforge's plans (the adapter's ``cp_plan``: the text whole on every process), Ulysses only;
     - ``plugin`` fsdp: every repeated block and the rest of the transformer sharded over all processes (FSDP2's
       ``fully_shard`` on the 1-D mesh of the world: each process holds 1 / N of the weights, and a block's are
       gathered for its forward and freed after it), for a model that does not fit one GPU with room for its

@@ -4,18 +4,18 @@ CPU), the single-process reference runs they are compared with, reading runs bac
 Every run uses fp32 on the CPU, one OpenMP thread per process, no sample grids and a metrics record per step.
 
 The processes of a launch (``torchrun_cli_many``, ``spawn``) are forked from a forkserver that imported torch,
-ditforge, diffusers and transformers once per pytest process (``PRELOAD``; ``test_preload_reaches_the_processes``). torchrun and ``mp.spawn`` start fresh
-interpreters that import them again: about 5 s of CPU a process for torch and ditforge, 17 s with diffusers' video
-pipelines, on the 2-core CI machine, and the torchrun agent 4 s more a launch. A process gets torchrun's
-environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``),
-which is all ditforge reads of it (``parallel.mesh``). The tests that kill processes (``tests/train/test_chaos.py``,
-``test_dist_async_kill.py``) and ``test_dist_guard.py`` launch the real torchrun, as users do.
+ditforge, diffusers and transformers once per pytest process (``PRELOAD``; ``test_dist_launch.py`` checks it).
+torchrun and ``mp.spawn`` start fresh interpreters that import them again: about 5 s of CPU a process for torch and
+ditforge, 17 s with diffusers' video pipelines, on the 2-core CI machine, and the torchrun agent 4 s more a launch.
+A process gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``), which is all ditforge reads of it (``parallel.mesh``). The tests that kill
+processes (``tests/train/test_chaos.py``, ``test_dist_async_kill.py``), ``test_dist_guard.py`` and
+``tests/test_sample_npz.py`` launch the real torchrun, as users do.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
 import os
 import shutil
@@ -57,8 +57,9 @@ def torchrun_cmd(nproc: int, outputs: Path, *args: str) -> list[str]:
 PRELOAD = ("torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "peft",
            "ditforge.cli", "ditforge.train.trainer", "ditforge.sample.video", "ditforge.models.adapters.pipeline",
            "diffusers.pipelines.wan.pipeline_wan", "diffusers.pipelines.wan.pipeline_wan_i2v",
-           "diffusers.pipelines.cogvideo.pipeline_cogvideox", "diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video",
-           "diffusers.pipelines.ltx.pipeline_ltx", "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion")
+           "diffusers.pipelines.cogvideo.pipeline_cogvideox",
+           "diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video", "diffusers.pipelines.ltx.pipeline_ltx",
+           "diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion")
 
 
 def spawn(fn, args: tuple = (), nprocs: int = 2, timeout: float = 600) -> None:
@@ -82,8 +83,8 @@ def torchrun(nproc: int, outputs: Path, *args: str, timeout: float = 300) -> Pat
 
 
 def _cli_many(local_rank: int, nproc: int, port: int, work: str, runs: list, env: dict) -> None:
-    """One process of ``torchrun_cli_many``: the launching test's environment ``env`` (the forkserver's is that of
-    its start) with torchrun's variables, its output in ``work``/out.RANK, then each
+    """One process of ``torchrun_cli_many``: the launching test's environment ``env`` (``dist_env``; the
+    forkserver's is that of its start) with torchrun's variables, its output in ``work``/out.RANK, then each
     ``(argv, fails)`` of ``runs`` in turn in the same process group. The CLI's shutdown leaves the group
     (destroy_process_group) after each run, which is made a no-op here until the last run is over, so that the next
     run's init_distributed finds the group already joined. Exits non-zero at the first run whose exit status is not
@@ -96,9 +97,8 @@ def _cli_many(local_rank: int, nproc: int, port: int, work: str, runs: list, env
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    torch.set_num_threads(1)
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # torch is imported already: OMP_NUM_THREADS of dist_env no longer applies
     out = open(Path(work) / f"out.{local_rank}", "w", buffering=1)
     os.dup2(out.fileno(), 1)
     os.dup2(out.fileno(), 2)
