@@ -7,7 +7,7 @@ from __future__ import annotations
 from ditforge.data.digits import DigitsDataset
 from ditforge.data.images import ImageFolderDataset
 from ditforge.data.sampler import GlobalBatchSampler
-from ditforge.data.shards import build_shard_loader
+from ditforge.data.shards.loader import build_shard_loader
 from ditforge.data.sources import BUILTIN_DATASETS, SOURCES, Source, build_dataset, source_of
 
 __all__ = ["build_dataset", "source_of", "Source", "SOURCES", "DigitsDataset", "ImageFolderDataset",

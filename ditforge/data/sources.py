@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 from ditforge.data.digits import DigitsDataset
 from ditforge.data.features import FEATURES_MANIFEST
 from ditforge.data.images import IMAGE_EXTENSIONS, ImageFolderDataset
-from ditforge.data.shards import SHARDS_MANIFEST, ShardData
+from ditforge.data.shards.loader import SHARDS_MANIFEST, ShardData
 from ditforge.errors import UserError
 
 BUILTIN_DATASETS = ("digits", "clips")

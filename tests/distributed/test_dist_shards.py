@@ -9,7 +9,7 @@ import json
 import pytest
 from dist_helpers import TINY, run_single, torchrun
 
-from ditforge.data.shards import ShardData, build_shard_loader
+from ditforge.data.shards.loader import ShardData, build_shard_loader
 
 
 @pytest.mark.slow
