@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from ditforge.data.prefetch import DevicePrefetcher
-from ditforge.data.shards.loader import ShardData, ShardWriter, build_shard_loader
+from ditforge.data.shards.loader import ShardData, build_shard_loader
+from ditforge.data.shards.write import ShardWriter
 
 
 def write_set(folder: Path, samples: int, shard_size: int) -> None:

@@ -152,7 +152,7 @@ def write_latent_shards(folder: Path, counts: list[int], seed: int = 0, prefix: 
     "latents", class labels), one shard per entry of ``counts``, random values; returns the sample keys in order."""
     import numpy as np
 
-    from ditforge.data.shards.loader import ShardWriter
+    from ditforge.data.shards.write import ShardWriter
 
     g = np.random.default_rng(seed)
     keys = []

@@ -32,7 +32,8 @@ from torch.utils.data import Dataset
 from ditforge.data.digits import DigitsDataset
 from ditforge.data.features import FEATURES_MANIFEST
 from ditforge.data.images import IMAGE_EXTENSIONS, ImageFolderDataset
-from ditforge.data.shards.loader import SHARDS_MANIFEST, ShardData
+from ditforge.data.shards.loader import ShardData
+from ditforge.data.shards.write import SHARDS_MANIFEST
 from ditforge.errors import UserError
 
 BUILTIN_DATASETS = ("digits", "clips")
@@ -209,8 +210,8 @@ def build_dataset(data: str, image_size: int | None, bad_samples_path: str | Pat
     Captioned images: ``CaptionedImageDataset`` (dict items ``x``, ``text``; resized by ``resize_mode``, which
     only this data uses). Video data (``clips``, a CSV naming videos): ``VideoDataset`` (dict items;
     ``num_frames`` defaults to 16, ``image_size`` to 32 for ``clips``). A features folder: ``FeatureDataset``.
-    WebDataset shards or a blend of them: ``ShardData`` (streamed by ``ditforge.data.shards.build_shard_loader``,
-    not a map-style data set; ``shard_retries``).
+    WebDataset shards or a blend of them: ``ShardData`` (streamed by
+    ``ditforge.data.shards.loader.build_shard_loader``, not a map-style data set; ``shard_retries``).
 
     Raises:
         UserError: bad folder or CSV (see the data sets), a built-in set asked at a size it does not have, or

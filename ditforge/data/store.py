@@ -19,7 +19,7 @@ from ditforge.atomic import atomic_path
 from ditforge.config import resolve_device
 from ditforge.data.features import FEATURES_FORMAT, FEATURES_MANIFEST, FEATURES_VERSION, SHARD_PATTERN
 from ditforge.data.prefetch import default_num_workers
-from ditforge.data.shards.loader import NUM_TEXTS, ShardWriter
+from ditforge.data.shards.write import NUM_TEXTS, ShardWriter
 from ditforge.data.sources import BUILTIN_DATASETS, FEATURES, build_dataset, source_of
 from ditforge.errors import UserError
 

@@ -34,7 +34,8 @@ from ditforge.atomic import atomic_path
 from ditforge.config import LIBRARY_OPTIMIZERS, RunConfig, parse_bytes, resolve_precision
 from ditforge.data import BUILTIN_DATASETS, GlobalBatchSampler, build_dataset, build_shard_loader, source_of
 from ditforge.data.prefetch import DevicePrefetcher, default_num_workers
-from ditforge.data.shards.loader import LatentDecoder, ShardData
+from ditforge.data.shards.decode import LatentDecoder
+from ditforge.data.shards.loader import ShardData
 from ditforge.data.features import read_manifest
 from ditforge.data.sources import FEATURES, build_bucket_dataset
 from ditforge.data.packing import packed_training_losses, packing_setup

@@ -16,7 +16,8 @@ import torch
 from conftest import tiny_train_argv, write_latent_shards
 
 from ditforge import cli
-from ditforge.data.shards.loader import SetStream, ShardData, blend_choices, build_shard_loader, deal
+from ditforge.data.shards.loader import ShardData, build_shard_loader
+from ditforge.data.shards.order import SetStream, blend_choices, deal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -226,7 +227,7 @@ def test_raw_video_shards_decode_like_the_files(tmp_path):
 
 def test_a_set_of_bad_samples_stops_with_one_line_from_a_worker(tmp_path):
     """Every member corrupt: the stream gives up with a UserError, one line even when raised in a loader worker."""
-    from ditforge.data.shards.loader import ShardWriter
+    from ditforge.data.shards.write import ShardWriter
     from ditforge.errors import UserError
 
     writer = ShardWriter(tmp_path / "d", 10**9)

@@ -100,7 +100,7 @@ def test_raw_shards_with_buckets_train_packed(tmp_path, monkeypatch):
     import json
     import math
 
-    from ditforge.data.shards.loader import ShardWriter
+    from ditforge.data.shards.write import ShardWriter
     from tests.train.test_buckets_train import IMAGES, VIDEOS
 
     data, bucket_file = _data(tmp_path, videos=True)
