@@ -309,7 +309,7 @@ class VideoSampler:
                 return decode_tiles_split(vae, z, self.decode_group)
             if not self.is_main:
                 return None
-            # LTX-Video 0.9.1+: a decoder conditioned on the decode timestep, the call's default 0 (its decode
+            # a decoder conditioned on the decode timestep (timestep_conditioning), the call's default 0 (its decode
             # noise, scaled by that timestep, then changes nothing)
             temb = (z.new_zeros(z.shape[0]),) if getattr(vae.config, "timestep_conditioning", False) else ()
             return vae.decode(z, *temb, return_dict=False)[0]

@@ -1,7 +1,9 @@
 """CogVideoX 1.0 text-to-video (2B and 5B): diffusers' ``CogVideoXTransformer3DModel`` (an MM-DiT over 2 x 2
 patches of the causal 3-D VAE's latents, its video tokens attending jointly with 226 T5 tokens) trained as a
 v-prediction DDPM whose scaled-linear ``alphas_cumprod`` are SNR-shifted and rescaled to zero terminal SNR
-(``CogVideoXDDIMScheduler`` / ``CogVideoXDPMScheduler``; ``ditforge.diffusion.objective``). Sources of the calls below:
+(``CogVideoXDDIMScheduler`` / ``CogVideoXDPMScheduler``; ``ditforge.diffusion.objective``: the config's
+``snr_shift_scale``, 3.0 for the 2B model and 1.0 for the 5B, is ``CogVideoXDDIMScheduler.__init__``'s SNR shift,
+``shift_and_rescale``). Sources of the calls below:
 diffusers' ``pipelines/cogvideo/pipeline_cogvideox.py`` (``CogVideoXPipeline.__call__``, ``encode_prompt`` and
 ``_prepare_rotary_positional_embeddings``)."""
 
