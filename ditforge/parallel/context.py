@@ -89,7 +89,7 @@ def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
     from diffusers import ContextParallelConfig
 
     transformer = denoiser.inner
-    plan, text = denoiser.cp_plan, _text_kind(denoiser)
+    plan, text = denoiser.cp_plan, _text_kind(type(denoiser))
     ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
     if plan and ring > 1:  # ditforge's plans keep the text whole, exchanged by Ulysses alone (tested)
         heads = transformer.config.num_attention_heads
@@ -183,15 +183,15 @@ class JointTextAttention:
         return torch.cat(self._order(video_out, text_out.transpose(1, 2)), dim=1)
 
 
-def _text_kind(denoiser: nn.Module) -> str | None:
-    """The adapter's ``cp_text``, checked against its ``cp_plan``: ditforge's plan (a function) needs one of the
-    kinds ``split_tokens`` knows, the model's own plan (None) none.
+def _text_kind(family: type) -> str | None:
+    """The adapter class ``family``'s ``cp_text``, checked against its ``cp_plan``: ditforge's plan (a function)
+    needs one of the kinds ``split_tokens`` knows, the model's own plan (None) none.
 
     Raises:
         TypeError: naming the adapter, for a plan without a kind, a kind without a plan, or an unknown kind."""
-    plan, text = denoiser.cp_plan, denoiser.cp_text
+    plan, text = family.cp_plan, family.cp_text
     if (plan is None) != (text is None) or text not in (None, "joint", "joint_text_first", "cross"):
-        raise TypeError(f"{type(denoiser).__name__}: cp_plan {plan!r} with cp_text {text!r}; ditforge's plan (a "
+        raise TypeError(f"{family.__name__}: cp_plan {plan!r} with cp_text {text!r}; ditforge's plan (a "
                         "function) needs cp_text 'joint', 'joint_text_first' or 'cross', the model's own (None) none")
     return text
 
