@@ -68,7 +68,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                        "GIF per prompt or label (video models)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--ckpt", required=True, help="run folder (newest checkpoint), checkpoint folder, "
                    ".safetensors file, an official DiT .pt state dict, or a local diffusers pipeline folder of a "
-                   "family ditforge adapts (Wan, CogVideoX, LTX-Video, HunyuanVideo, SD, SDXL, PixArt, SD3)")
+                   "family ditforge adapts (the pipelines of ditforge.models.adapters; an unknown one is refused "
+                   "with their list)")
     s.add_argument("--model", help="model name, overriding the checkpoint's (e.g. DiT-XL/2)")
     s.add_argument("--image_size", type=int, help="image (frame) side in pixels, overriding the checkpoint's (the "
                    "model's input is this / the VAE's downsample factor)")
@@ -80,23 +81,23 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "line (after any --prompt); streams them in batches into the --out folder (default samples), one "
                    "NNN-<prompt>.png (or .mp4 + .gif) per prompt written as soon as done, skipping those that exist "
                    "(re-run to resume); --out FILE.png instead writes one grid (image models)")
-    s.add_argument("--image", help="image-to-video pipelines (Wan, CogVideoX I2V): the first frame to animate (any "
+    s.add_argument("--image", help="image-to-video pipelines: the first frame to animate (any "
                    "image Pillow reads; resized to the frame size); refused by other models")
     who = s.add_mutually_exclusive_group()
     who.add_argument("--class_labels", type=_labels, help="class-conditional models: labels to draw, e.g. 0,1,2")
     who.add_argument("--num_samples", type=int, default=argparse.SUPPRESS, help="class-conditional models: draw "
                      "N samples, labels cycling over the classes (default: one per class)")
     s.add_argument("--cfg_scale", type=float, help="classifier-free guidance scale (1: no guidance; default 4.0, "
-                   "a diffusers pipeline's own: Wan 5.0; HunyuanVideo's guidance-distilled model embeds it in one "
-                   "pass, default 6.0)")
-    s.add_argument("--cfg_scale_2", type=float, help="Wan 2.2 A14B: the guidance scale of the low-noise expert "
-                   "(transformer_2; default: --cfg_scale)")
+                   "a diffusers pipeline's own; a guidance-distilled model embeds it in one pass, at its pipeline's "
+                   "default)")
+    s.add_argument("--cfg_scale_2", type=float, help="a pipeline of two experts: the guidance scale of the "
+                   "low-noise expert (transformer_2; default: --cfg_scale)")
     s.add_argument("--num_sampling_steps", type=int, help="respaced diffusion steps (2..1000; default 250, a "
-                   "diffusers pipeline's own: Wan 50)")
+                   "diffusers pipeline's own)")
     s.add_argument("--height", type=int, help="video pipelines: frame height in pixels "
-                   "(default: the run's --image_size, else the pipeline's: Wan 480, CogVideoX 480, LTX 512)")
+                   "(default: the run's --image_size, else the pipeline's)")
     s.add_argument("--width", type=int, help="video pipelines: frame width in pixels "
-                   "(default: the run's --image_size, else the pipeline's: Wan 832, CogVideoX 720, LTX 704)")
+                   "(default: the run's --image_size, else the pipeline's)")
     s.add_argument("--negative_prompt", help="video pipelines: the prompt guidance steers "
                    "away from (default: the empty prompt, as the pipeline)")
     s.add_argument("--gif", action="store_true", help="video pipelines: also write a GIF beside "
@@ -106,8 +107,8 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "weights before sampling")
     s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines: decode in "
                    "spatial tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode "
-                   "(less memory; default: whole frames; under torchrun, Wan's in one column strip per process, "
-                   "blended over 64 pixels)")
+                   "(less memory; default: whole frames; under torchrun, a VAE whose decode splits in one column "
+                   "strip per process, blended over 64 pixels)")
     s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
                    "dpm++ (DPM-Solver++ 2M) and euler are diffusers' schedulers on DiT's schedule (needs diffusers; "
@@ -119,10 +120,10 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")
     s.add_argument("--out", default=argparse.SUPPRESS, help="image models: the PNG grid to write (default "
                    "samples.png); video models: the folder for NNN-<prompt or class-K>.mp4 and a .gif preview of "
-                   "each (default samples); a video pipeline (Wan: MP4s, GIFs with --gif) with one prompt also takes "
+                   "each (default samples); a video pipeline (MP4s, GIFs with --gif) with one prompt also takes "
                    "a file name, clip.mp4 (or .gif), and writes that file alone")
-    s.add_argument("--fps", type=int, help="video models: frames per second of the MP4 and GIF (default 8; Wan "
-                   "pipelines: 16, their training rate)")
+    s.add_argument("--fps", type=int, help="video models: frames per second of the MP4 and GIF (default 8; a "
+                   "diffusers video pipeline: its family's training rate)")
     s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
                    "(needed for an official DiT .pt: e.g. sd-vae-ft-ema)")
     s.add_argument("--save_npz", help="with --out (or for text models): also write samples (N,H,W,C or "
@@ -136,7 +137,7 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "tokens over this many processes (all of them; half of them with --cfg_parallel)")
     s.add_argument("--sequence_parallel_type", default="auto", choices=SEQUENCE_PARALLEL_TYPES,
                    help="how the split sequence attends (see `ditforge train --help`)")
-    s.add_argument("--plugin", choices=("fsdp",), help="video pipelines (Wan) under torchrun: fsdp shards the "
+    s.add_argument("--plugin", choices=("fsdp",), help="video pipelines under torchrun: fsdp shards the "
                    "transformer's weights over all processes (FSDP2, gathered block by block), for a model that does "
                    "not fit one GPU; composes with --cfg_parallel and --sequence_parallel_size")
     _add_sample_speed_flags(s)
@@ -161,7 +162,7 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
                       help="torch.compile the model with static shapes, and the VAE decoder; the bare flag is "
                       "reduce-overhead: CUDA graphs, the whole loop as one graph for --sampler ddpm / ddim and a flow "
                       "model's euler (without --cfg_interval / --cfg_parallel), else one per model call; the first "
-                      "batch and the first decode are slow while they compile; a video pipeline (Wan): each "
+                      "batch and the first decode are slow while they compile; a video pipeline: each "
                       "transformer block compiled, without CUDA graphs")
     fast.add_argument("--enable_flashattn", action="store_true", help="attention through the fastest exact kernel "
                       "(cuDNN, then Flash, on Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
@@ -174,7 +175,7 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
     fast.add_argument("--fora", type=int, metavar="N", help="FORA static caching: recompute every block's attention "
                       "and MLP outputs only every N steps, reusing them in between; changes the samples (see "
                       "docs/sampling.md); not with --pab")
-    fast.add_argument("--first_block_cache", type=float, metavar="THRESHOLD", help="video pipelines (Wan): "
+    fast.add_argument("--first_block_cache", type=float, metavar="THRESHOLD", help="video pipelines: "
                       "diffusers' First Block Cache: reuse the other blocks' residual while the first block's "
                       "output changed by less than THRESHOLD (mean relative L1, e.g. 0.05) since the last full "
                       "pass; changes the samples (see docs/sampling.md)")

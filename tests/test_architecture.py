@@ -41,3 +41,29 @@ def test_no_function_is_longer_than_the_rule():
                     long.append(f"{path.relative_to(package.parent)}:{node.lineno} {node.name} "
                                 f"({node.end_lineno - first + 1} lines)")
     assert not long, long
+
+
+# A foreign family's name, as a word (case-sensitive): its model, pipeline and VAE class names, its short names, and
+# the config keys only one family has. "Wan" stands alone or before a capital or digit (WanPipeline, Wan2.1), not Wang.
+FAMILY_NAMES = (r"\bWan\b|\bWan[A-Z0-9]\w*|\bwan_\w*|\bCogVideoX\w*|\bcogvideox\w*|\bHunyuan\w*|\bhunyuan\w*|\bLTX\w*"
+                r"|\bltx\w*|\bPixArt\w*|\bpixart\w*|\bSD3\w*|\bsd3\w*|\bSDXL\w*|\bsdxl\w*|\bAutoencoderKL[A-Z]\w*"
+                r"|\bimage_condition_type\b|\bboundary_ratio\b")
+
+
+def test_no_foreign_family_is_named_outside_its_adapter():
+    """Shared code reads the adapters' declarations (``models.adapters.DiffusersDenoiser``'s class attributes):
+    no file of ``ditforge/`` outside ``models/adapters/`` names a foreign family (``FAMILY_NAMES``), in code,
+    docstrings, comments or help alike; the sources of its formulas cite the paper or say "the family's pipeline",
+    and a sentence that must name a family's diffusers file lives in that family's adapter."""
+    import re
+
+    package = Path(__file__).resolve().parents[1] / "ditforge"
+    pattern = re.compile(FAMILY_NAMES)
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.is_relative_to(package / "models" / "adapters"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if (match := pattern.search(line)) is not None:
+                found.append(f"{path.relative_to(package.parent)}:{number}: {match.group(0)}")
+    assert not found, f"{len(found)} lines name a foreign family:\n" + "\n".join(found)

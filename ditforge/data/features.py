@@ -27,7 +27,7 @@ A shard (safetensors, N its samples, each tensor row-aligned):
                                                 tokens and concatenated in sample order
     cond.<key>     (N, ...)                    a pretrained pipeline's (``--init_from``) conditioning tensors,
                                                 one per key of its prompt encoding (e.g. ``encoder_hidden_states``
-                                                (N, 77, 768) for SD 1.x; the T5 states and mask for PixArt), as
+                                                (N, 77, 768) for SD 1.x; the T5 states and mask for a T5 family), as
                                                 computed, float32
 """
 

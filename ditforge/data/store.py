@@ -174,9 +174,9 @@ def _extraction_encoders(cfg, dataset, dev: torch.device) -> tuple:
 
     if not is_adapted_pipeline(m.init_from):
         raise UserError(f"--init_from {m.init_from}: features are extracted with a diffusers pipeline folder "
-                        "(Stable Diffusion, PixArt, SD3); DiT runs take --vae and --text_encoder")
+                        "of a family ditforge adapts; DiT runs take --vae and --text_encoder")
     # the denoiser encodes nothing: it stays on the host in bf16 (a 14B transformer would take 57 GB in float32 on
-    # the GPU for no use); Wan 2.2's experts share the VAE and encoders
+    # the GPU for no use); a pipeline's two experts share the VAE and encoders
     pre = load_pretrained(m.init_from, dev, expert=m.expert, denoiser_device=torch.device("cpu"),
                           denoiser_dtype=torch.bfloat16)
     return pipeline_batch_encoder(cfg, pre, dataset), pre

@@ -2,14 +2,15 @@
 uniform training times with an optional shift, and the Euler sampler.
 
 Path and target (Liu et al. 2023, "Flow Straight and Fast"; Lipman et al. 2023, "Flow Matching"; in the
-convention of Esser et al. 2024, "Scaling Rectified Flow Transformers" (SD3), eq. 3 and sec. 3.1):
+convention of Esser et al. 2024, "Scaling Rectified Flow Transformers", eq. 3 and sec. 3.1):
 ``x_t = (1 - t) x_0 + t eps`` for t in [0, 1] (t = 1 is pure noise), velocity ``v = dx_t/dt = eps - x_0``, loss
-``|| v_theta(x_t, t) - v ||^2``. The model is called with ``1000 t``, as diffusers' ``SD3Transformer2DModel``
-receives ``FlowMatchEulerDiscreteScheduler``'s timesteps (sigma x 1000).
+``|| v_theta(x_t, t) - v ||^2``. The model is called with ``1000 t``, as diffusers' flow-matching
+transformers receive ``FlowMatchEulerDiscreteScheduler``'s timesteps (sigma x 1000).
 
-Training times (SD3 sec. 3.1 and eq. 23): ``logit_normal``: u = sigmoid(m + s n), n ~ N(0, 1); ``uniform``: u ~ U(0, 1);
-then the resolution shift of SD3 eq. 23 / Open-Sora 1.2, t = shift u / (1 + (shift - 1) u), the same map
-diffusers' ``FlowMatchEulerDiscreteScheduler(shift=...)`` applies to its sampling sigmas.
+Training times (Esser et al. 2024 sec. 3.1 and eq. 23): ``logit_normal``: u = sigmoid(m + s n), n ~ N(0, 1);
+``uniform``: u ~ U(0, 1); then the resolution shift of Esser et al. 2024 eq. 23 / Open-Sora 1.2,
+t = shift u / (1 + (shift - 1) u), the same map diffusers' ``FlowMatchEulerDiscreteScheduler(shift=...)`` applies to
+its sampling sigmas.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ditforge.diffusion.gaussian import ModelFn, mean_flat
 
 
 def shift_times(t: torch.Tensor, shift: float) -> torch.Tensor:
-    """t -> shift t / (1 + (shift - 1) t) (SD3 eq. 23; diffusers' ``FlowMatchEulerDiscreteScheduler``); identity at 1."""
+    """t -> shift t / (1 + (shift - 1) t) (Esser et al. 2024 eq. 23; diffusers' ``FlowMatchEulerDiscreteScheduler``);
+    identity at 1."""
     return shift * t / (1 + (shift - 1) * t)
 
 
@@ -31,16 +33,18 @@ class RectifiedFlow:
     """The flow-matching objective and its sampling schedule.
 
     Args:
-        shift: timestep shift (SD3: 3.0 at 1024px; 1.0: none).
-        weighting_scheme: how training times are drawn: ``logit_normal`` (SD3's default) or ``uniform`` (the
-            name follows diffusers' SD3 training script, where it selects the density of the times).
+        shift: timestep shift (Esser et al. 2024: 3.0 at 1024px; 1.0: none).
+        weighting_scheme: how training times are drawn: ``logit_normal`` (Esser et al. 2024's default) or
+            ``uniform`` (the name follows diffusers' flow-matching training scripts, where it selects the density of
+            the times).
         logit_mean, logit_std: m and s of the logit-normal density.
         learn_sigma: the model returns 2C channels (as a DiT with learned sigma); the extra C are ignored.
         num_train_timesteps: the model's timestep scale (times are passed as ``num_train_timesteps * t``).
         t_range: (lo, hi): training times are drawn from their density restricted to [lo, hi) (the shifted
-            logit-normal or uniform, truncated: Wan 2.2 A14B's experts each train on their side of the boundary).
+            logit-normal or uniform, truncated: the two experts of a pipeline each train on their side of the boundary).
         given_frames: the first latent frames (dim 2 of a video) that are conditioning, not learned: the loss averages
-            over the others (Wan 2.2 TI2V's and LTX-Video's image-to-video, whose model sees its first frame clean).
+            over the others (an image-to-video family whose model sees its first frame clean, the adapter's
+            ``given_frames``).
 
     Timesteps are float (B,) in [0, 1].
     """
@@ -124,7 +128,7 @@ class RectifiedFlow:
     def sampling_times(self, num_steps: int) -> torch.Tensor:
         """float64 (num_steps + 1,) times from 1 down to 0, the sigmas of diffusers'
         ``FlowMatchEulerDiscreteScheduler(shift).set_timesteps(num_steps)`` (static shift), so a model trained for
-        an SD3 pipeline samples as that pipeline does: ``num_steps`` times linear from 1 to the scheduler's
+        a flow-matching pipeline samples as that pipeline does: ``num_steps`` times linear from 1 to the scheduler's
         ``sigma_min`` (the shifted time of timestep 1, ``shift_times(1 / T)``), shifted, then a final 0."""
         sigma_min = float(shift_times(torch.tensor(1.0 / self.num_timesteps, dtype=torch.float64), self.shift))
         times = shift_times(torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64), self.shift)
@@ -135,8 +139,8 @@ class RectifiedFlow:
 def euler_loop(flow: RectifiedFlow, model_fn: ModelFn, noise: torch.Tensor, num_steps: int,
                on_step=None) -> torch.Tensor:
     """Integrate dx/dt = v_theta(x, t) from t = 1 (``noise``) to t = 0 with Euler steps on
-    ``flow.sampling_times(num_steps)``: x <- x + (t_{i+1} - t_i) v (SD3's sampler; diffusers'
-    ``FlowMatchEulerDiscreteScheduler.step``).
+    ``flow.sampling_times(num_steps)``: x <- x + (t_{i+1} - t_i) v (Esser et al. 2024's sampler;
+    diffusers' ``FlowMatchEulerDiscreteScheduler.step``).
 
     Args:
         model_fn: (x (B, C, ...), 1000 t (B,) float) -> (B, C or 2C, ...); the first C channels are the velocity.

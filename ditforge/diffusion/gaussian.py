@@ -34,7 +34,7 @@ def betas_from_schedule(schedule: str = "linear", num_timesteps: int = 1000, bet
                         beta_end: float = 0.02) -> torch.Tensor:
     """float64 (T,) betas of a diffusers ``beta_schedule``, recomputed in float64 (diffusers builds them in float32):
 
-    - ``linear``: linspace(beta_start, beta_end, T) (DDPM; DiT, PixArt);
+    - ``linear``: linspace(beta_start, beta_end, T) (DDPM; DiT and the DDPM-trained image families);
     - ``scaled_linear``: linspace(sqrt(beta_start), sqrt(beta_end), T)^2 (Latent Diffusion / Stable Diffusion);
     - ``squaredcos_cap_v2``: the cosine schedule, beta_t = min(1 - abar(t+1)/abar(t), 0.999) with
       abar(t) = cos^2((t/T + 0.008) / 1.008 * pi/2) (Nichol & Dhariwal 2021, eq. 17).

@@ -20,9 +20,9 @@ FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteSche
 
 def objective_of_scheduler(config: dict, where: str = "scheduler") -> str:
     """``ddpm`` | ``v`` | ``flow`` for a diffusers scheduler config: flow-matching schedulers are ``flow``, and so is
-    a multistep solver on flow sigmas (``prediction_type`` ``flow_prediction`` with ``use_flow_sigmas``: Wan 2.1's
-    ``UniPCMultistepScheduler``, whose ``flow_shift`` is the shift); the others by ``prediction_type`` (epsilon ->
-    ``ddpm``, v_prediction -> ``v``).
+    a multistep solver on flow sigmas (``prediction_type`` ``flow_prediction`` with ``use_flow_sigmas``: a
+    ``UniPCMultistepScheduler`` so configured, whose ``flow_shift`` is the shift); the others by ``prediction_type``
+    (epsilon -> ``ddpm``, v_prediction -> ``v``).
 
     Raises:
         UserError: a prediction type other than epsilon / v_prediction (``sample``, or ``flow_prediction`` without
@@ -37,7 +37,7 @@ def objective_of_scheduler(config: dict, where: str = "scheduler") -> str:
 
 
 def _flow_sigmas(config: dict) -> bool:
-    """A solver scheduler (UniPC, DPM-Solver) configured for flow matching, as Wan 2.1's: its sigmas are the
+    """A solver scheduler (UniPC, DPM-Solver) configured for flow matching: its sigmas are the
     shifted flow times (``use_flow_sigmas``, ``flow_shift``), its model output the velocity noise - x0."""
     return config.get("prediction_type") == "flow_prediction" and bool(config.get("use_flow_sigmas"))
 
@@ -59,18 +59,19 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
     Gaussian objectives take the scheduler's ``beta_schedule`` / ``beta_start`` / ``beta_end`` /
     ``num_train_timesteps`` / ``trained_betas`` (recomputed in float64) or, without a scheduler config, DiT's
     1000 linear betas; ``timestep_respacing`` respaces them for sampling. Flow takes ``flow_shift``, else the
-    scheduler's ``shift`` (``FlowMatchEulerDiscreteScheduler``) or ``flow_shift`` (a solver on flow sigmas, Wan's
-    UniPC: 3.0 at 480p, 5.0 at 720p), else 1.
+    scheduler's ``shift`` (``FlowMatchEulerDiscreteScheduler``) or ``flow_shift`` (a solver on flow sigmas, e.g.
+    3.0 at 480p, 5.0 at 720p), else 1.
 
-    CogVideoX's schedulers change the betas' ``alphas_cumprod`` twice (``shift_and_rescale``), and any DDPM-family
+    Some schedulers change the betas' ``alphas_cumprod`` twice (``shift_and_rescale``), and any DDPM-family
     scheduler may rescale them to zero terminal SNR (``rescale_betas_zero_snr``); the objective trains on the
     changed ones.
 
-    ``t_range`` (flow only; Wan 2.2 A14B's experts): the training times are drawn from their density restricted to
-    [lo, hi) (``RectifiedFlow``). ``given_frames`` (flow only; Wan 2.2 TI2V's and LTX-Video's image-to-video): the
-    first latent frames are conditioning, out of the loss.
+    ``t_range`` (flow only; one of a pipeline's two experts, from the adapter's ``objective_args``): the training
+    times are drawn from their density restricted to [lo, hi) (``RectifiedFlow``). ``given_frames`` (flow only; the
+    adapter's, for an image-to-video family whose first frame is given): the first latent frames are conditioning,
+    out of the loss.
 
-    A scheduler with dynamic (resolution-dependent) shifting (LTX-Video's ``FlowMatchEulerDiscreteScheduler``:
+    A scheduler with dynamic (resolution-dependent) shifting (a ``FlowMatchEulerDiscreteScheduler`` with
     ``use_dynamic_shifting``) shifts by exp(mu), mu interpolated linearly in ``seq_len`` (the latent frames x height
     x width of a training sample) from ``base_shift`` at ``base_image_seq_len`` to ``max_shift`` at
     ``max_image_seq_len``, as its pipeline computes mu for the video it samples (``calculate_shift``); with the
@@ -125,8 +126,9 @@ def create_objective(objective: str, learn_sigma: bool, scheduler_config: dict |
 def shift_and_rescale(betas, snr_shift_scale: float | None, zero_terminal_snr: bool):
     """float64 (T,) betas whose ``alphas_cumprod`` abar are changed as a diffusers scheduler's config asks:
 
-    - ``snr_shift_scale`` s (CogVideoX's schedulers: 3.0 for the 2B model, 1.0 for the 5B): abar / (s + (1 - s) abar),
-      which divides the SNR abar / (1 - abar) by s (``CogVideoXDDIMScheduler.__init__``, "SNR shift following SD3");
+    - ``snr_shift_scale`` s (a scheduler config's key, e.g. 3.0 or 1.0): abar / (s + (1 - s) abar), which divides
+      the SNR abar / (1 - abar) by s (the family's DDIM scheduler's ``__init__``, "SNR shift following" Esser et al.
+      2024);
     - ``zero_terminal_snr``: sqrt(abar) shifted so that its last value is 0 and scaled so that its first is kept
       (Lin et al. 2024, "Common Diffusion Noise Schedules and Sample Steps are Flawed", Algorithm 1; diffusers'
       ``rescale_zero_terminal_snr``). The last beta becomes 1: x_T is pure noise, and v-prediction's target there

@@ -45,13 +45,13 @@ class BatchEncoder:
         prompt_encoder: instead of ``text_encoder``, a function from captions to the denoiser's conditioning
             keywords (a pretrained pipeline's own encoders, ``Pretrained.encode_prompt``: e.g.
             ``{"encoder_hidden_states": (B, 77, 768)}``); ``conditioning`` then returns its dict.
-        image_encoder: image-to-video pipelines (Wan, CogVideoX, LTX-Video; ``Pretrained.encode_image``): a function
+        image_encoder: image-to-video pipelines (the adapter's ``image_to_video``; ``Pretrained.encode_image``): a function
             from first frames (B, 3, H, W) in [-1, 1], the clip's frame count and ``noise_seeds=`` (training noise
             seeds, or None) to more conditioning keywords, added to the prompt's; the first frame is the batch's
             ``image`` (a video CSV's ``image`` column) where it has one, else frame 0 of its pixels ``x``. Computed
             for every batch (the image differs per clip).
         prompt_sees_image: the prompt encoder takes the first frames too (``prompt_encoder(texts, images=first)``,
-            HunyuanVideo I2V's Llava encoder): the captions are then encoded per batch, not cached.
+            the adapter's ``prompt_sees_image``): the captions are then encoded per batch, not cached.
     """
 
     def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,
@@ -228,8 +228,9 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
 
     Raises:
         UserError: ``--model`` given (the folder decides the denoiser); class conditioning; video data for an image
-            family or images for a video family (Wan); an ``--image_size`` the VAE and denoiser cannot take; a
-            ``--num_frames`` the video VAE cannot take (Wan's: 4k + 1), naming the nearest valid counts.
+            family or images for a video family; an ``--image_size`` the VAE and denoiser cannot take; a
+            ``--num_frames`` the video VAE cannot take (the family's frame rule, e.g. 4k + 1), naming the nearest
+            valid counts.
     """
     from ditforge.encoders.vae import VAE
     from ditforge.errors import UserError
@@ -254,12 +255,13 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
     size = dataset.image_size
     patch = inner.config.get("patch_size", None)
     multiple = scale * (2 ** (len(inner.config.block_out_channels) - 1) if pre.denoiser.component == "unet"
-                        else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))  # Wan: (t, h, w)
+                        else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))  # (p_t, p_h, p_w)
     if size % multiple:
         raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
                         f"(the VAE's downsample {scale} x the denoiser's own)")
     m.vae = str(pre.folder / "vae")
-    vae = VAE(pre.pipe.vae, path=m.vae)
+    vae = VAE(pre.pipe.vae, path=m.vae, frame_factor=pre.denoiser.vae_frame_factor,
+              folds_pixels=pre.denoiser.vae_folds_pixels)  # the family's frame rule
     frames = dataset.num_frames if video else None
     if video and stored is not False:  # features store latents: their frames are the latent frames
         frames = (frames - 1) * vae.temporal + 1

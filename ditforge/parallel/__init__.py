@@ -43,8 +43,9 @@ def resolve_plugin(plugin: str, world_size: int, cpu_offload: str = "none") -> s
 
 # Ops whose outputs selective checkpointing keeps. ``op``: the matrix products and attention (expensive to
 # recompute); LayerNorm, modulate, GELU and residuals are recomputed (cheap, and most of the activations).
-# ``attn``: attention alone, whose cost grows with the square of the sequence (at Wan's 32,760 video tokens most of
-# a block's FLOPs); the matrix products are recomputed, so only the attention outputs stay (a block's width each).
+# ``attn``: attention alone, whose cost grows with the square of the sequence (at a 480p video model's 32,760
+# video tokens most of a block's FLOPs); the matrix products are recomputed, so only the attention outputs stay (a
+# block's width each).
 _ATTENTION_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -414,8 +415,9 @@ def init_sharded(model: nn.Module, skeleton: nn.Module, dist: Dist) -> None:
 
 def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The sum of the tensors' squared L2 norms, a 0-dim fp32 tensor on their device (one multi-tensor norm on a GPU;
-    on the CPU one BLAS dot product per tensor: over SDXL's 10 GB of host gradients on an H100 machine's 16 cores,
-    torch 2.11's CPU norm took 1.13 s and the dot products 0.23 s, benchmarks/results/lowmem/host_step_h100.txt)."""
+    on the CPU one BLAS dot product per tensor: over a 2.6B UNet's 10 GB of host gradients on an H100 machine's 16
+    cores, torch 2.11's CPU norm took 1.13 s and the dot products 0.23 s,
+    benchmarks/results/lowmem/host_step_h100.txt)."""
     if tensors[0].device.type == "cpu":
         return torch.stack([torch.dot(t.reshape(-1), t.reshape(-1)) for t in tensors]).float().sum()
     return torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()

@@ -1,5 +1,5 @@
 """Collectives the parallel code shares: the autograd-correct all-to-all (Ulysses, the STDiT frame exchange) and
-all-gather (the sequence gather, HunyuanVideo's text heads), and single-tensor all-gather / reduce-scatter under
+all-gather (the sequence gather, a joint attention's text heads), and single-tensor all-gather / reduce-scatter under
 their PyTorch >= 2.13 names with the older ones as fallback (FastSeq, the sequence gather, CFG parallelism)."""
 
 from __future__ import annotations

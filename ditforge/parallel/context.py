@@ -2,17 +2,18 @@
 (``sample.video``) and for fine-tuning (``parallelize``).
 
 diffusers' ``ModelMixin.enable_parallelism`` applies the model's ``_cp_plan``: hooks keep this process's slice of
-the tokens where the plan splits them (Wan: the input of ``blocks.0``, the RoPE tables, a per-token timestep), and
-all-gather them at its output (Wan: ``proj_out``); attention runs Ulysses (all-to-all over the heads; Jacobs et al.
+the tokens where the plan splits them (e.g. the input of the first block, the RoPE tables, a per-token timestep), and
+all-gather them at its output (e.g. ``proj_out``); attention runs Ulysses (all-to-all over the heads; Jacobs et al.
 2023), ring (K/V rotated; Liu et al. 2023), or both (USP; Fang and Zhao 2024), with a backward for each. The
 diffusers code is not copied: this module chooses the split, builds its DeviceMesh and fixes the gradient scale.
 
-A joint text-video attention (HunyuanVideo's, whose blocks attend over [video tokens; text tokens] at once, and
-CogVideoX's, over [text tokens; video tokens]) has no diffusers plan: split as Wan is, the text tokens every process
-holds would enter Ulysses' all-to-all P times over, and weigh P times in the softmax. ``joint_text_plan`` (and
-``text_first_plan``) split the video tokens alone and ``JointTextAttention`` runs Ulysses on them while each process
-keeps the text's keys and values of its own heads (no communication for them), then gathers the text's output over
-the heads. HunyuanVideo-I2V's token_replace blocks modulate the first frame's tokens apart (``first_frame_tokens``).
+A joint text-video attention (blocks that attend over [video tokens; text tokens] at once, or over [text tokens;
+video tokens]) has no diffusers plan: split as a cross-attending model's tokens are, the text tokens every process
+holds would enter Ulysses' all-to-all P times over, and weigh P times in the softmax. The adapter of such a family
+declares its own plan (``cp_plan``), which splits the video tokens alone, and ``cp_text``; ``JointTextAttention``
+runs Ulysses on the video tokens while each process keeps the text's keys and values of its own heads (no
+communication for them), then gathers the text's output over the heads. What else a family's transformer needs
+once its tokens are split is the adapter's ``split_hooks``.
 
 Gradients when training: every process of a group computes the same loss on the gathered output; the gather's
 backward (``diffusers.hooks.context_parallel.AllGatherFunction``) keeps this process's slice of the gradient, so
@@ -75,18 +76,20 @@ def token_mesh(transformer: nn.Module, d: Dist, kind: str):
 def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
     """diffusers' context parallelism on ``denoiser``'s transformer over ``mesh``'s ring x ulysses part
     (``token_mesh``), in place, with a one-line refusal of a token count the group does not divide (diffusers would
-    assert), by the adapter's ``cp_plan``: the model's own ``_cp_plan`` (None); ``"joint_text"`` (HunyuanVideo),
-    ``joint_text_plan`` with ``JointTextAttention`` at diffusers' dispatcher; ``"text_first"`` (CogVideoX),
-    ``text_first_plan`` with ``JointTextAttention`` catching PyTorch's SDPA (``intercept_sdpa``); ``"whole_text"``
-    (LTX-Video), ``whole_text_plan`` with each cross-attention over the whole text on every process. ditforge's plans
-    run Ulysses only.
+    assert), by the adapter's declarations: ``cp_plan``, the model's own ``_cp_plan`` (None) or ditforge's plan (a
+    function returning it), and ``cp_text``, what that plan's attention does with the whole text: ``"joint"`` and
+    ``"joint_text_first"``, ``JointTextAttention`` over [video; text] or [text; video], at diffusers' dispatcher or,
+    for a family whose processors call PyTorch's SDPA (``attention_calls_sdpa``), there (``intercept_sdpa``);
+    ``"cross"``, each cross-attention over the whole text on every process. Then the adapter's ``split_hooks``.
+    ditforge's plans run Ulysses only.
 
     Raises:
-        UserError: a ring part for one of ditforge's plans."""
+        UserError: a ring part for one of ditforge's plans. TypeError: a ``cp_plan`` and ``cp_text`` that do not
+            match (``_text_kind``)."""
     from diffusers import ContextParallelConfig
 
     transformer = denoiser.inner
-    plan = denoiser.cp_plan
+    plan, text = denoiser.cp_plan, _text_kind(type(denoiser))
     ring, ulysses = mesh["ring"].size(), mesh["ulysses"].size()
     if plan and ring > 1:  # ditforge's plans keep the text whole, exchanged by Ulysses alone (tested)
         heads = transformer.config.num_attention_heads
@@ -102,96 +105,36 @@ def split_tokens(denoiser: nn.Module, d: Dist, mesh) -> None:
             from unittest import mock  # 0 on a machine without one; the index is unused on the CPU
 
             stack.enter_context(mock.patch.object(torch.accelerator, "device_count", lambda: 1))
-        plans = {"joint_text": joint_text_plan, "text_first": text_first_plan, "whole_text": whole_text_plan}
-        transformer.enable_parallelism(config=config, cp_plan=plans[plan]() if plan else None)
+        transformer.enable_parallelism(config=config, cp_plan=plan() if plan else None)
     from ditforge.models.adapters.dispatch import intercept_attention, intercept_sdpa
 
     group = mesh["ulysses"].get_group()
-    if plan in ("joint_text", "text_first"):
-        attention = JointTextAttention(group, text_first=plan == "text_first")
-        (intercept_attention if plan == "joint_text" else intercept_sdpa)(transformer, attention)
+    if text in ("joint", "joint_text_first"):
+        attention = JointTextAttention(group, text_first=text == "joint_text_first")
+        (intercept_sdpa if denoiser.attention_calls_sdpa else intercept_attention)(transformer, attention)
         transformer.register_forward_pre_hook(attention.read_text_length, with_kwargs=True)
-    elif plan == "whole_text":  # this process's queries over the whole text: no exchange
+    elif text == "cross":  # this process's queries over the whole text: no exchange
         intercept_attention(transformer, lambda q, k, v, mask, attend: attend(q, k, v, mask), cross_only=True)
-    if getattr(transformer.config, "image_condition_type", None) == "token_replace":
-        first_frame_tokens(transformer, group)
+    denoiser.split_hooks(transformer, group)
     patch, patch_t = transformer.config.patch_size, getattr(transformer.config, "patch_size_t", None)
-    if patch_t:  # HunyuanVideo and LTX-Video state the temporal patch apart; Wan's patch_size holds all three
+    if patch_t:  # a transformer that states its temporal patch apart; else patch_size holds one or all three
         patch = (patch_t, patch, patch)
     check = _divisible_check(ring * ulysses, patch, frames_first=getattr(denoiser, "frames_first", False))
     transformer.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def joint_text_plan() -> dict:
-    """A context-parallel plan (diffusers' ``ContextParallelInput`` / ``Output``) for HunyuanVideo's transformer:
-    the video tokens split at the first double-stream block's input and the RoPE tables (cos, sin; (N, D)) with
-    them, gathered at ``proj_out``; the text stays whole on every process (its token refiner, and the text stream of
-    every block)."""
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
-    table = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
-    return {"rope": {0: table, 1: table},
-            "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3,
-                                                                           split_output=False)},
-            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
-
-
-def text_first_plan() -> dict:
-    """A context-parallel plan for CogVideoX 1.0's transformer, whose blocks take the video tokens and the text apart
-    and attend over [text; video]: the video tokens split at the first block's input, the rotary tables
-    (``image_rotary_emb``, (cos, sin) of (N, D), the 5B model's) at the transformer's input, the output gathered at
-    ``proj_out``; the text whole on every process. (The 2B model's learned positions are added before the split.)"""
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
-    table = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
-    return {"": {"image_rotary_emb": [table, table]},
-            "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3,
-                                                                           split_output=False)},
-            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
-
-
-def first_frame_tokens(transformer: nn.Module, group) -> None:
-    """HunyuanVideo-I2V's token_replace blocks modulate the first ``num_tokens`` video tokens (the first latent
-    frame's) at timestep 0, the rest at t (their 7th argument, which the transformer passes by position). With the
-    video tokens split in order, this process's slice [r S, (r + 1) S) holds min(max(num_tokens - r S, 0), S) of
-    them, first: a forward pre-hook on every block passes that count instead."""
-    rank = dist.get_rank(group)
-
-    def local(module, args):
-        held = args[0].shape[1]
-        return (*args[:6], min(max(args[6] - rank * held, 0), held), *args[7:])
-
-    for block in (*transformer.transformer_blocks, *transformer.single_transformer_blocks):
-        block.register_forward_pre_hook(local)
-
-
-def whole_text_plan() -> dict:
-    """LTX-Video's own ``_cp_plan`` without its split of the text (``encoder_hidden_states`` and its mask): the
-    packed video tokens (B, N, C), a per-token timestep (B, N) (image-to-video) and the RoPE tables (B, N, D) split,
-    the output gathered at ``proj_out``. diffusers' split of the text left each process a slice of the cross-attention
-    mask that its Ulysses did not gather (it failed on the mask's shape); with the text whole, the cross-attention
-    needs no exchange (``split_tokens``)."""
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
-    table = ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)
-    return {"": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
-                 "timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)},
-            "rope": {0: table, 1: table},
-            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
-
-
 class JointTextAttention:
     """Ulysses over a joint attention whose queries, keys and values are (B, S + L, H, D): this process's S video
     tokens (the sequence split over the group of P in order) then the L text tokens, the same on every process, or
-    the text first (``text_first``, CogVideoX's order).
+    the text first (``text_first``: ``cp_text`` ``"joint_text_first"``).
 
     The video tokens go through Ulysses' all-to-all (``ulysses.seq_to_heads``): each process then holds all P S video
     tokens of its H / P heads, beside the text tokens of the same heads (a slice, no communication); attention over
     video and text runs there through the processor's own backend, under the text's key mask (the text's entries of
     the transformer's (B, 1, 1, N + L) mask; video keys all kept); the video output goes back by the inverse
     all-to-all and the text output is gathered over the heads. Equal to one process's attention over the whole
-    sequence (Jacobs et al. 2023's Ulysses with the replicated tokens kept out of the exchange). (HunyuanVideo's token
-    refiner's text-only attention calls PyTorch directly, not the dispatcher: it runs whole on every process.)
+    sequence (Jacobs et al. 2023's Ulysses with the replicated tokens kept out of the exchange). (A text-only attention
+    that calls PyTorch directly, not the dispatcher, such as a token refiner's, runs whole on every process.)
     Gradients: the all-to-all's backward is its inverse; the text gather's is a reduce-scatter (sum), since each
     process's copy of the text feeds its own heads' part of the loss; the replicated text's parameter gradients then
     sum over the group as ``scale_gradient`` expects. L is read from the transformer's ``encoder_hidden_states``
@@ -240,9 +183,22 @@ class JointTextAttention:
         return torch.cat(self._order(video_out, text_out.transpose(1, 2)), dim=1)
 
 
+def _text_kind(family: type) -> str | None:
+    """The adapter class ``family``'s ``cp_text``, checked against its ``cp_plan``: ditforge's plan (a function)
+    needs one of the kinds ``split_tokens`` knows, the model's own plan (None) none.
+
+    Raises:
+        TypeError: naming the adapter, for a plan without a kind, a kind without a plan, or an unknown kind."""
+    plan, text = family.cp_plan, family.cp_text
+    if (plan is None) != (text is None) or text not in (None, "joint", "joint_text_first", "cross"):
+        raise TypeError(f"{family.__name__}: cp_plan {plan!r} with cp_text {text!r}; ditforge's plan (a "
+                        "function) needs cp_text 'joint', 'joint_text_first' or 'cross', the model's own (None) none")
+    return text
+
+
 def _divisible_check(size: int, patch, frames_first: bool = False):
     """A forward pre-hook: the video's token count (B, C, T, H, W latents over the (p_t, p_h, p_w) patch, (B, T, C, H,
-    W) with ``frames_first`` (CogVideoX's), or tokens packed already, (B, N, C): LTX-Video's) must divide into
+    W) with ``frames_first`` (the adapter's), or tokens packed already, (B, N, C)) must divide into
     ``size`` equal slices."""
     p_t, p_h, p_w = patch if isinstance(patch, (tuple, list)) else (1, patch, patch)
 

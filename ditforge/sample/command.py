@@ -31,7 +31,7 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     """Draw samples and write them.
 
     ``ckpt`` is a ditforge run or checkpoint (its own DiTs, or a fine-tuned diffusers pipeline), or a diffusers
-    pipeline folder of a family ditforge adapts; a video family (Wan) is drawn by ``sample.video``'s loop, an image
+    pipeline folder of a family ditforge adapts; a video family (the adapter's ``video``) is drawn by ``sample.video``'s loop, an image
     family by its own pipeline (``loops.sample_pipeline``). What follows is about ditforge's own models.
 
     Conditions: text models take ``prompt`` then the lines of ``prompt_file``, one sample per prompt, encoded by
@@ -162,7 +162,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                               denoiser_device=host)
         if cfg.lora is not None:
             if getattr(pre.pipe, "transformer_2", None) is not None:
-                raise UserError(f"--lora {cfg.lora}: {cfg.ckpt} has two experts (Wan 2.2); a LoRA of one of them "
+                raise UserError(f"--lora {cfg.lora}: {cfg.ckpt} has two experts (transformer and transformer_2); a LoRA of one of them "
                                 "is not applied by ditforge yet")
             _fuse_lora(pre, cfg.lora)
         return sample_pipeline(cfg, prompts, d, pre, pre.denoiser.eval())
@@ -193,7 +193,7 @@ def _sample_dit(cfg: SampleConfig, prompts: list[str], d: Dist, state: dict, spe
     device = d.device
     if cfg.image is not None:
         raise UserError(f"--image {cfg.image}: {cfg.ckpt} is a ditforge {spec['model']}, which takes no image; "
-                        "--image is for image-to-video pipelines (Wan, CogVideoX I2V); leave it out")
+                        "--image is for image-to-video pipelines; leave it out")
     if cfg.model is not None:
         spec["model"] = cfg.model
     video = is_video_model(spec["model"])

@@ -1,14 +1,13 @@
-"""The video families of diffusers (Wan 2.1 / 2.2, CogVideoX, LTX-Video and HunyuanVideo, text- and image-to-video)
+"""The video families of diffusers that ditforge adapts (``models.adapters``, text- and image-to-video)
 sampled by ditforge's own loop instead of the pipeline's ``__call__``: the pipeline's scheduler, conditioning and VAE,
 with the conditional and unconditional passes in one batch (or on two GPUs), the transformer in bf16 or with float8
 linear layers, compiled block by block, split over GPUs along its tokens (context parallelism by diffusers' plan or
 ditforge's: Ulysses and ring attention), optionally with diffusers' step caching (First Block Cache, TaylorSeer), and
 the VAE decode split in tiles over the GPUs.
 
-The arithmetic follows diffusers' ``pipelines/wan/pipeline_wan.py`` (``WanPipeline.__call__``) and
-``pipeline_wan_i2v.py`` (``WanImageToVideoPipeline.__call__``), with each family's differences behind its adapter
-(``models.adapters``); ``tests/test_sample_video.py`` and the family tests in ``tests/finetune`` check that the loop
-gives the pipeline's frames from the same noise."""
+The arithmetic follows the family's diffusers pipeline ``__call__`` (each adapter's docstring names its source
+file), with each family's differences behind its adapter (``models.adapters``); ``tests/test_sample_video.py`` and
+the family tests in ``tests/finetune`` check that the loop gives the pipeline's frames from the same noise."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from tqdm.auto import tqdm
 from ditforge.config import resolve_precision
 from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
-from ditforge.encoders.vae import VAE
+from ditforge.encoders.vae import VAE, decode_tiles_split, use_strips
 from ditforge.errors import UserError
 from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
 from ditforge.parallel.mesh import Dist
@@ -38,8 +37,8 @@ log = logging.getLogger(__name__)
 
 def pipeline_defaults(pipe) -> dict:
     """The defaults of the pipeline's ``__call__`` that ``ditforge sample`` falls back on: height, width,
-    num_frames, num_inference_steps, guidance_scale (Wan 2.1: 480, 832, 81, 50, 5.0; CogVideoX-5B: 480, 720, 49,
-    50, 6.0, the first three from its transformer's config, ``call_defaults``)."""
+    num_frames, num_inference_steps, guidance_scale (a signature default, or for a default the signature leaves
+    None what the pipeline's body computes, the adapter's ``call_defaults``)."""
     from ditforge.models.adapters import family_of_pipeline
 
     params = inspect.signature(pipe.__call__).parameters
@@ -63,12 +62,12 @@ class VideoSampler:
       ``ModelMixin.enable_parallelism`` with a ``ContextParallelConfig`` on the ``ring`` x ``ulysses`` part of
       ``mesh``): every block's tokens are split over the group and attention runs Ulysses (all-to-all over
       heads), ring (rotating K/V), or both (USP). ``auto`` puts as many processes on Ulysses as the head count
-      allows (the largest divisor of both) and the rest on ring. HunyuanVideo, CogVideoX and LTX-Video split by
-      ditforge's plans (the adapter's ``cp_plan``: the text whole on every process), Ulysses only;
+      allows (the largest divisor of both) and the rest on ring. A family whose adapter declares ditforge's plan
+      (``cp_plan``, ``cp_text``: the text whole on every process) splits by it, Ulysses only;
     - ``plugin`` fsdp: every repeated block and the rest of the transformer sharded over all processes (FSDP2's
       ``fully_shard`` on the 1-D mesh of the world: each process holds 1 / N of the weights, and a block's are
       gathered for its forward and freed after it), for a model that does not fit one GPU with room for its
-      activations (Wan-14B's 28 GB of bf16 weights on 24 GB cards). The weights are cast on the host and move to
+      activations (a 14B model's 28 GB of bf16 weights on 24 GB cards). The weights are cast on the host and move to
       the GPU as shards. Composes with ``cfg_parallel`` and context parallelism, whose processes run the same
       blocks in the same order;
     - step caching (``step_cache``), one of: ``first_block_cache`` (a threshold), diffusers' First Block Cache
@@ -78,9 +77,10 @@ class VideoSampler:
       between the blocks skipped and the output forecast to first order;
     - ``quantized_attention``: the transformer's self-attention through ``ops.quant_attention`` (int8 Q K^T,
       float8 P V; SageAttention's scaling), routed at diffusers' attention dispatcher
-      (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default (HunyuanVideo's
-      joint attention takes the kernel once unmasked, below);
-    - a family whose attention always carries a mask (HunyuanVideo: the text padding of its joint attention): the
+      (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default (a masked joint
+      attention takes the kernel once unmasked, below);
+    - a family whose attention always carries a mask (``masked_self_attention``: the text padding of a joint
+      attention): the
       padding cropped from the conditioning (the adapter's ``trim_padding``) and, when every mask is then all True
       (batch 1), the attention run without them (``models.adapters.dispatch.unmask_full_attention``), so SDPA takes
       its Flash / cuDNN kernels;
@@ -88,11 +88,12 @@ class VideoSampler:
       ``fullgraph`` unless context parallelism, whose split is a hook diffusers' way of reading arguments keeps
       dynamo from tracing; a cache's hooks wrap the compiled forwards, so its decisions stay on the host), as
       diffusers' ``compile_repeated_blocks``.
-      No CUDA graphs: a step of a 480x832x81 Wan clip takes about a second, which launches do not bound.
+      No CUDA graphs: a step of a 480x832x81 clip of a 1.3B model takes about a second, which launches do not bound.
 
-    The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; Wan's under
-    torchrun in tiles split over all processes (``decode_tiles_split``): by default one column strip per process
-    (``use_strips``); another family's on process 0.
+    The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; under
+    torchrun, a VAE the adapter declares splittable (``vae_split_decode``) in tiles split over all processes
+    (``encoders.vae.decode_tiles_split``): by default one column strip per process (``use_strips``); another
+    family's on process 0.
 
     With ``cfg_group`` (a process group of 2; ``--cfg_parallel``) process 0 of the group runs the conditional pass
     and process 1 the unconditional one; the two are gathered before guidance, so every process keeps the same
@@ -110,29 +111,30 @@ class VideoSampler:
         self.pre, self.device = pre, d.device
         self.dtype = resolve_precision(cfg.mixed_precision, d.device)
         pipe = pre.pipe
-        # Wan 2.2 A14B: the high-noise expert (``transformer``) runs the steps at t >= boundary_ratio x 1000, the
-        # low-noise one (``transformer_2``) the rest (``WanPipeline.__call__``)
-        # (the denoiser is one of them: the one a fine-tuned Wan 2.2 run trained, --expert)
+        # a pipeline of two experts: the first (``transformer``) runs the steps at t >= the adapter's
+        # expert_boundary x 1000, the second (``transformer_2``) the rest (the family's pipeline __call__)
+        # (the denoiser is one of them: the one a fine-tuned run of such a pipeline trained, --expert)
         self.experts = [denoiser if denoiser.inner is model else _wrap(denoiser, model, pipe)
                         for model in (pipe.transformer, getattr(pipe, "transformer_2", None)) if model is not None]
-        ratio = getattr(pipe.config, "boundary_ratio", None) if len(self.experts) > 1 else None
+        ratio = denoiser.expert_boundary(pipe) if len(self.experts) > 1 else None
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.cache = step_cache(cfg)  # (flag, diffusers cache config) or None
         self.is_main = d.is_main
-        self.vae = VAE(pipe.vae)  # the family's latent normalisation
+        self.vae = VAE(pipe.vae, frame_factor=denoiser.vae_frame_factor,
+                       folds_pixels=denoiser.vae_folds_pixels)  # the family's latent normalisation
         vae = pipe.vae
         self.strips = d.world_size > 1 and cfg.vae_tile is None  # else square tiles, or whole frames
-        wan_vae = type(vae).__name__ == "AutoencoderKLWan"
         if cfg.vae_tile and "tile_sample_stride_height" in inspect.signature(vae.enable_tiling).parameters:
-            # Wan's and LTX-Video's VAEs state the tiles' strides
+            # a VAE that states the tiles' strides
             vae.enable_tiling(tile_sample_min_height=cfg.vae_tile, tile_sample_min_width=cfg.vae_tile,
                               tile_sample_stride_height=cfg.vae_tile * 3 // 4,
                               tile_sample_stride_width=cfg.vae_tile * 3 // 4)
-        elif cfg.vae_tile:  # CogVideoX's VAE states the overlap as a fraction of the tile
+        elif cfg.vae_tile:  # a VAE that states the overlap as a fraction of the tile
             vae.enable_tiling(tile_sample_min_height=cfg.vae_tile, tile_sample_min_width=cfg.vae_tile,
                               tile_overlap_factor_height=0.25, tile_overlap_factor_width=0.25)
-        # the decode split over the processes replays Wan 2.1's tiled_decode (not Wan 2.2 TI2V's patched VAE)
-        split = d.world_size > 1 and wan_vae and getattr(vae.config, "patch_size", None) is None
+        # the decode split over the processes replays the tiled_decode the adapter declares (vae_split_decode), of a
+        # VAE without patch_size
+        split = d.world_size > 1 and denoiser.vae_split_decode and getattr(vae.config, "patch_size", None) is None
         self.decode_group = d.mesh.get_group() if split else None
         self.cfg_group = self.cfg_rank = None
         if cfg.cfg_parallel:
@@ -167,7 +169,7 @@ class VideoSampler:
     def _prepare(self, denoiser, d: Dist, cfg: SampleConfig, mesh) -> None:
         """One expert made fast, in place: dtype, shards, fp8, context parallelism, First Block Cache, compile."""
         transformer = denoiser.inner
-        # found before sharding, which renames the classes (FSDPWanTransformerBlock)
+        # found before sharding, which renames the classes (FSDP<block class>)
         blocks = [m for m in transformer.modules() if type(m).__name__ in denoiser.block_classes]
         denoiser.to(dtype=self.dtype).eval().requires_grad_(False)
         if self.shard:  # before the move: the whole model never is on one GPU
@@ -207,7 +209,7 @@ class VideoSampler:
             from torch._inductor import list_mode_options
 
             mode = "max-autotune-no-cudagraphs" if cfg.compile.startswith("max-autotune") else "default"
-            # static shapes, but HunyuanVideo's text, cropped to each video's own length (trim_padding): dynamic
+            # static shapes, but a masked family's text, cropped to each video's own length (trim_padding): dynamic
             # after its second length (automatic dynamic shapes), where one graph a length would meet dynamo's
             # recompile limit (8) within a prompt file
             options = dict(fullgraph=mesh is None, dynamic=None if denoiser.masked_self_attention else False,
@@ -231,7 +233,7 @@ class VideoSampler:
         pipeline's scheduler. ``cond`` / ``uncond``: the denoiser's text conditioning tensors (batch 1) of the
         prompt and the negative prompt (None: no guidance); ``image_cond``: an image-to-video family's image
         tensors, the same for both passes, or a function of the generator giving them (drawn first). Guidance:
-        ``uncond + guidance (cond - uncond)`` in float32; Wan 2.2's low-noise expert guides with ``guidance_2``
+        ``uncond + guidance (cond - uncond)`` in float32; a second (low-noise) expert guides with ``guidance_2``
         (default ``guidance``)."""
         pipe, device = self.pre.pipe, self.device
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
@@ -240,11 +242,11 @@ class VideoSampler:
             scheduler.set_begin_index(0)
         from diffusers.utils.torch_utils import randn_tensor
 
-        # the noise is drawn, and the scheduler steps, in the pipeline's layout: CogVideoX's frames first, whose
-        # DPM scheduler draws fresh noise of that shape from the same generator at each step
+        # the noise is drawn, and the scheduler steps, in the pipeline's layout: frames first for a frames_first
+        # family, whose DPM scheduler draws fresh noise of that shape from the same generator at each step
         swap = self.experts[0].frames_first
         generator = torch.Generator(device).manual_seed(seed)
-        if callable(image_cond):  # drawn from the generator before the noise (CogVideoX I2V's prepare_latents)
+        if callable(image_cond):  # drawn from the generator before the noise (image_from_generator)
             image_cond = image_cond(generator=generator)
         latents = randn_tensor(_layout(shape, swap), generator=generator, device=device, dtype=torch.float32)
         latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # the DDPM-family schedulers scale it
@@ -252,7 +254,7 @@ class VideoSampler:
         latents = _layout(self.experts[0].start(_layout(latents, swap), given), swap)
         step_args = inspect.signature(scheduler.step).parameters
         extra = {k: v for k, v in (("eta", 0.0), ("generator", generator)) if k in step_args}  # as the pipelines'
-        two_step = "old_pred_original_sample" in step_args  # CogVideoXDPMScheduler: a second-order SDE solver
+        two_step = "old_pred_original_sample" in step_args  # a step taking the last x0 estimate: a 2nd-order SDE solver
         old_x0 = None
         image_cond = {k: v.to(self.dtype) for k, v in given.items()}
         halves = [cond] if uncond is None else [cond, uncond]
@@ -284,7 +286,7 @@ class VideoSampler:
                     pred, pred_uncond = out.chunk(2)
                     scale = guidance_2 if low and guidance_2 is not None else guidance
                     out = pred_uncond + scale * (pred - pred_uncond)
-                if two_step:  # (model output, last x0 estimate, t, the previous t, sample), as CogVideoXPipeline
+                if two_step:  # (model output, last x0 estimate, t, the previous t, sample), as its pipeline
                     latents, old_x0 = scheduler.step(out, old_x0, t, timesteps[i - 1] if i else None, latents,
                                                      return_dict=False, **extra)
                 else:
@@ -307,7 +309,7 @@ class VideoSampler:
                 return decode_tiles_split(vae, z, self.decode_group)
             if not self.is_main:
                 return None
-            # LTX-Video 0.9.1+: a decoder conditioned on the decode timestep, the call's default 0 (its decode
+            # a decoder conditioned on the decode timestep (timestep_conditioning), the call's default 0 (its decode
             # noise, scaled by that timestep, then changes nothing)
             temb = (z.new_zeros(z.shape[0]),) if getattr(vae.config, "timestep_conditioning", False) else ()
             return vae.decode(z, *temb, return_dict=False)[0]
@@ -315,8 +317,8 @@ class VideoSampler:
 
 def _check_quantized_attention(d: Dist, denoiser) -> None:
     """``--quantized_attention``'s one-line refusals: no FP8 GPU (nor Triton's interpreter), a split sequence,
-    heads the kernel does not take. (A family whose attention is masked, HunyuanVideo, takes the kernel while its
-    masks are full, ``trim_padding``; a masked call keeps the exact kernel.)"""
+    heads the kernel does not take. (A family whose attention is masked, ``masked_self_attention``, takes the kernel
+    while its masks are full, ``trim_padding``; a masked call keeps the exact kernel.)"""
     from ditforge.ops.quant_attention import HEAD_DIMS
     from ditforge.ops.triton import interpreting
 
@@ -379,115 +381,6 @@ def _layout(x, swap: bool):
     return x.transpose(1, 2)
 
 
-STRIP_OVERLAP = 64  # pixels two neighbouring strips share and blend: diffusers' default tiles overlap so much
-
-
-def use_strips(vae, shape: tuple[int, ...], parts: int) -> None:
-    """Set ``vae``'s tiling to ``parts`` column strips of the latents ``shape`` (B, C, T', h, w): each strip the full
-    height and ceil(w / parts) latent columns wide plus ``STRIP_OVERLAP`` pixels of its right neighbour, blended
-    by ``tiled_decode`` as its tiles are. Against diffusers' default 256-pixel squares overlapping by a quarter
-    (1.66x the frame's area at 480 x 832 in 15 tiles), strips decode 1.08x (2 parts) or 1.23x (4 parts) of it, so a
-    process's share of the decode shrinks nearly as 1 / parts."""
-    ratio = vae.spatial_compression_ratio
-    h, w = shape[-2:]
-    stride = -(-w // parts)
-    vae.enable_tiling(tile_sample_min_height=h * ratio, tile_sample_stride_height=h * ratio,
-                      tile_sample_min_width=stride * ratio + STRIP_OVERLAP, tile_sample_stride_width=stride * ratio)
-
-
-class _Router(torch.nn.Module):
-    """Stands in for ``vae.decoder`` during ``decode_tiles_split``: each call goes to ``route(decoder, ...)``."""
-
-    def __init__(self, decoder: torch.nn.Module, route):
-        super().__init__()
-        self.decoder, self.route = decoder, route
-
-    def forward(self, x, **kwargs):
-        return self.route(self.decoder, x, **kwargs)
-
-
-@contextlib.contextmanager
-def _routed(vae, route):
-    decoder = vae.decoder
-    vae.decoder = _Router(decoder, route)
-    try:
-        yield
-    finally:
-        vae.decoder = decoder
-
-
-class _Decoded(Exception):
-    """Ends ``tiled_decode`` after a process's last tile: what it would blend is not this process's to return."""
-
-
-def _tile_calls(vae, z: torch.Tensor) -> list[tuple[int, tuple[int, ...]]]:
-    """The decoder calls diffusers' ``tiled_decode`` makes for ``z`` (B, C, T', h, w), in order: (tile index, output
-    shape) for each tile (row by row, the tiles at the strides of ``vae.tile_sample_stride_*``) and each latent
-    frame of it (the first decodes to 1 frame, each other to ``scale_factor_temporal``)."""
-    b, _, frames, h, w = z.shape
-    ratio = vae.spatial_compression_ratio
-    tile_h, tile_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
-    stride_h, stride_w = vae.tile_sample_stride_height // ratio, vae.tile_sample_stride_width // ratio
-    up_t, up_s, channels = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.out_channels
-    calls = []
-    for i in range(0, h, stride_h):
-        for j in range(0, w, stride_w):
-            size = (min(tile_h, h - i) * up_s, min(tile_w, w - j) * up_s)
-            calls += [(len(calls) // frames, (b, channels, 1 if k == 0 else up_t, *size)) for k in range(frames)]
-    return calls
-
-
-def decode_tiles_split(vae, z: torch.Tensor, group) -> torch.Tensor | None:
-    """diffusers' ``AutoencoderKLWan.tiled_decode`` of ``z`` (B, C, T', h, w) with its tiles split over the
-    processes of ``group``, as xDiT's DistVAE and ParaAttention split a VAE decode: tile k (in diffusers' order,
-    row by row) is decoded, all its frames, by process k mod P. Each process runs ``tiled_decode`` up to its last
-    tile, the decoder calls of other processes' tiles answered by zeros of their shape (``_tile_calls``; each
-    decoded shape is checked against it); the decoded calls go to process 0 (point to point), which runs
-    ``tiled_decode`` again with every decoder call answered by its recorded output: the blending, cropping and
-    clamping are diffusers' own, so the result equals the one-process tiled decode (each tile is the same
-    computation). Returns (B, 3, T, H, W) on process 0, None elsewhere.
-
-    The decoder's caches are cleared at each tile by ``tiled_decode`` itself, so skipping another process's tile
-    leaves this process's tiles unchanged. Needs a VAE without ``patch_size`` (Wan 2.1's)."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    calls = _tile_calls(vae, z)
-    owner = [tile % world for tile, _ in calls]
-    last = max((n for n in range(len(calls)) if owner[n] == rank), default=-1)
-    mine, seen = {}, iter(range(len(calls)))
-
-    def split(decoder, x, **kwargs):
-        n = next(seen)
-        if owner[n] != rank:
-            return x.new_zeros(calls[n][1])
-        out = mine[n] = decoder(x, **kwargs)
-        if tuple(out.shape) != calls[n][1]:
-            raise RuntimeError(f"decoder call {n} gave {tuple(out.shape)}, _tile_calls expected {calls[n][1]}")
-        if n == last:
-            raise _Decoded
-        return out
-
-    if last >= 0:
-        with _routed(vae, split), contextlib.suppress(_Decoded):
-            vae.tiled_decode(z, return_dict=False)
-    if rank != 0:
-        if mine:  # a process with no tile (more processes than tiles) sends nothing
-            dist.send(torch.cat([mine[n].flatten() for n in sorted(mine)]), group=group, group_dst=0)
-        return None
-    outputs = dict(mine)
-    for src in range(1, world):
-        theirs = [n for n in range(len(calls)) if owner[n] == src]
-        if not theirs:
-            continue
-        sizes = [int(np.prod(calls[n][1])) for n in theirs]
-        flat = z.new_empty(sum(sizes))
-        dist.recv(flat, group=group, group_src=src)
-        for n, part in zip(theirs, flat.split(sizes)):
-            outputs[n] = part.view(calls[n][1])
-    replay = iter(range(len(calls)))
-    with _routed(vae, lambda decoder, x, **kwargs: outputs[next(replay)]):
-        return vae.tiled_decode(z, return_dict=False)[0]
-
-
 def _video_targets(cfg: SampleConfig, prompts: list[str], d: Dist) -> tuple[Path | None, list[Path], list[int]]:
     """(the one video file ``--out`` names or None, each prompt's file, the prompts still to draw): a folder's
     ``NNN-<prompt slug>.mp4`` files that exist (with their ``.gif`` under ``--gif``) are done already."""
@@ -506,14 +399,14 @@ def _video_targets(cfg: SampleConfig, prompts: list[str], d: Dist) -> tuple[Path
 
 def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser, run=None,
                         image=None) -> np.ndarray:
-    """``ditforge sample`` for a video family (Wan, CogVideoX, LTX-Video, HunyuanVideo): a pipeline folder (``run``
+    """``ditforge sample`` for a video family (the adapter's ``video``): a pipeline folder (``run``
     None) or a fine-tuned run (``run``: its ``RunConfig``, whose frame size and count are the defaults). Each prompt
     is one video of
     ``height`` x ``width`` x ``num_frames`` (defaults: the run's, else the pipeline's, ``pipeline_defaults``),
     drawn by ``VideoSampler`` from the seed ``derive_seed(seed, i)`` for prompt i, guided against
     ``negative_prompt`` (default: the empty prompt, as the pipeline) with ``cfg_scale`` (default: the pipeline's;
-    Wan 2.2's low-noise expert with ``cfg_scale_2``, default the same; a guidance-distilled family, HunyuanVideo,
-    embeds it in its one pass),
+    a second, low-noise expert with ``cfg_scale_2``, default the same; a guidance-distilled family
+    (``embedded_guidance``) embeds it in its one pass),
     ``num_sampling_steps`` steps (default: the pipeline's). ``image`` (a PIL image) is the first frame of an
     image-to-video family.
 
@@ -545,12 +438,12 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     steps = cfg.num_sampling_steps or defaults["num_inference_steps"]
     guidance = cfg.cfg_scale if cfg.cfg_scale is not None else defaults["guidance_scale"]
     if cfg.cfg_scale_2 is not None and getattr(pipe, "transformer_2", None) is None:
-        raise UserError(f"--cfg_scale_2: for Wan 2.2's low-noise expert (transformer_2); {pre.pipeline_class} at "
+        raise UserError(f"--cfg_scale_2: for a pipeline's low-noise expert (transformer_2); {pre.pipeline_class} at "
                         f"{cfg.ckpt} has one transformer")
-    vae = VAE(pipe.vae)
+    vae = VAE(pipe.vae, frame_factor=denoiser.vae_frame_factor, folds_pixels=denoiser.vae_folds_pixels)
     vae.check_frames(frames, f"the VAE of {pre.pipeline_class}")
     patch = denoiser.inner.config.patch_size
-    patch = tuple(patch) if isinstance(patch, (list, tuple)) else (patch,)  # Wan (1, 2, 2), CogVideoX 2
+    patch = tuple(patch) if isinstance(patch, (list, tuple)) else (patch,)  # (p_t, p_h, p_w), or one side
     step = vae.downsample * patch[-1]
     for flag, value in (("--height", height), ("--width", width)):
         if value % step:
@@ -566,11 +459,11 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
         return np.empty(0, dtype=np.uint8)
 
     # Conditioning first, then the text encoders leave the GPU before the transformer is made fast.
-    # the pipelines' do_classifier_free_guidance; a guidance-distilled model (HunyuanVideo) takes the scale as an input
-    # of its one pass instead (its pipeline's true CFG, off by default, is not offered)
+    # the pipelines' do_classifier_free_guidance; a guidance-distilled model (embedded_guidance) takes the scale as an
+    # input of its one pass instead (its pipeline's true CFG, off by default, is not offered)
     guided = guidance > 1.0 and not denoiser.embedded_guidance
     embedded = {"guidance": torch.tensor([guidance * 1000.0])} if denoiser.embedded_guidance else {}
-    seen = {"images": [image]} if denoiser.prompt_sees_image else {}  # HunyuanVideo I2V: Llava reads the image
+    seen = {"images": [image]} if denoiser.prompt_sees_image else {}  # prompt_sees_image: its encoder reads the image
     conds = {i: {**{k: v.cpu() for k, v in pre.encode_prompt([prompts[i]], **seen).items()}, **embedded}
              for i in todo}  # GPU: one at a time
     uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None  # (with a black image)

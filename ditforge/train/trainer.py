@@ -712,16 +712,11 @@ def _build_objective(run: _Run) -> None:
         t.lr = 1e-2
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
-    t_range = (0.0, 1.0)
-    if m.expert is not None:  # Wan 2.2 A14B: the high-noise expert runs sigma >= boundary_ratio, the other below
-        boundary = float(pre.pipe.config.boundary_ratio)
-        t_range = (boundary, 1.0) if m.expert == "high_noise" else (0.0, boundary)
+    # the family's part (an expert's side of the schedule, given frames, the sequence a dynamic shift follows)
+    family = pre.denoiser.objective_args(pre.pipe, m.expert, m.num_frames, m.input_size) if pre is not None else {}
     diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
-                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std, t_range=t_range,
-                                 given_frames=pre.denoiser.given_frames if pre is not None else 0,
-                                 where=f"--init_from {m.init_from}", device=run.d.device,
-                                 seq_len=m.num_frames * m.input_size**2 if pre is not None and pre.denoiser.video
-                                 else None)  # LTX's shift follows the latent frames x height x width
+                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
+                                 where=f"--init_from {m.init_from}", device=run.d.device, **family)
     m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
     if m.objective == "flow":
         m.flow_shift = diffusion.shift

@@ -88,7 +88,8 @@ def _strips_reference(folder: Path, parts: int) -> np.ndarray:
     from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.parallel.mesh import Dist
     from ditforge.sample.load import SampleConfig
-    from ditforge.sample.video import VideoSampler, use_strips
+    from ditforge.encoders.vae import use_strips
+    from ditforge.sample.video import VideoSampler
 
     pre = load_pretrained(folder, torch.device("cpu"), flag="--ckpt", sampling=True)
     sampler = VideoSampler(pre, pre.denoiser.eval(), Dist(), SampleConfig(ckpt=str(folder)))
@@ -278,7 +279,7 @@ def ltx_one(ltx_folders, tmp_path_factory) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("kind", ["t2v", "i2v"])
 def test_ltx_video_split_over_two_processes_equals_one(kind, ltx_one, two_processes):
-    """LTX-Video with ``--sequence_parallel_size 2`` (``parallel.context.whole_text_plan``: the 192 packed video
+    """LTX-Video with ``--sequence_parallel_size 2`` (``models.adapters.ltx.whole_text_plan``: the 192 packed video
     tokens of 9 frames split, 96 a process, with the image-to-video model's per-token timesteps; the masked caption
     whole on both, each cross-attention local) writes the one-process video, to one uint8 level. diffusers' own plan
     split the text and failed on the cross-attention mask's shape."""
@@ -330,7 +331,8 @@ def _joint_text_worker(rank: int, port: int, family: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ditforge.models.adapters.dispatch import unmask_full_attention
-    from ditforge.parallel.context import joint_text_plan, split_tokens
+    from ditforge.models.adapters.hunyuan import joint_text_plan
+    from ditforge.parallel.context import split_tokens
 
     with gloo_dp(rank, port, 2) as d:
         model, adapter, inputs = _joint_model(family)

@@ -182,4 +182,23 @@ def test_pixel_channels_of_patchifying_video_vaes():
     ltx = AutoencoderKLLTXVideo(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
                                 decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
                                 decoder_layers_per_block=(1, 1, 1, 1, 1), patch_size=4, patch_size_t=1)
-    assert VAE(wan22).in_channels == VAE(ltx).in_channels == 3
+    assert (VAE(wan22, frame_factor=1, folds_pixels=True).in_channels
+            == VAE(ltx, frame_factor=1, folds_pixels=False).in_channels == 3)
+
+
+def test_a_family_rule_left_out_is_refused():
+    """The VAE is told the family's frame rule and pixel folding (its adapter's ``vae_frame_factor`` /
+    ``vae_folds_pixels``): a 3-D VAE without ``frame_factor``, or one with ``patch_size`` without ``folds_pixels``, is a
+    TypeError naming the class and the missing argument, never a guess; given, the rule is ``frame_factor x temporal``."""
+    from diffusers import AutoencoderKLLTXVideo
+
+    ltx = AutoencoderKLLTXVideo(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+                                decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                                decoder_layers_per_block=(1, 1, 1, 1, 1), patch_size=4, patch_size_t=1)
+    with pytest.raises(TypeError, match="AutoencoderKLLTXVideo.*frame_factor"):
+        VAE(ltx, folds_pixels=False)
+    with pytest.raises(TypeError, match="AutoencoderKLLTXVideo.*folds_pixels"):
+        VAE(ltx, frame_factor=1)
+    vae = VAE(ltx, frame_factor=2, folds_pixels=False)
+    assert vae.frame_step == 2 * vae.temporal and vae.valid_frames(2 * vae.temporal + 1)
+    assert not vae.valid_frames(vae.temporal + 1)

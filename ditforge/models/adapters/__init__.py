@@ -51,9 +51,23 @@ class DiffusersDenoiser(nn.Module):
             LTX-Video I2V).
         context_parallel: where each sample's tokens may be split over processes (``parallel.context``):
             ``"sample"`` and / or ``"train"`` (every video family: both); empty: neither (the image families).
-        cp_plan: which context-parallel plan splits them (``parallel.context.split_tokens``): None, the model's own
-            ``_cp_plan`` (Wan); ``"joint_text"`` (HunyuanVideo), ``"text_first"`` (CogVideoX) or ``"whole_text"``
-            (LTX-Video), ditforge's.
+        cp_plan: the context-parallel plan that splits them (``parallel.context.split_tokens``): None, the model's
+            own ``_cp_plan`` (diffusers' plan); else a function of no arguments returning ditforge's plan (a dict of
+            diffusers' ``ContextParallelInput`` / ``ContextParallelOutput``), which keeps the text whole on every
+            process and runs Ulysses alone.
+        cp_text: how the attention of ditforge's plan treats the whole text (``parallel.context.split_tokens``):
+            None (the model's own plan); ``"joint"``: one attention over [video tokens; text tokens];
+            ``"joint_text_first"``: over [text tokens; video tokens]; ``"cross"``: cross-attention over the whole
+            text on every process, no exchange.
+        attention_calls_sdpa: the transformer's attention processors call PyTorch's SDPA directly, not diffusers'
+            dispatcher: ``parallel.context`` catches the joint attention there (``dispatch.intercept_sdpa``).
+        vae_frame_factor: the VAE's frame rule: a valid clip has (vae_frame_factor x the VAE's temporal factor) k + 1
+            frames (``encoders.VAE``'s ``frame_factor``): 1, or 2 for a decoder that doubles the latent frames twice,
+            keeping the first apart only when their count is odd.
+        vae_folds_pixels: the VAE's config states its input channels after folding ``patch_size`` x ``patch_size``
+            pixels into them (``encoders.VAE``'s ``folds_pixels``).
+        vae_split_decode: the VAE's ``tiled_decode`` is the one ``encoders.vae.decode_tiles_split`` replays with its
+            tiles split over the processes (a VAE without ``patch_size``); False: each process decodes whole.
         embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
             (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
@@ -82,7 +96,12 @@ class DiffusersDenoiser(nn.Module):
     image_from_generator = False
     embedded_guidance = False
     context_parallel: tuple[str, ...] = ()
-    cp_plan: str | None = None
+    cp_plan: Any = None  # None, or a function of no arguments returning a plan (a staticmethod)
+    cp_text: str | None = None
+    attention_calls_sdpa = False
+    vae_frame_factor = 1
+    vae_folds_pixels = False
+    vae_split_decode = False
     # every self-attention call carries a mask: sampling crops the padding it hides (trim_padding) and, with the
     # masks then full, drops them (dispatch.unmask_full_attention), so the fast and 8-bit kernels take the calls
     masked_self_attention = False
@@ -137,6 +156,38 @@ class DiffusersDenoiser(nn.Module):
     def attach_pipeline(self, pipe: Any) -> None:
         """Reads what the family's call needs from its loaded pipeline (LTX-Video: the VAE's temporal factor and the
         call's frame rate); nothing for the others."""
+
+    @staticmethod
+    def split_hooks(transformer: nn.Module, group) -> None:
+        """Context parallelism (``parallel.context.split_tokens``): the hooks the family's transformer needs once its
+        video tokens are split in order over the process ``group`` (HunyuanVideo I2V's token_replace blocks,
+        ``hunyuan.first_frame_tokens``); nothing for the others."""
+
+    @staticmethod
+    def expert_boundary(pipe: Any) -> float | None:
+        """A pipeline of two experts (Wan 2.2 A14B): the boundary b in (0, 1) of its config; the first expert
+        (``transformer``) runs sigma >= b (timesteps at and above b x 1000), the second (``transformer_2``) below.
+        None for a family of one expert."""
+        return None
+
+    def objective_args(self, pipe: Any, expert: str | None, latent_frames: int, latent_size: int) -> dict:
+        """What the family gives ``diffusion.create_objective`` besides the scheduler config: ``t_range`` (one
+        expert's side of ``expert_boundary``, else (0, 1)), ``given_frames`` (the first latent frames given clean) and
+        ``seq_len`` (a video family's latent frames x height x width, which a dynamically shifting scheduler's shift
+        follows; None for images).
+
+        Raises:
+            TypeError: ``expert`` for a family whose ``expert_boundary`` is None.
+        """
+        t_range = (0.0, 1.0)
+        if expert is not None:
+            boundary = self.expert_boundary(pipe)
+            if boundary is None:
+                raise TypeError(f"{type(self).__name__}.expert_boundary: None, and --expert {expert} was given")
+            boundary = float(boundary)
+            t_range = (boundary, 1.0) if expert == "high_noise" else (0.0, boundary)
+        return {"t_range": t_range, "given_frames": self.given_frames,
+                "seq_len": latent_frames * latent_size**2 if self.video else None}
 
     @staticmethod
     def timestep_kwargs(pipe: Any, latent_shape: tuple[int, ...], steps: int) -> dict:

@@ -1,7 +1,9 @@
 """CogVideoX 1.0 text-to-video (2B and 5B): diffusers' ``CogVideoXTransformer3DModel`` (an MM-DiT over 2 x 2
 patches of the causal 3-D VAE's latents, its video tokens attending jointly with 226 T5 tokens) trained as a
 v-prediction DDPM whose scaled-linear ``alphas_cumprod`` are SNR-shifted and rescaled to zero terminal SNR
-(``CogVideoXDDIMScheduler`` / ``CogVideoXDPMScheduler``; ``ditforge.diffusion.objective``). Sources of the calls below:
+(``CogVideoXDDIMScheduler`` / ``CogVideoXDPMScheduler``; ``ditforge.diffusion.objective``: the config's
+``snr_shift_scale``, 3.0 for the 2B model and 1.0 for the 5B, is ``CogVideoXDDIMScheduler.__init__``'s SNR shift,
+``shift_and_rescale``). Sources of the calls below:
 diffusers' ``pipelines/cogvideo/pipeline_cogvideox.py`` (``CogVideoXPipeline.__call__``, ``encode_prompt`` and
 ``_prepare_rotary_positional_embeddings``)."""
 
@@ -12,6 +14,20 @@ from types import SimpleNamespace
 import torch
 
 from ditforge.models.adapters import DiffusersDenoiser, call_default
+
+
+def text_first_plan() -> dict:
+    """A context-parallel plan for CogVideoX 1.0's transformer, whose blocks take the video tokens and the text apart
+    and attend over [text; video]: the video tokens split at the first block's input, the rotary tables
+    (``image_rotary_emb``, (cos, sin) of (N, D), the 5B model's) at the transformer's input, the output gathered at
+    ``proj_out``; the text whole on every process. (The 2B model's learned positions are added before the split.)"""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    table = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
+    return {"": {"image_rotary_emb": [table, table]},
+            "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3,
+                                                                           split_output=False)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
 
 
 class CogVideoXDenoiser(DiffusersDenoiser):
@@ -35,7 +51,13 @@ class CogVideoXDenoiser(DiffusersDenoiser):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
     context_parallel = ("sample", "train")
-    cp_plan = "text_first"  # parallel.context: the video tokens split, the text whole on each process
+    cp_plan = staticmethod(text_first_plan)  # parallel.context: the video tokens split, the text whole
+    cp_text = "joint_text_first"  # [text; video]
+    attention_calls_sdpa = True  # its attention processor calls PyTorch's SDPA itself, not diffusers' dispatcher
+    # its decoder doubles the latent frames twice, keeping the first apart only when their count is odd
+    # (1 + 2 (T' - 1)), so only an odd T' decodes back to 4 (T' - 1) + 1 frames: clips of 8k + 1 frames
+    # (49 -> 13 -> 49; 5 -> 2 -> 8)
+    vae_frame_factor = 2
 
     def __init__(self, model, vae_scale: int = 8):
         super().__init__(model, vae_scale)

@@ -10,10 +10,41 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default, with_first_frame
 
 TRAIN_GUIDANCE = 1.0  # the embedded guidance scale fine-tuning runs at (finetrainers, musubi-tuner, diffusion-pipe)
+
+
+def joint_text_plan() -> dict:
+    """A context-parallel plan (diffusers' ``ContextParallelInput`` / ``Output``) for HunyuanVideo's transformer:
+    the video tokens split at the first double-stream block's input and the RoPE tables (cos, sin; (N, D)) with
+    them, gathered at ``proj_out``; the text stays whole on every process (its token refiner, and the text stream of
+    every block)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    table = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+    return {"rope": {0: table, 1: table},
+            "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3,
+                                                                           split_output=False)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+
+
+def first_frame_tokens(transformer: nn.Module, group) -> None:
+    """HunyuanVideo-I2V's token_replace blocks modulate the first ``num_tokens`` video tokens (the first latent
+    frame's) at timestep 0, the rest at t (their 7th argument, which the transformer passes by position). With the
+    video tokens split in order, this process's slice [r S, (r + 1) S) holds min(max(num_tokens - r S, 0), S) of
+    them, first: a forward pre-hook on every block passes that count instead."""
+    rank = dist.get_rank(group)
+
+    def local(module, args):
+        held = args[0].shape[1]
+        return (*args[:6], min(max(args[6] - rank * held, 0), held), *args[7:])
+
+    for block in (*transformer.transformer_blocks, *transformer.single_transformer_blocks):
+        block.register_forward_pre_hook(local)
 
 
 class HunyuanVideoDenoiser(DiffusersDenoiser):
@@ -36,8 +67,14 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
     # the transformer attends over the video and text tokens jointly under the text's padding mask, in every block
     masked_self_attention = True
     context_parallel = ("sample", "train")
-    cp_plan = "joint_text"  # parallel.context: the video tokens split, the text whole on each process
+    cp_plan = staticmethod(joint_text_plan)  # parallel.context: the video tokens split, the text whole
+    cp_text = "joint"  # [video; text], at diffusers' dispatcher
     fps = 24  # HunyuanVideo is trained on (and exports) 24 fps clips
+
+    @staticmethod
+    def split_hooks(transformer, group):
+        if getattr(transformer.config, "image_condition_type", None) == "token_replace":
+            first_frame_tokens(transformer, group)
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask",
                        "pooled_projections": "pooled_prompt_embeds"}

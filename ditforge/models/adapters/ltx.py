@@ -3,7 +3,9 @@ VAE that compresses 32 x 32 x 8 pixels into one 128-channel latent, cross-attend
 mask) trained with flow matching, its shift following the video's latent size (the scheduler's dynamic shifting;
 ``ditforge.diffusion.objective``). Sources of the calls below: diffusers' ``pipelines/ltx/pipeline_ltx.py``
 (``LTXPipeline.__call__``, ``encode_prompt``, ``_pack_latents`` / ``_unpack_latents``) and
-``pipelines/ltx/pipeline_ltx_image2video.py`` (``LTXImageToVideoPipeline.__call__`` and ``prepare_latents``)."""
+``pipelines/ltx/pipeline_ltx_image2video.py`` (``LTXImageToVideoPipeline.__call__`` and ``prepare_latents``). Its VAE's
+per-channel statistics are buffers, with the config's scaling factor on top (``pipeline_ltx.py``'s
+``_normalize_latents``: (z - mean) x scaling_factor / std; ``encoders.VAE`` reads them)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,21 @@ import numpy as np
 import torch
 
 from ditforge.models.adapters import DiffusersDenoiser, call_default, give_first_frame
+
+
+def whole_text_plan() -> dict:
+    """LTX-Video's own ``_cp_plan`` without its split of the text (``encoder_hidden_states`` and its mask): the
+    packed video tokens (B, N, C), a per-token timestep (B, N) (image-to-video) and the RoPE tables (B, N, D) split,
+    the output gathered at ``proj_out``. diffusers' split of the text left each process a slice of the cross-attention
+    mask that its Ulysses did not gather (it failed on the mask's shape); with the text whole, the cross-attention
+    needs no exchange (``split_tokens``)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    table = ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)
+    return {"": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
+                 "timestep": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)},
+            "rope": {0: table, 1: table},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
 
 
 class LTXDenoiser(DiffusersDenoiser):
@@ -31,7 +48,8 @@ class LTXDenoiser(DiffusersDenoiser):
     video = True
     fps = 25  # LTX-Video is trained on (and exports) 25 fps clips
     context_parallel = ("sample", "train")
-    cp_plan = "whole_text"  # parallel.context: the video tokens split, the (masked) text whole on each process
+    cp_plan = staticmethod(whole_text_plan)  # parallel.context: the video tokens split, the (masked) text whole
+    cp_text = "cross"  # each cross-attention over the whole text on every process
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask"}
 

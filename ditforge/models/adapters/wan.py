@@ -3,7 +3,13 @@ causal video VAE's latents, cross-attending to UMT5 states, and for image-to-vid
 trained with flow matching (its ``UniPCMultistepScheduler`` runs on flow sigmas with ``flow_shift``;
 ``ditforge.diffusion.objective``). Sources of the calls below: diffusers' ``pipelines/wan/pipeline_wan.py``
 (``WanPipeline.__call__`` and ``encode_prompt``) and ``pipelines/wan/pipeline_wan_i2v.py``
-(``WanImageToVideoPipeline.__call__``, ``prepare_latents`` and ``encode_image``)."""
+(``WanImageToVideoPipeline.__call__``, ``prepare_latents`` and ``encode_image``).
+
+The VAE, ``AutoencoderKLWan`` (``encoders.VAE``), takes clips of 4k + 1 frames (``pipeline_wan.py``'s rule,
+``num_frames % 4 == 1``) and normalises each latent channel by its config's ``latents_mean`` / ``latents_std``: the
+tensors ``pipeline_wan.py`` builds to un-normalise, ``latents / (1 / latents_std) + latents_mean``. Its
+``tiled_decode`` is the one ``encoders.vae.decode_tiles_split`` replays over the processes (Wan 2.1's, without
+``patch_size``)."""
 
 from __future__ import annotations
 
@@ -36,6 +42,13 @@ class WanDenoiser(DiffusersDenoiser):
     # LoRA on the self- and cross-attention projections (finetrainers' default for Wan)
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
+
+    vae_split_decode = True  # AutoencoderKLWan.tiled_decode, when its VAE has no patch_size (Wan 2.1's)
+    vae_folds_pixels = True  # Wan 2.2's VAE states in_channels after folding its patch_size^2 pixels (12 = 3 x 2 x 2)
+
+    @staticmethod
+    def expert_boundary(pipe):
+        return getattr(pipe.config, "boundary_ratio", None)
 
     @staticmethod
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
