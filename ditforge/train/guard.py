@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ditforge.errors import RunError, UserError
+from ditforge.optim.skip import LateFlag
 from ditforge.parallel.mesh import Dist
-from ditforge.parallel.optim import LateFlag
 
 log = logging.getLogger(__name__)
 

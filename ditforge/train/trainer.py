@@ -52,10 +52,13 @@ from ditforge.ops.attention import whole_sequences
 from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel import (clip_coefficient, clip_grad_norm_, gradient_sync, init_sharded, parallelize,
                                resolve_plugin, unwrap)
+from ditforge.optim import build_optimizer
+from ditforge.optim.backward import StepInBackward
+from ditforge.optim.library import set_lr
+from ditforge.optim.placement import cap_gpu_memory, keep_states_within, out_of_memory, plan_placement
+from ditforge.optim.skip import settle_skip, step_skipping_on_device
 from ditforge.parallel.context import refuse_unsplittable
 from ditforge.parallel.ema import EMA
-from ditforge.parallel.optim import (StepInBackward, build_optimizer, cap_gpu_memory, keep_states_within,
-                                     out_of_memory, plan_placement, set_lr, settle_skip, step_skipping_on_device)
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune

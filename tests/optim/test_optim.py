@@ -1,6 +1,6 @@
-"""Optimizer modes (``ditforge.parallel.optim``) against independent references, after 5 steps of fresh random
+"""Optimizer modes (``ditforge.optim``) against independent references, after 5 steps of fresh random
 gradients with weight decay. These test the libraries' path (``fused=False``, torch's and bitsandbytes' kernels);
-tests/parallel/test_fused_adamw.py tests the one-pass Triton step against the same kinds of references:
+tests/optim/test_fused_adamw.py tests the one-pass Triton step against the same kinds of references:
 
   * fp32 moments over fp32 weights: ``torch.optim.AdamW`` (bit-exact: the same kernel);
   * 8-bit moments over fp32 weights: ``bitsandbytes.optim.AdamW8bit`` (bit-exact: the same kernel), and plain AdamW
@@ -31,7 +31,10 @@ import pytest
 import torch
 
 from ditforge.errors import UserError
-from ditforge.parallel.optim import CompensatedAdamW, StepInBackward, library_optimizer, plan_placement, set_lr
+from ditforge.optim.backward import StepInBackward
+from ditforge.optim.compensated import CompensatedAdamW
+from ditforge.optim.library import library_optimizer, set_lr
+from ditforge.optim.placement import plan_placement
 from adamw_drift import fp32_adamw_drift
 
 pytestmark = pytest.mark.usefixtures("one_thread")
