@@ -387,7 +387,7 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
         pytest.importorskip("bitsandbytes")
     if "adamw4bit" in mode or "adamw_fp8" in mode:
         pytest.importorskip("torchao")
-    from ditforge.train import checkpoint as ckpt_io
+    from ditforge.weights import read as weights_io
     from ditforge.train.logging import read_metrics
 
     extra = ("--mixed_precision", "bf16", *mode)
@@ -397,13 +397,13 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     ra, rb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")
     assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
     for use_ema in (False, True):
-        wa = ckpt_weights(ckpt_io.list_checkpoints(a)[-1], use_ema=use_ema)
-        wb = ckpt_weights(ckpt_io.list_checkpoints(b)[-1], use_ema=use_ema)
+        wa = ckpt_weights(weights_io.list_checkpoints(a)[-1], use_ema=use_ema)
+        wb = ckpt_weights(weights_io.list_checkpoints(b)[-1], use_ema=use_ema)
         assert wa.keys() == wb.keys()
         for k in wa:
             torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=0, msg=k)
     if "--ema_decay" in mode:  # no EMA: the weights are stored as the EMA
-        w, e = (ckpt_weights(ckpt_io.list_checkpoints(a)[-1], use_ema=u) for u in (False, True))
+        w, e = (ckpt_weights(weights_io.list_checkpoints(a)[-1], use_ema=u) for u in (False, True))
         for k in w:
             torch.testing.assert_close(e[k], w[k], rtol=0, atol=0)
 
