@@ -1,6 +1,8 @@
 """Pipeline folders of the adapted families, loaded offline: ``read_model_index`` checks a folder (one line naming
 the missing file), ``load_pretrained`` loads it with the family's diffusers pipeline class and wraps its denoiser in
-the family's adapter; ``Pretrained`` holds the result (the pipeline's text encoders and VAE encode the data)."""
+the family's adapter; ``Pretrained`` holds the result (the pipeline's text encoders and VAE encode the data).
+``generate_with_pipeline`` samples with the family's own pipeline around a (fine-tuned) denoiser, for ``ditforge
+sample`` and for training's sample grids."""
 
 from __future__ import annotations
 
