@@ -110,7 +110,7 @@ def sweep(args) -> None:
 
     from ditforge.config import build_config
     from ditforge.sample import SampleConfig, sample
-    from ditforge.train.checkpoint import list_checkpoints
+    from ditforge.weights.read import list_checkpoints
     from ditforge.train.trainer import train
 
     logging.basicConfig(level=logging.WARNING)

@@ -551,6 +551,7 @@ def profile_row(model_name: str, name: str, pipe: Path, feats: Path, batch: int,
     from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.train import finetune
     from ditforge.train.trainer import step_randomness, train_step
+    from ditforge.weights.lora import add_lora_to_denoiser
 
     row = row_flags(model_name, name)
 
@@ -568,7 +569,7 @@ def profile_row(model_name: str, name: str, pipe: Path, feats: Path, batch: int,
     ds = build_dataset(str(feats), None)
     model = pre.denoiser.train()
     if cfg.model.lora_rank:
-        finetune.add_lora_to_denoiser(model, cfg)
+        add_lora_to_denoiser(model, cfg)
         if "--fp8_base" in row:
             finetune.store_base_in_fp8(model, torch.bfloat16, "none")
         for p in model.parameters():

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from ditforge.models import create_model
 from ditforge.parallel import clip_coefficient, squared_norm
 from ditforge.parallel.ema import EMA, local_shard
-from ditforge.parallel.optim import CompensatedAdamW
+from ditforge.optim.compensated import CompensatedAdamW
 
 ROWS = [  # name, weights dtype, states, ema
     ("fp32 + EMA", torch.float32, "fp32", True),

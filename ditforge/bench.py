@@ -76,7 +76,9 @@ from ditforge.parallel import fp8_unavailable, parallelize
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
 from ditforge.ops.fused_adamw import on_gpu_with_triton
-from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory, state_bytes
+from ditforge.optim import build_optimizer
+from ditforge.optim.backward import StepInBackward
+from ditforge.optim.placement import cap_gpu_memory, state_bytes
 from ditforge.train.trainer import step_randomness, train_step
 
 log = logging.getLogger(__name__)

@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         if command == "train":
             from ditforge.train.trainer import train
 
-            from ditforge.train.checkpoint import find_resume, read_meta
+            from ditforge.train.checkpoint import find_resume
+            from ditforge.weights.read import read_meta
 
             config_file = args.pop("config", None)
             # Resuming continues the saved run: its settings are the base; a file and flags still override.

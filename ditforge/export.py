@@ -12,16 +12,25 @@ from pathlib import Path
 
 import torch
 
-from ditforge.atomic import atomic_dir
+from ditforge.atomic import atomic_dir, atomic_path
 from ditforge.errors import UserError
 from ditforge.interop import PIPELINE_NULL_LABEL, SPEC_FILE, ddim_scheduler_config, official_to_diffusers
 from ditforge.models.adapters import DiffusersDenoiser
 from ditforge.models.adapters.pipeline import Pretrained, read_model_index
 from ditforge.sample import load_model
-from ditforge.train.checkpoint import export_safetensors, load_weights
-from ditforge.train.finetune import TEXT_LORA_TARGETS, load_finetuned, lora_config, lora_state_dict, merge_lora
+from ditforge.weights.finetuned import load_finetuned
+from ditforge.weights.lora import TEXT_LORA_TARGETS, lora_config, lora_state_dict, merge_lora
+from ditforge.weights.read import load_weights
 
 log = logging.getLogger(__name__)
+
+
+def export_safetensors(state: dict[str, torch.Tensor], config: dict | None, out: Path) -> None:
+    """Write one consolidated safetensors file (the run config in its metadata), atomically."""
+    from safetensors.torch import save_file
+
+    with atomic_path(out) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"config": json.dumps(config)})
 
 
 def export(ckpt: str, out: str, fmt: str = "safetensors", use_ema: bool = True, vae: str | None = None) -> Path:

@@ -31,7 +31,7 @@ def tiny_train_argv(outputs: Path | str, *extra: str) -> list[str]:
 
 def pytest_configure(config):
     # DCP warns whenever it saves or loads without a process group, which is how one process does it on purpose;
-    # ditforge.train.checkpoint silences it, but pytest re-installs the warning filters for every test.
+    # ditforge.weights.read silences it, but pytest re-installs the warning filters for every test.
     config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled:UserWarning")
     # A pytest-xdist worker (the README's `-n 2`) shares the cores with the other worker: one intra-op thread, so
     # that the two do not spin OpenMP threads against each other (see _single_thread).
@@ -130,7 +130,7 @@ def plain_weights(ckpt: Path, use_ema: bool = True, model: str = "DiT-T/2", inpu
     """A checkpoint's full EMA (or raw) weights in create_model's state-dict layout (digits: 1 channel, 10
     classes)."""
     from ditforge.models import create_model
-    from ditforge.train.checkpoint import read_checkpoint_weights
+    from ditforge.weights.read import read_checkpoint_weights
 
     return read_checkpoint_weights(ckpt, create_model(model, input_size, 1, 10).state_dict(), use_ema)
 

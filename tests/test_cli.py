@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ditforge import cli
-from ditforge.train.checkpoint import SafeFileSystemReader, list_checkpoints
+from ditforge.weights.read import SafeFileSystemReader, list_checkpoints
 from ditforge.train.logging import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -156,7 +156,7 @@ def test_refuses_text_models_and_missing_vae(tmp_path, vae_dir):
 
 def test_cli_export_diffusers(tmp_path, vae_dir):
     from ditforge.cli import main
-    from ditforge.train.checkpoint import export_safetensors
+    from ditforge.export import export_safetensors
 
     model = _random_dit(seed=2)
     ckpt = tmp_path / "m.safetensors"

@@ -1,4 +1,4 @@
-"""Third-party import noise (ditforge.quiet): importing torchao and bitsandbytes, directly as ``parallel.optim`` and
+"""Third-party import noise (ditforge.quiet): importing torchao and bitsandbytes, directly as ``ditforge.optim`` and
 ``parallel.parallelize`` do or through diffusers, prints nothing once ditforge is imported; the filters drop only
 those records, and every other record of the same loggers still shows."""
 

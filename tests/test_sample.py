@@ -19,7 +19,7 @@ from ditforge import cli
 from ditforge.errors import UserError
 from ditforge.models import create_model
 from ditforge.sample import load_model
-from ditforge.train.checkpoint import SafeFileSystemReader, read_checkpoint_weights
+from ditforge.weights.read import SafeFileSystemReader, read_checkpoint_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,7 +21,7 @@ from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate
 from ditforge.sample import loops
 from ditforge.models import create_model
-from ditforge.train.checkpoint import export_safetensors
+from ditforge.export import export_safetensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

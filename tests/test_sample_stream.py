@@ -17,7 +17,7 @@ from PIL import Image
 from ditforge import cli
 from ditforge.models import create_model
 from ditforge.sample.write import slug
-from ditforge.train.checkpoint import export_safetensors
+from ditforge.export import export_safetensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,7 +23,7 @@ from ditforge.encoders.vae import load_vae
 from ditforge.models import create_model
 from ditforge.sample import load_model
 from ditforge.sample.write import slug
-from ditforge.train.checkpoint import export_safetensors
+from ditforge.export import export_safetensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -171,7 +171,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         f"load with its checkpoint); {cfg.ckpt} is none")
     state, spec = read_spec(cfg.ckpt, cfg.use_ema)
     if spec.get("family"):
-        from ditforge.train.finetune import load_finetuned
+        from ditforge.weights.finetuned import load_finetuned
 
         return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema,
                                                                 denoiser_device=host))

@@ -12,7 +12,7 @@ from ditforge.config import resolve_precision
 from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
 from ditforge.errors import UserError
 from ditforge.models import create_model_from_spec, infer_dit_config, is_video_model
-from ditforge.train.checkpoint import load_weights, read_checkpoint_weights
+from ditforge.weights.read import load_weights, read_checkpoint_weights
 
 
 # Keys of a run config's "model" section that older configs lack, and what they meant then.
@@ -107,7 +107,7 @@ def build_model(ckpt: str, state: dict | Path, spec: dict, use_ema: bool,
     model = create_model_from_spec(spec)
     config = spec.get("run_config") or {}
     if config.get("model", {}).get("lora_rank"):  # a DiT LoRA run: its base weights come from its --init_from
-        from ditforge.train.finetune import load_dit_lora
+        from ditforge.weights.finetuned import load_dit_lora
 
         return load_dit_lora(model, config, state, use_ema).eval()
     own = model.state_dict()

@@ -323,7 +323,7 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
             image-to-video pipeline or given to another; ``sample_video_family``'s.
     """
     from ditforge.sample.video import pipeline_defaults, sample_video_family
-    from ditforge.train.finetune import generate_with_pipeline
+    from ditforge.models.adapters.pipeline import generate_with_pipeline
 
     if not prompts:
         raise UserError(f"--prompt: {cfg.ckpt} is a text-to-{'video' if denoiser.video else 'image'} pipeline; give "

@@ -481,7 +481,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
         torch.cuda.empty_cache()
 
     if run is not None and run.model.lora_rank:  # the adapters folded into the weights: plain layers for fp8
-        from ditforge.train.finetune import merge_lora  # (whose float8 weights peft's LoRA input cast would take)
+        from ditforge.weights.lora import merge_lora  # (whose float8 weights peft's LoRA input cast would take)
 
         merge_lora(denoiser)
     sampler = VideoSampler(pre, denoiser, d, cfg)

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ditforge.errors import RunError, UserError
+from ditforge.optim.skip import LateFlag
 from ditforge.parallel.mesh import Dist
-from ditforge.parallel.optim import LateFlag
+from ditforge.weights.read import rank_failures
 
 log = logging.getLogger(__name__)
 
@@ -314,12 +315,6 @@ def all_finite(tensors: list[torch.Tensor], d: Dist) -> bool:
 # "... file write failed" (writing to a path).
 _ZIP_WRITE_FAILED = re.compile(r"unexpected pos \d+ vs \d+|file write failed")
 NEARLY_FULL = 1 << 20  # bytes: a file system with less free is out of space (a failed write leaves ~0)
-
-
-def rank_failures(e: CheckpointException) -> list[BaseException]:
-    """The exceptions DCP collected from the ranks; each arrives as (exception, traceback frames) or as a
-    wrapper holding ``.exception``."""
-    return [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in e.failures.values()]
 
 
 def free_bytes(folder: Path) -> int:

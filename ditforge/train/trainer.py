@@ -53,10 +53,13 @@ from ditforge.ops.attention import whole_sequences
 from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel import (clip_coefficient, clip_grad_norm_, gradient_sync, init_sharded, parallelize,
                                resolve_plugin, unwrap)
+from ditforge.optim import build_optimizer
+from ditforge.optim.backward import StepInBackward
+from ditforge.optim.library import set_lr
+from ditforge.optim.placement import cap_gpu_memory, keep_states_within, out_of_memory, plan_placement
+from ditforge.optim.skip import settle_skip, step_skipping_on_device
 from ditforge.parallel.context import refuse_unsplittable
 from ditforge.parallel.ema import EMA
-from ditforge.parallel.optim import (StepInBackward, build_optimizer, cap_gpu_memory, keep_states_within,
-                                     out_of_memory, plan_placement, set_lr, settle_skip, step_skipping_on_device)
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -64,6 +67,9 @@ from ditforge.train.mixed import check_bucket_tokens, chunk, mixed_step_inputs
 from ditforge.train.randomness import StepRandomness
 from ditforge.train.guard import LossSpikeGuard, NonfiniteGuard, all_finite, claim_run_folder, disk_errors
 from ditforge.train.logging import MetricsLog, Tracker
+from ditforge.weights import read as weights_io
+from ditforge.weights.finetuned import dit_init_weights, load_dit_weights, read_dit_init
+from ditforge.weights.lora import add_lora_to_denoiser, train_text_encoder
 
 log = logging.getLogger(__name__)
 DEFAULT_MODELS = {False: "DiT-T/2", True: "vDiT-T/244"}  # by video data
@@ -316,7 +322,7 @@ def _intact_resume(found: Path | None, resume: str | None, run_dir: Path, d: Dis
             if resume == "auto":
                 answer[0] = ckpt_io.newest_intact(run_dir)
             else:
-                ckpt_io.check_intact(found, "--resume")
+                weights_io.check_intact(found, "--resume")
         except UserError as e:
             answer[1] = str(e)
     if d.mesh is not None:
@@ -409,7 +415,7 @@ class _Run:
     # --init_from (_load_init)
     features: dict | None = None  # the manifest of a features folder --data
     pre: Pretrained | None = None  # a pretrained pipeline of a diffusers family
-    dit_init: tuple | None = None  # DiT weights and their model settings (finetune.read_dit_init)
+    dit_init: tuple | None = None  # DiT weights and their model settings (read_dit_init)
     # data (_build_data)
     dataset: object = None
     video: bool = False
@@ -555,7 +561,7 @@ class _Run:
 
 
 def _last_checkpoint(run_dir: Path) -> Path | None:
-    found = ckpt_io.list_checkpoints(run_dir)
+    found = weights_io.list_checkpoints(run_dir)
     return found[-1] if found else None
 
 
@@ -571,7 +577,7 @@ def _open_run(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> _Run:
     if lock is not None:
         held.callback(lock.release)
     resume_from = _intact_resume(resume_from, t.resume, run_dir, d)
-    if resume_from is None and ckpt_io.list_checkpoints(run_dir):
+    if resume_from is None and weights_io.list_checkpoints(run_dir):
         raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, "
                         "or choose another folder")
     device = d.device
@@ -642,7 +648,7 @@ def _load_init(run: _Run) -> None:
                          "with ditforge sample --ckpt RUN", m.expert)
                 cfg.train.sample_every = 0
         else:
-            run.dit_init = finetune.read_dit_init(cfg)
+            run.dit_init = read_dit_init(cfg)
     run.features = features
 
 
@@ -736,7 +742,7 @@ def _build_model(run: _Run) -> None:
             if run.features is not None:
                 raise UserError(f"--train_text_encoder: --data {cfg.data.data} holds prompts encoded already; "
                                 "train on the captioned images")
-            finetune.train_text_encoder(model, pre.pipe.text_encoder, pre.pipe, cfg)
+            train_text_encoder(model, pre.pipe.text_encoder, pre.pipe, cfg)
     else:
         # bf16 weights: cast block by block, so the model never is whole in fp32 (the loop below casts the rest)
         # zero2 / fsdp: sharded on the meta device, then each process initialises its shards (init_sharded), so
@@ -750,9 +756,9 @@ def _build_model(run: _Run) -> None:
             # LoRA: the adapters are drawn in fp32 on the fp32 base, which the loop below casts after injection
             model = _create_model(cfg, home, amp_dtype if run.bf16_weights and not m.lora_rank else None)
         if run.dit_init is not None:
-            finetune.load_dit_weights(model, finetune.dit_init_weights(run.dit_init, cfg), t.seed)
+            load_dit_weights(model, dit_init_weights(run.dit_init, cfg), t.seed)
     if m.lora_rank:
-        finetune.add_lora_to_denoiser(model, cfg)
+        add_lora_to_denoiser(model, cfg)
     if m.lora_rank and pre is not None and run.budget is not None and not m.fp8_base and plugin in ("none", "ddp"):
         m.fp8_base = finetune.fp8_base_pays(sum(p.numel() for p in model.parameters() if not p.requires_grad),
                                             run.budget)
@@ -852,7 +858,7 @@ def _resume(run: _Run) -> None:
                                     run.d.device, functools.partial(_last_checkpoint, run.run_dir))
     if resume_from is None:
         return
-    saved = bool(ckpt_io.read_meta(resume_from).get("config", {}).get("train", {}).get("delayed_update"))
+    saved = bool(weights_io.read_meta(resume_from).get("config", {}).get("train", {}).get("delayed_update"))
     if saved != t.delayed_update:  # its optimizer state holds the masters, one update ahead of the weights
         raise UserError(f"--resume {resume_from}: saved {'with' if saved else 'without'} --delayed_update; "
                         f"resume it {'with' if saved else 'without'} the flag")
@@ -1153,7 +1159,7 @@ def _roll_back(run: _Run, step: int, mean: float, median: float) -> int:
     settle_skip(run.optimizer)  # before the checkpoint's states are loaded into the same tensors
     found = [None]  # rank 0 lists the folder (another rank may see a background save's rename late)
     if d.is_main:
-        before = [p for p in ckpt_io.list_checkpoints(run.run_dir) if _step_of(p) <= step - window]
+        before = [p for p in weights_io.list_checkpoints(run.run_dir) if _step_of(p) <= step - window]
         found = [before[-1] if before else None]
     if d.mesh is not None:
         dist.broadcast_object_list(found, src=0)
@@ -1164,7 +1170,7 @@ def _roll_back(run: _Run, step: int, mean: float, median: float) -> int:
                        "save more often (--ckpt_every) or keep more checkpoints (--keep_last)")
     ckpt, back = found[0], _step_of(found[0])
     if d.is_main:
-        for later in ckpt_io.list_checkpoints(run.run_dir):
+        for later in weights_io.list_checkpoints(run.run_dir):
             if _step_of(later) > back:  # out of the listing first, as the checkpointer drops old ones
                 doomed = later.with_name(f".tmp-delete-{later.name}")
                 os.replace(later, doomed)

@@ -188,7 +188,7 @@ def read_run(run: Path, model_name: str, step: int | None = None, drop_checkpoin
     """Metrics and the (final, or ``step``'s) checkpoint's weights of a run, read into create_model's
     state-dict layout (``depth``: the run's ``--depth``) whatever the world size and plugin that wrote them."""
     from ditforge.models import create_model
-    from ditforge.train.checkpoint import list_checkpoints, read_checkpoint_weights, read_meta
+    from ditforge.weights.read import list_checkpoints, read_checkpoint_weights, read_meta
     from ditforge.train.logging import read_metrics
 
     ckpts = list_checkpoints(run)

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from ditforge.models import create_model
-from ditforge.train.checkpoint import list_checkpoints, read_checkpoint_weights
+from ditforge.weights.read import list_checkpoints, read_checkpoint_weights
 from ditforge.train.logging import read_metrics
 from dist_helpers import (LOSS_RTOL, TINY, assert_same_losses, dist_env, kill_all, rank_pid, read_run, run_single,
                           torchrun_cmd)

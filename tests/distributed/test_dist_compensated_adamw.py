@@ -6,7 +6,7 @@ parameter, so the gathered optimizer state dict loads into one process's optimiz
 uninterrupted one. Then the command line: 3 steps under ``--plugin fsdp`` on 2 processes, resumed in one.
 
 Reference: ``CompensatedAdamW`` on plain tensors in one process (the libraries' kernels: bitsandbytes' 8-bit
-blockwise update, torch's AdamW), itself tested against its closed forms in ``tests/parallel/test_optim.py``.
+blockwise update, torch's AdamW), itself tested against its closed forms in ``tests/optim/test_optim.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _worker(rank: int, port: int, rounding: str, fused: bool) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from ditforge.parallel.optim import CompensatedAdamW
+    from ditforge.optim.compensated import CompensatedAdamW
 
     def build(module: nn.Module, ema: bool = True) -> CompensatedAdamW:
         opt = CompensatedAdamW(module.parameters(), lr=3e-2, weight_decay=0.1, states="8bit", rounding=rounding,
@@ -88,7 +88,7 @@ def _worker(rank: int, port: int, rounding: str, fused: bool) -> None:
 
             from torch.distributed.tensor import Shard
 
-            from ditforge.parallel import optim
+            from ditforge import optim
 
             columns = nn.Parameter(distribute_tensor(torch.randn(8, 4), d.mesh, [Shard(1)]))
             with mock.patch.object(optim, "on_gpu_with_triton", lambda device: True):

@@ -68,8 +68,8 @@ def _args(pipe: Path, data: Path, *extra: str) -> list[str]:
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     state, config = load_weights(run, use_ema=False)
     _, denoiser, _ = load_finetuned(state, config, torch.device("cpu"), use_ema=False)

@@ -217,7 +217,7 @@ def _sample_one(tmp_path, model_spec: dict, data: dict, seed: int, args: list[st
     import numpy as np
 
     from ditforge import cli
-    from ditforge.train.checkpoint import export_safetensors
+    from ditforge.export import export_safetensors
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     spec = dict(condition="class", text_encoder=None, text_max_length=None, vae="none", qk_norm=False,

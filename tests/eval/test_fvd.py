@@ -188,7 +188,7 @@ def test_bad_input_is_one_line_and_exit_2(case, i3d, tmp_path, capsys):
 def test_the_npz_ditforge_sample_writes_for_a_video_model(i3d, tmp_path, capsys):
     # A tiny class-conditional video model (random init), sampled at evaluation scale (arr_0: N, T, H, W, 3)
     from ditforge.models import create_model
-    from ditforge.train.checkpoint import export_safetensors
+    from ditforge.export import export_safetensors
 
     name, frames, size = "vDiT-T/122", 4, 8
     model = create_model(name, size, 3, 5, True, 0.1, num_frames=frames)

@@ -101,8 +101,8 @@ def test_first_step_loss_matches_diffusers(cog, runs):
 def test_resume_equals_uninterrupted(kind, cog, runs, tmp_path):
     """Stopped after 2 steps and resumed to 4 (``--resume auto``): the same 4 losses, bit for bit, as the run of 4
     steps in one go, and the same final weights."""
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     part = tmp_path / "part"
     assert cli.main(_argv(cog, part, "--max_steps", "2", "--ckpt_every", "2", *KINDS[kind])) == 0
@@ -139,8 +139,8 @@ def test_export_folder_samples_like_the_pipeline(runs, tmp_path):
     import diffusers
 
     from ditforge.data.video import probe_video
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "export"
     assert cli.main(["export", "--ckpt", str(runs["full"]), "--format", "diffusers", "--out", str(out)]) == 0
@@ -165,8 +165,8 @@ def test_lora_file_loads_with_load_lora_weights(cog, runs, tmp_path):
     output's largest magnitude, while the base model is off by over 100 times that."""
     import diffusers
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "lora"
     assert cli.main(["export", "--ckpt", str(runs["lora"]), "--format", "lora", "--out", str(out)]) == 0

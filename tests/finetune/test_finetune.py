@@ -154,8 +154,8 @@ def test_first_step_loss_matches_diffusers(family, request, captioned, runs):
 def test_lora_trains_adapters_only(family, request, runs):
     """A LoRA run's checkpoint holds the adapters alone; loaded back, the base weights equal the pipeline's and
     the adapters' B matrices moved away from their zero start."""
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     state, config = load_weights(runs(family)["lora"], use_ema=False)
     pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema=False)
@@ -346,7 +346,7 @@ def test_official_dit_layout_with_new_class_count(tmp_path):
     embeddings, the null row (1000 there) becomes row 2, every other tensor is loaded unchanged."""
     import importlib.util
 
-    from ditforge.train.checkpoint import read_tensors
+    from ditforge.weights.read import read_tensors
 
     spec = importlib.util.spec_from_file_location("official_reference",
                                                   Path(__file__).parents[1] / "models" / "official_reference.py")
@@ -612,8 +612,8 @@ def test_dit_pipeline_with_unshared_embedders(tmp_path, capsys):
 def test_resume_equals_uninterrupted(extra, sd_pipeline, captioned, tmp_path):
     """A fine-tune stopped after 2 steps and resumed to 4 (``--resume auto``; the LoRA run's checkpoint holds the
     adapters alone) logs the same losses and ends with the same weights as 4 steps in one go."""
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     common = ["--ckpt_every", "2", "--lr", "1e-3", *extra]
     whole = _train(sd_pipeline, captioned, tmp_path / "whole", "--max_steps", "4", *common)

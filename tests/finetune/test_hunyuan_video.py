@@ -162,8 +162,8 @@ def test_export_folder_samples_like_the_pipeline(runs, tmp_path, capsys):
     and the joint attention unmasked (no SDPA call over the video and the kept text tokens gets a mask)."""
     import diffusers
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "export"
     assert cli.main(["export", "--ckpt", str(runs["full"]), "--format", "diffusers", "--out", str(out)]) == 0
@@ -194,8 +194,8 @@ def test_lora_file_loads_with_load_lora_weights(hunyuan, runs, tmp_path):
     model is off by over 100 times that."""
     import diffusers
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "lora"
     assert cli.main(["export", "--ckpt", str(runs["lora"]), "--format", "lora", "--out", str(out)]) == 0

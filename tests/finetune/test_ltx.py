@@ -141,8 +141,8 @@ def test_export_folder_samples_like_the_pipeline(runs, tmp_path):
     scheduler's terminal 0.1) draws the video ``ditforge sample`` draws from the same seed, to one uint8 level."""
     import diffusers
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "export"
     assert cli.main(["export", "--ckpt", str(runs["full"]), "--format", "diffusers", "--out", str(out)]) == 0
@@ -166,8 +166,8 @@ def test_lora_file_loads_with_load_lora_weights(ltx, runs, tmp_path):
     magnitude, while the base model is off by over 100 times that."""
     import diffusers
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "lora"
     assert cli.main(["export", "--ckpt", str(runs["lora"]), "--format", "lora", "--out", str(out)]) == 0

@@ -191,8 +191,8 @@ def test_wan22_ti2v_image_to_video_first_loss_and_sample(tmp_path):
 def test_resume_equals_uninterrupted(kind, wan, runs, tmp_path):
     """Stopped after 2 steps and resumed to 4 (``--resume auto``): the same 4 losses, bit for bit, and the same
     final weights, bit for bit, as the run of 4 steps in one go."""
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     extra = ["--lr", "1e-3"] if kind == "full" else ["--lora_rank", "4", "--lr", "1e-2"]
     part = tmp_path / "part"
@@ -213,8 +213,8 @@ def test_export_folder_loads_with_wan_pipeline(runs, tmp_path):
     level."""
     import diffusers
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "export"
     assert cli.main(["export", "--ckpt", str(runs["full"]), "--format", "diffusers", "--out", str(out)]) == 0
@@ -264,8 +264,8 @@ def test_lora_file_loads_with_load_lora_weights(wan, runs, tmp_path):
     (float32 sums of the adapters in another order), while the base model is off by over 100 times that."""
     import diffusers
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "lora"
     assert cli.main(["export", "--ckpt", str(runs["lora"]), "--format", "lora", "--out", str(out)]) == 0
@@ -324,7 +324,8 @@ def test_fp8_base_gives_the_gradients_of_fp8_rounded_weights(wan):
     import copy
 
     from ditforge.models.adapters.pipeline import load_pretrained
-    from ditforge.train.finetune import add_lora, store_base_in_fp8
+    from ditforge.train.finetune import store_base_in_fp8
+    from ditforge.weights.lora import add_lora
 
     den = load_pretrained(wan, torch.device("cpu")).denoiser
     add_lora(den.inner, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
@@ -404,7 +405,7 @@ def test_block_swap_runs_each_block_on_fresh_copies(wan):
 
     from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.parallel.offload import BlockSwap
-    from ditforge.train.finetune import add_lora
+    from ditforge.weights.lora import add_lora
 
     den = load_pretrained(wan, torch.device("cpu")).denoiser
     add_lora(den.inner, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
@@ -600,8 +601,8 @@ def test_i2v_caption_dropout_keeps_the_image(i2v_runs):
     """A dropped caption is the empty prompt's UMT5 states with the image conditioning kept, as the pipeline's
     unconditional pass (negative prompt embeds, same ``latent_model_input`` and ``image_embeds``): the adapter with
     ``force_drop_ids`` equals the transformer called so, and differs from the conditional output."""
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     pre, model, _ = load_finetuned(*load_weights(i2v_runs["lora"], use_ema=True), torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
@@ -628,8 +629,8 @@ def test_i2v_lora_moves_and_export_samples_like_the_pipeline(wan_i2v, i2v_runs, 
     import diffusers
     from PIL import Image
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     _, lora, _ = load_finetuned(*load_weights(i2v_runs["lora"], use_ema=False), torch.device("cpu"))
     lora_b = [p for n, p in lora.named_parameters() if "lora_B" in n]

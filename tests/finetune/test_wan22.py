@@ -102,8 +102,8 @@ def test_low_noise_export_and_sample_like_the_pipeline(wan22, runs, tmp_path):
     the first run's ``transformer_2``."""
     import diffusers
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "export"
     assert cli.main(["export", "--ckpt", str(runs["low_noise"]), "--format", "diffusers", "--out", str(out)]) == 0
@@ -141,8 +141,8 @@ def test_high_noise_lora_file_loads_into_transformer(wan22, runs, tmp_path):
     ditforge's LoRA expert's output within 1e-5 of its largest magnitude; ``transformer_2`` is untouched."""
     import diffusers
 
-    from ditforge.train.checkpoint import load_weights
-    from ditforge.train.finetune import load_finetuned
+    from ditforge.weights.read import load_weights
+    from ditforge.weights.finetuned import load_finetuned
 
     out = tmp_path / "lora"
     assert cli.main(["export", "--ckpt", str(runs["high_noise"]), "--format", "lora", "--out", str(out)]) == 0

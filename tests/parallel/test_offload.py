@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditforge.parallel.optim import CompensatedAdamW, StepInBackward
+from ditforge.optim.backward import StepInBackward
+from ditforge.optim.compensated import CompensatedAdamW
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,7 @@ appeared only inside the save of step 4."""
 from __future__ import annotations
 
 from ditforge.train import checkpoint, trainer
-from ditforge.train.checkpoint import list_checkpoints
+from ditforge.weights.read import list_checkpoints
 
 
 def test_background_save_is_published_before_the_next_save(train_run, tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from dist_helpers import COMMON, REPO, TINY, descendants, dist_env, kill_all, rank_pid, torchrun_cmd  # noqa: E402
 
-from ditforge.train.checkpoint import list_checkpoints  # noqa: E402
+from ditforge.weights.read import list_checkpoints  # noqa: E402
 from ditforge.train.logging import read_metrics  # noqa: E402
 
 HANG_TIMEOUT = 60.0  # seconds the surviving rank (and torchrun) may take to end after the other rank is killed

@@ -22,6 +22,7 @@ from ditforge import cli
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train.guard import NEARLY_FULL, WriteFailed, disk_errors, free_bytes, space_error
 from ditforge.train.logging import read_metrics
+from ditforge.weights import read as weights_io
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,14 +97,14 @@ def _stopped_with_one_line(capsys, rc: int, what: str, folder: Path, run: Path) 
 def _resumes_from_step_1(tiny_argv, run: Path, ballast: Path, *extra: str) -> None:
     """Nothing half-written is left; step 1 is the newest checkpoint, intact; with the ballast gone the run
     resumes from it and ends."""
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001"]
+    assert [p.name for p in weights_io.list_checkpoints(run)] == ["step-0000001"]
     assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     assert not [p.name for p in run.rglob(".*.tmp*")]
-    assert ckpt_io.damage(run / "checkpoints" / "step-0000001") is None
+    assert weights_io.damage(run / "checkpoints" / "step-0000001") is None
     read_metrics(run / "metrics.jsonl")  # whole lines only
     ballast.unlink()
     assert cli.main(tiny_argv(run, "--max_steps", "2", "--resume", "auto", *extra)) == 0
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000002"]
+    assert [p.name for p in weights_io.list_checkpoints(run)] == ["step-0000001", "step-0000002"]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
 
 

@@ -20,6 +20,8 @@ import torch
 from ditforge import cli
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import trainer
+from ditforge.weights import read as weights_io
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -51,7 +53,7 @@ def test_recorded_checksums_are_the_files(six_steps):
     for name, want in files.items():
         data = (ckpt / name).read_bytes()
         assert want == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
-    assert ckpt_io.damage(ckpt) is None
+    assert weights_io.damage(ckpt) is None
 
 
 @pytest.mark.parametrize("harm", ["truncate", "flip"])
@@ -71,7 +73,7 @@ def test_resume_auto_falls_back_past_a_damaged_checkpoint(six_steps, tmp_path, c
     assert main(run, "--max_steps", "8", "--resume", "auto", "--ckpt_every", "100") == 0
     why = "has" if harm == "truncate" else "fails its CRC-32 check"
     assert any(f"step-0000006 is damaged: __0_0.distcp {why}" in r.getMessage() for r in caplog.records)
-    assert [p.name for p in ckpt_io.list_checkpoints(run)][-1] == "step-0000008"
+    assert [p.name for p in weights_io.list_checkpoints(run)][-1] == "step-0000008"
     assert len(list((run / "checkpoints").glob("damaged-step-0000006-*"))) == 1
     got, want = _losses(run), _losses(six_steps[1])
     assert sorted(got) == list(range(1, 9))
@@ -112,7 +114,7 @@ def test_divergence_ends_in_one_line_without_a_bad_checkpoint(tmp_path, tiny_arg
     assert last.startswith("ditforge train: stopped: step ") and "3 steps in a row had a non-finite loss" in last
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r["skipped_steps"] for r in records)
-    ckpts = ckpt_io.list_checkpoints(run)
+    ckpts = weights_io.list_checkpoints(run)
     assert ckpts
     for ckpt in ckpts:
         for use_ema in (True, False):

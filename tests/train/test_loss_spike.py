@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ditforge import cli
-from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import trainer
+from ditforge.weights import read as weights_io
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,8 +59,8 @@ def test_a_spike_rolls_back_skips_and_resumes_exactly(tmp_path, tiny_argv, corru
     assert [r["step"] for r in records] == list(range(1, 7))
     assert [r["rollbacks"] for r in records] == [0, 0, 1, 1, 1, 1]
     assert max(r["loss"] for r in records) < 10  # the spike's records went with its steps
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000002", "step-0000004", "step-0000006"]
-    meta = ckpt_io.read_meta(run / "checkpoints" / "step-0000004")
+    assert [p.name for p in weights_io.list_checkpoints(run)] == ["step-0000002", "step-0000004", "step-0000006"]
+    meta = weights_io.read_meta(run / "checkpoints" / "step-0000004")
     assert meta["data_offset"] == 3 and meta["loss_spike"]["rollbacks"] == 1
 
     resumed = tmp_path / "resumed"

@@ -35,6 +35,7 @@ from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import trainer
 from ditforge.train.logging import read_metrics
 from ditforge.train.trainer import ema_decay_at, step_randomness
+from ditforge.weights import read as weights_io
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,12 +46,12 @@ def _ckpt(run, step):
 
 def _weights(ckpt, use_ema=True, model="DiT-T/2"):
     """A checkpoint's full weights (EMA or raw) in create_model's state-dict layout."""
-    return ckpt_io.read_checkpoint_weights(ckpt, create_model(model, 8, 1, 10).state_dict(), use_ema)
+    return weights_io.read_checkpoint_weights(ckpt, create_model(model, 8, 1, 10).state_dict(), use_ema)
 
 
 def _dcp_entries(ckpt) -> dict:
     """Key -> storage metadata of a DCP checkpoint, read with the restricted reader."""
-    return ckpt_io.SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return weights_io.SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
 
 
 def _cfg(outputs, **overrides):
@@ -150,7 +151,7 @@ def test_run_folder_layout(tiny_run):
     assert all(math.isfinite(r["loss"]) for r in records)
 
     # ckpt_every 2, max_steps 3: a periodic checkpoint at 2 and the final one at 3
-    assert [p.name for p in ckpt_io.list_checkpoints(tiny_run)] == ["step-0000002", "step-0000003"]
+    assert [p.name for p in weights_io.list_checkpoints(tiny_run)] == ["step-0000002", "step-0000003"]
     assert sorted(p.name for p in (tiny_run / "checkpoints").iterdir()) == ["step-0000002", "step-0000003"]
     for step in (2, 3):
         files = sorted(p.name for p in _ckpt(tiny_run, step).iterdir())
@@ -213,7 +214,7 @@ def test_checkpoint_loads_into_fresh_model_without_unrestricted_unpickling(tiny_
         assert entries[f"optimizer.state.{name}.exp_avg"].size == entries[f"model.{name}"].size
     assert "optimizer.param_groups.0.lr" in entries
     # the run folder means its newest checkpoint; its tensors are read once the model is built
-    found, config = ckpt_io.load_weights(tiny_run)
+    found, config = weights_io.load_weights(tiny_run)
     assert found == ckpt and config["model"]["model"] == "DiT-T/2"
 
 
@@ -267,7 +268,7 @@ def test_training_state_round_trip(tmp_path):
 def test_resume_equals_uninterrupted(train_run, tmp_path):
     a = train_run(tmp_path / "a", "--max_steps", "6", "--ckpt_every", "1000")
     b = train_run(tmp_path / "b", "--max_steps", "3", "--ckpt_every", "1000")
-    assert [p.name for p in ckpt_io.list_checkpoints(b)] == ["step-0000003"]
+    assert [p.name for p in weights_io.list_checkpoints(b)] == ["step-0000003"]
     # both ways to resume: a checkpoint folder (3 -> 4), then "auto" in the same --outputs (4 -> 6)
     train_run(b, "--max_steps", "4", "--resume", str(_ckpt(b, 3)))
     train_run(b, "--max_steps", "6", "--resume", "auto")
@@ -332,25 +333,25 @@ def test_save_is_atomic(tmp_path, monkeypatch, async_save):
                         rf"0\.00 GiB needed, [\d.]+ GiB free\); the last good checkpoint is {good}", str(failed.value))
     assert not (root / "step-0000002").exists()
     assert not list(root.glob(".tmp-*"))
-    assert ckpt_io.list_checkpoints(tmp_path) == [good]
+    assert weights_io.list_checkpoints(tmp_path) == [good]
     assert [p.name for p in root.iterdir() if p.name.startswith("step-")] == ["step-0000001"]
     # the previous checkpoint is intact
     assert sorted(p.name for p in good.iterdir()) == [".metadata", "__0_0.distcp", "meta.json"]
     for key, want in (("model", model), ("ema", ema)):
         skeleton = {k: torch.zeros_like(v) for k, v in want.items()}
-        _assert_state_close(ckpt_io.read_checkpoint_weights(good, skeleton, key == "ema"), want, atol=0)
+        _assert_state_close(weights_io.read_checkpoint_weights(good, skeleton, key == "ema"), want, atol=0)
     assert json.loads((good / "meta.json").read_text())["note"] == "first"
-    assert ckpt_io.resolve_checkpoint(tmp_path) == good
+    assert weights_io.resolve_checkpoint(tmp_path) == good
 
     # the next run's save of that step works and leaves no temporary folder behind
     monkeypatch.setattr(FileSystemWriter, "finish", real)
     checkpointer = ckpt_io.Checkpointer(tmp_path, keep_last=5, async_save=async_save, d=Dist(), last_step=1)
     second = checkpointer.save(2, {"model": _small_state(3), "ema": _small_state(4)}, {})
     checkpointer.wait()
-    assert ckpt_io.list_checkpoints(tmp_path) == [good, second]
+    assert weights_io.list_checkpoints(tmp_path) == [good, second]
     assert not list(root.glob(".tmp-*"))
     skeleton = {k: torch.zeros_like(v) for k, v in model.items()}
-    _assert_state_close(ckpt_io.read_checkpoint_weights(second, skeleton, False), _small_state(3), atol=0)
+    _assert_state_close(weights_io.read_checkpoint_weights(second, skeleton, False), _small_state(3), atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +371,7 @@ def every_step_run(tmp_path_factory):
 def test_async_checkpoints_equal_sync(train_run, every_step_run, tmp_path):
     run = train_run(tmp_path / "run", "--max_steps", "3", "--ckpt_every", "1", "--keep_last", "3",
                     "--async_checkpoint")
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000002", "step-0000003"]
+    assert [p.name for p in weights_io.list_checkpoints(run)] == ["step-0000001", "step-0000002", "step-0000003"]
     assert not list((run / "checkpoints").glob(".tmp-*"))
     for step in (1, 2, 3):
         # written in the background while training went on: still exactly the state of that step
@@ -399,20 +400,20 @@ def test_async_save_failure_in_training_publishes_nothing(tmp_path, monkeypatch,
                continue_on_save_error=go_on)
     if go_on:
         trainer.train(cfg)
-        assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000003", "step-0000004",
+        assert [p.name for p in weights_io.list_checkpoints(run)] == ["step-0000001", "step-0000003", "step-0000004",
                                                                    "step-0000005"]
         assert not list((run / "checkpoints").glob(".tmp-*"))
         return
     with pytest.raises(ckpt_io.SaveError, match="checkpoint step-0000002 not written: no space left on device"):
         trainer.train(cfg)  # reported when step 3's save completes step 2's: step 3 is saved, then the run stops
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000003"]
+    assert [p.name for p in weights_io.list_checkpoints(run)] == ["step-0000001", "step-0000003"]
     assert not list((run / "checkpoints").glob(".tmp-*"))
     for use_ema in (True, False):  # complete and readable
         _weights(_ckpt(run, 1), use_ema)
     # and resuming continues from step 3
     monkeypatch.setattr(FileSystemWriter, "finish", real)
     trainer.train(_cfg(run, max_steps=4, ckpt_every=1000, keep_last=5, resume="auto"))
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000001", "step-0000003", "step-0000004"]
+    assert [p.name for p in weights_io.list_checkpoints(run)] == ["step-0000001", "step-0000003", "step-0000004"]
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
@@ -435,7 +436,7 @@ def test_ctrl_c_saves_and_reraises(every_step_run, tmp_path, monkeypatch, one_th
     run = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
         trainer.train(_cfg(run, max_steps=6, async_checkpoint=async_save))
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000002"]  # published before re-raising
+    assert [p.name for p in weights_io.list_checkpoints(run)] == ["step-0000002"]  # published before re-raising
     assert not list((run / "checkpoints").glob(".tmp-*"))
     assert json.loads((_ckpt(run, 2) / "meta.json").read_text())["step"] == 2
     for use_ema in (False, True):
@@ -455,7 +456,7 @@ def test_ctrl_c_during_ema_update_saves_consistent_state(every_step_run, tmp_pat
     monkeypatch.setattr(EMA, "update", flaky)
     with pytest.raises(KeyboardInterrupt):
         trainer.train(_cfg(tmp_path / "run", max_steps=6))
-    saved = ckpt_io.list_checkpoints(tmp_path / "run")[-1]
+    saved = weights_io.list_checkpoints(tmp_path / "run")[-1]
     step = json.loads((saved / "meta.json").read_text())["step"]
     assert step in (2, 3)
     # whatever step the checkpoint claims, its weights and EMA must be those of that many steps
@@ -479,7 +480,7 @@ def test_second_ctrl_c_while_a_save_is_staged_still_saves(every_step_run, tmp_pa
         trainer.train(_cfg(run, max_steps=6, ckpt_every=2, async_checkpoint=True))
     said = [r.getMessage() for r in caplog.records if "interrupted at step" in r.getMessage()]
     assert said and said[-1].endswith("step-0000002")
-    assert [p.name for p in ckpt_io.list_checkpoints(run)] == ["step-0000002"]  # what the log claims
+    assert [p.name for p in weights_io.list_checkpoints(run)] == ["step-0000002"]  # what the log claims
     for use_ema in (False, True):
         _assert_state_close(_weights(_ckpt(run, 2), use_ema), _weights(_ckpt(every_step_run, 2), use_ema), atol=1e-6)
 
@@ -498,7 +499,7 @@ def test_ctrl_c_cli_exit_code(tiny_argv, tmp_path, monkeypatch, capsys):
     _interrupt_at_call(monkeypatch, 2)
     assert cli.main(tiny_argv(tmp_path / "run", "--max_steps", "5")) == 130
     assert "interrupted" in capsys.readouterr().err
-    assert [p.name for p in ckpt_io.list_checkpoints(tmp_path / "run")] == ["step-0000001"]
+    assert [p.name for p in weights_io.list_checkpoints(tmp_path / "run")] == ["step-0000001"]
 
 
 # ----------------------------------------------------------------------------------------------------------

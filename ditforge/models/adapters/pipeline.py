@@ -1,6 +1,8 @@
 """Pipeline folders of the adapted families, loaded offline: ``read_model_index`` checks a folder (one line naming
 the missing file), ``load_pretrained`` loads it with the family's diffusers pipeline class and wraps its denoiser in
-the family's adapter; ``Pretrained`` holds the result (the pipeline's text encoders and VAE encode the data)."""
+the family's adapter; ``Pretrained`` holds the result (the pipeline's text encoders and VAE encode the data).
+``generate_with_pipeline`` samples with the family's own pipeline around a (fine-tuned) denoiser, for ``ditforge
+sample`` and for training's sample grids."""
 
 from __future__ import annotations
 
@@ -197,3 +199,50 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
     denoiser.set_null_condition(family.null_condition(pipe, pre.encode_prompt([""])))
     return pre
+
+
+def _component(pre: Pretrained) -> str:
+    return pre.denoiser.component
+
+
+def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int],
+                           image_size: int, num_steps: int, guidance_scale: float,
+                           batch_size: int = 8, num_frames: int | None = None, images: list | None = None
+                           ) -> torch.Tensor:
+    """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (an adapter of the
+    fine-tuned diffusers model; its text encoder too when it trained one) in it: row i starts from the noise of
+    ``torch.Generator(device).manual_seed(seeds[i])``, so it depends on its prompt and seed only. The prompts are
+    encoded (``pre.encode_prompt``, or the denoiser's own text encoder) and handed over as embeddings, the empty
+    prompt's as the negative ones: what the pipeline does with the prompt strings. Returns (N, 3, S, S) float32 in
+    [-1, 1] on the CPU; a video family's (Wan) videos of ``num_frames`` frames, (N, 3, T, S, S). A VAE kept on
+    the CPU (training from features) visits the denoiser's device meanwhile. An image-to-video family
+    (``WanImageToVideoPipeline``) takes ``images``, one PIL image per prompt, passed as the pipeline's ``image``;
+    its rows are drawn one per call (the pipeline takes one image a call, ``pipeline_wan_i2v.py``)."""
+    pipe = pre.pipe
+    setattr(pipe, _component(pre), denoiser.inner)
+    device = next(denoiser.inner.parameters()).device
+    vae_home = pipe.vae.device
+    pipe.vae.to(device)
+    out, first_images = [], images  # ``images`` is the loop's output below
+    if denoiser.image_to_video:
+        batch_size = 1
+    try:
+        for start in range(0, len(prompts), batch_size):
+            rows = slice(start, start + batch_size)
+            gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[rows]]
+            with torch.no_grad():
+                seen = {"images": [first_images[start]]} if denoiser.prompt_sees_image else {}
+                cond = ({k: v.to(device) for k, v in denoiser.tokenize(prompts[rows]).items()}
+                        if denoiser.tokenize is not None else pre.encode_prompt(prompts[rows], **seen))
+                video = {"num_frames": num_frames} if denoiser.video else {}
+                if denoiser.image_to_video:
+                    video["image"] = first_images[start]
+                result = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=image_size,
+                              width=image_size, generator=gens, output_type="pt", **denoiser.pipeline_inputs(cond),
+                              **denoiser.pipeline_kwargs, **video)
+                # videos come as frames (N, T, 3, S, S)
+                images = result.frames.transpose(1, 2) if denoiser.video else result.images
+            out.append(images.float().cpu() * 2 - 1)
+    finally:
+        pipe.vae.to(vae_home)
+    return torch.cat(out)

@@ -7,7 +7,7 @@ On a machine without CUDA the kernel runs under TRITON_INTERPRET=1 (tests/confte
     (``fp32_adamw_drift``: the kernel computes the bias corrections as exp2 and rounds in another order; observed
     up to 0.34 of it, 5 ulps at |w| ~ 5, where the old 1e-6 of the largest weight was reached to 0.4);
   * Kahan bf16 weights: the master p + c within 6 * 2^-17 |w| (+ 1e-6) of that fp32 run (the split's bound,
-    tests/parallel/test_optim.py);
+    tests/optim/test_optim.py);
   * 8-bit moments: an unfused float64 PyTorch version of the blockwise step of Dettmers et al. 2022 (dequantize,
     update, absmax per 256, nearest entry of the map): weights within 1e-6 and codes equal, except for the (under
     1%) elements whose value came within 1e-4 of the gap from a midpoint between two entries at some step, which
@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditforge.parallel.optim import CompensatedAdamW
+from ditforge.optim.compensated import CompensatedAdamW
 from adamw_drift import fp32_adamw_drift
 
 pytestmark = pytest.mark.usefixtures("one_thread")

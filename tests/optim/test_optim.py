@@ -1,6 +1,6 @@
-"""Optimizer modes (``ditforge.parallel.optim``) against independent references, after 5 steps of fresh random
+"""Optimizer modes (``ditforge.optim``) against independent references, after 5 steps of fresh random
 gradients with weight decay. These test the libraries' path (``fused=False``, torch's and bitsandbytes' kernels);
-tests/parallel/test_fused_adamw.py tests the one-pass Triton step against the same kinds of references:
+tests/optim/test_fused_adamw.py tests the one-pass Triton step against the same kinds of references:
 
   * fp32 moments over fp32 weights: ``torch.optim.AdamW`` (bit-exact: the same kernel);
   * 8-bit moments over fp32 weights: ``bitsandbytes.optim.AdamW8bit`` (bit-exact: the same kernel), and plain AdamW
@@ -31,7 +31,10 @@ import pytest
 import torch
 
 from ditforge.errors import UserError
-from ditforge.parallel.optim import CompensatedAdamW, StepInBackward, library_optimizer, plan_placement, set_lr
+from ditforge.optim.backward import StepInBackward
+from ditforge.optim.compensated import CompensatedAdamW
+from ditforge.optim.library import library_optimizer, set_lr
+from ditforge.optim.placement import plan_placement
 from adamw_drift import fp32_adamw_drift
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -384,7 +387,7 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
         pytest.importorskip("bitsandbytes")
     if "adamw4bit" in mode or "adamw_fp8" in mode:
         pytest.importorskip("torchao")
-    from ditforge.train import checkpoint as ckpt_io
+    from ditforge.weights import read as weights_io
     from ditforge.train.logging import read_metrics
 
     extra = ("--mixed_precision", "bf16", *mode)
@@ -394,13 +397,13 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     ra, rb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")
     assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
     for use_ema in (False, True):
-        wa = ckpt_weights(ckpt_io.list_checkpoints(a)[-1], use_ema=use_ema)
-        wb = ckpt_weights(ckpt_io.list_checkpoints(b)[-1], use_ema=use_ema)
+        wa = ckpt_weights(weights_io.list_checkpoints(a)[-1], use_ema=use_ema)
+        wb = ckpt_weights(weights_io.list_checkpoints(b)[-1], use_ema=use_ema)
         assert wa.keys() == wb.keys()
         for k in wa:
             torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=0, msg=k)
     if "--ema_decay" in mode:  # no EMA: the weights are stored as the EMA
-        w, e = (ckpt_weights(ckpt_io.list_checkpoints(a)[-1], use_ema=u) for u in (False, True))
+        w, e = (ckpt_weights(weights_io.list_checkpoints(a)[-1], use_ema=u) for u in (False, True))
         for k in w:
             torch.testing.assert_close(e[k], w[k], rtol=0, atol=0)
 

@@ -6,7 +6,7 @@ optimizers' protocol), on the CPU:
     saw that batch; for ``CompensatedAdamW``'s libraries' path (fp32 and 8-bit moments, Kahan and
     stochastically rounded bf16 weights), and the optimizer step fused into the backward. torch's fused AdamW
     is tested so in tests/train/test_guard.py, and the one-pass step takes the same ``found_inf``
-    (tests/parallel/test_fused_adamw.py::test_skipped_step_changes_nothing; a DiT under Triton's interpreter
+    (tests/optim/test_fused_adamw.py::test_skipped_step_changes_nothing; a DiT under Triton's interpreter
     would take minutes here). Stochastic rounding's stream counts the skipped
     step (``rounding_step``, a host int advanced before the flag is known), so its reference run advances that
     counter too;
@@ -28,7 +28,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditforge.parallel.optim import CompensatedAdamW, StepInBackward
+from ditforge.optim.backward import StepInBackward
+from ditforge.optim.compensated import CompensatedAdamW
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,7 +70,7 @@ def _model(seed, dtype):
 def _state(model, opt, ema, stepper):
     """Everything a step may change: weights, the optimizer's tensors, the EMA, the carried clipping norm (the
     host step counters as they are once the step's flag is read, ``settle_skip``)."""
-    from ditforge.parallel.optim import settle_skip
+    from ditforge.optim.skip import settle_skip
 
     settle_skip(opt)
     out = [p.detach().clone() for p in model.parameters()]
@@ -183,7 +184,7 @@ def test_libraries_path_skips_on_the_flag_and_is_unchanged_without_it(states, dt
 def _tensors(params, opt):
     """Every plain tensor a step may write: the weights and the inner tensors of their states (torchao's
     quantized states hold codes and scales)."""
-    from ditforge.parallel.optim import _held
+    from ditforge.optim.skip import _held
 
     return [x for p in params for t in (p, *opt.state[p].values()) if torch.is_tensor(t) for x in _held(t)]
 
@@ -197,10 +198,11 @@ def test_library_optimizers_skip_on_the_flag_and_are_unchanged_without_it(optimi
     was, their host step counters once the flag is read (``settle_skip``; until then they count the skipped
     step); found_inf = 0 then gives the optimizer's own step bit for bit. On a GPU too, where there is one. Chunks
     of 5,000 elements: the (300, 64) weight alone, then (10,) and (5000,) together, then (7, 5)."""
-    from ditforge.parallel import optim
-    from ditforge.parallel.optim import library_optimizer, settle_skip, step_skipping_on_device
+    from ditforge.optim import skip
+    from ditforge.optim.library import library_optimizer
+    from ditforge.optim.skip import settle_skip, step_skipping_on_device
 
-    monkeypatch.setattr(optim, "SKIP_CHUNK_NUMEL", 5000)
+    monkeypatch.setattr(skip, "SKIP_CHUNK_NUMEL", 5000)
 
     if optimizer != "adafactor":
         pytest.importorskip("torchao")
