@@ -173,7 +173,7 @@ def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path
     encoder saved with their ``save_pretrained``, every other component copied untouched from the folder the run
     started from, so the family's pipeline class loads it offline. Written under a temporary name and renamed when
     complete."""
-    # the component the denoiser is: its own (transformer, unet) or, for a Wan 2.2 low-noise expert, transformer_2
+    # the component the denoiser is: its own (transformer, unet) or, for a second expert of a two-expert pipeline, transformer_2
     component = next(name for name, module in pre.pipe.components.items() if module is denoiser.inner)
     trained = {component: denoiser.inner}
     if denoiser.tokenize is not None:  # --train_text_encoder
@@ -190,8 +190,8 @@ def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path
 def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Path) -> Path:
     """The adapters as a diffusers LoRA file, ``OUT/pytorch_lora_weights.safetensors``, which the family's
     ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata; the text encoder's adapters too
-    when it trained). The pipeline class must have a LoRA loader (SD, SD3; not PixArt: ``export_pretrained``
-    refuses that first)."""
+    when it trained). The pipeline class must have a LoRA loader (``load_lora_weights``; ``export_pretrained``
+    refuses a class without one first)."""
     import diffusers
 
     m = cfg.model

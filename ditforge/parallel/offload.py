@@ -292,7 +292,7 @@ class DelayedAdamW(torch.optim.AdamW):
 class BlockSwap:
     """``--blocks_to_swap N``: the frozen weights of the last ``N`` repeated blocks live in (pinned) host memory and
     visit the GPU one block at a time, as diffusion-pipe's ``blocks_to_swap`` and musubi-tuner's block swap do for
-    LoRA on models whose frozen base does not fit (Wan-14B's on 24 GB cards).
+    LoRA on models whose frozen base does not fit (a 14B video transformer's on 24 GB cards).
 
     A forward pre-hook of each swapped block points its frozen parameters at device copies, and its forward hook
     points them back at the host tensors, so the device copy is freed as soon as nothing else holds it (the

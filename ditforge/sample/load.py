@@ -29,7 +29,7 @@ class SampleConfig:
     downsample factor); ``num_frames`` overrides a video model's (latent) frame count. ``out`` defaults to
     ``samples.png`` (image models: a PNG grid) or ``samples`` (video models: a folder of MP4s and GIFs; a fine-tuned
     video pipeline also takes a video file name for one prompt). ``image`` is the first frame of an image-to-video
-    pipeline (Wan, CogVideoX I2V), refused by other models.
+    pipeline (an adapter with ``image_to_video``), refused by other models.
     Speed: ``mixed_precision`` (auto: bf16 on CUDA), ``compile``, ``enable_*`` as ``prepare_model``; ``pab`` turns
     on Pyramid Attention Broadcast with ``PABConfig``'s defaults, ``fora`` FORA's static caching with that interval
     (``PABConfig.fora``); they change the samples (docs/sampling.md: their PSNR / SSIM).

@@ -311,7 +311,7 @@ def _read_part(path: Path, key: str) -> np.ndarray:
 
 def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser, run=None) -> np.ndarray:
     """A diffusers pipeline: a pipeline folder (``run`` None) or a fine-tuned one (``ditforge train --init_from
-    FOLDER``; ``run`` its ``RunConfig``, whose frame size and count are the defaults). A video family (Wan) is drawn
+    FOLDER``; ``run`` its ``RunConfig``, whose frame size and count are the defaults). A video family (an adapter with ``video``) is drawn
     by ditforge's own loop (``sample.video.sample_video_family``). An image family is drawn by its own pipeline
     class and scheduler, ``num_sampling_steps`` steps (default: the pipeline's) with guidance ``cfg_scale`` (default:
     the pipeline's); sample i starts from the noise of seed ``derive_seed(seed, i)``; writes one PNG grid (``out``,
@@ -359,7 +359,7 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
 
 
 def _conditioning_image(cfg: SampleConfig, denoiser, pipeline_class: str):
-    """``--image`` for an image-to-video pipeline (``WanImageToVideoPipeline``): the file as a PIL RGB image (the
+    """``--image`` for an image-to-video pipeline (an adapter with ``image_to_video``): the file as a PIL RGB image (the
     pipeline resizes it to the frame size); None for other pipelines.
 
     Raises:

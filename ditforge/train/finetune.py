@@ -6,7 +6,7 @@ fine-tuned pipeline loaded back for sampling (``ditforge.export`` writes it as a
 
 Nothing is downloaded: pipelines load with ``from_pretrained(folder, local_files_only=True)``.
 
-Families (``ditforge.models.adapters``): Stable Diffusion 1.x / 2.x, PixArt-alpha / sigma and SD3 keep diffusers'
+Families (``ditforge.models.adapters``): the image and video families keep diffusers'
 model code behind an adapter; DiT weights (official ``.pt``, ``DiTPipeline`` folders, ditforge's own runs) load
 into ditforge's ``DiT``, which is the same network in the official layout. The pipeline's scheduler config decides
 the objective (``ditforge.diffusion.objective``); its VAE and text encoders encode the data.
@@ -119,8 +119,8 @@ def fresh_denoiser(pre: Pretrained, cfg) -> DiffusersDenoiser:
 
 def fp8_base_pays(frozen: int, budget: int) -> bool:
     """``--gpu_memory_budget`` of a LoRA run on a pipeline: store the base in fp8 (``--fp8_base``) where ``frozen``
-    parameters in bf16 would take over a quarter of ``budget`` bytes, the rest being for the activations (Wan-1.3B
-    at 480x832x81 frames: a 2.8 GB base beside about 6.7 GB of them under gradient checkpointing, the anchor's
+    parameters in bf16 would take over a quarter of ``budget`` bytes, the rest being for the activations (a 1.3B video
+    transformer at 480x832x81 frames: a 2.8 GB base beside about 6.7 GB of them under gradient checkpointing, the anchor's
     9.57 GiB peak)."""
     return 2 * frozen > budget / 4
 
@@ -136,7 +136,7 @@ def store_base_in_fp8(model: nn.Module, compute_dtype: torch.dtype, plugin: str)
         UserError: a DiT (not a diffusers pipeline's transformer), or a sharded ``plugin`` (zero2 / fsdp).
     """
     if not isinstance(model, DiffusersDenoiser):
-        raise UserError(f"--fp8_base: for the diffusers pipelines of {FLAG} (Wan, SD3, PixArt, SD); a DiT's LoRA "
+        raise UserError(f"--fp8_base: for the diffusers pipelines of {FLAG} (the adapted families); a DiT's LoRA "
                         "keeps its base in bf16")
     if plugin not in ("none", "ddp"):
         raise UserError(f"--fp8_base: with --plugin none or ddp (each process holds the whole base), got {plugin}")
