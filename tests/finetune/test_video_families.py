@@ -28,6 +28,7 @@ def _entry(config: dict, key: str):
     return config[section][name]
 
 
+@pytest.mark.slow  # the first call of video_runs(family) trains its two runs
 @pytest.mark.parametrize("family", FAMILIES)
 def test_first_step_loss_matches_diffusers(family, request, video_runs):
     """Both runs' first loss (LoRA starts with B = 0: the same model) equals diffusers' within 1e-5 relative
