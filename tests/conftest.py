@@ -39,13 +39,24 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+# The files that take longest on the 2-core CI machine, longest first (a full run of 2026-12-02, pytest --durations:
+# text-to-video's one test ~770 s, the optimizer modes' resume tests ~300 s, then 120-190 s each, the machine loaded).
+# They go to the two pytest-xdist workers before any other file, so that none of them starts near the end.
+LONGEST = ("test_text_to_video.py", "parallel/test_optim.py", "parallel/test_offload.py", "train/test_chaos.py",
+           "test_sample_fast.py", "train/test_guard.py", "train/test_trainer.py")
+
+
 def pytest_collection_modifyitems(items):
-    """Files holding a test marked ``slow`` run first, in their collected order, the rest after them. Under
-    pytest-xdist (``-n auto --dist loadfile``, pyproject's addopts: one file per worker at a time, handed out in
-    this order) the long files then overlap the many short ones instead of one of them running alone at the end
-    (tests/test_text_to_video.py, ~4 minutes, did: 1,128 s for the suite, the last 286 s on one worker)."""
+    """``LONGEST`` first (in that order), then the other files holding a test marked ``slow``, in their collected
+    order, the rest after them. Under pytest-xdist (``-n auto --dist loadfile``, pyproject's addopts: one file per
+    worker at a time, handed out in this order) the long files then overlap the many short ones instead of one of
+    them running alone at the end (tests/test_text_to_video.py, ~4 minutes, did: 1,128 s for the suite, the last
+    286 s on one worker)."""
+    here = Path(__file__).parent
+    lead = {here / name: rank for rank, name in enumerate(LONGEST)}
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)  # stable: the collected order within each group
+    # stable: the collected order within each group
+    items.sort(key=lambda item: lead.get(item.path, len(LONGEST) + (item.path not in slow)))
 
 
 @contextlib.contextmanager

@@ -34,3 +34,32 @@ def _fixture(family: str):
 
 for _family in BUILDERS:
     globals()[f"{_family}_pipeline"] = _fixture(_family)
+
+
+@pytest.fixture(scope="session")
+def video_runs(request, tmp_path_factory):
+    """``video_runs(family)`` -> {"full": run, "lora": run}: 4 steps of full (lr 1e-3) and of LoRA (rank 4, lr 1e-2)
+    fine-tuning of the family's tiny pipeline (``<family>_pipeline``) on the clips (``families.VIDEO``'s geometry),
+    checkpoints every 2 steps; made once a session (under pytest-xdist: once a worker) and shared read-only by the
+    shared suite and the family's own tests."""
+    from ditforge import cli
+    from families import KINDS, VIDEO
+
+    made: dict[str, dict[str, Path]] = {}
+
+    def runs(family: str) -> dict[str, Path]:
+        if family not in made:
+            folder = request.getfixturevalue(f"{family}_pipeline")
+            root = tmp_path_factory.mktemp(f"{family}_runs")
+            before = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                for kind, extra in KINDS.items():
+                    argv = VIDEO[family].argv(folder, root / kind, "--max_steps", "4", "--ckpt_every", "2", *extra)
+                    assert cli.main(argv) == 0
+            finally:
+                torch.set_num_threads(before)
+            made[family] = {kind: root / kind for kind in KINDS}
+        return made[family]
+
+    return runs

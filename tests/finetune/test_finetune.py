@@ -21,6 +21,7 @@ from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.diffusion.objective import create_objective
 from ditforge.train.logging import read_metrics
 from ditforge.train.trainer import step_randomness
+from families import assert_one_line_error  # tests/finetune is on sys.path
 from tiny_pipelines import CAPTIONS, IMAGE_SIZE, make_dit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -437,62 +438,6 @@ def test_diffusers_dit_pipeline_into_ditforge_dit(dit_runs, tmp_path):
 
 # -------------------------------------------------------------------------------------------------------------
 # Bad input: one line naming the flag or file, exit code 2, nothing half-written
-
-
-def assert_one_line_error(capsys, argv: list[str], *needles: str) -> str:
-    """``ditforge ARGV`` exits 2 with one line on stderr holding every needle (also used by test_wan.py)."""
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for needle in needles:
-        assert needle in err, err
-    return err
-
-
-def video_train_argv(folder, out, size: int, frames: int, interval: int, batch: int, *extra: str) -> list[str]:
-    """``ditforge train`` of a video pipeline folder on the built-in clips for the video family tests (test_wan.py,
-    test_cogvideox.py, test_ltx.py, ...): fp32 on the CPU, a loss logged every step, no sample grid, no caption
-    dropout."""
-    return ["train", "--init_from", str(folder), "--data", "clips", "--num_frames", str(frames), "--frame_interval",
-            str(interval), "--image_size", str(size), "--batch_size", str(batch), "--log_every", "1",
-            "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--num_workers", "0",
-            "--class_dropout_prob", "0", "--outputs", str(out), *extra]
-
-
-def assert_frames_match(npz, frames, shape: tuple[int, ...]) -> None:
-    """The videos ``ditforge sample --save_npz npz`` wrote equal a pipeline's ``output_type="np"`` frames (floats in
-    [0, 1]) to one uint8 level, both of ``shape`` (N, T, H, W, 3)."""
-    import numpy as np
-
-    expected = np.round(frames * 255).astype(np.int16)
-    got = np.load(npz)["samples"].astype(np.int16)
-    assert got.shape == expected.shape == shape
-    assert np.abs(got - expected).max() <= 1
-
-
-def assert_image_to_video_run_samples_like_its_export(run, tmp_path, pipeline_class: str, size: int, frames: int,
-                                                      guidance: float, returned: int | None = None) -> None:
-    """``ditforge sample --image`` of an image-to-video run draws what the run's ``--format diffusers`` export draws
-    from the same seed, prompt and random 24-bit first frame (``pipeline_class`` of diffusers), to one uint8 level
-    (test_wan.py, test_ltx.py, ...); a call for ``frames`` frames returns ``returned`` (default ``frames``)."""
-    import diffusers
-    import numpy as np
-    from PIL import Image
-
-    from ditforge.data.sampler import derive_seed
-
-    assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "exported"), "--format", "diffusers"]) == 0
-    pipe = getattr(diffusers, pipeline_class).from_pretrained(str(tmp_path / "exported"), local_files_only=True)
-    png = tmp_path / "first.png"
-    Image.fromarray(np.random.default_rng(3).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(png)
-    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
-    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--image", str(png), "--num_sampling_steps",
-                     "3", "--cfg_scale", str(guidance), "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
-                     "--device", "cpu"]) == 0
-    video = pipe(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=guidance,
-                 height=size, width=size, num_frames=frames,
-                 generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)), output_type="np").frames
-    assert_frames_match(npz, video, (1, returned or frames, size, size, 3))
 
 
 def _train_argv(folder, data, out, *extra) -> list[str]:

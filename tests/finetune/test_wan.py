@@ -1,9 +1,9 @@
-"""Wan 2.1 text-to-video and image-to-video fine-tuning (``ditforge train --init_from WAN_FOLDER --data clips``), end
-to end on the CPU with the tiny random ``WanPipeline`` and ``WanImageToVideoPipeline`` of ``tiny_pipelines.make_wan``
-/ ``make_wan_i2v`` (16 px, 5 frames: latents 16 x 2 x 2 x 2): the first step's loss against diffusers' model and the
-scheduler's flow arithmetic (and for I2V the first frame's conditioning) written out here, full and LoRA runs
-resumed bit for bit, the exported pipeline folder and LoRA file read back by diffusers, ``ditforge sample`` against
-the exported pipeline, flips off by default, and the one-line errors."""
+"""Wan's own fine-tuning tests (``ditforge train --init_from WAN_FOLDER --data clips``), end to end on the CPU with
+the tiny random ``WanPipeline`` and ``WanImageToVideoPipeline`` of ``tiny_pipelines.make_wan`` / ``make_wan_i2v``
+(16 px, 5 frames: latents 16 x 2 x 2 x 2): Wan 2.2 TI2V's text and image to video, ``ditforge sample --lora``,
+``--fp8_base`` and ``--blocks_to_swap``, the one-line errors, and Wan 2.1 image to video (the first step's loss with
+the first frame's conditioning written out here, caption dropout, export and sampling, features). What every video
+family shares (first loss, resume, export, LoRA file, features) is in test_video_families.py."""
 
 from __future__ import annotations
 
@@ -19,107 +19,19 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from test_finetune import (assert_frames_match, assert_image_to_video_run_samples_like_its_export,  # on sys.path
-                           assert_one_line_error, video_train_argv)
+from families import (VIDEO, assert_frames_match, assert_image_to_video_run_samples_like_its_export,  # on sys.path
+                      assert_one_line_error, video_train_argv)
+from references import step0_latents, wan_first_loss
 from tiny_pipelines import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SIZE, FRAMES, INTERVAL, BATCH = 16, 5, 2, 2  # 5 = 4 x 1 + 1 frames: 2 latent frames
-
-
-@pytest.fixture(scope="module")
-def wan(tmp_path_factory, one_thread_module) -> Path:
-    """The tiny ``WanPipeline`` folder, built once for this module."""
-    return BUILDERS["wan"](tmp_path_factory.mktemp("wan") / "pipe")
+SIZE, FRAMES, INTERVAL, BATCH = (getattr(VIDEO["wan"], k) for k in ("size", "frames", "interval", "batch"))
+# 16 px, 5 = 4 x 1 + 1 frames: 2 latent frames
 
 
 def _argv(folder: Path, out: Path, *extra: str) -> list[str]:
-    return video_train_argv(folder, out, SIZE, FRAMES, INTERVAL, BATCH, *extra)  # flips: off by default for Wan
-
-
-@pytest.fixture(scope="module")
-def runs(wan, tmp_path_factory, one_thread_module) -> dict[str, Path]:
-    """4 steps of full (lr 1e-3) and of LoRA (rank 4, lr 1e-2) fine-tuning, checkpoints every 2 steps."""
-    root = tmp_path_factory.mktemp("wan_runs")
-    out = {}
-    for kind, extra in (("full", ["--lr", "1e-3"]), ("lora", ["--lora_rank", "4", "--lr", "1e-2"])):
-        assert cli.main(_argv(wan, root / kind, "--max_steps", "4", "--ckpt_every", "2", *extra)) == 0
-        out[kind] = root / kind
-    return out
-
-
-def _step0_latents(pipe, pixels: torch.Tensor, shift: float):
-    """Step 0's latents from diffusers' pieces: ``pixels`` (B, 3, T, H, W) through ``AutoencoderKLWan``'s posterior,
-    with the step's draws in ditforge's order from ``derive_seed(0, 0)`` (noise, logit-normal u, caption drop, flip,
-    posterior eps), normalised as ``WanPipeline`` un-normalises before decoding (``latents / (1 / latents_std) +
-    latents_mean``, inverted). Returns (x0, noise, sigma = shift u / (1 + (shift - 1) u), mean, inv_std), the last
-    two (1, C, 1, 1, 1)."""
-    post = pipe.vae.encode(pixels).latent_dist
-    g = torch.Generator().manual_seed(derive_seed(0, 0))
-    shape = tuple(post.mean.shape[1:])
-    noise = torch.randn((BATCH, *shape), generator=g)
-    u = torch.sigmoid(torch.randn(BATCH, generator=g))  # logit-normal, mean 0, std 1
-    torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)  # caption drop, flip: unused here
-    eps = torch.randn((BATCH, *shape), generator=g)
-    view = (1, pipe.vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(pipe.vae.config.latents_mean).view(view)
-    inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(view)
-    return (post.mean + post.std * eps - mean) * inv_std, noise, shift * u / (1 + (shift - 1) * u), mean, inv_std
-
-
-def _reference_first_loss(folder: Path, size: int = SIZE) -> float:
-    """Step 0's loss from diffusers' pieces: the clips of the run's first batch (``GlobalBatchSampler``, seed 0)
-    through ``AutoencoderKLWan``'s posterior, normalised as ``WanPipeline`` un-normalises before decoding
-    (``latents / (1 / latents_std) + latents_mean``, inverted); the UMT5 states of ``pipe.encode_prompt`` at the
-    call's ``max_sequence_length`` (512); the step's random draws in ditforge's order (noise, logit-normal u, drop,
-    flip, posterior eps) from ``derive_seed(0, 0)``; sigma = shift u / (1 + (shift - 1) u) with the scheduler's
-    ``flow_shift`` (checked here against ``UniPCMultistepScheduler``'s own flow sigmas); x_t = (1 - sigma) x0 +
-    sigma noise, target noise - x0, ``pipe.transformer`` called directly at timestep 1000 sigma (Wan 2.2 TI2V,
-    ``expand_timesteps``: repeated for each token, as ``WanPipeline.__call__`` feeds it); MSE in float32."""
-    import diffusers
-
-    pipe = diffusers.WanPipeline.from_pretrained(str(folder), local_files_only=True)
-    sched = dict(pipe.scheduler.config)
-    shift, n_train = float(sched["flow_shift"]), int(sched["num_train_timesteps"])
-    # The shift map is the scheduler's: its flow sigmas for 10 steps are the shifted linear grid (float32; the
-    # first, 1, is moved 1e-6 down by the scheduler, so it is left out).
-    pipe.scheduler.set_timesteps(10)
-    u_grid = np.linspace(1, 1 / n_train, 11)[1:-1]
-    np.testing.assert_allclose(pipe.scheduler.sigmas[1:-1].numpy(), shift * u_grid / (1 + (shift - 1) * u_grid),
-                               rtol=1e-6)
-
-    ds = build_dataset("clips", size, None, FRAMES, INTERVAL, 0)
-    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
-    pixels = torch.stack([ds[i]["video"] for i in idx])
-    texts = [ds[i]["text"] for i in idx]
-    with torch.no_grad():
-        x0, noise, sigma, *_ = _step0_latents(pipe, pixels, shift)
-        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)
-        s = sigma.view(-1, 1, 1, 1, 1)
-        timestep = sigma * n_train
-        if pipe.config.get("expand_timesteps"):  # the 1 x 2 x 2 patches' tokens: T' x h / 2 x w / 2
-            timestep = timestep[:, None].expand(-1, x0.shape[2] * (x0.shape[3] // 2) * (x0.shape[4] // 2))
-        pred = pipe.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=timestep,
-                                encoder_hidden_states=embeds, return_dict=False)[0]
-    return float(torch.nn.functional.mse_loss(pred.float(), (noise - x0).float()))
-
-
-def test_first_step_loss_matches_diffusers(wan, runs):
-    """Both runs' first loss (LoRA starts with B = 0: the same model) equals the diffusers loss within 1e-5
-    relative (fp32); the run recorded the flow objective with the scheduler's shift and the latent frame count."""
-    ref = _reference_first_loss(wan)
-    for kind, run in runs.items():
-        records = read_metrics(run / "metrics.jsonl")
-        assert [r["step"] for r in records] == [1, 2, 3, 4], kind
-        assert records[0]["loss"] == pytest.approx(ref, rel=1e-5), kind
-    config = __import__("yaml").safe_load((runs["full"] / "config.yaml").read_text())
-    assert (config["model"]["family"], config["model"]["objective"], config["model"]["flow_shift"]) == ("wan", "flow", 3.0)
-    assert (config["model"]["num_frames"], config["data"]["num_frames"]) == (2, FRAMES)
-    # flips are off by default for a video pipeline (they acted on the latents of a 3-D VAE, which are not the
-    # flipped clip's latents): step 0 of seed 0 draws a flip for its second row, so the old default (on) fails
-    # the loss above
-    assert config["data"]["random_flip"] is False
+    return VIDEO["wan"].argv(folder, out, *extra)  # flips: off by default for Wan
 
 
 def test_wan22_ti2v_text_to_video_first_loss_export_and_sample(tmp_path):
@@ -133,7 +45,7 @@ def test_wan22_ti2v_text_to_video_first_loss_export_and_sample(tmp_path):
     run = tmp_path / "run"
     argv = video_train_argv(folder, run, 32, FRAMES, INTERVAL, BATCH, "--max_steps", "1", "--lr", "1e-3")
     assert cli.main(argv) == 0
-    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(_reference_first_loss(folder, 32),
+    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(wan_first_loss(folder, 32),
                                                                            rel=1e-5)
     assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "exported"), "--format", "diffusers"]) == 0
     pipe = diffusers.WanPipeline.from_pretrained(str(tmp_path / "exported"), local_files_only=True)
@@ -166,7 +78,7 @@ def test_wan22_ti2v_image_to_video_first_loss_and_sample(tmp_path):
     items = [ds[i] for i in _first_batch(ds)]
     pixels = torch.stack([it["video"] for it in items])
     with torch.no_grad():
-        x0, noise, sigma, mean, inv_std = _step0_latents(pipe, pixels, shift)
+        x0, noise, sigma, mean, inv_std = step0_latents(pipe, pixels, shift)
         given = (pipe.vae.encode(pixels[:, :, :1]).latent_dist.mode() - mean) * inv_std
         for row in range(BATCH):
             _, theirs, _ = pipe.prepare_latents(pixels[row:row + 1, :, 0], 1, 48, size, size, FRAMES, torch.float32,
@@ -187,118 +99,18 @@ def test_wan22_ti2v_image_to_video_first_loss_and_sample(tmp_path):
     assert_image_to_video_run_samples_like_its_export(run, tmp_path, "WanImageToVideoPipeline", size, FRAMES, 4.0)
 
 
-@pytest.mark.parametrize("kind", ["full", "lora"])
-def test_resume_equals_uninterrupted(kind, wan, runs, tmp_path):
-    """Stopped after 2 steps and resumed to 4 (``--resume auto``): the same 4 losses, bit for bit, and the same
-    final weights, bit for bit, as the run of 4 steps in one go."""
-    from ditforge.weights.read import load_weights
-    from ditforge.weights.finetuned import load_finetuned
-
-    extra = ["--lr", "1e-3"] if kind == "full" else ["--lora_rank", "4", "--lr", "1e-2"]
-    part = tmp_path / "part"
-    assert cli.main(_argv(wan, part, "--max_steps", "2", "--ckpt_every", "2", *extra)) == 0
-    assert cli.main(["train", "--outputs", str(part), "--resume", "auto", "--max_steps", "4"]) == 0
-    assert [r["loss"] for r in read_metrics(part / "metrics.jsonl")] == [
-        r["loss"] for r in read_metrics(runs[kind] / "metrics.jsonl")]
-    weights = [load_finetuned(*load_weights(run, use_ema=True), torch.device("cpu"))[1].state_dict()
-               for run in (runs[kind], part)]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-
-
-def test_export_folder_loads_with_wan_pipeline(runs, tmp_path):
-    """``--format diffusers`` of the full run: ``WanPipeline.from_pretrained(local_files_only=True)`` loads it and its
-    transformer holds the trained (EMA) weights exactly, which moved away from the base; from the same seed, prompt
-    and steps it draws the video ``ditforge sample --prompt`` draws (mp4 + gif, frames in the .npz), to one uint8
-    level."""
-    import diffusers
-
-    from ditforge.weights.read import load_weights
-    from ditforge.weights.finetuned import load_finetuned
-
-    out = tmp_path / "export"
-    assert cli.main(["export", "--ckpt", str(runs["full"]), "--format", "diffusers", "--out", str(out)]) == 0
-    pipe = diffusers.WanPipeline.from_pretrained(str(out), local_files_only=True)
-    pre, trained, _ = load_finetuned(*load_weights(runs["full"], use_ema=True), torch.device("cpu"))
-    exported, trained = pipe.transformer.state_dict(), trained.inner.state_dict()
-    assert exported.keys() == trained.keys()
-    assert all(torch.equal(exported[k], trained[k]) for k in trained)
-    base = diffusers.WanTransformer3DModel.from_pretrained(str(pre.folder), subfolder="transformer",
-                                                           local_files_only=True).state_dict()
-    assert any(not torch.equal(base[k], trained[k]) for k in trained)
-
-    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
-    assert cli.main(["sample", "--ckpt", str(runs["full"]), "--prompt", prompt, "--num_sampling_steps", "3",
-                     "--cfg_scale", "4", "--out", str(tmp_path / "videos"), "--save_npz", str(npz), "--device",
-                     "cpu", "--gif"]) == 0
-    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == ["000-a-rabbit-on-a-green-hill.gif",
-                                                                       "000-a-rabbit-on-a-green-hill.mp4"]
-    g = torch.Generator("cpu").manual_seed(derive_seed(0, 0))
-    video = pipe(prompt=[prompt], num_inference_steps=3, guidance_scale=4.0, height=SIZE, width=SIZE,
-                 num_frames=FRAMES, generator=[g], output_type="np").frames
-    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
-
-
-def test_features_train_like_on_the_fly(wan, runs, tmp_path):
-    """``extract-features --init_from`` stores the VAE posterior of whole clips (2 latent frames) and the UMT5
-    states; a run on them (the pipeline read from the features) logs the on-the-fly run's losses for the same
-    seed within 1e-5 relative (stored float32 moments, summed in another order)."""
-    feats = tmp_path / "feats"
-    assert cli.main(["extract-features", "--init_from", str(wan), "--data", "clips", "--num_frames", str(FRAMES),
-                     "--frame_interval", str(INTERVAL), "--image_size", str(SIZE), "--device", "cpu",
-                     "--num_workers", "0", "--out", str(feats)]) == 0
-    argv = ["train", "--data", str(feats), "--batch_size", str(BATCH), "--max_steps", "2", "--log_every", "1",
-            "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--class_dropout_prob", "0",
-            "--lr", "1e-3", "--outputs", str(tmp_path / "run")]
-    assert cli.main(argv) == 0
-    config = __import__("yaml").safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert (config["model"]["num_frames"], config["data"]["num_frames"]) == (2, FRAMES)
-    ours = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
-    fly = [r["loss"] for r in read_metrics(runs["full"] / "metrics.jsonl")][:2]
-    assert ours == pytest.approx(fly, rel=1e-5)
-
-
-def test_lora_file_loads_with_load_lora_weights(wan, runs, tmp_path):
-    """``--format lora``: ``pipe.load_lora_weights`` reads the file, and the transformer then gives ditforge's
-    LoRA model's output on fresh random latents, times and states within 1e-5 of the output's largest magnitude
-    (float32 sums of the adapters in another order), while the base model is off by over 100 times that."""
-    import diffusers
-
-    from ditforge.weights.read import load_weights
-    from ditforge.weights.finetuned import load_finetuned
-
-    out = tmp_path / "lora"
-    assert cli.main(["export", "--ckpt", str(runs["lora"]), "--format", "lora", "--out", str(out)]) == 0
-    pipe = diffusers.WanPipeline.from_pretrained(str(wan), local_files_only=True)
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(2, 16, 2, 2, 2, generator=g)
-    t = torch.rand(2, generator=g) * 1000
-    states = torch.randn(2, 512, 32, generator=g)
-    _, ours, _ = load_finetuned(*load_weights(runs["lora"], use_ema=True), torch.device("cpu"))
-
-    def call(model):
-        with torch.no_grad():
-            return model(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
-
-    base = call(pipe.transformer)
-    pipe.load_lora_weights(str(out))
-    theirs, mine = call(pipe.transformer), call(ours.inner)
-    tol = 1e-5 * mine.abs().max()
-    assert (theirs - mine).abs().max() <= tol
-    assert (base - mine).abs().max() > 100 * tol
-
-
-def test_sample_base_with_lora_file_equals_the_lora_run(wan, runs, tmp_path, capsys):
+def test_sample_base_with_lora_file_equals_the_lora_run(wan_pipeline, video_runs, tmp_path, capsys):
     """``ditforge sample --ckpt WAN_FOLDER --lora EXPORTED`` (the LoRA merged by diffusers' ``fuse_lora``) draws the
     video ``ditforge sample --ckpt LORA_RUN`` draws (peft's unmerged adapters), to one uint8 level, and not the base
     folder's; a file that is no LoRA of this pipeline is one line."""
+    runs = video_runs("wan")
     out = tmp_path / "lora"
     assert cli.main(["export", "--ckpt", str(runs["lora"]), "--format", "lora", "--out", str(out)]) == 0
     common = ["--prompt", "a rabbit on a green hill", "--num_sampling_steps", "3", "--height", str(SIZE), "--width",
               str(SIZE), "--num_frames", str(FRAMES), "--device", "cpu"]
     videos = {}
-    for name, ckpt in (("run", [str(runs["lora"])]), ("file", [str(wan), "--lora", str(out)]),
-                       ("base", [str(wan)])):
+    for name, ckpt in (("run", [str(runs["lora"])]), ("file", [str(wan_pipeline), "--lora", str(out)]),
+                       ("base", [str(wan_pipeline)])):
         npz = tmp_path / f"{name}.npz"
         assert cli.main(["sample", "--ckpt", *ckpt, *common, "--out", str(tmp_path / f"{name}.mp4"),
                          "--save_npz", str(npz)]) == 0
@@ -310,12 +122,13 @@ def test_sample_base_with_lora_file_equals_the_lora_run(wan, runs, tmp_path, cap
 
     save_file({"unrelated.lora_A.weight": torch.randn(4, 4)}, str(bad))
     capsys.readouterr()
-    assert cli.main(["sample", "--ckpt", str(wan), "--lora", str(bad), *common, "--out", str(tmp_path / "x.mp4")]) == 2
+    assert cli.main(["sample", "--ckpt", str(wan_pipeline), "--lora", str(bad), *common, "--out",
+                     str(tmp_path / "x.mp4")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"error: --lora {bad}: holds no LoRA weights" in err[0], err
 
 
-def test_fp8_base_gives_the_gradients_of_fp8_rounded_weights(wan):
+def test_fp8_base_gives_the_gradients_of_fp8_rounded_weights(wan_pipeline):
     """--fp8_base (``store_base_in_fp8``): the frozen attention and FFN layers of the transformer are stored in
     float8 e4m3 (one byte each: the memory), while the adapters, norms and embedders keep float32. Independent
     reference: a second copy in float32 whose frozen parameters are replaced by their e4m3 roundings, run plainly.
@@ -327,7 +140,7 @@ def test_fp8_base_gives_the_gradients_of_fp8_rounded_weights(wan):
     from ditforge.train.finetune import store_base_in_fp8
     from ditforge.weights.lora import add_lora
 
-    den = load_pretrained(wan, torch.device("cpu")).denoiser
+    den = load_pretrained(wan_pipeline, torch.device("cpu")).denoiser
     add_lora(den.inner, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -362,40 +175,41 @@ def test_fp8_base_gives_the_gradients_of_fp8_rounded_weights(wan):
     assert all(stored[n] == p.dtype for n, p in den.named_parameters())  # stored back after the forward
 
 
-def test_fp8_base_trains_from_the_cli(wan, runs, tmp_path, capsys):
+def test_fp8_base_trains_from_the_cli(wan_pipeline, video_runs, tmp_path, capsys):
     """``ditforge train --lora_rank 4 --fp8_base`` runs; its first loss is the plain LoRA run's moved by the e4m3
     rounding of the base (not equal, within 5%); a full fine-tune asked for it gets one line."""
+    runs = video_runs("wan")
     from ditforge.train.finetune import fp8_base_pays
 
     out = tmp_path / "fp8"
-    assert cli.main(_argv(wan, out, "--max_steps", "2", "--lora_rank", "4", "--lr", "1e-2", "--fp8_base")) == 0
+    assert cli.main(_argv(wan_pipeline, out, "--max_steps", "2", "--lora_rank", "4", "--lr", "1e-2", "--fp8_base")) == 0
     first, plain = (read_metrics(r / "metrics.jsonl")[0]["loss"] for r in (out, runs["lora"]))
     assert first != plain and first == pytest.approx(plain, rel=0.05)
     assert __import__("yaml").safe_load((out / "config.yaml").read_text())["model"]["fp8_base"] is True
     # under --gpu_memory_budget: on where the bf16 base takes over a quarter (Wan-1.3B's 1.42B parameters at
     # 8 GiB; Wan-14B's 14.3B at 24 GiB), off where it does not (Wan-1.3B at 24 GiB)
     assert [fp8_base_pays(n, b * 2**30) for n, b in ((1.42e9, 8), (14.3e9, 24), (1.42e9, 24))] == [True, True, False]
-    assert_one_line_error(capsys, _argv(wan, tmp_path / "full", "--max_steps", "1", "--fp8_base"),
+    assert_one_line_error(capsys, _argv(wan_pipeline, tmp_path / "full", "--max_steps", "1", "--fp8_base"),
                           "--fp8_base: stores the frozen base of a LoRA run; give --lora_rank")
 
 
-def test_blocks_to_swap_trains_as_the_resident_base(wan, tmp_path, capsys, caplog):
+def test_blocks_to_swap_trains_as_the_resident_base(wan_pipeline, tmp_path, capsys, caplog):
     """``--blocks_to_swap 2`` (both blocks' frozen fp8 weights in host memory, copied in for each forward and each
     recomputation) logs the losses of the same LoRA run with the base resident, bit for bit (on the CPU the copies
     are exact; the hooks and the recomputation are what is tested), and its log names the host bytes; without
     --grad_checkpoint it is one line."""
     common = ["--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2", "--fp8_base", "--grad_checkpoint"]
-    assert cli.main(_argv(wan, tmp_path / "resident", *common)) == 0
+    assert cli.main(_argv(wan_pipeline, tmp_path / "resident", *common)) == 0
     with caplog.at_level("INFO"):
-        assert cli.main(_argv(wan, tmp_path / "swapped", *common, "--blocks_to_swap", "2")) == 0
+        assert cli.main(_argv(wan_pipeline, tmp_path / "swapped", *common, "--blocks_to_swap", "2")) == 0
     assert "--blocks_to_swap 2: 0.00 GiB of frozen weights in host memory" in caplog.text
     losses = [[r["loss"] for r in read_metrics(tmp_path / run / "metrics.jsonl")] for run in ("resident", "swapped")]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
-    assert_one_line_error(capsys, _argv(wan, tmp_path / "r", "--max_steps", "1", "--lora_rank", "4",
+    assert_one_line_error(capsys, _argv(wan_pipeline, tmp_path / "r", "--max_steps", "1", "--lora_rank", "4",
                                         "--blocks_to_swap", "1"), "--blocks_to_swap", "--grad_checkpoint")
 
 
-def test_block_swap_runs_each_block_on_fresh_copies(wan):
+def test_block_swap_runs_each_block_on_fresh_copies(wan_pipeline):
     """``BlockSwap`` on the tiny Wan's two blocks: outside a forward the frozen weights are the host tensors; inside
     one (and inside the checkpointed recomputation of the backward) they are copies made for it; the LoRA
     gradients equal those of the resident model bit for bit."""
@@ -407,7 +221,7 @@ def test_block_swap_runs_each_block_on_fresh_copies(wan):
     from ditforge.parallel.offload import BlockSwap
     from ditforge.weights.lora import add_lora
 
-    den = load_pretrained(wan, torch.device("cpu")).denoiser
+    den = load_pretrained(wan_pipeline, torch.device("cpu")).denoiser
     add_lora(den.inner, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -434,12 +248,12 @@ def test_block_swap_runs_each_block_on_fresh_copies(wan):
     assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
-def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
+def test_unsupported_video_family_lists_the_supported(wan_pipeline, tmp_path, capsys):
     """A pipeline folder of a family ditforge does not fine-tune (Mochi): one line naming it and listing the
     supported pipeline classes, Wan's, CogVideoX's, LTX-Video's and HunyuanVideo's among them; no checkpoint
     written."""
     folder = tmp_path / "mochi"
-    shutil.copytree(wan, folder)
+    shutil.copytree(wan_pipeline, folder)
     index = json.loads((folder / "model_index.json").read_text())
     index["_class_name"] = "MochiPipeline"
     (folder / "model_index.json").write_text(json.dumps(index))
@@ -450,11 +264,11 @@ def test_unsupported_video_family_lists_the_supported(wan, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("setting, needle", [({"boundary_ratio": 0.875}, "boundary_ratio")])
-def test_wan22_variants_are_refused(setting, needle, wan, tmp_path, capsys):
+def test_wan22_variants_are_refused(setting, needle, wan_pipeline, tmp_path, capsys):
     """A Wan 2.2 folder with two-stage denoising by boundary_ratio and no second expert: one line naming it, not a
     run that trains the wrong thing; no checkpoint written."""
     folder = tmp_path / "wan22"
-    shutil.copytree(wan, folder)
+    shutil.copytree(wan_pipeline, folder)
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, **setting}))
     assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from", "Wan 2.2", needle)
@@ -462,16 +276,16 @@ def test_wan22_variants_are_refused(setting, needle, wan, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("frames, nearest", [(6, "5 and 9"), (4, "1 and 5"), (12, "9 and 13")])
-def test_num_frames_the_vae_cannot_take(frames, nearest, wan, tmp_path, capsys):
+def test_num_frames_the_vae_cannot_take(frames, nearest, wan_pipeline, tmp_path, capsys):
     """A frame count other than 4k + 1: one line naming ``--num_frames`` and the valid counts either side; no
     checkpoint and no metrics written."""
-    argv = _argv(wan, tmp_path / "r", "--max_steps", "1")
+    argv = _argv(wan_pipeline, tmp_path / "r", "--max_steps", "1")
     argv[argv.index("--num_frames") + 1] = str(frames)
     assert_one_line_error(capsys, argv, f"--num_frames {frames}", nearest)
     assert not (tmp_path / "r" / "checkpoints").exists() and not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-def test_images_for_a_video_pipeline(wan, tmp_path, capsys):
+def test_images_for_a_video_pipeline(wan_pipeline, tmp_path, capsys):
     """Captioned images for Wan (it makes videos): one line saying so; no checkpoint written."""
     from PIL import Image
 
@@ -481,7 +295,7 @@ def test_images_for_a_video_pipeline(wan, tmp_path, capsys):
     for i in range(2):
         Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(data / f"img{i}.png")
         (data / f"img{i}.txt").write_text("a dog runs on the grass")
-    argv = _argv(wan, tmp_path / "r", "--max_steps", "1")
+    argv = _argv(wan_pipeline, tmp_path / "r", "--max_steps", "1")
     argv[argv.index("--data") + 1] = str(data)
     del argv[argv.index("--num_frames"):argv.index("--num_frames") + 4]  # --num_frames N --frame_interval N
     assert_one_line_error(capsys, argv, f"--data {data}", "holds images", "WanPipeline", "makes videos")
@@ -490,12 +304,6 @@ def test_images_for_a_video_pipeline(wan, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------------------------
 # Image-to-video (WanImageToVideoPipeline)
-
-
-@pytest.fixture(scope="module")
-def wan_i2v(tmp_path_factory, one_thread_module) -> Path:
-    """The tiny ``WanImageToVideoPipeline`` folder, built once for this module."""
-    return BUILDERS["wan_i2v"](tmp_path_factory.mktemp("wan_i2v") / "pipe")
 
 
 def _first_batch(ds) -> list[int]:
@@ -522,13 +330,13 @@ def i2v_data(tmp_path_factory, one_thread_module) -> Path:
 
 
 @pytest.fixture(scope="module")
-def i2v_runs(wan_i2v, i2v_data, tmp_path_factory, one_thread_module) -> dict[str, Path]:
+def i2v_runs(wan_i2v_pipeline, i2v_data, tmp_path_factory, one_thread_module) -> dict[str, Path]:
     """2 steps of full fine-tuning (lr 1e-3) on ``i2v_data`` and 3 of LoRA (rank 4, lr 1e-2) on ``clips``."""
     root = tmp_path_factory.mktemp("wan_i2v_runs")
     out = {}
     for kind, data, extra in (("full", str(i2v_data), ["--max_steps", "2", "--lr", "1e-3"]),
                               ("lora", "clips", ["--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2"])):
-        argv = _argv(wan_i2v, root / kind, "--ckpt_every", "100", *extra)
+        argv = _argv(wan_i2v_pipeline, root / kind, "--ckpt_every", "100", *extra)
         argv[argv.index("--data") + 1] = data
         assert cli.main(argv) == 0
         out[kind] = root / kind
@@ -562,7 +370,7 @@ def _i2v_reference_first_loss(folder: Path, data: str) -> float:
     first = torch.stack([it.get("image", it["video"][:, 0]) for it in items])
     texts = [it["text"] for it in items]
     with torch.no_grad():
-        x0, noise, sigma, mean, inv_std = _step0_latents(pipe, pixels, shift)
+        x0, noise, sigma, mean, inv_std = step0_latents(pipe, pixels, shift)
         clip = torch.cat([first[:, :, None], torch.zeros(BATCH, 3, FRAMES - 1, SIZE, SIZE)], dim=2)
         latent_condition = (pipe.vae.encode(clip).latent_dist.mode() - mean) * inv_std
         mask = torch.zeros(BATCH, 4, *latent_condition.shape[2:])
@@ -581,14 +389,14 @@ def _i2v_reference_first_loss(folder: Path, data: str) -> float:
     return float(torch.nn.functional.mse_loss(pred.float(), (noise - x0).float()))
 
 
-def test_i2v_first_step_loss_matches_diffusers(wan_i2v, i2v_data, i2v_runs):
+def test_i2v_first_step_loss_matches_diffusers(wan_i2v_pipeline, i2v_data, i2v_runs):
     """Both image-to-video runs' first loss (the full run's first batch takes the CSV's image for one clip and the
     first frame for the other; the LoRA run's first frames of ``clips``) equals the diffusers loss within 1e-5
     relative (fp32); the runs record the family, the 16 latent channels and flips off."""
     import yaml
 
     for kind, data in (("full", str(i2v_data)), ("lora", "clips")):
-        ref = _i2v_reference_first_loss(wan_i2v, data)
+        ref = _i2v_reference_first_loss(wan_i2v_pipeline, data)
         records = read_metrics(i2v_runs[kind] / "metrics.jsonl")
         assert records[0]["loss"] == pytest.approx(ref, rel=1e-5), kind
         config = yaml.safe_load((i2v_runs[kind] / "config.yaml").read_text())
@@ -621,7 +429,7 @@ def test_i2v_caption_dropout_keeps_the_image(i2v_runs):
     assert (kept - dropped).abs().max() > 1e-6 * dropped.abs().max()  # the tiny model's captions matter a little
 
 
-def test_i2v_lora_moves_and_export_samples_like_the_pipeline(wan_i2v, i2v_runs, tmp_path):
+def test_i2v_lora_moves_and_export_samples_like_the_pipeline(wan_i2v_pipeline, i2v_runs, tmp_path):
     """The LoRA run moved its adapters (B != 0). ``--format diffusers`` of the full run loads in
     ``WanImageToVideoPipeline`` with the trained transformer exactly; ``ditforge sample --image first.png --out
     clip.mp4`` writes that one file, and its frames (the .npz) equal the exported pipeline's from the same
@@ -669,10 +477,11 @@ def test_i2v_lora_moves_and_export_samples_like_the_pipeline(wan_i2v, i2v_runs, 
     assert np.abs(second - np.round(video[0] * 255).astype(np.int16)).max() <= 1
 
 
-def test_i2v_bad_input_lines(wan_i2v, runs, i2v_runs, tmp_path, capsys):
+def test_i2v_bad_input_lines(wan_i2v_pipeline, video_runs, i2v_runs, tmp_path, capsys):
     """One line, exit 2, nothing written: ``--image`` for a text-to-video run, no ``--image`` for an image-to-video
     run, a video file name for two prompts, an image file name for a video, ``--random_flip`` for an
     image-to-video run."""
+    runs = video_runs("wan")
     png = tmp_path / "first.png"
     __import__("PIL.Image").Image.new("RGB", (SIZE, SIZE)).save(png)
     out = tmp_path / "out"
@@ -685,24 +494,24 @@ def test_i2v_bad_input_lines(wan_i2v, runs, i2v_runs, tmp_path, capsys):
                     str(out / "clip.mp4")], f"--out {out / 'clip.mp4'}", "2 prompts")
     assert_one_line_error(capsys, [*base, "--ckpt", str(runs["full"]), "--out", str(out / "x.png")], "--out", ".mp4")
     assert not out.exists()
-    assert_one_line_error(capsys, _argv(wan_i2v, tmp_path / "r", "--max_steps", "1", "--random_flip"), "--random_flip",
+    assert_one_line_error(capsys, _argv(wan_i2v_pipeline, tmp_path / "r", "--max_steps", "1", "--random_flip"), "--random_flip",
            "WanImageToVideoPipeline")
     assert not (tmp_path / "r" / "checkpoints").exists() and not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-def test_i2v_features_train_like_on_the_fly(wan_i2v, i2v_runs, tmp_path):
+def test_i2v_features_train_like_on_the_fly(wan_i2v_pipeline, i2v_runs, tmp_path):
     """``extract-features --init_from`` an image-to-video folder stores the image conditioning with the prompt's
     (``cond.image_condition``, ``cond.encoder_hidden_states_image``); a LoRA run on them logs the on-the-fly LoRA
     run's first 2 losses within 1e-5 relative."""
     feats = tmp_path / "feats"
-    assert cli.main(["extract-features", "--init_from", str(wan_i2v), "--data", "clips", "--num_frames", str(FRAMES),
+    assert cli.main(["extract-features", "--init_from", str(wan_i2v_pipeline), "--data", "clips", "--num_frames", str(FRAMES),
                      "--frame_interval", str(INTERVAL), "--image_size", str(SIZE), "--device", "cpu",
                      "--num_workers", "0", "--out", str(feats)]) == 0
     manifest = json.loads((feats / "features.json").read_text())
     assert set(manifest["cond_keys"]) == {"encoder_hidden_states", "image_condition", "encoder_hidden_states_image"}
     argv = ["train", "--data", str(feats), "--batch_size", str(BATCH), "--max_steps", "2", "--log_every", "1",
             "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--class_dropout_prob", "0",
-            "--init_from", str(wan_i2v), "--lora_rank", "4", "--lr", "1e-2", "--outputs", str(tmp_path / "run")]
+            "--init_from", str(wan_i2v_pipeline), "--lora_rank", "4", "--lr", "1e-2", "--outputs", str(tmp_path / "run")]
     assert cli.main(argv) == 0
     ours = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     fly = [r["loss"] for r in read_metrics(i2v_runs["lora"] / "metrics.jsonl")][:2]

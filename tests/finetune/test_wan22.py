@@ -18,7 +18,7 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from test_finetune import assert_frames_match, assert_one_line_error  # on sys.path
+from families import assert_frames_match, assert_one_line_error  # on sys.path
 from test_wan import _argv
 from tiny_pipelines import make_wan22
 

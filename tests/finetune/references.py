@@ -1,0 +1,243 @@
+"""Step 0's loss of a fine-tuning run of each video family (``families.VIDEO``), written out from diffusers'
+pieces (the family's pipeline, VAE, scheduler and transformer) with the step's draws in ditforge's order: what the
+first-step tests of ``test_video_families.py`` and of the families' own modules compare a run's first loss with."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ditforge.data import build_dataset
+from ditforge.data.sampler import GlobalBatchSampler, derive_seed
+from families import VIDEO
+
+
+def _geometry(family: str) -> tuple[int, int, int, int]:
+    """(pixels, frames, frame interval, batch) of the family's runs."""
+    spec = VIDEO[family]
+    return spec.size, spec.frames, spec.interval, spec.batch
+
+
+def step0_latents(pipe, pixels: torch.Tensor, shift: float):
+    """Step 0's latents from diffusers' pieces: ``pixels`` (B, 3, T, H, W) through ``AutoencoderKLWan``'s posterior,
+    with the step's draws in ditforge's order from ``derive_seed(0, 0)`` (noise, logit-normal u, caption drop, flip,
+    posterior eps), normalised as ``WanPipeline`` un-normalises before decoding (``latents / (1 / latents_std) +
+    latents_mean``, inverted). Returns (x0, noise, sigma = shift u / (1 + (shift - 1) u), mean, inv_std), the last
+    two (1, C, 1, 1, 1)."""
+    BATCH = len(pixels)
+    post = pipe.vae.encode(pixels).latent_dist
+    g = torch.Generator().manual_seed(derive_seed(0, 0))
+    shape = tuple(post.mean.shape[1:])
+    noise = torch.randn((BATCH, *shape), generator=g)
+    u = torch.sigmoid(torch.randn(BATCH, generator=g))  # logit-normal, mean 0, std 1
+    torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)  # caption drop, flip: unused here
+    eps = torch.randn((BATCH, *shape), generator=g)
+    view = (1, pipe.vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(view)
+    inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(view)
+    return (post.mean + post.std * eps - mean) * inv_std, noise, shift * u / (1 + (shift - 1) * u), mean, inv_std
+
+
+def wan_first_loss(folder: Path, size: int = 16) -> float:
+    """Step 0's loss from diffusers' pieces: the clips of the run's first batch (``GlobalBatchSampler``, seed 0)
+    through ``AutoencoderKLWan``'s posterior, normalised as ``WanPipeline`` un-normalises before decoding
+    (``latents / (1 / latents_std) + latents_mean``, inverted); the UMT5 states of ``pipe.encode_prompt`` at the
+    call's ``max_sequence_length`` (512); the step's random draws in ditforge's order (noise, logit-normal u, drop,
+    flip, posterior eps) from ``derive_seed(0, 0)``; sigma = shift u / (1 + (shift - 1) u) with the scheduler's
+    ``flow_shift`` (checked here against ``UniPCMultistepScheduler``'s own flow sigmas); x_t = (1 - sigma) x0 +
+    sigma noise, target noise - x0, ``pipe.transformer`` called directly at timestep 1000 sigma (Wan 2.2 TI2V,
+    ``expand_timesteps``: repeated for each token, as ``WanPipeline.__call__`` feeds it); MSE in float32."""
+    _, FRAMES, INTERVAL, BATCH = _geometry("wan")
+    import diffusers
+
+    pipe = diffusers.WanPipeline.from_pretrained(str(folder), local_files_only=True)
+    sched = dict(pipe.scheduler.config)
+    shift, n_train = float(sched["flow_shift"]), int(sched["num_train_timesteps"])
+    # The shift map is the scheduler's: its flow sigmas for 10 steps are the shifted linear grid (float32; the
+    # first, 1, is moved 1e-6 down by the scheduler, so it is left out).
+    pipe.scheduler.set_timesteps(10)
+    u_grid = np.linspace(1, 1 / n_train, 11)[1:-1]
+    np.testing.assert_allclose(pipe.scheduler.sigmas[1:-1].numpy(), shift * u_grid / (1 + (shift - 1) * u_grid),
+                               rtol=1e-6)
+
+    ds = build_dataset("clips", size, None, FRAMES, INTERVAL, 0)
+    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
+    pixels = torch.stack([ds[i]["video"] for i in idx])
+    texts = [ds[i]["text"] for i in idx]
+    with torch.no_grad():
+        x0, noise, sigma, *_ = step0_latents(pipe, pixels, shift)
+        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        timestep = sigma * n_train
+        if pipe.config.get("expand_timesteps"):  # the 1 x 2 x 2 patches' tokens: T' x h / 2 x w / 2
+            timestep = timestep[:, None].expand(-1, x0.shape[2] * (x0.shape[3] // 2) * (x0.shape[4] // 2))
+        pred = pipe.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=timestep,
+                                encoder_hidden_states=embeds, return_dict=False)[0]
+    return float(torch.nn.functional.mse_loss(pred.float(), (noise - x0).float()))
+
+
+def cogvideox_first_loss(folder: Path) -> float:
+    """Step 0's loss as diffusers' ``examples/cogvideo/train_cogvideox_lora.py`` computes it: the clips of the run's
+    first batch (``GlobalBatchSampler``, seed 0) through ``AutoencoderKLCogVideoX``'s posterior times its
+    ``scaling_factor``, frames first; the T5 states of ``pipe.encode_prompt`` (226 tokens); the step's draws in
+    ditforge's order from ``derive_seed(0, 0)`` (noise, integer timesteps in [0, 1000), drop, flip, posterior
+    eps); ``scheduler.add_noise``, the transformer with the pipeline's rotary positions, ``scheduler.get_velocity``
+    of its output (the x0 estimate) against x0 weighted by 1 / (1 - abar_t); float32."""
+    SIZE, FRAMES, INTERVAL, BATCH = _geometry("cogvideox")
+    import diffusers
+
+    pipe = diffusers.CogVideoXPipeline.from_pretrained(str(folder), local_files_only=True)
+    ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
+    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
+    pixels = torch.stack([ds[i]["video"] for i in idx])
+    texts = [ds[i]["text"] for i in idx]
+    with torch.no_grad():
+        post = pipe.vae.encode(pixels).latent_dist
+        g = torch.Generator().manual_seed(derive_seed(0, 0))
+        shape = tuple(post.mean.shape[1:])
+        noise = torch.randn((BATCH, *shape), generator=g)
+        t = torch.randint(0, 1000, (BATCH,), generator=g)
+        torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)  # caption drop, flip: unused here
+        eps = torch.randn((BATCH, *shape), generator=g)
+        x0 = ((post.mean + post.std * eps) * pipe.vae.config.scaling_factor).transpose(1, 2)  # (B, T', C, h, w)
+        noise = noise.transpose(1, 2)
+        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=226)
+        noisy = pipe.scheduler.add_noise(x0, noise, t)
+        rotary = pipe._prepare_rotary_positional_embeddings(SIZE, SIZE, x0.shape[1], torch.device("cpu"))
+        out = pipe.transformer(hidden_states=noisy, encoder_hidden_states=embeds, timestep=t,
+                               image_rotary_emb=rotary, return_dict=False)[0]
+        pred = pipe.scheduler.get_velocity(out, noisy, t)
+        weights = (1 / (1 - pipe.scheduler.alphas_cumprod[t])).view(-1, 1, 1, 1, 1)
+    return float((weights * (pred - x0) ** 2).reshape(BATCH, -1).mean(1).mean())
+
+
+def ltx_first_loss(folder: Path, image_to_video: bool = False) -> tuple[float, float]:
+    """Step 0's loss from diffusers' pieces, and the shift: the clips of the run's first batch (``GlobalBatchSampler``,
+    seed 0) through ``AutoencoderKLLTXVideo``'s posterior, normalised by ``LTXPipeline._normalize_latents`` (its
+    ``latents_mean`` / ``latents_std`` buffers and ``scaling_factor``); the T5 states and attention mask of
+    ``pipe.encode_prompt`` (128 tokens); the step's draws in ditforge's order (noise, logit-normal u, drop, flip,
+    posterior eps) from ``derive_seed(0, 0)``; shift = exp(mu), mu of the pipeline's ``calculate_shift`` at the
+    latent frames x height x width (128) with the scheduler's settings; sigma = shift u / (1 + (shift - 1) u); the
+    transformer on ``_pack_latents`` of x_t = (1 - sigma) x0 + sigma noise with the pipeline's rotary scale at 25
+    fps, its output unpacked, against noise - x0; float32. ``image_to_video`` (``LTXImageToVideoPipeline``): the
+    first latent frame of x_t is the clip's first frame alone through the VAE's posterior mode, normalised as
+    ``prepare_latents`` normalises its draw, its 64 tokens at timestep 0 (the pipeline's ``t (1 -
+    conditioning_mask)``), and the loss is over the other frames."""
+    SIZE, FRAMES, INTERVAL, BATCH = _geometry("ltx")
+    import diffusers
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    cls = diffusers.LTXImageToVideoPipeline if image_to_video else diffusers.LTXPipeline
+    pipe = cls.from_pretrained(str(folder), local_files_only=True)
+    ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
+    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
+    pixels = torch.stack([ds[i]["video"] for i in idx])
+    config = pipe.scheduler.config
+    with torch.no_grad():
+        post = pipe.vae.encode(pixels).latent_dist
+        g = torch.Generator().manual_seed(derive_seed(0, 0))
+        shape = tuple(post.mean.shape[1:])
+        noise = torch.randn((BATCH, *shape), generator=g)
+        u = torch.sigmoid(torch.randn(BATCH, generator=g))
+        torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)
+        eps = torch.randn((BATCH, *shape), generator=g)
+        x0 = pipe._normalize_latents(post.mean + post.std * eps, pipe.vae.latents_mean, pipe.vae.latents_std,
+                                     pipe.vae.config.scaling_factor)
+        frames, h, w = x0.shape[2:]
+        shift = math.exp(calculate_shift(frames * h * w, config.base_image_seq_len, config.max_image_seq_len,
+                                         config.base_shift, config.max_shift))
+        sigma = (shift * u / (1 + (shift - 1) * u)).view(-1, 1, 1, 1, 1)
+        embeds, mask, _, _ = pipe.encode_prompt([ds[i]["text"] for i in idx], do_classifier_free_guidance=False,
+                                                device="cpu", max_sequence_length=128)
+        x_t = (1 - sigma) * x0 + sigma * noise
+        timestep = sigma.flatten() * 1000
+        if image_to_video:
+            first = pipe._normalize_latents(pipe.vae.encode(pixels[:, :, :1]).latent_dist.mode(),
+                                            pipe.vae.latents_mean, pipe.vae.latents_std)  # prepare_latents' call
+            x_t = torch.cat([first, x_t[:, :, 1:]], dim=2)
+            timestep = torch.cat([torch.zeros(BATCH, h * w), timestep[:, None].expand(-1, (frames - 1) * h * w)], 1)
+        ratio = pipe.vae_spatial_compression_ratio
+        out = pipe.transformer(hidden_states=pipe._pack_latents(x_t, 1, 1), encoder_hidden_states=embeds,
+                               timestep=timestep, encoder_attention_mask=mask, num_frames=frames,
+                               height=h, width=w, rope_interpolation_scale=(pipe.vae_temporal_compression_ratio / 25,
+                                                                            ratio, ratio), return_dict=False)[0]
+        pred = pipe._unpack_latents(out, frames, h, w, 1, 1)
+    given = 1 if image_to_video else 0
+    return float(((pred - (noise - x0))[:, :, given:] ** 2).mean()), shift
+
+
+def hunyuan_video_first_loss(folder: Path, condition: str | None = None) -> float:
+    """Step 0's loss from diffusers' pieces: the first batch's clips through ``AutoencoderKLHunyuanVideo``'s posterior
+    times its ``scaling_factor``; the Llama states, mask and CLIP pooled states of ``pipe.encode_prompt`` (256
+    tokens); the draws from ``derive_seed(0, 0)`` in ditforge's order (noise, logit-normal u, drop, flip, posterior
+    eps); sigma = 7 u / (1 + 6 u) (the scheduler's shift 7, checked against its own sigmas); the transformer at
+    1000 sigma with guidance 1000 (embedded guidance 1.0) on x_t = (1 - sigma) x0 + sigma noise, against
+    noise - x0.
+
+    ``condition`` (``HunyuanVideoImageToVideoPipeline``, its transformer's ``image_condition_type``): the prompts
+    encoded with the clips' first frames as uint8 images (every 4th / 2nd of the image states, the call's
+    ``image_embed_interleave``), and the first frames' posterior mode times ``scaling_factor`` (``prepare_latents``):
+    token_replace puts it in place of x_t's first latent frame and leaves that frame out of the loss;
+    latent_concat concatenates [it on frame 0 and zeros, the first-frame mask] to x_t's channels, as
+    ``__call__``'s ``latent_model_input``."""
+    SIZE, FRAMES, INTERVAL, BATCH = _geometry("hunyuan_video")
+    import diffusers
+    import numpy as np
+    from PIL import Image
+
+    cls = diffusers.HunyuanVideoPipeline if condition is None else diffusers.HunyuanVideoImageToVideoPipeline
+    pipe = cls.from_pretrained(str(folder), local_files_only=True)
+    shift = float(pipe.scheduler.config.shift)
+    assert shift == 7.0
+    pipe.scheduler.set_timesteps(sigmas=[0.5])
+    assert float(pipe.scheduler.sigmas[0]) == pytest.approx(shift * 0.5 / (1 + (shift - 1) * 0.5), rel=1e-6)
+    ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
+    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
+    pixels = torch.stack([ds[i]["video"] for i in idx])
+    with torch.no_grad():
+        post = pipe.vae.encode(pixels).latent_dist
+        g = torch.Generator().manual_seed(derive_seed(0, 0))
+        shape = tuple(post.mean.shape[1:])
+        noise = torch.randn((BATCH, *shape), generator=g)
+        u = torch.sigmoid(torch.randn(BATCH, generator=g))
+        torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)
+        eps = torch.randn((BATCH, *shape), generator=g)
+        x0 = (post.mean + post.std * eps) * pipe.vae.config.scaling_factor
+        sigma = shift * u / (1 + (shift - 1) * u)
+        texts = [ds[i]["text"] for i in idx]
+        s = sigma.view(-1, 1, 1, 1, 1)
+        x_t, given = (1 - s) * x0 + s * noise, 0
+        if condition is None:
+            embeds, pooled, mask = pipe.encode_prompt(texts, device="cpu", max_sequence_length=256)
+        else:
+            first = pixels[:, :, 0]
+            uint8 = ((first + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+            images = [Image.fromarray(np.asarray(f)) for f in uint8]
+            embeds, pooled, mask = pipe.encode_prompt(image=images, prompt=texts, device="cpu", max_sequence_length=256,
+                                                      image_embed_interleave=4 if condition == "token_replace" else 2)
+            image = pipe.vae.encode(first[:, :, None]).latent_dist.mode() * pipe.vae.config.scaling_factor
+            if condition == "token_replace":
+                x_t, given = torch.cat([image, x_t[:, :, 1:]], dim=2), 1
+            else:
+                padded = torch.cat([image, torch.zeros_like(x_t[:, :, 1:])], dim=2)
+                frame_mask = torch.zeros_like(x_t[:, :1])
+                frame_mask[:, :, 0] = 1
+                x_t = torch.cat([x_t, padded, frame_mask], dim=1)
+        pred = pipe.transformer(hidden_states=x_t, timestep=sigma * 1000,
+                                encoder_hidden_states=embeds, encoder_attention_mask=mask, pooled_projections=pooled,
+                                guidance=torch.full((BATCH,), 1000.0), return_dict=False)[0]
+    return float(((pred - (noise - x0))[:, :, given:] ** 2).mean())
+
+
+def first_loss(family: str, folder: Path) -> tuple[float, dict]:
+    """The family's reference first loss of its pipeline ``folder``, and what the run's ``config.yaml`` must hold
+    beyond ``VIDEO[family].config`` (LTX-Video: the dynamic shift at the run's latent size, 1e-12 relative)."""
+    if family == "ltx":
+        loss, shift = ltx_first_loss(folder)
+        return loss, {"model.flow_shift": pytest.approx(shift, rel=1e-12)}
+    return {"wan": wan_first_loss, "cogvideox": cogvideox_first_loss,
+            "hunyuan_video": hunyuan_video_first_loss}[family](folder), {}
