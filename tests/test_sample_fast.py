@@ -134,12 +134,14 @@ def test_fp8_sampling_layers_are_the_float8_rounded_products(monkeypatch):
             product = ref(x.float())
         assert 1e-2 < rel(got, product) and rel(got, emulated) < 0.2 * rel(got, product), \
             (seed, name, rel(got, emulated), rel(got, product))
-    x = torch.randn(4, 4, 8, 8, generator=g, device=dev)
-    t, y = torch.randint(0, 1000, (4,), generator=g, device=dev), torch.randint(0, 10, (4,), generator=g, device=dev)
+    # 2 samples (32 token rows): the interpreter runs one program per row of each fused LayerNorm kernel
+    x = torch.randn(2, 4, 8, 8, generator=g, device=dev)
+    t, y = torch.randint(0, 1000, (2,), generator=g, device=dev), torch.randint(0, 10, (2,), generator=g, device=dev)
     with torch.no_grad():
         whole = rel(fp8(x, t, y).float(), exact(x, t, y))
     assert 1e-3 < whole < 0.05, (seed, whole)  # torchao's path measured 1.6-2.3% (H200, 3 seeds, 12 blocks);
-    # 2 blocks on the CPU: 0.80-1.05% (2 seeds)
+    # 2 blocks on the CPU, 4 samples: 0.80-1.05% (2 seeds); 2 samples: 0.68%, 1.13%, 0.88% (seeds 11, 22, 33;
+    # 4 samples at those seeds: 0.69%, 0.91%, 0.65%)
 
 
 class _Counting(torch.nn.Module):

@@ -72,9 +72,9 @@ def _assert_state_close(a: dict, b: dict, atol: float) -> None:
 
 
 def test_loss_goes_down(train_run, tmp_path):
-    run = train_run(tmp_path / "run", "--max_steps", "40", "--batch_size", "32", "--lr", "1e-3")
+    run = train_run(tmp_path / "run", "--max_steps", "20", "--batch_size", "32", "--lr", "1e-3")
     records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 41))
+    assert [r["step"] for r in records] == list(range(1, 21))
     for r in records:
         assert {"step", "loss", "mse", "vb", "lr", "samples_per_sec", "grad_norm"} <= r.keys()
         assert r["lr"] == pytest.approx(1e-3) and r["samples_per_sec"] > 0
@@ -82,8 +82,9 @@ def test_loss_goes_down(train_run, tmp_path):
         assert r["loss"] == pytest.approx(r["mse"] + r["vb"], rel=1e-9)
     first = sum(r["loss"] for r in records[:5]) / 5
     last = sum(r["loss"] for r in records[-10:]) / 10
-    # Observed on digits: ~0.95 -> ~0.25. Requiring a 30% drop leaves a wide margin and still fails for a
-    # loop that does not learn (constant loss ~1.0).
+    # Observed on digits: ~0.9 -> ~0.3. Requiring a 30% drop leaves a wide margin and still fails for a
+    # loop that does not learn (constant loss ~1.0). last / first after 20 steps (steps 11-20 against 1-5),
+    # training seeds 0, 1, 2 (2026-12-02): 0.38, 0.27, 0.31; after 40 steps (twice the time) 0.22, 0.24, 0.22.
     assert last < 0.7 * first, (first, last)
 
 
