@@ -550,7 +550,7 @@ def profile_row(model_name: str, name: str, pipe: Path, feats: Path, batch: int,
     from ditforge.parallel.mesh import Dist
     from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.train import finetune
-    from ditforge.train.trainer import step_randomness, train_step
+    from ditforge.train.step import step_randomness, train_step
 
     row = row_flags(model_name, name)
 

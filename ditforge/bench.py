@@ -77,7 +77,7 @@ from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import Dist
 from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel.optim import StepInBackward, build_optimizer, cap_gpu_memory, state_bytes
-from ditforge.train.trainer import step_randomness, train_step
+from ditforge.train.step import step_randomness, train_step
 
 log = logging.getLogger(__name__)
 

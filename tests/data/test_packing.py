@@ -236,7 +236,7 @@ def test_packed_train_step_equals_unpacked_step():
     normalised update would magnify float noise in near-zero gradients), on DDPM with learned sigma."""
     from ditforge.parallel.mesh import Dist
     from ditforge.train.randomness import StepRandomness
-    from ditforge.train.trainer import train_step
+    from ditforge.train.step import train_step
 
     gen = torch.Generator().manual_seed(8)
     micro = [(torch.randn(6, 4, 8, 8, generator=gen), {"y": torch.randint(0, 10, (6,), generator=gen)},

@@ -47,7 +47,7 @@ def _trainer(model):
 
 
 def _train(model, parts, d, x, cond, shape, steps):
-    from ditforge.train.trainer import step_randomness, train_step
+    from ditforge.train.step import step_randomness, train_step
 
     diffusion, opt, ema = parts
     b = GLOBAL_BATCH // d.dp_size

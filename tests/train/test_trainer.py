@@ -34,7 +34,7 @@ from ditforge.parallel.mesh import Dist
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import trainer
 from ditforge.train.logging import read_metrics
-from ditforge.train.trainer import ema_decay_at, step_randomness
+from ditforge.train.step import ema_decay_at, step_randomness
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
