@@ -542,7 +542,7 @@ def profile_row(model_name: str, name: str, pipe: Path, feats: Path, batch: int,
     from torch.profiler import ProfilerActivity, profile
 
     from timing import print_top_kernels
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
     from ditforge.data import build_dataset
     from ditforge.diffusion.objective import create_objective
     from ditforge.encoders.batch import BatchEncoder

@@ -29,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ditforge.bench import ROWS, Settings, run_steps
-from ditforge.config import BenchConfig
+from ditforge.config.sections import BenchConfig
 from ditforge.errors import UserError
 from timing import cuda_kernels, host_syncs, kernel_kind
 

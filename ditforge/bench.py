@@ -65,7 +65,8 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_path
-from ditforge.config import BenchConfig, parse_bytes, parse_checkpoint_policy, resolve_device, resolve_precision
+from ditforge.config.sections import BenchConfig
+from ditforge.config.values import parse_bytes, parse_checkpoint_policy, resolve_device, resolve_precision
 from ditforge.diffusion import create_diffusion
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model

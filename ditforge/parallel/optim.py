@@ -70,7 +70,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as adam_functional
 
-from ditforge.config import LIBRARY_OPTIMIZERS, OPTIMIZERS
+from ditforge.config.sections import LIBRARY_OPTIMIZERS, OPTIMIZERS
 from ditforge.errors import UserError
 from ditforge.ops.fused_adamw import Kind, OnePassAdamW, on_gpu_with_triton
 from ditforge.parallel import clip_coefficient

@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ditforge.atomic import atomic_path
-from ditforge.config import LIBRARY_OPTIMIZERS, RunConfig, parse_bytes, resolve_precision
+from ditforge.config.sections import LIBRARY_OPTIMIZERS, RunConfig
+from ditforge.config.values import parse_bytes, resolve_precision
 from ditforge.data import GlobalBatchSampler, build_dataset, build_shard_loader, source_of
 from ditforge.data.prefetch import DevicePrefetcher
 from ditforge.data.shards import ShardData

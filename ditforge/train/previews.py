@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ditforge.config import RunConfig
+from ditforge.config.sections import RunConfig
 from ditforge.data.images import make_grid, save_grid, to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate

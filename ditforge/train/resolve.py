@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ditforge.config import RunConfig
+from ditforge.config.sections import RunConfig
 from ditforge.data import BUILTIN_DATASETS, source_of
 from ditforge.data.features import read_manifest
 from ditforge.data.prefetch import default_num_workers

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ditforge.config import RunConfig
+from ditforge.config.sections import RunConfig
 from ditforge.data.packing import packed_training_losses
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion.objective import Objective

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ditforge.config import RunConfig
+from ditforge.config.sections import RunConfig
 from ditforge.encoders.batch import as_batch
 from ditforge.errors import RunError, UserError
 from ditforge.parallel.context import refuse_unsplittable

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ditforge.config import build_config
+from ditforge.config.load import build_config
 from ditforge.data.packing import pack, packed_training_losses, packing_setup, patchify, plan_packing
 from ditforge.diffusion.flow import RectifiedFlow
 from ditforge.diffusion.gaussian import create_diffusion

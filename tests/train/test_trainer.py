@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ditforge import cli
-from ditforge.config import build_config
+from ditforge.config.load import build_config
 from ditforge.data import DigitsDataset
 from ditforge.diffusion import create_diffusion
 from ditforge.models import create_model
