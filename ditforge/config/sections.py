@@ -36,8 +36,28 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+class _Freezable:
+    """A run's settings, written while they are filled and resolved, then frozen (``freeze``): a write after it
+    raises ``dataclasses.FrozenInstanceError``, so every setting has one place where it is decided."""
+
+    _frozen = False  # a class attribute, not a field: to_dict and the saved config.yaml do not hold it
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise dataclasses.FrozenInstanceError(f"cannot assign to {type(self).__name__}.{name}: the run's "
+                                                  "config is frozen once resolved")
+        super().__setattr__(name, value)
+
+
+def freeze(cfg: RunConfig) -> RunConfig:
+    """Freeze ``cfg`` and its sections in place (writes raise ``dataclasses.FrozenInstanceError``); returns it."""
+    for part in (cfg.model, cfg.data, cfg.train, cfg.parallel, cfg):
+        object.__setattr__(part, "_frozen", True)
+    return cfg
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Freezable):
     model: str | None = _f(None, "model name: DiT-{T,S,B,L,XL,7B}/{1,2,4,8} (e.g. DiT-XL/2) for images; for "
                                  "videos vDiT-{T,S,B,L,XL,7B}/{t}{h}{w} (3-D patches, full attention, e.g. "
                                  "vDiT-XL/222) or STDiT-{T,S,B,L,XL,7B}/{p} (spatial and temporal attention, e.g. STDiT-XL/2) "
@@ -100,7 +120,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Freezable):
     data: str = _f("digits", "digits (built-in 8x8 images) | clips (built-in captioned videos) | a video CSV "
                              "(path,text[,num_frames,fps,height,width]; see `ditforge preprocess`) | an image "
                              "folder ROOT/<class>/<image> | captioned images (a folder of images with <stem>.txt "
@@ -148,7 +168,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Freezable):
     batch_size: int = _f(64, "global batch size (all processes together)")
     max_steps: int | None = _f(None, "optimizer steps to run (default: 1000, or --epochs)")
     epochs: int | None = _f(None, "epochs to run instead of --max_steps")
@@ -269,7 +289,7 @@ class TrainConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Freezable):
     plugin: str = _f("auto", "data parallelism: ddp | zero2 (sharded gradients and optimizer states) | fsdp "
                              "(ZeRO-3, parameters sharded too) | auto (zero2 with several processes)",
                      choices=PLUGINS)
@@ -341,7 +361,7 @@ class BenchConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_Freezable):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -9,9 +9,9 @@ import copy
 import functools
 import json
 import logging
-import math
 import signal
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from ditforge.data.features import read_manifest
 from ditforge.data.sources import FEATURES, build_bucket_dataset
 from ditforge.data.packing import packing_setup
 from ditforge.encoders.batch import BatchEncoder, build_batch_encoder, pipeline_batch_encoder
-from ditforge.diffusion.objective import Objective, create_objective
+from ditforge.diffusion.objective import Objective
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.models.adapters.pipeline import Pretrained, is_adapted_pipeline, load_pretrained
@@ -44,9 +44,19 @@ from ditforge.train import finetune
 from ditforge.train.mixed import check_bucket_tokens
 from ditforge.train.guard import LossSpikeGuard, NonfiniteGuard, claim_run_folder, disk_errors
 from ditforge.train.logging import MetricsLog, Tracker
-from ditforge.train.resolve import DEFAULT_MODELS, default_outputs, default_workers, settle_flips
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MODELS = {False: "DiT-T/2", True: "vDiT-T/244"}  # by video data
+
+
+def default_outputs(cfg: RunConfig, d: Dist) -> str:
+    data = Path(cfg.data.instance_data or cfg.data.data).name or "data"
+    model = f"{cfg.model.model.replace('/', '-')}-" if cfg.model.model else ""
+    name = [str(Path("outputs") / f"{data}-{model}{datetime.now():%Y%m%d-%H%M%S}")]
+    if d.mesh is not None:  # every rank must write into the folder rank 0 named
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
 
 
 def create_run_model(cfg: RunConfig, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
@@ -144,7 +154,7 @@ class Run:
     bucketed: object = None  # --buckets: the BucketBatchSampler (each bucket's batch size is its global batch)
     steps_per_epoch: int = 0
     max_steps: int = 0
-    # objective, model and optimizer (build_objective, build_model, build_ema_and_optimizer, trainer._resume)
+    # objective, model and optimizer (resolve.resolve, build_model, build_ema_and_optimizer, trainer._resume)
     diffusion: Objective | None = None
     model: nn.Module | None = None
     adapters_only: bool = False  # LoRA: EMA and checkpoints hold the adapters alone
@@ -262,18 +272,14 @@ def load_init(run: Run) -> None:
             if features is not None and run.pre.denoiser.image_noise and m.noised_image_input:
                 log.info("--noised_image_input: the features hold the clean first frames' latents, so the image "
                          "conditioning is not noised; train on the clips to noise it")
-            if m.expert is not None and cfg.train.sample_every:  # the pipeline's grid would need both experts
-                log.info("--expert %s: no periodic samples (the other expert stays in host memory); draw them "
-                         "with ditforge sample --ckpt RUN", m.expert)
-                cfg.train.sample_every = 0
         else:
             run.dit_init = finetune.read_dit_init(cfg)
     run.features = features
 
 
 def build_data(run: Run) -> None:
-    """Data: the data set, the batch encoder (VAE, text encoder), the data and model settings the data decides
-    (flips, streams, workers, classes, the default model), the bucket sampler and the run's length in steps."""
+    """Data: the data set, the batch encoder (VAE, text encoder; they record the data's shapes in the config), the
+    default model, the bucket sampler and the run's length in steps."""
     cfg, d, run_dir, pre = run.cfg, run.d, run.run_dir, run.pre
     t, m, device = cfg.train, cfg.model, d.device
     dataset = _build_dataset(cfg, run_dir, pre, d)
@@ -287,17 +293,6 @@ def build_data(run: Run) -> None:
             raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
                             f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
         inputs = build_batch_encoder(cfg, dataset, device, run.amp_dtype if device.type == "cuda" else torch.float32)
-    settle_flips(cfg, dataset, pre)
-    if isinstance(dataset, ShardData) and cfg.data.data_streams is None:
-        cfg.data.data_streams = math.gcd(t.batch_size, math.lcm(16, d.dp_size))  # >= 16 and every rank its streams
-    if cfg.data.num_workers is None:
-        cfg.data.num_workers = default_workers(dataset, cfg.data, d.dp_size)
-    if not dataset.num_classes and m.condition == "class":  # captioned images have no labels
-        raise UserError(f"--data {cfg.data.data} holds captioned images, no class labels; use --condition text")
-    if m.num_classes is None:
-        m.num_classes = dataset.num_classes or None
-    elif m.num_classes < dataset.num_classes and m.condition == "class":
-        raise UserError(f"--num_classes {m.num_classes}: the data has {dataset.num_classes} classes")
     bucketed = None  # --buckets: each bucket's batch size is its global batch; --batch_size is not used
     if cfg.data.buckets is not None and not isinstance(dataset, ShardData):  # shards: the streams' order
         from ditforge.data.buckets import BucketBatchSampler
@@ -310,30 +305,6 @@ def build_data(run: Run) -> None:
     run.steps_per_epoch = bucketed.steps_per_epoch if bucketed else len(dataset) // t.batch_size
     run.max_steps = t.max_steps or (t.epochs * max(run.steps_per_epoch, 1) if t.epochs else 1000)
     run.dataset, run.video, run.inputs, run.bucketed = dataset, video, inputs, bucketed
-
-
-def build_objective(run: Run) -> None:
-    """The learning rate's default (by the model and the optimizer asked, before a memory budget may change the
-    optimizer), and the objective, which a diffusers family's scheduler config decides; the config records it."""
-    t, m, pre = run.cfg.train, run.cfg.model, run.pre
-    if t.lr is None and t.optimizer == "adafactor":  # its lr is a relative step size: the paper's 1e-2
-        t.lr = 1e-2
-    if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
-        t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
-    t_range = (0.0, 1.0)
-    if m.expert is not None:  # Wan 2.2 A14B: the high-noise expert runs sigma >= boundary_ratio, the other below
-        boundary = float(pre.pipe.config.boundary_ratio)
-        t_range = (boundary, 1.0) if m.expert == "high_noise" else (0.0, boundary)
-    diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
-                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std, t_range=t_range,
-                                 given_frames=pre.denoiser.given_frames if pre is not None else 0,
-                                 where=f"--init_from {m.init_from}", device=run.d.device,
-                                 seq_len=m.num_frames * m.input_size**2 if pre is not None and pre.denoiser.video
-                                 else None)  # LTX's shift follows the latent frames x height x width
-    m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
-    if m.objective == "flow":
-        m.flow_shift = diffusion.shift
-    run.diffusion = diffusion
 
 
 def build_model(run: Run) -> None:

@@ -1,13 +1,12 @@
-"""The settings a training run decides from what it reads rather than from its flags: the default run folder and
-model, the pipeline family a run fine-tunes, ``--random_flip``'s and ``--num_workers``' defaults."""
+"""The one resolution of a training run's settings: every default the run decides from what it opened (the
+pretrained pipeline, the data set) rather than from its flags, computed once before the model and optimizer are
+built (``resolve``); the pipeline family a run fine-tunes, ``--random_flip``'s and ``--num_workers``' defaults."""
 
 from __future__ import annotations
 
+import logging
+import math
 import os
-from datetime import datetime
-from pathlib import Path
-
-import torch.distributed as dist
 
 from ditforge.config.sections import RunConfig
 from ditforge.data import BUILTIN_DATASETS, source_of
@@ -15,22 +14,66 @@ from ditforge.data.features import read_manifest
 from ditforge.data.prefetch import default_num_workers
 from ditforge.data.shards import LatentDecoder, ShardData
 from ditforge.data.sources import FEATURES
+from ditforge.diffusion.objective import create_objective
 from ditforge.errors import UserError
 from ditforge.models.adapters import family_of_pipeline
 from ditforge.models.adapters.pipeline import is_adapted_pipeline, read_model_index
-from ditforge.parallel.mesh import Dist
+from ditforge.train import finetune
+from ditforge.train.build import Run
+
+log = logging.getLogger(__name__)
 
 
-DEFAULT_MODELS = {False: "DiT-T/2", True: "vDiT-T/244"}  # by video data
+def resolve(run: Run) -> RunConfig:
+    """The run's settings resolved, once the run folder, the pretrained pipeline and the data set are open
+    (``build.open_run``, ``load_init``, ``build_data``) and before the model and optimizer are built: no periodic
+    samples for one Wan 2.2 expert, the flips, the shard streams and loader workers, the class count, the
+    learning rate's default (by the model and the optimizer asked, before a memory budget may change the
+    optimizer), the objective (which a diffusers family's scheduler config decides; the config records its kind
+    and shift, ``run.diffusion`` holds it) and the LoRA targets. Returns ``run.cfg``.
 
-
-def default_outputs(cfg: RunConfig, d: Dist) -> str:
-    data = Path(cfg.data.instance_data or cfg.data.data).name or "data"
-    model = f"{cfg.model.model.replace('/', '-')}-" if cfg.model.model else ""
-    name = [str(Path("outputs") / f"{data}-{model}{datetime.now():%Y%m%d-%H%M%S}")]
-    if d.mesh is not None:  # every rank must write into the folder rank 0 named
-        dist.broadcast_object_list(name, src=0)
-    return name[0]
+    Raises:
+        UserError: ``--random_flip`` for an image-to-video pipeline, class conditioning on data without labels,
+            ``--num_classes`` below the data's, or an objective the pipeline's scheduler does not give.
+    """
+    cfg, d, pre, dataset = run.cfg, run.d, run.pre, run.dataset
+    t, m = cfg.train, cfg.model
+    if pre is not None and m.expert is not None and t.sample_every:  # the pipeline's grid would need both experts
+        log.info("--expert %s: no periodic samples (the other expert stays in host memory); draw them "
+                 "with ditforge sample --ckpt RUN", m.expert)
+        t.sample_every = 0
+    settle_flips(cfg, dataset, pre)
+    if isinstance(dataset, ShardData) and cfg.data.data_streams is None:
+        cfg.data.data_streams = math.gcd(t.batch_size, math.lcm(16, d.dp_size))  # >= 16 and every rank its streams
+    if cfg.data.num_workers is None:
+        cfg.data.num_workers = default_workers(dataset, cfg.data, d.dp_size)
+    if not dataset.num_classes and m.condition == "class":  # captioned images have no labels
+        raise UserError(f"--data {cfg.data.data} holds captioned images, no class labels; use --condition text")
+    if m.num_classes is None:
+        m.num_classes = dataset.num_classes or None
+    elif m.num_classes < dataset.num_classes and m.condition == "class":
+        raise UserError(f"--num_classes {m.num_classes}: the data has {dataset.num_classes} classes")
+    if t.lr is None and t.optimizer == "adafactor":  # its lr is a relative step size: the paper's 1e-2
+        t.lr = 1e-2
+    if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
+        t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
+    t_range = (0.0, 1.0)
+    if m.expert is not None:  # Wan 2.2 A14B: the high-noise expert runs sigma >= boundary_ratio, the other below
+        boundary = float(pre.pipe.config.boundary_ratio)
+        t_range = (boundary, 1.0) if m.expert == "high_noise" else (0.0, boundary)
+    diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
+                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std, t_range=t_range,
+                                 given_frames=pre.denoiser.given_frames if pre is not None else 0,
+                                 where=f"--init_from {m.init_from}", device=run.d.device,
+                                 seq_len=m.num_frames * m.input_size**2 if pre is not None and pre.denoiser.video
+                                 else None)  # LTX's shift follows the latent frames x height x width
+    m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
+    if m.objective == "flow":
+        m.flow_shift = diffusion.shift
+    run.diffusion = diffusion
+    if m.lora_rank:  # a diffusers family's default targets, else a DiT's
+        m.lora_target_modules = finetune.lora_targets(pre.denoiser if pre is not None else None, cfg)
+    return cfg
 
 
 def pipeline_family(cfg: RunConfig):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ditforge.config.sections import RunConfig
+from ditforge.config.sections import RunConfig, freeze
 from ditforge.encoders.batch import as_batch
 from ditforge.errors import RunError, UserError
 from ditforge.parallel.context import refuse_unsplittable
@@ -28,12 +28,12 @@ from ditforge.parallel.optim import keep_states_within, out_of_memory, set_lr, s
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train.build import (Run, build_data, build_ema_and_optimizer, build_loader, build_model,
-                                  build_objective, last_checkpoint, load_init, open_logs, open_outputs, open_run,
+                                  last_checkpoint, load_init, open_logs, open_outputs, open_run,
                                   truncate_metrics)
 from ditforge.train.guard import LossSpikeGuard, all_finite
 from ditforge.train.logging import MetricsLog
 from ditforge.train.previews import evaluate, write_samples
-from ditforge.train.resolve import pipeline_family
+from ditforge.train.resolve import pipeline_family, resolve
 from ditforge.train.step import ema_decay_at, learning_rate, make_micro_batches, train_step
 
 log = logging.getLogger(__name__)
@@ -78,12 +78,14 @@ def train(cfg: RunConfig) -> Path:
 
 
 def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
-    """The run's phases, in order; each fills its part of the state they share (``Run``)."""
+    """The run's phases, in order; each fills its part of the state they share (``Run``). The settings are
+    resolved once (``resolve``) and frozen before the optimizer is built."""
     run = open_run(cfg, d, held)
     load_init(run)
     build_data(run)
-    build_objective(run)
+    resolve(run)
     build_model(run)
+    freeze(run.cfg)  # the memory budget's placement (build_model) is the last setting decided
     build_ema_and_optimizer(run)
     _resume(run)
     open_outputs(run)
