@@ -1,6 +1,6 @@
 """The named build phases of a training run, in the order ``trainer.train`` calls them: the run folder and its
-guards, ``--init_from``, the data, the objective, the model, the EMA and optimizer, the outputs, the loader and
-the logs. Each fills its part of the state they share (``Run``)."""
+guards, ``--init_from``, the data, (the settings resolved, ``resolve.resolve``), the model, the EMA and optimizer,
+the outputs, the loader and the logs. Each fills its part of the state they share (``Run``)."""
 
 from __future__ import annotations
 
