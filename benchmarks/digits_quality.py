@@ -108,7 +108,7 @@ def sweep(args) -> None:
     import logging
     import tempfile
 
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
     from ditforge.sample import SampleConfig, sample
     from ditforge.weights.read import list_checkpoints
     from ditforge.train.trainer import train

@@ -542,7 +542,7 @@ def profile_row(model_name: str, name: str, pipe: Path, feats: Path, batch: int,
     from torch.profiler import ProfilerActivity, profile
 
     from timing import print_top_kernels
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
     from ditforge.data import build_dataset
     from ditforge.diffusion.objective import create_objective
     from ditforge.encoders.batch import BatchEncoder
@@ -550,7 +550,7 @@ def profile_row(model_name: str, name: str, pipe: Path, feats: Path, batch: int,
     from ditforge.parallel.mesh import Dist
     from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.train import finetune
-    from ditforge.train.trainer import step_randomness, train_step
+    from ditforge.train.step import step_randomness, train_step
     from ditforge.weights.lora import add_lora_to_denoiser
 
     row = row_flags(model_name, name)

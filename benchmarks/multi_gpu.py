@@ -44,7 +44,7 @@ from ditforge.parallel import init_sharded, parallelize
 from ditforge.parallel.ema import EMA
 from ditforge.parallel.mesh import init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
-from ditforge.train.trainer import step_randomness, train_step
+from ditforge.train.step import step_randomness, train_step
 
 
 def run_plugin(d, plugin: str, args, save_dir: str | None) -> dict:

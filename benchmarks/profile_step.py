@@ -29,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ditforge.bench import ROWS, Settings, run_steps
-from ditforge.config import BenchConfig
+from ditforge.config.sections import BenchConfig
 from ditforge.errors import UserError
 from timing import cuda_kernels, host_syncs, kernel_kind
 
@@ -63,21 +63,21 @@ def guarded(cfg: BenchConfig, base: Settings, steps: int, device: torch.device) 
     not counted), with the three lines behind most of them."""
     print(f"{cfg.model} batch {cfg.batch_size}, base settings {base}\n"
           "| optimizer path | ms/step | host syncs/step | from |\n|---|---:|---:|---|")
-    from ditforge.train import trainer
+    from ditforge.train import step as step_module
 
-    guarded_step = trainer.step_skipping_on_device
+    guarded_step = step_module.step_skipping_on_device
     try:
-        _guarded_rows(cfg, base, steps, device, trainer, guarded_step)
+        _guarded_rows(cfg, base, steps, device, step_module, guarded_step)
     finally:
-        trainer.step_skipping_on_device = guarded_step
+        step_module.step_skipping_on_device = guarded_step
 
 
-def _guarded_rows(cfg: BenchConfig, base: Settings, steps: int, device: torch.device, trainer, guarded_step) -> None:
+def _guarded_rows(cfg: BenchConfig, base: Settings, steps: int, device: torch.device, step_module, guarded_step) -> None:
     for name, change in GUARDED:
         # unguarded: the library optimizer's own step, whatever the flag (what the select-back costs)
         change = dict(change)
         unguarded = change.pop("unguarded", False)
-        trainer.step_skipping_on_device = (lambda opt, flag: opt.step()) if unguarded else guarded_step
+        step_module.step_skipping_on_device = (lambda opt, flag: opt.step()) if unguarded else guarded_step
         s = replace(base, **change)
         if s.master_weights != "fp32" and s.precision == "fp32":
             s = replace(s, precision="bf16")  # bf16 weights need bf16 compute (--master_weights)

@@ -37,7 +37,7 @@ from ditforge.diffusion import create_diffusion
 from ditforge.models import create_model
 from ditforge.parallel import parallelize
 from ditforge.parallel.mesh import Dist
-from ditforge.train.trainer import step_randomness, train_step
+from ditforge.train.step import step_randomness, train_step
 
 SHAPES = {8192: (32, 32), 32768: (32, 64), 65536: (64, 64)}  # tokens -> (latent frames, latent side); patch 1x2x2
 

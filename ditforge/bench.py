@@ -65,7 +65,8 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_path
-from ditforge.config import BenchConfig, parse_bytes, parse_checkpoint_policy, resolve_device, resolve_precision
+from ditforge.config.sections import BenchConfig
+from ditforge.config.values import parse_bytes, parse_checkpoint_policy, resolve_device, resolve_precision
 from ditforge.diffusion import create_diffusion
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
@@ -79,7 +80,7 @@ from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.optim import build_optimizer
 from ditforge.optim.backward import StepInBackward
 from ditforge.optim.placement import cap_gpu_memory, state_bytes
-from ditforge.train.trainer import step_randomness, train_step
+from ditforge.train.step import step_randomness, train_step
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ import sys
 import types
 import typing
 
-from ditforge.config import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, BenchConfig, DataConfig,
-                             ModelConfig, ParallelConfig, TrainConfig, build_config)
+from ditforge.config.load import build_config
+from ditforge.config.sections import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, BenchConfig,
+                                      DataConfig, ModelConfig, ParallelConfig, TrainConfig)
 from ditforge.errors import RunError, UserError
 
 

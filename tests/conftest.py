@@ -91,9 +91,9 @@ def fast_grid(monkeypatch):
     in-process runs that ask for grids (``--sample_every N``) draw them with 2 steps instead (1 step cannot be
     respaced: see test_sample.py). Everything else about them (labels, file, size) is unchanged. The
     subprocess smoke test in test_cli.py draws a real one. Runs with ``--sample_every 0`` draw none."""
-    from ditforge.train import trainer
+    from ditforge.train import previews
 
-    monkeypatch.setattr(trainer, "sample_grid", functools.partial(trainer.sample_grid, num_steps=2))
+    monkeypatch.setattr(previews, "sample_grid", functools.partial(previews.sample_grid, num_steps=2))
 
 
 @pytest.fixture

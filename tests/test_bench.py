@@ -196,7 +196,7 @@ def test_rows_whose_state_alone_exceeds_the_gpu_are_skipped_before_building(monk
     from types import SimpleNamespace
 
     from ditforge.bench import MEMORY_BASE, state_too_big
-    from ditforge.config import BenchConfig
+    from ditforge.config.sections import BenchConfig
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=64 * 2**30))
     cfg, cuda, params = BenchConfig(gpu_memory_budget="8GiB"), torch.device("cuda"), 4 * 10**9

@@ -224,7 +224,7 @@ def test_config_file_then_flags(tmp_path, layout):
         settings = {k: v for section in settings.values() for k, v in section.items()}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(settings))
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
 
     run = tmp_path / "run"  # two of the file's settings overridden by flags
     rc = cli.main(["train", "--config", str(path), "--outputs", str(run), "--sample_every", "0", "--log_every", "1",
@@ -261,7 +261,7 @@ def test_invalid_yaml_error_is_one_line(tiny_argv, tmp_path, capsys):
 
 
 def test_config_file_lr_in_exponent_notation(tmp_path):
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
     from ditforge.errors import UserError
 
     path = tmp_path / "c.yaml"

@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
-from ditforge.config import RESIZE_MODES
+from ditforge.config.sections import RESIZE_MODES
 from ditforge.data.images import (CSV_EXPECTED, IMAGE_EXTENSIONS, center_crop_arr, error_text, load_or_substitute,
                                   read_csv_rows, report_bad_samples)
 from ditforge.data.sampler import derive_seed

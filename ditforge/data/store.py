@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
-from ditforge.config import resolve_device
+from ditforge.config.values import resolve_device
 from ditforge.data.features import FEATURES_FORMAT, FEATURES_MANIFEST, FEATURES_VERSION, SHARD_PATTERN
 from ditforge.data.prefetch import default_num_workers
 from ditforge.data.shards.write import NUM_TEXTS, ShardWriter

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ditforge.config import WEIGHTING_SCHEMES
+from ditforge.config.sections import WEIGHTING_SCHEMES
 from ditforge.diffusion.gaussian import ModelFn, mean_flat
 
 

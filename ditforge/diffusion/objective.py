@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ditforge.config import OBJECTIVES, WEIGHTING_SCHEMES
+from ditforge.config.sections import OBJECTIVES, WEIGHTING_SCHEMES
 from ditforge.diffusion.flow import RectifiedFlow
 from ditforge.diffusion.gaussian import BETA_SCHEDULES, GaussianDiffusion, betas_from_schedule, create_diffusion
 from ditforge.errors import UserError

@@ -67,7 +67,7 @@ def evaluate(samples: str, ref: str | None = None, inception: str | None = None,
             reference without ``ref``; fvd with another metric or without ``i3d``, ``i3d`` without fvd; see
             ``fvd.evaluate_fvd``.
     """
-    from ditforge.config import resolve_device
+    from ditforge.config.values import resolve_device
 
     device = resolve_device(device)
     if (metrics is None and i3d) or (metrics and "fvd" in metrics):

@@ -23,7 +23,7 @@ import functools
 import torch
 from torch import nn
 
-from ditforge.config import LIBRARY_OPTIMIZERS, OPTIMIZERS
+from ditforge.config.sections import LIBRARY_OPTIMIZERS, OPTIMIZERS
 from ditforge.errors import UserError
 from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.optim.compensated import CompensatedAdamW, _sharded_by_rows
@@ -40,7 +40,7 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device; fully_shard's DTensors
     stepped shard by shard, not tensor parallelism's); otherwise ``torch.optim.AdamW`` (fused, CUDA and CPU) for ``adamw`` over fp32
     weights stepped after the backward, else ``CompensatedAdamW`` with the libraries' kernels;
-    ``LIBRARY_OPTIMIZERS``: the library's own (``library_optimizer``; ``config.validate`` keeps them to the step
+    ``LIBRARY_OPTIMIZERS``: the library's own (``library_optimizer``; ``config.checks.validate`` keeps them to the step
     after the backward). betas (0.9, 0.999), eps 1e-8 (DiT's and diffusers' training scripts'). ``offload``
     ``optimizer`` (``--cpu_offload optimizer``): the states in pinned host memory; ``all``: the parameters are
     FSDP2's host shards, stepped by torch's fused AdamW on the CPU (``DelayedAdamW`` with ``delayed_update``).

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ditforge.config import parse_checkpoint_policy
+from ditforge.config.values import parse_checkpoint_policy
 from ditforge.errors import UserError
 from ditforge.models import block_paths, replace_block
 from ditforge.models.adapters import DiffusersDenoiser

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ditforge.config import resolve_device
+from ditforge.config.values import resolve_device
 from ditforge.errors import UserError
 
 

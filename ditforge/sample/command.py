@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ditforge.config import COMPILE_MODES, resolve_precision
+from ditforge.config.sections import COMPILE_MODES
+from ditforge.config.values import resolve_precision
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import SAMPLERS
 from ditforge.errors import UserError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ditforge.config import resolve_precision
+from ditforge.config.values import resolve_precision
 from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
 from ditforge.errors import UserError
 from ditforge.models import create_model_from_spec, infer_dit_config, is_video_model

@@ -18,7 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
-from ditforge.config import SAMPLING_PRECISIONS, resolve_precision
+from ditforge.config.sections import SAMPLING_PRECISIONS
+from ditforge.config.values import resolve_precision
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ditforge.config import resolve_precision
+from ditforge.config.values import resolve_precision
 from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.encoders.vae import VAE, decode_tiles_split, use_strips

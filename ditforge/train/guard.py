@@ -150,7 +150,7 @@ def claim_run_folder(run_dir: Path, d: Dist) -> RunLock | None:
 
 class NonfiniteGuard:
     """Counts the steps whose loss or global gradient norm was not finite (their optimizer and EMA updates were
-    skipped, on the device, see ``trainer.train_step``) and stops the run after ``max_in_row`` of them in a row.
+    skipped, on the device, see ``step.train_step``) and stops the run after ``max_in_row`` of them in a row.
 
     A step's flag is read on the host one step late (``push`` of step k reads step k-1's, copied without blocking
     when it was pushed: ``LateFlag``), so checking never stalls the GPU's queue; ``flush`` reads the last one

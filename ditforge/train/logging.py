@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ditforge.config import report_backends
+from ditforge.config.values import report_backends
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class MetricsLog:
 class Tracker:
     """Experiment tracking beside ``metrics.jsonl`` (the trainer's process 0): TensorBoard event files in
     ``RUN/tensorboard/`` (``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensorboard`` package)
-    and/or a Weights & Biases run, as ``--report_to`` chooses (``ditforge.config.report_backends``). Every call
+    and/or a Weights & Biases run, as ``--report_to`` chooses (``ditforge.config.values.report_backends``). Every call
     is flushed at once, as ``MetricsLog`` is, so a crash loses nothing logged. With neither tracker every call
     does nothing.
 

@@ -3,7 +3,7 @@ buckets (``BucketBatchSampler(batch_size=...)``), kept as a list of per-sample t
 
 * ``mixed_step_inputs``: a loader batch's samples -> latents (encoded per shape) and the step's randomness,
   drawn per sample from (seed, step, the sample's position in the global batch), so the draws do not depend
-  on the number of processes (as ``trainer.step_randomness`` for one-shape batches).
+  on the number of processes (as ``step.step_randomness`` for one-shape batches).
 * ``check_bucket_tokens``: every bucket fits a packed row, checked at start.
 * ``chunk``: a micro-batch split of tensors or lists (``--grad_accum_steps``).
 """

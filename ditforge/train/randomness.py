@@ -1,5 +1,5 @@
-"""What is random in one training step, as one record: drawn by ``trainer.step_randomness`` for batches of one
-shape and by ``mixed.mixed_step_inputs`` for batches of several, and consumed by ``trainer.train_step``."""
+"""What is random in one training step, as one record: drawn by ``step.step_randomness`` for batches of one
+shape and by ``mixed.mixed_step_inputs`` for batches of several, and consumed by ``step.train_step``."""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: 
     Raises:
         UserError: the ``--init_from`` folder is gone or incomplete; weights that do not fit it.
     """
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
     from ditforge.weights.read import read_checkpoint_weights
 
     cfg = build_config(base=config)
@@ -175,7 +175,7 @@ def load_dit_lora(model: nn.Module, run_config: dict, state: dict[str, torch.Ten
     Raises:
         UserError: the ``--init_from`` weights are gone, or the checkpoint does not fit them.
     """
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
     from ditforge.weights.read import read_checkpoint_weights
 
     cfg = build_config(base=run_config)

@@ -96,16 +96,22 @@ def train_text_encoder(denoiser: DiffusersDenoiser, encoder: nn.Module, pipe, cf
         add_lora(encoder, m.lora_rank, m.lora_alpha, list(TEXT_LORA_TARGETS))
 
 
-def add_lora_to_denoiser(model: nn.Module, cfg) -> None:
-    """LoRA (``add_lora``) on the run's denoiser with the run's ``--lora_rank``, ``--lora_alpha`` and
-    ``--lora_target_modules`` (default: the family's ``default_lora_targets``; ``qkv``, ``proj`` for a DiT, its
-    attention projections; a DiT's label table trains whole beside them, as peft's ``modules_to_save``). Records
-    the targets in ``cfg``."""
+def lora_targets(model: nn.Module | None, cfg) -> str:
+    """``--lora_target_modules`` resolved: the flag's modules, else ``model``'s ``default_lora_targets`` (a
+    diffusers family's), else ``qkv``, ``proj`` (a DiT's attention projections); comma-separated, stripped."""
     m = cfg.model
     targets = m.lora_target_modules.split(",") if m.lora_target_modules else list(
         getattr(model, "default_lora_targets", ("qkv", "proj")))
-    m.lora_target_modules = ",".join(t.strip() for t in targets)
-    add_lora(getattr(model, "inner", model), m.lora_rank, m.lora_alpha, m.lora_target_modules.split(","))
+    return ",".join(t.strip() for t in targets)
+
+
+def add_lora_to_denoiser(model: nn.Module, cfg) -> None:
+    """LoRA (``add_lora``) on the run's denoiser with the run's ``--lora_rank``, ``--lora_alpha`` and
+    ``--lora_target_modules`` (default: the family's ``default_lora_targets``; ``qkv``, ``proj`` for a DiT, its
+    attention projections; a DiT's label table trains whole beside them, as peft's ``modules_to_save``): the
+    targets ``lora_targets`` gives, which a training run's resolution records in its config."""
+    m = cfg.model
+    add_lora(getattr(model, "inner", model), m.lora_rank, m.lora_alpha, lora_targets(model, cfg).split(","))
     label_table = getattr(getattr(model, "y_embedder", None), "embedding_table", None)
     if label_table is not None:  # a DiT's class table trains too: new classes have fresh rows (resize_label_table)
         label_table.requires_grad_(True)

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from ditforge import cli
-from ditforge.config import build_config
+from ditforge.config.load import build_config
 from ditforge.data import build_dataset
 from ditforge.data.features import FeatureDataset, read_manifest
 from ditforge.data.store import extract_features

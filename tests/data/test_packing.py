@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ditforge.config import build_config
+from ditforge.config.load import build_config
 from ditforge.data.packing import pack, packed_training_losses, packing_setup, patchify, plan_packing
 from ditforge.diffusion.flow import RectifiedFlow
 from ditforge.diffusion.gaussian import create_diffusion
@@ -236,7 +236,7 @@ def test_packed_train_step_equals_unpacked_step():
     normalised update would magnify float noise in near-zero gradients), on DDPM with learned sigma."""
     from ditforge.parallel.mesh import Dist
     from ditforge.train.randomness import StepRandomness
-    from ditforge.train.trainer import train_step
+    from ditforge.train.step import train_step
 
     gen = torch.Generator().manual_seed(8)
     micro = [(torch.randn(6, 4, 8, 8, generator=gen), {"y": torch.randint(0, 10, (6,), generator=gen)},

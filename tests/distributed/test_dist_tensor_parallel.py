@@ -47,7 +47,7 @@ def _trainer(model):
 
 
 def _train(model, parts, d, x, cond, shape, steps):
-    from ditforge.train.trainer import step_randomness, train_step
+    from ditforge.train.step import step_randomness, train_step
 
     diffusion, opt, ema = parts
     b = GLOBAL_BATCH // d.dp_size
@@ -203,7 +203,8 @@ def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path):
                                          ({"model.lora_rank": 4}, "--lora_rank"),
                                          ({"parallel.plugin": "ddp"}, "--plugin ddp")])
 def test_tensor_parallel_refuses_what_it_does_not_split_in_one_line(fields, flag):
-    from ditforge.config import RunConfig, validate
+    from ditforge.config.checks import validate
+    from ditforge.config.sections import RunConfig
     from ditforge.errors import UserError
 
     cfg = RunConfig()

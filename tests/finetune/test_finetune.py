@@ -20,7 +20,7 @@ from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.diffusion.objective import create_objective
 from ditforge.train.logging import read_metrics
-from ditforge.train.trainer import step_randomness
+from ditforge.train.step import step_randomness
 from families import assert_one_line_error  # tests/finetune is on sys.path
 from tiny_pipelines import CAPTIONS, IMAGE_SIZE, make_dit
 
@@ -308,7 +308,7 @@ def test_dreambooth_loss_is_weighted_sum():
     from ditforge.parallel.mesh import Dist
     from ditforge.train.finetune import interleave_prior
     from ditforge.train.randomness import StepRandomness
-    from ditforge.train.trainer import train_step
+    from ditforge.train.step import train_step
 
     torch.manual_seed(int(torch.randint(0, 2**31, ())))
     model = create_model("DiT-T/2", 8, 3, 4, learn_sigma=False, class_dropout_prob=0.0)

@@ -270,7 +270,7 @@ def test_train_step_folds_clipping_and_ema_into_the_fused_step():
     from ditforge.models.dit import DiT
     from ditforge.parallel.ema import EMA
     from ditforge.parallel.mesh import Dist
-    from ditforge.train.trainer import step_randomness, train_step
+    from ditforge.train.step import step_randomness, train_step
 
     seed = _seed()
     diffusion = create_diffusion(None)

@@ -492,9 +492,9 @@ def test_sharded_plugins_refuse_the_libraries_optimizers(plugin, tiny_argv, tmp_
     (tests/distributed/test_dist_compensated_adamw.py); torchao's and torch's optimizers are not tested over them,
     refused in one line (the plugin several processes would resolve to, without spawning them)."""
     from ditforge import cli
-    from ditforge.train import trainer
+    from ditforge.train import build
 
-    monkeypatch.setattr(trainer, "resolve_plugin", lambda *_: plugin)
+    monkeypatch.setattr(build, "resolve_plugin", lambda *_: plugin)
     assert cli.main(tiny_argv(tmp_path / "r", "--optimizer", "adamw4bit")) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith(f"--optimizer adamw4bit: supported with --plugin none or ddp, got {plugin}; under zero2 / "
@@ -504,9 +504,9 @@ def test_sharded_plugins_refuse_the_libraries_optimizers(plugin, tiny_argv, tmp_
 def test_fused_backward_pass_refuses_several_processes(tiny_argv, tmp_path, capsys, monkeypatch):
     """DDP reduces a gradient after its hook would have stepped it: refused in one line."""
     from ditforge import cli
-    from ditforge.train import trainer
+    from ditforge.train import build
 
-    monkeypatch.setattr(trainer, "resolve_plugin", lambda *_: "ddp")
+    monkeypatch.setattr(build, "resolve_plugin", lambda *_: "ddp")
     assert cli.main(tiny_argv(tmp_path / "r", "--fused_backward_pass")) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("--fused_backward_pass: one process only, got --plugin ddp over 1") and \

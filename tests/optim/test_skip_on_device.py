@@ -88,7 +88,7 @@ def _run(path, seed, batches, advance_after=None):
     from ditforge.diffusion import create_diffusion
     from ditforge.parallel.ema import EMA
     from ditforge.parallel.mesh import Dist
-    from ditforge.train.trainer import step_randomness, train_step
+    from ditforge.train.step import step_randomness, train_step
 
     dtype, make, in_backward = PATHS[path]
     if "8bit" in path:

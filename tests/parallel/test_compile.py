@@ -43,7 +43,7 @@ def test_grad_checkpoint_policies_wrap_the_right_blocks(policy, wrapped):
 
 @pytest.mark.parametrize("bad", ["every-0", "every", "some", "every-2x"])
 def test_bad_grad_checkpoint_policy_names_the_flag(bad):
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
     from ditforge.errors import UserError
 
     with pytest.raises(UserError, match="--grad_checkpoint: expected one of none | full | every-K | op"):
@@ -152,13 +152,13 @@ def test_activation_offload_leaves_parameters_in_place():
                                             ("none", "none")])
 def test_compile_setting_accepts_modes_and_booleans(value, expected):
     """`compile: true` in a config file (and configs saved before modes existed) means the default mode."""
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
 
     assert build_config(overrides={"compile": value}).train.compile == expected
 
 
 def test_unknown_compile_mode_names_the_flag():
-    from ditforge.config import build_config
+    from ditforge.config.load import build_config
     from ditforge.errors import UserError
 
     with pytest.raises(UserError, match="--compile: expected one of none, default"):

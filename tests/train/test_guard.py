@@ -19,7 +19,7 @@ import torch
 
 from ditforge import cli
 from ditforge.train import checkpoint as ckpt_io
-from ditforge.train import trainer
+from ditforge.train import step as step_module
 from ditforge.weights import read as weights_io
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -125,7 +125,7 @@ def test_nan_gradient_skips_exactly_that_step(tmp_path, monkeypatch, main, ckpt_
     """A NaN injected into one parameter's gradient at step 2 (the 3rd): that step changes nothing (the step-3
     checkpoint's data file is byte for byte the step-2 one: weights, AdamW state, EMA), and the weights at step
     5 equal those of a run that never saw step 2's update (step 2's checkpoint resumed as if it were step 3)."""
-    real, calls = trainer.clip_grad_norm_, []
+    real, calls = step_module.clip_grad_norm_, []
 
     def poisoned(model, max_norm, d):
         calls.append(1)
@@ -133,10 +133,10 @@ def test_nan_gradient_skips_exactly_that_step(tmp_path, monkeypatch, main, ckpt_
             next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[5] = float("nan")
         return real(model, max_norm, d)
 
-    monkeypatch.setattr(trainer, "clip_grad_norm_", poisoned)
+    monkeypatch.setattr(step_module, "clip_grad_norm_", poisoned)
     run = tmp_path / "run"
     assert main(run, "--max_steps", "5", "--ckpt_every", "1", "--keep_last", "10") == 0
-    monkeypatch.setattr(trainer, "clip_grad_norm_", real)
+    monkeypatch.setattr(step_module, "clip_grad_norm_", real)
     files = {s: json.loads((run / "checkpoints" / f"step-{s:07d}" / "meta.json").read_text())["files"]["__0_0.distcp"]
              for s in (2, 3, 4)}
     assert files[2] == files[3] != files[4]
@@ -240,7 +240,7 @@ def test_device_side_skip_of_a_fused_optimizer_and_the_ema(device):
     from ditforge.parallel.ema import EMA
     from ditforge.parallel.mesh import Dist
     from ditforge.train.randomness import StepRandomness
-    from ditforge.train.trainer import train_step
+    from ditforge.train.step import train_step
 
     torch.manual_seed(int(torch.randint(0, 2**31, ())))
     diffusion, d = create_diffusion(None), Dist(device=torch.device(device))

@@ -24,7 +24,7 @@ SPIKE = ["--loss_spike_factor", "3", "--loss_spike_window", "2", "--ckpt_every",
 def corrupt(monkeypatch):
     """``corrupt(positions)``: the rows of those data positions (step + the batches skipped) weigh 1000 in the loss
     (``train_step``'s per-row loss weights), so their loss is 1000 times the others'."""
-    real = trainer._micro_batches
+    real = trainer.make_micro_batches
 
     def set_bad(positions):
         def micro_batches(run, batch, position):
@@ -33,7 +33,7 @@ def corrupt(monkeypatch):
                 micro = [(x, cond, rnd, torch.full((len(x),), 1000.0)) for x, cond, rnd in micro]
             return micro, rows, samples
 
-        monkeypatch.setattr(trainer, "_micro_batches", micro_batches)
+        monkeypatch.setattr(trainer, "make_micro_batches", micro_batches)
 
     return set_bad
 

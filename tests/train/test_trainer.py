@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ditforge import cli
-from ditforge.config import build_config
+from ditforge.config.load import build_config
 from ditforge.data import DigitsDataset
 from ditforge.diffusion import create_diffusion
 from ditforge.models import create_model
@@ -34,7 +34,7 @@ from ditforge.parallel.mesh import Dist
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import trainer
 from ditforge.train.logging import read_metrics
-from ditforge.train.trainer import ema_decay_at, step_randomness
+from ditforge.train.step import ema_decay_at, step_randomness
 from ditforge.weights import read as weights_io
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,5 @@
-"""Typed run configuration: defaults, then an optional YAML file, then command-line flags; validated once.
+"""Typed run configuration: the sections (model, data, train, parallel) and ``ditforge bench``'s settings, their
+defaults and the choices each field takes. Filled by ``load.build_config``, checked by ``checks.validate``.
 
 Each field's ``help`` is also its command-line help, so ``ditforge train --help`` and this file cannot drift.
 """
@@ -6,18 +7,8 @@ Each field's ``help`` is also its command-line help, so ``ditforge train --help`
 from __future__ import annotations
 
 import dataclasses
-import re
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import yaml
-
-from ditforge.errors import UserError
-
-if typing.TYPE_CHECKING:
-    import torch
 
 MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName
@@ -45,8 +36,28 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+class _Freezable:
+    """A run's settings, written while they are filled and resolved, then frozen (``freeze``): a write after it
+    raises ``dataclasses.FrozenInstanceError``, so every setting has one place where it is decided."""
+
+    _frozen = False  # a class attribute, not a field: to_dict and the saved config.yaml do not hold it
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise dataclasses.FrozenInstanceError(f"cannot assign to {type(self).__name__}.{name}: the run's "
+                                                  "config is frozen once resolved")
+        super().__setattr__(name, value)
+
+
+def freeze(cfg: RunConfig) -> RunConfig:
+    """Freeze ``cfg`` and its sections in place (writes raise ``dataclasses.FrozenInstanceError``); returns it."""
+    for part in (cfg.model, cfg.data, cfg.train, cfg.parallel, cfg):
+        object.__setattr__(part, "_frozen", True)
+    return cfg
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Freezable):
     model: str | None = _f(None, "model name: DiT-{T,S,B,L,XL,7B}/{1,2,4,8} (e.g. DiT-XL/2) for images; for "
                                  "videos vDiT-{T,S,B,L,XL,7B}/{t}{h}{w} (3-D patches, full attention, e.g. "
                                  "vDiT-XL/222) or STDiT-{T,S,B,L,XL,7B}/{p} (spatial and temporal attention, e.g. STDiT-XL/2) "
@@ -109,7 +120,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Freezable):
     data: str = _f("digits", "digits (built-in 8x8 images) | clips (built-in captioned videos) | a video CSV "
                              "(path,text[,num_frames,fps,height,width]; see `ditforge preprocess`) | an image "
                              "folder ROOT/<class>/<image> | captioned images (a folder of images with <stem>.txt "
@@ -157,7 +168,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Freezable):
     batch_size: int = _f(64, "global batch size (all processes together)")
     max_steps: int | None = _f(None, "optimizer steps to run (default: 1000, or --epochs)")
     epochs: int | None = _f(None, "epochs to run instead of --max_steps")
@@ -278,7 +289,7 @@ class TrainConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Freezable):
     plugin: str = _f("auto", "data parallelism: ddp | zero2 (sharded gradients and optimizer states) | fsdp "
                              "(ZeRO-3, parameters sharded too) | auto (zero2 with several processes)",
                      choices=PLUGINS)
@@ -350,7 +361,7 @@ class BenchConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_Freezable):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -366,332 +377,3 @@ _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConf
 def field_section() -> dict[str, str]:
     """Map every field name to its section; names are unique across sections so flags can be flat."""
     return {f.name: sec for sec, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)}
-
-
-def build_config(
-    file: str | Path | None = None, overrides: dict[str, Any] | None = None, base: dict | None = None
-) -> RunConfig:
-    """Defaults, then ``base`` (a saved ``RunConfig.to_dict()``, e.g. of the run being resumed), then ``file``
-    (YAML, flat or with sections), then ``overrides`` (flat).
-
-    Raises:
-        UserError: unreadable file, unknown keys, or invalid values (see ``validate``).
-    """
-    where = field_section()
-    values: dict[str, Any] = {k: v for section in (base or {}).values() for k, v in section.items() if k in where}
-    if file is not None:
-        try:
-            loaded = yaml.safe_load(Path(file).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise UserError(f"--config: cannot read {file}: {' '.join(str(e).split())}") from None
-        if not isinstance(loaded, dict):
-            raise UserError(f"--config: {file} must hold a mapping of settings")
-        for key, value in loaded.items():
-            if key in _SECTION_CLASSES and isinstance(value, dict):
-                values.update(value)
-            else:
-                values[key] = value
-        unknown = sorted(set(loaded_keys(loaded)) - set(where))
-        if unknown:
-            raise UserError(f"--config: unknown settings in {file}: {', '.join(unknown)}")
-    values.update(overrides or {})
-    sections: dict[str, dict] = {s: {} for s in _SECTION_CLASSES}
-    types_ = {name: hint for cls in _SECTION_CLASSES.values() for name, hint in typing.get_type_hints(cls).items()}
-    consts = {f.name: f.metadata["const"] for cls in _SECTION_CLASSES.values() for f in dataclasses.fields(cls)
-              if "const" in f.metadata}
-    for key, value in values.items():
-        if key not in where:
-            raise UserError(f"unknown setting {key!r}")
-        if key in consts and isinstance(value, bool):  # `grad_checkpoint: true` (and older saved configs)
-            value = consts[key] if value else "none"
-        sections[where[key]][key] = _coerce(key, value, types_[key])
-    cfg = RunConfig(**{s: _SECTION_CLASSES[s](**v) for s, v in sections.items()})
-    validate(cfg)
-    return cfg
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """Check a value from a file or flag against the field's type; numbers written as strings (YAML 1.1
-    reads ``1e-4`` as a string) are converted. Raises UserError naming the setting."""
-    allowed = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
-    if value is None and type(None) in typing.get_args(hint):
-        return None
-    kind = allowed[0]
-    try:
-        if kind is bool and isinstance(value, bool):
-            return value
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if kind is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            return float(value)
-        if kind is str and isinstance(value, str):
-            return value
-    except ValueError:
-        pass
-    raise UserError(f"--{name}: expected {kind.__name__}, got {value!r}")
-
-
-def loaded_keys(loaded: dict) -> list[str]:
-    """Setting names in a config file, flat or inside sections."""
-    return [k for key, value in loaded.items()
-            for k in (value if key in _SECTION_CLASSES and isinstance(value, dict) else [key])]
-
-
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
-          "gb": 10**9, "tb": 10**12}
-
-
-def parse_bytes(text: str, flag: str) -> int:
-    """``"8GiB"`` -> 8 * 2**30 bytes (units B, KiB, MiB, GiB, TiB and their powers of ten KB, MB, GB, TB; case
-    does not matter; a bare number is bytes).
-
-    Raises:
-        UserError: not a positive size, naming ``flag``.
-    """
-    s = str(text).strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    try:
-        value = float(number) * _UNITS[s[len(number):]]
-    except (KeyError, ValueError):
-        value = -1
-    if not value > 0:
-        raise UserError(f"{flag}: expected a size such as 8GiB, got {text!r}")
-    return int(value)
-
-
-CHECKPOINT_POLICIES = "none | full | every-K | op | attn"
-_EVERY = re.compile(r"^every-([1-9][0-9]*)$")
-
-
-def parse_checkpoint_policy(policy: str) -> tuple[str, int]:
-    """``--grad_checkpoint`` value -> (kind, k): ``none``, ``full`` (every block), ``every-K`` (blocks
-    0, K, 2K, ...: 1/K of the recomputation for 1/K of the saving), ``op`` (every block, but the outputs of
-    matrix products and attention are kept and only the cheap element-wise ops are recomputed; torchtitan's
-    op-level selective checkpointing), ``attn`` (every block, keeping the attention outputs alone: long video
-    sequences, where attention's quadratic cost dominates and the matrix products' outputs are the memory).
-
-    Raises:
-        UserError: any other value (names the flag and the choices).
-    """
-    if policy in ("none", "full", "op", "attn"):
-        return policy, 1
-    m = _EVERY.match(policy)
-    if not m:
-        raise UserError(f"--grad_checkpoint: expected one of {CHECKPOINT_POLICIES}, got {policy!r}")
-    return "every", int(m.group(1))
-
-
-def resolve_device(name: str | torch.device) -> torch.device:
-    """``--device`` value (or a ``torch.device``) -> ``torch.device``: ``auto`` is cuda when available, else cpu.
-
-    Raises:
-        UserError: cuda asked on a machine without a GPU.
-    """
-    import torch  # deferred: the command line's --help should not pay for importing torch
-
-    name = str(name)
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA GPU is available")
-    return torch.device(name)
-
-
-def resolve_precision(name: str, device: torch.device) -> torch.dtype:
-    """``--mixed_precision`` -> compute dtype: fp32 | bf16 | fp16; ``auto`` is bf16 on CUDA (where supported),
-    fp32 on CPU; fp8 computes in bf16 around its float8 matrix products."""
-    import torch
-
-    if name == "auto":
-        name = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[name]
-
-
-def report_backends(report_to: str) -> tuple[str, ...]:
-    """``--report_to`` -> the trackers to write to, of ``("tensorboard", "wandb")``; ``auto`` is tensorboard
-    when the ``tensorboard`` package is installed, else none.
-
-    Raises:
-        UserError: an unknown value, or a tracker named (tensorboard, wandb, all) whose package is not installed.
-    """
-    import importlib.util
-
-    if report_to not in REPORT_TO:
-        raise UserError(f"--report_to: expected one of {', '.join(REPORT_TO)}, got {report_to}")
-    wanted = {"auto": ("tensorboard",), "all": ("tensorboard", "wandb"), "none": ()}.get(report_to, (report_to,))
-    installed = tuple(b for b in wanted if importlib.util.find_spec(b) is not None)
-    missing = [b for b in wanted if b not in installed]
-    if missing and report_to != "auto":
-        hint = "pip install 'ditforge[tensorboard]'" if missing[0] == "tensorboard" else "pip install wandb"
-        raise UserError(f"--report_to {report_to}: {missing[0]} is not installed ({hint}), or use --report_to none")
-    return installed
-
-
-def _check_packing(cfg: RunConfig) -> None:
-    """``--pack_tokens`` with what it does not support: one line naming the other flag."""
-    if cfg.parallel.sequence_parallel_size > 1:
-        raise UserError("--pack_tokens: not with --sequence_parallel_size > 1 (the sequence-parallel attentions "
-                        "split one sequence per sample, not packed samples); use data parallelism")
-    if (cfg.model.model or "").startswith("STDiT"):
-        raise UserError(f"--pack_tokens: not with --model {cfg.model.model} (its attention across frames does not "
-                        "pack); use a DiT or vDiT")
-    if cfg.train.enable_modulate_kernel:
-        raise UserError("--pack_tokens: not with --enable_modulate_kernel (its kernels take one modulation row per "
-                        "sample, packed tokens carry one each); --enable_layernorm_kernel works")
-
-
-def _check_tensor_parallel(cfg: RunConfig) -> None:
-    """``--tensor_parallel`` with what it does not support: one line naming the other flag."""
-    t, m, tp = cfg.train, cfg.model, cfg.parallel.tensor_parallel
-    others = [("--init_from", m.init_from is not None and not (m.model or "").startswith(("DiT", "vDiT", "STDiT"))),
-              ("--lora_rank", bool(m.lora_rank)), ("--mixed_precision fp8", t.mixed_precision == "fp8"),
-              ("--pack_tokens", bool(t.pack_tokens)), ("--fused_backward_pass", t.fused_backward_pass),
-              (f"--cpu_offload {t.cpu_offload}", t.cpu_offload != "none"),
-              (f"--optimizer {t.optimizer}", t.optimizer != "adamw"),
-              (f"--master_weights {t.master_weights}", t.master_weights != "fp32"),
-              (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin == "ddp")]
-    sp_type = cfg.parallel.sequence_parallel_type
-    if cfg.parallel.sequence_parallel_size > 1 and sp_type not in ("auto", "ring", "ulysses"):
-        raise UserError(f"--tensor_parallel {tp} with --sequence_parallel_size: ulysses (over the heads each "
-                        f"process holds) or ring attention (auto picks one); not --sequence_parallel_type {sp_type}")
-    clash = next((flag for flag, on in others if on), None)
-    if clash:
-        raise UserError(f"--tensor_parallel {tp}: splits ditforge's own DiTs, trained by AdamW over fp32 weights, "
-                        f"with zero2 / fsdp over the data-parallel processes; not with {clash}")
-
-
-def _check_optimizer(cfg: RunConfig) -> None:
-    """``--optimizer``, ``--master_weights``, ``--cpu_offload`` and ``--delayed_update`` against each other and the
-    precision: one line naming the flags."""
-    t = cfg.train
-    if t.optimizer not in OPTIMIZERS:
-        raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {t.optimizer}")
-    if t.master_weights not in MASTER_WEIGHTS:
-        raise UserError(f"--master_weights: expected one of {', '.join(MASTER_WEIGHTS)}, got {t.master_weights}")
-    if t.optimizer in LIBRARY_OPTIMIZERS:
-        # torchao's bf16 stochastic rounding draws from the global generator (a resume would not be exact) and
-        # keeps the moments of its unquantized small tensors in bf16, where the second moment stalls
-        if t.master_weights != "fp32":
-            raise UserError(f"--optimizer {t.optimizer}: takes --master_weights fp32, got {t.master_weights} (bf16 "
-                            "weights: --optimizer adamw8bit)")
-        if t.fused_backward_pass or t.cpu_offload != "none":
-            raise UserError(f"--optimizer {t.optimizer}: the library's optimizer steps after the backward, on the "
-                            "GPU; not with --fused_backward_pass or --cpu_offload (use adamw or adamw8bit)")
-        if cfg.parallel.async_checkpoint and t.optimizer != "adafactor":
-            # torch's staging copy of a state dict calls zeros_like, which torchao's state tensors do not implement
-            raise UserError(f"--optimizer {t.optimizer}: its torchao states are saved synchronously; not with "
-                            "--async_checkpoint")
-    if t.master_weights != "fp32" and t.mixed_precision not in ("bf16", "auto"):
-        raise UserError(f"--master_weights {t.master_weights}: needs --mixed_precision bf16, got {t.mixed_precision}")
-    if t.fused_backward_pass and t.mixed_precision == "fp16":
-        raise UserError("--fused_backward_pass: not with --mixed_precision fp16 (the loss scaler must see every "
-                        "gradient before any step); use bf16")
-    if t.gpu_memory_budget is not None:
-        parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget")
-    if t.cpu_offload not in CPU_OFFLOAD:
-        raise UserError(f"--cpu_offload: expected one of {', '.join(CPU_OFFLOAD)}, got {t.cpu_offload}")
-    if t.cpu_offload == "optimizer" and t.fused_optimizer == "off":
-        raise UserError("--cpu_offload optimizer: needs the one-pass optimizer step, not --fused_optimizer off")
-    if t.cpu_offload == "all" and (t.optimizer, t.master_weights, t.fused_backward_pass) != ("adamw", "fp32", False):
-        raise UserError("--cpu_offload all: steps torch's AdamW over fp32 weights on the CPU; not with --optimizer "
-                        f"{t.optimizer}, --master_weights {t.master_weights} or --fused_backward_pass")
-    if t.cpu_offload == "all" and t.mixed_precision == "fp16":  # the scaler's found-inf would stay on the GPU
-        raise UserError("--cpu_offload all: not with --mixed_precision fp16 (the CPU step takes no loss scaler); "
-                        "use bf16")
-    if t.delayed_update and t.cpu_offload != "all":
-        raise UserError(f"--delayed_update: needs --cpu_offload all, got --cpu_offload {t.cpu_offload}")
-
-
-def validate(cfg: RunConfig) -> None:
-    """Check ranges and choices once at start. Raises UserError naming the flag and what was expected."""
-    t = cfg.train
-    positive = {"grad_accum_steps": cfg.parallel.grad_accum_steps, "max_nonfinite_steps": t.max_nonfinite_steps,
-                "eval_samples": t.eval_samples, "loss_spike_window": t.loss_spike_window,
-                "sequence_parallel_size": cfg.parallel.sequence_parallel_size,
-                "tensor_parallel": cfg.parallel.tensor_parallel, "batch_size": t.batch_size, "ckpt_every": t.ckpt_every, "log_every": t.log_every,
-                "keep_last": t.keep_last, "max_steps": t.max_steps, "epochs": t.epochs,
-                "image_size": cfg.data.image_size, "num_classes": cfg.model.num_classes,
-                "num_frames": cfg.data.num_frames, "frame_interval": cfg.data.frame_interval,
-                "text_max_length": cfg.model.text_max_length, "depth": cfg.model.depth,
-                "fp8_min_width": t.fp8_min_width}
-    for name, value in positive.items():
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise UserError(f"--{name}: expected a positive integer, got {value!r}")
-    nonnegative = {"warmup_steps": t.warmup_steps, "sample_every": t.sample_every, "pack_tokens": t.pack_tokens,
-                   "blocks_to_swap": t.blocks_to_swap,
-                   "num_workers": cfg.data.num_workers, "max_loss_spike_rollbacks": t.max_loss_spike_rollbacks}
-    for name, value in nonnegative.items():
-        if value is not None and (not isinstance(value, int) or value < 0):
-            raise UserError(f"--{name}: expected an integer >= 0, got {value!r}")
-    if t.max_steps is not None and t.epochs is not None:
-        raise UserError("--max_steps and --epochs: give one, not both")
-    for name, value, low in (("lr", t.lr, 0), ("loss_spike_factor", t.loss_spike_factor, 1)):
-        if value is not None and not value > low:
-            raise UserError(f"--{name}: expected a number > {low}, got {value}")
-    if not 0 <= t.ema_decay < 1:
-        raise UserError(f"--ema_decay: expected a number in [0, 1), got {t.ema_decay}")
-    if not 0 <= cfg.model.class_dropout_prob < 1:
-        raise UserError(f"--class_dropout_prob: expected a number in [0, 1), got {cfg.model.class_dropout_prob}")
-    if cfg.parallel.plugin not in PLUGINS:
-        raise UserError(f"--plugin: expected one of {', '.join(PLUGINS)}, got {cfg.parallel.plugin}")
-    if t.mixed_precision not in MIXED_PRECISION:
-        raise UserError(f"--mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, got {t.mixed_precision}")
-    if t.fp8_recipe not in FP8_RECIPES:
-        raise UserError(f"--fp8_recipe: expected one of {', '.join(FP8_RECIPES)}, got {t.fp8_recipe}")
-    if t.fp8_recipe != "tensorwise" and t.mixed_precision != "fp8":
-        raise UserError(f"--fp8_recipe {t.fp8_recipe}: needs --mixed_precision fp8, got {t.mixed_precision}")
-    if t.fp8_recipe == "rowwise_with_gw_hp" and t.compile == "none":
-        # eager, torchao's bf16 weight-gradient product meets the fp32 master weight: "expected m1 and m2 to have
-        # the same dtype" (torchao 0.18); compiled, the same recipe runs
-        raise UserError("--fp8_recipe rowwise_with_gw_hp: needs --compile (eager it fails in torchao)")
-    _check_optimizer(cfg)
-    if cfg.parallel.sequence_parallel_type not in SEQUENCE_PARALLEL_TYPES:
-        raise UserError(f"--sequence_parallel_type: expected one of {', '.join(SEQUENCE_PARALLEL_TYPES)}, got "
-                        f"{cfg.parallel.sequence_parallel_type}")
-    if cfg.parallel.tensor_parallel > 1:
-        _check_tensor_parallel(cfg)
-    if cfg.model.condition not in CONDITIONS:
-        raise UserError(f"--condition: expected one of {', '.join(CONDITIONS)}, got {cfg.model.condition}")
-    if t.compile not in COMPILE_MODES:
-        raise UserError(f"--compile: expected one of {', '.join(COMPILE_MODES)}, got {t.compile}")
-    if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
-        raise UserError(f"--device: expected cuda, cpu or auto, got {t.device}")
-    report_backends(t.report_to)
-    if t.eval_every and (cfg.data.data != "digits" or cfg.data.instance_data or cfg.model.init_from):
-        raise UserError(f"--eval_every: the built-in extractor measures DiT runs on --data digits, not "
-                        f"{cfg.data.instance_data or cfg.data.data}; for other data draw samples with `ditforge sample "
-                        "--save_npz` and measure them with `ditforge eval --inception`")
-    from ditforge.models import model_spec  # raises UserError for unknown names
-
-    parse_checkpoint_policy(t.grad_checkpoint)
-    if cfg.model.model is not None:
-        model_spec(cfg.model.model)
-    if t.pack_tokens:
-        _check_packing(cfg)
-    m, data = cfg.model, cfg.data
-    if m.objective not in OBJECTIVES:
-        raise UserError(f"--objective: expected one of {', '.join(OBJECTIVES)}, got {m.objective}")
-    if m.lora_rank < 0:
-        raise UserError(f"--lora_rank: expected an integer >= 0, got {m.lora_rank}")
-    if m.train_text_encoder and m.init_from is None:
-        raise UserError("--train_text_encoder: trains a pretrained pipeline's text encoder; give --init_from")
-    if m.lora_rank and m.init_from is None:
-        raise UserError("--lora_rank: LoRA adapts pretrained weights; give --init_from")
-    if t.blocks_to_swap and not (m.lora_rank and t.grad_checkpoint != "none" and t.compile == "none"
-                                 and cfg.parallel.plugin in ("auto", "none", "ddp")):
-        raise UserError("--blocks_to_swap: swaps a LoRA run's frozen base; needs --lora_rank, --grad_checkpoint, no "
-                        "--compile and --plugin none or ddp")
-    if m.fp8_base and not m.lora_rank:
-        raise UserError("--fp8_base: stores the frozen base of a LoRA run; give --lora_rank")
-    if data.resize_mode not in RESIZE_MODES:
-        raise UserError(f"--resize_mode: expected one of {', '.join(RESIZE_MODES)}, got {data.resize_mode}")
-    if (data.instance_data is None) != (data.instance_prompt is None):
-        raise UserError("--instance_data and --instance_prompt: DreamBooth needs both")
-    if (data.class_data is None) != (data.class_prompt is None):
-        raise UserError("--class_data and --class_prompt: prior preservation needs both")
-    if data.class_data is not None and data.instance_data is None:
-        raise UserError("--class_data: prior preservation is part of DreamBooth; give --instance_data too")
-    if data.buckets is not None and data.instance_data is not None:
-        raise UserError("--buckets: not with --instance_data (DreamBooth trains at one --image_size)")
-    if data.num_class_images < 1:
-        raise UserError(f"--num_class_images: expected a positive integer, got {data.num_class_images}")

@@ -1,0 +1,534 @@
+"""The named build phases of a training run, in the order ``trainer.train`` calls them: the run folder and its
+guards, ``--init_from``, the data, (the settings resolved, ``resolve.resolve``), the model, the EMA and optimizer,
+the outputs, the loader and the logs. Each fills its part of the state they share (``Run``)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import logging
+import signal
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ditforge.atomic import atomic_path
+from ditforge.config.sections import LIBRARY_OPTIMIZERS, RunConfig
+from ditforge.config.values import parse_bytes, resolve_precision
+from ditforge.data import GlobalBatchSampler, build_dataset, build_shard_loader, source_of
+from ditforge.data.prefetch import DevicePrefetcher
+from ditforge.data.shards.loader import ShardData
+from ditforge.data.features import read_manifest
+from ditforge.data.sources import FEATURES, build_bucket_dataset
+from ditforge.data.packing import packing_setup
+from ditforge.encoders.batch import BatchEncoder, build_batch_encoder, pipeline_batch_encoder
+from ditforge.diffusion.objective import Objective
+from ditforge.errors import UserError
+from ditforge.models import create_model, is_video_model
+from ditforge.models.adapters.pipeline import Pretrained, is_adapted_pipeline, load_pretrained
+from ditforge.ops.fused_adamw import on_gpu_with_triton
+from ditforge.parallel import init_sharded, parallelize, resolve_plugin, unwrap
+from ditforge.parallel.ema import EMA
+from ditforge.optim import build_optimizer
+from ditforge.optim.backward import StepInBackward
+from ditforge.optim.placement import cap_gpu_memory, plan_placement
+from ditforge.parallel.mesh import Dist
+from ditforge.train import checkpoint as ckpt_io
+from ditforge.train import finetune
+from ditforge.train.mixed import check_bucket_tokens
+from ditforge.train.guard import LossSpikeGuard, NonfiniteGuard, claim_run_folder, disk_errors
+from ditforge.train.logging import MetricsLog, Tracker
+from ditforge.weights import read as weights_io
+from ditforge.weights.finetuned import dit_init_weights, load_dit_weights, read_dit_init
+from ditforge.weights.lora import add_lora_to_denoiser, train_text_encoder
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODELS = {False: "DiT-T/2", True: "vDiT-T/244"}  # by video data
+
+
+def default_outputs(cfg: RunConfig, d: Dist) -> str:
+    data = Path(cfg.data.instance_data or cfg.data.data).name or "data"
+    model = f"{cfg.model.model.replace('/', '-')}-" if cfg.model.model else ""
+    name = [str(Path("outputs") / f"{data}-{model}{datetime.now():%Y%m%d-%H%M%S}")]
+    if d.mesh is not None:  # every rank must write into the folder rank 0 named
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def create_run_model(cfg: RunConfig, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
+    """The run's DiT, built on the meta device and materialised on ``device`` one block at a time, each block's
+    weights cast to ``dtype`` as soon as they are initialised (None: fp32)."""
+    m = cfg.model
+
+    def cast(block: nn.Module) -> None:
+        for p in block.parameters():
+            p.data = p.data.to(dtype)
+
+    return create_model(m.model, m.input_size, m.in_channels, m.num_classes, m.learn_sigma, m.class_dropout_prob,
+                        num_frames=m.num_frames, text_dim=m.text_dim, qk_norm=m.qk_norm, depth=m.depth, device=device,
+                        block_ready=cast if dtype is not None else None)
+
+
+def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
+    """The data set of ``--data``, or DreamBooth's (``--instance_data``), after the base pipeline ``pre`` has
+    generated the class images ``--class_data`` lacks (rank 0; the others wait)."""
+    data, bad = cfg.data, run_dir / "bad_samples.jsonl"
+    if data.buckets is not None:
+        from ditforge.data.buckets import read_bucket_config
+
+        if pre is not None:
+            raise UserError(f"--buckets: not with --init_from {cfg.model.init_from} (a diffusers pipeline)")
+        if source_of(data.data).streamed and not cfg.train.pack_tokens:
+            raise UserError(f"--buckets with shards --data {data.data}: add --pack_tokens N (each step packs samples "
+                            "of several buckets); one bucket per step needs a CSV / JSONL of files")
+        video = any(t > 1 for frames in read_bucket_config(data.buckets).values() for t in frames)
+        return build_bucket_dataset(cfg, bad, cfg.model.model or DEFAULT_MODELS[video])
+    if data.instance_data is None:
+        return build_dataset(data.data, data.image_size, bad, data.num_frames, data.frame_interval, cfg.train.seed,
+                             resize_mode=data.resize_mode, shard_retries=data.shard_retries)
+    from ditforge.data.captions import DreamBoothDataset, count_images, generate_class_images
+
+    if data.image_size is None:
+        raise UserError("--image_size is required with --instance_data (e.g. --image_size 512)")
+    if data.class_data is not None:
+        if d.is_main and count_images(data.class_data) < data.num_class_images:
+            if pre is None:
+                raise UserError(f"--class_data {data.class_data}: fewer than --num_class_images "
+                                f"{data.num_class_images} images, and only a text-to-image pipeline (--init_from a "
+                                "diffusers folder) can generate the rest")
+            generate_class_images(pre.pipe, data.class_prompt, data.class_data, data.num_class_images, data.image_size,
+                                  seed=cfg.train.seed)
+        d.barrier()
+    return DreamBoothDataset(data.instance_data, data.instance_prompt, data.image_size, data.class_data,
+                             data.class_prompt, bad, data.resize_mode)
+
+
+def _intact_resume(found: Path | None, resume: str | None, run_dir: Path, d: Dist) -> Path | None:
+    """The checkpoint to resume from after checking its files (rank 0 reads them, every rank gets the answer):
+    ``--resume auto`` falls back past damaged checkpoints (``ckpt_io.newest_intact``); a damaged checkpoint named
+    explicitly is an error."""
+    answer: list = [found, None]
+    if d.is_main and found is not None:
+        try:
+            if resume == "auto":
+                answer[0] = ckpt_io.newest_intact(run_dir)
+            else:
+                weights_io.check_intact(found, "--resume")
+        except UserError as e:
+            answer[1] = str(e)
+    if d.mesh is not None:
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise UserError(answer[1])
+    return answer[0]
+
+
+@dataclass
+class Run:
+    """What the phases of one run share. ``open_run`` fills the fields up to ``bf16_weights``; each later phase
+    fills its own group below, so a field keeps its default until its phase has run."""
+
+    cfg: RunConfig
+    d: Dist
+    run_dir: Path
+    resume_from: Path | None  # an intact checkpoint to resume from
+    amp_dtype: torch.dtype  # the compute dtype
+    budget: int | None  # --gpu_memory_budget, in bytes
+    mixed: bool  # global batches of several buckets, packed
+    per_step: int  # data-parallel processes x --grad_accum_steps
+    home: torch.device  # where the weights are built (the host under --cpu_offload all)
+    half_base: bool  # a LoRA's frozen base stored in bf16
+    bf16_weights: bool  # the weights stored in bf16 from the start
+    # --init_from (load_init)
+    features: dict | None = None  # the manifest of a features folder --data
+    pre: Pretrained | None = None  # a pretrained pipeline of a diffusers family
+    dit_init: tuple | None = None  # DiT weights and their model settings (read_dit_init)
+    # data (build_data)
+    dataset: object = None
+    video: bool = False
+    inputs: BatchEncoder | None = None
+    bucketed: object = None  # --buckets: the BucketBatchSampler (each bucket's batch size is its global batch)
+    steps_per_epoch: int = 0
+    max_steps: int = 0
+    # objective, model and optimizer (resolve.resolve, build_model, build_ema_and_optimizer, trainer._resume)
+    diffusion: Objective | None = None
+    model: nn.Module | None = None
+    adapters_only: bool = False  # LoRA: EMA and checkpoints hold the adapters alone
+    ema: EMA | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    ema_in_step: bool = False  # the fused optimizer step updates the EMA in its own pass
+    stepper: StepInBackward | None = None  # --fused_backward_pass
+    scaler: torch.amp.GradScaler | None = None  # fp16
+    start_step: int = 0
+    loader_state: dict | None = None  # the shard loader's, saved with the checkpoint resumed
+    # batches skipped by loss-spike rollbacks: step k reads the batch, and draws the randomness, of data position
+    # k + data_offset (a function of (seed, position))
+    data_offset: int = 0
+    spikes: LossSpikeGuard | None = None  # --loss_spike_factor
+    # outputs, loader and logs (open_outputs, build_loader, open_logs)
+    checkpointer: ckpt_io.Checkpointer | None = None
+    shard_loader: object = None  # streamed shards: their loader, whose position each checkpoint saves
+    loader: DevicePrefetcher | None = None
+    sample_shape: tuple[int, ...] = ()
+    packing: tuple[int, tuple[int, ...]] | None = None  # --pack_tokens (train_step's)
+    metrics: MetricsLog | None = None  # rank 0's, as the tracker
+    tracker: Tracker | None = None
+    nonfinite: NonfiniteGuard | None = None
+    # the sample grids' model and conditioning, made for the first grid (rank 0)
+    grid_model: nn.Module | None = None
+    grid_cond: dict | None = None
+
+    def last_good(self) -> Path | None:
+        return last_checkpoint(self.run_dir)
+
+    def written(self, what: str) -> contextlib.AbstractContextManager:
+        return disk_errors(what, self.run_dir, self.cfg.train.continue_on_save_error, self.last_good)
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    found = weights_io.list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def open_run(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Run:
+    """Run folder and guards: the folder claimed (its lock released by ``held``), the checkpoint to resume from,
+    the compute dtype, memory budget and plugin resolved, and what they cannot run with refused (UserError)."""
+    t, m, par = cfg.train, cfg.model, cfg.parallel
+    resume_from, t.outputs = ckpt_io.find_resume(t.resume, t.outputs)
+    if t.outputs is None:
+        t.outputs = default_outputs(cfg, d)
+    run_dir = Path(t.outputs)
+    lock = claim_run_folder(run_dir, d)  # before anything is written there
+    if lock is not None:
+        held.callback(lock.release)
+    resume_from = _intact_resume(resume_from, t.resume, run_dir, d)
+    if resume_from is None and weights_io.list_checkpoints(run_dir):
+        raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, "
+                        "or choose another folder")
+    device = d.device
+    amp_dtype = resolve_precision(t.mixed_precision, device)
+    if t.master_weights != "fp32" and amp_dtype != torch.bfloat16:
+        raise UserError(f"--master_weights {t.master_weights}: needs bf16 compute; --mixed_precision {t.mixed_precision} is "
+                        f"{str(amp_dtype).removeprefix('torch.')} on {device.type}")
+    budget = parse_bytes(t.gpu_memory_budget, "--gpu_memory_budget") if t.gpu_memory_budget is not None else None
+    if budget is not None and device.type == "cuda":
+        cap_gpu_memory(budget, device)
+    plugin = resolve_plugin(par.plugin, d.world_size, t.cpu_offload)
+    if plugin in ("zero2", "fsdp") and t.optimizer in LIBRARY_OPTIMIZERS:  # not tested over DTensors
+        raise UserError(f"--optimizer {t.optimizer}: supported with --plugin none or ddp, got {plugin}; under "
+                        "zero2 / fsdp use --optimizer adamw or adamw8bit")
+    if cfg.parallel.tensor_parallel > 1 and (t.optimizer, t.master_weights) != ("adamw", "fp32"):
+        # CompensatedAdamW steps FSDP2's shards of the first dimension; tensor parallelism shards others
+        raise UserError(f"--optimizer {t.optimizer} --master_weights {t.master_weights}: not with --tensor_parallel "
+                        f"{cfg.parallel.tensor_parallel}; use --optimizer adamw --master_weights fp32")
+    if t.cpu_offload == "optimizer" and plugin in ("zero2", "fsdp"):
+        raise UserError(f"--cpu_offload optimizer: supported with --plugin none or ddp, got {plugin}; "
+                        "--cpu_offload all offloads under zero2 / fsdp")
+    if t.cpu_offload == "all" and plugin not in ("zero2", "fsdp"):
+        raise UserError(f"--cpu_offload all: offloads through FSDP2, with --plugin fsdp or zero2, got {plugin}")
+    if t.fused_backward_pass and plugin != "none":  # DDP / FSDP reduce a gradient after the hook would step
+        raise UserError(f"--fused_backward_pass: one process only, got --plugin {plugin} over {d.world_size}")
+    par.plugin = plugin
+    per_step = d.dp_size * par.grad_accum_steps
+    mixed = cfg.data.buckets is not None and bool(t.pack_tokens)  # global batches of several buckets, packed
+    if (cfg.data.buckets is None or mixed) and t.batch_size % per_step:  # buckets: checked per bucket later
+        raise UserError(f"--batch_size {t.batch_size} is not divisible by {d.dp_size} data-parallel processes x "
+                        f"--grad_accum_steps {par.grad_accum_steps}")
+    # --cpu_offload all: the model stays in host memory; fully_shard moves one block at a time to the GPU, shards
+    # it and offloads the shards, so the whole model never is on the GPU.
+    home = torch.device("cpu") if t.cpu_offload == "all" else device
+    # A LoRA's frozen base computes in bf16 anyway: stored so (half the memory). --master_weights bf16 / bf16_sr: the
+    # trainable weights too (updated through an fp32 rebuild). Either way the weights are stored in bf16 from the start.
+    half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
+    bf16_weights = half_base or (t.master_weights != "fp32" and not m.lora_rank)
+    return Run(cfg, d, run_dir, resume_from, amp_dtype, budget, mixed, per_step, home, half_base, bf16_weights)
+
+
+def load_init(run: Run) -> None:
+    """--init_from: a diffusers family's pretrained pipeline (``run.pre``) or DiT weights (``run.dit_init``); a
+    features folder made from a pipeline names that pipeline."""
+    cfg, m, device, amp_dtype = run.cfg, run.cfg.model, run.d.device, run.amp_dtype
+    features = read_manifest(cfg.data.data) if source_of(cfg.data.data) is FEATURES else None
+    if m.init_from is None and features is not None:
+        m.init_from = features.get("init_from")  # features of a pretrained pipeline: fine-tune that pipeline
+    if m.init_from is not None:
+        if is_adapted_pipeline(m.init_from):
+            # From features, the text encoders only encode the empty prompt and the sample grids, and the VAE only
+            # decodes the grids: kept on the CPU (the VAE visits the GPU for a grid), out of a tight memory budget.
+            on_gpu = device.type == "cuda" and features is None
+            helpers = device if features is None else torch.device("cpu")
+            # a base to be stored in fp8, swapped, or placed under a budget is cast and changed in host memory and
+            # moves to the GPU after (build_model): the bf16 base alone can exceed the budget (Wan-14B's 26.6 GiB)
+            staged = m.fp8_base or cfg.train.blocks_to_swap or cfg.train.gpu_memory_budget is not None
+            run.pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
+                                      text_device=helpers, vae_device=helpers,
+                                      denoiser_device=torch.device("cpu") if staged else run.home,
+                                      denoiser_dtype=amp_dtype if run.bf16_weights else torch.float32,
+                                      expert=m.expert, other_expert_device=torch.device("cpu"))
+            if features is not None and run.pre.denoiser.image_noise and m.noised_image_input:
+                log.info("--noised_image_input: the features hold the clean first frames' latents, so the image "
+                         "conditioning is not noised; train on the clips to noise it")
+        else:
+            run.dit_init = read_dit_init(cfg)
+    run.features = features
+
+
+def build_data(run: Run) -> None:
+    """Data: the data set, the batch encoder (VAE, text encoder; they record the data's shapes in the config), the
+    default model, the bucket sampler and the run's length in steps."""
+    cfg, d, run_dir, pre = run.cfg, run.d, run.run_dir, run.pre
+    t, m, device = cfg.train, cfg.model, d.device
+    dataset = _build_dataset(cfg, run_dir, pre, d)
+    video = getattr(dataset, "num_frames", None) is not None
+    if pre is not None:
+        inputs = pipeline_batch_encoder(cfg, pre, dataset)
+    else:
+        if m.model is None:
+            m.model = DEFAULT_MODELS[video]
+        if is_video_model(m.model) != video:
+            raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
+                            f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
+        inputs = build_batch_encoder(cfg, dataset, device, run.amp_dtype if device.type == "cuda" else torch.float32)
+    bucketed = None  # --buckets: each bucket's batch size is its global batch; --batch_size is not used
+    if cfg.data.buckets is not None and not isinstance(dataset, ShardData):  # shards: the streams' order
+        from ditforge.data.buckets import BucketBatchSampler
+
+        if not run.mixed:
+            dataset.buckets.check_batch_sizes(run.per_step, f"{d.dp_size} data-parallel processes x "
+                                                            f"--grad_accum_steps {cfg.parallel.grad_accum_steps}")
+        bucketed = BucketBatchSampler(dataset.buckets, dataset.sizes, t.seed, d.dp_rank, d.dp_size,
+                                      batch_size=t.batch_size if run.mixed else None)
+    run.steps_per_epoch = bucketed.steps_per_epoch if bucketed else len(dataset) // t.batch_size
+    run.max_steps = t.max_steps or (t.epochs * max(run.steps_per_epoch, 1) if t.epochs else 1000)
+    run.dataset, run.video, run.inputs, run.bucketed = dataset, video, inputs, bucketed
+
+
+def build_model(run: Run) -> None:
+    """The denoiser: the pipeline's or a new DiT (initial weights alike on every rank), its LoRA, its storage
+    dtype, then ``parallelize``; under zero2 / fsdp a DiT is sharded on the meta device, then initialised."""
+    cfg, d, pre, home, amp_dtype = run.cfg, run.d, run.pre, run.home, run.amp_dtype
+    t, m, par, plugin = cfg.train, cfg.model, cfg.parallel, cfg.parallel.plugin
+    torch.manual_seed(t.seed)  # the same initial weights on every rank
+    skeleton = None  # an unsharded meta copy of a model that is sharded before it is materialised
+    if pre is not None:
+        model = pre.denoiser
+        if m.train_text_encoder:
+            if run.features is not None:
+                raise UserError(f"--train_text_encoder: --data {cfg.data.data} holds prompts encoded already; "
+                                "train on the captioned images")
+            train_text_encoder(model, pre.pipe.text_encoder, pre.pipe, cfg)
+    else:
+        # bf16 weights: cast block by block, so the model never is whole in fp32 (the loop below casts the rest)
+        # zero2 / fsdp: sharded on the meta device, then each process initialises its shards (init_sharded), so
+        # the model never is whole on a GPU. Not with what needs the whole model first: official weights, LoRA,
+        # FP8 conversion, the sequence-parallel measurement, or host shards (--cpu_offload all)
+        if (plugin in ("zero2", "fsdp") and run.dit_init is None and not m.lora_rank and d.sp_mesh is None
+                and t.mixed_precision != "fp8" and t.cpu_offload != "all"):
+            skeleton = create_run_model(cfg, torch.device("meta"))
+            model = copy.deepcopy(skeleton)
+        else:
+            # LoRA: the adapters are drawn in fp32 on the fp32 base, which the loop below casts after injection
+            model = create_run_model(cfg, home, amp_dtype if run.bf16_weights and not m.lora_rank else None)
+        if run.dit_init is not None:
+            load_dit_weights(model, dit_init_weights(run.dit_init, cfg), t.seed)
+    if m.lora_rank:
+        add_lora_to_denoiser(model, cfg)
+    if m.lora_rank and pre is not None and run.budget is not None and not m.fp8_base and plugin in ("none", "ddp"):
+        m.fp8_base = finetune.fp8_base_pays(sum(p.numel() for p in model.parameters() if not p.requires_grad),
+                                            run.budget)
+        if m.fp8_base and d.is_main:
+            log.info("--gpu_memory_budget %s: --fp8_base", t.gpu_memory_budget)
+    if m.fp8_base:
+        finetune.store_base_in_fp8(model, amp_dtype, plugin)
+    (model if skeleton is not None else model.to(home)).train()
+    if run.budget is not None:
+        _place_under_budget(run, model)
+    for p in model.parameters():  # what is not bf16 yet (a LoRA's base built here; the budget's choice)
+        if (run.half_base and not p.requires_grad and p.element_size() > 1) or (
+                p.requires_grad and t.master_weights != "fp32"):
+            p.data = p.data.to(amp_dtype)
+    reduce_dtype = torch.bfloat16 if par.grad_reduce_dtype == "bf16" else torch.float32
+    model = parallelize(model, d, plugin, t.grad_checkpoint, t.compile, "fast" if t.enable_flashattn else "auto",
+                        param_dtype=None if amp_dtype == torch.float32 else amp_dtype, reduce_dtype=reduce_dtype,
+                        enable_modulate_kernel=t.enable_modulate_kernel,
+                        enable_layernorm_kernel=t.enable_layernorm_kernel,
+                        fp8=t.fp8_recipe if t.mixed_precision == "fp8" else None, fp8_min_width=t.fp8_min_width,
+                        sequence_parallel_type=par.sequence_parallel_type, batch_size=t.batch_size // run.per_step,
+                        fused_backward_pass=t.fused_backward_pass, cpu_offload=t.cpu_offload == "all",
+                        offload_activations=t.offload_activations)
+    if skeleton is not None:
+        init_sharded(model, skeleton, d)
+    if t.blocks_to_swap:
+        _swap_blocks(run, model)
+    run.model = model
+
+
+def _swap_blocks(run: Run, model: nn.Module) -> None:
+    """--blocks_to_swap: the last N repeated blocks' frozen weights to host memory (``parallel.offload.BlockSwap``).
+
+    Raises:
+        UserError: a model that is no diffusers pipeline's, or fewer blocks than asked.
+    """
+    from ditforge.parallel.offload import BlockSwap
+
+    n, pre = run.cfg.train.blocks_to_swap, run.pre
+    if pre is None:
+        raise UserError("--blocks_to_swap: swaps the blocks of a diffusers pipeline's transformer (--init_from)")
+    blocks = [m for m in model.modules() if type(m).__name__ in pre.denoiser.block_classes]
+    if n > len(blocks):
+        raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {len(blocks)} blocks")
+    swap = BlockSwap(blocks[len(blocks) - n:], run.d.device)  # its hooks hold it
+    if run.d.is_main:
+        log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n, swap.host_bytes / 2**30)
+
+
+def _place_under_budget(run: Run, model: nn.Module) -> None:
+    """--gpu_memory_budget: the optimizer, master weights, fused backward and CPU offload that fit the budget
+    (``plan_placement``'s rule), written into the config."""
+    t, d, plugin = run.cfg.train, run.d, run.cfg.parallel.plugin
+    frozen = sum(p.numel() * (min(2, p.element_size()) if run.half_base else p.element_size())
+                 for p in model.parameters() if not p.requires_grad)
+    given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
+    choice = plan_placement(run.budget, sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
+                            t.ema_decay != 0, given, run.amp_dtype == torch.bfloat16,
+                            lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none",
+                            offload_ok=t.fused_optimizer == "auto" and on_gpu_with_triton(d.device))
+    if choice != given and d.is_main:
+        log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
+                 t.gpu_memory_budget, *choice[:2], " --fused_backward_pass" if choice[2] else "", choice[3])
+    t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload = choice
+
+
+def build_ema_and_optimizer(run: Run) -> None:
+    """The EMA, the optimizer (its placement and precision), the step in the backward and the fp16 grad scaler."""
+    t, model, device = run.cfg.train, run.model, run.d.device
+    run.adapters_only = bool(run.cfg.model.lora_rank)  # LoRA: EMA and checkpoints hold the adapters alone
+    ema = run.ema = EMA(model, trainable_only=run.adapters_only, alias=t.ema_decay == 0)
+    optimizer = run.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t.optimizer,
+                                                t.lr, t.weight_decay, device, t.master_weights,
+                                                in_backward=t.fused_backward_pass, fused=t.fused_optimizer == "auto",
+                                                offload=t.cpu_offload, delayed_update=t.delayed_update)
+    # the fused step updates the EMA in its own pass (update_ema is then a no-op); StepInBackward's is per block
+    run.ema_in_step = not t.fused_backward_pass and ema.fuse_into(unwrap(model), optimizer)
+    # --fused_backward_pass: the blocks step during the backward; an async checkpoint's staging finishes first
+    run.stepper = (StepInBackward(unwrap(model), optimizer, t.max_grad_norm,
+                                  lambda: run.checkpointer.wait_for_staging()) if t.fused_backward_pass else None)
+    if run.amp_dtype == torch.float16:
+        if run.cfg.parallel.plugin in ("zero2", "fsdp"):  # found-inf must agree across ranks that hold different shards
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            run.scaler = ShardedGradScaler(device.type)
+        else:
+            run.scaler = torch.amp.GradScaler(device.type)
+
+
+def open_outputs(run: Run) -> None:
+    """The run folder's ``samples/`` and ``config.yaml`` (rank 0), the metrics of steps after the resumed
+    checkpoint (all of them on a fresh start) dropped, and the checkpointer, whose async staging every optimizer
+    step waits for."""
+    d, run_dir, t = run.d, run.run_dir, run.cfg.train
+    if d.is_main:
+        (run_dir / "samples").mkdir(parents=True, exist_ok=True)
+        _write_config(run_dir / "config.yaml", run.cfg)
+        # a fresh start drops them all: they are a killed run's that saved no checkpoint
+        truncate_metrics(run_dir / "metrics.jsonl", run.start_step)
+    d.barrier()
+    checkpointer = run.checkpointer = ckpt_io.Checkpointer(
+        run_dir, t.keep_last, run.cfg.parallel.async_checkpoint, d,
+        last_step=run.start_step if run.resume_from is not None else None)
+    run.optimizer.register_step_pre_hook(lambda *_: checkpointer.wait_for_staging())
+
+
+def build_loader(run: Run) -> None:
+    """This process's loader from ``run.start_step``'s data position, one batch ahead on the device, and
+    ``--pack_tokens``' packing (every bucket checked to fit a row). A loss-spike rollback rewinds the steps, never
+    the loader: the batches it reads next are those after the spike."""
+    cfg, d, dataset, device = run.cfg, run.d, run.dataset, run.d.device
+    start_step = run.start_step + run.data_offset
+    t, m = cfg.train, cfg.model
+    if isinstance(dataset, ShardData):  # streamed shards: the position is the loader's state, saved with the checkpoint
+        data = cfg.data
+        run.shard_loader = build_shard_loader(dataset, t.batch_size, data.data_streams, data.shuffle_shards, t.seed,
+                                              d.dp_rank, d.dp_size, data.num_workers, start_step, run.loader_state,
+                                              worker_init_fn=_ignore_sigint)
+        # one batch ahead: the shard loader keeps two steps' states
+        run.loader = DevicePrefetcher(run.shard_loader, device)
+    else:
+        sampler = run.bucketed or GlobalBatchSampler(len(dataset), t.batch_size, t.seed, d.dp_rank, d.dp_size,
+                                                     start_step)
+        sampler.start_step = start_step
+        from ditforge.data.buckets import collate_mixed
+
+        run.loader = DevicePrefetcher(DataLoader(
+            dataset, batch_sampler=sampler, num_workers=cfg.data.num_workers,
+            persistent_workers=cfg.data.num_workers > 0, worker_init_fn=_ignore_sigint,
+            collate_fn=collate_mixed if run.mixed else None,
+        ), device)
+    run.sample_shape = (m.in_channels, *([m.num_frames] if run.video else []), m.input_size, m.input_size)
+    if t.pack_tokens:
+        run.packing = packing_setup(unwrap(run.model), t.pack_tokens, None if run.mixed else run.sample_shape)
+    if run.mixed:
+        check_bucket_tokens(dataset.buckets, t.pack_tokens, run.packing[1], m.in_channels,
+                            cfg.data.image_size // m.input_size, run.video)
+
+
+def open_logs(run: Run) -> None:
+    """``metrics.jsonl`` and the tracker (rank 0), the non-finite step guard, and the run's summary in the log."""
+    cfg, d, t, m = run.cfg, run.d, run.cfg.train, run.cfg.model
+    run.metrics = MetricsLog(run.run_dir / "metrics.jsonl") if d.is_main else None
+    run.tracker = (Tracker(run.run_dir, t.report_to, cfg.to_dict(), run.start_step if run.resume_from else None)
+                   if d.is_main else None)
+    # not run.last_good: a bound method kept in run.nonfinite would tie run to itself in a reference cycle, and the
+    # run's loader workers, which hold the run folder's lock file open, would outlive the run until a GC pass
+    run.nonfinite = NonfiniteGuard(1 if t.on_nonfinite == "stop" else t.max_nonfinite_steps,
+                                   functools.partial(last_checkpoint, run.run_dir))
+    if not d.is_main:
+        return
+    optimizer = run.optimizer
+    n_params = sum(p.numel() for p in unwrap(run.model).parameters() if p.requires_grad)
+    log.info("%s (%.2fM parameters) on %d x %s, plugin %s, %s compute, %d steps of global batch %s, "
+             "run folder %s", (f"{m.model} ({m.depth} blocks)" if m.depth else m.model) if m.model
+             else f"{run.pre.pipeline_class} denoiser", n_params / 1e6, d.world_size,
+             d.device.type, cfg.parallel.plugin, str(run.amp_dtype).removeprefix("torch."), run.max_steps,
+             "per bucket" if run.bucketed and not run.mixed else t.batch_size, run.run_dir)
+    log.info("optimizer step: %s%s", "one Triton pass (clipping, AdamW" + (", EMA)" if run.ema_in_step else ")")
+             if getattr(optimizer, "fused", False) else "torch's fused AdamW on the CPU" if t.cpu_offload == "all"
+             else f"the library's {type(optimizer).__name__}" if t.optimizer in LIBRARY_OPTIMIZERS
+             else "the libraries' kernels (--fused_optimizer off or no GPU)",
+             {"optimizer": "; states in pinned host memory, streamed through a GPU ring",
+              "all": ", over weights, gradients and states in host memory (FSDP2's CPUOffloadPolicy)"
+                     + ("; one-step delayed update" if t.delayed_update else "")}.get(t.cpu_offload, ""))
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    """Data-loader workers leave Ctrl-C to the trainer, which finishes the step and saves."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop records logged after ``step`` (by a run that died before its next checkpoint), atomically."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except json.JSONDecodeError:  # blank, or the last line cut short by a kill in the middle of its write
+            continue
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in keep))
+
+
+def _write_config(path: Path, cfg: RunConfig) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
