@@ -27,7 +27,7 @@ SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 OBJECTIVES = ("auto", "ddpm", "v", "flow")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform")
-EXPERTS = ("high_noise", "low_noise")  # Wan 2.2 A14B's transformer and transformer_2
+EXPERTS = ("high_noise", "low_noise")  # a two-expert pipeline's transformer and transformer_2
 RESIZE_MODES = ("center_crop", "letterbox")
 REPORT_TO = ("auto", "tensorboard", "wandb", "all", "none")
 
@@ -77,16 +77,14 @@ class ModelConfig(_Freezable):
     learn_sigma: bool = _f(True, "predict the variance too (hybrid loss of Improved DDPM)")
     class_dropout_prob: float = _f(0.1, "label (or caption) dropout probability for classifier-free guidance")
     init_from: str | None = _f(None, "start from pretrained weights: a local diffusers pipeline folder "
-                                     "(model_index.json) of Stable Diffusion 1.x/2.x/XL, PixArt-alpha/sigma, SD3, "
-                                     "Wan 2.1 (T2V, I2V), Wan 2.2 A14B, CogVideoX 1.0 (T2V, I2V), LTX-Video, "
-                                     "HunyuanVideo or DiT, "
-                                     "an official DiT .pt, or a ditforge run, checkpoint or export; the folder decides "
+                                     "(model_index.json) of a family ditforge adapts (another pipeline's refusal lists "
+                                     "them) or of DiT, an official DiT .pt, or a ditforge run, checkpoint or export; the folder decides "
                                      "the denoiser, text encoders, VAE and objective")
     objective: str = _f("auto", "training objective: ddpm (epsilon) | v (v-prediction) | flow (rectified flow) | "
                                 "auto (the --init_from pipeline's scheduler; else ddpm)", choices=OBJECTIVES)
     flow_shift: float | None = _f(None, "flow: timestep shift t' = s t / (1 + (s - 1) t) (default: the scheduler's "
                                         "shift, else 1)")
-    weighting_scheme: str = _f("logit_normal", "flow: density of the training times: logit_normal (SD3) | uniform",
+    weighting_scheme: str = _f("logit_normal", "flow: density of the training times: logit_normal (Esser et al. 2024) | uniform",
                                choices=WEIGHTING_SCHEMES)
     logit_mean: float = _f(0.0, "flow: mean of the logit-normal time density")
     logit_std: float = _f(1.0, "flow: standard deviation of the logit-normal time density")
@@ -100,19 +98,20 @@ class ModelConfig(_Freezable):
                                "--fp8_base): half the bf16 base's memory; adapters, norms and embedders stay as "
                                "they are. --gpu_memory_budget turns it on where the bf16 base would take over a "
                                "quarter of the budget")
-    noised_image_input: bool = _f(True, "CogVideoX image-to-video fine-tuning: each clip's first frame gets "
-                                        "Gaussian pixel noise of sigma = exp(N(-3, 0.5)) before the VAE, and its "
-                                        "latents are a posterior draw (CogVideoX's own I2V recipe); "
+    noised_image_input: bool = _f(True, "image-to-video fine-tuning of a family that declares image noise: each "
+                                        "clip's first frame gets Gaussian pixel noise of sigma = exp(N(-3, 0.5)) "
+                                        "before the VAE, and its latents are a posterior draw (the family's own I2V "
+                                        "recipe); "
                                         "--no-noised_image_input conditions on the clean frame. Stored features "
                                         "hold the clean frame's latents")
-    expert: str | None = _f(None, "Wan 2.2 A14B (two experts): the one to fine-tune, high_noise (transformer: "
-                                  "timesteps at and above boundary_ratio x 1000) or low_noise (transformer_2: those "
+    expert: str | None = _f(None, "a pipeline of two experts: the one to fine-tune, high_noise (transformer: "
+                                  "timesteps at and above its boundary ratio x 1000) or low_noise (transformer_2: those "
                                   "below); its training times are drawn from its range alone. The other expert stays "
                                   "frozen in host memory and joins it for ditforge sample and export",
                             choices=EXPERTS)
     train_text_encoder: bool = _f(False, "train the --init_from pipeline's text encoder too (Stable Diffusion 1.x / "
                                          "2.x; with --lora_rank, LoRA on its attention projections)")
-    family: str | None = _f(None, "the --init_from pipeline's family (sd | pixart | sd3), or None", cli=False)
+    family: str | None = _f(None, "the --init_from pipeline's family (its adapter's short name), or None", cli=False)
     in_channels: int | None = _f(None, "input channels (default: from the data)", cli=False)
     input_size: int | None = _f(None, "spatial input size of the model (default: --image_size)", cli=False)
     num_frames: int | None = _f(None, "frames of the model's input (video models: --num_frames)", cli=False)
@@ -133,7 +132,7 @@ class DataConfig(_Freezable):
     frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
                                 "stride that fits")
     random_flip: bool | None = _f(None, "random horizontal flips of the latents (default: on for image folders, off "
-                                     "for digits and for video pipelines such as Wan, whose 3-D VAE latents are not "
+                                     "for digits and for video pipelines, whose 3-D VAE latents are not "
                                      "mirror-symmetric; refused for image-to-video pipelines)")
     resize_mode: str = _f("center_crop", "captioned images: center_crop (short side to --image_size, centre square) "
                                          "| letterbox (long side to --image_size, padded with mid grey)",
@@ -236,7 +235,7 @@ class TrainConfig(_Freezable):
     blocks_to_swap: int = _f(0, "LoRA on a diffusers pipeline: the frozen weights of the last N transformer blocks "
                                 "live in pinned host memory and visit the GPU one block at a time, copied a block "
                                 "ahead on a side stream (diffusion-pipe's blocks_to_swap; for a base that does not "
-                                "fit, Wan-14B on 24 GB). Needs --grad_checkpoint (else the backward holds every "
+                                "fit, a 14B video transformer's on 24 GB). Needs --grad_checkpoint (else the backward holds every "
                                 "block's copy) and no --compile")
     enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs (cuDNN, then Flash, on "
                                        "Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
@@ -329,8 +328,8 @@ class BenchConfig:
     num_classes: int = _f(1000, "class labels of the synthetic data")
     text_dim: int = _f(0, "caption-state width for text conditioning (cross-attention) on synthetic states, e.g. "
                           "4096 as T5-XXL's; 0: class labels")
-    text_tokens: int = _f(120, "caption tokens per sample with --text_dim (120: PixArt-alpha's and Open-Sora's "
-                               "T5 length); each sample's real length is drawn in [1, text_tokens]")
+    text_tokens: int = _f(120, "caption tokens per sample with --text_dim (120: the T5 length of Chen et al. "
+                               "2023 and Open-Sora); each sample's real length is drawn in [1, text_tokens]")
     batch_size: int = _f(64, "samples per step")
     steps: int = _f(20, "timed steps per row (the median is reported)")
     warmup: int = _f(5, "untimed steps first (compilation, autotuning)")

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 def resolve(run: Run) -> RunConfig:
     """The run's settings resolved, once the run folder, the pretrained pipeline and the data set are open
     (``build.open_run``, ``load_init``, ``build_data``) and before the model and optimizer are built: no periodic
-    samples for one Wan 2.2 expert, the flips, the shard streams and loader workers, the class count, the
+    samples for one expert of two, the flips, the shard streams and loader workers, the class count, the
     learning rate's default (by the model and the optimizer asked, before a memory budget may change the
     optimizer), the objective (which a diffusers family's scheduler config decides; the config records its kind
     and shift, ``run.diffusion`` holds it) and the LoRA targets. Returns ``run.cfg``.
@@ -84,7 +84,7 @@ def pipeline_family(cfg: RunConfig):
 
 
 def settle_flips(cfg: RunConfig, dataset, pre) -> None:
-    """``--random_flip``'s default: the data set's, but off for a video pipeline (Wan), whose flips would act on
+    """``--random_flip``'s default: the data set's, but off for a video pipeline, whose flips would act on
     the latents of a 3-D VAE (not mirror-symmetric: the flipped clip's latents are not the flipped latents); on
     asked explicitly it flips those latents (text-to-video), and an image-to-video pipeline refuses it: its
     conditioning (the first frame's latents and CLIP states) is not flipped with them.
