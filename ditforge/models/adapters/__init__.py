@@ -82,6 +82,12 @@ class DiffusersDenoiser(nn.Module):
         prompt_sees_image: the prompt's encoding depends on the first frame (HunyuanVideo I2V: a Llava encoder reads
             the image with the prompt): ``encode_prompt(..., images=)``, without images the black image the pipeline
             pairs with its negative prompt. Such a condition is encoded per clip, never cached per caption.
+        masked_self_attention: every self-attention call carries a mask (sampling crops the padding it hides,
+            ``trim_padding``, and drops the then full masks, ``dispatch.unmask_full_attention``).
+        fps: a video family's frame rate, what ``ditforge sample`` writes its videos at by default.
+        compile_whole: ``--compile`` makes one graph for the whole model (``parallel.parallelize`` says why).
+        text_encoder_trainable: the family can train its text encoder (``--train_text_encoder``).
+        pipeline_embeds: conditioning key -> the pipeline ``__call__``'s argument for it (``pipeline_inputs``).
     """
 
     family: str = ""
