@@ -17,7 +17,7 @@
     proj, MLP 4x, adaLN-Zero; heads of 128, 72 at 1152 as DiT-XL's), fp32 weights under bf16 autocast, compiled,
     forward + backward over B = 1 x ``--tokens`` tokens through the fast attention, in bf16 and with its linear
     layers as torchao's float8 training linears (``parallel.apply_fp8``, each ``--recipes``), for each width of
-    ``--widths``. The ratio bf16 / float8 per width is what ``--fp8_min_width`` (``config.FP8_MIN_WIDTH``) is
+    ``--widths``. The ratio bf16 / float8 per width is what ``--fp8_min_width`` (``config.sections.FP8_MIN_WIDTH``) is
     set from: float8 where it is above 1. Median of 10 (CUDA events, 3 calls each) after 5 warm-up calls; the
     float8 outputs' relative error against bf16 is printed beside them, and the GPU kernel time of each by kind
     (``timing.kernel_kind``: matrix products, attention, inductor's fused kernels, which hold the float8 casts).

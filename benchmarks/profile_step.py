@@ -14,7 +14,7 @@ is a blocking copy or wait that leaves the GPU idle while the host catches up).
 rows' settings): the median step time and the host syncs per step of ``train_step``, whose divergence guard
 hands every optimizer its skip flag on the device (0 expected everywhere but torch's Adafactor, which reads two
 norms per parameter on the host itself, guarded or not: the step counters that bitsandbytes, torchao and
-Adafactor keep on the host are put back one step late, ``optim.SkipUndo``).
+Adafactor keep on the host are put back one step late, ``optim.skip.SkipUndo``).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ attention, compile, one-pass optimizer) and a ratio to the first (``plain``):
 Rows are cumulative over the rows chosen with ``--rows`` (``abce``: compile without the fused kernels). A row
 whose feature cannot run here (no GPU for Triton or FP8, torchao missing) is reported as skipped with the
 reason, and the rows after it go on without that feature.  A row whose training state alone (weights,
-gradients, optimizer states, EMA; ``optim.state_bytes``) exceeds the GPU, or a capped row's budget, is skipped
-before its model is built; its settings still carry to the rows after it.
+gradients, optimizer states, EMA; ``optim.placement.state_bytes``) exceeds the GPU, or a capped row's budget, is
+skipped before its model is built; its settings still carry to the rows after it.
 
 Models are built on the meta device and materialised on the GPU one block at a time (``create_model(device=)``),
 cast to bf16 block by block for the bf16-weight rows, so a model near the GPU's size (``vDiT-7B/222``) never is whole
@@ -392,8 +392,8 @@ def _reset(device: torch.device) -> None:
 
 def state_too_big(cfg: BenchConfig, s: Settings, device: torch.device, params: int) -> str | None:
     """Why a row cannot fit on a CUDA ``device`` before any step (its weights, gradients, optimizer states and
-    EMA alone exceed the GPU's memory, or the budget of a capped row; ``optim.state_bytes``), or None. Such a
-    row is skipped at once instead of building (and, with a big model, compiling) it only to run out of memory."""
+    EMA alone exceed the GPU's memory, or the budget of a capped row; ``optim.placement.state_bytes``), or None. Such
+    a row is skipped at once instead of building (and, with a big model, compiling) it only to run out of memory."""
     if device.type != "cuda":
         return None
     total = torch.cuda.get_device_properties(device).total_memory

@@ -21,7 +21,7 @@ def library_optimizer(params: list[nn.Parameter], optimizer: str, lr: float,
     docstring), over fp32 parameters: torchao's ``AdamW4bit`` / ``AdamWFp8`` (betas (0.9, 0.999), eps 1e-8) or
     ``torch.optim.Adafactor`` (its defaults: beta2 decay -0.8, eps (dtype eps, 1e-3), update clipping d = 1).
     torchao keeps each group's lr as a 0-dim tensor (``set_lr``). torchao's own bf16 stochastic rounding is not
-    offered (``config.validate``): it draws from the global generator, and its unquantized small tensors would
+    offered (``config.checks.validate``): it draws from the global generator, and its unquantized small tensors would
     keep bf16 moments.
 
     Raises:

@@ -250,8 +250,9 @@ def parallelize(
             sequence-parallel size divides them, else ring; ``tensor_parallel_sequence_type``); FastSeq and USP
             are refused in one line (``config``).
         batch_size: samples per process in one forward; sizes ``auto``'s measurement.
-        fused_backward_pass: the optimizer steps inside the backward block by block (``optim.StepInBackward``):
-            the blocks compile one by one even where the model sets ``compile_whole``, since one graph's
+        fused_backward_pass: the optimizer steps inside the backward block by block
+            (``optim.backward.StepInBackward``): the blocks compile one by one even where the model sets
+            ``compile_whole``, since one graph's
             backward would hand out every gradient at once.
         cpu_offload: under zero2/fsdp, FSDP2's ``CPUOffloadPolicy`` (``--cpu_offload all``): the fp32 shards and
             their gradients live in host memory (pinned on a GPU); each block's shards are copied to the GPU and

@@ -147,8 +147,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     ``denoiser_dtype``, cast in host memory before the move (bf16 weights: the fp32 model never is on the GPU, which
     SDXL's 10.3 GB would overflow under an 8 GiB budget; a second expert, Wan 2.2's ``transformer_2``, likewise); all
     are frozen but the denoiser. ``sampling``: the folder is for ``ditforge sample``, which takes variants that
-    fine-tuning refuses (the family's ``unsupported``). ``expert`` (Wan 2.2 A14B, ``config.EXPERTS``): the denoiser
-    wraps ``transformer`` (high_noise) or ``transformer_2`` (low_noise), and the other expert goes to
+    fine-tuning refuses (the family's ``unsupported``). ``expert`` (Wan 2.2 A14B, ``config.sections.EXPERTS``): the
+    denoiser wraps ``transformer`` (high_noise) or ``transformer_2`` (low_noise), and the other expert goes to
     ``other_expert_device`` (default: the denoiser's), frozen. The adapter's null condition (the empty prompt) is set.
 
     Raises:
