@@ -42,7 +42,7 @@ def pytest_configure(config):
 # The files that take longest on the 2-core CI machine, longest first (a full run of 2026-12-02, pytest --durations:
 # text-to-video's one test ~770 s, the optimizer modes' resume tests ~300 s, then 120-190 s each, the machine loaded).
 # They go to the two pytest-xdist workers before any other file, so that none of them starts near the end.
-LONGEST = ("test_text_to_video.py", "parallel/test_optim.py", "parallel/test_offload.py", "train/test_chaos.py",
+LONGEST = ("test_text_to_video.py", "optim/test_optim.py", "parallel/test_offload.py", "train/test_chaos.py",
            "test_sample_fast.py", "train/test_guard.py", "train/test_trainer.py")
 
 
