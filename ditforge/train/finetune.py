@@ -1,8 +1,8 @@
-"""Fine-tuning pretrained models: ``--init_from`` (a local diffusers pipeline folder, an official DiT ``.pt``, or a
-ditforge run / checkpoint / export), DreamBooth's prior preservation, sample grids from the pipeline, and the
-frozen base stored in float8. LoRA itself is ``ditforge.weights.lora``; DiT weights into ditforge's ``DiT`` and a
-fine-tuned pipeline loaded back for sampling (``ditforge.export`` writes it as a pipeline folder or a LoRA file) are
-``ditforge.weights.finetuned``.
+"""Fine-tuning pretrained models (``--init_from``: a local diffusers pipeline folder, an official DiT ``.pt``, or a
+ditforge run / checkpoint / export, read by ``train.build.load_init``): DreamBooth's prior preservation, sample grids
+from the pipeline, and the frozen base stored in float8. LoRA itself is ``ditforge.weights.lora``; DiT weights into
+ditforge's ``DiT`` and a fine-tuned pipeline loaded back for sampling (``ditforge.export`` writes it as a pipeline
+folder or a LoRA file) are ``ditforge.weights.finetuned``.
 
 Nothing is downloaded: pipelines load with ``from_pretrained(folder, local_files_only=True)``.
 
