@@ -177,10 +177,10 @@ class DiffusersDenoiser(nn.Module):
         return None
 
     def objective_args(self, pipe: Any, expert: str | None, latent_frames: int, latent_size: int) -> dict:
-        """What the family gives ``diffusion.create_objective`` besides the scheduler config: ``t_range`` (one
-        expert's side of ``expert_boundary``, else (0, 1)), ``given_frames`` (the first latent frames given clean) and
-        ``seq_len`` (a video family's latent frames x height x width, which a dynamically shifting scheduler's shift
-        follows; None for images).
+        """What the family gives ``diffusion.objective.create_objective`` besides the scheduler config: ``t_range``
+        (one expert's side of ``expert_boundary``, else (0, 1)), ``given_frames`` (the first latent frames given clean)
+        and ``seq_len`` (a video family's latent frames x height x width, which a dynamically shifting scheduler's
+        shift follows; None for images).
 
         Raises:
             TypeError: ``expert`` for a family whose ``expert_boundary`` is None.
