@@ -417,7 +417,7 @@ def build_ema_and_optimizer(run: Run) -> None:
                                                 t.lr, t.weight_decay, device, t.master_weights,
                                                 in_backward=t.fused_backward_pass, fused=t.fused_optimizer == "auto",
                                                 offload=t.cpu_offload, delayed_update=t.delayed_update)
-    # the fused step updates the EMA in its own pass (update_ema is then a no-op); StepInBackward's is per block
+    # the fused step updates the EMA in its own pass (trainer._update_ema then a no-op); StepInBackward's is per block
     run.ema_in_step = not t.fused_backward_pass and ema.fuse_into(unwrap(model), optimizer)
     # --fused_backward_pass: the blocks step during the backward; an async checkpoint's staging finishes first
     run.stepper = (StepInBackward(unwrap(model), optimizer, t.max_grad_norm,
