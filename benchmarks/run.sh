@@ -152,7 +152,7 @@ t2v)
         --rows bcde --steps 10 --warmup 3
     ;;
 optimizer)
-    python3 -m pytest -q -p no:cacheprovider --tb=line tests/parallel/test_fused_adamw.py tests/parallel/test_optim.py \
+    python3 -m pytest -q -p no:cacheprovider --tb=line tests/optim/test_fused_adamw.py tests/optim/test_optim.py \
         -k "not slow" 2>&1 | grep -v gemm_4bit | tail -8
     python3 benchmarks/optimizer_step.py --out "$out/optimizer_step.json" 2>&1 | grep -v gemm_4bit
     (cd .anchors && python3 plain_dit_train.py 64 bf16_compile_ema) 2>&1 | tail -1
