@@ -3,7 +3,7 @@ FSDP run while a save is in flight leaves only complete, loadable ``step-*`` fol
 continues from the newest. Ctrl-C reaching only one rank stops every rank at the same step with a checkpoint.
 
 The in-process, deterministic counterpart (a storage writer that fails in the background) is in
-tests/train/test_trainer.py (test_async_save_failure_publishes_nothing).
+tests/train/test_trainer.py (test_async_save_failure_in_training_publishes_nothing).
 """
 
 from __future__ import annotations
