@@ -3,7 +3,7 @@ training reads features instead of decoding and encoding pixels every step (as f
 ``extract_features.py`` does, except that the posterior's moments are stored, not one draw from it: training
 still draws fresh latents ``mean + std * eps`` every step, exactly as it does when encoding on the fly).
 
-``ditforge.data.preprocess.extract_features`` writes a folder; ``ditforge.data.build_dataset`` reads a folder
+``ditforge.data.store.extract_features`` writes a folder; ``ditforge.data.build_dataset`` reads a folder
 holding ``features.json`` as a ``FeatureDataset``, whose items ``ditforge.encoders.batch.BatchEncoder`` turns into
 the same denoiser inputs (and the same training loss, for the same seed) as the pixels and captions they were
 computed from.
@@ -53,7 +53,7 @@ MANIFEST_KEYS = ("format", "version", "condition", "vae", "text_encoder", "text_
 
 
 def read_manifest(folder: str | Path) -> dict:
-    """The checked ``features.json`` of a features folder (see ``preprocess.extract_features`` for its keys).
+    """The checked ``features.json`` of a features folder (see ``store.extract_features`` for its keys).
 
     Raises:
         UserError naming ``--data`` and the file: missing or unreadable, not JSON, another format or version,
