@@ -232,6 +232,7 @@ def build_sd15(path: Path) -> Path:
 
 def build_pixart(path: Path) -> Path:
     from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(0)
     transformer = PixArtTransformer2DModel(num_attention_heads=16, attention_head_dim=72, in_channels=4,
