@@ -22,20 +22,26 @@ def _geometry(family: str) -> tuple[int, int, int, int]:
     return spec.size, spec.frames, spec.interval, spec.batch
 
 
+def flow_draws(post) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A flow run's step-0 draws in ditforge's order from ``derive_seed(0, 0)``, for a batch of VAE posteriors
+    ``post`` (mean (B, C, T', h, w)): noise like the latents, logit-normal u (mean 0, std 1) of shape (B,), the
+    caption drop and flip (drawn, unused here), and the posterior's eps like the latents."""
+    batch, shape = post.mean.shape[0], tuple(post.mean.shape[1:])
+    g = torch.Generator().manual_seed(derive_seed(0, 0))
+    noise = torch.randn((batch, *shape), generator=g)
+    u = torch.sigmoid(torch.randn(batch, generator=g))
+    torch.rand(batch, generator=g), torch.rand(batch, generator=g)
+    return noise, u, torch.randn((batch, *shape), generator=g)
+
+
 def step0_latents(pipe, pixels: torch.Tensor, shift: float):
     """Step 0's latents from diffusers' pieces: ``pixels`` (B, 3, T, H, W) through ``AutoencoderKLWan``'s posterior,
     with the step's draws in ditforge's order from ``derive_seed(0, 0)`` (noise, logit-normal u, caption drop, flip,
     posterior eps), normalised as ``WanPipeline`` un-normalises before decoding (``latents / (1 / latents_std) +
     latents_mean``, inverted). Returns (x0, noise, sigma = shift u / (1 + (shift - 1) u), mean, inv_std), the last
     two (1, C, 1, 1, 1)."""
-    BATCH = len(pixels)
     post = pipe.vae.encode(pixels).latent_dist
-    g = torch.Generator().manual_seed(derive_seed(0, 0))
-    shape = tuple(post.mean.shape[1:])
-    noise = torch.randn((BATCH, *shape), generator=g)
-    u = torch.sigmoid(torch.randn(BATCH, generator=g))  # logit-normal, mean 0, std 1
-    torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)  # caption drop, flip: unused here
-    eps = torch.randn((BATCH, *shape), generator=g)
+    noise, u, eps = flow_draws(post)
     view = (1, pipe.vae.config.z_dim, 1, 1, 1)
     mean = torch.tensor(pipe.vae.config.latents_mean).view(view)
     inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(view)
@@ -139,12 +145,7 @@ def ltx_first_loss(folder: Path, image_to_video: bool = False) -> tuple[float, f
     config = pipe.scheduler.config
     with torch.no_grad():
         post = pipe.vae.encode(pixels).latent_dist
-        g = torch.Generator().manual_seed(derive_seed(0, 0))
-        shape = tuple(post.mean.shape[1:])
-        noise = torch.randn((BATCH, *shape), generator=g)
-        u = torch.sigmoid(torch.randn(BATCH, generator=g))
-        torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)
-        eps = torch.randn((BATCH, *shape), generator=g)
+        noise, u, eps = flow_draws(post)
         x0 = pipe._normalize_latents(post.mean + post.std * eps, pipe.vae.latents_mean, pipe.vae.latents_std,
                                      pipe.vae.config.scaling_factor)
         frames, h, w = x0.shape[2:]
@@ -200,12 +201,7 @@ def hunyuan_video_first_loss(folder: Path, condition: str | None = None) -> floa
     pixels = torch.stack([ds[i]["video"] for i in idx])
     with torch.no_grad():
         post = pipe.vae.encode(pixels).latent_dist
-        g = torch.Generator().manual_seed(derive_seed(0, 0))
-        shape = tuple(post.mean.shape[1:])
-        noise = torch.randn((BATCH, *shape), generator=g)
-        u = torch.sigmoid(torch.randn(BATCH, generator=g))
-        torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)
-        eps = torch.randn((BATCH, *shape), generator=g)
+        noise, u, eps = flow_draws(post)
         x0 = (post.mean + post.std * eps) * pipe.vae.config.scaling_factor
         sigma = shift * u / (1 + (shift - 1) * u)
         texts = [ds[i]["text"] for i in idx]
