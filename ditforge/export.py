@@ -173,7 +173,8 @@ def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path
     encoder saved with their ``save_pretrained``, every other component copied untouched from the folder the run
     started from, so the family's pipeline class loads it offline. Written under a temporary name and renamed when
     complete."""
-    # the component the denoiser is: its own (transformer, unet) or, for a second expert of a two-expert pipeline, transformer_2
+    # the component the denoiser is: its own (transformer, unet) or, for a two-expert pipeline's second expert,
+    # transformer_2
     component = next(name for name, module in pre.pipe.components.items() if module is denoiser.inner)
     trained = {component: denoiser.inner}
     if denoiser.tokenize is not None:  # --train_text_encoder

@@ -78,13 +78,14 @@ class ModelConfig(_Freezable):
     class_dropout_prob: float = _f(0.1, "label (or caption) dropout probability for classifier-free guidance")
     init_from: str | None = _f(None, "start from pretrained weights: a local diffusers pipeline folder "
                                      "(model_index.json) of a family ditforge adapts (another pipeline's refusal lists "
-                                     "them) or of DiT, an official DiT .pt, or a ditforge run, checkpoint or export; the folder decides "
-                                     "the denoiser, text encoders, VAE and objective")
+                                     "them) or of DiT, an official DiT .pt, or a ditforge run, checkpoint or "
+                                     "export; the folder decides the denoiser, text encoders, VAE and objective")
     objective: str = _f("auto", "training objective: ddpm (epsilon) | v (v-prediction) | flow (rectified flow) | "
                                 "auto (the --init_from pipeline's scheduler; else ddpm)", choices=OBJECTIVES)
     flow_shift: float | None = _f(None, "flow: timestep shift t' = s t / (1 + (s - 1) t) (default: the scheduler's "
                                         "shift, else 1)")
-    weighting_scheme: str = _f("logit_normal", "flow: density of the training times: logit_normal (Esser et al. 2024) | uniform",
+    weighting_scheme: str = _f("logit_normal", "flow: density of the training times: logit_normal (Esser et al. "
+                                               "2024) | uniform",
                                choices=WEIGHTING_SCHEMES)
     logit_mean: float = _f(0.0, "flow: mean of the logit-normal time density")
     logit_std: float = _f(1.0, "flow: standard deviation of the logit-normal time density")
@@ -105,8 +106,8 @@ class ModelConfig(_Freezable):
                                         "--no-noised_image_input conditions on the clean frame. Stored features "
                                         "hold the clean frame's latents")
     expert: str | None = _f(None, "a pipeline of two experts: the one to fine-tune, high_noise (transformer: "
-                                  "timesteps at and above its boundary ratio x 1000) or low_noise (transformer_2: those "
-                                  "below); its training times are drawn from its range alone. The other expert stays "
+                                  "timesteps at and above its boundary ratio x 1000) or low_noise (transformer_2: "
+                                  "those below); its training times are drawn from its range alone. The other expert stays "
                                   "frozen in host memory and joins it for ditforge sample and export",
                             choices=EXPERTS)
     train_text_encoder: bool = _f(False, "train the --init_from pipeline's text encoder too (Stable Diffusion 1.x / "
@@ -235,8 +236,8 @@ class TrainConfig(_Freezable):
     blocks_to_swap: int = _f(0, "LoRA on a diffusers pipeline: the frozen weights of the last N transformer blocks "
                                 "live in pinned host memory and visit the GPU one block at a time, copied a block "
                                 "ahead on a side stream (diffusion-pipe's blocks_to_swap; for a base that does not "
-                                "fit, a 14B video transformer's on 24 GB). Needs --grad_checkpoint (else the backward holds every "
-                                "block's copy) and no --compile")
+                                "fit, a 14B video transformer's on 24 GB). Needs --grad_checkpoint (else the "
+                                "backward holds every block's copy) and no --compile")
     enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs (cuDNN, then Flash, on "
                                        "Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "

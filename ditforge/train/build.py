@@ -267,7 +267,8 @@ def load_init(run: Run) -> None:
             on_gpu = device.type == "cuda" and features is None
             helpers = device if features is None else torch.device("cpu")
             # a base to be stored in fp8, swapped, or placed under a budget is cast and changed in host memory and
-            # moves to the GPU after (build_model): the bf16 base alone can exceed the budget (a 14B video transformer's 26.6 GiB)
+            # moves to the GPU after (build_model): the bf16 base alone can exceed the budget (a 14B video
+            # transformer's 26.6 GiB)
             staged = m.fp8_base or cfg.train.blocks_to_swap or cfg.train.gpu_memory_budget is not None
             run.pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
                                       text_device=helpers, vae_device=helpers,
