@@ -221,6 +221,25 @@ def build_batch_encoder(cfg, dataset, device: torch.device, dtype: torch.dtype) 
     return BatchEncoder(m.condition, vae, text_encoder, class_captions=getattr(dataset, "class_captions", None))
 
 
+def pipeline_multiple(pre) -> int:
+    """What the sides of a pretrained pipeline's (``pre``) inputs are multiples of, in pixels: the VAE's downsample x
+    the transformer's spatial patch (a UNet's: 2 ** its down blocks less one)."""
+    inner = pre.denoiser.inner
+    patch = inner.config.get("patch_size", None)
+    return pre.denoiser.vae_scale * (2 ** (len(inner.config.block_out_channels) - 1)
+                                     if pre.denoiser.component == "unet"
+                                     else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))
+
+
+def pipeline_vae(pre):
+    """A pretrained pipeline's VAE as ``encoders.vae.VAE``, with its family's frame rule (the adapter's
+    ``vae_frame_factor``, ``vae_folds_pixels``)."""
+    from ditforge.encoders.vae import VAE
+
+    return VAE(pre.pipe.vae, path=str(pre.folder / "vae"), frame_factor=pre.denoiser.vae_frame_factor,
+               folds_pixels=pre.denoiser.vae_folds_pixels)
+
+
 def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
     """``build_batch_encoder`` for a pretrained pipeline (``pre``, a ``models.adapters.pipeline.Pretrained``): settle
     the run's model settings from it and return the ``BatchEncoder`` that feeds it: the pipeline's VAE (latents
@@ -232,7 +251,6 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
             ``--num_frames`` the video VAE cannot take (the family's frame rule, e.g. 4k + 1), naming the nearest
             valid counts.
     """
-    from ditforge.encoders.vae import VAE
     from ditforge.errors import UserError
 
     m, data = cfg.model, cfg.data
@@ -251,17 +269,12 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
     if m.condition == "class":
         raise UserError(f"--condition class: {where} is a text-to-{'video' if video else 'image'} "
                         f"{pre.pipeline_class}")
-    inner, scale = pre.denoiser.inner, pre.denoiser.vae_scale
-    size = dataset.image_size
-    patch = inner.config.get("patch_size", None)
-    multiple = scale * (2 ** (len(inner.config.block_out_channels) - 1) if pre.denoiser.component == "unet"
-                        else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))  # (p_t, p_h, p_w)
+    scale, size, multiple = pre.denoiser.vae_scale, dataset.image_size, pipeline_multiple(pre)
     if size % multiple:
         raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
                         f"(the VAE's downsample {scale} x the denoiser's own)")
     m.vae = str(pre.folder / "vae")
-    vae = VAE(pre.pipe.vae, path=m.vae, frame_factor=pre.denoiser.vae_frame_factor,
-              folds_pixels=pre.denoiser.vae_folds_pixels)  # the family's frame rule
+    vae = pipeline_vae(pre)
     frames = dataset.num_frames if video else None
     if video and stored is not False:  # features store latents: their frames are the latent frames
         frames = (frames - 1) * vae.temporal + 1

@@ -27,9 +27,10 @@ from ditforge.data import GlobalBatchSampler, build_dataset, build_shard_loader,
 from ditforge.data.prefetch import DevicePrefetcher
 from ditforge.data.shards.loader import ShardData
 from ditforge.data.features import read_manifest
-from ditforge.data.sources import FEATURES, build_bucket_dataset
+from ditforge.data.sources import CLIP_FOLDER, FEATURES, build_bucket_dataset
 from ditforge.data.packing import packing_setup
-from ditforge.encoders.batch import BatchEncoder, build_batch_encoder, pipeline_batch_encoder
+from ditforge.encoders.batch import (BatchEncoder, build_batch_encoder, pipeline_batch_encoder, pipeline_multiple,
+                                     pipeline_vae)
 from ditforge.diffusion.objective import Objective
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
@@ -82,11 +83,19 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
     """The data set of ``--data``, or DreamBooth's (``--instance_data``), after the base pipeline ``pre`` has
     generated the class images ``--class_data`` lacks (rank 0; the others wait)."""
     data, bad = cfg.data, run_dir / "bad_samples.jsonl"
+    clip_folder = source_of(data.data) is CLIP_FOLDER
+    if pre is not None and (data.buckets is not None or clip_folder):
+        if not pre.denoiser.video:
+            raise UserError(f"--data {data.data}: buckets fine-tune a video pipeline; --init_from "
+                            f"{cfg.model.init_from} is a {pre.pipeline_class}")
+        if source_of(data.data).streamed or cfg.train.pack_tokens:
+            raise UserError(f"--data {data.data}{' --pack_tokens' * bool(cfg.train.pack_tokens)}: a video pipeline "
+                            "trains one bucket per step, from a folder of clips or a CSV / JSONL of files")
+        # the buckets' sides and frame counts: the VAE's and the transformer's (buckets from the data without a file)
+        return build_bucket_dataset(cfg, bad, pipeline=(pipeline_multiple(pre), pipeline_vae(pre).frame_step))
     if data.buckets is not None:
         from ditforge.data.buckets import read_bucket_config
 
-        if pre is not None:
-            raise UserError(f"--buckets: not with --init_from {cfg.model.init_from} (a diffusers pipeline)")
         if source_of(data.data).streamed and not cfg.train.pack_tokens:
             raise UserError(f"--buckets with shards --data {data.data}: add --pack_tokens N (each step packs samples "
                             "of several buckets); one bucket per step needs a CSV / JSONL of files")
@@ -161,6 +170,9 @@ class Run:
     max_steps: int = 0
     # objective, model and optimizer (resolve.resolve, build_model, build_ema_and_optimizer, trainer._resume)
     diffusion: Objective | None = None
+    # a pipeline's bucketed run: the objective of each bucket's latent (frames, height, width); a dynamic shift
+    # follows the sequence length
+    objectives: dict[tuple[int, ...], Objective] | None = None
     model: nn.Module | None = None
     adapters_only: bool = False  # LoRA: EMA and checkpoints hold the adapters alone
     ema: EMA | None = None
@@ -186,6 +198,11 @@ class Run:
     # the sample grids' model and conditioning, made for the first grid (rank 0)
     grid_model: nn.Module | None = None
     grid_cond: dict | None = None
+
+    def objective_of(self, x: torch.Tensor | list) -> Objective:
+        """The objective of latents ``x`` (B, C, T', h, w): their bucket's in a pipeline's bucketed run, else
+        ``diffusion``."""
+        return self.diffusion if self.objectives is None else self.objectives[tuple(x.shape[2:])]
 
     def last_good(self) -> Path | None:
         return last_checkpoint(self.run_dir)
@@ -300,7 +317,7 @@ def build_data(run: Run) -> None:
                             f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
         inputs = build_batch_encoder(cfg, dataset, device, run.amp_dtype if device.type == "cuda" else torch.float32)
     bucketed = None  # --buckets: each bucket's batch size is its global batch; --batch_size is not used
-    if cfg.data.buckets is not None and not isinstance(dataset, ShardData):  # shards: the streams' order
+    if getattr(dataset, "buckets", None) is not None and not isinstance(dataset, ShardData):  # shards: streams'
         from ditforge.data.buckets import BucketBatchSampler
 
         if not run.mixed:

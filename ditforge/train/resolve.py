@@ -58,11 +58,16 @@ def resolve(run: Run) -> RunConfig:
         t.lr = 1e-2
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
-    # the family's part (an expert's side of the schedule, given frames, the sequence a dynamic shift follows)
-    family = pre.denoiser.objective_args(pre.pipe, m.expert, m.num_frames, m.input_size) if pre is not None else {}
-    diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
-                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
-                                 where=f"--init_from {m.init_from}", device=run.d.device, **family)
+    def objective(frames: int, height: int, width: int):
+        # the family's part (an expert's side of the schedule, given frames, the sequence a dynamic shift follows)
+        family = pre.denoiser.objective_args(pre.pipe, m.expert, frames, height, width) if pre is not None else {}
+        return create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
+                                m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
+                                where=f"--init_from {m.init_from}", device=run.d.device, **family)
+
+    diffusion = objective(m.num_frames, m.input_size, m.input_size)
+    if pre is not None and run.bucketed is not None:  # each bucket's latents: its own sequence length
+        run.objectives = {shape: objective(*shape) for shape in bucket_latent_shapes(run)}
     m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
     if m.objective == "flow":
         m.flow_shift = diffusion.shift
@@ -70,6 +75,14 @@ def resolve(run: Run) -> RunConfig:
     if m.lora_rank:  # a diffusers family's default targets, else a DiT's
         m.lora_target_modules = lora_targets(pre.denoiser if pre is not None else None, cfg)
     return cfg
+
+
+def bucket_latent_shapes(run: Run) -> set[tuple[int, int, int]]:
+    """The latent (frames, height, width) of each bucket of a pipeline's bucketed run: the VAE's latent frames of
+    its frame count, its sides over the VAE's downsample."""
+    vae, scale = run.inputs.vae, run.pre.denoiser.vae_scale
+    return {(vae.latent_frames(b.num_frames), b.height // scale, b.width // scale)
+            for b in run.dataset.buckets.buckets}
 
 
 def pipeline_family(cfg: RunConfig):

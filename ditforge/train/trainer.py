@@ -198,8 +198,8 @@ def _loop(run: Run) -> int:
             if run.ema_in_step:
                 run.optimizer.ema_decay = ema_decay_at(t.ema_decay, step)
             try:
-                out = train_step(run.model, run.diffusion, run.optimizer, run.scaler, micro, run.amp_dtype,
-                                 t.max_grad_norm, d, rows, run.stepper, run.packing)
+                out = train_step(run.model, run.objective_of(micro[0][0]), run.optimizer, run.scaler, micro,
+                                 run.amp_dtype, t.max_grad_norm, d, rows, run.stepper, run.packing)
             except torch.OutOfMemoryError:
                 raise out_of_memory(step, t.gpu_memory_budget, d.device) from None
             skipped, stepped = out.pop("skipped"), True

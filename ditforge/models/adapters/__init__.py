@@ -176,9 +176,10 @@ class DiffusersDenoiser(nn.Module):
         None for a family of one expert."""
         return None
 
-    def objective_args(self, pipe: Any, expert: str | None, latent_frames: int, latent_size: int) -> dict:
-        """What the family gives ``diffusion.objective.create_objective`` besides the scheduler config: ``t_range``
-        (one expert's side of ``expert_boundary``, else (0, 1)), ``given_frames`` (the first latent frames given clean)
+    def objective_args(self, pipe: Any, expert: str | None, latent_frames: int, height: int, width: int) -> dict:
+        """What the family gives ``diffusion.objective.create_objective`` besides the scheduler config, for latents
+        of ``latent_frames`` x ``height`` x ``width`` (a bucket's; square data: height = width): ``t_range`` (one
+        expert's side of ``expert_boundary``, else (0, 1)), ``given_frames`` (the first latent frames given clean)
         and ``seq_len`` (a video family's latent frames x height x width, which a dynamically shifting scheduler's
         shift follows; None for images).
 
@@ -193,7 +194,7 @@ class DiffusersDenoiser(nn.Module):
             boundary = float(boundary)
             t_range = (boundary, 1.0) if expert == "high_noise" else (0.0, boundary)
         return {"t_range": t_range, "given_frames": self.given_frames,
-                "seq_len": latent_frames * latent_size**2 if self.video else None}
+                "seq_len": latent_frames * height * width if self.video else None}
 
     @staticmethod
     def timestep_kwargs(pipe: Any, latent_shape: tuple[int, ...], steps: int) -> dict:
