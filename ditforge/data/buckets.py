@@ -303,10 +303,10 @@ def read_at_bucket(source: str | Path | bytes, bucket: Bucket, frame_interval: i
 
 class BucketDataset(Dataset):
     """Captioned images and videos together (``source``: a CSV or JSONL of ``path,text`` rows, read as captioned
-    images are, see ``ditforge.data.captions``; a row's file is an image or a video by its extension; or a folder of
-    clips or a blend of them, ``ditforge.data.folders``, read with ``caption_missing``), each read at the shape of a
-    bucket of ``buckets``: the ``Buckets``, or a function of the probed ``sizes`` that makes them (buckets made from
-    the data, ``data_buckets``).
+    images are, see ``ditforge.data.captions``; a row's file is an image or a video by its extension; or such rows
+    as dicts ``{"path", "text"}``, a folder of clips' ``ditforge.data.folders.folder_rows``), each read at the shape
+    of a bucket of ``buckets``: the ``Buckets``, or a function of the probed ``sizes`` that makes them (buckets made
+    from the data, ``data_buckets``).
 
     Sizes are probed once at start (``probe_size``, in threads): ``sizes`` (N, 3) int64 (height, width, frames).
     Rows whose file is missing, of another extension, or unreadable when probed are left out, counted in
@@ -321,28 +321,27 @@ class BucketDataset(Dataset):
     unreadable is recorded once and replaced by the next sample (wrapping) that fits the same bucket.
 
     Raises:
-        UserError: ``source`` missing or neither a .csv / .jsonl file nor a folder of clips or a blend of them, a
-            row without path or caption, no usable row.
+        UserError: ``source`` missing or neither rows nor a .csv / .jsonl file, a row without path or caption, no
+            usable row.
     """
 
     in_channels = 3
     random_flip = True
     class_captions = None
 
-    def __init__(self, source: str | Path, buckets: Buckets | Callable[[np.ndarray], Buckets],
-                 bad_samples_path: str | Path | None = None, seed: int = 0, probe_threads: int = 8,
-                 caption_missing: str = "skip"):
+    def __init__(self, source: str | Path | list[dict], buckets: Buckets | Callable[[np.ndarray], Buckets],
+                 bad_samples_path: str | Path | None = None, seed: int = 0, probe_threads: int = 8):
         from ditforge.data.captions import read_caption_csv, read_caption_jsonl
-        from ditforge.data.folders import MEDIA_EXTENSIONS, folder_rows
+        from ditforge.data.video import VIDEO_EXTENSIONS
 
-        source = Path(source)
-        if source.is_dir() or source.suffix.lower() in (".yaml", ".yml"):  # rows of media files, absolute
-            rows, base = folder_rows(str(source), caption_missing, bad_samples_path), Path()
-        elif source.suffix.lower() in (".csv", ".jsonl"):
+        if isinstance(source, list):  # rows naming files by their paths
+            rows, base, source = source, Path(), "the folder of clips"
+        elif Path(source).suffix.lower() in (".csv", ".jsonl"):
+            source = Path(source)
             rows = read_caption_csv(source) if source.suffix.lower() == ".csv" else read_caption_jsonl(source)
             base = source.parent
         else:
-            raise UserError(f"--data {source}: in buckets, a .csv or .jsonl file of path,text rows naming images "
+            raise UserError(f"--data {source}: with {FLAG}, a .csv or .jsonl file of path,text rows naming images "
                             "or videos, or a folder of clips with <stem>.txt captions")
         self.bad_samples_path, self.seed = bad_samples_path, seed
         dropped, kept = [], []
@@ -351,7 +350,7 @@ class BucketDataset(Dataset):
             reason = None
             if not row["path"].strip() or not file.is_file():
                 reason = "file not found" if row["path"].strip() else "empty path"
-            elif file.suffix.lower() not in MEDIA_EXTENSIONS:
+            elif file.suffix.lower() not in IMAGE_EXTENSIONS | set(VIDEO_EXTENSIONS):
                 reason = "neither an image nor a video extension"
             if reason:
                 dropped.append({"path": str(file), "error": reason, "line": row.get("line")})

@@ -284,6 +284,11 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
     from ditforge.data.buckets import FLAG, BucketDataset, Buckets, data_buckets, read_bucket_config
 
     data = cfg.data
+    source = data.data
+    if source_of(data.data) is CLIP_FOLDER:
+        from ditforge.data.folders import folder_rows
+
+        source = folder_rows(data.data, data.caption_missing, bad_samples_path)
     if pipeline is not None:
         multiple, step = pipeline
         if data.buckets is None:
@@ -295,8 +300,7 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
                 return data_buckets(sizes, data.image_size, multiple, step, data.num_frames, data.frame_interval,
                                     cfg.train.batch_size)
 
-            return BucketDataset(data.data, buckets, bad_samples_path, cfg.train.seed,
-                                 caption_missing=data.caption_missing)
+            return BucketDataset(source, buckets, bad_samples_path, cfg.train.seed)
         config, what = read_bucket_config(data.buckets), f"of the frame rule {step}k + 1 of the pipeline's VAE"
         odd = sorted({f for frames in config.values() for f in frames if (f - 1) % step})
     else:
@@ -316,4 +320,4 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
     if source_of(data.data).streamed:
         return ShardData(data.data, None, bad_samples_path, retries=data.shard_retries,
                          frame_interval=data.frame_interval, seed=cfg.train.seed, buckets=buckets)
-    return BucketDataset(data.data, buckets, bad_samples_path, cfg.train.seed, caption_missing=data.caption_missing)
+    return BucketDataset(source, buckets, bad_samples_path, cfg.train.seed)
