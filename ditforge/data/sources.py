@@ -265,21 +265,22 @@ def build_video_dataset(data: str, num_frames: int, frame_interval: int, image_s
     return VideoDataset(data, num_frames, frame_interval, image_size, bad_samples_path, seed)
 
 
-def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | None = None,
-                         pipeline: tuple[int, int] | None = None):
+def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | None = None, pre=None):
     """The data set of a run (``cfg``, a ``RunConfig``) in buckets: ``--data`` read at the buckets of ``--buckets``,
     videos sampled at ``--frame_interval``: a ``BucketDataset`` of a CSV / JSONL or a folder of clips, or for raw
     image / video shards a ``ShardData`` whose decoder puts each sample at its bucket.
 
     Shapes are multiples of ``--vae``'s downsample x ``model``'s spatial patch (the lcm of its height and width
-    patch), and frame counts fill whole temporal patches; fine-tuning a video pipeline, ``pipeline`` gives them
-    instead: (the VAE's downsample x the transformer's patch, the frame step of the VAE's frame rule, frame_step k
-    + 1), and without ``--buckets`` the buckets are made from the data (``data_buckets``: at ``--image_size``,
-    frames up to ``--num_frames``, global batches of ``--batch_size``).
+    patch), and frame counts fill whole temporal patches. Fine-tuning a video pipeline ``pre`` (a
+    ``models.adapters.pipeline.Pretrained``), its VAE's downsample x its transformer's patch and its VAE's frame
+    rule (frame_step k + 1) decide them instead, each step is one bucket's, and without ``--buckets`` the buckets
+    are made from the data (``data_buckets``: at ``--image_size``, frames up to ``--num_frames``, global batches of
+    ``--batch_size``).
 
     Raises:
-        UserError: a frame count of ``--buckets`` the model or the pipeline's VAE cannot take; see
-            ``read_bucket_config``, ``BucketDataset``, ``ShardData``, ``vae_downsample``, ``data_buckets``.
+        UserError: a frame count of ``--buckets`` the model or the pipeline's VAE cannot take; an image pipeline;
+            a video pipeline with shards or ``--pack_tokens``; see ``read_bucket_config``, ``BucketDataset``,
+            ``ShardData``, ``vae_downsample``, ``data_buckets``.
     """
     from ditforge.data.buckets import FLAG, BucketDataset, Buckets, data_buckets, read_bucket_config
 
@@ -289,8 +290,16 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
         from ditforge.data.folders import folder_rows
 
         source = folder_rows(data.data, data.caption_missing, bad_samples_path)
-    if pipeline is not None:
-        multiple, step = pipeline
+    if pre is not None:
+        from ditforge.encoders.batch import pipeline_multiple, pipeline_vae
+
+        if not pre.denoiser.video:
+            raise UserError(f"--data {data.data}: buckets fine-tune a video pipeline; --init_from "
+                            f"{cfg.model.init_from} is a {pre.pipeline_class}")
+        if source_of(data.data).streamed or cfg.train.pack_tokens:
+            raise UserError(f"--data {data.data}{' --pack_tokens' * bool(cfg.train.pack_tokens)}: a video pipeline "
+                            "trains one bucket per step, from a folder of clips or a CSV / JSONL of files")
+        multiple, step = pipeline_multiple(pre), pipeline_vae(pre).frame_step
         if data.buckets is None:
             if data.image_size is None:
                 raise UserError(f"--image_size is required for {data.data}: its buckets hold about --image_size "

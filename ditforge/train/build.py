@@ -29,8 +29,7 @@ from ditforge.data.shards.loader import ShardData
 from ditforge.data.features import read_manifest
 from ditforge.data.sources import CLIP_FOLDER, FEATURES, build_bucket_dataset
 from ditforge.data.packing import packing_setup
-from ditforge.encoders.batch import (BatchEncoder, build_batch_encoder, pipeline_batch_encoder, pipeline_multiple,
-                                     pipeline_vae)
+from ditforge.encoders.batch import BatchEncoder, build_batch_encoder, pipeline_batch_encoder
 from ditforge.diffusion.objective import Objective
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
@@ -85,14 +84,7 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
     data, bad = cfg.data, run_dir / "bad_samples.jsonl"
     clip_folder = source_of(data.data) is CLIP_FOLDER
     if pre is not None and (data.buckets is not None or clip_folder):
-        if not pre.denoiser.video:
-            raise UserError(f"--data {data.data}: buckets fine-tune a video pipeline; --init_from "
-                            f"{cfg.model.init_from} is a {pre.pipeline_class}")
-        if source_of(data.data).streamed or cfg.train.pack_tokens:
-            raise UserError(f"--data {data.data}{' --pack_tokens' * bool(cfg.train.pack_tokens)}: a video pipeline "
-                            "trains one bucket per step, from a folder of clips or a CSV / JSONL of files")
-        # the buckets' sides and frame counts: the VAE's and the transformer's (buckets from the data without a file)
-        return build_bucket_dataset(cfg, bad, pipeline=(pipeline_multiple(pre), pipeline_vae(pre).frame_step))
+        return build_bucket_dataset(cfg, bad, pre=pre)  # the pipeline's shapes and frame rule
     if data.buckets is not None:
         from ditforge.data.buckets import read_bucket_config
 
@@ -101,6 +93,10 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
                             "of several buckets); one bucket per step needs a CSV / JSONL of files")
         video = any(t > 1 for frames in read_bucket_config(data.buckets).values() for t in frames)
         return build_bucket_dataset(cfg, bad, cfg.model.model or DEFAULT_MODELS[video])
+    if data.instance_data is None and source_of(data.data) is FEATURES:  # buckets made from the data: --batch_size
+        from ditforge.data.features import FeatureDataset
+
+        return FeatureDataset(data.data, cfg.train.batch_size)
     if data.instance_data is None:
         return build_dataset(data.data, data.image_size, bad, data.num_frames, data.frame_interval, cfg.train.seed,
                              resize_mode=data.resize_mode, shard_retries=data.shard_retries)

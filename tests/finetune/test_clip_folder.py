@@ -125,17 +125,24 @@ def test_each_steps_bucket_trains_like_diffusers(family, frame_step, loss, reque
     assert all(Path(p).name != UNCAPTIONED for p in ds.paths)
 
 
+@pytest.fixture(scope="module")
+def wan_run(one_thread_module, wan_pipeline, clip_folder, tmp_path_factory) -> Path:
+    """Wan on the folder at lr 1e-3: 4 steps, a checkpoint every 2 (both kept)."""
+    whole = tmp_path_factory.mktemp("wan_folder_run") / "run"
+    assert cli.main(_argv(wan_pipeline, clip_folder, whole, "--max_steps", "4", "--ckpt_every", "2",
+                          "--keep_last", "2", "--lr", "1e-3")) == 0
+    return whole
+
+
 @pytest.mark.slow
-def test_resume_equals_uninterrupted(wan_pipeline, clip_folder, tmp_path):
-    """Wan at lr 1e-3, 4 steps with a checkpoint every 2; the run folder taken back to its step-2 checkpoint and
-    resumed to 4 (``--resume auto``; the bucket sampler starts at the step's position): the same 4 losses and
-    gradient norms, bit for bit, and the same final weights."""
+def test_resume_equals_uninterrupted(wan_run, tmp_path):
+    """The run folder of ``wan_run`` taken back to its step-2 checkpoint and resumed to 4 (``--resume auto``; the
+    bucket sampler starts at the step's position): the same 4 losses and gradient norms, bit for bit, and the same
+    final weights."""
     from ditforge.weights.finetuned import load_finetuned
     from ditforge.weights.read import load_weights
 
-    whole, part = tmp_path / "whole", tmp_path / "part"
-    assert cli.main(_argv(wan_pipeline, clip_folder, whole, "--max_steps", "4", "--ckpt_every", "2",
-                          "--keep_last", "2", "--lr", "1e-3")) == 0
+    whole, part = wan_run, tmp_path / "part"
     shutil.copytree(whole, part)
     shutil.rmtree(part / "checkpoints" / "step-0000004")
     assert cli.main(["train", "--outputs", str(part), "--resume", "auto", "--max_steps", "4"]) == 0
@@ -173,3 +180,28 @@ def test_a_buckets_file_overrides_and_is_checked(wan_pipeline, clip_folder, tmp_
     buckets.write_text("32px: {1: [1.0, 2], 8: [1.0, 2]}\n")
     assert_one_line_error(capsys, _argv(wan_pipeline, clip_folder, tmp_path / "run", "--buckets", str(buckets)),
                           "--buckets", "frame counts 8", "4k + 1")
+
+
+@pytest.mark.slow
+def test_features_per_bucket_train_like_the_folder(wan_pipeline, clip_folder, wan_run, tmp_path):
+    """``extract-features`` of the folder stores each sample's latents at its bucket's shape (one bucket a shard:
+    the shapes of each bucket's latents, 16 channels x the VAE's latent frames x the sides / 8), and a run on the
+    features (``--batch_size`` 2 a bucket, as the folder's run) logs the folder run's first 2 losses within 1e-5
+    relative (stored float32 moments, encoded in other batches)."""
+    feats = tmp_path / "feats"
+    assert cli.main(["extract-features", "--init_from", str(wan_pipeline), "--data", str(clip_folder), "--image_size",
+                     str(SIZE), "--frame_interval", str(INTERVAL), "--device", "cpu", "--num_workers", "0",
+                     "--batch_size", "3", "--shard_size", "2", "--out", str(feats)]) == 0
+    manifest = json.loads((feats / "features.json").read_text())
+    ds, _ = _bucketed(clip_folder, 4, 0)
+    shapes = {s["bucket"]: s["shape"] for s in manifest["shards"]}
+    buckets = ds.buckets.buckets
+    assert shapes == {b: [16, (buckets[b].num_frames - 1) // 4 + 1, buckets[b].height // 8, buckets[b].width // 8]
+                      for b in set(shapes)}
+    assert manifest["num_samples"] == len(ds) == 18
+    argv = ["train", "--data", str(feats), "--batch_size", str(BATCH), "--max_steps", "2", "--log_every", "1",
+            "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--class_dropout_prob", "0",
+            "--num_workers", "0", "--lr", "1e-3", "--outputs", str(tmp_path / "run")]
+    assert cli.main(argv) == 0
+    ours = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert ours == pytest.approx([r["loss"] for r in read_metrics(wan_run / "metrics.jsonl")][:2], rel=1e-5)
