@@ -131,8 +131,10 @@ class DataConfig(_Freezable):
                              "(- {path: ..., weight: 0.7}) | a folder of clips (videos and images, each with a "
                              "<stem>.txt caption, recursive; read in buckets) or a YAML blend of such folders, "
                              "weight its whole repeats per epoch (- {path: FOLDER, weight: 3})")
-    image_size: int | None = _f(None, "image (frame) side in pixels (digits: 8; clips: 32; required otherwise)")
-    num_frames: int | None = _f(None, "frames per video clip (video data; default 16)")
+    image_size: int | None = _f(None, "image (frame) side in pixels (digits: 8; clips: 32; required otherwise; a "
+                                      "folder of clips: its buckets hold about --image_size squared pixels)")
+    num_frames: int | None = _f(None, "frames per video clip (video data; default 16; a folder of clips: the most "
+                                      "frames of a bucket, default each clip's own, by the family's frame rule)")
     frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
                                 "stride that fits")
     random_flip: bool | None = _f(None, "random horizontal flips of the latents (default: on for image folders, off "

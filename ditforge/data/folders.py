@@ -16,7 +16,9 @@ A medium without a caption file is listed (one warning line per file, and a reco
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from pathlib import Path
 
 from ditforge.config.sections import CAPTION_MISSING
@@ -30,9 +32,16 @@ MEDIA_EXTENSIONS = frozenset(IMAGE_EXTENSIONS | set(VIDEO_EXTENSIONS))
 log = logging.getLogger(__name__)
 
 
-def holds_videos(folder: str | Path) -> bool:
-    """Whether a video file (``VIDEO_EXTENSIONS``) lies anywhere under ``folder`` (hidden names skipped)."""
-    return bool(list_images(folder, VIDEO_EXTENSIONS))
+@functools.lru_cache(maxsize=64)
+def holds_videos(folder: str) -> bool:
+    """Whether a video file (``VIDEO_EXTENSIONS``) lies anywhere under ``folder`` (hidden names skipped). The walk
+    stops at the first; the answer is kept for the process (``source_of`` asks it several times a run, and a large
+    image folder holds none)."""
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        if any(not f.startswith(".") and Path(f).suffix.lower() in VIDEO_EXTENSIONS for f in filenames):
+            return True
+    return False
 
 
 def folder_repeats(data: str) -> list[tuple[Path, int]]:

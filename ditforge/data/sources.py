@@ -105,6 +105,8 @@ def _is_clip_folder(data: str) -> bool:
     def clip_folder(path: str) -> bool:
         return "://" not in path and Path(path).is_dir() and not _is_shards(path) and holds_videos(path)
 
+    if "://" in data:  # a URL is shards (or a blend of them) whatever it ends in
+        return False
     if not _is_blend(data):
         return clip_folder(data)
     try:
