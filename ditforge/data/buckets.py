@@ -230,28 +230,31 @@ class Buckets:
 
 
 def data_buckets(sizes: np.ndarray, image_size: int, multiple: int, frame_step: int, max_frames: int | None,
-                 frame_interval: int, batch_size: int) -> Buckets:
+                 frame_interval: int, batch_size: int, min_frames: int = 1) -> Buckets:
     """Buckets made from the data, for a run without ``--buckets``: one resolution, ``<image_size>px`` (the area
     ``image_size`` squared), at every aspect ratio (each sample goes to its nearest, the module docstring's rule 3),
     with the frame counts the samples fill: 1 for images, and for a video of n frames the largest count F of the
     frame rule F = ``frame_step`` k + 1 (the VAE's, e.g. 4k + 1) that it fills at the stride, (F - 1)
-    ``frame_interval`` + 1 <= n, and that is at most ``max_frames`` (``--num_frames``; None: no cap). Keep
-    probability 1, each bucket's global batch ``batch_size``. ``sizes``: (N, 3) int (height, width, frames).
+    ``frame_interval`` + 1 <= n, and that is at most ``max_frames`` (``--num_frames``; None: no cap); counts below
+    ``min_frames`` are left out (an image-to-video family that gives its first latent frames learns nothing from
+    clips of no more latent frames: images then fit no bucket). Keep probability 1, each bucket's global batch
+    ``batch_size``. ``sizes``: (N, 3) int (height, width, frames).
 
     Raises:
-        UserError: no sample of a usable frame count (videos shorter than ``frame_step`` + 1 frames at the stride).
+        UserError: no sample of a usable frame count (videos shorter than ``frame_step`` + 1 frames, or than
+            ``min_frames``, at the stride).
     """
     counts = set()
     for frames in np.unique(np.asarray(sizes)[:, 2]).tolist():
         fill = 1 if frames == 1 else (frames - 1) // frame_interval + 1
         fill = min(fill, max_frames) if max_frames is not None and frames > 1 else fill
         count = (fill - 1) // frame_step * frame_step + 1
-        if frames == 1 or count > 1:  # a video goes to video buckets only (rule 1)
+        if (frames == 1 or count > 1) and count >= min_frames:  # a video goes to video buckets only (rule 1)
             counts.add(count)
     if not counts:
         cap = f" and --num_frames {max_frames}" if max_frames else ""
-        raise UserError(f"--data: no video fills {frame_step + 1} frames (the frame rule {frame_step}k + 1) at "
-                        f"--frame_interval {frame_interval}{cap}")
+        raise UserError(f"--data: no video fills {max(frame_step + 1, min_frames)} frames (the frame rule "
+                        f"{frame_step}k + 1) at --frame_interval {frame_interval}{cap}")
     return Buckets({f"{image_size}px": {f: (1.0, batch_size) for f in counts}}, multiple, frame_interval)
 
 

@@ -301,7 +301,10 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
         if source_of(data.data).streamed or cfg.train.pack_tokens:
             raise UserError(f"--data {data.data}{' --pack_tokens' * bool(cfg.train.pack_tokens)}: a video pipeline "
                             "trains one bucket per step, from a folder of clips or a CSV / JSONL of files")
-        multiple, step = pipeline_multiple(pre), pipeline_vae(pre).frame_step
+        vae = pipeline_vae(pre)
+        multiple, step = pipeline_multiple(pre), vae.frame_step
+        # the first latent frames an image-to-video family gives: a clip needs more to leave anything to learn
+        least = pre.denoiser.given_frames * vae.temporal + 1 if pre.denoiser.given_frames else 1
         if data.buckets is None:
             if data.image_size is None:
                 raise UserError(f"--image_size is required for {data.data}: its buckets hold about --image_size "
@@ -309,11 +312,12 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
 
             def buckets(sizes):
                 return data_buckets(sizes, data.image_size, multiple, step, data.num_frames, data.frame_interval,
-                                    cfg.train.batch_size)
+                                    cfg.train.batch_size, least)
 
             return BucketDataset(source, buckets, bad_samples_path, cfg.train.seed)
-        config, what = read_bucket_config(data.buckets), f"of the frame rule {step}k + 1 of the pipeline's VAE"
-        odd = sorted({f for frames in config.values() for f in frames if (f - 1) % step})
+        config = read_bucket_config(data.buckets)
+        what = f"of the frame rule {step}k + 1 of the pipeline's VAE" + (f", at least {least}" if least > 1 else "")
+        odd = sorted({f for frames in config.values() for f in frames if (f - 1) % step or f < least})
     else:
         from ditforge.encoders.vae import vae_downsample
         from ditforge.models import model_spec

@@ -144,25 +144,34 @@ def ltx_first_loss(folder: Path, image_to_video: bool = False) -> tuple[float, f
     conditioning_mask)``), and the loss is over the other frames."""
     SIZE, FRAMES, INTERVAL, BATCH = _geometry("ltx")
     import diffusers
-    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
     cls = diffusers.LTXImageToVideoPipeline if image_to_video else diffusers.LTXPipeline
     pipe = cls.from_pretrained(str(folder), local_files_only=True)
     ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
     idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
-    pixels = torch.stack([ds[i]["video"] for i in idx])
-    config = pipe.scheduler.config
+    return ltx_loss(pipe, torch.stack([ds[i]["video"] for i in idx]), [ds[i]["text"] for i in idx],
+                    image_to_video=image_to_video)
+
+
+def ltx_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: int = 0,
+             image_to_video: bool = False) -> tuple[float, float]:
+    """``ltx_first_loss``'s arithmetic and shift on a batch of clips ``pixels`` (B, 3, T, H, W) in [-1, 1] (any T,
+    H, W: a bucket's, whose latent frames x height x width the dynamic shift follows) captioned ``texts``, with the
+    draws of ``step`` of a run of ``seed``; ``pipe`` an ``LTXImageToVideoPipeline`` for ``image_to_video``."""
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    BATCH, config = len(pixels), pipe.scheduler.config
     with torch.no_grad():
         post = pipe.vae.encode(pixels).latent_dist
-        noise, u, eps = flow_draws(post)
+        noise, u, eps = flow_draws(post, step, seed)
         x0 = pipe._normalize_latents(post.mean + post.std * eps, pipe.vae.latents_mean, pipe.vae.latents_std,
                                      pipe.vae.config.scaling_factor)
         frames, h, w = x0.shape[2:]
         shift = math.exp(calculate_shift(frames * h * w, config.base_image_seq_len, config.max_image_seq_len,
                                          config.base_shift, config.max_shift))
         sigma = (shift * u / (1 + (shift - 1) * u)).view(-1, 1, 1, 1, 1)
-        embeds, mask, _, _ = pipe.encode_prompt([ds[i]["text"] for i in idx], do_classifier_free_guidance=False,
-                                                device="cpu", max_sequence_length=128)
+        embeds, mask, _, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu",
+                                                max_sequence_length=128)
         x_t = (1 - sigma) * x0 + sigma * noise
         timestep = sigma.flatten() * 1000
         if image_to_video:

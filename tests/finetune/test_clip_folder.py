@@ -70,11 +70,13 @@ def clip_folder(tmp_path_factory) -> Path:
     return root
 
 
-def _bucketed(folder: Path, frame_step: int, seed: int) -> tuple[BucketDataset, BucketBatchSampler]:
-    """The folder read as the runs read it (buckets made from the data at ``SIZE``, sides multiples of 16: the
-    VAE's 8 x the transformer's 2 x 2 patch), and the sampler of their global batches for ``seed``."""
-    ds = BucketDataset(folder_rows(str(folder)), lambda sizes: data_buckets(sizes, SIZE, 16, frame_step, None, INTERVAL, BATCH),
-                       seed=seed)
+def _bucketed(folder: Path, frame_step: int, seed: int, multiple: int = 16, min_frames: int = 1
+              ) -> tuple[BucketDataset, BucketBatchSampler]:
+    """The folder read as the runs read it (buckets made from the data at ``SIZE``, sides multiples of ``multiple``:
+    Wan's and CogVideoX's VAE's 8 x the transformer's 2 x 2 patch; frame counts from ``min_frames``), and the
+    sampler of their global batches for ``seed``."""
+    ds = BucketDataset(folder_rows(str(folder)), lambda sizes: data_buckets(sizes, SIZE, multiple, frame_step, None,
+                                                                            INTERVAL, BATCH, min_frames), seed=seed)
     return ds, BucketBatchSampler(ds.buckets, ds.sizes, seed=seed)
 
 
@@ -123,6 +125,36 @@ def test_each_steps_bucket_trains_like_diffusers(family, frame_step, loss, reque
     bad = [json.loads(line) for line in (out / "bad_samples.jsonl").read_text().splitlines()]
     assert [Path(r["path"]).name for r in bad] == [UNCAPTIONED]
     assert all(Path(p).name != UNCAPTIONED for p in ds.paths)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("image_to_video", [False, True])
+def test_the_dynamic_shift_and_first_frame_follow_the_bucket(image_to_video, request, clip_folder, tmp_path):
+    """LTX-Video, whose scheduler shifts by the sequence length (``use_dynamic_shifting``): 2 steps of seed 16 at lr
+    1e-20 (as above); each step's loss equals ``references.ltx_loss`` on its bucket's latents, whose shift follows
+    that bucket's latent frames x height x width (the two steps' shifts differ). ``LTXImageToVideoPipeline``: the
+    given first latent frame is the bucket's first frame, and the images (1 latent frame, all given) fit no
+    bucket: frame counts start at 5 (2 latent frames)."""
+    import diffusers
+
+    name = "ltx_i2v" if image_to_video else "ltx"
+    pipe_folder = request.getfixturevalue(f"{name}_pipeline")
+    out = tmp_path / "run"
+    assert cli.main(_argv(pipe_folder, clip_folder, out, "--max_steps", "2", "--lr", "1e-20", "--seed", "16")) == 0
+    # the VAE's 4 x the transformer's 1 x 1 patch
+    ds, sampler = _bucketed(clip_folder, 4, 16, multiple=4, min_frames=5 if image_to_video else 1)
+    cls = diffusers.LTXImageToVideoPipeline if image_to_video else diffusers.LTXPipeline
+    pipe = cls.from_pretrained(str(pipe_folder), local_files_only=True)
+    shifts = []
+    for step, record in enumerate(read_metrics(out / "metrics.jsonl")):
+        b, ids = sampler.global_batch(step)
+        items = [ds[(int(i), b)] for i in ids]
+        pixels = torch.stack([item["x"] for item in items])
+        assert pixels.shape[2] > 1 or not image_to_video
+        loss, shift = references.ltx_loss(pipe, pixels, [item["text"] for item in items], step, 16, image_to_video)
+        assert record["loss"] == pytest.approx(loss, rel=1e-5), step
+        shifts.append(shift)
+    assert len(shifts) == 2 and shifts[0] != pytest.approx(shifts[1], rel=1e-3), shifts
 
 
 @pytest.fixture(scope="module")
