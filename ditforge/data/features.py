@@ -135,7 +135,8 @@ class FeatureDataset(Dataset):
         sample_shape = [m["in_channels"], *([m["num_frames"]] if m["num_frames"] is not None else []),
                         m["input_size"], m["input_size"]]
         self._files = [self.folder / s["file"] for s in m["shards"]]
-        self.buckets, self.sizes, self._row = None, None, {}  # in buckets: source index -> row
+        # in buckets: source index -> row, and each bucket's stored source indices (sorted)
+        self.buckets, self.sizes, self._row, self._members = None, None, {}, {}
         if m.get("buckets") is not None:
             from ditforge.data.buckets import Buckets
 
@@ -155,10 +156,10 @@ class FeatureDataset(Dataset):
             try:
                 with safe_open(str(file), framework="pt") as f:
                     shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
-                    shape = spec.get("shape", sample_shape)  # in buckets: the shard's bucket's
-                    expected = {"mean": [n, *shape], "label": [n], "source_index": [n]}
+                    row_shape = spec.get("shape", sample_shape)  # in buckets: the shard's bucket's
+                    expected = {"mean": [n, *row_shape], "label": [n], "source_index": [n]}
                     if self.stochastic:
-                        expected["std"] = [n, *shape]
+                        expected["std"] = [n, *row_shape]
                     if text:
                         expected["text_lengths"] = [n]
                     wrong = [k for k, shape in expected.items() if shapes.get(k) != shape]
@@ -169,7 +170,9 @@ class FeatureDataset(Dataset):
                                         "extract the features again")
                     self._labels.append(f.get_tensor("label"))
                     if self.buckets is not None:
-                        self._row |= {int(i): total + r for r, i in enumerate(f.get_tensor("source_index").tolist())}
+                        indices = f.get_tensor("source_index").tolist()
+                        self._row |= {i: total + r for r, i in enumerate(indices)}
+                        self._members.setdefault(spec["bucket"], []).extend(indices)
                     if text:
                         lengths = f.get_tensor("text_lengths")
                         if (int(lengths.sum()) != shapes["text_states"][0]
@@ -183,6 +186,7 @@ class FeatureDataset(Dataset):
             self._starts.append(total)
             total += n
         self._len = total
+        self._members = {b: np.sort(np.array(ids, dtype=np.int64)) for b, ids in self._members.items()}
         self._handles: dict[int, object] = {}
         self._pid = os.getpid()
 
@@ -214,7 +218,9 @@ class FeatureDataset(Dataset):
 
     def __getitem__(self, index: int | tuple[int, int]) -> dict:
         if isinstance(index, tuple):  # in buckets: (source index, bucket id), the bucket sampler's key
-            index = self._row[int(index[0])]
+            source, members = int(index[0]), self._members[int(index[1])]
+            # not stored at that bucket (left out at extraction, unreadable): the bucket's next, as BucketDataset
+            index = self._row[int(members[np.searchsorted(members, source) % len(members)])]
         shard, row = self.locate(int(index))
         f = self._handle(shard)
         item: dict = {"mean": f.get_slice("mean")[row]}

@@ -344,9 +344,8 @@ def _write_manifest(cfg, out: Path, dataset, stochastic: bool, pre, rows: _Featu
         "texts": texts if m.condition == "text" else None,
         "init_from": _local_path(m.init_from) if pre is not None else None, "cond_keys": rows.cond_keys or None,
     }
-    buckets = getattr(dataset, "buckets", None)
     if rows.bucket is not None:  # the buckets, and every sample's size, which the bucket sampler reads
-        config: dict = {}
+        buckets, config = dataset.buckets, {}
         for b in buckets.buckets:
             config.setdefault(b.resolution, {})[b.num_frames] = [b.keep_prob, b.batch_size]
         manifest |= {"buckets": {"config": config, "multiple": buckets.multiple,

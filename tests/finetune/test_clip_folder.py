@@ -217,9 +217,10 @@ def test_a_buckets_file_overrides_and_is_checked(wan_pipeline, clip_folder, tmp_
 @pytest.mark.slow
 def test_features_per_bucket_train_like_the_folder(wan_pipeline, clip_folder, wan_run, tmp_path):
     """``extract-features`` of the folder stores each sample's latents at its bucket's shape (one bucket a shard:
-    the shapes of each bucket's latents, 16 channels x the VAE's latent frames x the sides / 8), and a run on the
-    features (``--batch_size`` 2 a bucket, as the folder's run) logs the folder run's first 2 losses within 1e-5
-    relative (stored float32 moments, encoded in other batches)."""
+    the shapes of each bucket's latents, 16 channels x the VAE's latent frames x the sides / 8); a sample not stored
+    at a bucket (left out as unreadable) reads as the bucket's next stored one; and a run on the features
+    (``--batch_size`` 2 a bucket, as the folder's run) logs the folder run's first 2 losses within 1e-5 relative
+    (stored float32 moments, encoded in other batches)."""
     feats = tmp_path / "feats"
     assert cli.main(["extract-features", "--init_from", str(wan_pipeline), "--data", str(clip_folder), "--image_size",
                      str(SIZE), "--frame_interval", str(INTERVAL), "--device", "cpu", "--num_workers", "0",
@@ -231,6 +232,14 @@ def test_features_per_bucket_train_like_the_folder(wan_pipeline, clip_folder, wa
     assert shapes == {b: [16, (buckets[b].num_frames - 1) // 4 + 1, buckets[b].height // 8, buckets[b].width // 8]
                       for b in set(shapes)}
     assert manifest["num_samples"] == len(ds) == 18
+    from ditforge.data.features import FeatureDataset
+
+    stored, tall = FeatureDataset(feats), next(b for b in shapes if buckets[b].height > buckets[b].width)
+    members = [i for i in range(len(ds)) if ds.buckets.candidates(*ds.sizes[i])[0] == tall]
+    other = next(i for i in range(members[0] + 1, len(ds)) if i not in members)  # not stored at that bucket
+    nxt = next((i for i in members if i > other), members[0])  # as an unreadable sample's substitute
+    assert torch.equal(stored[(other, tall)]["mean"], stored[(nxt, tall)]["mean"])
+    assert list(stored[(other, tall)]["mean"].shape) == shapes[tall]
     argv = ["train", "--data", str(feats), "--batch_size", str(BATCH), "--max_steps", "2", "--log_every", "1",
             "--sample_every", "0", "--mixed_precision", "fp32", "--device", "cpu", "--class_dropout_prob", "0",
             "--num_workers", "0", "--lr", "1e-3", "--outputs", str(tmp_path / "run")]
