@@ -359,6 +359,11 @@ def _families() -> dict[str, type[DiffusersDenoiser]]:
                                         LTXI2VDenoiser, HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser)}
 
 
+def families() -> dict[str, type[DiffusersDenoiser]]:
+    """Every adapter class, by its ``family``."""
+    return _families()
+
+
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:
     """The adapter class for a diffusers pipeline class name, or None."""
     for cls in _families().values():
@@ -372,4 +377,4 @@ def supported_pipelines() -> list[str]:
     return [p for cls in _families().values() for p in cls.pipelines] + ["DiTPipeline"]
 
 
-__all__ = ["DiffusersDenoiser", "call_default", "family_of_pipeline", "supported_pipelines"]
+__all__ = ["DiffusersDenoiser", "call_default", "families", "family_of_pipeline", "supported_pipelines"]
