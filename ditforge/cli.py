@@ -203,7 +203,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _add_export(sub: argparse._SubParsersAction) -> None:
     """``ditforge export``: checkpoint, output and format."""
     e = sub.add_parser("export", help="consolidate a (sharded) checkpoint into one safetensors file, or write a "
-                       "diffusers pipeline folder, a LoRA file, or ComfyUI's single file", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "diffusers pipeline folder, a LoRA file, or ComfyUI's single file",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     e.add_argument("--ckpt", required=True, help="run folder (newest checkpoint) or checkpoint folder")
     e.add_argument("--out", required=True, help="the .safetensors file to write (the run config goes in its "
                    "metadata), or the folder for --format diffusers")

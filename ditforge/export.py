@@ -242,8 +242,8 @@ def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str
     * A full fine-tune: the whole denoiser in bfloat16 (the releases' and ComfyUI's repackaged files' dtype), its
       names without a prefix: ComfyUI's ``Load Diffusion Model`` (``comfy/sd.py``, ``load_diffusion_model_state_dict``)
       strips a ``model.diffusion_model.`` prefix when it finds one and reads bare names as they are, and the bare
-      names are also what diffusers' ``from_single_file`` reads for every family (its HunyuanVideo converter does
-      not strip the prefix).
+      names are also what diffusers' ``from_single_file`` reads for every family with a layout (one family's
+      converter does not strip the prefix; its adapter's docstring says which).
 
     Returns:
         The file written.

@@ -53,7 +53,8 @@ def test_comfyui_lora_is_the_runs_lora_in_the_original_names(family, video_runs,
                                                                                   "alpha")}
     assert all(v.dtype == torch.float32 for v in lora.values())
 
-    merged = to_original(_pipeline(_export(run, tmp_path / "merged", "diffusers"), family).transformer.state_dict(), layout)
+    merged = _pipeline(_export(run, tmp_path / "merged", "diffusers"), family).transformer
+    merged = to_original(merged.state_dict(), layout)
     for m in modules:
         a, b = lora[f"diffusion_model.{m}.lora_A.weight"], lora[f"diffusion_model.{m}.lora_B.weight"]
         scale = lora[f"diffusion_model.{m}.alpha"].item() / a.shape[0]

@@ -11,7 +11,8 @@ The original layout (``HUNYUAN_VIDEO_TRANSFORMER``: Tencent's ``mp_rank_00_model
 (``loaders/single_file_utils.py``): the q, k, v projections fused (``img_attn_qkv``, ``txt_attn_qkv``, the token
 refiner's ``self_attn_qkv``), the single-stream blocks' q, k, v and MLP input as one ``linear1``, and the final norm's
 modulation stored (shift, scale) where diffusers' ``AdaLayerNormContinuous`` holds (scale, shift). That converter
-splits ``linear1`` at a hidden size of 3072 (HunyuanVideo's) whatever the file's."""
+splits ``linear1`` at a hidden size of 3072 (HunyuanVideo's) whatever the file's, and reads bare names only (it
+strips no ``model.diffusion_model.`` prefix), which is why ``export --format comfyui`` writes bare names."""
 
 from __future__ import annotations
 
