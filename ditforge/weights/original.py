@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ditforge.errors import UserError
+from ditforge.models.adapters import families
 from ditforge.models.adapters.layouts import OriginalLayout
 
 # the prefixes a single file may put before the original names: a full checkpoint's (ComfyUI's and the LDM
@@ -126,6 +127,17 @@ def lora_to_original(lora: Mapping[str, torch.Tensor], layout: OriginalLayout, a
         out[f"{original}.lora_A.weight"] = torch.cat(a, dim=0)
         out[f"{original}.lora_B.weight"] = b
         out[f"{original}.alpha"] = torch.tensor(float(alpha) * len(a), dtype=torch.float32)
+    return out
+
+
+def known_layouts(component: str) -> dict[str, OriginalLayout]:
+    """The original layouts the adapters declare for ``component`` (``transformer``, ``vae``), each once, under the
+    first family (in the registry's order) that declares it: family -> layout."""
+    out: dict[str, OriginalLayout] = {}
+    for family, cls in families().items():
+        layout = cls.original_layouts.get(component)
+        if layout is not None and layout not in out.values():
+            out[family] = layout
     return out
 
 

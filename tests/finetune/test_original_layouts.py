@@ -14,7 +14,7 @@ from ditforge.errors import UserError
 from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
 from ditforge.models.adapters.ltx import LTXDenoiser
 from ditforge.models.adapters.wan import WanDenoiser
-from ditforge.weights.original import find_layout, lora_to_original, to_original
+from ditforge.weights.original import find_layout, known_layouts, lora_to_original, to_original
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,15 +148,18 @@ def test_hunyuan_single_blocks_at_their_real_width():
 
 
 def test_layouts_are_told_apart_by_their_keys(tmp_path):
-    """``find_layout`` names each family's layout from a file's keys, with or without a prefix, and refuses
-    diffusers' own names in one line that lists the known layouts."""
-    layouts = {f"{cls.family}.{component}": cls.original_layouts[component] for _, cls, component, _ in MODELS.values()}
+    """``known_layouts`` holds each declared layout once (the transformers of Wan, HunyuanVideo and LTX-Video;
+    Wan's VAE); ``find_layout`` names each one from a file's keys, with or without a prefix, and refuses diffusers'
+    own names in one line that lists the known layouts."""
+    assert list(known_layouts("transformer")) == ["wan", "ltx", "hunyuan_video"]
+    assert list(known_layouts("vae")) == ["wan"]
     for name, (_, cls, component, _) in MODELS.items():
+        layouts = known_layouts(component)
         model = _random_model(name, tmp_path / name)
         original = to_original(model.state_dict(), cls.original_layouts[component])
         for prefix in ("", "model.diffusion_model."):
             key, layout, found = find_layout([prefix + k for k in original], layouts, "--transformer F")
-            assert (key, layout, found) == (f"{cls.family}.{component}", cls.original_layouts[component], prefix)
+            assert (key, layout, found) == (cls.family, cls.original_layouts[component], prefix)
         with pytest.raises(UserError) as error:
             find_layout(model.state_dict(), layouts, "--transformer F")
         message = str(error.value)
