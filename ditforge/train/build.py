@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -195,7 +196,9 @@ class Run:
     def settled(self) -> RunConfig:
         """The config as the phases so far found it: a copy with ``found`` written in, for a phase that reads what
         an earlier one found (the run's own config is written by ``resolve`` alone)."""
-        return assign(copy.deepcopy(self.cfg), self.found)
+        cfg = self.cfg
+        parts = {name: dataclasses.replace(getattr(cfg, name)) for name in ("model", "data", "train", "parallel")}
+        return assign(dataclasses.replace(cfg, **parts), self.found)
 
     def last_good(self) -> Path | None:
         return last_checkpoint(self.run_dir)

@@ -140,7 +140,8 @@ def settle_budget(run: Run) -> None:
         finetune.store_base_in_fp8(model, run.amp_dtype, plugin)
     given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
     choice = plan_placement(run.budget, *state_counts(model, run.half_base), t.ema_decay != 0, given,
-                            run.amp_dtype == torch.bfloat16, lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none",
+                            run.amp_dtype == torch.bfloat16, lowmem=plugin in ("none", "ddp"),
+                            fused_ok=plugin == "none",
                             offload_ok=t.fused_optimizer == "auto" and on_gpu_with_triton(d.device))
     if choice != given and d.is_main:
         log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
