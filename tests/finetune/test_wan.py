@@ -209,6 +209,29 @@ def test_budget_decides_on_a_meta_twin_with_the_real_models_counts(wan_pipeline,
     assert len(layers) == 8 * len(model.inner.blocks) and counted == [(lora, frozen)]
 
 
+def test_opening_a_pipeline_run_writes_no_setting(wan_pipeline, tmp_path):
+    """``open_run``, ``load_init`` and ``build_data`` of a Wan LoRA run work on a frozen config (a write would raise):
+    the pipeline and the clips only report what they decide (``Run.found``: the family, the latent and pixel frames,
+    the pipeline's VAE folder, no text encoder of ditforge's), which the run records (``VIDEO["wan"].config``)."""
+    import contextlib
+
+    from ditforge.config.load import build_config
+    from ditforge.config.sections import freeze
+    from ditforge.parallel.mesh import init_distributed
+    from ditforge.train import build
+
+    args = vars(cli.build_parser().parse_args(_argv(wan_pipeline, tmp_path / "run", "--lora_rank", "4")))
+    args.pop("command"), args.pop("config", None)
+    with contextlib.ExitStack() as held:
+        run = build.open_run(freeze(build_config(None, args)), init_distributed("cpu"), held)
+        build.load_init(run)
+        build.build_data(run)
+    records = VIDEO["wan"].config
+    assert {k: run.found[k] for k in records if k in run.found} == {k: v for k, v in records.items() if k in run.found}
+    assert {"model.family", "model.num_frames", "data.num_frames"} <= run.found.keys()
+    assert run.found["model.vae"] == str(wan_pipeline / "vae") and run.found["model.text_encoder"] is None
+
+
 def test_blocks_to_swap_trains_as_the_resident_base(wan_pipeline, tmp_path, capsys, caplog):
     """``--blocks_to_swap 2`` (both blocks' frozen fp8 weights in host memory, copied in for each forward and each
     recomputation) logs the losses of the same LoRA run with the base resident, bit for bit (on the CPU the copies
