@@ -77,7 +77,8 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
 
     The data set is built exactly as the trainer builds it (``build_dataset`` with ``cfg.data`` and
     ``cfg.train.seed``: a video's clip is the one training on the fly reads for that seed), the encoders exactly
-    as it loads them (``build_batch_encoder``, which resolves ``--condition auto`` and fills ``cfg.model``), and
+    as it loads them (``build_batch_encoder``, which resolves ``--condition auto``; what it finds is written into
+    ``cfg.model`` and ``cfg.data``), and
     what is stored is what ``BatchEncoder`` computes from a loader batch: ``moments`` (posterior mean, and std
     with a real VAE; the pixels themselves in pixel space) and, for the text condition, ``conditioning`` (the
     caption states, float32; the text encoder runs in float32 here, so on a GPU the stored states are more
@@ -163,12 +164,15 @@ def _check_extraction(cfg, out: Path, batch_size: int, shard_size: int, fmt: str
 
 def _extraction_encoders(cfg, dataset, dev: torch.device) -> tuple:
     """``(BatchEncoder, pretrained pipeline or None)``: a pretrained pipeline's own VAE and prompt encoding
-    (``--init_from``), else the encoders the trainer loads."""
+    (``--init_from``), else the encoders the trainer loads; the settings they find are written into ``cfg``."""
+    from ditforge.config.sections import assign
     from ditforge.encoders.batch import build_batch_encoder
 
     m = cfg.model
     if m.init_from is None:
-        return build_batch_encoder(cfg, dataset, dev, torch.float32), None
+        inputs, found = build_batch_encoder(cfg, dataset, dev, torch.float32)
+        assign(cfg, found)
+        return inputs, None
     from ditforge.encoders.batch import pipeline_batch_encoder
     from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
 
@@ -179,7 +183,9 @@ def _extraction_encoders(cfg, dataset, dev: torch.device) -> tuple:
     # the GPU for no use); a pipeline's two experts share the VAE and encoders
     pre = load_pretrained(m.init_from, dev, expert=m.expert, denoiser_device=torch.device("cpu"),
                           denoiser_dtype=torch.bfloat16)
-    return pipeline_batch_encoder(cfg, pre, dataset), pre
+    inputs, found = pipeline_batch_encoder(cfg, pre, dataset)
+    assign(cfg, found)
+    return inputs, pre
 
 
 class _FeatureRows:
