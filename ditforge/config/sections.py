@@ -388,3 +388,20 @@ _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConf
 def field_section() -> dict[str, str]:
     """Map every field name to its section; names are unique across sections so flags can be flat."""
     return {f.name: sec for sec, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)}
+
+
+def assign(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
+    """Write ``settings`` (``"section.field"`` -> value, e.g. ``{"model.num_frames": 2, "data.num_frames": 5}``)
+    into ``cfg``, in place; returns ``cfg``.
+
+    Raises:
+        dataclasses.FrozenInstanceError: ``cfg`` is frozen (``freeze``).
+        KeyError: a key that names no field of its section.
+    """
+    for key, value in settings.items():
+        section, name = key.split(".")
+        part = getattr(cfg, section)
+        if name not in {f.name for f in dataclasses.fields(part)}:
+            raise KeyError(f"{key}: no such setting")
+        setattr(part, name, value)
+    return cfg

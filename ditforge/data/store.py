@@ -78,7 +78,8 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
 
     The data set is built exactly as the trainer builds it (``build_dataset`` with ``cfg.data`` and
     ``cfg.train.seed``: a video's clip is the one training on the fly reads for that seed), the encoders exactly
-    as it loads them (``build_batch_encoder``, which resolves ``--condition auto`` and fills ``cfg.model``), and
+    as it loads them (``build_batch_encoder``, which resolves ``--condition auto``; what it finds is written into
+    ``cfg.model`` and ``cfg.data``), and
     what is stored is what ``BatchEncoder`` computes from a loader batch: ``moments`` (posterior mean, and std
     with a real VAE; the pixels themselves in pixel space) and, for the text condition, ``conditioning`` (the
     caption states, float32; the text encoder runs in float32 here, so on a GPU the stored states are more
@@ -124,11 +125,9 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
     dev = resolve_device(device)
     keys = None  # in buckets: the (sample, bucket) keys of each batch
     if cfg.model.init_from is not None and (data.buckets is not None or source_of(data.data) is CLIP_FOLDER):
-        from ditforge.encoders.batch import pipeline_batch_encoder
-
         pre = _extraction_pipeline(cfg, dev)
         dataset = build_bucket_dataset(cfg, out / "bad_samples.jsonl", pre=pre)
-        inputs = pipeline_batch_encoder(cfg, pre, dataset)
+        inputs, pre = _extraction_encoders(cfg, dataset, dev, pre)
         keys = _bucket_keys(dataset, batch_size, data.buckets)
     else:
         dataset = build_dataset(data.data, data.image_size, out / "bad_samples.jsonl", data.num_frames,
@@ -172,15 +171,20 @@ def _check_extraction(cfg, out: Path, batch_size: int, shard_size: int, fmt: str
         raise UserError(f"--data {cfg.data.data} holds features already; extract from the images or videos")
 
 
-def _extraction_encoders(cfg, dataset, dev: torch.device) -> tuple:
+def _extraction_encoders(cfg, dataset, dev: torch.device, pre=None) -> tuple:
     """``(BatchEncoder, pretrained pipeline or None)``: a pretrained pipeline's own VAE and prompt encoding
-    (``--init_from``), else the encoders the trainer loads."""
+    (``--init_from``; ``pre`` when loaded already), else the encoders the trainer loads; the settings they find are
+    written into ``cfg``."""
+    from ditforge.config.sections import assign
     from ditforge.encoders.batch import build_batch_encoder, pipeline_batch_encoder
 
     if cfg.model.init_from is None:
-        return build_batch_encoder(cfg, dataset, dev, torch.float32), None
-    pre = _extraction_pipeline(cfg, dev)
-    return pipeline_batch_encoder(cfg, pre, dataset), pre
+        inputs, found = build_batch_encoder(cfg, dataset, dev, torch.float32)
+    else:
+        pre = pre or _extraction_pipeline(cfg, dev)
+        inputs, found = pipeline_batch_encoder(cfg, pre, dataset)
+    assign(cfg, found)
+    return inputs, pre
 
 
 def _extraction_pipeline(cfg, dev: torch.device):
