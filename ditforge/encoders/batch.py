@@ -259,11 +259,7 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
     if m.condition == "class":
         raise UserError(f"--condition class: {where} is a text-to-{'video' if video else 'image'} "
                         f"{pre.pipeline_class}")
-    inner, scale = pre.denoiser.inner, pre.denoiser.vae_scale
-    size = dataset.image_size
-    patch = inner.config.get("patch_size", None)
-    multiple = scale * (2 ** (len(inner.config.block_out_channels) - 1) if pre.denoiser.component == "unet"
-                        else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))  # (p_t, p_h, p_w)
+    scale, size, multiple = pre.denoiser.vae_scale, dataset.image_size, pre.side_multiple
     if size % multiple:
         raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
                         f"(the VAE's downsample {scale} x the denoiser's own)")

@@ -192,6 +192,7 @@ class Run:
     # the sample grids' model and conditioning, made for the first grid (rank 0)
     grid_model: nn.Module | None = None
     grid_cond: dict | None = None
+    validation: list | None = None  # --validation_prompts: the file's samples (trainer.train), fitted (resolve)
 
     def settled(self) -> RunConfig:
         """The config as the phases so far found it: a copy with ``found`` written in, for a phase that reads what

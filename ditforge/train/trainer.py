@@ -37,6 +37,7 @@ from ditforge.train.logging import MetricsLog
 from ditforge.train.previews import evaluate, write_samples
 from ditforge.train.resolve import pipeline_family, resolve
 from ditforge.train.step import ema_decay_at, learning_rate, make_micro_batches, train_step
+from ditforge.train.validation import read_validation_prompts
 from ditforge.weights import read as weights_io
 
 log = logging.getLogger(__name__)
@@ -70,21 +71,24 @@ def train(cfg: RunConfig) -> Path:
     sp = cfg.parallel.sequence_parallel_size
     if sp > 1 and (family := pipeline_family(cfg)) is not None:  # before any process group or run folder
         refuse_unsplittable(family, sp, "shard it with --plugin fsdp instead", use="train")
+    # the file's syntax before any process group, run folder or pipeline; resolve fits it to the pipeline
+    samples = read_validation_prompts(cfg.train.validation_prompts) if cfg.train.validation_prompts else None
     d = init_distributed(cfg.train.device, sp,
                          group_of_one=cfg.train.cpu_offload == "all",  # FSDP2 offloads, even in one process
                          tensor_parallel_size=cfg.parallel.tensor_parallel)
     try:
         with contextlib.ExitStack() as held:
-            return _train(cfg, d, held)
+            return _train(cfg, d, held, samples)
     finally:
         shutdown(d)
 
 
-def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
+def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack, samples: list | None) -> Path:
     """The run's phases, in order; each fills its part of the state they share (``Run``). The phases up to the
     data open things and report what they found; the settings are resolved and written once (``resolve``), then
     frozen before the model is built: no phase after writes the config."""
     run = open_run(cfg, d, held)
+    run.validation = samples
     load_init(run)
     build_data(run)
     freeze(resolve(run))
@@ -277,8 +281,8 @@ class _Window:
 
 def _after_step(run: Run, step: int, window: _Window, bar: tqdm) -> int:
     """What follows step ``step`` (counted from 1) on its schedule: the loss-spike check and the metrics record
-    (--log_every), the evaluation (--eval_every), a sample grid (--sample_every) and a checkpoint (--ckpt_every);
-    the last step's grid and checkpoint are ``_finish``'s. Returns the step reached: ``step``, or after a
+    (--log_every), the evaluation (--eval_every), the samples (--sample_every) and a checkpoint (--ckpt_every);
+    the last step's samples and checkpoint are ``_finish``'s. Returns the step reached: ``step``, or after a
     loss spike the step rolled back to (``_roll_back``)."""
     t, max_steps = run.cfg.train, run.max_steps
     logs = step % t.log_every == 0 or step == max_steps
