@@ -1,7 +1,7 @@
 """``ditforge train --validation_prompts FILE`` (``ditforge.train.validation``): the file's lines (musubi-tuner's
 syntax) parsed and refused one line each; the samples written as PNG / MP4 of the asked sizes and frame counts (read
-back with Pillow and PyAV) for an image pipeline (SD) and two video families (Wan text-to-video, Wan
-image-to-video with ``--i``); a sample at step N against ``ditforge sample`` of that step's checkpoint (same prompt,
+back with Pillow and PyAV) for an image pipeline (SD), two video families (Wan text-to-video, Wan
+image-to-video with ``--i``) and a text DiT; a sample at step N against ``ditforge sample`` of that step's checkpoint (same prompt,
 seed, steps, guidance and negative prompt) to one uint8 level; and the training itself unchanged by the rendering
 (the losses of a run without them)."""
 
@@ -197,3 +197,27 @@ def test_sd_samples_like_ditforge_sample(sd_pipeline, tmp_path):
                      "--save_npz", str(npz), "--device", "cpu"]) == 0
     mine = np.asarray(Image.open(folder / "002-a-photo-number-2.png")).astype(np.int16)
     assert np.abs(np.load(npz)["samples"][0].astype(np.int16) - mine).max() <= 1
+
+
+def test_text_dit_samples_like_ditforge_sample(tmp_path):
+    """A text DiT (DiT-T/2 on 8 px captioned images, pixel space, the shipped MiniLM): its sample of a line with
+    --s 3 --g 2 --seed 5 equals ``ditforge sample --seed 5 --sampler ddpm`` of the run exactly as uint8 (the same
+    guided DDPM loop on the same weights)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text(f"a photo number {i}")
+    prompts, run, npz = tmp_path / "v.txt", tmp_path / "run", tmp_path / "s.npz"
+    prompts.write_text("a photo number 1 --s 3 --g 2 --seed 5\n")
+    assert cli.main(["train", "--model", "DiT-T/2", "--data", str(data), "--condition", "text", "--image_size", "8",
+                     "--vae", "none", "--text_max_length", "32", "--batch_size", "2", "--max_steps", "1",
+                     "--log_every", "1", "--sample_every", "1", "--ema_decay", "0", "--mixed_precision", "fp32",
+                     "--device", "cpu", "--num_workers", "0", "--validation_prompts", str(prompts), "--outputs",
+                     str(run)]) == 0
+    assert cli.main(["sample", "--ckpt", str(run), "--prompt", "a photo number 1", "--num_sampling_steps", "3",
+                     "--cfg_scale", "2", "--seed", "5", "--sampler", "ddpm", "--out", str(tmp_path / "s.png"),
+                     "--save_npz", str(npz), "--device", "cpu"]) == 0
+    mine = np.asarray(Image.open(run / "samples" / "step-0000001" / "001-a-photo-number-1.png"))
+    assert np.array_equal(np.load(npz)["samples"][0], mine)
