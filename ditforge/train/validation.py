@@ -22,9 +22,9 @@ one); musubi's ``--l`` (a second guidance scale), ``--fs`` (flow shift) and cont
 Rendering (``render``, process 0): a diffusers pipeline's run draws through the pipeline's own call
 (``generate_with_pipeline``) around the run's own denoiser, a text DiT's through ``previews.sample_grid`` with the
 run's own model; the model in eval mode, under ``torch.no_grad`` (and the run's autocast), a LoRA's adapters
-active, then back in train mode; no second copy of the weights. Wan 2.2 A14B's other expert, kept in host memory
-for training, visits the device for the validation in the compute dtype and goes back in bf16 (a bf16 -> wider ->
-bf16 round trip is exact). A sample of one frame is written as ``NNN-<prompt slug>.png``, a clip as ``.mp4``
+active, then back in train mode; no second copy of the weights. A two-expert pipeline's other expert, kept in host
+memory for training, visits the device for the validation in the compute dtype and goes back in bf16 (a bf16 ->
+wider -> bf16 round trip is exact). A sample of one frame is written as ``NNN-<prompt slug>.png``, a clip as ``.mp4``
 (``data.video.write_video``, at the family's ``fps``), both atomically; NNN is the file's line number.
 """
 
@@ -274,8 +274,8 @@ def _write(pixels: torch.Tensor, stem: Path, fps: int) -> Path:
 
 @contextlib.contextmanager
 def _other_expert_on(run):
-    """Wan 2.2 A14B trained one expert a run (``--expert``): the other, kept in host memory in bf16, on the run's
-    device in the compute dtype for the block, then back."""
+    """A two-expert pipeline trained one expert a run (``--expert``): the other, kept in host memory in bf16, on the
+    run's device in the compute dtype for the block, then back."""
     pre, expert = run.pre, run.cfg.model.expert
     if pre is None or expert is None:
         yield

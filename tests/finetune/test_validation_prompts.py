@@ -1,7 +1,7 @@
 """``ditforge train --validation_prompts FILE`` (``ditforge.train.validation``): the file's lines (musubi-tuner's
 syntax) parsed and refused one line each; the samples written as PNG / MP4 of the asked sizes and frame counts (read
-back with Pillow and PyAV) for an image pipeline (SD), two video families (Wan text-to-video, Wan
-image-to-video with ``--i``) and a text DiT; a sample at step N against ``ditforge sample`` of that step's checkpoint (same prompt,
+back with Pillow and PyAV) for an image pipeline (SD), two video families (Wan text-to-video, Wan image-to-video
+with ``--i``) and a text DiT; a sample at step N against ``ditforge sample`` of that step's checkpoint (same prompt,
 seed, steps, guidance and negative prompt) to one uint8 level; and the training itself unchanged by the rendering
 (the losses of a run without them)."""
 
@@ -185,7 +185,8 @@ def test_sd_samples_like_ditforge_sample(sd_pipeline, tmp_path):
     from ditforge.data.sampler import derive_seed
 
     prompts = tmp_path / "v.txt"
-    prompts.write_text(f"a photo number 1 --w 48 --h 32 --s 2\na photo number 2 --s 3 --g 3 --seed {derive_seed(5, 0)}\n")
+    prompts.write_text("a photo number 1 --w 48 --h 32 --s 2\n"
+                       f"a photo number 2 --s 3 --g 3 --seed {derive_seed(5, 0)}\n")
     run = tmp_path / "run"
     assert cli.main(_sd_argv(sd_pipeline, _captioned(tmp_path), run, prompts, "--max_steps", "1", "--lora_rank", "4",
                              "--lr", "1e-2", "--ema_decay", "0")) == 0
