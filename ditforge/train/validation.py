@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,10 +56,11 @@ OPTIONS = {"w": ("width", int), "h": ("height", int), "f": ("frames", int), "s":
            "i": ("image", str)}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ValidationSample:
     """One line of the file: its number (from 1), the prompt, and the options given (None: the default, which
-    ``fit_samples`` fills in). Pixels, frames, steps; guidance a scale; image a path."""
+    ``fit_samples`` fills in). Pixels, frames, steps; guidance a scale; image a path, ``first_frame`` that file as
+    a PIL RGB image."""
 
     line: int
     prompt: str
@@ -72,6 +72,8 @@ class ValidationSample:
     seed: int | None = None
     negative: str | None = None
     image: str | None = None
+    # the image read at start-up (fit_samples): a file that goes away later does not stop a long run
+    first_frame: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -169,12 +171,12 @@ def fit_samples(samples: list[ValidationSample], run) -> list[ValidationSample]:
         if pre is None:
             _fits_dit(s, where, data, video)
         else:
-            _fits_pipeline(s, where, pre, run.inputs.vae, multiple)
+            s = _fits_pipeline(s, where, pre, run.inputs.vae, multiple)
         fitted.append(s)
     return fitted
 
 
-def _fits_pipeline(s: ValidationSample, where: str, pre, vae, multiple: int) -> None:
+def _fits_pipeline(s: ValidationSample, where: str, pre, vae, multiple: int) -> ValidationSample:
     for letter, side in (("w", s.width), ("h", s.height)):
         if side % multiple:
             raise UserError(f"{where}: --{letter} {side}: {pre.pipeline_class} takes sides that are multiples of "
@@ -183,13 +185,16 @@ def _fits_pipeline(s: ValidationSample, where: str, pre, vae, multiple: int) -> 
         raise UserError(f"{where}: --f {s.frames}: {pre.pipeline_class} makes images; leave --f out")
     if pre.denoiser.video and not vae.valid_frames(s.frames):
         raise UserError(f"{where}: --f {s.frames}: {pre.pipeline_class}'s VAE takes {vae.frame_step} k + 1 frames")
+    if pre.denoiser.video and not pre.denoiser.decoded_frames(pre.pipe, torch.empty(1, 0, s.frames, 0, 0)).shape[2]:
+        raise UserError(f"{where}: --f {s.frames}: {pre.pipeline_class} returns none of these frames (it drops the "
+                        f"first latent frame's); give {s.frames + vae.frame_step} or more")
     if not pre.denoiser.image_to_video:
         if s.image is not None:
             raise UserError(f"{where}: --i {s.image}: {pre.pipeline_class} takes no image; leave --i out")
-        return
+        return s
     if s.image is None:
         raise UserError(f"{where}: --i: {pre.pipeline_class} is image-to-video; give the first frame, --i IMAGE")
-    _open_image(s.image, f"{where}: --i {s.image}")
+    return dataclasses.replace(s, first_frame=_open_image(s.image, f"{where}: --i {s.image}"))
 
 
 def _fits_dit(s: ValidationSample, where: str, data, video: bool) -> None:
@@ -245,7 +250,7 @@ def render(run, step: int, draw_dit) -> list[Path]:
 
 
 def _draw(pre, s: ValidationSample) -> torch.Tensor:
-    images = [_open_image(s.image, f"{FLAG} {s.image}")] if s.image is not None else None
+    images = [s.first_frame] if s.first_frame is not None else None
     return generate_with_pipeline(pre, pre.denoiser, [s.prompt], [s.seed], (s.height, s.width), s.steps, s.guidance,
                                   batch_size=1, num_frames=s.frames if pre.denoiser.video else None, images=images,
                                   negative=s.negative)
