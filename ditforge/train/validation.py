@@ -151,10 +151,14 @@ def fit_samples(samples: list[ValidationSample], run) -> list[ValidationSample]:
     cfg, pre = run.cfg, run.pre
     path, data = cfg.train.validation_prompts, cfg.data
     par = cfg.parallel
-    if par.plugin in ("zero2", "fsdp") or par.sequence_parallel_size > 1 or par.tensor_parallel > 1:
-        raise UserError(f"{FLAG}: process 0 renders the samples alone, with the whole model; not with --plugin "
-                        f"{par.plugin}, --sequence_parallel_size {par.sequence_parallel_size} or --tensor_parallel "
-                        f"{par.tensor_parallel} (use --plugin none or ddp, or --sample_every 0)")
+    split = [f"--{name} {value}" for name, value, splits in (
+        ("plugin", par.plugin, par.plugin in ("zero2", "fsdp")),
+        ("sequence_parallel_size", par.sequence_parallel_size, par.sequence_parallel_size > 1),
+        ("tensor_parallel", par.tensor_parallel, par.tensor_parallel > 1)) if splits]
+    if split:
+        raise UserError(f"{FLAG}: process 0 renders the samples alone, with the whole model, which {split[0]} "
+                        "splits over the processes; use --plugin none or ddp without sequence or tensor "
+                        "parallelism, or leave --validation_prompts out")
     if pre is None and cfg.model.condition != "text":
         raise UserError(f"{FLAG}: for a diffusers pipeline (--init_from) or a text-conditioned DiT; this run's "
                         "DiT is class-conditional")

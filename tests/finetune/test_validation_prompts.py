@@ -68,7 +68,7 @@ def _wan_argv(folder, out, prompts, *extra):
 def test_bad_line_is_one_line_before_training(wan_pipeline, wan_i2v_pipeline, sd_pipeline, tmp_path, capsys):
     """Exit 2 with one line naming the file, the line and the option, before any step (no metrics, no checkpoint):
     the syntax before the pipeline loads, then what the pipeline decides (its side multiple, the VAE's frame rule,
-    an image-to-video pipeline's --i, an image pipeline's frames)."""
+    an image-to-video pipeline's --i, an image pipeline's frames); and one line for sharded weights."""
     prompts = tmp_path / "v.txt"
     cases = [(wan_pipeline, "a cat --x 1", ":1: --x: unknown option"),
              (wan_pipeline, "a cat --w 24", ":1: --w 24: WanPipeline takes sides that are multiples of 16"),
@@ -83,6 +83,11 @@ def test_bad_line_is_one_line_before_training(wan_pipeline, wan_i2v_pipeline, sd
                 else _wan_argv(folder, out, prompts))
         assert_one_line_error(capsys, argv, f"--validation_prompts {prompts}{needle}")
         assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    # sharded weights (FSDP2 offloads even in one process): process 0 alone cannot run the model
+    prompts.write_text("a cat\n")
+    assert_one_line_error(capsys, _wan_argv(wan_pipeline, tmp_path / "fsdp", prompts, "--plugin", "fsdp",
+                                            "--cpu_offload", "all"), "--validation_prompts: process 0 renders",
+                          "--plugin fsdp splits")
 
 
 def _sd_argv(folder, data, out, prompts, *extra):
