@@ -77,20 +77,20 @@ def write_samples(run: Run, step: int) -> None:
     """--sample_every: the ``--validation_prompts`` samples (``validation.render``), else the grid
     (``draw_samples``), and the tracker's images of them; out of GPU memory, a warning."""
     t = run.cfg.train
+    what = "validation samples" if run.validation else "sample grid"
     try:
-        if run.validation:
-            with run.written(f"validation samples of step {step}"):
+        with run.written(f"{what} of step {step}"):
+            if run.validation:
                 for path in validation.render(run, step, functools.partial(_draw_validation, run)):
-                    if run.tracker is not None and path.suffix == ".png":
+                    if run.tracker is not None and path.suffix == ".png":  # (a TensorBoard image takes no MP4)
                         run.tracker.image(step, path, tag=f"validation/{path.stem}")
-            return
-        with run.written(f"sample grid of step {step}"):
+                return
             draw_samples(run, step)
             if run.tracker is not None:  # the grid draw_samples wrote
                 suffix = ".gif" if run.video else ".png"
                 run.tracker.image(step, run.run_dir / "samples" / f"step-{step:07d}{suffix}")
-    except torch.OutOfMemoryError:  # a grid is never worth the run (a tight --gpu_memory_budget)
-        log.warning("step %d: no sample grid, out of GPU memory (%s)", step,
+    except torch.OutOfMemoryError:  # samples are never worth the run (a tight --gpu_memory_budget)
+        log.warning("step %d: no %s, out of GPU memory (%s)", step, what,
                     f"--gpu_memory_budget {t.gpu_memory_budget}" if t.gpu_memory_budget else "the GPU's memory")
         torch.cuda.empty_cache()
 
