@@ -16,7 +16,7 @@ from PIL import Image
 
 from ditforge import cli
 from ditforge.models import create_model
-from ditforge.sample.write import slug
+from ditforge.data.captions import slug
 from ditforge.export import export_safetensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -22,7 +22,7 @@ from ditforge.diffusion import generate, GuidedModel
 from ditforge.encoders.vae import load_vae
 from ditforge.models import create_model
 from ditforge.sample import load_model
-from ditforge.sample.write import slug
+from ditforge.data.captions import slug
 from ditforge.export import export_safetensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -106,6 +106,9 @@ def validate(cfg: RunConfig) -> None:
     for name, value in nonnegative.items():
         if value is not None and (not isinstance(value, int) or value < 0):
             raise UserError(f"--{name}: expected an integer >= 0, got {value!r}")
+    if t.validation_prompts is not None and not t.sample_every:
+        raise UserError(f"--validation_prompts {t.validation_prompts}: rendered every --sample_every steps and at the "
+                        "end; give --sample_every N (N >= 1), not 0")
     if t.max_steps is not None and t.epochs is not None:
         raise UserError("--max_steps and --epochs: give one, not both")
     for name, value, low in (("lr", t.lr, 0), ("loss_spike_factor", t.loss_spike_factor, 1)):

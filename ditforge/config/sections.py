@@ -284,7 +284,14 @@ class TrainConfig(_Freezable):
     continue_on_save_error: bool = _f(False, "go on when a checkpoint, sample grid or metrics line cannot be "
                                              "written (a full disk), warning each time, instead of stopping")
     log_every: int = _f(50, "write metrics every N steps")
-    sample_every: int = _f(500, "write a grid of EMA samples every N steps and at the end (0: none)")
+    sample_every: int = _f(500, "write a grid of EMA samples every N steps and at the end (0: none); with "
+                                "--validation_prompts, that file's samples instead")
+    validation_prompts: str | None = _f(None, "a text file of samples to render every --sample_every steps and "
+                                              "at the end into RUN/samples/step-N/ (a diffusers pipeline's or a "
+                                              "text DiT's run, with the weights being trained): one per line in "
+                                              "musubi-tuner's sample-prompt syntax, the prompt then --w W --h H "
+                                              "--f FRAMES --s STEPS --g GUIDANCE --seed N (or --d N) --n NEGATIVE "
+                                              "--i IMAGE; # comments and blank lines skipped (docs/finetuning.md)")
     eval_every: int = _f(0, "every N steps and at the end, the digits-FID, precision, recall and class accuracy "
                             "of --eval_samples EMA samples (DDIM 25 steps, guidance 4; the built-in digits "
                             "extractor, --data digits only) into metrics.jsonl and TensorBoard (0: never)")

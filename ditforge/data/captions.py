@@ -26,6 +26,7 @@ import json
 import logging
 import numbers
 import os
+import re
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
@@ -49,6 +50,13 @@ CLASS_IMAGE_PATTERN = "class-{:05d}.png"
 # PIL raises all of these on bad files (DecompressionBombError: an image too large to be safe to open)
 IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 log = logging.getLogger(__name__)
+
+
+def slug(text: str, max_len: int = 48) -> str:
+    """A file-name part for a prompt: lower-case ASCII letters and digits, other runs as one ``-``, at most
+    ``max_len`` characters; ``"prompt"`` when nothing is left. ``"A red car, at night!"`` -> ``a-red-car-at-night``."""
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:max_len].rstrip("-")
+    return s or "prompt"
 
 
 class BadImage(ValueError):

@@ -293,7 +293,7 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
 
         source = folder_rows(data.data, data.caption_missing, bad_samples_path)
     if pre is not None:
-        from ditforge.encoders.batch import pipeline_multiple, pipeline_vae
+        from ditforge.encoders.batch import pipeline_vae
 
         if not pre.denoiser.video:
             raise UserError(f"--data {data.data}: buckets fine-tune a video pipeline; --init_from "
@@ -302,7 +302,7 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
             raise UserError(f"--data {data.data}{' --pack_tokens' * bool(cfg.train.pack_tokens)}: a video pipeline "
                             "trains one bucket per step, from a folder of clips or a CSV / JSONL of files")
         vae = pipeline_vae(pre)
-        multiple, step = pipeline_multiple(pre), vae.frame_step
+        multiple, step = pre.side_multiple, vae.frame_step
         # the first latent frames an image-to-video family gives: a clip needs more to leave anything to learn
         least = pre.denoiser.given_frames * vae.temporal + 1 if pre.denoiser.given_frames else 1
         if data.buckets is None:

@@ -228,16 +228,6 @@ def build_batch_encoder(cfg, dataset, device: torch.device, dtype: torch.dtype) 
     return encoder, found
 
 
-def pipeline_multiple(pre) -> int:
-    """What the sides of a pretrained pipeline's (``pre``) inputs are multiples of, in pixels: the VAE's downsample x
-    the transformer's spatial patch (a UNet's: 2 ** its down blocks less one)."""
-    inner = pre.denoiser.inner
-    patch = inner.config.get("patch_size", None)
-    return pre.denoiser.vae_scale * (2 ** (len(inner.config.block_out_channels) - 1)
-                                     if pre.denoiser.component == "unet"
-                                     else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))
-
-
 def pipeline_vae(pre):
     """A pretrained pipeline's VAE as ``encoders.vae.VAE``, with its family's frame rule (the adapter's
     ``vae_frame_factor``, ``vae_folds_pixels``)."""
@@ -277,7 +267,7 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
     if m.condition == "class":
         raise UserError(f"--condition class: {where} is a text-to-{'video' if video else 'image'} "
                         f"{pre.pipeline_class}")
-    scale, size, multiple = pre.denoiser.vae_scale, dataset.image_size, pipeline_multiple(pre)
+    scale, size, multiple = pre.denoiser.vae_scale, dataset.image_size, pre.side_multiple
     if size % multiple:
         raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
                         f"(the VAE's downsample {scale} x the denoiser's own)")

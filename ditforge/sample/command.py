@@ -12,6 +12,7 @@ import torch
 
 from ditforge.config.sections import COMPILE_MODES
 from ditforge.config.values import resolve_precision
+from ditforge.data.captions import slug
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.diffusion import SAMPLERS
 from ditforge.errors import UserError
@@ -23,7 +24,7 @@ from ditforge.sample.load import (VIDEO_LOOP_FLAGS, SampleConfig, build_model, e
                                   read_prompts, read_spec)
 from ditforge.sample.loops import (check_fp8, check_precision, generate_samples, prepare_model, sample_npz,
                                    sample_pipeline, sample_shape, sample_stream)
-from ditforge.sample.write import save_npz, slug, write_videos
+from ditforge.sample.write import save_npz, write_videos
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ditforge.atomic import atomic_path
 from ditforge.config.sections import SAMPLING_PRECISIONS
 from ditforge.config.values import resolve_precision
+from ditforge.data.captions import slug
 from ditforge.data.images import save_grid, to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate
@@ -28,7 +29,7 @@ from ditforge.encoders.vae import IdentityVAE
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
 from ditforge.sample.load import VIDEO_LOOP_FLAGS, SampleConfig, encode_prompts, load_prompt_encoder
-from ditforge.sample.write import save_npz, slug, write_video_files
+from ditforge.sample.write import save_npz, write_video_files
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ditforge.config.values import resolve_precision
+from ditforge.data.captions import slug
 from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.encoders.vae import VAE, decode_tiles_split, use_strips
@@ -30,7 +31,7 @@ from ditforge.errors import UserError
 from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
 from ditforge.parallel.mesh import Dist
 from ditforge.sample.load import SampleConfig
-from ditforge.sample.write import slug, video_file_out, write_video_file
+from ditforge.sample.write import video_file_out, write_video_file
 
 log = logging.getLogger(__name__)
 

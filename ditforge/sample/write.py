@@ -4,7 +4,6 @@ sample, and .npz files, each written atomically."""
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +11,6 @@ import numpy as np
 from ditforge.atomic import atomic_path
 
 log = logging.getLogger(__name__)
-
-
-def slug(text: str, max_len: int = 48) -> str:
-    """A file-name part for a prompt: lower-case ASCII letters and digits, other runs as one ``-``, at most
-    ``max_len`` characters; ``"prompt"`` when nothing is left. ``"A red car, at night!"`` -> ``a-red-car-at-night``."""
-    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:max_len].rstrip("-")
-    return s or "prompt"
 
 
 def write_video_files(frames: np.ndarray, stem: Path, fps: int) -> None:

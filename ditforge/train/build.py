@@ -200,6 +200,7 @@ class Run:
     # the sample grids' model and conditioning, made for the first grid (rank 0)
     grid_model: nn.Module | None = None
     grid_cond: dict | None = None
+    validation: list | None = None  # --validation_prompts: the file's samples (trainer.train), fitted (resolve)
 
     def objective_of(self, x: torch.Tensor | list) -> Objective:
         """The objective of latents ``x`` (B, C, T', h, w): their bucket's in a pipeline's bucketed run, else

@@ -118,6 +118,21 @@ class Tracker:
             self.wandb.finish()
 
 
+def progress_line(step: int, max_steps: int, loss: float, steps_per_sec: float, peak_gib: float | None) -> str:
+    """The trainer's log line per ``--log_every`` steps when stderr is no terminal (a file under nohup, a Slurm
+    log), where tqdm's bar turns itself off: ``step 120/1000 | loss 0.1234 | 2.50 steps/s | ETA 0:05:52`` and, on a
+    GPU, ``| peak 12.34 GiB`` (``torch.cuda.max_memory_allocated``). The ETA is the steps left at the window's
+    rate, in H:MM:SS."""
+    import datetime
+
+    eta = (max_steps - step) / steps_per_sec if steps_per_sec > 0 else math.inf
+    parts = [f"step {step}/{max_steps}", f"loss {loss:.4f}", f"{steps_per_sec:.2f} steps/s",
+             f"ETA {datetime.timedelta(seconds=round(eta)) if math.isfinite(eta) else '?'}"]
+    if peak_gib is not None:
+        parts.append(f"peak {peak_gib:.2f} GiB")
+    return " | ".join(parts)
+
+
 def read_metrics(path: Path) -> list[dict]:
     """All records of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,8 +1,10 @@
 """What a run shows while it trains: the periodic sample grids (PNG, or GIF for videos) drawn from the EMA
-weights, and the built-in digits evaluation (--eval_every)."""
+weights, or the ``--validation_prompts`` samples drawn with the weights being trained (``train.validation``), and
+the built-in digits evaluation (--eval_every)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -15,7 +17,8 @@ from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate
 from ditforge.encoders.batch import BatchEncoder
 from ditforge.ops.attention import whole_sequences
-from ditforge.train import finetune
+from ditforge.parallel import unwrap
+from ditforge.train import finetune, validation
 from ditforge.train.build import Run, create_run_model
 
 log = logging.getLogger(__name__)
@@ -45,13 +48,19 @@ def _grid_conditioning(cfg: RunConfig, dataset, inputs: BatchEncoder, device: to
         n = 8 if m.num_classes <= 10 else 1
         return {"y": torch.arange(m.num_classes, device=device).repeat_interleave(n)[:80]}
     captions = list(dict.fromkeys(getattr(dataset, "texts", None) or dataset.class_captions))
-    captions = captions[:4 if m.num_frames else 8]
-    if inputs.text_encoder is None:  # features: their captions were encoded before; load the encoder to sample
+    return text_conditioning(cfg, inputs, captions[:4 if m.num_frames else 8], device)
+
+
+def text_conditioning(cfg: RunConfig, inputs: BatchEncoder, texts: list[str], device: torch.device) -> dict:
+    """A text DiT's conditioning of ``texts`` (``BatchEncoder.conditioning``), through the run's text encoder, or
+    one loaded for the call when the run reads features (their captions were encoded before)."""
+    m = cfg.model
+    if inputs.text_encoder is None:
         from ditforge.encoders import load_text_encoder
 
         inputs = BatchEncoder("text", text_encoder=load_text_encoder(m.text_encoder, device,
                                                                      max_length=m.text_max_length))
-    return inputs.conditioning({"text": captions}, device)
+    return inputs.conditioning({"text": texts}, device)
 
 
 def _decode(cfg: RunConfig, inputs: BatchEncoder, x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -65,17 +74,31 @@ def _decode(cfg: RunConfig, inputs: BatchEncoder, x: torch.Tensor, device: torch
 
 
 def write_samples(run: Run, step: int) -> None:
+    """--sample_every: the ``--validation_prompts`` samples (``validation.render``), else the grid
+    (``draw_samples``), and the tracker's images of them; out of GPU memory, a warning."""
     t = run.cfg.train
+    what = "validation samples" if run.validation else "sample grid"
     try:
-        with run.written(f"sample grid of step {step}"):
+        with run.written(f"{what} of step {step}"):
+            if run.validation:
+                for path in validation.render(run, step, functools.partial(_draw_validation, run)):
+                    if run.tracker is not None and path.suffix == ".png":  # (a TensorBoard image takes no MP4)
+                        run.tracker.image(step, path, tag=f"validation/{path.stem}")
+                return
             draw_samples(run, step)
             if run.tracker is not None:  # the grid draw_samples wrote
                 suffix = ".gif" if run.video else ".png"
                 run.tracker.image(step, run.run_dir / "samples" / f"step-{step:07d}{suffix}")
-    except torch.OutOfMemoryError:  # a grid is never worth the run (a tight --gpu_memory_budget)
-        log.warning("step %d: no sample grid, out of GPU memory (%s)", step,
+    except torch.OutOfMemoryError:  # samples are never worth the run (a tight --gpu_memory_budget)
+        log.warning("step %d: no %s, out of GPU memory (%s)", step, what,
                     f"--gpu_memory_budget {t.gpu_memory_budget}" if t.gpu_memory_budget else "the GPU's memory")
         torch.cuda.empty_cache()
+
+
+def _draw_validation(run: Run, sample: validation.ValidationSample) -> torch.Tensor:
+    """A text DiT's validation sample, with the run's own model: (1, C, [T,] H, W) pixels in [-1, 1]."""
+    cond = text_conditioning(run.cfg, run.inputs, [sample.prompt], run.d.device)
+    return draw(run, cond, sample.seed, num_steps=sample.steps, cfg_scale=sample.guidance)
 
 
 def draw_samples(run: Run, step: int) -> None:
@@ -94,7 +117,7 @@ def draw_samples(run: Run, step: int) -> None:
     else:
         if run.grid_cond is None:
             run.grid_cond = _grid_conditioning(cfg, run.dataset, run.inputs, device)
-        pixels = draw(run, weights, run.grid_cond, cfg.train.seed)
+        pixels = draw(run, run.grid_cond, cfg.train.seed, weights)
     if run.video:  # a GIF of grids: frame k of every sample side by side
         from ditforge.data.video import write_gif  # PyAV: ditforge[video]
 
@@ -106,15 +129,20 @@ def draw_samples(run: Run, step: int) -> None:
         save_grid(to_uint8(pixels), name.with_suffix(".png"), nrow=8, upscale=max(1, 64 // cfg.data.image_size))
 
 
-def draw(run: Run, weights: dict[str, torch.Tensor], cond: dict[str, torch.Tensor], seed: int, **how) -> torch.Tensor:
-    """Pixels (N, C, [T,] H, W) in [-1, 1] of samples of a DiT with ``weights`` (rank 0); ``how``: sampler and
-    steps (``sample_grid``'s)."""
+def draw(run: Run, cond: dict[str, torch.Tensor], seed: int, weights: dict[str, torch.Tensor] | None = None,
+         **how) -> torch.Tensor:
+    """Pixels (N, C, [T,] H, W) in [-1, 1] of samples of a DiT (rank 0): a copy with ``weights`` (the grid's
+    model, made on the first call), or without them the run's own model (the caller sets its eval mode); ``how``:
+    sampler, steps and guidance (``sample_grid``'s)."""
     cfg, m, device = run.cfg, run.cfg.model, run.d.device
-    if run.grid_model is None:
-        run.grid_model = create_run_model(cfg, device).eval()
-    run.grid_model.load_state_dict(weights)
+    model = unwrap(run.model)
+    if weights is not None:
+        if run.grid_model is None:
+            run.grid_model = create_run_model(cfg, device).eval()
+        run.grid_model.load_state_dict(weights)
+        model = run.grid_model
     with whole_sequences():  # rank 0 alone: no sequence-parallel attention
-        x = sample_grid(run.grid_model, cond, run.sample_shape, seed=seed, learn_sigma=m.learn_sigma,
+        x = sample_grid(model, cond, run.sample_shape, seed=seed, learn_sigma=m.learn_sigma,
                         clip_denoised=m.vae == "none",  # VAE latents are not bounded to [-1, 1]
                         objective=m.objective, flow_shift=m.flow_shift, **how)
     return _decode(cfg, run.inputs, x, device)
@@ -131,7 +159,7 @@ def evaluate(run: Run) -> dict[str, float]:
     if not run.d.is_main:
         return {}
     labels = torch.arange(t.eval_samples, device=device) % run.cfg.model.num_classes
-    pixels = torch.cat([draw(run, weights, {"y": y}, derive_seed(t.seed, k), sampler="ddim", num_steps=25)
+    pixels = torch.cat([draw(run, {"y": y}, derive_seed(t.seed, k), weights, sampler="ddim", num_steps=25)
                         for k, y in enumerate(labels.split(256))])
     result = evaluate_digits(pixels.cpu(), labels.cpu(), device=device)
     return {f"digits_{k}": v for k, v in result.items()}

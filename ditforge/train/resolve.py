@@ -31,33 +31,37 @@ from ditforge.optim.placement import plan_placement
 from ditforge.train import finetune
 from ditforge.weights.lora import lora_targets
 from ditforge.train.build import Run, adapt, create_run_model, dit_dtype, sharded_on_meta
+from ditforge.train.validation import fit_samples
 
 log = logging.getLogger(__name__)
 
 
 def resolve(run: Run) -> RunConfig:
-    """The run's settings resolved and written into ``run.cfg``, the one place they are written, once the run
-    folder, the pretrained pipeline and the data set are open (``build.open_run``, ``load_init``, ``build_data``)
-    and before the model and optimizer are built: first what those phases found (``run.found``: the run folder,
-    the plugin, a features folder's pipeline, DiT weights' model settings, the default model, the data's and
-    encoders' shapes), then no periodic samples for one expert of two, the flips, the shard streams and loader
-    workers, the class count, the learning rate's default (by the model and the optimizer asked, before a memory
-    budget may change the optimizer), the objective (which a diffusers family's scheduler config decides; the
-    config records its kind and shift, ``run.diffusion`` holds it), the LoRA targets and the memory budget's
-    choices (``settle_budget``). Returns ``run.cfg``.
+    """The run's settings resolved and written into ``run.cfg``, the one place they are written, once the run folder,
+    the pretrained pipeline and the data set are open (``build.open_run``, ``load_init``, ``build_data``) and before the
+    model and optimizer are built: first what those phases found (``run.found``: the run folder, the plugin, a features
+    folder's pipeline, DiT weights' model settings, the default model, the data's and encoders' shapes), then no
+    periodic grid for one expert of two, the ``--validation_prompts`` samples fitted to the run
+    (``validation.fit_samples``), the flips, the shard streams and loader workers, the class count, the learning rate's
+    default (by the model and the optimizer asked, before a memory budget may change the optimizer), the objective
+    (which a diffusers family's scheduler config decides; the config records its kind and shift, ``run.diffusion`` holds
+    it), the LoRA targets and the memory budget's choices (``settle_budget``). Returns ``run.cfg``.
 
     Raises:
-        UserError: ``--random_flip`` for an image-to-video pipeline, class conditioning on data without labels,
-            ``--num_classes`` below the data's, an objective the pipeline's scheduler does not give, or a
-            memory budget nothing fits (``plan_placement``).
+        UserError: ``fit_samples``'s; ``--random_flip`` for an image-to-video pipeline, class conditioning on data
+            without labels, ``--num_classes`` below the data's, an objective the pipeline's scheduler does not give, or
+            a memory budget nothing fits (``plan_placement``).
     """
     cfg, d, pre, dataset = run.cfg, run.d, run.pre, run.dataset
     t, m = cfg.train, cfg.model
     assign(cfg, run.found)
-    if pre is not None and m.expert is not None and t.sample_every:  # the pipeline's grid would need both experts
-        log.info("--expert %s: no periodic samples (the other expert stays in host memory); draw them "
-                 "with ditforge sample --ckpt RUN", m.expert)
+    if pre is not None and m.expert is not None and t.sample_every and not run.validation:
+        # the grid's second denoiser would need both experts; validation samples bring the other one in
+        log.info("--expert %s: no periodic grid (the other expert stays in host memory); give "
+                 "--validation_prompts FILE, or draw them with ditforge sample --ckpt RUN", m.expert)
         t.sample_every = 0
+    if run.validation:
+        run.validation = fit_samples(run.validation, run)
     settle_flips(cfg, dataset, pre)
     if isinstance(dataset, ShardData) and cfg.data.data_streams is None:
         cfg.data.data_streams = math.gcd(t.batch_size, math.lcm(16, d.dp_size))  # >= 16 and every rank its streams

@@ -33,10 +33,11 @@ from ditforge.train.build import (Run, build_data, build_ema_and_optimizer, buil
                                   last_checkpoint, load_init, open_logs, open_outputs, open_run,
                                   truncate_metrics)
 from ditforge.train.guard import LossSpikeGuard, all_finite
-from ditforge.train.logging import MetricsLog
+from ditforge.train.logging import MetricsLog, progress_line
 from ditforge.train.previews import evaluate, write_samples
 from ditforge.train.resolve import pipeline_family, resolve
 from ditforge.train.step import ema_decay_at, learning_rate, make_micro_batches, train_step
+from ditforge.train.validation import read_validation_prompts
 from ditforge.weights import read as weights_io
 
 log = logging.getLogger(__name__)
@@ -70,21 +71,24 @@ def train(cfg: RunConfig) -> Path:
     sp = cfg.parallel.sequence_parallel_size
     if sp > 1 and (family := pipeline_family(cfg)) is not None:  # before any process group or run folder
         refuse_unsplittable(family, sp, "shard it with --plugin fsdp instead", use="train")
+    # the file's syntax before any process group, run folder or pipeline; resolve fits it to the pipeline
+    samples = read_validation_prompts(cfg.train.validation_prompts) if cfg.train.validation_prompts else None
     d = init_distributed(cfg.train.device, sp,
                          group_of_one=cfg.train.cpu_offload == "all",  # FSDP2 offloads, even in one process
                          tensor_parallel_size=cfg.parallel.tensor_parallel)
     try:
         with contextlib.ExitStack() as held:
-            return _train(cfg, d, held)
+            return _train(cfg, d, held, samples)
     finally:
         shutdown(d)
 
 
-def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
+def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack, samples: list | None) -> Path:
     """The run's phases, in order; each fills its part of the state they share (``Run``). The phases up to the
     data open things and report what they found; the settings are resolved and written once (``resolve``), then
     frozen before the model is built: no phase after writes the config."""
     run = open_run(cfg, d, held)
+    run.validation = samples
     load_init(run)
     build_data(run)
     freeze(resolve(run))
@@ -178,6 +182,7 @@ def _loop(run: Run) -> int:
     # stay on the GPU (keep_states_within)
     measure_at = run.start_step + 2 if run.budget is not None and t.cpu_offload == "optimizer" else None
     window = _Window()
+    # disable=None: off without a terminal on stderr, where _after_step logs a line per --log_every instead
     bar = tqdm(total=run.max_steps, initial=run.start_step, desc="train", dynamic_ncols=True,
                disable=None if d.is_main else True)
     interrupted = _DeferredInterrupt()
@@ -277,8 +282,9 @@ class _Window:
 
 def _after_step(run: Run, step: int, window: _Window, bar: tqdm) -> int:
     """What follows step ``step`` (counted from 1) on its schedule: the loss-spike check and the metrics record
-    (--log_every), the evaluation (--eval_every), a sample grid (--sample_every) and a checkpoint (--ckpt_every);
-    the last step's grid and checkpoint are ``_finish``'s. Returns the step reached: ``step``, or after a
+    (--log_every; with tqdm's bar off, no terminal on stderr, a ``progress_line`` logged too), the evaluation
+    (--eval_every), the samples (--sample_every) and a checkpoint (--ckpt_every); the last step's samples and
+    checkpoint are ``_finish``'s. Returns the step reached: ``step``, or after a
     loss spike the step rolled back to (``_roll_back``)."""
     t, max_steps = run.cfg.train, run.max_steps
     logs = step % t.log_every == 0 or step == max_steps
@@ -296,6 +302,7 @@ def _after_step(run: Run, step: int, window: _Window, bar: tqdm) -> int:
             metrics.write({"step": step, **evaluated})
             run.tracker.log(step, evaluated)
     if logs:
+        steps_per_sec = window.steps / max(time.perf_counter() - window.start, 1e-9)
         record = window.record(run, step) | evaluated
         if run.spikes is not None:
             record["rollbacks"] = run.spikes.rollbacks
@@ -304,6 +311,8 @@ def _after_step(run: Run, step: int, window: _Window, bar: tqdm) -> int:
                 metrics.write({"step": step, **record})
                 run.tracker.log(step, record)
         bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if bar.disable and run.d.is_main:  # no terminal: tqdm shows nothing, so a line per --log_every
+            log.info(progress_line(step, max_steps, record["loss"], steps_per_sec, record.get("peak_memory_gib")))
         window.reset()
     if t.sample_every and step % t.sample_every == 0 and step < max_steps:
         write_samples(run, step)

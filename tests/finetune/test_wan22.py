@@ -4,7 +4,8 @@ low_noise``), end to end on the CPU with the tiny random two-expert ``WanPipelin
 from the shifted logit-normal restricted to the expert's side of the boundary (written out here with
 ``torch.distributions.Normal``); the full low-noise run exported into ``transformer_2`` (``transformer`` untouched) and
 sampled by ditforge as the exported pipeline's own call samples it; the LoRA file of the high-noise run through
-``load_lora_weights``; the one-line errors."""
+``load_lora_weights``; the one-line errors; a low-noise run's ``--validation_prompts`` samples, drawn with the
+high-noise expert brought in from host memory."""
 
 from __future__ import annotations
 
@@ -198,3 +199,36 @@ def test_expert_errors(wan22, tmp_path, capsys):
     (one / "model_index.json").write_text(__import__("json").dumps(index))
     assert_one_line_error(capsys, _argv(one, tmp_path / "r", "--max_steps", "1", "--expert", "low_noise"),
                           "--expert low_noise", "one transformer")
+
+
+def test_validation_samples_with_both_experts(wan22, tmp_path, monkeypatch):
+    """``--validation_prompts`` of a low-noise run (1 step, LoRA): the high-noise expert, in host memory in bf16
+    for training, is in the compute dtype (fp32 here) during the pipeline's call and back in bf16 after it; the
+    sample equals ``ditforge sample`` of the run (both experts, ``sample.video``'s switch) from the same seed,
+    prompt, steps and guidance to one uint8 level, 32 x 16 for one frame; the run keeps --sample_every."""
+    import numpy as np
+    from PIL import Image
+
+    from ditforge.train import validation
+
+    seen = []
+
+    def spy(pre, *args, **kwargs):
+        seen.append((pre.pipe.transformer, pre.pipe.transformer.dtype))
+        return real(pre, *args, **kwargs)
+
+    real = validation.generate_with_pipeline
+    monkeypatch.setattr(validation, "generate_with_pipeline", spy)
+    prompts, run, npz = tmp_path / "v.txt", tmp_path / "run", tmp_path / "s.npz"
+    prompts.write_text("a rabbit on a green hill --w 32 --h 16 --f 1 --s 4 --g 4\n")
+    assert cli.main(_argv(wan22, run, "--max_steps", "1", "--expert", "low_noise", "--lora_rank", "4", "--lr", "1e-2",
+                          "--ema_decay", "0", "--sample_every", "1", "--validation_prompts", str(prompts))) == 0
+    assert __import__("yaml").safe_load((run / "config.yaml").read_text())["train"]["sample_every"] == 1
+    (other, during), = seen
+    assert (during, other.dtype) == (torch.float32, torch.bfloat16)
+    assert cli.main(["sample", "--ckpt", str(run), "--prompt", "a rabbit on a green hill", "--height", "16",
+                     "--width", "32", "--num_frames", "1", "--num_sampling_steps", "4", "--cfg_scale", "4", "--out",
+                     str(tmp_path / "s"), "--save_npz", str(npz), "--device", "cpu"]) == 0
+    mine = np.asarray(Image.open(run / "samples" / "step-0000001" / "001-a-rabbit-on-a-green-hill.png"))
+    assert mine.shape == (16, 32, 3)
+    assert np.abs(np.load(npz)["samples"][0, 0].astype(np.int16) - mine.astype(np.int16)).max() <= 1

@@ -290,12 +290,15 @@ class DiffusersDenoiser(nn.Module):
 
     pipeline_embeds: dict[str, str] = {}  # conditioning key -> the pipeline __call__'s argument for it
 
-    def pipeline_inputs(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The pipeline's ``prompt_embeds``-style arguments for ``cond`` (B rows) and, as the negative prompt, the
-        empty prompt's condition: the pipeline then samples without touching its text encoders, and gives what
-        it gives for the prompts as strings (its default negative prompt is the empty one)."""
+    def pipeline_inputs(self, cond: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None = None
+                        ) -> dict[str, torch.Tensor]:
+        """The pipeline's ``prompt_embeds``-style arguments for ``cond`` (B rows) and, as the negative prompt,
+        ``negative`` (one row, the negative prompt's condition) or else the empty prompt's condition: the pipeline
+        then samples without touching its text encoders, and gives what it gives for the prompts as strings (its
+        default negative prompt is the empty one)."""
         cond = self.embed(cond)
-        null = self.embed({k: getattr(self, f"null_{k}") for k in self.cond_keys})
+        null = self.embed(negative if negative is not None
+                          else {k: getattr(self, f"null_{k}") for k in self.cond_keys})
         out = {}
         for key, arg in self.pipeline_embeds.items():
             value = cond[key]

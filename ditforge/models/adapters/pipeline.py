@@ -92,6 +92,15 @@ class Pretrained:
     denoiser: DiffusersDenoiser
     scheduler_config: dict
 
+    @property
+    def side_multiple(self) -> int:
+        """Pixels a frame's height and width must be a multiple of: the VAE's downsample x the denoiser's own (a
+        UNet's 2^(levels - 1), a transformer's patch side)."""
+        inner, patch = self.denoiser.inner, self.denoiser.inner.config.get("patch_size", None)
+        return self.denoiser.vae_scale * (2 ** (len(inner.config.block_out_channels) - 1)
+                                          if self.denoiser.component == "unet"
+                                          else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))
+
     def encode_prompt(self, texts: list[str], images=None) -> dict[str, torch.Tensor]:
         """Prompts -> the denoiser's conditioning tensors (float32, batch-first, on the denoiser's device), with
         the pipeline's encoders (wherever they are); the token ids when the denoiser trains its text encoder.
@@ -206,24 +215,32 @@ def _component(pre: Pretrained) -> str:
 
 
 def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int],
-                           image_size: int, num_steps: int, guidance_scale: float,
-                           batch_size: int = 8, num_frames: int | None = None, images: list | None = None
-                           ) -> torch.Tensor:
+                           image_size: int | tuple[int, int], num_steps: int, guidance_scale: float,
+                           batch_size: int = 8, num_frames: int | None = None, images: list | None = None,
+                           negative: str | None = None) -> torch.Tensor:
     """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (an adapter of the
     fine-tuned diffusers model; its text encoder too when it trained one) in it: row i starts from the noise of
     ``torch.Generator(device).manual_seed(seeds[i])``, so it depends on its prompt and seed only. The prompts are
-    encoded (``pre.encode_prompt``, or the denoiser's own text encoder) and handed over as embeddings, the empty
-    prompt's as the negative ones: what the pipeline does with the prompt strings. Returns (N, 3, S, S) float32 in
-    [-1, 1] on the CPU; a video family's (Wan) videos of ``num_frames`` frames, (N, 3, T, S, S). A VAE kept on
+    encoded (``pre.encode_prompt``, or the denoiser's own text encoder) and handed over as embeddings, the
+    ``negative`` prompt's (default: the empty prompt's) as the negative ones: what the pipeline does with the
+    prompt strings. ``image_size``: the side S, or (height H, width W) in pixels. Returns (N, 3, H, W) float32 in
+    [-1, 1] on the CPU; a video family's (Wan) videos of ``num_frames`` frames, (N, 3, T, H, W). A VAE kept on
     the CPU (training from features) visits the denoiser's device meanwhile. An image-to-video family
     (``WanImageToVideoPipeline``) takes ``images``, one PIL image per prompt, passed as the pipeline's ``image``;
     its rows are drawn one per call (the pipeline takes one image a call, ``pipeline_wan_i2v.py``)."""
     pipe = pre.pipe
+    height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
     setattr(pipe, _component(pre), denoiser.inner)
     device = next(denoiser.inner.parameters()).device
     vae_home = pipe.vae.device
     pipe.vae.to(device)
     out, first_images = [], images  # ``images`` is the loop's output below
+
+    def encode(texts: list[str], seen: dict) -> dict[str, torch.Tensor]:
+        if denoiser.tokenize is not None:  # its own text encoder, trained
+            return {k: v.to(device) for k, v in denoiser.tokenize(texts).items()}
+        return pre.encode_prompt(texts, **seen)
+
     if denoiser.image_to_video:
         batch_size = 1
     try:
@@ -232,15 +249,15 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
             gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[rows]]
             with torch.no_grad():
                 seen = {"images": [first_images[start]]} if denoiser.prompt_sees_image else {}
-                cond = ({k: v.to(device) for k, v in denoiser.tokenize(prompts[rows]).items()}
-                        if denoiser.tokenize is not None else pre.encode_prompt(prompts[rows], **seen))
+                cond = encode(prompts[rows], seen)
+                against = encode([negative], seen) if negative is not None else None
                 video = {"num_frames": num_frames} if denoiser.video else {}
                 if denoiser.image_to_video:
                     video["image"] = first_images[start]
-                result = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=image_size,
-                              width=image_size, generator=gens, output_type="pt", **denoiser.pipeline_inputs(cond),
-                              **denoiser.pipeline_kwargs, **video)
-                # videos come as frames (N, T, 3, S, S)
+                result = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=height,
+                              width=width, generator=gens, output_type="pt",
+                              **denoiser.pipeline_inputs(cond, against), **denoiser.pipeline_kwargs, **video)
+                # videos come as frames (N, T, 3, H, W)
                 images = result.frames.transpose(1, 2) if denoiser.video else result.images
             out.append(images.float().cpu() * 2 - 1)
     finally:
