@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_dir, atomic_path
+from ditforge.config.sections import EXPERTS
 from ditforge.errors import UserError
 from ditforge.interop import PIPELINE_NULL_LABEL, SPEC_FILE, ddim_scheduler_config, official_to_diffusers
 from ditforge.models.adapters import DiffusersDenoiser
@@ -173,10 +174,10 @@ def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path
     encoder saved with their ``save_pretrained``, every other component copied untouched from the folder the run
     started from, so the family's pipeline class loads it offline. Written under a temporary name and renamed when
     complete."""
-    # the component the denoiser is: its own (transformer, unet) or, for a two-expert pipeline's second expert,
-    # transformer_2
-    component = next(name for name, module in pre.pipe.components.items() if module is denoiser.inner)
-    trained = {component: denoiser.inner}
+    # the components the denoiser trained: its own (transformer, unet) or, for a two-expert pipeline's second expert,
+    # transformer_2, or both experts
+    trained = {name: module for name, module in pre.pipe.components.items()
+               if any(module is model for model in denoiser.expert_models())}
     if denoiser.tokenize is not None:  # --train_text_encoder
         trained["text_encoder"] = denoiser.text_encoder
     with atomic_dir(out) as tmp:
@@ -191,7 +192,9 @@ def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path
 def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Path) -> Path:
     """The adapters as a diffusers LoRA file, ``OUT/pytorch_lora_weights.safetensors``, which the family's
     ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata; the text encoder's adapters too
-    when it trained). The pipeline class must have a LoRA loader (``load_lora_weights``; ``export_pretrained``
+    when it trained); a run of both experts, one such file each, ``OUT/high_noise/`` (``transformer``) and
+    ``OUT/low_noise/`` (``transformer_2``, loaded with ``load_lora_weights(OUT / "low_noise",
+    load_into_transformer_2=True)``). The pipeline class must have a LoRA loader (``load_lora_weights``; ``export_pretrained``
     refuses a class without one first)."""
     import diffusers
 
@@ -213,6 +216,11 @@ def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Pat
             cls.save_lora_weights(str(tmp), unet_lora_layers=convert_state_dict_to_diffusers(
                                       lora_state_dict(denoiser.inner)),
                                   unet_lora_adapter_metadata=metadata, safe_serialization=True, **extra)
+        elif len(experts := denoiser.expert_models()) == 2:  # both experts: a LoRA folder each
+            for name, model in zip(EXPERTS[:2], experts):  # high_noise, low_noise
+                (tmp / name).mkdir()
+                cls.save_lora_weights(str(tmp / name), transformer_lora_layers=lora_state_dict(model),
+                                      transformer_lora_adapter_metadata=metadata, safe_serialization=True)
         else:
             cls.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(denoiser.inner),
                                   transformer_lora_adapter_metadata=metadata, safe_serialization=True)

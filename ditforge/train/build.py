@@ -43,6 +43,7 @@ from ditforge.optim.placement import cap_gpu_memory, plan_placement
 from ditforge.parallel.mesh import Dist
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
+from ditforge.train.experts import TwoExperts
 from ditforge.train.mixed import check_bucket_tokens
 from ditforge.train.guard import LossSpikeGuard, NonfiniteGuard, claim_run_folder, disk_errors
 from ditforge.train.logging import MetricsLog, Tracker
@@ -161,6 +162,7 @@ class Run:
     max_steps: int = 0
     # objective, model and optimizer (resolve.resolve, build_model, build_ema_and_optimizer, trainer._resume)
     diffusion: Objective | None = None
+    experts: TwoExperts | None = None  # --expert both: the switch between a pipeline's two experts
     model: nn.Module | None = None
     adapters_only: bool = False  # LoRA: EMA and checkpoints hold the adapters alone
     ema: EMA | None = None
@@ -350,7 +352,11 @@ def build_model(run: Run) -> None:
             log.info("--gpu_memory_budget %s: --fp8_base", t.gpu_memory_budget)
     if m.fp8_base:
         finetune.store_base_in_fp8(model, amp_dtype, plugin)
-    (model if skeleton is not None else model.to(home)).train()
+    if run.experts is not None:  # the idle expert's frozen weights may stay in host memory
+        run.experts.place(home, run.budget)
+    elif skeleton is None:
+        model.to(home)
+    model.train()
     if run.budget is not None:
         _place_under_budget(run, model)
     for p in model.parameters():  # what is not bf16 yet (a LoRA's base built here; the budget's choice)
@@ -401,8 +407,9 @@ def _place_under_budget(run: Run, model: nn.Module) -> None:
     given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
     choice = plan_placement(run.budget, sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
                             t.ema_decay != 0, given, run.amp_dtype == torch.bfloat16,
-                            lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none",
-                            offload_ok=t.fused_optimizer == "auto" and on_gpu_with_triton(d.device))
+                            lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none" and run.experts is None,
+                            offload_ok=(t.fused_optimizer == "auto" and on_gpu_with_triton(d.device)
+                                        and run.experts is None))  # neither with two experts (experts.py)
     if choice != given and d.is_main:
         log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
                  t.gpu_memory_budget, *choice[:2], " --fused_backward_pass" if choice[2] else "", choice[3])

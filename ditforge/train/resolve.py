@@ -21,26 +21,31 @@ from ditforge.models.adapters import family_of_pipeline
 from ditforge.models.adapters.pipeline import is_adapted_pipeline, read_model_index
 from ditforge.weights.lora import lora_targets
 from ditforge.train.build import Run
+from ditforge.train.experts import TwoExperts, refuse_unsupported
 
 log = logging.getLogger(__name__)
 
 
 def resolve(run: Run) -> RunConfig:
     """The run's settings resolved, once the run folder, the pretrained pipeline and the data set are open
-    (``build.open_run``, ``load_init``, ``build_data``) and before the model and optimizer are built: no periodic
-    samples for one expert of two, the flips, the shard streams and loader workers, the class count, the
+    (``build.open_run``, ``load_init``, ``build_data``) and before the model and optimizer are built: both experts of
+    a two-expert pipeline unless ``--expert`` names one, and their switch (``run.experts``), no periodic samples for
+    a two-expert pipeline, the flips, the shard streams and loader workers, the class count, the
     learning rate's default (by the model and the optimizer asked, before a memory budget may change the
     optimizer), the objective (which a diffusers family's scheduler config decides; the config records its kind
     and shift, ``run.diffusion`` holds it) and the LoRA targets. Returns ``run.cfg``.
 
     Raises:
-        UserError: ``--random_flip`` for an image-to-video pipeline, class conditioning on data without labels,
+        UserError: ``--expert both`` with a setting it does not run with (``experts.refuse_unsupported``),
+            ``--random_flip`` for an image-to-video pipeline, class conditioning on data without labels,
             ``--num_classes`` below the data's, or an objective the pipeline's scheduler does not give.
     """
     cfg, d, pre, dataset = run.cfg, run.d, run.pre, run.dataset
     t, m = cfg.train, cfg.model
+    if pre is not None and m.expert is None and len(pre.denoiser.expert_models()) == 2:
+        m.expert = "both"  # a pipeline of two experts trains both (train/experts.py)
     if pre is not None and m.expert is not None and t.sample_every:  # the pipeline's grid would need both experts
-        log.info("--expert %s: no periodic samples (the other expert stays in host memory); draw them "
+        log.info("--expert %s: no periodic samples (the grid's pipeline call takes one expert); draw them "
                  "with ditforge sample --ckpt RUN", m.expert)
         t.sample_every = 0
     settle_flips(cfg, dataset, pre)
@@ -58,11 +63,18 @@ def resolve(run: Run) -> RunConfig:
         t.lr = 1e-2
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
-    # the family's part (an expert's side of the schedule, given frames, the sequence a dynamic shift follows)
-    family = pre.denoiser.objective_args(pre.pipe, m.expert, m.num_frames, m.input_size) if pre is not None else {}
-    diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
-                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
-                                 where=f"--init_from {m.init_from}", device=run.d.device, **family)
+    def objective(expert: str | None):
+        # the family's part (an expert's side of the schedule, given frames, the sequence a dynamic shift follows)
+        family = pre.denoiser.objective_args(pre.pipe, expert, m.num_frames, m.input_size) if pre is not None else {}
+        return create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
+                                m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
+                                where=f"--init_from {m.init_from}", device=run.d.device, **family)
+
+    diffusion = objective(m.expert)
+    if m.expert == "both":  # each step's side drawn from the whole range, its times from that side's
+        refuse_unsupported(cfg, d.world_size)
+        run.experts = TwoExperts(pre.denoiser, diffusion, (objective("high_noise"), objective("low_noise")),
+                                 pre.denoiser.expert_boundary(pre.pipe))
     m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
     if m.objective == "flow":
         m.flow_shift = diffusion.shift
