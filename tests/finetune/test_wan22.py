@@ -327,3 +327,26 @@ def test_both_experts_lora_files_load_into_both_transformers(wan22, tmp_path):
             theirs = model(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
             assert (theirs - mine).abs().max() <= 1e-5 * mine.abs().max()
             assert (base - mine).abs().max() > 1e-3 * mine.abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the idle expert is offloaded from a GPU")
+def test_both_experts_offloaded_is_the_same_run(wan22, tmp_path, caplog):
+    """On a GPU, a bf16 LoRA run of both under --gpu_memory_budget (the idle expert's frozen base in host memory,
+    three switches over the 4 steps) logs the losses and saves the weights of the same run without a budget (both
+    experts on the GPU), exactly."""
+    runs = {}
+    for name, extra in (("resident", []), ("offloaded", ["--gpu_memory_budget", "8GiB"])):
+        runs[name] = tmp_path / name
+        with caplog.at_level("INFO"):
+            assert cli.main(_argv(wan22, runs[name], "--max_steps", "4", "--lora_rank", "4", "--lr", "1e-2",
+                                  "--device", "cuda", "--mixed_precision", "bf16", *extra)) == 0
+        assert ("frozen weights wait in host memory" in caplog.text) == (name == "offloaded")
+        caplog.clear()
+    assert [r["loss"] for r in read_metrics(runs["resident"] / "metrics.jsonl")] == [
+        r["loss"] for r in read_metrics(runs["offloaded"] / "metrics.jsonl")]
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    a, b = (load_finetuned(*load_weights(run, use_ema=False), torch.device("cpu"), use_ema=False)[1].state_dict()
+            for run in runs.values())
+    assert all(torch.equal(a[k], b[k]) for k in a)
