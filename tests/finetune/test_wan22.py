@@ -95,6 +95,19 @@ def test_first_step_loss_is_the_experts_on_its_side_of_the_boundary(expert, wan2
     assert (config["model"]["expert"], config["train"]["sample_every"]) == (expert, 0)
 
 
+def _assert_samples_like_the_pipeline(run: Path, pipe, tmp_path: Path) -> None:
+    """``ditforge sample --ckpt run`` (4 steps, guidance 4) draws the video ``pipe``'s own call draws from the same
+    seed, to one uint8 level."""
+    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
+    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--num_sampling_steps", "4",
+                     "--cfg_scale", "4", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
+                     "--device", "cpu"]) == 0
+    video = pipe(prompt=[prompt], num_inference_steps=4, guidance_scale=4.0, height=SIZE, width=SIZE,
+                 num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
+                 output_type="np").frames
+    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
+
+
 def test_low_noise_export_and_sample_like_the_pipeline(wan22, runs, tmp_path):
     """``--format diffusers`` of the low-noise run writes its weights into ``transformer_2`` and copies
     ``transformer`` untouched (bit for bit the base's); the exported ``WanPipeline``'s own call (both experts,
@@ -116,14 +129,7 @@ def test_low_noise_export_and_sample_like_the_pipeline(wan22, runs, tmp_path):
     assert any(not torch.equal(base.transformer_2.state_dict()[k], trained[k]) for k in trained)
     assert all(torch.equal(high[k], v) for k, v in base.transformer.state_dict().items())
 
-    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
-    assert cli.main(["sample", "--ckpt", str(runs["low_noise"]), "--prompt", prompt, "--num_sampling_steps", "4",
-                     "--cfg_scale", "4", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
-                     "--device", "cpu"]) == 0
-    video = pipe(prompt=[prompt], num_inference_steps=4, guidance_scale=4.0, height=SIZE, width=SIZE,
-                 num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
-                 output_type="np").frames
-    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
+    _assert_samples_like_the_pipeline(runs["low_noise"], pipe, tmp_path)
 
     # both experts, one run each: the high-noise one trained from this export, exported again, keeps its low one
     second, both = tmp_path / "second", tmp_path / "both"
@@ -176,8 +182,8 @@ def test_expert_errors(wan22, tmp_path, capsys):
                           "--expert low_noise", "one transformer")
 
 
-# Both experts in one run (--expert both, the default for a two-expert folder): seed 0's side draws at positions 0-3
-SIDES = ["low_noise", "low_noise", "high_noise", "low_noise"]
+# Both experts in one run (--expert both, the default for a two-expert folder): seed 0's side draws at positions 0-2
+SIDES = ["low_noise", "low_noise", "high_noise"]
 
 
 def _sides(folder: Path, steps: int) -> list[str]:
@@ -199,10 +205,10 @@ def _sides(folder: Path, steps: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def both(wan22, tmp_path_factory, one_thread_module) -> Path:
-    """4 steps of both experts fully fine-tuned in one run (no --expert), as the low-noise run (lr 1e-3), a
-    checkpoint after each."""
+    """3 steps (``SIDES``) of both experts fully fine-tuned in one run (no --expert), as the low-noise run (lr 1e-3),
+    a checkpoint after each."""
     run = tmp_path_factory.mktemp("wan22_both") / "run"
-    assert cli.main(_argv(wan22, run, "--max_steps", "4", "--lr", "1e-3", "--ckpt_every", "1", "--keep_last", "4")) == 0
+    assert cli.main(_argv(wan22, run, "--max_steps", "3", "--lr", "1e-3", "--ckpt_every", "1", "--keep_last", "3")) == 0
     return run
 
 
@@ -232,7 +238,7 @@ def test_both_experts_each_change_only_on_their_side(wan22, both, base):
     """The side draws are the written-out ones (both sides drawn), the run records ``--expert both``, and from the
     folder's weights through each step's checkpoint, the high-noise expert (``transformer``) changes exactly on
     the steps drawn above the boundary and the low-noise one (``transformer_2``) exactly on the others."""
-    assert _sides(wan22, 4) == SIDES
+    assert _sides(wan22, 3) == SIDES
     config = __import__("yaml").safe_load((both / "config.yaml").read_text())
     assert config["model"]["expert"] == "both"
     before = base
@@ -260,20 +266,6 @@ def test_both_experts_losses_are_the_one_expert_runs(wan22, runs, both, base):
         torch.testing.assert_close(low[k.replace("transformer.", "transformer_2.", 1)], v, rtol=1e-6, atol=1e-7)
 
 
-def test_both_experts_resume_equals_the_uninterrupted_run(wan22, both, base, tmp_path):
-    """Resumed from the run's step-2 checkpoint (the high-noise expert not yet stepped: no optimizer state of it
-    there) into a new folder, to step 4: the losses of steps 3 and 4 and the last weights and EMA equal the
-    uninterrupted run's, exactly."""
-    run = tmp_path / "run"
-    assert cli.main(_argv(wan22, run, "--max_steps", "4", "--lr", "1e-3", "--resume",
-                          str(both / "checkpoints" / "step-0000002"))) == 0
-    assert [r["loss"] for r in read_metrics(run / "metrics.jsonl")] == [
-        r["loss"] for r in read_metrics(both / "metrics.jsonl")][2:]
-    for use_ema in (False, True):
-        resumed, whole = _weights(run, base, use_ema), _weights(both, base, use_ema)
-        assert all(torch.equal(resumed[k], whole[k]) for k in whole)
-
-
 def test_both_experts_export_and_sample_like_the_pipeline(both, base, tmp_path):
     """``--format diffusers`` writes both trained experts (the run's EMA weights, bit for bit, each unlike the
     folder's); the exported ``WanPipeline``'s own call draws the video ``ditforge sample --ckpt RUN`` draws, to
@@ -288,29 +280,50 @@ def test_both_experts_export_and_sample_like_the_pipeline(both, base, tmp_path):
         exported = {f"{name}.{k}": v for k, v in getattr(pipe, name).state_dict().items()}
         assert all(torch.equal(v, trained[k]) for k, v in exported.items())
         assert any(not torch.equal(v, base[k]) for k, v in exported.items())
-    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
-    assert cli.main(["sample", "--ckpt", str(both), "--prompt", prompt, "--num_sampling_steps", "4",
-                     "--cfg_scale", "4", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
-                     "--device", "cpu"]) == 0
-    video = pipe(prompt=[prompt], num_inference_steps=4, guidance_scale=4.0, height=SIZE, width=SIZE,
-                 num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
-                 output_type="np").frames
-    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
+    _assert_samples_like_the_pipeline(both, pipe, tmp_path)
 
 
-def test_both_experts_lora_files_load_into_both_transformers(wan22, tmp_path):
-    """A LoRA run of both experts (3 steps: low, low, high), ``--format lora``: ``OUT/high_noise`` loads into
-    ``transformer`` and ``OUT/low_noise`` into ``transformer_2`` (``load_into_transformer_2``); each then gives its
-    ditforge LoRA expert's output within 1e-5 of the largest magnitude, and differs from the folder's expert."""
-    import diffusers
+@pytest.fixture(scope="module")
+def both_lora(wan22, tmp_path_factory, one_thread_module) -> Path:
+    """3 steps (``SIDES``) of both experts with LoRA (rank 4, lr 1e-2), a checkpoint after steps 2 and 3."""
+    run = tmp_path_factory.mktemp("wan22_both_lora") / "run"
+    assert cli.main(_argv(wan22, run, "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2", "--ckpt_every", "2",
+                          "--keep_last", "2")) == 0
+    return run
 
-    run, out = tmp_path / "run", tmp_path / "lora"
-    assert cli.main(_argv(wan22, run, "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2")) == 0
-    assert cli.main(["export", "--ckpt", str(run), "--format", "lora", "--out", str(out)]) == 0
+
+def test_both_experts_resume_equals_the_uninterrupted_run(wan22, both_lora, tmp_path):
+    """Resumed from the LoRA run's step-2 checkpoint (the high-noise expert not yet stepped: no optimizer state of
+    it there) into a new folder, to step 3 (a high-noise step): its loss and the last adapters and their EMA equal
+    the uninterrupted run's, exactly."""
     from ditforge.weights.finetuned import load_finetuned
     from ditforge.weights.read import load_weights
 
-    _, ours, _ = load_finetuned(*load_weights(run, use_ema=True), torch.device("cpu"))
+    run = tmp_path / "run"
+    assert cli.main(_argv(wan22, run, "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2", "--resume",
+                          str(both_lora / "checkpoints" / "step-0000002"))) == 0
+    assert [r["loss"] for r in read_metrics(run / "metrics.jsonl")] == [
+        r["loss"] for r in read_metrics(both_lora / "metrics.jsonl")][2:]
+    _, denoiser, _ = load_finetuned(*load_weights(both_lora), torch.device("cpu"))
+    like = {n: p.detach() for n, p in denoiser.named_parameters() if p.requires_grad}  # the adapters of both
+    assert {n.split(".")[0] for n in like} == {"transformer", "transformer_2"}
+    for use_ema in (False, True):
+        resumed, whole = _weights(run, like, use_ema), _weights(both_lora, like, use_ema)
+        assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+def test_both_experts_lora_files_load_into_both_transformers(wan22, both_lora, tmp_path):
+    """``--format lora`` of the LoRA run of both: ``OUT/high_noise`` loads into ``transformer`` and
+    ``OUT/low_noise`` into ``transformer_2`` (``load_into_transformer_2``); each then gives its ditforge LoRA
+    expert's output within 1e-5 of the largest magnitude, and differs from the folder's expert (both trained)."""
+    import diffusers
+
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    out = tmp_path / "lora"
+    assert cli.main(["export", "--ckpt", str(both_lora), "--format", "lora", "--out", str(out)]) == 0
+    _, ours, _ = load_finetuned(*load_weights(both_lora, use_ema=True), torch.device("cpu"))
     pipe = diffusers.WanPipeline.from_pretrained(str(wan22), local_files_only=True)
     g = torch.Generator().manual_seed(99)
     x, t, states = torch.randn(2, 16, 2, 2, 2, generator=g), torch.rand(2, generator=g) * 1000, torch.randn(
@@ -332,13 +345,13 @@ def test_both_experts_lora_files_load_into_both_transformers(wan22, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the idle expert is offloaded from a GPU")
 def test_both_experts_offloaded_is_the_same_run(wan22, tmp_path, caplog):
     """On a GPU, a bf16 LoRA run of both under --gpu_memory_budget (the idle expert's frozen base in host memory,
-    three switches over the 4 steps) logs the losses and saves the weights of the same run without a budget (both
+    two switches over the 3 steps of ``SIDES``) logs the losses and saves the weights of the same run without a budget (both
     experts on the GPU), exactly."""
     runs = {}
     for name, extra in (("resident", []), ("offloaded", ["--gpu_memory_budget", "8GiB"])):
         runs[name] = tmp_path / name
         with caplog.at_level("INFO"):
-            assert cli.main(_argv(wan22, runs[name], "--max_steps", "4", "--lora_rank", "4", "--lr", "1e-2",
+            assert cli.main(_argv(wan22, runs[name], "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2",
                                   "--device", "cuda", "--mixed_precision", "bf16", *extra)) == 0
         assert ("frozen weights wait in host memory" in caplog.text) == (name == "offloaded")
         caplog.clear()
