@@ -238,7 +238,8 @@ def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str
     """A fine-tuned pipeline run in ComfyUI's single-file layout: the original release's parameter names (the
     family adapter's ``original_layouts``, ``weights.original``), one safetensors file written atomically (the run
     config in its metadata). A run of one expert of a two-expert pipeline writes ``OUT_STEM_<expert>.safetensors``
-    (``..._high_noise``, ``..._low_noise``), so that the files of the two say which is which.
+    (``..._high_noise``, ``..._low_noise``), so that the files of the two say which is which; a run of both writes
+    both files.
 
     * A LoRA run: ``diffusion_model.<original module>.lora_A.weight`` (r x in), ``.lora_B.weight`` (out x r) and
       ``.alpha`` (a 0-d float32, the run's ``--lora_alpha``, so that ComfyUI's scale alpha / rank is peft's), the
@@ -254,7 +255,7 @@ def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str
       converter does not strip the prefix; its adapter's docstring says which).
 
     Returns:
-        The file written.
+        The file written (the last: the low-noise one of a run of both).
 
     Raises:
         UserError: a family without an original layout (the message names the families that have one); the errors
@@ -268,18 +269,21 @@ def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str
         raise UserError(f"--format comfyui: no original layout is known for a {family} pipeline (known for: "
                         f"{', '.join(known)}); export --format diffusers or lora")
     pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema)
-    model = denoiser.inner
     m = cfg.model
-    if m.lora_rank:
-        rows = {k.replace(".base_layer.", "."): v.shape[0] for k, v in model.state_dict().items() if v.ndim}
-        tensors = {f"diffusion_model.{k}": v.float() for k, v in lora_to_original(
-            lora_state_dict(model), layout, m.lora_alpha if m.lora_alpha is not None else m.lora_rank, rows).items()}
-    else:
-        tensors = {k: v.to(torch.bfloat16) for k, v in to_original(model.state_dict(), layout).items()}
-    path = Path(out)
-    if m.expert:
-        path = path.with_name(f"{path.stem}_{m.expert}{path.suffix}")
-    export_safetensors(tensors, config, path)
-    log.info("wrote %s of the %s run in the original layout (%s) to %s", "the LoRA" if m.lora_rank else "the weights",
-             family, layout.name, path)
+    # (expert, model): the run's one denoiser, or each of two experts trained in one run (--expert both)
+    experts = zip(EXPERTS[:2], denoiser.expert_models()) if m.expert == "both" else [(m.expert, denoiser.inner)]
+    for expert, model in experts:
+        if m.lora_rank:
+            rows = {k.replace(".base_layer.", "."): v.shape[0] for k, v in model.state_dict().items() if v.ndim}
+            tensors = {f"diffusion_model.{k}": v.float() for k, v in lora_to_original(
+                lora_state_dict(model), layout, m.lora_alpha if m.lora_alpha is not None else m.lora_rank,
+                rows).items()}
+        else:
+            tensors = {k: v.to(torch.bfloat16) for k, v in to_original(model.state_dict(), layout).items()}
+        path = Path(out)
+        if expert:
+            path = path.with_name(f"{path.stem}_{expert}{path.suffix}")
+        export_safetensors(tensors, config, path)
+        log.info("wrote %s of the %s run in the original layout (%s) to %s",
+                 "the LoRA" if m.lora_rank else "the weights", family, layout.name, path)
     return path

@@ -192,9 +192,10 @@ def test_comfyui_export_names_each_expert(wan22, runs, tmp_path):
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], v.to(torch.bfloat16)) for k, v in expected.items())
 
+
 def test_expert_errors(wan22, tmp_path, capsys):
-    """One line, exit 2: --expert both with a setting it does not run with yet (--blocks_to_swap); --expert for a
-    Wan 2.1 folder (one transformer)."""
+    """One line, exit 2: --expert both (the default of a two-expert folder) with a setting it does not run with yet
+    (--cpu_offload optimizer), naming the one-expert way; --expert for a Wan 2.1 folder (one transformer)."""
     assert_one_line_error(capsys, _argv(wan22, tmp_path / "r", "--max_steps", "1", "--cpu_offload", "optimizer"),
                           "--expert both", "--cpu_offload optimizer", "--expert high_noise")
     one = tmp_path / "wan21"
@@ -338,9 +339,11 @@ def test_both_experts_resume_equals_the_uninterrupted_run(wan22, both_lora, tmp_
 
 
 def test_both_experts_lora_files_load_into_both_transformers(wan22, both_lora, tmp_path):
-    """``--format lora`` of the LoRA run of both: ``OUT/high_noise`` loads into ``transformer`` and
-    ``OUT/low_noise`` into ``transformer_2`` (``load_into_transformer_2``); each then gives its ditforge LoRA
-    expert's output within 1e-5 of the largest magnitude, and differs from the folder's expert (both trained)."""
+    """The LoRA run of both, exported twice: ``--format lora`` (``OUT/high_noise`` loaded into ``transformer``,
+    ``OUT/low_noise`` into ``transformer_2`` with ``load_into_transformer_2``) and ``--format comfyui`` (``wan22_
+    high_noise.safetensors`` and ``wan22_low_noise.safetensors``, through diffusers' non-diffusers converter). Each
+    pipeline's transformers then give the ditforge LoRA experts' outputs within 1e-5 of the largest magnitude, and
+    differ from the folder's experts (both trained)."""
     import diffusers
 
     from ditforge.weights.finetuned import load_finetuned
@@ -348,23 +351,28 @@ def test_both_experts_lora_files_load_into_both_transformers(wan22, both_lora, t
 
     out = tmp_path / "lora"
     assert cli.main(["export", "--ckpt", str(both_lora), "--format", "lora", "--out", str(out)]) == 0
+    assert cli.main(["export", "--ckpt", str(both_lora), "--format", "comfyui", "--out",
+                     str(tmp_path / "wan22.safetensors")]) == 0
     _, ours, _ = load_finetuned(*load_weights(both_lora, use_ema=True), torch.device("cpu"))
-    pipe = diffusers.WanPipeline.from_pretrained(str(wan22), local_files_only=True)
     g = torch.Generator().manual_seed(99)
     x, t, states = torch.randn(2, 16, 2, 2, 2, generator=g), torch.rand(2, generator=g) * 1000, torch.randn(
         2, 512, 32, generator=g)
-    with torch.no_grad():
-        before = [m(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
-                  for m in (pipe.transformer, pipe.transformer_2)]
-    pipe.load_lora_weights(str(out / "high_noise"))
-    pipe.load_lora_weights(str(out / "low_noise"), load_into_transformer_2=True)
-    with torch.no_grad():
-        for expert, (model, base) in enumerate(zip((pipe.transformer, pipe.transformer_2), before)):
-            ours.expert = expert
-            mine = ours.denoise(x, t, states)
-            theirs = model(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
-            assert (theirs - mine).abs().max() <= 1e-5 * mine.abs().max()
-            assert (base - mine).abs().max() > 1e-3 * mine.abs().max()
+    files = {"lora": (out / "high_noise", out / "low_noise"),
+             "comfyui": (tmp_path / "wan22_high_noise.safetensors", tmp_path / "wan22_low_noise.safetensors")}
+    for high, low in files.values():
+        pipe = diffusers.WanPipeline.from_pretrained(str(wan22), local_files_only=True)
+        with torch.no_grad():
+            before = [m(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
+                      for m in (pipe.transformer, pipe.transformer_2)]
+        pipe.load_lora_weights(str(high))
+        pipe.load_lora_weights(str(low), load_into_transformer_2=True)
+        with torch.no_grad():
+            for expert, (model, base) in enumerate(zip((pipe.transformer, pipe.transformer_2), before)):
+                ours.expert = expert
+                mine = ours.denoise(x, t, states)
+                theirs = model(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
+                assert (theirs - mine).abs().max() <= 1e-5 * mine.abs().max()
+                assert (base - mine).abs().max() > 1e-3 * mine.abs().max()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the idle expert is offloaded from a GPU")
