@@ -200,8 +200,8 @@ def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Pat
     ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata; the text encoder's adapters too
     when it trained); a run of both experts, one such file each, ``OUT/high_noise/`` (``transformer``) and
     ``OUT/low_noise/`` (``transformer_2``, loaded with ``load_lora_weights(OUT / "low_noise",
-    load_into_transformer_2=True)``). The pipeline class must have a LoRA loader (``load_lora_weights``; ``export_pretrained``
-    refuses a class without one first)."""
+    load_into_transformer_2=True)``). The pipeline class must have a LoRA loader (``load_lora_weights``;
+    ``export_pretrained`` refuses a class without one first)."""
     import diffusers
 
     m = cfg.model

@@ -1,7 +1,7 @@
 """Both experts of a two-expert pipeline trained in one run (``--expert both``, the default for such a pipeline).
 
-The rule, one expert a step (musubi-tuner's with ``--dit_high_noise``; ai-toolkit switches its
-``DualWanTransformer3DModel`` every few steps instead): each step draws one time from the run's whole training-time
+The rule, one expert a step (musubi-tuner's, given both models; ai-toolkit's two-transformer wrapper switches
+every few steps instead): each step draws one time from the run's whole training-time
 density, on a host generator seeded by (seed, data position) alone, so the draw is the same on every rank and
 after a resume, and costs no device sync. The side of the pipeline's boundary it falls on (at and above: the first
 expert, below: the second) picks the expert the step trains, and the global batch's times are drawn from the density
@@ -69,7 +69,6 @@ class TwoExperts:
         self.device: torch.device | None = None
         self.host: dict[nn.Parameter, torch.Tensor] = {}  # frozen weights' host copies (they never change)
         self.active = 0
-        self.switches = 0
 
     def side(self, seed: int, position: int) -> int:
         """The expert of data position ``position``: 0 where one time drawn from ``full`` on the host generator of
@@ -89,42 +88,39 @@ class TwoExperts:
         self.offload, self.device = device.type != "cpu" and (budget is not None or weights > total / 2), device
         idle = set(self._frozen(1)) if self.offload else set()
         for p in self.denoiser.parameters():
-            if p not in idle:
-                p.data = p.data.to(device)
+            p.data = p.data.to("cpu" if p in idle else device)
         for b in self.denoiser.buffers():
             b.data = b.data.to(device)
         if self.offload:
-            self._park(1)  # any that were loaded on the device
             log.info("--expert both: the idle expert's %.2f GiB of frozen weights wait in host memory",
                      sum(p.numel() * p.element_size() for p in self._frozen(1)) / 2**30)
 
+    # Host copies are made in the loop only, after the build has cast the frozen weights (a bf16 base); from then on
+    # they never change, so a parked expert's weights are its host copy, with no copy back.
     def _park(self, index: int) -> None:
         for p in self._frozen(index):
             if p.device.type != "cpu":
-                if p not in self.host:  # copied once: frozen weights never change after the build
+                if p not in self.host:  # an expert on the device since the build: copied once
                     self.host[p] = self._pinned(p.data)
                 p.data = self.host[p]
 
     def _bring(self, index: int) -> None:
         for p in self._frozen(index):
             if p.device.type == "cpu":
-                if p not in self.host:
-                    self.host[p] = self._pinned(p.data)
+                self.host[p] = p.data if p.data.is_pinned() else self._pinned(p.data)
                 p.data = self.host[p].to(self.device, non_blocking=True)
 
     @staticmethod
     def _pinned(t: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
-        return host.copy_(t)
+        """A copy of ``t`` in host memory, page-locked (an asynchronous copy to the GPU)."""
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t)
 
     def activate(self, seed: int, position: int) -> Objective:
         """Data position ``position``'s expert made the one that runs (its frozen weights brought to the device,
         the other's parked, when offloading); returns its side's objective, which the step draws its times from."""
         side = self.side(seed, position)
-        if side != self.active:
-            self.switches += 1
-            if self.offload:
-                self._park(self.active)
-                self._bring(side)
+        if side != self.active and self.offload:
+            self._park(self.active)
+            self._bring(side)
         self.active = self.denoiser.expert = side
         return self.sides[side]

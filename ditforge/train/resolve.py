@@ -63,6 +63,7 @@ def resolve(run: Run) -> RunConfig:
         t.lr = 1e-2
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
+
     def objective(expert: str | None):
         # the family's part (an expert's side of the schedule, given frames, the sequence a dynamic shift follows)
         family = pre.denoiser.objective_args(pre.pipe, expert, m.num_frames, m.input_size) if pre is not None else {}

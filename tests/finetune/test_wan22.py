@@ -378,8 +378,8 @@ def test_both_experts_lora_files_load_into_both_transformers(wan22, both_lora, t
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the idle expert is offloaded from a GPU")
 def test_both_experts_offloaded_is_the_same_run(wan22, tmp_path, caplog):
     """On a GPU, a bf16 LoRA run of both under --gpu_memory_budget (the idle expert's frozen base in host memory,
-    two switches over the 3 steps of ``SIDES``) logs the losses and saves the weights of the same run without a budget (both
-    experts on the GPU), exactly."""
+    two switches over the 3 steps of ``SIDES``) logs the losses and saves the weights of the same run without a
+    budget (both experts on the GPU), exactly."""
     runs = {}
     for name, extra in (("resident", []), ("offloaded", ["--gpu_memory_budget", "8GiB"])):
         runs[name] = tmp_path / name

@@ -153,8 +153,9 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     fine-tuning refuses (the family's ``unsupported``). ``expert`` (Wan 2.2 A14B, ``config.sections.EXPERTS``): the
     denoiser wraps ``transformer`` (high_noise) or ``transformer_2`` (low_noise), and the other expert goes to
     ``other_expert_device`` (default: the denoiser's), frozen; ``both``, or None outside ``sampling``: the denoiser
-    wraps ``transformer`` and holds ``transformer_2`` beside it (``DiffusersDenoiser.add_expert``), both on
-    ``denoiser_device`` in ``denoiser_dtype``. The adapter's null condition (the empty prompt) is set.
+    wraps ``transformer`` and holds ``transformer_2`` beside it (``DiffusersDenoiser.add_expert``), both in
+    ``denoiser_dtype``, the second on ``other_expert_device`` when given (the build places it,
+    ``train.experts``). The adapter's null condition (the empty prompt) is set.
 
     Raises:
         UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); a load failure
