@@ -161,7 +161,7 @@ class Run:
     steps_per_epoch: int = 0
     max_steps: int = 0
     # objective, model and optimizer (resolve.resolve, build_model, build_ema_and_optimizer, trainer._resume)
-    diffusion: Objective | None = None
+    diffusion: Objective | None = None  # with two experts, the side's of the step in flight (experts.activate)
     experts: TwoExperts | None = None  # --expert both: the switch between a pipeline's two experts
     model: nn.Module | None = None
     adapters_only: bool = False  # LoRA: EMA and checkpoints hold the adapters alone
