@@ -111,8 +111,8 @@ class ModelConfig(_Freezable):
                                   "host memory; or both (the default for such a pipeline): each step draws one "
                                   "timestep, whose side picks the expert that trains on the whole global batch, with "
                                   "times drawn from that side; the idle expert's frozen weights wait in host memory "
-                                  "under --gpu_memory_budget or where both do not fit on the GPU (one process for "
-                                  "now)",
+                                  "under --gpu_memory_budget or where both do not fit on the GPU (plugin none or "
+                                  "ddp for now)",
                             choices=EXPERTS)
     train_text_encoder: bool = _f(False, "train the --init_from pipeline's text encoder too (Stable Diffusion 1.x / "
                                          "2.x; with --lora_rank, LoRA on its attention projections)")

@@ -33,15 +33,17 @@ log = logging.getLogger(__name__)
 EXPERT_STREAM = 6007  # the key that sets the side draws' seeds apart from every other stream's
 
 
-def refuse_unsupported(cfg, world_size: int) -> None:
+def refuse_unsupported(cfg) -> None:
     """The settings ``--expert both`` does not run with yet, one line each.
 
     Raises:
-        UserError: more than one process, CPU offload, the fused backward pass, block swap, or a trained text
-            encoder.
+        UserError: a plugin other than none or ddp, sequence or tensor parallelism, CPU offload, the fused backward
+            pass, block swap, or a trained text encoder.
     """
-    t, m = cfg.train, cfg.model
-    refused = [(world_size > 1, f"{world_size} processes (one process for now)"),
+    t, m, par = cfg.train, cfg.model, cfg.parallel
+    refused = [(par.plugin not in ("none", "ddp"), f"--plugin {par.plugin} (none or ddp for now)"),
+               (par.sequence_parallel_size > 1, f"--sequence_parallel_size {par.sequence_parallel_size}"),
+               (par.tensor_parallel > 1, f"--tensor_parallel {par.tensor_parallel}"),
                (t.cpu_offload != "none", f"--cpu_offload {t.cpu_offload}"),
                (t.fused_backward_pass, "--fused_backward_pass"), (bool(t.blocks_to_swap), "--blocks_to_swap"),
                (m.train_text_encoder, "--train_text_encoder")]

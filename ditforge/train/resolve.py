@@ -73,7 +73,7 @@ def resolve(run: Run) -> RunConfig:
 
     diffusion = objective(m.expert)
     if m.expert == "both":  # each step's side drawn from the whole range, its times from that side's
-        refuse_unsupported(cfg, d.world_size)
+        refuse_unsupported(cfg)
         run.experts = TwoExperts(pre.denoiser, diffusion, (objective("high_noise"), objective("low_noise")),
                                  pre.denoiser.expert_boundary(pre.pipe))
     m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
