@@ -83,7 +83,6 @@ VIDEO = ("--data", "clips", "--num_frames", "5", "--frame_interval", "2", "--ima
          "2", "--max_steps", "3", "--ckpt_every", "1000", "--class_dropout_prob", "0", "--lr", "1e-3")
 
 
-WAN22_SIZE = ("--image_size", "16")  # DDP splits no tokens: the smallest clips (2 latent frames of 2 x 2)
 COG_FRAMES = ("--num_frames", "9")  # CogVideoX's VAE takes 8k + 1 frames: 3 latent frames of 2 x 2 patches
 
 
@@ -130,7 +129,7 @@ def two_process_runs(setup, wan, hunyuan, ltx, cogvideox, wan22, tmp_path_factor
     argvs.append((root / "ltx_sp", ["--init_from", str(ltx), *VIDEO, "--sequence_parallel_size", "2"]))
     argvs.append((root / "cogvideox_sp", ["--init_from", str(cogvideox), *VIDEO, *COG_FRAMES,
                                           "--sequence_parallel_size", "2"]))
-    argvs.append((root / "wan22_both", ["--init_from", str(wan22), *VIDEO, *WAN22_SIZE, "--plugin", "ddp"]))
+    argvs.append((root / "wan22_both", ["--init_from", str(wan22), *VIDEO, "--plugin", "ddp"]))
     # one latent frame of 3 x 3 tokens at 48 px: 9 tokens, which 2 processes cannot halve
     argvs.append((root / "odd", ["--init_from", str(wan), *VIDEO, "--num_frames", "1", "--image_size", "48",
                                  "--sequence_parallel_size", "2"]))
@@ -227,7 +226,7 @@ def test_two_experts_under_ddp_equal_single_process(wan22, two_process_runs, tmp
 
     from dist_helpers import run_single
 
-    ref = run_single(tmp_path / "ref", "--init_from", str(wan22), *VIDEO, *WAN22_SIZE)
+    ref = run_single(tmp_path / "ref", "--init_from", str(wan22), *VIDEO)
     want = _assert_equal_runs(two_process_runs["wan22_both"], ref, [1, 2, 3])
     base = diffusers.WanPipeline.from_pretrained(str(wan22), local_files_only=True)
     for name in ("transformer", "transformer_2"):
