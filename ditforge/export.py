@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_dir, atomic_path
+from ditforge.config.sections import EXPERTS
 from ditforge.errors import UserError
 from ditforge.interop import PIPELINE_NULL_LABEL, SPEC_FILE, ddim_scheduler_config, official_to_diffusers
 from ditforge.models.adapters import DiffusersDenoiser, families
@@ -179,10 +180,10 @@ def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path
     encoder saved with their ``save_pretrained``, every other component copied untouched from the folder the run
     started from, so the family's pipeline class loads it offline. Written under a temporary name and renamed when
     complete."""
-    # the component the denoiser is: its own (transformer, unet) or, for a two-expert pipeline's second expert,
-    # transformer_2
-    component = next(name for name, module in pre.pipe.components.items() if module is denoiser.inner)
-    trained = {component: denoiser.inner}
+    # the components the denoiser trained: its own (transformer, unet) or, for a two-expert pipeline's second expert,
+    # transformer_2, or both experts
+    trained = {name: module for name, module in pre.pipe.components.items()
+               if any(module is model for model in denoiser.expert_models())}
     if denoiser.tokenize is not None:  # --train_text_encoder
         trained["text_encoder"] = denoiser.text_encoder
     with atomic_dir(out) as tmp:
@@ -197,8 +198,10 @@ def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path
 def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Path) -> Path:
     """The adapters as a diffusers LoRA file, ``OUT/pytorch_lora_weights.safetensors``, which the family's
     ``pipe.load_lora_weights(OUT)`` loads (with the rank and alpha in its metadata; the text encoder's adapters too
-    when it trained). The pipeline class must have a LoRA loader (``load_lora_weights``; ``export_pretrained``
-    refuses a class without one first)."""
+    when it trained); a run of both experts, one such file each, ``OUT/high_noise/`` (``transformer``) and
+    ``OUT/low_noise/`` (``transformer_2``, loaded with ``load_lora_weights(OUT / "low_noise",
+    load_into_transformer_2=True)``). The pipeline class must have a LoRA loader (``load_lora_weights``;
+    ``export_pretrained`` refuses a class without one first)."""
     import diffusers
 
     m = cfg.model
@@ -219,6 +222,11 @@ def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Pat
             cls.save_lora_weights(str(tmp), unet_lora_layers=convert_state_dict_to_diffusers(
                                       lora_state_dict(denoiser.inner)),
                                   unet_lora_adapter_metadata=metadata, safe_serialization=True, **extra)
+        elif len(experts := denoiser.expert_models()) == 2:  # both experts: a LoRA folder each
+            for name, model in zip(EXPERTS[:2], experts):  # high_noise, low_noise
+                (tmp / name).mkdir()
+                cls.save_lora_weights(str(tmp / name), transformer_lora_layers=lora_state_dict(model),
+                                      transformer_lora_adapter_metadata=metadata, safe_serialization=True)
         else:
             cls.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(denoiser.inner),
                                   transformer_lora_adapter_metadata=metadata, safe_serialization=True)
@@ -230,7 +238,8 @@ def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str
     """A fine-tuned pipeline run in ComfyUI's single-file layout: the original release's parameter names (the
     family adapter's ``original_layouts``, ``weights.original``), one safetensors file written atomically (the run
     config in its metadata). A run of one expert of a two-expert pipeline writes ``OUT_STEM_<expert>.safetensors``
-    (``..._high_noise``, ``..._low_noise``), so that the files of the two say which is which.
+    (``..._high_noise``, ``..._low_noise``), so that the files of the two say which is which; a run of both writes
+    both files.
 
     * A LoRA run: ``diffusion_model.<original module>.lora_A.weight`` (r x in), ``.lora_B.weight`` (out x r) and
       ``.alpha`` (a 0-d float32, the run's ``--lora_alpha``, so that ComfyUI's scale alpha / rank is peft's), the
@@ -246,7 +255,7 @@ def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str
       converter does not strip the prefix; its adapter's docstring says which).
 
     Returns:
-        The file written.
+        The file written (the last: the low-noise one of a run of both).
 
     Raises:
         UserError: a family without an original layout (the message names the families that have one); the errors
@@ -260,18 +269,21 @@ def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str
         raise UserError(f"--format comfyui: no original layout is known for a {family} pipeline (known for: "
                         f"{', '.join(known)}); export --format diffusers or lora")
     pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema)
-    model = denoiser.inner
     m = cfg.model
-    if m.lora_rank:
-        rows = {k.replace(".base_layer.", "."): v.shape[0] for k, v in model.state_dict().items() if v.ndim}
-        tensors = {f"diffusion_model.{k}": v.float() for k, v in lora_to_original(
-            lora_state_dict(model), layout, m.lora_alpha if m.lora_alpha is not None else m.lora_rank, rows).items()}
-    else:
-        tensors = {k: v.to(torch.bfloat16) for k, v in to_original(model.state_dict(), layout).items()}
-    path = Path(out)
-    if m.expert:
-        path = path.with_name(f"{path.stem}_{m.expert}{path.suffix}")
-    export_safetensors(tensors, config, path)
-    log.info("wrote %s of the %s run in the original layout (%s) to %s", "the LoRA" if m.lora_rank else "the weights",
-             family, layout.name, path)
+    # (expert, model): the run's one denoiser, or each of two experts trained in one run (--expert both)
+    experts = zip(EXPERTS[:2], denoiser.expert_models()) if m.expert == "both" else [(m.expert, denoiser.inner)]
+    for expert, model in experts:
+        if m.lora_rank:
+            rows = {k.replace(".base_layer.", "."): v.shape[0] for k, v in model.state_dict().items() if v.ndim}
+            tensors = {f"diffusion_model.{k}": v.float() for k, v in lora_to_original(
+                lora_state_dict(model), layout, m.lora_alpha if m.lora_alpha is not None else m.lora_rank,
+                rows).items()}
+        else:
+            tensors = {k: v.to(torch.bfloat16) for k, v in to_original(model.state_dict(), layout).items()}
+        path = Path(out)
+        if expert:
+            path = path.with_name(f"{path.stem}_{expert}{path.suffix}")
+        export_safetensors(tensors, config, path)
+        log.info("wrote %s of the %s run in the original layout (%s) to %s",
+                 "the LoRA" if m.lora_rank else "the weights", family, layout.name, path)
     return path

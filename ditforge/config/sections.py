@@ -27,7 +27,7 @@ SEQUENCE_PARALLEL_TYPES = ("auto", "ulysses", "ring", "fastseq", "fastseq_kv", "
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 OBJECTIVES = ("auto", "ddpm", "v", "flow")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform")
-EXPERTS = ("high_noise", "low_noise")  # a two-expert pipeline's transformer and transformer_2
+EXPERTS = ("high_noise", "low_noise", "both")  # a two-expert pipeline's transformer, transformer_2, or both
 RESIZE_MODES = ("center_crop", "letterbox")
 CAPTION_MISSING = ("skip", "filename")  # a folder of clips' media without a <stem>.txt
 REPORT_TO = ("auto", "tensorboard", "wandb", "all", "none")
@@ -108,8 +108,12 @@ class ModelConfig(_Freezable):
                                         "hold the clean frame's latents")
     expert: str | None = _f(None, "a pipeline of two experts: the one to fine-tune, high_noise (transformer: "
                                   "timesteps at and above its boundary ratio x 1000) or low_noise (transformer_2: "
-                                  "those below); its training times are drawn from its range alone. The other expert stays "
-                                  "frozen in host memory and joins it for ditforge sample and export",
+                                  "those below), its training times drawn from its range alone, the other frozen in "
+                                  "host memory; or both (the default for such a pipeline): each step draws one "
+                                  "timestep, whose side picks the expert that trains on the whole global batch, with "
+                                  "times drawn from that side; the idle expert's frozen weights wait in host memory "
+                                  "under --gpu_memory_budget or where both do not fit on the GPU (plugin none or "
+                                  "ddp for now)",
                             choices=EXPERTS)
     train_text_encoder: bool = _f(False, "train the --init_from pipeline's text encoder too (Stable Diffusion 1.x / "
                                          "2.x; with --lora_rank, LoRA on its attention projections)")

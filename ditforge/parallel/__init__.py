@@ -357,8 +357,16 @@ def _apply_compile(model: nn.Module, blocks: list[nn.Module], mode: str | None, 
 
 
 def _apply_ddp(model: nn.Module, dist: Dist, reduce_dtype: torch.dtype) -> DistributedDataParallel:
-    """DDP around ``model``; bf16 ``reduce_dtype`` compresses the gradients' all-reduce."""
-    ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+    """DDP around ``model``; bf16 ``reduce_dtype`` compresses the gradients' all-reduce. A model of two experts
+    trained one a step (``expert_models``, ``train.experts``): the idle expert's parameters get no gradient (found
+    unused each step), and the frozen weights, the same on every process and perhaps waiting in host memory, are
+    left out of DDP."""
+    two = len(model.expert_models()) > 1 if hasattr(model, "expert_models") else False
+    if two:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [name for name, p in model.named_parameters() if not p.requires_grad])
+    ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+                                  find_unused_parameters=two)
     if reduce_dtype == torch.bfloat16:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 

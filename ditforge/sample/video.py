@@ -114,8 +114,10 @@ class VideoSampler:
         pipe = pre.pipe
         # a pipeline of two experts: the first (``transformer``) runs the steps at t >= the adapter's
         # expert_boundary x 1000, the second (``transformer_2``) the rest (the family's pipeline __call__)
-        # (the denoiser is one of them: the one a fine-tuned run of such a pipeline trained, --expert)
-        self.experts = [denoiser if denoiser.inner is model else _wrap(denoiser, model, pipe)
+        # (the denoiser is one of them: the one a fine-tuned run of such a pipeline trained, --expert; a run of both
+        # holds both, each then behind an adapter of its own, prepared once)
+        one = len(denoiser.expert_models()) == 1
+        self.experts = [denoiser if one and denoiser.inner is model else _wrap(denoiser, model, pipe)
                         for model in (pipe.transformer, getattr(pipe, "transformer_2", None)) if model is not None]
         ratio = denoiser.expert_boundary(pipe) if len(self.experts) > 1 else None
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps

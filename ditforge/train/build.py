@@ -45,6 +45,7 @@ from ditforge.optim.placement import cap_gpu_memory
 from ditforge.parallel.mesh import Dist
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
+from ditforge.train.experts import TwoExperts
 from ditforge.train.mixed import check_bucket_tokens
 from ditforge.train.guard import LossSpikeGuard, NonfiniteGuard, claim_run_folder, disk_errors
 from ditforge.train.logging import MetricsLog, Tracker
@@ -171,10 +172,11 @@ class Run:
     steps_per_epoch: int = 0
     max_steps: int = 0
     # objective, model and optimizer (resolve.resolve, build_model, build_ema_and_optimizer, trainer._resume)
-    diffusion: Objective | None = None
-    # a pipeline's bucketed run: the objective of each bucket's latent (frames, height, width); a dynamic shift
-    # follows the sequence length
-    objectives: dict[tuple[int, ...], Objective] | None = None
+    diffusion: Objective | None = None  # with two experts, the side's of the step in flight (experts.activate)
+    experts: TwoExperts | None = None  # --expert both: the switch between a pipeline's two experts
+    # a pipeline's bucketed run: the objective of each (expert side or None, bucket's latent (frames, height,
+    # width)); a dynamic shift follows the sequence length
+    objectives: dict[tuple[int | None, tuple[int, ...]], Objective] | None = None
     model: nn.Module | None = None
     adapters_only: bool = False  # LoRA: EMA and checkpoints hold the adapters alone
     ema: EMA | None = None
@@ -203,9 +205,11 @@ class Run:
     validation: list | None = None  # --validation_prompts: the file's samples (trainer.train), fitted (resolve)
 
     def objective_of(self, x: torch.Tensor | list) -> Objective:
-        """The objective of latents ``x`` (B, C, T', h, w): their bucket's in a pipeline's bucketed run, else
-        ``diffusion``."""
-        return self.diffusion if self.objectives is None else self.objectives[tuple(x.shape[2:])]
+        """The objective of latents ``x`` (B, C, T', h, w): their bucket's (and the active expert's side) in a
+        pipeline's bucketed run, else ``diffusion``."""
+        if self.objectives is None:
+            return self.diffusion
+        return self.objectives[(self.experts.active if self.experts is not None else None, tuple(x.shape[2:]))]
 
     def settled(self) -> RunConfig:
         """The config as the phases so far found it: a copy with ``found`` written in, for a phase that reads what
@@ -406,7 +410,11 @@ def build_model(run: Run) -> None:
     adapt(run, model, pre.pipe.text_encoder if pre is not None else None)
     if m.fp8_base:
         finetune.store_base_in_fp8(model, amp_dtype, plugin)
-    (model if skeleton is not None else model.to(home)).train()
+    if run.experts is not None:  # the idle expert's frozen weights may stay in host memory
+        run.experts.place(home, run.budget)
+    elif skeleton is None:
+        model.to(home)
+    model.train()
     for p in model.parameters():  # what is not bf16 yet (a LoRA's base built here; the budget's choice)
         if (run.half_base and not p.requires_grad and p.element_size() > 1) or (
                 p.requires_grad and t.master_weights != "fp32"):

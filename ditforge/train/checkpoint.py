@@ -32,6 +32,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -391,6 +392,7 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
     """
     meta = read_meta(ckpt)
     state = _own_state(model, optimizer, ema, adapters_only)
+    dropped = _keep_saved_states(state["optimizer"], ckpt)
     saved, moved = checkpoint_layout(state)
     try:
         dcp.load(saved, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(),
@@ -400,8 +402,22 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
     restore_from(moved)  # the fused projections' canonical rows back into the blocked tensors of ``state``
     options = StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
     set_model_state_dict(model, state["model"], options=options)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                             options=replace(options, strict=False) if dropped else options)
     return meta
+
+
+def _keep_saved_states(optimizer_state: dict, ckpt: Path) -> bool:
+    """Drop from ``optimizer_state`` (``get_optimizer_state_dict``'s, which initialises every parameter's state) the
+    parameters whose state ``ckpt`` does not hold: those that had never stepped when it was saved (an expert of two
+    that no step had drawn yet, ``train.experts``). Loaded without them, they start from no state, as they do in the
+    uninterrupted run. DCP keys are ``optimizer.state.<parameter>.<state name>``. Returns whether any was dropped."""
+    keys = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    saved = {k.rsplit(".", 1)[0] for k in keys if k.startswith("optimizer.state.")}
+    unsaved = [n for n in optimizer_state["state"] if f"optimizer.state.{n}" not in saved]
+    for name in unsaved:
+        del optimizer_state["state"][name]
+    return bool(unsaved)
 
 
 def find_resume(resume: str | None, outputs: str | None) -> tuple[Path | None, str | None]:

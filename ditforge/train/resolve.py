@@ -31,6 +31,7 @@ from ditforge.optim.placement import plan_placement
 from ditforge.train import finetune
 from ditforge.weights.lora import lora_targets
 from ditforge.train.build import Run, adapt, create_run_model, dit_dtype, sharded_on_meta
+from ditforge.train.experts import TwoExperts, refuse_unsupported
 from ditforge.train.validation import fit_samples
 
 log = logging.getLogger(__name__)
@@ -40,24 +41,29 @@ def resolve(run: Run) -> RunConfig:
     """The run's settings resolved and written into ``run.cfg``, the one place they are written, once the run folder,
     the pretrained pipeline and the data set are open (``build.open_run``, ``load_init``, ``build_data``) and before the
     model and optimizer are built: first what those phases found (``run.found``: the run folder, the plugin, a features
-    folder's pipeline, DiT weights' model settings, the default model, the data's and encoders' shapes), then no
-    periodic grid for one expert of two, the ``--validation_prompts`` samples fitted to the run
-    (``validation.fit_samples``), the flips, the shard streams and loader workers, the class count, the learning rate's
-    default (by the model and the optimizer asked, before a memory budget may change the optimizer), the objective
-    (which a diffusers family's scheduler config decides; the config records its kind and shift, ``run.diffusion`` holds
-    it), the LoRA targets and the memory budget's choices (``settle_budget``). Returns ``run.cfg``.
+    folder's pipeline, DiT weights' model settings, the default model, the data's and encoders' shapes), then both
+    experts of a two-expert pipeline unless ``--expert`` names one, and their switch (``run.experts``), no periodic
+    grid for a two-expert pipeline, the ``--validation_prompts`` samples fitted to the run (``validation.fit_samples``),
+    the flips, the shard streams and loader workers, the class count, the learning rate's default (by the model and
+    the optimizer asked, before a memory budget may change the optimizer), the objective (which a diffusers family's
+    scheduler config decides; the config records its kind and shift, ``run.diffusion`` holds it; a bucketed run's
+    per bucket and side, ``run.objectives``), the LoRA targets and the memory budget's choices (``settle_budget``).
+    Returns ``run.cfg``.
 
     Raises:
-        UserError: ``fit_samples``'s; ``--random_flip`` for an image-to-video pipeline, class conditioning on data
-            without labels, ``--num_classes`` below the data's, an objective the pipeline's scheduler does not give, or
-            a memory budget nothing fits (``plan_placement``).
+        UserError: ``fit_samples``'s; ``--expert both`` with a setting it does not run with
+            (``experts.refuse_unsupported``), ``--random_flip`` for an image-to-video pipeline, class conditioning on
+            data without labels, ``--num_classes`` below the data's, an objective the pipeline's scheduler does not
+            give, or a memory budget nothing fits (``plan_placement``).
     """
     cfg, d, pre, dataset = run.cfg, run.d, run.pre, run.dataset
     t, m = cfg.train, cfg.model
     assign(cfg, run.found)
+    if pre is not None and m.expert is None and len(pre.denoiser.expert_models()) == 2:
+        m.expert = "both"  # a pipeline of two experts trains both (train/experts.py)
     if pre is not None and m.expert is not None and t.sample_every and not run.validation:
-        # the grid's second denoiser would need both experts; validation samples bring the other one in
-        log.info("--expert %s: no periodic grid (the other expert stays in host memory); give "
+        # the grid's pipeline call takes one expert; validation samples bring the other one in
+        log.info("--expert %s: no periodic grid (the grid's pipeline call takes one expert); give "
                  "--validation_prompts FILE, or draw them with ditforge sample --ckpt RUN", m.expert)
         t.sample_every = 0
     if run.validation:
@@ -78,16 +84,23 @@ def resolve(run: Run) -> RunConfig:
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
 
-    def objective(frames: int, height: int, width: int):
+    def objective(expert: str | None, frames: int, height: int, width: int):
         # the family's part (an expert's side of the schedule, given frames, the sequence a dynamic shift follows)
-        family = pre.denoiser.objective_args(pre.pipe, m.expert, frames, height, width) if pre is not None else {}
+        family = pre.denoiser.objective_args(pre.pipe, expert, frames, height, width) if pre is not None else {}
         return create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
                                 where=f"--init_from {m.init_from}", device=run.d.device, **family)
 
-    diffusion = objective(m.num_frames, m.input_size, m.input_size)
-    if pre is not None and run.bucketed is not None:  # each bucket's latents: its own sequence length
-        run.objectives = {shape: objective(*shape) for shape in bucket_latent_shapes(run)}
+    square = (m.num_frames, m.input_size, m.input_size)
+    diffusion = objective(m.expert, *square)
+    sides = ("high_noise", "low_noise") if m.expert == "both" else (m.expert,)
+    if m.expert == "both":  # each step's side drawn from the whole range, its times from that side's
+        refuse_unsupported(cfg)
+        run.experts = TwoExperts(pre.denoiser, diffusion, tuple(objective(side, *square) for side in sides),
+                                 pre.denoiser.expert_boundary(pre.pipe))
+    if pre is not None and run.bucketed is not None:  # each bucket's latents (and side): its own sequence length
+        run.objectives = {(k if run.experts is not None else None, shape): objective(side, *shape)
+                          for k, side in enumerate(sides) for shape in bucket_latent_shapes(run)}
     m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
     if m.objective == "flow":
         m.flow_shift = diffusion.shift
@@ -159,8 +172,9 @@ def settle_budget(run: Run) -> None:
     given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
     choice = plan_placement(run.budget, *state_counts(model, run.half_base), t.ema_decay != 0, given,
                             run.amp_dtype == torch.bfloat16, lowmem=plugin in ("none", "ddp"),
-                            fused_ok=plugin == "none",
-                            offload_ok=t.fused_optimizer == "auto" and on_gpu_with_triton(d.device))
+                            fused_ok=plugin == "none" and run.experts is None,  # neither with two experts
+                            offload_ok=(t.fused_optimizer == "auto" and on_gpu_with_triton(d.device)
+                                        and run.experts is None))  # (train/experts.py: its optimizer steps one side)
     if choice != given and d.is_main:
         log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
                  t.gpu_memory_budget, *choice[:2], " --fused_backward_pass" if choice[2] else "", choice[3])

@@ -198,6 +198,8 @@ def _loop(run: Run) -> int:
             waited = time.perf_counter()
             batch = as_batch(next(batches))
             window.data_wait += time.perf_counter() - waited
+            if run.experts is not None:  # this step's expert, and the objective of its side
+                run.diffusion = run.experts.activate(t.seed, step + run.data_offset)
             micro, rows, samples = make_micro_batches(run, batch, step + run.data_offset)
             set_lr(run.optimizer, learning_rate(run.cfg, step))
             if run.ema_in_step:

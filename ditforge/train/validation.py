@@ -38,13 +38,12 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_path
-from ditforge.config.sections import EXPERTS
 from ditforge.data.captions import slug
 from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.errors import UserError
 from ditforge.models.adapters import call_default
-from ditforge.models.adapters.pipeline import expert_component, generate_with_pipeline
+from ditforge.models.adapters.pipeline import generate_with_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -283,13 +282,20 @@ def _write(pixels: torch.Tensor, stem: Path, fps: int) -> Path:
 
 @contextlib.contextmanager
 def _other_expert_on(run):
-    """A two-expert pipeline trained one expert a run (``--expert``): the other, kept in host memory in bf16, on the
-    run's device in the compute dtype for the block, then back."""
-    pre, expert = run.pre, run.cfg.model.expert
-    if pre is None or expert is None:
+    """A two-expert pipeline's expert that the step in flight does not run, on the run's device for the block,
+    then back: of a run of one expert (``--expert``), the other, kept in host memory in bf16, in the compute dtype;
+    of a run of both (``run.experts``), the idle one's frozen weights where they wait in host memory."""
+    if run.experts is not None:
+        with run.experts.both_on():
+            yield
+        return
+    pre = run.pre
+    slots = (pre.denoiser.component, f"{pre.denoiser.component}_2") if pre is not None else ()
+    other = next((getattr(pre.pipe, name) for name in slots if name not in pre.denoiser.pipeline_slots
+                  and getattr(pre.pipe, name, None) is not None), None)
+    if other is None:
         yield
         return
-    other = getattr(pre.pipe, expert_component(pre.denoiser.component, next(e for e in EXPERTS if e != expert)))
     dtype = run.amp_dtype if run.amp_dtype != torch.float32 else next(pre.denoiser.inner.parameters()).dtype
     other.to(run.d.device, dtype)
     try:

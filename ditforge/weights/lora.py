@@ -109,9 +109,11 @@ def add_lora_to_denoiser(model: nn.Module, cfg) -> None:
     """LoRA (``add_lora``) on the run's denoiser with the run's ``--lora_rank``, ``--lora_alpha`` and
     ``--lora_target_modules`` (default: the family's ``default_lora_targets``; ``qkv``, ``proj`` for a DiT, its
     attention projections; a DiT's label table trains whole beside them, as peft's ``modules_to_save``): the
-    targets ``lora_targets`` gives, which a training run's resolution records in its config."""
+    targets ``lora_targets`` gives, which a training run's resolution records in its config. A denoiser of two
+    experts (``add_expert``) gets adapters in both, the first's drawn first."""
     m = cfg.model
-    add_lora(getattr(model, "inner", model), m.lora_rank, m.lora_alpha, lora_targets(model, cfg).split(","))
+    for inner in model.expert_models() if hasattr(model, "expert_models") else [model]:
+        add_lora(inner, m.lora_rank, m.lora_alpha, lora_targets(model, cfg).split(","))
     label_table = getattr(getattr(model, "y_embedder", None), "embedding_table", None)
     if label_table is not None:  # a DiT's class table trains too: new classes have fresh rows (resize_label_table)
         label_table.requires_grad_(True)

@@ -2,7 +2,8 @@
 fine-tuning) and FSDP with LoRA on 2 gloo processes, a tiny SD pipeline on captioned images (the adapter's
 repeated blocks are what ``fully_shard`` wraps); tiny Wan 2.1, HunyuanVideo and LTX-Video pipelines on the built-in
 clips with their tokens split over the 2 processes (``--sequence_parallel_size 2``: context parallelism, Ulysses
-over their heads, ``parallel.context``). Tolerances: ``dist_helpers``."""
+over their heads, ``parallel.context``); a tiny Wan 2.2 A14B pipeline's two experts in one run under DDP.
+Tolerances: ``dist_helpers``."""
 
 from __future__ import annotations
 
@@ -106,9 +107,15 @@ def cogvideox(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(setup, wan, hunyuan, ltx, cogvideox, tmp_path_factory):
+def wan22(tmp_path_factory) -> Path:
+    return _tiny_pipelines().make_wan22(tmp_path_factory.mktemp("wan22") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(setup, wan, hunyuan, ltx, cogvideox, wan22, tmp_path_factory):
     """The run folder of every case of ``CASES``, then of the Wan, HunyuanVideo, LTX-Video and CogVideoX runs with
-    their tokens split (keys ``"wan_sp"``, ``"hunyuan_sp"``, ``"ltx_sp"``, ``"cogvideox_sp"``), and the stderr of a
+    their tokens split (keys ``"wan_sp"``, ``"hunyuan_sp"``, ``"ltx_sp"``, ``"cogvideox_sp"``), of a DDP run of
+    Wan 2.2 A14B's two experts (``"wan22_both"``), and the stderr of a
     Wan run whose token count 2 processes cannot halve (``"odd"``), all made by one launch of 2 processes that runs
     the command lines in turn (``torchrun_cli_many``)."""
     from dist_helpers import COMMON, torchrun_cli_many
@@ -122,12 +129,13 @@ def two_process_runs(setup, wan, hunyuan, ltx, cogvideox, tmp_path_factory):
     argvs.append((root / "ltx_sp", ["--init_from", str(ltx), *VIDEO, "--sequence_parallel_size", "2"]))
     argvs.append((root / "cogvideox_sp", ["--init_from", str(cogvideox), *VIDEO, *COG_FRAMES,
                                           "--sequence_parallel_size", "2"]))
+    argvs.append((root / "wan22_both", ["--init_from", str(wan22), *VIDEO, "--plugin", "ddp"]))
     # one latent frame of 3 x 3 tokens at 48 px: 9 tokens, which 2 processes cannot halve
     argvs.append((root / "odd", ["--init_from", str(wan), *VIDEO, "--num_frames", "1", "--image_size", "48",
                                  "--sequence_parallel_size", "2"]))
     err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
                             fails=(len(argvs) - 1,))
-    names = [*CASES, "wan_sp", "hunyuan_sp", "ltx_sp", "cogvideox_sp"]
+    names = [*CASES, "wan_sp", "hunyuan_sp", "ltx_sp", "cogvideox_sp", "wan22_both"]
     return dict(zip(names, [out for out, _ in argvs])) | {"odd": err[-1]}
 
 
@@ -207,3 +215,21 @@ def test_video_tokens_split_by_ditforges_plans_equal_single_process(family, huny
              "cogvideox": diffusers.CogVideoXTransformer3DModel}[family]
     base = model.from_pretrained(str(folder), subfolder="transformer").state_dict()
     assert _moved(want, base, "transformer") > 20 * WEIGHT_ATOL
+
+
+def test_two_experts_under_ddp_equal_single_process(wan22, two_process_runs, tmp_path):
+    """Both experts of Wan 2.2 A14B in one run under DDP (one sample a process; each step's expert drawn from
+    (seed, step) alike on both, the idle expert's parameters found unused, the frozen weights outside DDP) equals
+    one plain process: the losses and gradient norms of 3 steps (the sides low, low, high) and both experts' weights
+    after them; each expert moved."""
+    import diffusers
+
+    from dist_helpers import run_single
+
+    ref = run_single(tmp_path / "ref", "--init_from", str(wan22), *VIDEO)
+    want = _assert_equal_runs(two_process_runs["wan22_both"], ref, [1, 2, 3])
+    base = diffusers.WanPipeline.from_pretrained(str(wan22), local_files_only=True)
+    for name in ("transformer", "transformer_2"):
+        moved = _moved({k: v for k, v in want.items() if k.startswith(f"{name}.")},
+                       getattr(base, name).state_dict(), name)
+        assert moved > 20 * WEIGHT_ATOL, (name, moved)

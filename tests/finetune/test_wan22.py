@@ -9,6 +9,7 @@ high-noise expert brought in from host memory."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -44,9 +45,10 @@ def runs(wan22, tmp_path_factory, one_thread_module) -> dict[str, Path]:
     return {expert: root / expert for expert in RUNS}
 
 
-def _reference_first_loss(folder: Path, expert: str) -> float:
-    """Step 0's loss of ``expert``: the clips and captions of the first batch as ``test_wan._reference_first_loss``
-    encodes them; the draws from ``derive_seed(0, 0)`` in ditforge's order (noise, then one uniform v per sample for
+def _reference_first_loss(folder: Path, expert: str, position: int = 0) -> float:
+    """Step 0's loss of ``expert`` (of data position ``position``: its batch, and the draws of ``derive_seed(0,
+    position)``): the clips and captions of the first batch as ``test_wan._reference_first_loss``
+    encodes them; the draws in ditforge's order (noise, then one uniform v per sample for
     the time, drop, flip, posterior eps); the time sigma = shift u / (1 + (shift - 1) u) with u = sigmoid(n), n the
     standard normal's quantile at the v-th fraction between the probabilities of the expert's bounds (sigma from
     boundary_ratio to 1 for high_noise, 0 to boundary_ratio for low_noise), so sigma follows the shifted
@@ -56,12 +58,12 @@ def _reference_first_loss(folder: Path, expert: str) -> float:
     pipe = diffusers.WanPipeline.from_pretrained(str(folder), local_files_only=True)
     shift, boundary = float(pipe.scheduler.config.flow_shift), float(pipe.config.boundary_ratio)
     ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
-    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
+    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(position).tolist()
     pixels = torch.stack([ds[i]["video"] for i in idx])
     normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     with torch.no_grad():
         post = pipe.vae.encode(pixels).latent_dist
-        g = torch.Generator().manual_seed(derive_seed(0, 0))
+        g = torch.Generator().manual_seed(derive_seed(0, position))
         shape = tuple(post.mean.shape[1:])
         noise = torch.randn((BATCH, *shape), generator=g)
         v = torch.rand(BATCH, generator=g, dtype=torch.float64)
@@ -95,6 +97,19 @@ def test_first_step_loss_is_the_experts_on_its_side_of_the_boundary(expert, wan2
     assert (config["model"]["expert"], config["train"]["sample_every"]) == (expert, 0)
 
 
+def _assert_samples_like_the_pipeline(run: Path, pipe, tmp_path: Path) -> None:
+    """``ditforge sample --ckpt run`` (4 steps, guidance 4) draws the video ``pipe``'s own call draws from the same
+    seed, to one uint8 level."""
+    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
+    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--num_sampling_steps", "4",
+                     "--cfg_scale", "4", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
+                     "--device", "cpu"]) == 0
+    video = pipe(prompt=[prompt], num_inference_steps=4, guidance_scale=4.0, height=SIZE, width=SIZE,
+                 num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
+                 output_type="np").frames
+    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
+
+
 def test_low_noise_export_and_sample_like_the_pipeline(wan22, runs, tmp_path):
     """``--format diffusers`` of the low-noise run writes its weights into ``transformer_2`` and copies
     ``transformer`` untouched (bit for bit the base's); the exported ``WanPipeline``'s own call (both experts,
@@ -116,14 +131,7 @@ def test_low_noise_export_and_sample_like_the_pipeline(wan22, runs, tmp_path):
     assert any(not torch.equal(base.transformer_2.state_dict()[k], trained[k]) for k in trained)
     assert all(torch.equal(high[k], v) for k, v in base.transformer.state_dict().items())
 
-    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
-    assert cli.main(["sample", "--ckpt", str(runs["low_noise"]), "--prompt", prompt, "--num_sampling_steps", "4",
-                     "--cfg_scale", "4", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
-                     "--device", "cpu"]) == 0
-    video = pipe(prompt=[prompt], num_inference_steps=4, guidance_scale=4.0, height=SIZE, width=SIZE,
-                 num_frames=FRAMES, generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)),
-                 output_type="np").frames
-    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
+    _assert_samples_like_the_pipeline(runs["low_noise"], pipe, tmp_path)
 
     # both experts, one run each: the high-noise one trained from this export, exported again, keeps its low one
     second, both = tmp_path / "second", tmp_path / "both"
@@ -186,11 +194,12 @@ def test_comfyui_export_names_each_expert(wan22, runs, tmp_path):
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], v.to(torch.bfloat16)) for k, v in expected.items())
 
+
 def test_expert_errors(wan22, tmp_path, capsys):
-    """One line, exit 2: a Wan 2.2 A14B folder without --expert (naming both choices); --expert for a Wan 2.1
-    folder (one transformer)."""
-    assert_one_line_error(capsys, _argv(wan22, tmp_path / "r", "--max_steps", "1"), "--init_from", "--expert",
-                          "high_noise", "low_noise")
+    """One line, exit 2: --expert both (the default of a two-expert folder) with a setting it does not run with yet
+    (--cpu_offload optimizer), naming the one-expert way; --expert for a Wan 2.1 folder (one transformer)."""
+    assert_one_line_error(capsys, _argv(wan22, tmp_path / "r", "--max_steps", "1", "--cpu_offload", "optimizer"),
+                          "--expert both", "--cpu_offload optimizer", "--expert high_noise")
     one = tmp_path / "wan21"
     shutil.copytree(wan22, one)
     shutil.rmtree(one / "transformer_2")
@@ -201,34 +210,231 @@ def test_expert_errors(wan22, tmp_path, capsys):
                           "--expert low_noise", "one transformer")
 
 
-def test_validation_samples_with_both_experts(wan22, tmp_path, monkeypatch):
-    """``--validation_prompts`` of a low-noise run (1 step, LoRA): the high-noise expert, in host memory in bf16
-    for training, is in the compute dtype (fp32 here) during the pipeline's call and back in bf16 after it; the
-    sample equals ``ditforge sample`` of the run (both experts, ``sample.video``'s switch) from the same seed,
-    prompt, steps and guidance to one uint8 level, 32 x 16 for one frame; the run keeps --sample_every."""
+@pytest.mark.parametrize("expert", ["low_noise", "both"])
+def test_validation_samples_with_both_experts(expert, wan22, tmp_path, monkeypatch):
+    """``--validation_prompts`` of a LoRA run (1 step) of the low-noise expert and of both: inside the pipeline's
+    call ``transformer`` is the high-noise expert and ``transformer_2`` the low-noise one (told apart by their
+    ``boundary``-side objects: a one-expert run's high-noise expert has no LoRA, is in host memory in bf16 for
+    training and in the compute dtype (fp32 here) during the call; a run of both has LoRA in two distinct
+    experts); the sample equals ``ditforge sample`` of the run (both experts, ``sample.video``'s switch) from the
+    same seed, prompt, steps and guidance to one uint8 level, 32 x 16 for one frame; the run keeps
+    --sample_every."""
+    import diffusers
     import numpy as np
     from PIL import Image
 
-    from ditforge.train import validation
+    def has_lora(model) -> bool:
+        return any("lora_A" in name for name, _ in model.named_modules())
 
-    seen = []
+    seen, call = [], diffusers.WanPipeline.__call__
 
-    def spy(pre, *args, **kwargs):
-        seen.append((pre.pipe.transformer, pre.pipe.transformer.dtype))
-        return real(pre, *args, **kwargs)
+    @functools.wraps(call)  # the pipeline's defaults are read off its call's signature
+    def spy(self, *args, **kwargs):
+        seen.append((has_lora(self.transformer), has_lora(self.transformer_2), self.transformer.dtype,
+                     self.transformer is self.transformer_2))
+        return call(self, *args, **kwargs)
 
-    real = validation.generate_with_pipeline
-    monkeypatch.setattr(validation, "generate_with_pipeline", spy)
+    monkeypatch.setattr(diffusers.WanPipeline, "__call__", spy)
     prompts, run, npz = tmp_path / "v.txt", tmp_path / "run", tmp_path / "s.npz"
     prompts.write_text("a rabbit on a green hill --w 32 --h 16 --f 1 --s 4 --g 4\n")
-    assert cli.main(_argv(wan22, run, "--max_steps", "1", "--expert", "low_noise", "--lora_rank", "4", "--lr", "1e-2",
+    assert cli.main(_argv(wan22, run, "--max_steps", "1", "--expert", expert, "--lora_rank", "4", "--lr", "1e-2",
                           "--ema_decay", "0", "--sample_every", "1", "--validation_prompts", str(prompts))) == 0
     assert __import__("yaml").safe_load((run / "config.yaml").read_text())["train"]["sample_every"] == 1
-    (other, during), = seen
-    assert (during, other.dtype) == (torch.float32, torch.bfloat16)
+    assert seen == [(expert == "both", True, torch.float32, False)]
+    monkeypatch.setattr(diffusers.WanPipeline, "__call__", call)
     assert cli.main(["sample", "--ckpt", str(run), "--prompt", "a rabbit on a green hill", "--height", "16",
                      "--width", "32", "--num_frames", "1", "--num_sampling_steps", "4", "--cfg_scale", "4", "--out",
                      str(tmp_path / "s"), "--save_npz", str(npz), "--device", "cpu"]) == 0
     mine = np.asarray(Image.open(run / "samples" / "step-0000001" / "001-a-rabbit-on-a-green-hill.png"))
     assert mine.shape == (16, 32, 3)
     assert np.abs(np.load(npz)["samples"][0, 0].astype(np.int16) - mine.astype(np.int16)).max() <= 1
+
+
+# Both experts in one run (--expert both, the default for a two-expert folder): seed 0's side draws at positions 0-2
+SIDES = ["low_noise", "low_noise", "high_noise"]
+
+
+def _sides(folder: Path, steps: int) -> list[str]:
+    """Each position's expert, written out: one time sigma = shift u / (1 + (shift - 1) u), u = sigmoid(n), n the
+    first normal draw of ``torch.Generator().manual_seed(derive_seed(0, EXPERT_STREAM, k))``; high_noise where
+    sigma >= boundary_ratio."""
+    import diffusers
+
+    from ditforge.train.experts import EXPERT_STREAM
+
+    pipe = diffusers.WanPipeline.from_pretrained(str(folder), local_files_only=True)
+    shift, boundary = float(pipe.scheduler.config.flow_shift), float(pipe.config.boundary_ratio)
+    sides = []
+    for k in range(steps):
+        u = torch.sigmoid(torch.randn(1, generator=torch.Generator().manual_seed(derive_seed(0, EXPERT_STREAM, k))))
+        sides.append("high_noise" if float(shift * u / (1 + (shift - 1) * u)) >= boundary else "low_noise")
+    return sides
+
+
+@pytest.fixture(scope="module")
+def both(wan22, tmp_path_factory, one_thread_module) -> Path:
+    """3 steps (``SIDES``) of both experts fully fine-tuned in one run (no --expert), as the low-noise run (lr 1e-3),
+    a checkpoint after each."""
+    run = tmp_path_factory.mktemp("wan22_both") / "run"
+    assert cli.main(_argv(wan22, run, "--max_steps", "3", "--lr", "1e-3", "--ckpt_every", "1", "--keep_last", "3")) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def base(wan22) -> dict[str, torch.Tensor]:
+    """The folder's two experts' weights, named as a run of both names them: transformer.*, transformer_2.*."""
+    import diffusers
+
+    pipe = diffusers.WanPipeline.from_pretrained(str(wan22), local_files_only=True)
+    return {f"{name}.{k}": v for name in ("transformer", "transformer_2") for k, v in
+            getattr(pipe, name).state_dict().items()}
+
+
+def _weights(path: Path, like: dict[str, torch.Tensor], use_ema: bool = False) -> dict[str, torch.Tensor]:
+    """The weights (or EMA) of a checkpoint, or of a run's last one, read into copies of ``like``'s tensors."""
+    from ditforge.weights.read import load_weights, read_checkpoint_weights
+
+    ckpt, _ = load_weights(path, use_ema)
+    return read_checkpoint_weights(ckpt, {k: v.clone() for k, v in like.items()}, use_ema)
+
+
+def _changed(before: dict, after: dict, prefix: str) -> bool:
+    return any(not torch.equal(before[k], after[k]) for k in after if k.startswith(prefix))
+
+
+def test_both_experts_each_change_only_on_their_side(wan22, both, base):
+    """The side draws are the written-out ones (both sides drawn), the run records ``--expert both``, and from the
+    folder's weights through each step's checkpoint, the high-noise expert (``transformer``) changes exactly on
+    the steps drawn above the boundary and the low-noise one (``transformer_2``) exactly on the others."""
+    assert _sides(wan22, 3) == SIDES
+    config = __import__("yaml").safe_load((both / "config.yaml").read_text())
+    assert config["model"]["expert"] == "both"
+    before = base
+    for step, side in enumerate(SIDES, 1):
+        after = _weights(both / "checkpoints" / f"step-{step:07d}", base)
+        assert (_changed(before, after, "transformer."), _changed(before, after, "transformer_2.")) == (
+            side == "high_noise", side == "low_noise"), step
+        before = after
+
+
+def test_both_experts_losses_are_the_one_expert_runs(wan22, runs, both, base):
+    """Each step's loss is the one-expert path's on the same batch and times: steps 0 and 1 (low side) the
+    low-noise run's steps 0 and 1 (1e-6 relative; same lr, so the same weights at step 1); step 2 (high side, its
+    expert untouched so far) the high-noise expert's reference loss at position 2 (``_reference_first_loss``, 1e-5
+    relative); and after step 2 the low-noise expert's weights equal the low-noise run's after its two steps
+    (1e-6): the high-noise step left it alone."""
+    ours = [r["loss"] for r in read_metrics(both / "metrics.jsonl")]
+    reference = [r["loss"] for r in read_metrics(runs["low_noise"] / "metrics.jsonl")]
+    assert ours[:2] == pytest.approx(reference[:2], rel=1e-6)
+    assert ours[2] == pytest.approx(_reference_first_loss(wan22, "high_noise", position=2), rel=1e-5)
+    low = {k: v for k, v in _weights(both / "checkpoints" / "step-0000003", base).items()
+           if k.startswith("transformer_2.")}
+    alone = _weights(runs["low_noise"], {k.replace("transformer_2.", "transformer.", 1): v for k, v in low.items()})
+    for k, v in alone.items():
+        torch.testing.assert_close(low[k.replace("transformer.", "transformer_2.", 1)], v, rtol=1e-6, atol=1e-7)
+
+
+def test_both_experts_export_and_sample_like_the_pipeline(both, base, tmp_path):
+    """``--format diffusers`` writes both trained experts (the run's EMA weights, bit for bit, each unlike the
+    folder's); the exported ``WanPipeline``'s own call draws the video ``ditforge sample --ckpt RUN`` draws, to
+    one uint8 level."""
+    import diffusers
+
+    out = tmp_path / "export"
+    assert cli.main(["export", "--ckpt", str(both), "--format", "diffusers", "--out", str(out)]) == 0
+    pipe = diffusers.WanPipeline.from_pretrained(str(out), local_files_only=True)
+    trained = _weights(both, base, use_ema=True)
+    for name in ("transformer", "transformer_2"):
+        exported = {f"{name}.{k}": v for k, v in getattr(pipe, name).state_dict().items()}
+        assert all(torch.equal(v, trained[k]) for k, v in exported.items())
+        assert any(not torch.equal(v, base[k]) for k, v in exported.items())
+    _assert_samples_like_the_pipeline(both, pipe, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def both_lora(wan22, tmp_path_factory, one_thread_module) -> Path:
+    """3 steps (``SIDES``) of both experts with LoRA (rank 4, lr 1e-2), a checkpoint after steps 2 and 3."""
+    run = tmp_path_factory.mktemp("wan22_both_lora") / "run"
+    assert cli.main(_argv(wan22, run, "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2", "--ckpt_every", "2",
+                          "--keep_last", "2")) == 0
+    return run
+
+
+def test_both_experts_resume_equals_the_uninterrupted_run(wan22, both_lora, tmp_path):
+    """Resumed from the LoRA run's step-2 checkpoint (the high-noise expert not yet stepped: no optimizer state of
+    it there) into a new folder, to step 3 (a high-noise step): its loss and the last adapters and their EMA equal
+    the uninterrupted run's, exactly."""
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    run = tmp_path / "run"
+    assert cli.main(_argv(wan22, run, "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2", "--resume",
+                          str(both_lora / "checkpoints" / "step-0000002"))) == 0
+    assert [r["loss"] for r in read_metrics(run / "metrics.jsonl")] == [
+        r["loss"] for r in read_metrics(both_lora / "metrics.jsonl")][2:]
+    _, denoiser, _ = load_finetuned(*load_weights(both_lora), torch.device("cpu"))
+    like = {n: p.detach() for n, p in denoiser.named_parameters() if p.requires_grad}  # the adapters of both
+    assert {n.split(".")[0] for n in like} == {"transformer", "transformer_2"}
+    for use_ema in (False, True):
+        resumed, whole = _weights(run, like, use_ema), _weights(both_lora, like, use_ema)
+        assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+def test_both_experts_lora_files_load_into_both_transformers(wan22, both_lora, tmp_path):
+    """The LoRA run of both, exported twice: ``--format lora`` (``OUT/high_noise`` loaded into ``transformer``,
+    ``OUT/low_noise`` into ``transformer_2`` with ``load_into_transformer_2``) and ``--format comfyui`` (``wan22_
+    high_noise.safetensors`` and ``wan22_low_noise.safetensors``, through diffusers' non-diffusers converter). Each
+    pipeline's transformers then give the ditforge LoRA experts' outputs within 1e-5 of the largest magnitude, and
+    differ from the folder's experts (both trained)."""
+    import diffusers
+
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    out = tmp_path / "lora"
+    assert cli.main(["export", "--ckpt", str(both_lora), "--format", "lora", "--out", str(out)]) == 0
+    assert cli.main(["export", "--ckpt", str(both_lora), "--format", "comfyui", "--out",
+                     str(tmp_path / "wan22.safetensors")]) == 0
+    _, ours, _ = load_finetuned(*load_weights(both_lora, use_ema=True), torch.device("cpu"))
+    g = torch.Generator().manual_seed(99)
+    x, t, states = torch.randn(2, 16, 2, 2, 2, generator=g), torch.rand(2, generator=g) * 1000, torch.randn(
+        2, 512, 32, generator=g)
+    files = {"lora": (out / "high_noise", out / "low_noise"),
+             "comfyui": (tmp_path / "wan22_high_noise.safetensors", tmp_path / "wan22_low_noise.safetensors")}
+    for high, low in files.values():
+        pipe = diffusers.WanPipeline.from_pretrained(str(wan22), local_files_only=True)
+        with torch.no_grad():
+            before = [m(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
+                      for m in (pipe.transformer, pipe.transformer_2)]
+        pipe.load_lora_weights(str(high))
+        pipe.load_lora_weights(str(low), load_into_transformer_2=True)
+        with torch.no_grad():
+            for expert, (model, base) in enumerate(zip((pipe.transformer, pipe.transformer_2), before)):
+                ours.expert = expert
+                mine = ours.denoise(x, t, states)
+                theirs = model(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
+                assert (theirs - mine).abs().max() <= 1e-5 * mine.abs().max()
+                assert (base - mine).abs().max() > 1e-3 * mine.abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the idle expert is offloaded from a GPU")
+def test_both_experts_offloaded_is_the_same_run(wan22, tmp_path, caplog):
+    """On a GPU, a bf16 LoRA run of both under --gpu_memory_budget (the idle expert's frozen base in host memory,
+    two switches over the 3 steps of ``SIDES``) logs the losses and saves the weights of the same run without a
+    budget (both experts on the GPU), exactly."""
+    runs = {}
+    for name, extra in (("resident", []), ("offloaded", ["--gpu_memory_budget", "8GiB"])):
+        runs[name] = tmp_path / name
+        with caplog.at_level("INFO"):
+            assert cli.main(_argv(wan22, runs[name], "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2",
+                                  "--device", "cuda", "--mixed_precision", "bf16", *extra)) == 0
+        assert ("frozen weights wait in host memory" in caplog.text) == (name == "offloaded")
+        caplog.clear()
+    assert [r["loss"] for r in read_metrics(runs["resident"] / "metrics.jsonl")] == [
+        r["loss"] for r in read_metrics(runs["offloaded"] / "metrics.jsonl")]
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    a, b = (load_finetuned(*load_weights(run, use_ema=False), torch.device("cpu"), use_ema=False)[1].state_dict()
+            for run in runs.values())
+    assert all(torch.equal(a[k], b[k]) for k in a)

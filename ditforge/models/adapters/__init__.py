@@ -127,11 +127,28 @@ class DiffusersDenoiser(nn.Module):
         self.vae_scale = vae_scale  # pixels per latent pixel (conditions that need the image size)
         self.cond_keys: tuple[str, ...] = ()
         self.tokenize = None  # set by attach_text_encoder
+        self.expert = 0  # which expert denoises: 0 the component, 1 the second expert (add_expert)
+        # the pipeline components the expert models fill, in ``expert_models``' order: the component itself, or the
+        # low-noise expert's ``<component>_2`` when one expert of two is trained (``pipeline.load_pretrained``)
+        self.pipeline_slots: tuple[str, ...] = (self.component,)
 
     @property
     def inner(self) -> nn.Module:
-        """The diffusers model."""
-        return getattr(self, self.component)
+        """The diffusers model that denoises: the component's, or the second expert's while ``expert`` is 1."""
+        return getattr(self, f"{self.component}_2" if self.expert else self.component)
+
+    def add_expert(self, model: nn.Module) -> None:
+        """A pipeline of two experts trained in one run: ``model``, the pipeline's ``<component>_2`` (the expert
+        below ``expert_boundary``), becomes the submodule of that name beside the first, so the adapter's parameter
+        names are the pipeline's components' (``transformer.*``, ``transformer_2.*``); ``expert`` picks the one
+        that ``forward`` runs (the family's ``denoise`` calls ``inner``)."""
+        setattr(self, f"{self.component}_2", model)
+        self.pipeline_slots = (self.component, f"{self.component}_2")
+
+    def expert_models(self) -> list[nn.Module]:
+        """The diffusers models the adapter trains: its component's, and the second expert's after ``add_expert``."""
+        second = getattr(self, f"{self.component}_2", None)
+        return [getattr(self, self.component)] + ([second] if second is not None else [])
 
     @property
     def in_channels(self) -> int:
@@ -191,7 +208,7 @@ class DiffusersDenoiser(nn.Module):
             TypeError: ``expert`` for a family whose ``expert_boundary`` is None.
         """
         t_range = (0.0, 1.0)
-        if expert is not None:
+        if expert not in (None, "both"):  # both experts: the whole range (each step's side is drawn from it)
             boundary = self.expert_boundary(pipe)
             if boundary is None:
                 raise TypeError(f"{type(self).__name__}.expert_boundary: None, and --expert {expert} was given")

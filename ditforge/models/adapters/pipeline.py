@@ -133,6 +133,9 @@ class Pretrained:
         return {k: v.float().to(device) for k, v in out.items()}
 
 
+ONE_EXPERT = ("high_noise", "low_noise")  # --expert of one expert (config.sections.EXPERTS less "both")
+
+
 def expert_component(component: str, expert: str) -> str:
     """The pipeline component of a Wan 2.2 A14B expert: ``transformer`` (high_noise) or ``transformer_2``
     (low_noise)."""
@@ -158,7 +161,10 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     are frozen but the denoiser. ``sampling``: the folder is for ``ditforge sample``, which takes variants that
     fine-tuning refuses (the family's ``unsupported``). ``expert`` (Wan 2.2 A14B, ``config.sections.EXPERTS``): the
     denoiser wraps ``transformer`` (high_noise) or ``transformer_2`` (low_noise), and the other expert goes to
-    ``other_expert_device`` (default: the denoiser's), frozen. The adapter's null condition (the empty prompt) is set.
+    ``other_expert_device`` (default: the denoiser's), frozen; ``both``, or None outside ``sampling``: the denoiser
+    wraps ``transformer`` and holds ``transformer_2`` beside it (``DiffusersDenoiser.add_expert``), both in
+    ``denoiser_dtype``, the second on ``other_expert_device`` when given (the build places it,
+    ``train.experts``). The adapter's null condition (the empty prompt) is set.
 
     Raises:
         UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); a load failure
@@ -181,6 +187,7 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     pipe.set_progress_bar_config(disable=True)
     if (why := family.unsupported(pipe, sampling, expert)) is not None:
         raise UserError(f"{flag} {folder}: {why}")
+    first = expert_component(family.component, expert) if expert in ONE_EXPERT else family.component  # trained
     for name, module in pipe.components.items():
         if isinstance(module, nn.Module):
             module.requires_grad_(False).eval()
@@ -191,27 +198,28 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
             elif name == family.component or name.startswith(family.component + "_"):  # Wan 2.2's transformer_2
                 for p in module.parameters():
                     p.data = p.data.to(denoiser_dtype)
-                other = expert is not None and name != expert_component(family.component, expert)
-                if other and other_expert_device is not None:  # frozen, unused until sampling: bf16 on the host
-                    module.to(other_expert_device, torch.bfloat16)
-                else:
+                if name == first or other_expert_device is None:
                     module.to(denoiser_device or device)
+                elif expert in ONE_EXPERT:  # frozen, unused until sampling: bf16 on the host
+                    module.to(other_expert_device, torch.bfloat16)
+                else:  # both trained: the second waits there for the build to place it (train/experts.py)
+                    module.to(other_expert_device)
             else:
                 module.to(device)
     # pixels per latent pixel, as the pipeline states it (SD, PixArt, SD3: vae_scale_factor; LTX-Video:
     # vae_spatial_compression_ratio; Wan, CogVideoX, HunyuanVideo: vae_scale_factor_spatial)
     vae_scale = next(int(getattr(pipe, name)) for name in ("vae_scale_factor_spatial", "vae_spatial_compression_ratio",
                                                            "vae_scale_factor") if hasattr(pipe, name))
-    trained = getattr(pipe, expert_component(family.component, expert) if expert else family.component)
-    denoiser = family(trained, vae_scale).requires_grad_(True)
+    denoiser = family(getattr(pipe, first), vae_scale)
+    denoiser.pipeline_slots = (first,)
+    second = getattr(pipe, f"{family.component}_2", None)
+    if second is not None and (expert == "both" or (expert is None and not sampling)):
+        denoiser.add_expert(second)
+    denoiser.requires_grad_(True)
     denoiser.attach_pipeline(pipe)
     pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
     denoiser.set_null_condition(family.null_condition(pipe, pre.encode_prompt([""])))
     return pre
-
-
-def _component(pre: Pretrained) -> str:
-    return pre.denoiser.component
 
 
 def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int],
@@ -230,7 +238,8 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
     its rows are drawn one per call (the pipeline takes one image a call, ``pipeline_wan_i2v.py``)."""
     pipe = pre.pipe
     height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
-    setattr(pipe, _component(pre), denoiser.inner)
+    for slot, model in zip(denoiser.pipeline_slots, denoiser.expert_models()):  # one expert of two: in its own slot
+        setattr(pipe, slot, model)
     device = next(denoiser.inner.parameters()).device
     vae_home = pipe.vae.device
     pipe.vae.to(device)

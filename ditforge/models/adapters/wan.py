@@ -121,15 +121,12 @@ class WanDenoiser(DiffusersDenoiser):
         two = getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None
         if two and (getattr(pipe, "transformer_2", None) is None or pipe.config.get("boundary_ratio") is None):
             return "a Wan 2.2 pipeline needs both transformer_2 and boundary_ratio"
-        if two and not sampling and expert is None:
-            return ("a Wan 2.2 A14B pipeline has two experts (transformer for the timesteps at and above "
-                    "boundary_ratio x 1000, transformer_2 below); give --expert high_noise or low_noise")
         if expert is not None and not two:
             return f"--expert {expert}: for Wan 2.2 A14B's two experts; this pipeline has one transformer"
         return None
 
     def denoise(self, x, t, encoder_hidden_states):
-        return self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=encoder_hidden_states,
+        return self.inner(hidden_states=x, timestep=t, encoder_hidden_states=encoder_hidden_states,
                                 return_dict=False)[0]
 
     @staticmethod
@@ -170,11 +167,11 @@ class WanI2VDenoiser(WanDenoiser):
     def denoise(self, x, t, encoder_hidden_states, image_condition=None, encoder_hidden_states_image=None,
                 first_frame=None):
         if first_frame is not None:  # Wan 2.2 TI2V: the first latent frame given, its tokens at timestep 0
-            x, timestep = give_first_frame(x, t, first_frame, self.transformer.config.patch_size)
-            return self.transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+            x, timestep = give_first_frame(x, t, first_frame, self.inner.config.patch_size)
+            return self.inner(hidden_states=x, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
                                     return_dict=False)[0]
         hidden = torch.cat([x, image_condition.to(x.dtype)], dim=1)
-        return self.transformer(hidden_states=hidden, timestep=t, encoder_hidden_states=encoder_hidden_states,
+        return self.inner(hidden_states=hidden, timestep=t, encoder_hidden_states=encoder_hidden_states,
                                 encoder_hidden_states_image=encoder_hidden_states_image, return_dict=False)[0]
 
     @staticmethod
