@@ -246,3 +246,21 @@ def test_features_per_bucket_train_like_the_folder(wan_pipeline, clip_folder, wa
     assert cli.main(argv) == 0
     ours = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert ours == pytest.approx([r["loss"] for r in read_metrics(wan_run / "metrics.jsonl")][:2], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_both_experts_train_in_buckets(clip_folder, tmp_path):
+    """A two-expert pipeline (the tiny Wan 2.2 A14B) on the folder, both experts in one run: at a vanishing lr
+    (1e-30: the fp32 weights stay as they are) each of 3 steps' loss equals that of the one-expert run of the
+    step's side (``test_wan22.SIDES``: low, low, high for seed 0) at the same step, so each bucket's batch gets the
+    objective of its own side and shape (1e-6 relative)."""
+    from test_wan22 import SIDES
+    from tiny_pipelines import make_wan22
+
+    pipe = make_wan22(tmp_path / "pipe")
+    losses = {}
+    for expert in ("both", "high_noise", "low_noise"):
+        out = tmp_path / expert
+        assert cli.main(_argv(pipe, clip_folder, out, "--max_steps", "3", "--expert", expert, "--lr", "1e-30")) == 0
+        losses[expert] = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+    assert losses["both"] == pytest.approx([losses[side][k] for k, side in enumerate(SIDES)], rel=1e-6)
