@@ -194,6 +194,9 @@ ROWS = {
     # + the frozen weights of the last 20 of the 40 blocks in pinned host memory, a block at a time on the GPU
     "lora32_swap20_off_budget24": [*WAN_LORA, "--offload_activations", "--blocks_to_swap", "20",
                                    "--gpu_memory_budget", "24GiB"],
+    # + --validation_prompts (VALIDATION, written into --work): its samples with the weights being trained, every 10
+    # steps and at the end; issue 63's row: the peak no higher than lora32's, and a sample's time (validation_s)
+    "lora32_val": [*WAN_LORA, "--validation_prompts", "{work}/validation.txt", "--sample_every", "10"],
     # CogVideoX-5B (--model cog5b): rank-64 LoRA on the attention projections, every block checkpointed
     "lora64_ckpt": [*COG_LORA],
     "lora64_ckpt_budget24": [*COG_LORA, "--gpu_memory_budget", "24GiB"],
@@ -202,6 +205,9 @@ ROWS = {
 WAN_ROWS = {"full": ["--grad_checkpoint"], "full_compile": ["--grad_checkpoint", "--compile"],
             "full_attn": ["--grad_checkpoint", "attn"]}
 CUDA_ONLY = ("--gpu_memory_budget",)  # rows with these flags skip on a machine without CUDA
+# lora32_val's file: one 480 x 832 x 33-frame sample, 20 steps, guidance 5 (musubi-tuner's line syntax); --tiny:
+# 16 x 32 x 5 (the tiny transformer's rotary table is 32 positions long)
+VALIDATION = "a corgi runs along a beach at sunset, waves behind it --w {} --h {} --f {} --s 20 --g 5 --seed 7\n"
 
 
 def sd_vae():
@@ -531,7 +537,11 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
     windows = [batch / r["samples_per_sec"] * 1000 for r in records[1:]]  # ms per step after the warm-up window
     # the placement lines of --gpu_memory_budget (the measured residency of streamed states among them)
     placement = [line.split(" INFO ", 1)[-1] for line in log.splitlines() if "--gpu_memory_budget" in line]
+    # the seconds of each --validation_prompts rendering (the trainer's "validation samples in ... (X s)" lines)
+    validation = [float(line.rsplit("(", 1)[1].split(" s)")[0]) for line in log.splitlines()
+                  if "validation samples in" in line]
     return {"ms_per_step": round(statistics.median(windows), 1), "windows_ms": [round(w, 1) for w in windows],
+            **({"validation_s": validation} if validation else {}),
             "peak_gib": round(max(r.get("peak_memory_gib", 0.0) for r in records), 2),
             "final_loss": round(records[-1]["loss"], 4), **({"placement": placement} if placement else {})}
 
@@ -720,8 +730,9 @@ def main() -> None:
     if args.append and args.json and Path(args.json).is_file():
         results = json.loads(Path(args.json).read_text())["rows"]
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    (work / "validation.txt").write_text(VALIDATION.format(*((32, 16, 5) if args.tiny else (832, 480, 33))))
     for name in args.rows.split(","):
-        flags = row_flags(args.model, name)
+        flags = [f.format(work=work) for f in row_flags(args.model, name)]
         if not cuda and any(f in flags for f in CUDA_ONLY):
             print(f"{args.model} {name}: skipped ({' '.join(f for f in flags if f in CUDA_ONLY)} needs a CUDA GPU)",
                   flush=True)

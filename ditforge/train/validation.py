@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -237,7 +238,7 @@ def render(run, step: int, draw_dit) -> list[Path]:
     device, model = run.d.device, run.model
     autocast = (torch.autocast(device.type, dtype=run.amp_dtype) if run.amp_dtype != torch.float32
                 else contextlib.nullcontext())
-    written = []
+    written, start = [], time.perf_counter()
     model.eval()
     try:
         with _other_expert_on(run), torch.no_grad(), autocast:
@@ -248,7 +249,7 @@ def render(run, step: int, draw_dit) -> list[Path]:
         model.train()
         if device.type == "cuda":  # the pipeline's activations and the visiting expert's copy
             torch.cuda.empty_cache()
-    log.info("step %d: %d validation samples in %s", step, len(written), folder)
+    log.info("step %d: %d validation samples in %s (%.1f s)", step, len(written), folder, time.perf_counter() - start)
     return written
 
 
