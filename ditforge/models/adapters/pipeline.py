@@ -16,6 +16,7 @@ from torch import nn
 
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser, family_of_pipeline, supported_pipelines
+from ditforge.models.adapters.single_file import FP8, load_component
 
 FLAG = "--init_from"
 _WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin", "model.safetensors",
@@ -23,8 +24,9 @@ _WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model
                  "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
-    """``model_index.json`` of a pipeline folder, after checking that every component it lists is there.
+def read_model_index(folder: str | Path, flag: str = FLAG, replaced: tuple[str, ...] = ()) -> dict:
+    """``model_index.json`` of a pipeline folder, after checking that every component it lists is there (of a
+    ``replaced`` one, a single file given in its place, only the config).
 
     Raises:
         UserError (one line, naming ``flag`` and the missing file): no such folder, no ``model_index.json``, a
@@ -57,7 +59,7 @@ def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
             needed = [sub / "preprocessor_config.json"]
         else:
             needed = [sub / "config.json"]
-            if not any((sub / f).is_file() for f in _WEIGHT_FILES):
+            if name not in replaced and not any((sub / f).is_file() for f in _WEIGHT_FILES):
                 needed.append(sub / _WEIGHT_FILES[0])
         for f in needed:
             if not f.exists():
@@ -140,7 +142,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
                     flag: str = FLAG, text_device: torch.device | None = None,
                     vae_device: torch.device | None = None, denoiser_device: torch.device | None = None,
                     denoiser_dtype: torch.dtype = torch.float32, sampling: bool = False, expert: str | None = None,
-                    other_expert_device: torch.device | None = None) -> Pretrained:
+                    other_expert_device: torch.device | None = None, files: dict[str, str] | None = None,
+                    keep_fp8: bool = False) -> Pretrained:
     """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
     ``device``) in ``text_dtype``, its VAE to ``vae_device`` (default ``device``) and the denoiser to
     ``denoiser_device`` (default ``device``; the CPU under ``--cpu_offload all``) with its parameters in
@@ -150,22 +153,37 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     fine-tuning refuses (the family's ``unsupported``). ``expert`` (Wan 2.2 A14B, ``config.sections.EXPERTS``): the
     denoiser wraps ``transformer`` (high_noise) or ``transformer_2`` (low_noise), and the other expert goes to
     ``other_expert_device`` (default: the denoiser's), frozen. The adapter's null condition (the empty prompt) is set.
+    ``files``: component -> a single-file checkpoint replacing the folder's (``single_file.COMPONENTS``; the folder
+    still gives its config), read tensor by tensor in the component's dtype; ``keep_fp8``: the denoiser's float8
+    tensors stay float8 (``--fp8_base``), not cast to ``denoiser_dtype``.
 
     Raises:
         UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); a load failure
-            from diffusers / transformers; a variant the family's adapter refuses (``unsupported``); one line each.
+            from diffusers / transformers; a variant the family's adapter refuses (``unsupported``); a single file
+            for a component the folder has not, or of an unknown layout (``single_file.load_component``); one line
+            each.
     """
-    spec = read_model_index(folder, flag)
+    files = files or {}
+    spec = read_model_index(folder, flag, tuple(files))
     family = family_of_pipeline(spec["_class_name"])
     if family is None:
         raise UserError(f"{flag} {folder}: a {spec['_class_name']} loads into ditforge's own DiT, not an adapter")
+    replaced = {}
+    for name, file in files.items():
+        if not isinstance(spec.get(name), list) or spec[name][0] is None:
+            raise UserError(f"--{name} {file}: {folder} has no {name} component to replace")
+        trained = name.startswith(family.component)
+        dtype = denoiser_dtype if trained else text_dtype if name.startswith("text_encoder") else torch.float32
+        replaced[name] = load_component(Path(folder), name, tuple(spec[name]), file, family, dtype,
+                                        keep_fp8=keep_fp8 and trained)
     import diffusers
     import transformers
 
     diffusers.utils.logging.disable_progress_bar()  # loading bars of every component: noise around ditforge's own
     transformers.utils.logging.disable_progress_bar()
     try:
-        pipe = getattr(diffusers, spec["_class_name"]).from_pretrained(str(folder), local_files_only=True)
+        pipe = getattr(diffusers, spec["_class_name"]).from_pretrained(str(folder), local_files_only=True,
+                                                                        **replaced)
     except Exception as e:  # diffusers and transformers raise many types for a bad folder
         raise UserError(f"{flag} {folder}: could not load the pipeline ({type(e).__name__}: "
                         f"{' '.join(str(e).split())[:200]})") from None
@@ -181,7 +199,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
                 module.to(vae_device or device)
             elif name == family.component or name.startswith(family.component + "_"):  # Wan 2.2's transformer_2
                 for p in module.parameters():
-                    p.data = p.data.to(denoiser_dtype)
+                    if not (keep_fp8 and p.dtype in FP8):
+                        p.data = p.data.to(denoiser_dtype)
                 other = expert is not None and name != expert_component(family.component, expert)
                 if other and other_expert_device is not None:  # frozen, unused until sampling: bf16 on the host
                     module.to(other_expert_device, torch.bfloat16)
