@@ -171,6 +171,7 @@ def _extraction_encoders(cfg, dataset, dev: torch.device) -> tuple:
         return build_batch_encoder(cfg, dataset, dev, torch.float32), None
     from ditforge.encoders.batch import pipeline_batch_encoder
     from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
+    from ditforge.models.adapters.single_file import component_files
 
     if not is_adapted_pipeline(m.init_from):
         raise UserError(f"--init_from {m.init_from}: features are extracted with a diffusers pipeline folder "
@@ -178,7 +179,7 @@ def _extraction_encoders(cfg, dataset, dev: torch.device) -> tuple:
     # the denoiser encodes nothing: it stays on the host in bf16 (a 14B transformer would take 57 GB in float32 on
     # the GPU for no use); a pipeline's two experts share the VAE and encoders
     pre = load_pretrained(m.init_from, dev, expert=m.expert, denoiser_device=torch.device("cpu"),
-                          denoiser_dtype=torch.bfloat16)
+                          denoiser_dtype=torch.bfloat16, files=component_files(m))
     return pipeline_batch_encoder(cfg, pre, dataset), pre
 
 

@@ -34,6 +34,7 @@ from ditforge.diffusion.objective import Objective
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.models.adapters.pipeline import Pretrained, is_adapted_pipeline, load_pretrained
+from ditforge.models.adapters.single_file import component_files
 from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel import init_sharded, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
@@ -274,7 +275,8 @@ def load_init(run: Run) -> None:
                                       text_device=helpers, vae_device=helpers,
                                       denoiser_device=torch.device("cpu") if staged else run.home,
                                       denoiser_dtype=amp_dtype if run.bf16_weights else torch.float32,
-                                      expert=m.expert, other_expert_device=torch.device("cpu"))
+                                      expert=m.expert, other_expert_device=torch.device("cpu"),
+                                      files=component_files(m), keep_fp8=m.fp8_base)
             if features is not None and run.pre.denoiser.image_noise and m.noised_image_input:
                 log.info("--noised_image_input: the features hold the clean first frames' latents, so the image "
                          "conditioning is not noised; train on the clips to noise it")

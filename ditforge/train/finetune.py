@@ -20,6 +20,7 @@ from torch import nn
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser
 from ditforge.models.adapters.pipeline import FLAG, Pretrained, generate_with_pipeline
+from ditforge.models.adapters.single_file import FP8, load_component
 from ditforge.weights.lora import add_lora_to_denoiser, train_text_encoder
 
 
@@ -101,14 +102,20 @@ def first_frame_image(item: dict):
 
 
 def fresh_denoiser(pre: Pretrained, cfg) -> DiffusersDenoiser:
-    """A second copy of the run's denoiser as it started: the pipeline's weights read again from its folder, with
-    the run's LoRA adapters injected (their weights are then loaded by the caller)."""
-    inner = type(pre.denoiser.inner).from_pretrained(str(pre.folder), subfolder=pre.denoiser.component,
-                                                     local_files_only=True)
+    """A second copy of the run's denoiser as it started: the pipeline's weights read again from its folder (or the
+    single files that replaced its components), with the run's LoRA adapters injected (their weights are then
+    loaded by the caller)."""
+
+    def again(name: str, module: nn.Module, library: str) -> nn.Module:
+        if name in pre.files:
+            return load_component(pre.folder, name, (library, type(module).__name__), pre.files[name],
+                                  type(pre.denoiser), torch.float32)
+        return type(module).from_pretrained(str(pre.folder), subfolder=name, local_files_only=True)
+
+    inner = again(pre.denoiser.component, pre.denoiser.inner, "diffusers")
     denoiser = type(pre.denoiser)(inner, pre.denoiser.vae_scale)
     if cfg.model.train_text_encoder:
-        encoder = type(pre.pipe.text_encoder).from_pretrained(str(pre.folder), subfolder="text_encoder",
-                                                              local_files_only=True)
+        encoder = again("text_encoder", pre.pipe.text_encoder, "transformers")
         train_text_encoder(denoiser, encoder, pre.pipe, cfg)
     else:
         denoiser.set_null_condition({k: getattr(pre.denoiser, f"null_{k}") for k in pre.denoiser.cond_keys})
@@ -141,3 +148,11 @@ def store_base_in_fp8(model: nn.Module, compute_dtype: torch.dtype, plugin: str)
     if plugin not in ("none", "ddp"):
         raise UserError(f"--fp8_base: with --plugin none or ddp (each process holds the whole base), got {plugin}")
     model.inner.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype)
+    # A float8 file's tensors are float8 in the layers the casting skips too (norms, embedders): nothing would
+    # upcast them, so they are stored in the compute dtype as the casting keeps those layers.
+    for module in model.inner.modules():
+        hooks = getattr(module, "_diffusers_hook", None)
+        if hooks is None or hooks.get_hook("layerwise_casting") is None:
+            for p in module.parameters(recurse=False):
+                if p.dtype in FP8:
+                    p.data = p.data.to(compute_dtype)

@@ -7,7 +7,7 @@ sample`` and for training's sample grids."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ class Pretrained:
         pipe: the diffusers pipeline (text encoders and VAE on the device; the denoiser still inside).
         denoiser: the adapter around the pipeline's denoiser (``DiffusersDenoiser``), float32.
         scheduler_config: the scheduler's config dict (decides the objective).
+        files: component -> the single file it was read from, in place of the folder's (``load_pretrained``).
     """
 
     folder: Path
@@ -93,6 +94,7 @@ class Pretrained:
     pipe: Any
     denoiser: DiffusersDenoiser
     scheduler_config: dict
+    files: dict[str, str] = field(default_factory=dict)
 
     def encode_prompt(self, texts: list[str], images=None) -> dict[str, torch.Tensor]:
         """Prompts -> the denoiser's conditioning tensors (float32, batch-first, on the denoiser's device), with
@@ -215,7 +217,7 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     trained = getattr(pipe, expert_component(family.component, expert) if expert else family.component)
     denoiser = family(trained, vae_scale).requires_grad_(True)
     denoiser.attach_pipeline(pipe)
-    pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
+    pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config), files)
     denoiser.set_null_condition(family.null_condition(pipe, pre.encode_prompt([""])))
     return pre
 
