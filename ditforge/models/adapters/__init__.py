@@ -88,10 +88,6 @@ class DiffusersDenoiser(nn.Module):
         compile_whole: ``--compile`` makes one graph for the whole model (``parallel.parallelize`` says why).
         text_encoder_trainable: the family can train its text encoder (``--train_text_encoder``).
         pipeline_embeds: conditioning key -> the pipeline ``__call__``'s argument for it (``pipeline_inputs``).
-        original_keys: component (``transformer``, ``vae``) -> keys of the original release's single-file layout,
-            any of which marks a file as in it (``single_file.load_component``; diffusers' converter then maps it).
-        original_prefix: the prefix ComfyUI's single files put before those keys (``model.diffusion_model.``),
-            stripped where a file has it.
     """
 
     family: str = ""
@@ -120,8 +116,6 @@ class DiffusersDenoiser(nn.Module):
     prompt_sees_image = False
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
-    original_keys: dict[str, tuple[str, ...]] = {}  # single_file.load_component: a family without any reads
-    original_prefix = "model.diffusion_model."  # diffusers' keys only from a single file
 
     def __init__(self, model: nn.Module, vae_scale: int = 8):
         super().__init__()

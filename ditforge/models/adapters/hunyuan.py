@@ -78,8 +78,6 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask",
                        "pooled_projections": "pooled_prompt_embeds"}
-    # the original layout's mark, as diffusers' single_file_utils.CHECKPOINT_KEY_NAMES["hunyuan-video"]
-    original_keys = {"transformer": ("txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias",)}
 
     def denoise(self, x, t, encoder_hidden_states, encoder_attention_mask, pooled_projections, guidance=None):
         if guidance is None:

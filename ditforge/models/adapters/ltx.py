@@ -52,10 +52,6 @@ class LTXDenoiser(DiffusersDenoiser):
     cp_text = "cross"  # each cross-attention over the whole text on every process
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds", "encoder_attention_mask": "prompt_attention_mask"}
-    # the original layout's marks (diffusers' single_file_utils.CHECKPOINT_KEY_NAMES["ltx-video"]): one file holds
-    # the transformer and, under vae., the VAE
-    original_keys = {"transformer": ("patchify_proj.weight",),
-                     "vae": ("vae.decoder.conv_in.conv.weight", "vae.decoder.last_scale_shift_table")}
 
     def __init__(self, model, vae_scale: int = 32):
         super().__init__(model, vae_scale)

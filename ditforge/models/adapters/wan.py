@@ -42,8 +42,6 @@ class WanDenoiser(DiffusersDenoiser):
     # LoRA on the self- and cross-attention projections (finetrainers' default for Wan)
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
-    # the original layouts' marks, as diffusers' single_file_utils.CHECKPOINT_KEY_NAMES["wan"] / ["wan_vae"]
-    original_keys = {"transformer": ("head.modulation",), "vae": ("decoder.middle.0.residual.0.gamma",)}
 
     vae_split_decode = True  # AutoencoderKLWan.tiled_decode, when its VAE has no patch_size (Wan 2.1's)
     vae_folds_pixels = True  # Wan 2.2's VAE states in_channels after folding its patch_size^2 pixels (12 = 3 x 2 x 2)
