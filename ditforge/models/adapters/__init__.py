@@ -88,6 +88,9 @@ class DiffusersDenoiser(nn.Module):
         compile_whole: ``--compile`` makes one graph for the whole model (``parallel.parallelize`` says why).
         text_encoder_trainable: the family can train its text encoder (``--train_text_encoder``).
         pipeline_embeds: conditioning key -> the pipeline ``__call__``'s argument for it (``pipeline_inputs``).
+        original_layouts: component (``transformer``, ``vae``) -> its original release's layout
+            (``layouts.OriginalLayout``: the inverse of diffusers' single-file converter, as data), read by
+            ``weights.original`` (``export --format comfyui``, single files in); {} for a family without one.
     """
 
     family: str = ""
@@ -116,6 +119,7 @@ class DiffusersDenoiser(nn.Module):
     prompt_sees_image = False
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
+    original_layouts: dict[str, Any] = {}  # component -> layouts.OriginalLayout
 
     def __init__(self, model: nn.Module, vae_scale: int = 8):
         super().__init__()

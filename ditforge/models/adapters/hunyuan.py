@@ -4,7 +4,14 @@ through a token refiner, a CLIP pooled vector, and a distilled guidance scale em
 with flow matching, shift 7 (its ``FlowMatchEulerDiscreteScheduler``; ``ditforge.diffusion.objective``). Sources of
 the calls below: diffusers' ``pipelines/hunyuan_video/pipeline_hunyuan_video.py`` (``HunyuanVideoPipeline.__call__``
 and ``encode_prompt``) and ``pipeline_hunyuan_video_image2video.py`` (``HunyuanVideoImageToVideoPipeline.__call__``,
-``prepare_latents`` and ``encode_prompt``)."""
+``prepare_latents`` and ``encode_prompt``).
+
+The original layout (``HUNYUAN_VIDEO_TRANSFORMER``: Tencent's ``mp_rank_00_model_states.pt``, ComfyUI's
+``hunyuan_video_*_bf16.safetensors``) is the inverse of diffusers' ``convert_hunyuan_video_transformer_to_diffusers``
+(``loaders/single_file_utils.py``): the q, k, v projections fused (``img_attn_qkv``, ``txt_attn_qkv``, the token
+refiner's ``self_attn_qkv``), the single-stream blocks' q, k, v and MLP input as one ``linear1``, and the final norm's
+modulation stored (shift, scale) where diffusers' ``AdaLayerNormContinuous`` holds (scale, shift). That converter
+splits ``linear1`` at a hidden size of 3072 (HunyuanVideo's) whatever the file's."""
 
 from __future__ import annotations
 
@@ -14,6 +21,51 @@ import torch.distributed as dist
 from torch import nn
 
 from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default, with_first_frame
+from ditforge.models.adapters.layouts import OriginalLayout, renamed
+
+_QKV = ("attn.to_q.{p}", "attn.to_k.{p}", "attn.to_v.{p}")
+_REFINER = "context_embedder.token_refiner.refiner_blocks.{i}."
+
+HUNYUAN_VIDEO_TRANSFORMER = OriginalLayout(
+    name="HunyuanVideo transformer (Tencent's release, ComfyUI's repackaging)",
+    renames=(
+        ("x_embedder.{p}", "img_in.{p}"),
+        *renamed({"context_embedder.": "txt_in."},
+                 {"time_text_embed.timestep_embedder.linear_1.": "t_embedder.mlp.0.",
+                  "time_text_embed.timestep_embedder.linear_2.": "t_embedder.mlp.2.",
+                  "time_text_embed.text_embedder.": "c_embedder.", "proj_in.": "input_embedder."}),
+        *renamed({_REFINER: "txt_in.individual_token_refiner.blocks.{i}."},
+                 {"attn.to_out.0.": "self_attn_proj.", "ff.net.0.proj.": "mlp.fc1.", "ff.net.2.": "mlp.fc2.",
+                  "norm_out.linear.": "adaLN_modulation.1."}),
+        ("context_embedder.token_refiner.refiner_blocks.{i}.{p}", "txt_in.individual_token_refiner.blocks.{i}.{p}"),
+        *renamed({"time_text_embed.": ""},
+                 {"timestep_embedder.linear_1.": "time_in.mlp.0.", "timestep_embedder.linear_2.": "time_in.mlp.2.",
+                  "guidance_embedder.linear_1.": "guidance_in.mlp.0.",
+                  "guidance_embedder.linear_2.": "guidance_in.mlp.2.",
+                  "text_embedder.linear_1.": "vector_in.in_layer.", "text_embedder.linear_2.": "vector_in.out_layer."}),
+        *renamed({"transformer_blocks.{i}.": "double_blocks.{i}."},
+                 {"norm1.linear.": "img_mod.linear.", "norm1_context.linear.": "txt_mod.linear.",
+                  "attn.norm_q.": "img_attn_q_norm.", "attn.norm_k.": "img_attn_k_norm.",
+                  "attn.to_out.0.": "img_attn_proj.", "attn.norm_added_q.": "txt_attn_q_norm.",
+                  "attn.norm_added_k.": "txt_attn_k_norm.", "attn.to_add_out.": "txt_attn_proj.",
+                  "ff.net.0.proj.": "img_mlp.fc1.", "ff.net.2.": "img_mlp.fc2.",
+                  "ff_context.net.0.proj.": "txt_mlp.fc1.", "ff_context.net.2.": "txt_mlp.fc2."}),
+        *renamed({"single_transformer_blocks.{i}.": "single_blocks.{i}."},
+                 {"attn.norm_q.": "q_norm.", "attn.norm_k.": "k_norm.", "norm.linear.": "modulation.linear.",
+                  "proj_out.": "linear2."}),
+        ("norm_out.linear.{p}", "final_layer.adaLN_modulation.1.{p}"),
+        ("proj_out.{p}", "final_layer.linear.{p}"),
+    ),
+    fused=(
+        ("txt_in.individual_token_refiner.blocks.{i}.self_attn_qkv.{p}", tuple(_REFINER + q for q in _QKV)),
+        ("double_blocks.{i}.img_attn_qkv.{p}", tuple("transformer_blocks.{i}." + q for q in _QKV)),
+        ("double_blocks.{i}.txt_attn_qkv.{p}", tuple("transformer_blocks.{i}.attn." + q for q in (
+            "add_q_proj.{p}", "add_k_proj.{p}", "add_v_proj.{p}"))),
+        ("single_blocks.{i}.linear1.{p}",
+         tuple("single_transformer_blocks.{i}." + q for q in (*_QKV, "proj_mlp.{p}"))),
+    ),
+    swapped=("final_layer.adaLN_modulation.1.{p}",),
+    detect=("txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias",))
 
 TRAIN_GUIDANCE = 1.0  # the embedded guidance scale fine-tuning runs at (finetrainers, musubi-tuner, diffusion-pipe)
 
@@ -70,6 +122,7 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
     cp_plan = staticmethod(joint_text_plan)  # parallel.context: the video tokens split, the text whole
     cp_text = "joint"  # [video; text], at diffusers' dispatcher
     fps = 24  # HunyuanVideo is trained on (and exports) 24 fps clips
+    original_layouts = {"transformer": HUNYUAN_VIDEO_TRANSFORMER}
 
     @staticmethod
     def split_hooks(transformer, group):

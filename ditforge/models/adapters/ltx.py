@@ -5,7 +5,11 @@ mask) trained with flow matching, its shift following the video's latent size (t
 (``LTXPipeline.__call__``, ``encode_prompt``, ``_pack_latents`` / ``_unpack_latents``) and
 ``pipelines/ltx/pipeline_ltx_image2video.py`` (``LTXImageToVideoPipeline.__call__`` and ``prepare_latents``). Its VAE's
 per-channel statistics are buffers, with the config's scaling factor on top (``pipeline_ltx.py``'s
-``_normalize_latents``: (z - mean) x scaling_factor / std; ``encoders.VAE`` reads them)."""
+``_normalize_latents``: (z - mean) x scaling_factor / std; ``encoders.VAE`` reads them).
+
+The original layout (``LTX_VIDEO_TRANSFORMER``: Lightricks' ``ltx-video-2b-v0.9*.safetensors``, which ComfyUI loads
+as they are) is the inverse of diffusers' ``convert_ltx_transformer_checkpoint_to_diffusers``
+(``loaders/single_file_utils.py``): four renames, the rest the same names."""
 
 from __future__ import annotations
 
@@ -13,6 +17,15 @@ import numpy as np
 import torch
 
 from ditforge.models.adapters import DiffusersDenoiser, call_default, give_first_frame
+from ditforge.models.adapters.layouts import OriginalLayout, renamed
+
+LTX_VIDEO_TRANSFORMER = OriginalLayout(
+    name="LTX-Video transformer (Lightricks' release)",
+    renames=(("proj_in.{p}", "patchify_proj.{p}"), ("time_embed.{p}", "adaln_single.{p}"),
+             *renamed({"transformer_blocks.{i}.attn1.": "transformer_blocks.{i}.attn1.",
+                       "transformer_blocks.{i}.attn2.": "transformer_blocks.{i}.attn2."},
+                      {"norm_q.": "q_norm.", "norm_k.": "k_norm."})),
+    detect=("patchify_proj.weight",))
 
 
 def whole_text_plan() -> dict:
@@ -47,6 +60,7 @@ class LTXDenoiser(DiffusersDenoiser):
     block_classes = ("LTXVideoTransformerBlock",)
     video = True
     fps = 25  # LTX-Video is trained on (and exports) 25 fps clips
+    original_layouts = {"transformer": LTX_VIDEO_TRANSFORMER}
     context_parallel = ("sample", "train")
     cp_plan = staticmethod(whole_text_plan)  # parallel.context: the video tokens split, the (masked) text whole
     cp_text = "cross"  # each cross-attention over the whole text on every process

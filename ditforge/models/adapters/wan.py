@@ -9,13 +9,71 @@ The VAE, ``AutoencoderKLWan`` (``encoders.VAE``), takes clips of 4k + 1 frames (
 ``num_frames % 4 == 1``) and normalises each latent channel by its config's ``latents_mean`` / ``latents_std``: the
 tensors ``pipeline_wan.py`` builds to un-normalise, ``latents / (1 / latents_std) + latents_mean``. Its
 ``tiled_decode`` is the one ``encoders.vae.decode_tiles_split`` replays over the processes (Wan 2.1's, without
-``patch_size``)."""
+``patch_size``).
+
+The original layouts (``WAN_TRANSFORMER``, ``WAN_VAE``) are the inverses of diffusers'
+``loaders/single_file_utils.py``: ``convert_wan_transformer_to_diffusers`` (Wan-AI's ``diffusion_pytorch_model*``
+and ComfyUI's repackaged ``wan2.1_*.safetensors`` / ``wan2.2_*.safetensors``: Wan 2.1 T2V / I2V with its image
+embedder, 2.2 TI2V-5B and both A14B experts, one layout) and ``convert_wan_vae_to_diffusers`` (``Wan2.1_VAE.pth``,
+ComfyUI's ``wan_2.1_vae.safetensors``: 4 stages of 2 residual blocks, the decoder's 3 a stage and an upsampler in one
+flat list of 15). Wan 2.2's VAE (48 channels, residual down and up blocks) is not in that converter, so it has
+no layout here."""
 
 from __future__ import annotations
 
 import torch
 
 from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default, give_first_frame
+from ditforge.models.adapters.layouts import OriginalLayout, renamed
+
+_ATTENTION = {"to_q.": "q.", "to_k.": "k.", "to_v.": "v.", "to_out.0.": "o.", "add_k_proj.": "k_img.",
+              "add_v_proj.": "v_img.", "norm_added_k.": "norm_k_img."}  # norm_q, norm_k keep their names
+
+WAN_TRANSFORMER = OriginalLayout(
+    name="Wan 2.1 / 2.2 transformer (Wan-AI's release, ComfyUI's repackaging)",
+    renames=(
+        *renamed({"blocks.{i}.attn1.": "blocks.{i}.self_attn.", "blocks.{i}.attn2.": "blocks.{i}.cross_attn."},
+                 {**_ATTENTION, "norm_q.": "norm_q.", "norm_k.": "norm_k."}),
+        ("blocks.{i}.scale_shift_table", "blocks.{i}.modulation"),
+        # diffusers' norm2 is the cross-attention's (affine) norm, the original's norm3, and the other way round
+        ("blocks.{i}.norm2.{p}", "blocks.{i}.norm3.{p}"),
+        ("blocks.{i}.norm3.{p}", "blocks.{i}.norm2.{p}"),
+        *renamed({"blocks.{i}.ffn.": "blocks.{i}.ffn."}, {"net.0.proj.": "0.", "net.2.": "2."}),
+        ("scale_shift_table", "head.modulation"),
+        ("proj_out.{p}", "head.head.{p}"),
+        *renamed({"condition_embedder.": ""},
+                 {"time_embedder.linear_1.": "time_embedding.0.", "time_embedder.linear_2.": "time_embedding.2.",
+                  "text_embedder.linear_1.": "text_embedding.0.", "text_embedder.linear_2.": "text_embedding.2.",
+                  "time_proj.": "time_projection.1.", "image_embedder.norm1.": "img_emb.proj.0.",
+                  "image_embedder.ff.net.0.proj.": "img_emb.proj.1.", "image_embedder.ff.net.2.": "img_emb.proj.3.",
+                  "image_embedder.norm2.": "img_emb.proj.4."}),
+    ),
+    detect=("head.modulation",))
+
+_RESIDUAL = {"norm1.": "residual.0.", "conv1.": "residual.2.", "norm2.": "residual.3.", "conv2.": "residual.6.",
+             "conv_shortcut.": "shortcut."}
+
+WAN_VAE = OriginalLayout(
+    name="Wan 2.1 VAE (Wan2.1_VAE.pth, ComfyUI's wan_2.1_vae)",
+    renames=(
+        *renamed({"encoder.down_blocks.{i}.": "encoder.downsamples.{i}."}, _RESIDUAL),
+        ("encoder.down_blocks.{i}.{p}", "encoder.downsamples.{i}.{p}"),  # the resamples
+        # the decoder's stages of 3 residual blocks and an upsampler, one flat list in the original
+        *(rule for stage in range(4) for block in range(3) for rule in renamed(
+            {f"decoder.up_blocks.{stage}.resnets.{block}.": f"decoder.upsamples.{4 * stage + block}."}, _RESIDUAL)),
+        *((f"decoder.up_blocks.{stage}.upsamplers.0.{{p}}", f"decoder.upsamples.{4 * stage + 3}.{{p}}")
+          for stage in range(3)),
+        *(rule for coder in ("encoder", "decoder") for rule in (
+            *renamed({f"{coder}.mid_block.resnets.0.": f"{coder}.middle.0.",
+                      f"{coder}.mid_block.resnets.1.": f"{coder}.middle.2."}, _RESIDUAL),
+            (f"{coder}.mid_block.attentions.0.{{p}}", f"{coder}.middle.1.{{p}}"),
+            (f"{coder}.conv_in.{{p}}", f"{coder}.conv1.{{p}}"),
+            (f"{coder}.norm_out.{{p}}", f"{coder}.head.0.{{p}}"),
+            (f"{coder}.conv_out.{{p}}", f"{coder}.head.2.{{p}}"))),
+        ("quant_conv.{p}", "conv1.{p}"),
+        ("post_quant_conv.{p}", "conv2.{p}"),
+    ),
+    detect=("decoder.middle.0.residual.0.gamma",))
 
 
 class WanDenoiser(DiffusersDenoiser):
@@ -45,6 +103,7 @@ class WanDenoiser(DiffusersDenoiser):
 
     vae_split_decode = True  # AutoencoderKLWan.tiled_decode, when its VAE has no patch_size (Wan 2.1's)
     vae_folds_pixels = True  # Wan 2.2's VAE states in_channels after folding its patch_size^2 pixels (12 = 3 x 2 x 2)
+    original_layouts = {"transformer": WAN_TRANSFORMER, "vae": WAN_VAE}
 
     @staticmethod
     def expert_boundary(pipe):

@@ -1,0 +1,147 @@
+"""A diffusers model's weights, and its LoRA, in the layout of the original release it was converted from (the names
+and fused tensors of the family's own code, which ComfyUI reads too), read off the adapter's declarations
+(``DiffusersDenoiser.original_layouts``, ``models.adapters.layouts.OriginalLayout``); and the layout of a single
+file recognised by its keys. diffusers converts the other way (``loaders/single_file_utils.py``), and reads what
+``to_original`` writes (``from_single_file``), which the tests check."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from ditforge.errors import UserError
+from ditforge.models.adapters.layouts import OriginalLayout
+
+# the prefixes a single file may put before the original names: a full checkpoint's (ComfyUI's and the LDM
+# checkpoints' ``model.diffusion_model.``), a LoRA's (``diffusion_model.``), none (a bare diffusion model)
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
+
+
+def _pattern(template: str) -> re.Pattern:
+    parts = re.split(r"\{(\w+)\}", template)  # literal, field, literal, field, ...
+    return re.compile("".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>.+?)" for i, p in enumerate(parts)))
+
+
+def _match(template: str, name: str) -> dict[str, str] | None:
+    found = _pattern(template).fullmatch(name)
+    return None if found is None else found.groupdict()
+
+
+def original_name(name: str, layout: OriginalLayout) -> tuple[str, int, tuple[str, ...]]:
+    """Where diffusers parameter ``name`` goes in ``layout``: ``(original name, its index among the parts of a
+    fused tensor, the diffusers names of all the parts)``; a tensor of its own is part 0 of ``(name,)``."""
+    for original, parts in layout.fused:
+        for index, part in enumerate(parts):
+            fields = _match(part, name)
+            if fields is not None:
+                return original.format(**fields), index, tuple(p.format(**fields) for p in parts)
+    for ours, theirs in layout.renames:
+        fields = _match(ours, name)
+        if fields is not None:
+            return theirs.format(**fields), 0, (name,)
+    return name, 0, (name,)
+
+
+def _swapped(original: str, layout: OriginalLayout) -> bool:
+    return any(_match(t, original) is not None for t in layout.swapped)
+
+
+def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def to_original(state: Mapping[str, torch.Tensor], layout: OriginalLayout) -> dict[str, torch.Tensor]:
+    """A diffusers model's ``state`` (name -> tensor, any dtype and shape) in ``layout``: renamed, the fused
+    tensors concatenated along dim 0 in the layout's order, the swapped halves swapped. Tensors are shared with
+    ``state`` where only the name changes.
+
+    Raises:
+        TypeError: a fused tensor whose parts are not all in ``state``, or two names that map to one original
+            name (the layout's declaration is wrong, or ``state`` is no model of its class).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name in state:
+        original, index, parts = original_name(name, layout)
+        if index:
+            continue  # written with its part 0
+        if original in out:
+            raise TypeError(f"{layout.name}: {name} and another parameter both map to {original}")
+        missing = [p for p in parts if p not in state]
+        if missing:
+            raise TypeError(f"{layout.name}: {original} fuses {', '.join(parts)}; {', '.join(missing)} missing")
+        tensor = state[name] if len(parts) == 1 else torch.cat([state[p] for p in parts], dim=0)
+        out[original] = _swap_halves(tensor) if _swapped(original, layout) else tensor
+    return out
+
+
+def lora_to_original(lora: Mapping[str, torch.Tensor], layout: OriginalLayout, alpha: float,
+                     rows: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """A peft LoRA (``lora``: ``<diffusers module>.lora_A.weight`` (r, in) and ``.lora_B.weight`` (out, r), any
+    float dtype, scale ``alpha / r``) in ``layout``'s names, as ComfyUI's and diffusers' non-diffusers LoRA loaders
+    read it: ``<original module>.lora_A.weight``, ``.lora_B.weight`` and ``.alpha`` (a 0-d float32 tensor).
+
+    A module of its own keeps its A and B (B's halves swapped where the layout swaps the weight's), and alpha. A
+    fused original weight W = cat(W_1, ..., W_k) gets the exact block form of its parts' updates: A = cat(A_i) over
+    the adapted parts (sum r_i x in), B (out x sum r_i) block-diagonal, B_i in the rows of part i and columns of
+    A_i, zero rows for a part without an adapter; so B A = cat(B_i A_i) when every r_i = r. Its alpha is alpha x
+    sum r_i / r, which keeps ComfyUI's scale alpha / rank equal to peft's alpha / r.
+
+    Args:
+        rows: the diffusers parameter name (``<module>.weight``) -> its rows (out features), read for the parts of
+            a fused weight that have no adapter.
+
+    Raises:
+        TypeError: A and B of one module not both in ``lora``, or parts of one fused weight with different input
+            widths or ranks.
+    """
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in lora if ".lora_" in k})
+    groups: dict[str, list] = {}
+    for module in modules:
+        if f"{module}.lora_A.weight" not in lora or f"{module}.lora_B.weight" not in lora:
+            raise TypeError(f"LoRA of {module}: lora_A.weight and lora_B.weight expected")
+        original, index, parts = original_name(f"{module}.weight", layout)
+        groups.setdefault(original.removesuffix(".weight"), [None] * len(parts))[index] = module
+    out: dict[str, torch.Tensor] = {}
+    for original, adapted in groups.items():
+        parts = original_name(f"{next(m for m in adapted if m)}.weight", layout)[2]
+        a = [lora[f"{m}.lora_A.weight"] for m in adapted if m]
+        if len({t.shape for t in a}) > 1:
+            raise TypeError(f"LoRA of {original}: its parts' lora_A differ in shape ({[tuple(t.shape) for t in a]})")
+        rank = a[0].shape[0]
+        b = torch.zeros(sum(rows[p] if m is None else lora[f"{m}.lora_B.weight"].shape[0]
+                            for p, m in zip(parts, adapted)), rank * len(a), dtype=a[0].dtype)
+        row = col = 0
+        for part, module in zip(parts, adapted):
+            if module is None:
+                row += rows[part]
+                continue
+            block = lora[f"{module}.lora_B.weight"]
+            b[row:row + block.shape[0], col:col + rank] = block
+            row, col = row + block.shape[0], col + rank
+        if _swapped(f"{original}.weight", layout):
+            b = _swap_halves(b)
+        out[f"{original}.lora_A.weight"] = torch.cat(a, dim=0)
+        out[f"{original}.lora_B.weight"] = b
+        out[f"{original}.alpha"] = torch.tensor(float(alpha) * len(a), dtype=torch.float32)
+    return out
+
+
+def find_layout(keys: Iterable[str], layouts: Mapping[str, OriginalLayout], what: str
+                ) -> tuple[str, OriginalLayout, str]:
+    """The layout of a single file whose tensors are named ``keys``: ``(its key in layouts, the layout, the
+    prefix its names carry, one of PREFIXES)``, the first of ``layouts`` (in order) one of whose ``detect`` names
+    is in ``keys`` after a prefix.
+
+    Raises:
+        UserError: no layout matches; the message names ``what`` (the flag and file) and the known layouts.
+    """
+    keys = set(keys)
+    for key, layout in layouts.items():
+        for prefix in PREFIXES:
+            if any(prefix + name in keys for name in layout.detect):
+                return key, layout, prefix
+    known = "; ".join(layout.name for layout in layouts.values())
+    raise UserError(f"{what}: the file's tensor names match no known layout (known: {known or 'none'})")
