@@ -127,15 +127,16 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "diffusers video pipeline: its family's training rate)")
     s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
                    "(needed for an official DiT .pt: e.g. sd-vae-ft-ema); with a diffusers pipeline folder as "
-                   "--ckpt: a single file in place of its vae (diffusers' keys, the original release's such as "
-                   "Wan2.1_VAE.pth, or ComfyUI's)")
+                   "--ckpt: a single file in place of its vae (diffusers' keys, or the original release's: its "
+                   ".pth torch pickle, ComfyUI's .safetensors)")
     s.add_argument("--transformer", help="with a diffusers pipeline folder as --ckpt: a single-file checkpoint in "
                    "place of its transformer, the folder giving its config (diffusers' keys, the original "
                    "release's shards by their index .json, or ComfyUI's: bf16, fp16, fp8 e4m3, scaled fp8)")
-    s.add_argument("--transformer_2", help="with a two-expert pipeline folder as --ckpt (Wan 2.2 A14B): a single "
-                   "file in place of its transformer_2, as --transformer")
+    s.add_argument("--transformer_2", help="with a two-expert pipeline folder as --ckpt: a single file in place of "
+                   "its transformer_2 (the low-noise expert), as --transformer")
     s.add_argument("--text_encoder", help="with a diffusers pipeline folder as --ckpt: a single file in place of "
-                   "its text_encoder (transformers' keys; ComfyUI's umt5_xxl files, fp8 and scaled fp8 included)")
+                   "its text_encoder (transformers' keys, as ComfyUI's text encoder files; fp8 and scaled fp8 "
+                   "included)")
     s.add_argument("--save_npz", help="with --out (or for text models): also write samples (N,H,W,C or "
                    "N,T,H,W,C uint8) and labels (N,) or prompts (N,) to this .npz; without --out (class models): "
                    "evaluation-scale sampling into this .npz only, in the ADM evaluator's layout (arr_0: N,H,W,3 "

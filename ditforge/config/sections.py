@@ -74,8 +74,8 @@ class ModelConfig(_Freezable):
                                            "encoder's: T5 120, CLIP 77, MiniLM 256)")
     vae: str = _f("none", "local diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema) to train on its latents "
                           "(video: frame by frame), or none for pixel space; with a pipeline --init_from: a single "
-                          "file in place of the pipeline's vae (diffusers' keys, the original release's such as "
-                          "Wan2.1_VAE.pth, or ComfyUI's)")
+                          "file in place of the pipeline's vae (diffusers' keys, or the original release's: its .pth "
+                          "torch pickle, ComfyUI's .safetensors)")
     qk_norm: bool = _f(False, "LayerNorm on the queries and keys of every attention (stability of large models)")
     num_classes: int | None = _f(None, "number of class labels (default: from the data)")
     learn_sigma: bool = _f(True, "predict the variance too (hybrid loss of Improved DDPM)")
@@ -86,12 +86,12 @@ class ModelConfig(_Freezable):
                                      "export; the folder decides the denoiser, text encoders, VAE and objective")
     transformer: str | None = _f(None, "with a pipeline --init_from: a single-file checkpoint in place of its "
                                        "transformer, the folder giving its config: diffusers' keys, the original "
-                                       "release's (Wan-AI's diffusion_pytorch_model*.safetensors shards by their "
-                                       "index .json) or ComfyUI's (with or without model.diffusion_model.; bf16, "
+                                       "release's (diffusion_pytorch_model*.safetensors shards: give a shard or "
+                                       "their index .json) or ComfyUI's (with or without model.diffusion_model.; bf16, "
                                        "fp16, fp8 e4m3, scaled fp8, dequantised as weight x scale_weight); an "
                                        "unscaled fp8 file stays fp8 under --fp8_base")
-    transformer_2: str | None = _f(None, "with a two-expert pipeline --init_from (Wan 2.2 A14B): a single file in "
-                                         "place of its transformer_2 (the low-noise expert), as --transformer")
+    transformer_2: str | None = _f(None, "with a two-expert pipeline --init_from: a single file in place of its "
+                                         "transformer_2 (the low-noise expert), as --transformer")
     objective: str = _f("auto", "training objective: ddpm (epsilon) | v (v-prediction) | flow (rectified flow) | "
                                 "auto (the --init_from pipeline's scheduler; else ddpm)", choices=OBJECTIVES)
     flow_shift: float | None = _f(None, "flow: timestep shift t' = s t / (1 + (s - 1) t) (default: the scheduler's "

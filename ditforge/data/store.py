@@ -173,7 +173,7 @@ def _extraction_encoders(cfg, dataset, dev: torch.device) -> tuple:
     from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
     from ditforge.models.adapters.single_file import component_files
 
-    if not is_adapted_pipeline(m.init_from):
+    if not is_adapted_pipeline(m.init_from, tuple(component_files(m))):
         raise UserError(f"--init_from {m.init_from}: features are extracted with a diffusers pipeline folder "
                         "of a family ditforge adapts; DiT runs take --vae and --text_encoder")
     # the denoiser encodes nothing: it stays on the host in bf16 (a 14B transformer would take 57 GB in float32 on

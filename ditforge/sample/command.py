@@ -158,7 +158,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         f"{d.world_size} (or --cfg_parallel with half of that), or --save_npz without --out to "
                         "split the samples among the processes")
     host = torch.device("cpu") if cfg.plugin == "fsdp" else None  # the transformer reaches the GPU as shards
-    if is_adapted_pipeline(cfg.ckpt):  # a diffusers pipeline folder itself
+    if is_adapted_pipeline(cfg.ckpt, tuple(component_files(cfg))):  # a diffusers pipeline folder itself
         pre = load_pretrained(cfg.ckpt, d.device, encoder_dtype(d.device), flag="--ckpt",
                               denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device), sampling=True,
                               denoiser_device=host, files=component_files(cfg))

@@ -262,7 +262,7 @@ def load_init(run: Run) -> None:
     if m.init_from is None and features is not None:
         m.init_from = features.get("init_from")  # features of a pretrained pipeline: fine-tune that pipeline
     if m.init_from is not None:
-        if is_adapted_pipeline(m.init_from):
+        if is_adapted_pipeline(m.init_from, tuple(component_files(m))):
             # From features, the text encoders only encode the empty prompt and the sample grids, and the VAE only
             # decodes the grids: kept on the CPU (the VAE visits the GPU for a grid), out of a tight memory budget.
             on_gpu = device.type == "cuda" and features is None

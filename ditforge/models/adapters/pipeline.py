@@ -68,13 +68,14 @@ def read_model_index(folder: str | Path, flag: str = FLAG, replaced: tuple[str, 
     return spec
 
 
-def is_adapted_pipeline(path: str | Path) -> bool:
+def is_adapted_pipeline(path: str | Path, replaced: tuple[str, ...] = ()) -> bool:
     """True for a pipeline folder of a family behind an adapter (SD, PixArt, SD3, Wan); False for anything else
     (DiT weights in any form, or a path that is no pipeline folder). Raises UserError for a pipeline folder
-    that is incomplete or of an unsupported family (``read_model_index``)."""
+    that is incomplete (but for the weights of the ``replaced`` components) or of an unsupported family
+    (``read_model_index``)."""
     if not (Path(path) / "model_index.json").is_file():
         return False
-    return read_model_index(path)["_class_name"] != "DiTPipeline"
+    return read_model_index(path, replaced=replaced)["_class_name"] != "DiTPipeline"
 
 
 @dataclass

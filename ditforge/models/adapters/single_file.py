@@ -2,15 +2,15 @@
 ``--vae`` / ``--text_encoder FILE`` beside ``--init_from`` / ``--ckpt FOLDER``. The folder gives each component's
 config and what no single file holds (tokenizers, scheduler, the other components).
 
-Layouts (``load_component``; the family's facts are its adapter's declarations, ``original_keys`` and
-``original_prefix``):
+Layouts (``load_component``; the family's facts are its adapter's declaration ``original_layouts``, whose
+``detect`` keys ``layouts.find_layout`` looks for):
 
 * diffusers': the keys of the component's own ``state_dict`` (a folder's weights file taken alone);
-* the original release's: a key the adapter declares for the component is there (e.g. a transformer's output
-  modulation); Wan-AI's ``diffusion_pytorch_model-0000K-of-0000N.safetensors`` shards are read through their
-  ``.index.json`` (either file may be given), a torch pickle (``Wan2.1_VAE.pth``) through
+* the original release's: one of the layout's ``detect`` keys is there (e.g. a transformer's output modulation);
+  a release's ``diffusion_pytorch_model-0000K-of-0000N.safetensors`` shards are read through their
+  ``.index.json`` (either file may be given), a torch pickle (a VAE's ``.pth``) through
   ``torch.load(mmap=True, weights_only=True)``;
-* ComfyUI's: the original keys, with or without ``original_prefix`` (``model.diffusion_model.``), in bf16, fp16 or
+* ComfyUI's: the original keys, with or without a prefix (``layouts.PREFIXES``: ``model.diffusion_model.``), in bf16, fp16 or
   float8 e4m3, "scaled" float8 included: a ``scaled_fp8`` marker tensor and a float32 ``<layer>.scale_weight``
   scalar per float8 weight, whose value is ``weight x scale_weight`` (ComfyUI ``comfy/model_detection.py``
   ``model_config_from_unet`` reads the marker, ``comfy/ops.py`` ``scaled_fp8_ops`` ``convert_weight`` multiplies);
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ditforge.errors import UserError
+from ditforge.models.adapters.layouts import find_layout
 
 # The components a single file may replace, each with its flag (the same name).
 COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder")
@@ -68,7 +69,7 @@ def _open(file: Path, flag: str, stack: ExitStack) -> tuple[list[str], Callable[
         if not isinstance(state, dict):
             raise UserError(f"{flag} {file}: a torch pickle of a {type(state).__name__}, expected a state dict")
         return list(state), state.pop
-    if _SHARD.search(file.name):  # Wan-AI's shards: their index lies beside them
+    if _SHARD.search(file.name):  # a release's shards: their index lies beside them
         file = file.with_name(_SHARD.sub("", file.name) + ".index.json")
     if file.name.endswith(".json"):
         try:
@@ -104,16 +105,12 @@ def _tensors(keys: list[str], get: Callable[[str], torch.Tensor], prefix: str, d
         yield name, t.to(dtype) if t.is_floating_point() else t
 
 
-def _layout_error(flag: str, file: Path, cls: str, known: list[str]) -> UserError:
-    return UserError(f"{flag} {file}: an unknown layout for the folder's {cls} (known: {'; '.join(known)})")
-
-
 def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, family, dtype: torch.dtype,
                    keep_fp8: bool = False, flag: str | None = None) -> torch.nn.Module:
     """The pipeline component ``name`` (``model_index.json``'s ``kind``: library, class) built from ``folder``'s
     config and filled from the single file ``file``, its floating tensors in ``dtype`` (unscaled float8 ones kept
-    under ``keep_fp8``), frozen, on the CPU. ``family``: the pipeline's adapter class (its ``original_keys`` and
-    ``original_prefix`` tell the original and ComfyUI layouts).
+    under ``keep_fp8``), frozen, on the CPU. ``family``: the pipeline's adapter class (its ``original_layouts``
+    tell the original and ComfyUI layouts).
 
     Raises:
         UserError (one line naming ``flag`` and the file): a missing or unreadable file; a layout that is none of
@@ -123,6 +120,7 @@ def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, fa
     import diffusers
     import transformers
     from accelerate import init_empty_weights
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
     flag = flag or f"--{name}"
     path = Path(file)
@@ -131,37 +129,35 @@ def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, fa
     library, cls_name = kind
     cls = getattr(diffusers if library == "diffusers" else transformers, cls_name)
     sub = str(folder / name)
-    role = name.removesuffix("_2")  # a second expert's layout is the first's
-    markers = family.original_keys.get(role, ())
+    layouts = {k: v for k, v in family.original_layouts.items() if k == name.removesuffix("_2")}  # 2nd expert: 1st's
+    convert = SINGLE_FILE_LOADABLE_CLASSES.get(cls_name, {}).get("checkpoint_mapping_fn") if layouts else None
     with ExitStack() as stack:
         keys, get = _open(path, flag, stack)
-        prefix = family.original_prefix if any(k.startswith(family.original_prefix) for k in keys) else ""
-        names = {k.removeprefix(prefix) for k in keys}
-        if library == "diffusers":
-            config = cls.load_config(sub, local_files_only=True)
-            with init_empty_weights():
+        with init_empty_weights():
+            if library == "diffusers":
+                config = cls.load_config(sub, local_files_only=True)
                 model = cls.from_config(config)
-        else:
-            config = transformers.AutoConfig.from_pretrained(sub, local_files_only=True)
-            with init_empty_weights():
+            else:
+                config = transformers.AutoConfig.from_pretrained(sub, local_files_only=True)
                 model = cls(config)
-        own = set(model.state_dict())
-        known = [f"diffusers' {cls_name} keys"] if library == "diffusers" else [f"transformers' {cls_name} keys"]
-        convert = None
-        if library == "diffusers" and markers:
-            from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-
-            convert = SINGLE_FILE_LOADABLE_CLASSES.get(cls_name, {}).get("checkpoint_mapping_fn")
-            if convert is not None:
-                known.append(f"the original release's and ComfyUI's (a key {markers[0]}, with or without the "
-                             f"{family.original_prefix} prefix; bf16, fp16, fp8 e4m3, scaled fp8)")
-        original = convert is not None and any(m in names for m in markers)
-        if not original and not (names & own):
-            raise _layout_error(flag, path, cls_name, known)
+        usable = layouts if convert else {}
+        try:  # an original layout's mark first: some original names are diffusers' too (patch_embedding)
+            _, _, prefix = find_layout(keys, usable, f"{flag} {file}")
+            original = True
+        except UserError:
+            original, prefix = False, ""
+            if not set(keys) & set(model.state_dict()):
+                known = [f"{library}' {cls_name} keys"] + [layout.name for layout in usable.values()]
+                raise UserError(f"{flag} {file}: an unknown layout for the folder's {cls_name} (known: "
+                                f"{'; '.join(known)})") from None
         state = dict(_tensors(keys, get, prefix, dtype, keep_fp8))
-    if original:
-        state = convert(checkpoint=state, config=config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if original:  # a split fused tensor is a view: made contiguous as from_single_file does (the matmul kernels differ)
+        state = {k: v.contiguous() for k, v in convert(checkpoint=state, config=config).items()}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # misshapen tensors: a file of another size of the model
+        mismatch = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e)[:200])
+        raise UserError(f"{flag} {file}: its tensors do not fit the folder's {cls_name} ({mismatch})") from None
     if library != "diffusers":
         model.tie_weights()  # an encoder's tied embeddings: stored once (T5's shared and embed_tokens)
         missing = [k for k in missing if model.get_parameter(k).device.type == "meta"]
