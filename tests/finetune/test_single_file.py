@@ -102,9 +102,9 @@ def _comfy_transformer(folder, tmp_path, family: str, **config):
 
 
 SETUPS = {
-    "wan": lambda p, t: _wan_files(p, t),
     "ltx": lambda p, t: _comfy_transformer(p, t, "ltx"),
     "hunyuan_video": lambda p, t: _comfy_transformer(p, t, "hunyuan_video", num_single_layers=0),
+    "wan": lambda p, t: _wan_files(p, t),
 }
 
 
@@ -240,7 +240,8 @@ def test_text_encoder_file(wan_pipeline, tmp_path):
 
 def test_unknown_layout_is_one_line(wan_pipeline, tmp_path, capsys):
     """A file whose keys are none of the known layouts: exit 2, one line naming the flag, the file and the layouts
-    ditforge knows (from ``train`` and from ``sample``)."""
+    ditforge knows (from ``train`` and from ``sample``); a single file without a pipeline folder to go in, one line
+    too."""
     path = tmp_path / "other.safetensors"
     save_file({"unet.conv_in.weight": torch.zeros(2, 2)}, str(path))
     argv = VIDEO["wan"].argv(wan_pipeline, tmp_path / "run", "--max_steps", "1", "--transformer", str(path))
@@ -248,3 +249,26 @@ def test_unknown_layout_is_one_line(wan_pipeline, tmp_path, capsys):
                           "Wan 2.1 / 2.2 transformer")
     assert_one_line_error(capsys, ["sample", "--ckpt", str(wan_pipeline), "--prompt", "a", "--vae", str(path),
                                    "--device", "cpu"], f"--vae {path}", "unknown layout", "Wan 2.1 VAE")
+    assert_one_line_error(capsys, ["train", "--transformer", str(path), "--device", "cpu"], f"--transformer {path}",
+                          "give that folder as --init_from")
+
+
+def test_second_expert_file(tmp_path):
+    """``--transformer_2 FILE`` of a two-expert pipeline (ComfyUI's layout, float32): under ``--expert low_noise`` the
+    denoiser wraps the file's expert, exactly the folder's ``transformer_2`` (diffusers' ``from_pretrained``), and the
+    other expert stays the folder's."""
+    from diffusers import WanTransformer3DModel
+
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from tiny_pipelines import make_wan22
+
+    folder = make_wan22(tmp_path / "pipe")
+    experts = [WanTransformer3DModel.from_pretrained(str(folder), subfolder=s) for s in ("transformer", "transformer_2")]
+    path = tmp_path / "low_noise.safetensors"
+    save_file({COMFY + k: v for k, v in _original(experts[1], "wan", "transformer").items()}, str(path))
+    _strip_weights(folder, "transformer_2")
+    pre = load_pretrained(folder, torch.device("cpu"), expert="low_noise", files={"transformer_2": str(path)})
+    for model, ref in ((pre.denoiser.inner, experts[1]), (pre.pipe.transformer, experts[0])):
+        got, want = model.state_dict(), ref.state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
