@@ -170,8 +170,9 @@ def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: 
 
 def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path) -> Path:
     """A complete pipeline folder at ``out``: the fine-tuned (LoRA merged) denoiser and, when it trained, text
-    encoder saved with their ``save_pretrained``, every other component copied untouched from the folder the run
-    started from, so the family's pipeline class loads it offline. Written under a temporary name and renamed when
+    encoder saved with their ``save_pretrained``, and so the components single files replaced (``pre.files``),
+    every other component copied untouched from the folder the run started from, so the family's pipeline class
+    loads it offline. Written under a temporary name and renamed when
     complete."""
     # the component the denoiser is: its own (transformer, unet) or, for a two-expert pipeline's second expert,
     # transformer_2
@@ -179,6 +180,8 @@ def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path
     trained = {component: denoiser.inner}
     if denoiser.tokenize is not None:  # --train_text_encoder
         trained["text_encoder"] = denoiser.text_encoder
+    for name in pre.files:  # read from a single file: the folder may not hold its weights
+        trained.setdefault(name, pre.pipe.components[name])
     with atomic_dir(out) as tmp:
         for item in pre.folder.iterdir():
             if item.name not in trained:

@@ -259,7 +259,8 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
     if size % multiple:
         raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
                         f"(the VAE's downsample {scale} x the denoiser's own)")
-    m.vae = str(pre.folder / "vae")
+    if "vae" not in pre.files:  # a --vae single file stays the run's record of it (it is read again to sample)
+        m.vae = str(pre.folder / "vae")
     vae = VAE(pre.pipe.vae, path=m.vae, frame_factor=pre.denoiser.vae_frame_factor,
               folds_pixels=pre.denoiser.vae_folds_pixels)  # the family's frame rule
     frames = dataset.num_frames if video else None

@@ -120,7 +120,7 @@ def _sample(family: str, folder, out, *files: str) -> np.ndarray:
 def test_single_files_train_and_sample_like_the_folder(family, request, tmp_path):
     """From a folder without the replaced components' weights and the single files: ``train``'s first loss equals
     diffusers' reference of the complete folder (``references.first_loss``, 1e-5 relative, as the shared suite),
-    and ``sample`` draws the complete folder's video to one uint8 level (the same float32 weights; CPU kernels round
+    the run's ``--format diffusers`` export holds the file's VAE (Wan), and ``sample`` draws the complete folder's video to one uint8 level (the same float32 weights; CPU kernels round
     by the tensors' memory alignment: HunyuanVideo's transformer rebuilt with its own folder's weights moves by
     2.4e-7)."""
     full, bare, files = SETUPS[family](request.getfixturevalue(f"{family}_pipeline"), tmp_path)
@@ -128,6 +128,14 @@ def test_single_files_train_and_sample_like_the_folder(family, request, tmp_path
     assert cli.main(spec.argv(bare, tmp_path / "run", "--max_steps", "1", *files)) == 0
     ref, _ = references.first_loss(family, full)
     assert read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["loss"] == pytest.approx(ref, rel=1e-5)
+    if family == "wan":  # the export holds the VAE the file gave, which the bare folder has not
+        import diffusers
+
+        assert cli.main(["export", "--ckpt", str(tmp_path / "run"), "--format", "diffusers", "--out",
+                         str(tmp_path / "export")]) == 0
+        exported, ref_vae = (diffusers.AutoencoderKLWan.from_pretrained(str(f), subfolder="vae").state_dict()
+                             for f in (tmp_path / "export", full))
+        assert exported.keys() == ref_vae.keys() and all(torch.equal(exported[k], ref_vae[k]) for k in ref_vae)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     ours, ref = (_sample(family, f, tmp_path / d, *x).astype(np.int16) for f, d, x in ((bare, "a", files),
