@@ -169,7 +169,7 @@ def validate(cfg: RunConfig) -> None:
     from ditforge.models.adapters.single_file import component_files  # torch: imported at the check, not for --help
 
     for name, file in component_files(m).items():
-        if name in ("transformer", "transformer_2") or Path(file).is_file():  # a vae / text_encoder folder: a DiT's
+        if name in ("transformer", "transformer_2") or Path(file).is_file():  # a missing --vae: load_vae's to name
             if m.init_from is None or not (Path(m.init_from) / "model_index.json").is_file():
                 raise UserError(f"--{name} {file}: a single file replaces a component of a diffusers pipeline "
                                 "folder; give that folder as --init_from")

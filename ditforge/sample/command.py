@@ -169,7 +169,7 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
             _fuse_lora(pre, cfg.lora)
         return sample_pipeline(cfg, prompts, d, pre, pre.denoiser.eval())
     for name, file in component_files(cfg).items():
-        if name != "vae" or Path(file).is_file():  # a --vae folder decodes a DiT's latents
+        if name != "vae" or Path(file).is_file():  # a missing --vae: load_sample_vae's to name
             raise UserError(f"--{name} {file}: replaces a component of a diffusers pipeline folder as --ckpt; "
                             f"{cfg.ckpt} is none (a run reads the single files of its --init_from)")
     if cfg.lora is not None:

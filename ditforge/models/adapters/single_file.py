@@ -50,8 +50,10 @@ _PICKLES = (".pth", ".pt", ".bin", ".ckpt")
 
 def component_files(section) -> dict[str, str]:
     """The single files a config section names (``ModelConfig`` or ``SampleConfig``: the fields of
-    ``COMPONENTS``; a ``vae`` of ``none`` names none), by component."""
-    return {n: str(v) for n in COMPONENTS if (v := getattr(section, n, None)) not in (None, "none")}
+    ``COMPONENTS``), by component. A folder is none (``--vae`` / ``--text_encoder`` of a DiT run, and the
+    pipeline's own ``vae/`` a run records), nor is ``none``."""
+    return {n: str(v) for n in COMPONENTS
+            if (v := getattr(section, n, None)) not in (None, "none") and not Path(v).is_dir()}
 
 
 def _open(file: Path, flag: str, stack: ExitStack) -> tuple[list[str], Callable[[str], torch.Tensor]]:
