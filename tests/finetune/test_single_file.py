@@ -226,7 +226,9 @@ def test_text_encoder_file(wan_pipeline, tmp_path):
     state = {k: v for k, v in folder.state_dict().items() if k != "encoder.embed_tokens.weight"}
     plain, scaled = tmp_path / "umt5.safetensors", tmp_path / "umt5_fp8_e4m3fn_scaled.safetensors"
     save_file(state, str(plain))
-    fp8, meant = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, {}
+    # ComfyUI's marker, and the tokenizer it may keep in the file (ignored: the folder's is used)
+    fp8 = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn), "spiece_model": torch.zeros(5, dtype=torch.uint8)}
+    meant = {}
     for k, v in state.items():
         if ".block." in k and k.endswith(".weight") and v.ndim == 2:
             s = v.abs().max() / 448

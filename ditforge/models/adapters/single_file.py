@@ -90,12 +90,14 @@ def _open(file: Path, flag: str, stack: ExitStack) -> tuple[list[str], Callable[
 def _tensors(keys: list[str], get: Callable[[str], torch.Tensor], prefix: str, dtype: torch.dtype,
              keep_fp8: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """(key without ``prefix``, tensor cast to ``dtype``) one at a time; ComfyUI's scale tensors are folded into
-    their weights and its ``scaled_fp8`` marker dropped; a float8 tensor stays float8 under ``keep_fp8`` unless
-    scaled."""
+    their weights, its ``scaled_fp8`` marker and the tokenizer it may store in a text encoder's file
+    (``spiece_model``, read by ``comfy/sd.py``; the folder's tokenizer is used) dropped; a float8 tensor stays
+    float8 under ``keep_fp8`` unless scaled."""
     scales = {k.removesuffix(".scale_weight"): k for k in keys if k.endswith(".scale_weight")}
     for key in keys:
         name = key.removeprefix(prefix) if prefix else key
-        if name.endswith((".scale_weight", ".scale_input")) or name.rsplit(".", 1)[-1] == "scaled_fp8":
+        if name.endswith((".scale_weight", ".scale_input")) or name.rsplit(".", 1)[-1] in ("scaled_fp8",
+                                                                                              "spiece_model"):
             continue
         t = get(key)
         module = key.removesuffix(".weight")
