@@ -88,8 +88,8 @@ class ModelConfig(_Freezable):
                                        "transformer, the folder giving its config: diffusers' keys, the original "
                                        "release's (diffusion_pytorch_model*.safetensors shards: give a shard or "
                                        "their index .json) or ComfyUI's (with or without model.diffusion_model.; bf16, "
-                                       "fp16, fp8 e4m3, scaled fp8, dequantised as weight x scale_weight); an "
-                                       "unscaled fp8 file stays fp8 under --fp8_base")
+                                       "fp16, fp8 e4m3, scaled fp8 (weight x scale_weight)); an fp8 file stays fp8 "
+                                       "under --fp8_base, a scaled one with its scale")
     transformer_2: str | None = _f(None, "with a two-expert pipeline --init_from: a single file in place of its "
                                          "transformer_2 (the low-noise expert), as --transformer")
     objective: str = _f("auto", "training objective: ddpm (epsilon) | v (v-prediction) | flow (rectified flow) | "

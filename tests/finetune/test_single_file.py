@@ -168,50 +168,81 @@ def _fp8_file(wan_pipeline, tmp_path, scaled: bool):
     return path, state, meant
 
 
-def test_fp8_file_stays_fp8_under_fp8_base(wan_pipeline, tmp_path):
-    """An unscaled fp8 file under ``--fp8_base`` (``keep_fp8``, then ``store_base_in_fp8``): every block weight stays
-    float8_e4m3fn, bit for bit the file's, and the LoRA model's output on fresh inputs equals that of the same file
-    read into float32 first and then stored in float8 (what the folder path does; exact casts, so 1e-6 of the
-    output's magnitude); a ComfyUI scaled file reads as
-    weight x scale_weight exactly, as diffusers' ``from_single_file`` reads the dequantised weights."""
-    import diffusers
-
+def _lora_models(folder, path, keep: tuple[bool, ...]):
+    """The Wan transformer read from ``path``, once per ``keep`` (``keep_fp8`` and then ``store_base_in_fp8``, or
+    float32), each with the same LoRA (rank 4; B drawn too, so that the adapters count)."""
     from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.train.finetune import store_base_in_fp8
     from ditforge.weights.lora import add_lora
 
-    path, state, _ = _fp8_file(wan_pipeline, tmp_path, scaled=False)
-    cpu = torch.device("cpu")
-    kept = load_pretrained(wan_pipeline, cpu, files={"transformer": str(path)}, keep_fp8=True).denoiser
-    plain = load_pretrained(wan_pipeline, cpu, files={"transformer": str(path)}).denoiser
-    for model in (kept, plain):
+    models = []
+    for fp8 in keep:
+        model = load_pretrained(folder, torch.device("cpu"), files={"transformer": str(path)}, keep_fp8=fp8).denoiser
         torch.manual_seed(0)
         add_lora(model, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
-        store_base_in_fp8(model, torch.float32, "none")
-    weight = kept.inner.blocks[0].attn1.to_q.base_layer.weight
-    assert weight.dtype == torch.float8_e4m3fn
-    assert torch.equal(weight.view(torch.uint8), state[COMFY + "blocks.0.self_attn.q.weight"].view(torch.uint8))
-    with torch.no_grad():
-        for m in (kept, plain):  # B != 0, so the adapters count
-            for n, p in m.named_parameters():
+        with torch.no_grad():
+            for n, p in model.named_parameters():
                 if "lora_B" in n:
                     torch.manual_seed(len(n))
                     p.normal_(0, 0.1)
+        if fp8:
+            store_base_in_fp8(model, torch.float32, "none")
+        models.append(model)
+    return models
+
+
+def _outputs(*models):
     g = torch.Generator().manual_seed(5)
-    x, t = torch.randn(2, 16, 2, 2, 2, generator=g), torch.tensor([300.0, 800.0])
-    text = torch.randn(2, 7, 32, generator=g)
+    x, t, text = torch.randn(2, 16, 2, 2, 2, generator=g), torch.tensor([300.0, 800.0]), torch.randn(2, 7, 32, generator=g)
     with torch.no_grad():
-        ours, ref = (m.denoise(x, t, encoder_hidden_states=text) for m in (kept, plain))
+        return [m.denoise(x, t, encoder_hidden_states=text) for m in models]
+
+
+def test_fp8_file_stays_fp8_under_fp8_base(wan_pipeline, tmp_path):
+    """Under ``--fp8_base`` (``keep_fp8``, then ``store_base_in_fp8``) a float8 file's block weights stay
+    float8_e4m3fn, bit for bit the file's, and the LoRA model's output on fresh inputs equals (1e-6 of its
+    magnitude; the casts are exact) a float32 reference: for an unscaled file, the same file read into float32
+    and then stored in float8 (the folder's path); for a ComfyUI scaled file, the dequantised weights
+    (weight x scale_weight) in float32 with the layers' other tensors rounded to e4m3 as the casting stores them.
+    Without ``keep_fp8`` a scaled file reads as weight x scale_weight exactly, as diffusers' ``from_single_file``
+    reads the dequantised weights."""
+    import diffusers
+
+    from ditforge.train.finetune import store_base_in_fp8
+
+    path, state, _ = _fp8_file(wan_pipeline, tmp_path, scaled=False)
+    kept, plain = _lora_models(wan_pipeline, path, (True, False))
+    store_base_in_fp8(plain, torch.float32, "none")
+    weight = kept.inner.blocks[0].attn1.to_q.base_layer.weight
+    assert weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(weight.view(torch.uint8), state[COMFY + "blocks.0.self_attn.q.weight"].view(torch.uint8))
+    ours, ref = _outputs(kept, plain)
     assert (ours - ref).abs().max() <= 1e-6 * ref.abs().max()
 
-    scaled, _, meant = _fp8_file(wan_pipeline, tmp_path, scaled=True)
-    read = load_pretrained(wan_pipeline, cpu, files={"transformer": str(scaled)}).denoiser.inner.state_dict()
+    scaled, state, meant = _fp8_file(wan_pipeline, tmp_path, scaled=True)
+    kept, ref_model = _lora_models(wan_pipeline, scaled, (True, False))
+    layer = kept.inner.blocks[0].attn1.to_q.base_layer
+    assert torch.equal(layer.weight.view(torch.uint8), state[COMFY + "blocks.0.self_attn.q.weight"].view(torch.uint8))
+    assert layer.scale_weight == state[COMFY + "blocks.0.self_attn.q.scale_weight"]
+    theirs = dict(ref_model.named_modules())
+    with torch.no_grad():  # what the casting stores in e4m3 besides the scaled weights
+        for name, module in kept.named_modules():
+            hooks = getattr(module, "_diffusers_hook", None)
+            if hooks is not None and hooks.get_hook("layerwise_casting") is not None:
+                for n, p in theirs[name].named_parameters(recurse=False):
+                    if not (n == "weight" and getattr(module, "scale_weight", None) is not None):
+                        p.data = p.data.to(torch.float8_e4m3fn).float()
+    ours, ref = _outputs(kept, ref_model)
+    assert (ours - ref).abs().max() <= 1e-6 * ref.abs().max()
+
     dequantised = tmp_path / "dequantised.safetensors"
     save_file({COMFY + k: v for k, v in meant.items()}, str(dequantised))
+    read = _lora_models(wan_pipeline, scaled, (False,))[0].inner.state_dict()
     theirs = diffusers.WanTransformer3DModel.from_single_file(str(dequantised), config=str(wan_pipeline),
                                                               subfolder="transformer").state_dict()
-    assert read.keys() == theirs.keys()
-    assert all(torch.equal(read[k], theirs[k]) for k in read)
+    ours = {k.replace(".base_layer", ""): v for k, v in read.items() if "lora_" not in k}
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_text_encoder_file(wan_pipeline, tmp_path):

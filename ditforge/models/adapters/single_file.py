@@ -18,8 +18,9 @@ Layouts (``load_component``; the family's facts are its adapter's declaration ``
 
 Reading is lazy, tensor by tensor (safetensors ``safe_open``), each tensor cast on its own to the load dtype, so
 host memory peaks at the loaded model plus one tensor (``benchmarks/single_file.py`` measures it). A scaled float8
-weight is dequantised exactly as ComfyUI does, ``weight.float() * scale_weight`` in float32, then cast; an
-unscaled float8 tensor stays float8 where the caller keeps float8 (``keep_fp8``: ``--fp8_base``).
+weight is dequantised exactly as ComfyUI does, ``weight.float() * scale_weight`` in float32, then cast; where the
+caller keeps float8 (``keep_fp8``: ``--fp8_base``) a float8 tensor stays float8, a scaled weight with its scale
+beside it (the layer's ``scale_weight``), applied when the float8 base upcasts it.
 
 The keys are converted by diffusers' own converter of the class, the one ``from_single_file`` calls
 (``SINGLE_FILE_LOADABLE_CLASSES[class]["checkpoint_mapping_fn"]``), and the tensors are assigned to the model built
@@ -88,11 +89,12 @@ def _open(file: Path, flag: str, stack: ExitStack) -> tuple[list[str], Callable[
 
 
 def _tensors(keys: list[str], get: Callable[[str], torch.Tensor], prefix: str, dtype: torch.dtype,
-             keep_fp8: bool) -> Iterator[tuple[str, torch.Tensor]]:
+             keep_fp8: bool, kept: list) -> Iterator[tuple[str, torch.Tensor]]:
     """(key without ``prefix``, tensor cast to ``dtype``) one at a time; ComfyUI's scale tensors are folded into
-    their weights, its ``scaled_fp8`` marker and the tokenizer it may store in a text encoder's file
-    (``spiece_model``, read by ``comfy/sd.py``; the folder's tokenizer is used) dropped; a float8 tensor stays
-    float8 under ``keep_fp8`` unless scaled."""
+    their weights (``weight.float() * scale_weight``), its ``scaled_fp8`` marker and the tokenizer it may store in
+    a text encoder's file (``spiece_model``, read by ``comfy/sd.py``; the folder's tokenizer is used) dropped.
+    Under ``keep_fp8`` a float8 tensor stays float8, and a scaled one is appended to ``kept`` with its scale
+    ((tensor, float32 0-d scale))."""
     scales = {k.removesuffix(".scale_weight"): k for k in keys if k.endswith(".scale_weight")}
     for key in keys:
         name = key.removeprefix(prefix) if prefix else key
@@ -101,11 +103,14 @@ def _tensors(keys: list[str], get: Callable[[str], torch.Tensor], prefix: str, d
             continue
         t = get(key)
         module = key.removesuffix(".weight")
-        if key.endswith(".weight") and module in scales:
-            t = t.float() * get(scales[module]).float()
-        elif keep_fp8 and t.dtype in FP8:
+        scale = get(scales[module]).float() if key.endswith(".weight") and module in scales else None
+        if keep_fp8 and t.dtype in FP8:
+            if scale is not None:
+                kept.append((t, scale))
             yield name, t
             continue
+        if scale is not None:
+            t = t.float() * scale
         yield name, t.to(dtype) if t.is_floating_point() else t
 
 
@@ -154,8 +159,9 @@ def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, fa
                 known = [f"{library}' {cls_name} keys"] + [layout.name for layout in usable.values()]
                 raise UserError(f"{flag} {file}: an unknown layout for the folder's {cls_name} (known: "
                                 f"{'; '.join(known)})") from None
-        state = dict(_tensors(keys, get, prefix, dtype, keep_fp8))
-    if original:  # a split fused tensor is a view: made contiguous as from_single_file does (the matmul kernels differ)
+        kept: list = []
+        state = dict(_tensors(keys, get, prefix, dtype, keep_fp8, kept))
+    if original:  # a split fused tensor is a view: made contiguous, as from_single_file does
         state = {k: v.contiguous() for k, v in convert(checkpoint=state, config=config).items()}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -168,4 +174,18 @@ def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, fa
     if missing or unexpected:
         raise UserError(f"{flag} {file}: its tensors do not fill the folder's {cls_name} (missing "
                         f"{', '.join(sorted(missing)[:3]) or '-'}; unexpected {', '.join(sorted(unexpected)[:3]) or '-'})")
+    if kept:
+        _attach_scales(model, kept)
     return model.requires_grad_(False).eval()
+
+
+def _attach_scales(model: torch.nn.Module, kept: list) -> None:
+    """Each layer whose float8 weight was kept scaled gets its ``scale_weight`` (a plain float32 0-d tensor
+    attribute, outside the state dict), for the float8 base's casting (``train.finetune.store_base_in_fp8``). The
+    weight is found by memory: diffusers' converter renames a tensor or splits a fused one into views of it."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.nbytes, s) for t, s in kept]
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dtype in FP8:
+            at = weight.data_ptr()
+            module.scale_weight = next((s for low, high, s in spans if low <= at < high), None)
