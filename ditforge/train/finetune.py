@@ -145,7 +145,9 @@ def _scaled_weight_hook(scale: torch.Tensor):
     class ScaledWeight(ModelHook):
         def pre_forward(self, module, *args, **kwargs):
             self.upcast = module.weight.data
-            module.weight.data = self.upcast * scale.to(self.upcast.device, self.upcast.dtype)
+            if self.scale.device != self.upcast.device:  # once: the scale follows the weight to its device
+                self.scale = self.scale.to(self.upcast.device)
+            module.weight.data = self.upcast * self.scale.to(self.upcast.dtype)
             return args, kwargs
 
         def post_forward(self, module, output):
@@ -153,7 +155,9 @@ def _scaled_weight_hook(scale: torch.Tensor):
             del self.upcast
             return output
 
-    return ScaledWeight()
+    hook = ScaledWeight()
+    hook.scale = scale
+    return hook
 
 
 def store_base_in_fp8(model: nn.Module, compute_dtype: torch.dtype, plugin: str) -> None:
