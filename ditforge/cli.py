@@ -213,16 +213,20 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _add_export(sub: argparse._SubParsersAction) -> None:
     """``ditforge export``: checkpoint, output and format."""
     e = sub.add_parser("export", help="consolidate a (sharded) checkpoint into one safetensors file, or write a "
-                       "diffusers DiTPipeline folder", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "diffusers pipeline folder, a LoRA file, or ComfyUI's single file",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     e.add_argument("--ckpt", required=True, help="run folder (newest checkpoint) or checkpoint folder")
     e.add_argument("--out", required=True, help="the .safetensors file to write (the run config goes in its "
                    "metadata), or the folder for --format diffusers")
     e.add_argument("--no_ema", dest="use_ema", action="store_false", help="export the raw weights, not the EMA")
-    e.add_argument("--format", choices=("safetensors", "diffusers", "lora"), default="safetensors",
+    e.add_argument("--format", choices=("safetensors", "diffusers", "lora", "comfyui"), default="safetensors",
                    help="diffusers: a pipeline folder diffusers loads offline with from_pretrained (a fine-tuned "
                    "--init_from pipeline: the fine-tuned denoiser, LoRA merged, beside the untouched components; an "
                    "image class-conditional DiT: a DiTPipeline with transformer/, DDIM scheduler/, vae/); lora: a LoRA "
-                   "run's adapters as OUT/pytorch_lora_weights.safetensors for pipe.load_lora_weights(OUT)")
+                   "run's adapters as OUT/pytorch_lora_weights.safetensors for pipe.load_lora_weights(OUT); comfyui: "
+                   "a fine-tuned pipeline run as the one file OUT in the original release's names, which ComfyUI "
+                   "loads (a LoRA: diffusion_model.<key>.lora_A/lora_B/alpha, float32; a full fine-tune: the whole "
+                   "denoiser, bfloat16; one expert of two: OUT's name gets _high_noise or _low_noise)")
     e.add_argument("--vae", default=None, help="--format diffusers: the local diffusers AutoencoderKL folder to put in "
                    "the pipeline (default: the run's VAE)")
 
@@ -287,7 +291,7 @@ def _add_extract_features(sub: argparse._SubParsersAction) -> None:
                     "(blends, exact resume at any world size; not with --init_from)")
     _add_config_flags(fx, (DataConfig, ModelConfig, TrainConfig),
                       only=("data", "image_size", "num_frames", "frame_interval", "num_workers", "resize_mode",
-                            "condition", "vae", "text_encoder", "text_max_length", "init_from", "device", "seed"))
+                            "buckets", "caption_missing", "condition", "vae", "text_encoder", "text_max_length", "init_from", "device", "seed"))
 
 
 def _add_shard(sub: argparse._SubParsersAction) -> None:

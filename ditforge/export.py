@@ -1,6 +1,7 @@
 """``ditforge export``: a checkpoint as one safetensors file (the run config in its metadata), as a diffusers
 ``DiTPipeline`` folder (image class-conditional DiTs), or, for a run that fine-tuned a diffusers pipeline
-(``--init_from``), as a complete pipeline folder or a diffusers LoRA file."""
+(``--init_from``), as a complete pipeline folder, a diffusers LoRA file, or ComfyUI's single-file layout (a LoRA or
+the whole denoiser in the original release's names)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import types
 from pathlib import Path
 
 import torch
@@ -15,11 +17,13 @@ import torch
 from ditforge.atomic import atomic_dir, atomic_path
 from ditforge.errors import UserError
 from ditforge.interop import PIPELINE_NULL_LABEL, SPEC_FILE, ddim_scheduler_config, official_to_diffusers
-from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters import DiffusersDenoiser, families
 from ditforge.models.adapters.pipeline import Pretrained, read_model_index
+from ditforge.models.adapters.single_file import component_files
 from ditforge.sample import load_model
 from ditforge.weights.finetuned import load_finetuned
 from ditforge.weights.lora import TEXT_LORA_TARGETS, lora_config, lora_state_dict, merge_lora
+from ditforge.weights.original import lora_to_original, to_original
 from ditforge.weights.read import load_weights
 
 log = logging.getLogger(__name__)
@@ -35,7 +39,8 @@ def export_safetensors(state: dict[str, torch.Tensor], config: dict | None, out:
 
 def export(ckpt: str, out: str, fmt: str = "safetensors", use_ema: bool = True, vae: str | None = None) -> Path:
     """``ditforge export``: ``fmt`` safetensors (``consolidate``), diffusers (``export_diffusers``; a fine-tuned
-    pipeline run: ``export_pretrained``) or lora (a LoRA fine-tune of a pipeline: ``export_pretrained``).
+    pipeline run: ``export_pretrained``), lora (a LoRA fine-tune of a pipeline: ``export_pretrained``) or comfyui
+    (a fine-tuned pipeline run: ``export_comfyui``).
     ``vae``: for diffusers, the local AutoencoderKL folder to put in a ``DiTPipeline``. Returns what was written.
 
     Raises:
@@ -45,8 +50,8 @@ def export(ckpt: str, out: str, fmt: str = "safetensors", use_ema: bool = True, 
     state, config = load_weights(ckpt, use_ema)
     if config is not None and config["model"].get("family"):  # a fine-tuned diffusers pipeline
         return export_pretrained(state, config, out, fmt, use_ema)
-    if fmt == "lora":
-        raise UserError("--format lora: the checkpoint is no LoRA fine-tune of a diffusers pipeline")
+    if fmt in ("lora", "comfyui"):
+        raise UserError(f"--format {fmt}: the checkpoint is no fine-tune of a diffusers pipeline (--init_from)")
     if fmt == "diffusers":
         model, spec = load_model(ckpt, use_ema=use_ema)
         return export_diffusers(model, spec, out, vae)
@@ -143,18 +148,23 @@ def export_diffusers(model: torch.nn.Module, spec: dict, out_dir: str | os.PathL
 def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: str | Path, fmt: str,
                       use_ema: bool = True) -> Path:
     """``ditforge export`` of a fine-tuned pipeline run: ``diffusers`` writes a complete pipeline folder (LoRA
-    merged; ``write_pipeline``), ``lora`` the adapters as a diffusers LoRA file (``write_lora``).
+    merged; ``write_pipeline``), ``lora`` the adapters as a diffusers LoRA file (``write_lora``), ``comfyui`` the
+    original layout (``export_comfyui``).
 
     Raises:
         UserError: ``lora`` for a full fine-tune or a family without a LoRA loader; another format.
     """
+    if fmt == "comfyui":
+        return export_comfyui(state, config, out, use_ema)
     if fmt not in ("diffusers", "lora"):
         raise UserError(f"--format {fmt}: a fine-tuned {config['model']['family']} pipeline exports as diffusers (a "
-                        "pipeline folder) or lora (a LoRA file)")
+                        "pipeline folder), lora (a LoRA file) or comfyui (ComfyUI's single file)")
     if fmt == "lora":
         import diffusers
 
-        pipeline_class = read_model_index(config["model"]["init_from"], "--ckpt (the run's --init_from)")["_class_name"]
+        replaced = tuple(component_files(types.SimpleNamespace(**config["model"])))  # the run's single files
+        pipeline_class = read_model_index(config["model"]["init_from"], "--ckpt (the run's --init_from)",
+                                          replaced)["_class_name"]
         if not config["model"].get("lora_rank"):
             raise UserError("--format lora: the run fine-tuned all weights (no --lora_rank); export --format diffusers")
         if not hasattr(getattr(diffusers, pipeline_class), "save_lora_weights"):
@@ -220,3 +230,55 @@ def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Pat
             cls.save_lora_weights(str(tmp), transformer_lora_layers=lora_state_dict(denoiser.inner),
                                   transformer_lora_adapter_metadata=metadata, safe_serialization=True)
     return Path(out)
+
+
+def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str | Path, use_ema: bool = True
+                   ) -> Path:
+    """A fine-tuned pipeline run in ComfyUI's single-file layout: the original release's parameter names (the
+    family adapter's ``original_layouts``, ``weights.original``), one safetensors file written atomically (the run
+    config in its metadata). A run of one expert of a two-expert pipeline writes ``OUT_STEM_<expert>.safetensors``
+    (``..._high_noise``, ``..._low_noise``), so that the files of the two say which is which.
+
+    * A LoRA run: ``diffusion_model.<original module>.lora_A.weight`` (r x in), ``.lora_B.weight`` (out x r) and
+      ``.alpha`` (a 0-d float32, the run's ``--lora_alpha``, so that ComfyUI's scale alpha / rank is peft's), the
+      names ComfyUI's LoRA loader maps onto its model (``comfy/lora.py``, ``model_lora_keys_unet``: the
+      ``diffusion_model.`` key of every weight) and diffusers' ``load_lora_weights`` converts
+      (``lora_conversion_utils.py``); a fused original weight (q, k, v in one) gets the exact block form
+      (``lora_to_original``). float32: the adapters train in float32, a LoRA is small, and ComfyUI casts a patch to
+      the model's dtype as it applies it; the file then holds what the run holds.
+    * A full fine-tune: the whole denoiser in bfloat16 (the releases' and ComfyUI's repackaged files' dtype), its
+      names without a prefix: ComfyUI's ``Load Diffusion Model`` (``comfy/sd.py``, ``load_diffusion_model_state_dict``)
+      strips a ``model.diffusion_model.`` prefix when it finds one and reads bare names as they are, and the bare
+      names are also what diffusers' ``from_single_file`` reads for every family with a layout (one family's
+      converter does not strip the prefix; its adapter's docstring says which).
+
+    Returns:
+        The file written.
+
+    Raises:
+        UserError: a family without an original layout (the message names the families that have one); the errors
+            of ``load_finetuned``.
+    """
+    family = config["model"]["family"]
+    adapter = families()[family]
+    layout = adapter.original_layouts.get(adapter.component)
+    if layout is None:
+        known = sorted(name for name, cls in families().items() if cls.component in cls.original_layouts)
+        raise UserError(f"--format comfyui: no original layout is known for a {family} pipeline (known for: "
+                        f"{', '.join(known)}); export --format diffusers or lora")
+    pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema)
+    model = denoiser.inner
+    m = cfg.model
+    if m.lora_rank:
+        rows = {k.replace(".base_layer.", "."): v.shape[0] for k, v in model.state_dict().items() if v.ndim}
+        tensors = {f"diffusion_model.{k}": v.float() for k, v in lora_to_original(
+            lora_state_dict(model), layout, m.lora_alpha if m.lora_alpha is not None else m.lora_rank, rows).items()}
+    else:
+        tensors = {k: v.to(torch.bfloat16) for k, v in to_original(model.state_dict(), layout).items()}
+    path = Path(out)
+    if m.expert:
+        path = path.with_name(f"{path.stem}_{m.expert}{path.suffix}")
+    export_safetensors(tensors, config, path)
+    log.info("wrote %s of the %s run in the original layout (%s) to %s", "the LoRA" if m.lora_rank else "the weights",
+             family, layout.name, path)
+    return path

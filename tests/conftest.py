@@ -152,6 +152,39 @@ def ckpt_weights():
     return plain_weights
 
 
+class _Built(Exception):
+    pass
+
+
+def budget_counts(monkeypatch, argv: list[str]) -> tuple[list, object]:
+    """``ditforge train ARGV`` built up to its model: (the ``(trainable, frozen bytes)`` the resolution counted on
+    the meta-device twin for ``--gpu_memory_budget``, one entry per count; the built run's model)."""
+    from ditforge import cli
+    from ditforge.train import resolve, trainer
+
+    counted, seen, real = [], {}, resolve.state_counts
+
+    def state_counts(model, half_base):
+        counted.append(real(model, half_base))
+        return counted[-1]
+
+    def built(run):
+        seen["model"] = run.model
+        raise _Built
+
+    monkeypatch.setattr(resolve, "state_counts", state_counts)
+    monkeypatch.setattr(trainer, "build_ema_and_optimizer", built)
+    with pytest.raises(_Built):
+        cli.main(argv)
+    return counted, seen["model"]
+
+
+@pytest.fixture
+def counted_budget(monkeypatch):
+    """The function ``budget_counts``, with this test's ``monkeypatch``."""
+    return functools.partial(budget_counts, monkeypatch)
+
+
 @pytest.fixture(scope="session")
 def tiny_argv():
     """The function ``tiny_train_argv`` (fixtures, not imports, so no module name can clash)."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ditforge.config.sections import (COMPILE_MODES, CONDITIONS, CPU_OFFLOAD, FP8_RECIPES, LIBRARY_OPTIMIZERS,
-                                      MASTER_WEIGHTS, MIXED_PRECISION, OBJECTIVES, OPTIMIZERS, PLUGINS,
-                                      RESIZE_MODES, SEQUENCE_PARALLEL_TYPES, RunConfig)
+from ditforge.config.sections import (CAPTION_MISSING, COMPILE_MODES, CONDITIONS, CPU_OFFLOAD, FP8_RECIPES,
+                                      LIBRARY_OPTIMIZERS, MASTER_WEIGHTS, MIXED_PRECISION, OBJECTIVES, OPTIMIZERS,
+                                      PLUGINS, RESIZE_MODES, SEQUENCE_PARALLEL_TYPES, RunConfig)
 from ditforge.config.values import parse_bytes, parse_checkpoint_policy, report_backends
 from ditforge.errors import UserError
 
@@ -185,6 +185,8 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("--class_data and --class_prompt: prior preservation needs both")
     if data.class_data is not None and data.instance_data is None:
         raise UserError("--class_data: prior preservation is part of DreamBooth; give --instance_data too")
+    if data.caption_missing not in CAPTION_MISSING:
+        raise UserError(f"--caption_missing: expected one of {', '.join(CAPTION_MISSING)}, got {data.caption_missing}")
     if data.buckets is not None and data.instance_data is not None:
         raise UserError("--buckets: not with --instance_data (DreamBooth trains at one --image_size)")
     if data.num_class_images < 1:

@@ -29,6 +29,7 @@ OBJECTIVES = ("auto", "ddpm", "v", "flow")
 WEIGHTING_SCHEMES = ("logit_normal", "uniform")
 EXPERTS = ("high_noise", "low_noise")  # a two-expert pipeline's transformer and transformer_2
 RESIZE_MODES = ("center_crop", "letterbox")
+CAPTION_MISSING = ("skip", "filename")  # a folder of clips' media without a <stem>.txt
 REPORT_TO = ("auto", "tensorboard", "wandb", "all", "none")
 
 
@@ -139,9 +140,13 @@ class DataConfig(_Freezable):
                              "captions, or a CSV / JSONL of path,text) | a features folder of `ditforge "
                              "extract-features` | WebDataset shards (a folder of .tar with or without shards.json, a glob, a "
                              "brace list shard-{000..009}.tar, an fsspec URL) or a YAML blend of them "
-                             "(- {path: ..., weight: 0.7})")
-    image_size: int | None = _f(None, "image (frame) side in pixels (digits: 8; clips: 32; required otherwise)")
-    num_frames: int | None = _f(None, "frames per video clip (video data; default 16)")
+                             "(- {path: ..., weight: 0.7}) | a folder of clips (videos and images, each with a "
+                             "<stem>.txt caption, recursive; read in buckets) or a YAML blend of such folders, "
+                             "weight its whole repeats per epoch (- {path: FOLDER, weight: 3})")
+    image_size: int | None = _f(None, "image (frame) side in pixels (digits: 8; clips: 32; required otherwise; a "
+                                      "folder of clips: its buckets hold about --image_size squared pixels)")
+    num_frames: int | None = _f(None, "frames per video clip (video data; default 16; a folder of clips: the most "
+                                      "frames of a bucket, default each clip's own, by the family's frame rule)")
     frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
                                 "stride that fits")
     random_flip: bool | None = _f(None, "random horizontal flips of the latents (default: on for image folders, off "
@@ -150,6 +155,10 @@ class DataConfig(_Freezable):
     resize_mode: str = _f("center_crop", "captioned images: center_crop (short side to --image_size, centre square) "
                                          "| letterbox (long side to --image_size, padded with mid grey)",
                           choices=RESIZE_MODES)
+    caption_missing: str = _f("skip", "a folder of clips: a video or image without its <stem>.txt caption is "
+                                      "listed (log and the run's bad_samples.jsonl) and skipped | filename: "
+                                      "captioned by its file name in words (red_car.mp4 -> red car)",
+                              choices=CAPTION_MISSING)
     instance_data: str | None = _f(None, "DreamBooth: a folder of images of the subject (replaces --data)")
     instance_prompt: str | None = _f(None, "DreamBooth: the caption of every instance image, e.g. 'a photo of sks "
                                            "dog'")
@@ -162,7 +171,9 @@ class DataConfig(_Freezable):
     buckets: str | None = _f(None, "multi-resolution buckets (Open-Sora's bucket_config): a YAML or JSON file "
                                    "{resolution: {frames: [keep probability, global batch size]}}, e.g. {256px: {1: "
                                    "[1.0, 64], 16: [0.5, 8]}}; --data is then a CSV / JSONL of path,text naming images "
-                                   "and videos (--batch_size is not used: each bucket has its own), or with "
+                                   "and videos or a folder of clips (--batch_size is not used: each bucket has its "
+                                   "own; fine-tuning a video pipeline on a folder of clips without --buckets, the "
+                                   "buckets come from the data at --image_size), or with "
                                    "--pack_tokens also raw shards (steps of --batch_size samples of several buckets; "
                                    "see docs/buckets.md)")
     num_workers: int | None = _f(None, "data loader worker processes per training process (default: 0 for "
@@ -389,3 +400,20 @@ _SECTION_CLASSES = {"model": ModelConfig, "data": DataConfig, "train": TrainConf
 def field_section() -> dict[str, str]:
     """Map every field name to its section; names are unique across sections so flags can be flat."""
     return {f.name: sec for sec, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)}
+
+
+def assign(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
+    """Write ``settings`` (``"section.field"`` -> value, e.g. ``{"model.num_frames": 2, "data.num_frames": 5}``)
+    into ``cfg``, in place; returns ``cfg``.
+
+    Raises:
+        dataclasses.FrozenInstanceError: ``cfg`` is frozen (``freeze``).
+        KeyError: a key that names no field of its section.
+    """
+    for key, value in settings.items():
+        section, name = key.split(".")
+        part = getattr(cfg, section)
+        if name not in {f.name for f in dataclasses.fields(part)}:
+            raise KeyError(f"{key}: no such setting")
+        setattr(part, name, value)
+    return cfg

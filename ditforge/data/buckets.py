@@ -49,7 +49,7 @@ import bisect
 import logging
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +229,35 @@ class Buckets:
                                 f"not divisible by {what}")
 
 
+def data_buckets(sizes: np.ndarray, image_size: int, multiple: int, frame_step: int, max_frames: int | None,
+                 frame_interval: int, batch_size: int, min_frames: int = 1) -> Buckets:
+    """Buckets made from the data, for a run without ``--buckets``: one resolution, ``<image_size>px`` (the area
+    ``image_size`` squared), at every aspect ratio (each sample goes to its nearest, the module docstring's rule 3),
+    with the frame counts the samples fill: 1 for images, and for a video of n frames the largest count F of the
+    frame rule F = ``frame_step`` k + 1 (the VAE's, e.g. 4k + 1) that it fills at the stride, (F - 1)
+    ``frame_interval`` + 1 <= n, and that is at most ``max_frames`` (``--num_frames``; None: no cap); counts below
+    ``min_frames`` are left out (an image-to-video family that gives its first latent frames learns nothing from
+    clips of no more latent frames: images then fit no bucket). Keep probability 1, each bucket's global batch
+    ``batch_size``. ``sizes``: (N, 3) int (height, width, frames).
+
+    Raises:
+        UserError: no sample of a usable frame count (videos shorter than ``frame_step`` + 1 frames, or than
+            ``min_frames``, at the stride).
+    """
+    counts = set()
+    for frames in np.unique(np.asarray(sizes)[:, 2]).tolist():
+        fill = 1 if frames == 1 else (frames - 1) // frame_interval + 1
+        fill = min(fill, max_frames) if max_frames is not None and frames > 1 else fill
+        count = (fill - 1) // frame_step * frame_step + 1
+        if (frames == 1 or count > 1) and count >= min_frames:  # a video goes to video buckets only (rule 1)
+            counts.add(count)
+    if not counts:
+        cap = f" and --num_frames {max_frames}" if max_frames else ""
+        raise UserError(f"--data: no video fills {max(frame_step + 1, min_frames)} frames (the frame rule "
+                        f"{frame_step}k + 1) at --frame_interval {frame_interval}{cap}")
+    return Buckets({f"{image_size}px": {f: (1.0, batch_size) for f in counts}}, multiple, frame_interval)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Images and videos in one data set
 
@@ -277,8 +306,10 @@ def read_at_bucket(source: str | Path | bytes, bucket: Bucket, frame_interval: i
 
 class BucketDataset(Dataset):
     """Captioned images and videos together (``source``: a CSV or JSONL of ``path,text`` rows, read as captioned
-    images are, see ``ditforge.data.captions``; a row's file is an image or a video by its extension), each read
-    at the shape of a bucket of ``buckets``.
+    images are, see ``ditforge.data.captions``; a row's file is an image or a video by its extension; or such rows
+    as dicts ``{"path", "text"}``, a folder of clips' ``ditforge.data.folders.folder_rows``), each read at the shape
+    of a bucket of ``buckets``: the ``Buckets``, or a function of the probed ``sizes`` that makes them (buckets made
+    from the data, ``data_buckets``).
 
     Sizes are probed once at start (``probe_size``, in threads): ``sizes`` (N, 3) int64 (height, width, frames).
     Rows whose file is missing, of another extension, or unreadable when probed are left out, counted in
@@ -293,41 +324,47 @@ class BucketDataset(Dataset):
     unreadable is recorded once and replaced by the next sample (wrapping) that fits the same bucket.
 
     Raises:
-        UserError: ``source`` missing or not a .csv / .jsonl file, a row without path or caption, no usable row.
+        UserError: ``source`` missing or neither rows nor a .csv / .jsonl file, a row without path or caption, no
+            usable row.
     """
 
     in_channels = 3
     random_flip = True
     class_captions = None
 
-    def __init__(self, source: str | Path, buckets: Buckets, bad_samples_path: str | Path | None = None,
-                 seed: int = 0, probe_threads: int = 8):
+    def __init__(self, source: str | Path | list[dict], buckets: Buckets | Callable[[np.ndarray], Buckets],
+                 bad_samples_path: str | Path | None = None, seed: int = 0, probe_threads: int = 8):
         from ditforge.data.captions import read_caption_csv, read_caption_jsonl
         from ditforge.data.video import VIDEO_EXTENSIONS
 
-        source = Path(source)
-        if source.suffix.lower() not in (".csv", ".jsonl"):
+        if isinstance(source, list):  # rows naming files by their paths
+            rows, base, source = source, Path(), "the folder of clips"
+        elif Path(source).suffix.lower() in (".csv", ".jsonl"):
+            source = Path(source)
+            rows = read_caption_csv(source) if source.suffix.lower() == ".csv" else read_caption_jsonl(source)
+            base = source.parent
+        else:
             raise UserError(f"--data {source}: with {FLAG}, a .csv or .jsonl file of path,text rows naming images "
-                            "or videos")
-        rows = read_caption_csv(source) if source.suffix.lower() == ".csv" else read_caption_jsonl(source)
-        self.buckets, self.bad_samples_path, self.seed = buckets, bad_samples_path, seed
-        self.num_frames, self.image_size = buckets.num_frames, buckets.image_size
+                            "or videos, or a folder of clips with <stem>.txt captions")
+        self.bad_samples_path, self.seed = bad_samples_path, seed
         dropped, kept = [], []
         for row in rows:
-            file = source.parent / Path(row["path"].strip()).expanduser()
+            file = base / Path(row["path"].strip()).expanduser()
             reason = None
             if not row["path"].strip() or not file.is_file():
                 reason = "file not found" if row["path"].strip() else "empty path"
             elif file.suffix.lower() not in IMAGE_EXTENSIONS | set(VIDEO_EXTENSIONS):
                 reason = "neither an image nor a video extension"
             if reason:
-                dropped.append({"path": str(file), "error": reason, "line": row["line"]})
+                dropped.append({"path": str(file), "error": reason, "line": row.get("line")})
             else:
-                kept.append((str(file), row["text"], row["line"]))
+                kept.append((str(file), row["text"], row.get("line")))
+        unique = list(dict.fromkeys(p for p, _, _ in kept))  # a folder's repeats are probed once
         with ThreadPoolExecutor(probe_threads) as pool:  # header reads: I/O bound
-            probed = list(pool.map(self._probe, [p for p, _, _ in kept]))
+            probed = dict(zip(unique, pool.map(self._probe, unique)))
         self.paths, self.texts, sizes = [], [], []
-        for (path, text, line), size in zip(kept, probed):
+        for path, text, line in kept:
+            size = probed[path]
             if isinstance(size, str):
                 dropped.append({"path": path, "error": size, "line": line})
             else:
@@ -341,6 +378,8 @@ class BucketDataset(Dataset):
             raise UserError(f"--data: {source} has no usable row ({len(rows)} rows, {len(dropped)} missing, "
                             "unreadable or neither image nor video)")
         self.sizes = np.array(sizes, dtype=np.int64).reshape(-1, 3)
+        self.buckets = buckets if isinstance(buckets, Buckets) else buckets(self.sizes)
+        self.num_frames, self.image_size = self.buckets.num_frames, self.buckets.image_size
         self.classes = sorted(set(self.texts))
         self.num_classes = len(self.classes)
         self._label = {text: i for i, text in enumerate(self.classes)}

@@ -26,7 +26,7 @@ import json
 import logging
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -59,9 +59,10 @@ class BadImage(ValueError):
 # Finding and reading images
 
 
-def list_images(folder: str | Path) -> list[Path]:
-    """The image files under ``folder`` (recursive, sorted by path; by extension, see ``IMAGE_EXTENSIONS``),
-    leaving out files and folders whose names start with ``.``. ``[]`` when ``folder`` is not a folder."""
+def list_images(folder: str | Path, extensions: Collection[str] = IMAGE_EXTENSIONS) -> list[Path]:
+    """The image files under ``folder`` (recursive, sorted by path; by lower-case extension, ``IMAGE_EXTENSIONS``
+    or ``extensions``), leaving out files and folders whose names start with ``.``. ``[]`` when ``folder`` is not a
+    folder."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -69,7 +70,7 @@ def list_images(folder: str | Path) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         found += [Path(dirpath) / f for f in filenames
-                  if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_EXTENSIONS]
+                  if not f.startswith(".") and Path(f).suffix.lower() in extensions]
     return sorted(p for p in found if p.is_file())
 
 

@@ -29,6 +29,12 @@ A shard (safetensors, N its samples, each tensor row-aligned):
                                                 one per key of its prompt encoding (e.g. ``encoder_hidden_states``
                                                 (N, 77, 768) for SD 1.x; the T5 states and mask for a T5 family), as
                                                 computed, float32
+
+Features in buckets (a video pipeline's folder of clips, or ``--buckets``): each shard holds one bucket's samples, at
+its latent shape (the shard's ``bucket`` id and ``shape`` in the manifest), and the manifest holds the buckets
+(``buckets``: their config, multiple and frame interval; ``from_data``: made from the data, their batch sizes the
+training run's ``--batch_size``) and every source sample's (height, width, frames) (``sizes``), so that the bucket
+sampler draws from the features the global batches it draws from the files.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import os
 from bisect import bisect_right
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -103,14 +110,17 @@ class FeatureDataset(Dataset):
     Attributes (those the trainer reads): ``manifest`` (the dict of ``features.json``), ``image_size`` (pixels),
     ``num_frames`` (None for images), ``in_channels`` (channels of the stored arrays: latent channels, or the
     pixels' in pixel space), ``num_classes``, ``random_flip`` (the source's default), ``texts`` (the caption of
-    each sample, text condition; else None), ``class_captions`` (or None), ``stochastic``.
+    each sample, text condition; else None), ``class_captions`` (or None), ``stochastic``; features in buckets:
+    ``buckets`` (``data.buckets.Buckets``, each bucket's global batch ``batch_size`` where they were made from the
+    data) and ``sizes`` ((N_source, 3) int64), else None, and items keyed ``(source index, bucket id)`` as a
+    ``BucketDataset``'s.
 
     Raises:
         UserError naming ``--data`` and the file: see ``read_manifest``; a shard missing, unreadable, or whose
             tensors do not match the manifest.
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, batch_size: int | None = None):
         from safetensors import SafetensorError, safe_open
 
         self.folder = Path(folder)
@@ -125,6 +135,17 @@ class FeatureDataset(Dataset):
         sample_shape = [m["in_channels"], *([m["num_frames"]] if m["num_frames"] is not None else []),
                         m["input_size"], m["input_size"]]
         self._files = [self.folder / s["file"] for s in m["shards"]]
+        # in buckets: source index -> row, and each bucket's stored source indices (sorted)
+        self.buckets, self.sizes, self._row, self._members = None, None, {}, {}
+        if m.get("buckets") is not None:
+            from ditforge.data.buckets import Buckets
+
+            stored = m["buckets"]
+            batch = batch_size if stored["from_data"] and batch_size else None
+            config = {res: {int(f): (keep, batch or b) for f, (keep, b) in frames.items()}
+                      for res, frames in stored["config"].items()}
+            self.buckets = Buckets(config, stored["multiple"], stored["frame_interval"])
+            self.sizes = np.array(m["sizes"], dtype=np.int64).reshape(-1, 3)
         self._labels, self._lengths, self._offsets, self._starts = [], [], [], []
         total = 0
         for spec, file in zip(m["shards"], self._files):
@@ -135,9 +156,10 @@ class FeatureDataset(Dataset):
             try:
                 with safe_open(str(file), framework="pt") as f:
                     shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
-                    expected = {"mean": [n, *sample_shape], "label": [n], "source_index": [n]}
+                    row_shape = spec.get("shape", sample_shape)  # in buckets: the shard's bucket's
+                    expected = {"mean": [n, *row_shape], "label": [n], "source_index": [n]}
                     if self.stochastic:
-                        expected["std"] = [n, *sample_shape]
+                        expected["std"] = [n, *row_shape]
                     if text:
                         expected["text_lengths"] = [n]
                     wrong = [k for k, shape in expected.items() if shapes.get(k) != shape]
@@ -147,6 +169,10 @@ class FeatureDataset(Dataset):
                         raise UserError(f"{where}: tensors {', '.join(wrong)} do not match {FEATURES_MANIFEST}; "
                                         "extract the features again")
                     self._labels.append(f.get_tensor("label"))
+                    if self.buckets is not None:
+                        indices = f.get_tensor("source_index").tolist()
+                        self._row |= {i: total + r for r, i in enumerate(indices)}
+                        self._members.setdefault(spec["bucket"], []).extend(indices)
                     if text:
                         lengths = f.get_tensor("text_lengths")
                         if (int(lengths.sum()) != shapes["text_states"][0]
@@ -160,6 +186,7 @@ class FeatureDataset(Dataset):
             self._starts.append(total)
             total += n
         self._len = total
+        self._members = {b: np.sort(np.array(ids, dtype=np.int64)) for b, ids in self._members.items()}
         self._handles: dict[int, object] = {}
         self._pid = os.getpid()
 
@@ -189,7 +216,11 @@ class FeatureDataset(Dataset):
         shard = bisect_right(self._starts, index) - 1
         return shard, index - self._starts[shard]
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int | tuple[int, int]) -> dict:
+        if isinstance(index, tuple):  # in buckets: (source index, bucket id), the bucket sampler's key
+            source, members = int(index[0]), self._members[int(index[1])]
+            # not stored at that bucket (left out at extraction, unreadable): the bucket's next, as BucketDataset
+            index = self._row[int(members[np.searchsorted(members, source) % len(members)])]
         shard, row = self.locate(int(index))
         f = self._handle(shard)
         item: dict = {"mean": f.get_slice("mean")[row]}

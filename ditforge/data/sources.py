@@ -4,15 +4,17 @@ One registry, ``SOURCES``. ``source_of`` asks its entries in this order and the 
 builds it; a claim may take for granted that no earlier entry claimed the spec:
 
 1. ``features``: a folder holding ``features.json`` (``ditforge extract-features``): ``FeatureDataset``.
-2. ``blend``: a ``.yaml`` / ``.yml`` file of weighted shard sets: ``ShardData``.
-3. ``shards``: WebDataset shards: an fsspec URL (``s3://...``), a ``.tar`` path, a glob (``*?[``) or brace
+2. ``clip folder``: a local folder (not of shards) with a video anywhere under it, or a blend file whose entries
+   are all such folders (``ditforge.data.folders``): read in buckets only, ``BucketDataset`` (``build_bucket_dataset``).
+3. ``blend``: any other ``.yaml`` / ``.yml`` file, of weighted shard sets: ``ShardData``.
+4. ``shards``: WebDataset shards: an fsspec URL (``s3://...``), a ``.tar`` path, a glob (``*?[``) or brace
    pattern (``shard-{000..009}.tar``), or a local folder holding ``shards.json`` or ``*.tar`` files: ``ShardData``.
-4. ``digits``: the built-in 8x8 handwritten digits: ``DigitsDataset``.
-5. ``clips``: the built-in captioned videos (``ditforge.data.clips``): ``VideoDataset``.
-6. ``captioned images``: a ``.jsonl`` file, a ``.csv`` file naming images, or a folder of images with
+5. ``digits``: the built-in 8x8 handwritten digits: ``DigitsDataset``.
+6. ``clips``: the built-in captioned videos (``ditforge.data.clips``): ``VideoDataset``.
+7. ``captioned images``: a ``.jsonl`` file, a ``.csv`` file naming images, or a folder of images with
    ``<stem>.txt`` captions (``_is_captioned_images`` says which folders): ``CaptionedImageDataset``.
-7. ``video CSV``: any other ``.csv`` file: ``VideoDataset``.
-8. ``image folder``: anything else, ``ROOT/<class>/<image>``: ``ImageFolderDataset``.
+8. ``video CSV``: any other ``.csv`` file: ``VideoDataset``.
+9. ``image folder``: anything else, ``ROOT/<class>/<image>``: ``ImageFolderDataset``.
 
 So a folder named like a built-in set does not shadow it, features win over the shards a folder may also hold,
 and a URL is shards whatever it ends in. A new source is one ``Source`` entry, placed in ``SOURCES`` where its
@@ -94,6 +96,25 @@ def _is_shards(data: str) -> bool:
     return path.is_dir() and ((path / SHARDS_MANIFEST).is_file() or any(path.glob("*.tar")))
 
 
+def _is_clip_folder(data: str) -> bool:
+    """A local folder that holds a video anywhere under it and is no shard folder, or a ``.yaml`` / ``.yml`` blend
+    file whose entries are all such folders (an unreadable blend is the shard blend's to report)."""
+    from ditforge.data.folders import holds_videos
+    from ditforge.data.shards.sets import read_blend
+
+    def clip_folder(path: str) -> bool:
+        return "://" not in path and Path(path).is_dir() and not _is_shards(path) and holds_videos(path)
+
+    if "://" in data:  # a URL is shards (or a blend of them) whatever it ends in
+        return False
+    if not _is_blend(data):
+        return clip_folder(data)
+    try:
+        return all(clip_folder(path) for path, _ in read_blend(data))
+    except UserError:
+        return False
+
+
 def _csv_holds_images(path: str) -> bool:
     """True when a CSV's first data row names an image file (its ``path``, ``file_name`` or ``image`` column ends
     in one of ``IMAGE_EXTENSIONS``), or, with no data row, when its header has a ``file_name``, ``image`` or
@@ -157,6 +178,11 @@ def _shards(data: str, o: BuildOptions) -> Dataset:
                      o.num_frames or DEFAULT_NUM_FRAMES, o.frame_interval, o.seed)
 
 
+def _clip_folder(data: str, o: BuildOptions) -> Dataset:
+    raise UserError(f"--data {data}: a folder of clips is read in buckets: fine-tune a video pipeline "
+                    "(--init_from FOLDER), or give --buckets FILE")
+
+
 def _digits(data: str, o: BuildOptions) -> Dataset:
     if o.image_size not in (None, DigitsDataset.image_size):
         raise UserError(f"--image_size: the digits data set is {DigitsDataset.image_size}x8, got {o.image_size}")
@@ -184,6 +210,7 @@ def _image_folder(data: str, o: BuildOptions) -> Dataset:
 
 
 FEATURES = Source("features", _is_features, _features)
+CLIP_FOLDER = Source("clip folder", _is_clip_folder, _clip_folder)
 BLEND = Source("blend", _is_blend, _shards, streamed=True)
 SHARDS = Source("shards", _is_shards, _shards, streamed=True)
 DIGITS = Source("digits", lambda data: data == "digits", _digits)
@@ -191,7 +218,8 @@ CLIPS = Source("clips", lambda data: data == "clips", _clips)
 CAPTIONED_IMAGES = Source("captioned images", _is_captioned_images, _captioned_images, files=True)
 VIDEO_CSV = Source("video CSV", lambda data: data.lower().endswith(".csv"), _video_csv, files=True)
 IMAGE_FOLDER = Source("image folder", lambda data: True, _image_folder, files=True)
-SOURCES = (FEATURES, BLEND, SHARDS, DIGITS, CLIPS, CAPTIONED_IMAGES, VIDEO_CSV, IMAGE_FOLDER)  # precedence order
+# precedence order
+SOURCES = (FEATURES, CLIP_FOLDER, BLEND, SHARDS, DIGITS, CLIPS, CAPTIONED_IMAGES, VIDEO_CSV, IMAGE_FOLDER)
 
 
 def source_of(data: str) -> Source:
@@ -239,30 +267,72 @@ def build_video_dataset(data: str, num_frames: int, frame_interval: int, image_s
     return VideoDataset(data, num_frames, frame_interval, image_size, bad_samples_path, seed)
 
 
-def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str):
-    """The data set of a run (``cfg``, a ``RunConfig`` with ``data.buckets`` set): ``--data`` read at the buckets
-    of ``--buckets``, whose shapes are multiples of ``--vae``'s downsample x ``model``'s spatial patch (the lcm of
-    its height and width patch), videos sampled at ``--frame_interval``: a ``BucketDataset`` of a CSV / JSONL, or
-    for raw image / video shards a ``ShardData`` whose decoder puts each sample at its bucket.
+def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | None = None, pre=None):
+    """The data set of a run (``cfg``, a ``RunConfig``) in buckets: ``--data`` read at the buckets of ``--buckets``,
+    videos sampled at ``--frame_interval``: a ``BucketDataset`` of a CSV / JSONL or a folder of clips, or for raw
+    image / video shards a ``ShardData`` whose decoder puts each sample at its bucket.
+
+    Shapes are multiples of ``--vae``'s downsample x ``model``'s spatial patch (the lcm of its height and width
+    patch), and frame counts fill whole temporal patches. Fine-tuning a video pipeline ``pre`` (a
+    ``models.adapters.pipeline.Pretrained``), its VAE's downsample x its transformer's patch and its VAE's frame
+    rule (frame_step k + 1) decide them instead, each step is one bucket's, and without ``--buckets`` the buckets
+    are made from the data (``data_buckets``: at ``--image_size``, frames up to ``--num_frames``, global batches of
+    ``--batch_size``).
 
     Raises:
-        UserError: a video frame count not divisible by the model's temporal patch; see ``read_bucket_config``,
-            ``BucketDataset``, ``ShardData``, ``vae_downsample``.
+        UserError: a frame count of ``--buckets`` the model or the pipeline's VAE cannot take; an image pipeline;
+            a video pipeline with shards or ``--pack_tokens``; see ``read_bucket_config``, ``BucketDataset``,
+            ``ShardData``, ``vae_downsample``, ``data_buckets``.
     """
-    from ditforge.data.buckets import FLAG, BucketDataset, Buckets, read_bucket_config
-    from ditforge.encoders.vae import vae_downsample
-    from ditforge.models import model_spec
+    from ditforge.data.buckets import FLAG, BucketDataset, Buckets, data_buckets, read_bucket_config
 
-    patch = model_spec(model)["patch_size"]
-    config = read_bucket_config(cfg.data.buckets)
-    if isinstance(patch, tuple):  # (t, h, w): video frame counts must fill whole temporal patches
-        odd = sorted({f for frames in config.values() for f in frames if f > 1 and f % patch[0]})
-        if odd:
-            raise UserError(f"{FLAG} {cfg.data.buckets}: frame counts {', '.join(map(str, odd))} are not divisible "
-                            f"by the temporal patch {patch[0]} of --model {model}")
-        patch = math.lcm(*patch[1:])
-    buckets = Buckets(config, vae_downsample(cfg.model.vae) * patch, cfg.data.frame_interval)
-    if source_of(cfg.data.data).streamed:
-        return ShardData(cfg.data.data, None, bad_samples_path, retries=cfg.data.shard_retries,
-                         frame_interval=cfg.data.frame_interval, seed=cfg.train.seed, buckets=buckets)
-    return BucketDataset(cfg.data.data, buckets, bad_samples_path, cfg.train.seed)
+    data = cfg.data
+    source = data.data
+    if source_of(data.data) is CLIP_FOLDER:
+        from ditforge.data.folders import folder_rows
+
+        source = folder_rows(data.data, data.caption_missing, bad_samples_path)
+    if pre is not None:
+        from ditforge.encoders.batch import pipeline_multiple, pipeline_vae
+
+        if not pre.denoiser.video:
+            raise UserError(f"--data {data.data}: buckets fine-tune a video pipeline; --init_from "
+                            f"{cfg.model.init_from} is a {pre.pipeline_class}")
+        if source_of(data.data).streamed or cfg.train.pack_tokens:
+            raise UserError(f"--data {data.data}{' --pack_tokens' * bool(cfg.train.pack_tokens)}: a video pipeline "
+                            "trains one bucket per step, from a folder of clips or a CSV / JSONL of files")
+        vae = pipeline_vae(pre)
+        multiple, step = pipeline_multiple(pre), vae.frame_step
+        # the first latent frames an image-to-video family gives: a clip needs more to leave anything to learn
+        least = pre.denoiser.given_frames * vae.temporal + 1 if pre.denoiser.given_frames else 1
+        if data.buckets is None:
+            if data.image_size is None:
+                raise UserError(f"--image_size is required for {data.data}: its buckets hold about --image_size "
+                                "squared pixels (e.g. --image_size 480)")
+
+            def buckets(sizes):
+                return data_buckets(sizes, data.image_size, multiple, step, data.num_frames, data.frame_interval,
+                                    cfg.train.batch_size, least)
+
+            return BucketDataset(source, buckets, bad_samples_path, cfg.train.seed)
+        config = read_bucket_config(data.buckets)
+        what = f"of the frame rule {step}k + 1 of the pipeline's VAE" + (f", at least {least}" if least > 1 else "")
+        odd = sorted({f for frames in config.values() for f in frames if (f - 1) % step or f < least})
+    else:
+        from ditforge.encoders.vae import vae_downsample
+        from ditforge.models import model_spec
+
+        patch = model_spec(model)["patch_size"]
+        config, odd, what = read_bucket_config(data.buckets), [], ""
+        if isinstance(patch, tuple):  # (t, h, w): video frame counts must fill whole temporal patches
+            odd = sorted({f for frames in config.values() for f in frames if f > 1 and f % patch[0]})
+            what = f"divisible by the temporal patch {patch[0]} of --model {model}"
+            patch = math.lcm(*patch[1:])
+        multiple = vae_downsample(cfg.model.vae) * patch
+    if odd:
+        raise UserError(f"{FLAG} {data.buckets}: frame counts {', '.join(map(str, odd))} are not {what}")
+    buckets = Buckets(config, multiple, data.frame_interval)
+    if source_of(data.data).streamed:
+        return ShardData(data.data, None, bad_samples_path, retries=data.shard_retries,
+                         frame_interval=data.frame_interval, seed=cfg.train.seed, buckets=buckets)
+    return BucketDataset(source, buckets, bad_samples_path, cfg.train.seed)

@@ -20,7 +20,8 @@ from ditforge.config.values import resolve_device
 from ditforge.data.features import FEATURES_FORMAT, FEATURES_MANIFEST, FEATURES_VERSION, SHARD_PATTERN
 from ditforge.data.prefetch import default_num_workers
 from ditforge.data.shards.write import NUM_TEXTS, ShardWriter
-from ditforge.data.sources import BUILTIN_DATASETS, FEATURES, build_dataset, source_of
+from ditforge.data.sources import (BUILTIN_DATASETS, CLIP_FOLDER, FEATURES, build_bucket_dataset, build_dataset,
+                                   source_of)
 from ditforge.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
 
     The data set is built exactly as the trainer builds it (``build_dataset`` with ``cfg.data`` and
     ``cfg.train.seed``: a video's clip is the one training on the fly reads for that seed), the encoders exactly
-    as it loads them (``build_batch_encoder``, which resolves ``--condition auto`` and fills ``cfg.model``), and
+    as it loads them (``build_batch_encoder``, which resolves ``--condition auto``; what it finds is written into
+    ``cfg.model`` and ``cfg.data``), and
     what is stored is what ``BatchEncoder`` computes from a loader batch: ``moments`` (posterior mean, and std
     with a real VAE; the pixels themselves in pixel space) and, for the text condition, ``conditioning`` (the
     caption states, float32; the text encoder runs in float32 here, so on a GPU the stored states are more
@@ -121,9 +123,16 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
     _check_extraction(cfg, out, batch_size, shard_size, fmt)
     data = cfg.data
     dev = resolve_device(device)
-    dataset = build_dataset(data.data, data.image_size, out / "bad_samples.jsonl", data.num_frames,
-                            data.frame_interval, cfg.train.seed, resize_mode=data.resize_mode)
-    inputs, pre = _extraction_encoders(cfg, dataset, dev)
+    keys = None  # in buckets: the (sample, bucket) keys of each batch
+    if cfg.model.init_from is not None and (data.buckets is not None or source_of(data.data) is CLIP_FOLDER):
+        pre = _extraction_pipeline(cfg, dev)
+        dataset = build_bucket_dataset(cfg, out / "bad_samples.jsonl", pre=pre)
+        inputs, pre = _extraction_encoders(cfg, dataset, dev, pre)
+        keys = _bucket_keys(dataset, batch_size, data.buckets)
+    else:
+        dataset = build_dataset(data.data, data.image_size, out / "bad_samples.jsonl", data.num_frames,
+                                data.frame_interval, cfg.train.seed, resize_mode=data.resize_mode)
+        inputs, pre = _extraction_encoders(cfg, dataset, dev)
     rows = _FeatureRows(out, shard_size, cfg.model.condition == "text" and pre is None,
                         ShardWriter(out, shard_size) if fmt == "wds" else None)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,8 +140,9 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
         stale.unlink()
     if data.num_workers is None:  # as the trainer: the built-in sets live in memory, files are decoded in workers
         data.num_workers = 0 if data.data in BUILTIN_DATASETS else default_num_workers()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=data.num_workers)
-    _encode_all(loader, len(dataset), inputs, pre, dev, rows)
+    loader = (DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=data.num_workers) if keys is None
+              else DataLoader(dataset, batch_sampler=keys, num_workers=data.num_workers))
+    _encode_all(loader, len(dataset), inputs, pre, dev, rows, keys)
     rows.flush(final=True)
     num_samples = rows.sink.total if rows.sink is not None else sum(s["num_samples"] for s in rows.shards)
     if num_samples == 0:
@@ -161,26 +171,57 @@ def _check_extraction(cfg, out: Path, batch_size: int, shard_size: int, fmt: str
         raise UserError(f"--data {cfg.data.data} holds features already; extract from the images or videos")
 
 
-def _extraction_encoders(cfg, dataset, dev: torch.device) -> tuple:
+def _extraction_encoders(cfg, dataset, dev: torch.device, pre=None) -> tuple:
     """``(BatchEncoder, pretrained pipeline or None)``: a pretrained pipeline's own VAE and prompt encoding
-    (``--init_from``), else the encoders the trainer loads."""
-    from ditforge.encoders.batch import build_batch_encoder
+    (``--init_from``; ``pre`` when loaded already), else the encoders the trainer loads; the settings they find are
+    written into ``cfg``."""
+    from ditforge.config.sections import assign
+    from ditforge.encoders.batch import build_batch_encoder, pipeline_batch_encoder
 
-    m = cfg.model
-    if m.init_from is None:
-        return build_batch_encoder(cfg, dataset, dev, torch.float32), None
-    from ditforge.encoders.batch import pipeline_batch_encoder
+    if cfg.model.init_from is None:
+        inputs, found = build_batch_encoder(cfg, dataset, dev, torch.float32)
+    else:
+        pre = pre or _extraction_pipeline(cfg, dev)
+        inputs, found = pipeline_batch_encoder(cfg, pre, dataset)
+    assign(cfg, found)
+    return inputs, pre
+
+
+def _extraction_pipeline(cfg, dev: torch.device):
+    """The pretrained pipeline of ``--init_from``, its encoders on ``dev``.
+
+    Raises:
+        UserError: a folder of no family ditforge adapts."""
     from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
     from ditforge.models.adapters.single_file import component_files
 
+    m = cfg.model
     if not is_adapted_pipeline(m.init_from, tuple(component_files(m))):
         raise UserError(f"--init_from {m.init_from}: features are extracted with a diffusers pipeline folder "
                         "of a family ditforge adapts; DiT runs take --vae and --text_encoder")
     # the denoiser encodes nothing: it stays on the host in bf16 (a 14B transformer would take 57 GB in float32 on
     # the GPU for no use); a pipeline's two experts share the VAE and encoders
-    pre = load_pretrained(m.init_from, dev, expert=m.expert, denoiser_device=torch.device("cpu"),
-                          denoiser_dtype=torch.bfloat16, files=component_files(m))
-    return pipeline_batch_encoder(cfg, pre, dataset), pre
+    return load_pretrained(m.init_from, dev, expert=m.expert, denoiser_device=torch.device("cpu"),
+                           denoiser_dtype=torch.bfloat16, files=component_files(m))
+
+
+def _bucket_keys(dataset, batch_size: int, bucket_file: str | None) -> list[list[tuple[int, int]]]:
+    """The batches of a bucketed extraction: each sample at its bucket (its first candidate, the one every epoch's
+    draws give at keep probability 1), ``batch_size`` samples of one bucket a batch, buckets in id order and the
+    samples of each in index order.
+
+    Raises:
+        UserError: a ``--buckets`` keep probability below 1 (its draws move a sample between buckets by epoch)."""
+    if any(b.keep_prob < 1 for b in dataset.buckets.buckets):
+        raise UserError(f"--buckets {bucket_file}: features store each sample at one bucket; keep probabilities "
+                        "below 1 move samples between buckets by epoch: use 1")
+    groups: dict[int, list[int]] = {}
+    for i, size in enumerate(dataset.sizes.tolist()):
+        cands = dataset.buckets.candidates(*size)
+        if cands:
+            groups.setdefault(cands[0], []).append(i)
+    return [[(i, b) for i in ids[k:k + batch_size]] for b, ids in sorted(groups.items())
+            for k in range(0, len(ids), batch_size)]
 
 
 class _FeatureRows:
@@ -192,6 +233,7 @@ class _FeatureRows:
 
     def __init__(self, out: Path, shard_size: int, text: bool, sink):
         self.out, self.shard_size, self.text, self.sink = out, shard_size, text, sink
+        self.bucket: int | None = None  # in buckets: the bucket of the pending rows (each shard holds one's)
         self.shards: list[dict] = []
         self.texts: list[str] = []
         self.cond_keys: list[str] = []
@@ -225,22 +267,32 @@ class _FeatureRows:
                 rest |= {"text_lengths": [lengths[n:]], "text_states": [cat["text_states"][used:]]}
             name = SHARD_PATTERN.format(len(self.shards))
             _write_shard(self.out / name, tensors)
-            self.shards.append({"file": name, "num_samples": n})
+            bucket = {} if self.bucket is None else {"bucket": self.bucket, "shape": list(tensors["mean"].shape[1:])}
+            self.shards.append({"file": name, "num_samples": n, **bucket})
             self.pending, self.pending_count = rest, self.pending_count - n
+        if not self.pending_count:  # no empty leftovers of this bucket's shape before the next bucket's rows
+            self.pending = {}
 
 
-def _encode_all(loader: DataLoader, total: int, inputs, pre, dev: torch.device, rows: _FeatureRows) -> None:
-    """Encode every batch of ``loader`` (``total`` samples, in index order) into ``rows``, leaving out the
-    substitutes a video data set returns for bad samples."""
+def _encode_all(loader: DataLoader, total: int, inputs, pre, dev: torch.device, rows: _FeatureRows,
+                keys: list[list[tuple[int, int]]] | None = None) -> None:
+    """Encode every batch of ``loader`` (``total`` samples, in index order; in buckets the batches of ``keys``, a
+    shard holding one bucket's) into ``rows``, leaving out the substitutes a video data set returns for bad
+    samples."""
     from ditforge.encoders.batch import as_batch
 
     start = 0
     with tqdm(total=total, desc="extract features", dynamic_ncols=True, disable=None) as bar:
-        for raw in loader:
+        for n, raw in enumerate(loader):
             batch = as_batch(raw)
             n_batch = len(batch["label"]) if "label" in batch else len(batch["x"])
             requested = torch.arange(start, start + n_batch)
             start += n_batch
+            if keys is not None:
+                requested = torch.tensor([i for i, _ in keys[n]])
+                if rows.bucket != keys[n][0][1]:  # a bucket's rows end: written, its last shard maybe short
+                    rows.flush(final=True)
+                    rows.bucket = keys[n][0][1]
             bar.update(n_batch)
             if "index" in batch:  # video: a substitute for a bad sample carries the substitute's index
                 keep = torch.as_tensor(batch["index"]) == requested
@@ -297,6 +349,13 @@ def _write_manifest(cfg, out: Path, dataset, stochastic: bool, pre, rows: _Featu
         "texts": texts if m.condition == "text" else None,
         "init_from": _local_path(m.init_from) if pre is not None else None, "cond_keys": rows.cond_keys or None,
     }
+    if rows.bucket is not None:  # the buckets, and every sample's size, which the bucket sampler reads
+        buckets, config = dataset.buckets, {}
+        for b in buckets.buckets:
+            config.setdefault(b.resolution, {})[b.num_frames] = [b.keep_prob, b.batch_size]
+        manifest |= {"buckets": {"config": config, "multiple": buckets.multiple,
+                                 "frame_interval": buckets.frame_interval, "from_data": data.buckets is None},
+                     "sizes": dataset.sizes.tolist()}
     if rows.sink is not None:
         shared = {k: v for k, v in manifest.items() if k not in ("format", "version", "shards", "num_samples")}
         grid_texts = list(dict.fromkeys(texts))[:NUM_TEXTS] if texts else None  # the sample grids' captions

@@ -171,17 +171,22 @@ class BatchEncoder:
         return {"y": states.to(device, torch.float32), "y_mask": mask.to(device)}
 
 
-def build_batch_encoder(cfg, dataset, device: torch.device, dtype: torch.dtype) -> BatchEncoder:
-    """Load the encoders a run needs and fill in what follows from them and the data, in ``cfg`` (a
-    ``RunConfig``; the resolved values are saved with the run, so sampling rebuilds the same model and encoders).
+def build_batch_encoder(cfg, dataset, device: torch.device, dtype: torch.dtype) -> tuple[BatchEncoder, dict]:
+    """Load the encoders a run needs (``cfg``, a ``RunConfig``, read only) and say what follows from them and the
+    data: the settings the run records (``"section.field"`` -> value, for ``config.sections.assign``; they are
+    saved with the run, so sampling rebuilds the same model and encoders).
 
-    Resolves ``--condition auto`` (text for video data and captioned images, class for labelled images), sets the model's ``in_channels``,
-    ``input_size`` (image_size / the VAE's downsample), ``num_frames``, ``text_dim`` and ``text_max_length``.
-    A features folder fixes all of them (its encoders are not loaded: the features are already encoded).
+    Resolves ``--condition auto`` (text for video data and captioned images, class for labelled images), gives the
+    model's ``in_channels``, ``input_size`` (image_size / the VAE's downsample), ``num_frames``, ``text_dim`` and
+    ``text_max_length``, and the data's ``image_size`` and ``num_frames``. A features folder fixes all of them
+    (its encoders are not loaded: the features are already encoded).
 
     Args:
         dataset: from ``ditforge.data.build_dataset``.
         device, dtype: where the encoders run, and the text encoder's weight dtype (the VAE stays float32).
+
+    Returns:
+        (the ``BatchEncoder``, the settings found).
 
     Raises:
         UserError: a VAE whose downsample does not divide ``--image_size``; ``--condition`` other than the
@@ -197,34 +202,56 @@ def build_batch_encoder(cfg, dataset, device: torch.device, dtype: torch.dtype) 
         if m.condition not in ("auto", stored["condition"]):
             raise UserError(f"--condition {m.condition}: the features in {data.data} were extracted for "
                             f"{stored['condition']} conditioning")
-        for key in ("condition", "vae", "text_encoder", "text_max_length", "text_dim", "in_channels", "input_size",
-                    "num_frames"):
-            setattr(m, key, stored[key])
-        data.image_size, data.num_frames = stored["image_size"], stored["num_frames"]
-        return BatchEncoder(m.condition, text_length=m.text_max_length)
+        found = {f"model.{key}": stored[key] for key in ("condition", "vae", "text_encoder", "text_max_length",
+                                                         "text_dim", "in_channels", "input_size", "num_frames")}
+        found.update({"data.image_size": stored["image_size"], "data.num_frames": stored["num_frames"]})
+        return BatchEncoder(stored["condition"], text_length=stored["text_max_length"]), found
     video = getattr(dataset, "num_frames", None) is not None
-    if m.condition == "auto":  # captioned images have no class labels (num_classes 0)
-        m.condition = "text" if video or not dataset.num_classes else "class"
+    condition = m.condition
+    if condition == "auto":  # captioned images have no class labels (num_classes 0)
+        condition = "text" if video or not dataset.num_classes else "class"
     vae = load_vae(m.vae, device, torch.float32, pixel_channels=dataset.in_channels)
     if dataset.image_size % vae.downsample:
         raise UserError(f"--image_size {dataset.image_size} is not divisible by the downsample factor "
                         f"{vae.downsample} of --vae {m.vae}")
     text_encoder = None
-    if m.condition == "text":
+    if condition == "text":
         text_encoder = load_text_encoder(m.text_encoder, device, dtype, m.text_max_length)
-        m.text_max_length, m.text_dim = text_encoder.max_length, text_encoder.hidden_size
-    else:
-        m.text_max_length = m.text_dim = None
-    data.image_size = dataset.image_size
-    data.num_frames = dataset.num_frames if video else None
-    m.in_channels, m.input_size, m.num_frames = vae.latent_channels, dataset.image_size // vae.downsample, data.num_frames
-    return BatchEncoder(m.condition, vae, text_encoder, class_captions=getattr(dataset, "class_captions", None))
+    num_frames = dataset.num_frames if video else None
+    found = {"model.condition": condition,
+             "model.text_max_length": text_encoder.max_length if text_encoder is not None else None,
+             "model.text_dim": text_encoder.hidden_size if text_encoder is not None else None,
+             "data.image_size": dataset.image_size, "data.num_frames": num_frames,
+             "model.in_channels": vae.latent_channels, "model.input_size": dataset.image_size // vae.downsample,
+             "model.num_frames": num_frames}
+    encoder = BatchEncoder(condition, vae, text_encoder, class_captions=getattr(dataset, "class_captions", None))
+    return encoder, found
 
 
-def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
-    """``build_batch_encoder`` for a pretrained pipeline (``pre``, a ``models.adapters.pipeline.Pretrained``): settle
-    the run's model settings from it and return the ``BatchEncoder`` that feeds it: the pipeline's VAE (latents
-    scaled by its config) and its own prompt encoding.
+def pipeline_multiple(pre) -> int:
+    """What the sides of a pretrained pipeline's (``pre``) inputs are multiples of, in pixels: the VAE's downsample x
+    the transformer's spatial patch (a UNet's: 2 ** its down blocks less one)."""
+    inner = pre.denoiser.inner
+    patch = inner.config.get("patch_size", None)
+    return pre.denoiser.vae_scale * (2 ** (len(inner.config.block_out_channels) - 1)
+                                     if pre.denoiser.component == "unet"
+                                     else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))
+
+
+def pipeline_vae(pre):
+    """A pretrained pipeline's VAE as ``encoders.vae.VAE``, with its family's frame rule (the adapter's
+    ``vae_frame_factor``, ``vae_folds_pixels``)."""
+    from ditforge.encoders.vae import VAE
+
+    return VAE(pre.pipe.vae, path=str(pre.folder / "vae"), frame_factor=pre.denoiser.vae_frame_factor,
+               folds_pixels=pre.denoiser.vae_folds_pixels)
+
+
+def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
+    """``build_batch_encoder`` for a pretrained pipeline (``pre``, a ``models.adapters.pipeline.Pretrained``): the
+    ``BatchEncoder`` that feeds it (the pipeline's VAE, latents scaled by its config, and its own prompt encoding)
+    and the run's model and data settings that follow from it (``"section.field"`` -> value: family, condition,
+    VAE folder, channels, latent size and frames, pixel size and frames; no text encoder of ditforge's own).
 
     Raises:
         UserError: ``--model`` given (the folder decides the denoiser); class conditioning; video data for an image
@@ -232,7 +259,6 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
             ``--num_frames`` the video VAE cannot take (the family's frame rule, e.g. 4k + 1), naming the nearest
             valid counts.
     """
-    from ditforge.encoders.vae import VAE
     from ditforge.errors import UserError
 
     m, data = cfg.model, cfg.data
@@ -251,29 +277,24 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> BatchEncoder:
     if m.condition == "class":
         raise UserError(f"--condition class: {where} is a text-to-{'video' if video else 'image'} "
                         f"{pre.pipeline_class}")
-    inner, scale = pre.denoiser.inner, pre.denoiser.vae_scale
-    size = dataset.image_size
-    patch = inner.config.get("patch_size", None)
-    multiple = scale * (2 ** (len(inner.config.block_out_channels) - 1) if pre.denoiser.component == "unet"
-                        else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))  # (p_t, p_h, p_w)
+    scale, size, multiple = pre.denoiser.vae_scale, dataset.image_size, pipeline_multiple(pre)
     if size % multiple:
         raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
                         f"(the VAE's downsample {scale} x the denoiser's own)")
-    if "vae" not in pre.files:  # a --vae single file stays the run's record of it (it is read again to sample)
-        m.vae = str(pre.folder / "vae")
-    vae = VAE(pre.pipe.vae, path=m.vae, frame_factor=pre.denoiser.vae_frame_factor,
-              folds_pixels=pre.denoiser.vae_folds_pixels)  # the family's frame rule
+    folder = pre.files.get("vae", str(pre.folder / "vae"))  # a --vae single file stays the run's record of it
+    vae = pipeline_vae(pre)
     frames = dataset.num_frames if video else None
     if video and stored is not False:  # features store latents: their frames are the latent frames
         frames = (frames - 1) * vae.temporal + 1
     if video:
         vae.check_frames(frames, f"the VAE of {where}")
-    m.family, m.condition = pre.denoiser.family, "text"
-    m.in_channels, m.input_size = pre.denoiser.in_channels, size // scale
-    m.num_frames = vae.latent_frames(frames) if video else None  # the denoiser's (latent) frames
-    m.learn_sigma, m.text_encoder, m.text_dim, m.text_max_length = pre.denoiser.learn_sigma, None, None, None
-    data.image_size, data.num_frames = size, frames
-    return BatchEncoder("text", vae, prompt_encoder=pre.encode_prompt,
-                        class_captions=getattr(dataset, "class_captions", None),
-                        image_encoder=pre.encode_image if pre.denoiser.image_to_video else None,
-                        prompt_sees_image=pre.denoiser.prompt_sees_image)
+    found = {"model.vae": folder, "model.family": pre.denoiser.family, "model.condition": "text",
+             "model.in_channels": pre.denoiser.in_channels, "model.input_size": size // scale,
+             "model.num_frames": vae.latent_frames(frames) if video else None,  # the denoiser's (latent) frames
+             "model.learn_sigma": pre.denoiser.learn_sigma, "model.text_encoder": None, "model.text_dim": None,
+             "model.text_max_length": None, "data.image_size": size, "data.num_frames": frames}
+    encoder = BatchEncoder("text", vae, prompt_encoder=pre.encode_prompt,
+                           class_captions=getattr(dataset, "class_captions", None),
+                           image_encoder=pre.encode_image if pre.denoiser.image_to_video else None,
+                           prompt_sees_image=pre.denoiser.prompt_sees_image)
+    return encoder, found

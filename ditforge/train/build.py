@@ -1,16 +1,19 @@
 """The named build phases of a training run, in the order ``trainer.train`` calls them: the run folder and its
-guards, ``--init_from``, the data, (the settings resolved, ``resolve.resolve``), the model, the EMA and optimizer,
-the outputs, the loader and the logs. Each fills its part of the state they share (``Run``)."""
+guards, ``--init_from``, the data, (the settings resolved, ``resolve.resolve``, and the config frozen), the model,
+the EMA and optimizer, the outputs, the loader and the logs. Each fills its part of the state they share (``Run``).
+The phases before the resolution open things and report the settings they found (``Run.found``); none writes the
+config, which ``resolve`` alone writes."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -21,13 +24,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ditforge.atomic import atomic_path
-from ditforge.config.sections import LIBRARY_OPTIMIZERS, RunConfig
+from ditforge.config.sections import LIBRARY_OPTIMIZERS, RunConfig, assign
 from ditforge.config.values import parse_bytes, resolve_precision
 from ditforge.data import GlobalBatchSampler, build_dataset, build_shard_loader, source_of
 from ditforge.data.prefetch import DevicePrefetcher
 from ditforge.data.shards.loader import ShardData
 from ditforge.data.features import read_manifest
-from ditforge.data.sources import FEATURES, build_bucket_dataset
+from ditforge.data.sources import CLIP_FOLDER, FEATURES, build_bucket_dataset
 from ditforge.data.packing import packing_setup
 from ditforge.encoders.batch import BatchEncoder, build_batch_encoder, pipeline_batch_encoder
 from ditforge.diffusion.objective import Objective
@@ -35,12 +38,11 @@ from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.models.adapters.pipeline import Pretrained, is_adapted_pipeline, load_pretrained
 from ditforge.models.adapters.single_file import component_files
-from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.parallel import init_sharded, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
 from ditforge.optim import build_optimizer
 from ditforge.optim.backward import StepInBackward
-from ditforge.optim.placement import cap_gpu_memory, plan_placement
+from ditforge.optim.placement import cap_gpu_memory
 from ditforge.parallel.mesh import Dist
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -48,7 +50,7 @@ from ditforge.train.mixed import check_bucket_tokens
 from ditforge.train.guard import LossSpikeGuard, NonfiniteGuard, claim_run_folder, disk_errors
 from ditforge.train.logging import MetricsLog, Tracker
 from ditforge.weights import read as weights_io
-from ditforge.weights.finetuned import dit_init_weights, load_dit_weights, read_dit_init
+from ditforge.weights.finetuned import dit_init_weights, dit_settings, load_dit_weights, read_dit_init
 from ditforge.weights.lora import add_lora_to_denoiser, train_text_encoder
 
 log = logging.getLogger(__name__)
@@ -83,16 +85,21 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
     """The data set of ``--data``, or DreamBooth's (``--instance_data``), after the base pipeline ``pre`` has
     generated the class images ``--class_data`` lacks (rank 0; the others wait)."""
     data, bad = cfg.data, run_dir / "bad_samples.jsonl"
+    clip_folder = source_of(data.data) is CLIP_FOLDER
+    if pre is not None and (data.buckets is not None or clip_folder):
+        return build_bucket_dataset(cfg, bad, pre=pre)  # the pipeline's shapes and frame rule
     if data.buckets is not None:
         from ditforge.data.buckets import read_bucket_config
 
-        if pre is not None:
-            raise UserError(f"--buckets: not with --init_from {cfg.model.init_from} (a diffusers pipeline)")
         if source_of(data.data).streamed and not cfg.train.pack_tokens:
             raise UserError(f"--buckets with shards --data {data.data}: add --pack_tokens N (each step packs samples "
                             "of several buckets); one bucket per step needs a CSV / JSONL of files")
         video = any(t > 1 for frames in read_bucket_config(data.buckets).values() for t in frames)
         return build_bucket_dataset(cfg, bad, cfg.model.model or DEFAULT_MODELS[video])
+    if data.instance_data is None and source_of(data.data) is FEATURES:  # buckets made from the data: --batch_size
+        from ditforge.data.features import FeatureDataset
+
+        return FeatureDataset(data.data, cfg.train.batch_size)
     if data.instance_data is None:
         return build_dataset(data.data, data.image_size, bad, data.num_frames, data.frame_interval, cfg.train.seed,
                              resize_mode=data.resize_mode, shard_retries=data.shard_retries)
@@ -135,8 +142,8 @@ def _intact_resume(found: Path | None, resume: str | None, run_dir: Path, d: Dis
 
 @dataclass
 class Run:
-    """What the phases of one run share. ``open_run`` fills the fields up to ``bf16_weights``; each later phase
-    fills its own group below, so a field keeps its default until its phase has run."""
+    """What the phases of one run share. ``open_run`` fills the fields up to ``bf16_weights`` and starts ``found``;
+    each later phase fills its own group below, so a field keeps its default until its phase has run."""
 
     cfg: RunConfig
     d: Dist
@@ -149,6 +156,10 @@ class Run:
     home: torch.device  # where the weights are built (the host under --cpu_offload all)
     half_base: bool  # a LoRA's frozen base stored in bf16
     bf16_weights: bool  # the weights stored in bf16 from the start
+    # the settings the phases before the resolution found ("section.field" -> value; a later phase's value wins):
+    # the run folder, the plugin, a features folder's pipeline, DiT weights' model, the data's and encoders' shapes.
+    # resolve.resolve writes them into the config.
+    found: dict = field(default_factory=dict)
     # --init_from (load_init)
     features: dict | None = None  # the manifest of a features folder --data
     pre: Pretrained | None = None  # a pretrained pipeline of a diffusers family
@@ -162,6 +173,9 @@ class Run:
     max_steps: int = 0
     # objective, model and optimizer (resolve.resolve, build_model, build_ema_and_optimizer, trainer._resume)
     diffusion: Objective | None = None
+    # a pipeline's bucketed run: the objective of each bucket's latent (frames, height, width); a dynamic shift
+    # follows the sequence length
+    objectives: dict[tuple[int, ...], Objective] | None = None
     model: nn.Module | None = None
     adapters_only: bool = False  # LoRA: EMA and checkpoints hold the adapters alone
     ema: EMA | None = None
@@ -188,6 +202,18 @@ class Run:
     grid_model: nn.Module | None = None
     grid_cond: dict | None = None
 
+    def objective_of(self, x: torch.Tensor | list) -> Objective:
+        """The objective of latents ``x`` (B, C, T', h, w): their bucket's in a pipeline's bucketed run, else
+        ``diffusion``."""
+        return self.diffusion if self.objectives is None else self.objectives[tuple(x.shape[2:])]
+
+    def settled(self) -> RunConfig:
+        """The config as the phases so far found it: a copy with ``found`` written in, for a phase that reads what
+        an earlier one found (the run's own config is written by ``resolve`` alone)."""
+        cfg = self.cfg
+        parts = {name: dataclasses.replace(getattr(cfg, name)) for name in ("model", "data", "train", "parallel")}
+        return assign(dataclasses.replace(cfg, **parts), self.found)
+
     def last_good(self) -> Path | None:
         return last_checkpoint(self.run_dir)
 
@@ -202,12 +228,13 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
 def open_run(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Run:
     """Run folder and guards: the folder claimed (its lock released by ``held``), the checkpoint to resume from,
-    the compute dtype, memory budget and plugin resolved, and what they cannot run with refused (UserError)."""
+    the compute dtype, memory budget and plugin found (``Run.found``: ``--outputs``, ``--plugin``), and what they
+    cannot run with refused (UserError)."""
     t, m, par = cfg.train, cfg.model, cfg.parallel
-    resume_from, t.outputs = ckpt_io.find_resume(t.resume, t.outputs)
-    if t.outputs is None:
-        t.outputs = default_outputs(cfg, d)
-    run_dir = Path(t.outputs)
+    resume_from, outputs = ckpt_io.find_resume(t.resume, t.outputs)
+    if outputs is None:
+        outputs = default_outputs(cfg, d)
+    run_dir = Path(outputs)
     lock = claim_run_folder(run_dir, d)  # before anything is written there
     if lock is not None:
         held.callback(lock.release)
@@ -238,7 +265,6 @@ def open_run(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Run:
         raise UserError(f"--cpu_offload all: offloads through FSDP2, with --plugin fsdp or zero2, got {plugin}")
     if t.fused_backward_pass and plugin != "none":  # DDP / FSDP reduce a gradient after the hook would step
         raise UserError(f"--fused_backward_pass: one process only, got --plugin {plugin} over {d.world_size}")
-    par.plugin = plugin
     per_step = d.dp_size * par.grad_accum_steps
     mixed = cfg.data.buckets is not None and bool(t.pack_tokens)  # global batches of several buckets, packed
     if (cfg.data.buckets is None or mixed) and t.batch_size % per_step:  # buckets: checked per bucket later
@@ -251,18 +277,21 @@ def open_run(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Run:
     # trainable weights too (updated through an fp32 rebuild). Either way the weights are stored in bf16 from the start.
     half_base = bool(m.lora_rank) and amp_dtype != torch.float32 and plugin in ("none", "ddp")
     bf16_weights = half_base or (t.master_weights != "fp32" and not m.lora_rank)
-    return Run(cfg, d, run_dir, resume_from, amp_dtype, budget, mixed, per_step, home, half_base, bf16_weights)
+    return Run(cfg, d, run_dir, resume_from, amp_dtype, budget, mixed, per_step, home, half_base, bf16_weights,
+               found={"train.outputs": outputs, "parallel.plugin": plugin})
 
 
 def load_init(run: Run) -> None:
-    """--init_from: a diffusers family's pretrained pipeline (``run.pre``) or DiT weights (``run.dit_init``); a
-    features folder made from a pipeline names that pipeline."""
+    """--init_from: a diffusers family's pretrained pipeline (``run.pre``) or DiT weights (``run.dit_init``, whose
+    model settings go into ``run.found``); a features folder made from a pipeline names that pipeline (found as
+    ``--init_from``)."""
     cfg, m, device, amp_dtype = run.cfg, run.cfg.model, run.d.device, run.amp_dtype
     features = read_manifest(cfg.data.data) if source_of(cfg.data.data) is FEATURES else None
-    if m.init_from is None and features is not None:
-        m.init_from = features.get("init_from")  # features of a pretrained pipeline: fine-tune that pipeline
-    if m.init_from is not None:
-        if is_adapted_pipeline(m.init_from, tuple(component_files(m))):
+    init_from = m.init_from
+    if init_from is None and features is not None:
+        init_from = run.found["model.init_from"] = features.get("init_from")  # fine-tune the features' pipeline
+    if init_from is not None:
+        if is_adapted_pipeline(init_from, tuple(component_files(m))):
             # From features, the text encoders only encode the empty prompt and the sample grids, and the VAE only
             # decodes the grids: kept on the CPU (the VAE visits the GPU for a grid), out of a tight memory budget.
             on_gpu = device.type == "cuda" and features is None
@@ -271,7 +300,7 @@ def load_init(run: Run) -> None:
             # moves to the GPU after (build_model): the bf16 base alone can exceed the budget (a 14B video
             # transformer's 26.6 GiB)
             staged = m.fp8_base or cfg.train.blocks_to_swap or cfg.train.gpu_memory_budget is not None
-            run.pre = load_pretrained(m.init_from, device, amp_dtype if on_gpu else torch.float32,
+            run.pre = load_pretrained(init_from, device, amp_dtype if on_gpu else torch.float32,
                                       text_device=helpers, vae_device=helpers,
                                       denoiser_device=torch.device("cpu") if staged else run.home,
                                       denoiser_dtype=amp_dtype if run.bf16_weights else torch.float32,
@@ -282,27 +311,30 @@ def load_init(run: Run) -> None:
                          "conditioning is not noised; train on the clips to noise it")
         else:
             run.dit_init = read_dit_init(cfg)
+            run.found.update(dit_settings(run.dit_init[1], m))
     run.features = features
 
 
 def build_data(run: Run) -> None:
-    """Data: the data set, the batch encoder (VAE, text encoder; they record the data's shapes in the config), the
-    default model, the bucket sampler and the run's length in steps."""
+    """Data: the data set, the batch encoder (VAE, text encoder; the data's shapes they find and the default model
+    go into ``run.found``), the bucket sampler and the run's length in steps."""
     cfg, d, run_dir, pre = run.cfg, run.d, run.run_dir, run.pre
-    t, m, device = cfg.train, cfg.model, d.device
-    dataset = _build_dataset(cfg, run_dir, pre, d)
+    t, device, settled = cfg.train, d.device, run.settled()
+    dataset = _build_dataset(settled, run_dir, pre, d)
     video = getattr(dataset, "num_frames", None) is not None
     if pre is not None:
-        inputs = pipeline_batch_encoder(cfg, pre, dataset)
+        inputs, found = pipeline_batch_encoder(settled, pre, dataset)
     else:
-        if m.model is None:
-            m.model = DEFAULT_MODELS[video]
-        if is_video_model(m.model) != video:
-            raise UserError(f"--model {m.model} is {'a video' if is_video_model(m.model) else 'an image'} model; "
+        model = settled.model.model or DEFAULT_MODELS[video]
+        if is_video_model(model) != video:
+            raise UserError(f"--model {model} is {'a video' if is_video_model(model) else 'an image'} model; "
                             f"--data {cfg.data.data} holds {'videos' if video else 'images'}")
-        inputs = build_batch_encoder(cfg, dataset, device, run.amp_dtype if device.type == "cuda" else torch.float32)
+        inputs, found = build_batch_encoder(settled, dataset, device,
+                                            run.amp_dtype if device.type == "cuda" else torch.float32)
+        found["model.model"] = model
+    run.found.update(found)
     bucketed = None  # --buckets: each bucket's batch size is its global batch; --batch_size is not used
-    if cfg.data.buckets is not None and not isinstance(dataset, ShardData):  # shards: the streams' order
+    if getattr(dataset, "buckets", None) is not None and not isinstance(dataset, ShardData):  # shards: streams'
         from ditforge.data.buckets import BucketBatchSampler
 
         if not run.mixed:
@@ -315,46 +347,67 @@ def build_data(run: Run) -> None:
     run.dataset, run.video, run.inputs, run.bucketed = dataset, video, inputs, bucketed
 
 
+def sharded_on_meta(run: Run) -> bool:
+    """zero2 / fsdp: a DiT sharded on the meta device, then each process initialises its shards (``init_sharded``),
+    so the model never is whole on a GPU. Not with what needs the whole model first: official weights, LoRA, FP8
+    conversion, the sequence-parallel measurement, or host shards (``--cpu_offload all``)."""
+    t = run.cfg.train
+    return (run.cfg.parallel.plugin in ("zero2", "fsdp") and run.pre is None and run.dit_init is None
+            and not run.cfg.model.lora_rank and run.d.sp_mesh is None and t.mixed_precision != "fp8"
+            and t.cpu_offload != "all")
+
+
+def dit_dtype(run: Run) -> torch.dtype | None:
+    """The dtype a new DiT's blocks are cast to as they are built (``create_run_model``): bf16 weights are cast
+    block by block, so the model never is whole in fp32 (``build_model`` casts the rest); a LoRA's adapters are
+    drawn in fp32 on the fp32 base, which ``build_model`` casts after injection; a model sharded on the meta
+    device stays fp32 until ``parallelize``."""
+    if sharded_on_meta(run) or not run.bf16_weights or run.cfg.model.lora_rank:
+        return None
+    return run.amp_dtype
+
+
+def adapt(run: Run, model: nn.Module, text_encoder: nn.Module | None) -> nn.Module:
+    """The denoiser's trained parts: the pipeline's ``text_encoder`` attached (``--train_text_encoder``), then the
+    LoRA adapters (``--lora_rank``). ``build_model`` adapts the run's model; ``resolve`` a meta-device copy of it,
+    to count what the memory budget's choices need. Returns ``model``.
+
+    Raises:
+        UserError: ``--train_text_encoder`` on features (their prompts are encoded already), or see
+            ``train_text_encoder``, ``add_lora_to_denoiser``.
+    """
+    cfg, pre = run.cfg, run.pre
+    if cfg.model.train_text_encoder and pre is not None:
+        if run.features is not None:
+            raise UserError(f"--train_text_encoder: --data {cfg.data.data} holds prompts encoded already; "
+                            "train on the captioned images")
+        train_text_encoder(model, text_encoder, pre.pipe, cfg)
+    if cfg.model.lora_rank:
+        add_lora_to_denoiser(model, cfg)
+    return model
+
+
 def build_model(run: Run) -> None:
     """The denoiser: the pipeline's or a new DiT (initial weights alike on every rank), its LoRA, its storage
-    dtype, then ``parallelize``; under zero2 / fsdp a DiT is sharded on the meta device, then initialised."""
+    dtype, then ``parallelize``; under zero2 / fsdp a DiT is sharded on the meta device, then initialised. Reads
+    the frozen config: ``--fp8_base`` and the placement flags are what ``resolve`` decided."""
     cfg, d, pre, home, amp_dtype = run.cfg, run.d, run.pre, run.home, run.amp_dtype
     t, m, par, plugin = cfg.train, cfg.model, cfg.parallel, cfg.parallel.plugin
     torch.manual_seed(t.seed)  # the same initial weights on every rank
     skeleton = None  # an unsharded meta copy of a model that is sharded before it is materialised
     if pre is not None:
         model = pre.denoiser
-        if m.train_text_encoder:
-            if run.features is not None:
-                raise UserError(f"--train_text_encoder: --data {cfg.data.data} holds prompts encoded already; "
-                                "train on the captioned images")
-            train_text_encoder(model, pre.pipe.text_encoder, pre.pipe, cfg)
+    elif sharded_on_meta(run):
+        skeleton = create_run_model(cfg, torch.device("meta"))
+        model = copy.deepcopy(skeleton)
     else:
-        # bf16 weights: cast block by block, so the model never is whole in fp32 (the loop below casts the rest)
-        # zero2 / fsdp: sharded on the meta device, then each process initialises its shards (init_sharded), so
-        # the model never is whole on a GPU. Not with what needs the whole model first: official weights, LoRA,
-        # FP8 conversion, the sequence-parallel measurement, or host shards (--cpu_offload all)
-        if (plugin in ("zero2", "fsdp") and run.dit_init is None and not m.lora_rank and d.sp_mesh is None
-                and t.mixed_precision != "fp8" and t.cpu_offload != "all"):
-            skeleton = create_run_model(cfg, torch.device("meta"))
-            model = copy.deepcopy(skeleton)
-        else:
-            # LoRA: the adapters are drawn in fp32 on the fp32 base, which the loop below casts after injection
-            model = create_run_model(cfg, home, amp_dtype if run.bf16_weights and not m.lora_rank else None)
-        if run.dit_init is not None:
-            load_dit_weights(model, dit_init_weights(run.dit_init, cfg), t.seed)
-    if m.lora_rank:
-        add_lora_to_denoiser(model, cfg)
-    if m.lora_rank and pre is not None and run.budget is not None and not m.fp8_base and plugin in ("none", "ddp"):
-        m.fp8_base = finetune.fp8_base_pays(sum(p.numel() for p in model.parameters() if not p.requires_grad),
-                                            run.budget)
-        if m.fp8_base and d.is_main:
-            log.info("--gpu_memory_budget %s: --fp8_base", t.gpu_memory_budget)
+        model = create_run_model(cfg, home, dit_dtype(run))
+    if run.dit_init is not None:
+        load_dit_weights(model, dit_init_weights(run.dit_init, cfg), t.seed)
+    adapt(run, model, pre.pipe.text_encoder if pre is not None else None)
     if m.fp8_base:
         finetune.store_base_in_fp8(model, amp_dtype, plugin)
     (model if skeleton is not None else model.to(home)).train()
-    if run.budget is not None:
-        _place_under_budget(run, model)
     for p in model.parameters():  # what is not bf16 yet (a LoRA's base built here; the budget's choice)
         if (run.half_base and not p.requires_grad and p.element_size() > 1) or (
                 p.requires_grad and t.master_weights != "fp32"):
@@ -392,23 +445,6 @@ def _swap_blocks(run: Run, model: nn.Module) -> None:
     swap = BlockSwap(blocks[len(blocks) - n:], run.d.device)  # its hooks hold it
     if run.d.is_main:
         log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n, swap.host_bytes / 2**30)
-
-
-def _place_under_budget(run: Run, model: nn.Module) -> None:
-    """--gpu_memory_budget: the optimizer, master weights, fused backward and CPU offload that fit the budget
-    (``plan_placement``'s rule), written into the config."""
-    t, d, plugin = run.cfg.train, run.d, run.cfg.parallel.plugin
-    frozen = sum(p.numel() * (min(2, p.element_size()) if run.half_base else p.element_size())
-                 for p in model.parameters() if not p.requires_grad)
-    given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
-    choice = plan_placement(run.budget, sum(p.numel() for p in model.parameters() if p.requires_grad), frozen,
-                            t.ema_decay != 0, given, run.amp_dtype == torch.bfloat16,
-                            lowmem=plugin in ("none", "ddp"), fused_ok=plugin == "none",
-                            offload_ok=t.fused_optimizer == "auto" and on_gpu_with_triton(d.device))
-    if choice != given and d.is_main:
-        log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
-                 t.gpu_memory_budget, *choice[:2], " --fused_backward_pass" if choice[2] else "", choice[3])
-    t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload = choice
 
 
 def build_ema_and_optimizer(run: Run) -> None:

@@ -1,14 +1,21 @@
-"""The one resolution of a training run's settings: every default the run decides from what it opened (the
-pretrained pipeline, the data set) rather than from its flags, computed once before the model and optimizer are
-built (``resolve``); the pipeline family a run fine-tunes, ``--random_flip``'s and ``--num_workers``' defaults."""
+"""The one resolution of a training run's settings: every setting the run decides from what it opened (the run
+folder, the pretrained pipeline, the data set) rather than from its flags, computed and written into the config
+once, before the model and optimizer are built (``resolve``; the trainer freezes the config right after); the
+pipeline family a run fine-tunes, ``--random_flip``'s and ``--num_workers``' defaults, and the memory budget's
+choices (``settle_budget``)."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import math
 import os
 
-from ditforge.config.sections import RunConfig
+import torch
+from torch import nn
+
+from ditforge.config.sections import RunConfig, assign
 from ditforge.data import BUILTIN_DATASETS, source_of
 from ditforge.data.features import read_manifest
 from ditforge.data.prefetch import default_num_workers
@@ -20,26 +27,34 @@ from ditforge.errors import UserError
 from ditforge.models.adapters import family_of_pipeline
 from ditforge.models.adapters.pipeline import is_adapted_pipeline, read_model_index
 from ditforge.models.adapters.single_file import component_files
+from ditforge.ops.fused_adamw import on_gpu_with_triton
+from ditforge.optim.placement import plan_placement
+from ditforge.train import finetune
 from ditforge.weights.lora import lora_targets
-from ditforge.train.build import Run
+from ditforge.train.build import Run, adapt, create_run_model, dit_dtype, sharded_on_meta
 
 log = logging.getLogger(__name__)
 
 
 def resolve(run: Run) -> RunConfig:
-    """The run's settings resolved, once the run folder, the pretrained pipeline and the data set are open
-    (``build.open_run``, ``load_init``, ``build_data``) and before the model and optimizer are built: no periodic
-    samples for one expert of two, the flips, the shard streams and loader workers, the class count, the
-    learning rate's default (by the model and the optimizer asked, before a memory budget may change the
-    optimizer), the objective (which a diffusers family's scheduler config decides; the config records its kind
-    and shift, ``run.diffusion`` holds it) and the LoRA targets. Returns ``run.cfg``.
+    """The run's settings resolved and written into ``run.cfg``, the one place they are written, once the run
+    folder, the pretrained pipeline and the data set are open (``build.open_run``, ``load_init``, ``build_data``)
+    and before the model and optimizer are built: first what those phases found (``run.found``: the run folder,
+    the plugin, a features folder's pipeline, DiT weights' model settings, the default model, the data's and
+    encoders' shapes), then no periodic samples for one expert of two, the flips, the shard streams and loader
+    workers, the class count, the learning rate's default (by the model and the optimizer asked, before a memory
+    budget may change the optimizer), the objective (which a diffusers family's scheduler config decides; the
+    config records its kind and shift, ``run.diffusion`` holds it), the LoRA targets and the memory budget's
+    choices (``settle_budget``). Returns ``run.cfg``.
 
     Raises:
         UserError: ``--random_flip`` for an image-to-video pipeline, class conditioning on data without labels,
-            ``--num_classes`` below the data's, or an objective the pipeline's scheduler does not give.
+            ``--num_classes`` below the data's, an objective the pipeline's scheduler does not give, or a
+            memory budget nothing fits (``plan_placement``).
     """
     cfg, d, pre, dataset = run.cfg, run.d, run.pre, run.dataset
     t, m = cfg.train, cfg.model
+    assign(cfg, run.found)
     if pre is not None and m.expert is not None and t.sample_every:  # the pipeline's grid would need both experts
         log.info("--expert %s: no periodic samples (the other expert stays in host memory); draw them "
                  "with ditforge sample --ckpt RUN", m.expert)
@@ -59,18 +74,94 @@ def resolve(run: Run) -> RunConfig:
         t.lr = 1e-2
     if t.lr is None:  # the tiny model trains well (and fast enough for a CPU) at 1e-3; see benchmarks/digits_quality.py --sweep
         t.lr = (1e-4 if m.lora_rank else 1e-5) if pre is not None else 1e-3 if "-T/" in m.model else 1e-4
-    # the family's part (an expert's side of the schedule, given frames, the sequence a dynamic shift follows)
-    family = pre.denoiser.objective_args(pre.pipe, m.expert, m.num_frames, m.input_size) if pre is not None else {}
-    diffusion = create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
-                                 m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
-                                 where=f"--init_from {m.init_from}", device=run.d.device, **family)
+
+    def objective(frames: int, height: int, width: int):
+        # the family's part (an expert's side of the schedule, given frames, the sequence a dynamic shift follows)
+        family = pre.denoiser.objective_args(pre.pipe, m.expert, frames, height, width) if pre is not None else {}
+        return create_objective(m.objective, m.learn_sigma, pre.scheduler_config if pre is not None else None,
+                                m.flow_shift, m.weighting_scheme, m.logit_mean, m.logit_std,
+                                where=f"--init_from {m.init_from}", device=run.d.device, **family)
+
+    diffusion = objective(m.num_frames, m.input_size, m.input_size)
+    if pre is not None and run.bucketed is not None:  # each bucket's latents: its own sequence length
+        run.objectives = {shape: objective(*shape) for shape in bucket_latent_shapes(run)}
     m.objective = {"flow": "flow", "v_prediction": "v", "epsilon": "ddpm"}[diffusion.prediction_type]
     if m.objective == "flow":
         m.flow_shift = diffusion.shift
     run.diffusion = diffusion
     if m.lora_rank:  # a diffusers family's default targets, else a DiT's
         m.lora_target_modules = lora_targets(pre.denoiser if pre is not None else None, cfg)
+    if run.budget is not None:
+        settle_budget(run)
     return cfg
+
+
+def bucket_latent_shapes(run: Run) -> set[tuple[int, int, int]]:
+    """The latent (frames, height, width) of each bucket of a pipeline's bucketed run: the VAE's latent frames of
+    its frame count, its sides over the VAE's downsample."""
+    vae, scale = run.inputs.vae, run.pre.denoiser.vae_scale
+    return {(vae.latent_frames(b.num_frames), b.height // scale, b.width // scale)
+            for b in run.dataset.buckets.buckets}
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device: the same shapes, dtypes,
+    ``requires_grad`` and sharing, no memory (``copy.deepcopy`` with each tensor's meta twin in its memo)."""
+    memo = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        twin = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(twin, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else twin
+    return copy.deepcopy(module, memo)
+
+
+def model_on_meta(run: Run) -> nn.Module:
+    """The denoiser as ``build.build_model`` makes it before its storage choices, on the meta device: a copy of
+    the pipeline's (its text encoder's copy attached with ``--train_text_encoder``) or the DiT built there, with
+    their LoRA (``build.adapt``); shapes, dtypes and what trains are the real model's."""
+    pre = run.pre
+    if pre is None:
+        return adapt(run, create_run_model(run.cfg, torch.device("meta"), dit_dtype(run)), None)
+    encoder = meta_copy(pre.pipe.text_encoder) if run.cfg.model.train_text_encoder else None
+    return adapt(run, meta_copy(pre.denoiser), encoder)
+
+
+def state_counts(model: nn.Module, half_base: bool) -> tuple[int, int]:
+    """(trainable parameters, bytes of the frozen ones as stored: at most 2 each with ``half_base``, a LoRA's
+    frozen base that ``build_model`` stores in bf16) of ``model``, for ``plan_placement``."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * (min(2, p.element_size()) if half_base else p.element_size())
+                 for p in model.parameters() if not p.requires_grad)
+    return trainable, frozen
+
+
+def settle_budget(run: Run) -> None:
+    """``--gpu_memory_budget``'s choices, written into the config before the model is built, from the parameters of
+    its meta-device twin (``model_on_meta``): a LoRA on a pipeline stores its base in fp8 (``--fp8_base``) where
+    ``finetune.fp8_base_pays``; then the optimizer, master weights, fused backward and CPU offload that fit the
+    budget (``plan_placement``'s rule) with the base as it will be stored.
+
+    Raises:
+        UserError: nothing fits the budget (``plan_placement``).
+    """
+    cfg, d = run.cfg, run.d
+    t, m, plugin = cfg.train, cfg.model, cfg.parallel.plugin
+    model = model_on_meta(run)
+    if m.lora_rank and run.pre is not None and not m.fp8_base and plugin in ("none", "ddp"):
+        m.fp8_base = finetune.fp8_base_pays(sum(p.numel() for p in model.parameters() if not p.requires_grad),
+                                            run.budget)
+        if m.fp8_base and d.is_main:
+            log.info("--gpu_memory_budget %s: --fp8_base", t.gpu_memory_budget)
+    if m.fp8_base:
+        finetune.store_base_in_fp8(model, run.amp_dtype, plugin)
+    given = (t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload)
+    choice = plan_placement(run.budget, *state_counts(model, run.half_base), t.ema_decay != 0, given,
+                            run.amp_dtype == torch.bfloat16, lowmem=plugin in ("none", "ddp"),
+                            fused_ok=plugin == "none",
+                            offload_ok=t.fused_optimizer == "auto" and on_gpu_with_triton(d.device))
+    if choice != given and d.is_main:
+        log.info("--gpu_memory_budget %s: --optimizer %s --master_weights %s%s --cpu_offload %s",
+                 t.gpu_memory_budget, *choice[:2], " --fused_backward_pass" if choice[2] else "", choice[3])
+    t.optimizer, t.master_weights, t.fused_backward_pass, t.cpu_offload = choice
 
 
 def pipeline_family(cfg: RunConfig):

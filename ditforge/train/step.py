@@ -194,7 +194,7 @@ def make_micro_batches(run: Run, batch: dict, position: int) -> tuple[list[tuple
     else:
         mean, std = inputs.moments(batch, device)
         # the global batch and its shape: this step's bucket's with --buckets
-        rnd = step_randomness(t.seed, position, len(mean) * d.dp_size, tuple(mean.shape[1:]), run.diffusion,
+        rnd = step_randomness(t.seed, position, len(mean) * d.dp_size, tuple(mean.shape[1:]), run.objective_of(mean),
                               m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
         x = inputs.draw(mean, std, rnd.eps)
     if not cfg.data.random_flip:

@@ -81,14 +81,14 @@ def train(cfg: RunConfig) -> Path:
 
 
 def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Path:
-    """The run's phases, in order; each fills its part of the state they share (``Run``). The settings are
-    resolved once (``resolve``) and frozen before the optimizer is built."""
+    """The run's phases, in order; each fills its part of the state they share (``Run``). The phases up to the
+    data open things and report what they found; the settings are resolved and written once (``resolve``), then
+    frozen before the model is built: no phase after writes the config."""
     run = open_run(cfg, d, held)
     load_init(run)
     build_data(run)
-    resolve(run)
+    freeze(resolve(run))
     build_model(run)
-    freeze(run.cfg)  # the memory budget's placement (build_model) is the last setting decided
     build_ema_and_optimizer(run)
     _resume(run)
     open_outputs(run)
@@ -198,8 +198,8 @@ def _loop(run: Run) -> int:
             if run.ema_in_step:
                 run.optimizer.ema_decay = ema_decay_at(t.ema_decay, step)
             try:
-                out = train_step(run.model, run.diffusion, run.optimizer, run.scaler, micro, run.amp_dtype,
-                                 t.max_grad_norm, d, rows, run.stepper, run.packing)
+                out = train_step(run.model, run.objective_of(micro[0][0]), run.optimizer, run.scaler, micro,
+                                 run.amp_dtype, t.max_grad_norm, d, rows, run.stepper, run.packing)
             except torch.OutOfMemoryError:
                 raise out_of_memory(step, t.gpu_memory_budget, d.device) from None
             skipped, stepped = out.pop("skipped"), True

@@ -69,15 +69,15 @@ def load_dit_weights(model: nn.Module, state: dict[str, torch.Tensor], seed: int
 
 def read_dit_init(cfg) -> tuple[dict[str, torch.Tensor] | Path, dict]:
     """DiT weights for ``--init_from`` (an official ``.pt``, a ``DiTPipeline`` folder, or a ditforge run, checkpoint
-    or ``.safetensors`` export, as ``ditforge sample --ckpt`` reads them) and their model settings, which fill in
-    the run's: model name, learned sigma, QK-norm, condition, text encoder and VAE (where the flags leave them).
+    or ``.safetensors`` export, as ``ditforge sample --ckpt`` reads them) and their model settings, checked against
+    the flags of ``cfg`` (a ``RunConfig``, read only); ``dit_settings`` gives what they fill in.
 
     Returns:
         (state dict, or a DCP checkpoint folder for ``dit_init_weights``; the settings).
 
     Raises:
-        UserError: unreadable weights; a checkpoint of a fine-tuned pipeline (another family); ``--model`` or
-            ``--condition`` other than the weights'.
+        UserError: unreadable weights; a checkpoint of a fine-tuned pipeline (another family); ``--model``,
+            ``--condition`` or ``--depth`` other than the weights'.
     """
     from ditforge.models import infer_dit_config
     from ditforge.weights.read import load_weights
@@ -99,14 +99,23 @@ def read_dit_init(cfg) -> tuple[dict[str, torch.Tensor] | Path, dict]:
     if m.depth not in (None, spec.get("depth")):
         raise UserError(f"--depth {m.depth}: {FLAG} {m.init_from} has {spec.get('depth') or 'its size'}'s blocks; "
                         "leave --depth out")
-    m.model, m.learn_sigma, m.qk_norm, m.condition = spec["model"], spec["learn_sigma"], spec.get("qk_norm", False), cond
-    m.depth = spec.get("depth")
-    if cond == "text":
-        m.text_encoder = m.text_encoder or spec.get("text_encoder")
-        m.text_max_length = m.text_max_length or spec.get("text_max_length")
-    if m.vae == "none" and spec.get("vae") not in (None, "none"):
-        m.vae = spec["vae"]
     return state, spec
+
+
+def dit_settings(spec: dict, m) -> dict[str, Any]:
+    """The run's model settings that ``read_dit_init``'s ``spec`` decides, given the flags of ``m`` (a
+    ``ModelConfig``, read only): model name, learned sigma, QK-norm, condition and depth; the text encoder and
+    its length where the flags leave them; the VAE where ``--vae`` is none. Keys ``"model.<field>"``
+    (``config.sections.assign``)."""
+    cond = spec.get("condition") or "class"
+    found = {"model.model": spec["model"], "model.learn_sigma": spec["learn_sigma"],
+             "model.qk_norm": spec.get("qk_norm", False), "model.condition": cond, "model.depth": spec.get("depth")}
+    if cond == "text":
+        found["model.text_encoder"] = m.text_encoder or spec.get("text_encoder")
+        found["model.text_max_length"] = m.text_max_length or spec.get("text_max_length")
+    if m.vae == "none" and spec.get("vae") not in (None, "none"):
+        found["model.vae"] = spec["vae"]
+    return found
 
 
 def dit_init_weights(dit_init: tuple[dict | Path, dict], cfg) -> dict[str, torch.Tensor]:

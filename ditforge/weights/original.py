@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ditforge.models.adapters import families
 from ditforge.models.adapters.layouts import OriginalLayout
 
 
@@ -80,10 +81,10 @@ def lora_to_original(lora: Mapping[str, torch.Tensor], layout: OriginalLayout, a
     read it: ``<original module>.lora_A.weight``, ``.lora_B.weight`` and ``.alpha`` (a 0-d float32 tensor).
 
     A module of its own keeps its A and B (B's halves swapped where the layout swaps the weight's), and alpha. A
-    fused original weight W = cat(W_1, ..., W_k) gets the exact block form of its parts' updates: A = cat(A_i) over
-    the adapted parts (sum r_i x in), B (out x sum r_i) block-diagonal, B_i in the rows of part i and columns of
-    A_i, zero rows for a part without an adapter; so B A = cat(B_i A_i) when every r_i = r. Its alpha is alpha x
-    sum r_i / r, which keeps ComfyUI's scale alpha / rank equal to peft's alpha / r.
+    fused original weight W = cat(W_1, ..., W_n) gets the exact block form of its parts' updates: A = cat(A_i) over
+    its k adapted parts (k r x in), B (out x k r) block-diagonal, B_i in the rows of part i and the columns of A_i,
+    zero rows for a part without an adapter; so B A = cat(B_i A_i), zero for the others. Its alpha is k alpha,
+    which keeps ComfyUI's scale alpha / rank (rank k r) equal to peft's alpha / r.
 
     Args:
         rows: the diffusers parameter name (``<module>.weight``) -> its rows (out features), read for the parts of
@@ -94,15 +95,15 @@ def lora_to_original(lora: Mapping[str, torch.Tensor], layout: OriginalLayout, a
             widths or ranks.
     """
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in lora if ".lora_" in k})
-    groups: dict[str, list] = {}
+    # original module -> (the diffusers weights it fuses, the adapted module of each or None)
+    groups: dict[str, tuple[tuple[str, ...], list[str | None]]] = {}
     for module in modules:
         if f"{module}.lora_A.weight" not in lora or f"{module}.lora_B.weight" not in lora:
             raise TypeError(f"LoRA of {module}: lora_A.weight and lora_B.weight expected")
         original, index, parts = original_name(f"{module}.weight", layout)
-        groups.setdefault(original.removesuffix(".weight"), [None] * len(parts))[index] = module
+        groups.setdefault(original.removesuffix(".weight"), (parts, [None] * len(parts)))[1][index] = module
     out: dict[str, torch.Tensor] = {}
-    for original, adapted in groups.items():
-        parts = original_name(f"{next(m for m in adapted if m)}.weight", layout)[2]
+    for original, (parts, adapted) in groups.items():
         a = [lora[f"{m}.lora_A.weight"] for m in adapted if m]
         if len({t.shape for t in a}) > 1:
             raise TypeError(f"LoRA of {original}: its parts' lora_A differ in shape ({[tuple(t.shape) for t in a]})")
@@ -122,4 +123,15 @@ def lora_to_original(lora: Mapping[str, torch.Tensor], layout: OriginalLayout, a
         out[f"{original}.lora_A.weight"] = torch.cat(a, dim=0)
         out[f"{original}.lora_B.weight"] = b
         out[f"{original}.alpha"] = torch.tensor(float(alpha) * len(a), dtype=torch.float32)
+    return out
+
+
+def known_layouts(component: str) -> dict[str, OriginalLayout]:
+    """The original layouts the adapters declare for ``component`` (``transformer``, ``vae``), each once, under the
+    first family (in the registry's order) that declares it: family -> layout."""
+    out: dict[str, OriginalLayout] = {}
+    for family, cls in families().items():
+        layout = cls.original_layouts.get(component)
+        if layout is not None and layout not in out.values():
+            out[family] = layout
     return out

@@ -36,8 +36,8 @@ def _csv(path, header, rows):
 
 
 def test_sources_are_asked_in_the_documented_order():
-    assert [s.name for s in SOURCES] == ["features", "blend", "shards", "digits", "clips", "captioned images",
-                                         "video CSV", "image folder"]
+    assert [s.name for s in SOURCES] == ["features", "clip folder", "blend", "shards", "digits", "clips",
+                                         "captioned images", "video CSV", "image folder"]
     assert [s.name for s in SOURCES if s.streamed] == ["blend", "shards"]
     assert [s.name for s in SOURCES if s.files] == ["captioned images", "video CSV", "image folder"]
 
@@ -57,6 +57,9 @@ def specs(tmp_path, monkeypatch):
     _text(t / "tars" / "shard-00000.tar")
     _text(t / "manifest" / "shards.json", "{}")
     (t / "digits").mkdir(), (t / "clips").mkdir()  # folders named like the built-in sets do not shadow them
+    _text(t / "videos" / "a.mp4"), _text(t / "videos" / "a.txt"), _image(t / "videos" / "b.png")
+    _text(t / "nested" / "sub" / "a.webm")  # a video anywhere below: a folder of clips, captioned or not
+    _text(t / "tars_and_clips" / "a.tar"), _text(t / "tars_and_clips" / "a.mp4")  # shards win over media
     return {
         "digits": "digits",
         "clips": "clips",
@@ -86,6 +89,11 @@ def specs(tmp_path, monkeypatch):
         "s3://bucket/shards/": "shards",
         "https://host/data.csv": "shards",  # a URL is shards whatever it ends in
         str(_text(t / "blend.yaml", "- path: tars\n")): "blend",
+        str(t / "videos"): "clip folder",
+        str(t / "nested"): "clip folder",
+        str(t / "tars_and_clips"): "shards",
+        str(_text(t / "clips.yaml", "- {path: videos, weight: 2}\n- {path: nested}\n")): "clip folder",
+        str(_text(t / "mixed.yaml", "- {path: videos}\n- {path: tars}\n")): "blend",  # not all folders of clips
         str(t / "blend.YML"): "blend",
     }
 

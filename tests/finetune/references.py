@@ -22,26 +22,26 @@ def _geometry(family: str) -> tuple[int, int, int, int]:
     return spec.size, spec.frames, spec.interval, spec.batch
 
 
-def flow_draws(post) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A flow run's step-0 draws in ditforge's order from ``derive_seed(0, 0)``, for a batch of VAE posteriors
-    ``post`` (mean (B, C, T', h, w)): noise like the latents, logit-normal u (mean 0, std 1) of shape (B,), the
-    caption drop and flip (drawn, unused here), and the posterior's eps like the latents."""
+def flow_draws(post, step: int = 0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A flow run's draws of ``step`` in ditforge's order from ``derive_seed(seed, step)``, for a batch of VAE
+    posteriors ``post`` (mean (B, C, T', h, w)): noise like the latents, logit-normal u (mean 0, std 1) of shape
+    (B,), the caption drop and flip (drawn, unused here), and the posterior's eps like the latents."""
     batch, shape = post.mean.shape[0], tuple(post.mean.shape[1:])
-    g = torch.Generator().manual_seed(derive_seed(0, 0))
+    g = torch.Generator().manual_seed(derive_seed(seed, step))
     noise = torch.randn((batch, *shape), generator=g)
     u = torch.sigmoid(torch.randn(batch, generator=g))
     torch.rand(batch, generator=g), torch.rand(batch, generator=g)
     return noise, u, torch.randn((batch, *shape), generator=g)
 
 
-def step0_latents(pipe, pixels: torch.Tensor, shift: float):
-    """Step 0's latents from diffusers' pieces: ``pixels`` (B, 3, T, H, W) through ``AutoencoderKLWan``'s posterior,
-    with the step's draws in ditforge's order from ``derive_seed(0, 0)`` (noise, logit-normal u, caption drop, flip,
-    posterior eps), normalised as ``WanPipeline`` un-normalises before decoding (``latents / (1 / latents_std) +
-    latents_mean``, inverted). Returns (x0, noise, sigma = shift u / (1 + (shift - 1) u), mean, inv_std), the last
-    two (1, C, 1, 1, 1)."""
+def step0_latents(pipe, pixels: torch.Tensor, shift: float, step: int = 0, seed: int = 0):
+    """Step 0's (or ``step``'s) latents from diffusers' pieces: ``pixels`` (B, 3, T, H, W) through
+    ``AutoencoderKLWan``'s posterior, with the step's draws in ditforge's order from ``derive_seed(seed, step)`` (noise,
+    logit-normal u, caption drop, flip, posterior eps), normalised as ``WanPipeline`` un-normalises before decoding
+    (``latents / (1 / latents_std) + latents_mean``, inverted). Returns (x0, noise, sigma = shift u / (1 + (shift -
+    1) u), mean, inv_std), the last two (1, C, 1, 1, 1)."""
     post = pipe.vae.encode(pixels).latent_dist
-    noise, u, eps = flow_draws(post)
+    noise, u, eps = flow_draws(post, step, seed)
     view = (1, pipe.vae.config.z_dim, 1, 1, 1)
     mean = torch.tensor(pipe.vae.config.latents_mean).view(view)
     inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(view)
@@ -61,6 +61,14 @@ def wan_first_loss(folder: Path, size: int = 16) -> float:
     import diffusers
 
     pipe = diffusers.WanPipeline.from_pretrained(str(folder), local_files_only=True)
+    ds = build_dataset("clips", size, None, FRAMES, INTERVAL, 0)
+    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
+    return wan_loss(pipe, torch.stack([ds[i]["video"] for i in idx]), [ds[i]["text"] for i in idx])
+
+
+def wan_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: int = 0) -> float:
+    """``wan_first_loss``'s arithmetic on a batch of clips ``pixels`` (B, 3, T, H, W) in [-1, 1] (any T, H, W: a
+    bucket's) captioned ``texts``, with the draws of ``step`` of a run of ``seed``."""
     sched = dict(pipe.scheduler.config)
     shift, n_train = float(sched["flow_shift"]), int(sched["num_train_timesteps"])
     # The shift map is the scheduler's: its flow sigmas for 10 steps are the shifted linear grid (float32; the
@@ -69,13 +77,8 @@ def wan_first_loss(folder: Path, size: int = 16) -> float:
     u_grid = np.linspace(1, 1 / n_train, 11)[1:-1]
     np.testing.assert_allclose(pipe.scheduler.sigmas[1:-1].numpy(), shift * u_grid / (1 + (shift - 1) * u_grid),
                                rtol=1e-6)
-
-    ds = build_dataset("clips", size, None, FRAMES, INTERVAL, 0)
-    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
-    pixels = torch.stack([ds[i]["video"] for i in idx])
-    texts = [ds[i]["text"] for i in idx]
     with torch.no_grad():
-        x0, noise, sigma, *_ = step0_latents(pipe, pixels, shift)
+        x0, noise, sigma, *_ = step0_latents(pipe, pixels, shift, step, seed)
         embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)
         s = sigma.view(-1, 1, 1, 1, 1)
         timestep = sigma * n_train
@@ -99,11 +102,17 @@ def cogvideox_first_loss(folder: Path) -> float:
     pipe = diffusers.CogVideoXPipeline.from_pretrained(str(folder), local_files_only=True)
     ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
     idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
-    pixels = torch.stack([ds[i]["video"] for i in idx])
-    texts = [ds[i]["text"] for i in idx]
+    return cogvideox_loss(pipe, torch.stack([ds[i]["video"] for i in idx]), [ds[i]["text"] for i in idx])
+
+
+def cogvideox_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: int = 0) -> float:
+    """``cogvideox_first_loss``'s arithmetic on a batch of clips ``pixels`` (B, 3, T, H, W) in [-1, 1] (any T, H,
+    W: a bucket's; the rotary positions of H x W) captioned ``texts``, with the draws of ``step`` of a run of
+    ``seed``."""
+    BATCH, (height, width) = len(pixels), pixels.shape[3:]
     with torch.no_grad():
         post = pipe.vae.encode(pixels).latent_dist
-        g = torch.Generator().manual_seed(derive_seed(0, 0))
+        g = torch.Generator().manual_seed(derive_seed(seed, step))
         shape = tuple(post.mean.shape[1:])
         noise = torch.randn((BATCH, *shape), generator=g)
         t = torch.randint(0, 1000, (BATCH,), generator=g)
@@ -113,7 +122,7 @@ def cogvideox_first_loss(folder: Path) -> float:
         noise = noise.transpose(1, 2)
         embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=226)
         noisy = pipe.scheduler.add_noise(x0, noise, t)
-        rotary = pipe._prepare_rotary_positional_embeddings(SIZE, SIZE, x0.shape[1], torch.device("cpu"))
+        rotary = pipe._prepare_rotary_positional_embeddings(height, width, x0.shape[1], torch.device("cpu"))
         out = pipe.transformer(hidden_states=noisy, encoder_hidden_states=embeds, timestep=t,
                                image_rotary_emb=rotary, return_dict=False)[0]
         pred = pipe.scheduler.get_velocity(out, noisy, t)
@@ -135,25 +144,34 @@ def ltx_first_loss(folder: Path, image_to_video: bool = False) -> tuple[float, f
     conditioning_mask)``), and the loss is over the other frames."""
     SIZE, FRAMES, INTERVAL, BATCH = _geometry("ltx")
     import diffusers
-    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
     cls = diffusers.LTXImageToVideoPipeline if image_to_video else diffusers.LTXPipeline
     pipe = cls.from_pretrained(str(folder), local_files_only=True)
     ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
     idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
-    pixels = torch.stack([ds[i]["video"] for i in idx])
-    config = pipe.scheduler.config
+    return ltx_loss(pipe, torch.stack([ds[i]["video"] for i in idx]), [ds[i]["text"] for i in idx],
+                    image_to_video=image_to_video)
+
+
+def ltx_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: int = 0,
+             image_to_video: bool = False) -> tuple[float, float]:
+    """``ltx_first_loss``'s arithmetic and shift on a batch of clips ``pixels`` (B, 3, T, H, W) in [-1, 1] (any T,
+    H, W: a bucket's, whose latent frames x height x width the dynamic shift follows) captioned ``texts``, with the
+    draws of ``step`` of a run of ``seed``; ``pipe`` an ``LTXImageToVideoPipeline`` for ``image_to_video``."""
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    BATCH, config = len(pixels), pipe.scheduler.config
     with torch.no_grad():
         post = pipe.vae.encode(pixels).latent_dist
-        noise, u, eps = flow_draws(post)
+        noise, u, eps = flow_draws(post, step, seed)
         x0 = pipe._normalize_latents(post.mean + post.std * eps, pipe.vae.latents_mean, pipe.vae.latents_std,
                                      pipe.vae.config.scaling_factor)
         frames, h, w = x0.shape[2:]
         shift = math.exp(calculate_shift(frames * h * w, config.base_image_seq_len, config.max_image_seq_len,
                                          config.base_shift, config.max_shift))
         sigma = (shift * u / (1 + (shift - 1) * u)).view(-1, 1, 1, 1, 1)
-        embeds, mask, _, _ = pipe.encode_prompt([ds[i]["text"] for i in idx], do_classifier_free_guidance=False,
-                                                device="cpu", max_sequence_length=128)
+        embeds, mask, _, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu",
+                                                max_sequence_length=128)
         x_t = (1 - sigma) * x0 + sigma * noise
         timestep = sigma.flatten() * 1000
         if image_to_video:

@@ -15,7 +15,7 @@ from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
 from ditforge.models.adapters.ltx import LTXDenoiser
 from ditforge.models.adapters.wan import WanDenoiser
 from ditforge.models.adapters.layouts import find_layout
-from ditforge.weights.original import lora_to_original, to_original
+from ditforge.weights.original import known_layouts, lora_to_original, to_original
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,6 +82,38 @@ def test_original_layout_reads_back_through_diffusers(name, tmp_path):
             assert torch.equal(loaded[key], value), (prefix, key)
 
 
+@pytest.mark.parametrize("name", ["wan", "hunyuan_video", "ltx"])
+def test_lora_in_the_original_layout_is_the_update_of_the_original_weights(name, tmp_path):
+    """A LoRA (rank 2, alpha 3) with random A and B on every other linear layer of the tiny transformer (so that
+    fused weights have parts with and without an adapter, and HunyuanVideo's swapped final norm has one): for each
+    original weight, B A alpha / rank of ``lora_to_original`` equals ``to_original`` of the weights with the
+    updates added, minus ``to_original`` of the weights (to 1e-6); the weights without an update get no entry."""
+    _, adapter, component, _ = MODELS[name]
+    layout = adapter.original_layouts[component]
+    model = _random_model(name, tmp_path / "model")
+    state = model.state_dict()
+    g = torch.Generator().manual_seed(11)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    adapted = linears[::2] + (["norm_out.linear"] if name == "hunyuan_video" else [])
+    rank, alpha = 2, 3.0
+    lora = {}
+    for module in adapted:
+        out, width = state[f"{module}.weight"].shape
+        lora[f"{module}.lora_A.weight"] = torch.randn(rank, width, generator=g)
+        lora[f"{module}.lora_B.weight"] = torch.randn(out, rank, generator=g)
+    updated = dict(state)
+    for module in adapted:
+        updated[f"{module}.weight"] = state[f"{module}.weight"] + alpha / rank * (
+            lora[f"{module}.lora_B.weight"] @ lora[f"{module}.lora_A.weight"])
+    before, after = to_original(state, layout), to_original(updated, layout)
+    theirs = lora_to_original(lora, layout, alpha, rows={k: v.shape[0] for k, v in state.items() if v.ndim})
+    modules = {k.rsplit(".", 2)[0] for k in theirs if ".lora_" in k}
+    assert {k for k in before if not torch.equal(before[k], after[k])} == {f"{m}.weight" for m in modules}
+    for m in modules:
+        a, b = theirs[f"{m}.lora_A.weight"], theirs[f"{m}.lora_B.weight"]
+        torch.testing.assert_close(b @ a * (theirs[f"{m}.alpha"].item() / a.shape[0]),
+                                   after[f"{m}.weight"] - before[f"{m}.weight"], rtol=1e-6, atol=1e-5)
+
 def test_hunyuan_single_blocks_at_their_real_width():
     """A single-stream block's q, k, v and MLP input fused into ``linear1`` (and its LoRA in the block form), at
     HunyuanVideo's hidden size 3072 that diffusers' converters split at, on tensors 2 columns wide: the converter
@@ -117,15 +149,18 @@ def test_hunyuan_single_blocks_at_their_real_width():
 
 
 def test_layouts_are_told_apart_by_their_keys(tmp_path):
-    """``find_layout`` names each family's layout from a file's keys, with or without a prefix, and refuses
-    diffusers' own names in one line that lists the known layouts."""
-    layouts = {f"{cls.family}.{component}": cls.original_layouts[component] for _, cls, component, _ in MODELS.values()}
+    """``known_layouts`` holds each declared layout once (the transformers of Wan, HunyuanVideo and LTX-Video;
+    Wan's VAE); ``find_layout`` names each one from a file's keys, with or without a prefix, and refuses diffusers'
+    own names in one line that lists the known layouts."""
+    assert list(known_layouts("transformer")) == ["wan", "ltx", "hunyuan_video"]
+    assert list(known_layouts("vae")) == ["wan"]
     for name, (_, cls, component, _) in MODELS.items():
+        layouts = known_layouts(component)
         model = _random_model(name, tmp_path / name)
         original = to_original(model.state_dict(), cls.original_layouts[component])
         for prefix in ("", "model.diffusion_model."):
             key, layout, found = find_layout([prefix + k for k in original], layouts, "--transformer F")
-            assert (key, layout, found) == (f"{cls.family}.{component}", cls.original_layouts[component], prefix)
+            assert (key, layout, found) == (cls.family, cls.original_layouts[component], prefix)
         with pytest.raises(UserError) as error:
             find_layout(model.state_dict(), layouts, "--transformer F")
         message = str(error.value)

@@ -193,6 +193,45 @@ def test_fp8_base_trains_from_the_cli(wan_pipeline, video_runs, tmp_path, capsys
                           "--fp8_base: stores the frozen base of a LoRA run; give --lora_rank")
 
 
+def test_budget_decides_on_a_meta_twin_with_the_real_models_counts(wan_pipeline, tmp_path, counted_budget):
+    """``--gpu_memory_budget`` is decided in the resolution, before the model is built, from a meta-device twin of
+    the denoiser (``resolve.model_on_meta``): its trainable count and stored frozen bytes (fp8 base, LoRA rank 4)
+    equal the built model's, and the trainable count is LoRA's r * (in + out) summed over the adapted linear layers
+    of the built model (peft's ``base_layer``)."""
+    from peft.tuners.lora import LoraLayer
+
+    counted, model = counted_budget(_argv(wan_pipeline, tmp_path / "run", "--lora_rank", "4", "--fp8_base",
+                                          "--gpu_memory_budget", "1GiB"))
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    lora = sum(4 * (m.base_layer.in_features + m.base_layer.out_features) for m in layers)
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+    assert len(layers) == 8 * len(model.inner.blocks) and counted == [(lora, frozen)]
+
+
+def test_opening_a_pipeline_run_writes_no_setting(wan_pipeline, tmp_path):
+    """``open_run``, ``load_init`` and ``build_data`` of a Wan LoRA run work on a frozen config (a write would raise):
+    the pipeline and the clips only report what they decide (``Run.found``: the family, the latent and pixel frames,
+    the pipeline's VAE folder, no text encoder of ditforge's), which the run records (``VIDEO["wan"].config``)."""
+    import contextlib
+
+    from ditforge.config.load import build_config
+    from ditforge.config.sections import freeze
+    from ditforge.parallel.mesh import init_distributed
+    from ditforge.train import build
+
+    args = vars(cli.build_parser().parse_args(_argv(wan_pipeline, tmp_path / "run", "--lora_rank", "4")))
+    args.pop("command"), args.pop("config", None)
+    with contextlib.ExitStack() as held:
+        run = build.open_run(freeze(build_config(None, args)), init_distributed("cpu"), held)
+        build.load_init(run)
+        build.build_data(run)
+    records = VIDEO["wan"].config
+    assert {k: run.found[k] for k in records if k in run.found} == {k: v for k, v in records.items() if k in run.found}
+    assert {"model.family", "model.num_frames", "data.num_frames"} <= run.found.keys()
+    assert run.found["model.vae"] == str(wan_pipeline / "vae") and run.found["model.text_encoder"] is None
+
+
 def test_blocks_to_swap_trains_as_the_resident_base(wan_pipeline, tmp_path, capsys, caplog):
     """``--blocks_to_swap 2`` (both blocks' frozen fp8 weights in host memory, copied in for each forward and each
     recomputation) logs the losses of the same LoRA run with the base resident, bit for bit (on the CPU the copies

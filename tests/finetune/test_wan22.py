@@ -160,6 +160,31 @@ def test_high_noise_lora_file_loads_into_transformer(wan22, runs, tmp_path):
     assert all(torch.equal(pipe.transformer_2.state_dict()[k], v) for k, v in low_before.items())
 
 
+def test_comfyui_export_names_each_expert(wan22, runs, tmp_path):
+    """``--format comfyui --out wan22.safetensors`` of each expert's run writes ``wan22_<expert>.safetensors``: the
+    high-noise LoRA in ``diffusion_model.`` names; the low-noise full fine-tune, which diffusers' ``from_single_file``
+    reads with the folder's ``transformer_2`` config as the run's expert in bf16, bit for bit."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    for expert in RUNS:
+        assert cli.main(["export", "--ckpt", str(runs[expert]), "--format", "comfyui", "--out",
+                         str(tmp_path / "wan22.safetensors")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wan22_high_noise.safetensors",
+                                                          "wan22_low_noise.safetensors"]
+    lora = load_file(str(tmp_path / "wan22_high_noise.safetensors"))
+    assert all(k.startswith("diffusion_model.blocks.") and ".lora_" in k or k.endswith(".alpha") for k in lora)
+    loaded = diffusers.WanTransformer3DModel.from_single_file(
+        str(tmp_path / "wan22_low_noise.safetensors"), config=str(wan22), subfolder="transformer_2",
+        torch_dtype=torch.bfloat16).state_dict()
+    _, ours, _ = load_finetuned(*load_weights(runs["low_noise"], use_ema=True), torch.device("cpu"))
+    expected = ours.inner.state_dict()
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], v.to(torch.bfloat16)) for k, v in expected.items())
+
 def test_expert_errors(wan22, tmp_path, capsys):
     """One line, exit 2: a Wan 2.2 A14B folder without --expert (naming both choices); --expert for a Wan 2.1
     folder (one transformer)."""

@@ -180,9 +180,10 @@ class DiffusersDenoiser(nn.Module):
         None for a family of one expert."""
         return None
 
-    def objective_args(self, pipe: Any, expert: str | None, latent_frames: int, latent_size: int) -> dict:
-        """What the family gives ``diffusion.objective.create_objective`` besides the scheduler config: ``t_range``
-        (one expert's side of ``expert_boundary``, else (0, 1)), ``given_frames`` (the first latent frames given clean)
+    def objective_args(self, pipe: Any, expert: str | None, latent_frames: int, height: int, width: int) -> dict:
+        """What the family gives ``diffusion.objective.create_objective`` besides the scheduler config, for latents
+        of ``latent_frames`` x ``height`` x ``width`` (a bucket's; square data: height = width): ``t_range`` (one
+        expert's side of ``expert_boundary``, else (0, 1)), ``given_frames`` (the first latent frames given clean)
         and ``seq_len`` (a video family's latent frames x height x width, which a dynamically shifting scheduler's
         shift follows; None for images).
 
@@ -197,7 +198,7 @@ class DiffusersDenoiser(nn.Module):
             boundary = float(boundary)
             t_range = (boundary, 1.0) if expert == "high_noise" else (0.0, boundary)
         return {"t_range": t_range, "given_frames": self.given_frames,
-                "seq_len": latent_frames * latent_size**2 if self.video else None}
+                "seq_len": latent_frames * height * width if self.video else None}
 
     @staticmethod
     def timestep_kwargs(pipe: Any, latent_shape: tuple[int, ...], steps: int) -> dict:
@@ -359,6 +360,11 @@ def _families() -> dict[str, type[DiffusersDenoiser]]:
                                         LTXI2VDenoiser, HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser)}
 
 
+def families() -> dict[str, type[DiffusersDenoiser]]:
+    """Every adapter class, by its ``family``."""
+    return _families()
+
+
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:
     """The adapter class for a diffusers pipeline class name, or None."""
     for cls in _families().values():
@@ -372,4 +378,4 @@ def supported_pipelines() -> list[str]:
     return [p for cls in _families().values() for p in cls.pipelines] + ["DiTPipeline"]
 
 
-__all__ = ["DiffusersDenoiser", "call_default", "family_of_pipeline", "supported_pipelines"]
+__all__ = ["DiffusersDenoiser", "call_default", "families", "family_of_pipeline", "supported_pipelines"]

@@ -11,7 +11,11 @@ The original layout (``HUNYUAN_VIDEO_TRANSFORMER``: Tencent's ``mp_rank_00_model
 (``loaders/single_file_utils.py``): the q, k, v projections fused (``img_attn_qkv``, ``txt_attn_qkv``, the token
 refiner's ``self_attn_qkv``), the single-stream blocks' q, k, v and MLP input as one ``linear1``, and the final norm's
 modulation stored (shift, scale) where diffusers' ``AdaLayerNormContinuous`` holds (scale, shift). That converter
-splits ``linear1`` at a hidden size of 3072 (HunyuanVideo's) whatever the file's."""
+splits ``linear1`` at a hidden size of 3072 (HunyuanVideo's) whatever the file's, and reads bare names only (it
+strips no ``model.diffusion_model.`` prefix), which is why ``export --format comfyui`` writes bare names. ComfyUI reads
+a LoRA in these names (``comfy/lora.py``, ``model_lora_keys_unet``'s branch for diffusion-pipe's HunyuanVideo LoRAs
+maps ``_attn_qkv``, ``_attn_proj``, ``_mod.linear``, ``modulation.linear``, ``mlp.fc1`` / ``mlp.fc2`` onto its own
+names); a LoRA on other modules (the time and guidance embedders) was not checked against it."""
 
 from __future__ import annotations
 
