@@ -291,8 +291,8 @@ def _add_extract_features(sub: argparse._SubParsersAction) -> None:
                     "(blends, exact resume at any world size; not with --init_from)")
     _add_config_flags(fx, (DataConfig, ModelConfig, TrainConfig),
                       only=("data", "image_size", "num_frames", "frame_interval", "num_workers", "resize_mode",
-                            "buckets", "caption_missing", "condition", "vae", "text_encoder", "text_max_length", "init_from",
-                            "transformer", "transformer_2", "device", "seed"))
+                            "buckets", "caption_missing", "condition", "vae", "text_encoder", "text_max_length",
+                            "init_from", "transformer", "transformer_2", "device", "seed"))
 
 
 def _add_shard(sub: argparse._SubParsersAction) -> None:

@@ -1,8 +1,8 @@
 """A diffusers model's weights, and its LoRA, in the layout of the original release it was converted from (the names
 and fused tensors of the family's own code, which ComfyUI reads too), read off the adapter's declarations
 (``DiffusersDenoiser.original_layouts``, ``models.adapters.layouts.OriginalLayout``; a single file's layout is
-recognised by ``layouts.find_layout``). diffusers converts the other way (``loaders/single_file_utils.py``), and reads what
-``to_original`` writes (``from_single_file``), which the tests check."""
+recognised by ``layouts.find_layout``). diffusers converts the other way (``loaders/single_file_utils.py``), and
+reads what ``to_original`` writes (``from_single_file``), which the tests check."""
 
 from __future__ import annotations
 

@@ -120,9 +120,9 @@ def _sample(family: str, folder, out, *files: str) -> np.ndarray:
 def test_single_files_train_and_sample_like_the_folder(family, request, tmp_path):
     """From a folder without the replaced components' weights and the single files: ``train``'s first loss equals
     diffusers' reference of the complete folder (``references.first_loss``, 1e-5 relative, as the shared suite),
-    the run's ``--format diffusers`` export holds the file's VAE (Wan), and ``sample`` draws the complete folder's video to one uint8 level (the same float32 weights; CPU kernels round
-    by the tensors' memory alignment: HunyuanVideo's transformer rebuilt with its own folder's weights moves by
-    2.4e-7)."""
+    the run's ``--format diffusers`` export holds the file's VAE (Wan), and ``sample`` draws the complete folder's
+    video to one uint8 level (the same float32 weights; CPU kernels round by the tensors' memory alignment:
+    HunyuanVideo's transformer rebuilt with its own folder's weights moves by 2.4e-7)."""
     full, bare, files = SETUPS[family](request.getfixturevalue(f"{family}_pipeline"), tmp_path)
     spec = VIDEO[family]
     assert cli.main(spec.argv(bare, tmp_path / "run", "--max_steps", "1", *files)) == 0
@@ -193,7 +193,8 @@ def _lora_models(folder, path, keep: tuple[bool, ...]):
 
 def _outputs(*models):
     g = torch.Generator().manual_seed(5)
-    x, t, text = torch.randn(2, 16, 2, 2, 2, generator=g), torch.tensor([300.0, 800.0]), torch.randn(2, 7, 32, generator=g)
+    x, t = torch.randn(2, 16, 2, 2, 2, generator=g), torch.tensor([300.0, 800.0])
+    text = torch.randn(2, 7, 32, generator=g)
     with torch.no_grad():
         return [m.denoise(x, t, encoder_hidden_states=text) for m in models]
 
@@ -305,7 +306,8 @@ def test_second_expert_file(tmp_path):
     from tiny_pipelines import make_wan22
 
     folder = make_wan22(tmp_path / "pipe")
-    experts = [WanTransformer3DModel.from_pretrained(str(folder), subfolder=s) for s in ("transformer", "transformer_2")]
+    experts = [WanTransformer3DModel.from_pretrained(str(folder), subfolder=s)
+               for s in ("transformer", "transformer_2")]
     path = tmp_path / "low_noise.safetensors"
     save_file({COMFY + k: v for k, v in _original(experts[1], "wan", "transformer").items()}, str(path))
     _strip_weights(folder, "transformer_2")

@@ -10,10 +10,11 @@ Layouts (``load_component``; the family's facts are its adapter's declaration ``
   a release's ``diffusion_pytorch_model-0000K-of-0000N.safetensors`` shards are read through their
   ``.index.json`` (either file may be given), a torch pickle (a VAE's ``.pth``) through
   ``torch.load(mmap=True, weights_only=True)``;
-* ComfyUI's: the original keys, with or without a prefix (``layouts.PREFIXES``: ``model.diffusion_model.``), in bf16, fp16 or
-  float8 e4m3, "scaled" float8 included: a ``scaled_fp8`` marker tensor and a float32 ``<layer>.scale_weight``
-  scalar per float8 weight, whose value is ``weight x scale_weight`` (ComfyUI ``comfy/model_detection.py``
-  ``model_config_from_unet`` reads the marker, ``comfy/ops.py`` ``scaled_fp8_ops`` ``convert_weight`` multiplies);
+* ComfyUI's: the original keys, with or without a prefix (``layouts.PREFIXES``: ``model.diffusion_model.``), in
+  bf16, fp16 or float8 e4m3, "scaled" float8 included: a ``scaled_fp8`` marker tensor and a float32
+  ``<layer>.scale_weight`` scalar per float8 weight, whose value is ``weight x scale_weight`` (ComfyUI
+  ``comfy/model_detection.py`` ``model_config_from_unet`` reads the marker, ``comfy/ops.py`` ``scaled_fp8_ops``
+  ``convert_weight`` multiplies);
 * a text encoder: transformers' keys of its class (ComfyUI's ``umt5_xxl_*.safetensors`` are so).
 
 Reading is lazy, tensor by tensor (safetensors ``safe_open``), each tensor cast on its own to the load dtype, so
@@ -79,7 +80,8 @@ def _open(file: Path, flag: str, stack: ExitStack) -> tuple[list[str], Callable[
             weight_map = json.loads(file.read_text())["weight_map"]
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"{flag} {file}: expected a safetensors index with a weight_map ({e})") from None
-        shards = {s: stack.enter_context(safe_open(str(file.parent / s), "pt")) for s in sorted(set(weight_map.values()))}
+        shards = {s: stack.enter_context(safe_open(str(file.parent / s), "pt"))
+                  for s in sorted(set(weight_map.values()))}
         return list(weight_map), lambda k: shards[weight_map[k]].get_tensor(k)
     try:
         handle = stack.enter_context(safe_open(str(file), "pt"))
@@ -173,7 +175,8 @@ def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, fa
         missing = [k for k in missing if model.get_parameter(k).device.type == "meta"]
     if missing or unexpected:
         raise UserError(f"{flag} {file}: its tensors do not fill the folder's {cls_name} (missing "
-                        f"{', '.join(sorted(missing)[:3]) or '-'}; unexpected {', '.join(sorted(unexpected)[:3]) or '-'})")
+                        f"{', '.join(sorted(missing)[:3]) or '-'}; unexpected "
+                        f"{', '.join(sorted(unexpected)[:3]) or '-'})")
     if kept:
         _attach_scales(model, kept)
     return model.requires_grad_(False).eval()
