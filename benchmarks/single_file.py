@@ -52,6 +52,8 @@ def anon_kb():
 
 
 WanTransformer3DModel.load_config(folder, subfolder="transformer")
+if torch.cuda.is_available():  # the CUDA context's host memory before the baseline, not in the load's peak
+    torch.zeros(1, device="cuda")
 before, anon = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, anon_kb()
 start = time.perf_counter()
 if loader == "from_single_file":
@@ -132,12 +134,16 @@ def main() -> None:
             rows.append({"file": kind, "loader": loader, "file_gb": size / 1e9, "model_gb": got["model_bytes"] / 1e9,
                          "peak_rss_gb": peak / 1e9, "anon_gb": got["anon_kb"] * 1024 / 1e9, "ratio": peak / size,
                          "ratio_model": peak / got["model_bytes"], "load_s": got["load_s"], "dtypes": got["dtypes"]})
+            _write(args, rows)  # row by row: a long job leaves what it measured
     print(f"{'file':<6} {'loader':<18} {'file GB':>8} {'model GB':>9} {'peak RSS GB':>12} {'anon GB':>8} "
           f"{'x file':>7} {'x model':>8} {'load s':>7}  dtypes")
     for r in rows:
         print(f"{r['file']:<6} {r['loader']:<18} {r['file_gb']:8.2f} {r['model_gb']:9.2f} {r['peak_rss_gb']:12.2f} "
               f"{r['anon_gb']:8.2f} {r['ratio']:7.2f} {r['ratio_model']:8.2f} {r['load_s']:7.1f}  "
               f"{','.join(r['dtypes'])}")
+
+
+def _write(args, rows: list[dict]) -> None:
     import diffusers
     import safetensors
     import torch
