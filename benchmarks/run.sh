@@ -78,6 +78,9 @@
 #                       (7b64k with ring attention); all with fast attention, compile, EMA, 5 steps after 3;
 #                       PROFILE=1 adds rank 0's GPU kernel time per step by kind (communication, matrix products,
 #                       attention, ...)
+#   single-file [MODEL]  host RAM and time to load a single-file Wan transformer, bf16 and fp8 (issue 63):
+#                       single_file.py --model MODEL (default 14b: about 28 GB of bf16 file, written first under
+#                       /tmp) beside diffusers' from_single_file
 #
 # Row g (FP8) at width 1152 or 2048 runs with --fp8_min_width 16: every block linear in float8, as those rows were
 # measured before the width policy (which keeps them bf16).
@@ -287,6 +290,10 @@ scale)
         *) echo "unknown scale row $row" ;;
         esac
     done
+    ;;
+single-file)
+    python3 benchmarks/single_file.py --model "${2:-14b}" --dir /tmp/ditforge_single_file \
+        --out "$out/single_file_${2:-14b}.json"
     ;;
 *)
     echo "unknown job '$job': see the top of benchmarks/run.sh" >&2

@@ -126,7 +126,17 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--fps", type=int, help="video models: frames per second of the MP4 and GIF (default 8; a "
                    "diffusers video pipeline: its family's training rate)")
     s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
-                   "(needed for an official DiT .pt: e.g. sd-vae-ft-ema)")
+                   "(needed for an official DiT .pt: e.g. sd-vae-ft-ema); with a diffusers pipeline folder as "
+                   "--ckpt: a single file in place of its vae (diffusers' keys, or the original release's: its "
+                   ".pth torch pickle, ComfyUI's .safetensors)")
+    s.add_argument("--transformer", help="with a diffusers pipeline folder as --ckpt: a single-file checkpoint in "
+                   "place of its transformer, the folder giving its config (diffusers' keys, the original "
+                   "release's shards by their index .json, or ComfyUI's: bf16, fp16, fp8 e4m3, scaled fp8)")
+    s.add_argument("--transformer_2", help="with a two-expert pipeline folder as --ckpt: a single file in place of "
+                   "its transformer_2 (the low-noise expert), as --transformer")
+    s.add_argument("--text_encoder", help="with a diffusers pipeline folder as --ckpt: a single file in place of "
+                   "its text_encoder (transformers' keys, as ComfyUI's text encoder files; fp8 and scaled fp8 "
+                   "included)")
     s.add_argument("--save_npz", help="with --out (or for text models): also write samples (N,H,W,C or "
                    "N,T,H,W,C uint8) and labels (N,) or prompts (N,) to this .npz; without --out (class models): "
                    "evaluation-scale sampling into this .npz only, in the ADM evaluator's layout (arr_0: N,H,W,3 "
@@ -281,7 +291,8 @@ def _add_extract_features(sub: argparse._SubParsersAction) -> None:
                     "(blends, exact resume at any world size; not with --init_from)")
     _add_config_flags(fx, (DataConfig, ModelConfig, TrainConfig),
                       only=("data", "image_size", "num_frames", "frame_interval", "num_workers", "resize_mode",
-                            "buckets", "caption_missing", "condition", "vae", "text_encoder", "text_max_length", "init_from", "device", "seed"))
+                            "buckets", "caption_missing", "condition", "vae", "text_encoder", "text_max_length",
+                            "init_from", "transformer", "transformer_2", "device", "seed"))
 
 
 def _add_shard(sub: argparse._SubParsersAction) -> None:

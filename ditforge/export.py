@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import types
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from ditforge.errors import UserError
 from ditforge.interop import PIPELINE_NULL_LABEL, SPEC_FILE, ddim_scheduler_config, official_to_diffusers
 from ditforge.models.adapters import DiffusersDenoiser, families
 from ditforge.models.adapters.pipeline import Pretrained, read_model_index
+from ditforge.models.adapters.single_file import component_files
 from ditforge.sample import load_model
 from ditforge.weights.finetuned import load_finetuned
 from ditforge.weights.lora import TEXT_LORA_TARGETS, lora_config, lora_state_dict, merge_lora
@@ -161,7 +163,9 @@ def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: 
     if fmt == "lora":
         import diffusers
 
-        pipeline_class = read_model_index(config["model"]["init_from"], "--ckpt (the run's --init_from)")["_class_name"]
+        replaced = tuple(component_files(types.SimpleNamespace(**config["model"])))  # the run's single files
+        pipeline_class = read_model_index(config["model"]["init_from"], "--ckpt (the run's --init_from)",
+                                          replaced)["_class_name"]
         if not config["model"].get("lora_rank"):
             raise UserError("--format lora: the run fine-tuned all weights (no --lora_rank); export --format diffusers")
         if not hasattr(getattr(diffusers, pipeline_class), "save_lora_weights"):
@@ -177,8 +181,9 @@ def export_pretrained(state: dict[str, torch.Tensor] | Path, config: dict, out: 
 
 def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path) -> Path:
     """A complete pipeline folder at ``out``: the fine-tuned (LoRA merged) denoiser and, when it trained, text
-    encoder saved with their ``save_pretrained``, every other component copied untouched from the folder the run
-    started from, so the family's pipeline class loads it offline. Written under a temporary name and renamed when
+    encoder saved with their ``save_pretrained``, and so the components single files replaced (``pre.files``),
+    every other component copied untouched from the folder the run started from, so the family's pipeline class
+    loads it offline. Written under a temporary name and renamed when
     complete."""
     # the components the denoiser trained: its own (transformer, unet) or, for a two-expert pipeline's second expert,
     # transformer_2, or both experts
@@ -186,6 +191,8 @@ def write_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, out: str | Path
                if any(module is model for model in denoiser.expert_models())}
     if denoiser.tokenize is not None:  # --train_text_encoder
         trained["text_encoder"] = denoiser.text_encoder
+    for name in pre.files:  # read from a single file: the folder may not hold its weights
+        trained.setdefault(name, pre.pipe.components[name])
     with atomic_dir(out) as tmp:
         for item in pre.folder.iterdir():
             if item.name not in trained:

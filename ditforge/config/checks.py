@@ -3,6 +3,8 @@ together, each refused in one line naming the flag and what was expected."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ditforge.config.sections import (CAPTION_MISSING, COMPILE_MODES, CONDITIONS, CPU_OFFLOAD, FP8_RECIPES,
                                       LIBRARY_OPTIMIZERS, MASTER_WEIGHTS, MIXED_PRECISION, OBJECTIVES, OPTIMIZERS,
                                       PLUGINS, RESIZE_MODES, SEQUENCE_PARALLEL_TYPES, RunConfig)
@@ -167,6 +169,15 @@ def validate(cfg: RunConfig) -> None:
                                  and cfg.parallel.plugin in ("auto", "none", "ddp")):
         raise UserError("--blocks_to_swap: swaps a LoRA run's frozen base; needs --lora_rank, --grad_checkpoint, no "
                         "--compile and --plugin none or ddp")
+    from ditforge.models.adapters.single_file import component_files  # torch: imported at the check, not for --help
+
+    for name, file in component_files(m).items():
+        if name in ("transformer", "transformer_2") or Path(file).is_file():  # a missing --vae: load_vae's to name
+            if m.init_from is None or not (Path(m.init_from) / "model_index.json").is_file():
+                raise UserError(f"--{name} {file}: a single file replaces a component of a diffusers pipeline "
+                                "folder; give that folder as --init_from")
+            if not Path(file).is_file():
+                raise UserError(f"--{name} {file}: no such file")
     if m.fp8_base and not m.lora_rank:
         raise UserError("--fp8_base: stores the frozen base of a LoRA run; give --lora_rank")
     if data.resize_mode not in RESIZE_MODES:

@@ -68,11 +68,15 @@ class ModelConfig(_Freezable):
     condition: str = _f("auto", "conditioning: class (labels) | text (cross-attention to caption states) | auto "
                                 "(text for video data, class for images)", choices=CONDITIONS)
     text_encoder: str | None = _f(None, "local Hugging Face folder of the caption encoder (T5, CLIP or BERT-like; "
-                                        "default: the shipped all-MiniLM-L6-v2)")
+                                        "default: the shipped all-MiniLM-L6-v2); with a pipeline --init_from: a "
+                                        "single file (.safetensors, transformers' keys; ComfyUI's, fp8 and scaled "
+                                        "fp8 included) in place of the pipeline's text_encoder")
     text_max_length: int | None = _f(None, "caption tokens kept, special tokens included (default: the "
                                            "encoder's: T5 120, CLIP 77, MiniLM 256)")
     vae: str = _f("none", "local diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema) to train on its latents "
-                          "(video: frame by frame), or none for pixel space")
+                          "(video: frame by frame), or none for pixel space; with a pipeline --init_from: a single "
+                          "file in place of the pipeline's vae (diffusers' keys, or the original release's: its .pth "
+                          "torch pickle, ComfyUI's .safetensors)")
     qk_norm: bool = _f(False, "LayerNorm on the queries and keys of every attention (stability of large models)")
     num_classes: int | None = _f(None, "number of class labels (default: from the data)")
     learn_sigma: bool = _f(True, "predict the variance too (hybrid loss of Improved DDPM)")
@@ -81,6 +85,14 @@ class ModelConfig(_Freezable):
                                      "(model_index.json) of a family ditforge adapts (another pipeline's refusal lists "
                                      "them) or of DiT, an official DiT .pt, or a ditforge run, checkpoint or "
                                      "export; the folder decides the denoiser, text encoders, VAE and objective")
+    transformer: str | None = _f(None, "with a pipeline --init_from: a single-file checkpoint in place of its "
+                                       "transformer, the folder giving its config: diffusers' keys, the original "
+                                       "release's (diffusion_pytorch_model*.safetensors shards: give a shard or "
+                                       "their index .json) or ComfyUI's (with or without model.diffusion_model.; bf16, "
+                                       "fp16, fp8 e4m3, scaled fp8 (weight x scale_weight)); an fp8 file stays fp8 "
+                                       "under --fp8_base, a scaled one with its scale")
+    transformer_2: str | None = _f(None, "with a two-expert pipeline --init_from: a single file in place of its "
+                                         "transformer_2 (the low-noise expert), as --transformer")
     objective: str = _f("auto", "training objective: ddpm (epsilon) | v (v-prediction) | flow (rectified flow) | "
                                 "auto (the --init_from pipeline's scheduler; else ddpm)", choices=OBJECTIVES)
     flow_shift: float | None = _f(None, "flow: timestep shift t' = s t / (1 + (s - 1) t) (default: the scheduler's "

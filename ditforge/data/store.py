@@ -193,15 +193,16 @@ def _extraction_pipeline(cfg, dev: torch.device):
     Raises:
         UserError: a folder of no family ditforge adapts."""
     from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
+    from ditforge.models.adapters.single_file import component_files
 
     m = cfg.model
-    if not is_adapted_pipeline(m.init_from):
+    if not is_adapted_pipeline(m.init_from, tuple(component_files(m))):
         raise UserError(f"--init_from {m.init_from}: features are extracted with a diffusers pipeline folder "
                         "of a family ditforge adapts; DiT runs take --vae and --text_encoder")
     # the denoiser encodes nothing: it stays on the host in bf16 (a 14B transformer would take 57 GB in float32 on
     # the GPU for no use); a pipeline's two experts share the VAE and encoders
     return load_pretrained(m.init_from, dev, expert=m.expert, denoiser_device=torch.device("cpu"),
-                           denoiser_dtype=torch.bfloat16)
+                           denoiser_dtype=torch.bfloat16, files=component_files(m))
 
 
 def _bucket_keys(dataset, batch_size: int, bucket_file: str | None) -> list[list[tuple[int, int]]]:

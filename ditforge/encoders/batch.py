@@ -271,7 +271,7 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
     if size % multiple:
         raise UserError(f"--image_size {size}: {pre.pipeline_class} takes sides that are multiples of {multiple} "
                         f"(the VAE's downsample {scale} x the denoiser's own)")
-    folder = str(pre.folder / "vae")
+    folder = pre.files.get("vae", str(pre.folder / "vae"))  # a --vae single file stays the run's record of it
     vae = pipeline_vae(pre)
     frames = dataset.num_frames if video else None
     if video and stored is not False:  # features store latents: their frames are the latent frames

@@ -18,6 +18,7 @@ from ditforge.diffusion import SAMPLERS
 from ditforge.errors import UserError
 from ditforge.models import is_video_model
 from ditforge.models.adapters.pipeline import encoder_dtype, is_adapted_pipeline, load_pretrained
+from ditforge.models.adapters.single_file import component_files
 from ditforge.ops.attention import set_frame_exchange, set_sequence_attention
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.sample.load import (VIDEO_LOOP_FLAGS, SampleConfig, build_model, encode_prompts, load_sample_vae,
@@ -158,16 +159,20 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
                         f"{d.world_size} (or --cfg_parallel with half of that), or --save_npz without --out to "
                         "split the samples among the processes")
     host = torch.device("cpu") if cfg.plugin == "fsdp" else None  # the transformer reaches the GPU as shards
-    if is_adapted_pipeline(cfg.ckpt):  # a diffusers pipeline folder itself
+    if is_adapted_pipeline(cfg.ckpt, tuple(component_files(cfg))):  # a diffusers pipeline folder itself
         pre = load_pretrained(cfg.ckpt, d.device, encoder_dtype(d.device), flag="--ckpt",
                               denoiser_dtype=resolve_precision(cfg.mixed_precision, d.device), sampling=True,
-                              denoiser_device=host)
+                              denoiser_device=host, files=component_files(cfg))
         if cfg.lora is not None:
             if getattr(pre.pipe, "transformer_2", None) is not None:
                 raise UserError(f"--lora {cfg.lora}: {cfg.ckpt} has two experts (transformer and transformer_2); a LoRA of one of them "
                                 "is not applied by ditforge yet")
             _fuse_lora(pre, cfg.lora)
         return sample_pipeline(cfg, prompts, d, pre, pre.denoiser.eval())
+    for name, file in component_files(cfg).items():
+        if name != "vae" or Path(file).is_file():  # a missing --vae: load_sample_vae's to name
+            raise UserError(f"--{name} {file}: replaces a component of a diffusers pipeline folder as --ckpt; "
+                            f"{cfg.ckpt} is none (a run reads the single files of its --init_from)")
     if cfg.lora is not None:
         raise UserError(f"--lora {cfg.lora}: for a diffusers pipeline folder as --ckpt (a LoRA run's own adapters "
                         f"load with its checkpoint); {cfg.ckpt} is none")

@@ -54,6 +54,9 @@ class SampleConfig:
     save_npz: str | None = None
     fps: int | None = None
     vae: str | None = None
+    transformer: str | None = None  # single files replacing a pipeline folder's components (single_file.COMPONENTS)
+    transformer_2: str | None = None
+    text_encoder: str | None = None
     use_ema: bool = True
     device: str = "auto"
     sequence_parallel_size: int = 1

@@ -37,6 +37,7 @@ from ditforge.diffusion.objective import Objective
 from ditforge.errors import UserError
 from ditforge.models import create_model, is_video_model
 from ditforge.models.adapters.pipeline import Pretrained, is_adapted_pipeline, load_pretrained
+from ditforge.models.adapters.single_file import component_files
 from ditforge.parallel import init_sharded, parallelize, resolve_plugin, unwrap
 from ditforge.parallel.ema import EMA
 from ditforge.optim import build_optimizer
@@ -295,7 +296,7 @@ def load_init(run: Run) -> None:
     if init_from is None and features is not None:
         init_from = run.found["model.init_from"] = features.get("init_from")  # fine-tune the features' pipeline
     if init_from is not None:
-        if is_adapted_pipeline(init_from):
+        if is_adapted_pipeline(init_from, tuple(component_files(m))):
             # From features, the text encoders only encode the empty prompt and the sample grids, and the VAE only
             # decodes the grids: kept on the CPU (the VAE visits the GPU for a grid), out of a tight memory budget.
             on_gpu = device.type == "cuda" and features is None
@@ -308,7 +309,8 @@ def load_init(run: Run) -> None:
                                       text_device=helpers, vae_device=helpers,
                                       denoiser_device=torch.device("cpu") if staged else run.home,
                                       denoiser_dtype=amp_dtype if run.bf16_weights else torch.float32,
-                                      expert=m.expert, other_expert_device=torch.device("cpu"))
+                                      expert=m.expert, other_expert_device=torch.device("cpu"),
+                                      files=component_files(m), keep_fp8=m.fp8_base)
             if features is not None and run.pre.denoiser.image_noise and m.noised_image_input:
                 log.info("--noised_image_input: the features hold the clean first frames' latents, so the image "
                          "conditioning is not noised; train on the clips to noise it")

@@ -20,6 +20,7 @@ from torch import nn
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser
 from ditforge.models.adapters.pipeline import FLAG, Pretrained, generate_with_pipeline
+from ditforge.models.adapters.single_file import FP8, load_component
 from ditforge.weights.lora import add_lora_to_denoiser, train_text_encoder
 
 
@@ -101,14 +102,20 @@ def first_frame_image(item: dict):
 
 
 def fresh_denoiser(pre: Pretrained, cfg) -> DiffusersDenoiser:
-    """A second copy of the run's denoiser as it started: the pipeline's weights read again from its folder, with
-    the run's LoRA adapters injected (their weights are then loaded by the caller)."""
-    inner = type(pre.denoiser.inner).from_pretrained(str(pre.folder), subfolder=pre.denoiser.component,
-                                                     local_files_only=True)
+    """A second copy of the run's denoiser as it started: the pipeline's weights read again from its folder (or the
+    single files that replaced its components), with the run's LoRA adapters injected (their weights are then
+    loaded by the caller)."""
+
+    def again(name: str, module: nn.Module, library: str) -> nn.Module:
+        if name in pre.files:
+            return load_component(pre.folder, name, (library, type(module).__name__), pre.files[name],
+                                  type(pre.denoiser), torch.float32)
+        return type(module).from_pretrained(str(pre.folder), subfolder=name, local_files_only=True)
+
+    inner = again(pre.denoiser.component, pre.denoiser.inner, "diffusers")
     denoiser = type(pre.denoiser)(inner, pre.denoiser.vae_scale)
     if cfg.model.train_text_encoder:
-        encoder = type(pre.pipe.text_encoder).from_pretrained(str(pre.folder), subfolder="text_encoder",
-                                                              local_files_only=True)
+        encoder = again("text_encoder", pre.pipe.text_encoder, "transformers")
         train_text_encoder(denoiser, encoder, pre.pipe, cfg)
     else:
         denoiser.set_null_condition({k: getattr(pre.denoiser, f"null_{k}") for k in pre.denoiser.cond_keys})
@@ -125,11 +132,40 @@ def fp8_base_pays(frozen: int, budget: int) -> bool:
     return 2 * frozen > budget / 4
 
 
+_SCALED_HOOK = "scaled_fp8"
+
+
+def _scaled_weight_hook(scale: torch.Tensor):
+    """A diffusers ``ModelHook`` applying a kept ComfyUI scaled-float8 weight's scale (``single_file``: the layer's
+    ``scale_weight``) inside diffusers' layerwise casting: around the layer's forward its weight is the exact upcast
+    times the scale (what ComfyUI computes, ``comfy/ops.py``), and the upcast again after it, which the casting then
+    stores back in float8 bit for bit."""
+    from diffusers.hooks import ModelHook  # diffusers: imported where a pipeline is fine-tuned
+
+    class ScaledWeight(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            self.upcast = module.weight.data
+            if self.scale.device != self.upcast.device:  # once: the scale follows the weight to its device
+                self.scale = self.scale.to(self.upcast.device)
+            module.weight.data = self.upcast * self.scale.to(self.upcast.dtype)
+            return args, kwargs
+
+        def post_forward(self, module, output):
+            module.weight.data = self.upcast
+            del self.upcast
+            return output
+
+    hook = ScaledWeight()
+    hook.scale = scale
+    return hook
+
+
 def store_base_in_fp8(model: nn.Module, compute_dtype: torch.dtype, plugin: str) -> None:
     """``--fp8_base``: the frozen layers of a diffusers denoiser's transformer stored in float8 e4m3 and upcast to
     ``compute_dtype`` around each one's forward (diffusers' ``ModelMixin.enable_layerwise_casting``, whose default
     skips keep peft's adapters, the model's norms and embedders and its ``_skip_layerwise_casting_patterns`` as they
-    are). A stored weight w becomes ``w.to(float8_e4m3fn)``: 3 mantissa bits, a relative rounding of at most 2^-4.
+    are). A stored weight w becomes ``w.to(float8_e4m3fn)``: 3 mantissa bits, a relative rounding of at most 2^-4;
+    one read as float8 from a single file stays as it was, a scaled one (``scale_weight``) upcast times its scale.
     Call after ``add_lora_to_denoiser``.
 
     Raises:
@@ -140,4 +176,21 @@ def store_base_in_fp8(model: nn.Module, compute_dtype: torch.dtype, plugin: str)
                         "keeps its base in bf16")
     if plugin not in ("none", "ddp"):
         raise UserError(f"--fp8_base: with --plugin none or ddp (each process holds the whole base), got {plugin}")
+    from diffusers.hooks import HookRegistry
+
+    scaled = [m for m in model.inner.modules() if getattr(m, "scale_weight", None) is not None]
+    for module in scaled:  # registered first, so that it runs inside the casting, on the upcast weight
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(_scaled_weight_hook(module.scale_weight),
+                                                                         _SCALED_HOOK)
     model.inner.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype)
+    # A float8 file's tensors are float8 in the layers the casting skips too (norms, embedders): nothing would
+    # upcast them, so they are stored in the compute dtype (their scale applied) as the casting keeps those layers.
+    for module in model.inner.modules():
+        hooks = getattr(module, "_diffusers_hook", None)
+        if hooks is None or hooks.get_hook("layerwise_casting") is None:
+            if hooks is not None and hooks.get_hook(_SCALED_HOOK) is not None:
+                hooks.remove_hook(_SCALED_HOOK, recurse=False)
+                module.weight.data = module.weight.data.to(compute_dtype) * module.scale_weight.to(compute_dtype)
+            for p in module.parameters(recurse=False):
+                if p.dtype in FP8:
+                    p.data = p.data.to(compute_dtype)

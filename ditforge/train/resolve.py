@@ -26,6 +26,7 @@ from ditforge.diffusion.objective import create_objective
 from ditforge.errors import UserError
 from ditforge.models.adapters import family_of_pipeline
 from ditforge.models.adapters.pipeline import is_adapted_pipeline, read_model_index
+from ditforge.models.adapters.single_file import component_files
 from ditforge.ops.fused_adamw import on_gpu_with_triton
 from ditforge.optim.placement import plan_placement
 from ditforge.train import finetune
@@ -187,9 +188,10 @@ def pipeline_family(cfg: RunConfig):
     init = cfg.model.init_from
     if init is None and source_of(cfg.data.data) is FEATURES:
         init = read_manifest(cfg.data.data).get("init_from")
-    if init is None or not is_adapted_pipeline(init):
+    replaced = tuple(component_files(cfg.model))
+    if init is None or not is_adapted_pipeline(init, replaced):
         return None
-    return family_of_pipeline(read_model_index(init)["_class_name"])
+    return family_of_pipeline(read_model_index(init, replaced=replaced)["_class_name"])
 
 
 def settle_flips(cfg: RunConfig, dataset, pre) -> None:

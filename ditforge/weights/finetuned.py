@@ -13,6 +13,7 @@ from torch import nn
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser
 from ditforge.models.adapters.pipeline import FLAG, Pretrained, encoder_dtype, load_pretrained
+from ditforge.models.adapters.single_file import component_files
 from ditforge.weights.lora import add_lora_to_denoiser, merge_lora, train_text_encoder
 
 
@@ -156,7 +157,7 @@ def load_finetuned(state: dict[str, torch.Tensor] | Path, config: dict, device: 
 
     cfg = build_config(base=config)
     pre = load_pretrained(cfg.model.init_from, device, encoder_dtype(device), flag=f"{flag} (the run's --init_from)",
-                          denoiser_device=denoiser_device, expert=cfg.model.expert)
+                          denoiser_device=denoiser_device, expert=cfg.model.expert, files=component_files(cfg.model))
     denoiser = pre.denoiser
     if cfg.model.train_text_encoder:
         train_text_encoder(denoiser, pre.pipe.text_encoder, pre.pipe, cfg)

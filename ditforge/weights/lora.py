@@ -8,6 +8,7 @@ from torch import nn
 
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters.single_file import FP8
 
 
 TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP's attention, as diffusers' LoRA scripts
@@ -50,7 +51,17 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None, targets: list[str
     except ImportError:
         raise UserError("--lora_rank: needs peft (pip install peft)") from None
     model.requires_grad_(False)
-    inject_adapter_in_model(lora_config(rank, alpha, targets), model)
+    # peft makes the adapters in their base weight's dtype: a float8 base (a float8 file under --fp8_base) would
+    # round the initial A to 3 mantissa bits; it sees a float32 stand-in of no storage meanwhile
+    fp8 = {m: m.weight.data for m in model.modules()
+           if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dtype in FP8}
+    for m, w in fp8.items():
+        m.weight.data = torch.empty((), dtype=torch.float32, device=w.device).expand(w.shape)
+    try:
+        inject_adapter_in_model(lora_config(rank, alpha, targets), model)
+    finally:
+        for m, w in fp8.items():
+            m.weight.data = w
     for p in model.parameters():  # peft makes the adapters in the base layer's dtype: a bf16 base gives bf16 ones
         if p.requires_grad:
             p.data = p.data.float()

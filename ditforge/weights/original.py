@@ -1,23 +1,19 @@
 """A diffusers model's weights, and its LoRA, in the layout of the original release it was converted from (the names
 and fused tensors of the family's own code, which ComfyUI reads too), read off the adapter's declarations
-(``DiffusersDenoiser.original_layouts``, ``models.adapters.layouts.OriginalLayout``); and the layout of a single
-file recognised by its keys. diffusers converts the other way (``loaders/single_file_utils.py``), and reads what
-``to_original`` writes (``from_single_file``), which the tests check."""
+(``DiffusersDenoiser.original_layouts``, ``models.adapters.layouts.OriginalLayout``; a single file's layout is
+recognised by ``layouts.find_layout``). diffusers converts the other way (``loaders/single_file_utils.py``), and
+reads what ``to_original`` writes (``from_single_file``), which the tests check."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 
-from ditforge.errors import UserError
 from ditforge.models.adapters import families
 from ditforge.models.adapters.layouts import OriginalLayout
 
-# the prefixes a single file may put before the original names: a full checkpoint's (ComfyUI's and the LDM
-# checkpoints' ``model.diffusion_model.``), a LoRA's (``diffusion_model.``), none (a bare diffusion model)
-PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -139,21 +135,3 @@ def known_layouts(component: str) -> dict[str, OriginalLayout]:
         if layout is not None and layout not in out.values():
             out[family] = layout
     return out
-
-
-def find_layout(keys: Iterable[str], layouts: Mapping[str, OriginalLayout], what: str
-                ) -> tuple[str, OriginalLayout, str]:
-    """The layout of a single file whose tensors are named ``keys``: ``(its key in layouts, the layout, the
-    prefix its names carry, one of PREFIXES)``, the first of ``layouts`` (in order) one of whose ``detect`` names
-    is in ``keys`` after a prefix.
-
-    Raises:
-        UserError: no layout matches; the message names ``what`` (the flag and file) and the known layouts.
-    """
-    keys = set(keys)
-    for key, layout in layouts.items():
-        for prefix in PREFIXES:
-            if any(prefix + name in keys for name in layout.detect):
-                return key, layout, prefix
-    known = "; ".join(layout.name for layout in layouts.values())
-    raise UserError(f"{what}: the file's tensor names match no known layout (known: {known or 'none'})")

@@ -14,7 +14,8 @@ from ditforge.errors import UserError
 from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
 from ditforge.models.adapters.ltx import LTXDenoiser
 from ditforge.models.adapters.wan import WanDenoiser
-from ditforge.weights.original import find_layout, known_layouts, lora_to_original, to_original
+from ditforge.models.adapters.layouts import find_layout
+from ditforge.weights.original import known_layouts, lora_to_original, to_original
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

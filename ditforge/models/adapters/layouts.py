@@ -1,12 +1,20 @@
 """The declaration of a model's original-checkpoint layout (``OriginalLayout``): how the parameter names of a
 diffusers model map onto the names of the release it was converted from. An adapter declares one per component it
 knows the release of (``DiffusersDenoiser.original_layouts``); ``ditforge.weights.original`` reads them (writing a
-model or a LoRA in the original layout, recognising a single file's layout). The maps are the inverses of diffusers'
-single-file converters (``diffusers/loaders/single_file_utils.py``), which the tests check them against."""
+model or a LoRA in the original layout), and ``find_layout`` (recognising a single file's layout: ``single_file``).
+The maps are the inverses of diffusers' single-file converters (``diffusers/loaders/single_file_utils.py``), which
+the tests check them against."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from ditforge.errors import UserError
+
+# the prefixes a single file may put before the original names: a full checkpoint's (ComfyUI's and the LDM
+# checkpoints' ``model.diffusion_model.``), a LoRA's (``diffusion_model.``), none (a bare diffusion model)
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
 
 
 @dataclass(frozen=True)
@@ -18,7 +26,7 @@ class OriginalLayout:
     the fields it captures fill the other side's template.
 
     Attributes:
-        name: what a user calls the layout (messages: the layouts ``weights.original.find_layout`` knows).
+        name: what a user calls the layout (messages: the layouts ``find_layout`` knows).
         renames: ``(diffusers template, original template)`` pairs, tried in order; the first that matches a
             diffusers name gives its original name; a name that none matches is the same in both layouts.
         fused: ``(original template, (diffusers template, ...))``: that original tensor is the concatenation along
@@ -42,3 +50,21 @@ def renamed(prefixes: dict[str, str], names: dict[str, str], suffix: str = "{p}"
     {"to_q.": "q."})`` -> ``(("blocks.{i}.attn1.to_q.{p}", "blocks.{i}.self_attn.q.{p}"),)``."""
     return tuple((ours + name + suffix, theirs + original + suffix)
                  for ours, theirs in prefixes.items() for name, original in names.items())
+
+
+def find_layout(keys: Iterable[str], layouts: Mapping[str, OriginalLayout], what: str
+                ) -> tuple[str, OriginalLayout, str]:
+    """The layout of a single file whose tensors are named ``keys``: ``(its key in layouts, the layout, the
+    prefix its names carry, one of PREFIXES)``, the first of ``layouts`` (in order) one of whose ``detect`` names
+    is in ``keys`` after a prefix.
+
+    Raises:
+        UserError: no layout matches; the message names ``what`` (the flag and file) and the known layouts.
+    """
+    keys = set(keys)
+    for key, layout in layouts.items():
+        for prefix in PREFIXES:
+            if any(prefix + name in keys for name in layout.detect):
+                return key, layout, prefix
+    known = "; ".join(layout.name for layout in layouts.values())
+    raise UserError(f"{what}: the file's tensor names match no known layout (known: {known or 'none'})")

@@ -7,7 +7,7 @@ sample`` and for training's sample grids."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from torch import nn
 
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser, family_of_pipeline, supported_pipelines
+from ditforge.models.adapters.single_file import FP8, load_component
 
 FLAG = "--init_from"
 _WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin", "model.safetensors",
@@ -23,8 +24,9 @@ _WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model
                  "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
-    """``model_index.json`` of a pipeline folder, after checking that every component it lists is there.
+def read_model_index(folder: str | Path, flag: str = FLAG, replaced: tuple[str, ...] = ()) -> dict:
+    """``model_index.json`` of a pipeline folder, after checking that every component it lists is there (of a
+    ``replaced`` one, a single file given in its place, only the config).
 
     Raises:
         UserError (one line, naming ``flag`` and the missing file): no such folder, no ``model_index.json``, a
@@ -57,7 +59,7 @@ def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
             needed = [sub / "preprocessor_config.json"]
         else:
             needed = [sub / "config.json"]
-            if not any((sub / f).is_file() for f in _WEIGHT_FILES):
+            if name not in replaced and not any((sub / f).is_file() for f in _WEIGHT_FILES):
                 needed.append(sub / _WEIGHT_FILES[0])
         for f in needed:
             if not f.exists():
@@ -66,13 +68,14 @@ def read_model_index(folder: str | Path, flag: str = FLAG) -> dict:
     return spec
 
 
-def is_adapted_pipeline(path: str | Path) -> bool:
+def is_adapted_pipeline(path: str | Path, replaced: tuple[str, ...] = ()) -> bool:
     """True for a pipeline folder of a family behind an adapter (SD, PixArt, SD3, Wan); False for anything else
     (DiT weights in any form, or a path that is no pipeline folder). Raises UserError for a pipeline folder
-    that is incomplete or of an unsupported family (``read_model_index``)."""
+    that is incomplete (but for the weights of the ``replaced`` components) or of an unsupported family
+    (``read_model_index``)."""
     if not (Path(path) / "model_index.json").is_file():
         return False
-    return read_model_index(path)["_class_name"] != "DiTPipeline"
+    return read_model_index(path, replaced=replaced)["_class_name"] != "DiTPipeline"
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Pretrained:
         pipe: the diffusers pipeline (text encoders and VAE on the device; the denoiser still inside).
         denoiser: the adapter around the pipeline's denoiser (``DiffusersDenoiser``), float32.
         scheduler_config: the scheduler's config dict (decides the objective).
+        files: component -> the single file it was read from, in place of the folder's (``load_pretrained``).
     """
 
     folder: Path
@@ -91,6 +95,7 @@ class Pretrained:
     pipe: Any
     denoiser: DiffusersDenoiser
     scheduler_config: dict
+    files: dict[str, str] = field(default_factory=dict)
 
     @property
     def side_multiple(self) -> int:
@@ -152,7 +157,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
                     flag: str = FLAG, text_device: torch.device | None = None,
                     vae_device: torch.device | None = None, denoiser_device: torch.device | None = None,
                     denoiser_dtype: torch.dtype = torch.float32, sampling: bool = False, expert: str | None = None,
-                    other_expert_device: torch.device | None = None) -> Pretrained:
+                    other_expert_device: torch.device | None = None, files: dict[str, str] | None = None,
+                    keep_fp8: bool = False) -> Pretrained:
     """Load a pipeline folder of a supported family offline; its text encoders go to ``text_device`` (default
     ``device``) in ``text_dtype``, its VAE to ``vae_device`` (default ``device``) and the denoiser to
     ``denoiser_device`` (default ``device``; the CPU under ``--cpu_offload all``) with its parameters in
@@ -165,22 +171,37 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
     wraps ``transformer`` and holds ``transformer_2`` beside it (``DiffusersDenoiser.add_expert``), both in
     ``denoiser_dtype``, the second on ``other_expert_device`` when given (the build places it,
     ``train.experts``). The adapter's null condition (the empty prompt) is set.
+    ``files``: component -> a single-file checkpoint replacing the folder's (``single_file.COMPONENTS``; the folder
+    still gives its config), read tensor by tensor in the component's dtype; ``keep_fp8``: the denoiser's float8
+    tensors stay float8 (``--fp8_base``), not cast to ``denoiser_dtype``.
 
     Raises:
         UserError: see ``read_model_index``; a DiT pipeline (load it with ``load_dit_weights``); a load failure
-            from diffusers / transformers; a variant the family's adapter refuses (``unsupported``); one line each.
+            from diffusers / transformers; a variant the family's adapter refuses (``unsupported``); a single file
+            for a component the folder has not, or of an unknown layout (``single_file.load_component``); one line
+            each.
     """
-    spec = read_model_index(folder, flag)
+    files = files or {}
+    spec = read_model_index(folder, flag, tuple(files))
     family = family_of_pipeline(spec["_class_name"])
     if family is None:
         raise UserError(f"{flag} {folder}: a {spec['_class_name']} loads into ditforge's own DiT, not an adapter")
+    replaced = {}
+    for name, file in files.items():
+        if not isinstance(spec.get(name), list) or spec[name][0] is None:
+            raise UserError(f"--{name} {file}: {folder} has no {name} component to replace")
+        trained = name.startswith(family.component)
+        dtype = denoiser_dtype if trained else text_dtype if name.startswith("text_encoder") else torch.float32
+        replaced[name] = load_component(Path(folder), name, tuple(spec[name]), file, family, dtype,
+                                        keep_fp8=keep_fp8 and trained)
     import diffusers
     import transformers
 
     diffusers.utils.logging.disable_progress_bar()  # loading bars of every component: noise around ditforge's own
     transformers.utils.logging.disable_progress_bar()
     try:
-        pipe = getattr(diffusers, spec["_class_name"]).from_pretrained(str(folder), local_files_only=True)
+        pipe = getattr(diffusers, spec["_class_name"]).from_pretrained(str(folder), local_files_only=True,
+                                                                        **replaced)
     except Exception as e:  # diffusers and transformers raise many types for a bad folder
         raise UserError(f"{flag} {folder}: could not load the pipeline ({type(e).__name__}: "
                         f"{' '.join(str(e).split())[:200]})") from None
@@ -197,7 +218,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
                 module.to(vae_device or device)
             elif name == family.component or name.startswith(family.component + "_"):  # Wan 2.2's transformer_2
                 for p in module.parameters():
-                    p.data = p.data.to(denoiser_dtype)
+                    if not (keep_fp8 and p.dtype in FP8):
+                        p.data = p.data.to(denoiser_dtype)
                 if name == first or other_expert_device is None:
                     module.to(denoiser_device or device)
                 elif expert in ONE_EXPERT:  # frozen, unused until sampling: bf16 on the host
@@ -217,7 +239,7 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
         denoiser.add_expert(second)
     denoiser.requires_grad_(True)
     denoiser.attach_pipeline(pipe)
-    pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config))
+    pre = Pretrained(Path(folder), spec["_class_name"], pipe, denoiser, dict(pipe.scheduler.config), files)
     denoiser.set_null_condition(family.null_condition(pipe, pre.encode_prompt([""])))
     return pre
 
