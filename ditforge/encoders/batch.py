@@ -262,7 +262,9 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
     video = getattr(dataset, "num_frames", None) is not None
     if video != pre.denoiser.video:
         makes = "videos" if pre.denoiser.video else "images"
-        raise UserError(f"--data {data.data} holds {'videos' if video else 'images'}; {where} is a "
+        short = (f" (a folder of clips reads so when every clip, taken at --frame_interval {data.frame_interval}, is "
+                 "shorter than the VAE's frame rule allows: lower --frame_interval)" if pre.denoiser.video else "")
+        raise UserError(f"--data {data.data} holds {'videos' if video else 'images'}{short}; {where} is a "
                         f"{pre.pipeline_class}, which makes {makes}")
     if m.condition == "class":
         raise UserError(f"--condition class: {where} is a text-to-{'video' if video else 'image'} "

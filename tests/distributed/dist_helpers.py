@@ -158,6 +158,21 @@ def torchrun_many(nproc: int, runs: list[tuple[Path, list[str]]], timeout: float
     return outs
 
 
+def finetune_module(name: str):
+    """``tests/finetune/<name>.py`` (``tiny_pipelines``: the builders; ``families``: the rows of the shared suite, one a
+    family), imported by its path as ``sys.modules[name]`` (where the fine-tuning tests' own import put it, or finds
+    it), without tests/finetune on ``sys.path``: the multi-process tests take the fine-tuning suite's tiny pipelines
+    and family rows."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "finetune" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before it runs: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def run_single(outputs: Path, *args: str) -> Path:
     """The same training in this process (no torchrun, one thread): the reference."""
     from ditforge import cli

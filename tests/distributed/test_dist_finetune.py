@@ -1,38 +1,33 @@
 """Fine-tuning a diffusers pipeline (``--init_from``) under torchrun equals one process: FSDP and ZeRO-2 (full
 fine-tuning) and FSDP with LoRA on 2 gloo processes, a tiny SD pipeline on captioned images (the adapter's
-repeated blocks are what ``fully_shard`` wraps); tiny Wan 2.1, HunyuanVideo and LTX-Video pipelines on the built-in
-clips with their tokens split over the 2 processes (``--sequence_parallel_size 2``: context parallelism, Ulysses
-over their heads, ``parallel.context``); a tiny Wan 2.2 A14B pipeline's two experts in one run under DDP.
-Tolerances: ``dist_helpers``."""
+repeated blocks are what ``fully_shard`` wraps); the tiny pipeline of every text-to-video row of the fine-tuning
+suite (``tests/finetune/families.VIDEO``: Wan 2.1, CogVideoX, LTX-Video, HunyuanVideo) on the built-in clips with
+their tokens split over the 2 processes (``--sequence_parallel_size 2``: context parallelism, Ulysses over their
+heads, ``parallel.context``); a tiny Wan 2.2 A14B pipeline's two experts in one run under DDP. Tolerances: ``dist_helpers``."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from dist_helpers import WEIGHT_ATOL, assert_same_losses
+from dist_helpers import WEIGHT_ATOL, assert_same_losses, finetune_module
 from ditforge.train.logging import read_metrics
 
 pytestmark = pytest.mark.slow
 
-
-def _tiny_pipelines():
-    spec = importlib.util.spec_from_file_location("tiny_pipelines",
-                                                  Path(__file__).parents[1] / "finetune" / "tiny_pipelines.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+ROWS = finetune_module("families").VIDEO  # one row a family: each family's tokens split below
+FAMILIES = list(ROWS)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from PIL import Image
 
-    tiny = _tiny_pipelines()
+    tiny = finetune_module("tiny_pipelines")
     root = tmp_path_factory.mktemp("dist_finetune")
     pipe = tiny.make_sd(root / "sd")
     data = root / "images"
@@ -79,64 +74,42 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 CASES = [("fsdp", ()), ("zero2", ()), ("fsdp", ("--lora_rank", "4")), ("fsdp", ("--cpu_offload", "all"))]
 # 2 latent frames of 4 x 4 latents in 2 x 2 patches: 8 tokens, 4 a process; lr 1e-3 moves the weights visibly
-VIDEO = ("--data", "clips", "--num_frames", "5", "--frame_interval", "2", "--image_size", "32", "--batch_size",
-         "2", "--max_steps", "3", "--ckpt_every", "1000", "--class_dropout_prob", "0", "--lr", "1e-3")
+VIDEO = ("--data", "clips", "--frame_interval", "2", "--image_size", "32", "--batch_size", "2", "--max_steps", "3",
+         "--ckpt_every", "1000", "--class_dropout_prob", "0", "--lr", "1e-3")
 
 
-COG_FRAMES = ("--num_frames", "9")  # CogVideoX's VAE takes 8k + 1 frames: 3 latent frames of 2 x 2 patches
-
-
-@pytest.fixture(scope="module")
-def wan(tmp_path_factory) -> Path:
-    return _tiny_pipelines().make_wan(tmp_path_factory.mktemp("wan") / "pipe")
-
-
-@pytest.fixture(scope="module")
-def hunyuan(tmp_path_factory) -> Path:
-    return _tiny_pipelines().make_hunyuan_video(tmp_path_factory.mktemp("hunyuan") / "pipe")
-
-
-@pytest.fixture(scope="module")
-def ltx(tmp_path_factory) -> Path:
-    return _tiny_pipelines().make_ltx(tmp_path_factory.mktemp("ltx") / "pipe")
-
-
-@pytest.fixture(scope="module")
-def cogvideox(tmp_path_factory) -> Path:
-    return _tiny_pipelines().make_cogvideox(tmp_path_factory.mktemp("cogvideox") / "pipe")
+def _video_args(family: str, folder: Path) -> list[str]:
+    """The one-process run of ``family``'s tiny pipeline on the clips at 32 px: its row's frame count
+    (``families.VIDEO``: 5, CogVideoX's VAE 8k + 1 = 9)."""
+    return ["--init_from", str(folder), *VIDEO, "--num_frames", str(ROWS[family].frames)]
 
 
 @pytest.fixture(scope="module")
 def wan22(tmp_path_factory) -> Path:
-    return _tiny_pipelines().make_wan22(tmp_path_factory.mktemp("wan22") / "pipe")
+    return finetune_module("tiny_pipelines").make_wan22(tmp_path_factory.mktemp("wan22") / "pipe")
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(setup, wan, hunyuan, ltx, cogvideox, wan22, tmp_path_factory):
-    """The run folder of every case of ``CASES``, then of the Wan, HunyuanVideo, LTX-Video and CogVideoX runs with
-    their tokens split (keys ``"wan_sp"``, ``"hunyuan_sp"``, ``"ltx_sp"``, ``"cogvideox_sp"``), of a DDP run of
-    Wan 2.2 A14B's two experts (``"wan22_both"``), and the stderr of a
-    Wan run whose token count 2 processes cannot halve (``"odd"``), all made by one launch of 2 processes that runs
-    the command lines in turn (``torchrun_cli_many``)."""
+def two_process_runs(setup, video_folders, wan22, tmp_path_factory):
+    """The run folder of every case of ``CASES``, then of every family's run with its tokens split (keyed by the
+    family, ``FAMILIES``), of a DDP run of Wan 2.2 A14B's two experts (``"wan22_both"``), and the stderr of a Wan
+    run whose token count 2 processes cannot halve (``"odd"``), all made by one launch of 2 processes that runs the
+    command lines in turn (``torchrun_cli_many``)."""
     from dist_helpers import COMMON, torchrun_cli_many
 
     pipe, data = setup
     root = tmp_path_factory.mktemp("two")
     argvs = [(root / f"case{i}", _args(pipe, data, *extra, "--plugin", plugin)) for i, (plugin, extra) in
              enumerate(CASES)]
-    argvs.append((root / "wan_sp", ["--init_from", str(wan), *VIDEO, "--sequence_parallel_size", "2"]))
-    argvs.append((root / "hunyuan_sp", ["--init_from", str(hunyuan), *VIDEO, "--sequence_parallel_size", "2"]))
-    argvs.append((root / "ltx_sp", ["--init_from", str(ltx), *VIDEO, "--sequence_parallel_size", "2"]))
-    argvs.append((root / "cogvideox_sp", ["--init_from", str(cogvideox), *VIDEO, *COG_FRAMES,
-                                          "--sequence_parallel_size", "2"]))
-    argvs.append((root / "wan22_both", ["--init_from", str(wan22), *VIDEO, "--plugin", "ddp"]))
+    argvs += [(root / family, [*_video_args(family, video_folders[family]), "--sequence_parallel_size", "2"])
+              for family in FAMILIES]
+    argvs.append((root / "wan22_both", ["--init_from", str(wan22), *VIDEO, "--num_frames", "5", "--plugin", "ddp"]))
     # one latent frame of 3 x 3 tokens at 48 px: 9 tokens, which 2 processes cannot halve
-    argvs.append((root / "odd", ["--init_from", str(wan), *VIDEO, "--num_frames", "1", "--image_size", "48",
-                                 "--sequence_parallel_size", "2"]))
+    argvs.append((root / "odd", [*_video_args("wan", video_folders["wan"]), "--num_frames", "1", "--image_size",
+                                 "48", "--sequence_parallel_size", "2"]))
     err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
                             fails=(len(argvs) - 1,))
-    names = [*CASES, "wan_sp", "hunyuan_sp", "ltx_sp", "cogvideox_sp", "wan22_both"]
-    return dict(zip(names, [out for out, _ in argvs])) | {"odd": err[-1]}
+    return dict(zip([*CASES, *FAMILIES, "wan22_both"], [out for out, _ in argvs])) | {"odd": err[-1]}
 
 
 def _assert_equal_runs(run: Path, ref: Path, steps: list[int]) -> dict[str, torch.Tensor]:
@@ -173,48 +146,39 @@ def test_finetune_equals_single_process(setup, references, two_process_runs, plu
     assert moved > 20 * WEIGHT_ATOL, moved
 
 
-def test_wan_with_its_tokens_split_equals_single_process(wan, two_process_runs, tmp_path):
-    """Wan 2.1 full fine-tuning with ``--sequence_parallel_size 2`` (each process holds half of every clip's tokens;
-    Ulysses attention; the gathered output's gradient scaled by 2 before ZeRO-2's average over both processes)
-    equals one plain process: the losses and gradient norms of 3 steps and the weights after them (without the
-    scaling the gradient norms differ). A clip of 9 tokens stops with one line naming the flag."""
-    from dist_helpers import run_single
+@pytest.mark.parametrize("family", FAMILIES)
+def test_video_tokens_split_equals_single_process(family, video_folders, two_process_runs, tmp_path):
+    """Full fine-tuning with ``--sequence_parallel_size 2`` (each process holds half of every clip's tokens; the
+    gathered output's gradient scaled by 2 before ZeRO-2's average over both processes) equals one plain process:
+    the losses and gradient norms of 3 steps and the weights after them (without the scaling the gradient norms
+    differ), which moved over 20 times the tolerance from the folder's transformer (3 Adam steps at lr 1e-3).
 
-    ref = run_single(tmp_path / "ref", "--init_from", str(wan), *VIDEO)
-    want = _assert_equal_runs(two_process_runs["wan_sp"], ref, [1, 2, 3])
-    from diffusers import WanTransformer3DModel
-
-    base = WanTransformer3DModel.from_pretrained(str(wan), subfolder="transformer").state_dict()
-    moved = _moved(want, base, "transformer")
-    assert moved > 20 * WEIGHT_ATOL, moved  # not vacuous: 3 Adam steps at lr 1e-3
-    odd = [line for line in two_process_runs["odd"].splitlines() if "error:" in line]
-    assert odd and "--sequence_parallel_size 2: a video of 9 tokens" in odd[0], two_process_runs["odd"][-2000:]
-
-
-@pytest.mark.parametrize("family", ["hunyuan", "ltx", "cogvideox"])
-def test_video_tokens_split_by_ditforges_plans_equal_single_process(family, hunyuan, ltx, cogvideox,
-                                                                     two_process_runs, tmp_path):
-    """Full fine-tuning with ``--sequence_parallel_size 2`` by ditforge's plans (``parallel.context``) equals one
-    plain process: the losses and gradient norms of 3 steps and the weights after them.
-
-    - HunyuanVideo: the 32 video tokens of each clip split, 16 a process, the 256 padded caption tokens on both; the
-      joint attention's text gathered over the heads, its backward a reduce-scatter; the text padding masked.
+    - Wan 2.1: diffusers' own plan (``_cp_plan``), Ulysses over its heads.
+    - HunyuanVideo (ditforge's plans, ``parallel.context``): the 32 video tokens of each clip split, 16 a process,
+      the 256 padded caption tokens on both; the joint attention's text gathered over the heads, its backward a
+      reduce-scatter; the text padding masked.
     - LTX-Video (2 latent frames of 8 x 8: 128 packed tokens, 64 a process; Ulysses over its 4 heads): the masked
       caption whole on both processes, each cross-attention local.
-    - CogVideoX (v-prediction DDPM; 9 frames: 3 latent frames of 2 x 2 patches, 12 tokens, 6 a process): the 226 caption
-      tokens whole on both, first in each joint attention, whose SDPA call is caught (``intercept_sdpa``)."""
+    - CogVideoX (v-prediction DDPM; 9 frames: 3 latent frames of 2 x 2 patches, 12 tokens, 6 a process): the 226
+      caption tokens whole on both, first in each joint attention, whose SDPA call is caught (``intercept_sdpa``)."""
     import diffusers
 
     from dist_helpers import run_single
 
-    folder = {"hunyuan": hunyuan, "ltx": ltx, "cogvideox": cogvideox}[family]
-    frames = COG_FRAMES if family == "cogvideox" else ()
-    ref = run_single(tmp_path / "ref", "--init_from", str(folder), *VIDEO, *frames)
-    want = _assert_equal_runs(two_process_runs[f"{family}_sp"], ref, [1, 2, 3])
-    model = {"hunyuan": diffusers.HunyuanVideoTransformer3DModel, "ltx": diffusers.LTXVideoTransformer3DModel,
-             "cogvideox": diffusers.CogVideoXTransformer3DModel}[family]
+    folder = video_folders[family]
+    ref = run_single(tmp_path / "ref", *_video_args(family, folder))
+    want = _assert_equal_runs(two_process_runs[family], ref, [1, 2, 3])
+    model = getattr(diffusers, json.loads((folder / "model_index.json").read_text())["transformer"][1])
     base = model.from_pretrained(str(folder), subfolder="transformer").state_dict()
-    assert _moved(want, base, "transformer") > 20 * WEIGHT_ATOL
+    moved = _moved(want, base, "transformer")
+    assert moved > 20 * WEIGHT_ATOL, moved
+
+
+def test_tokens_two_processes_cannot_halve_are_one_line(two_process_runs):
+    """A Wan clip of 9 tokens (one latent frame of 3 x 3 at 48 px) under ``--sequence_parallel_size 2`` stops with
+    one line naming the flag."""
+    odd = [line for line in two_process_runs["odd"].splitlines() if "error:" in line]
+    assert odd and "--sequence_parallel_size 2: a video of 9 tokens" in odd[0], two_process_runs["odd"][-2000:]
 
 
 def test_two_experts_under_ddp_equal_single_process(wan22, two_process_runs, tmp_path):
@@ -226,7 +190,7 @@ def test_two_experts_under_ddp_equal_single_process(wan22, two_process_runs, tmp
 
     from dist_helpers import run_single
 
-    ref = run_single(tmp_path / "ref", "--init_from", str(wan22), *VIDEO)
+    ref = run_single(tmp_path / "ref", "--init_from", str(wan22), *VIDEO, "--num_frames", "5")
     want = _assert_equal_runs(two_process_runs["wan22_both"], ref, [1, 2, 3])
     base = diffusers.WanPipeline.from_pretrained(str(wan22), local_files_only=True)
     for name in ("transformer", "transformer_2"):

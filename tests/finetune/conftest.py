@@ -63,3 +63,25 @@ def video_runs(request, tmp_path_factory):
         return made[family]
 
     return runs
+
+
+@pytest.fixture(scope="session")
+def i2v_runs(request, tmp_path_factory):
+    """``i2v_runs(name)`` -> the run of the image-to-video row ``families.I2V[name]``: its ``steps`` steps of
+    ``KINDS[kind]`` on the clips (their first frames the images), from its tiny pipeline (``<name>_pipeline``); made
+    once a session (under pytest-xdist: once a worker), inside a test holding ``one_thread``, and shared read-only by
+    the shared suite and the family's own tests."""
+    from ditforge import cli
+    from families import I2V, KINDS
+
+    made: dict[str, Path] = {}
+
+    def run(name: str) -> Path:
+        if name not in made:
+            spec, out = I2V[name], tmp_path_factory.mktemp(f"{name}_run") / "run"
+            folder = request.getfixturevalue(f"{name}_pipeline")
+            assert cli.main(spec.argv(folder, out, "--max_steps", str(spec.steps), *KINDS[spec.kind])) == 0
+            made[name] = out
+        return made[name]
+
+    return run

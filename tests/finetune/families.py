@@ -1,7 +1,8 @@
-"""The video families of the shared fine-tuning suite (``test_video_families.py``): each family's tiny pipeline
-geometry, the diffusers class that loads its folder, what its runs record, and how its LoRA file is checked; and the
-helpers of the video tests (argv, one-line errors, frames against a pipeline's). The first-step references are in
-``references.py``; the runs are ``video_runs`` of conftest.py."""
+"""The video families of the shared fine-tuning suite: the text-to-video rows (``VIDEO``, ``test_video_families.py``:
+each family's tiny pipeline geometry, the diffusers class that loads its folder, what its runs record, and how its
+LoRA file is checked) and the image-to-video rows (``I2V``, ``test_i2v_families.py``); and the helpers of the video
+tests (argv, one-line errors, config entries, frames against a pipeline's). The first-step references are in
+``references.py``; the runs are ``video_runs`` and ``i2v_runs`` of conftest.py."""
 
 from __future__ import annotations
 
@@ -43,29 +44,10 @@ def assert_frames_match(npz, frames, shape: tuple[int, ...]) -> None:
     assert np.abs(got - expected).max() <= 1
 
 
-def assert_image_to_video_run_samples_like_its_export(run, tmp_path, pipeline_class: str, size: int, frames: int,
-                                                      guidance: float, returned: int | None = None) -> None:
-    """``ditforge sample --image`` of an image-to-video run draws what the run's ``--format diffusers`` export draws
-    from the same seed, prompt and random 24-bit first frame (``pipeline_class`` of diffusers), to one uint8 level
-    (test_wan.py, test_ltx.py, ...); a call for ``frames`` frames returns ``returned`` (default ``frames``)."""
-    import diffusers
-    import numpy as np
-    from PIL import Image
-
-    from ditforge.data.sampler import derive_seed
-
-    assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "exported"), "--format", "diffusers"]) == 0
-    pipe = getattr(diffusers, pipeline_class).from_pretrained(str(tmp_path / "exported"), local_files_only=True)
-    png = tmp_path / "first.png"
-    Image.fromarray(np.random.default_rng(3).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(png)
-    prompt, npz = "a rabbit on a green hill", tmp_path / "s.npz"
-    assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--image", str(png), "--num_sampling_steps",
-                     "3", "--cfg_scale", str(guidance), "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
-                     "--device", "cpu"]) == 0
-    video = pipe(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=guidance,
-                 height=size, width=size, num_frames=frames,
-                 generator=torch.Generator("cpu").manual_seed(derive_seed(0, 0)), output_type="np").frames
-    assert_frames_match(npz, video, (1, returned or frames, size, size, 3))
+def config_entry(config: dict, key: str):
+    """The entry ``section.key`` of a run's ``config.yaml`` (loaded)."""
+    section, name = key.split(".")
+    return config[section][name]
 
 
 # The two runs every family shares (``video_runs``): full fine-tuning and LoRA, 4 steps each.
@@ -151,17 +133,26 @@ def _hunyuan_video_lora_outputs(pipe, ours, load):
 
 
 @dataclass(frozen=True)
-class VideoFamily:
-    """A text-to-video family of the shared suite: its tiny pipeline's run geometry (pixels, frames, frame
-    interval, batch), the diffusers class loading its folder, the ``config.yaml`` entries its runs record
-    (``section.key``), the kinds whose resume is tested, ``ditforge sample``'s steps and guidance against the
-    pipeline's own call (``gif``: into a folder with ``--gif``; ``generator_list``: the call takes ``[g]``), and
-    ``lora_outputs(pipe, ours, load)`` -> (base, after ``load()`` of the LoRA file, ditforge's LoRA model)."""
+class Geometry:
+    """A tiny pipeline's run geometry: pixels, frames, frame interval, batch (``video_train_argv``)."""
 
     size: int
     frames: int
     interval: int
     batch: int
+
+    def argv(self, folder, out, *extra: str) -> list[str]:
+        return video_train_argv(folder, out, self.size, self.frames, self.interval, self.batch, *extra)
+
+
+@dataclass(frozen=True)
+class VideoFamily(Geometry):
+    """A text-to-video family of the shared suite: its tiny pipeline's run geometry (``Geometry``), the diffusers
+    class loading its folder, the ``config.yaml`` entries its runs record
+    (``section.key``), the kinds whose resume is tested, ``ditforge sample``'s steps and guidance against the
+    pipeline's own call (``gif``: into a folder with ``--gif``; ``generator_list``: the call takes ``[g]``), and
+    ``lora_outputs(pipe, ours, load)`` -> (base, after ``load()`` of the LoRA file, ditforge's LoRA model)."""
+
     pipeline: str
     config: dict
     resume: tuple[str, ...]
@@ -170,9 +161,6 @@ class VideoFamily:
     lora_outputs: Callable
     gif: bool = False
     generator_list: bool = False
-
-    def argv(self, folder, out, *extra: str) -> list[str]:
-        return video_train_argv(folder, out, self.size, self.frames, self.interval, self.batch, *extra)
 
 
 VIDEO = {
@@ -196,4 +184,47 @@ VIDEO = {
                                  {"model.family": "hunyuan_video", "model.objective": "flow",
                                   "model.flow_shift": 7.0},
                                  ("lora",), 4, 6.0, _hunyuan_video_lora_outputs),
+}
+
+
+@dataclass(frozen=True)
+class ImageToVideoFamily(Geometry):
+    """An image-to-video row of the shared suite (``test_i2v_families.py``), keyed by its tiny pipeline's builder
+    (``tiny_pipelines.BUILDERS``; fixture ``<name>_pipeline``): the run geometry (``Geometry``), the diffusers class
+    loading its folder, its one run (``i2v_runs``: ``steps`` steps of ``KINDS[kind]``) and the ``config.yaml``
+    entries it records, and ``ditforge sample --image``'s guidance against the pipeline's own call (3 steps), which
+    returns ``returned`` frames (None: ``frames``). The first-step reference is
+    ``references.image_to_video_first_loss``."""
+
+    pipeline: str
+    kind: str
+    steps: int
+    config: dict
+    cfg: float
+    returned: int | None = None
+
+
+I2V = {
+    # Wan 2.1 I2V, 16 px: the first frame and 4 zero frames through the VAE, a mask and the CLIP image states
+    # (16 + 4 + 16 = 36 channels); its LoRA run is also test_wan.py's (caption dropout, features, errors)
+    "wan_i2v": ImageToVideoFamily(16, 5, 2, 2, "WanImageToVideoPipeline", "lora", 3,
+                                  {"model.family": "wan_i2v", "model.in_channels": 16, "data.random_flip": False},
+                                  4.0),
+    # Wan 2.2 TI2V-5B, 32 px (its VAE folds 2 x 2 pixels: spatial factor 16): the first latent frame given
+    "wan22_ti2v_i2v": ImageToVideoFamily(32, 5, 2, 2, "WanImageToVideoPipeline", "full", 1,
+                                         {"model.family": "wan_i2v", "model.in_channels": 48}, 4.0),
+    # CogVideoX 1.0 I2V, 32 px, 9 frames: the noised first frame's latents concatenated to the channels
+    "cogvideox_i2v": ImageToVideoFamily(32, 9, 1, 2, "CogVideoXImageToVideoPipeline", "full", 2,
+                                        {"model.family": "cogvideox_i2v", "model.objective": "v"}, 4.0),
+    # LTX-Video I2V, 32 px: the first latent frame given at timestep 0
+    "ltx_i2v": ImageToVideoFamily(32, 5, 2, 2, "LTXImageToVideoPipeline", "full", 1,
+                                  {"model.family": "ltx_i2v", "model.objective": "flow"}, 3.0),
+    # HunyuanVideo-I2V (token_replace), 16 px: the first latent frame given, the prompt encoded with the image,
+    # guidance embedded at 6
+    "hunyuan_video_i2v": ImageToVideoFamily(16, 5, 2, 2, "HunyuanVideoImageToVideoPipeline", "full", 1,
+                                            {"model.family": "hunyuan_video_i2v", "model.flow_shift": 7.0}, 6.0),
+    # the 33-channel model (latent_concat), LoRA: the image latents and a mask concatenated to the channels; its
+    # pipeline drops the first latent frame's 4 decoded frames
+    "hunyuan_video_i2v_33ch": ImageToVideoFamily(16, 5, 2, 2, "HunyuanVideoImageToVideoPipeline", "lora", 1,
+                                                 {"model.family": "hunyuan_video_i2v"}, 1.0, returned=1),
 }

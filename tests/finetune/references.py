@@ -4,6 +4,7 @@ first-step tests of ``test_video_families.py`` and of the families' own modules 
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -13,12 +14,26 @@ import torch
 
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
-from families import VIDEO
+from families import I2V, VIDEO
+
+
+def _first_batch(data: str, size: int, frames: int, interval: int, batch: int) -> list[dict]:
+    """The items of a run's first batch (``GlobalBatchSampler``, seed 0) of ``build_dataset(data, ...)``."""
+    ds = build_dataset(data, size, None, frames, interval, 0)
+    return [ds[i] for i in GlobalBatchSampler(len(ds), batch, 0, 0, 1, 0).global_batch_indices(0).tolist()]
+
+
+def as_pil(frames: torch.Tensor) -> list:
+    """(B, 3, H, W) in [-1, 1] -> B uint8 PIL images (a decoded frame's bytes back)."""
+    from PIL import Image
+
+    pixels = ((frames + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return [Image.fromarray(p) for p in pixels]
 
 
 def _geometry(family: str) -> tuple[int, int, int, int]:
-    """(pixels, frames, frame interval, batch) of the family's runs."""
-    spec = VIDEO[family]
+    """(pixels, frames, frame interval, batch) of the family's runs (a ``VIDEO`` or an ``I2V`` row)."""
+    spec = VIDEO[family] if family in VIDEO else I2V[family]
     return spec.size, spec.frames, spec.interval, spec.batch
 
 
@@ -89,6 +104,64 @@ def wan_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: 
     return float(torch.nn.functional.mse_loss(pred.float(), (noise - x0).float()))
 
 
+def wan_i2v_first_loss(folder: Path, size: int = 16, data: str = "clips") -> float:
+    """Step 0's loss of an image-to-video run from diffusers' pieces (``WanImageToVideoPipeline``,
+    ``pipeline_wan_i2v.py``) at ``size`` pixels on ``data``: the noisy latents as ``wan_first_loss``'s
+    (``step0_latents``), the UMT5 states of ``pipe.encode_prompt`` (512 tokens), and the first frame (a CSV row's
+    ``image`` where it has one, else the clip's) as the pipeline conditions on it, checked against its own
+    ``prepare_latents`` first (1e-6):
+
+    - Wan 2.1 (no ``expand_timesteps``): the frame as a clip [frame, T - 1 zero frames] through
+      ``AutoencoderKLWan``'s posterior mode, normalised; the mask, 1 on the first latent frame's 4 channels and 0
+      after; both concatenated on the channels after the noisy latents (16 + 4 + 16 = 36); the CLIP vision model's
+      second-to-last hidden states of the frame as uint8 images through ``image_processor``; MSE over all frames.
+    - Wan 2.2 TI2V-5B (``expand_timesteps``): the frame alone through the posterior mode, normalised, in place of
+      the noisy first latent frame, its tokens at timestep 0 and the others' at 1000 sigma (1 x 2 x 2 patches);
+      MSE over the other frames.
+
+    float32."""
+    _, FRAMES, INTERVAL, BATCH = _geometry("wan")
+    import diffusers
+
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(str(folder), local_files_only=True)
+    shift, n_train = float(pipe.scheduler.config.flow_shift), int(pipe.scheduler.config.num_train_timesteps)
+    items = _first_batch(data, size, FRAMES, INTERVAL, BATCH)
+    pixels = torch.stack([it["video"] for it in items])
+    first = torch.stack([it.get("image", it["video"][:, 0]) for it in items])
+    channels, expand = pipe.vae.config.z_dim, pipe.config.get("expand_timesteps")
+    with torch.no_grad():
+        x0, noise, sigma, mean, inv_std = step0_latents(pipe, pixels, shift)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * noise
+        embeds, _ = pipe.encode_prompt([it["text"] for it in items], do_classifier_free_guidance=False, device="cpu",
+                                       max_sequence_length=512)
+        if expand:
+            condition = (pipe.vae.encode(first[:, :, None]).latent_dist.mode() - mean) * inv_std
+        else:
+            clip = torch.cat([first[:, :, None], torch.zeros(BATCH, 3, FRAMES - 1, size, size)], dim=2)
+            latent_condition = (pipe.vae.encode(clip).latent_dist.mode() - mean) * inv_std
+            mask = torch.zeros(BATCH, 4, *latent_condition.shape[2:])
+            mask[:, :, 0] = 1
+            condition = torch.cat([mask, latent_condition], dim=1)
+        for row in range(BATCH):  # the pipeline's own conditioning of that image
+            theirs = pipe.prepare_latents(first[row:row + 1], 1, channels, size, size, FRAMES, torch.float32, "cpu")[1]
+            torch.testing.assert_close(theirs, condition[row:row + 1], rtol=0, atol=1e-6)
+        if expand:
+            hidden = torch.cat([condition, x_t[:, :, 1:]], dim=2)
+            per_frame = (hidden.shape[3] // 2) * (hidden.shape[4] // 2)
+            timestep = torch.cat([torch.zeros(BATCH, per_frame),
+                                  (sigma * n_train)[:, None].expand(-1, (hidden.shape[2] - 1) * per_frame)], dim=1)
+            pred = pipe.transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=embeds,
+                                    return_dict=False)[0]
+            return float(torch.nn.functional.mse_loss(pred[:, :, 1:], (noise - x0)[:, :, 1:]))
+        processed = pipe.image_processor(images=as_pil(first), return_tensors="pt")
+        image_states = pipe.image_encoder(**processed, output_hidden_states=True).hidden_states[-2]
+        pred = pipe.transformer(hidden_states=torch.cat([x_t, condition], dim=1), timestep=sigma * n_train,
+                                encoder_hidden_states=embeds, encoder_hidden_states_image=image_states,
+                                return_dict=False)[0]
+    return float(torch.nn.functional.mse_loss(pred.float(), (noise - x0).float()))
+
+
 def cogvideox_first_loss(folder: Path) -> float:
     """Step 0's loss as diffusers' ``examples/cogvideo/train_cogvideox_lora.py`` computes it: the clips of the run's
     first batch (``GlobalBatchSampler``, seed 0) through ``AutoencoderKLCogVideoX``'s posterior times its
@@ -129,6 +202,57 @@ def cogvideox_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, 
         weights = (1 / (1 - pipe.scheduler.alphas_cumprod[t])).view(-1, 1, 1, 1, 1)
     return float((weights * (pred - x0) ** 2).reshape(BATCH, -1).mean(1).mean())
 
+
+def cogvideox_i2v_first_loss(folder: Path, noised_image_input: bool = True) -> float:
+    """Step 0's loss of an image-to-video run (``CogVideoXImageToVideoPipeline``): ``cogvideox_first_loss``'s noisy
+    latents and T5 states, and the pipeline's conditioning written out: the first frame's latents times
+    ``scaling_factor``, T' - 1 zero latent frames after it, concatenated to the noisy latents along the channels;
+    the transformer's output against ``get_velocity(x0, noise, t)`` (sqrt(abar) noise - sqrt(1 - abar) x0),
+    float32. ``noised_image_input`` (the default of a run): CogVideoX's training noise on the frame, sigma_i =
+    exp(-3 + 0.5 z_i) of pixel noise, then a posterior draw, from sample i's own seed ``derive_seed(seed, 7919, step,
+    i)``; else the clean frame's posterior mode (``--no-noised_image_input``)."""
+    return _cogvideox_i2v_first_losses(folder)[noised_image_input]
+
+
+@functools.cache  # both forms in one pass: the shared suite asks for one, test_cogvideox.py for the other
+def _cogvideox_i2v_first_losses(folder: Path) -> dict[bool, float]:
+    """{noised_image_input: the first loss} of ``cogvideox_i2v_first_loss``."""
+    SIZE, FRAMES, INTERVAL, BATCH = _geometry("cogvideox_i2v")
+    import diffusers
+
+    pipe = diffusers.CogVideoXImageToVideoPipeline.from_pretrained(str(folder), local_files_only=True)
+    items = _first_batch("clips", SIZE, FRAMES, INTERVAL, BATCH)
+    pixels = torch.stack([it["video"] for it in items])
+    with torch.no_grad():
+        post = pipe.vae.encode(pixels).latent_dist
+        g = torch.Generator().manual_seed(derive_seed(0, 0))
+        shape = tuple(post.mean.shape[1:])
+        noise = torch.randn((BATCH, *shape), generator=g).transpose(1, 2)
+        t = torch.randint(0, 1000, (BATCH,), generator=g)
+        torch.rand(BATCH, generator=g), torch.rand(BATCH, generator=g)  # caption drop, flip: unused here
+        eps = torch.randn((BATCH, *shape), generator=g)
+        scale = pipe.vae.config.scaling_factor
+        x0 = ((post.mean + post.std * eps) * scale).transpose(1, 2)
+        embeds, _ = pipe.encode_prompt([it["text"] for it in items], do_classifier_free_guidance=False,
+                                       device="cpu", max_sequence_length=226)
+        noisy = pipe.scheduler.add_noise(x0, noise, t)
+        rotary = pipe._prepare_rotary_positional_embeddings(SIZE, SIZE, x0.shape[1], torch.device("cpu"))
+        v = pipe.scheduler.get_velocity(x0, noise, t)
+
+        def loss(image):  # the first frame's latents (B, C, 1, h, w); zero frames after it
+            image = image.transpose(1, 2) * scale
+            image = torch.cat([image, image.new_zeros(BATCH, x0.shape[1] - 1, *image.shape[2:])], dim=1)
+            out = pipe.transformer(hidden_states=torch.cat([noisy, image], dim=2), encoder_hidden_states=embeds,
+                                   timestep=t, image_rotary_emb=rotary, return_dict=False)[0]
+            return float(((out - v) ** 2).mean())
+
+        gens = [torch.Generator().manual_seed(derive_seed(0, 7919, 0, i)) for i in range(BATCH)]
+        sigma = torch.stack([(-3 + 0.5 * torch.randn(1, generator=g)).exp() for g in gens])
+        frames = pixels[:, :, 0] + sigma.view(-1, 1, 1, 1) * torch.stack(
+            [torch.randn(3, SIZE, SIZE, generator=g) for g in gens])
+        dist = pipe.vae.encode(frames[:, :, None]).latent_dist
+        draw = dist.mean + dist.std * torch.stack([torch.randn(dist.mean.shape[1:], generator=g) for g in gens])
+        return {True: loss(draw), False: loss(pipe.vae.encode(pixels[:, :, :1]).latent_dist.mode())}
 
 def ltx_first_loss(folder: Path, image_to_video: bool = False) -> tuple[float, float]:
     """Step 0's loss from diffusers' pieces, and the shift: the clips of the run's first batch (``GlobalBatchSampler``,
@@ -205,8 +329,6 @@ def hunyuan_video_first_loss(folder: Path, condition: str | None = None) -> floa
     ``__call__``'s ``latent_model_input``."""
     SIZE, FRAMES, INTERVAL, BATCH = _geometry("hunyuan_video")
     import diffusers
-    import numpy as np
-    from PIL import Image
 
     cls = diffusers.HunyuanVideoPipeline if condition is None else diffusers.HunyuanVideoImageToVideoPipeline
     pipe = cls.from_pretrained(str(folder), local_files_only=True)
@@ -229,9 +351,7 @@ def hunyuan_video_first_loss(folder: Path, condition: str | None = None) -> floa
             embeds, pooled, mask = pipe.encode_prompt(texts, device="cpu", max_sequence_length=256)
         else:
             first = pixels[:, :, 0]
-            uint8 = ((first + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-            images = [Image.fromarray(np.asarray(f)) for f in uint8]
-            embeds, pooled, mask = pipe.encode_prompt(image=images, prompt=texts, device="cpu", max_sequence_length=256,
+            embeds, pooled, mask = pipe.encode_prompt(image=as_pil(first), prompt=texts, device="cpu", max_sequence_length=256,
                                                       image_embed_interleave=4 if condition == "token_replace" else 2)
             image = pipe.vae.encode(first[:, :, None]).latent_dist.mode() * pipe.vae.config.scaling_factor
             if condition == "token_replace":
@@ -255,3 +375,14 @@ def first_loss(family: str, folder: Path) -> tuple[float, dict]:
         return loss, {"model.flow_shift": pytest.approx(shift, rel=1e-12)}
     return {"wan": wan_first_loss, "cogvideox": cogvideox_first_loss,
             "hunyuan_video": hunyuan_video_first_loss}[family](folder), {}
+
+
+def image_to_video_first_loss(name: str, folder: Path) -> float:
+    """The reference first loss of the run of the image-to-video row ``I2V[name]`` from its pipeline ``folder`` (a
+    LoRA run's first step is the base model's: B = 0)."""
+    return {"wan_i2v": lambda: wan_i2v_first_loss(folder, I2V[name].size),
+            "wan22_ti2v_i2v": lambda: wan_i2v_first_loss(folder, I2V[name].size),
+            "cogvideox_i2v": lambda: cogvideox_i2v_first_loss(folder),
+            "ltx_i2v": lambda: ltx_first_loss(folder, image_to_video=True)[0],
+            "hunyuan_video_i2v": lambda: hunyuan_video_first_loss(folder, "token_replace"),
+            "hunyuan_video_i2v_33ch": lambda: hunyuan_video_first_loss(folder, "latent_concat")}[name]()

@@ -1,32 +1,24 @@
 """HunyuanVideo's own fine-tuning tests (``ditforge train --init_from HUNYUAN_FOLDER --data clips``, ``ditforge
 sample``), end to end on the CPU with the tiny random pipelines of ``tiny_pipelines.make_hunyuan_video`` (16 px,
 5 frames: latents 4 x 2 x 2 x 2): the prompts reach the states; sampling crops the prompt's padding and drops full
-masks; image to video (``HunyuanVideoImageToVideoPipeline``, both of its transformers): the first loss against
-``references.hunyuan_video_first_loss``, and sampling against the pipeline's own call. What every video family shares
-(first loss, resume, export, LoRA file) is in test_video_families.py."""
+masks; image to video (``HunyuanVideoImageToVideoPipeline``, both of its transformers): the prompt encoded with the
+image, the loop's start. What every video family shares (first loss, resume, export, LoRA file) is in
+test_video_families.py, what every image-to-video family shares (first loss, sampling like the pipeline, the sampled
+prompt encoded with the image) in test_i2v_families.py."""
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import pytest
 import torch
 
 from ditforge import cli
-from ditforge.train.logging import read_metrics
-from families import (KINDS, VIDEO, assert_image_to_video_run_samples_like_its_export,  # on sys.path
-                      assert_one_line_error)
-from references import hunyuan_video_first_loss
-from tiny_pipelines import BUILDERS
+from families import VIDEO, assert_one_line_error  # tests/finetune is on sys.path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SIZE, FRAMES = VIDEO["hunyuan_video"].size, VIDEO["hunyuan_video"].frames
-
-
-def _argv(folder: Path, out: Path, *extra: str) -> list[str]:
-    return VIDEO["hunyuan_video"].argv(folder, out, *extra)
 
 
 def test_prompts_reach_the_states(hunyuan_video_pipeline):
@@ -79,30 +71,22 @@ def test_sampling_crops_the_prompt_padding_and_unmasks_the_joint_attention(hunyu
                           "HunyuanVideoTransformer3DModel's are 10")
 
 
-@pytest.mark.parametrize("family, condition, kind, guidance, returned", [
-    ("hunyuan_video_i2v", "token_replace", "full", 6.0, FRAMES),
-    ("hunyuan_video_i2v_33ch", "latent_concat", "lora", 1.0, FRAMES - 4)])
-def test_image_to_video_first_loss_and_sample(family, condition, kind, guidance, returned, tmp_path, monkeypatch):
-    """``HunyuanVideoImageToVideoPipeline``, both transformers: a run's first loss (full for HunyuanVideo-I2V, LoRA
-    for the 33-channel model) equals ``references.hunyuan_video_first_loss``'s image-to-video form (1e-5 relative), whose Llava
-    states carry the image (two first frames give two encodings of one prompt); and ``ditforge sample --image`` of
-    the run draws what the exported pipeline's own call draws from the same seed (guidance embedded at 6 / none),
-    frames within one uint8 level, the 33-channel model's first latent frame's 4 dropped as its pipeline drops
-    them. The tiny videos barely depend on the image, so its two uses are checked on their own: the loop's start
-    equals ``prepare_latents``' (0.999 noise + 0.001 image latents, 1e-6), and the sampled prompt is encoded with
-    the given image; a batch of a prompt longer than the 256 tokens and a short one encodes as each alone."""
+@pytest.mark.parametrize("family, condition", [("hunyuan_video_i2v", "token_replace"),
+                                               ("hunyuan_video_i2v_33ch", "latent_concat")])
+def test_image_to_video_prompt_and_start(family, condition, request):
+    """``HunyuanVideoImageToVideoPipeline``, both transformers (their first loss and sampling like the pipeline are in
+    test_i2v_families.py): the Llava states carry the image (two first frames give two encodings of one prompt).
+    The tiny videos barely depend on the image, so its two uses are checked on their own: the loop's start equals
+    ``prepare_latents``' (0.999 noise + 0.001 image latents, 1e-6), and a batch of a prompt longer than the 256
+    tokens and a short one encodes as each alone."""
     import diffusers
     import numpy as np
     from PIL import Image
 
     from ditforge.models.adapters.hunyuan import HunyuanVideoI2VDenoiser
 
-    folder = BUILDERS[family](tmp_path / "pipe")
-    run = tmp_path / "run"
-    assert cli.main(_argv(folder, run, "--max_steps", "1", *KINDS[kind])) == 0
-    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(hunyuan_video_first_loss(folder, condition),
-                                                                           rel=1e-5)
-    pipe = diffusers.HunyuanVideoImageToVideoPipeline.from_pretrained(str(folder), local_files_only=True)
+    pipe = diffusers.HunyuanVideoImageToVideoPipeline.from_pretrained(str(request.getfixturevalue(f"{family}_pipeline")),
+                                                                      local_files_only=True)
     with torch.no_grad():
         embeds = [pipe.encode_prompt(image=[Image.new("RGB", (16, 16), color)], prompt=["a red bicycle"],
                                      device="cpu")[0] for color in ((0, 0, 0), (200, 30, 90))]
@@ -121,16 +105,6 @@ def test_image_to_video_first_loss_and_sample(family, condition, kind, guidance,
         for i in range(2):
             alone = HunyuanVideoI2VDenoiser.encode_prompt(pipe, texts[i:i + 1], "cpu", images=images[i:i + 1])
             assert all(torch.equal(both[k][i], alone[k][0]) for k in alone)
-    seen = []
-    encode = HunyuanVideoI2VDenoiser.encode_prompt
-    monkeypatch.setattr(HunyuanVideoI2VDenoiser, "encode_prompt",
-                        staticmethod(lambda p, texts, device, images=None: seen.append(images) or encode(
-                            p, texts, device, images=images)))
-    assert_image_to_video_run_samples_like_its_export(run, tmp_path, "HunyuanVideoImageToVideoPipeline", SIZE, FRAMES,
-                                                      guidance, returned)
-    png = np.asarray(Image.open(tmp_path / "first.png").convert("RGB"))  # the helper's first frame
-    given = [i for i in seen if i is not None]
-    assert len(given) == 1 and np.array_equal(np.asarray(given[0][0]), png)
 
 
 def test_sampling_crops_the_text_padding_and_drops_full_masks(monkeypatch):

@@ -16,16 +16,11 @@ import references
 from ditforge import cli
 from ditforge.data.sampler import derive_seed
 from ditforge.train.logging import read_metrics
-from families import KINDS, VIDEO, assert_frames_match  # tests/finetune is on sys.path
+from families import KINDS, VIDEO, assert_frames_match, config_entry  # tests/finetune is on sys.path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = list(VIDEO)
-
-
-def _entry(config: dict, key: str):
-    section, name = key.split(".")
-    return config[section][name]
 
 
 @pytest.mark.slow  # the first call of video_runs(family) trains its two runs
@@ -42,7 +37,7 @@ def test_first_step_loss_matches_diffusers(family, request, video_runs):
         assert records[0]["loss"] == pytest.approx(ref, rel=1e-5), kind
     config = yaml.safe_load((video_runs(family)["full"] / "config.yaml").read_text())
     for key, value in {**VIDEO[family].config, **more}.items():
-        assert _entry(config, key) == value, key
+        assert config_entry(config, key) == value, key
 
 
 @pytest.mark.parametrize("family, kind", [(f, k) for f in FAMILIES for k in VIDEO[f].resume])

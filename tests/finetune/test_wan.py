@@ -1,9 +1,10 @@
 """Wan's own fine-tuning tests (``ditforge train --init_from WAN_FOLDER --data clips``), end to end on the CPU with
 the tiny random ``WanPipeline`` and ``WanImageToVideoPipeline`` of ``tiny_pipelines.make_wan`` / ``make_wan_i2v``
-(16 px, 5 frames: latents 16 x 2 x 2 x 2): Wan 2.2 TI2V's text and image to video, ``ditforge sample --lora``,
-``--fp8_base`` and ``--blocks_to_swap``, the one-line errors, and Wan 2.1 image to video (the first step's loss with
-the first frame's conditioning written out here, caption dropout, export and sampling, features). What every video
-family shares (first loss, resume, export, LoRA file, features) is in test_video_families.py."""
+(16 px, 5 frames: latents 16 x 2 x 2 x 2): Wan 2.2 TI2V's text to video, ``ditforge sample --lora``, ``--fp8_base``
+and ``--blocks_to_swap``, the one-line errors, and Wan 2.1 image to video (a CSV's image column in the first step's
+loss, caption dropout, export and two prompts sampled, features). What every video family shares (first loss,
+resume, export, LoRA file, features) is in test_video_families.py, what every image-to-video family shares (first
+loss, sampling like the pipeline; Wan 2.1 I2V and Wan 2.2 TI2V's image to video) in test_i2v_families.py."""
 
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ from ditforge import cli
 from ditforge.data import build_dataset
 from ditforge.data.sampler import GlobalBatchSampler, derive_seed
 from ditforge.train.logging import read_metrics
-from families import (VIDEO, assert_frames_match, assert_image_to_video_run_samples_like_its_export,  # on sys.path
-                      assert_one_line_error, video_train_argv)
-from references import step0_latents, wan_first_loss
+from families import VIDEO, assert_frames_match, assert_one_line_error, video_train_argv  # on sys.path
+from references import wan_first_loss, wan_i2v_first_loss
 from tiny_pipelines import BUILDERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,46 +57,6 @@ def test_wan22_ti2v_text_to_video_first_loss_export_and_sample(tmp_path):
     video = pipe(prompt=[prompt], num_inference_steps=3, guidance_scale=4.0, height=32, width=32, num_frames=FRAMES,
                  generator=[g], output_type="np").frames
     assert_frames_match(npz, video, (1, FRAMES, 32, 32, 3))
-
-
-def test_wan22_ti2v_image_to_video_first_loss_and_sample(tmp_path):
-    """Wan 2.2 TI2V-5B's image-to-video (``WanImageToVideoPipeline`` with ``expand_timesteps``), at 32 px: the first
-    latent frame is the clip's first frame alone through the VAE's posterior mode, normalised (checked against the
-    pipeline's ``prepare_latents``), given to the transformer in place of the noisy one, its tokens at timestep 0
-    and the others' at 1000 sigma, and left out of the loss: the first loss of a full run equals that written out
-    here with diffusers' pieces (1e-5 relative), and ``ditforge sample --image`` of the run draws what the exported
-    pipeline's own call draws (frames within one uint8 level)."""
-    import diffusers
-
-    folder = BUILDERS["wan22_ti2v_i2v"](tmp_path / "pipe")
-    run, size = tmp_path / "run", 32
-    assert cli.main(video_train_argv(folder, run, size, FRAMES, INTERVAL, BATCH, "--max_steps", "1", "--lr",
-                                     "1e-3")) == 0
-    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(str(folder), local_files_only=True)
-    shift, n_train = float(pipe.scheduler.config.flow_shift), int(pipe.scheduler.config.num_train_timesteps)
-    ds = build_dataset("clips", size, None, FRAMES, INTERVAL, 0)
-    items = [ds[i] for i in _first_batch(ds)]
-    pixels = torch.stack([it["video"] for it in items])
-    with torch.no_grad():
-        x0, noise, sigma, mean, inv_std = step0_latents(pipe, pixels, shift)
-        given = (pipe.vae.encode(pixels[:, :, :1]).latent_dist.mode() - mean) * inv_std
-        for row in range(BATCH):
-            _, theirs, _ = pipe.prepare_latents(pixels[row:row + 1, :, 0], 1, 48, size, size, FRAMES, torch.float32,
-                                                "cpu")
-            torch.testing.assert_close(theirs, given[row:row + 1], rtol=0, atol=1e-6)
-        embeds, _ = pipe.encode_prompt([it["text"] for it in items], do_classifier_free_guidance=False, device="cpu",
-                                       max_sequence_length=512)
-        s = sigma.view(-1, 1, 1, 1, 1)
-        hidden = torch.cat([given, ((1 - s) * x0 + s * noise)[:, :, 1:]], dim=2)
-        per_frame = (hidden.shape[3] // 2) * (hidden.shape[4] // 2)
-        timestep = torch.cat([torch.zeros(BATCH, per_frame),
-                              (sigma * n_train)[:, None].expand(-1, (hidden.shape[2] - 1) * per_frame)], dim=1)
-        pred = pipe.transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=embeds,
-                                return_dict=False)[0]
-    want = float(torch.nn.functional.mse_loss(pred[:, :, 1:], (noise - x0)[:, :, 1:]))
-    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(want, rel=1e-5)
-
-    assert_image_to_video_run_samples_like_its_export(run, tmp_path, "WanImageToVideoPipeline", size, FRAMES, 4.0)
 
 
 def test_sample_base_with_lora_file_equals_the_lora_run(wan_pipeline, video_runs, tmp_path, capsys):
@@ -369,79 +329,26 @@ def i2v_data(tmp_path_factory, one_thread_module) -> Path:
 
 
 @pytest.fixture(scope="module")
-def i2v_runs(wan_i2v_pipeline, i2v_data, tmp_path_factory, one_thread_module) -> dict[str, Path]:
-    """2 steps of full fine-tuning (lr 1e-3) on ``i2v_data`` and 3 of LoRA (rank 4, lr 1e-2) on ``clips``."""
-    root = tmp_path_factory.mktemp("wan_i2v_runs")
-    out = {}
-    for kind, data, extra in (("full", str(i2v_data), ["--max_steps", "2", "--lr", "1e-3"]),
-                              ("lora", "clips", ["--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2"])):
-        argv = _argv(wan_i2v_pipeline, root / kind, "--ckpt_every", "100", *extra)
-        argv[argv.index("--data") + 1] = data
-        assert cli.main(argv) == 0
-        out[kind] = root / kind
+def csv_run(wan_i2v_pipeline, i2v_data, tmp_path_factory, one_thread_module) -> Path:
+    """2 steps of full fine-tuning (lr 1e-3) on ``i2v_data`` (the LoRA run on ``clips`` is ``i2v_runs("wan_i2v")``)."""
+    out = tmp_path_factory.mktemp("wan_i2v_csv") / "full"
+    argv = _argv(wan_i2v_pipeline, out, "--ckpt_every", "100", "--max_steps", "2", "--lr", "1e-3")
+    argv[argv.index("--data") + 1] = str(i2v_data)
+    assert cli.main(argv) == 0
     return out
 
 
-def _as_pil(frames: torch.Tensor) -> list:
-    """(B, 3, S, S) in [-1, 1] -> uint8 PIL images (a decoded frame's bytes back)."""
-    from PIL import Image
-
-    pixels = ((frames + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    return [Image.fromarray(p) for p in pixels]
-
-
-def _i2v_reference_first_loss(folder: Path, data: str) -> float:
-    """Step 0's loss of an image-to-video run from diffusers' pieces (``pipeline_wan_i2v.py``): as
-    ``_reference_first_loss`` for the noisy latents, plus the conditioning written out: the first frame (the
-    CSV's ``image`` where the row has one) as a clip [frame, 4 zero frames] through ``AutoencoderKLWan``'s
-    posterior mode, normalised; the mask, 1 on the first latent frame's 4 channels and 0 after; concatenated on
-    the channels after the noisy latents (16 + 4 + 16 = 36); and the CLIP vision model's second-to-last hidden
-    states of the frame as uint8 images through ``image_processor``. The written-out condition is checked
-    against the pipeline's own ``prepare_latents`` first."""
-    import diffusers
-
-    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(str(folder), local_files_only=True)
-    sched = dict(pipe.scheduler.config)
-    shift, n_train = float(sched["flow_shift"]), int(sched["num_train_timesteps"])
-    ds = build_dataset(data, SIZE, None, FRAMES, INTERVAL, 0)
-    items = [ds[i] for i in _first_batch(ds)]
-    pixels = torch.stack([it["video"] for it in items])
-    first = torch.stack([it.get("image", it["video"][:, 0]) for it in items])
-    texts = [it["text"] for it in items]
-    with torch.no_grad():
-        x0, noise, sigma, mean, inv_std = step0_latents(pipe, pixels, shift)
-        clip = torch.cat([first[:, :, None], torch.zeros(BATCH, 3, FRAMES - 1, SIZE, SIZE)], dim=2)
-        latent_condition = (pipe.vae.encode(clip).latent_dist.mode() - mean) * inv_std
-        mask = torch.zeros(BATCH, 4, *latent_condition.shape[2:])
-        mask[:, :, 0] = 1
-        condition = torch.cat([mask, latent_condition], dim=1)
-        for row in range(BATCH):  # the pipeline's own conditioning of that image
-            _, theirs = pipe.prepare_latents(first[row:row + 1], 1, 16, SIZE, SIZE, FRAMES, torch.float32, "cpu")
-            torch.testing.assert_close(theirs, condition[row:row + 1], rtol=0, atol=1e-6)
-        processed = pipe.image_processor(images=_as_pil(first), return_tensors="pt")
-        image_states = pipe.image_encoder(**processed, output_hidden_states=True).hidden_states[-2]
-        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)
-        s = sigma.view(-1, 1, 1, 1, 1)
-        pred = pipe.transformer(hidden_states=torch.cat([(1 - s) * x0 + s * noise, condition], dim=1),
-                                timestep=sigma * n_train, encoder_hidden_states=embeds,
-                                encoder_hidden_states_image=image_states, return_dict=False)[0]
-    return float(torch.nn.functional.mse_loss(pred.float(), (noise - x0).float()))
-
-
-def test_i2v_first_step_loss_matches_diffusers(wan_i2v_pipeline, i2v_data, i2v_runs):
-    """Both image-to-video runs' first loss (the full run's first batch takes the CSV's image for one clip and the
-    first frame for the other; the LoRA run's first frames of ``clips``) equals the diffusers loss within 1e-5
-    relative (fp32); the runs record the family, the 16 latent channels and flips off."""
+def test_i2v_image_column_first_loss(wan_i2v_pipeline, i2v_data, csv_run):
+    """The full image-to-video run's first batch takes the CSV's image for one clip and the first frame for the other:
+    its first loss equals ``references.wan_i2v_first_loss`` on the CSV within 1e-5 relative (fp32); the run records
+    the family, the 16 latent channels and flips off."""
     import yaml
 
-    for kind, data in (("full", str(i2v_data)), ("lora", "clips")):
-        ref = _i2v_reference_first_loss(wan_i2v_pipeline, data)
-        records = read_metrics(i2v_runs[kind] / "metrics.jsonl")
-        assert records[0]["loss"] == pytest.approx(ref, rel=1e-5), kind
-        config = yaml.safe_load((i2v_runs[kind] / "config.yaml").read_text())
-        assert (config["model"]["family"], config["model"]["in_channels"]) == ("wan_i2v", 16)
-        assert config["data"]["random_flip"] is False
-    assert [r["step"] for r in read_metrics(i2v_runs["lora"] / "metrics.jsonl")] == [1, 2, 3]
+    records = read_metrics(csv_run / "metrics.jsonl")
+    assert records[0]["loss"] == pytest.approx(wan_i2v_first_loss(wan_i2v_pipeline, SIZE, str(i2v_data)), rel=1e-5)
+    config = yaml.safe_load((csv_run / "config.yaml").read_text())
+    assert (config["model"]["family"], config["model"]["in_channels"]) == ("wan_i2v", 16)
+    assert config["data"]["random_flip"] is False
 
 
 def test_i2v_caption_dropout_keeps_the_image(i2v_runs):
@@ -451,7 +358,7 @@ def test_i2v_caption_dropout_keeps_the_image(i2v_runs):
     from ditforge.weights.read import load_weights
     from ditforge.weights.finetuned import load_finetuned
 
-    pre, model, _ = load_finetuned(*load_weights(i2v_runs["lora"], use_ema=True), torch.device("cpu"))
+    pre, model, _ = load_finetuned(*load_weights(i2v_runs("wan_i2v"), use_ema=True), torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     x, t = torch.randn(2, 16, 2, 2, 2, generator=g), torch.rand(2, generator=g) * 1000
     cond = {"encoder_hidden_states": pre.encode_prompt(["a dog runs on the grass", "a cat"])["encoder_hidden_states"],
@@ -468,44 +375,29 @@ def test_i2v_caption_dropout_keeps_the_image(i2v_runs):
     assert (kept - dropped).abs().max() > 1e-6 * dropped.abs().max()  # the tiny model's captions matter a little
 
 
-def test_i2v_lora_moves_and_export_samples_like_the_pipeline(wan_i2v_pipeline, i2v_runs, tmp_path):
-    """The LoRA run moved its adapters (B != 0). ``--format diffusers`` of the full run loads in
-    ``WanImageToVideoPipeline`` with the trained transformer exactly; ``ditforge sample --image first.png --out
-    clip.mp4`` writes that one file, and its frames (the .npz) equal the exported pipeline's from the same
-    generator, prompt and image to one uint8 level."""
+def test_i2v_export_and_two_prompts_sample_like_the_pipeline(csv_run, tmp_path):
+    """``--format diffusers`` of the full run loads in ``WanImageToVideoPipeline`` with the trained transformer
+    exactly; two prompts of ``ditforge sample --image`` (drawn one pipeline call each, the pipeline taking one image a
+    call) go into a folder, an mp4 and a gif each, the second prompt's video what the exported pipeline draws alone
+    with its seed, to one uint8 level (one prompt into one file: test_i2v_families.py)."""
     import diffusers
     from PIL import Image
 
     from ditforge.weights.read import load_weights
     from ditforge.weights.finetuned import load_finetuned
 
-    _, lora, _ = load_finetuned(*load_weights(i2v_runs["lora"], use_ema=False), torch.device("cpu"))
-    lora_b = [p for n, p in lora.named_parameters() if "lora_B" in n]
-    assert lora_b and any(p.abs().max() > 0 for p in lora_b)
-
     out = tmp_path / "export"
-    assert cli.main(["export", "--ckpt", str(i2v_runs["full"]), "--format", "diffusers", "--out", str(out)]) == 0
+    assert cli.main(["export", "--ckpt", str(csv_run), "--format", "diffusers", "--out", str(out)]) == 0
     pipe = diffusers.WanImageToVideoPipeline.from_pretrained(str(out), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    _, trained, _ = load_finetuned(*load_weights(i2v_runs["full"], use_ema=True), torch.device("cpu"))
+    _, trained, _ = load_finetuned(*load_weights(csv_run, use_ema=True), torch.device("cpu"))
     exported, trained = pipe.transformer.state_dict(), trained.inner.state_dict()
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
 
-    png, clip, npz = tmp_path / "first.png", tmp_path / "out" / "clip.mp4", tmp_path / "s.npz"
+    png, prompt = tmp_path / "first.png", "a rabbit on a green hill"
     Image.fromarray(np.random.default_rng(11).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(png)
-    prompt = "a rabbit on a green hill"
-    assert cli.main(["sample", "--ckpt", str(i2v_runs["full"]), "--prompt", prompt, "--image", str(png),
-                     "--num_sampling_steps", "3", "--cfg_scale", "4", "--out", str(clip), "--save_npz", str(npz),
-                     "--device", "cpu"]) == 0
-    assert sorted(p.name for p in clip.parent.iterdir()) == ["clip.mp4"] and clip.stat().st_size > 0
-    g = torch.Generator("cpu").manual_seed(derive_seed(0, 0))
-    video = pipe(image=Image.open(png).convert("RGB"), prompt=[prompt], num_inference_steps=3, guidance_scale=4.0,
-                 height=SIZE, width=SIZE, num_frames=FRAMES, generator=[g], output_type="np").frames
-    assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
-    # two prompts (drawn one pipeline call each, the pipeline taking one image a call) into a folder, the second
-    # prompt's video the same as drawn alone with its seed
     folder, npz2 = tmp_path / "two", tmp_path / "two.npz"
-    assert cli.main(["sample", "--ckpt", str(i2v_runs["full"]), "--prompt", "a cat", "--prompt", prompt, "--image",
+    assert cli.main(["sample", "--ckpt", str(csv_run), "--prompt", "a cat", "--prompt", prompt, "--image",
                      str(png), "--num_sampling_steps", "3", "--cfg_scale", "4", "--out", str(folder), "--save_npz",
                      str(npz2), "--device", "cpu", "--gif"]) == 0
     assert len(list(folder.glob("*.mp4"))) == len(list(folder.glob("*.gif"))) == 2
@@ -517,9 +409,9 @@ def test_i2v_lora_moves_and_export_samples_like_the_pipeline(wan_i2v_pipeline, i
 
 
 def test_i2v_bad_input_lines(wan_i2v_pipeline, video_runs, i2v_runs, tmp_path, capsys):
-    """One line, exit 2, nothing written: ``--image`` for a text-to-video run, no ``--image`` for an image-to-video
-    run, a video file name for two prompts, an image file name for a video, ``--random_flip`` for an
-    image-to-video run."""
+    """One line, exit 2, nothing written: ``--image`` for a text-to-video run, a video file name for two prompts of
+    an image-to-video run, an image file name for a video, ``--random_flip`` for an image-to-video run (no
+    ``--image`` for one: test_i2v_families.py)."""
     runs = video_runs("wan")
     png = tmp_path / "first.png"
     __import__("PIL.Image").Image.new("RGB", (SIZE, SIZE)).save(png)
@@ -527,9 +419,7 @@ def test_i2v_bad_input_lines(wan_i2v_pipeline, video_runs, i2v_runs, tmp_path, c
     base = ["sample", "--prompt", "a dog", "--num_sampling_steps", "2", "--device", "cpu"]
     assert_one_line_error(capsys, [*base, "--ckpt", str(runs["full"]), "--image", str(png), "--out", str(out)], "--image",
            "WanPipeline", "takes no image")
-    assert_one_line_error(capsys, [*base, "--ckpt", str(i2v_runs["full"]), "--out", str(out)], "--image",
-           "WanImageToVideoPipeline")
-    assert_one_line_error(capsys, [*base, "--ckpt", str(i2v_runs["full"]), "--image", str(png), "--prompt", "a cat", "--out",
+    assert_one_line_error(capsys, [*base, "--ckpt", str(i2v_runs("wan_i2v")), "--image", str(png), "--prompt", "a cat", "--out",
                     str(out / "clip.mp4")], f"--out {out / 'clip.mp4'}", "2 prompts")
     assert_one_line_error(capsys, [*base, "--ckpt", str(runs["full"]), "--out", str(out / "x.png")], "--out", ".mp4")
     assert not out.exists()
@@ -553,5 +443,5 @@ def test_i2v_features_train_like_on_the_fly(wan_i2v_pipeline, i2v_runs, tmp_path
             "--init_from", str(wan_i2v_pipeline), "--lora_rank", "4", "--lr", "1e-2", "--outputs", str(tmp_path / "run")]
     assert cli.main(argv) == 0
     ours = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
-    fly = [r["loss"] for r in read_metrics(i2v_runs["lora"] / "metrics.jsonl")][:2]
+    fly = [r["loss"] for r in read_metrics(i2v_runs("wan_i2v") / "metrics.jsonl")][:2]
     assert ours == pytest.approx(fly, rel=1e-5)
