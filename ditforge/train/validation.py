@@ -264,8 +264,9 @@ def _draw(pre, s: ValidationSample) -> torch.Tensor:
 @contextlib.contextmanager
 def _tiled_decode(vae):
     """The VAE's tiled decode (diffusers' ``enable_tiling``) for the block, then as it was: the whole frames'
-    decode was the validation's peak, 1.09 GiB above the training's on Wan-1.3B LoRA at 480 x 832 x 33
-    (benchmarks/results/finetune/wan13_h200_validation.json). A sample smaller than a tile decodes whole."""
+    decode was the validation's peak, 1.09 GiB above the training's on a 1.3B video transformer's LoRA at 480 x
+    832 x 33 (benchmarks/results/finetune/wan13_h200_validation.json). A sample smaller than a tile decodes
+    whole."""
     if not hasattr(vae, "enable_tiling"):
         yield
         return
