@@ -52,8 +52,8 @@ def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
 
 def to_original(state: Mapping[str, torch.Tensor], layout: OriginalLayout) -> dict[str, torch.Tensor]:
     """A diffusers model's ``state`` (name -> tensor, any dtype and shape) in ``layout``: renamed, the fused
-    tensors concatenated along dim 0 in the layout's order, the swapped halves swapped. Tensors are shared with
-    ``state`` where only the name changes.
+    tensors concatenated along dim 0 in the layout's order, the swapped halves swapped, each name under the
+    layout's ``prefix``. Tensors are shared with ``state`` where only the name changes.
 
     Raises:
         TypeError: a fused tensor whose parts are not all in ``state``, or two names that map to one original
@@ -71,7 +71,7 @@ def to_original(state: Mapping[str, torch.Tensor], layout: OriginalLayout) -> di
             raise TypeError(f"{layout.name}: {original} fuses {', '.join(parts)}; {', '.join(missing)} missing")
         tensor = state[name] if len(parts) == 1 else torch.cat([state[p] for p in parts], dim=0)
         out[original] = _swap_halves(tensor) if _swapped(original, layout) else tensor
-    return out
+    return {layout.prefix + k: v for k, v in out.items()} if layout.prefix else out
 
 
 def lora_to_original(lora: Mapping[str, torch.Tensor], layout: OriginalLayout, alpha: float,

@@ -16,13 +16,14 @@ from ditforge.models.adapters.ltx import LTXDenoiser
 from ditforge.models.adapters.wan import WanDenoiser
 from ditforge.models.adapters.layouts import find_layout
 from ditforge.weights.original import known_layouts, lora_to_original, to_original
+from tiny_pipelines import LTX_VAE_090  # tests/finetune is on sys.path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # The Wan transformer with Wan 2.1 I2V's image embedder and added k / v (the T2V and 2.2 layouts are subsets);
 # HunyuanVideo without single-stream blocks, which diffusers' converter splits at a hidden size of 3072 whatever the
 # model's (test_hunyuan_single_blocks_at_their_real_width checks them); Wan 2.1's VAE layout (4 stages of 2
-# residual blocks, which the converter's flat decoder indices assume).
+# residual blocks, which the converter's flat decoder indices assume); LTX-Video 0.9.0's VAE (likewise its stages).
 MODELS = {
     "wan": ("WanTransformer3DModel", WanDenoiser, "transformer", dict(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=36, out_channels=16,
@@ -37,22 +38,24 @@ MODELS = {
     "ltx": ("LTXVideoTransformer3DModel", LTXDenoiser, "transformer", dict(
         in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4, attention_head_dim=8,
         cross_attention_dim=32, num_layers=2, caption_channels=32)),
+    "ltx_vae": ("AutoencoderKLLTXVideo", LTXDenoiser, "vae", LTX_VAE_090),
 }
 # diffusers' converters that strip ComfyUI's full-checkpoint prefix (HunyuanVideo's does not; a VAE file has none)
 PREFIXED = ("wan", "ltx")
 
 
 def _random_model(name: str, folder):
-    """The tiny model ``MODELS[name]``, every parameter drawn N(0, 1) (no default init left to hide a wrong map),
-    saved to ``folder`` for its config."""
+    """The tiny model ``MODELS[name]``, every parameter and stored buffer (LTX-Video's ``latents_mean`` /
+    ``latents_std``) drawn N(0, 1) (no default init left to hide a wrong map), saved to ``folder`` for its config."""
     import diffusers
 
     cls, _, _, config = MODELS[name]
     torch.manual_seed(sum(map(ord, name)))
     model = getattr(diffusers, cls)(**config)
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.normal_()
     model.save_pretrained(str(folder))
     return model
 
@@ -71,7 +74,8 @@ def test_original_layout_reads_back_through_diffusers(name, tmp_path):
     original = to_original(state, adapter.original_layouts[component])
     convert = {"wan": sfu.convert_wan_transformer_to_diffusers, "wan_vae": sfu.convert_wan_vae_to_diffusers,
                "hunyuan_video": sfu.convert_hunyuan_video_transformer_to_diffusers,
-               "ltx": sfu.convert_ltx_transformer_checkpoint_to_diffusers}[name]
+               "ltx": sfu.convert_ltx_transformer_checkpoint_to_diffusers,
+               "ltx_vae": sfu.convert_ltx_vae_checkpoint_to_diffusers}[name]
     assert set(convert(dict(original))) == set(state)
     for prefix in ("", "model.diffusion_model.") if name in PREFIXED else ("",):
         path = tmp_path / f"single{len(prefix)}.safetensors"
@@ -150,17 +154,18 @@ def test_hunyuan_single_blocks_at_their_real_width():
 
 def test_layouts_are_told_apart_by_their_keys(tmp_path):
     """``known_layouts`` holds each declared layout once (the transformers of Wan, HunyuanVideo and LTX-Video;
-    Wan's VAE); ``find_layout`` names each one from a file's keys, with or without a prefix, and refuses diffusers'
-    own names in one line that lists the known layouts."""
+    the VAEs of Wan and LTX-Video); ``find_layout`` names each one from a file's keys, with or without a prefix
+    (LTX-Video's VAE: its release's ``vae.`` too, or none, as ComfyUI's VAE files), and refuses diffusers' own names
+    in one line that lists the known layouts."""
     assert list(known_layouts("transformer")) == ["wan", "ltx", "hunyuan_video"]
-    assert list(known_layouts("vae")) == ["wan"]
+    assert list(known_layouts("vae")) == ["wan", "ltx"]
     for name, (_, cls, component, _) in MODELS.items():
-        layouts = known_layouts(component)
+        layouts, declared = known_layouts(component), cls.original_layouts[component]
         model = _random_model(name, tmp_path / name)
-        original = to_original(model.state_dict(), cls.original_layouts[component])
-        for prefix in ("", "model.diffusion_model."):
+        original = [k.removeprefix(declared.prefix) for k in to_original(model.state_dict(), declared)]
+        for prefix in ("", "model.diffusion_model.", *([declared.prefix] if declared.prefix else [])):
             key, layout, found = find_layout([prefix + k for k in original], layouts, "--transformer F")
-            assert (key, layout, found) == (cls.family, cls.original_layouts[component], prefix)
+            assert (key, layout, found) == (cls.family, declared, prefix)
         with pytest.raises(UserError) as error:
             find_layout(model.state_dict(), layouts, "--transformer F")
         message = str(error.value)

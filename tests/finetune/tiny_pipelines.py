@@ -733,6 +733,18 @@ def make_ltx(path, image_to_video: bool = False) -> Path:
     return _save(pipe, path)
 
 
+# AutoencoderKLLTXVideo of LTX-Video 0.9.0's structure at 8 to 32 channels (the release's 128 to 512): the stages
+# diffusers' converter (``convert_ltx_vae_checkpoint_to_diffusers``) numbers in one flat list a coder, which
+# assumes three stages that scale space and time and a width change into the second and third decoder stages
+# (encoder: out of the first two); 8 x 8 x 8 pixels a latent. The tiny pipeline's VAE has not that structure.
+LTX_VAE_090 = dict(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 16, 32, 32),
+                   decoder_block_out_channels=(8, 16, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
+                   decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, True, False),
+                   decoder_spatio_temporal_scaling=(True, True, True, False), decoder_inject_noise=(False,) * 5,
+                   upsample_residual=(False,) * 4, upsample_factor=(1,) * 4, timestep_conditioning=False,
+                   patch_size=1, patch_size_t=1)
+
+
 # The special tokens of the Llama 3 chat template (and Llava's image token) in HunyuanVideo I2V's prompt template
 LLAVA_SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<image>", "\n\n"]
 

@@ -35,6 +35,9 @@ class OriginalLayout:
             order (a final norm's (shift, scale) stored as (scale, shift) by diffusers).
         detect: original names of which any, present in a file (after a known prefix), identifies the layout
             (diffusers' ``CHECKPOINT_KEY_NAMES``); the first distinguishes it from the others of the same family.
+        prefix: what every original name carries in the release's own file, and diffusers' converter expects
+            (LTX-Video's VAE lies in its release's checkpoint under ``vae.``); ``to_original`` writes it, and a file
+            whose names lack it (ComfyUI's VAE files) is read too (``find_layout``).
     """
 
     name: str
@@ -42,6 +45,7 @@ class OriginalLayout:
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
     swapped: tuple[str, ...] = ()
     detect: tuple[str, ...] = ()
+    prefix: str = ""
 
 
 def renamed(prefixes: dict[str, str], names: dict[str, str], suffix: str = "{p}") -> tuple[tuple[str, str], ...]:
@@ -55,7 +59,7 @@ def renamed(prefixes: dict[str, str], names: dict[str, str], suffix: str = "{p}"
 def find_layout(keys: Iterable[str], layouts: Mapping[str, OriginalLayout], what: str
                 ) -> tuple[str, OriginalLayout, str]:
     """The layout of a single file whose tensors are named ``keys``: ``(its key in layouts, the layout, the
-    prefix its names carry, one of PREFIXES)``, the first of ``layouts`` (in order) one of whose ``detect`` names
+    prefix its names carry, the layout's own ``prefix`` or one of PREFIXES)``, the first of ``layouts`` (in order) one of whose ``detect`` names
     is in ``keys`` after a prefix.
 
     Raises:
@@ -63,7 +67,7 @@ def find_layout(keys: Iterable[str], layouts: Mapping[str, OriginalLayout], what
     """
     keys = set(keys)
     for key, layout in layouts.items():
-        for prefix in PREFIXES:
+        for prefix in (layout.prefix, *PREFIXES) if layout.prefix else PREFIXES:
             if any(prefix + name in keys for name in layout.detect):
                 return key, layout, prefix
     known = "; ".join(layout.name for layout in layouts.values())

@@ -27,6 +27,31 @@ LTX_VIDEO_TRANSFORMER = OriginalLayout(
                       {"norm_q.": "q_norm.", "norm_k.": "k_norm."})),
     detect=("patchify_proj.weight",))
 
+# LTX-Video 0.9.0's VAE stages, one flat list a coder in the original: diffusers block -> its original index
+_DECODER = {"mid_block.resnets.": "0.res_blocks.", "up_blocks.0.resnets.": "1.res_blocks.",
+            "up_blocks.1.upsamplers.0.": "2.", "up_blocks.1.resnets.": "3.res_blocks.", "up_blocks.2.conv_in.": "4.",
+            "up_blocks.2.upsamplers.0.": "5.", "up_blocks.2.resnets.": "6.res_blocks.", "up_blocks.3.conv_in.": "7.",
+            "up_blocks.3.upsamplers.0.": "8.", "up_blocks.3.resnets.": "9.res_blocks."}
+_ENCODER = {"down_blocks.0.resnets.": "0.res_blocks.", "down_blocks.0.downsamplers.0.": "1.",
+            "down_blocks.0.conv_out.": "2.", "down_blocks.1.resnets.": "3.res_blocks.",
+            "down_blocks.1.downsamplers.0.": "4.", "down_blocks.1.conv_out.": "5.",
+            "down_blocks.2.resnets.": "6.res_blocks.", "down_blocks.2.downsamplers.0.": "7.",
+            "down_blocks.3.resnets.": "8.res_blocks.", "mid_block.resnets.": "9.res_blocks."}
+
+LTX_VIDEO_VAE = OriginalLayout(
+    name="LTX-Video VAE (the vae. tensors of Lightricks' release, ComfyUI's VAE files)",
+    renames=(
+        # in each residual block, and in one that changes the width (a stage's conv_in / conv_out), the same names
+        # but for its shortcut's conv and its norm3's LayerNorm
+        *renamed({**{f"decoder.{ours}": f"decoder.up_blocks.{theirs}" for ours, theirs in _DECODER.items()},
+                  **{f"encoder.{ours}": f"encoder.down_blocks.{theirs}" for ours, theirs in _ENCODER.items()}},
+                 {"conv_shortcut.conv.": "conv_shortcut.", "norm3.": "norm3.norm.", "": ""}),
+        ("latents_mean", "per_channel_statistics.mean-of-means"),
+        ("latents_std", "per_channel_statistics.std-of-means"),
+    ),
+    detect=("decoder.up_blocks.0.res_blocks.0.conv1.conv.weight",),  # ComfyUI's mark (comfy/sd.py), every release's
+    prefix="vae.")
+
 
 def whole_text_plan() -> dict:
     """LTX-Video's own ``_cp_plan`` without its split of the text (``encoder_hidden_states`` and its mask): the
@@ -60,7 +85,7 @@ class LTXDenoiser(DiffusersDenoiser):
     block_classes = ("LTXVideoTransformerBlock",)
     video = True
     fps = 25  # LTX-Video is trained on (and exports) 25 fps clips
-    original_layouts = {"transformer": LTX_VIDEO_TRANSFORMER}
+    original_layouts = {"transformer": LTX_VIDEO_TRANSFORMER, "vae": LTX_VIDEO_VAE}
     context_parallel = ("sample", "train")
     cp_plan = staticmethod(whole_text_plan)  # parallel.context: the video tokens split, the (masked) text whole
     cp_text = "cross"  # each cross-attention over the whole text on every process

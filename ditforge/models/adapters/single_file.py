@@ -10,7 +10,8 @@ Layouts (``load_component``; the family's facts are its adapter's declaration ``
   a release's ``diffusion_pytorch_model-0000K-of-0000N.safetensors`` shards are read through their
   ``.index.json`` (either file may be given), a torch pickle (a VAE's ``.pth``) through
   ``torch.load(mmap=True, weights_only=True)``;
-* ComfyUI's: the original keys, with or without a prefix (``layouts.PREFIXES``: ``model.diffusion_model.``), in
+* ComfyUI's: the original keys, with or without a prefix (``layouts.PREFIXES``: ``model.diffusion_model.``; a
+  VAE's without the ``vae.`` its release's checkpoint gives it, ``OriginalLayout.prefix``), in
   bf16, fp16 or float8 e4m3, "scaled" float8 included: a ``scaled_fp8`` marker tensor and a float32
   ``<layer>.scale_weight`` scalar per float8 weight, whose value is ``weight x scale_weight`` (ComfyUI
   ``comfy/model_detection.py`` ``model_config_from_unet`` reads the marker, ``comfy/ops.py`` ``scaled_fp8_ops``
@@ -153,16 +154,20 @@ def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, fa
                 model = cls(config)
         usable = layouts if convert else {}
         try:  # an original layout's mark first: some original names are diffusers' too (patch_embedding)
-            _, _, prefix = find_layout(keys, usable, f"{flag} {file}")
+            _, layout, prefix = find_layout(keys, usable, f"{flag} {file}")
             original = True
         except UserError:
-            original, prefix = False, ""
+            original, layout, prefix = False, None, ""
             if not set(keys) & set(model.state_dict()):
                 known = [f"{library}' {cls_name} keys"] + [layout.name for layout in usable.values()]
                 raise UserError(f"{flag} {file}: an unknown layout for the folder's {cls_name} (known: "
                                 f"{'; '.join(known)})") from None
+        if original and layout.prefix:  # its own tensors alone: a release's checkpoint holds the transformer too
+            keys = [k for k in keys if k.startswith(prefix)]
         kept: list = []
         state = dict(_tensors(keys, get, prefix, dtype, keep_fp8, kept))
+    if original and layout.prefix:  # under the prefix diffusers' converter expects, which ComfyUI's files lack
+        state = {layout.prefix + k: v for k, v in state.items()}
     if original:  # a split fused tensor is a view: made contiguous, as from_single_file does
         state = {k: v.contiguous() for k, v in convert(checkpoint=state, config=config).items()}
     try:
