@@ -18,6 +18,7 @@ import references
 from ditforge import cli
 from ditforge.train.logging import read_metrics
 from families import VIDEO, assert_one_line_error  # tests/finetune is on sys.path
+from tiny_pipelines import LTX_VAE_090
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,10 +109,10 @@ SETUPS = {
 }
 
 
-def _sample(family: str, folder, out, *files: str) -> np.ndarray:
+def _sample(family: str, folder, out, *files: str, frames: int | None = None) -> np.ndarray:
     spec, npz = VIDEO[family], out / "s.npz"
     assert cli.main(["sample", "--ckpt", str(folder), "--prompt", "a red bicycle", "--num_sampling_steps", "2",
-                     "--height", str(spec.size), "--width", str(spec.size), "--num_frames", str(spec.frames),
+                     "--height", str(spec.size), "--width", str(spec.size), "--num_frames", str(frames or spec.frames),
                      "--out", str(out / "clip.mp4"), "--save_npz", str(npz), "--device", "cpu", *files]) == 0
     return np.load(npz)["samples"]
 
@@ -142,6 +143,43 @@ def test_single_files_train_and_sample_like_the_folder(family, request, tmp_path
     ours, ref = (_sample(family, f, tmp_path / d, *x).astype(np.int16) for f, d, x in ((bare, "a", files),
                                                                                        (full, "b", ())))
     assert np.abs(ours - ref).max() <= 1
+
+
+def test_ltx_vae_file_reads_and_samples_like_the_folder(ltx_pipeline, tmp_path):
+    """LTX-Video's VAE (0.9.0's structure, ``LTX_VAE_090``, its ``latents_mean`` / ``latents_std`` drawn) written
+    with ``to_original`` as the ``vae.`` tensors of Lightricks' release (one file, the transformer in it under
+    ComfyUI's prefix) and as ComfyUI's VAE file (no prefix): the ``--vae`` reader (``load_component``) gives the
+    folder's VAE bit for bit from each, and ``sample --ckpt BARE --transformer F --vae F`` of the release file draws
+    the complete folder's video to one uint8 level (9 frames: the VAE compresses 8 of them)."""
+    from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+
+    from ditforge.models.adapters.ltx import LTXDenoiser
+    from ditforge.models.adapters.single_file import load_component
+
+    torch.manual_seed(3)
+    vae = AutoencoderKLLTXVideo(**LTX_VAE_090).eval()
+    with torch.no_grad():
+        vae.latents_mean.normal_(0, 0.3)
+        vae.latents_std.uniform_(0.5, 1.5)
+    full, bare = _folder_with(ltx_pipeline, tmp_path, "ltx", vae=vae)
+    transformer = LTXVideoTransformer3DModel.from_pretrained(str(full), subfolder="transformer")
+    release, comfy = tmp_path / "ltx-video-2b-v0.9.safetensors", tmp_path / "ltx_vae_comfyui.safetensors"
+    state = _original(vae, "ltx", "vae")
+    save_file({**{COMFY + k: v for k, v in _original(transformer, "ltx", "transformer").items()}, **state},
+              str(release))
+    save_file({k.removeprefix("vae."): v for k, v in state.items()}, str(comfy))
+    _strip_weights(bare, "transformer", "vae")
+    ref = vae.state_dict()
+    for path in (release, comfy):
+        read = load_component(bare, "vae", ("diffusers", "AutoencoderKLLTXVideo"), str(path), LTXDenoiser,
+                              torch.float32).state_dict()
+        assert read.keys() == ref.keys() and all(torch.equal(read[k], ref[k]) for k in ref), path.name
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    files = ("--transformer", str(release), "--vae", str(release))
+    ours, theirs = (_sample("ltx", f, tmp_path / d, *x, frames=9).astype(np.int16)
+                    for f, d, x in ((bare, "a", files), (full, "b", ())))
+    assert np.abs(ours - theirs).max() <= 1
 
 
 def _fp8_file(wan_pipeline, tmp_path, scaled: bool):
