@@ -128,7 +128,7 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--vae", help="local diffusers AutoencoderKL folder to decode latents, overriding the run's "
                    "(needed for an official DiT .pt: e.g. sd-vae-ft-ema); with a diffusers pipeline folder as "
                    "--ckpt: a single file in place of its vae (diffusers' keys, or the original release's: its "
-                   ".pth torch pickle, ComfyUI's .safetensors)")
+                   ".pth torch pickle, the vae. tensors of a whole checkpoint, ComfyUI's .safetensors)")
     s.add_argument("--transformer", help="with a diffusers pipeline folder as --ckpt: a single-file checkpoint in "
                    "place of its transformer, the folder giving its config (diffusers' keys, the original "
                    "release's shards by their index .json, or ComfyUI's: bf16, fp16, fp8 e4m3, scaled fp8)")

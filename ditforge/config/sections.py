@@ -76,7 +76,7 @@ class ModelConfig(_Freezable):
     vae: str = _f("none", "local diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema) to train on its latents "
                           "(video: frame by frame), or none for pixel space; with a pipeline --init_from: a single "
                           "file in place of the pipeline's vae (diffusers' keys, or the original release's: its .pth "
-                          "torch pickle, ComfyUI's .safetensors)")
+                          "torch pickle, the vae. tensors of a whole checkpoint, ComfyUI's .safetensors)")
     qk_norm: bool = _f(False, "LayerNorm on the queries and keys of every attention (stability of large models)")
     num_classes: int | None = _f(None, "number of class labels (default: from the data)")
     learn_sigma: bool = _f(True, "predict the variance too (hybrid loss of Improved DDPM)")
