@@ -149,8 +149,9 @@ def test_ltx_vae_file_reads_and_samples_like_the_folder(ltx_pipeline, tmp_path):
     """LTX-Video's VAE (0.9.0's structure, ``LTX_VAE_090``, its ``latents_mean`` / ``latents_std`` drawn) written
     with ``to_original`` as the ``vae.`` tensors of Lightricks' release (one file, the transformer in it under
     ComfyUI's prefix) and as ComfyUI's VAE file (no prefix): the ``--vae`` reader (``load_component``) gives the
-    folder's VAE bit for bit from each, and ``sample --ckpt BARE --transformer F --vae F`` of the release file draws
-    the complete folder's video to one uint8 level (9 frames: the VAE compresses 8 of them)."""
+    folder's VAE bit for bit from each; from the bare folder and the release file (``--transformer F --vae F``),
+    ``train``'s first loss equals that of the complete folder's run (1e-6 relative: the same float32 weights) and
+    ``sample`` draws its video to one uint8 level (9 frames: the VAE compresses 8 of them)."""
     from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
 
     from ditforge.models.adapters.ltx import LTXDenoiser
@@ -174,9 +175,14 @@ def test_ltx_vae_file_reads_and_samples_like_the_folder(ltx_pipeline, tmp_path):
         read = load_component(bare, "vae", ("diffusers", "AutoencoderKLLTXVideo"), str(path), LTXDenoiser,
                               torch.float32).state_dict()
         assert read.keys() == ref.keys() and all(torch.equal(read[k], ref[k]) for k in ref), path.name
+    files = ("--transformer", str(release), "--vae", str(release))
+    for folder, run, extra in ((bare, "run_files", files), (full, "run_folder", ())):
+        assert cli.main(VIDEO["ltx"].argv(folder, tmp_path / run, "--max_steps", "1", "--num_frames", "9",
+                                          "--frame_interval", "1", *extra)) == 0
+    losses = [read_metrics(tmp_path / run / "metrics.jsonl")[0]["loss"] for run in ("run_files", "run_folder")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    files = ("--transformer", str(release), "--vae", str(release))
     ours, theirs = (_sample("ltx", f, tmp_path / d, *x, frames=9).astype(np.int16)
                     for f, d, x in ((bare, "a", files), (full, "b", ())))
     assert np.abs(ours - theirs).max() <= 1
