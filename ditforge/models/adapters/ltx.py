@@ -9,7 +9,11 @@ per-channel statistics are buffers, with the config's scaling factor on top (``p
 
 The original layout (``LTX_VIDEO_TRANSFORMER``: Lightricks' ``ltx-video-2b-v0.9*.safetensors``, which ComfyUI loads
 as they are) is the inverse of diffusers' ``convert_ltx_transformer_checkpoint_to_diffusers``
-(``loaders/single_file_utils.py``): four renames, the rest the same names."""
+(``loaders/single_file_utils.py``): four renames, the rest the same names. ``LTX_VIDEO_VAE`` (the ``vae.`` tensors of
+the release's checkpoint; ComfyUI's VAE files hold them without ``vae.``) is the inverse of
+``convert_ltx_vae_checkpoint_to_diffusers`` for 0.9.0's structure: each coder's stages in one flat list, the mid
+block at an end of it. That converter reads 0.9.1's and 0.9.5's structures too (it tells them by their keys), so
+their files load into a folder of their own release; ``to_original`` writes 0.9.0's names only."""
 
 from __future__ import annotations
 
