@@ -76,9 +76,8 @@ def wan_first_loss(folder: Path, size: int = 16) -> float:
     import diffusers
 
     pipe = diffusers.WanPipeline.from_pretrained(str(folder), local_files_only=True)
-    ds = build_dataset("clips", size, None, FRAMES, INTERVAL, 0)
-    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
-    return wan_loss(pipe, torch.stack([ds[i]["video"] for i in idx]), [ds[i]["text"] for i in idx])
+    items = _first_batch("clips", size, FRAMES, INTERVAL, BATCH)
+    return wan_loss(pipe, torch.stack([it["video"] for it in items]), [it["text"] for it in items])
 
 
 def wan_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: int = 0) -> float:
@@ -173,9 +172,8 @@ def cogvideox_first_loss(folder: Path) -> float:
     import diffusers
 
     pipe = diffusers.CogVideoXPipeline.from_pretrained(str(folder), local_files_only=True)
-    ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
-    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
-    return cogvideox_loss(pipe, torch.stack([ds[i]["video"] for i in idx]), [ds[i]["text"] for i in idx])
+    items = _first_batch("clips", SIZE, FRAMES, INTERVAL, BATCH)
+    return cogvideox_loss(pipe, torch.stack([it["video"] for it in items]), [it["text"] for it in items])
 
 
 def cogvideox_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: int = 0) -> float:
@@ -271,9 +269,8 @@ def ltx_first_loss(folder: Path, image_to_video: bool = False) -> tuple[float, f
 
     cls = diffusers.LTXImageToVideoPipeline if image_to_video else diffusers.LTXPipeline
     pipe = cls.from_pretrained(str(folder), local_files_only=True)
-    ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
-    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
-    return ltx_loss(pipe, torch.stack([ds[i]["video"] for i in idx]), [ds[i]["text"] for i in idx],
+    items = _first_batch("clips", SIZE, FRAMES, INTERVAL, BATCH)
+    return ltx_loss(pipe, torch.stack([it["video"] for it in items]), [it["text"] for it in items],
                     image_to_video=image_to_video)
 
 
@@ -336,15 +333,14 @@ def hunyuan_video_first_loss(folder: Path, condition: str | None = None) -> floa
     assert shift == 7.0
     pipe.scheduler.set_timesteps(sigmas=[0.5])
     assert float(pipe.scheduler.sigmas[0]) == pytest.approx(shift * 0.5 / (1 + (shift - 1) * 0.5), rel=1e-6)
-    ds = build_dataset("clips", SIZE, None, FRAMES, INTERVAL, 0)
-    idx = GlobalBatchSampler(len(ds), BATCH, 0, 0, 1, 0).global_batch_indices(0).tolist()
-    pixels = torch.stack([ds[i]["video"] for i in idx])
+    items = _first_batch("clips", SIZE, FRAMES, INTERVAL, BATCH)
+    pixels = torch.stack([it["video"] for it in items])
     with torch.no_grad():
         post = pipe.vae.encode(pixels).latent_dist
         noise, u, eps = flow_draws(post)
         x0 = (post.mean + post.std * eps) * pipe.vae.config.scaling_factor
         sigma = shift * u / (1 + (shift - 1) * u)
-        texts = [ds[i]["text"] for i in idx]
+        texts = [it["text"] for it in items]
         s = sigma.view(-1, 1, 1, 1, 1)
         x_t, given = (1 - s) * x0 + s * noise, 0
         if condition is None:
