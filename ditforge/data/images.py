@@ -177,6 +177,23 @@ class ImageFolderDataset(Dataset):
                            "unreadable image")
 
 
+def open_rgb(path: str | Path, where: str) -> Image.Image:
+    """The image at ``path`` as a PIL RGB image, read whole (the file may go away after).
+
+    Raises:
+        UserError: ``where: no such file`` or ``where: not a readable image (...)``, one line.
+    """
+    from PIL import UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file") from None
+    except (OSError, UnidentifiedImageError) as e:
+        raise UserError(f"{where}: not a readable image ({type(e).__name__})") from None
+
+
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """Images (N, C, H, W) or videos (N, C, T, H, W), float in [-1, 1] -> (N, H, W, C) or (N, T, H, W, C) uint8
     (values clamped; channels last)."""

@@ -21,7 +21,7 @@ from ditforge.atomic import atomic_path
 from ditforge.config.sections import SAMPLING_PRECISIONS
 from ditforge.config.values import resolve_precision
 from ditforge.data.captions import slug
-from ditforge.data.images import save_grid, to_uint8
+from ditforge.data.images import open_rgb, save_grid, to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate
 from ditforge.diffusion.pab import PABConfig
@@ -368,8 +368,6 @@ def _conditioning_image(cfg: SampleConfig, denoiser, pipeline_class: str):
         UserError: ``--image`` missing for an image-to-video pipeline, given to another, or not a readable image
             (one line each, naming ``--image``).
     """
-    from PIL import Image, UnidentifiedImageError
-
     if not denoiser.image_to_video:
         if cfg.image is not None:
             raise UserError(f"--image {cfg.image}: {cfg.ckpt} is a {pipeline_class}, which takes no image; leave "
@@ -377,10 +375,4 @@ def _conditioning_image(cfg: SampleConfig, denoiser, pipeline_class: str):
         return None
     if cfg.image is None:
         raise UserError(f"--image: {cfg.ckpt} is a {pipeline_class}; give the first frame, --image FILE.png")
-    try:
-        with Image.open(cfg.image) as img:
-            return img.convert("RGB")
-    except FileNotFoundError:
-        raise UserError(f"--image {cfg.image}: no such file") from None
-    except (OSError, UnidentifiedImageError) as e:
-        raise UserError(f"--image {cfg.image}: not a readable image ({type(e).__name__})") from None
+    return open_rgb(cfg.image, f"--image {cfg.image}")

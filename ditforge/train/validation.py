@@ -40,7 +40,7 @@ import torch
 
 from ditforge.atomic import atomic_path
 from ditforge.data.captions import slug
-from ditforge.data.images import to_uint8
+from ditforge.data.images import open_rgb, to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.errors import UserError
 from ditforge.models.adapters import call_default
@@ -198,7 +198,7 @@ def _fits_pipeline(s: ValidationSample, where: str, pre, vae, multiple: int) -> 
         return s
     if s.image is None:
         raise UserError(f"{where}: --i: {pre.pipeline_class} is image-to-video; give the first frame, --i IMAGE")
-    return dataclasses.replace(s, first_frame=_open_image(s.image, f"{where}: --i {s.image}"))
+    return dataclasses.replace(s, first_frame=open_rgb(s.image, f"{where}: --i {s.image}"))
 
 
 def _fits_dit(s: ValidationSample, where: str, data, video: bool) -> None:
@@ -213,19 +213,6 @@ def _fits_dit(s: ValidationSample, where: str, data, video: bool) -> None:
         if value is not None:
             raise UserError(f"{where}: --{letter}: a DiT run guides against the dropped caption and takes no image; "
                             f"leave --{letter} out")
-
-
-def _open_image(path: str, where: str):
-    """The image at ``path`` as a PIL RGB image. Raises UserError (``where``) when it is missing or unreadable."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    except FileNotFoundError:
-        raise UserError(f"{where}: no such file") from None
-    except (OSError, UnidentifiedImageError) as e:
-        raise UserError(f"{where}: not a readable image ({type(e).__name__})") from None
 
 
 def render(run, step: int, draw_dit) -> list[Path]:
