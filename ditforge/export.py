@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_dir, atomic_path
-from ditforge.config.sections import EXPERTS
 from ditforge.errors import UserError
 from ditforge.interop import PIPELINE_NULL_LABEL, SPEC_FILE, ddim_scheduler_config, official_to_diffusers
 from ditforge.models.adapters import DiffusersDenoiser, families
-from ditforge.models.adapters.pipeline import Pretrained, read_model_index
+from ditforge.models.adapters.pipeline import ONE_EXPERT, Pretrained, read_model_index
 from ditforge.models.adapters.single_file import component_files
 from ditforge.sample import load_model
 from ditforge.weights.finetuned import load_finetuned
@@ -230,7 +229,7 @@ def write_lora(pre: Pretrained, denoiser: DiffusersDenoiser, cfg, out: str | Pat
                                       lora_state_dict(denoiser.inner)),
                                   unet_lora_adapter_metadata=metadata, safe_serialization=True, **extra)
         elif len(experts := denoiser.expert_models()) == 2:  # both experts: a LoRA folder each
-            for name, model in zip(EXPERTS[:2], experts):  # high_noise, low_noise
+            for name, model in zip(ONE_EXPERT, experts):  # high_noise, low_noise
                 (tmp / name).mkdir()
                 cls.save_lora_weights(str(tmp / name), transformer_lora_layers=lora_state_dict(model),
                                       transformer_lora_adapter_metadata=metadata, safe_serialization=True)
@@ -278,7 +277,7 @@ def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str
     pre, denoiser, cfg = load_finetuned(state, config, torch.device("cpu"), use_ema)
     m = cfg.model
     # (expert, model): the run's one denoiser, or each of two experts trained in one run (--expert both)
-    experts = zip(EXPERTS[:2], denoiser.expert_models()) if m.expert == "both" else [(m.expert, denoiser.inner)]
+    experts = zip(ONE_EXPERT, denoiser.expert_models()) if m.expert == "both" else [(m.expert, denoiser.inner)]
     for expert, model in experts:
         if m.lora_rank:
             rows = {k.replace(".base_layer.", "."): v.shape[0] for k, v in model.state_dict().items() if v.ndim}

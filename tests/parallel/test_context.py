@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from ditforge.models.adapters import DiffusersDenoiser, _families
+from ditforge.models.adapters import DiffusersDenoiser, families
 from ditforge.parallel.context import _text_kind
 
 
-@pytest.mark.parametrize("family", sorted(_families()))
+@pytest.mark.parametrize("family", sorted(families()))
 def test_every_family_declares_a_plan_split_tokens_knows(family):
-    cls = _families()[family]
+    cls = families()[family]
     kind = _text_kind(cls)
     assert (kind is None) == (cls.cp_plan is None)
     if cls.cp_plan is not None:  # ditforge's plan: a dict of diffusers' ContextParallelInput / Output

@@ -366,7 +366,8 @@ def call_default(pipe: Any, name: str) -> Any:
     return inspect.signature(pipe.__call__).parameters[name].default
 
 
-def _families() -> dict[str, type[DiffusersDenoiser]]:
+def families() -> dict[str, type[DiffusersDenoiser]]:
+    """Every adapter class, by its ``family``."""
     from ditforge.models.adapters.cogvideox import CogVideoXDenoiser, CogVideoXI2VDenoiser
     from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser
     from ditforge.models.adapters.ltx import LTXDenoiser, LTXI2VDenoiser
@@ -380,14 +381,9 @@ def _families() -> dict[str, type[DiffusersDenoiser]]:
                                         LTXI2VDenoiser, HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser)}
 
 
-def families() -> dict[str, type[DiffusersDenoiser]]:
-    """Every adapter class, by its ``family``."""
-    return _families()
-
-
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:
     """The adapter class for a diffusers pipeline class name, or None."""
-    for cls in _families().values():
+    for cls in families().values():
         if pipeline_class in cls.pipelines:
             return cls
     return None
@@ -395,7 +391,7 @@ def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:
 
 def supported_pipelines() -> list[str]:
     """Pipeline class names ``--init_from`` accepts (DiTPipeline loads into ditforge's own DiT)."""
-    return [p for cls in _families().values() for p in cls.pipelines] + ["DiTPipeline"]
+    return [p for cls in families().values() for p in cls.pipelines] + ["DiTPipeline"]
 
 
 __all__ = ["DiffusersDenoiser", "call_default", "families", "family_of_pipeline", "supported_pipelines"]
