@@ -78,7 +78,7 @@
 #                       (7b64k with ring attention); all with fast attention, compile, EMA, 5 steps after 3;
 #                       PROFILE=1 adds rank 0's GPU kernel time per step by kind (communication, matrix products,
 #                       attention, ...)
-#   single-file [MODEL]  host RAM and time to load a single-file Wan transformer, bf16 and fp8 (issue 63):
+#   single-file [MODEL] [bf16|fp8]  host RAM and time to load a single-file Wan transformer, bf16 and fp8 (issue 63):
 #                       single_file.py --model MODEL (default 14b: about 28 GB of bf16 file, written first under
 #                       /tmp) beside diffusers' from_single_file
 #
@@ -292,7 +292,7 @@ scale)
     done
     ;;
 single-file)
-    python3 benchmarks/single_file.py --model "${2:-14b}" --dir /tmp/ditforge_single_file \
+    python3 benchmarks/single_file.py --model "${2:-14b}" --dir /tmp/ditforge_single_file ${3:+--files $3} \
         --out "$out/single_file_${2:-14b}.json"
     ;;
 *)

@@ -79,8 +79,9 @@ print(json.dumps({"peak_rss_kb": after - before, "anon_kb": anon_kb() - anon, "l
 """
 
 
-def write_files(model_name: str, layers: int | None, root: Path) -> dict[str, Path]:
-    """The config folder (``root/transformer/config.json``) and the bf16 and fp8 single files, written once."""
+def write_files(model_name: str, layers: int | None, root: Path, kinds: tuple[str, ...]) -> dict[str, Path]:
+    """The config folder (``root/transformer/config.json``) and the single files of ``kinds`` (bf16, fp8), written
+    once. The random weights are drawn on the GPU where there is one (a 14B model's draw takes minutes on the host)."""
     import torch
     from diffusers import WanTransformer3DModel
     from safetensors.torch import save_file
@@ -91,7 +92,8 @@ def write_files(model_name: str, layers: int | None, root: Path) -> dict[str, Pa
     config = {**CONFIGS[model_name], **COMMON}
     if layers:
         config["num_layers"] = layers
-    files = {"bf16": root / "wan_bf16.safetensors", "fp8": root / "wan_fp8_e4m3fn.safetensors"}
+    files = {k: v for k, v in {"bf16": root / "wan_bf16.safetensors",
+                                "fp8": root / "wan_fp8_e4m3fn.safetensors"}.items() if k in kinds}
     if all(f.is_file() for f in files.values()) and (root / "transformer" / "config.json").is_file():
         return files
     from accelerate import init_empty_weights
@@ -99,16 +101,20 @@ def write_files(model_name: str, layers: int | None, root: Path) -> dict[str, Pa
     with init_empty_weights():  # shapes only: a 14B model's float32 init would take 57 GB
         model = WanTransformer3DModel(**config)
     model.save_config(root / "transformer")
-    g = torch.Generator().manual_seed(0)
-    shapes = {k: torch.randn(v.shape, generator=g, dtype=torch.bfloat16) * 0.02 for k, v in model.state_dict().items()}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device).manual_seed(0)
+    shapes = {k: (torch.randn(v.shape, generator=g, dtype=torch.bfloat16, device=device) * 0.02).cpu()
+              for k, v in model.state_dict().items()}
     state = {"model.diffusion_model." + k: v.contiguous()
              for k, v in to_original(shapes, WanDenoiser.original_layouts["transformer"]).items()}
     del model, shapes
-    save_file(state, str(files["bf16"]))
-    for k, v in state.items():
-        if k.startswith("model.diffusion_model.blocks.") and v.ndim == 2:
-            state[k] = v.to(torch.float8_e4m3fn)
-    save_file(state, str(files["fp8"]))
+    if "bf16" in files:
+        save_file(state, str(files["bf16"]))
+    if "fp8" in files:
+        for k, v in state.items():
+            if k.startswith("model.diffusion_model.blocks.") and v.ndim == 2:
+                state[k] = v.to(torch.float8_e4m3fn)
+        save_file(state, str(files["fp8"]))
     return files
 
 
@@ -118,10 +124,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="keep the first N blocks (default: all)")
     parser.add_argument("--dir", default="/tmp/ditforge_single_file", help="where the files are written (kept)")
     parser.add_argument("--out", default="single_file.json")
+    parser.add_argument("--files", nargs="+", choices=("bf16", "fp8"), default=("bf16", "fp8"),
+                        help="which single files to write and load (default: both)")
     args = parser.parse_args()
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    files = write_files(args.model, args.layers, root)
+    files = write_files(args.model, args.layers, root, tuple(args.files))
     rows = []
     for kind, file in files.items():
         loaders = ["ditforge", "from_single_file"] + (["ditforge_keep_fp8"] if kind == "fp8" else [])
