@@ -106,6 +106,12 @@ class Pretrained:
                                           if self.denoiser.component == "unet"
                                           else int(patch[-1] if isinstance(patch, (list, tuple)) else patch))
 
+    @property
+    def device(self) -> torch.device:
+        """Where the denoiser runs: its running expert's (``inner``) device. A two-expert denoiser's idle expert may
+        wait in host memory (``train/experts.py``), so its first parameter does not say."""
+        return next(self.denoiser.inner.parameters()).device
+
     def encode_prompt(self, texts: list[str], images=None) -> dict[str, torch.Tensor]:
         """Prompts -> the denoiser's conditioning tensors (float32, batch-first, on the denoiser's device), with
         the pipeline's encoders (wherever they are); the token ids when the denoiser trains its text encoder.
@@ -113,13 +119,12 @@ class Pretrained:
         images; None: its black image)."""
         if getattr(self.denoiser, "tokenize", None) is not None:
             out = self.denoiser.tokenize(list(texts))
-            return {k: v.to(next(self.denoiser.parameters()).device) for k, v in out.items()}
+            return {k: v.to(self.device) for k, v in out.items()}
         encoder = next(m for n, m in self.pipe.components.items() if n.startswith("text_encoder") and m is not None)
         extra = {"images": images} if images is not None else {}
         with torch.no_grad():
             out = self.denoiser.encode_prompt(self.pipe, list(texts), encoder.device, **extra)
-        device = next(self.denoiser.parameters()).device
-        return {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in out.items()}
+        return {k: (v.float() if v.is_floating_point() else v).to(self.device) for k, v in out.items()}
 
     def encode_image(self, first: torch.Tensor, num_frames: int, images: list | None = None,
                      generator: torch.Generator | None = None, noise_seeds: list[int] | None = None
@@ -134,8 +139,7 @@ class Pretrained:
         if noise_seeds is not None:
             extra["noise_seeds"] = noise_seeds
         out = self.denoiser.encode_image(self.pipe, first, num_frames, images=images, **extra)
-        device = next(self.denoiser.parameters()).device
-        return {k: v.float().to(device) for k, v in out.items()}
+        return {k: v.float().to(self.device) for k, v in out.items()}
 
 
 ONE_EXPERT = ("high_noise", "low_noise")  # --expert of one expert (config.sections.EXPERTS less "both")
