@@ -36,11 +36,12 @@ from ditforge.optim.compensated import CompensatedAdamW
 from ditforge.optim.library import library_optimizer, set_lr
 from ditforge.optim.placement import plan_placement
 from adamw_drift import fp32_adamw_drift
+from compiled_shapes import DIT_T2_SHAPES, WEIGHT_DECAY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SHAPES = [(300, 64), (10,), (128, 130), (7, 5)]  # two above bitsandbytes' 4,096-element 8-bit threshold, two below
-LR, WD = 1e-5, 0.1
+LR, WD = 1e-5, WEIGHT_DECAY
 SPLIT = 2.0 ** -17
 
 
@@ -216,14 +217,9 @@ def test_state_dict_round_trip_resumes_exactly(states, rounding):
 
 
 # torchao's low-bit moments: the relative distance of 5 steps (lr 1e-3) from fp32 AdamW's, over seeds 0-11 on
-# LOW_BIT_SHAPES at most 0.0205 (fp8, mean 0.0184) and 0.156 (4-bit, mean 0.154: its codes of the small early second
+# DIT_T2_SHAPES at most 0.0205 (fp8, mean 0.0184) and 0.156 (4-bit, mean 0.154: its codes of the small early second
 # moments err alike); on the earlier SHAPES 0.026 and 0.157. The small tensors stayed within 0.23 of their bound.
 LOW_BIT = {"adamw_fp8": 0.04, "adamw4bit": 0.2}
-# Shapes of DiT-T/2's parameters, two above the 4,096 elements torchao quantizes (multiples of its block), two below.
-# torchao compiles its step once per shape (``dynamic=False``; ~5-9 s each on one CPU core), and these compiled steps
-# (with this weight decay) are the ones test_train_resume_equals_uninterrupted's DiT-T/2 runs take next in the same
-# process, so that they compile only DiT-T/2's other shapes.
-LOW_BIT_SHAPES = [(576, 192), (192,), (192, 192), (8, 192)]
 
 
 @pytest.mark.slow
@@ -238,13 +234,13 @@ def test_low_bit_states_approximate_adamw(optimizer):
 
     bound = LOW_BIT[optimizer]
     seed = _seed()
-    b, c = (_params(torch.float32, seed, shapes=LOW_BIT_SHAPES) for _ in range(2))
+    b, c = (_params(torch.float32, seed, shapes=DIT_T2_SHAPES) for _ in range(2))
     opt = library_optimizer(b, optimizer, 1.0, WD)
     set_lr(opt, 1e-3)
     _run(b, opt, seed)
     _run(c, torch.optim.AdamW(c, lr=1e-3, weight_decay=WD), seed)
     kind = OptimState4bit if optimizer == "adamw4bit" else OptimStateFp8
-    for y, z, before in zip(b, c, _params(torch.float32, seed, shapes=LOW_BIT_SHAPES)):
+    for y, z, before in zip(b, c, _params(torch.float32, seed, shapes=DIT_T2_SHAPES)):
         state = opt.state[y]["exp_avg"]
         if y.numel() >= 4096:
             assert isinstance(state, kind), type(state)
@@ -398,7 +394,7 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     from ditforge.weights import read as weights_io
     from ditforge.train.logging import read_metrics
 
-    # the unit tests' weight decay: torchao's compiled steps of test_low_bit_states_approximate_adamw serve here
+    # the unit tests' weight decay: their compiled torchao steps serve here (compiled_shapes.py)
     extra = ("--mixed_precision", "bf16", "--batch_size", "4", "--weight_decay", str(WD), *mode)
     a = train_run(tmp_path / "a", "--max_steps", "2", *extra)
     b = train_run(tmp_path / "b", "--max_steps", "1", *extra)

@@ -30,11 +30,12 @@ import torch
 
 from ditforge.optim.backward import StepInBackward
 from ditforge.optim.compensated import CompensatedAdamW
+from compiled_shapes import DIT_T2_SHAPES, WEIGHT_DECAY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CPU = torch.device("cpu")
-LR, WD, DECAY, MAX_NORM = 1e-3, 0.1, 0.9, 0.05  # MAX_NORM small enough to clip every step
+LR, WD, DECAY, MAX_NORM = 1e-3, WEIGHT_DECAY, 0.9, 0.05  # MAX_NORM small enough to clip every step
 
 # name -> (weights' dtype, optimizer factory over a parameter list, the fused backward pass)
 PATHS = {
@@ -130,9 +131,9 @@ def test_nan_batch_changes_nothing_and_the_next_step_is_the_run_without_it(path)
     assert not all(torch.equal(a, b) for a, b in zip(guarded[2], guarded[0]))  # the step after it moved them
 
 
-def _params(dtype, seed):
+def _params(dtype, seed, shapes=((300, 64), (10,), (5000,), (7, 5))):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in [(300, 64), (10,), (5000,), (7, 5)]]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
 
 
 def _grads(params, seed):
@@ -197,7 +198,9 @@ def test_library_optimizers_skip_on_the_flag_and_are_unchanged_without_it(optimi
     no state (the one host read). After two steps alike, NaN gradients with the flag set leave every tensor as it
     was, their host step counters once the flag is read (``settle_skip``; until then they count the skipped
     step); found_inf = 0 then gives the optimizer's own step bit for bit. On a GPU too, where there is one. Chunks
-    of 5,000 elements: the (300, 64) weight alone, then (10,) and (5000,) together, then (7, 5)."""
+    of 5,000 elements over DiT-T/2's shapes (compiled_shapes.py: torchao's compiled steps shared with test_optim.py):
+    the (576, 192) weight alone, then (192,) and (192, 192) together (fp32 and quantized states in one chunk), then
+    (8, 192)."""
     from ditforge.optim import skip
     from ditforge.optim.library import library_optimizer
     from ditforge.optim.skip import settle_skip, step_skipping_on_device
@@ -207,7 +210,8 @@ def test_library_optimizers_skip_on_the_flag_and_are_unchanged_without_it(optimi
     if optimizer != "adafactor":
         pytest.importorskip("torchao")
     seed = _seed()
-    a, b = ([torch.nn.Parameter(p.detach().to(device)) for p in _params(torch.float32, seed)] for _ in range(2))
+    a, b = ([torch.nn.Parameter(p.detach().to(device)) for p in _params(torch.float32, seed, DIT_T2_SHAPES)]
+            for _ in range(2))
     opt_a, opt_b = library_optimizer(a, optimizer, LR, WD), library_optimizer(b, optimizer, LR, WD)
     flag = {k: torch.tensor(float(k), device=device) for k in (0, 1)}
     for p in a:
