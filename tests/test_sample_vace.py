@@ -113,7 +113,10 @@ def test_bad_reference_inputs_are_one_line(vace, tmp_path, capsys):
              ((vace["folder"], "--reference_image", ref, "--video", str(vace["video"]), "--mask", str(short)),
               f"--mask {short}: 3 frames of {size}; expected the video's size, 5 frames of {size}"),
              ((vace["folder"], "--reference_image", ref, "--video", str(vace["video"]), "--mask", str(narrow)),
-              f"--mask {narrow}: 5 frames of 16x16; expected the video's size, 5 frames of {size}")]
+              f"--mask {narrow}: 5 frames of 16x16; expected the video's size, 5 frames of {size}"),
+             ((vace["folder"], "--reference_image", ref, "--first_block_cache", "0.05"),
+              "--first_block_cache: WanVACETransformer3DModel adds to its hidden states between its blocks"),
+]
     for (folder, *flags), message in cases:
         capsys.readouterr()
         assert cli.main(_argv(folder, tmp_path / "x.mp4", *flags)) == 2

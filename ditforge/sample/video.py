@@ -105,7 +105,7 @@ class VideoSampler:
         UserError: fp8 or quantized attention without an FP8 GPU or Triton, quantized attention under sequence
             parallelism; a sequence-parallel size the token count or heads cannot take (diffusers' message), or
             for a family whose tokens are not split (``context_parallel``); First Block Cache under sequence
-            parallelism; step caching with fsdp; fsdp with fp8 or in one process.
+            parallelism or for a family that adds between its blocks (``adds_between_blocks``); step caching with fsdp; fsdp with fp8 or in one process.
     """
 
     def __init__(self, pre, denoiser, d: Dist, cfg: SampleConfig):
@@ -147,6 +147,9 @@ class VideoSampler:
             raise UserError("--first_block_cache: not with --sequence_parallel_size > 1 (each process would decide on "
                             "its own slice of the tokens, and a skip on one would hang the others); use "
                             "--cfg_parallel, --taylorseer_cache, or drop --first_block_cache")
+        if cfg.first_block_cache is not None and denoiser.adds_between_blocks:
+            raise UserError(f"--first_block_cache: {type(denoiser.inner).__name__} adds to its hidden states between "
+                            "its blocks, which a skipped pass would add twice; use --taylorseer_cache N")
         self.shard = cfg.plugin == "fsdp"
         if self.shard and d.mesh is None:
             raise UserError("--plugin fsdp: shards the transformer over the processes of torchrun; in one process "

@@ -74,6 +74,9 @@ class DiffusersDenoiser(nn.Module):
         takes_references: the conditioning includes reference images, and optionally a control video and its mask
             (``encode_control``; Wan2.1-VACE): their latents, prepended to the video's by the pipeline, lead the
             latents sampled (``prepended_frames``), dropped before decoding.
+        adds_between_blocks: the transformer's forward adds to the hidden states between its repeated blocks
+            (Wan2.1-VACE's control hints): First Block Cache, whose skipped pass adds the last full pass's residual
+            over the blocks (which held those additions) while the forward adds them again, is refused.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
             (``encode_image(..., generator=)``; CogVideoX's and LTX-Video's I2V posterior sample), so it is encoded per
             video.
@@ -106,6 +109,7 @@ class DiffusersDenoiser(nn.Module):
     video = False
     image_to_video = False
     takes_references = False
+    adds_between_blocks = False
     frames_first = False
     image_from_generator = False
     embedded_guidance = False

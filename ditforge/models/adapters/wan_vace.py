@@ -33,6 +33,7 @@ class WanVACEDenoiser(WanDenoiser):
     pipelines = ("WanVACEPipeline",)
     block_classes = ("WanTransformerBlock", "WanVACETransformerBlock")
     takes_references = True
+    adds_between_blocks = True  # the hints, after the blocks at vace_layers
     context_parallel = ()
     original_layouts = {"vae": WAN_VAE}
 
@@ -40,6 +41,9 @@ class WanVACEDenoiser(WanDenoiser):
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
         if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
             return "a Wan 2.2 VACE pipeline of two experts (ditforge takes Wan2.1-VACE's one transformer)"
+        if not sampling:  # the batch does not carry references yet, and the transformer needs its control input
+            return ("fine-tuning Wan2.1-VACE (its batches would need reference images and the control latents; "
+                    "ditforge samples it only so far)")
         return WanDenoiser.unsupported(pipe, sampling, expert)
 
     def denoise(self, x, t, encoder_hidden_states, control_hidden_states):
