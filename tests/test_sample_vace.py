@@ -49,29 +49,30 @@ def _argv(folder, out, *extra) -> list[str]:
             "--out", str(out), *extra]
 
 
-@pytest.mark.parametrize("case", ["one_reference", "two_references", "video_and_mask"])
+@pytest.mark.parametrize("case", ["one_reference", "two_references", "video_and_mask", "video_and_mask_alone"])
 def test_loop_equals_the_pipeline(case, vace, tmp_path):
     """``VideoSampler.denoise`` on the adapter's ``encode_control`` equals ``WanVACEPipeline``'s
     ``output_type="latent"`` (all R + T' latent frames, the references' first) within 1e-5 from the same generator;
     the CLI's frames (``--save_npz``, the R reference frames dropped before decoding) equal the pipeline's
     ``output_type="np"`` to one uint8 level. ``video_and_mask``: one reference, a 5-frame control clip and a mask
-    clip keeping its first frame (first-frame control)."""
+    clip keeping its first frame (first-frame control); ``video_and_mask_alone``: the same without a reference (masked
+    video-to-video, R = 0)."""
     from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.parallel.mesh import Dist
     from ditforge.sample.load import SampleConfig
     from ditforge.sample.video import VideoSampler
 
     pipe = vace["pipe"]
-    paths = vace["refs"][:2 if case == "two_references" else 1]
+    paths = vace["refs"][:{"two_references": 2, "video_and_mask_alone": 0}.get(case, 1)]
     refs = [Image.open(p).convert("RGB") for p in paths]
     video = mask = None
     flags = [a for p in paths for a in ("--reference_image", str(p))]
-    if case == "video_and_mask":
+    if case.startswith("video_and_mask"):
         video, mask = _frames(vace["video"]), _frames(vace["mask"])
         flags += ["--video", str(vace["video"]), "--mask", str(vace["mask"])]
     seed = derive_seed(0, 0)
     call = dict(prompt=PROMPT, height=H, width=W, num_frames=FRAMES, num_inference_steps=STEPS, guidance_scale=4.5,
-                reference_images=refs, video=video, mask=mask)
+                reference_images=refs or None, video=video, mask=mask)
     expected = pipe(**call, output_type="latent", generator=torch.Generator("cpu").manual_seed(seed)).frames
 
     pre = load_pretrained(vace["folder"], torch.device("cpu"), flag="--ckpt", sampling=True)
@@ -84,9 +85,10 @@ def test_loop_equals_the_pipeline(case, vace, tmp_path):
                           4.5, control)
     assert got.shape == expected.shape == (1, 16, 2 + len(refs), H // 8, W // 8)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    unreferenced = pipe(**{**call, "reference_images": None}, output_type="latent",
+    uncontrolled = {"reference_images": None} if refs else {"video": None, "mask": None}
+    unreferenced = pipe(**{**call, **uncontrolled}, output_type="latent",
                         generator=torch.Generator("cpu").manual_seed(seed)).frames
-    assert (got[:, :, len(refs):] - unreferenced).abs().max() > 1e-3  # the references act
+    assert (got[:, :, len(refs):] - unreferenced).abs().max() > 1e-3  # the references / the control act
 
     npz = tmp_path / "s.npz"
     assert cli.main(_argv(vace["folder"], tmp_path / "clip.mp4", "--save_npz", str(npz), *flags)) == 0

@@ -525,8 +525,8 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     shape = (1, denoiser.in_channels, vae.latent_frames(frames), height // vae.downsample, width // vae.downsample)
     image_cond, prepended = None, 0
     if denoiser.takes_references:  # the control latents lead the latents (R reference frames), cut before decoding
-        image_cond, prepended = pre.denoiser.encode_control(pipe, *read_control(cfg, height, width, frames),
-                                                            height, width, frames, pre.device)
+        image_cond, prepended = denoiser.encode_control(pipe, *read_control(cfg, height, width, frames),
+                                                        height, width, frames, pre.device)
         shape = (*shape[:2], shape[2] + prepended, *shape[3:])
     if denoiser.image_to_video:
         first = pipe.video_processor.preprocess(image, height=height, width=width)

@@ -54,7 +54,7 @@ class WanVACEDenoiser(WanDenoiser):
     def encode_control(pipe: Any, references: list, video: list | None, mask: list | None, height: int, width: int,
                        num_frames: int, device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
         """(the control conditioning, R = the latent frames prepended for the references) of one video, as
-        ``WanVACEPipeline.__call__`` builds it from ``reference_images=references`` (R PIL images, possibly none),
+        ``WanVACEPipeline.__call__`` builds it from ``reference_images=references`` (R PIL images; none: text-to-video with the control alone),
         ``video`` (``num_frames`` PIL frames, or None: zeros, the pipeline's default) and ``mask`` (PIL frames of the
         video's size, white = generate; None: all ones, the pipeline's default, generate everything):
         ``preprocess_conditions`` (each reference scaled to fit the frame and centred on a white canvas),
@@ -66,8 +66,9 @@ class WanVACEDenoiser(WanDenoiser):
         Returns ``{"control_hidden_states": (1, 96, R + T', h, w) float32}`` on ``device``, and R. Raises nothing
         of its own (diffusers' errors pass through)."""
         with torch.no_grad():
-            video, mask, refs = pipe.preprocess_conditions(video, mask, [list(references)], 1, height, width,
-                                                           num_frames, torch.float32, device)
+            # no references: None, the pipeline's default (its list-of-lists branch cannot take an empty list)
+            video, mask, refs = pipe.preprocess_conditions(video, mask, [list(references)] if references else None,
+                                                           1, height, width, num_frames, torch.float32, device)
             latents = pipe.prepare_video_latents(video, mask, refs, None, device)
             control = torch.cat([latents, pipe.prepare_masks(mask, refs, None)], dim=1)
         return {"control_hidden_states": control.float()}, len(refs[0])
