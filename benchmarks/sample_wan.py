@@ -3,7 +3,7 @@ unchanged anchor ``../shared/anchors/wan_sampling.py`` (diffusers' ``WanPipeline
 ``compile_repeated_blocks``), run first in the same job; with ``--model cog5b`` on CogVideoX-5B (``hv13b``:
 HunyuanVideo) against diffusers' ``CogVideoXPipeline`` (``HunyuanVideoPipeline``) timed in this script the anchor's
 way (rows ``diffusers`` and ``diffusers_compiled``: ``compile_repeated_blocks(fullgraph=True)``), for want of an
-anchor of its own.
+anchor of its own; ``vace13``: Wan2.1-VACE-1.3B with one reference image against ``WanVACEPipeline`` the same way.
 
     PYTHONPATH=. python benchmarks/sample_wan.py --rows eager,compiled,fp8 --steps 10 \
         --anchor .anchors/wan_sampling.py --out r.json                                   # one GPU
@@ -19,7 +19,9 @@ uint8 frames included. ``cog5b``: CogVideoX-5B's transformer config (``finetune.
 text tokens), random 226 x 4096 caption states. ``hv13b``: HunyuanVideo's transformer config (the class default, 12.8B),
 ``AutoencoderKLHunyuanVideo``'s default config in bf16 with diffusers' tiled decode, flow Euler at shift 7, its
 guidance 6 embedded (one pass a step), 480 x 848, 61 frames (latents 16 x 16 x 60 x 106: 25,440 video tokens beside
-256 text tokens, a prompt of 40 of them). One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of
+256 text tokens, a prompt of 40 of them). ``vace13``: ``wan13``'s with Wan2.1-VACE-1.3B's transformer (``vace_layers``
+0, 2, ..., 28) and one 240 x 416 random reference image (22 latent frames, one of them the reference's: 34,320
+tokens), its control latents encoded inside each timed call as the pipeline's call does. One call = ``denoise`` + ``decode`` + ``to_uint8``; the median of
 ``--repeat`` timed calls after one warm-up call (which compiles), wall clock between synchronisations; ``loop_s`` /
 ``decode_s``: the same call's two parts. Rows (``ROWS``): eager and compiled bf16 (exact), fp8 linears, 8-bit
 self-attention (``qattn``: ``--quantized_attention``; and with fp8 linears), First Block Cache, TaylorSeer
@@ -85,11 +87,13 @@ ROWS = {
 # the model's workload: frame size and count, guidance, caption states (tokens x width)
 MODELS = {"wan13": dict(height=480, width=832, frames=81, guidance=5.0, text=(512, 4096)),
           "cog5b": dict(height=480, width=720, frames=49, guidance=6.0, text=(226, 4096)),
-          "hv13b": dict(height=480, width=848, frames=61, guidance=6.0, text=(256, 4096), pooled=768, prompt=40)}
+          "hv13b": dict(height=480, width=848, frames=61, guidance=6.0, text=(256, 4096), pooled=768, prompt=40),
+          "vace13": dict(height=480, width=832, frames=81, guidance=5.0, text=(512, 4096), references=1)}
 if TINY:
     MODELS = {"wan13": dict(height=32, width=32, frames=5, guidance=5.0, text=(512, 64)),
               "cog5b": dict(height=32, width=32, frames=9, guidance=6.0, text=(226, 32)),
-              "hv13b": dict(height=32, width=32, frames=5, guidance=6.0, text=(256, 16), pooled=8, prompt=7)}
+              "hv13b": dict(height=32, width=32, frames=5, guidance=6.0, text=(256, 16), pooled=8, prompt=7),
+              "vace13": dict(height=32, width=32, frames=5, guidance=5.0, text=(512, 64), references=1)}
 
 
 def build_cog_pipe(device: torch.device, transformer_device: torch.device):
@@ -197,7 +201,39 @@ def build_pipe(device: torch.device, transformer_device: torch.device):
     return Pretrained(Path("-"), "WanPipeline", pipe, WanDenoiser(tr, 8), dict(sched.config))
 
 
-BUILDERS = {"wan13": build_pipe, "cog5b": build_cog_pipe, "hv13b": build_hv_pipe}
+def build_vace_pipe(device: torch.device, transformer_device: torch.device):
+    """Wan2.1-VACE-1.3B's parts: ``build_pipe``'s with a ``WanVACETransformer3DModel`` of the released config
+    (Wan-1.3B's dims, ``vace_layers`` 0, 2, ..., 28, ``vace_in_channels`` 96; TINY: 2 layers, VACE layer 0) drawn
+    the same way, in a ``WanVACEPipeline``."""
+    from diffusers import WanVACEPipeline, WanVACETransformer3DModel
+
+    from ditforge.models.adapters.wan_vace import WanVACEDenoiser
+
+    wan = build_pipe(device, transformer_device).pipe
+    config = {k: v for k, v in wan.transformer.config.items() if not k.startswith("_") and k not in (
+        "image_dim", "added_kv_proj_dim", "pos_embed_seq_len")}
+    del wan.transformer
+    torch.manual_seed(0)
+    with torch.device(device):
+        tr = WanVACETransformer3DModel(**config, vace_layers=[0] if TINY else list(range(0, 30, 2)),
+                                       vace_in_channels=96)
+    tr.to(transformer_device).eval()
+    pipe = WanVACEPipeline(tokenizer=None, text_encoder=None, vae=wan.vae, scheduler=wan.scheduler, transformer=tr)
+    return Pretrained(Path("-"), "WanVACEPipeline", pipe, WanVACEDenoiser(tr, 8), dict(wan.scheduler.config))
+
+
+def reference_images(model: str) -> list:
+    """The workload's reference images (``references`` of them; none for a model without): random RGB images of
+    half the frame's sides, seed 0 (the pipeline scales each to fit the frame on a white canvas)."""
+    from PIL import Image
+
+    w = MODELS[model]
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 256, (w["height"] // 2, w["width"] // 2, 3), dtype=np.uint8))
+            for _ in range(w.get("references", 0))]
+
+
+BUILDERS = {"wan13": build_pipe, "cog5b": build_cog_pipe, "hv13b": build_hv_pipe, "vace13": build_vace_pipe}
 
 
 def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, device_arg: str, profile: int = 0
@@ -217,12 +253,16 @@ def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, d
     cond, uncond, call_args = conditions(model, device)
     channels = pre.denoiser.in_channels
     shape = (1, channels, (w["frames"] - 1) // 4 + 1, w["height"] // 8, w["width"] // 8)
+    refs = reference_images(model)
+    if refs:  # the pipeline's call takes them; ours encodes them in the timed call too (encode_control)
+        call_args["reference_images"] = refs
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if name.startswith("diffusers"):  # the pipeline's own call: no loop / decode split
         pipe = pre.pipe
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         pipe.transformer.to(dtype)
-        call_args = {k: v.to(dtype) if v.is_floating_point() else v for k, v in call_args.items()}  # the encoder's
+        call_args = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                     for k, v in call_args.items()}  # the encoder's
         if name == "diffusers_compiled" and pipe.transformer._repeated_blocks:
             pipe.transformer.compile_repeated_blocks(fullgraph=True)
         elif name == "diffusers_compiled":  # CogVideoX's class names no repeated blocks (diffusers 0.42.1): each
@@ -244,7 +284,12 @@ def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, d
 
         def call(n=steps):
             sync(); t0 = time.perf_counter()
-            latents = sampler.denoise(cond, uncond, shape, 1, n, w["guidance"])
+            control, r = None, 0
+            if refs:  # the R reference latent frames lead the latents, dropped before decoding
+                control, r = pre.denoiser.encode_control(pre.pipe, refs, None, None, w["height"], w["width"],
+                                                         w["frames"], device)
+            latents = sampler.denoise(cond, uncond, (*shape[:2], shape[2] + r, *shape[3:]), 1, n, w["guidance"],
+                                      control)[:, :, r:]
             sync(); t1 = time.perf_counter()
             pixels = sampler.decode(latents)  # under torchrun every process decodes its share of the tiles
             frames = to_uint8(pixels)[0] if d.is_main else None
@@ -323,7 +368,8 @@ def main() -> None:
     p.add_argument("--reference", default=None, help="the row whose frames the others' PSNR / SSIM are against "
                    "(default: fp32 where run, else the first row)")
     p.add_argument("--model", default="wan13", choices=tuple(MODELS),
-                   help="wan13: Wan2.1-T2V-1.3B; cog5b: CogVideoX-5B; hv13b: HunyuanVideo")
+                   help="wan13: Wan2.1-T2V-1.3B; cog5b: CogVideoX-5B; hv13b: HunyuanVideo; vace13: "
+                   "Wan2.1-VACE-1.3B with one reference image")
     p.add_argument("--anchor", help="../shared/anchors/wan_sampling.py, run first with --steps (wan13)")
     p.add_argument("--device", default="cpu" if TINY else "cuda")
     p.add_argument("--profile", type=int, default=0, help="profile 2 steps of each row after its timing; print its N "

@@ -84,6 +84,13 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "(re-run to resume); --out FILE.png instead writes one grid (image models)")
     s.add_argument("--image", help="image-to-video pipelines: the first frame to animate (any "
                    "image Pillow reads; resized to the frame size); refused by other models")
+    s.add_argument("--reference_image", action="append", help="reference-image pipelines: an image "
+                   "of the subject to keep through the video (repeatable; scaled to fit the frame on a white canvas, "
+                   "as the pipeline's reference_images); refused by other models")
+    s.add_argument("--video", help="reference-image pipelines: a control clip, its first --num_frames frames (the "
+                   "pipeline's video; with --mask: masked video-to-video, first/last-frame control)")
+    s.add_argument("--mask", help="reference-image pipelines: the mask of --video (a clip of its size, or one image "
+                   "for every frame; white = generate, black = keep; default: generate everything)")
     who = s.add_mutually_exclusive_group()
     who.add_argument("--class_labels", type=_labels, help="class-conditional models: labels to draw, e.g. 0,1,2")
     who.add_argument("--num_samples", type=int, default=argparse.SUPPRESS, help="class-conditional models: draw "

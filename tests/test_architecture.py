@@ -47,7 +47,7 @@ def test_no_function_is_longer_than_the_rule():
 # the config keys only one family has. "Wan" stands alone or before a capital or digit (WanPipeline, Wan2.1), not Wang.
 FAMILY_NAMES = (r"\bWan\b|\bWan[A-Z0-9]\w*|\bwan_\w*|\bCogVideoX\w*|\bcogvideox\w*|\bHunyuan\w*|\bhunyuan\w*|\bLTX\w*"
                 r"|\bltx\w*|\bPixArt\w*|\bpixart\w*|\bSD3\w*|\bsd3\w*|\bSDXL\w*|\bsdxl\w*|\bAutoencoderKL[A-Z]\w*"
-                r"|\bimage_condition_type\b|\bboundary_ratio\b")
+                r"|\bVACE\w*|\bvace\b|\bimage_condition_type\b|\bboundary_ratio\b")
 
 
 def test_no_foreign_family_is_named_outside_its_adapter():

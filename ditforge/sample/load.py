@@ -29,7 +29,8 @@ class SampleConfig:
     downsample factor); ``num_frames`` overrides a video model's (latent) frame count. ``out`` defaults to
     ``samples.png`` (image models: a PNG grid) or ``samples`` (video models: a folder of MP4s and GIFs; a fine-tuned
     video pipeline also takes a video file name for one prompt). ``image`` is the first frame of an image-to-video
-    pipeline (an adapter with ``image_to_video``), refused by other models.
+    pipeline (an adapter with ``image_to_video``), refused by other models; ``reference_image`` (paths), ``video``
+    and ``mask`` (a clip; the mask a clip or an image) those of a reference-image pipeline (``takes_references``).
     Speed: ``mixed_precision`` (auto: bf16 on CUDA), ``compile``, ``enable_*`` as ``prepare_model``; ``pab`` turns
     on Pyramid Attention Broadcast with ``PABConfig``'s defaults, ``fora`` FORA's static caching with that interval
     (``PABConfig.fora``); they change the samples (docs/sampling.md: their PSNR / SSIM).
@@ -43,6 +44,9 @@ class SampleConfig:
     prompt: list[str] | None = None
     prompt_file: str | None = None
     image: str | None = None
+    reference_image: list[str] | None = None  # reference-image pipelines (takes_references), with video / mask
+    video: str | None = None
+    mask: str | None = None
     num_frames: int | None = None
     cfg_scale: float | None = None
     num_sampling_steps: int | None = None
@@ -86,7 +90,7 @@ class SampleConfig:
 
 # SampleConfig fields only the video pipelines' loop (``sample.video``) reads; other models refuse them in one line.
 VIDEO_LOOP_FLAGS = ("height", "width", "negative_prompt", "first_block_cache", "taylorseer_cache",
-                    "quantized_attention", "vae_tile", "cfg_scale_2", "plugin")
+                    "quantized_attention", "vae_tile", "cfg_scale_2", "plugin", "reference_image", "video", "mask")
 
 
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:

@@ -322,7 +322,8 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
     Raises:
         UserError: no prompts, class labels; an image family under torchrun or with a flag of the video loop
             (``--height``, ``--compile``, fp8, ...); ``--image`` missing for an
-            image-to-video pipeline or given to another; ``sample_video_family``'s.
+            image-to-video pipeline or given to another; ``--reference_image`` / ``--video`` / ``--mask`` for a
+            pipeline without ``takes_references``; ``sample_video_family``'s.
     """
     from ditforge.sample.video import pipeline_defaults, sample_video_family
     from ditforge.models.adapters.pipeline import generate_with_pipeline
@@ -333,6 +334,10 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
     if cfg.class_labels is not None or cfg.num_samples is not None:
         raise UserError("--class_labels/--num_samples: the model is text-conditioned; give --prompt or --prompt_file")
     image = _conditioning_image(cfg, denoiser, pre.pipeline_class)
+    given = next((n for n in ("reference_image", "video", "mask") if getattr(cfg, n)), None)
+    if given is not None and not denoiser.takes_references:
+        raise UserError(f"--{given}: {cfg.ckpt} is a {pre.pipeline_class}, which takes no reference images, control "
+                        "video or mask (a reference-image pipeline does); leave it out")
     if denoiser.video:
         return sample_video_family(cfg, prompts, d, pre, denoiser, run, image)
     if d.world_size > 1:

@@ -105,7 +105,7 @@ class VideoSampler:
         UserError: fp8 or quantized attention without an FP8 GPU or Triton, quantized attention under sequence
             parallelism; a sequence-parallel size the token count or heads cannot take (diffusers' message), or
             for a family whose tokens are not split (``context_parallel``); First Block Cache under sequence
-            parallelism; step caching with fsdp; fsdp with fp8 or in one process.
+            parallelism or for a family that adds between its blocks (``adds_between_blocks``); step caching with fsdp; fsdp with fp8 or in one process.
     """
 
     def __init__(self, pre, denoiser, d: Dist, cfg: SampleConfig):
@@ -147,6 +147,9 @@ class VideoSampler:
             raise UserError("--first_block_cache: not with --sequence_parallel_size > 1 (each process would decide on "
                             "its own slice of the tokens, and a skip on one would hang the others); use "
                             "--cfg_parallel, --taylorseer_cache, or drop --first_block_cache")
+        if cfg.first_block_cache is not None and denoiser.adds_between_blocks:
+            raise UserError(f"--first_block_cache: {type(denoiser.inner).__name__} adds to its hidden states between "
+                            "its blocks, which a skipped pass would add twice; use --taylorseer_cache N")
         self.shard = cfg.plugin == "fsdp"
         if self.shard and d.mesh is None:
             raise UserError("--plugin fsdp: shards the transformer over the processes of torchrun; in one process "
@@ -368,6 +371,53 @@ def step_cache(cfg: SampleConfig) -> tuple[str, object] | None:
     return None
 
 
+def read_control(cfg: SampleConfig, height: int, width: int, frames: int) -> tuple[list, list | None, list | None]:
+    """``--reference_image`` / ``--video`` / ``--mask`` of a reference-image family (``takes_references``) as PIL
+    images: (the references, read by ``open_rgb``; the control clip's first ``frames`` frames or None; the mask's
+    frames, an image repeated over the frames or a clip's first ``frames``, or None).
+
+    Raises:
+        UserError: a missing or unreadable file, a clip shorter than ``frames``, a mask of another size (frames, up
+            to ``frames``, height, width) than the video's (``frames`` x ``height`` x ``width`` without a video), one line each.
+    """
+    from PIL import Image
+
+    from ditforge.data.images import IMAGE_EXTENSIONS, open_rgb
+    from ditforge.data.video import DECODE_ERRORS, BadVideo, probe_video, read_clip
+
+    def clip(flag: str, path: str) -> list:
+        if not Path(path).is_file():
+            raise UserError(f"--{flag} {path}: no such file")
+        try:
+            pixels = read_clip(path, frames, 1, lambda _: 0)[0]
+        except (BadVideo, *DECODE_ERRORS) as e:
+            raise UserError(f"--{flag} {path}: not a readable clip of {frames} frames ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:120]})") from None
+        return [Image.fromarray(p) for p in pixels]
+
+    references = [open_rgb(p, f"--reference_image {p}") for p in cfg.reference_image or ()]
+    video = clip("video", cfg.video) if cfg.video else None
+    if not cfg.mask:
+        return references, video, None
+    image = Path(cfg.mask).suffix.lower() in IMAGE_EXTENSIONS
+    if image:
+        mask = open_rgb(cfg.mask, f"--mask {cfg.mask}")
+        have = (frames, mask.height, mask.width)
+    else:
+        if not Path(cfg.mask).is_file():
+            raise UserError(f"--mask {cfg.mask}: no such file")
+        try:
+            meta = probe_video(cfg.mask)
+        except (BadVideo, *DECODE_ERRORS) as e:
+            raise UserError(f"--mask {cfg.mask}: not a readable clip ({type(e).__name__})") from None
+        have = (min(meta["num_frames"], frames) or frames, meta["height"], meta["width"])  # 0: unknown
+    want = (frames, *(video[0].size[::-1] if video else (height, width)))
+    if have != want:
+        raise UserError(f"--mask {cfg.mask}: {have[0]} frames of {have[2]}x{have[1]}; expected the "
+                        f"{'video' if video else 'sampled video'}'s size, {want[0]} frames of {want[2]}x{want[1]}")
+    return references, video, [mask] * frames if image else clip("mask", cfg.mask)
+
+
 def _wrap(denoiser, model: torch.nn.Module, pipe):
     """``model`` (another expert of ``denoiser``'s pipeline) behind the same adapter."""
     other = type(denoiser)(model, denoiser.vae_scale)
@@ -411,7 +461,9 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     a second, low-noise expert with ``cfg_scale_2``, default the same; a guidance-distilled family
     (``embedded_guidance``) embeds it in its one pass),
     ``num_sampling_steps`` steps (default: the pipeline's). ``image`` (a PIL image) is the first frame of an
-    image-to-video family.
+    image-to-video family. A reference-image family (``takes_references``) is conditioned on ``--reference_image``,
+    ``--video`` and ``--mask`` (``read_control``) through the adapter's ``encode_control``; the R latent frames it
+    prepends are dropped before decoding, as its pipeline does.
 
     Writes (process 0): with one prompt and ``out`` a video file name (``clip.mp4``, ``.gif``, ...) that file;
     else ``out/NNN-<prompt slug>.mp4`` (default folder ``samples``) and, with ``gif``, a ``.gif`` beside it, a
@@ -423,7 +475,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
         0) an empty array: a written video is not kept.
 
     Raises:
-        UserError: a frame count the VAE cannot take, a frame size the latents and patches do not divide, a video
+        UserError: ``read_control``'s, a frame count the VAE cannot take, a frame size the latents and patches do not divide, a video
             file ``out`` for several prompts, speed settings this path lacks (``--pab`` / ``--fora``; use
             ``--first_block_cache`` or ``--taylorseer_cache``), and ``VideoSampler``'s.
     """
@@ -471,7 +523,11 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
              for i in todo}  # GPU: one at a time
     uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None  # (with a black image)
     shape = (1, denoiser.in_channels, vae.latent_frames(frames), height // vae.downsample, width // vae.downsample)
-    image_cond = None
+    image_cond, prepended = None, 0
+    if denoiser.takes_references:  # the control latents lead the latents (R reference frames), cut before decoding
+        image_cond, prepended = denoiser.encode_control(pipe, *read_control(cfg, height, width, frames),
+                                                        height, width, frames, pre.device)
+        shape = (*shape[:2], shape[2] + prepended, *shape[3:])
     if denoiser.image_to_video:
         first = pipe.video_processor.preprocess(image, height=height, width=width)
         image_cond = functools.partial(pre.encode_image, first, frames, images=[image])
@@ -493,7 +549,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     for i in tqdm(todo, desc="videos", unit="video", disable=not d.is_main or len(todo) == 1):
         cond = {k: v.to(d.device) for k, v in conds.pop(i).items()}
         latents = sampler.denoise(cond, uncond, shape, derive_seed(cfg.seed, i), steps, guidance, image_cond,
-                                  progress=d.is_main, guidance_2=cfg.cfg_scale_2)
+                                  progress=d.is_main, guidance_2=cfg.cfg_scale_2)[:, :, prepended:]
         pixels = sampler.decode(latents)  # every process decodes its share of the tiles
         if not d.is_main:
             continue

@@ -589,6 +589,27 @@ def make_wan_i2v(path) -> Path:
     return _save(pipe, path)
 
 
+def make_vace(path) -> Path:
+    """A tiny Wan2.1-VACE ``WanVACEPipeline`` folder: ``make_wan``'s tokenizer, UMT5, VAE and scheduler, and a
+    ``WanVACETransformer3DModel`` of ``make_wan``'s shape with one VACE block (``vace_layers`` [0]) over the 96
+    control channels (16 inactive + 16 reactive latent channels + the 8 x 8 = 64 folded mask pixels, the released
+    models' ``vace_in_channels``), its weights drawn after ``torch.manual_seed(0)``.
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import WanVACEPipeline, WanVACETransformer3DModel
+
+    parts = _wan_parts()
+    config = dict(parts["transformer"].config)
+    torch.manual_seed(0)
+    parts["transformer"] = WanVACETransformer3DModel(
+        **{k: config[k] for k in ("patch_size", "num_attention_heads", "attention_head_dim", "in_channels",
+                                  "out_channels", "text_dim", "freq_dim", "ffn_dim", "num_layers", "cross_attn_norm",
+                                  "qk_norm", "rope_max_seq_len")}, vace_layers=[0], vace_in_channels=96).eval()
+    return _save(WanVACEPipeline(**parts), path)
+
+
 def make_wan22(path, image_to_video: bool = False) -> Path:
     """A tiny Wan 2.2 A14B folder: ``make_wan``'s parts with two experts, ``transformer`` (high noise) and
     ``transformer_2`` (low noise, its weights drawn after ``torch.manual_seed(1)``), and ``boundary_ratio`` 0.875 (the

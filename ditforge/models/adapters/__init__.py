@@ -23,7 +23,8 @@ image-to-video, ``ltx.py``: latents packed into tokens inside the adapter, a dyn
 image-to-video gives the first latent frame, ``given_frames``);
 ``hunyuan_video`` and ``hunyuan_video_i2v`` (HunyuanVideo text- and image-to-video, ``hunyuan.py``: guidance-distilled,
 ``embedded_guidance = True``; image-to-video's Llava text encoder sees the image with the prompt,
-``prompt_sees_image``).
+``prompt_sees_image``); ``vace`` (Wan2.1-VACE, ``wan_vace.py``: reference images, a control video and mask,
+``takes_references``).
 Official and diffusers DiT weights load into ditforge's own ``DiT`` (``ditforge.interop``), which is the same
 network.
 """
@@ -70,6 +71,12 @@ class DiffusersDenoiser(nn.Module):
             tiles split over the processes (a VAE without ``patch_size``); False: each process decodes whole.
         embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
             (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
+        takes_references: the conditioning includes reference images, and optionally a control video and its mask
+            (``encode_control``; Wan2.1-VACE): their latents, prepended to the video's by the pipeline, lead the
+            latents sampled (``prepended_frames``), dropped before decoding.
+        adds_between_blocks: the transformer's forward adds to the hidden states between its repeated blocks
+            (Wan2.1-VACE's control hints): First Block Cache, whose skipped pass adds the last full pass's residual
+            over the blocks (which held those additions) while the forward adds them again, is refused.
         image_from_generator: sampling draws the image conditioning from the seed's generator, before the noise
             (``encode_image(..., generator=)``; CogVideoX's and LTX-Video's I2V posterior sample), so it is encoded per
             video.
@@ -101,6 +108,8 @@ class DiffusersDenoiser(nn.Module):
     pipeline_kwargs: dict[str, Any] = {}  # extra arguments of the pipeline's __call__ when ditforge samples
     video = False
     image_to_video = False
+    takes_references = False
+    adds_between_blocks = False
     frames_first = False
     image_from_generator = False
     embedded_guidance = False
@@ -277,6 +286,15 @@ class DiffusersDenoiser(nn.Module):
         raise NotImplementedError
 
     @staticmethod
+    def encode_control(pipe: Any, references: list, video: list | None, mask: list | None, height: int, width: int,
+                       num_frames: int, device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
+        """Families that take reference images (``takes_references``): R PIL reference images, a control video and
+        its mask (PIL frames, or None for the pipeline's defaults) of a ``height`` x ``width`` x ``num_frames``
+        video -> (the control conditioning tensors, as the pipeline builds them, R' = the latent frames they prepend
+        to the latents)."""
+        raise NotImplementedError
+
+    @staticmethod
     def finish(latents: torch.Tensor, image_cond: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sampled latents (B, C, T', h, w) after the last step -> the latents to decode: with a given first latent
         frame (``image_cond["first_frame"]`` (1, C, 1, h, w); Wan 2.2 TI2V's and LTX-Video's image-to-video) that
@@ -375,10 +393,12 @@ def families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.sd3 import SD3Denoiser
     from ditforge.models.adapters.sd_unet import SDUNetDenoiser, SDXLUNetDenoiser
     from ditforge.models.adapters.wan import WanDenoiser, WanI2VDenoiser
+    from ditforge.models.adapters.wan_vace import WanVACEDenoiser
 
     return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser,
                                         WanI2VDenoiser, CogVideoXDenoiser, CogVideoXI2VDenoiser, LTXDenoiser,
-                                        LTXI2VDenoiser, HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser)}
+                                        LTXI2VDenoiser, HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser,
+                                        WanVACEDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:
