@@ -151,8 +151,10 @@ class DataConfig(_Freezable):
                                       "folder of clips: its buckets hold about --image_size squared pixels)")
     num_frames: int | None = _f(None, "frames per video clip (video data; default 16; a folder of clips: the most "
                                       "frames of a bucket, default each clip's own, by the family's frame rule)")
-    frame_interval: int = _f(3, "temporal stride between the frames of a clip; shorter videos use the largest "
-                                "stride that fits")
+    frame_interval: int | None = _f(None, "temporal stride between the frames of a clip (default: 1 for a folder "
+                                          "of clips, the user's clips at their own frame rate, consecutive frames as "
+                                          "musubi-tuner and diffusion-pipe read them; 3 for clips and video CSVs, "
+                                          "OpenDiT's stride); shorter videos use the largest stride that fits")
     random_flip: bool | None = _f(None, "random horizontal flips of the latents (default: on for image folders, off "
                                      "for digits and for video pipelines, whose 3-D VAE latents are not "
                                      "mirror-symmetric; refused for image-to-video pipelines)")

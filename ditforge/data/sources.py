@@ -66,6 +66,9 @@ class Source:
         build: (spec, ``BuildOptions``) -> its data set.
         files: its samples are image or video files, which ``ditforge shard`` stores as read.
         streamed: its data set is a ``ShardData``, streamed by ``build_shard_loader`` (not map-style).
+        frame_interval: ``--frame_interval``'s default for its videos: 3, OpenDiT's stride for its UCF / clips CSVs;
+            1 for a folder of clips (the user's clips at their own frame rate: consecutive frames, as musubi-tuner and
+            diffusion-pipe read them).
     """
 
     name: str
@@ -73,6 +76,7 @@ class Source:
     build: Callable[[str, BuildOptions], Dataset]
     files: bool = False
     streamed: bool = False
+    frame_interval: int = 3
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -210,7 +214,7 @@ def _image_folder(data: str, o: BuildOptions) -> Dataset:
 
 
 FEATURES = Source("features", _is_features, _features)
-CLIP_FOLDER = Source("clip folder", _is_clip_folder, _clip_folder)
+CLIP_FOLDER = Source("clip folder", _is_clip_folder, _clip_folder, frame_interval=1)
 BLEND = Source("blend", _is_blend, _shards, streamed=True)
 SHARDS = Source("shards", _is_shards, _shards, streamed=True)
 DIGITS = Source("digits", lambda data: data == "digits", _digits)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ditforge.atomic import atomic_path
+from ditforge.config.sections import assign
 from ditforge.config.values import resolve_device
 from ditforge.data.features import FEATURES_FORMAT, FEATURES_MANIFEST, FEATURES_VERSION, SHARD_PATTERN
 from ditforge.data.prefetch import default_num_workers
@@ -122,6 +123,8 @@ def extract_features(cfg, out: str | Path, batch_size: int = 32, shard_size: int
     out = Path(out)
     _check_extraction(cfg, out, batch_size, shard_size, fmt)
     data = cfg.data
+    if data.frame_interval is None:  # the source's default, as a training run's (train/build.py::build_data)
+        assign(cfg, {"data.frame_interval": source_of(data.data).frame_interval})
     dev = resolve_device(device)
     keys = None  # in buckets: the (sample, bucket) keys of each batch
     if cfg.model.init_from is not None and (data.buckets is not None or source_of(data.data) is CLIP_FOLDER):
@@ -175,7 +178,6 @@ def _extraction_encoders(cfg, dataset, dev: torch.device, pre=None) -> tuple:
     """``(BatchEncoder, pretrained pipeline or None)``: a pretrained pipeline's own VAE and prompt encoding
     (``--init_from``; ``pre`` when loaded already), else the encoders the trainer loads; the settings they find are
     written into ``cfg``."""
-    from ditforge.config.sections import assign
     from ditforge.encoders.batch import build_batch_encoder, pipeline_batch_encoder
 
     if cfg.model.init_from is None:

@@ -324,6 +324,8 @@ def build_data(run: Run) -> None:
     """Data: the data set, the batch encoder (VAE, text encoder; the data's shapes they find and the default model
     go into ``run.found``), the bucket sampler and the run's length in steps."""
     cfg, d, run_dir, pre = run.cfg, run.d, run.run_dir, run.pre
+    if cfg.data.frame_interval is None:  # the source's default (data/sources.py, Source.frame_interval)
+        run.found["data.frame_interval"] = source_of(cfg.data.data).frame_interval
     t, device, settled = cfg.train, d.device, run.settled()
     dataset = _build_dataset(settled, run_dir, pre, d)
     video = getattr(dataset, "num_frames", None) is not None

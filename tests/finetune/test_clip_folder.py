@@ -14,6 +14,7 @@ import av
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 import references
@@ -81,10 +82,12 @@ def _bucketed(folder: Path, frame_step: int, seed: int, multiple: int = 16, min_
 
 
 def _argv(pipe: Path, folder: Path, out: Path, *extra: str) -> list[str]:
-    """``train`` of ``pipe`` on ``folder``, without ``--num_frames`` (each clip's own count, by the frame rule)."""
+    """``train`` of ``pipe`` on ``folder``, without ``--num_frames`` (each clip's own count, by the frame rule) and
+    without ``--frame_interval`` (a folder of clips reads consecutive frames: INTERVAL = 1, the stride the references
+    read at)."""
     argv = video_train_argv(pipe, out, SIZE, 1, INTERVAL, BATCH, *extra)
     i = argv.index("--num_frames")
-    del argv[i:i + 2]
+    del argv[i:i + 4]  # --num_frames N --frame_interval N
     argv[argv.index("--data") + 1] = str(folder)
     return argv
 
@@ -175,6 +178,8 @@ def test_resume_equals_uninterrupted(wan_run, tmp_path):
     from ditforge.weights.read import load_weights
 
     whole, part = wan_run, tmp_path / "part"
+    # a folder of clips defaults to consecutive frames (data/sources.py, CLIP_FOLDER); the config records it
+    assert yaml.safe_load((whole / "config.yaml").read_text())["data"]["frame_interval"] == 1
     shutil.copytree(whole, part)
     shutil.rmtree(part / "checkpoints" / "step-0000004")
     assert cli.main(["train", "--outputs", str(part), "--resume", "auto", "--max_steps", "4"]) == 0

@@ -66,7 +66,10 @@ def test_comfyui_lora_is_the_runs_lora_in_the_original_names(family, video_runs,
 
     if family == "hunyuan_video":
         return
-    # diffusers' LTX-Video loader refuses names without "lora" (the alphas); the runs' alpha is their rank, scale 1
+    # the alphas stay in the file for ComfyUI (comfy/lora.py reads <key>.alpha); diffusers' LTX-Video converter
+    # (loaders/lora_conversion_utils.py::_convert_non_diffusers_ltxv_lora_to_diffusers, 0.42.1) only renames the
+    # keys, reading no alpha, and its loader then refuses names without "lora": diffusers gets the rest, which with
+    # the runs' alpha = rank (scale 1) is the same update
     comfy = {k: v for k, v in lora.items() if family == "wan" or not k.endswith(".alpha")}
     fused = []
     for source in (comfy, str(_export(run, tmp_path / "diffusers_lora", "lora"))):
