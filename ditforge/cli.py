@@ -255,14 +255,19 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                     "(weights-inception-2015-12-05-6726825d.pth); without it the built-in digits extractor (8x8 "
                     "images only)")
     ev.add_argument("--metrics", type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
-                    help="comma-separated, of fid, sfid, is, pr, accuracy, clip, fvd (default: fvd with --i3d; "
+                    help="comma-separated, of fid, sfid, is, pr, accuracy, clip, identity, fvd (default: fvd with --i3d; "
                     "fid,sfid,is,pr with --inception; fid,pr,accuracy with the digits extractor, accuracy where the "
                     "samples carry labels)")
     ev.add_argument("--clip", help="--metrics clip: a local CLIP folder (CLIPModel + CLIPProcessor, e.g. a copy of "
                     "openai/clip-vit-large-patch14); the CLIP score of the samples against the npz's 'prompts'")
+    ev.add_argument("--reference_image", action="append", help="--metrics identity: a reference image of the "
+                    "subject (repeat the flag for several); the identity score is the mean cosine of every sample "
+                    "frame's embedding to every reference's (DreamBooth's CLIP-I / DINO)")
+    ev.add_argument("--image_encoder", help="--metrics identity: a local CLIP (CLIPVisionModelWithProjection) or "
+                    "DINOv2 (Dinov2Model) folder with its image processor")
     ev.add_argument("--i3d", help="--metrics fvd: FVD's Kinetics-400 I3D as the local TorchScript file "
                     "i3d_torchscript.pt (StyleGAN-V's); frames are resized to 224x224 inside it")
-    ev.add_argument("--num_frames", type=int, default=16, help="--metrics fvd: the first N frames of each video "
+    ev.add_argument("--num_frames", type=int, default=16, help="--metrics fvd, identity: the first N frames of each video "
                     "(16: the standard FVD)")
     ev.add_argument("--frame_interval", type=int, default=1, help="--metrics fvd with --ref clips or a CSV: the "
                     "stride of the reference clips (as ditforge train --frame_interval)")

@@ -13,7 +13,7 @@ from ditforge.eval.fid import METRIC_FEATURES, InceptionV3, compute_metrics, ext
 from ditforge.eval.fvd import evaluate_fvd
 from ditforge.eval.readers import load_reference, read_images, read_prompts
 
-METRICS = ("fid", "sfid", "is", "pr", "accuracy", "clip", "fvd")
+METRICS = ("fid", "sfid", "is", "pr", "accuracy", "clip", "identity", "fvd")
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +37,8 @@ def _choose_metrics(metrics: list[str] | None, extractor, labels: np.ndarray | N
 def evaluate(samples: str, ref: str | None = None, inception: str | None = None, metrics: list[str] | None = None,
              batch_size: int | None = None, device: str = "auto", save_ref: str | None = None,
              clip: str | None = None, i3d: str | None = None, num_frames: int = 16,
-             frame_interval: int = 1) -> dict[str, float | int | str]:
+             frame_interval: int = 1, reference_image: list[str] | None = None,
+             image_encoder: str | None = None) -> dict[str, float | int | str | list[float]]:
     """``ditforge eval``: the metrics of a sample set against a reference set.
 
     Args:
@@ -50,6 +51,9 @@ def evaluate(samples: str, ref: str | None = None, inception: str | None = None,
             and no ``ref``), ``fvd`` (videos, alone; ``fvd.evaluate_fvd``); default: fvd with ``i3d``, fid, sfid,
             is, pr with Inception, fid, pr and accuracy (where the samples carry labels) with digits.
         clip: a local CLIP folder (``clip_score.clip_score``).
+        reference_image, image_encoder: ``identity`` (``identity.identity_scores``, alone or with ``clip``): the
+            reference image files and the local CLIP or DINOv2 folder; video samples give their first
+            ``num_frames`` frames.
         i3d: FVD's I3D, a local ``i3d_torchscript.pt`` (``fvd.I3D``); num_frames, frame_interval: see
             ``fvd.evaluate_fvd``.
         batch_size: images per extractor batch (default 100; FVD: videos, default 8).
@@ -57,7 +61,8 @@ def evaluate(samples: str, ref: str | None = None, inception: str | None = None,
         save_ref: also write the reference statistics to this .npz, for a later ``--ref``.
 
     Returns:
-        ``num_samples``, ``clip_score`` if asked, then ``extractor``, ``fid``, ``sfid``, ``is``, ``precision``,
+        ``num_samples``, ``identity_score`` (the mean) and ``identity_scores`` (per sample) if asked, ``clip_score``
+        if asked, then ``extractor``, ``fid``, ``sfid``, ``is``, ``precision``,
         ``recall``, ``accuracy`` as asked (see ``fid.compute_metrics``); for FVD, ``fvd.evaluate_fvd``'s.
 
     Raises:
@@ -65,7 +70,8 @@ def evaluate(samples: str, ref: str | None = None, inception: str | None = None,
             is unknown or that the extractor or the samples cannot give; images other than 8x8 without
             ``--inception``; ``clip`` without a CLIP folder or prompts (``readers.read_prompts``); a metric of the
             reference without ``ref``; fvd with another metric or without ``i3d``, ``i3d`` without fvd; see
-            ``fvd.evaluate_fvd``.
+            ``fvd.evaluate_fvd``; identity without ``reference_image`` or ``image_encoder`` (see
+            ``identity.load_encoder``, ``identity.read_references``).
     """
     from ditforge.config.values import resolve_device
 
@@ -77,8 +83,23 @@ def evaluate(samples: str, ref: str | None = None, inception: str | None = None,
     if i3d is not None:
         raise UserError(f"--i3d: only for --metrics fvd, not {','.join(metrics)}")
     batch_size = batch_size or 100
+    out: dict[str, float | int | str | list[float]] = {}
+    if metrics is not None and "identity" in metrics:
+        from ditforge.eval import identity
+
+        if not reference_image or image_encoder is None:
+            raise UserError("--metrics identity: needs --reference_image (one or more) and --image_encoder")
+        if set(metrics) - {"identity", "clip"}:
+            raise UserError("--metrics identity: measured alone or with clip (no reference set)")
+        refs = identity.read_references(reference_image)
+        videos = identity.read_identity_samples(samples, num_frames)
+        scores = identity.identity_scores(videos, refs, image_encoder, device, batch_size)
+        out.update(num_samples=len(videos), identity_score=float(np.mean(scores)), identity_scores=scores)
+        metrics = [m for m in metrics if m != "identity"]
+        if not metrics:
+            return out
     images, labels = read_images(samples, "--samples")
-    out: dict[str, float | int | str] = {"num_samples": len(images)}
+    out["num_samples"] = len(images)
     if metrics is not None and "clip" in metrics:
         if clip is None:
             raise UserError("--metrics clip: needs --clip, a local CLIP folder")

@@ -44,7 +44,8 @@ def sample_array(arrays: dict[str, np.ndarray], where: str, video: bool = False)
 IMAGE_ERRORS = (OSError, ValueError, SyntaxError)  # PIL raises all three on bad files
 
 
-def _read_image(file: Path) -> np.ndarray:
+def read_image(file: Path) -> np.ndarray:
+    """An image file as (H, W, 3) uint8 RGB; raises one of ``IMAGE_ERRORS`` if unreadable."""
     from PIL import Image
 
     with Image.open(file) as img:
@@ -95,7 +96,7 @@ def read_images(source: str, flag: str) -> tuple[np.ndarray, np.ndarray | None]:
     if path.is_dir():
         from ditforge.data.images import IMAGE_EXTENSIONS
 
-        return read_folder(path, flag, IMAGE_EXTENSIONS, _read_image, IMAGE_ERRORS, "image"), None
+        return read_folder(path, flag, IMAGE_EXTENSIONS, read_image, IMAGE_ERRORS, "image"), None
     if not path.is_file():
         raise UserError(f"{flag} {source}: no such file or folder (expected an .npz, an image folder or 'digits')")
     arrays = read_npz(path, flag)
