@@ -7,6 +7,7 @@ step on the same mixed folder."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from ditforge.data.buckets import BucketBatchSampler, BucketDataset, data_bucket
 from ditforge.data.folders import instance_rows
 from ditforge.train.logging import read_metrics
 from families import KINDS, VIDEO, assert_one_line_error, video_train_argv
-from test_clip_folder import _write_mp4
+from test_clip_folder import _write_mp4, smooth_pixels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,15 +31,10 @@ SHAPES = {"square": (32, 32), "wide": (32, 64)}  # (height, width): one image pa
 
 @pytest.fixture(scope="module")
 def instance_folder(tmp_path_factory) -> Path:
-    """ROOT/<square|wide>/: 2 png images and one 9-frame mp4 clip each (smooth random frames, upsampled noise, so
-    the codec keeps them); no caption files (the instance prompt captions all)."""
+    """ROOT/<square|wide>/: 2 png images and one 9-frame mp4 clip each (``smooth_pixels``); no caption files (the
+    instance prompt captions all)."""
     root = tmp_path_factory.mktemp("instance")
-    rng = np.random.default_rng(0)
-
-    def pixels(frames: int, h: int, w: int) -> np.ndarray:
-        coarse = torch.from_numpy(rng.random((frames, 3, h // 8, w // 8), dtype=np.float32))
-        fine = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear")
-        return (fine * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    pixels = functools.partial(smooth_pixels, np.random.default_rng(0))
 
     for kind, (h, w) in SHAPES.items():
         (root / kind).mkdir()
@@ -61,7 +57,8 @@ def _argv(pipe: Path, folder: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_wan_character_lora_trains_like_diffusers_and_loads(wan_pipeline, instance_folder, tmp_path):
-    """2 steps of a Wan LoRA (B initialised to zero, so step 0 sees the base model): the first step's loss equals
+    """2 steps of a Wan LoRA (B initialised to zero, so step 0 sees the base model) with a ``--validation_prompts``
+    sample of the identifier rendered at step 2 (as an mp4): the first step's loss equals
     diffusers' arithmetic on that step's global batch, read at its bucket's shape and captioned ``PROMPT``, within
     1e-5 relative (fp32); the ``--format lora`` export, read by ``WanPipeline.load_lora_weights``, gives ditforge's
     LoRA model's output on fresh inputs within 1e-5 of its largest magnitude, the base model over 100 times that."""
@@ -70,8 +67,12 @@ def test_wan_character_lora_trains_like_diffusers_and_loads(wan_pipeline, instan
     from ditforge.weights.finetuned import load_finetuned
     from ditforge.weights.read import load_weights
 
-    out = tmp_path / "run"
-    assert cli.main(_argv(wan_pipeline, instance_folder, out, "--max_steps", "2", "--seed", str(SEED))) == 0
+    out, prompts = tmp_path / "run", tmp_path / "prompts.txt"
+    prompts.write_text(f"{PROMPT} walking --w 32 --h 32 --f 5 --s 2\n")
+    argv = _argv(wan_pipeline, instance_folder, out, "--max_steps", "2", "--seed", str(SEED), "--sample_every", "2",
+                 "--validation_prompts", str(prompts))
+    assert cli.main(argv) == 0
+    assert [p.name for p in (out / "samples" / "step-0000002").iterdir()] == ["001-a-video-of-sks-man-walking.mp4"]
     first = read_metrics(out / "metrics.jsonl")[0]
     ds = BucketDataset(instance_rows(str(instance_folder), PROMPT),
                        lambda sizes: data_buckets(sizes, SIZE, 16, 4, None, 1, BATCH, 1), seed=SEED)
