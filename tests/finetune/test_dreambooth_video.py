@@ -2,7 +2,7 @@
 item 4): a folder of 4 png images and 2 mp4 clips at two aspect ratios, each medium captioned with the instance
 prompt, read in buckets made from the data (``instance_rows`` + ``BucketDataset``, the folder-of-clips bucketer).
 Wan 2.1's tiny pipeline trains a LoRA whose first-step loss is diffusers' arithmetic (``references.wan_loss``) on
-that step's bucket, and whose ``--format lora`` export loads through ``load_lora_weights``; CogVideoX's runs a
+that step's bucket, and whose ``--format lora`` and ``--format comfyui`` exports load through ``load_lora_weights``; CogVideoX's runs a
 step on the same mixed folder."""
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def test_wan_character_lora_trains_like_diffusers_and_loads(wan_pipeline, instan
     sample of the identifier rendered at step 2 (as an mp4): the first step's loss equals
     diffusers' arithmetic on that step's global batch, read at its bucket's shape and captioned ``PROMPT``, within
     1e-5 relative (fp32); the ``--format lora`` export, read by ``WanPipeline.load_lora_weights``, gives ditforge's
-    LoRA model's output on fresh inputs within 1e-5 of its largest magnitude, the base model over 100 times that."""
+    LoRA model's output on fresh inputs within 1e-5 of its largest magnitude, the base model over 100 times that; the
+    ``--format comfyui`` file loaded by ``load_lora_weights`` and fused gives the ``--format diffusers`` export's
+    (ditforge's merged LoRA) transformer weights within 1e-6."""
     import diffusers
 
     from ditforge.weights.finetuned import load_finetuned
@@ -89,6 +91,21 @@ def test_wan_character_lora_trains_like_diffusers_and_loads(wan_pipeline, instan
     tol = 1e-5 * mine.abs().max()
     assert (theirs - mine).abs().max() <= tol
     assert (base - mine).abs().max() > 100 * tol
+
+    # --format comfyui (original names), read by diffusers' converter and fused: ditforge's merged LoRA
+    comfy, merged = tmp_path / "sks.safetensors", tmp_path / "merged"
+    assert cli.main(["export", "--ckpt", str(out), "--format", "comfyui", "--out", str(comfy)]) == 0
+    assert cli.main(["export", "--ckpt", str(out), "--format", "diffusers", "--out", str(merged)]) == 0
+    pipe = diffusers.WanPipeline.from_pretrained(str(wan_pipeline), local_files_only=True)
+    pipe.load_lora_weights(str(comfy))
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    fused = pipe.transformer.state_dict()
+    want = diffusers.WanTransformer3DModel.from_pretrained(str(merged), subfolder="transformer",
+                                                           local_files_only=True).state_dict()
+    assert fused.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(fused[key], value, rtol=0, atol=1e-6)
 
 
 def test_cogvideox_runs_a_step_on_images_and_clips(cogvideox_pipeline, instance_folder, tmp_path):
