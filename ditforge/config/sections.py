@@ -165,9 +165,10 @@ class DataConfig(_Freezable):
                                       "listed (log and the run's bad_samples.jsonl) and skipped | filename: "
                                       "captioned by its file name in words (red_car.mp4 -> red car)",
                               choices=CAPTION_MISSING)
-    instance_data: str | None = _f(None, "DreamBooth: a folder of images of the subject (replaces --data)")
-    instance_prompt: str | None = _f(None, "DreamBooth: the caption of every instance image, e.g. 'a photo of sks "
-                                           "dog'")
+    instance_data: str | None = _f(None, "DreamBooth: a folder of images of the subject, and for a video "
+                                         "pipeline clips too, in buckets (replaces --data)")
+    instance_prompt: str | None = _f(None, "DreamBooth: the caption of every instance image or clip, e.g. 'a "
+                                           "photo of sks dog', 'a video of sks man'")
     class_data: str | None = _f(None, "DreamBooth prior preservation: a folder of class images; the base model "
                                       "generates the missing ones up to --num_class_images")
     class_prompt: str | None = _f(None, "DreamBooth prior preservation: the class images' caption, e.g. 'a photo "

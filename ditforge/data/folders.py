@@ -103,3 +103,20 @@ def folder_rows(data: str, caption_missing: str = "skip", bad_samples_path: str 
         log.warning("--data %s: %d media left out for want of a caption%s", data, len(dropped),
                     f" (listed in {bad_samples_path})" if bad_samples_path is not None else "")
     return rows
+
+
+def instance_rows(folder: str, prompt: str) -> list[dict]:
+    """DreamBooth's instance media for a video pipeline (``--instance_data``): every image and video under
+    ``folder`` (recursive, hidden names skipped; images are 1-frame clips), sorted by path, each captioned
+    ``prompt`` (``--instance_prompt``; no ``.txt`` files read), as ``folder_rows``' dicts ``{"path", "text"}``
+    for ``BucketDataset``.
+
+    Raises:
+        UserError: ``folder`` is not a folder or holds no image or video.
+    """
+    if not Path(folder).is_dir():
+        raise UserError(f"--instance_data {folder}: not a folder")
+    media = list_images(folder, MEDIA_EXTENSIONS)
+    if not media:
+        raise UserError(f"--instance_data {folder}: holds no videos or images ({', '.join(sorted(MEDIA_EXTENSIONS))})")
+    return [{"path": str(medium), "text": prompt} for medium in media]

@@ -292,7 +292,11 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
 
     data = cfg.data
     source = data.data
-    if source_of(data.data) is CLIP_FOLDER:
+    if data.instance_data is not None:  # DreamBooth over images and clips: one caption, the data's buckets
+        from ditforge.data.folders import instance_rows
+
+        source = instance_rows(data.instance_data, data.instance_prompt)
+    elif source_of(data.data) is CLIP_FOLDER:
         from ditforge.data.folders import folder_rows
 
         source = folder_rows(data.data, data.caption_missing, bad_samples_path)

@@ -87,7 +87,11 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
     generated the class images ``--class_data`` lacks (rank 0; the others wait)."""
     data, bad = cfg.data, run_dir / "bad_samples.jsonl"
     clip_folder = source_of(data.data) is CLIP_FOLDER
-    if pre is not None and (data.buckets is not None or clip_folder):
+    video_dreambooth = data.instance_data is not None and pre is not None and pre.denoiser.video
+    if video_dreambooth and data.class_data is not None:
+        raise UserError(f"--class_data {data.class_data}: prior preservation is not yet supported for a video "
+                        f"pipeline ({pre.pipeline_class}); train the character LoRA without --class_data")
+    if pre is not None and (data.buckets is not None or clip_folder or video_dreambooth):
         return build_bucket_dataset(cfg, bad, pre=pre)  # the pipeline's shapes and frame rule
     if data.buckets is not None:
         from ditforge.data.buckets import read_bucket_config

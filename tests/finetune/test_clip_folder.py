@@ -6,6 +6,7 @@ listed and skipped, ``--caption_missing filename``, a blend of folders with repe
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -42,18 +43,21 @@ def _write_mp4(path: Path, frames: np.ndarray) -> None:
         container.mux(stream.encode())
 
 
+def smooth_pixels(rng: np.random.Generator, frames: int, h: int, w: int) -> np.ndarray:
+    """(frames, h, w, 3) uint8 smooth random frames (noise at 1/8 the size, upsampled bilinearly), which the
+    codec keeps."""
+    coarse = torch.from_numpy(rng.random((frames, 3, h // 8, w // 8), dtype=np.float32))
+    fine = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear")
+    return (fine * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
 @pytest.fixture(scope="session")
 def clip_folder(tmp_path_factory) -> Path:
     """ROOT/<tall|square|wide>/: 2 mp4 clips of each of 9 and 17 frames and 2 png images, at that sub-folder's
     aspect ratio (2:1, 1:1, 1:2 height:width), each captioned ``<kind> <n>`` in its ``.txt``; and ROOT/
     ``no_caption_here.mp4`` without a caption. Smooth random frames (upsampled noise), so the codec keeps them."""
     root = tmp_path_factory.mktemp("clip_folder")
-    rng = np.random.default_rng(0)
-
-    def pixels(frames: int, h: int, w: int) -> np.ndarray:
-        coarse = torch.from_numpy(rng.random((frames, 3, h // 8, w // 8), dtype=np.float32))
-        fine = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear")
-        return (fine * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    pixels = functools.partial(smooth_pixels, np.random.default_rng(0))
 
     n = 0
     for kind, (h, w) in SHAPES.items():
