@@ -15,7 +15,7 @@ import typing
 
 from ditforge.config.load import build_config
 from ditforge.config.sections import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, BenchConfig,
-                                      DataConfig, ModelConfig, ParallelConfig, TrainConfig)
+                                      DataConfig, DistillConfig, ModelConfig, ParallelConfig, TrainConfig)
 from ditforge.errors import RunError, UserError
 
 
@@ -210,6 +210,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_config_flags(b, (BenchConfig,))
 
 
+def _add_distill(sub: argparse._SubParsersAction) -> None:
+    """``ditforge distill``: a flag per distill config field."""
+    d = sub.add_parser("distill", help="distil a few-step student of a DiT run by DMD2 (samples in --student_steps "
+                       "steps without guidance; docs/distillation.md)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_config_flags(d, (DistillConfig,))
+
+
 def _add_export(sub: argparse._SubParsersAction) -> None:
     """``ditforge export``: checkpoint, output and format."""
     e = sub.add_parser("export", help="consolidate a (sharded) checkpoint into one safetensors file, or write a "
@@ -310,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``ditforge`` parser: one subcommand per builder above, in the order ``--help`` lists them."""
     parser = argparse.ArgumentParser(prog="ditforge", description="Train and sample Diffusion Transformers (DiT).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_sample, _add_bench, _add_export, _add_eval, _add_preprocess, _add_extract_features,
-                _add_shard):
+    for add in (_add_train, _add_sample, _add_bench, _add_distill, _add_export, _add_eval, _add_preprocess,
+                _add_extract_features, _add_shard):
         add(sub)
     return parser
 
@@ -342,6 +350,13 @@ def main(argv: list[str] | None = None) -> int:
             from ditforge.bench import bench
 
             bench(BenchConfig(**args))
+        elif command == "distill":
+            from ditforge.train.distill import distill
+
+            for flag in ("teacher", "outputs"):
+                if args.get(flag) is None:
+                    raise UserError(f"--{flag}: required")
+            distill(DistillConfig(**args))
         elif command == "export":
             from ditforge.export import export
 
