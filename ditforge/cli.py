@@ -110,12 +110,14 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "spatial tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode "
                    "(less memory; default: whole frames; under torchrun, a VAE whose decode splits in one column "
                    "strip per process, blended over 64 pixels)")
-    s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
+    s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler", "student"),
+                   help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
                    "dpm++ (DPM-Solver++ 2M) and euler are diffusers' schedulers on DiT's schedule (needs diffusers; "
                    "~20 steps suffice); a rectified-flow model (--objective flow) takes euler, ditforge's Euler on "
-                   "the velocity (default: ddpm; euler for flow models; a fine-tuned diffusers pipeline always uses "
-                   "its own scheduler)")
+                   "the velocity; student: a distilled student's steps (x_0 predicted, re-noised afresh; "
+                   "docs/distillation.md) (default: ddpm; euler for flow models; a `ditforge distill` run: student, "
+                   "its --student_steps, --cfg_scale 1; a fine-tuned diffusers pipeline always uses its own scheduler)")
     s.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0: deterministic)")
     s.add_argument("--seed", type=int, default=0, help="seed of the noise")
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")

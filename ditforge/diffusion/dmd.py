@@ -119,8 +119,9 @@ def dmd_gradient(x: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor) 
 
 def dmd_loss(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The surrogate whose gradient in ``x`` is ``grad / x.numel()``: 0.5 ||x - stopgrad(x - grad)||^2 averaged
-    over elements (``sd_guidance.py``: ``0.5 * F.mse_loss(x, (x - grad).detach())``). Scalar float32."""
-    return 0.5 * torch.nn.functional.mse_loss(x.float(), (x - grad).detach().float())
+    over elements (``sd_guidance.py``: ``0.5 * F.mse_loss(x, (x - grad).detach())``). Scalar, in at least float32."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return 0.5 * torch.nn.functional.mse_loss(x.to(dtype), (x - grad).detach().to(dtype))
 
 
 @dataclass

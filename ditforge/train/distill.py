@@ -90,12 +90,14 @@ def distill(cfg: DistillConfig) -> Path:
         times = student_times(objective, cfg.student_steps, device)
     except ValueError as e:
         raise UserError(f"--student_steps: {e}") from None
-    student = copy.deepcopy(teacher).requires_grad_(True).train()
+    # eval mode for all three: a DiT in training mode drops labels at random (its label dropout, from the global
+    # RNG); the student must always see its label, and the critic scores the conditional distribution
+    student = copy.deepcopy(teacher).requires_grad_(True)
     if cfg.lora_rank:
         targets = (cfg.lora_target_modules or "qkv,proj").split(",")
         check_lora_targets(student, targets)
         add_lora(student, cfg.lora_rank, None, targets)
-    critic = copy.deepcopy(teacher).requires_grad_(True).train()
+    critic = copy.deepcopy(teacher).requires_grad_(True)
     teacher, student, critic = teacher.to(device), student.to(device), critic.to(device)
     params = [p for p in student.parameters() if p.requires_grad]
     # DMD2 trains both with Adam at beta1 = 0 (``main/train_sd.py``: betas (0.0, 0.999)): the critic's target moves
@@ -170,7 +172,7 @@ def _iteration(dmd: DMD2, step: int, cfg: DistillConfig, teacher, student, criti
     closs.backward()
     torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
     opt_c.step()
-    return out | {"critic_loss": float(closs)}
+    return out | {"critic_loss": float(closs.detach())}
 
 
 def _mean(records: list[dict[str, float]]) -> dict[str, float]:
@@ -209,7 +211,6 @@ def evaluate(student, times, objective, m: dict, cfg: DistillConfig, device) -> 
     from ditforge.diffusion.dmd import student_loop
     from ditforge.eval.digits import evaluate_digits
 
-    student.eval()
     labels = torch.arange(cfg.eval_samples, device=device) % m["num_classes"]
     pixels = []
     for k, y in enumerate(labels.split(256)):
@@ -217,6 +218,5 @@ def evaluate(student, times, objective, m: dict, cfg: DistillConfig, device) -> 
         noise = torch.randn((len(y), m["in_channels"], m["input_size"], m["input_size"]), generator=g, device=device)
         pixels.append(student_loop(objective, GuidedModel(student, y, 1.0), noise, times,
                                    lambda z: torch.randn(z.shape, generator=g, device=device)))
-    student.train()
     result = evaluate_digits(torch.cat(pixels).clamp(-1, 1).cpu(), labels.cpu(), device=device)
     return {f"student_{k}": v for k, v in result.items()}
