@@ -49,7 +49,9 @@ def exact_net(objective, means, covs, weights):
         t = mt / objective.num_timesteps if isinstance(objective, RectifiedFlow) else mt
         a, s = coefficients(objective, t)
         x0 = mixture_x0(x_t, a, s, means, covs, weights)
-        return (x_t - a[:, None] * x0) / s[:, None] if not isinstance(objective, RectifiedFlow) else (x_t - x0) / t[:, None]
+        if isinstance(objective, RectifiedFlow):
+            return (x_t - x0) / t[:, None]
+        return (x_t - a[:, None] * x0) / s[:, None]
     return net
 
 

@@ -133,8 +133,13 @@ def distill(cfg: DistillConfig) -> Path:
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 line |= evaluate(student, times, objective, m, cfg, device)
             metrics.write(line)
-            log.info("%s | critic %.4f | dmd grad %.3g", progress_line(step, cfg.max_steps, line.get(
-                "generator_loss", float("nan")), rate, None), line["critic_loss"], line.get("dmd_grad_norm", 0.0))
+            # progress_line's loss is the generator's; a window without a generator step shows the critic's alone
+            if "generator_loss" in line:
+                log.info("%s | critic %.4f | dmd grad %.3g", progress_line(
+                    step, cfg.max_steps, line["generator_loss"], rate, None), line["critic_loss"],
+                    line["dmd_grad_norm"])
+            else:
+                log.info("step %d/%d | critic %.4f | %.2f steps/s", step, cfg.max_steps, line["critic_loss"], rate)
             window, tic = [], time.perf_counter()
         if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
             checkpointer.save(step, _state(student, critic, opt_g, opt_c, cfg.lora_rank),
