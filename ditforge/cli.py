@@ -354,11 +354,11 @@ def main(argv: list[str] | None = None) -> int:
 
             bench(BenchConfig(**args))
         elif command == "distill":
-            from ditforge.train.distill import distill
-
             for flag in ("teacher", "outputs"):
                 if args.get(flag) is None:
                     raise UserError(f"--{flag}: required")
+            from ditforge.train.distill import distill
+
             distill(DistillConfig(**args))
         elif command == "export":
             from ditforge.export import export

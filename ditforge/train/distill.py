@@ -101,8 +101,9 @@ def distill(cfg: DistillConfig) -> Path:
     teacher, student, critic = teacher.to(device), student.to(device), critic.to(device)
     params = [p for p in student.parameters() if p.requires_grad]
     # DMD2 trains both with Adam at beta1 = 0 (``main/train_sd.py``: betas (0.0, 0.999)): the critic's target moves
-    opt_g = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.0, 0.999), weight_decay=0.0)
-    opt_c = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr or cfg.lr, betas=(0.0, 0.999), weight_decay=0.0)
+    opt_g = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.0, 0.999), weight_decay=0.0, foreach=True)
+    opt_c = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr or cfg.lr, betas=(0.0, 0.999), weight_decay=0.0,
+                              foreach=True)
 
     ckpt, outputs = find_resume(cfg.resume, cfg.outputs)
     run_dir = Path(outputs)
