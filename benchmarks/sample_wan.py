@@ -29,6 +29,10 @@ self-attention (``qattn``: ``--quantized_attention``; and with fp8 linears), Fir
 for PSNR / SSIM of the uint8 frames), and under torchrun CFG-parallel and context parallelism (Ulysses), and
 CFG-parallel with the weights sharded (``cfg2_fsdp``: ``--plugin fsdp``; the peak memory shows the saving). Every row
 rebuilds the transformer from the same seed on its GPU, so every row draws the same video up to its arithmetic.
+``student`` / ``student_fp8_qattn``: a 4-step (``--student_steps``) student's clip without guidance
+(``--sampler student``; random weights, so the timing, not the picture, is the point): against the anchor at
+``--steps 50`` its ``x_compiled_anchor`` is issue 65's end-to-end ratio (target >= 12x), ``decode_s`` / ``s_per_call``
+the VAE's share (the caption states are given, so text encoding is outside every timed call, the anchor's too).
 ``--steps`` sets our rows' denoising steps and the anchor's; TINY=1: the anchor's tiny config on the CPU (a check of
 the script).
 """
@@ -75,6 +79,9 @@ ROWS = {
     "fp8_qattn_ts3": dict(compile="default", mixed_precision="fp8", quantized_attention=True, taylorseer_cache=3),
     "fp8_ts2": dict(compile="default", mixed_precision="fp8", taylorseer_cache=2),  # CogVideoX: no 8-bit attention
     "fp32": dict(mixed_precision="fp32"),
+    # a distilled student's clip (--sampler student: --student_steps steps, no guidance), every speed-up on
+    "student": dict(compile="default", sampler="student"),
+    "student_fp8_qattn": dict(compile="default", mixed_precision="fp8", quantized_attention=True, sampler="student"),
     "cfg2": dict(compile="default", cfg_parallel=True),
     "ulysses2": dict(compile="default", sequence_parallel_size=2),
     "ulysses4": dict(compile="default", sequence_parallel_size=4),
@@ -236,8 +243,8 @@ def reference_images(model: str) -> list:
 BUILDERS = {"wan13": build_pipe, "cog5b": build_cog_pipe, "hv13b": build_hv_pipe, "vace13": build_vace_pipe}
 
 
-def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, device_arg: str, profile: int = 0
-            ) -> tuple[dict, np.ndarray | None]:
+def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, device_arg: str, profile: int = 0,
+            student_steps: int = 4) -> tuple[dict, np.ndarray | None]:
     """One row: ``repeat`` timed calls of ``steps`` steps after a warm-up call of ``warmup_steps`` (compiling happens
     there whatever the step count); ``repeat`` 0: one call, untimed (a reference's frames). ``profile`` > 0: then
     one 2-step loop under torch.profiler: its ``profile`` largest kernels, GPU time by kind, and the self-attention
@@ -251,6 +258,8 @@ def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, d
     w = MODELS[model]
     pre = BUILDERS[model](device, torch.device("cpu") if settings.get("plugin") else device)
     cond, uncond, call_args = conditions(model, device)
+    if settings.get("sampler") == "student":  # its own few steps, no unconditional pass
+        uncond, steps, warmup_steps = None, student_steps, student_steps
     channels = pre.denoiser.in_channels
     shape = (1, channels, (w["frames"] - 1) // 4 + 1, w["height"] // 8, w["width"] // 8)
     refs = reference_images(model)
@@ -371,6 +380,7 @@ def main() -> None:
                    help="wan13: Wan2.1-T2V-1.3B; cog5b: CogVideoX-5B; hv13b: HunyuanVideo; vace13: "
                    "Wan2.1-VACE-1.3B with one reference image")
     p.add_argument("--anchor", help="../shared/anchors/wan_sampling.py, run first with --steps (wan13)")
+    p.add_argument("--student_steps", type=int, default=4, help="the student rows' steps (their warm-up too)")
     p.add_argument("--device", default="cpu" if TINY else "cuda")
     p.add_argument("--profile", type=int, default=0, help="profile 2 steps of each row after its timing; print its N "
                    "largest kernels")
@@ -392,7 +402,8 @@ def main() -> None:
     frames = {}
     for name in names:
         repeat = 0 if name in args.untimed.split(",") else args.repeat
-        row, f = run_row(args.model, name, args.steps, repeat, args.warmup_steps, args.device, args.profile)
+        row, f = run_row(args.model, name, args.steps, repeat, args.warmup_steps, args.device, args.profile,
+                         args.student_steps)
         if rank == 0:
             frames[name] = f
             print(json.dumps(row), flush=True)
@@ -405,7 +416,7 @@ def main() -> None:
         for row in result["rows"]:
             if anchor:
                 row["x_compiled_anchor"] = round(anchor["s_per_call"] / row["s_per_call"], 3)
-            if row["row"] != ref:
+            if row["row"] != ref and ROWS[row["row"]].get("sampler") == ROWS[ref].get("sampler"):  # same recipe
                 row[f"psnr_vs_{ref}"] = round(psnr(frames[ref], frames[row["row"]]), 2)
                 row[f"ssim_vs_{ref}"] = round(ssim(frames[ref], frames[row["row"]]), 4)
         out.write_text(json.dumps(result, indent=1) + "\n")

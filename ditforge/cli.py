@@ -15,7 +15,7 @@ import typing
 
 from ditforge.config.load import build_config
 from ditforge.config.sections import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, BenchConfig,
-                                      DataConfig, ModelConfig, ParallelConfig, TrainConfig)
+                                      DataConfig, DistillConfig, ModelConfig, ParallelConfig, TrainConfig)
 from ditforge.errors import RunError, UserError
 
 
@@ -117,12 +117,15 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "spatial tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode "
                    "(less memory; default: whole frames; under torchrun, a VAE whose decode splits in one column "
                    "strip per process, blended over 64 pixels)")
-    s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler"), help="reverse process: "
+    s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler", "student"),
+                   help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
                    "dpm++ (DPM-Solver++ 2M) and euler are diffusers' schedulers on DiT's schedule (needs diffusers; "
                    "~20 steps suffice); a rectified-flow model (--objective flow) takes euler, ditforge's Euler on "
-                   "the velocity (default: ddpm; euler for flow models; a fine-tuned diffusers pipeline always uses "
-                   "its own scheduler)")
+                   "the velocity; student: a distilled student's steps (x_0 predicted, re-noised afresh; "
+                   "docs/distillation.md) (default: ddpm; euler for flow models; a `ditforge distill` run: student, "
+                   "its --student_steps, --cfg_scale 1; a diffusers video pipeline uses its own scheduler, or student: 4 steps "
+                   "on its shifted flow sigmas, --cfg_scale 1)")
     s.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0: deterministic)")
     s.add_argument("--seed", type=int, default=0, help="seed of the noise")
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")
@@ -215,6 +218,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        "-> fused kernels -> compile -> FP8) on synthetic data; prints a table, writes JSON",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_config_flags(b, (BenchConfig,))
+
+
+def _add_distill(sub: argparse._SubParsersAction) -> None:
+    """``ditforge distill``: a flag per distill config field."""
+    d = sub.add_parser("distill", help="distil a few-step student of a DiT run by DMD2 (samples in --student_steps "
+                       "steps without guidance; docs/distillation.md)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_config_flags(d, (DistillConfig,))
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -322,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``ditforge`` parser: one subcommand per builder above, in the order ``--help`` lists them."""
     parser = argparse.ArgumentParser(prog="ditforge", description="Train and sample Diffusion Transformers (DiT).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_sample, _add_bench, _add_export, _add_eval, _add_preprocess, _add_extract_features,
-                _add_shard):
+    for add in (_add_train, _add_sample, _add_bench, _add_distill, _add_export, _add_eval, _add_preprocess,
+                _add_extract_features, _add_shard):
         add(sub)
     return parser
 
@@ -354,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
             from ditforge.bench import bench
 
             bench(BenchConfig(**args))
+        elif command == "distill":
+            for flag in ("teacher", "outputs"):
+                if args.get(flag) is None:
+                    raise UserError(f"--{flag}: required")
+            from ditforge.train.distill import distill
+
+            distill(DistillConfig(**args))
         elif command == "export":
             from ditforge.export import export
 

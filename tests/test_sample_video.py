@@ -367,3 +367,45 @@ def test_fsdp_shards_and_compiles_every_expert(folders):
     finally:
         shutdown(d)
     assert not dist.is_initialized()
+
+
+def test_student_sampler_equals_the_k_step_recipe(folders, tmp_path):
+    """``--sampler student`` (4 steps, no guidance) equals DMD2's multi-step recipe computed here with diffusers'
+    own transformer and prompt encoder: sigma_k = shift s / (1 + (shift - 1) s), s = 1 - k / 4, with the
+    scheduler's ``flow_shift``; x0 = x - sigma_k v at t = 1000 sigma_k, re-noised to sigma_{k+1} with fresh noise of
+    the same generator; 1e-5 on the latents. An image-to-video pipeline is refused with one line (exit 2)."""
+    import inspect
+
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel.mesh import Dist
+    from ditforge.sample.load import SampleConfig
+    from ditforge.sample.video import VideoSampler
+
+    folder, steps, seed = folders["t2v"], 4, derive_seed(5, 0)
+    pipe = _pipeline(folder)
+    shape = (1, 16, 2, H // 8, W // 8)
+    shift = pipe.scheduler.config.flow_shift
+    with torch.no_grad():
+        length = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default  # as the pipeline pads
+        text = pipe.encode_prompt(PROMPT, do_classifier_free_guidance=False, device="cpu",
+                                  max_sequence_length=length)[0]
+        generator = torch.Generator("cpu").manual_seed(seed)
+        x = randn_tensor(shape, generator=generator, dtype=torch.float32)
+        for k in range(steps):
+            s = 1 - k / steps
+            sigma = shift * s / (1 + (shift - 1) * s)
+            v = pipe.transformer(x, torch.tensor([sigma * 1000.0]), text, return_dict=False)[0]
+            x0 = x - sigma * v
+            if k + 1 < steps:
+                s = 1 - (k + 1) / steps
+                after = shift * s / (1 + (shift - 1) * s)
+                x = (1 - after) * x0 + after * randn_tensor(shape, generator=generator, dtype=torch.float32)
+    pre = load_pretrained(folder, torch.device("cpu"), flag="--ckpt", sampling=True)
+    sampler = VideoSampler(pre, pre.denoiser.eval(), Dist(), SampleConfig(ckpt=str(folder), mixed_precision="fp32",
+                                                                          sampler="student"))
+    got = sampler.denoise(pre.encode_prompt([PROMPT]), None, shape, seed, steps, 1.0)
+    torch.testing.assert_close(got, x0, rtol=0, atol=1e-5)
+    assert _sample(folders["i2v"], tmp_path / "c.mp4", "--sampler", "student", "--cfg_scale", "1",
+                   "--image", str(_first_frame(tmp_path))) == 2

@@ -398,6 +398,34 @@ class BenchConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Settings of ``ditforge distill`` (flags of the same names; see ``ditforge distill --help``)."""
+
+    teacher: str = _f(None, "the teacher: a ditforge run or checkpoint folder (a class-conditional DiT)")
+    outputs: str = _f(None, "the student's run folder")
+    student_steps: int = _f(4, "the student's sampling steps K (DMD2's 4: timesteps 999, 749, 499, 249 of a DDPM "
+                               "teacher; fractions 1, 0.75, 0.5, 0.25 of a flow teacher's, shifted)")
+    critic_steps: int = _f(5, "critic (fake score) updates per generator update (DMD2's dfake_gen_update_ratio)")
+    cfg_scale: float = _f(4.0, "the teacher's classifier-free guidance scale, baked into the student (1: none)")
+    lora_rank: int = _f(0, "train the student as LoRA adapters of this rank on the teacher (0: a full copy)")
+    lora_target_modules: str | None = _f(None, "with --lora_rank: comma-separated module names (default: qkv,proj)")
+    max_steps: int = _f(1000, "iterations: each trains the critic, every --critic_steps-th the generator too")
+    batch_size: int = _f(64, "samples per iteration")
+    lr: float = _f(1e-4, "the student's learning rate (AdamW, betas 0, 0.999 as DMD2)")
+    critic_lr: float | None = _f(None, "the critic's learning rate (default: --lr)")
+    max_grad_norm: float = _f(1.0, "clip each network's gradient norm to this")
+    seed: int = _f(0, "seed of all randomness (labels, noise, timesteps)")
+    log_every: int = _f(50, "write metrics every N iterations")
+    ckpt_every: int = _f(500, "save a checkpoint every N iterations (and at the end)")
+    keep_last: int = _f(2, "keep the newest K checkpoints")
+    eval_every: int = _f(0, "every N iterations and at the end, the digits-FID, precision, recall and class "
+                            "accuracy of --eval_samples student samples (0: never)")
+    eval_samples: int = _f(1000, "samples per --eval_every evaluation")
+    resume: str | None = _f(None, "'auto' (continue the run in --outputs if it has a checkpoint) or a checkpoint")
+    device: str = _f("auto", "cuda | cpu | auto")
+
+
+@dataclass
 class RunConfig(_Freezable):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

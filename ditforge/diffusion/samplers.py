@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ditforge.diffusion.dmd import student_loop, student_times
 from ditforge.diffusion.flow import RectifiedFlow, euler_loop
 from ditforge.diffusion.gaussian import GaussianDiffusion, ModelFn, create_diffusion
 from ditforge.diffusion.pab import PABConfig, PyramidAttentionBroadcast
@@ -27,7 +28,8 @@ from ditforge.parallel.collectives import all_gather_single
 
 OWN_SAMPLERS = ("ddpm", "ddim")
 DIFFUSERS_SAMPLERS = ("dpm++", "euler")
-SAMPLERS = OWN_SAMPLERS + DIFFUSERS_SAMPLERS
+STUDENT_SAMPLER = "student"  # a distilled few-step student's own loop (``dmd.student_loop``)
+SAMPLERS = OWN_SAMPLERS + DIFFUSERS_SAMPLERS + (STUDENT_SAMPLER,)
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 # The most memory one loop's adaLN tables may take (GuidedModel.plan): DiT-XL/2, DDIM 50 at batch 8 under
@@ -407,10 +409,11 @@ def _check_generate_args(sampler: str, objective: str, num_steps: int, n: int, y
     """``generate``'s ValueErrors about its arguments (``n``: the rows of ``y``; ``batch_size`` resolved)."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
-    if objective == "flow" and sampler != "euler":
+    if objective == "flow" and sampler not in ("euler", STUDENT_SAMPLER):
         raise ValueError(f"a rectified-flow model samples with euler, not {sampler!r}")
-    if not 2 <= num_steps <= 1000:
-        raise ValueError(f"num_steps must be in 2..1000 (1 step cannot be respaced), got {num_steps}")
+    if not (1 if sampler == STUDENT_SAMPLER else 2) <= num_steps <= 1000:
+        raise ValueError(f"num_steps must be in 2..1000 (1 step cannot be respaced; a student: 1..1000), "
+                         f"got {num_steps}")
     if y_mask is not None and y_mask.shape[0] != n:
         raise ValueError(f"y_mask has {y_mask.shape[0]} rows, y has {n}")
     if seeds is not None and (generator is not None or len(seeds) != n):
@@ -451,6 +454,10 @@ def _batch_loop(sampler: str, num_steps: int, eta: float, clip_denoised: bool, c
                 cache.step(t)
 
             on_step = both_steps if cache is not None else None  # None: the loops call fn.step themselves
+            if sampler == STUDENT_SAMPLER:
+                process = flow if flow is not None else diffusion
+                return student_loop(process, fn, x, student_times(process, num_steps, x.device),
+                                    lambda z: randn_like_rows(z, g))
             if flow is not None:
                 return euler_loop(flow, fn, x, num_steps, on_step)
             if diffusion is not None:
@@ -518,7 +525,9 @@ def generate(
         num_steps: sampling steps: our samplers respace the 1000-step training process to them (2..1000); the
             diffusers solvers take that many solver steps (model calls).
         sampler, eta: ``"ddpm"`` (ancestral, learned variance) or ``"ddim"`` with ``eta`` (0: deterministic), see
-            ``sample_loop``; ``"dpm++"`` or ``"euler"`` (diffusers, ``eta`` unused), see ``solver_loop``.
+            ``sample_loop``; ``"dpm++"`` or ``"euler"`` (diffusers, ``eta`` unused), see ``solver_loop``;
+            ``"student"``: a distilled student's ``num_steps`` (1..1000) steps, ``dmd.student_loop`` on
+            ``dmd.student_times`` (x_0 predicted, then re-noised with fresh noise; any objective).
         learn_sigma: the model predicts the variance too (C_out = 2C).
         generator: random source, on ``y``'s device (None: the global RNG); not with ``seeds``.
         seeds: N per-sample seeds (see above); not with ``generator``.
@@ -551,6 +560,8 @@ def generate(
     prediction_type = "v_prediction" if objective == "v" else "epsilon"
     diffusion = (create_diffusion(str(num_steps), learn_sigma, prediction_type=prediction_type)
                  if sampler in OWN_SAMPLERS else None)
+    if sampler == STUDENT_SAMPLER and objective != "flow":  # a student runs on the training process's timesteps
+        diffusion = create_diffusion(None, learn_sigma, prediction_type=prediction_type)
     flow = RectifiedFlow(shift=flow_shift) if objective == "flow" else None
     loop = _batch_loop(sampler, num_steps, eta, clip_denoised, cfg_scale, guidance_channels, cfg_interval, cfg_group,
                        pab, diffusion, flow, prediction_type)
@@ -558,7 +569,7 @@ def generate(
     if pab is not None:  # PAB patches module forwards, which a compiled graph would not follow
         model = getattr(model, "eager", model)
     graphed = (isinstance(graphs, LoopGraphs) and device.type == "cuda" and cfg_interval is None
-               and cfg_group is None and (flow is not None or diffusion is not None))
+               and cfg_group is None and (flow is not None or diffusion is not None) and sampler != STUDENT_SAMPLER)
     noisy = diffusion is not None and draws_noise(sampler, eta)
     key = (sampler, num_steps, eta, clip_denoised, learn_sigma, objective, flow_shift, cfg_scale, guidance_channels,
            pab, y.dtype, y.shape[1:], None if y_mask is None else y_mask.shape[1:])

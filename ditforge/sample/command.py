@@ -195,8 +195,11 @@ def _sample_dit(cfg: SampleConfig, prompts: list[str], d: Dist, state: dict, spe
     if cfg.compile != "none" and cfg.sequence_parallel_size > 1:  # --cfg_parallel's gather is outside the model
         raise UserError(f"--compile {cfg.compile}: not with --sequence_parallel_size > 1 (collectives inside a "
                         "compiled, CUDA-graph-replayed model are untested); drop --compile")
-    cfg = dataclasses.replace(cfg, num_sampling_steps=cfg.num_sampling_steps or 250,
-                              cfg_scale=4.0 if cfg.cfg_scale is None else cfg.cfg_scale, fps=cfg.fps or 8)
+    # A distilled student (``ditforge distill``) samples in its own steps, its guidance baked in.
+    student = (spec["run_config"] or {}).get("distill")
+    cfg = dataclasses.replace(cfg, num_sampling_steps=cfg.num_sampling_steps or (
+        student["student_steps"] if student else 250), cfg_scale=(1.0 if student else 4.0) if cfg.cfg_scale is None
+        else cfg.cfg_scale, sampler=cfg.sampler or (student["sampler"] if student else None), fps=cfg.fps or 8)
     device = d.device
     if cfg.image is not None:
         raise UserError(f"--image {cfg.image}: {cfg.ckpt} is a ditforge {spec['model']}, which takes no image; "

@@ -25,6 +25,7 @@ from ditforge.data.images import open_rgb, save_grid, to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion import generate
 from ditforge.diffusion.pab import PABConfig
+from ditforge.diffusion.samplers import STUDENT_SAMPLER
 from ditforge.encoders.vae import IdentityVAE
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
@@ -175,7 +176,7 @@ def generate_samples(cfg: SampleConfig, d: Dist, model, spec: dict, vae, shape: 
         cfg_group = (d.sp_mesh["dp"] if d.sp_mesh is not None else d.mesh).get_group()
     objective = spec.get("objective") or "ddpm"
     sampler = cfg.sampler or ("euler" if objective == "flow" else "ddpm")
-    if objective == "flow" and sampler != "euler":
+    if objective == "flow" and sampler not in ("euler", STUDENT_SAMPLER):
         raise UserError(f"--sampler {sampler}: {cfg.ckpt} was trained with rectified flow; it samples with euler")
     return generate(model, y, shape, y_mask=y_mask, cfg_scale=cfg.cfg_scale, num_steps=cfg.num_sampling_steps,
                     sampler=sampler, eta=cfg.eta, learn_sigma=spec["learn_sigma"], objective=objective,

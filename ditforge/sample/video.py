@@ -122,6 +122,7 @@ class VideoSampler:
         ratio = denoiser.expert_boundary(pipe) if len(self.experts) > 1 else None
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps
         self.cache = step_cache(cfg)  # (flag, diffusers cache config) or None
+        self.student = cfg.sampler == "student"  # a distilled student's K steps (_student), no guidance
         self.is_main = d.is_main
         self.vae = VAE(pipe.vae, frame_factor=denoiser.vae_frame_factor,
                        folds_pixels=denoiser.vae_folds_pixels)  # the family's latent normalisation
@@ -241,6 +242,8 @@ class VideoSampler:
         tensors, the same for both passes, or a function of the generator giving them (drawn first). Guidance:
         ``uncond + guidance (cond - uncond)`` in float32; a second (low-noise) expert guides with ``guidance_2``
         (default ``guidance``)."""
+        if self.student:
+            return self._student(cond, uncond, image_cond, shape, seed, steps)
         pipe, device = self.pre.pipe, self.device
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
         scheduler.set_timesteps(steps, device=device, **self.experts[0].timestep_kwargs(pipe, shape, steps))
@@ -298,6 +301,47 @@ class VideoSampler:
                 else:
                     latents = scheduler.step(out, t, latents, return_dict=False, **extra)[0]
         return self.experts[0].finish(_layout(latents, swap), given)
+
+    def _student(self, cond: dict, uncond: dict | None, image_cond, shape: tuple[int, ...], seed: int,
+                 steps: int) -> torch.Tensor:
+        """A K-step (``steps``) flow-matching student's latents (1, C, T', h, w) float32, no guidance (DMD2's
+        multi-step sampler, Yin et al. 2024 sec. 4.5): x = noise; at step k the student's velocity v at
+        sigma_k gives x0 = x - sigma_k v, re-noised with fresh noise to x = (1 - sigma_{k+1}) x0 + sigma_{k+1} eps;
+        the last x0 is the sample. sigma_k = shift s / (1 + (shift - 1) s), s = 1 - k / K: the pipeline
+        scheduler's ``flow_shift`` / ``shift`` applied to K uniform steps, as Self-Forcing's ``warp_denoising_step``
+        and LightX2V's 4-step list [1000, 750, 500, 250] map their timesteps (FastVideo's DMD denoising stage runs
+        the same step on its listed timesteps). The model sees t = 1000 sigma_k. The noise and each eps are drawn
+        from ``torch.Generator(device).manual_seed(seed)`` in turn.
+
+        Raises:
+            UserError: a pipeline whose scheduler is not flow matching (the recipe needs x0 = x - sigma v), of two
+                experts, of frames-first latents or an image input, or guidance asked for (a student bakes it in)."""
+        config = self.pre.pipe.scheduler.config
+        flow = config.get("prediction_type", "flow_prediction") == "flow_prediction" and (
+            "flow_shift" in config or "shift" in config)
+        why = ("its scheduler is not flow matching" if not flow else "it has two experts" if self.boundary is not None
+               else "its latents are frames first" if self.experts[0].frames_first else "it takes an image"
+               if image_cond else "--cfg_scale > 1 asks for guidance; give --cfg_scale 1" if uncond is not None
+               else None)
+        if why:
+            raise UserError(f"--sampler student: for a one-transformer text-to-video flow-matching pipeline without "
+                            f"guidance; {self.pre.pipeline_class} ({type(self.pre.pipe.scheduler).__name__}): {why}")
+        shift = float(config.get("flow_shift") or config.get("shift") or 1.0)
+        s = 1.0 - torch.arange(steps, dtype=torch.float64) / steps
+        sigmas = (shift * s / (1 + (shift - 1) * s)).tolist() + [0.0]
+        from diffusers.utils.torch_utils import randn_tensor
+
+        generator = torch.Generator(self.device).manual_seed(seed)
+        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+        inputs = {k: v.to(self.dtype) for k, v in cond.items()}
+        with torch.no_grad():
+            for sigma, after in zip(sigmas[:-1], sigmas[1:]):
+                t = torch.full((1,), sigma * 1000.0, device=self.device)
+                v = self.experts[0].denoise(latents.to(self.dtype), t, **inputs).float()
+                x0 = latents - sigma * v
+                latents = x0 if after == 0.0 else (1 - after) * x0 + after * randn_tensor(
+                    shape, generator=generator, device=self.device, dtype=torch.float32)
+        return latents
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the
@@ -463,7 +507,8 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     ``num_sampling_steps`` steps (default: the pipeline's). ``image`` (a PIL image) is the first frame of an
     image-to-video family. A reference-image family (``takes_references``) is conditioned on ``--reference_image``,
     ``--video`` and ``--mask`` (``read_control``) through the adapter's ``encode_control``; the R latent frames it
-    prepends are dropped before decoding, as its pipeline does.
+    prepends are dropped before decoding, as its pipeline does. ``sampler`` "student": ``VideoSampler._student``'s
+    few-step recipe (default 4 steps, ``cfg_scale`` 1).
 
     Writes (process 0): with one prompt and ``out`` a video file name (``clip.mp4``, ``.gif``, ...) that file;
     else ``out/NNN-<prompt slug>.mp4`` (default folder ``samples``) and, with ``gif``, a ``.gif`` beside it, a
@@ -490,8 +535,13 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     height = cfg.height or cfg.image_size or size or defaults["height"]
     width = cfg.width or cfg.image_size or size or defaults["width"]
     frames = cfg.num_frames or (run.data.num_frames if run is not None else defaults["num_frames"])
-    steps = cfg.num_sampling_steps or defaults["num_inference_steps"]
-    guidance = cfg.cfg_scale if cfg.cfg_scale is not None else defaults["guidance_scale"]
+    if cfg.sampler not in (None, "student"):
+        raise UserError(f"--sampler {cfg.sampler}: a video pipeline steps with its own scheduler "
+                        f"({type(pipe.scheduler).__name__}); leave --sampler out, or give --sampler student")
+    # a distilled student: its few steps (default 4, DMD2's and LightX2V's), its guidance baked in
+    student = cfg.sampler == "student"
+    steps = cfg.num_sampling_steps or (4 if student else defaults["num_inference_steps"])
+    guidance = cfg.cfg_scale if cfg.cfg_scale is not None else 1.0 if student else defaults["guidance_scale"]
     if cfg.cfg_scale_2 is not None and getattr(pipe, "transformer_2", None) is None:
         raise UserError(f"--cfg_scale_2: for a pipeline's low-noise expert (transformer_2); {pre.pipeline_class} at "
                         f"{cfg.ckpt} has one transformer")

@@ -1,0 +1,177 @@
+"""Distribution Matching Distillation (DMD2): a few-step student (the generator) trained so that its samples'
+distribution matches the teacher's, with a critic (the fake score) that follows the student's distribution.
+
+Sources: Yin et al. 2024, "One-step Diffusion with Distribution Matching Distillation" (DMD, CVPR 2024; eqs. 7-8:
+the distribution-matching gradient and its normalisation); Yin et al. 2024, "Improved Distribution Matching
+Distillation for Fast Image Synthesis" (DMD2, arXiv 2405.14867: two-time-scale updates (sec. 4.2), the multi-step
+student on fixed timesteps with backward simulation (sec. 4.5)); the reference implementation tianweiy/DMD2,
+``main/sd_guidance.py`` (``compute_distribution_matching_loss``, ``compute_loss_fake``) and
+``main/sd_unified_model.py`` (the 4-step schedule [999, 749, 499, 249] and the backward simulation).
+
+The math is objective-agnostic: any ``Objective`` (``diffusion/objective.py``: DDPM epsilon / v, rectified flow)
+and any denoiser with ditforge's call ``forward(x, t, **cond)`` (``models/``: ``DiT``; ``models/adapters``: a
+diffusers transformer as ``DiffusersDenoiser``). The three networks enter as callables:
+
+- ``student(x_t, t) -> output`` and ``critic(x_t, t) -> output``: the conditional call for this batch (t on the
+  model's scale, ``objective.model_timesteps``); gradients flow through them;
+- ``teacher(x_t, t) -> output``: the frozen teacher with classifier-free guidance at its scale (e.g.
+  ``samplers.GuidedModel(teacher, y, cfg_scale)``), called under ``no_grad``.
+
+A LoRA student plugs in unchanged: one base module carries peft adapters ``student`` and ``critic``
+(``model.add_adapter``), and the three callables switch them (``model.set_adapter("student")``; the teacher call
+runs inside ``model.disable_adapter()``), so teacher, critic and student share one copy of the base weights; each
+optimizer then holds only its adapter's parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ditforge.diffusion.flow import RectifiedFlow, shift_times
+from ditforge.diffusion.gaussian import GaussianDiffusion
+
+Objective = GaussianDiffusion | RectifiedFlow
+Net = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def predicted_x0(objective: Objective, x_t: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The clean sample a model output implies at (x_t, t), in ``x_t``'s dtype (differentiable in ``out``).
+
+    DDPM: x_0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t) with eps from epsilon or v (``eps_from_output``);
+    flow: x_0 = x_t - t v (x_t = (1 - t) x_0 + t eps, v = eps - x_0). ``out``: (B, C or 2C, ...), its first C
+    channels are the prediction; ``t``: the objective's own timesteps (int64 indices, or float in [0, 1])."""
+    out = out[:, : x_t.shape[1]]
+    if isinstance(objective, RectifiedFlow):
+        tt = t.double().reshape(-1, *[1] * (x_t.ndim - 1))
+        return (x_t.double() - tt * out.double()).to(x_t.dtype)
+    return objective.predict_xstart_from_eps(x_t, t, objective.eps_from_output(x_t, t, out)).to(x_t.dtype)
+
+
+def noised(objective: Objective, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """x_t of the forward process at the objective's timesteps ``t`` (DDPM eq. 4, or (1 - t) x_0 + t eps)."""
+    if isinstance(objective, RectifiedFlow):
+        return objective.noisy(x0, t, noise)
+    return objective.q_sample(x0, t, noise)
+
+
+def times_at(objective: Objective, u: torch.Tensor) -> torch.Tensor:
+    """The objective's timesteps at noise fractions ``u`` in [0, 1] (1: pure noise): DDPM the indices
+    floor(u (T - 1) + 0.5) (int64), flow the shifted times ``shift_times(u, shift)`` (float32)."""
+    if isinstance(objective, RectifiedFlow):
+        return shift_times(u.double(), objective.shift).float()
+    return (u.double() * (objective.num_timesteps - 1)).round().long()
+
+
+def student_times(objective: Objective, steps: int, device=None) -> torch.Tensor:
+    """The K timesteps a K-step student runs at, noisiest first: DDPM T-1 - k T / K (DMD2's 4-step [999, 749, 499,
+    249] at T = 1000, ``sd_unified_model.py``); flow the same fractions 1 - k / K, shifted (1, 0.75, 0.5, 0.25 at
+    shift 1: FastVideo's DMD2 denoising steps for flow models).
+
+    Raises:
+        ValueError: ``steps`` < 1 or more than the objective's timesteps.
+    """
+    if not 1 <= steps <= objective.num_timesteps:
+        raise ValueError(f"student steps must be in 1..{objective.num_timesteps}, got {steps}")
+    k = torch.arange(steps, device=device)
+    if isinstance(objective, RectifiedFlow):
+        return shift_times(1.0 - k.double() / steps, objective.shift).float()
+    return objective.num_timesteps - 1 - k * (objective.num_timesteps // steps)
+
+
+def student_loop(objective: Objective, student: Net, noise: torch.Tensor, times: torch.Tensor,
+                 draw: Callable[[torch.Tensor], torch.Tensor], stop: int | None = None) -> torch.Tensor:
+    """A multi-step student's sample (DMD2 sec. 4.5): x = noise; at each step k the student predicts x_0 from
+    (x, times[k]); before the next step x_0 is noised afresh to times[k + 1] (the forward process, new noise).
+
+    Args:
+        student: (x_t, model timesteps) -> output; noise: (B, C, ...) N(0, I); times: ``student_times``.
+        draw: x -> fresh N(0, I) noise shaped like x (the re-noising draws; ``samplers.randn_like_rows``).
+        stop: return the input of step ``stop`` (x at times[stop]) instead of the last step's x_0: the backward
+            simulation of training, which produces the student's own input for step ``stop``.
+
+    Returns:
+        (B, C, ...) in ``noise``'s dtype: x_0 of the last step, or x at times[stop].
+    """
+    x = noise
+    for k in range(len(times) if stop is None else stop):
+        t = times[k].expand(x.shape[0])
+        x0 = predicted_x0(objective, x, t, student(x, objective.model_timesteps(t)))
+        if k + 1 == len(times):
+            return x0
+        x = noised(objective, x0, times[k + 1].expand(x.shape[0]), draw(x))
+    return x
+
+
+def dmd_gradient(x: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor) -> torch.Tensor:
+    """The distribution-matching gradient of the generator's samples ``x``, (B, ...) float like ``x``.
+
+    DMD eq. 7: grad_x KL = -(s_real(x_t) - s_fake(x_t)), with the scores through the denoisers' x_0 predictions;
+    eq. 8 normalises by the per-sample mean |x - x0_real| so that the step size does not depend on the noise level:
+    grad = (x0_fake - x0_real) / mean_{C,H,W} |x - x0_real| (``sd_guidance.py``: ``grad = (p_real - p_fake) /
+    |p_real|.mean``, p = x - x0_pred). A zero denominator gives a zero gradient (``torch.nan_to_num``)."""
+    dims = tuple(range(1, x.ndim))
+    weight = (x - x0_real).abs().mean(dim=dims, keepdim=True)
+    return torch.nan_to_num((x0_fake - x0_real) / weight)
+
+
+def dmd_loss(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The surrogate whose gradient in ``x`` is ``grad / x.numel()``: 0.5 ||x - stopgrad(x - grad)||^2 averaged
+    over elements (``sd_guidance.py``: ``0.5 * F.mse_loss(x, (x - grad).detach())``). Scalar, in at least float32."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return 0.5 * torch.nn.functional.mse_loss(x.to(dtype), (x - grad).detach().to(dtype))
+
+
+@dataclass
+class DMD2:
+    """DMD2's losses for one batch. ``t_range``: the noise fractions the distribution-matching loss draws its t
+    from, uniformly (DMD2's ``min_step``, ``max_step`` = 0.02 T, 0.98 T); ``times``: ``student_times``."""
+
+    objective: Objective
+    times: torch.Tensor
+    t_range: tuple[float, float] = (0.02, 0.98)
+
+    def generate(self, student: Net, noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """The student's training sample with backward simulation (DMD2 sec. 4.5): a step k uniform in 0..K-1
+        (one per batch, from ``generator``); its input is made by the current student from ``noise`` without
+        gradients (``student_loop(stop=k)``), then step k's x_0 is predicted with gradients. (B, ...) like
+        ``noise``."""
+        k = int(torch.randint(len(self.times), (), generator=generator,
+                              device=generator.device if generator is not None else None))
+        with torch.no_grad():
+            x_t = student_loop(self.objective, student, noise, self.times, lambda x: _randn(x, generator), stop=k)
+        t = self.times[k].expand(noise.shape[0])
+        return predicted_x0(self.objective, x_t, t, student(x_t, self.objective.model_timesteps(t)))
+
+    def generator_loss(self, x: torch.Tensor, teacher: Net, critic: Net,
+                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``dmd_loss`` of ``x`` (scalar), the per-sample DMD gradient's norm (B,)): x noised to t drawn in
+        ``t_range``, the guided teacher's (real) and the critic's (fake) x_0 predictions at (x_t, t), without
+        gradients, then ``dmd_gradient``."""
+        with torch.no_grad():
+            x_t, t = self._noise(x.detach(), generator)
+            mt = self.objective.model_timesteps(t)
+            x0_real = predicted_x0(self.objective, x_t, t, teacher(x_t, mt))
+            x0_fake = predicted_x0(self.objective, x_t, t, critic(x_t, mt))
+            grad = dmd_gradient(x.detach(), x0_real, x0_fake)
+        return dmd_loss(x, grad), grad.flatten(1).norm(dim=1)
+
+    def critic_loss(self, x: torch.Tensor, critic: Net, generator: torch.Generator | None) -> torch.Tensor:
+        """The fake score's denoising loss on the student's detached samples ``x`` (DMD eq. 6; ``compute_loss_fake``):
+        the objective's own training loss (``training_losses``: its timestep density, epsilon / v / velocity
+        target, DDPM's learned-variance term). Scalar."""
+        x = x.detach()
+        t = self.objective.sample_timesteps(x.shape[0], generator, x.device)
+        return self.objective.training_losses(critic, x, t, _randn(x, generator))["loss"].mean()
+
+    def _noise(self, x: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self.t_range
+        u = lo + (hi - lo) * torch.rand(x.shape[0], generator=generator, device=x.device, dtype=torch.float64)
+        t = times_at(self.objective, u)
+        return noised(self.objective, x, t, _randn(x, generator)), t
+
+
+def _randn(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)

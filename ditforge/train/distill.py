@@ -1,0 +1,228 @@
+"""``ditforge distill``: a few-step student of a ditforge DiT run by DMD2 (``diffusion/dmd.py`` holds the math).
+
+The run folder is a training run's: ``RUN/checkpoints/step-*/`` (DCP, checksummed, atomic, rotated by
+``checkpoint.Checkpointer``), ``RUN/metrics.jsonl`` (``logging.MetricsLog``) and one log line per ``--log_every``.
+A checkpoint holds the student (``model``, and the weights ``ditforge sample`` reads as ``ema``: a LoRA student's
+merged into its base), the critic (``critic``), both optimizers (``optimizer``, ``critic_optimizer``); the
+randomness of iteration k derives from (seed, k) alone, so a resumed run continues exactly. ``meta.json``'s
+config is the teacher's, with ``distill`` added: the student's timesteps (``student_times``), ``cfg_scale`` 1 (the
+guidance is baked in), the sampler ``student``; ``ditforge sample --ckpt RUN`` reads it and samples the student in
+its K steps without guidance by default.
+
+Iteration k trains the critic; every ``--critic_steps``-th iteration trains the generator first (DMD2's
+``dfake_gen_update_ratio``: the critic takes that many steps per generator step, sec. 4.2). Data-free: the labels
+are drawn uniformly from the classes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from ditforge.atomic import atomic_path
+from ditforge.config.sections import DistillConfig
+from ditforge.config.values import resolve_device
+from ditforge.data.sampler import derive_seed
+from ditforge.diffusion.dmd import DMD2, student_times
+from ditforge.diffusion.objective import create_objective
+from ditforge.diffusion.samplers import STUDENT_SAMPLER, GuidedModel
+from ditforge.errors import UserError
+from ditforge.models import create_model_from_spec
+from ditforge.parallel.mesh import Dist
+from ditforge.train.checkpoint import Checkpointer, find_resume
+from ditforge.train.logging import MetricsLog, progress_line, read_metrics
+from ditforge.weights.lora import add_lora, check_lora_targets, merge_lora
+from ditforge.weights.read import SafeFileSystemReader, _SafeLoadPlanner, load_weights, read_checkpoint_weights
+
+log = logging.getLogger(__name__)
+
+
+def load_teacher(cfg: DistillConfig) -> tuple[torch.nn.Module, dict]:
+    """The teacher run's model (EMA weights, eval mode, CPU) and its saved config.
+
+    Raises:
+        UserError: not a ditforge run (no saved config), a teacher with no null label or caption (trained without
+            label dropout: no unconditional prediction to guide with) unless ``--cfg_scale 1``, a text model.
+    """
+    state, config = load_weights(cfg.teacher, use_ema=True)
+    if config is None:
+        raise UserError(f"--teacher {cfg.teacher}: no saved run config (expected a ditforge run or checkpoint folder)")
+    spec = dict(config["model"])
+    if spec.get("family") or spec.get("text_dim") is not None:
+        raise UserError(f"--teacher {cfg.teacher}: distill takes ditforge's class-conditional DiT runs so far")
+    if cfg.cfg_scale != 1.0 and not spec.get("class_dropout_prob"):
+        raise UserError(f"--teacher {cfg.teacher}: no guidance information (trained without label dropout, "
+                        "class_dropout_prob 0: no null label to guide with); give --cfg_scale 1")
+    model = create_model_from_spec(spec)
+    if isinstance(state, Path):
+        state = read_checkpoint_weights(state, model.state_dict(), use_ema=True)
+    model.load_state_dict(state, strict=True)
+    return model.eval().requires_grad_(False), config
+
+
+def check(cfg: DistillConfig) -> None:
+    """The flags' own checks. Raises UserError, one line naming the flag."""
+    for name in ("student_steps", "critic_steps", "max_steps", "batch_size", "log_every", "ckpt_every", "keep_last"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
+    if cfg.lora_rank < 0 or cfg.eval_every < 0:
+        raise UserError("--lora_rank / --eval_every: expected >= 0")
+
+
+def distill(cfg: DistillConfig) -> Path:
+    """Run the distillation; returns the run folder. Raises UserError on bad flags or a bad teacher."""
+    check(cfg)
+    teacher, config = load_teacher(cfg)
+    m = config["model"]
+    device = resolve_device(cfg.device)
+    objective = create_objective(m.get("objective") or "ddpm", m["learn_sigma"], flow_shift=m.get("flow_shift"),
+                                 device=device)
+    try:
+        times = student_times(objective, cfg.student_steps, device)
+    except ValueError as e:
+        raise UserError(f"--student_steps: {e}") from None
+    # eval mode for all three: a DiT in training mode drops labels at random (its label dropout, from the global
+    # RNG); the student must always see its label, and the critic scores the conditional distribution
+    student = copy.deepcopy(teacher).requires_grad_(True)
+    if cfg.lora_rank:
+        targets = (cfg.lora_target_modules or "qkv,proj").split(",")
+        check_lora_targets(student, targets)
+        add_lora(student, cfg.lora_rank, None, targets)
+    critic = copy.deepcopy(teacher).requires_grad_(True)
+    teacher, student, critic = teacher.to(device), student.to(device), critic.to(device)
+    params = [p for p in student.parameters() if p.requires_grad]
+    # DMD2 trains both with Adam at beta1 = 0 (``main/train_sd.py``: betas (0.0, 0.999)): the critic's target moves
+    opt_g = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.0, 0.999), weight_decay=0.0, foreach=True)
+    opt_c = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr or cfg.lr, betas=(0.0, 0.999), weight_decay=0.0,
+                              foreach=True)
+
+    ckpt, outputs = find_resume(cfg.resume, cfg.outputs)
+    run_dir = Path(outputs)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = 0
+    if ckpt is not None:
+        start = _resume(ckpt, student, critic, opt_g, opt_c)
+        log.info("resumed from %s (step %d)", ckpt, start)
+    metrics_path = run_dir / "metrics.jsonl"
+    kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if metrics_path.exists() else []
+    with atomic_path(metrics_path) as tmp:  # a resumed run's records end at its checkpoint
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    metrics = MetricsLog(metrics_path)
+    saved_config = {**config, "distill": {**asdict(cfg), "timesteps": times.tolist(), "sampler": STUDENT_SAMPLER,
+                                          "teacher_cfg_scale": cfg.cfg_scale}}
+    checkpointer = Checkpointer(run_dir, cfg.keep_last, False, Dist(device=device), last_step=start or None)
+    dmd = DMD2(objective, times)
+    log.info("distilling %s into a %d-step student (%s), guidance %.2g, %d critic steps per generator step, "
+             "run folder %s", cfg.teacher, cfg.student_steps, f"LoRA rank {cfg.lora_rank}" if cfg.lora_rank
+             else "full copy", cfg.cfg_scale, cfg.critic_steps, run_dir)
+    window, tic = [], time.perf_counter()
+    for step in range(start + 1, cfg.max_steps + 1):
+        record = _iteration(dmd, step, cfg, teacher, student, critic, opt_g, opt_c, m, device)
+        window.append(record)
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            rate = len(window) / (time.perf_counter() - tic)
+            line = _mean(window) | {"step": step, "steps_per_sec": rate}
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                line |= evaluate(student, times, objective, m, cfg, device)
+            metrics.write(line)
+            # progress_line's loss is the generator's; a window without a generator step shows the critic's alone
+            if "generator_loss" in line:
+                log.info("%s | critic %.4f | dmd grad %.3g", progress_line(
+                    step, cfg.max_steps, line["generator_loss"], rate, None), line["critic_loss"],
+                    line["dmd_grad_norm"])
+            else:
+                log.info("step %d/%d | critic %.4f | %.2f steps/s", step, cfg.max_steps, line["critic_loss"], rate)
+            window, tic = [], time.perf_counter()
+        if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
+            checkpointer.save(step, _state(student, critic, opt_g, opt_c, cfg.lora_rank),
+                              {"config": saved_config})
+    metrics.close()
+    return run_dir
+
+
+def _iteration(dmd: DMD2, step: int, cfg: DistillConfig, teacher, student, critic, opt_g, opt_c, m: dict,
+               device) -> dict[str, float]:
+    """One iteration: (every ``critic_steps``-th) a generator step, then a critic step, all randomness from
+    (seed, step)."""
+    g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
+    y = torch.randint(m["num_classes"], (cfg.batch_size,), generator=g, device=device)
+    shape = (cfg.batch_size, m["in_channels"], m["input_size"], m["input_size"])
+    noise = torch.randn(shape, generator=g, device=device)
+    real = GuidedModel(teacher, y, cfg.cfg_scale)
+    fake = GuidedModel(critic, y, 1.0)
+    gen = GuidedModel(student, y, 1.0)
+    out: dict[str, float] = {}
+    if step % cfg.critic_steps == 1 % cfg.critic_steps:
+        x = dmd.generate(gen, noise, g)
+        loss, grad_norm = dmd.generator_loss(x, real, fake, g)
+        opt_g.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], cfg.max_grad_norm)
+        opt_g.step()
+        out = {"generator_loss": float(loss.detach()), "dmd_grad_norm": float(grad_norm.mean())}
+        x = x.detach()
+    else:
+        with torch.no_grad():
+            x = dmd.generate(gen, noise, g)
+    closs = dmd.critic_loss(x, fake, g)
+    opt_c.zero_grad(set_to_none=True)
+    closs.backward()
+    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+    opt_c.step()
+    return out | {"critic_loss": float(closs.detach())}
+
+
+def _mean(records: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for r in records for k in r}
+    return {k: sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in sorted(keys)}
+
+
+def _state(student, critic, opt_g, opt_c, lora: bool) -> dict:
+    sampled = student.state_dict() if not lora else merge_lora(copy.deepcopy(student)).state_dict()
+    return {"model": get_model_state_dict(student), "ema": {k: v.detach() for k, v in sampled.items()},
+            "optimizer": get_optimizer_state_dict(student, opt_g), "critic": get_model_state_dict(critic),
+            "critic_optimizer": get_optimizer_state_dict(critic, opt_c)}
+
+
+def _resume(ckpt: Path, student, critic, opt_g, opt_c) -> int:
+    """Load student, critic and both optimizers from ``ckpt``; returns its step."""
+    from ditforge.weights.read import read_meta
+
+    state = _state(student, critic, opt_g, opt_c, False)
+    state.pop("ema")
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(), no_dist=True)
+    except Exception as e:  # DCP's mismatch errors vary
+        raise UserError(f"--resume: {ckpt} does not fit this distillation ({e})") from None
+    set_model_state_dict(student, state["model"])
+    set_model_state_dict(critic, state["critic"])
+    set_optimizer_state_dict(student, opt_g, state["optimizer"])
+    set_optimizer_state_dict(critic, opt_c, state["critic_optimizer"])
+    return int(read_meta(ckpt)["step"])
+
+
+@torch.no_grad()
+def evaluate(student, times, objective, m: dict, cfg: DistillConfig, device) -> dict[str, float]:
+    """``--eval_every``: digits-FID, precision, recall and class accuracy of ``eval_samples`` student samples (its
+    K steps, no guidance), labels cycling through the classes, batch k seeded by ``derive_seed(seed, k)``."""
+    from ditforge.diffusion.dmd import student_loop
+    from ditforge.eval.digits import evaluate_digits
+
+    labels = torch.arange(cfg.eval_samples, device=device) % m["num_classes"]
+    pixels = []
+    for k, y in enumerate(labels.split(256)):
+        g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, k))
+        noise = torch.randn((len(y), m["in_channels"], m["input_size"], m["input_size"]), generator=g, device=device)
+        pixels.append(student_loop(objective, GuidedModel(student, y, 1.0), noise, times,
+                                   lambda z: torch.randn(z.shape, generator=g, device=device)))
+    result = evaluate_digits(torch.cat(pixels).clamp(-1, 1).cpu(), labels.cpu(), device=device)
+    return {f"student_{k}": v for k, v in result.items()}
