@@ -43,6 +43,13 @@ class SampleConfig:
     prompt: list[str] | None = None
     prompt_file: str | None = None
     image: str | None = None
+    # a driven pipeline's (``driving_videos``) videos and mode, named as its call's arguments
+    pose_video: str | None = None
+    face_video: str | None = None
+    background_video: str | None = None
+    mask_video: str | None = None
+    mode: str | None = None
+    segment_frame_length: int | None = None
     num_frames: int | None = None
     cfg_scale: float | None = None
     num_sampling_steps: int | None = None
