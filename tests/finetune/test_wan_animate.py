@@ -9,22 +9,23 @@ import torch
 
 from ditforge.cli import main
 from ditforge.data.video import write_video
-from tiny_pipelines import _save, _wan_parts
+from tiny_pipelines import _save
 
 FRAMES = 5  # one segment of 4k + 1 frames (segment_frame_length 5, one conditioning frame)
 
 
 @pytest.fixture(scope="module")
-def animate(tmp_path_factory):
-    """A tiny ``WanAnimatePipeline`` folder (``make_wan``'s tokenizer, UMT5, VAE and scheduler; a 2-layer
+def animate(tmp_path_factory, wan_pipeline):
+    """A tiny ``WanAnimatePipeline`` folder (the session's ``make_wan`` tokenizer, UMT5, VAE and scheduler; a 2-layer
     ``WanAnimateTransformer3DModel`` 24 wide with a 16 px motion encoder and face adapter; a 2-layer CLIP vision
     model 4 wide) and random 16 px inputs: character PNG, pose and face MP4s of ``FRAMES`` frames."""
-    from diffusers import WanAnimatePipeline, WanAnimateTransformer3DModel
+    from diffusers import WanAnimatePipeline, WanAnimateTransformer3DModel, WanPipeline
     from PIL import Image
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     root = tmp_path_factory.mktemp("animate")
-    parts = _wan_parts()
+    wan = WanPipeline.from_pretrained(str(wan_pipeline))
+    parts = {n: getattr(wan, n) for n in ("tokenizer", "text_encoder", "vae", "scheduler")}
     torch.manual_seed(0)
     parts["transformer"] = WanAnimateTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, latent_channels=16, text_dim=32,
