@@ -91,6 +91,18 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "pipeline's video; with --mask: masked video-to-video, first/last-frame control)")
     s.add_argument("--mask", help="reference-image pipelines: the mask of --video (a clip of its size, or one image "
                    "for every frame; white = generate, black = keep; default: generate everything)")
+    for name, what in (("pose_video", "the pose frames driving the character"),
+                       ("face_video", "the face crops driving its expressions"),
+                       ("background_video", "--mode replace: the scene whose person is replaced"),
+                       ("mask_video", "--mode replace: where the person is (white)")):
+        s.add_argument(f"--{name}", help=f"character pipelines driven by videos (--image the character): {what}, "
+                       "a video file as the pipeline takes it (preprocessed); refused by other models")
+    s.add_argument("--mode", help="character pipelines driven by videos: the pipeline's mode (animate: the "
+                   "character moves as the pose video; replace: it takes the place of the person of "
+                   "--background_video inside --mask_video)")
+    s.add_argument("--segment_frame_length", type=int, help="character pipelines driven by videos: frames drawn "
+                   "a segment (4k + 1; default the pipeline's), segments following each other to the pose video's "
+                   "length")
     who = s.add_mutually_exclusive_group()
     who.add_argument("--class_labels", type=_labels, help="class-conditional models: labels to draw, e.g. 0,1,2")
     who.add_argument("--num_samples", type=int, default=argparse.SUPPRESS, help="class-conditional models: draw "

@@ -47,6 +47,13 @@ class SampleConfig:
     reference_image: list[str] | None = None  # reference-image pipelines (takes_references), with video / mask
     video: str | None = None
     mask: str | None = None
+    # a driven pipeline's (``driving_videos``) videos and mode, named as its call's arguments
+    pose_video: str | None = None
+    face_video: str | None = None
+    background_video: str | None = None
+    mask_video: str | None = None
+    mode: str | None = None
+    segment_frame_length: int | None = None
     num_frames: int | None = None
     cfg_scale: float | None = None
     num_sampling_steps: int | None = None

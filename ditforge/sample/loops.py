@@ -339,6 +339,11 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
     if given is not None and not denoiser.takes_references:
         raise UserError(f"--{given}: {cfg.ckpt} is a {pre.pipeline_class}, which takes no reference images, control "
                         "video or mask (a reference-image pipeline does); leave it out")
+    if denoiser.driving_videos:
+        return _sample_driven(cfg, prompts, d, pre, denoiser, image)
+    if given := [f"--{n}" for n in (*DRIVING_FLAGS, "mode") if getattr(cfg, n) is not None]:
+        raise UserError(f"{given[0]}: for character pipelines driven by videos; {cfg.ckpt} is a "
+                        f"{pre.pipeline_class}; leave it out")
     if denoiser.video:
         return sample_video_family(cfg, prompts, d, pre, denoiser, run, image)
     if d.world_size > 1:
@@ -374,7 +379,7 @@ def _conditioning_image(cfg: SampleConfig, denoiser, pipeline_class: str):
         UserError: ``--image`` missing for an image-to-video pipeline, given to another, or not a readable image
             (one line each, naming ``--image``).
     """
-    if not denoiser.image_to_video:
+    if not (denoiser.image_to_video or denoiser.driving_videos):
         if cfg.image is not None:
             raise UserError(f"--image {cfg.image}: {cfg.ckpt} is a {pipeline_class}, which takes no image; leave "
                             "--image out")
@@ -382,3 +387,51 @@ def _conditioning_image(cfg: SampleConfig, denoiser, pipeline_class: str):
     if cfg.image is None:
         raise UserError(f"--image: {cfg.ckpt} is a {pipeline_class}; give the first frame, --image FILE.png")
     return open_rgb(cfg.image, f"--image {cfg.image}")
+
+
+DRIVING_FLAGS = ("pose_video", "face_video", "background_video", "mask_video")  # SampleConfig's driving videos
+
+
+def _sample_driven(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser, image) -> np.ndarray:
+    """A character pipeline driven by videos (``denoiser.driving_videos``), drawn by its own call
+    (``generate_with_pipeline``) for each prompt from ``image`` (the character, PIL) and the videos of the
+    ``DRIVING_FLAGS`` given (whole files, every frame, PIL RGB), checked by ``denoiser.driving_inputs``; frame size
+    ``--height`` / ``--width`` (default the pipeline's), steps and guidance the pipeline's unless given; prompt i
+    from seed ``derive_seed(seed, i)``. Writes ``out`` (default ``samples``) as ``NNN-<prompt>.mp4`` + ``.gif`` at
+    ``--fps`` (default the family's). Returns (N, T, H, W, 3) uint8.
+
+    Raises:
+        UserError: under torchrun; a video file that is missing or unreadable; ``driving_inputs``'s (one line each).
+    """
+    from ditforge.data.video import probe_video, read_clip
+    from ditforge.models.adapters.pipeline import generate_with_pipeline
+    from ditforge.sample.video import pipeline_defaults
+    from ditforge.sample.write import write_videos
+    from PIL import Image
+
+    if d.world_size > 1:
+        raise UserError(f"--sequence_parallel_size / --cfg_parallel: {pre.pipeline_class} samples in one process")
+    videos = {}
+    for name in DRIVING_FLAGS:
+        if (path := getattr(cfg, name)) is None:
+            continue
+        if not Path(path).is_file():
+            raise UserError(f"--{name} {path}: no such file")
+        try:
+            frames, _ = read_clip(path, int(probe_video(path)["num_frames"]), 1, lambda _: 0)
+        except Exception as e:  # PyAV's and the reader's errors for a file that is no video
+            raise UserError(f"--{name} {path}: not a readable video ({type(e).__name__})") from None
+        videos[name] = [Image.fromarray(f) for f in frames]
+    inputs = {**denoiser.driving_inputs(pre.pipe, videos, cfg.mode), "image": image}
+    if cfg.segment_frame_length is not None:
+        inputs["segment_frame_length"] = cfg.segment_frame_length
+    defaults = pipeline_defaults(pre.pipe)
+    size = (cfg.height or defaults["height"], cfg.width or defaults["width"])
+    seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]
+    pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, size,
+                                    cfg.num_sampling_steps or defaults["num_inference_steps"],
+                                    cfg.cfg_scale if cfg.cfg_scale is not None else defaults["guidance_scale"],
+                                    negative=cfg.negative_prompt, call_inputs=inputs)
+    samples = to_uint8(pixels)  # (N, T, H, W, 3)
+    write_videos(samples, Path(cfg.out or "samples"), [slug(p) for p in prompts], cfg.fps or denoiser.fps)
+    return samples

@@ -126,6 +126,9 @@ class DiffusersDenoiser(nn.Module):
     given_frames = 0
     image_noise: tuple[float, float] | None = None
     prompt_sees_image = False
+    # the pipeline call's driving videos (``ditforge sample --NAME FILE``): a family sampled by its pipeline's own
+    # call from a character image and these videos (``driving_inputs``); () for the others
+    driving_videos: tuple[str, ...] = ()
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
     original_layouts: dict[str, Any] = {}  # component -> layouts.OriginalLayout
@@ -237,6 +240,13 @@ class DiffusersDenoiser(nn.Module):
         """Defaults of the pipeline call's ``height`` / ``width`` / ``num_frames`` that its signature leaves None
         and its body computes (CogVideoX's from the transformer's config); {} for the others."""
         return {}
+
+    @staticmethod
+    def driving_inputs(pipe: Any, videos: dict[str, list], mode: str | None) -> dict[str, Any]:
+        """A ``driving_videos`` family: the pipeline call's arguments for ``videos`` (name -> frames as PIL RGB
+        images, the names given) and ``--mode`` (None: the pipeline's default). Raises UserError for a combination
+        the pipeline refuses, one line naming the flag."""
+        raise TypeError(f"{DiffusersDenoiser.__name__}: driving_inputs of a family without driving_videos")
 
     @staticmethod
     def null_condition(pipe: Any, empty: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -393,12 +403,13 @@ def families() -> dict[str, type[DiffusersDenoiser]]:
     from ditforge.models.adapters.sd3 import SD3Denoiser
     from ditforge.models.adapters.sd_unet import SDUNetDenoiser, SDXLUNetDenoiser
     from ditforge.models.adapters.wan import WanDenoiser, WanI2VDenoiser
+    from ditforge.models.adapters.wan_animate import WanAnimateDenoiser
     from ditforge.models.adapters.wan_vace import WanVACEDenoiser
 
     return {cls.family: cls for cls in (SDUNetDenoiser, SDXLUNetDenoiser, PixArtDenoiser, SD3Denoiser, WanDenoiser,
-                                        WanI2VDenoiser, CogVideoXDenoiser, CogVideoXI2VDenoiser, LTXDenoiser,
-                                        LTXI2VDenoiser, HunyuanVideoDenoiser, HunyuanVideoI2VDenoiser,
-                                        WanVACEDenoiser)}
+                                        WanI2VDenoiser, WanVACEDenoiser, WanAnimateDenoiser, CogVideoXDenoiser,
+                                        CogVideoXI2VDenoiser, LTXDenoiser, LTXI2VDenoiser, HunyuanVideoDenoiser,
+                                        HunyuanVideoI2VDenoiser)}
 
 
 def family_of_pipeline(pipeline_class: str) -> type[DiffusersDenoiser] | None:

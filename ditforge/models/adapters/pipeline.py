@@ -251,7 +251,7 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
 def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int],
                            image_size: int | tuple[int, int], num_steps: int, guidance_scale: float,
                            batch_size: int = 8, num_frames: int | None = None, images: list | None = None,
-                           negative: str | None = None) -> torch.Tensor:
+                           negative: str | None = None, call_inputs: dict | None = None) -> torch.Tensor:
     """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (an adapter of the
     fine-tuned diffusers model; its text encoder too when it trained one) in it: row i starts from the noise of
     ``torch.Generator(device).manual_seed(seeds[i])``, so it depends on its prompt and seed only. The prompts are
@@ -261,7 +261,9 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
     [-1, 1] on the CPU; a video family's (Wan) videos of ``num_frames`` frames, (N, 3, T, H, W). A VAE kept on
     the CPU (training from features) visits the denoiser's device meanwhile. An image-to-video family
     (``WanImageToVideoPipeline``) takes ``images``, one PIL image per prompt, passed as the pipeline's ``image``;
-    its rows are drawn one per call (the pipeline takes one image a call, ``pipeline_wan_i2v.py``)."""
+    its rows are drawn one per call (the pipeline takes one image a call, ``pipeline_wan_i2v.py``). ``call_inputs``:
+    more arguments of every call, for a ``driving_videos`` family (its ``driving_inputs`` and ``image``; its rows
+    are drawn one per call, and the frame count is its videos', not ``num_frames``)."""
     pipe = pre.pipe
     height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
     for slot, model in zip(denoiser.pipeline_slots, denoiser.expert_models()):  # one expert of two: in its own slot
@@ -276,7 +278,7 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
             return {k: v.to(device) for k, v in denoiser.tokenize(texts).items()}
         return pre.encode_prompt(texts, **seen)
 
-    if denoiser.image_to_video:
+    if denoiser.image_to_video or call_inputs is not None:
         batch_size = 1
     try:
         for start in range(0, len(prompts), batch_size):
@@ -286,12 +288,13 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
                 seen = {"images": [first_images[start]]} if denoiser.prompt_sees_image else {}
                 cond = encode(prompts[rows], seen)
                 against = encode([negative], seen) if negative is not None else None
-                video = {"num_frames": num_frames} if denoiser.video else {}
+                video = {"num_frames": num_frames} if denoiser.video and call_inputs is None else {}
                 if denoiser.image_to_video:
                     video["image"] = first_images[start]
                 result = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=height,
                               width=width, generator=gens, output_type="pt",
-                              **denoiser.pipeline_inputs(cond, against), **denoiser.pipeline_kwargs, **video)
+                              **denoiser.pipeline_inputs(cond, against), **denoiser.pipeline_kwargs, **video,
+                              **(call_inputs or {}))
                 # videos come as frames (N, T, 3, H, W)
                 images = result.frames.transpose(1, 2) if denoiser.video else result.images
             out.append(images.float().cpu() * 2 - 1)
