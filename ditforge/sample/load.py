@@ -1,5 +1,6 @@
 """What ``ditforge sample`` reads before it draws: its settings (``SampleConfig``), the prompts, a checkpoint as
-a model (``load_model``), and the run's VAE and text encoder."""
+a model (``load_model``), the run's VAE and text encoder, and a reference-image family's control inputs
+(``read_control``)."""
 
 from __future__ import annotations
 
@@ -241,3 +242,50 @@ def encode_prompts(cfg: SampleConfig, spec: dict, prompts: list[str], device, en
     length = encoder.max_length if one_by_one else max(s.shape[1] for s, _ in parts)
     padded = [pad_states(s, m, length) for s, m in parts]
     return torch.cat([s for s, _ in padded]).float(), torch.cat([m for _, m in padded])
+
+
+def read_control(cfg: SampleConfig, height: int, width: int, frames: int) -> tuple[list, list | None, list | None]:
+    """``--reference_image`` / ``--video`` / ``--mask`` of a reference-image family (``takes_references``) as PIL
+    images: (the references, read by ``open_rgb``; the control clip's first ``frames`` frames or None; the mask's
+    frames, an image repeated over the frames or a clip's first ``frames``, or None).
+
+    Raises:
+        UserError: a missing or unreadable file, a clip shorter than ``frames``, a mask of another size (frames, up
+            to ``frames``, height, width) than the video's (``frames`` x ``height`` x ``width`` without a video), one line each.
+    """
+    from PIL import Image
+
+    from ditforge.data.images import IMAGE_EXTENSIONS, open_rgb
+    from ditforge.data.video import DECODE_ERRORS, BadVideo, probe_video, read_clip
+
+    def clip(flag: str, path: str) -> list:
+        if not Path(path).is_file():
+            raise UserError(f"--{flag} {path}: no such file")
+        try:
+            pixels = read_clip(path, frames, 1, lambda _: 0)[0]
+        except (BadVideo, *DECODE_ERRORS) as e:
+            raise UserError(f"--{flag} {path}: not a readable clip of {frames} frames ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:120]})") from None
+        return [Image.fromarray(p) for p in pixels]
+
+    references = [open_rgb(p, f"--reference_image {p}") for p in cfg.reference_image or ()]
+    video = clip("video", cfg.video) if cfg.video else None
+    if not cfg.mask:
+        return references, video, None
+    image = Path(cfg.mask).suffix.lower() in IMAGE_EXTENSIONS
+    if image:
+        mask = open_rgb(cfg.mask, f"--mask {cfg.mask}")
+        have = (frames, mask.height, mask.width)
+    else:
+        if not Path(cfg.mask).is_file():
+            raise UserError(f"--mask {cfg.mask}: no such file")
+        try:
+            meta = probe_video(cfg.mask)
+        except (BadVideo, *DECODE_ERRORS) as e:
+            raise UserError(f"--mask {cfg.mask}: not a readable clip ({type(e).__name__})") from None
+        have = (min(meta["num_frames"], frames) or frames, meta["height"], meta["width"])  # 0: unknown
+    want = (frames, *(video[0].size[::-1] if video else (height, width)))
+    if have != want:
+        raise UserError(f"--mask {cfg.mask}: {have[0]} frames of {have[2]}x{have[1]}; expected the "
+                        f"{'video' if video else 'sampled video'}'s size, {want[0]} frames of {want[2]}x{want[1]}")
+    return references, video, [mask] * frames if image else clip("mask", cfg.mask)

@@ -30,7 +30,7 @@ from ditforge.encoders.vae import VAE, decode_tiles_split, use_strips
 from ditforge.errors import UserError
 from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
 from ditforge.parallel.mesh import Dist
-from ditforge.sample.load import SampleConfig
+from ditforge.sample.load import SampleConfig, read_control
 from ditforge.sample.write import video_file_out, write_video_file
 
 log = logging.getLogger(__name__)
@@ -415,53 +415,6 @@ def step_cache(cfg: SampleConfig) -> tuple[str, object] | None:
     return None
 
 
-def read_control(cfg: SampleConfig, height: int, width: int, frames: int) -> tuple[list, list | None, list | None]:
-    """``--reference_image`` / ``--video`` / ``--mask`` of a reference-image family (``takes_references``) as PIL
-    images: (the references, read by ``open_rgb``; the control clip's first ``frames`` frames or None; the mask's
-    frames, an image repeated over the frames or a clip's first ``frames``, or None).
-
-    Raises:
-        UserError: a missing or unreadable file, a clip shorter than ``frames``, a mask of another size (frames, up
-            to ``frames``, height, width) than the video's (``frames`` x ``height`` x ``width`` without a video), one line each.
-    """
-    from PIL import Image
-
-    from ditforge.data.images import IMAGE_EXTENSIONS, open_rgb
-    from ditforge.data.video import DECODE_ERRORS, BadVideo, probe_video, read_clip
-
-    def clip(flag: str, path: str) -> list:
-        if not Path(path).is_file():
-            raise UserError(f"--{flag} {path}: no such file")
-        try:
-            pixels = read_clip(path, frames, 1, lambda _: 0)[0]
-        except (BadVideo, *DECODE_ERRORS) as e:
-            raise UserError(f"--{flag} {path}: not a readable clip of {frames} frames ({type(e).__name__}: "
-                            f"{' '.join(str(e).split())[:120]})") from None
-        return [Image.fromarray(p) for p in pixels]
-
-    references = [open_rgb(p, f"--reference_image {p}") for p in cfg.reference_image or ()]
-    video = clip("video", cfg.video) if cfg.video else None
-    if not cfg.mask:
-        return references, video, None
-    image = Path(cfg.mask).suffix.lower() in IMAGE_EXTENSIONS
-    if image:
-        mask = open_rgb(cfg.mask, f"--mask {cfg.mask}")
-        have = (frames, mask.height, mask.width)
-    else:
-        if not Path(cfg.mask).is_file():
-            raise UserError(f"--mask {cfg.mask}: no such file")
-        try:
-            meta = probe_video(cfg.mask)
-        except (BadVideo, *DECODE_ERRORS) as e:
-            raise UserError(f"--mask {cfg.mask}: not a readable clip ({type(e).__name__})") from None
-        have = (min(meta["num_frames"], frames) or frames, meta["height"], meta["width"])  # 0: unknown
-    want = (frames, *(video[0].size[::-1] if video else (height, width)))
-    if have != want:
-        raise UserError(f"--mask {cfg.mask}: {have[0]} frames of {have[2]}x{have[1]}; expected the "
-                        f"{'video' if video else 'sampled video'}'s size, {want[0]} frames of {want[2]}x{want[1]}")
-    return references, video, [mask] * frames if image else clip("mask", cfg.mask)
-
-
 def _wrap(denoiser, model: torch.nn.Module, pipe):
     """``model`` (another expert of ``denoiser``'s pipeline) behind the same adapter."""
     other = type(denoiser)(model, denoiser.vae_scale)
@@ -492,6 +445,45 @@ def _video_targets(cfg: SampleConfig, prompts: list[str], d: Dist) -> tuple[Path
         log.info("%d of %d videos to draw into %s (%d done already)", len(todo), len(prompts), folder,
                  len(prompts) - len(todo))
     return None, targets, todo
+
+
+def _settle(cfg: SampleConfig, pre, denoiser, run) -> tuple[int, int, int, int, float, VAE]:
+    """The call's size, steps and guidance from the flags, the run and the pipeline's defaults, checked: (height,
+    width, frames, steps, guidance, the VAE). Raises ``UserError`` (one line) for what the pipeline cannot take."""
+    if cfg.pab or cfg.fora is not None:
+        raise UserError("--pab/--fora: ditforge's step caching works on its own DiTs; a diffusers video pipeline "
+                        "takes --first_block_cache THRESHOLD or --taylorseer_cache N")
+    pipe = pre.pipe
+    defaults = pipeline_defaults(pipe)
+    size = run.data.image_size if run is not None else None
+    height = cfg.height or cfg.image_size or size or defaults["height"]
+    width = cfg.width or cfg.image_size or size or defaults["width"]
+    frames = cfg.num_frames or (run.data.num_frames if run is not None else defaults["num_frames"])
+    if cfg.sampler not in (None, "student"):
+        raise UserError(f"--sampler {cfg.sampler}: a video pipeline steps with its own scheduler "
+                        f"({type(pipe.scheduler).__name__}); leave --sampler out, or give --sampler student")
+    # a distilled student: its few steps (default 4, DMD2's and LightX2V's), its guidance baked in
+    student = cfg.sampler == "student"
+    steps = cfg.num_sampling_steps or (4 if student else defaults["num_inference_steps"])
+    guidance = cfg.cfg_scale if cfg.cfg_scale is not None else 1.0 if student else defaults["guidance_scale"]
+    if cfg.cfg_scale_2 is not None and getattr(pipe, "transformer_2", None) is None:
+        raise UserError(f"--cfg_scale_2: for a pipeline's low-noise expert (transformer_2); {pre.pipeline_class} at "
+                        f"{cfg.ckpt} has one transformer")
+    vae = VAE(pipe.vae, frame_factor=denoiser.vae_frame_factor, folds_pixels=denoiser.vae_folds_pixels)
+    vae.check_frames(frames, f"the VAE of {pre.pipeline_class}")
+    patch = denoiser.inner.config.patch_size
+    patch = tuple(patch) if isinstance(patch, (list, tuple)) else (patch,)  # (p_t, p_h, p_w), or one side
+    step = vae.downsample * patch[-1]
+    for flag, value in (("--height", height), ("--width", width)):
+        if value % step:
+            raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of {step} "
+                            f"(the VAE's {vae.downsample} x the {patch[-1]}-pixel patches)")
+    if cfg.cfg_parallel and (guidance <= 1.0 or denoiser.embedded_guidance):
+        raise UserError("--cfg_parallel: " + (f"{pre.pipeline_class} embeds --cfg_scale in one pass (guidance "
+                                              "distilled): no unconditional pass to put on the second GPU"
+                                              if denoiser.embedded_guidance else
+                                              "--cfg_scale 1 runs no unconditional pass to put on the second GPU"))
+    return height, width, frames, steps, guidance, vae
 
 
 def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser, run=None,
@@ -526,39 +518,8 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     """
     from ditforge.sample.write import save_npz
 
-    if cfg.pab or cfg.fora is not None:
-        raise UserError("--pab/--fora: ditforge's step caching works on its own DiTs; a diffusers video pipeline "
-                        "takes --first_block_cache THRESHOLD or --taylorseer_cache N")
     pipe = pre.pipe
-    defaults = pipeline_defaults(pipe)
-    size = run.data.image_size if run is not None else None
-    height = cfg.height or cfg.image_size or size or defaults["height"]
-    width = cfg.width or cfg.image_size or size or defaults["width"]
-    frames = cfg.num_frames or (run.data.num_frames if run is not None else defaults["num_frames"])
-    if cfg.sampler not in (None, "student"):
-        raise UserError(f"--sampler {cfg.sampler}: a video pipeline steps with its own scheduler "
-                        f"({type(pipe.scheduler).__name__}); leave --sampler out, or give --sampler student")
-    # a distilled student: its few steps (default 4, DMD2's and LightX2V's), its guidance baked in
-    student = cfg.sampler == "student"
-    steps = cfg.num_sampling_steps or (4 if student else defaults["num_inference_steps"])
-    guidance = cfg.cfg_scale if cfg.cfg_scale is not None else 1.0 if student else defaults["guidance_scale"]
-    if cfg.cfg_scale_2 is not None and getattr(pipe, "transformer_2", None) is None:
-        raise UserError(f"--cfg_scale_2: for a pipeline's low-noise expert (transformer_2); {pre.pipeline_class} at "
-                        f"{cfg.ckpt} has one transformer")
-    vae = VAE(pipe.vae, frame_factor=denoiser.vae_frame_factor, folds_pixels=denoiser.vae_folds_pixels)
-    vae.check_frames(frames, f"the VAE of {pre.pipeline_class}")
-    patch = denoiser.inner.config.patch_size
-    patch = tuple(patch) if isinstance(patch, (list, tuple)) else (patch,)  # (p_t, p_h, p_w), or one side
-    step = vae.downsample * patch[-1]
-    for flag, value in (("--height", height), ("--width", width)):
-        if value % step:
-            raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of {step} "
-                            f"(the VAE's {vae.downsample} x the {patch[-1]}-pixel patches)")
-    if cfg.cfg_parallel and (guidance <= 1.0 or denoiser.embedded_guidance):
-        raise UserError("--cfg_parallel: " + (f"{pre.pipeline_class} embeds --cfg_scale in one pass (guidance "
-                                              "distilled): no unconditional pass to put on the second GPU"
-                                              if denoiser.embedded_guidance else
-                                              "--cfg_scale 1 runs no unconditional pass to put on the second GPU"))
+    height, width, frames, steps, guidance, vae = _settle(cfg, pre, denoiser, run)
     one_file, targets, todo = _video_targets(cfg, prompts, d)
     if not todo:
         return np.empty(0, dtype=np.uint8)
