@@ -41,9 +41,6 @@ class WanVACEDenoiser(WanDenoiser):
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
         if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
             return "a Wan 2.2 VACE pipeline of two experts (ditforge takes Wan2.1-VACE's one transformer)"
-        if not sampling:  # the batch does not carry references yet, and the transformer needs its control input
-            return ("Wan2.1-VACE is sampled, not yet fine-tuned, by ditforge (its batches would need reference images "
-                    "and control latents)")
         return WanDenoiser.unsupported(pipe, sampling, expert)
 
     def denoise(self, x, t, encoder_hidden_states, control_hidden_states):
