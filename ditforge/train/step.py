@@ -195,6 +195,7 @@ def make_micro_batches(run: Run, batch: dict, position: int) -> tuple[list[tuple
     else:
         mean, std = inputs.moments(batch, device)
         prefix = cond.pop(PREFIX, None)
+        run.lead_frames = 0 if prefix is None else prefix.shape[2]
         if prefix is not None:  # reference frames lead the clip's: clean (std 0), then noised and learned as x0
             mean = torch.cat([prefix, mean], dim=2)
             std = None if std is None else torch.cat([torch.zeros_like(prefix), std], dim=2)

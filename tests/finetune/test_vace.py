@@ -162,3 +162,32 @@ def test_features_are_refused_in_one_line(vace, tmp_path, capsys):
                                    "--num_frames", str(FRAMES), "--frame_interval", str(INTERVAL), "--image_size",
                                    str(SIZE), "--device", "cpu", "--out", str(tmp_path / "feats")],
                           "which stored features do not carry")
+
+
+def test_a_folder_of_clips_reads_its_ref_pngs(vace, tmp_path):
+    """A folder of clips: ``clip.ref.png`` beside ``clip.mp4`` is the clip's reference (no sample of its own), read
+    centre-cropped at the bucket's shape (against ``center_crop_arr`` of the file); a LoRA step trains on it."""
+    from ditforge.data.buckets import BucketDataset, data_buckets
+    from ditforge.data.folders import folder_rows
+    from ditforge.data.images import center_crop_arr
+    from test_clip_folder import _write_mp4, smooth_pixels
+
+    rng = np.random.default_rng(3)
+    for j in range(2):
+        _write_mp4(tmp_path / f"clip{j}.mp4", smooth_pixels(rng, FRAMES, SIZE, SIZE))
+        (tmp_path / f"clip{j}.txt").write_text(f"clip {j}")
+        Image.fromarray(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(tmp_path / f"clip{j}.ref.png")
+    rows = folder_rows(str(tmp_path))
+    assert [(Path(r["path"]).name, [Path(p).name for p in r["reference_image"]]) for r in rows] == [
+        ("clip0.mp4", ["clip0.ref.png"]), ("clip1.mp4", ["clip1.ref.png"])]
+    ds = BucketDataset(rows, lambda sizes: data_buckets(sizes, SIZE, 16, 4, None, 1, BATCH, 1))
+    item = ds[(1, 0)]
+    with Image.open(tmp_path / "clip1.ref.png") as img:
+        want = center_crop_arr(img.convert("RGB"), tuple(item["x"].shape[-2:]))
+    got = ((item["references"][0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    np.testing.assert_array_equal(got, want)
+    argv = video_train_argv(vace["folder"], tmp_path / "run", SIZE, 1, 1, BATCH, "--max_steps", "1", "--lora_rank", "4")
+    i = argv.index("--num_frames")
+    del argv[i:i + 4]
+    argv[argv.index("--data") + 1] = str(tmp_path)
+    assert cli.main(argv) == 0
