@@ -5,6 +5,10 @@ reference images, a control video and its mask as diffusers' ``pipelines/wan/pip
 (``WanVACEPipeline.__call__``, ``preprocess_conditions``, ``prepare_video_latents``, ``prepare_masks``); this
 adapter calls those methods of the loaded pipeline, so the tensors are the pipeline's own.
 
+Fine-tuning (LoRA or full) builds the same control from each clip's reference images alone
+(``Pretrained.encode_references``) and puts the references' latent frames before the clip's in x0
+(``encoders.batch.PREFIX``), as DiffSynth-Studio's Wan VACE training does (``WanVideoUnit_InputVideoEmbedder``).
+
 Everything else (the UMT5 prompt, the VAE, the flow objective, the LoRA targets) is ``WanDenoiser``'s."""
 
 from __future__ import annotations
