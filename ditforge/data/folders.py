@@ -13,8 +13,9 @@ A medium without a caption file is listed (one warning line per file, and a reco
 ``bad_samples.jsonl``) and skipped; ``--caption_missing filename`` captions it with its file name in words instead
 (``red_car-2.mp4`` -> ``red car 2``, ``preprocess.stem_words``).
 
-A video's reference images for reference-image training (Wan2.1-VACE) are the ``<stem>.ref*.png`` beside it
-(``clip.ref.png``, ``clip.ref1.png``, ...; sorted by name), which are then no samples of their own.
+A video's reference images for reference-image training (the adapters' ``takes_references``) are the
+``<stem>.ref*.png`` beside it (``clip.ref.png``, ``clip.ref1.png``, ...; sorted by name), which are then no samples
+of their own.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A CSV has a header row and the columns ``path`` (a video file; relative paths resolve against the CSV's
 folder) and ``text`` (its caption); an optional ``image`` column names each clip's conditioning image for
 image-to-video training (resolved the same way; an empty cell: the clip's first frame); an optional
-``reference_image`` column its reference images for reference-image training (Wan2.1-VACE: ``;``-separated
-paths resolved the same way; an empty cell: ``default_reference``); the optional columns
+``reference_image`` column its reference images for reference-image training (``takes_references`` families:
+``;``-separated paths resolved the same way; an empty cell: ``default_reference``); the optional columns
 ``num_frames, fps, height, width`` (written by ``ditforge preprocess``) are accepted and ignored: the container is
 opened to decode it anyway, and its own metadata is what counts. The built-in ``clips`` data set
 (``ditforge.data.clips``) is a list of the same rows.
@@ -406,7 +406,7 @@ MIN_DISPLAY_SIDE = 64  # written videos and GIFs are enlarged until their shorte
 
 
 def default_reference(clip: torch.Tensor, seed: int, index: int) -> torch.Tensor:
-    """The reference image of a clip that names none (reference-image training, e.g. Wan2.1-VACE): the centre
+    """The reference image of a clip that names none (reference-image training, ``takes_references``): the centre
     square crop, of half the clip's shorter side, of frame k of the clip, resized (bicubic, clamped) to the clip's
     height x width; k is drawn uniformly from the T frames by ``derive_seed(seed, REFERENCE_STREAM, index)``, so a
     sample (data index ``index``) gets the same reference on every process, epoch and resumed run.

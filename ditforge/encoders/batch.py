@@ -59,16 +59,15 @@ class BatchEncoder:
             ``Pretrained.encode_references``): a function from clips (B, 3, T, H, W) and references (B, R, 3, H, W)
             in [-1, 1] to (more conditioning keywords, the references' latent frames (B, C, R, h, w)); the
             references are the batch's ``references`` (a video CSV's ``reference_image`` column, a clip folder's
-            ``clip.ref*.png``), else ``data.video.default_reference`` of each clip (seeded by ``seed`` and the
-            sample's ``index``). The latent frames are returned under ``PREFIX``: they lead the clip's latents x0.
-        seed: the run's seed (``reference_encoder``'s default references).
+            ``clip.ref*.png``, else the step's ``data.video.default_reference``). The latent frames are returned
+            under ``PREFIX``: they lead the clip's latents x0.
     """
 
     def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,
                  text_length: int | None = None, class_captions: Sequence[str] | None = None,
                  prompt_encoder: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
                  image_encoder: Callable[[torch.Tensor, int], dict[str, torch.Tensor]] | None = None,
-                 prompt_sees_image: bool = False, reference_encoder: Callable | None = None, seed: int = 0):
+                 prompt_sees_image: bool = False, reference_encoder: Callable | None = None):
         if condition not in ("class", "text"):
             raise ValueError(f"condition must be 'class' or 'text', got {condition!r}")
         self.condition = condition
@@ -77,7 +76,7 @@ class BatchEncoder:
         self.prompt_encoder = prompt_encoder
         self.image_encoder = image_encoder
         self.prompt_sees_image = prompt_sees_image
-        self.reference_encoder, self.seed = reference_encoder, seed
+        self.reference_encoder = reference_encoder
         self._prompts: dict[str, dict[str, torch.Tensor]] = {}
         self.text_length = text_length or (text_encoder.max_length if text_encoder is not None else None)
         self.class_captions = list(class_captions) if class_captions is not None else None
@@ -154,14 +153,8 @@ class BatchEncoder:
         (``Pretrained.encode_image``), or None. With ``reference_encoder``, also ``PREFIX``: the references' latent
         frames (B, C, R, h, w) float32, which the step puts before the clip's latents (not a denoiser keyword)."""
         if self.reference_encoder is not None and "x" in batch:
-            from ditforge.data.video import default_reference
-
-            refs = batch.get("references")
-            if refs is None:
-                refs = torch.stack([default_reference(clip, self.seed, int(i))[None]
-                                    for clip, i in zip(batch["x"], batch["index"])])
             cond = self._text_conditioning(batch, device)
-            control, prefix = self.reference_encoder(batch["x"], refs)
+            control, prefix = self.reference_encoder(batch["x"], batch["references"])
             return cond | {k: v.to(device) for k, v in control.items()} | {PREFIX: prefix.to(device)}
         if self.image_encoder is None or "cond" in batch:  # stored features hold it already
             return self._text_conditioning(batch, device)
@@ -311,6 +304,5 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
                            class_captions=getattr(dataset, "class_captions", None),
                            image_encoder=pre.encode_image if pre.denoiser.image_to_video else None,
                            prompt_sees_image=pre.denoiser.prompt_sees_image,
-                           reference_encoder=pre.encode_references if pre.denoiser.takes_references else None,
-                           seed=cfg.train.seed)
+                           reference_encoder=pre.encode_references if pre.denoiser.takes_references else None)
     return encoder, found

@@ -152,12 +152,11 @@ class Pretrained:
         DiffSynth-Studio's Wan VACE training puts them before the clip's (``WanVideoUnit_InputVideoEmbedder``)."""
         from PIL import Image
 
-        from ditforge.data.images import to_uint8
-
         _, _, T, H, W = clips.shape
         rows, leads = [], []
-        for refs in references:
-            pil = [Image.fromarray(a) for a in to_uint8(refs)]
+        for refs in references:  # as uint8 PIL images, the pipeline's input (a decoded image's bytes back)
+            pixels = ((refs.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+            pil = [Image.fromarray(a) for a in pixels]
             cond, r = self.denoiser.encode_control(self.pipe, pil, None, None, H, W, T, self.device)
             rows.append(cond)
             leads.append(next(iter(cond.values()))[:, :self.denoiser.in_channels, :r])
