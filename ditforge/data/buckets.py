@@ -318,9 +318,9 @@ class BucketDataset(Dataset):
     Items: ``dataset[(index, bucket id)]`` (the keys ``BucketBatchSampler`` yields) -> dict ``x`` float32 in
     [-1, 1], (3, F, h, w) in a video run (``num_frames`` not None; images as (3, 1, h, w)) or (3, h, w) in an
     image run; ``text`` str; ``label`` int (the caption's index in ``classes``, the sorted distinct captions, as
-    ``VideoDataset``); ``index`` int (the sample returned); ``references`` (R, 3, h, w) float32 in [-1, 1] where its
-row names ``reference_image`` paths (a folder's ``<stem>.ref*.png``, ``load_references``). Images: EXIF orientation applied, RGB,
-    ``center_crop_arr`` to (h, w). Videos: F frames at stride ``buckets.frame_interval`` (``read_clip``; start
+    ``VideoDataset``); ``index`` int (the sample returned); ``references`` (R, 3, h, w) float32 in [-1, 1] where
+    its row names ``reference_image`` paths (a folder's ``<stem>.ref*.png``, ``load_references``). Images: EXIF
+    orientation applied, RGB, ``center_crop_arr`` to (h, w). Videos: F frames at stride ``buckets.frame_interval`` (``read_clip``; start
     frame uniform from ``derive_seed(seed, index)``), each frame ``center_crop_arr``-ed. A file that turns out
     unreadable is recorded once and replaced by the next sample (wrapping) that fits the same bucket.
 

@@ -74,7 +74,8 @@ def folder_repeats(data: str) -> list[tuple[Path, int]]:
 
 def folder_rows(data: str, caption_missing: str = "skip", bad_samples_path: str | Path | None = None) -> list[dict]:
     """The samples of a folder of clips or a blend of them (see the module docstring): dicts ``{"path": str,
-    "text": str}`` (and ``"reference_image"``: the paths of a video's ``<stem>.ref*.png``, where it has some), sorted by path within each folder, each folder's listed ``repeats`` times in a row. A medium
+    "text": str}`` (and ``"reference_image"``: the paths of a video's ``<stem>.ref*.png``, where it has some),
+    sorted by path within each folder, each folder's listed ``repeats`` times in a row. A medium
     without its caption file is recorded in ``bad_samples_path`` and left out, or with ``caption_missing``
     ``"filename"`` captioned with its name in words; an unreadable caption file leaves its medium out.
 
