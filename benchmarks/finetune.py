@@ -84,6 +84,14 @@ median over the logged windows after the first (compilation and warm-up), from `
 ``torch.cuda.max_memory_allocated`` as the trainer logs it. Run the anchor in the same GPU job
 (``../shared/anchors/sd_unet_finetune.py``, ``lowmem_finetune.py``) and compare ratios within one job.
 
+vace13 (``build_vace13``): Wan2.1-VACE-1.3B, wan13's parts in a ``WanVACEPipeline`` with a
+``WanVACETransformer3DModel`` of WAN13's config plus 15 VACE blocks at layers 0, 2, ..., 28 over 96 control
+channels (diffusers' ``scripts/convert_wan_to_diffusers.py``, "Wan-VACE-1.3B"). VACE trains from clips, not
+features (its references' latents and control are built per clip), so its rows read a CSV of 2 random smooth
+clips of 33 frames at 480 x 480 with a random reference image each (``reference_clips``): the step includes the
+VAE encoding the clip and the reference and the control (latents 16 x (1 + 9) x 60 x 60, 36,000 tokens in the main
+and VACE blocks). Rows: ``lora32``, ``lora32_budget8``. ``--tiny``: the tests' tiny VACE pipeline at 16 px x 5.
+
 Usage (repository root, GPU machine): ``PYTHONPATH=. python benchmarks/finetune.py --model sd15 --work /tmp/ft
 --rows full,full_compile,lora64,lora64_compile --json $OUT/finetune_sd15.json``; ``--tiny`` builds the tests' tiny
 pipeline instead (a CPU check of the script; wan13: the tiny WanPipeline's features rewritten to 32 px x 9 frames).
@@ -294,6 +302,8 @@ WAN14 = {**WAN13, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 # square --image_size (its features and sample shapes are C x T x s x s), so the rows run at the nearest square with
 # at least the anchor's tokens: 640 px (latents 16 x 21 x 80 x 80, 33,600 tokens = 1.026x; attention 1.052x).
 WAN_SIDE, WAN_FRAMES = 640, 81
+VACE13_LAYERS = list(range(0, 30, 2))  # Wan-VACE-1.3B's (diffusers' scripts/convert_wan_to_diffusers.py)
+VACE_SIDE, VACE_FRAMES = 480, 33  # vace13's clips, read and encoded in the step (no features)
 # CogVideoX-5B's released size is 480 x 720 x 49 (latents 16 x 13 x 60 x 90: 17,550 tokens in 2 x 2 patches); the
 # nearest square with at least as many: 592 px (13 x 37 x 37 = 17,797 tokens, 1.014x)
 COG_SIDE, COG_FRAMES = 592, 49
@@ -357,22 +367,60 @@ def wan_transformer(config: dict, device: str | torch.device = "cpu"):
         return WanTransformer3DModel(**config)
 
 
-def build_wan(path: Path, config: dict = WAN13, dtype: torch.dtype = torch.float32) -> Path:
+def build_wan(path: Path, config: dict = WAN13, dtype: torch.dtype = torch.float32, transformer=None) -> Path:
     """A ``WanPipeline`` folder: a transformer of ``config`` with random weights (initialised on the GPU when there
     is one: seconds instead of a minute of CPU; saved in ``dtype``: the 14B in bf16, 28 GB), ``AutoencoderKLWan``'s
     default config (the real Wan 2.1 VAE's: base 96, z 16, latents_mean / latents_std), a one-layer UMT5 encoder
     of width 4096 (the real UMT5-XXL's: the 512 x 4096 caption states have the real shape; the tokenizer trained
-    offline as the tests'), and Wan 480p's UniPC flow scheduler (flow_shift 3.0)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    offline as the tests'), and Wan 480p's UniPC flow scheduler (flow_shift 3.0). ``transformer``: a
+    ``WanVACETransformer3DModel`` instead (``build_vace13``: a ``WanVACEPipeline``)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanVACEPipeline
 
-    transformer = wan_transformer(config, "cuda" if torch.cuda.is_available() else "cpu").to(dtype).cpu().eval()
+    cls = WanPipeline if transformer is None else WanVACEPipeline
+    if transformer is None:
+        transformer = wan_transformer(config, "cuda" if torch.cuda.is_available() else "cpu").to(dtype).cpu().eval()
     tokenizer = tiny_pipelines.make_t5_tokenizer()
     text = wide_t5(tokenizer, umt5=True)
     torch.manual_seed(0)
     vae = AutoencoderKLWan().eval()
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text, vae=vae, transformer=transformer,
+    pipe = cls(tokenizer=tokenizer, text_encoder=text, vae=vae, transformer=transformer,
                        scheduler=UniPCMultistepScheduler(**tiny_pipelines.WAN_SCHEDULER))
     return tiny_pipelines._save(pipe, path)  # save_pretrained + the T5 tokenizer's spiece.model
+
+
+def build_vace13(path: Path) -> Path:
+    """A ``WanVACEPipeline`` folder: ``build_wan``'s VAE, UMT5 encoder and scheduler with a
+    ``WanVACETransformer3DModel`` of ``WAN13`` and ``VACE13_LAYERS`` (random weights, saved in float32)."""
+    from diffusers import WanVACETransformer3DModel
+
+    transformer = random_bf16(WanVACETransformer3DModel, **WAN13, vace_layers=VACE13_LAYERS, vace_in_channels=96)
+    return build_wan(path, transformer=transformer.float())
+
+
+def reference_clips(folder: Path, side: int, frames: int, n: int = 2) -> Path:
+    """``folder/refs.csv``: ``n`` random smooth mp4 clips of ``frames`` frames at ``side`` px with captions and a
+    random ``side`` px PNG reference each (a video CSV's ``reference_image`` column); returns the CSV's path."""
+    import av
+    from PIL import Image
+
+    from ditforge.data.video import write_video_csv
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng, rows = np.random.default_rng(0), []
+    for i in range(n):
+        coarse = torch.from_numpy(rng.random((frames, 3, side // 8, side // 8), dtype=np.float32))
+        pixels = (torch.nn.functional.interpolate(coarse, size=(side, side), mode="bilinear") * 255).round()
+        pixels = pixels.to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        with av.open(str(folder / f"clip{i}.mp4"), "w") as container:
+            stream = container.add_stream("mpeg4", rate=8)
+            stream.width = stream.height = side
+            stream.pix_fmt = "yuv420p"
+            for frame in pixels:
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(stream.encode())
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(folder / f"ref{i}.png")
+        rows.append({"path": f"clip{i}.mp4", "text": CAPTIONS[i % len(CAPTIONS)], "reference_image": f"ref{i}.png"})
+    return write_video_csv(rows, folder / "refs.csv", ("path", "text", "reference_image"))
 
 
 def build_cog5b(path: Path) -> Path:
@@ -643,7 +691,7 @@ def library_versions() -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "wan14", "cog5b", "hv13b", "wan5b",
-                                        "ltx2b"), required=True)
+                                        "ltx2b", "vace13"), required=True)
     ap.add_argument("--rows", default="full,full_compile,lora64,lora64_compile")
     ap.add_argument("--work", default="/tmp/ditforge-finetune")
     ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl, video), 8 (pixart), as the "
@@ -672,17 +720,23 @@ def main() -> None:
                      "sdxl": tiny_pipelines.make_sdxl, "wan13": tiny_pipelines.make_wan,
                      "wan14": tiny_pipelines.make_wan,
                      "cog5b": tiny_pipelines.make_cogvideox, "hv13b": tiny_pipelines.make_hunyuan_video,
-                     "wan5b": tiny_pipelines.make_wan22_ti2v, "ltx2b": tiny_pipelines.make_ltx}
+                     "wan5b": tiny_pipelines.make_wan22_ti2v, "ltx2b": tiny_pipelines.make_ltx,
+                     "vace13": tiny_pipelines.make_vace}
                     if args.tiny else {"sd15": build_sd15, "pixart": build_pixart, "sdxl": build_sdxl,
                                        "wan13": build_wan,
                                        "wan14": functools.partial(build_wan, config=WAN14, dtype=torch.bfloat16),
                                        "cog5b": build_cog5b, "hv13b": build_hv13b, "wan5b": build_wan5b,
-                                       "ltx2b": build_ltx2b})
+                                       "ltx2b": build_ltx2b, "vace13": build_vace13})
         builders[args.model](pipe)
         if torch.cuda.is_available():  # wan13 initialises its transformer on the GPU: free it for the rows
             torch.cuda.empty_cache()
     feats = work / f"feats-{pipe.name}"
-    if not (feats / "features.json").is_file():
+    clip_flags = []  # vace13: the clips' reading flags
+    if args.model == "vace13":
+        side, frames = (16, 5) if args.tiny else (VACE_SIDE, VACE_FRAMES)
+        size, feats = side, reference_clips(work / f"clips-{pipe.name}", side, frames)
+        clip_flags = ["--num_frames", str(frames), "--frame_interval", "1", "--image_size", str(side)]
+    elif not (feats / "features.json").is_file():
         shutil.rmtree(feats, ignore_errors=True)
         if wan:  # extract at the VAE's smallest size (the built-in clips), then the real-size moments
             _, _, small_frames, small_side = VIDEO[args.model]
@@ -709,7 +763,10 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "torch": torch.__version__, "diffusers": diffusers.__version__, "steps": args.steps,
             "log_every": args.log_every, **library_versions()}
-    if wan:
+    if args.model == "vace13":
+        meta |= {"num_frames": frames, "note": "clips read, VAE-encoded and their reference's control built in each "
+                 "step (VACE trains from clips)"}
+    elif wan:
         from ditforge.data import build_dataset
 
         item = build_dataset(str(feats), None)[0]  # the shapes the rows train on, as read back
@@ -732,7 +789,7 @@ def main() -> None:
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
     (work / "validation.txt").write_text(VALIDATION.format(*((32, 16, 5) if args.tiny else (832, 480, 33))))
     for name in args.rows.split(","):
-        flags = [f.format(work=work) for f in row_flags(args.model, name)]
+        flags = [f.format(work=work) for f in row_flags(args.model, name)] + clip_flags
         if not cuda and any(f in flags for f in CUDA_ONLY):
             print(f"{args.model} {name}: skipped ({' '.join(f for f in flags if f in CUDA_ONLY)} needs a CUDA GPU)",
                   flush=True)

@@ -318,8 +318,9 @@ class BucketDataset(Dataset):
     Items: ``dataset[(index, bucket id)]`` (the keys ``BucketBatchSampler`` yields) -> dict ``x`` float32 in
     [-1, 1], (3, F, h, w) in a video run (``num_frames`` not None; images as (3, 1, h, w)) or (3, h, w) in an
     image run; ``text`` str; ``label`` int (the caption's index in ``classes``, the sorted distinct captions, as
-    ``VideoDataset``); ``index`` int (the sample returned). Images: EXIF orientation applied, RGB,
-    ``center_crop_arr`` to (h, w). Videos: F frames at stride ``buckets.frame_interval`` (``read_clip``; start
+    ``VideoDataset``); ``index`` int (the sample returned); ``references`` (R, 3, h, w) float32 in [-1, 1] where
+    its row names ``reference_image`` paths (a folder's ``<stem>.ref*.png``, ``load_references``). Images: EXIF
+    orientation applied, RGB, ``center_crop_arr`` to (h, w). Videos: F frames at stride ``buckets.frame_interval`` (``read_clip``; start
     frame uniform from ``derive_seed(seed, index)``), each frame ``center_crop_arr``-ed. A file that turns out
     unreadable is recorded once and replaced by the next sample (wrapping) that fits the same bucket.
 
@@ -358,18 +359,19 @@ class BucketDataset(Dataset):
             if reason:
                 dropped.append({"path": str(file), "error": reason, "line": row.get("line")})
             else:
-                kept.append((str(file), row["text"], row.get("line")))
-        unique = list(dict.fromkeys(p for p, _, _ in kept))  # a folder's repeats are probed once
+                kept.append((str(file), row["text"], row.get("line"), row.get("reference_image") or []))
+        unique = list(dict.fromkeys(p for p, *_ in kept))  # a folder's repeats are probed once
         with ThreadPoolExecutor(probe_threads) as pool:  # header reads: I/O bound
             probed = dict(zip(unique, pool.map(self._probe, unique)))
-        self.paths, self.texts, sizes = [], [], []
-        for path, text, line in kept:
+        self.paths, self.texts, self.reference_paths, sizes = [], [], [], []
+        for path, text, line, refs in kept:
             size = probed[path]
             if isinstance(size, str):
                 dropped.append({"path": path, "error": size, "line": line})
             else:
                 self.paths.append(path)
                 self.texts.append(text)
+                self.reference_paths.append(refs)
                 sizes.append(size)
         self.num_dropped = len(dropped)
         if dropped:
@@ -421,18 +423,35 @@ class BucketDataset(Dataset):
                            derive_seed(self.seed, index))
         return x if self.num_frames is not None else x[:, 0]
 
+    def load_references(self, index: int, bucket_id: int) -> torch.Tensor | None:
+        """Sample ``index``'s reference images (a folder's ``<stem>.ref*.png``), each ``center_crop_arr``-ed to
+        the bucket's (h, w): (R, 3, h, w) float32 in [-1, 1], or None where it has none.
+
+        Raises:
+            OSError / ValueError / SyntaxError: an unreadable image."""
+        if not self.reference_paths[index]:
+            return None
+        bucket = self.buckets.buckets[bucket_id]
+        refs = []
+        for path in self.reference_paths[index]:
+            with Image.open(path) as img:
+                refs.append(center_crop_arr(img.convert("RGB"), (bucket.height, bucket.width)))
+        return torch.from_numpy(np.stack(refs)).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+
     def __getitem__(self, key: tuple[int, int]) -> dict:
         from ditforge.data.video import DECODE_ERRORS
 
         index, bucket_id = key
         fits = self.fits(bucket_id)
         start = int(np.searchsorted(fits, index))
-        pos, x = load_or_substitute(start, len(fits), lambda p: self.load(int(fits[p]), bucket_id),
+        pos, (x, refs) = load_or_substitute(start, len(fits), lambda p: (self.load(int(fits[p]), bucket_id),
+                                                                         self.load_references(int(fits[p]), bucket_id)),
                                     lambda p, e: self._report_bad(int(fits[p]), e),
                                     (*DECODE_ERRORS, SyntaxError, Image.DecompressionBombError),
                                     min(16, len(fits)), "unreadable samples")
         j = int(fits[pos])
-        return {"x": x, "text": self.texts[j], "label": self._label[self.texts[j]], "index": j}
+        item = {"x": x, "text": self.texts[j], "label": self._label[self.texts[j]], "index": j}
+        return item if refs is None else item | {"references": refs}
 
     def _report_bad(self, j: int, error: Exception) -> None:
         if j not in self._bad:  # recorded once per process; never read again

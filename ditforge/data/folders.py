@@ -12,11 +12,16 @@ pipeline, buckets made from the data (``buckets.data_buckets``). Videos are ``VI
 A medium without a caption file is listed (one warning line per file, and a record in the run's
 ``bad_samples.jsonl``) and skipped; ``--caption_missing filename`` captions it with its file name in words instead
 (``red_car-2.mp4`` -> ``red car 2``, ``preprocess.stem_words``).
+
+A video's reference images for reference-image training (the adapters' ``takes_references``) are the
+``<stem>.ref*.png`` beside it (``clip.ref.png``, ``clip.ref1.png``, ...; sorted by name), which are then no samples
+of their own.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import logging
 import os
 from pathlib import Path
@@ -69,7 +74,8 @@ def folder_repeats(data: str) -> list[tuple[Path, int]]:
 
 def folder_rows(data: str, caption_missing: str = "skip", bad_samples_path: str | Path | None = None) -> list[dict]:
     """The samples of a folder of clips or a blend of them (see the module docstring): dicts ``{"path": str,
-    "text": str}``, sorted by path within each folder, each folder's listed ``repeats`` times in a row. A medium
+    "text": str}`` (and ``"reference_image"``: the paths of a video's ``<stem>.ref*.png``, where it has some),
+    sorted by path within each folder, each folder's listed ``repeats`` times in a row. A medium
     without its caption file is recorded in ``bad_samples_path`` and left out, or with ``caption_missing``
     ``"filename"`` captioned with its name in words; an unreadable caption file leaves its medium out.
 
@@ -83,17 +89,22 @@ def folder_rows(data: str, caption_missing: str = "skip", bad_samples_path: str 
         media = list_images(folder, MEDIA_EXTENSIONS)
         if not media:
             raise UserError(f"--data: {folder} holds no videos or images ({', '.join(sorted(MEDIA_EXTENSIONS))})")
+        references = {m: sorted(m.parent.glob(f"{glob.escape(m.stem)}.ref*.png")) for m in media
+                      if m.suffix.lower() in VIDEO_EXTENSIONS}
+        taken = {r for refs in references.values() for r in refs}
         found = []
-        for medium in media:
+        for medium in (m for m in media if m not in taken):
             caption = medium.with_suffix(CAPTION_SUFFIX)
+            refs = {"reference_image": [str(r) for r in references[medium]]} if references.get(medium) else {}
             if caption.is_file():
                 try:
-                    found.append({"path": str(medium), "text": caption.read_text(encoding="utf-8-sig").strip()})
+                    found.append({"path": str(medium), "text": caption.read_text(encoding="utf-8-sig").strip(),
+                                  **refs})
                 except (OSError, UnicodeDecodeError) as e:
                     dropped.append({"path": str(medium), "error": f"unreadable caption {caption.name}: "
                                                                   f"{error_text(e)}"})
             elif caption_missing == "filename":
-                found.append({"path": str(medium), "text": stem_words(medium.stem)})
+                found.append({"path": str(medium), "text": stem_words(medium.stem), **refs})
             else:
                 dropped.append({"path": str(medium), "error": f"no caption file {caption.name} beside it "
                                                               "(--caption_missing filename captions it by its name)"})

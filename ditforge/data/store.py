@@ -193,7 +193,7 @@ def _extraction_pipeline(cfg, dev: torch.device):
     """The pretrained pipeline of ``--init_from``, its encoders on ``dev``.
 
     Raises:
-        UserError: a folder of no family ditforge adapts."""
+        UserError: a folder of no family ditforge adapts; a reference-image family (``takes_references``)."""
     from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
     from ditforge.models.adapters.single_file import component_files
 
@@ -203,8 +203,12 @@ def _extraction_pipeline(cfg, dev: torch.device):
                         "of a family ditforge adapts; DiT runs take --vae and --text_encoder")
     # the denoiser encodes nothing: it stays on the host in bf16 (a 14B transformer would take 57 GB in float32 on
     # the GPU for no use); a pipeline's two experts share the VAE and encoders
-    return load_pretrained(m.init_from, dev, expert=m.expert, denoiser_device=torch.device("cpu"),
-                           denoiser_dtype=torch.bfloat16, files=component_files(m))
+    pre = load_pretrained(m.init_from, dev, expert=m.expert, denoiser_device=torch.device("cpu"),
+                          denoiser_dtype=torch.bfloat16, files=component_files(m))
+    if pre.denoiser.takes_references:  # the reference latents and control tensors are per clip and per reference
+        raise UserError(f"--init_from {m.init_from}: a {pre.pipeline_class} trains on its clips' reference images, "
+                        "which stored features do not carry; train from the clips (ditforge train --data)")
+    return pre
 
 
 def _bucket_keys(dataset, batch_size: int, bucket_file: str | None) -> list[list[tuple[int, int]]]:

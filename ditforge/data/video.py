@@ -2,7 +2,9 @@
 
 A CSV has a header row and the columns ``path`` (a video file; relative paths resolve against the CSV's
 folder) and ``text`` (its caption); an optional ``image`` column names each clip's conditioning image for
-image-to-video training (resolved the same way; an empty cell: the clip's first frame); the optional columns
+image-to-video training (resolved the same way; an empty cell: the clip's first frame); an optional
+``reference_image`` column its reference images for reference-image training (``takes_references`` families:
+``;``-separated paths resolved the same way; an empty cell: ``default_reference``); the optional columns
 ``num_frames, fps, height, width`` (written by ``ditforge preprocess``) are accepted and ignored: the container is
 opened to decode it anyway, and its own metadata is what counts. The built-in ``clips`` data set
 (``ditforge.data.clips``) is a list of the same rows.
@@ -31,6 +33,8 @@ from ditforge.errors import UserError
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mov", ".mkv", ".webm")
 REQUIRED_COLUMNS = ("path", "text")
+REFERENCE_SEPARATOR = ";"  # between the paths of a ``reference_image`` cell
+REFERENCE_STREAM = 6007  # the key that sets the default references' draws apart from every other's
 META_COLUMNS = ("num_frames", "fps", "height", "width")
 log = logging.getLogger(__name__)
 
@@ -246,8 +250,10 @@ class VideoDataset(Dataset):
     UCF101, whose captions are the action classes), ``index`` int (the sample actually returned, which is a
     substitute when ``index`` was bad); where the rows have an ``image`` column, also ``image`` (3, S, S) float32
     in [-1, 1]: that file, resized and cropped as the frames, or the clip's first frame where the cell is empty
-    (an image-to-video pipeline's first frame; ``image_paths`` holds the files, None without the column). A row
-    naming a missing image file is dropped as one with a missing video; an unreadable image makes a bad sample.
+    (an image-to-video pipeline's first frame; ``image_paths`` holds the files, None without the column); where a
+    row's ``reference_image`` cell names files, also ``references`` (R, 3, S, S) float32 in [-1, 1], each resized
+    and cropped as the frames (``reference_paths`` holds the lists). A row naming a missing image or reference
+    file is dropped as one with a missing video; an unreadable one makes a bad sample.
 
     Bad input never stops a run. Rows whose file is missing (or whose ``path`` is empty or row is cut short)
     are dropped at start, counted in ``num_dropped`` and recorded in ``bad_samples_path`` (JSON lines with the
@@ -277,6 +283,7 @@ class VideoDataset(Dataset):
         self.paths: list[str] = []
         self.texts: list[str] = []
         images: list[str | None] = []
+        self.reference_paths: list[list[str]] = []
         with_images = any("image" in row for row in rows)
         dropped = []
         for row in rows:
@@ -290,10 +297,14 @@ class VideoDataset(Dataset):
             else:
                 file = base / Path(raw).expanduser()
                 image = (row.get("image") or "").strip()
+                refs = [str(base / Path(r.strip()).expanduser())
+                        for r in (row.get("reference_image") or "").split(REFERENCE_SEPARATOR) if r.strip()]
                 if not file.is_file():
                     reason = "file not found"
                 elif image and not (base / Path(image).expanduser()).is_file():
                     reason = "image file not found"
+                elif not all(Path(r).is_file() for r in refs):
+                    reason = "reference image file not found"
             if reason is not None:
                 record = {"path": str(base / raw) if raw else "", "error": reason,
                           "row": {k: v for k, v in row.items() if k != "_line"}}
@@ -304,6 +315,7 @@ class VideoDataset(Dataset):
             self.paths.append(str(file))
             self.texts.append(text)
             images.append(str(base / Path(image).expanduser()) if image else None)
+            self.reference_paths.append(refs)
         self.num_dropped = len(dropped)
         if dropped:
             report_bad_samples(bad_samples_path, dropped, "video row")
@@ -347,29 +359,35 @@ class VideoDataset(Dataset):
             self._cache[index] = clip
         return clip
 
-    def load_with_image(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``load(index)`` and the sample's conditioning image (3, S, S) float32 in [-1, 1] (its ``image`` file,
-        else the clip's first frame), or None without an ``image`` column.
+    def _image(self, path: str) -> torch.Tensor:
+        with Image.open(path) as img:
+            arr = center_crop_arr(img.convert("RGB"), self.image_size)
+        return torch.from_numpy(arr).permute(2, 0, 1).float().div(127.5).sub(1.0)
+
+    def load_with_image(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``load(index)``, the sample's conditioning image (3, S, S) float32 in [-1, 1] (its ``image`` file,
+        else the clip's first frame; None without an ``image`` column) and its references (R, 3, S, S) float32 in
+        [-1, 1] (None where its ``reference_image`` cell names none).
 
         Raises:
             as ``load``; OSError, ValueError: an unreadable image file.
         """
         clip = self.load(index)
+        refs = self.reference_paths[index]
+        references = torch.stack([self._image(r) for r in refs]) if refs else None
         if self.image_paths is None:
-            return clip, None
+            return clip, None, references
         path = self.image_paths[index]
-        if path is None:
-            return clip, clip[:, 0]
-        with Image.open(path) as img:
-            arr = center_crop_arr(img.convert("RGB"), self.image_size)
-        return clip, torch.from_numpy(arr).permute(2, 0, 1).float().div(127.5).sub(1.0)
+        return clip, (clip[:, 0] if path is None else self._image(path)), references
 
     def __getitem__(self, index: int) -> dict:
-        j, (video, image) = load_or_substitute(index, len(self.paths), self.load_with_image, self._report_bad,
-                                               DECODE_ERRORS, self.max_substitutions, "unusable videos")
+        j, (video, image, refs) = load_or_substitute(index, len(self.paths), self.load_with_image, self._report_bad,
+                                                     DECODE_ERRORS, self.max_substitutions, "unusable videos")
         item = {"video": video, "text": self.texts[j], "label": self._label[self.texts[j]], "index": j}
         if image is not None:
             item["image"] = image
+        if refs is not None:
+            item["references"] = refs
         return item
 
     def _report_bad(self, j: int, error: Exception) -> None:
@@ -385,6 +403,25 @@ class VideoDataset(Dataset):
 # Writing videos (``ditforge sample``)
 
 MIN_DISPLAY_SIDE = 64  # written videos and GIFs are enlarged until their shorter side has at least this many pixels
+
+
+def default_reference(clip: torch.Tensor, seed: int, index: int) -> torch.Tensor:
+    """The reference image of a clip that names none (reference-image training, ``takes_references``): the centre
+    square crop, of half the clip's shorter side, of frame k of the clip, resized (bicubic, clamped) to the clip's
+    height x width; k is drawn uniformly from the T frames by ``derive_seed(seed, REFERENCE_STREAM, index)``, so a
+    sample (data index ``index``) gets the same reference on every process, epoch and resumed run.
+
+    Args:
+        clip: (3, T, H, W) float in [-1, 1].
+    Returns:
+        (3, H, W) float32 in [-1, 1].
+    """
+    _, T, H, W = clip.shape
+    k = int(np.random.default_rng(derive_seed(seed, REFERENCE_STREAM, index)).integers(0, T))
+    side = max(1, min(H, W) // 2)
+    top, left = (H - side) // 2, (W - side) // 2
+    crop = clip[:, k, top:top + side, left:left + side].float()[None]
+    return torch.nn.functional.interpolate(crop, size=(H, W), mode="bicubic", align_corners=False)[0].clamp(-1, 1)
 
 
 def display_scale(height: int, width: int) -> int:

@@ -27,6 +27,9 @@ def as_batch(raw) -> dict:
     return {"x": x, "label": label}
 
 
+PREFIX = "x0_prefix"  # conditioning's latent frames that lead x0 (reference-image families), noised and learned as x0
+
+
 class BatchEncoder:
     """Turns batches into the denoiser's inputs.
 
@@ -52,13 +55,19 @@ class BatchEncoder:
             for every batch (the image differs per clip).
         prompt_sees_image: the prompt encoder takes the first frames too (``prompt_encoder(texts, images=first)``,
             the adapter's ``prompt_sees_image``): the captions are then encoded per batch, not cached.
+        reference_encoder: reference-image pipelines (the adapter's ``takes_references``;
+            ``Pretrained.encode_references``): a function from clips (B, 3, T, H, W) and references (B, R, 3, H, W)
+            in [-1, 1] to (more conditioning keywords, the references' latent frames (B, C, R, h, w)); the
+            references are the batch's ``references`` (a video CSV's ``reference_image`` column, a clip folder's
+            ``clip.ref*.png``, else the step's ``data.video.default_reference``). The latent frames are returned
+            under ``PREFIX``: they lead the clip's latents x0.
     """
 
     def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,
                  text_length: int | None = None, class_captions: Sequence[str] | None = None,
                  prompt_encoder: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
                  image_encoder: Callable[[torch.Tensor, int], dict[str, torch.Tensor]] | None = None,
-                 prompt_sees_image: bool = False):
+                 prompt_sees_image: bool = False, reference_encoder: Callable | None = None):
         if condition not in ("class", "text"):
             raise ValueError(f"condition must be 'class' or 'text', got {condition!r}")
         self.condition = condition
@@ -67,6 +76,7 @@ class BatchEncoder:
         self.prompt_encoder = prompt_encoder
         self.image_encoder = image_encoder
         self.prompt_sees_image = prompt_sees_image
+        self.reference_encoder = reference_encoder
         self._prompts: dict[str, dict[str, torch.Tensor]] = {}
         self.text_length = text_length or (text_encoder.max_length if text_encoder is not None else None)
         self.class_captions = list(class_captions) if class_captions is not None else None
@@ -140,7 +150,12 @@ class BatchEncoder:
         """Keyword arguments of the denoiser for the condition: ``{"y": labels (B,) int64}``,
         ``{"y": states (B, L, D_text) float32, "y_mask": (B, L) bool}``, or ``prompt_encoder``'s dict (with
         ``image_encoder``'s added), on ``device``. ``noise_seeds``: B seeds for the image encoder's training noise
-        (``Pretrained.encode_image``), or None."""
+        (``Pretrained.encode_image``), or None. With ``reference_encoder``, also ``PREFIX``: the references' latent
+        frames (B, C, R, h, w) float32, which the step puts before the clip's latents (not a denoiser keyword)."""
+        if self.reference_encoder is not None and "x" in batch:
+            cond = self._text_conditioning(batch, device)
+            control, prefix = self.reference_encoder(batch["x"], batch["references"])
+            return cond | {k: v.to(device) for k, v in control.items()} | {PREFIX: prefix.to(device)}
         if self.image_encoder is None or "cond" in batch:  # stored features hold it already
             return self._text_conditioning(batch, device)
         x = batch["x"]  # (B, 3, T, H, W)
@@ -288,5 +303,6 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
     encoder = BatchEncoder("text", vae, prompt_encoder=pre.encode_prompt,
                            class_captions=getattr(dataset, "class_captions", None),
                            image_encoder=pre.encode_image if pre.denoiser.image_to_video else None,
-                           prompt_sees_image=pre.denoiser.prompt_sees_image)
+                           prompt_sees_image=pre.denoiser.prompt_sees_image,
+                           reference_encoder=pre.encode_references if pre.denoiser.takes_references else None)
     return encoder, found

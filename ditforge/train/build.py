@@ -208,13 +208,17 @@ class Run:
     grid_model: nn.Module | None = None
     grid_cond: dict | None = None
     validation: list | None = None  # --validation_prompts: the file's samples (trainer.train), fitted (resolve)
+    # this step's latent frames before the clip's (a reference-image family's, encoders.batch.PREFIX; set by
+    # step.make_micro_batches): the buckets' objectives are keyed by the clip's latent shape
+    lead_frames: int = 0
 
     def objective_of(self, x: torch.Tensor | list) -> Objective:
-        """The objective of latents ``x`` (B, C, T', h, w): their bucket's (and the active expert's side) in a
-        pipeline's bucketed run, else ``diffusion``."""
+        """The objective of latents ``x`` (B, C, lead_frames + T', h, w): their bucket's (and the active expert's
+        side) in a pipeline's bucketed run, keyed by the clip's T' x h x w, else ``diffusion``."""
         if self.objectives is None:
             return self.diffusion
-        return self.objectives[(self.experts.active if self.experts is not None else None, tuple(x.shape[2:]))]
+        shape = (x.shape[2] - self.lead_frames, *x.shape[3:])
+        return self.objectives[(self.experts.active if self.experts is not None else None, shape)]
 
     def settled(self) -> RunConfig:
         """The config as the phases so far found it: a copy with ``found`` written in, for a phase that reads what

@@ -18,6 +18,8 @@ from torch import nn
 from ditforge.config.sections import RunConfig
 from ditforge.data.packing import packed_training_losses
 from ditforge.data.sampler import derive_seed
+from ditforge.data.video import default_reference
+from ditforge.encoders.batch import PREFIX
 from ditforge.diffusion.objective import Objective
 from ditforge.parallel import clip_coefficient, clip_grad_norm_, gradient_sync
 from ditforge.optim.backward import StepInBackward
@@ -187,12 +189,20 @@ def make_micro_batches(run: Run, batch: dict, position: int) -> tuple[list[tuple
         # sample j of the global batch noises its first frame from its own stream: the same at any world size
         first = d.dp_rank * len(batch["x"])
         noise_seeds = [derive_seed(t.seed, IMAGE_NOISE_STREAM, position, first + i) for i in range(len(batch["x"]))]
+    if run.pre is not None and run.pre.denoiser.takes_references and "x" in batch and "references" not in batch:
+        batch["references"] = torch.stack([default_reference(clip, t.seed, int(i))[None]  # (B, 1, 3, H, W)
+                                           for clip, i in zip(batch["x"], batch["index"])])
     cond = inputs.conditioning(batch, device, noise_seeds)
     if run.mixed:
         x, rnd = mixed_step_inputs(inputs, batch["x"], device, t.seed, position, run.diffusion, m.class_dropout_prob,
                                    d.dp_rank * len(batch["x"]))
     else:
         mean, std = inputs.moments(batch, device)
+        prefix = cond.pop(PREFIX, None)
+        run.lead_frames = 0 if prefix is None else prefix.shape[2]
+        if prefix is not None:  # reference frames lead the clip's: clean (std 0), then noised and learned as x0
+            mean = torch.cat([prefix, mean], dim=2)
+            std = None if std is None else torch.cat([torch.zeros_like(prefix), std], dim=2)
         # the global batch and its shape: this step's bucket's with --buckets
         rnd = step_randomness(t.seed, position, len(mean) * d.dp_size, tuple(mean.shape[1:]), run.objective_of(mean),
                               m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)

@@ -141,6 +141,27 @@ class Pretrained:
         out = self.denoiser.encode_image(self.pipe, first, num_frames, images=images, **extra)
         return {k: v.float().to(self.device) for k, v in out.items()}
 
+    def encode_references(self, clips: torch.Tensor, references: torch.Tensor) -> tuple[dict[str, torch.Tensor],
+                                                                                      torch.Tensor]:
+        """Reference-image families (``denoiser.takes_references``) in training: clips (B, 3, T, H, W) and their
+        references (B, R, 3, H', W') float in [-1, 1] -> (the denoiser's control conditioning, stacked by row, and
+        the references' clean latent frames (B, C, R, h, w) float32 that lead the clip's latents x0), through the
+        adapter's ``encode_control`` with the references alone (no control video: the pipeline's zeros; no mask:
+        all ones). The leading latents are the first ``in_channels`` channels of the control at its R reference
+        frames: the references' normalised VAE posterior modes (``WanVACEPipeline.prepare_video_latents``), as
+        DiffSynth-Studio's Wan VACE training puts them before the clip's (``WanVideoUnit_InputVideoEmbedder``)."""
+        from PIL import Image
+
+        _, _, T, H, W = clips.shape
+        rows, leads = [], []
+        for refs in references:  # as uint8 PIL images, the pipeline's input (a decoded image's bytes back)
+            pixels = ((refs.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+            pil = [Image.fromarray(a) for a in pixels]
+            cond, r = self.denoiser.encode_control(self.pipe, pil, None, None, H, W, T, self.device)
+            rows.append(cond)
+            leads.append(next(iter(cond.values()))[:, :self.denoiser.in_channels, :r])
+        return {k: torch.cat([c[k] for c in rows]) for k in rows[0]}, torch.cat(leads).float()
+
 
 ONE_EXPERT = ("high_noise", "low_noise")  # --expert of one expert (config.sections.EXPERTS less "both")
 

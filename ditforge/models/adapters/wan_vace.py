@@ -5,6 +5,10 @@ reference images, a control video and its mask as diffusers' ``pipelines/wan/pip
 (``WanVACEPipeline.__call__``, ``preprocess_conditions``, ``prepare_video_latents``, ``prepare_masks``); this
 adapter calls those methods of the loaded pipeline, so the tensors are the pipeline's own.
 
+Fine-tuning (LoRA or full) builds the same control from each clip's reference images alone
+(``Pretrained.encode_references``) and puts the references' latent frames before the clip's in x0
+(``encoders.batch.PREFIX``), as DiffSynth-Studio's Wan VACE training does (``WanVideoUnit_InputVideoEmbedder``).
+
 Everything else (the UMT5 prompt, the VAE, the flow objective, the LoRA targets) is ``WanDenoiser``'s."""
 
 from __future__ import annotations
@@ -41,9 +45,6 @@ class WanVACEDenoiser(WanDenoiser):
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
         if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
             return "a Wan 2.2 VACE pipeline of two experts (ditforge takes Wan2.1-VACE's one transformer)"
-        if not sampling:  # the batch does not carry references yet, and the transformer needs its control input
-            return ("Wan2.1-VACE is sampled, not yet fine-tuned, by ditforge (its batches would need reference images "
-                    "and control latents)")
         return WanDenoiser.unsupported(pipe, sampling, expert)
 
     def denoise(self, x, t, encoder_hidden_states, control_hidden_states):
