@@ -330,7 +330,7 @@ def test_sample_loop_model_sees_original_timesteps():
 
 
 def test_unknown_sampler_raises():
-    assert set(SAMPLERS) == {"ddpm", "ddim", "dpm++", "euler"}
+    assert set(SAMPLERS) == {"ddpm", "ddim", "dpm++", "euler", "student"}
     d = create_diffusion("5", learn_sigma=False)
     for name in ("euler", "dpm++", "heun"):  # the diffusers solvers run in solver_loop, not sample_loop
         with pytest.raises(ValueError):

@@ -77,7 +77,7 @@ def test_the_phases_before_the_resolution_only_report_what_they_found(tmp_path):
     assert run.found == {"train.outputs": str(tmp_path / "run"), "parallel.plugin": "none", "model.model": "DiT-T/2",
                          "model.condition": "class", "model.text_max_length": None, "model.text_dim": None,
                          "data.image_size": 8, "data.num_frames": None, "model.in_channels": 1, "model.input_size": 8,
-                         "model.num_frames": None}
+                         "model.num_frames": None, "data.frame_interval": 3}
     run.cfg = build_config(None, flags)  # writable: resolve writes the found settings first
     resolved = resolve(run).to_dict()
     assert {key: resolved[key.split(".")[0]][key.split(".")[1]] for key in run.found} == run.found
