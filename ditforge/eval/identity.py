@@ -84,23 +84,16 @@ def identity_scores(samples: np.ndarray, references: np.ndarray, encoder: str | 
 
 
 def read_references(files: list[str]) -> np.ndarray:
-    """``--reference_image`` files, each read as RGB and resized to the first one's size (the processor resizes
-    them all again): (R, H, W, 3) uint8. Raises UserError: a missing or unreadable file."""
+    """``--reference_image`` files, each read as RGB (``data.images.open_rgb``, the one reader of a conditioning
+    image) and resized to the first one's size (the processor resizes them all again): (R, H, W, 3) uint8.
+    Raises UserError: a missing or unreadable file."""
     from PIL import Image
 
-    from ditforge.eval.readers import IMAGE_ERRORS, read_image
+    from ditforge.data.images import open_rgb
 
-    images = []
-    for f in files:
-        if not Path(f).is_file():
-            raise UserError(f"--reference_image {f}: no such file")
-        try:
-            images.append(read_image(Path(f)))
-        except IMAGE_ERRORS as e:
-            raise UserError(f"--reference_image {f}: unreadable image ({e})") from None
-    h, w = images[0].shape[:2]
-    return np.stack([i if i.shape[:2] == (h, w) else np.asarray(Image.fromarray(i).resize((w, h), Image.BICUBIC))
-                     for i in images])
+    images = [open_rgb(f, f"--reference_image {f}") for f in files]
+    size = images[0].size
+    return np.stack([np.asarray(i if i.size == size else i.resize(size, Image.BICUBIC)) for i in images])
 
 
 def read_identity_samples(source: str, num_frames: int) -> np.ndarray:
