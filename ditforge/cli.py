@@ -127,8 +127,11 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "weights before sampling")
     s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines: decode in "
                    "spatial tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode "
-                   "(less memory; default: whole frames; under torchrun, a VAE whose decode splits in one column "
-                   "strip per process, blended over 64 pixels)")
+                   "(less memory; default: whole frames); the same frames on one process or many")
+    s.add_argument("--vae_parallel", choices=("patch", "strips"), help="video pipelines under torchrun: how the "
+                   "processes share the VAE decode: patch (default: each decoder call cut into bands of rows, the "
+                   "convolutions exchanging their border rows; the frames of one process's decode) or strips (one "
+                   "column strip a process, no exchange, blended over 64 pixels: approximate)")
     s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler", "student"),
                    help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "

@@ -23,13 +23,10 @@ the same float32 operations as the pipeline's. Clips are encoded whole, in chunk
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from ditforge.encoders.frozen import FrozenModel
 from ditforge.errors import UserError
@@ -298,115 +295,6 @@ class VAE(FrozenModel):
         return (f"VAE(path={self.path!r}, latent_channels={self.latent_channels}, downsample={self.downsample}, "
                 f"scaling_factor={self.scaling_factor}, shift_factor={self.shift_factor}, dtype={self.dtype}, "
                 f"device={self.device})")
-
-
-STRIP_OVERLAP = 64  # pixels two neighbouring strips share and blend: diffusers' default tiles overlap so much
-
-
-def use_strips(vae, shape: tuple[int, ...], parts: int) -> None:
-    """Set ``vae``'s tiling to ``parts`` column strips of the latents ``shape`` (B, C, T', h, w): each strip the full
-    height and ceil(w / parts) latent columns wide plus ``STRIP_OVERLAP`` pixels of its right neighbour, blended
-    by ``tiled_decode`` as its tiles are. Against diffusers' default 256-pixel squares overlapping by a quarter
-    (1.66x the frame's area at 480 x 832 in 15 tiles), strips decode 1.08x (2 parts) or 1.23x (4 parts) of it, so a
-    process's share of the decode shrinks nearly as 1 / parts."""
-    ratio = vae.spatial_compression_ratio
-    h, w = shape[-2:]
-    stride = -(-w // parts)
-    vae.enable_tiling(tile_sample_min_height=h * ratio, tile_sample_stride_height=h * ratio,
-                      tile_sample_min_width=stride * ratio + STRIP_OVERLAP, tile_sample_stride_width=stride * ratio)
-
-
-class _Router(torch.nn.Module):
-    """Stands in for ``vae.decoder`` during ``decode_tiles_split``: each call goes to ``route(decoder, ...)``."""
-
-    def __init__(self, decoder: torch.nn.Module, route):
-        super().__init__()
-        self.decoder, self.route = decoder, route
-
-    def forward(self, x, **kwargs):
-        return self.route(self.decoder, x, **kwargs)
-
-
-@contextlib.contextmanager
-def _routed(vae, route):
-    decoder = vae.decoder
-    vae.decoder = _Router(decoder, route)
-    try:
-        yield
-    finally:
-        vae.decoder = decoder
-
-
-class _Decoded(Exception):
-    """Ends ``tiled_decode`` after a process's last tile: what it would blend is not this process's to return."""
-
-
-def _tile_calls(vae, z: torch.Tensor) -> list[tuple[int, tuple[int, ...]]]:
-    """The decoder calls diffusers' ``tiled_decode`` makes for ``z`` (B, C, T', h, w), in order: (tile index, output
-    shape) for each tile (row by row, the tiles at the strides of ``vae.tile_sample_stride_*``) and each latent
-    frame of it (the first decodes to 1 frame, each other to ``scale_factor_temporal``)."""
-    b, _, frames, h, w = z.shape
-    ratio = vae.spatial_compression_ratio
-    tile_h, tile_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
-    stride_h, stride_w = vae.tile_sample_stride_height // ratio, vae.tile_sample_stride_width // ratio
-    up_t, up_s, channels = vae.config.scale_factor_temporal, vae.config.scale_factor_spatial, vae.config.out_channels
-    calls = []
-    for i in range(0, h, stride_h):
-        for j in range(0, w, stride_w):
-            size = (min(tile_h, h - i) * up_s, min(tile_w, w - j) * up_s)
-            calls += [(len(calls) // frames, (b, channels, 1 if k == 0 else up_t, *size)) for k in range(frames)]
-    return calls
-
-
-def decode_tiles_split(vae, z: torch.Tensor, group) -> torch.Tensor | None:
-    """The VAE's own ``tiled_decode`` (the one an adapter's ``vae_split_decode`` names) of ``z`` (B, C, T', h, w) with its tiles split over the
-    processes of ``group``, as xDiT's DistVAE and ParaAttention split a VAE decode: tile k (in diffusers' order,
-    row by row) is decoded, all its frames, by process k mod P. Each process runs ``tiled_decode`` up to its last
-    tile, the decoder calls of other processes' tiles answered by zeros of their shape (``_tile_calls``; each
-    decoded shape is checked against it); the decoded calls go to process 0 (point to point), which runs
-    ``tiled_decode`` again with every decoder call answered by its recorded output: the blending, cropping and
-    clamping are diffusers' own, so the result equals the one-process tiled decode (each tile is the same
-    computation). Returns (B, 3, T, H, W) on process 0, None elsewhere.
-
-    The decoder's caches are cleared at each tile by ``tiled_decode`` itself, so skipping another process's tile
-    leaves this process's tiles unchanged. Needs a VAE without ``patch_size``."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    calls = _tile_calls(vae, z)
-    owner = [tile % world for tile, _ in calls]
-    last = max((n for n in range(len(calls)) if owner[n] == rank), default=-1)
-    mine, seen = {}, iter(range(len(calls)))
-
-    def split(decoder, x, **kwargs):
-        n = next(seen)
-        if owner[n] != rank:
-            return x.new_zeros(calls[n][1])
-        out = mine[n] = decoder(x, **kwargs)
-        if tuple(out.shape) != calls[n][1]:
-            raise RuntimeError(f"decoder call {n} gave {tuple(out.shape)}, _tile_calls expected {calls[n][1]}")
-        if n == last:
-            raise _Decoded
-        return out
-
-    if last >= 0:
-        with _routed(vae, split), contextlib.suppress(_Decoded):
-            vae.tiled_decode(z, return_dict=False)
-    if rank != 0:
-        if mine:  # a process with no tile (more processes than tiles) sends nothing
-            dist.send(torch.cat([mine[n].flatten() for n in sorted(mine)]), group=group, group_dst=0)
-        return None
-    outputs = dict(mine)
-    for src in range(1, world):
-        theirs = [n for n in range(len(calls)) if owner[n] == src]
-        if not theirs:
-            continue
-        sizes = [int(np.prod(calls[n][1])) for n in theirs]
-        flat = z.new_empty(sum(sizes))
-        dist.recv(flat, group=group, group_src=src)
-        for n, part in zip(theirs, flat.split(sizes)):
-            outputs[n] = part.view(calls[n][1])
-    replay = iter(range(len(calls)))
-    with _routed(vae, lambda decoder, x, **kwargs: outputs[next(replay)]):
-        return vae.tiled_decode(z, return_dict=False)[0]
 
 
 class IdentityVAE:

@@ -26,10 +26,11 @@ from ditforge.config.values import resolve_precision
 from ditforge.data.captions import slug
 from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
-from ditforge.encoders.vae import VAE, decode_tiles_split, use_strips
+from ditforge.encoders.vae import VAE
 from ditforge.errors import UserError
 from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
 from ditforge.parallel.mesh import Dist
+from ditforge.parallel.vae_decode import NotSplittable, decode_tiles_split, plan, split_decoder, use_strips
 from ditforge.sample.load import SampleConfig, read_control
 from ditforge.sample.write import video_file_out, write_video_file
 
@@ -92,9 +93,9 @@ class VideoSampler:
       No CUDA graphs: a step of a 480x832x81 clip of a 1.3B model takes about a second, which launches do not bound.
 
     The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; under
-    torchrun, a VAE the adapter declares splittable (``vae_split_decode``) in tiles split over all processes
-    (``encoders.vae.decode_tiles_split``): by default one column strip per process (``use_strips``); another
-    family's on process 0.
+    torchrun, a VAE the adapter declares splittable (``vae_split_decode``) over all processes, by default each
+    decoder call in bands of rows (``parallel.vae_decode.split_decoder``, the one-process frames), with
+    ``--vae_parallel strips`` one column strip a process; another family's on process 0 (``decode``).
 
     With ``cfg_group`` (a process group of 2; ``--cfg_parallel``) process 0 of the group runs the conditional pass
     and process 1 the unconditional one; the two are gathered before guidance, so every process keeps the same
@@ -127,19 +128,14 @@ class VideoSampler:
         self.vae = VAE(pipe.vae, frame_factor=denoiser.vae_frame_factor,
                        folds_pixels=denoiser.vae_folds_pixels)  # the family's latent normalisation
         vae = pipe.vae
-        self.strips = d.world_size > 1 and cfg.vae_tile is None  # else square tiles, or whole frames
-        if cfg.vae_tile and "tile_sample_stride_height" in inspect.signature(vae.enable_tiling).parameters:
-            # a VAE that states the tiles' strides
-            vae.enable_tiling(tile_sample_min_height=cfg.vae_tile, tile_sample_min_width=cfg.vae_tile,
-                              tile_sample_stride_height=cfg.vae_tile * 3 // 4,
-                              tile_sample_stride_width=cfg.vae_tile * 3 // 4)
-        elif cfg.vae_tile:  # a VAE that states the overlap as a fraction of the tile
-            vae.enable_tiling(tile_sample_min_height=cfg.vae_tile, tile_sample_min_width=cfg.vae_tile,
-                              tile_overlap_factor_height=0.25, tile_overlap_factor_width=0.25)
-        # the decode split over the processes replays the tiled_decode the adapter declares (vae_split_decode), of a
-        # VAE without patch_size
-        split = d.world_size > 1 and denoiser.vae_split_decode and getattr(vae.config, "patch_size", None) is None
-        self.decode_group = d.mesh.get_group() if split else None
+        if cfg.vae_tile:
+            enable_vae_tiles(vae, cfg.vae_tile)
+        self.vae_modules = denoiser.vae_halo_modules, denoiser.vae_whole_modules  # the adapter's, for split_decoder
+        self.split = _decode_split(d, denoiser, vae, cfg)
+        self.decode_group = d.mesh.get_group() if self.split else None
+        if self.split and d.is_main:
+            log.info("VAE decode over %d processes: %s", d.world_size,
+                     "bands of rows (exact)" if self.split == "patch" else "column strips (approximate)")
         self.cfg_group = self.cfg_rank = None
         if cfg.cfg_parallel:
             self.cfg_group = (d.sp_mesh["dp"] if d.sp_mesh is not None else d.mesh).get_group()
@@ -347,22 +343,69 @@ class VideoSampler:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the
         VAE's ``latents_mean`` / ``latents_std`` undone (``VAE.unscale``), ``vae.decode`` in the VAE's dtype; in
         spatial tiles where ``vae_tile`` is set (diffusers' ``tiled_decode``: tiles of that side overlapping by a
-        quarter, blended). Under torchrun every process calls it: the tiles, by default one column strip per
-        process (``use_strips``), are split over the processes (``decode_tiles_split``) and process 0 returns the
-        frames, the others None."""
+        quarter, blended). Under torchrun every process calls it and process 0 returns the frames, the others None:
+        each decoder call split into bands of rows over the processes (``parallel.vae_decode.split_decoder``: the
+        frames of the one-process decode), or with ``--vae_parallel strips`` one column strip a process
+        (``use_strips``, ``decode_tiles_split``); a VAE the adapter does not declare splittable on process 0."""
         vae = self.pre.pipe.vae
         z = self.vae.unscale(latents)
+        # a decoder conditioned on the decode timestep (timestep_conditioning), the call's default 0 (its decode
+        # noise, scaled by that timestep, then changes nothing)
+        temb = (z.new_zeros(z.shape[0]),) if getattr(vae.config, "timestep_conditioning", False) else ()
         with torch.no_grad():
-            if self.decode_group is not None:
-                if self.strips:
-                    use_strips(vae, z.shape, dist.get_world_size(self.decode_group))
+            if self.split == "strips":
+                use_strips(vae, z.shape, dist.get_world_size(self.decode_group))
                 return decode_tiles_split(vae, z, self.decode_group)
+            if self.split == "patch":
+                with split_decoder(vae, self.decode_group, *self.vae_modules):
+                    frames = vae.decode(z, *temb, return_dict=False)[0]
+                return frames if self.is_main else None
             if not self.is_main:
                 return None
-            # a decoder conditioned on the decode timestep (timestep_conditioning), the call's default 0 (its decode
-            # noise, scaled by that timestep, then changes nothing)
-            temb = (z.new_zeros(z.shape[0]),) if getattr(vae.config, "timestep_conditioning", False) else ()
             return vae.decode(z, *temb, return_dict=False)[0]
+
+
+def enable_vae_tiles(vae, px: int) -> None:
+    """diffusers' tiled decode for ``vae``: tiles of ``px`` pixels overlapping by a quarter (``--vae_tile``),
+    through the VAE's own ``enable_tiling``, which states either the tiles' strides or their overlap; its decode
+    tiles only frames larger than a tile."""
+    if "tile_sample_stride_height" in inspect.signature(vae.enable_tiling).parameters:
+        vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px, tile_sample_stride_height=px * 3 // 4,
+                          tile_sample_stride_width=px * 3 // 4)
+    else:
+        vae.enable_tiling(tile_sample_min_height=px, tile_sample_min_width=px, tile_overlap_factor_height=0.25,
+                          tile_overlap_factor_width=0.25)
+
+
+def _decode_split(d: Dist, denoiser, vae, cfg: SampleConfig) -> str | None:
+    """How the torchrun processes share the VAE decode: ``"patch"`` (``parallel.vae_decode.split_decoder``, the
+    default), ``"strips"`` (``--vae_parallel strips``: a VAE without ``patch_size``, whose ``tiled_decode``
+    ``decode_tiles_split`` replays), or None: one process, or a VAE the adapter does not declare splittable
+    (``vae_split_decode``) or whose decoder the patch split cannot compute exactly (said in one warning line:
+    process 0 decodes).
+
+    Raises:
+        UserError: ``--vae_parallel strips`` with ``--vae_tile`` (the strips are its tiles), or for a VAE that
+            cannot take them.
+    """
+    if cfg.vae_parallel == "strips":
+        if cfg.vae_tile is not None:
+            raise UserError("--vae_parallel strips: cuts the frames into its own tiles, one a process; drop --vae_tile")
+        if "strips" not in denoiser.vae_split_decode or getattr(vae.config, "patch_size", None) is not None:
+            raise UserError(f"--vae_parallel strips: not for {type(vae).__name__}"
+                            + (" with patch_size" if "strips" in denoiser.vae_split_decode else "")
+                            + " (decode_tiles_split does not know its tiled decode); use --vae_parallel patch")
+    if d.world_size == 1 or "patch" not in denoiser.vae_split_decode:
+        return None
+    if cfg.vae_parallel == "strips":
+        return "strips"
+    try:
+        plan(vae.decoder, denoiser.vae_halo_modules, denoiser.vae_whole_modules)
+    except NotSplittable as e:
+        if d.is_main:
+            log.warning("the VAE decode runs on process 0: the patch split cannot compute %s exactly", e)
+        return None
+    return "patch"
 
 
 def _check_quantized_attention(d: Dist, denoiser) -> None:

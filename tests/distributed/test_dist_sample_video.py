@@ -71,14 +71,14 @@ def _assert_same(got: np.ndarray, want: np.ndarray) -> None:
 
 def _strips_reference(folder: Path, parts: int) -> np.ndarray:
     """The videos of ``_argv`` drawn in this process (``VideoSampler``) and decoded by diffusers' ``tiled_decode``
-    in the column strips ``use_strips`` cuts for ``parts`` processes: what the torchrun runs' default decode must
-    give. (2, T, H, W, 3) int16."""
+    in the column strips ``use_strips`` cuts for ``parts`` processes: what the torchrun runs' ``--vae_parallel
+    strips`` must give. (2, T, H, W, 3) int16."""
     from ditforge.data.images import to_uint8
     from ditforge.data.sampler import derive_seed
     from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.parallel.mesh import Dist
     from ditforge.sample.load import SampleConfig
-    from ditforge.encoders.vae import use_strips
+    from ditforge.parallel.vae_decode import use_strips
     from ditforge.sample.video import VideoSampler
 
     pre = load_pretrained(folder, torch.device("cpu"), flag="--ckpt", sampling=True)
@@ -99,18 +99,21 @@ def test_two_processes_equal_one(folder, want, two_processes, tmp_path):
     """2 processes, in one launch, each run writing the videos of one process:
 
     - ``--sequence_parallel_size 2`` (Ulysses: each process holds 12 of the 24 tokens and 1 of the 2 heads in
-      attention) and ``--cfg_parallel`` (conditional and unconditional passes apart), with ``--vae_tile 64`` (one
-      tile covers the 16 x 48 frames: the whole-frame decode);
-    - ``--cfg_parallel --vae_tile 32`` (tiles of 32 px every 24 px: two tiles across the frames, blended over 8 px):
-      each process decodes one tile and process 0 blends them (``decode_tiles_split``) into the frames of the
-      one-process tiled decode, which differ from the whole-frame decode (the tiles are really used);
-    - ``--cfg_parallel`` alone: the default split, one column strip per process (``use_strips``), equal to the
-      one-process strips;
+      attention) and ``--cfg_parallel`` (conditional and unconditional passes apart), each decoding by default in
+      bands of rows (``parallel.vae_decode.split_decoder``: one of the 2 latent rows a process): the one-process
+      whole-frame decode;
+    - ``--cfg_parallel --vae_tile 32`` (tiles of 32 px every 24 px: two tiles across the frames, blended over 8 px),
+      each tile split in bands: the one-process tiled decode, which differs from the whole-frame decode (the tiles
+      are really used);
+    - ``--cfg_parallel --vae_parallel strips``: one column strip per process (``use_strips``), equal to the
+      one-process strips, which differ from the whole-frame decode (approximate);
     - ``--sequence_parallel_size 2 --plugin fsdp``: the transformer's weights sharded over the two (FSDP2)."""
     from ditforge import cli
 
     work, err = two_processes
     assert "ulysses 2 x ring 1" in err[0]
+    assert "VAE decode over 2 processes: bands of rows (exact)" in err[0]
+    assert "VAE decode over 2 processes: column strips (approximate)" in err[3]
     held, total = map(int, re.search(r"fsdp: (\d+) of the transformer's (\d+) weights", err[4]).groups())
     assert held <= total // 2 + 1000  # sharded: about half each (a few small tensors are cut unevenly)
     for name in ("sp", "cfg", "sp_fsdp"):
@@ -131,26 +134,24 @@ def test_taylorseer_under_cfg_parallel_and_split_tokens_equals_one_process(folde
     and the forecast steps changed them (they differ from the exact 6-step videos). First Block Cache with the
     tokens split is one line."""
     npz = tmp_path / "one.npz"
-    want = _one_process(_argv(folder, npz, *TAYLORSEER, "--vae_tile", "64"), npz)
+    want = _one_process(_argv(folder, npz, *TAYLORSEER), npz)
     for name in ("cfg_ts", "sp_ts"):
         _assert_same(np.load(two_processes[0] / f"{name}.npz")["samples"].astype(np.int16), want)
     # First Block Cache decides on each process's own tokens: a skip on one alone would hang the other
     assert "--first_block_cache: not with --sequence_parallel_size > 1" in two_processes[1][7]
-    exact = _one_process(_argv(folder, tmp_path / "exact.npz", "--num_sampling_steps", "6", "--vae_tile", "64"),
-                         tmp_path / "exact.npz")
+    exact = _one_process(_argv(folder, tmp_path / "exact.npz", "--num_sampling_steps", "6"), tmp_path / "exact.npz")
     assert np.abs(exact - want).max() > 2
 
 
 def test_four_processes_cfg_parallel_times_ulysses_equal_one(folder, want, split_folders, split_one, tmp_path):
     """4 processes: ``--cfg_parallel --sequence_parallel_size 2`` (two pairs, one per guidance half, each splitting
-    the tokens over Ulysses 2; ``--vae_tile 64``: one tile, the whole-frame decode), with the transformer's
+    the tokens over Ulysses 2; the decode in bands of rows), with the transformer's
     weights sharded over all four (``--plugin fsdp``), write the one-process videos; ring attention is refused on
     the CPU in one line. LTX-Video: text-to-video with its tokens split 4 ways (32 a process, one of its 4 heads
     each in Ulysses), image-to-video with ``--cfg_parallel --sequence_parallel_size 2``, each the one-process
     videos to one uint8 level."""
     err = torchrun_cli_many(4, tmp_path, [
-        _argv(folder, tmp_path / "both.npz", "--cfg_parallel", "--sequence_parallel_size", "2", "--vae_tile", "64",
-              "--plugin", "fsdp"),
+        _argv(folder, tmp_path / "both.npz", "--cfg_parallel", "--sequence_parallel_size", "2", "--plugin", "fsdp"),
         _argv(folder, tmp_path / "ring.npz", "--sequence_parallel_size", "4", "--sequence_parallel_type", "ring"),
         _split_argv("ltx", split_folders["ltx"], tmp_path / "ltx.npz", "--sequence_parallel_size", "4"),
         _split_argv("ltx_i2v", split_folders["ltx_i2v"], tmp_path / "ltx_i2v.npz", "--cfg_parallel",
@@ -182,15 +183,6 @@ def _split_argv(name: str, folder: Path, npz: Path, *extra: str) -> list[str]:
             *image, *extra]
 
 
-def _whole_frame_decode(name: str) -> tuple[str, ...]:
-    """``--vae_tile 64`` (one tile covers the 32 px frames: the whole-frame decode) for a family whose VAE decode
-    splits over the processes (``vae_split_decode``: by default in column strips, which the one-process decode does
-    not cut; ``test_two_processes_equal_one`` checks those), else nothing."""
-    from ditforge.models.adapters import family_of_pipeline
-
-    return ("--vae_tile", "64") if family_of_pipeline(_row(name).pipeline).vae_split_decode else ()
-
-
 @pytest.fixture(scope="module")
 def split_folders(video_folders, tmp_path_factory) -> dict[str, Path]:
     """{name: folder} of ``SPLIT``: the text-to-video rows' folders and LTX-Video's image-to-video one."""
@@ -215,19 +207,18 @@ def two_processes(folder, split_folders, tmp_path_factory) -> tuple[Path, list[s
     and with its tokens split; 7: First Block Cache with the tokens split, refused; then CogVideoX with
     ``--cfg_parallel``, and each of ``SPLIT`` with its tokens split (``<name>_sp.npz``)."""
     work = tmp_path_factory.mktemp("two")
-    one_tile = ("--vae_tile", "64")
     err = torchrun_cli_many(2, work, [
-        _argv(folder, work / "sp.npz", "--sequence_parallel_size", "2", *one_tile),
-        _argv(folder, work / "cfg.npz", "--cfg_parallel", *one_tile),
+        _argv(folder, work / "sp.npz", "--sequence_parallel_size", "2"),
+        _argv(folder, work / "cfg.npz", "--cfg_parallel"),
         _argv(folder, work / "tiles.npz", "--cfg_parallel", "--vae_tile", "32"),
-        _argv(folder, work / "strips.npz", "--cfg_parallel"),
-        _argv(folder, work / "sp_fsdp.npz", "--sequence_parallel_size", "2", "--plugin", "fsdp", *one_tile),
-        _argv(folder, work / "cfg_ts.npz", "--cfg_parallel", *TAYLORSEER, *one_tile),
-        _argv(folder, work / "sp_ts.npz", "--sequence_parallel_size", "2", *TAYLORSEER, *one_tile),
+        _argv(folder, work / "strips.npz", "--cfg_parallel", "--vae_parallel", "strips"),
+        _argv(folder, work / "sp_fsdp.npz", "--sequence_parallel_size", "2", "--plugin", "fsdp"),
+        _argv(folder, work / "cfg_ts.npz", "--cfg_parallel", *TAYLORSEER),
+        _argv(folder, work / "sp_ts.npz", "--sequence_parallel_size", "2", *TAYLORSEER),
         _argv(folder, work / "sp_fbc.npz", "--sequence_parallel_size", "2", "--first_block_cache", "0.1"),
         _split_argv("cogvideox", split_folders["cogvideox"], work / "cogvideox_cfg.npz", "--cfg_parallel"),
-        *(_split_argv(name, split_folders[name], work / f"{name}_sp.npz", "--sequence_parallel_size", "2",
-                      *_whole_frame_decode(name)) for name in SPLIT)],
+        *(_split_argv(name, split_folders[name], work / f"{name}_sp.npz", "--sequence_parallel_size", "2")
+          for name in SPLIT)],
         fails=(7,))
     return work, err
 
@@ -260,8 +251,11 @@ def test_video_tokens_split_over_two_processes_equal_one(name, split_one, two_pr
       image-to-video model's per-token timesteps; the masked caption whole on both, each cross-attention local).
       diffusers' own plan split the text and failed on the cross-attention mask's shape.
     - HunyuanVideo: the video tokens split, 16 a process; the text, cropped to each prompt's length, on both. The
-      attention itself is held to 1e-5 below."""
+      attention itself is held to 1e-5 below.
+
+    The decode is split too, in bands of rows (LTX-Video's 32 px frames are one latent row: that call runs whole)."""
     _assert_like(np.load(two_processes[0] / f"{name}_sp.npz")["samples"], split_one[name], name)
+    assert "VAE decode over 2 processes: bands of rows (exact)" in two_processes[1][9 + SPLIT.index(name)]
 
 
 def test_cogvideox_cfg_parallel_equals_one(split_one, two_processes):

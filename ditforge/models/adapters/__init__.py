@@ -67,8 +67,15 @@ class DiffusersDenoiser(nn.Module):
             keeping the first apart only when their count is odd.
         vae_folds_pixels: the VAE's config states its input channels after folding ``patch_size`` x ``patch_size``
             pixels into them (``encoders.VAE``'s ``folds_pixels``).
-        vae_split_decode: the VAE's ``tiled_decode`` is the one ``encoders.vae.decode_tiles_split`` replays with its
-            tiles split over the processes (a VAE without ``patch_size``); False: each process decodes whole.
+        vae_split_decode: how the VAE's decode may be split over the processes of torchrun (``sample.video``):
+            ``"patch"``, each decoder call cut into bands of rows (``parallel.vae_decode.split_decoder``, exact;
+            with ``vae_halo_modules`` and ``vae_whole_modules``); ``"strips"``, its ``tiled_decode`` is the one
+            ``parallel.vae_decode.decode_tiles_split`` replays with one column strip a process (approximate; a VAE
+            without ``patch_size``). (): process 0 decodes.
+        vae_halo_modules: class names of the VAE decoder's layers that pad their own input before an unpadded
+            convolution (the causal convolutions): the patch split gives each its halo rows as a whole.
+        vae_whole_modules: class names of the decoder's layers that see the whole frame (attention): the patch split
+            runs them on the gathered rows.
         embedded_guidance: guidance-distilled (HunyuanVideo): the guidance scale is an input of one pass
             (``denoise(..., guidance=1000 scale)``), not a second, unconditional pass.
         takes_references: the conditioning includes reference images, and optionally a control video and its mask
@@ -119,7 +126,9 @@ class DiffusersDenoiser(nn.Module):
     attention_calls_sdpa = False
     vae_frame_factor = 1
     vae_folds_pixels = False
-    vae_split_decode = False
+    vae_split_decode: tuple[str, ...] = ()  # "patch", "strips": how torchrun's processes may share the VAE decode
+    vae_halo_modules: tuple[str, ...] = ()
+    vae_whole_modules: tuple[str, ...] = ()
     # every self-attention call carries a mask: sampling crops the padding it hides (trim_padding) and, with the
     # masks then full, drops them (dispatch.unmask_full_attention), so the fast and 8-bit kernels take the calls
     masked_self_attention = False

@@ -58,6 +58,7 @@ class CogVideoXDenoiser(DiffusersDenoiser):
     # (1 + 2 (T' - 1)), so only an odd T' decodes back to 4 (T' - 1) + 1 frames: clips of 8k + 1 frames
     # (49 -> 13 -> 49; 5 -> 2 -> 8)
     vae_frame_factor = 2
+    vae_split_decode = ("patch",)  # AutoencoderKLCogVideoX: its convs pad their rows themselves; group norms
 
     def __init__(self, model, vae_scale: int = 8):
         super().__init__(model, vae_scale)

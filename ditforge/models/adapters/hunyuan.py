@@ -127,6 +127,11 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
     cp_text = "joint"  # [video; text], at diffusers' dispatcher
     fps = 24  # HunyuanVideo is trained on (and exports) 24 fps clips
     original_layouts = {"transformer": HUNYUAN_VIDEO_TRANSFORMER}
+    # AutoencoderKLHunyuanVideo: HunyuanVideoCausalConv3d pads (replicate) before its unpadded conv; the mid block's
+    # attention is over all the frames' pixels, so the mid block runs whole
+    vae_split_decode = ("patch",)
+    vae_halo_modules = ("HunyuanVideoCausalConv3d",)
+    vae_whole_modules = ("HunyuanVideoMidBlock3D",)
 
     @staticmethod
     def split_hooks(transformer, group):

@@ -90,6 +90,7 @@ class LTXDenoiser(DiffusersDenoiser):
     video = True
     fps = 25  # LTX-Video is trained on (and exports) 25 fps clips
     original_layouts = {"transformer": LTX_VIDEO_TRANSFORMER, "vae": LTX_VIDEO_VAE}
+    vae_split_decode = ("patch",)  # AutoencoderKLLTXVideo: its convs pad their rows themselves (refused: decode noise)
     context_parallel = ("sample", "train")
     cp_plan = staticmethod(whole_text_plan)  # parallel.context: the video tokens split, the (masked) text whole
     cp_text = "cross"  # each cross-attention over the whole text on every process

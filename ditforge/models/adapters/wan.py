@@ -7,8 +7,9 @@ trained with flow matching (its ``UniPCMultistepScheduler`` runs on flow sigmas 
 
 The VAE, ``AutoencoderKLWan`` (``encoders.VAE``), takes clips of 4k + 1 frames (``pipeline_wan.py``'s rule,
 ``num_frames % 4 == 1``) and normalises each latent channel by its config's ``latents_mean`` / ``latents_std``: the
-tensors ``pipeline_wan.py`` builds to un-normalise, ``latents / (1 / latents_std) + latents_mean``. Its
-``tiled_decode`` is the one ``encoders.vae.decode_tiles_split`` replays over the processes (Wan 2.1's, without
+tensors ``pipeline_wan.py`` builds to un-normalise, ``latents / (1 / latents_std) + latents_mean``. Under
+torchrun its decode splits in bands of rows (``parallel.vae_decode``: ``WanCausalConv3d`` pads its rows itself, the
+mid block's attention sees the whole frame), or its ``tiled_decode`` in column strips (Wan 2.1's, without
 ``patch_size``).
 
 The original layouts (``WAN_TRANSFORMER``, ``WAN_VAE``) are the inverses of diffusers'
@@ -101,7 +102,11 @@ class WanDenoiser(DiffusersDenoiser):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_embeds = {"encoder_hidden_states": "prompt_embeds"}
 
-    vae_split_decode = True  # AutoencoderKLWan.tiled_decode, when its VAE has no patch_size (Wan 2.1's)
+    # AutoencoderKLWan: WanCausalConv3d pads (zeros) in its forward, its conv has none; the mid block's attention is
+    # over each whole frame; the strips replay its tiled_decode, when its VAE has no patch_size (Wan 2.1's)
+    vae_split_decode = ("patch", "strips")
+    vae_halo_modules = ("WanCausalConv3d",)
+    vae_whole_modules = ("WanAttentionBlock",)
     vae_folds_pixels = True  # Wan 2.2's VAE states in_channels after folding its patch_size^2 pixels (12 = 3 x 2 x 2)
     original_layouts = {"transformer": WAN_TRANSFORMER, "vae": WAN_VAE}
 
