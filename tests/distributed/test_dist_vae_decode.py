@@ -32,6 +32,11 @@ def _vaes():
         torch.manual_seed(0)
         return build().eval()
 
+    yield "hunyuan", HunyuanVideoDenoiser, seeded(lambda: diffusers.AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+        act_fn="silu", norm_num_groups=4, spatial_compression_ratio=8, temporal_compression_ratio=4,
+        mid_block_add_attention=True)), (4, 2, 5, 7), (None, 32)
     # 5 x 7 latent rows x columns (40 x 56 px): tiles of 32 overlap, 64 cover them; 4 x 7 (32 px tall) with 32: one
     # tile high, two across
     yield "wan", WanDenoiser, seeded(lambda: diffusers.AutoencoderKLWan(
@@ -54,11 +59,7 @@ def _vaes():
         decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, False, False),
         decoder_spatio_temporal_scaling=(True, True, False, False), decoder_inject_noise=(False,) * 5)), \
         (8, 2, 5, 3), (None,)
-    yield "hunyuan", HunyuanVideoDenoiser, seeded(lambda: diffusers.AutoencoderKLHunyuanVideo(
-        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-        act_fn="silu", norm_num_groups=4, spatial_compression_ratio=8, temporal_compression_ratio=4,
-        mid_block_add_attention=True)), (4, 2, 5, 7), (None, 32)
+
 
 
 def _worker(rank: int, port: int, results) -> None:
@@ -112,3 +113,31 @@ def test_split_decode_equals_one_process():
         assert got == want and std > 0.05, (name, tile)
         assert err <= TOLERANCE, f"{name} tile {tile} on {size} processes: {err:.2e}"
         assert fewest < whole, f"{name} tile {tile} on {size} processes: not split ({fewest} of {whole} rows)"
+
+
+def test_plan_refuses_what_it_cannot_split_exactly():
+    """``plan`` names the first layer the row split cannot compute exactly, before anything changes: LTX-Video's
+    decode noise (a random field of the whole frame's size), HunyuanVideo's replicate-padded convolutions and mid-block
+    attention when the adapter's names are not given, a row-strided convolution; the adapters' own names pass."""
+    import diffusers
+
+    from ditforge.parallel.vae_decode import NotSplittable, plan
+
+    name, family, hunyuan, _, _ = next(_vaes())  # the first built
+    assert name == "hunyuan"
+    kinds = [kind for _, kind, _ in plan(hunyuan.decoder, family.vae_halo_modules, family.vae_whole_modules)]
+    assert kinds.count("whole") == 1 and kinds.count("norm") > 5 and kinds.count("halo") > 5
+    with pytest.raises(NotSplittable, match=r"decoder\.conv_in\.conv \(Conv3d\): a convolution of 3 rows padded by"):
+        plan(hunyuan.decoder)
+    with pytest.raises(NotSplittable, match=r"attention"):
+        plan(hunyuan.decoder, family.vae_halo_modules)
+    torch.manual_seed(0)
+    noisy = diffusers.AutoencoderKLLTXVideo(
+        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1), decoder_inject_noise=(True,) * 5)
+    with pytest.raises(NotSplittable, match="spatial noise"):
+        plan(noisy.decoder)
+    strided = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, stride=2, padding=1))
+    with pytest.raises(NotSplittable, match="at stride 2"):
+        plan(strided)
