@@ -41,7 +41,8 @@ def to_original(state: Mapping[str, torch.Tensor], layout: OriginalLayout) -> di
 
     Raises:
         TypeError: a fused tensor whose parts are not all in ``state``, or two names that map to one original
-            name (the layout's declaration is wrong, or ``state`` is no model of its class).
+            name (the layout's declaration is wrong, or ``state`` is no model of its class); a layout ditforge only
+            reads (an original name needs an index the diffusers name drops, ``original_name``).
     """
     out: dict[str, torch.Tensor] = {}
     for name in state:
