@@ -161,7 +161,7 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "its transformer_2 (the low-noise expert), as --transformer")
     s.add_argument("--text_encoder", help="with a diffusers pipeline folder as --ckpt: a single file in place of "
                    "its text_encoder (transformers' keys, as ComfyUI's text encoder files; fp8 and scaled fp8 "
-                   "included)")
+                   "included; or the original release's .pth torch pickle)")
     s.add_argument("--save_npz", help="with --out (or for text models): also write samples (N,H,W,C or "
                    "N,T,H,W,C uint8) and labels (N,) or prompts (N,) to this .npz; without --out (class models): "
                    "evaluation-scale sampling into this .npz only, in the ADM evaluator's layout (arr_0: N,H,W,3 "

@@ -70,7 +70,8 @@ class ModelConfig(_Freezable):
     text_encoder: str | None = _f(None, "local Hugging Face folder of the caption encoder (T5, CLIP or BERT-like; "
                                         "default: the shipped all-MiniLM-L6-v2); with a pipeline --init_from: a "
                                         "single file (.safetensors, transformers' keys; ComfyUI's, fp8 and scaled "
-                                        "fp8 included) in place of the pipeline's text_encoder")
+                                        "fp8 included; or the original release's .pth torch pickle) in place of "
+                                        "the pipeline's text_encoder")
     text_max_length: int | None = _f(None, "caption tokens kept, special tokens included (default: the "
                                            "encoder's: T5 120, CLIP 77, MiniLM 256)")
     vae: str = _f("none", "local diffusers AutoencoderKL folder (e.g. sd-vae-ft-ema) to train on its latents "

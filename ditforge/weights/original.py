@@ -2,28 +2,17 @@
 and fused tensors of the family's own code, which ComfyUI reads too), read off the adapter's declarations
 (``DiffusersDenoiser.original_layouts``, ``models.adapters.layouts.OriginalLayout``; a single file's layout is
 recognised by ``layouts.find_layout``). diffusers converts the other way (``loaders/single_file_utils.py``), and
-reads what ``to_original`` writes (``from_single_file``), which the tests check."""
+reads what ``to_original`` writes (``from_single_file``), which the tests check; a layout diffusers has no converter
+of is read by ``layouts.from_original``."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
 
 from ditforge.models.adapters import families
-from ditforge.models.adapters.layouts import OriginalLayout
-
-
-
-def _pattern(template: str) -> re.Pattern:
-    parts = re.split(r"\{(\w+)\}", template)  # literal, field, literal, field, ...
-    return re.compile("".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>.+?)" for i, p in enumerate(parts)))
-
-
-def _match(template: str, name: str) -> dict[str, str] | None:
-    found = _pattern(template).fullmatch(name)
-    return None if found is None else found.groupdict()
+from ditforge.models.adapters.layouts import OriginalLayout, declared, match, swap_halves, swapped
 
 
 def original_name(name: str, layout: OriginalLayout) -> tuple[str, int, tuple[str, ...]]:
@@ -31,23 +20,18 @@ def original_name(name: str, layout: OriginalLayout) -> tuple[str, int, tuple[st
     fused tensor, the diffusers names of all the parts)``; a tensor of its own is part 0 of ``(name,)``."""
     for original, parts in layout.fused:
         for index, part in enumerate(parts):
-            fields = _match(part, name)
+            fields = match(part, name)
             if fields is not None:
                 return original.format(**fields), index, tuple(p.format(**fields) for p in parts)
     for ours, theirs in layout.renames:
-        fields = _match(ours, name)
+        fields = match(ours, name)
         if fields is not None:
-            return theirs.format(**fields), 0, (name,)
+            try:
+                return theirs.format(**fields), 0, (name,)
+            except KeyError as e:  # an original index the diffusers name drops: the layout is read only
+                raise TypeError(f"{layout.name}: {theirs} needs {e}, which {name} does not give (a layout ditforge "
+                                "reads, never writes)") from None
     return name, 0, (name,)
-
-
-def _swapped(original: str, layout: OriginalLayout) -> bool:
-    return any(_match(t, original) is not None for t in layout.swapped)
-
-
-def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
-    first, second = tensor.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
 
 
 def to_original(state: Mapping[str, torch.Tensor], layout: OriginalLayout) -> dict[str, torch.Tensor]:
@@ -57,7 +41,8 @@ def to_original(state: Mapping[str, torch.Tensor], layout: OriginalLayout) -> di
 
     Raises:
         TypeError: a fused tensor whose parts are not all in ``state``, or two names that map to one original
-            name (the layout's declaration is wrong, or ``state`` is no model of its class).
+            name (the layout's declaration is wrong, or ``state`` is no model of its class); a layout ditforge only
+            reads (an original name needs an index the diffusers name drops, ``original_name``).
     """
     out: dict[str, torch.Tensor] = {}
     for name in state:
@@ -70,7 +55,7 @@ def to_original(state: Mapping[str, torch.Tensor], layout: OriginalLayout) -> di
         if missing:
             raise TypeError(f"{layout.name}: {original} fuses {', '.join(parts)}; {', '.join(missing)} missing")
         tensor = state[name] if len(parts) == 1 else torch.cat([state[p] for p in parts], dim=0)
-        out[original] = _swap_halves(tensor) if _swapped(original, layout) else tensor
+        out[original] = swap_halves(tensor) if swapped(original, layout) else tensor
     return {layout.prefix + k: v for k, v in out.items()} if layout.prefix else out
 
 
@@ -118,8 +103,8 @@ def lora_to_original(lora: Mapping[str, torch.Tensor], layout: OriginalLayout, a
             block = lora[f"{module}.lora_B.weight"]
             b[row:row + block.shape[0], col:col + rank] = block
             row, col = row + block.shape[0], col + rank
-        if _swapped(f"{original}.weight", layout):
-            b = _swap_halves(b)
+        if swapped(f"{original}.weight", layout):
+            b = swap_halves(b)
         out[f"{original}.lora_A.weight"] = torch.cat(a, dim=0)
         out[f"{original}.lora_B.weight"] = b
         out[f"{original}.alpha"] = torch.tensor(float(alpha) * len(a), dtype=torch.float32)
@@ -127,11 +112,11 @@ def lora_to_original(lora: Mapping[str, torch.Tensor], layout: OriginalLayout, a
 
 
 def known_layouts(component: str) -> dict[str, OriginalLayout]:
-    """The original layouts the adapters declare for ``component`` (``transformer``, ``vae``), each once, under the
-    first family (in the registry's order) that declares it: family -> layout."""
+    """The original layouts the adapters declare for ``component`` (``transformer``, ``vae``, ``text_encoder``),
+    each once, in the registry's order of the families and each family's own order (``layouts.declared``): the
+    layout's name -> the layout."""
     out: dict[str, OriginalLayout] = {}
-    for family, cls in families().items():
-        layout = cls.original_layouts.get(component)
-        if layout is not None and layout not in out.values():
-            out[family] = layout
+    for cls in families().values():
+        for layout in declared(cls.original_layouts, component):
+            out.setdefault(layout.name, layout)
     return out

@@ -14,7 +14,7 @@ from ditforge.errors import UserError
 from ditforge.models.adapters.hunyuan import HunyuanVideoDenoiser
 from ditforge.models.adapters.ltx import LTXDenoiser
 from ditforge.models.adapters.wan import WanDenoiser
-from ditforge.models.adapters.layouts import find_layout
+from ditforge.models.adapters.layouts import declared, find_layout
 from ditforge.weights.original import known_layouts, lora_to_original, to_original
 from tiny_pipelines import LTX_VAE_090  # tests/finetune is on sys.path
 
@@ -44,6 +44,13 @@ MODELS = {
 PREFIXED = ("wan", "ltx")
 
 
+def _layout(name: str):
+    """The layout ``MODELS[name]`` is written in: its adapter's for the component (Wan's VAE: 2.1's, the last; 2.2's
+    diffusers has no converter of, test_single_file_originals.py reads it)."""
+    _, adapter, component, _ = MODELS[name]
+    return declared(adapter.original_layouts, component)[-1]
+
+
 def _random_model(name: str, folder):
     """The tiny model ``MODELS[name]``, every parameter and stored buffer (LTX-Video's ``latents_mean`` /
     ``latents_std``) drawn N(0, 1) (no default init left to hide a wrong map), saved to ``folder`` for its config."""
@@ -71,7 +78,7 @@ def test_original_layout_reads_back_through_diffusers(name, tmp_path):
     cls, adapter, component, _ = MODELS[name]
     model = _random_model(name, tmp_path / "model")
     state = model.state_dict()
-    original = to_original(state, adapter.original_layouts[component])
+    original = to_original(state, _layout(name))
     convert = {"wan": sfu.convert_wan_transformer_to_diffusers, "wan_vae": sfu.convert_wan_vae_to_diffusers,
                "hunyuan_video": sfu.convert_hunyuan_video_transformer_to_diffusers,
                "ltx": sfu.convert_ltx_transformer_checkpoint_to_diffusers,
@@ -93,7 +100,7 @@ def test_lora_in_the_original_layout_is_the_update_of_the_original_weights(name,
     original weight, B A alpha / rank of ``lora_to_original`` equals ``to_original`` of the weights with the
     updates added, minus ``to_original`` of the weights (to 1e-6); the weights without an update get no entry."""
     _, adapter, component, _ = MODELS[name]
-    layout = adapter.original_layouts[component]
+    layout = _layout(name)
     model = _random_model(name, tmp_path / "model")
     state = model.state_dict()
     g = torch.Generator().manual_seed(11)
@@ -154,18 +161,24 @@ def test_hunyuan_single_blocks_at_their_real_width():
 
 def test_layouts_are_told_apart_by_their_keys(tmp_path):
     """``known_layouts`` holds each declared layout once (the transformers of Wan, HunyuanVideo and LTX-Video;
-    the VAEs of Wan and LTX-Video); ``find_layout`` names each one from a file's keys, with or without a prefix
-    (LTX-Video's VAE: its release's ``vae.`` too, or none, as ComfyUI's VAE files), and refuses diffusers' own names
-    in one line that lists the known layouts."""
-    assert list(known_layouts("transformer")) == ["wan", "ltx", "hunyuan_video"]
-    assert list(known_layouts("vae")) == ["wan", "ltx"]
-    for name, (_, cls, component, _) in MODELS.items():
-        layouts, declared = known_layouts(component), cls.original_layouts[component]
+    the VAEs of Wan 2.2, Wan 2.1 and LTX-Video, Wan 2.2's first; Wan's UMT5 encoder); ``find_layout`` names each one
+    from a file's keys, with or without a prefix (LTX-Video's VAE: its release's ``vae.`` too, or none, as ComfyUI's
+    VAE files), and refuses diffusers' own names in one line that lists the known layouts."""
+    from ditforge.models.adapters.hunyuan import HUNYUAN_VIDEO_TRANSFORMER
+    from ditforge.models.adapters.ltx import LTX_VIDEO_TRANSFORMER, LTX_VIDEO_VAE
+    from ditforge.models.adapters.wan import WAN22_VAE, WAN_TRANSFORMER, WAN_UMT5, WAN_VAE
+
+    expected = {"transformer": (WAN_TRANSFORMER, LTX_VIDEO_TRANSFORMER, HUNYUAN_VIDEO_TRANSFORMER),
+                "vae": (WAN22_VAE, WAN_VAE, LTX_VIDEO_VAE), "text_encoder": (WAN_UMT5,)}
+    for component, layouts in expected.items():
+        assert known_layouts(component) == {layout.name: layout for layout in layouts}
+    for name, (_, _, component, _) in MODELS.items():
+        layouts, mine = known_layouts(component), _layout(name)
         model = _random_model(name, tmp_path / name)
-        original = [k.removeprefix(declared.prefix) for k in to_original(model.state_dict(), declared)]
-        for prefix in ("", "model.diffusion_model.", *([declared.prefix] if declared.prefix else [])):
+        original = [k.removeprefix(mine.prefix) for k in to_original(model.state_dict(), mine)]
+        for prefix in ("", "model.diffusion_model.", *([mine.prefix] if mine.prefix else [])):
             key, layout, found = find_layout([prefix + k for k in original], layouts, "--transformer F")
-            assert (key, layout, found) == (cls.family, declared, prefix)
+            assert (key, layout, found) == (mine.name, mine, prefix)
         with pytest.raises(UserError) as error:
             find_layout(model.state_dict(), layouts, "--transformer F")
         message = str(error.value)

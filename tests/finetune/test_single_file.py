@@ -34,9 +34,10 @@ def _adapter(family: str):
 
 
 def _original(model, family: str, component: str) -> dict[str, torch.Tensor]:
+    from ditforge.models.adapters.layouts import declared
     from ditforge.weights.original import to_original
 
-    layout = _adapter(family).original_layouts[component]
+    layout = declared(_adapter(family).original_layouts, component)[-1]  # Wan's VAE: 2.1's (2.2's is read only)
     return {k: v.contiguous() for k, v in to_original(model.state_dict(), layout).items()}
 
 
@@ -327,7 +328,8 @@ def test_text_encoder_file(wan_pipeline, tmp_path):
 
 def test_unknown_layout_is_one_line(wan_pipeline, tmp_path, capsys):
     """A file whose keys are none of the known layouts: exit 2, one line naming the flag, the file and the layouts
-    ditforge knows (from ``train`` and from ``sample``); a single file without a pipeline folder to go in, one line
+    ditforge knows (from ``train`` and from ``sample``: the transformer's, both Wan VAEs', the text encoder's); a
+    single file without a pipeline folder to go in, one line
     too."""
     path = tmp_path / "other.safetensors"
     save_file({"unet.conv_in.weight": torch.zeros(2, 2)}, str(path))
@@ -335,7 +337,10 @@ def test_unknown_layout_is_one_line(wan_pipeline, tmp_path, capsys):
     assert_one_line_error(capsys, argv, f"--transformer {path}", "unknown layout", "diffusers' WanTransformer3DModel",
                           "Wan 2.1 / 2.2 transformer")
     assert_one_line_error(capsys, ["sample", "--ckpt", str(wan_pipeline), "--prompt", "a", "--vae", str(path),
-                                   "--device", "cpu"], f"--vae {path}", "unknown layout", "Wan 2.1 VAE")
+                                   "--device", "cpu"], f"--vae {path}", "unknown layout", "Wan 2.2 VAE", "Wan 2.1 VAE")
+    assert_one_line_error(capsys, ["sample", "--ckpt", str(wan_pipeline), "--prompt", "a", "--text_encoder",
+                                   str(path), "--device", "cpu"], f"--text_encoder {path}", "unknown layout",
+                          "transformers' UMT5EncoderModel keys", "Wan's UMT5 encoder")
     assert_one_line_error(capsys, ["train", "--transformer", str(path), "--device", "cpu"], f"--transformer {path}",
                           "give that folder as --init_from")
 

@@ -8,15 +8,17 @@ Layouts (``load_component``; the family's facts are its adapter's declaration ``
 * diffusers': the keys of the component's own ``state_dict`` (a folder's weights file taken alone);
 * the original release's: one of the layout's ``detect`` keys is there (e.g. a transformer's output modulation);
   a release's ``diffusion_pytorch_model-0000K-of-0000N.safetensors`` shards are read through their
-  ``.index.json`` (either file may be given), a torch pickle (a VAE's ``.pth``) through
-  ``torch.load(mmap=True, weights_only=True)``;
+  ``.index.json`` (either file may be given), a torch pickle (a VAE's or a text encoder's ``.pth``) through
+  ``torch.load(mmap=True, weights_only=True)``; a component may have several (Wan 2.1's and 2.2's VAEs), tried in
+  the adapter's order;
 * ComfyUI's: the original keys, with or without a prefix (``layouts.PREFIXES``: ``model.diffusion_model.``; a
   VAE's without the ``vae.`` its release's checkpoint gives it, ``OriginalLayout.prefix``), in
   bf16, fp16 or float8 e4m3, "scaled" float8 included: a ``scaled_fp8`` marker tensor and a float32
   ``<layer>.scale_weight`` scalar per float8 weight, whose value is ``weight x scale_weight`` (ComfyUI
   ``comfy/model_detection.py`` ``model_config_from_unet`` reads the marker, ``comfy/ops.py`` ``scaled_fp8_ops``
   ``convert_weight`` multiplies);
-* a text encoder: transformers' keys of its class (ComfyUI's ``umt5_xxl_*.safetensors`` are so).
+* a text encoder: transformers' keys of its class (ComfyUI's ``umt5_xxl_*.safetensors`` are so), or its original
+  release's where the adapter declares one (Wan's ``models_t5_umt5-xxl-enc-bf16.pth``).
 
 Reading is lazy, tensor by tensor (safetensors ``safe_open``), each tensor cast on its own to the load dtype, so
 host memory peaks at the loaded model plus one tensor (``benchmarks/single_file.py`` measures it). A scaled float8
@@ -25,8 +27,9 @@ caller keeps float8 (``keep_fp8``: ``--fp8_base``) a float8 tensor stays float8,
 beside it (the layer's ``scale_weight``), applied when the float8 base upcasts it.
 
 The keys are converted by diffusers' own converter of the class, the one ``from_single_file`` calls
-(``SINGLE_FILE_LOADABLE_CLASSES[class]["checkpoint_mapping_fn"]``), and the tensors are assigned to the model built
-on the meta device from the folder's config (``load_state_dict(assign=True)``). ``from_single_file`` itself is not
+(``SINGLE_FILE_LOADABLE_CLASSES[class]["checkpoint_mapping_fn"]``), or, for a layout diffusers has no converter of
+(``OriginalLayout.diffusers_converts`` False), by the layout's renames inverted (``layouts.from_original``), and the
+tensors are assigned to the model built on the meta device from the folder's config (``load_state_dict(assign=True)``). ``from_single_file`` itself is not
 called: it casts every floating tensor to one dtype (``load_model_dict_into_meta``, then ``model.to(torch_dtype)``),
 which would upcast a float8 file's weights and, from a file, read the whole state dict before casting it.
 """
@@ -42,7 +45,7 @@ from pathlib import Path
 import torch
 
 from ditforge.errors import UserError
-from ditforge.models.adapters.layouts import find_layout
+from ditforge.models.adapters.layouts import declared, find_layout, from_original
 
 # The components a single file may replace, each with its flag (the same name).
 COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder")
@@ -141,8 +144,10 @@ def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, fa
     library, cls_name = kind
     cls = getattr(diffusers if library == "diffusers" else transformers, cls_name)
     sub = str(folder / name)
-    layouts = {k: v for k, v in family.original_layouts.items() if k == name.removesuffix("_2")}  # 2nd expert: 1st's
-    convert = SINGLE_FILE_LOADABLE_CLASSES.get(cls_name, {}).get("checkpoint_mapping_fn") if layouts else None
+    layouts = declared(family.original_layouts, name.removesuffix("_2"))  # the 2nd expert: the 1st's
+    convert = SINGLE_FILE_LOADABLE_CLASSES.get(cls_name, {}).get("checkpoint_mapping_fn")
+    # the layouts there is a reader of: diffusers' converter of the class, or the layout's own renames
+    usable = {layout.name: layout for layout in layouts if convert or not layout.diffusers_converts}
     with ExitStack() as stack:
         keys, get = _open(path, flag, stack)
         with init_empty_weights():
@@ -152,14 +157,13 @@ def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, fa
             else:
                 config = transformers.AutoConfig.from_pretrained(sub, local_files_only=True)
                 model = cls(config)
-        usable = layouts if convert else {}
         try:  # an original layout's mark first: some original names are diffusers' too (patch_embedding)
             _, layout, prefix = find_layout(keys, usable, f"{flag} {file}")
             original = True
         except UserError:
             original, layout, prefix = False, None, ""
             if not set(keys) & set(model.state_dict()):
-                known = [f"{library}' {cls_name} keys"] + [layout.name for layout in usable.values()]
+                known = [f"{library}' {cls_name} keys"] + list(usable)
                 raise UserError(f"{flag} {file}: an unknown layout for the folder's {cls_name} (known: "
                                 f"{'; '.join(known)})") from None
         if original and layout.prefix:  # its own tensors alone: a release's checkpoint holds the transformer too
@@ -168,7 +172,9 @@ def load_component(folder: Path, name: str, kind: tuple[str, str], file: str, fa
         state = dict(_tensors(keys, get, prefix, dtype, keep_fp8, kept))
     if original and layout.prefix:  # under the prefix diffusers' converter expects, which ComfyUI's files lack
         state = {layout.prefix + k: v for k, v in state.items()}
-    if original:  # a split fused tensor is a view: made contiguous, as from_single_file does
+    if original and not layout.diffusers_converts:  # renamed by the layout itself, the tensors as read
+        state = from_original(state, layout)
+    elif original:  # a split fused tensor is a view: made contiguous, as from_single_file does
         state = {k: v.contiguous() for k, v in convert(checkpoint=state, config=config).items()}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

@@ -17,8 +17,10 @@ The original layouts (``WAN_TRANSFORMER``, ``WAN_VAE``) are the inverses of diff
 and ComfyUI's repackaged ``wan2.1_*.safetensors`` / ``wan2.2_*.safetensors``: Wan 2.1 T2V / I2V with its image
 embedder, 2.2 TI2V-5B and both A14B experts, one layout) and ``convert_wan_vae_to_diffusers`` (``Wan2.1_VAE.pth``,
 ComfyUI's ``wan_2.1_vae.safetensors``: 4 stages of 2 residual blocks, the decoder's 3 a stage and an upsampler in one
-flat list of 15). Wan 2.2's VAE (48 channels, residual down and up blocks) is not in that converter, so it has
-no layout here."""
+flat list of 15). Two more, which diffusers has no single-file converter of, are read by their renames inverted
+(``diffusers_converts`` False): Wan 2.2's VAE (``WAN22_VAE``: TI2V-5B's 48 channels, residual down and up blocks;
+``Wan2.2_VAE.pth``, ComfyUI's ``wan2.2_vae.safetensors``) and Wan's own UMT5 text encoder file (``WAN_UMT5``,
+``models_t5_umt5-xxl-enc-bf16.pth``)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,17 @@ WAN_TRANSFORMER = OriginalLayout(
 _RESIDUAL = {"norm1.": "residual.0.", "conv1.": "residual.2.", "norm2.": "residual.3.", "conv2.": "residual.6.",
              "conv_shortcut.": "shortcut."}
 
+# what Wan 2.1's and 2.2's VAEs share: the middle blocks, the heads, the first convolutions and the quant convs
+_VAE_ENDS = tuple(rule for coder in ("encoder", "decoder") for rule in (
+    *renamed({f"{coder}.mid_block.resnets.0.": f"{coder}.middle.0.",
+              f"{coder}.mid_block.resnets.1.": f"{coder}.middle.2."}, _RESIDUAL),
+    (f"{coder}.mid_block.attentions.0.{{p}}", f"{coder}.middle.1.{{p}}"),
+    (f"{coder}.conv_in.{{p}}", f"{coder}.conv1.{{p}}"),
+    (f"{coder}.norm_out.{{p}}", f"{coder}.head.0.{{p}}"),
+    (f"{coder}.conv_out.{{p}}", f"{coder}.head.2.{{p}}"))) + (
+    ("quant_conv.{p}", "conv1.{p}"),
+    ("post_quant_conv.{p}", "conv2.{p}"))
+
 WAN_VAE = OriginalLayout(
     name="Wan 2.1 VAE (Wan2.1_VAE.pth, ComfyUI's wan_2.1_vae)",
     renames=(
@@ -64,18 +77,48 @@ WAN_VAE = OriginalLayout(
             {f"decoder.up_blocks.{stage}.resnets.{block}.": f"decoder.upsamples.{4 * stage + block}."}, _RESIDUAL)),
         *((f"decoder.up_blocks.{stage}.upsamplers.0.{{p}}", f"decoder.upsamples.{4 * stage + 3}.{{p}}")
           for stage in range(3)),
-        *(rule for coder in ("encoder", "decoder") for rule in (
-            *renamed({f"{coder}.mid_block.resnets.0.": f"{coder}.middle.0.",
-                      f"{coder}.mid_block.resnets.1.": f"{coder}.middle.2."}, _RESIDUAL),
-            (f"{coder}.mid_block.attentions.0.{{p}}", f"{coder}.middle.1.{{p}}"),
-            (f"{coder}.conv_in.{{p}}", f"{coder}.conv1.{{p}}"),
-            (f"{coder}.norm_out.{{p}}", f"{coder}.head.0.{{p}}"),
-            (f"{coder}.conv_out.{{p}}", f"{coder}.head.2.{{p}}"))),
-        ("quant_conv.{p}", "conv1.{p}"),
-        ("post_quant_conv.{p}", "conv2.{p}"),
+        *_VAE_ENDS,
     ),
     detect=("decoder.middle.0.residual.0.gamma",))
 
+# Wan 2.2's VAE (``wan/modules/vae2_2.py``: ``Down_ResidualBlock`` / ``Up_ResidualBlock`` stages, each a
+# ``downsamples`` / ``upsamples`` list of residual blocks and then its ``Resample``, at index n = num_res_blocks in
+# the encoder and num_res_blocks + 1 in the decoder; its ``avg_shortcut`` has no parameters). diffusers keeps the
+# residual blocks as ``resnets`` and the resample as ``downsampler`` / ``upsampler`` without the index (the map of
+# diffusers' ``scripts/convert_wan_to_diffusers.py``, ``convert_vae_22``), which its single-file converter lacks.
+# Detected by the nested up block's tensor ComfyUI tells the two VAEs apart by (``comfy/sd.py``).
+WAN22_VAE = OriginalLayout(
+    name="Wan 2.2 VAE (Wan2.2_VAE.pth, ComfyUI's wan2.2_vae)",
+    renames=(
+        *renamed({"encoder.down_blocks.{i}.resnets.{j}.": "encoder.downsamples.{i}.downsamples.{j}.",
+                  "decoder.up_blocks.{i}.resnets.{j}.": "decoder.upsamples.{i}.upsamples.{j}."}, _RESIDUAL),
+        *renamed({"encoder.down_blocks.{i}.downsampler.": "encoder.downsamples.{i}.downsamples.{n}.",
+                  "decoder.up_blocks.{i}.upsampler.": "decoder.upsamples.{i}.upsamples.{n}."},
+                 {"resample.": "resample.", "time_conv.": "time_conv."}),
+        *_VAE_ENDS,
+    ),
+    detect=("decoder.upsamples.0.upsamples.0.residual.2.weight",),
+    diffusers_converts=False)
+
+# Wan's own UMT5-XXL encoder (``wan/modules/t5.py``: ``T5Encoder`` with a relative position embedding in every block,
+# ``shared_pos`` False; the file ``models_t5_umt5-xxl-enc-bf16.pth``) in transformers' ``UMT5EncoderModel`` names. Its
+# gated feed-forward is ``fc1(x) * gelu(gate(x))``, transformers' ``wo(act(wi_0(x)) * wi_1(x))``: gate is wi_0.
+# transformers' tied ``encoder.embed_tokens`` is filled from ``shared`` (``single_file.load_component``).
+WAN_UMT5 = OriginalLayout(
+    name="Wan's UMT5 encoder (models_t5_umt5-xxl-enc-bf16.pth)",
+    renames=(
+        ("shared.{p}", "token_embedding.{p}"),
+        *renamed({"encoder.block.{i}.layer.0.": "blocks.{i}."},
+                 {"SelfAttention.q.": "attn.q.", "SelfAttention.k.": "attn.k.", "SelfAttention.v.": "attn.v.",
+                  "SelfAttention.o.": "attn.o.", "SelfAttention.relative_attention_bias.": "pos_embedding.embedding.",
+                  "layer_norm.": "norm1."}),
+        *renamed({"encoder.block.{i}.layer.1.": "blocks.{i}."},
+                 {"DenseReluDense.wi_0.": "ffn.gate.0.", "DenseReluDense.wi_1.": "ffn.fc1.",
+                  "DenseReluDense.wo.": "ffn.fc2.", "layer_norm.": "norm2."}),
+        ("encoder.final_layer_norm.{p}", "norm.{p}"),
+    ),
+    detect=("blocks.0.ffn.gate.0.weight",),
+    diffusers_converts=False)
 
 class WanDenoiser(DiffusersDenoiser):
     """``transformer(hidden_states, timestep, encoder_hidden_states)``: x (B, 16, T', H/8, W/8) float latents of
@@ -108,7 +151,8 @@ class WanDenoiser(DiffusersDenoiser):
     vae_halo_modules = ("WanCausalConv3d",)
     vae_whole_modules = ("WanAttentionBlock",)
     vae_folds_pixels = True  # Wan 2.2's VAE states in_channels after folding its patch_size^2 pixels (12 = 3 x 2 x 2)
-    original_layouts = {"transformer": WAN_TRANSFORMER, "vae": WAN_VAE}
+    # Wan 2.2's VAE first: a Wan 2.2 file holds the 2.1 layout's detect name too
+    original_layouts = {"transformer": WAN_TRANSFORMER, "vae": (WAN22_VAE, WAN_VAE), "text_encoder": WAN_UMT5}
 
     @staticmethod
     def expert_boundary(pipe):

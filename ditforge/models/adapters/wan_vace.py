@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ditforge.models.adapters.wan import WAN_VAE, WanDenoiser
+from ditforge.models.adapters.wan import WAN_UMT5, WAN_VAE, WanDenoiser
 
 
 class WanVACEDenoiser(WanDenoiser):
@@ -31,7 +31,7 @@ class WanVACEDenoiser(WanDenoiser):
     Not available: context parallelism (diffusers 0.42.1's ``WanVACETransformer3DModel`` has no ``_cp_plan``, and
     its control tokens would need the same split), and the transformer in the original release's layout (diffusers'
     ``convert_wan_transformer_to_diffusers`` renames the VACE blocks, ``WAN_TRANSFORMER`` does not): the VAE's
-    layout only."""
+    and the text encoder's layouts only."""
 
     family = "vace"
     pipelines = ("WanVACEPipeline",)
@@ -39,7 +39,7 @@ class WanVACEDenoiser(WanDenoiser):
     takes_references = True
     adds_between_blocks = True  # the hints, after the blocks at vace_layers
     context_parallel = ()
-    original_layouts = {"vae": WAN_VAE}
+    original_layouts = {"vae": WAN_VAE, "text_encoder": WAN_UMT5}
 
     @staticmethod
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
