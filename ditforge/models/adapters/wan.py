@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default, give_first_frame
+from ditforge.models.adapters import DiffusersDenoiser, as_images, give_first_frame
+from ditforge.models.adapters.limits import call_default_limit
 from ditforge.models.adapters.layouts import OriginalLayout, renamed
 
 _ATTENTION = {"to_q.": "q.", "to_k.": "k.", "to_v.": "v.", "to_out.0.": "o.", "add_k_proj.": "k_img.",
@@ -82,7 +83,7 @@ class WanDenoiser(DiffusersDenoiser):
     ``latents_mean`` / ``latents_std``, ``ditforge.encoders.vae``), t (B,) float = 1000 sigma (the pipeline feeds
     the scheduler's timesteps, expanded to the batch), condition ``encoder_hidden_states`` (B, L, text_dim) float
     UMT5 states of ``pipe.encode_prompt(..., do_classifier_free_guidance=False, max_sequence_length=L)``, L the
-    pipeline call's default (512), zero past each prompt's tokens. Output (B, 16, T', H/8, W/8): the velocity
+    pipeline call's default (512; ``text_limits``), zero past each prompt's tokens. Output (B, 16, T', H/8, W/8): the velocity
     noise - x0. Wan 2.2 TI2V-5B's ``WanPipeline`` (``expand_timesteps``) the same with 48 channels at H/16 x W/16
     (its VAE patchifies 2 x 2 pixels). Its pipeline gives the transformer a timestep per token, t for every token of
     a text-to-video call; the transformer computes the same from t (B,) (tested to 1e-5), without the per-token
@@ -129,11 +130,33 @@ class WanDenoiser(DiffusersDenoiser):
         return self.inner(hidden_states=x, timestep=t, encoder_hidden_states=encoder_hidden_states,
                                 return_dict=False)[0]
 
+    @classmethod
+    def text_limits(cls, pipe):
+        """The pipeline call's ``max_sequence_length`` default (512, Wan's ``text_len``) UMT5 tokens: the
+        transformer cross-attends to any length, so its config fixes none."""
+        return (call_default_limit(pipe),)
+
     @staticmethod
-    def encode_prompt(pipe, texts, device):
-        length = call_default(pipe, "max_sequence_length")
+    def size_refused(pipe, height, width, num_frames):
+        """The transformer's rotary table (``WanRotaryPosEmbed``) holds ``rope_max_seq_len`` positions an axis (1024):
+        the patches along the latent frames, rows and columns must each fit in it."""
+        config = pipe.transformer.config
+        p_t, p_h, p_w = config.patch_size
+        space, time = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
+        most = config.get("rope_max_seq_len")
+        if most is None:
+            return None
+        axes = {"latent frames": (num_frames - 1) // time + 1, "rows": height // space, "columns": width // space}
+        for (axis, n), p in zip(axes.items(), (p_t, p_h, p_w)):
+            if n // p > most:
+                return (f"{n // p} patches of {axis}; the transformer's rotary positions take {most} an axis "
+                        "(its config's rope_max_seq_len)")
+        return None
+
+    @classmethod
+    def encode_prompt(cls, pipe, texts, device):
         embeds, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
-                                       max_sequence_length=length)
+                                       max_sequence_length=cls.text_length(pipe))
         return {"encoder_hidden_states": embeds}
 
 
