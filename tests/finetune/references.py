@@ -165,9 +165,9 @@ def cogvideox_first_loss(folder: Path, max_sequence_length: int = 226) -> float:
     """Step 0's loss as diffusers' ``examples/cogvideo/train_cogvideox_lora.py`` computes it: the clips of the run's
     first batch (``GlobalBatchSampler``, seed 0) through ``AutoencoderKLCogVideoX``'s posterior times its
     ``scaling_factor``, frames first; the T5 states of ``pipe.encode_prompt`` (``max_sequence_length`` tokens, the
-    call's default 226 unless given: a transformer of another ``max_text_seq_length`` needs its own); the step's draws in
-    ditforge's order from ``derive_seed(0, 0)`` (noise, integer timesteps in [0, 1000), drop, flip, posterior
-    eps); ``scheduler.add_noise``, the transformer with the pipeline's rotary positions, ``scheduler.get_velocity``
+    call's default 226 unless given: a transformer of another ``max_text_seq_length`` needs its own); the step's draws
+    in ditforge's order from ``derive_seed(0, 0)`` (noise, integer timesteps in [0, 1000), drop, flip, posterior eps);
+    ``scheduler.add_noise``, the transformer with the pipeline's rotary positions, ``scheduler.get_velocity``
     of its output (the x0 estimate) against x0 weighted by 1 / (1 - abar_t); float32."""
     SIZE, FRAMES, INTERVAL, BATCH = _geometry("cogvideox")
     import diffusers
@@ -180,9 +180,9 @@ def cogvideox_first_loss(folder: Path, max_sequence_length: int = 226) -> float:
 
 def cogvideox_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: int = 0,
                    max_sequence_length: int = 226) -> float:
-    """``cogvideox_first_loss``'s arithmetic on a batch of clips ``pixels`` (B, 3, T, H, W) in [-1, 1] (any T, H,
-    W: a bucket's; the rotary positions of H x W, for a transformer with them) captioned ``texts``, with the draws of ``step`` of a run of
-    ``seed``."""
+    """``cogvideox_first_loss``'s arithmetic on a batch of clips ``pixels`` (B, 3, T, H, W) in [-1, 1] (any T, H, W: a
+    bucket's; the rotary positions of H x W, for a transformer with them) captioned ``texts``, with the draws of
+    ``step`` of a run of ``seed``."""
     BATCH, (height, width) = len(pixels), pixels.shape[3:]
     with torch.no_grad():
         post = pipe.vae.encode(pixels).latent_dist

@@ -81,13 +81,13 @@ def _short_text(folder: Path, out: Path) -> Path:
     return out
 
 
-def test_caption_length_from_the_transformer(cogvideox_pipeline, tmp_path, caplog):
-    """A transformer of ``max_text_seq_length`` 16: LoRA and full fine-tuning (1 step each) encode the captions at 16
-    tokens, their first loss equal to ``references.cogvideox_first_loss`` at ``max_sequence_length=16`` within 1e-5
-    relative; the clips' captions are longer, so each run warns once, one line naming the first long caption's
-    token count (the tokenizer's, special tokens included) and the 16 with its source, and diffusers' own
-    truncation lines (one an encoding) are not logged. The full run exports a folder ``CogVideoXPipeline.from_pretrained`` loads, whose own call with ``max_sequence_length=16``
-    draws the video ``ditforge sample`` draws, to one uint8 level."""
+def test_caption_length_from_the_transformer(cogvideox_pipeline, tmp_path, caplog): """A transformer of
+``max_text_seq_length`` 16: LoRA and full fine-tuning (1 step each) encode the captions at 16 tokens, their first loss
+equal to ``references.cogvideox_first_loss`` at ``max_sequence_length=16`` within 1e-5 relative; the clips' captions
+are longer, so each run warns once, one line naming the first long caption's token count (the tokenizer's, special
+tokens included) and the 16 with its source, and diffusers' own truncation lines (one an encoding) are not logged. The
+full run exports a folder ``CogVideoXPipeline.from_pretrained`` loads, whose own call with ``max_sequence_length=16``
+draws the video ``ditforge sample`` draws, to one uint8 level."""
     import logging
 
     import diffusers

@@ -254,8 +254,9 @@ class DiffusersDenoiser(nn.Module):
     @staticmethod
     def prompt_tokens(pipe: Any, text: str, limit: TextLimit) -> int:
         """Tokens ``text`` takes of ``limit`` as the pipeline's ``encode_prompt`` counts them (here: the limit's
-        tokenizer, special tokens included; HunyuanVideo counts its Llama prompt template's)."""
-        return len(getattr(pipe, limit.tokenizer)(text).input_ids)
+        tokenizer, special tokens included, without transformers' too-long warning; HunyuanVideo counts its Llama
+        prompt template's)."""
+        return len(getattr(pipe, limit.tokenizer)(text, verbose=False).input_ids)
 
     @staticmethod
     def size_refused(pipe: Any, height: int, width: int, num_frames: int) -> str | None:

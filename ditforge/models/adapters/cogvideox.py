@@ -35,13 +35,13 @@ def text_first_plan() -> dict:
 class CogVideoXDenoiser(DiffusersDenoiser):
     """``transformer(hidden_states, encoder_hidden_states, timestep, image_rotary_emb)``: x (B, C, T', H/8, W/8) float
     latents of ``AutoencoderKLCogVideoX`` (T' = (T - 1) / 4 + 1 for T = 8k + 1 frames; times the VAE's
-    ``scaling_factor``, ``ditforge.encoders.vae``), handed to the transformer frames first, (B, T', C, h, w), as
-    the pipeline lays its latents out; t (B,) int64 DDPM timesteps; condition ``encoder_hidden_states`` (B, L,
-    text_dim) float T5 states of ``pipe.encode_prompt(..., do_classifier_free_guidance=False,
-    max_sequence_length=L)``, L the transformer's ``max_text_seq_length`` (226 for the released models; its
-    positions and joint attention are built for that many text tokens, ``text_limits``). The 5B model's 3-D rotary positions are the pipeline's
-    own (``_prepare_rotary_positional_embeddings`` of the frame size, cached per shape and device). Output
-    (B, C, T', h, w): v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0."""
+    ``scaling_factor``, ``ditforge.encoders.vae``), handed to the transformer frames first, (B, T', C, h, w), as the
+    pipeline lays its latents out; t (B,) int64 DDPM timesteps; condition ``encoder_hidden_states`` (B, L, text_dim)
+    float T5 states of ``pipe.encode_prompt(..., do_classifier_free_guidance=False, max_sequence_length=L)``, L the
+    transformer's ``max_text_seq_length`` (226 for the released models; its positions and joint attention are built
+    for that many text tokens, ``text_limits``). The 5B model's 3-D rotary positions are the pipeline's own
+    (``_prepare_rotary_positional_embeddings`` of the frame size, cached per shape and device). Output (B, C, T', h,
+    w): v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0."""
 
     family = "cogvideox"
     pipelines = ("CogVideoXPipeline",)

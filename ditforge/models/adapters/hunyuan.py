@@ -162,11 +162,13 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
         template = getattr(sys.modules[type(pipe).__module__], "DEFAULT_PROMPT_TEMPLATE", None)
         if limit.tokenizer != "tokenizer" or template is None:
             return DiffusersDenoiser.prompt_tokens(pipe, text, limit)
-        return len(pipe.tokenizer(template["template"].format(text)).input_ids) - int(template["crop_start"])
+        ids = pipe.tokenizer(template["template"].format(text), verbose=False).input_ids
+        return len(ids) - int(template["crop_start"])
 
     @classmethod
     def encode_prompt(cls, pipe, texts, device):
-        embeds, pooled, mask = pipe.encode_prompt(list(texts), device=device, max_sequence_length=cls.text_length(pipe))
+        embeds, pooled, mask = pipe.encode_prompt(list(texts), device=device,
+                                                  max_sequence_length=cls.text_length(pipe))
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask, "pooled_projections": pooled}
 
     @staticmethod

@@ -51,7 +51,8 @@ def tokenizer_limit(pipe: Any, tokenizer: str = "tokenizer") -> TextLimit:
 
 class _DropTruncation(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return "truncated" not in str(record.msg)
+        message = str(record.msg)
+        return "truncated" not in message and not message.startswith("Token indices sequence length is longer")
 
 
 _DROP = _DropTruncation()
@@ -60,8 +61,11 @@ _DROP = _DropTruncation()
 @contextlib.contextmanager
 def quiet_truncation(pipe: Any):
     """Drops the "... was truncated because ..." records of the loggers of the modules defining ``pipe``'s class
-    and its bases (where their ``encode_prompt`` lives) while the block runs: ``CaptionCheck`` says it once."""
+    and its bases (where their ``encode_prompt`` lives), and transformers' "Token indices sequence length is longer
+    than ..." (the pipelines tokenize untruncated to compare), while the block runs: ``CaptionCheck`` says it
+    once."""
     loggers = {logging.getLogger(c.__module__) for c in type(pipe).__mro__ if c.__module__.startswith("diffusers.")}
+    loggers.add(logging.getLogger("transformers.tokenization_utils_base"))
     for logger in loggers:
         logger.addFilter(_DROP)
     try:

@@ -75,15 +75,15 @@ def whole_text_plan() -> dict:
 
 class LTXDenoiser(DiffusersDenoiser):
     """``transformer(hidden_states, encoder_hidden_states, timestep, encoder_attention_mask, num_frames, height,
-    width, rope_interpolation_scale)``: x (B, C, T', H/32, W/32) float latents of ``AutoencoderKLLTXVideo``
-    (T' = (T - 1) / 8 + 1 for T = 8k + 1 frames; normalised by the VAE's ``latents_mean`` / ``latents_std`` buffers
-    and ``scaling_factor``, ``ditforge.encoders.vae``), packed into tokens by the pipeline's ``_pack_latents``; t
-    (B,) float = 1000 sigma; condition ``encoder_hidden_states`` (B, L, 4096) float T5 states and
+    width, rope_interpolation_scale)``: x (B, C, T', H/32, W/32) float latents of ``AutoencoderKLLTXVideo`` (T' = (T -
+    1) / 8 + 1 for T = 8k + 1 frames; normalised by the VAE's ``latents_mean`` / ``latents_std`` buffers and
+    ``scaling_factor``, ``ditforge.encoders.vae``), packed into tokens by the pipeline's ``_pack_latents``; t (B,)
+    float = 1000 sigma; condition ``encoder_hidden_states`` (B, L, 4096) float T5 states and
     ``encoder_attention_mask`` (B, L) of ``pipe.encode_prompt(..., max_sequence_length=L)``, L the call's default
     (128; the transformer cross-attends to any length, its config fixes none: ``text_limits``; nor a frame size, its
-    rotary positions computed for each). The rotary positions are scaled as the pipeline scales them at its call's default ``frame_rate`` (25):
-    (temporal compression / frame_rate, spatial compression, spatial compression). Output (B, C, T', h, w): the
-    velocity noise - x0."""
+    rotary positions computed for each). The rotary positions are scaled as the pipeline scales them at its call's
+    default ``frame_rate`` (25): (temporal compression / frame_rate, spatial compression, spatial compression). Output
+    (B, C, T', h, w): the velocity noise - x0."""
 
     family = "ltx"
     pipelines = ("LTXPipeline",)

@@ -9,13 +9,13 @@ from ditforge.models.adapters.limits import call_default_limit
 
 
 class PixArtDenoiser(DiffusersDenoiser):
-    """``transformer(x, encoder_hidden_states, timestep, added_cond_kwargs, encoder_attention_mask)``: x (B, 4,
-    H/8, W/8), t (B,) int64, conditions ``encoder_hidden_states`` (B, L, 4096) T5 states (L = 120 for alpha, 300
-    for sigma: the pipelines' ``max_sequence_length`` default; the transformer cross-attends to any length, and
-    recomputes its positions for any size, so its config fixes neither) and ``encoder_attention_mask`` (B, L). Output (B, 8, ...):
-    epsilon and the learned-range variance values (PixArt trains with the IDDPM hybrid loss). The 1024px alpha
-    models (``sample_size`` 128) also take the image resolution and aspect ratio, computed here from x as the
-    pipeline does."""
+    """``transformer(x, encoder_hidden_states, timestep, added_cond_kwargs, encoder_attention_mask)``: x (B, 4, H/8,
+    W/8), t (B,) int64, conditions ``encoder_hidden_states`` (B, L, 4096) T5 states (L = 120 for alpha, 300 for sigma:
+    the pipelines' ``max_sequence_length`` default; the transformer cross-attends to any length, and recomputes its
+    positions for any size, so its config fixes neither) and ``encoder_attention_mask`` (B, L). Output (B, 8, ...):
+    epsilon and the learned-range variance values (PixArt trains with the IDDPM hybrid loss). The 1024px alpha models
+    (``sample_size`` 128) also take the image resolution and aspect ratio, computed here from x as the pipeline
+    does."""
 
     family = "pixart"
     pipelines = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")

@@ -9,10 +9,10 @@ from ditforge.models.adapters.limits import call_default_limit, tokenizer_limit
 
 
 class SD3Denoiser(DiffusersDenoiser):
-    """``transformer(x, encoder_hidden_states, pooled_projections, timestep)``: x (B, 16, H/8, W/8), t (B,) float
-    = 1000 sigma, conditions ``encoder_hidden_states`` (B, 77 + L_T5, 4096) (the CLIP pair's states padded to the
-    T5 width, then T5's; L_T5 = the pipeline call's ``max_sequence_length`` default, 256: ``text_limits``) and ``pooled_projections``
-    (B, 2048) (both CLIPs' pooled outputs)."""
+    """``transformer(x, encoder_hidden_states, pooled_projections, timestep)``: x (B, 16, H/8, W/8), t (B,) float =
+    1000 sigma, conditions ``encoder_hidden_states`` (B, 77 + L_T5, 4096) (the CLIP pair's states padded to the T5
+    width, then T5's; L_T5 = the pipeline call's ``max_sequence_length`` default, 256: ``text_limits``) and
+    ``pooled_projections`` (B, 2048) (both CLIPs' pooled outputs)."""
 
     family = "sd3"
     pipelines = ("StableDiffusion3Pipeline",)
