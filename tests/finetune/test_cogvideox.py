@@ -51,8 +51,8 @@ def test_bad_input_lines(cogvideox_pipeline, tmp_path, capsys):
     CogVideoXTransformer3DModel(**{**config, "use_learned_positional_embeddings": True}).save_pretrained(
         folder / "transformer")
     assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1", "--image_size", "64"),
-                          "--image_size 64 --num_frames 9", "learned positional embeddings take 32 x 32",
-                          "sample_height")
+                          "--image_size 64 --num_frames 9", "takes 32 x 32 frames only",
+                          "learned positional embeddings", "sample_height")
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 

@@ -284,7 +284,8 @@ def test_frame_size_past_the_rotary_table(wan_pipeline, tmp_path, capsys):
     path.write_text(json.dumps({**json.loads(path.read_text()), "rope_max_seq_len": 2}))
     argv = _argv(folder, tmp_path / "r", "--max_steps", "1")
     argv[argv.index("--image_size") + 1] = "48"
-    assert_one_line_error(capsys, argv, "--image_size 48 --num_frames 5", "3 patches of rows", "rope_max_seq_len")
+    assert_one_line_error(capsys, argv, "--image_size 48 --num_frames 5", "at most 2 patches an axis",
+                          "rope_max_seq_len", "not 3 patches of rows")
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 

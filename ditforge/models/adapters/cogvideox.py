@@ -103,8 +103,8 @@ class CogVideoXDenoiser(DiffusersDenoiser):
         want = (config.sample_height * scale, config.sample_width * scale, config.sample_frames)
         if (height, width, num_frames) == want:
             return None
-        return (f"this CogVideoX transformer's learned positional embeddings take {want[0]} x {want[1]} frames, "
-                f"{want[2]} of them (its config's sample_height, sample_width, sample_frames)")
+        return (f"{want[0]} x {want[1]} frames only, {want[2]} of them (its transformer's learned positional "
+                "embeddings: the config's sample_height, sample_width, sample_frames)")
 
     def rotary(self, x: torch.Tensor):
         """The (cos, sin) rotary tables of latents ``x`` (B, C, T', h, w), or None for a model without them (2B).

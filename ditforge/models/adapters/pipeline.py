@@ -101,10 +101,12 @@ class Pretrained:
     def __post_init__(self):
         self.check_captions = CaptionCheck(self.denoiser, self.pipe)  # the one warning of a truncated caption
 
-    def refuse_size(self, height: int, width: int, num_frames: int, flags: str) -> None:
+    def refuse_size(self, height: int | None, width: int | None, num_frames: int, flags: str) -> None:
         """Raises UserError (one line: ``flags``, the caller's flags and values, then the family's reason) when the
         family's model cannot take frames of ``height`` x ``width`` px, ``num_frames`` of them
-        (``DiffusersDenoiser.size_refused``)."""
+        (``DiffusersDenoiser.size_refused``). A side of None (the pipeline's own default) is not checked."""
+        if height is None or width is None:
+            return
         why = self.denoiser.size_refused(self.pipe, height, width, num_frames)
         if why is not None:
             raise UserError(f"{flags}: {self.pipeline_class} at {self.folder} takes {why}")

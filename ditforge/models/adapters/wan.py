@@ -147,8 +147,8 @@ class WanDenoiser(DiffusersDenoiser):
         axes = {"latent frames": (num_frames - 1) // time + 1, "rows": height // space, "columns": width // space}
         for (axis, n), p in zip(axes.items(), (p_t, p_h, p_w)):
             if n // p > most:
-                return (f"{n // p} patches of {axis}; the transformer's rotary positions take {most} an axis "
-                        "(its config's rope_max_seq_len)")
+                return (f"at most {most} patches an axis (the transformer config's rope_max_seq_len, its rotary "
+                        f"table), not {n // p} patches of {axis}")
         return None
 
     @classmethod
