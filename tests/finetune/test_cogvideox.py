@@ -81,13 +81,15 @@ def _short_text(folder: Path, out: Path) -> Path:
     return out
 
 
-def test_caption_length_from_the_transformer(cogvideox_pipeline, tmp_path, caplog): """A transformer of
-``max_text_seq_length`` 16: LoRA and full fine-tuning (1 step each) encode the captions at 16 tokens, their first loss
-equal to ``references.cogvideox_first_loss`` at ``max_sequence_length=16`` within 1e-5 relative; the clips' captions
-are longer, so each run warns once, one line naming the first long caption's token count (the tokenizer's, special
-tokens included) and the 16 with its source, and diffusers' own truncation lines (one an encoding) are not logged. The
-full run exports a folder ``CogVideoXPipeline.from_pretrained`` loads, whose own call with ``max_sequence_length=16``
-draws the video ``ditforge sample`` draws, to one uint8 level."""
+def test_caption_length_from_the_transformer(cogvideox_pipeline, tmp_path, caplog):
+    """A transformer of ``max_text_seq_length`` 16: LoRA and full fine-tuning (1 step each) encode the captions at 16
+    tokens, their first loss equal to ``references.cogvideox_first_loss`` at ``max_sequence_length=16`` within 1e-5
+    relative; the clips' captions are longer, so each run warns once, one line naming the first long caption's token
+    count (the tokenizer's, special tokens included) and the 16 with its source, and diffusers' own truncation lines
+    (one an encoding) are not logged. ``extract-features`` stores the states diffusers' own ``encode_prompt(...,
+    max_sequence_length=16)`` gives (1e-6). The full run exports a folder ``CogVideoXPipeline.from_pretrained``
+    loads, whose own call with ``max_sequence_length=16`` draws the video ``ditforge sample`` draws, to one uint8
+    level."""
     import logging
 
     import diffusers
@@ -110,6 +112,17 @@ draws the video ``ditforge sample`` draws, to one uint8 level."""
             assert f"{first_long} tokens to 16 (transformer.config.max_text_seq_length)" in warned[0]
     finally:
         library.removeHandler(caplog.handler)
+    from ditforge.data.features import FeatureDataset
+
+    feats = tmp_path / "feats"
+    assert cli.main(["extract-features", "--init_from", str(folder), "--data", "clips", "--num_frames",
+                     str(spec.frames), "--frame_interval", str(spec.interval), "--image_size", str(spec.size),
+                     "--device", "cpu", "--num_workers", "0", "--out", str(feats)]) == 0
+    item = FeatureDataset(feats)[0]
+    with torch.no_grad():
+        states, _ = pipe.encode_prompt([item["text"]], do_classifier_free_guidance=False, device="cpu",
+                                       max_sequence_length=16)
+    assert torch.allclose(item["cond"]["encoder_hidden_states"], states[0], atol=1e-6)
     out, prompt, npz = tmp_path / "export", "a rabbit on a green hill", tmp_path / "s.npz"
     assert cli.main(["export", "--ckpt", str(run), "--format", "diffusers", "--out", str(out)]) == 0
     exported = diffusers.CogVideoXPipeline.from_pretrained(str(out), local_files_only=True)

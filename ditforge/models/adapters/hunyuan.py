@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ditforge.models.adapters import DiffusersDenoiser, as_images, with_first_frame
-from ditforge.models.adapters.limits import call_default_limit, tokenizer_limit
 from ditforge.models.adapters.layouts import OriginalLayout, renamed
+from ditforge.models.adapters.limits import call_default_limit, tokenizer_limit
 
 _QKV = ("attn.to_q.{p}", "attn.to_k.{p}", "attn.to_v.{p}")
 _REFINER = "context_embedder.token_refiner.refiner_blocks.{i}."

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from ditforge.models.adapters import DiffusersDenoiser, call_default, give_first_frame
-from ditforge.models.adapters.limits import call_default_limit
 from ditforge.models.adapters.layouts import OriginalLayout, renamed
+from ditforge.models.adapters.limits import call_default_limit
 
 LTX_VIDEO_TRANSFORMER = OriginalLayout(
     name="LTX-Video transformer (Lightricks' release)",
@@ -75,8 +75,8 @@ def whole_text_plan() -> dict:
 
 class LTXDenoiser(DiffusersDenoiser):
     """``transformer(hidden_states, encoder_hidden_states, timestep, encoder_attention_mask, num_frames, height,
-    width, rope_interpolation_scale)``: x (B, C, T', H/32, W/32) float latents of ``AutoencoderKLLTXVideo`` (T' = (T -
-    1) / 8 + 1 for T = 8k + 1 frames; normalised by the VAE's ``latents_mean`` / ``latents_std`` buffers and
+    width, rope_interpolation_scale)``: x (B, C, T', H/32, W/32) float latents of ``AutoencoderKLLTXVideo``
+    (T' = (T - 1) / 8 + 1 for T = 8k + 1 frames; normalised by the VAE's ``latents_mean`` / ``latents_std`` buffers and
     ``scaling_factor``, ``ditforge.encoders.vae``), packed into tokens by the pipeline's ``_pack_latents``; t (B,)
     float = 1000 sigma; condition ``encoder_hidden_states`` (B, L, 4096) float T5 states and
     ``encoder_attention_mask`` (B, L) of ``pipe.encode_prompt(..., max_sequence_length=L)``, L the call's default

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from ditforge.models.adapters import DiffusersDenoiser, as_images, give_first_frame
-from ditforge.models.adapters.limits import call_default_limit
 from ditforge.models.adapters.layouts import OriginalLayout, renamed
+from ditforge.models.adapters.limits import call_default_limit
 
 _ATTENTION = {"to_q.": "q.", "to_k.": "k.", "to_v.": "v.", "to_out.0.": "o.", "add_k_proj.": "k_img.",
               "add_v_proj.": "v_img.", "norm_added_k.": "norm_k_img."}  # norm_q, norm_k keep their names
@@ -80,15 +80,17 @@ WAN_VAE = OriginalLayout(
 class WanDenoiser(DiffusersDenoiser):
     """``transformer(hidden_states, timestep, encoder_hidden_states)``: x (B, 16, T', H/8, W/8) float latents of
     ``AutoencoderKLWan`` (T' = (T - 1) / 4 + 1 for T = 4k + 1 frames; normalised per channel by the VAE's
-    ``latents_mean`` / ``latents_std``, ``ditforge.encoders.vae``), t (B,) float = 1000 sigma (the pipeline feeds the
-    scheduler's timesteps, expanded to the batch), condition ``encoder_hidden_states`` (B, L, text_dim) float UMT5
-    states of ``pipe.encode_prompt(..., do_classifier_free_guidance=False, max_sequence_length=L)``, L the pipeline
-    call's default (512; ``text_limits``), zero past each prompt's tokens. Output (B, 16, T', H/8, W/8): the velocity
-    noise - x0. Wan 2.2 TI2V-5B's ``WanPipeline`` (``expand_timesteps``) the same with 48 channels at H/16 x W/16 (its
-    VAE patchifies 2 x 2 pixels). Its pipeline gives the transformer a timestep per token, t for every token of a
-    text-to-video call; the transformer computes the same from t (B,) (tested to 1e-5), without the per-token timestep
-    embedding (an L x D x 6D product and a (B, L, 6, D) modulation table more: for the 5B at 704 x 1280 x 121, L =
-    27,280 and D = 3,072, about 3.6 TFLOP and 1 GB in bf16 a pass). Its image-to-video is ``WanI2VDenoiser``'s."""
+    ``latents_mean`` / ``latents_std``, ``ditforge.encoders.vae``), t (B,) float = 1000 sigma (the pipeline feeds
+    the scheduler's timesteps, expanded to the batch), condition ``encoder_hidden_states`` (B, L, text_dim) float
+    UMT5 states of ``pipe.encode_prompt(..., do_classifier_free_guidance=False, max_sequence_length=L)``, L the
+    pipeline call's default (512), zero past each prompt's tokens. Output (B, 16, T', H/8, W/8): the velocity
+    noise - x0. Wan 2.2 TI2V-5B's ``WanPipeline`` (``expand_timesteps``) the same with 48 channels at H/16 x W/16
+    (its VAE patchifies 2 x 2 pixels). Its pipeline gives the transformer a timestep per token, t for every token of
+    a text-to-video call; the transformer computes the same from t (B,) (tested to 1e-5), without the per-token
+    timestep embedding (an L x D x 6D product and a (B, L, 6, D) modulation table more: for the 5B at 704 x 1280 x
+    121, L = 27,280 and D = 3,072, about 3.6 TFLOP and 1 GB in bf16 a pass). Its image-to-video is
+    ``WanI2VDenoiser``'s."""
+
     family = "wan"
     pipelines = ("WanPipeline",)
     component = "transformer"
