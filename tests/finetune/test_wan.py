@@ -276,8 +276,8 @@ def test_wan22_variants_are_refused(setting, needle, wan_pipeline, tmp_path, cap
 
 def test_frame_size_past_the_rotary_table(wan_pipeline, tmp_path, capsys):
     """A transformer whose rotary table holds 2 positions an axis (``rope_max_seq_len``) and frames of 3 patches a
-    side (48 px): one line naming the flags, the patches and the config's key, before any step; diffusers' own
-    forward would fail at the first step on the table's shape."""
+    side (48 px): one line naming the flags, the patches and the config's key, before any training step or sampling
+    (``ditforge sample --width 48``); diffusers' own forward would fail at the first step on the table's shape."""
     folder = tmp_path / "short_rope"
     shutil.copytree(wan_pipeline, folder)
     path = folder / "transformer" / "config.json"
@@ -287,6 +287,10 @@ def test_frame_size_past_the_rotary_table(wan_pipeline, tmp_path, capsys):
     assert_one_line_error(capsys, argv, "--image_size 48 --num_frames 5", "at most 2 patches an axis",
                           "rope_max_seq_len", "not 3 patches of rows")
     assert not (tmp_path / "r" / "checkpoints").exists()
+    assert_one_line_error(capsys, ["sample", "--ckpt", str(folder), "--prompt", "a cat", "--height", "16", "--width",
+                                   "48", "--num_frames", "5", "--device", "cpu", "--out", str(tmp_path / "v.mp4")],
+                          "--height 16 --width 48 --num_frames 5", "not 3 patches of columns")
+    assert not (tmp_path / "v.mp4").exists()
 
 
 @pytest.mark.parametrize("frames, nearest", [(6, "5 and 9"), (4, "1 and 5"), (12, "9 and 13")])
