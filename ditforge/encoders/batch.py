@@ -295,6 +295,7 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
         frames = (frames - 1) * vae.temporal + 1
     if video:
         vae.check_frames(frames, f"the VAE of {where}")
+    pre.refuse_size(size, size, frames or 1, f"--image_size {size}" + (f" --num_frames {frames}" if video else ""))
     found = {"model.vae": folder, "model.family": pre.denoiser.family, "model.condition": "text",
              "model.in_channels": pre.denoiser.in_channels, "model.input_size": size // scale,
              "model.num_frames": vae.latent_frames(frames) if video else None,  # the denoiser's (latent) frames

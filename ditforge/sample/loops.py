@@ -357,6 +357,7 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
                         "--image_size, --num_sampling_steps, --cfg_scale and --batch_size; leave it out")
     defaults = pipeline_defaults(pre.pipe)
     size = cfg.image_size or (run.data.image_size if run is not None else defaults["height"])
+    pre.refuse_size(size, size, 1, f"--image_size {size}")
     seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]
     pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, size,
                                     cfg.num_sampling_steps or defaults["num_inference_steps"],

@@ -514,6 +514,7 @@ def _settle(cfg: SampleConfig, pre, denoiser, run) -> tuple[int, int, int, int, 
                         f"{cfg.ckpt} has one transformer")
     vae = VAE(pipe.vae, frame_factor=denoiser.vae_frame_factor, folds_pixels=denoiser.vae_folds_pixels)
     vae.check_frames(frames, f"the VAE of {pre.pipeline_class}")
+    pre.refuse_size(height, width, frames, f"--height {height} --width {width} --num_frames {frames}")
     patch = denoiser.inner.config.patch_size
     patch = tuple(patch) if isinstance(patch, (list, tuple)) else (patch,)  # (p_t, p_h, p_w), or one side
     step = vae.downsample * patch[-1]

@@ -189,6 +189,7 @@ def _fits_pipeline(s: ValidationSample, where: str, pre, vae, multiple: int) -> 
         raise UserError(f"{where}: --f {s.frames}: {pre.pipeline_class} makes images; leave --f out")
     if pre.denoiser.video and not vae.valid_frames(s.frames):
         raise UserError(f"{where}: --f {s.frames}: {pre.pipeline_class}'s VAE takes {vae.frame_step} k + 1 frames")
+    pre.refuse_size(s.height, s.width, s.frames, f"{where}: --h {s.height} --w {s.width} --f {s.frames}")
     if pre.denoiser.video and not pre.denoiser.decoded_frames(pre.pipe, torch.empty(1, 0, s.frames, 0, 0)).shape[2]:
         raise UserError(f"{where}: --f {s.frames}: {pre.pipeline_class} returns none of these frames (it drops the "
                         f"first latent frame's); give {s.frames + vae.frame_step} or more")

@@ -161,25 +161,28 @@ def wan_i2v_first_loss(folder: Path, size: int = 16, data: str = "clips") -> flo
     return float(torch.nn.functional.mse_loss(pred.float(), (noise - x0).float()))
 
 
-def cogvideox_first_loss(folder: Path) -> float:
+def cogvideox_first_loss(folder: Path, max_sequence_length: int = 226) -> float:
     """Step 0's loss as diffusers' ``examples/cogvideo/train_cogvideox_lora.py`` computes it: the clips of the run's
     first batch (``GlobalBatchSampler``, seed 0) through ``AutoencoderKLCogVideoX``'s posterior times its
-    ``scaling_factor``, frames first; the T5 states of ``pipe.encode_prompt`` (226 tokens); the step's draws in
-    ditforge's order from ``derive_seed(0, 0)`` (noise, integer timesteps in [0, 1000), drop, flip, posterior
-    eps); ``scheduler.add_noise``, the transformer with the pipeline's rotary positions, ``scheduler.get_velocity``
+    ``scaling_factor``, frames first; the T5 states of ``pipe.encode_prompt`` (``max_sequence_length`` tokens, the
+    call's default 226 unless given: a transformer of another ``max_text_seq_length`` needs its own); the step's draws
+    in ditforge's order from ``derive_seed(0, 0)`` (noise, integer timesteps in [0, 1000), drop, flip, posterior eps);
+    ``scheduler.add_noise``, the transformer with the pipeline's rotary positions, ``scheduler.get_velocity``
     of its output (the x0 estimate) against x0 weighted by 1 / (1 - abar_t); float32."""
     SIZE, FRAMES, INTERVAL, BATCH = _geometry("cogvideox")
     import diffusers
 
     pipe = diffusers.CogVideoXPipeline.from_pretrained(str(folder), local_files_only=True)
     items = _first_batch("clips", SIZE, FRAMES, INTERVAL, BATCH)
-    return cogvideox_loss(pipe, torch.stack([it["video"] for it in items]), [it["text"] for it in items])
+    return cogvideox_loss(pipe, torch.stack([it["video"] for it in items]), [it["text"] for it in items],
+                          max_sequence_length=max_sequence_length)
 
 
-def cogvideox_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: int = 0) -> float:
-    """``cogvideox_first_loss``'s arithmetic on a batch of clips ``pixels`` (B, 3, T, H, W) in [-1, 1] (any T, H,
-    W: a bucket's; the rotary positions of H x W) captioned ``texts``, with the draws of ``step`` of a run of
-    ``seed``."""
+def cogvideox_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, seed: int = 0,
+                   max_sequence_length: int = 226) -> float:
+    """``cogvideox_first_loss``'s arithmetic on a batch of clips ``pixels`` (B, 3, T, H, W) in [-1, 1] (any T, H, W: a
+    bucket's; the rotary positions of H x W, for a transformer with them) captioned ``texts``, with the draws of
+    ``step`` of a run of ``seed``."""
     BATCH, (height, width) = len(pixels), pixels.shape[3:]
     with torch.no_grad():
         post = pipe.vae.encode(pixels).latent_dist
@@ -191,9 +194,11 @@ def cogvideox_loss(pipe, pixels: torch.Tensor, texts: list[str], step: int = 0, 
         eps = torch.randn((BATCH, *shape), generator=g)
         x0 = ((post.mean + post.std * eps) * pipe.vae.config.scaling_factor).transpose(1, 2)  # (B, T', C, h, w)
         noise = noise.transpose(1, 2)
-        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=226)
+        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu",
+                                       max_sequence_length=max_sequence_length)
         noisy = pipe.scheduler.add_noise(x0, noise, t)
-        rotary = pipe._prepare_rotary_positional_embeddings(height, width, x0.shape[1], torch.device("cpu"))
+        rotary = (pipe._prepare_rotary_positional_embeddings(height, width, x0.shape[1], torch.device("cpu"))
+                  if pipe.transformer.config.use_rotary_positional_embeddings else None)  # 2B: sinusoidal, no rotary
         out = pipe.transformer(hidden_states=noisy, encoder_hidden_states=embeds, timestep=t,
                                image_rotary_emb=rotary, return_dict=False)[0]
         pred = pipe.scheduler.get_velocity(out, noisy, t)

@@ -274,6 +274,25 @@ def test_wan22_variants_are_refused(setting, needle, wan_pipeline, tmp_path, cap
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
+def test_frame_size_past_the_rotary_table(wan_pipeline, tmp_path, capsys):
+    """A transformer whose rotary table holds 2 positions an axis (``rope_max_seq_len``) and frames of 3 patches a
+    side (48 px): one line naming the flags, the patches and the config's key, before any training step or sampling
+    (``ditforge sample --width 48``); diffusers' own forward would fail at the first step on the table's shape."""
+    folder = tmp_path / "short_rope"
+    shutil.copytree(wan_pipeline, folder)
+    path = folder / "transformer" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "rope_max_seq_len": 2}))
+    argv = _argv(folder, tmp_path / "r", "--max_steps", "1")
+    argv[argv.index("--image_size") + 1] = "48"
+    assert_one_line_error(capsys, argv, "--image_size 48 --num_frames 5", "at most 2 patches an axis",
+                          "rope_max_seq_len", "not 3 patches of rows")
+    assert not (tmp_path / "r" / "checkpoints").exists()
+    assert_one_line_error(capsys, ["sample", "--ckpt", str(folder), "--prompt", "a cat", "--height", "16", "--width",
+                                   "48", "--num_frames", "5", "--device", "cpu", "--out", str(tmp_path / "v.mp4")],
+                          "--height 16 --width 48 --num_frames 5", "not 3 patches of columns")
+    assert not (tmp_path / "v.mp4").exists()
+
+
 @pytest.mark.parametrize("frames, nearest", [(6, "5 and 9"), (4, "1 and 5"), (12, "9 and 13")])
 def test_num_frames_the_vae_cannot_take(frames, nearest, wan_pipeline, tmp_path, capsys):
     """A frame count other than 4k + 1: one line naming ``--num_frames`` and the valid counts either side; no

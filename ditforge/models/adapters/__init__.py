@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditforge.models.adapters.limits import TextLimit
+
 
 class DiffusersDenoiser(nn.Module):
     """Base adapter: a diffusers denoiser with ditforge's call.
@@ -243,6 +245,35 @@ class DiffusersDenoiser(nn.Module):
         """Extra arguments of ``scheduler.set_timesteps`` for a video of ``latent_shape`` (B, C, T', h, w), as the
         family's pipeline passes them (LTX-Video: sigmas and the dynamic shift's mu); {} for the others."""
         return {}
+
+    @classmethod
+    def text_limits(cls, pipe: Any) -> tuple[TextLimit, ...]:
+        """The caption length each text encoder of the family's model takes (``limits.TextLimit``), the first the
+        one ``encode_prompt`` passes as ``max_sequence_length`` (``text_length``): from the model's config where it
+        fixes one (CogVideoX's ``max_text_seq_length``), else the pipeline's (a CLIP tokenizer's
+        ``model_max_length``, the call's ``max_sequence_length`` default). () for a family that encodes no text."""
+        return ()
+
+    @classmethod
+    def text_length(cls, pipe: Any) -> int:
+        """Tokens of the family's main text encoder's states (the first of ``text_limits``): what its
+        ``encode_prompt`` truncates and pads the captions to."""
+        return cls.text_limits(pipe)[0].length
+
+    @staticmethod
+    def prompt_tokens(pipe: Any, text: str, limit: TextLimit) -> int:
+        """Tokens ``text`` takes of ``limit`` as the pipeline's ``encode_prompt`` counts them (here: the limit's
+        tokenizer, special tokens included, without transformers' too-long warning; HunyuanVideo counts its Llama
+        prompt template's)."""
+        return len(getattr(pipe, limit.tokenizer)(text, verbose=False).input_ids)
+
+    @staticmethod
+    def size_refused(pipe: Any, height: int, width: int, num_frames: int) -> str | None:
+        """Why the family's model cannot take frames of ``height`` x ``width`` pixels, ``num_frames`` of them (1 for an
+        image family), from its config's fixed sizes (CogVideoX's learned positions, Wan's ``rope_max_seq_len``,
+        SD3's ``pos_embed_max_size``), or None. The frame rule and side multiples are checked elsewhere (the VAE's,
+        ``Pretrained.side_multiple``); the callers raise UserError with the reason, naming their flags."""
+        return None
 
     @staticmethod
     def call_defaults(pipe: Any) -> dict[str, int]:

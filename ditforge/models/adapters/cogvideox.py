@@ -1,5 +1,6 @@
 """CogVideoX 1.0 text-to-video (2B and 5B): diffusers' ``CogVideoXTransformer3DModel`` (an MM-DiT over 2 x 2
-patches of the causal 3-D VAE's latents, its video tokens attending jointly with 226 T5 tokens) trained as a
+patches of the causal 3-D VAE's latents, its video tokens attending jointly with 226 T5 tokens, the
+transformer's ``max_text_seq_length``) trained as a
 v-prediction DDPM whose scaled-linear ``alphas_cumprod`` are SNR-shifted and rescaled to zero terminal SNR
 (``CogVideoXDDIMScheduler`` / ``CogVideoXDPMScheduler``; ``ditforge.diffusion.objective``: the config's
 ``snr_shift_scale``, 3.0 for the 2B model and 1.0 for the 5B, is ``CogVideoXDDIMScheduler.__init__``'s SNR shift,
@@ -13,7 +14,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, call_default
+from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters.limits import TextLimit
 
 
 def text_first_plan() -> dict:
@@ -33,12 +35,13 @@ def text_first_plan() -> dict:
 class CogVideoXDenoiser(DiffusersDenoiser):
     """``transformer(hidden_states, encoder_hidden_states, timestep, image_rotary_emb)``: x (B, C, T', H/8, W/8) float
     latents of ``AutoencoderKLCogVideoX`` (T' = (T - 1) / 4 + 1 for T = 8k + 1 frames; times the VAE's
-    ``scaling_factor``, ``ditforge.encoders.vae``), handed to the transformer frames first, (B, T', C, h, w), as
-    the pipeline lays its latents out; t (B,) int64 DDPM timesteps; condition ``encoder_hidden_states`` (B, L,
-    text_dim) float T5 states of ``pipe.encode_prompt(..., do_classifier_free_guidance=False,
-    max_sequence_length=L)``, L the call's default (226). The 5B model's 3-D rotary positions are the pipeline's
-    own (``_prepare_rotary_positional_embeddings`` of the frame size, cached per shape and device). Output
-    (B, C, T', h, w): v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0."""
+    ``scaling_factor``, ``ditforge.encoders.vae``), handed to the transformer frames first, (B, T', C, h, w), as the
+    pipeline lays its latents out; t (B,) int64 DDPM timesteps; condition ``encoder_hidden_states`` (B, L, text_dim)
+    float T5 states of ``pipe.encode_prompt(..., do_classifier_free_guidance=False, max_sequence_length=L)``, L the
+    transformer's ``max_text_seq_length`` (226 for the released models; its positions and joint attention are built
+    for that many text tokens, ``text_limits``). The 5B model's 3-D rotary positions are the pipeline's own
+    (``_prepare_rotary_positional_embeddings`` of the frame size, cached per shape and device). Output (B, C, T', h,
+    w): v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0."""
 
     family = "cogvideox"
     pipelines = ("CogVideoXPipeline",)
@@ -81,6 +84,29 @@ class CogVideoXDenoiser(DiffusersDenoiser):
         return {"height": config.sample_height * scale, "width": config.sample_width * scale,
                 "num_frames": config.sample_frames}
 
+    @classmethod
+    def text_limits(cls, pipe):
+        """The transformer's ``max_text_seq_length`` T5 tokens: the joint sequence's positional table
+        (``CogVideoXPatchEmbed``: text then video tokens) is built for that many, and the released models were
+        trained at it (226, the pipeline call's default, which a model of another length needs in its place)."""
+        length = int(pipe.transformer.config.max_text_seq_length)
+        return (TextLimit("tokenizer", length, "transformer.config.max_text_seq_length"),)
+
+    @staticmethod
+    def size_refused(pipe, height, width, num_frames):
+        """A transformer with learned positional embeddings (``use_learned_positional_embeddings``: the 5B I2V
+        model) takes its config's ``sample_height`` x ``sample_width`` latents only (``CogVideoXPatchEmbed.forward``
+        raises otherwise) and ``sample_frames`` frames (at another count it replaces the learned table by a
+        sinusoidal one, a model it was not trained as); the others (sinusoidal or rotary positions) take any."""
+        config, scale = pipe.transformer.config, pipe.vae_scale_factor_spatial
+        if not config.use_learned_positional_embeddings:
+            return None
+        want = (config.sample_height * scale, config.sample_width * scale, config.sample_frames)
+        if (height, width, num_frames) == want:
+            return None
+        return (f"{want[0]} x {want[1]} frames only, {want[2]} of them (its transformer's learned positional "
+                "embeddings: the config's sample_height, sample_width, sample_frames)")
+
     def rotary(self, x: torch.Tensor):
         """The (cos, sin) rotary tables of latents ``x`` (B, C, T', h, w), or None for a model without them (2B).
         ``CogVideoXPipeline._prepare_rotary_positional_embeddings`` is called with this model and the VAE's factor
@@ -103,11 +129,10 @@ class CogVideoXDenoiser(DiffusersDenoiser):
                                timestep=t, image_rotary_emb=self.rotary(x), return_dict=False)[0]
         return out.transpose(1, 2)
 
-    @staticmethod
-    def encode_prompt(pipe, texts, device):
-        length = call_default(pipe, "max_sequence_length")
+    @classmethod
+    def encode_prompt(cls, pipe, texts, device):
         embeds, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
-                                       max_sequence_length=length)
+                                       max_sequence_length=cls.text_length(pipe))
         return {"encoder_hidden_states": embeds}
 
 

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default, with_first_frame
+from ditforge.models.adapters import DiffusersDenoiser, as_images, with_first_frame
 from ditforge.models.adapters.layouts import OriginalLayout, renamed
+from ditforge.models.adapters.limits import call_default_limit, tokenizer_limit
 
 _QKV = ("attn.to_q.{p}", "attn.to_k.{p}", "attn.to_v.{p}")
 _REFINER = "context_embedder.token_refiner.refiner_blocks.{i}."
@@ -109,7 +110,9 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
     T = 4k + 1 frames; times its ``scaling_factor`` 0.476986), t (B,) float = 1000 sigma; condition
     ``encoder_hidden_states`` (B, L, 4096) float Llama states (the third-to-last layer, the prompt template's
     system part cropped off) with ``encoder_attention_mask`` (B, L) and ``pooled_projections`` (B, 768) CLIP pooled
-    states, all of ``pipe.encode_prompt(..., max_sequence_length=L)``, L the call's default (256). ``guidance`` (B,)
+    states, all of ``pipe.encode_prompt(..., max_sequence_length=L)``, L the call's default (256; the token refiner
+    and the joint attention take any length, so the transformer's config fixes none, nor a frame size: its rotary
+    positions are computed for each; ``text_limits``). ``guidance`` (B,)
     float: 1000 x the embedded guidance scale of the guidance-distilled model; the pipeline samples at its
     ``guidance_scale`` (6.0), fine-tuning trains at ``TRAIN_GUIDANCE`` (1.0), as finetrainers and musubi-tuner do.
     Output (B, 16, T', h, w): the velocity noise - x0."""
@@ -148,10 +151,29 @@ class HunyuanVideoDenoiser(DiffusersDenoiser):
                                 encoder_attention_mask=encoder_attention_mask, pooled_projections=pooled_projections,
                                 guidance=guidance, return_dict=False)[0]
 
+    @classmethod
+    def text_limits(cls, pipe):
+        """The Llama prompt's: the call's ``max_sequence_length`` default (256); CLIP's: ``tokenizer_2``'s
+        ``model_max_length`` (77, what the pipeline passes to its CLIP encoding)."""
+        return (call_default_limit(pipe), tokenizer_limit(pipe, "tokenizer_2"))
+
     @staticmethod
-    def encode_prompt(pipe, texts, device):
-        length = call_default(pipe, "max_sequence_length")
-        embeds, pooled, mask = pipe.encode_prompt(list(texts), device=device, max_sequence_length=length)
+    def prompt_tokens(pipe, text, limit):
+        """The Llama tokens of ``text`` inside the pipeline's prompt template (its module's
+        ``DEFAULT_PROMPT_TEMPLATE``) past the template's ``crop_start``, which ``_get_llama_prompt_embeds`` adds to
+        ``max_sequence_length`` before truncating; a CLIP limit's, plain."""
+        import sys
+
+        template = getattr(sys.modules[type(pipe).__module__], "DEFAULT_PROMPT_TEMPLATE", None)
+        if limit.tokenizer != "tokenizer" or template is None:
+            return DiffusersDenoiser.prompt_tokens(pipe, text, limit)
+        ids = pipe.tokenizer(template["template"].format(text), verbose=False).input_ids
+        return len(ids) - int(template["crop_start"])
+
+    @classmethod
+    def encode_prompt(cls, pipe, texts, device):
+        embeds, pooled, mask = pipe.encode_prompt(list(texts), device=device,
+                                                  max_sequence_length=cls.text_length(pipe))
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask, "pooled_projections": pooled}
 
     @staticmethod
@@ -232,8 +254,8 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
             x = torch.cat([x, image_condition.to(x.dtype)], dim=1)
         return super().denoise(x, t, encoder_hidden_states, encoder_attention_mask, pooled_projections, guidance)
 
-    @staticmethod
-    def encode_prompt(pipe, texts, device, images=None):
+    @classmethod
+    def encode_prompt(cls, pipe, texts, device, images=None):
         """``pipe.encode_prompt(image=, prompt=, max_sequence_length=L, image_embed_interleave=k)`` with the call's
         defaults (L = 256; k by ``image_condition_type``, as ``__call__`` picks it), one prompt a call (diffusers'
         crop of a prompt longer than L is right for a batch of one only, as the pipeline calls it). ``images``: B
@@ -245,7 +267,7 @@ class HunyuanVideoI2VDenoiser(HunyuanVideoDenoiser):
         images = [Image.new("RGB", (64, 64), 0)] * len(texts) if images is None else as_images(images)
         interleave = 4 if _replaces_tokens(pipe.transformer) else 2
         rows = [pipe.encode_prompt(image=[image], prompt=[text], device=device,
-                                   max_sequence_length=call_default(pipe, "max_sequence_length"),
+                                   max_sequence_length=cls.text_length(pipe),
                                    image_embed_interleave=interleave)
                 for text, image in zip(texts, images)]  # one a call: a truncated prompt's crop holds for batch 1 only
         embeds, pooled, mask = (torch.cat(parts) for parts in zip(*rows))

@@ -22,6 +22,7 @@ import torch
 
 from ditforge.models.adapters import DiffusersDenoiser, call_default, give_first_frame
 from ditforge.models.adapters.layouts import OriginalLayout, renamed
+from ditforge.models.adapters.limits import call_default_limit
 
 LTX_VIDEO_TRANSFORMER = OriginalLayout(
     name="LTX-Video transformer (Lightricks' release)",
@@ -75,13 +76,14 @@ def whole_text_plan() -> dict:
 class LTXDenoiser(DiffusersDenoiser):
     """``transformer(hidden_states, encoder_hidden_states, timestep, encoder_attention_mask, num_frames, height,
     width, rope_interpolation_scale)``: x (B, C, T', H/32, W/32) float latents of ``AutoencoderKLLTXVideo``
-    (T' = (T - 1) / 8 + 1 for T = 8k + 1 frames; normalised by the VAE's ``latents_mean`` / ``latents_std`` buffers
-    and ``scaling_factor``, ``ditforge.encoders.vae``), packed into tokens by the pipeline's ``_pack_latents``; t
-    (B,) float = 1000 sigma; condition ``encoder_hidden_states`` (B, L, 4096) float T5 states and
+    (T' = (T - 1) / 8 + 1 for T = 8k + 1 frames; normalised by the VAE's ``latents_mean`` / ``latents_std`` buffers and
+    ``scaling_factor``, ``ditforge.encoders.vae``), packed into tokens by the pipeline's ``_pack_latents``; t (B,)
+    float = 1000 sigma; condition ``encoder_hidden_states`` (B, L, 4096) float T5 states and
     ``encoder_attention_mask`` (B, L) of ``pipe.encode_prompt(..., max_sequence_length=L)``, L the call's default
-    (128). The rotary positions are scaled as the pipeline scales them at its call's default ``frame_rate`` (25):
-    (temporal compression / frame_rate, spatial compression, spatial compression). Output (B, C, T', h, w): the
-    velocity noise - x0."""
+    (128; the transformer cross-attends to any length, its config fixes none: ``text_limits``; nor a frame size, its
+    rotary positions computed for each). The rotary positions are scaled as the pipeline scales them at its call's
+    default ``frame_rate`` (25): (temporal compression / frame_rate, spatial compression, spatial compression). Output
+    (B, C, T', h, w): the velocity noise - x0."""
 
     family = "ltx"
     pipelines = ("LTXPipeline",)
@@ -121,11 +123,14 @@ class LTXDenoiser(DiffusersDenoiser):
                                rope_interpolation_scale=scale, return_dict=False)[0]
         return LTXPipeline._unpack_latents(out, frames, h, w, p, pt)
 
-    @staticmethod
-    def encode_prompt(pipe, texts, device):
-        length = call_default(pipe, "max_sequence_length")
+    @classmethod
+    def text_limits(cls, pipe):
+        return (call_default_limit(pipe),)
+
+    @classmethod
+    def encode_prompt(cls, pipe, texts, device):
         embeds, mask, _, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
-                                                max_sequence_length=length)
+                                                max_sequence_length=cls.text_length(pipe))
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
 
     @staticmethod

@@ -16,6 +16,7 @@ from torch import nn
 
 from ditforge.errors import UserError
 from ditforge.models.adapters import DiffusersDenoiser, family_of_pipeline, supported_pipelines
+from ditforge.models.adapters.limits import CaptionCheck, quiet_truncation
 from ditforge.models.adapters.single_file import FP8, load_component
 
 FLAG = "--init_from"
@@ -97,6 +98,19 @@ class Pretrained:
     scheduler_config: dict
     files: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self):
+        self.check_captions = CaptionCheck(self.denoiser, self.pipe)  # the one warning of a truncated caption
+
+    def refuse_size(self, height: int | None, width: int | None, num_frames: int, flags: str) -> None:
+        """Raises UserError (one line: ``flags``, the caller's flags and values, then the family's reason) when the
+        family's model cannot take frames of ``height`` x ``width`` px, ``num_frames`` of them
+        (``DiffusersDenoiser.size_refused``). A side of None (the pipeline's own default) is not checked."""
+        if height is None or width is None:
+            return
+        why = self.denoiser.size_refused(self.pipe, height, width, num_frames)
+        if why is not None:
+            raise UserError(f"{flags}: {self.pipeline_class} at {self.folder} takes {why}")
+
     @property
     def side_multiple(self) -> int:
         """Pixels a frame's height and width must be a multiple of: the VAE's downsample x the denoiser's own (a
@@ -116,13 +130,15 @@ class Pretrained:
         """Prompts -> the denoiser's conditioning tensors (float32, batch-first, on the denoiser's device), with
         the pipeline's encoders (wherever they are); the token ids when the denoiser trains its text encoder.
         ``images``: a ``prompt_sees_image`` family's first frames, one per prompt ((B, 3, H, W) in [-1, 1] or PIL
-        images; None: its black image)."""
+        images; None: its black image). Captions longer than the model takes (``text_limits``) are truncated to it,
+        with one warning line a process (``limits.CaptionCheck``)."""
+        self.check_captions(list(texts))
         if getattr(self.denoiser, "tokenize", None) is not None:
             out = self.denoiser.tokenize(list(texts))
             return {k: v.to(self.device) for k, v in out.items()}
         encoder = next(m for n, m in self.pipe.components.items() if n.startswith("text_encoder") and m is not None)
         extra = {"images": images} if images is not None else {}
-        with torch.no_grad():
+        with torch.no_grad(), quiet_truncation(self.pipe):
             out = self.denoiser.encode_prompt(self.pipe, list(texts), encoder.device, **extra)
         return {k: (v.float() if v.is_floating_point() else v).to(self.device) for k, v in out.items()}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ditforge.models.adapters import DiffusersDenoiser
+from ditforge.models.adapters.limits import tokenizer_limit
 
 
 class SDUNetDenoiser(DiffusersDenoiser):
@@ -32,6 +33,12 @@ class SDUNetDenoiser(DiffusersDenoiser):
         ids = tok(list(texts), padding="max_length", max_length=tok.model_max_length, truncation=True,
                   return_tensors="pt").input_ids
         return {"input_ids": ids}
+
+    @classmethod
+    def text_limits(cls, pipe):
+        """CLIP's tokenizer's ``model_max_length`` (77), to which the pipeline tokenizes; a UNet takes any length
+        and size."""
+        return (tokenizer_limit(pipe),)
 
     def denoise(self, x, t, encoder_hidden_states):
         return self.unet(x, t, encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
@@ -63,6 +70,12 @@ class SDXLUNetDenoiser(DiffusersDenoiser):
         if pipe.config.get("force_zeros_for_empty_prompt", False):
             return {k: torch.zeros_like(v) for k, v in empty.items()}
         return empty
+
+    @classmethod
+    def text_limits(cls, pipe):
+        """Both CLIP tokenizers' ``model_max_length`` (77 each)."""
+        return tuple(tokenizer_limit(pipe, name) for name in ("tokenizer", "tokenizer_2")
+                     if getattr(pipe, name, None) is not None)
 
     def denoise(self, x, t, encoder_hidden_states, text_embeds):
         h, w = x.shape[-2] * self.vae_scale, x.shape[-1] * self.vae_scale

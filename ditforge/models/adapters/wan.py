@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ditforge.models.adapters import DiffusersDenoiser, as_images, call_default, give_first_frame
+from ditforge.models.adapters import DiffusersDenoiser, as_images, give_first_frame
 from ditforge.models.adapters.layouts import OriginalLayout, renamed
+from ditforge.models.adapters.limits import call_default_limit
 
 _ATTENTION = {"to_q.": "q.", "to_k.": "k.", "to_v.": "v.", "to_out.0.": "o.", "add_k_proj.": "k_img.",
               "add_v_proj.": "v_img.", "norm_added_k.": "norm_k_img."}  # norm_q, norm_k keep their names
@@ -178,11 +179,33 @@ class WanDenoiser(DiffusersDenoiser):
         return self.inner(hidden_states=x, timestep=t, encoder_hidden_states=encoder_hidden_states,
                                 return_dict=False)[0]
 
+    @classmethod
+    def text_limits(cls, pipe):
+        """The pipeline call's ``max_sequence_length`` default (512, Wan's ``text_len``) UMT5 tokens: the
+        transformer cross-attends to any length, so its config fixes none."""
+        return (call_default_limit(pipe),)
+
     @staticmethod
-    def encode_prompt(pipe, texts, device):
-        length = call_default(pipe, "max_sequence_length")
+    def size_refused(pipe, height, width, num_frames):
+        """The transformer's rotary table (``WanRotaryPosEmbed``) holds ``rope_max_seq_len`` positions an axis (1024):
+        the patches along the latent frames, rows and columns must each fit in it."""
+        config = pipe.transformer.config
+        p_t, p_h, p_w = config.patch_size
+        space, time = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
+        most = config.get("rope_max_seq_len")
+        if most is None:
+            return None
+        axes = {"latent frames": (num_frames - 1) // time + 1, "rows": height // space, "columns": width // space}
+        for (axis, n), p in zip(axes.items(), (p_t, p_h, p_w)):
+            if n // p > most:
+                return (f"at most {most} patches an axis (the transformer config's rope_max_seq_len, its rotary "
+                        f"table), not {n // p} patches of {axis}")
+        return None
+
+    @classmethod
+    def encode_prompt(cls, pipe, texts, device):
         embeds, _ = pipe.encode_prompt(list(texts), do_classifier_free_guidance=False, device=device,
-                                       max_sequence_length=length)
+                                       max_sequence_length=cls.text_length(pipe))
         return {"encoder_hidden_states": embeds}
 
 
