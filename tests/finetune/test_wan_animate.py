@@ -13,35 +13,19 @@ from ditforge.cli import main
 from ditforge.data.video import write_video, write_video_csv
 from families import assert_one_line_error, video_train_argv  # on sys.path
 from references import _first_batch, as_pil, flow_draws
-from tiny_pipelines import _save
+from tiny_pipelines import make_animate
 
 FRAMES = 5  # one segment of 4k + 1 frames (segment_frame_length 5, one conditioning frame)
 
 
 @pytest.fixture(scope="module")
-def animate(tmp_path_factory, wan_pipeline):
-    """A tiny ``WanAnimatePipeline`` folder (the session's ``make_wan`` tokenizer, UMT5, VAE and scheduler; a 2-layer
-    ``WanAnimateTransformer3DModel`` 24 wide with a 16 px motion encoder and face adapter; a 2-layer CLIP vision
-    model 4 wide) and random 16 px inputs: character PNG, pose and face MP4s of ``FRAMES`` frames."""
-    from diffusers import WanAnimatePipeline, WanAnimateTransformer3DModel, WanPipeline
+def animate(tmp_path_factory):
+    """A tiny ``WanAnimatePipeline`` folder (``tiny_pipelines.make_animate``) and random 16 px inputs: character
+    PNG, pose and face MP4s of ``FRAMES`` frames."""
     from PIL import Image
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     root = tmp_path_factory.mktemp("animate")
-    wan = WanPipeline.from_pretrained(str(wan_pipeline))
-    parts = {n: getattr(wan, n) for n in ("tokenizer", "text_encoder", "vae", "scheduler")}
-    torch.manual_seed(0)
-    parts["transformer"] = WanAnimateTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, latent_channels=16, text_dim=32,
-        ffn_dim=32, num_layers=2, image_dim=4, rope_max_seq_len=32, motion_encoder_size=16,
-        motion_encoder_channel_sizes={"4": 16, "8": 16, "16": 16}, motion_style_dim=8, motion_dim=4,
-        motion_encoder_dim=8, face_encoder_hidden_dim=8, face_encoder_num_heads=2, inject_face_latents_blocks=2,
-        motion_encoder_batch_size=4).eval()
-    torch.manual_seed(0)
-    encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=4, num_hidden_layers=2, num_attention_heads=2,
-                                               image_size=32, intermediate_size=16, patch_size=1)).eval()
-    folder = _save(WanAnimatePipeline(**parts, image_encoder=encoder,
-                                      image_processor=CLIPImageProcessor(crop_size=32, size=32)), root / "pipe")
+    make_animate(root / "pipe")
     rng = np.random.default_rng()
     Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / "character.png")
     for name in ("pose", "face"):
