@@ -5,7 +5,7 @@ folder) and ``text`` (its caption); an optional ``image`` column names each clip
 image-to-video training (resolved the same way; an empty cell: the clip's first frame); an optional
 ``reference_image`` column its reference images for reference-image training (``takes_references`` families:
 ``;``-separated paths resolved the same way; an empty cell: ``default_reference``); optional ``pose_video`` and ``face_video``
-columns (``DRIVING_COLUMNS``, named as a driven pipeline's arguments, Wan2.2-Animate's) the clip's driving videos,
+columns (``DRIVING_COLUMNS``, named as a driven pipeline's arguments) the clip's driving videos,
 frame-aligned with it (resolved the same way); the optional columns
 ``num_frames, fps, height, width`` (written by ``ditforge preprocess``) are accepted and ignored: the container is
 opened to decode it anyway, and its own metadata is what counts. The built-in ``clips`` data set

@@ -11,7 +11,7 @@ import torch
 
 from ditforge.cli import main
 from ditforge.data.video import write_video, write_video_csv
-from families import assert_one_line_error, video_train_argv  # on sys.path
+from families import assert_lora_file_loads, assert_one_line_error, video_train_argv  # on sys.path
 from references import _first_batch, as_pil, flow_draws
 from tiny_pipelines import make_animate
 
@@ -185,13 +185,7 @@ def test_lora_export_loads_in_the_pipeline(animate, animate_run, tmp_path):
               "encoder_hidden_states_image": torch.randn(2, 9, 4, generator=g),
               "pose_hidden_states": torch.randn(2, 16, 2, 8, 8, generator=g),
               "face_pixel_values": torch.rand(2, 3, FRAMES, 16, 16, generator=g) * 2 - 1, "return_dict": False}
-    with torch.no_grad():
-        before = pipe.transformer(**inputs)[0]
-        pipe.load_lora_weights(str(lora))
-        theirs, mine = pipe.transformer(**inputs)[0], ours.inner(**inputs)[0]
-    tol = 1e-5 * mine.abs().max()
-    assert (theirs - mine).abs().max() <= tol
-    assert (before - mine).abs().max() > 10 * tol
+    assert_lora_file_loads(pipe, ours, lora, inputs, 10)
 
 
 def test_training_without_driving_videos_is_one_line(animate, capsys, tmp_path):
