@@ -94,7 +94,8 @@ def _train_argv(root, data, out, *extra):
 @pytest.fixture(scope="module")
 def animate_run(animate, one_thread_module):
     """A CSV of 2 rows of random 16 px clips of ``FRAMES`` frames (target, pose and face videos, a 24 x 40 character
-    PNG: centre-cropped to 16 x 16 by the data set) and a 1-step LoRA run on it."""
+    PNG: centre-cropped to 16 x 16 by the data set) and a 1-step LoRA run on it, with the default --sample_every
+    (no grid: the run ends without one)."""
     rng = np.random.default_rng(5)
     rows = []
     for i in range(2):
@@ -107,7 +108,11 @@ def animate_run(animate, one_thread_module):
         rows.append(row)
     csv = write_video_csv(rows, animate / "train.csv", COLUMNS)
     run = animate / "lora"
-    assert main(_train_argv(animate, csv, run, "--max_steps", "1", "--ckpt_every", "1")) == 0
+    argv = _train_argv(animate, csv, run, "--max_steps", "1", "--ckpt_every", "1")
+    i = argv.index("--sample_every")
+    del argv[i:i + 2]  # the default grid: resolve turns it off (the pipeline's call needs driving videos)
+    assert main(argv) == 0
+    assert not any((run / "samples").rglob("*.*"))
     return {"csv": csv, "run": run}
 
 
@@ -188,7 +193,13 @@ def test_lora_export_loads_in_the_pipeline(animate, animate_run, tmp_path):
     assert_lora_file_loads(pipe, ours, lora, inputs, 10)
 
 
-def test_training_without_driving_videos_is_one_line(animate, capsys, tmp_path):
-    """The built-in clips (no pose_video / face_video columns): exit 2 and one line naming the columns."""
+def test_training_bad_input_is_one_line(animate, animate_run, capsys, tmp_path):
+    """The built-in clips (no pose_video / face_video columns), and --validation_prompts (its lines carry no driving
+    videos): exit 2 and one line naming the columns, the flag."""
     assert_one_line_error(capsys, _train_argv(animate, "clips", tmp_path / "run", "--max_steps", "1"),
                           "trains on a video CSV with the columns pose_video, face_video")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a dancer --w 16 --h 16 --f 5 --s 2\n")
+    assert_one_line_error(capsys, _train_argv(animate, animate_run["csv"], tmp_path / "val", "--max_steps", "1",
+                                              "--validation_prompts", str(prompts), "--sample_every", "1"),
+                          "--validation_prompts: a WanAnimatePipeline samples from driving videos")
