@@ -92,6 +92,17 @@ clips of 33 frames at 480 x 480 with a random reference image each (``reference_
 VAE encoding the clip and the reference and the control (latents 16 x (1 + 9) x 60 x 60, 36,000 tokens in the main
 and VACE blocks). Rows: ``lora32``, ``lora32_budget8``. ``--tiny``: the tests' tiny VACE pipeline at 16 px x 5.
 
+animate14 (``build_animate14``): Wan2.2-Animate-14B, a ``WanAnimatePipeline`` with ``WanAnimateTransformer3DModel``'s
+default config (the released 14B's: 40 layers of 40 heads of 128, FFN 13824, 36 input channels, the 512 px motion
+encoder and a face adapter every 5 blocks), random weights saved in bf16, wan13's VAE, UMT5 and scheduler, and a
+one-layer CLIP vision model of the released encoder's output shape (257 states of 1280 for a 224 px image).
+Animate trains from clips (the character's latent, the pose latents and face frames are built per clip), so its rows
+read a CSV of 2 random smooth clips of 77 frames (one segment, the pipeline's ``segment_frame_length``) at 640 x 640
+with a character PNG, a pose video and a face video each (``driving_clips``): latents 16 x (1 + 20) x 80 x 80, 33,600
+tokens, the wan14 rows' count. Rows: ``lora32_fp8_swap20_off_budget24`` (rank 32, the base in fp8, the last 20
+blocks' frozen weights swapped from host memory, every block checkpointed with its input in host memory, under
+--gpu_memory_budget 24GiB) and ``lora32`` (uncapped). ``--tiny``: the tests' tiny Animate pipeline at 16 px x 5.
+
 Usage (repository root, GPU machine): ``PYTHONPATH=. python benchmarks/finetune.py --model sd15 --work /tmp/ft
 --rows full,full_compile,lora64,lora64_compile --json $OUT/finetune_sd15.json``; ``--tiny`` builds the tests' tiny
 pipeline instead (a CPU check of the script; wan13: the tiny WanPipeline's features rewritten to 32 px x 9 frames).
@@ -202,6 +213,9 @@ ROWS = {
     # + the frozen weights of the last 20 of the 40 blocks in pinned host memory, a block at a time on the GPU
     "lora32_swap20_off_budget24": [*WAN_LORA, "--offload_activations", "--blocks_to_swap", "20",
                                    "--gpu_memory_budget", "24GiB"],
+    # Wan2.2-Animate-14B (--model animate14) on a 24 GB card: + the base stored in fp8
+    "lora32_fp8_swap20_off_budget24": [*WAN_LORA, "--fp8_base", "--offload_activations", "--blocks_to_swap", "20",
+                                       "--gpu_memory_budget", "24GiB"],
     # + --validation_prompts (VALIDATION, written into --work): its samples with the weights being trained, every 10
     # steps and at the end; issue 63's row: the peak no higher than lora32's, and a sample's time (validation_s)
     "lora32_val": [*WAN_LORA, "--validation_prompts", "{work}/validation.txt", "--sample_every", "10"],
@@ -304,6 +318,7 @@ WAN14 = {**WAN13, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 WAN_SIDE, WAN_FRAMES = 640, 81
 VACE13_LAYERS = list(range(0, 30, 2))  # Wan-VACE-1.3B's (diffusers' scripts/convert_wan_to_diffusers.py)
 VACE_SIDE, VACE_FRAMES = 480, 33  # vace13's clips, read and encoded in the step (no features)
+ANIMATE_SIDE, ANIMATE_FRAMES = 640, 77  # animate14's clips: one segment (segment_frame_length 77), wan14's tokens
 # CogVideoX-5B's released size is 480 x 720 x 49 (latents 16 x 13 x 60 x 90: 17,550 tokens in 2 x 2 patches); the
 # nearest square with at least as many: 592 px (13 x 37 x 37 = 17,797 tokens, 1.014x)
 COG_SIDE, COG_FRAMES = 592, 49
@@ -397,10 +412,24 @@ def build_vace13(path: Path) -> Path:
     return build_wan(path, transformer=transformer.float())
 
 
+def smooth_mp4(path: Path, rng, frames: int, side: int) -> None:
+    """A random smooth clip: ``frames`` frames of (side / 8)^2 random colours upsampled bilinearly, in mpeg4."""
+    import av
+
+    coarse = torch.from_numpy(rng.random((frames, 3, max(1, side // 8), max(1, side // 8)), dtype=np.float32))
+    pixels = (torch.nn.functional.interpolate(coarse, size=(side, side), mode="bilinear") * 255).round()
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width = stream.height = side
+        stream.pix_fmt = "yuv420p"
+        for frame in pixels.to(torch.uint8).permute(0, 2, 3, 1).numpy():
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
 def reference_clips(folder: Path, side: int, frames: int, n: int = 2) -> Path:
     """``folder/refs.csv``: ``n`` random smooth mp4 clips of ``frames`` frames at ``side`` px with captions and a
     random ``side`` px PNG reference each (a video CSV's ``reference_image`` column); returns the CSV's path."""
-    import av
     from PIL import Image
 
     from ditforge.data.video import write_video_csv
@@ -408,19 +437,50 @@ def reference_clips(folder: Path, side: int, frames: int, n: int = 2) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     rng, rows = np.random.default_rng(0), []
     for i in range(n):
-        coarse = torch.from_numpy(rng.random((frames, 3, side // 8, side // 8), dtype=np.float32))
-        pixels = (torch.nn.functional.interpolate(coarse, size=(side, side), mode="bilinear") * 255).round()
-        pixels = pixels.to(torch.uint8).permute(0, 2, 3, 1).numpy()
-        with av.open(str(folder / f"clip{i}.mp4"), "w") as container:
-            stream = container.add_stream("mpeg4", rate=8)
-            stream.width = stream.height = side
-            stream.pix_fmt = "yuv420p"
-            for frame in pixels:
-                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-            container.mux(stream.encode())
+        smooth_mp4(folder / f"clip{i}.mp4", rng, frames, side)
         Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(folder / f"ref{i}.png")
         rows.append({"path": f"clip{i}.mp4", "text": CAPTIONS[i % len(CAPTIONS)], "reference_image": f"ref{i}.png"})
     return write_video_csv(rows, folder / "refs.csv", ("path", "text", "reference_image"))
+
+
+def build_animate14(path: Path) -> Path:
+    """A ``WanAnimatePipeline`` folder: ``WanAnimateTransformer3DModel``'s default config (Wan2.2-Animate-14B's) with
+    random weights in bf16, ``build_wan``'s VAE, UMT5 encoder, tokenizer and scheduler, and a one-layer
+    ``CLIPVisionModel`` 1280 wide on 224 px images in patches of 14 (the released ViT-H/14's 257 states of 1280;
+    the pipeline reads its second-to-last hidden states, here the embeddings)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanAnimatePipeline, WanAnimateTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    transformer = random_bf16(WanAnimateTransformer3DModel)
+    tokenizer = tiny_pipelines.make_t5_tokenizer()
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan().eval()
+    encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=1280, num_hidden_layers=1, num_attention_heads=16,
+                                               intermediate_size=256, image_size=224, patch_size=14)).eval()
+    pipe = WanAnimatePipeline(tokenizer=tokenizer, text_encoder=wide_t5(tokenizer, umt5=True), vae=vae,
+                              transformer=transformer, image_encoder=encoder, image_processor=CLIPImageProcessor(),
+                              scheduler=UniPCMultistepScheduler(**tiny_pipelines.WAN_SCHEDULER))
+    return tiny_pipelines._save(pipe, path)
+
+
+def driving_clips(folder: Path, side: int, frames: int, n: int = 2) -> Path:
+    """``folder/driving.csv``: ``n`` rows of random smooth mp4 clips of ``frames`` frames at ``side`` px (the target,
+    its pose video and its face video) with captions and a random PNG character each (the CSV columns ``image``,
+    ``pose_video``, ``face_video``); returns the CSV's path."""
+    from PIL import Image
+
+    from ditforge.data.video import write_video_csv
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng, rows = np.random.default_rng(0), []
+    for i in range(n):
+        row = {"path": f"clip{i}.mp4", "text": CAPTIONS[i % len(CAPTIONS)], "image": f"char{i}.png",
+               "pose_video": f"pose{i}.mp4", "face_video": f"face{i}.mp4"}
+        for key in ("path", "pose_video", "face_video"):
+            smooth_mp4(folder / row[key], rng, frames, side)
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(folder / row["image"])
+        rows.append(row)
+    return write_video_csv(rows, folder / "driving.csv", tuple(rows[0]))
 
 
 def build_cog5b(path: Path) -> Path:
@@ -691,7 +751,7 @@ def library_versions() -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "wan14", "cog5b", "hv13b", "wan5b",
-                                        "ltx2b", "vace13"), required=True)
+                                        "ltx2b", "vace13", "animate14"), required=True)
     ap.add_argument("--rows", default="full,full_compile,lora64,lora64_compile")
     ap.add_argument("--work", default="/tmp/ditforge-finetune")
     ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl, video), 8 (pixart), as the "
@@ -721,12 +781,13 @@ def main() -> None:
                      "wan14": tiny_pipelines.make_wan,
                      "cog5b": tiny_pipelines.make_cogvideox, "hv13b": tiny_pipelines.make_hunyuan_video,
                      "wan5b": tiny_pipelines.make_wan22_ti2v, "ltx2b": tiny_pipelines.make_ltx,
-                     "vace13": tiny_pipelines.make_vace}
+                     "vace13": tiny_pipelines.make_vace, "animate14": tiny_pipelines.make_animate}
                     if args.tiny else {"sd15": build_sd15, "pixart": build_pixart, "sdxl": build_sdxl,
                                        "wan13": build_wan,
                                        "wan14": functools.partial(build_wan, config=WAN14, dtype=torch.bfloat16),
                                        "cog5b": build_cog5b, "hv13b": build_hv13b, "wan5b": build_wan5b,
-                                       "ltx2b": build_ltx2b, "vace13": build_vace13})
+                                       "ltx2b": build_ltx2b, "vace13": build_vace13,
+                                       "animate14": build_animate14})
         builders[args.model](pipe)
         if torch.cuda.is_available():  # wan13 initialises its transformer on the GPU: free it for the rows
             torch.cuda.empty_cache()
@@ -735,6 +796,10 @@ def main() -> None:
     if args.model == "vace13":
         side, frames = (16, 5) if args.tiny else (VACE_SIDE, VACE_FRAMES)
         size, feats = side, reference_clips(work / f"clips-{pipe.name}", side, frames)
+        clip_flags = ["--num_frames", str(frames), "--frame_interval", "1", "--image_size", str(side)]
+    elif args.model == "animate14":
+        side, frames = (16, 5) if args.tiny else (ANIMATE_SIDE, ANIMATE_FRAMES)
+        size, feats = side, driving_clips(work / f"clips-{pipe.name}", side, frames)
         clip_flags = ["--num_frames", str(frames), "--frame_interval", "1", "--image_size", str(side)]
     elif not (feats / "features.json").is_file():
         shutil.rmtree(feats, ignore_errors=True)
@@ -766,6 +831,9 @@ def main() -> None:
     if args.model == "vace13":
         meta |= {"num_frames": frames, "note": "clips read, VAE-encoded and their reference's control built in each "
                  "step (VACE trains from clips)"}
+    elif args.model == "animate14":
+        meta |= {"num_frames": frames, "note": "clips read, VAE-encoded and their character, pose and face "
+                 "conditioning built in each step (Animate trains from clips)"}
     elif wan:
         from ditforge.data import build_dataset
 

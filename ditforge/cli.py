@@ -371,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
             base = read_meta(ckpt).get("config") if ckpt is not None else None
             if base is not None:
                 base["train"] = {k: v for k, v in base["train"].items() if k not in ("resume", "outputs")}
-            train(build_config(config_file, args, base))
+            cfg = build_config(config_file, args, base)
+            draw = None
+            if cfg.data.class_data is not None and cfg.data.instance_data is not None:
+                from ditforge.sample.class_clips import draw_class_clips as draw  # a video pipeline's class clips
+            train(cfg, class_clips=draw)
         elif command == "sample":
             from ditforge.sample import SampleConfig, sample
 

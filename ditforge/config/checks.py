@@ -194,3 +194,5 @@ def validate(cfg: RunConfig) -> None:
         raise UserError("--buckets: not with --instance_data (DreamBooth trains at one --image_size)")
     if data.num_class_images < 1:
         raise UserError(f"--num_class_images: expected a positive integer, got {data.num_class_images}")
+    if data.class_sampling_steps < 1:
+        raise UserError(f"--class_sampling_steps: expected a positive integer, got {data.class_sampling_steps}")

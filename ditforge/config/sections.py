@@ -170,12 +170,15 @@ class DataConfig(_Freezable):
                                          "pipeline clips too, in buckets (replaces --data)")
     instance_prompt: str | None = _f(None, "DreamBooth: the caption of every instance image or clip, e.g. 'a "
                                            "photo of sks dog', 'a video of sks man'")
-    class_data: str | None = _f(None, "DreamBooth prior preservation: a folder of class images; the base model "
-                                      "generates the missing ones up to --num_class_images")
+    class_data: str | None = _f(None, "DreamBooth prior preservation: a folder of class images (for a video "
+                                      "pipeline, clips); the base model generates the missing ones up to "
+                                      "--num_class_images")
     class_prompt: str | None = _f(None, "DreamBooth prior preservation: the class images' caption, e.g. 'a photo "
                                         "of dog'")
     num_class_images: int = _f(100, "DreamBooth prior preservation: class images wanted in --class_data")
     prior_loss_weight: float = _f(1.0, "DreamBooth prior preservation: weight of the class images' loss")
+    class_sampling_steps: int = _f(25, "DreamBooth prior preservation of a video pipeline: sampling steps of each "
+                                       "class clip the base model draws into --class_data")
     buckets: str | None = _f(None, "multi-resolution buckets (Open-Sora's bucket_config): a YAML or JSON file "
                                    "{resolution: {frames: [keep probability, global batch size]}}, e.g. {256px: {1: "
                                    "[1.0, 64], 16: [0.5, 8]}}; --data is then a CSV / JSONL of path,text naming images "

@@ -287,14 +287,16 @@ def probe_size(source: str | Path | bytes, video: bool | None = None) -> tuple[i
 def read_at_bucket(source: str | Path | bytes, bucket: Bucket, frame_interval: int, seed: int) -> torch.Tensor:
     """A sample at ``bucket``'s shape: (3, F, h, w) float32 in [-1, 1]. ``source``: an image (F = 1; EXIF
     orientation applied, RGB) or a video (F frames at stride ``frame_interval``, ``read_clip``, start frame uniform
-    from ``seed``), a file or its bytes; each frame ``center_crop_arr``-ed to (h, w).
+    from ``seed``; a file named with ``VIDEO_EXTENSIONS`` is read so for F = 1 too), a file or its bytes; each
+    frame ``center_crop_arr``-ed to (h, w).
 
     Raises:
         OSError / ValueError / SyntaxError / av.FFmpegError / EOFError: an unreadable file.
     """
-    from ditforge.data.video import read_clip
+    from ditforge.data.video import VIDEO_EXTENSIONS, read_clip
 
-    if bucket.num_frames == 1:
+    video = isinstance(source, (str, Path)) and Path(source).suffix.lower() in VIDEO_EXTENSIONS
+    if bucket.num_frames == 1 and not video:
         with Image.open(file_source(source)) as img:
             frames = [center_crop_arr(ImageOps.exif_transpose(img).convert("RGB"), (bucket.height, bucket.width))]
     else:

@@ -193,7 +193,8 @@ def _extraction_pipeline(cfg, dev: torch.device):
     """The pretrained pipeline of ``--init_from``, its encoders on ``dev``.
 
     Raises:
-        UserError: a folder of no family ditforge adapts; a reference-image family (``takes_references``)."""
+        UserError: a folder of no family ditforge adapts; a reference-image or driven family (``takes_references``,
+            ``trained_videos``)."""
     from ditforge.models.adapters.pipeline import is_adapted_pipeline, load_pretrained
     from ditforge.models.adapters.single_file import component_files
 
@@ -205,9 +206,10 @@ def _extraction_pipeline(cfg, dev: torch.device):
     # the GPU for no use); a pipeline's two experts share the VAE and encoders
     pre = load_pretrained(m.init_from, dev, expert=m.expert, denoiser_device=torch.device("cpu"),
                           denoiser_dtype=torch.bfloat16, files=component_files(m))
-    if pre.denoiser.takes_references:  # the reference latents and control tensors are per clip and per reference
-        raise UserError(f"--init_from {m.init_from}: a {pre.pipeline_class} trains on its clips' reference images, "
-                        "which stored features do not carry; train from the clips (ditforge train --data)")
+    if pre.denoiser.takes_references or pre.denoiser.trained_videos:  # per clip: references, driving videos
+        raise UserError(f"--init_from {m.init_from}: a {pre.pipeline_class} trains on its clips' "
+                        + ("reference images" if pre.denoiser.takes_references else "driving videos")
+                        + ", which stored features do not carry; train from the clips (ditforge train --data)")
     return pre
 
 

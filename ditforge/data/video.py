@@ -4,7 +4,9 @@ A CSV has a header row and the columns ``path`` (a video file; relative paths re
 folder) and ``text`` (its caption); an optional ``image`` column names each clip's conditioning image for
 image-to-video training (resolved the same way; an empty cell: the clip's first frame); an optional
 ``reference_image`` column its reference images for reference-image training (``takes_references`` families:
-``;``-separated paths resolved the same way; an empty cell: ``default_reference``); the optional columns
+``;``-separated paths resolved the same way; an empty cell: ``default_reference``); optional ``pose_video`` and ``face_video``
+columns (``DRIVING_COLUMNS``, named as a driven pipeline's arguments) the clip's driving videos,
+frame-aligned with it (resolved the same way); the optional columns
 ``num_frames, fps, height, width`` (written by ``ditforge preprocess``) are accepted and ignored: the container is
 opened to decode it anyway, and its own metadata is what counts. The built-in ``clips`` data set
 (``ditforge.data.clips``) is a list of the same rows.
@@ -36,6 +38,7 @@ REQUIRED_COLUMNS = ("path", "text")
 REFERENCE_SEPARATOR = ";"  # between the paths of a ``reference_image`` cell
 REFERENCE_STREAM = 6007  # the key that sets the default references' draws apart from every other's
 META_COLUMNS = ("num_frames", "fps", "height", "width")
+DRIVING_COLUMNS = ("pose_video", "face_video")  # a driven pipeline's videos beside the clip (its call's arguments)
 log = logging.getLogger(__name__)
 
 
@@ -252,8 +255,11 @@ class VideoDataset(Dataset):
     in [-1, 1]: that file, resized and cropped as the frames, or the clip's first frame where the cell is empty
     (an image-to-video pipeline's first frame; ``image_paths`` holds the files, None without the column); where a
     row's ``reference_image`` cell names files, also ``references`` (R, 3, S, S) float32 in [-1, 1], each resized
-    and cropped as the frames (``reference_paths`` holds the lists). A row naming a missing image or reference
-    file is dropped as one with a missing video; an unreadable one makes a bad sample.
+    and cropped as the frames (``reference_paths`` holds the lists); where a row names ``DRIVING_COLUMNS``
+    videos, also each by its column's name, (3, T, S, S) float32 in [-1, 1]: the same frame indices as the clip
+    (the same start and stride: the videos are expected frame-aligned with it, of its length), resized and
+    cropped as its frames (``driving_paths``). A row naming a missing image, reference or driving file is dropped
+    as one with a missing video; an unreadable one makes a bad sample.
 
     Bad input never stops a run. Rows whose file is missing (or whose ``path`` is empty or row is cut short)
     are dropped at start, counted in ``num_dropped`` and recorded in ``bad_samples_path`` (JSON lines with the
@@ -284,6 +290,7 @@ class VideoDataset(Dataset):
         self.texts: list[str] = []
         images: list[str | None] = []
         self.reference_paths: list[list[str]] = []
+        self.driving_paths: list[dict[str, str]] = []
         with_images = any("image" in row for row in rows)
         dropped = []
         for row in rows:
@@ -305,6 +312,11 @@ class VideoDataset(Dataset):
                     reason = "image file not found"
                 elif not all(Path(r).is_file() for r in refs):
                     reason = "reference image file not found"
+                driving = {c: str(base / Path(row[c].strip()).expanduser()) for c in DRIVING_COLUMNS
+                           if (row.get(c) or "").strip()}
+                missing = [c for c, f in driving.items() if not Path(f).is_file()]
+                if reason is None and missing:
+                    reason = f"{missing[0]} file not found"
             if reason is not None:
                 record = {"path": str(base / raw) if raw else "", "error": reason,
                           "row": {k: v for k, v in row.items() if k != "_line"}}
@@ -316,6 +328,7 @@ class VideoDataset(Dataset):
             self.texts.append(text)
             images.append(str(base / Path(image).expanduser()) if image else None)
             self.reference_paths.append(refs)
+            self.driving_paths.append(driving)
         self.num_dropped = len(dropped)
         if dropped:
             report_bad_samples(bad_samples_path, dropped, "video row")
@@ -351,23 +364,26 @@ class VideoDataset(Dataset):
             raise BadVideo(f"found bad before ({self._bad[index]})")
         if self._cache is not None and index in self._cache:
             return self._cache[index]
-        frames, _ = read_clip(self.paths[index], self.num_frames, self.frame_interval,
-                              lambda m: self.start_frame(index, m))
-        arr = np.stack([center_crop_arr(Image.fromarray(f), self.image_size) for f in frames])  # (T, S, S, 3)
-        clip = torch.from_numpy(arr).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
+        clip = self._frames(self.paths[index], index)
         if self._cache is not None:
             self._cache[index] = clip
         return clip
+
+    def _frames(self, path: str, index: int) -> torch.Tensor:
+        frames, _ = read_clip(path, self.num_frames, self.frame_interval, lambda m: self.start_frame(index, m))
+        arr = np.stack([center_crop_arr(Image.fromarray(f), self.image_size) for f in frames])  # (T, S, S, 3)
+        return torch.from_numpy(arr).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
 
     def _image(self, path: str) -> torch.Tensor:
         with Image.open(path) as img:
             arr = center_crop_arr(img.convert("RGB"), self.image_size)
         return torch.from_numpy(arr).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
-    def load_with_image(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def load_with_image(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict]:
         """``load(index)``, the sample's conditioning image (3, S, S) float32 in [-1, 1] (its ``image`` file,
-        else the clip's first frame; None without an ``image`` column) and its references (R, 3, S, S) float32 in
-        [-1, 1] (None where its ``reference_image`` cell names none).
+        else the clip's first frame; None without an ``image`` column), its references (R, 3, S, S) float32 in
+        [-1, 1] (None where its ``reference_image`` cell names none) and its driving videos (column -> (3, T, S, S)
+        float32 in [-1, 1], the clip's frame indices; {} where it names none).
 
         Raises:
             as ``load``; OSError, ValueError: an unreadable image file.
@@ -375,15 +391,17 @@ class VideoDataset(Dataset):
         clip = self.load(index)
         refs = self.reference_paths[index]
         references = torch.stack([self._image(r) for r in refs]) if refs else None
+        driving = {c: self._frames(f, index) for c, f in self.driving_paths[index].items()}
         if self.image_paths is None:
-            return clip, None, references
+            return clip, None, references, driving
         path = self.image_paths[index]
-        return clip, (clip[:, 0] if path is None else self._image(path)), references
+        return clip, (clip[:, 0] if path is None else self._image(path)), references, driving
 
     def __getitem__(self, index: int) -> dict:
-        j, (video, image, refs) = load_or_substitute(index, len(self.paths), self.load_with_image, self._report_bad,
-                                                     DECODE_ERRORS, self.max_substitutions, "unusable videos")
-        item = {"video": video, "text": self.texts[j], "label": self._label[self.texts[j]], "index": j}
+        j, (video, image, refs, driving) = load_or_substitute(index, len(self.paths), self.load_with_image,
+                                                              self._report_bad, DECODE_ERRORS,
+                                                              self.max_substitutions, "unusable videos")
+        item = {"video": video, "text": self.texts[j], "label": self._label[self.texts[j]], "index": j, **driving}
         if image is not None:
             item["image"] = image
         if refs is not None:

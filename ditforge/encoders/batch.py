@@ -61,13 +61,19 @@ class BatchEncoder:
             references are the batch's ``references`` (a video CSV's ``reference_image`` column, a clip folder's
             ``clip.ref*.png``, else the step's ``data.video.default_reference``). The latent frames are returned
             under ``PREFIX``: they lead the clip's latents x0.
+        driving_encoder: driven pipelines (the adapter's ``trained_videos``; ``Pretrained.encode_driving``): a
+            function from clips (B, 3, T, H, W), character images (B, 3, H, W) (the batch's ``image``, a video CSV's
+            ``image`` column, else frame 0 of the clip) and the batch (its driving videos, a video CSV's columns of
+            those names) to (more conditioning keywords, the character's latent frames (B, C, 1, h, w)), returned
+            under ``PREFIX`` as ``reference_encoder``'s.
     """
 
     def __init__(self, condition: str, vae: VAE | IdentityVAE | None = None, text_encoder: TextEncoder | None = None,
                  text_length: int | None = None, class_captions: Sequence[str] | None = None,
                  prompt_encoder: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
                  image_encoder: Callable[[torch.Tensor, int], dict[str, torch.Tensor]] | None = None,
-                 prompt_sees_image: bool = False, reference_encoder: Callable | None = None):
+                 prompt_sees_image: bool = False, reference_encoder: Callable | None = None,
+                 driving_encoder: Callable | None = None):
         if condition not in ("class", "text"):
             raise ValueError(f"condition must be 'class' or 'text', got {condition!r}")
         self.condition = condition
@@ -77,6 +83,7 @@ class BatchEncoder:
         self.image_encoder = image_encoder
         self.prompt_sees_image = prompt_sees_image
         self.reference_encoder = reference_encoder
+        self.driving_encoder = driving_encoder
         self._prompts: dict[str, dict[str, torch.Tensor]] = {}
         self.text_length = text_length or (text_encoder.max_length if text_encoder is not None else None)
         self.class_captions = list(class_captions) if class_captions is not None else None
@@ -150,11 +157,16 @@ class BatchEncoder:
         """Keyword arguments of the denoiser for the condition: ``{"y": labels (B,) int64}``,
         ``{"y": states (B, L, D_text) float32, "y_mask": (B, L) bool}``, or ``prompt_encoder``'s dict (with
         ``image_encoder``'s added), on ``device``. ``noise_seeds``: B seeds for the image encoder's training noise
-        (``Pretrained.encode_image``), or None. With ``reference_encoder``, also ``PREFIX``: the references' latent
+        (``Pretrained.encode_image``), or None. With ``reference_encoder`` (``driving_encoder``), also ``PREFIX``: the references' (character's) latent
         frames (B, C, R, h, w) float32, which the step puts before the clip's latents (not a denoiser keyword)."""
         if self.reference_encoder is not None and "x" in batch:
             cond = self._text_conditioning(batch, device)
             control, prefix = self.reference_encoder(batch["x"], batch["references"])
+            return cond | {k: v.to(device) for k, v in control.items()} | {PREFIX: prefix.to(device)}
+        if self.driving_encoder is not None and "x" in batch:
+            cond = self._text_conditioning(batch, device)
+            first = batch["image"] if "image" in batch else batch["x"][:, :, 0]
+            control, prefix = self.driving_encoder(batch["x"], first, batch)
             return cond | {k: v.to(device) for k, v in control.items()} | {PREFIX: prefix.to(device)}
         if self.image_encoder is None or "cond" in batch:  # stored features hold it already
             return self._text_conditioning(batch, device)
@@ -305,5 +317,6 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
                            class_captions=getattr(dataset, "class_captions", None),
                            image_encoder=pre.encode_image if pre.denoiser.image_to_video else None,
                            prompt_sees_image=pre.denoiser.prompt_sees_image,
-                           reference_encoder=pre.encode_references if pre.denoiser.takes_references else None)
+                           reference_encoder=pre.encode_references if pre.denoiser.takes_references else None,
+                           driving_encoder=pre.encode_driving if pre.denoiser.trained_videos else None)
     return encoder, found

@@ -6,6 +6,8 @@ config, which ``resolve`` alone writes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import contextlib
 import copy
 import dataclasses
@@ -82,17 +84,20 @@ def create_run_model(cfg: RunConfig, device: torch.device, dtype: torch.dtype | 
                         block_ready=cast if dtype is not None else None)
 
 
-def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
+def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist, class_clips: Callable | None = None):
     """The data set of ``--data``, or DreamBooth's (``--instance_data``), after the base pipeline ``pre`` has
-    generated the class images ``--class_data`` lacks (rank 0; the others wait)."""
+    generated the class images ``--class_data`` lacks (rank 0; the others wait), or a video pipeline's class clips
+    (``class_clips``, every process; ``data.prior.PriorPairs`` pairs them with the instance buckets)."""
     data, bad = cfg.data, run_dir / "bad_samples.jsonl"
     clip_folder = source_of(data.data) is CLIP_FOLDER
     video_dreambooth = data.instance_data is not None and pre is not None and pre.denoiser.video
-    if video_dreambooth and data.class_data is not None:
-        raise UserError(f"--class_data {data.class_data}: prior preservation is not yet supported for a video "
-                        f"pipeline ({pre.pipeline_class}); train the character LoRA without --class_data")
     if pre is not None and (data.buckets is not None or clip_folder or video_dreambooth):
-        return build_bucket_dataset(cfg, bad, pre=pre)  # the pipeline's shapes and frame rule
+        buckets = build_bucket_dataset(cfg, bad, pre=pre)  # the pipeline's shapes and frame rule
+        if data.class_data is None:
+            return buckets
+        from ditforge.data.prior import with_class_clips
+
+        return with_class_clips(cfg, buckets, pre, d, class_clips)
     if data.buckets is not None:
         from ditforge.data.buckets import read_bucket_config
 
@@ -123,6 +128,7 @@ def _build_dataset(cfg: RunConfig, run_dir: Path, pre, d: Dist):
         d.barrier()
     return DreamBoothDataset(data.instance_data, data.instance_prompt, data.image_size, data.class_data,
                              data.class_prompt, bad, data.resize_mode)
+
 
 
 def _intact_resume(found: Path | None, resume: str | None, run_dir: Path, d: Dist) -> Path | None:
@@ -211,6 +217,7 @@ class Run:
     # this step's latent frames before the clip's (a reference-image family's, encoders.batch.PREFIX; set by
     # step.make_micro_batches): the buckets' objectives are keyed by the clip's latent shape
     lead_frames: int = 0
+    class_clips: Callable | None = None  # draws a video DreamBooth's class clips (trainer.train's class_clips)
 
     def objective_of(self, x: torch.Tensor | list) -> Objective:
         """The objective of latents ``x`` (B, C, lead_frames + T', h, w): their bucket's (and the active expert's
@@ -335,7 +342,7 @@ def build_data(run: Run) -> None:
     if cfg.data.frame_interval is None:  # the source's default (data/sources.py, Source.frame_interval)
         run.found["data.frame_interval"] = source_of(cfg.data.data).frame_interval
     t, device, settled = cfg.train, d.device, run.settled()
-    dataset = _build_dataset(settled, run_dir, pre, d)
+    dataset = _build_dataset(settled, run_dir, pre, d, run.class_clips)
     video = getattr(dataset, "num_frames", None) is not None
     if pre is not None:
         inputs, found = pipeline_batch_encoder(settled, pre, dataset)

@@ -44,7 +44,7 @@ def resolve(run: Run) -> RunConfig:
     model and optimizer are built: first what those phases found (``run.found``: the run folder, the plugin, a features
     folder's pipeline, DiT weights' model settings, the default model, the data's and encoders' shapes), then both
     experts of a two-expert pipeline unless ``--expert`` names one, and their switch (``run.experts``), no periodic
-    grid for a two-expert pipeline, the ``--validation_prompts`` samples fitted to the run (``validation.fit_samples``),
+    grid for a two-expert pipeline nor for a driven one (``trained_videos``), the ``--validation_prompts`` samples fitted to the run (``validation.fit_samples``),
     the flips, the shard streams and loader workers, the class count, the learning rate's default (by the model and
     the optimizer asked, before a memory budget may change the optimizer), the objective (which a diffusers family's
     scheduler config decides; the config records its kind and shift, ``run.diffusion`` holds it; a bucketed run's
@@ -52,10 +52,10 @@ def resolve(run: Run) -> RunConfig:
     Returns ``run.cfg``.
 
     Raises:
-        UserError: ``fit_samples``'s; ``--expert both`` with a setting it does not run with
-            (``experts.refuse_unsupported``), ``--random_flip`` for an image-to-video pipeline, class conditioning on
-            data without labels, ``--num_classes`` below the data's, an objective the pipeline's scheduler does not
-            give, or a memory budget nothing fits (``plan_placement``).
+        UserError: ``fit_samples``'s; ``--validation_prompts`` for a driven pipeline; ``--expert both`` with a
+            setting it does not run with (``experts.refuse_unsupported``), ``--random_flip`` for an image-to-video
+            pipeline, class conditioning on data without labels, ``--num_classes`` below the data's, an objective
+            the pipeline's scheduler does not give, or a memory budget nothing fits (``plan_placement``).
     """
     cfg, d, pre, dataset = run.cfg, run.d, run.pre, run.dataset
     t, m = cfg.train, cfg.model
@@ -67,6 +67,14 @@ def resolve(run: Run) -> RunConfig:
         log.info("--expert %s: no periodic grid (the grid's pipeline call takes one expert); give "
                  "--validation_prompts FILE, or draw them with ditforge sample --ckpt RUN", m.expert)
         t.sample_every = 0
+    if pre is not None and pre.denoiser.trained_videos:  # a driven pipeline's call needs its driving videos
+        if run.validation:
+            raise UserError(f"--validation_prompts: a {pre.pipeline_class} samples from driving videos, which the "
+                            "file's lines do not carry; drop it and sample the run with ditforge sample --ckpt RUN")
+        if t.sample_every:
+            log.info("%s: no periodic grid (its call needs driving videos); sample the run with ditforge sample "
+                     "--ckpt RUN --pose_video ... --face_video ...", pre.pipeline_class)
+            t.sample_every = 0
     if run.validation:
         run.validation = fit_samples(run.validation, run)
     settle_flips(cfg, dataset, pre)

@@ -5,6 +5,8 @@ rolls back a loss spike, turns Ctrl-C / SIGTERM into a checkpoint and finishes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import contextlib
 import functools
 import logging
@@ -54,8 +56,11 @@ def _mean_over_processes(values: dict[str, torch.Tensor], d: Dist) -> dict[str, 
     return dict(zip(keys, stacked.tolist()))
 
 
-def train(cfg: RunConfig) -> Path:
+def train(cfg: RunConfig, class_clips: Callable | None = None) -> Path:
     """Train a DiT as configured, in this process or as one of torchrun's; returns the run folder.
+    ``class_clips``: the function that draws a video pipeline's missing DreamBooth class clips
+    (``sample.class_clips.draw_class_clips``, which ``cli`` passes: this layer does not import sampling); None: a
+    ``--class_data`` folder of a video run must hold them all.
 
     Writes (rank 0) ``config.yaml``, ``metrics.jsonl`` (step, loss, mse, vb, lr, grad_norm, samples_per_sec,
     ...), ``samples/step-*.png`` and ``checkpoints/step-*/`` (every rank its shards); a checkpoint is saved
@@ -78,17 +83,18 @@ def train(cfg: RunConfig) -> Path:
                          tensor_parallel_size=cfg.parallel.tensor_parallel)
     try:
         with contextlib.ExitStack() as held:
-            return _train(cfg, d, held, samples)
+            return _train(cfg, d, held, samples, class_clips)
     finally:
         shutdown(d)
 
 
-def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack, samples: list | None) -> Path:
+def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack, samples: list | None,
+           class_clips: Callable | None = None) -> Path:
     """The run's phases, in order; each fills its part of the state they share (``Run``). The phases up to the
     data open things and report what they found; the settings are resolved and written once (``resolve``), then
     frozen before the model is built: no phase after writes the config."""
     run = open_run(cfg, d, held)
-    run.validation = samples
+    run.validation, run.class_clips = samples, class_clips
     load_init(run)
     build_data(run)
     freeze(resolve(run))

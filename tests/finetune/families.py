@@ -33,6 +33,19 @@ def video_train_argv(folder, out, size: int, frames: int, interval: int, batch: 
             "--class_dropout_prob", "0", "--outputs", str(out), *extra]
 
 
+
+def assert_lora_file_loads(pipe, ours, lora, inputs: dict, margin: float) -> None:
+    """``pipe.load_lora_weights(lora)`` (a ``--format lora`` export) gives ditforge's LoRA model ``ours``'s
+    transformer output on ``inputs`` (the transformer's keywords) within 1e-5 of its largest magnitude; the base
+    transformer, before the load, is off by more than ``margin`` times that."""
+    with torch.no_grad():
+        before = pipe.transformer(**inputs)[0]
+        pipe.load_lora_weights(str(lora))
+        theirs, mine = pipe.transformer(**inputs)[0], ours.inner(**inputs)[0]
+    tol = 1e-5 * mine.abs().max()
+    assert (theirs - mine).abs().max() <= tol
+    assert (before - mine).abs().max() > margin * tol
+
 def assert_frames_match(npz, frames, shape: tuple[int, ...]) -> None:
     """The videos ``ditforge sample --save_npz npz`` wrote equal a pipeline's ``output_type="np"`` frames (floats in
     [0, 1]) to one uint8 level, both of ``shape`` (N, T, H, W, 3)."""

@@ -116,9 +116,60 @@ def test_cogvideox_runs_a_step_on_images_and_clips(cogvideox_pipeline, instance_
 
 
 def test_bad_instance_input_is_one_line(wan_pipeline, tmp_path, capsys):
-    """An empty --instance_data folder, and --class_data with a video pipeline (not yet supported): one line, exit 2."""
+    """An empty --instance_data folder: one line, exit 2."""
     empty = tmp_path / "empty"
     empty.mkdir()
     assert_one_line_error(capsys, _argv(wan_pipeline, empty, tmp_path / "a"), "--instance_data")
-    argv = _argv(wan_pipeline, empty, tmp_path / "b", "--class_data", str(empty), "--class_prompt", "a video of a man")
-    assert_one_line_error(capsys, argv, "--class_data")
+
+
+def test_prior_preservation_draws_class_clips_and_weights_their_loss(wan_pipeline, tmp_path):
+    """DreamBooth with prior preservation on 2 instance clips (32 px, 9 frames) and an empty --class_data: the base
+    pipeline draws the 2 class clips (``--num_class_images 2``, 2 steps each) as mp4 + txt of 5 frames (--num_frames)
+    at 32 x 32 (written 2x enlarged, ``display_scale``); the first step's loss equals ``mse(instance) + prior_loss_weight * mse(class)`` (weight 0.5) computed
+    here from diffusers' arithmetic on the interleaved rows [instance 0, class 0, instance 1, class 1] (instance i's
+    class clip: its data index mod 2, read at the bucket's shape from ``derive_seed(seed, CLASS_STREAM, j)``), the
+    step's draws over those 4 rows, per-row MSEs averaged in each half (1e-5 relative)."""
+    import diffusers
+
+    from ditforge.data.buckets import read_at_bucket
+    from ditforge.data.prior import CLASS_STREAM
+    from ditforge.data.sampler import derive_seed
+    from ditforge.data.video import display_scale, probe_video
+    from references import step0_latents
+
+    instance, classes = tmp_path / "instance", tmp_path / "class"
+    instance.mkdir()
+    rng = np.random.default_rng(1)
+    for j in range(2):
+        _write_mp4(instance / f"clip{j}.mp4", smooth_pixels(rng, 9, 32, 32))
+    out, weight = tmp_path / "run", 0.5
+    argv = _argv(wan_pipeline, instance, out, "--max_steps", "1", "--seed", str(SEED), "--num_frames", "5",
+                 "--class_data", str(classes), "--class_prompt", "a video of a man", "--num_class_images", "2",
+                 "--class_sampling_steps", "2", "--prior_loss_weight", str(weight))
+    assert cli.main(argv) == 0
+    clips = sorted(classes.glob("*.mp4"))
+    assert [p.name for p in clips] == ["000-a-video-of-a-man.mp4", "001-a-video-of-a-man.mp4"]
+    assert all(p.with_suffix(".txt").read_text() == "a video of a man" for p in clips)
+    side = 32 * display_scale(32, 32)  # write_video enlarges clips under 64 px (nearest neighbour), real ones not
+    assert all((m["num_frames"], m["height"], m["width"]) == (5, side, side) for m in map(probe_video, clips))
+
+    ds = BucketDataset(instance_rows(str(instance), PROMPT),
+                       lambda sizes: data_buckets(sizes, SIZE, 16, 4, 5, 1, BATCH, 1), seed=SEED)
+    b, ids = BucketBatchSampler(ds.buckets, ds.sizes, seed=SEED).global_batch(0)
+    bucket = ds.buckets.buckets[b]
+    rows, texts = [], []
+    for i in ids:
+        j = int(i) % len(clips)
+        rows += [ds[(int(i), b)]["x"], read_at_bucket(str(clips[j]), bucket, 1, derive_seed(SEED, CLASS_STREAM, j))]
+        texts += [PROMPT, "a video of a man"]
+    pipe = diffusers.WanPipeline.from_pretrained(str(wan_pipeline), local_files_only=True)
+    shift = float(pipe.scheduler.config["flow_shift"])
+    with torch.no_grad():
+        x0, noise, sigma, *_ = step0_latents(pipe, torch.stack(rows), shift, 0, SEED)
+        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, device="cpu", max_sequence_length=512)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        pred = pipe.transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * 1000,
+                                encoder_hidden_states=embeds, return_dict=False)[0]
+    per_row = ((pred.float() - (noise - x0).float()) ** 2).flatten(1).mean(1)
+    want = float(per_row[0::2].mean() + weight * per_row[1::2].mean())
+    assert read_metrics(out / "metrics.jsonl")[0]["loss"] == pytest.approx(want, rel=1e-5)

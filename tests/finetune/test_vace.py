@@ -18,7 +18,7 @@ from ditforge import cli
 from ditforge.data.clips import clips_rows
 from ditforge.data.video import default_reference, write_video_csv
 from ditforge.train.logging import read_metrics
-from families import assert_one_line_error, video_train_argv  # on sys.path
+from families import assert_lora_file_loads, assert_one_line_error, video_train_argv  # on sys.path
 from references import _first_batch, as_pil, flow_draws
 from tiny_pipelines import make_vace
 
@@ -147,13 +147,7 @@ def test_exports_load_in_the_vace_pipeline(vace, tmp_path):
     inputs = {"hidden_states": torch.randn(2, 16, 3, 2, 2, generator=g), "timestep": torch.rand(2, generator=g) * 1000,
               "encoder_hidden_states": torch.randn(2, 512, 32, generator=g),
               "control_hidden_states": torch.randn(2, 96, 3, 2, 2, generator=g), "return_dict": False}
-    with torch.no_grad():
-        before = pipe.transformer(**inputs)[0]
-        pipe.load_lora_weights(str(lora))
-        theirs, mine = pipe.transformer(**inputs)[0], ours.inner(**inputs)[0]
-    tol = 1e-5 * mine.abs().max()
-    assert (theirs - mine).abs().max() <= tol
-    assert (before - mine).abs().max() > 100 * tol
+    assert_lora_file_loads(pipe, ours, lora, inputs, 100)
 
 
 def test_features_are_refused_in_one_line(vace, tmp_path, capsys):

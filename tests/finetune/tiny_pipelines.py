@@ -610,6 +610,33 @@ def make_vace(path) -> Path:
     return _save(WanVACEPipeline(**parts), path)
 
 
+def make_animate(path) -> Path:
+    """A tiny Wan2.2-Animate ``WanAnimatePipeline`` folder: ``make_wan``'s tokenizer, UMT5, VAE and scheduler; a
+    2-layer ``WanAnimateTransformer3DModel`` 24 wide (36 input channels) with a 16 px motion encoder and a face
+    adapter at every second block, and a 2-layer CLIP vision model 4 wide on 32 px images (the pipeline's image
+    encoder, 1025 states of 4), the weights of each drawn after ``torch.manual_seed(0)``.
+
+    Returns:
+        ``Path(path)``.
+    """
+    from diffusers import WanAnimatePipeline, WanAnimateTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    parts = {k: v for k, v in _wan_parts().items() if k != "transformer"}
+    torch.manual_seed(0)
+    parts["transformer"] = WanAnimateTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, latent_channels=16, text_dim=32,
+        ffn_dim=32, num_layers=2, image_dim=4, rope_max_seq_len=32, motion_encoder_size=16,
+        motion_encoder_channel_sizes={"4": 16, "8": 16, "16": 16}, motion_style_dim=8, motion_dim=4,
+        motion_encoder_dim=8, face_encoder_hidden_dim=8, face_encoder_num_heads=2, inject_face_latents_blocks=2,
+        motion_encoder_batch_size=4).eval()
+    torch.manual_seed(0)
+    encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=4, num_hidden_layers=2, num_attention_heads=2,
+                                               image_size=32, intermediate_size=16, patch_size=1)).eval()
+    return _save(WanAnimatePipeline(**parts, image_encoder=encoder,
+                                    image_processor=CLIPImageProcessor(crop_size=32, size=32)), path)
+
+
 def make_wan22(path, image_to_video: bool = False) -> Path:
     """A tiny Wan 2.2 A14B folder: ``make_wan``'s parts with two experts, ``transformer`` (high noise) and
     ``transformer_2`` (low noise, its weights drawn after ``torch.manual_seed(1)``), and ``boundary_ratio`` 0.875 (the

@@ -140,6 +140,9 @@ class DiffusersDenoiser(nn.Module):
     # the pipeline call's driving videos (``ditforge sample --NAME FILE``): a family sampled by its pipeline's own
     # call from a character image and these videos (``driving_inputs``); () for the others
     driving_videos: tuple[str, ...] = ()
+    # those a training batch carries (video CSV columns, ``Pretrained.encode_driving``): their conditioning is the
+    # adapter's ``encode_driving``; () for a family that does not train on driving videos
+    trained_videos: tuple[str, ...] = ()
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
     compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
     original_layouts: dict[str, Any] = {}  # component -> layouts.OriginalLayout

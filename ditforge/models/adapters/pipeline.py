@@ -178,6 +178,34 @@ class Pretrained:
             leads.append(next(iter(cond.values()))[:, :self.denoiser.in_channels, :r])
         return {k: torch.cat([c[k] for c in rows]) for k in rows[0]}, torch.cat(leads).float()
 
+    def encode_driving(self, clips: torch.Tensor, images: torch.Tensor, batch: dict
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Driven families (``denoiser.trained_videos``) in training: clips (B, 3, T, H, W), their character images
+        (B, 3, H', W') and the batch's driving videos (``batch[name]`` (B, 3, T, H'', W'') for each name of
+        ``trained_videos``, a video CSV's columns), float in [-1, 1] -> (the denoiser's conditioning, stacked by
+        row, float32 on the denoiser's device; the character's clean latent frames (B, C, 1, h, w) float32 that lead
+        the clips' latents x0), through the adapter's ``encode_driving``, each image and frame given as uint8 PIL
+        (``as_images``: a decoded frame's bytes back, the pipeline's input).
+
+        Raises:
+            UserError: a batch without one of those videos (one line naming the columns)."""
+        from ditforge.models.adapters import as_images
+
+        names = self.denoiser.trained_videos
+        missing = [k for k in names if k not in batch]
+        if missing:
+            raise UserError(f"--data: a {self.pipeline_class} trains on a video CSV with the columns "
+                            f"{', '.join(names)} (its driving videos, frame-aligned with each clip) and optionally "
+                            f"image (the character); this data has no {missing[0]}")
+        _, _, T, H, W = clips.shape
+        rows, leads = [], []
+        for i in range(len(clips)):
+            frames = {k: as_images(batch[k][i].transpose(0, 1)) for k in names}
+            cond, lead = self.denoiser.encode_driving(self.pipe, as_images(images[i:i + 1])[0], frames, H, W,
+                                                      self.device)
+            rows.append(cond)
+            leads.append(lead)
+        return {k: torch.cat([c[k] for c in rows]) for k in rows[0]}, torch.cat(leads)
 
 ONE_EXPERT = ("high_noise", "low_noise")  # --expert of one expert (config.sections.EXPERTS less "both")
 

@@ -10,12 +10,17 @@ pipeline draws the clip in segments of ``segment_frame_length`` frames, each one
 scheduler run per segment; ditforge's loop, one latent clip denoised and decoded once, would have to copy that
 segment loop line by line. So the sampling speed-ups of ``sample/video.py`` (fp8, caching, ...) do not apply.
 
-Fine-tuning is refused (``unsupported``) for now: the (character image, driving clip, target clip) data and the
-conditioning the batch encoder would build are not written yet."""
+LoRA fine-tuning (mode ``animate``) trains on (character image, pose video, face video, target clip) rows of a video
+CSV (columns ``image``, ``pose_video``, ``face_video``, ``data.video.DRIVING_COLUMNS``): ``encode_driving`` builds the
+conditioning of the pipeline's first segment with the pipeline's own methods, and the character's latent frame
+leads the clip's latents x0 (``encoders.batch.PREFIX``), where the pipeline's noise has its extra first latent frame
+(``prepare_latents``: ``num_latent_frames + 1``, dropped before decoding)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from ditforge.errors import UserError
 from ditforge.models.adapters.wan import WanDenoiser
@@ -28,19 +33,82 @@ class WanAnimateDenoiser(WanDenoiser):
     """``WanAnimatePipeline``'s transformer; its call (not ditforge's loop) samples, from ``--image`` (the character,
     any size: the pipeline resizes it to the frame size) and the driving videos as frame lists: ``pose_video``
     (resized to the frame size), ``face_video`` (resized to the transformer's ``motion_encoder_size``), and in mode
-    ``replace`` ``background_video`` and ``mask_video`` (frame size). Output: ``len(pose_video)`` frames."""
+    ``replace`` ``background_video`` and ``mask_video`` (frame size). Output: ``len(pose_video)`` frames.
+
+    In training, ``transformer(cat([x, reference_latents], 1), timestep, encoder_hidden_states,
+    encoder_hidden_states_image, pose_hidden_states, face_pixel_values)`` as the pipeline's denoising loop calls it:
+    x (B, 16, 1 + T', h, w), the character's latent frame then the clip's (16 = the transformer's ``out_channels``,
+    its input having 36); the conditioning of ``encode_driving``. Caption dropout replaces the UMT5 states by the
+    empty prompt's and the face frames by -1, the pipeline's unconditional pass (``face_video_segment * 0 - 1``)."""
 
     family = "wan_animate"
     pipelines = ("WanAnimatePipeline",)
     driving_videos = ("pose_video", "face_video", *_REPLACE_VIDEOS)
+    trained_videos = ("pose_video", "face_video")  # mode animate's: the columns of a training CSV
 
     @staticmethod
     def unsupported(pipe, sampling: bool = False, expert: str | None = None):
-        if not sampling:
-            return "fine-tuning WanAnimatePipeline is not supported yet; ditforge samples it"
         if expert is not None:
             return f"--expert {expert}: for Wan 2.2 A14B's two experts; this pipeline has one transformer"
         return None
+
+    @property
+    def in_channels(self) -> int:
+        """Channels of the latents x (the transformer's ``out_channels``, 16), not of its input (36)."""
+        return int(self.inner.config.out_channels)
+
+    def denoise(self, x, t, encoder_hidden_states, encoder_hidden_states_image, reference_latents,
+                pose_hidden_states, face_pixel_values):
+        hidden = torch.cat([x, reference_latents.to(x.dtype)], dim=1)
+        return self.inner(hidden_states=hidden, timestep=t, encoder_hidden_states=encoder_hidden_states,
+                          encoder_hidden_states_image=encoder_hidden_states_image.to(x.dtype),
+                          pose_hidden_states=pose_hidden_states.to(x.dtype),
+                          face_pixel_values=face_pixel_values.to(x.dtype), return_dict=False)[0]
+
+    def drop(self, cond: dict[str, torch.Tensor], force_drop_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The empty prompt's states and face frames of -1 on the rows where ``force_drop_ids`` (B,) bool is True
+        (``WanAnimatePipeline.__call__``'s unconditional pass: ``negative_prompt_embeds``,
+        ``face_video_segment * 0 - 1``)."""
+        out = super().drop(cond, force_drop_ids)
+        if force_drop_ids is not None and "face_pixel_values" in out:
+            face = out["face_pixel_values"]
+            out["face_pixel_values"] = torch.where(force_drop_ids.view(-1, 1, 1, 1, 1), -torch.ones_like(face), face)
+        return out
+
+    @staticmethod
+    def encode_driving(pipe, image, videos: dict[str, list], height: int, width: int, device: torch.device
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """One training row's conditioning as ``WanAnimatePipeline.__call__`` builds its first segment (mode
+        ``animate``, ``start`` 0) from ``image`` (the character, a PIL RGB image) and ``videos`` (``pose_video``,
+        ``face_video``: T PIL frames each, T = 4k + 1 the clip's frames), with the pipeline's own methods:
+
+        * ``encoder_hidden_states_image`` (1, L_img, D_img): ``encode_image(image)``, the CLIP vision model's
+          second-to-last hidden states;
+        * ``reference_latents`` (1, 20, 1 + T', h, w): ``prepare_reference_image_latents`` of the image
+          (``vae_image_processor.preprocess(resize_mode="fill")`` to height x width; 4 mask channels of 1, then its
+          normalised VAE mode) before ``prepare_prev_segment_cond_latents`` of no previous segment (zero frames,
+          mask 0: the first segment's);
+        * ``pose_hidden_states`` (1, 16, T', h, w): ``prepare_pose_latents`` of the pose frames resized to height x
+          width (``video_processor.preprocess_video``);
+        * ``face_pixel_values`` (1, 3, T, S_m, S_m) in [-1, 1]: the face frames resized to the transformer's
+          ``motion_encoder_size`` S_m.
+
+        Returns (those, float32 on ``device``; the character's latent frame (1, 16, 1, h, w) float32, the
+        normalised mode above, which leads x0). Raises nothing of its own (diffusers' errors pass through)."""
+        with torch.no_grad():
+            pixels = pipe.vae_image_processor.preprocess(image, height=height, width=width, resize_mode="fill")
+            ref = pipe.prepare_reference_image_latents(pixels.to(device, torch.float32), 1, device=device)
+            prev = pipe.prepare_prev_segment_cond_latents(None, batch_size=1, segment_frame_length=len(
+                videos["pose_video"]), start_frame=0, height=height, width=width, task="animate", device=device)
+            pose = pipe.video_processor.preprocess_video(videos["pose_video"], height=height, width=width)
+            side = pipe.transformer.config.motion_encoder_size
+            face = pipe.video_processor.preprocess_video(videos["face_video"], height=side, width=side)
+            cond = {"encoder_hidden_states_image": pipe.encode_image(image, device),
+                    "reference_latents": torch.cat([ref, prev], dim=2),
+                    "pose_hidden_states": pipe.prepare_pose_latents(pose.to(device, torch.float32), 1, device=device),
+                    "face_pixel_values": face}
+        lead = ref[:, -pipe.vae.config.z_dim:]
+        return {k: v.float().to(device) for k, v in cond.items()}, lead.float().to(device)
 
     @staticmethod
     def driving_inputs(pipe, videos: dict[str, list], mode: str | None) -> dict[str, Any]:
