@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ditforge.errors import UserError
-from ditforge.models.adapters import DiffusersDenoiser, family_of_pipeline, supported_pipelines
+from ditforge.models.adapters import DiffusersDenoiser, as_images, family_of_pipeline, supported_pipelines
 from ditforge.models.adapters.limits import CaptionCheck, quiet_truncation
 from ditforge.models.adapters.single_file import FP8, load_component
 
@@ -166,14 +166,10 @@ class Pretrained:
         all ones). The leading latents are the first ``in_channels`` channels of the control at its R reference
         frames: the references' normalised VAE posterior modes (``WanVACEPipeline.prepare_video_latents``), as
         DiffSynth-Studio's Wan VACE training puts them before the clip's (``WanVideoUnit_InputVideoEmbedder``)."""
-        from PIL import Image
-
         _, _, T, H, W = clips.shape
         rows, leads = [], []
         for refs in references:  # as uint8 PIL images, the pipeline's input (a decoded image's bytes back)
-            pixels = ((refs.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-            pil = [Image.fromarray(a) for a in pixels]
-            cond, r = self.denoiser.encode_control(self.pipe, pil, None, None, H, W, T, self.device)
+            cond, r = self.denoiser.encode_control(self.pipe, as_images(refs), None, None, H, W, T, self.device)
             rows.append(cond)
             leads.append(next(iter(cond.values()))[:, :self.denoiser.in_channels, :r])
         return {k: torch.cat([c[k] for c in rows]) for k in rows[0]}, torch.cat(leads).float()
