@@ -14,8 +14,8 @@ import types
 import typing
 
 from ditforge.config.load import build_config
-from ditforge.config.sections import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, BenchConfig,
-                                      DataConfig, DistillConfig, ModelConfig, ParallelConfig, TrainConfig)
+from ditforge.config.sections import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, VAE_DTYPES,
+                                      BenchConfig, DataConfig, DistillConfig, ModelConfig, ParallelConfig, TrainConfig)
 from ditforge.errors import RunError, UserError
 
 
@@ -129,6 +129,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "spatial tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode "
                    "(less memory; default: whole frames; under torchrun, a VAE whose decode splits in one column "
                    "strip per process, blended over 64 pixels)")
+    s.add_argument("--vae_dtype", choices=VAE_DTYPES, help="video pipelines: the dtype of the VAE's weights and "
+                   "its decode (bfloat16 halves the bytes every convolution moves; docs/sampling.md gives its speed "
+                   "and PSNR against float32; default: the VAE as loaded, float32, as the Wan model card recommends)")
     s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler", "student"),
                    help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "

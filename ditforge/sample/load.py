@@ -91,6 +91,7 @@ class SampleConfig:
     quantized_attention: bool | None = None  # video pipelines: None when not given (VIDEO_LOOP_FLAGS)
     gif: bool = False
     vae_tile: int | None = None
+    vae_dtype: str | None = None  # video pipelines: VAE_DTYPES; None keeps the VAE as loaded (float32)
     lora: str | None = None
     cfg_scale_2: float | None = None
     plugin: str | None = None  # video pipelines: fsdp shards the transformer over the torchrun processes
@@ -98,7 +99,8 @@ class SampleConfig:
 
 # SampleConfig fields only the video pipelines' loop (``sample.video``) reads; other models refuse them in one line.
 VIDEO_LOOP_FLAGS = ("height", "width", "negative_prompt", "first_block_cache", "taylorseer_cache",
-                    "quantized_attention", "vae_tile", "cfg_scale_2", "plugin", "reference_image", "video", "mask")
+                    "quantized_attention", "vae_tile", "vae_dtype", "cfg_scale_2", "plugin", "reference_image",
+                    "video", "mask")
 
 
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:

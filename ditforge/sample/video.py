@@ -91,6 +91,8 @@ class VideoSampler:
       diffusers' ``compile_repeated_blocks``.
       No CUDA graphs: a step of a 480x832x81 clip of a 1.3B model takes about a second, which launches do not bound.
 
+    The VAE's weights are cast to ``vae_dtype`` (None: kept as loaded, float32), and its decoder compiled under
+    ``compile`` (``encoders.vae.VAE.compile``; benchmarks/vae_decode.py times both against diffusers' float32 decode).
     The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; under
     torchrun, a VAE the adapter declares splittable (``vae_split_decode``) in tiles split over all processes
     (``encoders.vae.decode_tiles_split``): by default one column strip per process (``use_strips``); another
@@ -127,6 +129,10 @@ class VideoSampler:
         self.vae = VAE(pipe.vae, frame_factor=denoiser.vae_frame_factor,
                        folds_pixels=denoiser.vae_folds_pixels)  # the family's latent normalisation
         vae = pipe.vae
+        if cfg.vae_dtype is not None:  # the decode runs in the weights' dtype (VAE.unscale casts the latents)
+            cast_vae(vae, cfg.vae_dtype)
+        if cfg.compile != "none":
+            self.vae.compile()
         self.strips = d.world_size > 1 and cfg.vae_tile is None  # else square tiles, or whole frames
         if cfg.vae_tile and "tile_sample_stride_height" in inspect.signature(vae.enable_tiling).parameters:
             # a VAE that states the tiles' strides
@@ -363,6 +369,13 @@ class VideoSampler:
             # noise, scaled by that timestep, then changes nothing)
             temb = (z.new_zeros(z.shape[0]),) if getattr(vae.config, "timestep_conditioning", False) else ()
             return vae.decode(z, *temb, return_dict=False)[0]
+
+
+def cast_vae(vae: torch.nn.Module, name: str) -> None:
+    """``--vae_dtype name`` (``config.sections.VAE_DTYPES``): the VAE's weights and buffers cast in place to
+    ``torch.<name>`` by ``nn.Module.to`` (diffusers' ``ModelMixin.to`` casts the same, and warns at every cast that
+    the modules its ``_keep_in_fp32_modules`` names, none for the video VAEs, should stay float32)."""
+    torch.nn.Module.to(vae, getattr(torch, name))
 
 
 def _check_quantized_attention(d: Dist, denoiser) -> None:
