@@ -81,14 +81,14 @@ def build_vae(device: torch.device):
         return AutoencoderKLWan(**CONFIG).eval().requires_grad_(False)
 
 
-def decode_flops() -> float:
-    """FLOPs of one decode of ``LATENTS`` (``FlopCounterMode``: 2 per multiply-add of every convolution and matrix
+def decode_flops(latents: tuple[int, ...]) -> float:
+    """FLOPs of one decode of ``latents`` (a shape) (``FlopCounterMode``: 2 per multiply-add of every convolution and matrix
     product), run on the meta device: no memory, no arithmetic."""
     from diffusers import AutoencoderKLWan
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
-        vae, z = AutoencoderKLWan(**CONFIG).eval(), torch.empty(LATENTS)
+        vae, z = AutoencoderKLWan(**CONFIG).eval(), torch.empty(latents)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         vae.decode(z)
     return float(counter.get_total_flops())
@@ -175,6 +175,8 @@ def time_row(fn, repeat: int, device: torch.device) -> tuple[torch.Tensor, float
 def psnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
     """PSNR in dB of ``out`` against ``ref``, both clamped to [-1, 1]: 10 log10(2^2 / MSE), float64; inf if equal."""
     mse = float(((out.double().clamp(-1, 1) - ref.double().clamp(-1, 1)) ** 2).mean())
+    if not math.isfinite(mse):  # NaN frames (an overflow in fp16, say)
+        return math.nan
     return math.inf if mse == 0 else 10 * math.log10(4.0 / mse)
 
 
@@ -227,12 +229,15 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed calls a row, after one warm-up call (at least 3)")
     p.add_argument("--budget_s", type=float, default=200.0, help="skip the rows that would start after this")
     p.add_argument("--device", default="cpu" if TINY else "cuda")
+    p.add_argument("--latents", default=",".join(map(str, LATENTS)), help="the latents' shape B,C,T',h,w (a smaller "
+                   "clip, e.g. 1,16,3,16,16 for 9 frames of 128 x 128 on the CPU)")
     p.add_argument("--out", default=str(Path(os.environ.get("OUT", "benchmarks/results")) / "vae_decode.json"))
     args = p.parse_args()
     if args.repeat < 3:
         raise SystemExit(f"--repeat: at least 3 (a median of 3 or more), got {args.repeat}")
     start = time.perf_counter()
     device = torch.device(args.device)
+    latents = tuple(int(n) for n in args.latents.split(","))
     import diffusers
 
     out_path = Path(args.out)
@@ -241,22 +246,30 @@ def main() -> None:
     unknown = [r for r in names if r not in ROWS]
     if unknown:
         raise SystemExit(f"--rows: unknown {', '.join(unknown)}; rows are {', '.join(ROWS)}")
-    flops = decode_flops()
-    print(f"decode of latents {LATENTS}: {flops / 1e12:.1f} TFLOP", flush=True)
+    flops = decode_flops(latents)
+    print(f"decode of latents {latents}: {flops / 1e12:.4g} TFLOP", flush=True)
     result = dict(date=datetime.now().isoformat(timespec="minutes"), torch=torch.__version__,
                   diffusers=diffusers.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", tiny=TINY,
-                  latents=list(LATENTS), config=CONFIG or "AutoencoderKLWan() default", decode_tflop=round(
-                      flops / 1e12, 2), tf32_cudnn=torch.backends.cudnn.allow_tf32, repeat=args.repeat, rows=[],
+                  latents=list(latents), config=CONFIG or "AutoencoderKLWan() default", decode_tflop=float(
+                      f"{flops / 1e12:.4g}"), tf32_cudnn=torch.backends.cudnn.allow_tf32, repeat=args.repeat, rows=[],
                   skipped=[])
     g = torch.Generator(device).manual_seed(1)
-    z = torch.randn(LATENTS, generator=g, device=device)
+    z = torch.randn(latents, generator=g, device=device)
     ref = None
     for name in names:
         if time.perf_counter() - start > args.budget_s:
             result["skipped"].append(name)
             continue
-        row, out = run_row(name, device, z, ref, args.repeat, flops)
+        try:
+            row, out = run_row(name, device, z, ref, args.repeat, flops)
+        except Exception as e:  # a row that fails (a compile, memory) is recorded; the others still run
+            if name == "fp32":
+                raise
+            row, out = dict(row=name, settings=ROWS[name], error=f"{type(e).__name__}: {str(e)[:300]}"), None
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if name == "fp32":
             ref = out
             row["psnr_db"] = "reference"
@@ -271,15 +284,18 @@ def main() -> None:
         with torch.no_grad(), host_syncs() as found:
             vae.decode(z)
         result["host_syncs_fp32_decode"] = len(found)
-    result["cat"] = cat_cost(LATENTS, device, args.repeat)
+    result["cat"] = cat_cost(latents, device, args.repeat)
     result["wall_s"] = round(time.perf_counter() - start, 1)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     base = result["rows"][0]["s"]
-    print(f"\n{result['device']}, torch {result['torch']}, diffusers {result['diffusers']}; latents {LATENTS}, "
+    print(f"\n{result['device']}, torch {result['torch']}, diffusers {result['diffusers']}; latents {latents}, "
           f"{result['decode_tflop']} TFLOP a decode")
     print("| row | s | x fp32 | TFLOPS | first call s | peak GiB | PSNR vs fp32 dB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in result["rows"]:
+        if "error" in r:
+            print(f"| {r['row']} | failed: {r['error'][:100]} |")
+            continue
         print(f"| {r['row']} | {r['s']} | {base / r['s']:.2f} | {r['tflops']} | {r['first_s']} | "
               f"{r.get('peak_gib', '-')} | {r['psnr_db']} |")
     print(f"skipped (over --budget_s {args.budget_s}): {', '.join(result['skipped']) or 'none'}; host syncs in a "
