@@ -209,7 +209,7 @@ def run_row(name: str, device: torch.device, z: torch.Tensor, ref: torch.Tensor 
         torch.backends.cudnn.benchmark = False
     s = statistics.median(times)
     row = dict(row=name, settings=settings, s=round(s, 4), times_s=[round(t, 4) for t in times],
-               first_s=round(first, 2), tflops=round(flops / s / 1e12, 1 if flops > 1e12 else 6), dtype=str(out.dtype),
+               first_s=round(first, 2), tflops=float(f"{flops / s / 1e12:.4g}"), dtype=str(out.dtype),
                psnr_db=None if ref is None else round(psnr_db(ref, out), 2))
     if settings.get("channels_last"):
         row["out_channels_last"] = out.is_contiguous(memory_format=torch.channels_last_3d)
