@@ -14,8 +14,8 @@ import types
 import typing
 
 from ditforge.config.load import build_config
-from ditforge.config.sections import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, BenchConfig,
-                                      DataConfig, DistillConfig, ModelConfig, ParallelConfig, TrainConfig)
+from ditforge.config.sections import (COMPILE_MODES, SAMPLING_PRECISIONS, SEQUENCE_PARALLEL_TYPES, VAE_DTYPES,
+                                      BenchConfig, DataConfig, DistillConfig, ModelConfig, ParallelConfig, TrainConfig)
 from ditforge.errors import RunError, UserError
 
 
@@ -132,6 +132,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "processes share the VAE decode: patch (default: each decoder call cut into bands of rows, the "
                    "convolutions exchanging their border rows; the frames of one process's decode) or strips (one "
                    "column strip a process, no exchange, blended over 64 pixels: approximate)")
+    s.add_argument("--vae_dtype", choices=VAE_DTYPES, help="video pipelines: the dtype of the VAE's weights and "
+                   "its decode (bfloat16 halves the bytes every convolution moves; docs/sampling.md gives its speed "
+                   "and PSNR against float32; default: the VAE as loaded, float32)")
     s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler", "student"),
                    help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
@@ -191,15 +194,15 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
                                      "(bf16 is the default there); under --compile the fused adaLN kernels gained "
                                      "nothing (inductor fuses the same operations)")
     fast.add_argument("--mixed_precision", default="auto", choices=SAMPLING_PRECISIONS,
-                      help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU); fp8: bf16 with "
-                      "the blocks' linear layers as row-wise scaled float8 GEMMs (H100-class GPU, Triton; see "
-                      "docs/sampling.md for its speed and quality)")
+                      help="dtype of the model and VAE weights (auto: bf16 on CUDA, fp32 on CPU; a video pipeline's "
+                      "VAE: --vae_dtype); fp8: bf16 with the blocks' linear layers as row-wise scaled float8 GEMMs "
+                      "(H100-class GPU, Triton; see docs/sampling.md for its speed and quality)")
     fast.add_argument("--compile", nargs="?", const="reduce-overhead", default="none", choices=COMPILE_MODES,
                       help="torch.compile the model with static shapes, and the VAE decoder; the bare flag is "
                       "reduce-overhead: CUDA graphs, the whole loop as one graph for --sampler ddpm / ddim and a flow "
                       "model's euler (without --cfg_interval / --cfg_parallel), else one per model call; the first "
                       "batch and the first decode are slow while they compile; a video pipeline: each "
-                      "transformer block compiled, without CUDA graphs")
+                      "transformer block and the VAE's decoder compiled, without CUDA graphs")
     fast.add_argument("--enable_flashattn", action="store_true", help="attention through the fastest exact kernel "
                       "(cuDNN, then Flash, on Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
     fast.add_argument("--enable_modulate_kernel", action="store_true", help="fused Triton LayerNorm + adaLN "

@@ -17,6 +17,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float
 # benchmarks/kernels.py fp8-train; docs/speed.md#fp8-training-by-width).
 FP8_MIN_WIDTH = 2048
 SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cast for sampling
+VAE_DTYPES = ("float32", "bfloat16", "float16")  # sample --vae_dtype (musubi-tuner's name and values)
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adafactor")
 LIBRARY_OPTIMIZERS = ("adamw4bit", "adamw_fp8", "adafactor")  # the libraries' own, stepped after the backward

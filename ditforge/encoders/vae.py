@@ -287,7 +287,10 @@ class VAE(FrozenModel):
         """``torch.compile`` the decoder in place (inductor fuses its GroupNorm + SiLU pairs); no CUDA graphs, since
         ``decode`` keeps the outputs of several micro-batch calls. Shapes are static until a second batch size
         appears (a shorter last micro-batch), then the batch dimension turns dynamic: one recompile, not one per
-        size. Returns self."""
+        size. A causal 3-D VAE whose decoder runs once per latent frame with a feature cache compiles three graphs
+        at its first decode: the first frame (empty caches), the second (one-frame caches), and every later frame
+        (no graph breaks; measured on a tiny such VAE of diffusers 0.42.1, within 1e-6 of eager;
+        benchmarks/vae_decode.py times it). Returns self."""
         self.model.decoder.compile()
         return self
 

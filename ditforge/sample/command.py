@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ditforge.config.sections import COMPILE_MODES
+from ditforge.config.sections import COMPILE_MODES, VAE_DTYPES
 from ditforge.config.values import resolve_precision
 from ditforge.data.captions import slug
 from ditforge.data.images import save_grid, to_uint8
@@ -102,6 +102,8 @@ def sample(cfg: SampleConfig) -> np.ndarray:
     if cfg.vae_tile is not None and (cfg.vae_tile < 32 or cfg.vae_tile % 32):
         raise UserError(f"--vae_tile: expected a multiple of 32 pixels (tiles overlap by a quarter, in whole latent "
                         f"pixels), got {cfg.vae_tile}")
+    if cfg.vae_dtype is not None and cfg.vae_dtype not in VAE_DTYPES:
+        raise UserError(f"--vae_dtype: expected one of {', '.join(VAE_DTYPES)}, got {cfg.vae_dtype}")
     if cfg.cfg_parallel and cfg.cfg_scale == 1.0:
         raise UserError("--cfg_parallel: --cfg_scale 1 runs no unconditional pass to put on the second GPU")
     if cfg.fora is not None and (cfg.fora < 2 or cfg.pab):

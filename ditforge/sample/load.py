@@ -92,6 +92,7 @@ class SampleConfig:
     gif: bool = False
     vae_tile: int | None = None
     vae_parallel: str | None = None  # video pipelines under torchrun: patch (exact, the default) or strips
+    vae_dtype: str | None = None  # video pipelines: VAE_DTYPES; None keeps the VAE as loaded (float32)
     lora: str | None = None
     cfg_scale_2: float | None = None
     plugin: str | None = None  # video pipelines: fsdp shards the transformer over the torchrun processes
@@ -99,7 +100,8 @@ class SampleConfig:
 
 # SampleConfig fields only the video pipelines' loop (``sample.video``) reads; other models refuse them in one line.
 VIDEO_LOOP_FLAGS = ("height", "width", "negative_prompt", "first_block_cache", "taylorseer_cache",
-                    "quantized_attention", "vae_tile", "vae_parallel", "cfg_scale_2", "plugin", "reference_image", "video", "mask")
+                    "quantized_attention", "vae_tile", "vae_parallel", "vae_dtype", "cfg_scale_2", "plugin",
+                    "reference_image", "video", "mask")
 
 
 def read_spec(ckpt: str, use_ema: bool) -> tuple[dict | Path, dict]:

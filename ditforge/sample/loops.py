@@ -399,14 +399,14 @@ def _sample_driven(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser
     ``DRIVING_FLAGS`` given (whole files, every frame, PIL RGB), checked by ``denoiser.driving_inputs``; frame size
     ``--height`` / ``--width`` (default the pipeline's), steps and guidance the pipeline's unless given; prompt i
     from seed ``derive_seed(seed, i)``. Writes ``out`` (default ``samples``) as ``NNN-<prompt>.mp4`` + ``.gif`` at
-    ``--fps`` (default the family's). Returns (N, T, H, W, 3) uint8.
+    ``--fps`` (default the family's); the pipeline's VAE in ``--vae_dtype`` when given. Returns (N, T, H, W, 3) uint8.
 
     Raises:
         UserError: under torchrun; a video file that is missing or unreadable; ``driving_inputs``'s (one line each).
     """
     from ditforge.data.video import probe_video, read_clip
     from ditforge.models.adapters.pipeline import generate_with_pipeline
-    from ditforge.sample.video import pipeline_defaults
+    from ditforge.sample.video import cast_vae, pipeline_defaults
     from ditforge.sample.write import write_videos
     from PIL import Image
 
@@ -426,6 +426,8 @@ def _sample_driven(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser
     inputs = {**denoiser.driving_inputs(pre.pipe, videos, cfg.mode), "image": image}
     if cfg.segment_frame_length is not None:
         inputs["segment_frame_length"] = cfg.segment_frame_length
+    if cfg.vae_dtype is not None:  # the pipeline encodes and decodes in its VAE's dtype
+        cast_vae(pre.pipe.vae, cfg.vae_dtype)
     defaults = pipeline_defaults(pre.pipe)
     size = (cfg.height or defaults["height"], cfg.width or defaults["width"])
     seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]

@@ -92,6 +92,9 @@ class VideoSampler:
       diffusers' ``compile_repeated_blocks``.
       No CUDA graphs: a step of a 480x832x81 clip of a 1.3B model takes about a second, which launches do not bound.
 
+    The VAE's weights are cast to ``vae_dtype`` (None: kept as loaded, float32), and its decoder compiled under
+    ``compile`` when one process decodes (``encoders.vae.VAE.compile``; benchmarks/vae_decode.py times both against
+    diffusers' float32 decode); the split decode below runs eager.
     The VAE decodes in spatial tiles of ``vae_tile`` pixels (diffusers' tiled decode), or whole frames; under
     torchrun, a VAE the adapter declares splittable (``vae_split_decode``) over all processes, by default each
     decoder call in bands of rows (``parallel.vae_decode.split_decoder``, the one-process frames), with
@@ -128,6 +131,8 @@ class VideoSampler:
         self.vae = VAE(pipe.vae, frame_factor=denoiser.vae_frame_factor,
                        folds_pixels=denoiser.vae_folds_pixels)  # the family's latent normalisation
         vae = pipe.vae
+        if cfg.vae_dtype is not None:  # the decode runs in the weights' dtype (VAE.unscale casts the latents)
+            cast_vae(vae, cfg.vae_dtype)
         if cfg.vae_tile:
             enable_vae_tiles(vae, cfg.vae_tile)
         self.vae_modules = denoiser.vae_halo_modules, denoiser.vae_whole_modules  # the adapter's, for split_decoder
@@ -136,6 +141,8 @@ class VideoSampler:
         if self.split and d.is_main:
             log.info("VAE decode over %d processes: %s", d.world_size,
                      "bands of rows (exact)" if self.split == "patch" else "column strips (approximate)")
+        if cfg.compile != "none" and self.split is None:  # (the split's halo exchange stays out of a graph)
+            self.vae.compile()
         self.cfg_group = self.cfg_rank = None
         if cfg.cfg_parallel:
             self.cfg_group = (d.sp_mesh["dp"] if d.sp_mesh is not None else d.mesh).get_group()
@@ -406,6 +413,11 @@ def _decode_split(d: Dist, denoiser, vae, cfg: SampleConfig) -> str | None:
             log.warning("the VAE decode runs on process 0: the patch split cannot compute %s exactly", e)
         return None
     return "patch"
+def cast_vae(vae: torch.nn.Module, name: str) -> None:
+    """``--vae_dtype name`` (``config.sections.VAE_DTYPES``): the VAE's weights and buffers cast in place to
+    ``torch.<name>`` by ``nn.Module.to`` (diffusers' ``ModelMixin.to`` casts the same, and warns at every cast that
+    the modules its ``_keep_in_fp32_modules`` names, none for the video VAEs, should stay float32)."""
+    torch.nn.Module.to(vae, getattr(torch, name))
 
 
 def _check_quantized_attention(d: Dist, denoiser) -> None:
