@@ -31,9 +31,9 @@ host clock); peak GiB: ``torch.cuda.max_memory_allocated`` over the timed calls 
 output (clamped to [-1, 1], as diffusers' decode clamps) against ``fp32``'s, ``10 log10(2^2 / MSE)`` in float64, in
 dB. Also measured once: the host syncs of one float32 decode (``timing.host_syncs``), and what diffusers' growing
 ``torch.cat`` of the decoded frames (``AutoencoderKLWan._decode``: one cat a latent frame, so the 81 frames are
-copied about 11 times over) costs against one cat at the end, on random tensors of the output's shapes. Rows that
-would start after ``--budget_s`` seconds are skipped (listed in the JSON), so the run stays inside one device
-call; the JSON is rewritten after every row.
+copied about 11 times over) costs against one cat at the end, on random tensors of the output's shapes. Rows guessed to
+end after ``--budget_s`` seconds are skipped (listed in the JSON), so the run stays inside five minutes; the JSON is
+rewritten after every row.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ ROWS = {
     "ditforge_bf16_compile": dict(ditforge=dict(vae_dtype="bfloat16", compile="default")),
     "fp32_compile": dict(dtype="float32", compile=True),
 }
+COMPILE_GUESS_S = 120.0  # a first compiled decode on the GPU, before one is measured (3 graphs; a guess)
 # on the CPU inductor's C++ compile of the decoder takes minutes: TINY leaves ditforge's compiled row out by default
 DEFAULT_ROWS = [r for r in ROWS if not (TINY and r == "ditforge_bf16_compile")]
 
@@ -227,7 +228,9 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of {', '.join(ROWS)} (fp32, the PSNR "
                    "reference, always runs first)")
     p.add_argument("--repeat", type=int, default=3, help="timed calls a row, after one warm-up call (at least 3)")
-    p.add_argument("--budget_s", type=float, default=200.0, help="skip the rows that would start after this")
+    p.add_argument("--budget_s", type=float, default=270.0, help="skip the rows that would end after this many "
+                   "seconds: a row is guessed to take (repeat + 1) x the fp32 decode, plus for a compiled row the "
+                   "last compiled row's first call (before any: COMPILE_GUESS_S)")
     p.add_argument("--device", default="cpu" if TINY else "cuda")
     p.add_argument("--latents", default=",".join(map(str, LATENTS)), help="the latents' shape B,C,T',h,w (a smaller "
                    "clip, e.g. 1,16,3,16,16 for 9 frames of 128 x 128 on the CPU)")
@@ -256,9 +259,11 @@ def main() -> None:
                   skipped=[])
     g = torch.Generator(device).manual_seed(1)
     z = torch.randn(latents, generator=g, device=device)
-    ref = None
+    ref, compile_s = None, COMPILE_GUESS_S
     for name in names:
-        if time.perf_counter() - start > args.budget_s:
+        compiles = bool(ROWS[name].get("compile") or ROWS[name].get("ditforge", {}).get("compile"))
+        guess = (args.repeat + 1) * (result["rows"][0]["s"] if result["rows"] else 0) + compiles * compile_s
+        if time.perf_counter() - start + guess > args.budget_s:
             result["skipped"].append(name)
             continue
         try:
@@ -273,6 +278,8 @@ def main() -> None:
         if name == "fp32":
             ref = out
             row["psnr_db"] = "reference"
+        if compiles and "first_s" in row:
+            compile_s = row["first_s"]
         del out
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
