@@ -16,7 +16,8 @@ Rows (``ROWS``), each a fresh VAE:
   ``WanPipeline`` calls it; the reference of every PSNR;
 - ``bf16`` / ``fp16``: the VAE cast (``nn.Module.to``), the latents too;
 - ``bf16_channels_last``: bf16 with the Conv3d weights and the latents in ``torch.channels_last_3d`` (the Conv2d
-  weights ``channels_last``); ``out_channels_last`` says whether the layout survived to the output;
+  weights ``channels_last``; ``sample.video.to_channels_last``, which ``--vae_dtype bfloat16`` applies);
+  ``out_channels_last`` says whether the layout survived to the output;
 - ``*_cudnn_benchmark``: ``torch.backends.cudnn.benchmark`` on for the row (cuDNN times its algorithms per shape in
   the warm-up call), off again after it;
 - ``*_compile``: the decoder compiled (``ditforge.encoders.vae.VAE.compile``: ``module.compile()``, inductor; three
@@ -95,13 +96,6 @@ def decode_flops(latents: tuple[int, ...]) -> float:
     return float(counter.get_total_flops())
 
 
-def to_channels_last(vae) -> None:
-    """Conv3d weights (5-D) in ``channels_last_3d``, Conv2d weights (4-D) in ``channels_last``, in place."""
-    for p in vae.parameters():
-        if p.ndim in (4, 5):
-            p.data = p.data.contiguous(memory_format=torch.channels_last_3d if p.ndim == 5 else torch.channels_last)
-
-
 def plain_decoder(settings: dict, device: torch.device, z: torch.Tensor):
     """(decode function, the VAE) of a row of diffusers' own call: ``vae.decode(z).sample``."""
     vae = build_vae(device)
@@ -109,6 +103,8 @@ def plain_decoder(settings: dict, device: torch.device, z: torch.Tensor):
     torch.nn.Module.to(vae, dtype)
     x = z.to(dtype)
     if settings.get("channels_last"):
+        from ditforge.sample.video import to_channels_last
+
         to_channels_last(vae)
         x = x.contiguous(memory_format=torch.channels_last_3d)
     if settings.get("compile"):
