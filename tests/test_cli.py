@@ -280,9 +280,10 @@ def test_data_error_leaves_no_run_folder(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "outputs").exists()
 
 
-def test_sigterm_saves_and_exits_130(tmp_path):
+def test_sigterm_saves_and_exits_130(tmp_path, subprocess_env):
     """A scheduler's SIGTERM is handled like Ctrl-C: the step in flight finishes, a checkpoint of exactly the
-    completed steps is written, and the process exits with 130."""
+    completed steps is written, and the process exits with 130. The child runs with one thread
+    (``subprocess_env``), like the other subprocess tests: with every core it oversubscribes a loaded CI machine."""
     import signal
     import time
 
@@ -290,7 +291,7 @@ def test_sigterm_saves_and_exits_130(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "ditforge", "train", "--model", "DiT-T/8", "--max_steps", "100000", "--batch_size",
          "16", "--log_every", "1", "--sample_every", "0", "--device", "cpu", "--outputs", str(run)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
