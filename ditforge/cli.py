@@ -125,16 +125,7 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--lora", help="with a diffusers pipeline folder as --ckpt: a LoRA file or folder (`ditforge "
                    "export --format lora`, or any LoRA the pipeline's load_lora_weights reads), merged into the "
                    "weights before sampling")
-    s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines: decode in "
-                   "spatial tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode "
-                   "(less memory; default: whole frames); the same frames on one process or many")
-    s.add_argument("--vae_parallel", choices=("patch", "strips"), help="video pipelines under torchrun: how the "
-                   "processes share the VAE decode: patch (default: each decoder call cut into bands of rows, the "
-                   "convolutions exchanging their border rows; the frames of one process's decode) or strips (one "
-                   "column strip a process, no exchange, blended over 64 pixels: approximate)")
-    s.add_argument("--vae_dtype", choices=VAE_DTYPES, help="video pipelines: the dtype of the VAE's weights and "
-                   "its decode (bfloat16 halves the bytes every convolution moves; docs/sampling.md gives its speed "
-                   "and PSNR against float32; default: the VAE as loaded, float32)")
+    _add_vae_decode_flags(s)
     s.add_argument("--sampler", default=None, choices=("ddpm", "ddim", "dpm++", "euler", "student"),
                    help="reverse process: "
                    "ddpm (ancestral, learned variance) and ddim are ditforge's, respaced to --num_sampling_steps; "
@@ -185,6 +176,20 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--cfg_interval", type=int, nargs=2, metavar=("LOW", "HIGH"), help="apply guidance only at "
                    "timesteps LOW..HIGH (of 0..999; Kynkaanniemi et al. 2024), the conditional model alone "
                    "elsewhere (half the compute there)")
+
+
+def _add_vae_decode_flags(s: argparse.ArgumentParser) -> None:
+    """``ditforge sample``'s flags of a video pipeline's VAE decode: tiles, the split over processes, the dtype."""
+    s.add_argument("--vae_tile", type=int, metavar="PX", help="video pipelines: decode in "
+                   "spatial tiles of PX pixels (a multiple of 32) overlapping by a quarter, diffusers' tiled decode "
+                   "(less memory; default: whole frames); the same frames on one process or many")
+    s.add_argument("--vae_parallel", choices=("patch", "strips"), help="video pipelines under torchrun: how the "
+                   "processes share the VAE decode: patch (default: each decoder call cut into bands of rows, the "
+                   "convolutions exchanging their border rows; the frames of one process's decode) or strips (one "
+                   "column strip a process, no exchange, blended over 64 pixels: approximate)")
+    s.add_argument("--vae_dtype", choices=VAE_DTYPES, help="video pipelines: the dtype of the VAE's weights and "
+                   "its decode (bfloat16 halves the bytes every convolution moves; docs/sampling.md gives its speed "
+                   "and PSNR against float32; default: the VAE as loaded, float32)")
 
 
 def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
