@@ -326,9 +326,9 @@ class VideoSampler:
         if why:
             raise UserError(f"--sampler student: for a one-transformer text-to-video flow-matching pipeline without "
                             f"guidance; {self.pre.pipeline_class} ({type(self.pre.pipe.scheduler).__name__}): {why}")
-        shift = float(config.get("flow_shift") or config.get("shift") or 1.0)
-        s = 1.0 - torch.arange(steps, dtype=torch.float64) / steps
-        sigmas = (shift * s / (1 + (shift - 1) * s)).tolist() + [0.0]
+        from ditforge.diffusion.dmd import flow_student_shift, flow_student_sigmas  # ditforge distill's, too
+
+        sigmas = flow_student_sigmas(flow_student_shift(config), steps).tolist() + [0.0]
         from diffusers.utils.torch_utils import randn_tensor
 
         generator = torch.Generator(self.device).manual_seed(seed)

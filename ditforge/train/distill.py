@@ -17,6 +17,7 @@ are drawn uniformly from the classes.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -74,13 +75,23 @@ def check(cfg: DistillConfig) -> None:
     for name in ("student_steps", "critic_steps", "max_steps", "batch_size", "log_every", "ckpt_every", "keep_last"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
+    for name in ("height", "width", "num_frames"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
     if cfg.lora_rank < 0 or cfg.eval_every < 0:
         raise UserError("--lora_rank / --eval_every: expected >= 0")
 
 
 def distill(cfg: DistillConfig) -> Path:
-    """Run the distillation; returns the run folder. Raises UserError on bad flags or a bad teacher."""
+    """Run the distillation; returns the run folder. A diffusers pipeline teacher (a folder, or a run that fine-tuned
+    one) goes to ``distill_pipeline.distill_pipeline``. Raises UserError on bad flags or a bad teacher."""
+    from ditforge.train.distill_pipeline import distill_pipeline, is_pipeline_teacher
+
     check(cfg)
+    if is_pipeline_teacher(cfg.teacher):
+        return distill_pipeline(cfg)
+    if cfg.cfg_scale is None:  # the scale `ditforge sample` guides a DiT with
+        cfg = dataclasses.replace(cfg, cfg_scale=4.0)
     teacher, config = load_teacher(cfg)
     m = config["model"]
     device = resolve_device(cfg.device)
@@ -114,8 +125,7 @@ def distill(cfg: DistillConfig) -> Path:
         log.info("resumed from %s (step %d)", ckpt, start)
     metrics_path = run_dir / "metrics.jsonl"
     kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if metrics_path.exists() else []
-    with atomic_path(metrics_path) as tmp:  # a resumed run's records end at its checkpoint
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    rewrite_metrics(metrics_path, kept)
     metrics = MetricsLog(metrics_path)
     saved_config = {**config, "distill": {**asdict(cfg), "timesteps": times.tolist(), "sampler": STUDENT_SAMPLER,
                                           "teacher_cfg_scale": cfg.cfg_scale}}
@@ -179,6 +189,12 @@ def _iteration(dmd: DMD2, step: int, cfg: DistillConfig, teacher, student, criti
     torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
     opt_c.step()
     return out | {"critic_loss": float(closs.detach())}
+
+
+def rewrite_metrics(path: Path, records: list[dict]) -> None:
+    """``metrics.jsonl`` rewritten atomically to ``records``: a resumed run's records end at its checkpoint."""
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def _mean(records: list[dict[str, float]]) -> dict[str, float]:
