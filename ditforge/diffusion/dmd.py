@@ -90,8 +90,8 @@ def flow_student_sigmas(shift: float, steps: int) -> torch.Tensor:
 
 
 def flow_student_shift(scheduler_config: dict) -> float:
-    """The shift a flow pipeline's student runs at: its scheduler config's ``flow_shift`` (a solver on flow sigmas,
-    Wan's UniPC), else its ``shift`` (``FlowMatchEulerDiscreteScheduler``), else 1."""
+    """The shift a flow pipeline's student runs at: its scheduler config's ``flow_shift`` (a multistep solver on flow
+    sigmas), else its ``shift`` (``FlowMatchEulerDiscreteScheduler``), else 1."""
     return float(scheduler_config.get("flow_shift") or scheduler_config.get("shift") or 1.0)
 
 

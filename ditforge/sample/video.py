@@ -28,26 +28,13 @@ from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.encoders.vae import VAE, decode_tiles_split, use_strips
 from ditforge.errors import UserError
+from ditforge.models.adapters.pipeline import pipeline_defaults  # noqa: F401  (the loops' defaults)
 from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
 from ditforge.parallel.mesh import Dist
 from ditforge.sample.load import SampleConfig, read_control
 from ditforge.sample.write import video_file_out, write_video_file
 
 log = logging.getLogger(__name__)
-
-
-def pipeline_defaults(pipe) -> dict:
-    """The defaults of the pipeline's ``__call__`` that ``ditforge sample`` falls back on: height, width,
-    num_frames, num_inference_steps, guidance_scale (a signature default, or for a default the signature leaves
-    None what the pipeline's body computes, the adapter's ``call_defaults``)."""
-    from ditforge.models.adapters import family_of_pipeline
-
-    params = inspect.signature(pipe.__call__).parameters
-    names = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
-    out = {n: params[n].default for n in names if n in params}
-    family = family_of_pipeline(type(pipe).__name__)
-    computed = family.call_defaults(pipe) if family is not None else {}
-    return {n: computed.get(n) if v is None else v for n, v in out.items()}
 
 
 class VideoSampler:

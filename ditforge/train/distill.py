@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import asdict
@@ -29,7 +28,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from ditforge.atomic import atomic_path
 from ditforge.config.sections import DistillConfig
 from ditforge.config.values import resolve_device
 from ditforge.data.sampler import derive_seed
@@ -40,7 +38,7 @@ from ditforge.errors import UserError
 from ditforge.models import create_model_from_spec
 from ditforge.parallel.mesh import Dist
 from ditforge.train.checkpoint import Checkpointer, find_resume
-from ditforge.train.logging import MetricsLog, progress_line, read_metrics
+from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 from ditforge.weights.lora import add_lora, check_lora_targets, merge_lora
 from ditforge.weights.read import SafeFileSystemReader, _SafeLoadPlanner, load_weights, read_checkpoint_weights
 
@@ -140,7 +138,7 @@ def distill(cfg: DistillConfig) -> Path:
         window.append(record)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
-            line = _mean(window) | {"step": step, "steps_per_sec": rate}
+            line = mean_records(window) | {"step": step, "steps_per_sec": rate}
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 line |= evaluate(student, times, objective, m, cfg, device)
             metrics.write(line)
@@ -189,17 +187,6 @@ def _iteration(dmd: DMD2, step: int, cfg: DistillConfig, teacher, student, criti
     torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
     opt_c.step()
     return out | {"critic_loss": float(closs.detach())}
-
-
-def rewrite_metrics(path: Path, records: list[dict]) -> None:
-    """``metrics.jsonl`` rewritten atomically to ``records``: a resumed run's records end at its checkpoint."""
-    with atomic_path(path) as tmp:
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
-def _mean(records: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for r in records for k in r}
-    return {k: sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in sorted(keys)}
 
 
 def _state(student, critic, opt_g, opt_c, lora: bool) -> dict:

@@ -18,7 +18,7 @@ optimizers, and ``ema``: the student's adapters in peft's default naming, what a
 comfyui`` take it as they take a LoRA fine-tune. ``meta.json``'s config is a ``RunConfig`` (``--init_from`` the
 teacher's pipeline folder, ``--lora_rank`` the student's) with a ``distill`` section (the student's steps and
 timesteps, the teacher's guidance, sampler ``student``). A fine-tuned run as teacher is first written as a
-pipeline folder, ``RUN/teacher`` (``export.export_pretrained``, LoRA merged). The randomness of iteration k
+pipeline folder, ``RUN/teacher``, by the CLI (``export.pipeline_teacher``: LoRA merged). The randomness of iteration k
 derives from (seed, k) alone, so ``--resume auto`` continues exactly.
 """
 
@@ -43,7 +43,7 @@ from ditforge.diffusion.samplers import STUDENT_SAMPLER
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
 from ditforge.train.checkpoint import Checkpointer, find_resume, list_checkpoints
-from ditforge.train.logging import MetricsLog, progress_line, read_metrics
+from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +66,6 @@ def is_pipeline_teacher(teacher: str) -> bool:
     except UserError:
         return False  # load_teacher names what is wrong
     return bool(config and config["model"].get("family"))
-
-
-def teacher_folder(cfg: DistillConfig, run_dir: Path) -> Path:
-    """The teacher as a pipeline folder: ``--teacher`` itself, or a fine-tuned run written once as ``run_dir /
-    "teacher"`` (``export --format diffusers``: LoRA merged, the other components copied)."""
-    from ditforge.export import export_pretrained
-    from ditforge.weights.read import load_weights
-
-    if (Path(cfg.teacher) / "model_index.json").is_file():
-        return Path(cfg.teacher)
-    out = run_dir / "teacher"
-    if not (out / "model_index.json").is_file():
-        state, config = load_weights(cfg.teacher)
-        log.info("writing the fine-tuned teacher %s as a pipeline folder %s", cfg.teacher, out)
-        export_pretrained(state, config, out, "diffusers")
-    return out
 
 
 def use_adapter(model: torch.nn.Module, name: str | None) -> None:
@@ -115,7 +99,7 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
             ``--cfg_scale`` and no default scale in its call).
     """
     from ditforge.models.adapters.pipeline import encoder_dtype, load_pretrained
-    from ditforge.sample.video import pipeline_defaults
+    from ditforge.models.adapters.pipeline import pipeline_defaults
 
     pre = load_pretrained(folder, device, encoder_dtype(device), flag=FLAG, denoiser_dtype=dtype)
     den = pre.denoiser
@@ -137,7 +121,7 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
     """((B, C, T', h, w) of the student's latents, height, width, frames): the flags, else the pipeline call's
     defaults. Raises UserError: a frame count the VAE cannot take, a side the VAE and patches do not divide."""
     from ditforge.encoders import VAE
-    from ditforge.sample.video import pipeline_defaults
+    from ditforge.models.adapters.pipeline import pipeline_defaults
 
     den, defaults = pre.denoiser, pipeline_defaults(pre.pipe)
     height, width = cfg.height or defaults["height"], cfg.width or defaults["width"]
@@ -181,7 +165,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         UserError: ``--lora_rank 0`` (a full-copy student of a pipeline is not built), no ``--prompt_file``, LoRA
             targets that match no module, and ``load_teacher_pipeline``'s / ``latent_shape``'s errors.
     """
-    from ditforge.sample.load import read_prompts
+    from ditforge.data.captions import read_prompts
     from ditforge.weights.lora import add_lora, check_lora_targets
 
     if not cfg.lora_rank:
@@ -198,7 +182,10 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, or choose "
                         "another folder")
     run_dir.mkdir(parents=True, exist_ok=True)
-    folder = teacher_folder(cfg, run_dir)
+    folder = Path(cfg.teacher)
+    if not (folder / "model_index.json").is_file():  # the CLI writes a fine-tuned run as one (export)
+        raise UserError(f"{FLAG} {cfg.teacher}: a fine-tuned run distils from its pipeline folder; write it with "
+                        "`ditforge export --format diffusers` and pass that folder")
     pre, scale = load_teacher_pipeline(cfg, folder, device, amp)
     model = pre.denoiser
     shape, height, width, frames = latent_shape(pre, cfg)
@@ -226,8 +213,6 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         log.info("resumed from %s (step %d)", ckpt, start)
     metrics_path = run_dir / "metrics.jsonl"
     kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if metrics_path.exists() else []
-    from ditforge.train.distill import _mean, rewrite_metrics
-
     rewrite_metrics(metrics_path, kept)
     metrics = MetricsLog(metrics_path)
     config = run_config(cfg, pre, folder, targets, objective, times, scale, height, width, frames)
@@ -241,7 +226,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         window.append(iteration(dmd, step, cfg, pre, prompts, shape, scale, amp, opt_g, opt_c, params))
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
-            line = _mean(window) | {"step": step, "steps_per_sec": rate}
+            line = mean_records(window) | {"step": step, "steps_per_sec": rate}
             if device.type == "cuda":
                 line["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.write(line)

@@ -223,10 +223,10 @@ def test_bad_input_one_line(wan_pipeline, prompt_file, tmp_path, capsys, monkeyp
                           "--student_steps", "0")
     assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out, "--lora_target_modules", "nope"),
                           "--lora_target_modules", "nope")
-    import ditforge.sample.video as video
+    import ditforge.models.adapters.pipeline as pipeline
 
-    defaults = video.pipeline_defaults
-    monkeypatch.setattr(video, "pipeline_defaults",
+    defaults = pipeline.pipeline_defaults
+    monkeypatch.setattr(pipeline, "pipeline_defaults",
                         lambda pipe: {k: v for k, v in defaults(pipe).items() if k != "guidance_scale"})
     assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out), "--teacher", "no guidance "
                           "information", "--cfg_scale")
