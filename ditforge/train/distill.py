@@ -38,6 +38,7 @@ from ditforge.errors import UserError
 from ditforge.models import create_model_from_spec
 from ditforge.parallel.mesh import Dist
 from ditforge.train.checkpoint import Checkpointer, find_resume
+from ditforge.train.dmd_step import dmd2_iteration
 from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 from ditforge.weights.lora import add_lora, check_lora_targets, merge_lora
 from ditforge.weights.read import SafeFileSystemReader, _SafeLoadPlanner, load_weights, read_checkpoint_weights
@@ -168,25 +169,9 @@ def _iteration(dmd: DMD2, step: int, cfg: DistillConfig, teacher, student, criti
     real = GuidedModel(teacher, y, cfg.cfg_scale)
     fake = GuidedModel(critic, y, 1.0)
     gen = GuidedModel(student, y, 1.0)
-    out: dict[str, float] = {}
-    if step % cfg.critic_steps == 1 % cfg.critic_steps:
-        x = dmd.generate(gen, noise, g)
-        loss, grad_norm = dmd.generator_loss(x, real, fake, g)
-        opt_g.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], cfg.max_grad_norm)
-        opt_g.step()
-        out = {"generator_loss": float(loss.detach()), "dmd_grad_norm": float(grad_norm.mean())}
-        x = x.detach()
-    else:
-        with torch.no_grad():
-            x = dmd.generate(gen, noise, g)
-    closs = dmd.critic_loss(x, fake, g)
-    opt_c.zero_grad(set_to_none=True)
-    closs.backward()
-    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
-    opt_c.step()
-    return out | {"critic_loss": float(closs.detach())}
+    return dmd2_iteration(dmd, step, cfg.critic_steps, gen, real, fake, noise, g, opt_g, opt_c,
+                          [p for p in student.parameters() if p.requires_grad], list(critic.parameters()),
+                          cfg.max_grad_norm)
 
 
 def _state(student, critic, opt_g, opt_c, lora: bool) -> dict:

@@ -43,6 +43,7 @@ from ditforge.diffusion.samplers import STUDENT_SAMPLER
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
 from ditforge.train.checkpoint import Checkpointer, find_resume, list_checkpoints
+from ditforge.train.dmd_step import dmd2_iteration
 from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 
 log = logging.getLogger(__name__)
@@ -255,27 +256,9 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     cond = pre.encode_prompt([prompts[i] for i in rows])
     noise = torch.randn(shape, generator=g, device=device)
     student, critic, teacher = nets(model, cond, scale, amp)
-    out: dict[str, float] = {}
-    if step % cfg.critic_steps == 1 % cfg.critic_steps:
-        x = dmd.generate(student, noise, g)
-        loss, grad_norm = dmd.generator_loss(x, teacher, critic, g)
-        use_adapter(model, "student")  # the backward (and its recomputed blocks) under the student's adapter
-        opt_g.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params["student"], cfg.max_grad_norm)
-        opt_g.step()
-        out = {"generator_loss": float(loss.detach()), "dmd_grad_norm": float(grad_norm.mean())}
-        x = x.detach()
-    else:
-        with torch.no_grad():
-            x = dmd.generate(student, noise, g)
-    closs = dmd.critic_loss(x, critic, g)
-    use_adapter(model, "critic")
-    opt_c.zero_grad(set_to_none=True)
-    closs.backward()
-    torch.nn.utils.clip_grad_norm_(params["critic"], cfg.max_grad_norm)
-    opt_c.step()
-    return out | {"critic_loss": float(closs.detach())}
+    # each backward (and its recomputed blocks under gradient checkpointing) runs under its forward's adapter
+    return dmd2_iteration(dmd, step, cfg.critic_steps, student, teacher, critic, noise, g, opt_g, opt_c,
+                          params["student"], params["critic"], cfg.max_grad_norm, lambda name: use_adapter(model, name))
 
 
 def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], objective, times, scale: float,
