@@ -229,6 +229,7 @@ WAN_ROWS = {"full": ["--grad_checkpoint"], "full_compile": ["--grad_checkpoint",
 CUDA_ONLY = ("--gpu_memory_budget",)  # rows with these flags skip on a machine without CUDA
 # lora32_val's file: one 480 x 832 x 33-frame sample, 20 steps, guidance 5 (musubi-tuner's line syntax); --tiny:
 # 16 x 32 x 5 (the tiny transformer's rotary table is 32 positions long)
+ROWS_DEFAULT = "full,full_compile,lora64,lora64_compile"
 VALIDATION = "a corgi runs along a beach at sunset, waves behind it --w {} --h {} --f {} --s 20 --g 5 --seed 7\n"
 
 
@@ -654,6 +655,64 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
             "final_loss": round(records[-1]["loss"], 4), **({"placement": placement} if placement else {})}
 
 
+# --distill (issue 65): `ditforge distill` of the pipeline folder (wan13: Wan2.1-T2V-1.3B's config, random weights) at
+# 480 x 832 x 81 (--tiny: 16 x 16 x 5), a 4-step student, 5 critic steps per generator step, every block checkpointed
+DISTILL_ROWS = {"lora32": ["--lora_rank", "32"], "lora64": ["--lora_rank", "64"],
+                "lora32_nockpt": ["--lora_rank", "32", "--no-grad_checkpoint"]}
+DISTILL_CRITIC_STEPS = 5
+
+
+def distill_row(name: str, pipe: Path, work: Path, size: tuple[int, int, int], batch: int, steps: int, device: str,
+                timeout: float | None = None) -> dict:
+    """One ``ditforge distill`` row: ``steps`` iterations (at least 2 generator ones after the first, the warm-up),
+    one metrics record each. Returns the median seconds of an iteration with a generator step (and its critic step)
+    and of one with a critic step alone, the peak memory, and the GPU-hours of 600 generator steps at batch 8
+    (600 generator iterations + 600 x (critic_steps - 1) critic ones, the time scaled by 8 / batch)."""
+    out, prompts = work / f"distill-{name}", work / "distill_prompts.txt"
+    prompts.write_text("\n".join(CAPTIONS) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    height, width, frames = size
+    try:
+        ditforge("distill", "--teacher", str(pipe), "--prompt_file", str(prompts), "--student_steps", "4",
+                 "--critic_steps", str(DISTILL_CRITIC_STEPS), "--height", str(height), "--width", str(width),
+                 "--num_frames", str(frames), "--batch_size", str(batch), "--max_steps", str(steps), "--log_every", "1",
+                 "--ckpt_every", str(10 * steps), "--keep_last", "1", "--device", device, "--outputs", str(out),
+                 *DISTILL_ROWS[name], timeout=timeout)
+    except RuntimeError as e:
+        shutil.rmtree(out, ignore_errors=True)
+        return {"error": str(e)[-600:]}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out, ignore_errors=True)
+    gen = [1 / r["steps_per_sec"] for r in records[1:] if "generator_loss" in r]
+    critic = [1 / r["steps_per_sec"] for r in records[1:] if "generator_loss" not in r]
+    t_gen, t_critic = statistics.median(gen), statistics.median(critic)
+    hours = 600 * (t_gen + (DISTILL_CRITIC_STEPS - 1) * t_critic) * (8 / batch) / 3600
+    return {"generator_iteration_s": round(t_gen, 3), "critic_iteration_s": round(t_critic, 3),
+            "peak_gib": round(max(r.get("peak_memory_gib", 0.0) for r in records), 2),
+            "gpu_hours_600_generator_steps_batch8": round(hours, 2), "iterations": len(records)}
+
+
+def distill_rows(args, pipe: Path, work: Path, batch: int) -> None:
+    """``--distill``: the rows of ``DISTILL_ROWS`` named by ``--rows`` (default lora32), printed and written to
+    ``--json`` after each."""
+    import diffusers
+
+    size = (16, 16, 5) if args.tiny else (480, 832, 81)
+    steps = max(args.steps, 2 * DISTILL_CRITIC_STEPS + 1)
+    meta = {"date": datetime.date.today().isoformat(), "model": args.model, "mode": "distill", "batch_size": batch,
+            "height_width_frames": list(size), "student_steps": 4, "critic_steps": DISTILL_CRITIC_STEPS,
+            "iterations": steps, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "diffusers": diffusers.__version__, **library_versions()}
+    rows = "lora32" if args.rows == ROWS_DEFAULT else args.rows
+    results = {}
+    for name in rows.split(","):
+        results[name] = distill_row(name, pipe, work, size, batch, steps, args.device, args.row_timeout)
+        print(f"{args.model} distill {name}: {results[name]}", flush=True)
+        if args.json:
+            with atomic_path(args.json) as tmp:
+                tmp.write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+
+
 def profile_row(model_name: str, name: str, pipe: Path, feats: Path, batch: int, steps: int = 3) -> None:
     """Where a row's step goes, in this process (the trainer's pieces, not its loop): wall ms per step against the
     GPU kernel time of the same steps (torch.profiler), and the largest kernels. Wall far above kernel time: the
@@ -752,7 +811,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("sd15", "pixart", "sdxl", "wan13", "wan14", "cog5b", "hv13b", "wan5b",
                                         "ltx2b", "vace13", "animate14"), required=True)
-    ap.add_argument("--rows", default="full,full_compile,lora64,lora64_compile")
+    ap.add_argument("--rows", default=ROWS_DEFAULT)
+    ap.add_argument("--distill", action="store_true", help="time `ditforge distill` rows (DISTILL_ROWS, default "
+                    "lora32) of the pipeline folder instead of fine-tuning (wan13: 480 x 832 x 81; --tiny 16 x 16 x 5)")
     ap.add_argument("--work", default="/tmp/ditforge-finetune")
     ap.add_argument("--batch_size", type=int, default=None, help="default: 1 (sd15, sdxl, video), 8 (pixart), as the "
                     "anchors")
@@ -791,6 +852,8 @@ def main() -> None:
         builders[args.model](pipe)
         if torch.cuda.is_available():  # wan13 initialises its transformer on the GPU: free it for the rows
             torch.cuda.empty_cache()
+    if args.distill:  # data-free: no features
+        return distill_rows(args, pipe, work, batch)
     feats = work / f"feats-{pipe.name}"
     clip_flags = []  # vace13: the clips' reading flags
     if args.model == "vace13":

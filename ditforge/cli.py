@@ -396,9 +396,10 @@ def main(argv: list[str] | None = None) -> int:
             for flag in ("teacher", "outputs"):
                 if args.get(flag) is None:
                     raise UserError(f"--{flag}: required")
+            from ditforge.export import pipeline_teacher
             from ditforge.train.distill import distill
 
-            distill(DistillConfig(**args))
+            distill(DistillConfig(**{**args, "teacher": pipeline_teacher(args["teacher"], args.get("outputs"))}))
         elif command == "export":
             from ditforge.export import export
 

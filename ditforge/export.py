@@ -293,3 +293,28 @@ def export_comfyui(state: dict[str, torch.Tensor] | Path, config: dict, out: str
         log.info("wrote %s of the %s run in the original layout (%s) to %s",
                  "the LoRA" if m.lora_rank else "the weights", family, layout.name, path)
     return path
+
+
+def pipeline_teacher(teacher: str, outputs: str | None) -> str:
+    """``ditforge distill --teacher RUN`` of a run that fine-tuned a diffusers pipeline: the run written once as a
+    pipeline folder ``OUTPUTS/teacher`` (``export_pretrained`` as ``--format diffusers``: the LoRA merged, the other
+    components copied), whose path it returns; any other teacher as it is.
+
+    Raises:
+        UserError: a fine-tuned run without ``--outputs``; ``export_pretrained``'s.
+    """
+    if (Path(teacher) / "model_index.json").is_file() or not Path(teacher).is_dir():
+        return teacher
+    try:
+        state, config = load_weights(teacher)
+    except UserError:
+        return teacher  # distill names what is wrong with it
+    if not (config and config["model"].get("family")):
+        return teacher
+    if outputs is None:
+        raise UserError("--outputs: required")
+    out = Path(outputs) / "teacher"
+    if not (out / "model_index.json").is_file():
+        log.info("writing the fine-tuned teacher %s as the pipeline folder %s", teacher, out)
+        export_pretrained(state, config, out, "diffusers")
+    return str(out)

@@ -406,14 +406,25 @@ class BenchConfig:
 class DistillConfig:
     """Settings of ``ditforge distill`` (flags of the same names; see ``ditforge distill --help``)."""
 
-    teacher: str = _f(None, "the teacher: a ditforge run or checkpoint folder (a class-conditional DiT)")
+    teacher: str = _f(None, "the teacher: a ditforge run or checkpoint folder (a class-conditional DiT), a local "
+                            "diffusers pipeline folder of an adapted video family, or a run that fine-tuned one")
     outputs: str = _f(None, "the student's run folder")
     student_steps: int = _f(4, "the student's sampling steps K (DMD2's 4: timesteps 999, 749, 499, 249 of a DDPM "
                                "teacher; fractions 1, 0.75, 0.5, 0.25 of a flow teacher's, shifted)")
     critic_steps: int = _f(5, "critic (fake score) updates per generator update (DMD2's dfake_gen_update_ratio)")
-    cfg_scale: float = _f(4.0, "the teacher's classifier-free guidance scale, baked into the student (1: none)")
-    lora_rank: int = _f(0, "train the student as LoRA adapters of this rank on the teacher (0: a full copy)")
-    lora_target_modules: str | None = _f(None, "with --lora_rank: comma-separated module names (default: qkv,proj)")
+    cfg_scale: float | None = _f(None, "the teacher's classifier-free guidance scale, baked into the student (1: none; "
+                                       "default: 4 for a DiT, a pipeline's own call default)")
+    lora_rank: int = _f(0, "train the student as LoRA adapters of this rank on the teacher (0: a full copy; a "
+                           "pipeline teacher: its student and critic are peft adapters on its one base)")
+    lora_target_modules: str | None = _f(None, "with --lora_rank: comma-separated module names (default: qkv,proj; "
+                                              "a pipeline's family's LoRA targets)")
+    prompt_file: str | None = _f(None, "a pipeline teacher: the prompts, one per line, drawn uniformly (data-free)")
+    height: int | None = _f(None, "a pipeline teacher: the frame height in pixels (default: its call's)")
+    width: int | None = _f(None, "a pipeline teacher: the frame width in pixels (default: its call's)")
+    num_frames: int | None = _f(None, "a video pipeline teacher: frames per clip (default: its call's)")
+    mixed_precision: str = _f("auto", "a pipeline teacher: fp32 | bf16 (auto: bf16 on CUDA, fp32 on the CPU)")
+    grad_checkpoint: bool = _f(True, "a pipeline teacher: recompute the transformer's blocks in the backward "
+                                     "(diffusers' gradient checkpointing)")
     max_steps: int = _f(1000, "iterations: each trains the critic, every --critic_steps-th the generator too")
     batch_size: int = _f(64, "samples per iteration")
     lr: float = _f(1e-4, "the student's learning rate (AdamW, betas 0, 0.999 as DMD2)")

@@ -67,6 +67,31 @@ class BadImage(ValueError):
 # Finding and reading images
 
 
+def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str]:
+    """The prompts of ``--prompt`` (in order), then those of ``--prompt_file`` (one per non-empty line, stripped).
+
+    Raises:
+        UserError: an empty ``--prompt``; a prompt file that is missing, unreadable, not UTF-8, or has no prompt.
+    """
+    out = []
+    for p in prompts or []:
+        if not p.strip():
+            raise UserError("--prompt: empty prompt")
+        out.append(p.strip())
+    if prompt_file is not None:
+        try:
+            lines = Path(prompt_file).read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise UserError(f"--prompt_file {prompt_file}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--prompt_file {prompt_file}: unreadable ({type(e).__name__}: {e})") from None
+        found = [line.strip() for line in lines if line.strip()]
+        if not found:
+            raise UserError(f"--prompt_file {prompt_file}: no prompts (expected one prompt per non-empty line)")
+        out.extend(found)
+    return out
+
+
 def list_images(folder: str | Path, extensions: Collection[str] = IMAGE_EXTENSIONS) -> list[Path]:
     """The image files under ``folder`` (recursive, sorted by path; by lower-case extension, ``IMAGE_EXTENSIONS``
     or ``extensions``), leaving out files and folders whose names start with ``.``. ``[]`` when ``folder`` is not a

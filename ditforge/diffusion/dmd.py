@@ -77,8 +77,22 @@ def student_times(objective: Objective, steps: int, device=None) -> torch.Tensor
         raise ValueError(f"student steps must be in 1..{objective.num_timesteps}, got {steps}")
     k = torch.arange(steps, device=device)
     if isinstance(objective, RectifiedFlow):
-        return shift_times(1.0 - k.double() / steps, objective.shift).float()
+        return flow_student_sigmas(objective.shift, steps).float().to(device)
     return objective.num_timesteps - 1 - k * (objective.num_timesteps // steps)
+
+
+def flow_student_sigmas(shift: float, steps: int) -> torch.Tensor:
+    """A K-step (``steps``) flow student's sigmas, noisiest first, float64 (K,) on the CPU: shift s / (1 + (shift - 1)
+    s) at s = 1 - k / K (the uniform fractions through the shifted schedule: Self-Forcing's ``warp_denoising_step``,
+    LightX2V's 4-step list [1000, 750, 500, 250] with the sample shift). The one rule of ``ditforge distill``'s
+    pipeline students and ``ditforge sample --sampler student`` (``VideoSampler._student``)."""
+    return shift_times(1.0 - torch.arange(steps, dtype=torch.float64) / steps, float(shift))
+
+
+def flow_student_shift(scheduler_config: dict) -> float:
+    """The shift a flow pipeline's student runs at: its scheduler config's ``flow_shift`` (a multistep solver on flow
+    sigmas), else its ``shift`` (``FlowMatchEulerDiscreteScheduler``), else 1."""
+    return float(scheduler_config.get("flow_shift") or scheduler_config.get("shift") or 1.0)
 
 
 def student_loop(objective: Objective, student: Net, noise: torch.Tensor, times: torch.Tensor,

@@ -11,6 +11,7 @@ import torch
 
 from ditforge.config.values import resolve_precision
 from ditforge.encoders.vae import VAE, IdentityVAE, load_vae
+from ditforge.data.captions import read_prompts  # noqa: F401  (sample's reader of --prompt / --prompt_file)
 from ditforge.errors import UserError
 from ditforge.models import create_model_from_spec, infer_dit_config, is_video_model
 from ditforge.weights.read import load_weights, read_checkpoint_weights
@@ -175,31 +176,6 @@ def load_model(ckpt: str, model_name: str | None = None, input_size: int | None 
             raise UserError(f"--num_frames: {spec['model']} is an image model; frames apply to video models")
         spec["num_frames"] = num_frames
     return build_model(ckpt, state, spec, use_ema, rebuild), spec
-
-
-def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str]:
-    """The prompts of ``--prompt`` (in order), then those of ``--prompt_file`` (one per non-empty line, stripped).
-
-    Raises:
-        UserError: an empty ``--prompt``; a prompt file that is missing, unreadable, not UTF-8, or has no prompt.
-    """
-    out = []
-    for p in prompts or []:
-        if not p.strip():
-            raise UserError("--prompt: empty prompt")
-        out.append(p.strip())
-    if prompt_file is not None:
-        try:
-            lines = Path(prompt_file).read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            raise UserError(f"--prompt_file {prompt_file}: no such file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--prompt_file {prompt_file}: unreadable ({type(e).__name__}: {e})") from None
-        found = [line.strip() for line in lines if line.strip()]
-        if not found:
-            raise UserError(f"--prompt_file {prompt_file}: no prompts (expected one prompt per non-empty line)")
-        out.extend(found)
-    return out
 
 
 def load_sample_vae(cfg: SampleConfig, spec: dict, device: torch.device) -> VAE | IdentityVAE:

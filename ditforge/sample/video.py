@@ -28,6 +28,7 @@ from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.encoders.vae import VAE
 from ditforge.errors import UserError
+from ditforge.models.adapters.pipeline import pipeline_defaults  # noqa: F401  (the loops' defaults)
 from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
 from ditforge.parallel.mesh import Dist
 from ditforge.parallel.vae_decode import NotSplittable, decode_tiles_split, plan, split_decoder, use_strips
@@ -35,20 +36,6 @@ from ditforge.sample.load import SampleConfig, read_control
 from ditforge.sample.write import video_file_out, write_video_file
 
 log = logging.getLogger(__name__)
-
-
-def pipeline_defaults(pipe) -> dict:
-    """The defaults of the pipeline's ``__call__`` that ``ditforge sample`` falls back on: height, width,
-    num_frames, num_inference_steps, guidance_scale (a signature default, or for a default the signature leaves
-    None what the pipeline's body computes, the adapter's ``call_defaults``)."""
-    from ditforge.models.adapters import family_of_pipeline
-
-    params = inspect.signature(pipe.__call__).parameters
-    names = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
-    out = {n: params[n].default for n in names if n in params}
-    family = family_of_pipeline(type(pipe).__name__)
-    computed = family.call_defaults(pipe) if family is not None else {}
-    return {n: computed.get(n) if v is None else v for n, v in out.items()}
 
 
 class VideoSampler:
@@ -329,9 +316,9 @@ class VideoSampler:
         if why:
             raise UserError(f"--sampler student: for a one-transformer text-to-video flow-matching pipeline without "
                             f"guidance; {self.pre.pipeline_class} ({type(self.pre.pipe.scheduler).__name__}): {why}")
-        shift = float(config.get("flow_shift") or config.get("shift") or 1.0)
-        s = 1.0 - torch.arange(steps, dtype=torch.float64) / steps
-        sigmas = (shift * s / (1 + (shift - 1) * s)).tolist() + [0.0]
+        from ditforge.diffusion.dmd import flow_student_shift, flow_student_sigmas  # ditforge distill's, too
+
+        sigmas = flow_student_sigmas(flow_student_shift(config), steps).tolist() + [0.0]
         from diffusers.utils.torch_utils import randn_tensor
 
         generator = torch.Generator(self.device).manual_seed(seed)

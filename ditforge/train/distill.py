@@ -17,7 +17,7 @@ are drawn uniformly from the classes.
 from __future__ import annotations
 
 import copy
-import json
+import dataclasses
 import logging
 import time
 from dataclasses import asdict
@@ -28,7 +28,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from ditforge.atomic import atomic_path
 from ditforge.config.sections import DistillConfig
 from ditforge.config.values import resolve_device
 from ditforge.data.sampler import derive_seed
@@ -39,7 +38,8 @@ from ditforge.errors import UserError
 from ditforge.models import create_model_from_spec
 from ditforge.parallel.mesh import Dist
 from ditforge.train.checkpoint import Checkpointer, find_resume
-from ditforge.train.logging import MetricsLog, progress_line, read_metrics
+from ditforge.train.dmd_step import dmd2_iteration
+from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 from ditforge.weights.lora import add_lora, check_lora_targets, merge_lora
 from ditforge.weights.read import SafeFileSystemReader, _SafeLoadPlanner, load_weights, read_checkpoint_weights
 
@@ -74,13 +74,23 @@ def check(cfg: DistillConfig) -> None:
     for name in ("student_steps", "critic_steps", "max_steps", "batch_size", "log_every", "ckpt_every", "keep_last"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
+    for name in ("height", "width", "num_frames"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
     if cfg.lora_rank < 0 or cfg.eval_every < 0:
         raise UserError("--lora_rank / --eval_every: expected >= 0")
 
 
 def distill(cfg: DistillConfig) -> Path:
-    """Run the distillation; returns the run folder. Raises UserError on bad flags or a bad teacher."""
+    """Run the distillation; returns the run folder. A diffusers pipeline teacher (a folder, or a run that fine-tuned
+    one) goes to ``distill_pipeline.distill_pipeline``. Raises UserError on bad flags or a bad teacher."""
+    from ditforge.train.distill_pipeline import distill_pipeline, is_pipeline_teacher
+
     check(cfg)
+    if is_pipeline_teacher(cfg.teacher):
+        return distill_pipeline(cfg)
+    if cfg.cfg_scale is None:  # the scale `ditforge sample` guides a DiT with
+        cfg = dataclasses.replace(cfg, cfg_scale=4.0)
     teacher, config = load_teacher(cfg)
     m = config["model"]
     device = resolve_device(cfg.device)
@@ -114,8 +124,7 @@ def distill(cfg: DistillConfig) -> Path:
         log.info("resumed from %s (step %d)", ckpt, start)
     metrics_path = run_dir / "metrics.jsonl"
     kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if metrics_path.exists() else []
-    with atomic_path(metrics_path) as tmp:  # a resumed run's records end at its checkpoint
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    rewrite_metrics(metrics_path, kept)
     metrics = MetricsLog(metrics_path)
     saved_config = {**config, "distill": {**asdict(cfg), "timesteps": times.tolist(), "sampler": STUDENT_SAMPLER,
                                           "teacher_cfg_scale": cfg.cfg_scale}}
@@ -130,7 +139,7 @@ def distill(cfg: DistillConfig) -> Path:
         window.append(record)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
-            line = _mean(window) | {"step": step, "steps_per_sec": rate}
+            line = mean_records(window) | {"step": step, "steps_per_sec": rate}
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 line |= evaluate(student, times, objective, m, cfg, device)
             metrics.write(line)
@@ -160,30 +169,9 @@ def _iteration(dmd: DMD2, step: int, cfg: DistillConfig, teacher, student, criti
     real = GuidedModel(teacher, y, cfg.cfg_scale)
     fake = GuidedModel(critic, y, 1.0)
     gen = GuidedModel(student, y, 1.0)
-    out: dict[str, float] = {}
-    if step % cfg.critic_steps == 1 % cfg.critic_steps:
-        x = dmd.generate(gen, noise, g)
-        loss, grad_norm = dmd.generator_loss(x, real, fake, g)
-        opt_g.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], cfg.max_grad_norm)
-        opt_g.step()
-        out = {"generator_loss": float(loss.detach()), "dmd_grad_norm": float(grad_norm.mean())}
-        x = x.detach()
-    else:
-        with torch.no_grad():
-            x = dmd.generate(gen, noise, g)
-    closs = dmd.critic_loss(x, fake, g)
-    opt_c.zero_grad(set_to_none=True)
-    closs.backward()
-    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
-    opt_c.step()
-    return out | {"critic_loss": float(closs.detach())}
-
-
-def _mean(records: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for r in records for k in r}
-    return {k: sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in sorted(keys)}
+    return dmd2_iteration(dmd, step, cfg.critic_steps, gen, real, fake, noise, g, opt_g, opt_c,
+                          [p for p in student.parameters() if p.requires_grad], list(critic.parameters()),
+                          cfg.max_grad_norm)
 
 
 def _state(student, critic, opt_g, opt_c, lora: bool) -> dict:

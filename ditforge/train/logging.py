@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ditforge.atomic import atomic_path
 from ditforge.config.values import report_backends
 
 log = logging.getLogger(__name__)
@@ -136,3 +137,15 @@ def progress_line(step: int, max_steps: int, loss: float, steps_per_sec: float, 
 def read_metrics(path: Path) -> list[dict]:
     """All records of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def rewrite_metrics(path: Path, records: list[dict]) -> None:
+    """``metrics.jsonl`` rewritten atomically to ``records``: a resumed run's records end at its checkpoint."""
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def mean_records(records: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the mean over the records that have it (a log window's: the generator's keys only in its steps)."""
+    keys = {k for r in records for k in r}
+    return {k: sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in sorted(keys)}

@@ -3,6 +3,8 @@ folded into the base weights, and their weights in diffusers' naming."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -38,9 +40,11 @@ def lora_config(rank: int, alpha: float | None, targets: list[str]):
                       target_modules=list(targets))
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float | None, targets: list[str]) -> nn.Module:
-    """Freeze ``model`` and inject LoRA adapters (peft ``inject_adapter_in_model``) into the modules named by
-    ``targets``; only the adapters' A and B (float32) train. Returns ``model`` (changed in place).
+def add_lora(model: nn.Module, rank: int, alpha: float | None, targets: list[str],
+             adapter_name: str = "default") -> nn.Module:
+    """Freeze ``model`` and inject LoRA adapters (peft ``inject_adapter_in_model``) named ``adapter_name`` into the
+    modules named by ``targets``; only the adapters' A and B (float32) train. Returns ``model`` (changed in place).
+    A second name adds a second adapter beside the first (``train/distill_pipeline.py``'s student and critic).
 
     Raises:
         UserError: a target that matches no module; peft not installed.
@@ -58,12 +62,14 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None, targets: list[str
     for m, w in fp8.items():
         m.weight.data = torch.empty((), dtype=torch.float32, device=w.device).expand(w.shape)
     try:
-        inject_adapter_in_model(lora_config(rank, alpha, targets), model)
+        with warnings.catch_warnings():  # peft warns of a second adapter, which is what a second name asks for
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            inject_adapter_in_model(lora_config(rank, alpha, targets), model, adapter_name=adapter_name)
     finally:
         for m, w in fp8.items():
             m.weight.data = w
-    for p in model.parameters():  # peft makes the adapters in the base layer's dtype: a bf16 base gives bf16 ones
-        if p.requires_grad:
+    for name, p in model.named_parameters():  # peft makes the adapters in the base layer's dtype: a bf16 base gives
+        if p.requires_grad or f".{adapter_name}." in name and ".lora_" in name:  # bf16 ones
             p.data = p.data.float()
     return model
 

@@ -6,6 +6,7 @@ sample`` and for training's sample grids."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,18 @@ def is_adapted_pipeline(path: str | Path, replaced: tuple[str, ...] = ()) -> boo
     if not (Path(path) / "model_index.json").is_file():
         return False
     return read_model_index(path, replaced=replaced)["_class_name"] != "DiTPipeline"
+
+
+def pipeline_defaults(pipe) -> dict:
+    """The defaults of the pipeline's ``__call__`` that ``ditforge sample`` falls back on: height, width,
+    num_frames, num_inference_steps, guidance_scale (a signature default, or for a default the signature leaves
+    None what the pipeline's body computes, the adapter's ``call_defaults``)."""
+    params = inspect.signature(pipe.__call__).parameters
+    names = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
+    out = {n: params[n].default for n in names if n in params}
+    family = family_of_pipeline(type(pipe).__name__)
+    computed = family.call_defaults(pipe) if family is not None else {}
+    return {n: computed.get(n) if v is None else v for n, v in out.items()}
 
 
 @dataclass

@@ -1,0 +1,327 @@
+"""``ditforge distill`` of a diffusers pipeline of an adapted family (``models/adapters``; video first): a few-step
+LoRA student by DMD2 (``diffusion/dmd.py`` holds the math), data-free from prompts.
+
+One copy of the base weights serves the three networks (``dmd.py``'s docstring): the pipeline's denoiser carries two
+peft adapters on the family's LoRA targets, ``student`` (the generator) and ``critic`` (the fake score, trained with
+the flow loss on the student's detached samples); the teacher (the real score, guided at ``--cfg_scale``) is the
+same module with the adapters disabled. ``use_adapter`` switches them: peft's ``set_adapter`` also makes the
+active adapter's parameters the ones that require gradients, so each backward (and, under gradient checkpointing,
+each recomputed forward) runs with the adapter of its own forward active.
+
+The student's K timesteps are ``dmd.flow_student_sigmas`` of the pipeline scheduler's shift
+(``dmd.flow_student_shift``): the ones ``ditforge sample --sampler student`` runs (``VideoSampler._student``).
+
+The run folder is a fine-tuned pipeline run's (``weights.finetuned.load_finetuned`` reads it): ``checkpoints/
+step-*/`` (DCP, ``checkpoint.Checkpointer``) hold ``student`` and ``critic`` (their adapters' tensors), both
+optimizers, and ``ema``: the student's adapters in peft's default naming, what a LoRA run's checkpoint holds, so
+``ditforge sample --ckpt RUN`` (its K steps, no guidance) and ``ditforge export --ckpt RUN --format lora |
+comfyui`` take it as they take a LoRA fine-tune. ``meta.json``'s config is a ``RunConfig`` (``--init_from`` the
+teacher's pipeline folder, ``--lora_rank`` the student's) with a ``distill`` section (the student's steps and
+timesteps, the teacher's guidance, sampler ``student``). A fine-tuned run as teacher is first written as a
+pipeline folder, ``RUN/teacher``, by the CLI (``export.pipeline_teacher``: LoRA merged). The randomness of iteration k
+derives from (seed, k) alone, so ``--resume auto`` continues exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from ditforge.config.sections import DistillConfig
+from ditforge.config.values import resolve_device, resolve_precision
+from ditforge.data.sampler import derive_seed
+from ditforge.diffusion.dmd import DMD2, flow_student_shift, flow_student_sigmas
+from ditforge.diffusion.flow import RectifiedFlow
+from ditforge.diffusion.objective import create_objective
+from ditforge.diffusion.samplers import STUDENT_SAMPLER
+from ditforge.errors import UserError
+from ditforge.parallel.mesh import Dist
+from ditforge.train.checkpoint import Checkpointer, find_resume, list_checkpoints
+from ditforge.train.dmd_step import dmd2_iteration
+from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
+
+log = logging.getLogger(__name__)
+
+ADAPTERS = ("student", "critic")
+FLAG = "--teacher"
+
+
+def is_pipeline_teacher(teacher: str) -> bool:
+    """True for a diffusers pipeline folder of an adapted family, or a ditforge run (checkpoint) that fine-tuned one;
+    False for a DiT teacher (a run of ditforge's own DiT, a ``DiTPipeline`` folder). Raises UserError for an
+    incomplete or unsupported pipeline folder (``read_model_index``, naming ``--teacher``)."""
+    from ditforge.models.adapters.pipeline import read_model_index
+    from ditforge.weights.read import load_weights
+
+    path = Path(teacher)
+    if (path / "model_index.json").is_file():
+        return read_model_index(path, FLAG)["_class_name"] != "DiTPipeline"
+    try:
+        _, config = load_weights(teacher)
+    except UserError:
+        return False  # load_teacher names what is wrong
+    return bool(config and config["model"].get("family"))
+
+
+def use_adapter(model: torch.nn.Module, name: str | None) -> None:
+    """Make ``name`` (``ADAPTERS``) the active peft adapter of every LoRA layer of ``model`` (its parameters then
+    require gradients, the other's not: peft's ``set_adapter``), or with None disable the adapters (the teacher:
+    the base weights alone)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            if name is None:
+                module.enable_adapters(False)
+            else:
+                module.enable_adapters(True)
+                module.set_adapter(name)
+
+
+def adapter_params(model: torch.nn.Module, name: str) -> dict[str, torch.nn.Parameter]:
+    """The parameters of adapter ``name`` by their names in ``model`` (peft's ``...lora_A.<name>.weight``)."""
+    return {k: p for k, p in model.named_parameters() if f".{name}." in k and ".lora_" in k}
+
+
+def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device, dtype: torch.dtype):
+    """The teacher's pipeline (``load_pretrained``: encoders on ``device``, the denoiser in ``dtype``) after the
+    checks of what the student recipe takes, and the guidance scale: ``--cfg_scale``, else the pipeline call's
+    default ``guidance_scale``.
+
+    Raises:
+        UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no one-transformer text-to-video
+            flow-matching one (``VideoSampler._student``'s rule), or without guidance information (no
+            ``--cfg_scale`` and no default scale in its call).
+    """
+    from ditforge.models.adapters.pipeline import encoder_dtype, load_pretrained
+    from ditforge.models.adapters.pipeline import pipeline_defaults
+
+    pre = load_pretrained(folder, device, encoder_dtype(device), flag=FLAG, denoiser_dtype=dtype)
+    den = pre.denoiser
+    why = ("it is not a video family" if not den.video else "it has two experts" if len(den.expert_models()) > 1
+           else "it takes an image" if den.image_to_video or den.takes_references
+           else "its latents are frames first" if den.frames_first
+           else "it is guidance-distilled (no unconditional pass to guide against)" if den.embedded_guidance else None)
+    if why:
+        raise UserError(f"{FLAG} {cfg.teacher}: distill takes one-transformer text-to-video flow-matching pipelines; "
+                        f"{pre.pipeline_class}: {why}")
+    scale = cfg.cfg_scale if cfg.cfg_scale is not None else pipeline_defaults(pre.pipe).get("guidance_scale")
+    if scale is None:
+        raise UserError(f"{FLAG} {cfg.teacher}: no guidance information ({pre.pipeline_class}'s call has no default "
+                        "guidance_scale); give --cfg_scale")
+    return pre, float(scale)
+
+
+def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, int]:
+    """((B, C, T', h, w) of the student's latents, height, width, frames): the flags, else the pipeline call's
+    defaults. Raises UserError: a frame count the VAE cannot take, a side the VAE and patches do not divide."""
+    from ditforge.encoders import VAE
+    from ditforge.models.adapters.pipeline import pipeline_defaults
+
+    den, defaults = pre.denoiser, pipeline_defaults(pre.pipe)
+    height, width = cfg.height or defaults["height"], cfg.width or defaults["width"]
+    frames = cfg.num_frames or defaults["num_frames"]
+    vae = VAE(pre.pipe.vae, frame_factor=den.vae_frame_factor, folds_pixels=den.vae_folds_pixels)
+    vae.check_frames(frames, f"the VAE of {pre.pipeline_class} (--num_frames)")
+    for flag, value in (("--height", height), ("--width", width)):
+        if value % pre.side_multiple:
+            raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of "
+                            f"{pre.side_multiple}")
+    shape = (cfg.batch_size, den.in_channels, vae.latent_frames(frames), height // vae.downsample,
+             width // vae.downsample)
+    return shape, height, width, frames
+
+
+def nets(model, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
+    """(student, critic, teacher) callables (x_t, model timesteps) -> velocity, float32, for ``dmd.DMD2``: the denoiser
+    ``model`` under the adapter ``student`` / ``critic``, and with adapters disabled the guided teacher
+    u + scale (c - u) (Ho & Salimans 2022; c, u the conditional and unconditional, empty-prompt passes, batched as
+    one call of 2B rows: the pipelines' ``noise_uncond + guidance_scale * (noise_pred - noise_uncond)``). Computed
+    under autocast in ``amp`` (none in float32)."""
+    device = next(iter(cond.values())).device
+
+    def call(adapter: str | None, x, t, drop=None, c=cond):
+        use_adapter(model, adapter)
+        with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
+            return model(x, t, force_drop_ids=drop, **c).float()
+
+    def teacher(x, t):
+        c = call(None, x, t)
+        u = call(None, x, t, torch.ones(len(x), dtype=torch.bool, device=x.device))
+        return u + scale * (c - u)
+
+    return (lambda x, t: call("student", x, t)), (lambda x, t: call("critic", x, t)), teacher
+
+
+def distill_pipeline(cfg: DistillConfig) -> Path:
+    """Distil a LoRA student of a pipeline teacher (module docstring); returns the run folder.
+
+    Raises:
+        UserError: ``--lora_rank 0`` (a full-copy student of a pipeline is not built), no ``--prompt_file``, LoRA
+            targets that match no module, and ``load_teacher_pipeline``'s / ``latent_shape``'s errors.
+    """
+    from ditforge.data.captions import read_prompts
+    from ditforge.weights.lora import add_lora, check_lora_targets
+
+    if not cfg.lora_rank:
+        raise UserError(f"--lora_rank: a pipeline teacher ({cfg.teacher}) distils a LoRA student (student and critic "
+                        "adapters on its one base); give --lora_rank R")
+    if cfg.prompt_file is None:
+        raise UserError("--prompt_file: a pipeline teacher distils from prompts; give a file of one prompt per line")
+    prompts = read_prompts(None, cfg.prompt_file)
+    device = resolve_device(cfg.device)
+    amp = resolve_precision(cfg.mixed_precision, device)
+    ckpt, outputs = find_resume(cfg.resume, cfg.outputs)
+    run_dir = Path(outputs)
+    if ckpt is None and list_checkpoints(run_dir):
+        raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, or choose "
+                        "another folder")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    folder = Path(cfg.teacher)
+    if not (folder / "model_index.json").is_file():  # the CLI writes a fine-tuned run as one (export)
+        raise UserError(f"{FLAG} {cfg.teacher}: a fine-tuned run distils from its pipeline folder; write it with "
+                        "`ditforge export --format diffusers` and pass that folder")
+    pre, scale = load_teacher_pipeline(cfg, folder, device, amp)
+    model = pre.denoiser
+    shape, height, width, frames = latent_shape(pre, cfg)
+    targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
+    check_lora_targets(model.inner, targets)
+    torch.manual_seed(cfg.seed)  # the adapters' Gaussian A
+    for name in ADAPTERS:
+        add_lora(model.inner, cfg.lora_rank, None, targets, adapter_name=name)
+    if cfg.grad_checkpoint:
+        model.inner.enable_gradient_checkpointing()
+    model = model.to(device).eval()  # eval: no dropout; the student always sees its prompt
+    objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, where=f"{FLAG} {cfg.teacher}",
+                                 device=device, **model.objective_args(pre.pipe, None, *shape[2:]))
+    if not isinstance(objective, RectifiedFlow):
+        raise UserError(f"{FLAG} {cfg.teacher}: {type(pre.pipe.scheduler).__name__} is not flow matching; the "
+                        "student's steps (x0 = x - sigma v) need a flow-matching pipeline")
+    times = flow_student_sigmas(flow_student_shift(pre.scheduler_config), cfg.student_steps).float().to(device)
+    params = {n: list(adapter_params(model, n).values()) for n in ADAPTERS}
+    opt_g = torch.optim.AdamW(params["student"], lr=cfg.lr, betas=(0.0, 0.999), weight_decay=0.0, foreach=True)
+    opt_c = torch.optim.AdamW(params["critic"], lr=cfg.critic_lr or cfg.lr, betas=(0.0, 0.999), weight_decay=0.0,
+                              foreach=True)
+    start = 0
+    if ckpt is not None:
+        start = _resume(ckpt, model, opt_g, opt_c)
+        log.info("resumed from %s (step %d)", ckpt, start)
+    metrics_path = run_dir / "metrics.jsonl"
+    kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if metrics_path.exists() else []
+    rewrite_metrics(metrics_path, kept)
+    metrics = MetricsLog(metrics_path)
+    config = run_config(cfg, pre, folder, targets, objective, times, scale, height, width, frames)
+    checkpointer = Checkpointer(run_dir, cfg.keep_last, False, Dist(device=device), last_step=start or None)
+    dmd = DMD2(objective, times)
+    log.info("distilling %s into a %d-step LoRA student (rank %d), guidance %.2g, %d critic steps per generator "
+             "step, %d prompts, latents %s, run folder %s", cfg.teacher, cfg.student_steps, cfg.lora_rank, scale,
+             cfg.critic_steps, len(prompts), tuple(shape), run_dir)
+    window, tic = [], time.perf_counter()
+    for step in range(start + 1, cfg.max_steps + 1):
+        window.append(iteration(dmd, step, cfg, pre, prompts, shape, scale, amp, opt_g, opt_c, params))
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            rate = len(window) / (time.perf_counter() - tic)
+            line = mean_records(window) | {"step": step, "steps_per_sec": rate}
+            if device.type == "cuda":
+                line["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            metrics.write(line)
+            if "generator_loss" in line:
+                log.info("%s | critic %.4f | dmd grad %.3g", progress_line(
+                    step, cfg.max_steps, line["generator_loss"], rate, line.get("peak_memory_gib")),
+                    line["critic_loss"], line["dmd_grad_norm"])
+            else:
+                log.info("step %d/%d | critic %.4f | %.2f steps/s", step, cfg.max_steps, line["critic_loss"], rate)
+            window, tic = [], time.perf_counter()
+        if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
+            checkpointer.save(step, _state(model, opt_g, opt_c), {"config": config})
+    checkpointer.wait()
+    metrics.close()
+    return run_dir
+
+
+def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str], shape, scale: float,
+              amp: torch.dtype, opt_g, opt_c, params: dict) -> dict[str, float]:
+    """One iteration (DMD2's two time scales, as ``distill._iteration``): every ``critic_steps``-th a generator step,
+    then a critic step. Its randomness from ``torch.Generator(device).manual_seed(derive_seed(seed, step))``, in this
+    order: the B prompts' indices (uniform), the noise (B, C, T', h, w), then ``DMD2``'s draws."""
+    model, device = pre.denoiser, pre.device
+    g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
+    rows = torch.randint(len(prompts), (shape[0],), generator=g, device=device).tolist()
+    cond = pre.encode_prompt([prompts[i] for i in rows])
+    noise = torch.randn(shape, generator=g, device=device)
+    student, critic, teacher = nets(model, cond, scale, amp)
+    # each backward (and its recomputed blocks under gradient checkpointing) runs under its forward's adapter
+    return dmd2_iteration(dmd, step, cfg.critic_steps, student, teacher, critic, noise, g, opt_g, opt_c,
+                          params["student"], params["critic"], cfg.max_grad_norm, lambda name: use_adapter(model, name))
+
+
+def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], objective, times, scale: float,
+               height: int, width: int, frames: int) -> dict:
+    """The student run's saved config: a LoRA fine-tune's ``RunConfig`` of the teacher's pipeline (what
+    ``load_finetuned`` rebuilds the student from) with the ``distill`` section ``ditforge sample`` reads (its keys
+    are no ``RunConfig`` field, so ``build_config`` leaves them alone)."""
+    from ditforge.config.load import build_config
+
+    den = pre.denoiser
+    overrides = {"init_from": str(folder), "family": den.family, "condition": "text", "lora_rank": cfg.lora_rank,
+                 "lora_target_modules": ",".join(targets), "objective": "flow", "flow_shift": objective.shift,
+                 "in_channels": den.in_channels, "learn_sigma": den.learn_sigma, "vae": str(folder / "vae"),
+                 "image_size": height if height == width else None, "num_frames": frames, "seed": cfg.seed,
+                 "batch_size": cfg.batch_size, "lr": cfg.lr, "max_steps": cfg.max_steps,
+                 "mixed_precision": cfg.mixed_precision, "outputs": cfg.outputs}
+    config = build_config(overrides=overrides).to_dict()
+    config["model"]["num_frames"] = None  # the denoiser's own frames: the flags' are data.num_frames
+    settings = asdict(cfg)
+    config["distill"] = {"teacher": cfg.teacher, "student_steps": cfg.student_steps,
+                         "critic_steps": cfg.critic_steps, "timesteps": times.tolist(), "sampler": STUDENT_SAMPLER,
+                         "teacher_cfg_scale": scale, "height": height, "width": width,
+                         "student_lora_rank": settings["lora_rank"]}
+    return config
+
+
+def _state(model, opt_g, opt_c) -> dict:
+    """The checkpoint's tensors: both adapters, both optimizers (by parameter name), and ``ema``, the student's
+    adapters in peft's default naming (a LoRA fine-tune's, for sampling and export)."""
+    student = {k: p.detach() for k, p in adapter_params(model, "student").items()}
+    return {"student": student, "critic": {k: p.detach() for k, p in adapter_params(model, "critic").items()},
+            "optimizer": _optimizer_state(model, opt_g, "student"),
+            "critic_optimizer": _optimizer_state(model, opt_c, "critic"),
+            "ema": {k.replace(".student.", ".default."): v for k, v in student.items()}}
+
+
+def _optimizer_state(model, opt, adapter: str, state: dict | None = None) -> dict | None:
+    """``opt``'s state by parameter name (``get_optimizer_state_dict``), or with ``state`` that state loaded into it
+    (``set_optimizer_state_dict``), under ``adapter`` active: both initialise a fresh optimizer's state for the
+    parameters that require gradients, which are the active adapter's."""
+    use_adapter(model, adapter)
+    if state is None:
+        return get_optimizer_state_dict(model, opt)
+    set_optimizer_state_dict(model, opt, state)
+    return None
+
+
+def _resume(ckpt: Path, model, opt_g, opt_c) -> int:
+    """Load both adapters and optimizers from ``ckpt`` into ``model``; returns its step."""
+    from ditforge.weights.read import SafeFileSystemReader, _SafeLoadPlanner, read_meta
+
+    state = _state(model, opt_g, opt_c)
+    state.pop("ema")
+    state["student"] = {k: v.clone() for k, v in state["student"].items()}
+    state["critic"] = {k: v.clone() for k, v in state["critic"].items()}
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(), no_dist=True)
+    except Exception as e:  # DCP's mismatch errors vary
+        raise UserError(f"--resume: {ckpt} does not fit this distillation ({' '.join(str(e).split())[:200]})") from None
+    with torch.no_grad():
+        for name in ADAPTERS:
+            for k, p in adapter_params(model, name).items():
+                p.copy_(state[name][k])
+    _optimizer_state(model, opt_g, "student", state["optimizer"])
+    _optimizer_state(model, opt_c, "critic", state["critic_optimizer"])
+    return int(read_meta(ckpt)["step"])

@@ -1,0 +1,232 @@
+"""``ditforge distill`` of a diffusers video pipeline (``train/distill_pipeline.py``) on the tiny random Wan 2.1
+folder (``wan_pipeline``): a LoRA student and critic on one base, checked against an independent DMD2 step written
+here on diffusers' ``WanPipeline`` and peft (three copies of the transformer, float64 formulas), exact resume, the
+export through diffusers' ``load_lora_weights``, sampling the run in its steps, and the one-line refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ditforge import cli
+from ditforge.data.sampler import derive_seed
+from families import assert_one_line_error
+
+PROMPTS = ["a red ball rolls", "a blue cube spins", "a cat walks"]
+RANK, STEPS, BATCH, LR, SEED, SCALE = 4, 2, 2, 1e-3, 0, 5.0  # WanPipeline's default guidance_scale is 5
+SHAPE = (BATCH, 16, 2, 2, 2)  # 5 frames of 16 x 16: 2 latent frames of 2 x 2
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the Wan adapter's default LoRA targets
+
+
+def distill_argv(folder, prompts, out, *extra: str) -> list[str]:
+    return ["distill", "--teacher", str(folder), "--prompt_file", str(prompts), "--student_steps", str(STEPS),
+            "--lora_rank", str(RANK), "--height", "16", "--width", "16", "--num_frames", "5", "--batch_size",
+            str(BATCH), "--critic_steps", "2", "--lr", str(LR), "--seed", str(SEED), "--log_every", "1",
+            "--ckpt_every", "1", "--keep_last", "4", "--device", "cpu", "--outputs", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("distill_prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(wan_pipeline, prompt_file, tmp_path_factory):
+    """4 iterations (generator steps at 1 and 3, a critic step in each), a checkpoint after each."""
+    out = tmp_path_factory.mktemp("distill_run") / "run"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert cli.main(distill_argv(wan_pipeline, prompt_file, out, "--max_steps", "4")) == 0
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def read_part(ckpt, part: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``part.<name>`` of a DCP checkpoint (the adapters are tiny: shapes from the reference)."""
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    state = {part: {n: torch.empty(meta[f"{part}.{n}"].size) for n in names}}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
+    return state[part]
+
+
+def reference_step(folder):
+    """Iteration 1 of the run, independently: diffusers' ``WanPipeline`` for the prompts and the transformer, three
+    copies of it (the teacher, and peft's adapter on the student's and the critic's, Gaussian A drawn after
+    ``torch.manual_seed(SEED)`` in that order), the generator's draws in the run's order, DMD (Yin et al. 2024 eqs.
+    7-8) and the flow loss in float64, AdamW (betas 0, 0.999). Returns (generator loss, critic loss, student, critic)
+    with the adapters after their step."""
+    from diffusers import WanPipeline
+    from peft import LoraConfig, inject_adapter_in_model
+
+    pipe = WanPipeline.from_pretrained(str(folder), local_files_only=True)
+    base = pipe.transformer.eval().requires_grad_(False)
+    student, critic = copy.deepcopy(base), copy.deepcopy(base)
+    torch.manual_seed(SEED)
+    for m in (student, critic):
+        inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian",
+                                           target_modules=TARGETS), m)
+    shift = 3.0  # the folder's UniPC flow_shift
+    warp = lambda s: shift * s / (1 + (shift - 1) * s)  # noqa: E731
+    sigma = [float(torch.tensor(warp(1 - k / STEPS)).float()) for k in range(STEPS)]
+
+    def encode(texts):
+        with torch.no_grad():
+            return pipe.encode_prompt(texts, do_classifier_free_guidance=False, max_sequence_length=512)[0]
+
+    g = torch.Generator().manual_seed(derive_seed(SEED, 1))
+    rows = torch.randint(len(PROMPTS), (BATCH,), generator=g).tolist()
+    cond, null = encode([PROMPTS[i] for i in rows]), encode([""]).expand(BATCH, -1, -1)
+    noise = torch.randn(SHAPE, generator=g)
+
+    def v(model, x, t, c=cond):  # t: (B,) float32 sigmas
+        return model(hidden_states=x, timestep=t * 1000, encoder_hidden_states=c, return_dict=False)[0].double()
+
+    def at(t):
+        return t.double().view(-1, 1, 1, 1, 1)
+
+    k = int(torch.randint(STEPS, (), generator=g))
+    x = noise
+    with torch.no_grad():
+        for j in range(k):
+            t = torch.full((BATCH,), sigma[j])
+            x0 = x.double() - at(t) * v(student, x, t)
+            x = ((1 - sigma[j + 1]) * x0 + sigma[j + 1] * torch.randn(SHAPE, generator=g).double()).float()
+    for p in (p for n, p in student.named_parameters() if "lora_" in n):
+        p.requires_grad_(True)
+    t = torch.full((BATCH,), sigma[k])
+    gen = (x.double() - at(t) * v(student, x, t)).float()
+    u = 0.02 + 0.96 * torch.rand(BATCH, generator=g, dtype=torch.float64)
+    t = warp(u).float()
+    x_t = ((1 - at(t)) * gen.detach().double() + at(t) * torch.randn(SHAPE, generator=g).double()).float()
+    with torch.no_grad():
+        c, un = v(base, x_t, t), v(base, x_t, t, null)
+        x0_real = x_t.double() - at(t) * (un + SCALE * (c - un))
+        x0_fake = x_t.double() - at(t) * v(critic, x_t, t)
+        grad = (x0_fake - x0_real) / (gen.double() - x0_real).abs().mean(dim=(1, 2, 3, 4), keepdim=True)
+    gen_loss = 0.5 * ((gen.double() - (gen.double() - grad).detach()) ** 2).mean()
+
+    def step(model, loss):
+        params = [p for n, p in model.named_parameters() if "lora_" in n]
+        opt = torch.optim.AdamW(params, lr=LR, betas=(0.0, 0.999), weight_decay=0.0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    step(student, gen_loss)
+    t = warp(torch.sigmoid(torch.randn(BATCH, generator=g))).float()  # the flow loss's logit-normal times
+    eps = torch.randn(SHAPE, generator=g)
+    x0 = gen.detach()
+    x_t = ((1 - at(t)) * x0.double() + at(t) * eps.double()).float()
+    for p in (p for n, p in critic.named_parameters() if "lora_" in n):
+        p.requires_grad_(True)
+    critic_loss = ((eps.double() - x0.double() - v(critic, x_t, t)) ** 2).mean()
+    step(critic, critic_loss)
+    return float(gen_loss.detach()), float(critic_loss.detach()), student, critic
+
+
+def lora_tensors(model, adapter: str = "default") -> dict[str, torch.Tensor]:
+    return {n.replace(f".{adapter}.", "."): p.detach() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_one_step_equals_reference_dmd2(run, wan_pipeline):
+    gen_loss, critic_loss, student, critic = reference_step(wan_pipeline)
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1
+    assert first["generator_loss"] == pytest.approx(gen_loss, rel=1e-5, abs=1e-12)
+    assert first["critic_loss"] == pytest.approx(critic_loss, rel=1e-5)
+    ckpt = run / "checkpoints" / "step-0000001"
+    for adapter, ref in (("student", student), ("critic", critic)):
+        want = lora_tensors(ref)
+        names = [f"transformer.{n}".replace(".lora_A.", f".lora_A.{adapter}.").replace(".lora_B.", f".lora_B.{adapter}.")
+                 for n in want]
+        got = read_part(ckpt, adapter, names)
+        assert len(got) == len(want) == 2 * 4 * 2 * 2  # 2 blocks x 2 attentions x 4 targets x (A, B)
+        for name, n in zip(names, want):
+            torch.testing.assert_close(got[name], want[n], rtol=1e-5, atol=1e-6)
+        assert any((got[name] != 0).any() for name in names if ".lora_B." in name)  # the step moved B
+
+
+def test_resume_equals_uninterrupted(run, wan_pipeline, prompt_file, tmp_path):
+    cut = tmp_path / "run"
+    shutil.copytree(run, cut)
+    for step in ("step-0000003", "step-0000004"):
+        shutil.rmtree(cut / "checkpoints" / step)
+    assert cli.main(distill_argv(wan_pipeline, prompt_file, cut, "--max_steps", "4", "--resume", "auto")) == 0
+    meta = dcp.FileSystemReader(str(run / "checkpoints" / "step-0000004")).read_metadata().state_dict_metadata
+    names = [k for k in meta if k.startswith(("student.", "critic.", "optimizer.", "critic_optimizer."))
+             and hasattr(meta[k], "size")]
+    for part in ("student", "critic"):
+        keys = [k.split(".", 1)[1] for k in names if k.startswith(part + ".")]
+        a, b = (read_part(r / "checkpoints" / "step-0000004", part, keys) for r in (run, cut))
+        assert keys and all(torch.equal(a[k], b[k]) for k in keys)
+    strip = [{k: v for k, v in json.loads(line).items() if k != "steps_per_sec"}
+             for line in (run / "metrics.jsonl").read_text().splitlines()]
+    again = [{k: v for k, v in json.loads(line).items() if k != "steps_per_sec"}
+             for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert again == strip and [r["step"] for r in again] == [1, 2, 3, 4]
+
+
+def test_export_loads_in_diffusers_and_samples_in_its_steps(run, wan_pipeline, tmp_path):
+    from diffusers import WanPipeline
+
+    from ditforge.diffusion.dmd import flow_student_sigmas
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    config = json.loads((run / "checkpoints" / "step-0000004" / "meta.json").read_text())["config"]
+    assert config["distill"]["timesteps"] == pytest.approx(flow_student_sigmas(3.0, STEPS).tolist())  # the sampler's
+    out = tmp_path / "lora"
+    assert cli.main(["export", "--ckpt", str(run), "--out", str(out), "--format", "lora"]) == 0
+    assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "c.safetensors"), "--format", "comfyui"]) == 0
+    pipe = WanPipeline.from_pretrained(str(wan_pipeline), local_files_only=True)
+    pipe.load_lora_weights(str(out))
+    student = read_part(run / "checkpoints" / "step-0000004", "ema", [f"transformer.{n}".replace(
+        ".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.") for n in lora_tensors(pipe.transformer,
+                                                                                                  "default_0")])
+    loaded = {f"transformer.{n}".replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): p
+              for n, p in lora_tensors(pipe.transformer, "default_0").items()}
+    assert loaded.keys() == student.keys()
+    for k in student:
+        torch.testing.assert_close(loaded[k], student[k], rtol=0, atol=0)
+    # the run samples as the pipeline with the exported LoRA does under --sampler student in the run's steps
+    g = torch.Generator().manual_seed(3)
+    x, states = torch.randn(1, 16, 2, 2, 2, generator=g), torch.randn(1, 512, 32, generator=g)
+    _, ours, _ = load_finetuned(*load_weights(str(run)), torch.device("cpu"))
+    with torch.no_grad():
+        want = pipe.transformer(hidden_states=x, timestep=torch.tensor([750.0]), encoder_hidden_states=states,
+                                return_dict=False)[0]
+        torch.testing.assert_close(ours(x, torch.tensor([750.0]), encoder_hidden_states=states), want)
+    common = ["--prompt", "a cat walks", "--device", "cpu", "--num_frames", "5"]
+    assert cli.main(["sample", "--ckpt", str(run), "--out", str(tmp_path / "a.mp4"), "--save_npz",
+                     str(tmp_path / "a.npz"), *common]) == 0
+    assert cli.main(["sample", "--ckpt", str(wan_pipeline), "--lora", str(out), "--sampler", "student",
+                     "--num_sampling_steps", str(STEPS), "--cfg_scale", "1", "--image_size", "16", "--out",
+                     str(tmp_path / "b.mp4"), "--save_npz", str(tmp_path / "b.npz"), *common]) == 0
+    import numpy as np
+
+    a, b = (np.load(tmp_path / f"{n}.npz")["samples"].astype(int) for n in "ab")
+    assert a.shape == (1, 5, 16, 16, 3) and np.abs(a - b).max() <= 1
+
+
+def test_bad_input_one_line(wan_pipeline, prompt_file, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "bad"
+    assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out, "--student_steps", "0"),
+                          "--student_steps", "0")
+    assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out, "--lora_target_modules", "nope"),
+                          "--lora_target_modules", "nope")
+    import ditforge.models.adapters.pipeline as pipeline
+
+    defaults = pipeline.pipeline_defaults
+    monkeypatch.setattr(pipeline, "pipeline_defaults",
+                        lambda pipe: {k: v for k, v in defaults(pipe).items() if k != "guidance_scale"})
+    assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out), "--teacher", "no guidance "
+                          "information", "--cfg_scale")
