@@ -166,16 +166,17 @@ def student(args) -> int:
     from ditforge.eval.digits import evaluate_digits
 
     work = Path(args.workdir)
-    run = work / "student"
-    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(["ditforge", "distill", "--teacher", args.student, "--outputs", str(run), *args.train_flags],
-                   check=True)
-    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = Path(args.student_run) if args.student_run else work / "student"
     result = {"date": time.strftime("%Y-%m-%d"),
               "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
-              "torch": __import__("torch").__version__, "distill_wall_s": round(time.perf_counter() - t0, 1),
-              "distill_cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1),
-              "distill_flags": args.train_flags}
+              "torch": __import__("torch").__version__, "distill_flags": args.train_flags}
+    if not args.student_run:
+        t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(["ditforge", "distill", "--teacher", args.student, "--outputs", str(run), *args.train_flags],
+                       check=True)
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        result |= {"distill_wall_s": round(time.perf_counter() - t0, 1),
+                   "distill_cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1)}
     clf, held_out = real_digits_classifier()
     n = str(10 * args.samples_per_class)
     rows = {"teacher_ddpm250_cfg4": [args.student],
@@ -184,8 +185,9 @@ def student(args) -> int:
     for name, (ckpt, *flags) in rows.items():
         npz, t0 = work / f"{name}.npz", time.perf_counter()
         png = args.grid_png if name.startswith("student") and args.grid_png else str(work / f"{name}.png")
-        subprocess.run(["ditforge", "sample", "--ckpt", ckpt, "--num_samples", n, "--out", png, "--save_npz", str(npz),
-                        *flags], check=True)
+        if not (args.reuse_teacher and name.startswith("teacher") and npz.exists()):
+            subprocess.run(["ditforge", "sample", "--ckpt", ckpt, "--num_samples", n, "--out", png, "--save_npz",
+                            str(npz), *flags], check=True)
         pred, samples, labels = classify(npz, clf)
         acc = float((pred == labels).mean())
         fid = evaluate_digits(samples, labels, metrics=("fid", "accuracy"))
@@ -215,6 +217,9 @@ def main() -> int:
     p.add_argument("--train_extractor", action="store_true", help="retrain the built-in digits extractor instead")
     p.add_argument("--out", help="--train_extractor: where to write the weights (default: the built-in file)")
     p.add_argument("--student", metavar="TEACHER_RUN", help="distil TEACHER_RUN and compare the student instead")
+    p.add_argument("--student_run", help="--student: evaluate this finished distillation run instead of distilling")
+    p.add_argument("--reuse_teacher", action="store_true",
+                   help="--student: reuse the teacher's samples already in --workdir (same seed, same flags)")
     p.add_argument("--grid_png", help="--student: where to write the student's grid (e.g. docs/distill_grid.png)")
     p.add_argument("train_flags", nargs="*", help="extra flags for ditforge train (after --; with --student, for "
                    "ditforge distill)")
