@@ -27,8 +27,10 @@ algorithms): a rerun on the same torch build writes the same file. About half a 
 wall and CPU time), then draws ``--samples_per_class`` x 10 samples from the teacher at 250 DDPM steps (guidance 4),
 the teacher at 4 DDIM steps (guidance 4) and the 4-step student (no guidance), and reports each one's SVM class
 accuracy and digits-FID (the built-in extractor, against the 1,797 real digits); exits 1 unless the student's accuracy
-is at least 0.98 and its digits-FID at most 1.25x the teacher's at 250 steps. The student's grid goes to
-``--grid_png`` (docs/distill_grid.png).
+is at least 0.98 and its digits-FID at most 1.25x the teacher's at 250 steps. ``--grid_png`` (docs/distill_grid.png)
+gets 10 samples of each class from each: the teacher at 250 steps, at 4 DDIM steps, the student, left to right.
+``--student_run RUN`` evaluates a finished distillation instead of distilling; ``--reuse_teacher`` takes the
+teacher's samples already in ``--workdir``. The child processes' CPU time is reported beside the wall time.
 
     python benchmarks/digits_quality.py --student /work/wt/distill_runs/teacher --samples_per_class 100 \
         --json benchmarks/results/digits_distill.json
@@ -159,6 +161,19 @@ def classify(npz: Path, clf) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return clf.predict(x), data["samples"], data["labels"]
 
 
+def comparison_grid(npzs: list[Path], png: str, per_class: int = 10) -> None:
+    """One small PNG: for each ``--save_npz`` file, its first ``per_class`` rows of the ten classes (samples are
+    drawn for labels i % 10, so a row is 0..9) as a grid, the grids side by side with a grey gap, 4x enlarged."""
+    from PIL import Image
+
+    from ditforge.data.images import make_grid
+
+    grids = [make_grid(np.load(f)["samples"][: 10 * per_class], nrow=10)[..., 0] for f in npzs]
+    gap = np.full((grids[0].shape[0], 4), 128, dtype=np.uint8)
+    row = np.concatenate([part for g in grids for part in (g, gap)][:-1], axis=1)
+    Image.fromarray(row.repeat(4, axis=0).repeat(4, axis=1)).save(png, format="PNG")
+
+
 def student(args) -> int:
     """``--student``: distil, then the three samplings side by side (see the module docstring)."""
     import resource
@@ -166,32 +181,41 @@ def student(args) -> int:
     from ditforge.eval.digits import evaluate_digits
 
     work = Path(args.workdir)
-    run = work / "student"
-    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(["ditforge", "distill", "--teacher", args.student, "--outputs", str(run), *args.train_flags],
-                   check=True)
-    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = Path(args.student_run) if args.student_run else work / "student"
     result = {"date": time.strftime("%Y-%m-%d"),
               "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
-              "torch": __import__("torch").__version__, "distill_wall_s": round(time.perf_counter() - t0, 1),
-              "distill_cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1),
-              "distill_flags": args.train_flags}
+              "torch": __import__("torch").__version__, "distill_flags": args.train_flags}
+    if not args.student_run:
+        t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(["ditforge", "distill", "--teacher", args.student, "--outputs", str(run), *args.train_flags],
+                       check=True)
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        result |= {"distill_wall_s": round(time.perf_counter() - t0, 1),
+                   "distill_cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1)}
     clf, held_out = real_digits_classifier()
     n = str(10 * args.samples_per_class)
-    rows = {"teacher_ddpm250_cfg4": [args.student],
+    # the cheap rows first; the JSON is rewritten after each row, so a run cut short keeps what it measured
+    rows = {"student_4_steps": [str(run)],
             "teacher_ddim4_cfg4": [args.student, "--sampler", "ddim", "--num_sampling_steps", "4"],
-            "student_4_steps": [str(run)]}
+            "teacher_ddpm250_cfg4": [args.student]}
     for name, (ckpt, *flags) in rows.items():
-        npz, t0 = work / f"{name}.npz", time.perf_counter()
-        png = args.grid_png if name.startswith("student") and args.grid_png else str(work / f"{name}.png")
-        subprocess.run(["ditforge", "sample", "--ckpt", ckpt, "--num_samples", n, "--out", png, "--save_npz", str(npz),
-                        *flags], check=True)
+        npz, t0, cpu0 = work / f"{name}.npz", time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        png = str(work / f"{name}.png")
+        if not (args.reuse_teacher and name.startswith("teacher") and npz.exists()):
+            subprocess.run(["ditforge", "sample", "--ckpt", ckpt, "--num_samples", n, "--out", png, "--save_npz",
+                            str(npz), *flags], check=True)
         pred, samples, labels = classify(npz, clf)
         acc = float((pred == labels).mean())
         fid = evaluate_digits(samples, labels, metrics=("fid", "accuracy"))
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         result[name] = {"svm_accuracy": acc, "digits_fid": fid["fid"], "cnn_accuracy": fid["accuracy"],
-                        "sample_wall_s": round(time.perf_counter() - t0, 1)}
+                        "sample_wall_s": round(time.perf_counter() - t0, 1),
+                        "sample_cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     result["classifier_held_out_accuracy_on_real_digits"] = held_out
+    if args.grid_png:
+        comparison_grid([work / f"{name}.npz" for name in reversed(rows)], args.grid_png)
     ok = (result["student_4_steps"]["svm_accuracy"] >= 0.98
           and result["student_4_steps"]["digits_fid"] <= 1.25 * result["teacher_ddpm250_cfg4"]["digits_fid"])
     result["targets_met"] = ok
@@ -215,6 +239,9 @@ def main() -> int:
     p.add_argument("--train_extractor", action="store_true", help="retrain the built-in digits extractor instead")
     p.add_argument("--out", help="--train_extractor: where to write the weights (default: the built-in file)")
     p.add_argument("--student", metavar="TEACHER_RUN", help="distil TEACHER_RUN and compare the student instead")
+    p.add_argument("--student_run", help="--student: evaluate this finished distillation run instead of distilling")
+    p.add_argument("--reuse_teacher", action="store_true",
+                   help="--student: reuse the teacher's samples already in --workdir (same seed, same flags)")
     p.add_argument("--grid_png", help="--student: where to write the student's grid (e.g. docs/distill_grid.png)")
     p.add_argument("train_flags", nargs="*", help="extra flags for ditforge train (after --; with --student, for "
                    "ditforge distill)")
