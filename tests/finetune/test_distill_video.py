@@ -230,3 +230,27 @@ def test_bad_input_one_line(wan_pipeline, prompt_file, tmp_path, capsys, monkeyp
                         lambda pipe: {k: v for k, v in defaults(pipe).items() if k != "guidance_scale"})
     assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out), "--teacher", "no guidance "
                           "information", "--cfg_scale")
+
+
+def test_fine_tuned_run_as_teacher(video_runs, wan_pipeline, prompt_file, tmp_path):
+    """A LoRA fine-tune as ``--teacher``: written as ``OUTPUTS/teacher``, whose transformer is diffusers' own fusion of
+    the run's LoRA file into the base pipeline (``load_lora_weights`` then ``fuse_lora``), and distilled from there."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    tuned = video_runs("wan")["lora"]
+    out = tmp_path / "student"
+    assert cli.main(distill_argv(tuned, prompt_file, out, "--max_steps", "1")) == 0
+    config = json.loads((out / "checkpoints" / "step-0000001" / "meta.json").read_text())["config"]
+    assert config["model"]["init_from"] == str(out / "teacher")
+    assert cli.main(["export", "--ckpt", str(tuned), "--out", str(tmp_path / "tuned_lora"), "--format", "lora"]) == 0
+    pipe = WanPipeline.from_pretrained(str(wan_pipeline), local_files_only=True)
+    pipe.load_lora_weights(str(tmp_path / "tuned_lora"))
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    want = pipe.transformer.state_dict()
+    got = WanTransformer3DModel.from_pretrained(str(out / "teacher"), subfolder="transformer").state_dict()
+    assert got.keys() == want.keys()
+    base = WanTransformer3DModel.from_pretrained(str(wan_pipeline), subfolder="transformer").state_dict()
+    assert any(not torch.equal(got[k], base[k]) for k in got)  # the fine-tune is in the teacher
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
