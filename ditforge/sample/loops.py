@@ -326,7 +326,8 @@ def sample_pipeline(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoise
             image-to-video pipeline or given to another; ``--reference_image`` / ``--video`` / ``--mask`` for a
             pipeline without ``takes_references``; ``sample_video_family``'s.
     """
-    from ditforge.sample.video import pipeline_defaults, sample_video_family
+    from ditforge.models.adapters.pipeline import pipeline_defaults
+    from ditforge.sample.video import sample_video_family
     from ditforge.models.adapters.pipeline import generate_with_pipeline
 
     if not prompts:
@@ -406,7 +407,8 @@ def _sample_driven(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser
     """
     from ditforge.data.video import probe_video, read_clip
     from ditforge.models.adapters.pipeline import generate_with_pipeline
-    from ditforge.sample.video import cast_vae, pipeline_defaults
+    from ditforge.models.adapters.pipeline import pipeline_defaults
+    from ditforge.sample.video import cast_vae
     from ditforge.sample.write import write_videos
     from PIL import Image
 

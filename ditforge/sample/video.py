@@ -28,7 +28,7 @@ from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.encoders.vae import VAE
 from ditforge.errors import UserError
-from ditforge.models.adapters.pipeline import pipeline_defaults  # noqa: F401  (the loops' defaults)
+from ditforge.models.adapters.pipeline import pipeline_defaults
 from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
 from ditforge.parallel.mesh import Dist
 from ditforge.parallel.vae_decode import NotSplittable, decode_tiles_split, plan, split_decoder, use_strips
