@@ -130,7 +130,8 @@ def _halo_rows(conv: nn.modules.conv._ConvNd, where: str, padded: bool) -> int:
     return h
 
 
-def plan(decoder: nn.Module, halo: tuple[str, ...] = (), whole: tuple[str, ...] = ()) -> list[tuple[nn.Module, str, int]]:
+def plan(decoder: nn.Module, halo: tuple[str, ...] = (),
+         whole: tuple[str, ...] = ()) -> list[tuple[nn.Module, str, int]]:
     """The decoder's layers the row split changes: (module, "halo" | "norm" | "whole", halo rows), in module
     order. ``halo``, ``whole``: class names the family's adapter declares (``vae_halo_modules``,
     ``vae_whole_modules``); below a named module nothing else is changed.
