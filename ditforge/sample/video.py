@@ -404,8 +404,8 @@ def cast_vae(vae: torch.nn.Module, name: str) -> None:
     """``--vae_dtype name`` (``config.sections.VAE_DTYPES``): the VAE's weights and buffers cast in place to
     ``torch.<name>`` by ``nn.Module.to`` (diffusers' ``ModelMixin.to`` casts the same, and warns at every cast that
     the modules its ``_keep_in_fp32_modules`` names, none for the video VAEs, should stay float32). A 16-bit VAE's
-    convolution weights are also laid out channels-last (``to_channels_last``: a video VAE decode of 480 x 832 x 81 on an
-    H200 in bf16, 1.64 s against 1.84 s contiguous, the same output to 0.01 dB; benchmarks/vae_decode.py)."""
+    convolution weights are also laid out channels-last (``to_channels_last``: a video VAE decode of 480 x 832 x 81
+    on an H200 in bf16, 1.64 s against 1.84 s contiguous, the same output to 0.01 dB; benchmarks/vae_decode.py)."""
     torch.nn.Module.to(vae, getattr(torch, name))
     if name != "float32":
         to_channels_last(vae)
