@@ -324,7 +324,8 @@ def _tile_calls(vae, z: torch.Tensor) -> list[tuple[int, tuple[int, ...]]]:
 def decode_tiles_split(vae, z: torch.Tensor, group) -> torch.Tensor | None:
     """The VAE's own ``tiled_decode`` (of a family whose ``vae_split_decode`` holds ``"strips"``) of ``z``
     (B, C, T', h, w) with its tiles split over the processes of ``group`` (``--vae_parallel strips``: one column
-    strip each, ``use_strips``; ParaAttention's tile split): tile k (in diffusers' order, row by row) is decoded, all its frames, by process k mod P. Each process runs ``tiled_decode`` up to its last
+    strip each, ``use_strips``; ParaAttention's tile split): tile k (in diffusers' order, row by row) is decoded,
+    all its frames, by process k mod P. Each process runs ``tiled_decode`` up to its last
     tile, the decoder calls of other processes' tiles answered by zeros of their shape (``_tile_calls``; each
     decoded shape is checked against it); the decoded calls go to process 0 (point to point), which runs
     ``tiled_decode`` again with every decoder call answered by its recorded output: the blending, cropping and
