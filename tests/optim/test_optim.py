@@ -120,7 +120,8 @@ def test_kahan_bf16_weights_track_the_fp32_master(states, device):
         assert w.dtype == torch.float32 and opt.state[half[0]]["compensation"].dtype == torch.bfloat16
         bound = 6 * SPLIT * (start.abs() + 5 * 4 * LR)
         assert ((w - r).abs() <= bound).all(), (seed, ((w - r).abs() / bound).max().item())
-        assert not ((p.float() - r).abs() <= bound).all()  # no compensation: lr 1e-5 updates round away
+        if start.numel() > 1000:  # no compensation: lr 1e-5 updates round away (in a small tensor some may not)
+            assert not ((p.float() - r).abs() <= bound).all()
         assert (r - start).abs().max() > 0  # the reference moved
 
 
