@@ -125,6 +125,8 @@ CASES = {
     "batch_not_divisible_by_accumulation": (lambda tmp: ["--grad_accum_steps", "3"],
                                             ["--batch_size 16", "--grad_accum_steps 3"]),
     "grad_accum_steps_0": (lambda tmp: ["--grad_accum_steps", "0"], ["--grad_accum_steps"]),
+    "dp_shard_without_hsdp": (lambda tmp: ["--dp_shard", "2"], ["--dp_shard", "--plugin hsdp", "--plugin auto"]),
+    "collective_timeout_0": (lambda tmp: ["--collective_timeout", "0"], ["--collective_timeout", "> 0"]),
     "reuse_outputs": (lambda tmp: _existing_run(tmp), ["--resume auto", "run"]),
     # resuming step 2 into the folder that already holds step 3 would mix two histories
     "resume_older_checkpoint_into_its_run": (
@@ -163,6 +165,21 @@ def test_user_errors(tiny_argv, tmp_path, capsys, monkeypatch, case):
     for text in expected:
         assert text in lines[0], (text, lines[0])
     assert list_checkpoints(tmp_path / "run") == before  # nothing trained or saved
+
+
+@pytest.mark.parametrize("layout,expected", [
+    (["--dp_shard", "3"], "--plugin hsdp: --dp_replicate 1 x --dp_shard 3 x --sequence_parallel_size 1 x "
+                          "--tensor_parallel 1 is 3, not the 4 processes"),
+    (["--dp_replicate", "3"], "--plugin hsdp: --dp_replicate 3 x --dp_shard 2 x --sequence_parallel_size 1 x "
+                              "--tensor_parallel 1 is 6, not the 4 processes"),
+    (["--dp_shard", "-1"], "--dp_shard -1 --dp_replicate 0: expected integers >= 0 (0: default)")])
+def test_hsdp_layout_that_does_not_fit_the_world(tiny_argv, tmp_path, capsys, monkeypatch, layout, expected):
+    # torchrun's view of 2 nodes of 2; refused before any process group is joined
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    rc = cli.main(tiny_argv(tmp_path / "run", "--max_steps", "1", "--plugin", "hsdp", *layout))
+    assert (rc, capsys.readouterr().err.strip()) == (2, f"ditforge train: error: {expected}")
+    assert not (tmp_path / "run").exists()
 
 
 def test_resume_checkpoint_of_another_model(tiny_run, tiny_argv, tmp_path, capsys):

@@ -34,7 +34,7 @@ def _check_tensor_parallel(cfg: RunConfig) -> None:
               (f"--cpu_offload {t.cpu_offload}", t.cpu_offload != "none"),
               (f"--optimizer {t.optimizer}", t.optimizer != "adamw"),
               (f"--master_weights {t.master_weights}", t.master_weights != "fp32"),
-              (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin == "ddp")]
+              (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin in ("ddp", "hsdp"))]
     sp_type = cfg.parallel.sequence_parallel_type
     if cfg.parallel.sequence_parallel_size > 1 and sp_type not in ("auto", "ring", "ulysses"):
         raise UserError(f"--tensor_parallel {tp} with --sequence_parallel_size: ulysses (over the heads each "
@@ -122,6 +122,8 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"--class_dropout_prob: expected a number in [0, 1), got {cfg.model.class_dropout_prob}")
     if cfg.parallel.plugin not in PLUGINS:
         raise UserError(f"--plugin: expected one of {', '.join(PLUGINS)}, got {cfg.parallel.plugin}")
+    if not cfg.parallel.collective_timeout > 0:
+        raise UserError(f"--collective_timeout: expected seconds > 0, got {cfg.parallel.collective_timeout}")
     if t.mixed_precision not in MIXED_PRECISION:
         raise UserError(f"--mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, got {t.mixed_precision}")
     if t.fp8_recipe not in FP8_RECIPES:

@@ -18,7 +18,8 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float
 FP8_MIN_WIDTH = 2048
 SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cast for sampling
 VAE_DTYPES = ("float32", "bfloat16", "float16")  # sample --vae_dtype (musubi-tuner's name and values)
-PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp")
+PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp", "hsdp")
+SHARDED_PLUGINS = ("zero2", "fsdp", "hsdp")  # FSDP2 fully_shard: DTensor parameters
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adafactor")
 LIBRARY_OPTIMIZERS = ("adamw4bit", "adamw_fp8", "adafactor")  # the libraries' own, stepped after the backward
 MASTER_WEIGHTS = ("fp32", "bf16", "bf16_sr")
@@ -333,8 +334,17 @@ class TrainConfig(_Freezable):
 @dataclass
 class ParallelConfig(_Freezable):
     plugin: str = _f("auto", "data parallelism: ddp | zero2 (sharded gradients and optimizer states) | fsdp "
-                             "(ZeRO-3, parameters sharded too) | auto (zero2 with several processes)",
+                             "(ZeRO-3, parameters sharded too) | hsdp (fsdp within --dp_shard processes, one node, "
+                             "replicated --dp_replicate times across nodes: only the gradient all-reduce crosses "
+                             "them) | auto (zero2 with several processes)",
                      choices=PLUGINS)
+    dp_shard: int = _f(0, "--plugin hsdp: processes that shard one copy of the weights (0: those of one node, "
+                          "LOCAL_WORLD_SIZE / (sequence x tensor parallel))")
+    dp_replicate: int = _f(0, "--plugin hsdp: copies of the weights, one per group of --dp_shard processes (0: the "
+                              "rest of the world size)")
+    collective_timeout: float = _f(600.0, "seconds a collective may wait for a peer (NCCL / gloo timeouts), and "
+                                          "after which a process whose heartbeat stopped counts as lost: the "
+                                          "others stop with one line naming it (restart with --resume auto)")
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step on each process (the global batch stays "
                                   "--batch_size)")
     grad_reduce_dtype: str = _f("fp32", "dtype of the gradient reduction across processes: fp32 | bf16",

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ditforge.config.sections import SHARDED_PLUGINS
 from ditforge.config.values import parse_checkpoint_policy
 from ditforge.errors import UserError
 from ditforge.models import block_paths, replace_block
@@ -291,8 +292,8 @@ def parallelize(
         _apply_compile(model, blocks, None if compile == "default" else compile, whole)
     if plugin == "ddp":
         return _apply_ddp(model, dist, reduce_dtype)
-    if plugin in ("zero2", "fsdp"):
-        _apply_fsdp(model, blocks, dist, plugin == "fsdp", param_dtype, reduce_dtype, cpu_offload)
+    if plugin in SHARDED_PLUGINS:
+        _apply_fsdp(model, blocks, dist, plugin != "zero2", param_dtype, reduce_dtype, cpu_offload)
     return model
 
 
@@ -376,19 +377,22 @@ def _apply_ddp(model: nn.Module, dist: Dist, reduce_dtype: torch.dtype) -> Distr
 
 def _apply_fsdp(model: nn.Module, blocks: list[nn.Module], dist: Dist, reshard: bool, param_dtype: torch.dtype | None,
                 reduce_dtype: torch.dtype, cpu_offload: bool) -> None:
-    """FSDP2 ``fully_shard`` of each block, then of the root; ``reshard`` (fsdp, ZeRO-3) frees the gathered
-    parameters after the forward, else (zero2) they stay through the backward."""
+    """FSDP2 ``fully_shard`` of each block, then of the root, over ``dist.shard_mesh``; ``reshard`` (fsdp,
+    ZeRO-3; hsdp) frees the gathered parameters after the forward, else (zero2) they stay through the backward.
+    Under hsdp the mesh is 2-D (``dp_replicate``, ``dp_shard``): FSDP2's HSDP, each parameter ``Replicate()`` over
+    the copies and ``Shard(0)`` within one; the gradients are reduce-scattered within a copy, then all-reduced
+    across the copies (the only traffic between nodes)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if cpu_offload else OffloadPolicy()
     for i, block in enumerate(blocks):
         # The last block is the first one the backward needs: resharding it would only gather it again.
-        fully_shard(block, mesh=dist.mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=mp,
+        fully_shard(block, mesh=dist.shard_mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=mp,
                     offload_policy=offload)
     if reshard:  # gather two blocks ahead in the backward, so each gather hides behind more compute
         for i, block in enumerate(blocks):
             block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
     # The root's own parameters (embedders, final layer) are used last in the forward: keep them.
-    fully_shard(model, mesh=dist.mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=dist.shard_mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
 
 
 @torch.no_grad()

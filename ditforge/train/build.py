@@ -6,8 +6,6 @@ config, which ``resolve`` alone writes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import contextlib
 import copy
 import dataclasses
@@ -15,6 +13,7 @@ import functools
 import json
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -26,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ditforge.atomic import atomic_path
-from ditforge.config.sections import LIBRARY_OPTIMIZERS, RunConfig, assign
+from ditforge.config.sections import LIBRARY_OPTIMIZERS, SHARDED_PLUGINS, RunConfig, assign
 from ditforge.config.values import parse_bytes, resolve_precision
 from ditforge.data import GlobalBatchSampler, build_dataset, build_shard_loader, source_of
 from ditforge.data.prefetch import DevicePrefetcher
@@ -45,6 +44,7 @@ from ditforge.parallel.ema import EMA
 from ditforge.optim import build_optimizer
 from ditforge.optim.backward import StepInBackward
 from ditforge.optim.placement import cap_gpu_memory
+from ditforge.parallel.heartbeat import Heartbeat
 from ditforge.parallel.mesh import Dist
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -208,6 +208,7 @@ class Run:
     sample_shape: tuple[int, ...] = ()
     packing: tuple[int, tuple[int, ...]] | None = None  # --pack_tokens (train_step's)
     metrics: MetricsLog | None = None  # rank 0's, as the tracker
+    heartbeat: Heartbeat | None = None  # several processes: this one's beats (parallel.heartbeat)
     tracker: Tracker | None = None
     nonfinite: NonfiniteGuard | None = None
     # the sample grids' model and conditioning, made for the first grid (rank 0)
@@ -271,18 +272,18 @@ def open_run(cfg: RunConfig, d: Dist, held: contextlib.ExitStack) -> Run:
     if budget is not None and device.type == "cuda":
         cap_gpu_memory(budget, device)
     plugin = resolve_plugin(par.plugin, d.world_size, t.cpu_offload)
-    if plugin in ("zero2", "fsdp") and t.optimizer in LIBRARY_OPTIMIZERS:  # not tested over DTensors
+    if plugin in SHARDED_PLUGINS and t.optimizer in LIBRARY_OPTIMIZERS:  # not tested over DTensors
         raise UserError(f"--optimizer {t.optimizer}: supported with --plugin none or ddp, got {plugin}; under "
-                        "zero2 / fsdp use --optimizer adamw or adamw8bit")
+                        "zero2 / fsdp / hsdp use --optimizer adamw or adamw8bit")
     if cfg.parallel.tensor_parallel > 1 and (t.optimizer, t.master_weights) != ("adamw", "fp32"):
         # CompensatedAdamW steps FSDP2's shards of the first dimension; tensor parallelism shards others
         raise UserError(f"--optimizer {t.optimizer} --master_weights {t.master_weights}: not with --tensor_parallel "
                         f"{cfg.parallel.tensor_parallel}; use --optimizer adamw --master_weights fp32")
-    if t.cpu_offload == "optimizer" and plugin in ("zero2", "fsdp"):
+    if t.cpu_offload == "optimizer" and plugin in SHARDED_PLUGINS:
         raise UserError(f"--cpu_offload optimizer: supported with --plugin none or ddp, got {plugin}; "
                         "--cpu_offload all offloads under zero2 / fsdp")
-    if t.cpu_offload == "all" and plugin not in ("zero2", "fsdp"):
-        raise UserError(f"--cpu_offload all: offloads through FSDP2, with --plugin fsdp or zero2, got {plugin}")
+    if t.cpu_offload == "all" and plugin not in SHARDED_PLUGINS:
+        raise UserError(f"--cpu_offload all: offloads through FSDP2, with --plugin fsdp, zero2 or hsdp, got {plugin}")
     if t.fused_backward_pass and plugin != "none":  # DDP / FSDP reduce a gradient after the hook would step
         raise UserError(f"--fused_backward_pass: one process only, got --plugin {plugin} over {d.world_size}")
     per_step = d.dp_size * par.grad_accum_steps
@@ -374,7 +375,7 @@ def sharded_on_meta(run: Run) -> bool:
     so the model never is whole on a GPU. Not with what needs the whole model first: official weights, LoRA, FP8
     conversion, the sequence-parallel measurement, or host shards (``--cpu_offload all``)."""
     t = run.cfg.train
-    return (run.cfg.parallel.plugin in ("zero2", "fsdp") and run.pre is None and run.dit_init is None
+    return (run.cfg.parallel.plugin in SHARDED_PLUGINS and run.pre is None and run.dit_init is None
             and not run.cfg.model.lora_rank and run.d.sp_mesh is None and t.mixed_precision != "fp8"
             and t.cpu_offload != "all")
 
@@ -488,7 +489,7 @@ def build_ema_and_optimizer(run: Run) -> None:
     run.stepper = (StepInBackward(unwrap(model), optimizer, t.max_grad_norm,
                                   lambda: run.checkpointer.wait_for_staging()) if t.fused_backward_pass else None)
     if run.amp_dtype == torch.float16:
-        if run.cfg.parallel.plugin in ("zero2", "fsdp"):  # found-inf must agree across ranks that hold different shards
+        if run.cfg.parallel.plugin in SHARDED_PLUGINS:  # found-inf must agree across ranks that hold different shards
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             run.scaler = ShardedGradScaler(device.type)

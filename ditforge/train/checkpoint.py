@@ -158,7 +158,7 @@ class Checkpointer:
     def __init__(self, run_dir: Path, keep_last: int, async_save: bool, d: Dist, last_step: int | None = None):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last, self.async_save, self.dist, self.last_step = keep_last, async_save, d, last_step
-        self.group = dist.new_group(backend="gloo") if d.mesh is not None else None
+        self.group = d.gloo_group()
         self.pending: tuple[Future, dcp.FileSystemWriter, Path, Path, dict] | None = None
         # On GPUs an async save copies the state into pinned host buffers (allocated once, reused by every
         # save) on a side stream while the next forward/backward runs; ``wait_for_staging`` (an optimizer

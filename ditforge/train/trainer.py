@@ -29,7 +29,8 @@ from ditforge.parallel.context import refuse_unsplittable
 from ditforge.optim.library import set_lr
 from ditforge.optim.placement import keep_states_within, out_of_memory
 from ditforge.optim.skip import settle_skip
-from ditforge.parallel.mesh import Dist, init_distributed, shutdown
+from ditforge.parallel.heartbeat import Heartbeat
+from ditforge.parallel.mesh import Dist, hsdp_replicas, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train.build import (Run, build_data, build_ema_and_optimizer, build_loader, build_model,
                                   last_checkpoint, load_init, open_logs, open_outputs, open_run,
@@ -78,23 +79,42 @@ def train(cfg: RunConfig, class_clips: Callable | None = None) -> Path:
         refuse_unsplittable(family, sp, "shard it with --plugin fsdp instead", use="train")
     # the file's syntax before any process group, run folder or pipeline; resolve fits it to the pipeline
     samples = read_validation_prompts(cfg.train.validation_prompts) if cfg.train.validation_prompts else None
+    par = cfg.parallel
+    replicate = 1
+    if par.plugin == "hsdp":  # before any process group: a layout that does not fit the world is bad input
+        replicate = hsdp_replicas(par.dp_shard, par.dp_replicate, int(os.environ.get("WORLD_SIZE", "1")),
+                                  int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))), sp,
+                                  par.tensor_parallel)
+    elif par.dp_shard or par.dp_replicate:
+        raise UserError(f"--dp_shard / --dp_replicate: the layout of --plugin hsdp, got --plugin {par.plugin}")
     d = init_distributed(cfg.train.device, sp,
                          group_of_one=cfg.train.cpu_offload == "all",  # FSDP2 offloads, even in one process
-                         tensor_parallel_size=cfg.parallel.tensor_parallel)
+                         tensor_parallel_size=par.tensor_parallel, dp_replicate=replicate,
+                         collective_timeout=par.collective_timeout)
+    # every process beats; a collective that fails or hangs on a lost peer ends the run naming it
+    heartbeat = Heartbeat(d, par.collective_timeout) if d.world_size > 1 else None
+    lost = None
     try:
         with contextlib.ExitStack() as held:
-            return _train(cfg, d, held, samples, class_clips)
+            return _train(cfg, d, held, samples, class_clips, heartbeat)
+    except RuntimeError as e:  # torch.distributed's errors among them: is a peer gone?
+        if heartbeat is None or (lost := heartbeat.describe()) is None:
+            raise
+        raise RunError(lost) from e
     finally:
-        shutdown(d)
+        if heartbeat is not None:
+            heartbeat.stop()
+        if lost is None:  # with a peer gone, leaving the group could wait on it: the process ends anyway
+            shutdown(d)
 
 
 def _train(cfg: RunConfig, d: Dist, held: contextlib.ExitStack, samples: list | None,
-           class_clips: Callable | None = None) -> Path:
+           class_clips: Callable | None = None, heartbeat: Heartbeat | None = None) -> Path:
     """The run's phases, in order; each fills its part of the state they share (``Run``). The phases up to the
     data open things and report what they found; the settings are resolved and written once (``resolve``), then
     frozen before the model is built: no phase after writes the config."""
     run = open_run(cfg, d, held)
-    run.validation, run.class_clips = samples, class_clips
+    run.validation, run.class_clips, run.heartbeat = samples, class_clips, heartbeat
     load_init(run)
     build_data(run)
     freeze(resolve(run))
@@ -193,7 +213,7 @@ def _loop(run: Run) -> int:
                disable=None if d.is_main else True)
     interrupted = _DeferredInterrupt()
     # Its own gloo group: the checkpointer's may be busy in a background save's collectives.
-    control_group = dist.new_group(backend="gloo") if d.mesh is not None else None
+    control_group = d.gloo_group()
     try:
         batches = iter(run.loader)
         while step < run.max_steps:
@@ -225,6 +245,8 @@ def _loop(run: Run) -> int:
             if step == measure_at:
                 _keep_states_within_budget(run)
             window.add(out, skipped, samples)
+            if run.heartbeat is not None:
+                run.heartbeat.progress()
             bar.update(1)
             step = _after_step(run, step, window, bar)
     except KeyboardInterrupt:

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ditforge.atomic import atomic_path
+from ditforge.config.sections import SHARDED_PLUGINS
 from ditforge.data.captions import slug
 from ditforge.data.images import open_rgb, to_uint8
 from ditforge.data.sampler import derive_seed
@@ -152,7 +153,7 @@ def fit_samples(samples: list[ValidationSample], run) -> list[ValidationSample]:
     path, data = cfg.train.validation_prompts, cfg.data
     par = cfg.parallel
     split = [f"--{name} {value}" for name, value, splits in (
-        ("plugin", par.plugin, par.plugin in ("zero2", "fsdp")),
+        ("plugin", par.plugin, par.plugin in SHARDED_PLUGINS),
         ("sequence_parallel_size", par.sequence_parallel_size, par.sequence_parallel_size > 1),
         ("tensor_parallel", par.tensor_parallel, par.tensor_parallel > 1)) if splits]
     if split:
