@@ -93,28 +93,31 @@ def _create(name, kw, device):
 
 
 def _build(name, kw, d, seed, variant="auto"):
-    """The model split by ``parallelize`` (FSDP2, and ``d``'s tensor and sequence parallelism, ``variant``) on the
-    meta device, each process initialising only its shards."""
+    """The model split by ``parallelize`` (FSDP2, HSDP where ``d`` has copies, and ``d``'s tensor and sequence
+    parallelism, ``variant``) on the meta device, each process initialising only its shards."""
     from ditforge.parallel import init_sharded, parallelize
 
     skeleton = _create(name, kw, "meta")
-    model = parallelize(copy.deepcopy(skeleton), d, "fsdp", sequence_parallel_type=variant)
+    plugin = "hsdp" if d.shard_mesh.ndim == 2 else "fsdp"
+    model = parallelize(copy.deepcopy(skeleton), d, plugin, sequence_parallel_type=variant)
     torch.manual_seed(seed)
     init_sharded(model, skeleton, d)
     return model
 
 
-def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str, variant: str = "auto") -> None:
-    """One mesh on this process: dp x sp x tp = world, FSDP2 over dp x sp, the model meta-built, sequence
-    parallelism ``variant``."""
+def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str, variant: str = "auto",
+          replicate: int = 1) -> None:
+    """One mesh on this process: dp x sp x tp = world, FSDP2 over dp x sp (HSDP with ``replicate`` > 1: that many
+    copies, each sharded over the rest of dp x sp), the model meta-built, sequence parallelism ``variant``."""
     import torch.distributed as dist
 
     from ditforge.parallel.mesh import Dist, init_distributed, shutdown
     from ditforge.train import checkpoint as ckpt_io
 
-    d = init_distributed("cpu", sequence_parallel_size=sp, tensor_parallel_size=tp)
+    d = init_distributed("cpu", sequence_parallel_size=sp, tensor_parallel_size=tp, dp_replicate=replicate)
     try:
         assert d.tp_size == tp and d.dp_size == world // (sp * tp)
+        assert d.shard_mesh.shape == ((replicate, world // (replicate * tp)) if replicate > 1 else (world // tp,))
         x, cond, shape = _data(kw)
         torch.manual_seed(3)
         reference = _create(name, kw, "cpu")  # drawn as a meta build draws
@@ -139,7 +142,7 @@ def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str
             torch.testing.assert_close(loss / world, loss_1, atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(norm, norm_1, atol=1e-6, rtol=1e-5)
         _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
-        if sp > 1:
+        if sp > 1 or replicate > 1:
             return
 
         # one process's checkpoint -> a fresh tensor-parallel model (other seed), one more step on each
@@ -163,22 +166,26 @@ def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str
 
 
 def _worker(rank: int, ports: list[int], world: int, meshes: list[tuple], kw: dict, tmp: str) -> None:
-    """Every mesh of ``meshes`` (sp, tp, model name, sequence-parallel variant) in turn, each in a process group of
-    its own (its own port), in one start-up of the processes."""
+    """Every mesh of ``meshes`` (sp, tp, model name, sequence-parallel variant, HSDP copies) in turn, each in a
+    process group of its own (its own port), in one start-up of the processes."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     torch.set_num_threads(1)
-    for port, (sp, tp, name, variant) in zip(ports, meshes):
+    for port, (sp, tp, name, variant, replicate) in zip(ports, meshes):
         os.environ["MASTER_PORT"] = str(port)
-        _case(rank, world, sp, tp, name, kw, tmp, variant)
+        _case(rank, world, sp, tp, name, kw, tmp, variant, replicate)
 
 
 def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path):
     """dp 2 x tp 2 (with the checkpoints both ways), then sp 2 x tp 2: tensor parallelism with ring attention
     over the sequence halves (DiT-S: 3 heads a process, which 2 do not divide, so ``auto`` takes ring), and with
     Ulysses over the heads each process holds (DiT-B: 6 of its 12; ``auto`` takes Ulysses), FSDP2 over the
-    sequence-parallel pair."""
+    sequence-parallel pair. Then HSDP composed with each: 2 copies x tp 2 (each copy's one data-parallel process
+    holds it whole: FSDP2 over a shard of 1, the tensor-parallel DTensors replicated across the copies), and 2
+    copies x sp 2 (each copy sharded over its sequence-parallel pair; Ulysses named: `auto` measures on real
+    weights, which a meta-built model has not)."""
     world, kw = 4, dict(text_dim=16, qk_norm=True)
-    meshes = [(1, 2, "DiT-S/2", "auto"), (2, 2, "DiT-S/2", "auto"), (2, 2, "DiT-B/2", "auto")]
+    meshes = [(1, 2, "DiT-S/2", "auto", 1), (2, 2, "DiT-S/2", "auto", 1), (2, 2, "DiT-B/2", "auto", 1),
+              (1, 2, "DiT-S/2", "auto", 2), (2, 1, "DiT-B/2", "ulysses", 2)]
     from ditforge.errors import UserError
     from ditforge.parallel import tensor_parallel_sequence_type
 
