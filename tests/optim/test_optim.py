@@ -437,8 +437,8 @@ def test_train_resume_equals_uninterrupted(mode, train_run, ckpt_weights, tmp_pa
     (("--optimizer", "adamw_fp8", "--fused_backward_pass"), "--optimizer adamw_fp8: the library's optimizer steps "
                                                             "after the backward"),
     (("--cpu_offload", "all", "--mixed_precision", "fp16"), "--cpu_offload all: not with --mixed_precision fp16"),
-    (("--cpu_offload", "all", "--plugin", "ddp"), "--cpu_offload all: offloads through FSDP2, with --plugin fsdp or "
-                                                  "zero2, got ddp"),
+    (("--cpu_offload", "all", "--plugin", "ddp"), "--cpu_offload all: offloads through FSDP2, with --plugin fsdp, "
+                                                  "zero2 or hsdp, got ddp"),
 ])
 def test_bad_flags_one_line(argv, match, tiny_argv, tmp_path, capsys):
     from ditforge import cli
@@ -490,7 +490,7 @@ def test_plan_placement_bytes_and_order():
         plan(gib - 1, flags=offload_all)
 
 
-@pytest.mark.parametrize("plugin", ["zero2", "fsdp"])
+@pytest.mark.parametrize("plugin", ["zero2", "fsdp", "hsdp"])
 def test_sharded_plugins_refuse_the_libraries_optimizers(plugin, tiny_argv, tmp_path, capsys, monkeypatch):
     """Under fully_shard the parameters are DTensors: CompensatedAdamW steps their shards
     (tests/distributed/test_dist_compensated_adamw.py); torchao's and torch's optimizers are not tested over them,
@@ -502,7 +502,7 @@ def test_sharded_plugins_refuse_the_libraries_optimizers(plugin, tiny_argv, tmp_
     assert cli.main(tiny_argv(tmp_path / "r", "--optimizer", "adamw4bit")) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith(f"--optimizer adamw4bit: supported with --plugin none or ddp, got {plugin}; under zero2 / "
-                        "fsdp use --optimizer adamw or adamw8bit") and len(err.splitlines()) == 1, err
+                        "fsdp / hsdp use --optimizer adamw or adamw8bit") and len(err.splitlines()) == 1, err
 
 
 def test_fused_backward_pass_refuses_several_processes(tiny_argv, tmp_path, capsys, monkeypatch):
