@@ -640,12 +640,15 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
                        "--outputs", str(out), *(ROWS[name] if flags is None else flags), timeout=timeout)
     except RuntimeError as e:
         shutil.rmtree(out, ignore_errors=True)  # a row cut short must not leave its checkpoint to fill the disk
+        print(f"{name} failed; the log's end:\n{e}", flush=True)  # the JSON keeps 600 characters, the job's log 3,000
         return {"error": str(e)[-600:]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out, ignore_errors=True)  # full fine-tunes write ~14 GB of checkpoint
     windows = [batch / r["samples_per_sec"] * 1000 for r in records[1:]]  # ms per step after the warm-up window
-    # the placement lines of --gpu_memory_budget (the measured residency of streamed states among them)
-    placement = [line.split(" INFO ", 1)[-1] for line in log.splitlines() if "--gpu_memory_budget" in line]
+    # the placement lines of --gpu_memory_budget (the measured residency of streamed states among them) and the host
+    # bytes of --blocks_to_swap
+    placement = [line.split(" INFO ", 1)[-1] for line in log.splitlines()
+                 if "--gpu_memory_budget" in line or "--blocks_to_swap" in line]
     # the seconds of each --validation_prompts rendering (the trainer's "validation samples in ... (X s)" lines)
     validation = [float(line.rsplit("(", 1)[1].split(" s)")[0]) for line in log.splitlines()
                   if "validation samples in" in line]
