@@ -100,8 +100,10 @@ Animate trains from clips (the character's latent, the pose latents and face fra
 read a CSV of 2 random smooth clips of 77 frames (one segment, the pipeline's ``segment_frame_length``) at 640 x 640
 with a character PNG, a pose video and a face video each (``driving_clips``): latents 16 x (1 + 20) x 80 x 80, 33,600
 tokens, the wan14 rows' count. Rows: ``lora32_fp8_swap20_off_budget24`` (rank 32, the base in fp8, the last 20
-blocks' frozen weights swapped from host memory, every block checkpointed with its input in host memory, under
---gpu_memory_budget 24GiB) and ``lora32`` (uncapped). ``--tiny``: the tests' tiny Animate pipeline at 16 px x 5.
+blocks' frozen weights swapped from host memory, every block and face adapter checkpointed with its input in host
+memory, under --gpu_memory_budget 24GiB; it peaks at 24.15 GiB), ``lora32_fp8_swap24_off_budget24``,
+``lora32_fp8_swap28_off_budget24`` (24, 28 blocks swapped) and ``lora32`` (uncapped). ``--tiny``: the tests' tiny
+Animate pipeline at 16 px x 5.
 
 Usage (repository root, GPU machine): ``PYTHONPATH=. python benchmarks/finetune.py --model sd15 --work /tmp/ft
 --rows full,full_compile,lora64,lora64_compile --json $OUT/finetune_sd15.json``; ``--tiny`` builds the tests' tiny
@@ -215,6 +217,11 @@ ROWS = {
                                    "--gpu_memory_budget", "24GiB"],
     # Wan2.2-Animate-14B (--model animate14) on a 24 GB card: + the base stored in fp8
     "lora32_fp8_swap20_off_budget24": [*WAN_LORA, "--fp8_base", "--offload_activations", "--blocks_to_swap", "20",
+                                       "--gpu_memory_budget", "24GiB"],
+    # its peak was 24.15 GiB once AdamW's moments exist (H200, 2026-12-03): 4 or 8 more blocks swapped, 0.33 GiB each
+    "lora32_fp8_swap24_off_budget24": [*WAN_LORA, "--fp8_base", "--offload_activations", "--blocks_to_swap", "24",
+                                       "--gpu_memory_budget", "24GiB"],
+    "lora32_fp8_swap28_off_budget24": [*WAN_LORA, "--fp8_base", "--offload_activations", "--blocks_to_swap", "28",
                                        "--gpu_memory_budget", "24GiB"],
     # + --validation_prompts (VALIDATION, written into --work): its samples with the weights being trained, every 10
     # steps and at the end; issue 63's row: the peak no higher than lora32's, and a sample's time (validation_s)
@@ -640,12 +647,15 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
                        "--outputs", str(out), *(ROWS[name] if flags is None else flags), timeout=timeout)
     except RuntimeError as e:
         shutil.rmtree(out, ignore_errors=True)  # a row cut short must not leave its checkpoint to fill the disk
+        print(f"{name} failed; the log's end:\n{e}", flush=True)  # the JSON keeps 600 characters, the job's log 3,000
         return {"error": str(e)[-600:]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out, ignore_errors=True)  # full fine-tunes write ~14 GB of checkpoint
     windows = [batch / r["samples_per_sec"] * 1000 for r in records[1:]]  # ms per step after the warm-up window
-    # the placement lines of --gpu_memory_budget (the measured residency of streamed states among them)
-    placement = [line.split(" INFO ", 1)[-1] for line in log.splitlines() if "--gpu_memory_budget" in line]
+    # the placement lines of --gpu_memory_budget (the measured residency of streamed states among them) and the host
+    # bytes of --blocks_to_swap
+    placement = [line.split(" INFO ", 1)[-1] for line in log.splitlines()
+                 if "--gpu_memory_budget" in line or "--blocks_to_swap" in line]
     # the seconds of each --validation_prompts rendering (the trainer's "validation samples in ... (X s)" lines)
     validation = [float(line.rsplit("(", 1)[1].split(" s)")[0]) for line in log.splitlines()
                   if "validation samples in" in line]

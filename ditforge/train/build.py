@@ -466,7 +466,7 @@ def _swap_blocks(run: Run, model: nn.Module) -> None:
     n, pre = run.cfg.train.blocks_to_swap, run.pre
     if pre is None:
         raise UserError("--blocks_to_swap: swaps the blocks of a diffusers pipeline's transformer (--init_from)")
-    blocks = [m for m in model.modules() if type(m).__name__ in pre.denoiser.block_classes]
+    blocks = [m for m in model.modules() if type(m).__name__ in pre.denoiser.swap_classes]
     if n > len(blocks):
         raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {len(blocks)} blocks")
     swap = BlockSwap(blocks[len(blocks) - n:], run.d.device)  # its hooks hold it

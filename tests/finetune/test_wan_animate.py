@@ -203,3 +203,60 @@ def test_training_bad_input_is_one_line(animate, animate_run, capsys, tmp_path):
     assert_one_line_error(capsys, _train_argv(animate, animate_run["csv"], tmp_path / "val", "--max_steps", "1",
                                               "--validation_prompts", str(prompts), "--sample_every", "1"),
                           "--validation_prompts: a WanAnimatePipeline samples from driving videos")
+
+
+def test_face_adapters_are_checkpointed_and_not_swapped(animate, animate_run, capsys, tmp_path):
+    """The face adapters, which run between the blocks over every video token, are units of --grad_checkpoint as
+    the blocks are (``block_paths``): under full checkpointing the forward saves no tensor from inside one for the
+    backward (the unwrapped model saves some: the check can fail), and the LoRA gradients on fresh random inputs
+    equal the unwrapped model's bit for bit (the CPU recomputes exactly). ``--blocks_to_swap`` counts the 2 blocks
+    alone: 3 is refused with one line naming 2."""
+    import copy
+
+    from ditforge.models import block_paths
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel import apply_grad_checkpoint
+    from ditforge.weights.lora import add_lora
+
+    den = load_pretrained(animate / "pipe", torch.device("cpu")).denoiser
+    add_lora(den.inner, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    with torch.no_grad():
+        for name, p in den.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ref = copy.deepcopy(den)
+    faces = [f"transformer.face_adapter.{i}" for i in range(len(den.inner.face_adapter))]
+    assert faces and set(faces) <= set(block_paths(den))
+    apply_grad_checkpoint(den, "full")
+    x = torch.randn(2, 16, 3, 8, 8, generator=g)
+    cond = {"encoder_hidden_states": torch.randn(2, 512, 32, generator=g),
+            "encoder_hidden_states_image": torch.randn(2, 9, 4, generator=g),
+            "reference_latents": torch.randn(2, 20, 3, 8, 8, generator=g),
+            "pose_hidden_states": torch.randn(2, 16, 2, 8, 8, generator=g),
+            "face_pixel_values": torch.rand(2, 3, FRAMES, 16, 16, generator=g) * 2 - 1}
+    t = torch.rand(2, generator=g) * 1000
+    saved_inside, grads = [], []
+    for model in (den, ref):
+        inside, count = [False], [0]
+        for face in model.inner.modules():
+            if type(face).__name__ == "WanAnimateFaceBlockCrossAttention":
+                face.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
+                face.register_forward_hook(lambda m, a, out: inside.__setitem__(0, False))
+
+        def pack(tensor, inside=inside, count=count):
+            count[0] += inside[0]
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model.denoise(x, t, **cond).square().mean()
+        saved_inside.append(count[0])
+        loss.backward()
+        grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()
+                      if p.requires_grad})
+    assert saved_inside[0] == 0 and saved_inside[1] > 0
+    assert grads[0].keys() == grads[1].keys() and any("face_adapter" in n for n in grads[0])
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    assert_one_line_error(capsys, _train_argv(animate, animate_run["csv"], tmp_path / "swap", "--max_steps", "1",
+                                              "--grad_checkpoint", "--blocks_to_swap", "3"),
+                          "--blocks_to_swap 3", "has 2 blocks")

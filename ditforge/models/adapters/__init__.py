@@ -48,6 +48,8 @@ class DiffusersDenoiser(nn.Module):
         pipeline_kwargs: extra arguments of the pipeline's ``__call__`` when ditforge samples with it.
         component: the pipeline component that is the denoiser (``unet`` / ``transformer``).
         block_classes: class names of the repeated blocks.
+        swap_classes: class names of the blocks ``--blocks_to_swap`` counts from the end, which must run in module
+            order (``parallel.offload.BlockSwap``); by default ``block_classes`` (a property a family may override).
         default_lora_targets: module names LoRA adapts by default (diffusers' training scripts' defaults).
         video: the denoiser takes videos, x (B, C, T, H, W) (Wan), not images.
         image_to_video: the conditioning includes the clip's first frame (``encode_image``; Wan, CogVideoX and
@@ -157,6 +159,11 @@ class DiffusersDenoiser(nn.Module):
         # the pipeline components the expert models fill, in ``expert_models``' order: the component itself, or the
         # low-noise expert's ``<component>_2`` when one expert of two is trained (``pipeline.load_pretrained``)
         self.pipeline_slots: tuple[str, ...] = (self.component,)
+
+    @property
+    def swap_classes(self) -> tuple[str, ...]:
+        """The blocks ``--blocks_to_swap`` counts: ``block_classes`` unless the family names fewer."""
+        return self.block_classes
 
     @property
     def inner(self) -> nn.Module:

@@ -43,6 +43,11 @@ class WanAnimateDenoiser(WanDenoiser):
 
     family = "wan_animate"
     pipelines = ("WanAnimatePipeline",)
+    # the face adapters run between the blocks over every video token: units of checkpointing and activation offload
+    # as the blocks are (left out, each keeps ~2 GiB of saved tensors through the forward at 33,600 tokens, 8 of them
+    # in the 14B); --blocks_to_swap counts the blocks alone, which run in module order
+    block_classes = ("WanTransformerBlock", "WanAnimateFaceBlockCrossAttention")
+    swap_classes = ("WanTransformerBlock",)
     driving_videos = ("pose_video", "face_video", *_REPLACE_VIDEOS)
     trained_videos = ("pose_video", "face_video")  # mode animate's: the columns of a training CSV
 
