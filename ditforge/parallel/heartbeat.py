@@ -4,12 +4,13 @@ fails or hangs the survivors can tell which processes stopped beating and say so
 A collective on a dead peer fails at once where its socket closes (gloo on a process that died), or hangs until
 the process group's timeout (NCCL on a host that is gone; its watchdog then aborts the process with a stack of C++
 frames and no rank). Neither names the peer. Here each process adds 1 to its own counter in torchrun's store
-(``MASTER_ADDR:MASTER_PORT``: the TCPStore the process group rendezvoused through, hosted by torchrun's agent on the
-first node, or by rank 0) every ``interval`` seconds from a daemon thread, through its own connection. Counters
-are read only on trouble, twice ``3 x interval`` apart: the ranks whose counter did not move are lost, unless they
-marked themselves as stopping on this loss (a survivor that found it first). Reading
-costs one store round trip per rank, and beating one per rank and interval: nothing grows with the square of the
-world. Time is measured by each reader's own monotonic clock, so host clocks need not agree.
+(``MASTER_ADDR:MASTER_PORT``: the TCPStore the process group rendezvoused through, hosted by torchrun's agent on
+the first node, or by rank 0, which then lingers after finding a loss until the others have read) every
+``interval`` seconds from a daemon thread, through its own connection. Counters are read only on trouble, twice
+``3 x interval`` apart: the ranks whose counter did not move are lost, unless they marked themselves as stopping on
+this loss (a survivor that found it first). Reading costs one store round trip per rank, and beating one per rank
+and interval: nothing grows with the square of the world. Time is measured by each reader's own monotonic clock,
+so host clocks need not agree.
 
 Trouble is (a) a collective that raised in the training loop (the trainer asks ``lost`` before re-raising), or (b)
 no step finished for ``timeout`` seconds (``progress`` not called): then the watcher thread itself reads the
@@ -144,6 +145,10 @@ class Heartbeat:
                 self.store.set(f"{self.prefix}stopped/{self.rank}", "lost peer")
         except Exception:
             pass
+        if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # the store lives in this process (torchrun's unshared store, or no agent): it must outlast the other
+            # survivors' reading, which started about when this one did, or they would find it gone
+            time.sleep(3 * self.interval + 2)
         if lost is None:
             return (f"rank {self.rank}: the rendezvous store at {self.address} stopped answering: the node that "
                     "hosts it (torchrun's first agent, or rank 0) is lost; restart the job with --resume auto")
