@@ -133,8 +133,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "~20 steps suffice); a rectified-flow model (--objective flow) takes euler, ditforge's Euler on "
                    "the velocity; student: a distilled student's steps (x_0 predicted, re-noised afresh; "
                    "docs/distillation.md) (default: ddpm; euler for flow models; a `ditforge distill` run: student, "
-                   "its --student_steps, --cfg_scale 1; a diffusers video pipeline uses its own scheduler, or student: 4 steps "
-                   "on its shifted flow sigmas, --cfg_scale 1)")
+                   "its --student_steps, --cfg_scale 1 (a guidance-distilled pipeline's: the scale it embeds); a "
+                   "diffusers video pipeline uses its own scheduler, or student: 4 steps on its shifted flow sigmas, "
+                   "--cfg_scale 1 (a guidance-distilled one: its pipeline's scale, embedded))")
     s.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0: deterministic)")
     s.add_argument("--seed", type=int, default=0, help="seed of the noise")
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")

@@ -423,7 +423,8 @@ class DistillConfig:
                                "teacher; fractions 1, 0.75, 0.5, 0.25 of a flow teacher's, shifted)")
     critic_steps: int = _f(5, "critic (fake score) updates per generator update (DMD2's dfake_gen_update_ratio)")
     cfg_scale: float | None = _f(None, "the teacher's classifier-free guidance scale, baked into the student (1: none; "
-                                       "default: 3 for a DiT, a pipeline's own call default)")
+                                       "default: 3 for a DiT, a pipeline's own call default; a guidance-distilled "
+                                       "pipeline: the scale its one pass embeds, for teacher, critic and student)")
     lora_rank: int = _f(0, "train the student as LoRA adapters of this rank on the teacher (0: a full copy; a "
                            "pipeline teacher: its student and critic are peft adapters on its one base)")
     lora_target_modules: str | None = _f(None, "with --lora_rank: comma-separated module names (default: qkv,proj; "

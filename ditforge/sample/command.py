@@ -182,11 +182,13 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
     if spec.get("family"):
         from ditforge.weights.finetuned import load_finetuned
 
-        student = (spec["run_config"] or {}).get("distill")  # a distilled student: its steps, no guidance
+        # a distilled student: its steps, no guidance pass (a guidance-distilled family's: the scale it embeds)
+        student = (spec["run_config"] or {}).get("distill")
         if student:
+            scale = student.get("sample_cfg_scale", 1.0) if cfg.cfg_scale is None else cfg.cfg_scale
             cfg = dataclasses.replace(cfg, sampler=cfg.sampler or student["sampler"],
                                       num_sampling_steps=cfg.num_sampling_steps or student["student_steps"],
-                                      cfg_scale=1.0 if cfg.cfg_scale is None else cfg.cfg_scale,
+                                      cfg_scale=scale,
                                       **({} if cfg.image_size else {"height": cfg.height or student.get("height"),
                                                                     "width": cfg.width or student.get("width")}))
         return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema,

@@ -297,7 +297,8 @@ class VideoSampler:
         """A K-step (``steps``) flow-matching student's latents (1, C, T', h, w) float32, no guidance (DMD2's
         multi-step sampler, Yin et al. 2024 sec. 4.5): x = noise; at step k the student's velocity v at
         sigma_k gives x0 = x - sigma_k v, re-noised with fresh noise to x = (1 - sigma_{k+1}) x0 + sigma_{k+1} eps;
-        the last x0 is the sample. sigma_k = shift s / (1 + (shift - 1) s), s = 1 - k / K: the pipeline
+        the last x0 is the sample; a guidance-distilled family's student takes its embedded scale in ``cond``
+        (``guidance_inputs``), as it was distilled. sigma_k = shift s / (1 + (shift - 1) s), s = 1 - k / K: the pipeline
         scheduler's ``flow_shift`` / ``shift`` applied to K uniform steps, as Self-Forcing's ``warp_denoising_step``
         and LightX2V's 4-step list [1000, 750, 500, 250] map their timesteps (FastVideo's DMD denoising stage runs
         the same step on its listed timesteps). The model sees t = 1000 sigma_k. The noise and each eps are drawn
@@ -519,7 +520,9 @@ def _settle(cfg: SampleConfig, pre, denoiser, run) -> tuple[int, int, int, int, 
     # a distilled student: its few steps (default 4, DMD2's and LightX2V's), its guidance baked in
     student = cfg.sampler == "student"
     steps = cfg.num_sampling_steps or (4 if student else defaults["num_inference_steps"])
-    guidance = cfg.cfg_scale if cfg.cfg_scale is not None else 1.0 if student else defaults["guidance_scale"]
+    # (a guidance-distilled family's student embeds its pipeline's scale, what ditforge distill embeds by default)
+    guidance = cfg.cfg_scale if cfg.cfg_scale is not None else (
+        1.0 if student and not denoiser.embedded_guidance else defaults["guidance_scale"])
     if cfg.cfg_scale_2 is not None and getattr(pipe, "transformer_2", None) is None:
         raise UserError(f"--cfg_scale_2: for a pipeline's low-noise expert (transformer_2); {pre.pipeline_class} at "
                         f"{cfg.ckpt} has one transformer")
@@ -555,7 +558,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     image-to-video family. A reference-image family (``takes_references``) is conditioned on ``--reference_image``,
     ``--video`` and ``--mask`` (``read_control``) through the adapter's ``encode_control``; the R latent frames it
     prepends are dropped before decoding, as its pipeline does. ``sampler`` "student": ``VideoSampler._student``'s
-    few-step recipe (default 4 steps, ``cfg_scale`` 1).
+    few-step recipe (default 4 steps, ``cfg_scale`` 1; a guidance-distilled family: the pipeline's scale, embedded).
 
     Writes (process 0): with one prompt and ``out`` a video file name (``clip.mp4``, ``.gif``, ...) that file;
     else ``out/NNN-<prompt slug>.mp4`` (default folder ``samples``) and, with ``gif``, a ``.gif`` beside it, a
@@ -583,7 +586,7 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     # the pipelines' do_classifier_free_guidance; a guidance-distilled model (embedded_guidance) takes the scale as an
     # input of its one pass instead (its pipeline's true CFG, off by default, is not offered)
     guided = guidance > 1.0 and not denoiser.embedded_guidance
-    embedded = {"guidance": torch.tensor([guidance * 1000.0])} if denoiser.embedded_guidance else {}
+    embedded = denoiser.guidance_inputs(guidance, 1)
     seen = {"images": [image]} if denoiser.prompt_sees_image else {}  # prompt_sees_image: its encoder reads the image
     conds = {i: {**{k: v.cpu() for k, v in pre.encode_prompt([prompts[i]], **seen).items()}, **embedded}
              for i in todo}  # GPU: one at a time

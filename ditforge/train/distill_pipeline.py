@@ -3,8 +3,9 @@ LoRA student by DMD2 (``diffusion/dmd.py`` holds the math), data-free from promp
 
 One copy of the base weights serves the three networks (``dmd.py``'s docstring): the pipeline's denoiser carries two
 peft adapters on the family's LoRA targets, ``student`` (the generator) and ``critic`` (the fake score, trained with
-the flow loss on the student's detached samples); the teacher (the real score, guided at ``--cfg_scale``) is the
-same module with the adapters disabled. ``use_adapter`` switches them: peft's ``set_adapter`` also makes the
+the flow loss on the student's detached samples); the teacher (the real score, guided at ``--cfg_scale``: a CFG
+pair, or for a guidance-distilled family one pass with that scale embedded, which student and critic take too) is
+the same module with the adapters disabled. ``use_adapter`` switches them: peft's ``set_adapter`` also makes the
 active adapter's parameters the ones that require gradients, so each backward (and, under gradient checkpointing,
 each recomputed forward) runs with the adapter of its own forward active.
 
@@ -17,7 +18,8 @@ optimizers, and ``ema``: the student's adapters in peft's default naming, what a
 ``ditforge sample --ckpt RUN`` (its K steps, no guidance) and ``ditforge export --ckpt RUN --format lora |
 comfyui`` take it as they take a LoRA fine-tune. ``meta.json``'s config is a ``RunConfig`` (``--init_from`` the
 teacher's pipeline folder, ``--lora_rank`` the student's) with a ``distill`` section (the student's steps and
-timesteps, the teacher's guidance, sampler ``student``). A fine-tuned run as teacher is first written as a
+timesteps, the teacher's guidance, the ``--cfg_scale`` the student samples at (``sample_cfg_scale``: 1, or a
+guidance-distilled family's embedded scale), sampler ``student``). A fine-tuned run as teacher is first written as a
 pipeline folder, ``RUN/teacher``, by the CLI (``export.pipeline_teacher``: LoRA merged). The randomness of iteration k
 derives from (seed, k) alone, so ``--resume auto`` continues exactly.
 """
@@ -92,7 +94,7 @@ def adapter_params(model: torch.nn.Module, name: str) -> dict[str, torch.nn.Para
 def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device, dtype: torch.dtype):
     """The teacher's pipeline (``load_pretrained``: encoders on ``device``, the denoiser in ``dtype``) after the
     checks of what the student recipe takes, and the guidance scale: ``--cfg_scale``, else the pipeline call's
-    default ``guidance_scale``.
+    default ``guidance_scale`` (a guidance-distilled family's: the scale its one pass embeds).
 
     Raises:
         UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no one-transformer text-to-video
@@ -106,8 +108,7 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
     den = pre.denoiser
     why = ("it is not a video family" if not den.video else "it has two experts" if len(den.expert_models()) > 1
            else "it takes an image" if den.image_to_video or den.takes_references
-           else "its latents are frames first" if den.frames_first
-           else "it is guidance-distilled (no unconditional pass to guide against)" if den.embedded_guidance else None)
+           else "its latents are frames first" if den.frames_first else None)
     if why:
         raise UserError(f"{FLAG} {cfg.teacher}: distill takes one-transformer text-to-video flow-matching pipelines; "
                         f"{pre.pipeline_class}: {why}")
@@ -140,11 +141,15 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
 
 def nets(model, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
     """(student, critic, teacher) callables (x_t, model timesteps) -> velocity, float32, for ``dmd.DMD2``: the denoiser
-    ``model`` under the adapter ``student`` / ``critic``, and with adapters disabled the guided teacher
-    u + scale (c - u) (Ho & Salimans 2022; c, u the conditional and unconditional, empty-prompt passes, batched as
-    one call of 2B rows: the pipelines' ``noise_uncond + guidance_scale * (noise_pred - noise_uncond)``). Computed
+    ``model`` under the adapter ``student`` / ``critic``, and with adapters disabled the guided teacher: u + scale
+    (c - u) (Ho & Salimans 2022; c, u the conditional and unconditional, empty-prompt passes: the pipelines'
+    ``noise_uncond + guidance_scale * (noise_pred - noise_uncond)``), or for a guidance-distilled family
+    (``embedded_guidance``) c alone, one pass with ``scale`` embedded (``model.guidance_inputs``, its pipeline's
+    call), the embedding the student and critic take too. ``cond``: the B prompts' conditioning (B, ...). Computed
     under autocast in ``amp`` (none in float32)."""
-    device = next(iter(cond.values())).device
+    first = next(iter(cond.values()))
+    device = first.device
+    cond = {**cond, **model.guidance_inputs(scale, len(first), device)}  # {} unless guidance-distilled
 
     def call(adapter: str | None, x, t, drop=None, c=cond):
         use_adapter(model, adapter)
@@ -153,6 +158,8 @@ def nets(model, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
 
     def teacher(x, t):
         c = call(None, x, t)
+        if model.embedded_guidance:
+            return c
         u = call(None, x, t, torch.ones(len(x), dtype=torch.bool, device=x.device))
         return u + scale * (c - u)
 
@@ -280,7 +287,8 @@ def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], object
     settings = asdict(cfg)
     config["distill"] = {"teacher": cfg.teacher, "student_steps": cfg.student_steps,
                          "critic_steps": cfg.critic_steps, "timesteps": times.tolist(), "sampler": STUDENT_SAMPLER,
-                         "teacher_cfg_scale": scale, "height": height, "width": width,
+                         "teacher_cfg_scale": scale, "sample_cfg_scale": scale if den.embedded_guidance else 1.0,
+                         "height": height, "width": width,
                          "student_lora_rank": settings["lora_rank"]}
     return config
 

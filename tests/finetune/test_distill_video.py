@@ -155,12 +155,15 @@ def test_one_step_equals_reference_dmd2(run, wan_pipeline):
         assert any((got[name] != 0).any() for name in names if ".lora_B." in name)  # the step moved B
 
 
-def test_resume_equals_uninterrupted(run, wan_pipeline, prompt_file, tmp_path):
+def assert_resume_exact(run, folder, prompt_file, tmp_path) -> None:
+    """The 4-iteration ``run`` of ``folder`` cut after step 2 and resumed: adapters and metrics bit for bit. Called
+    under ``one_thread``, the thread count the run was made with (float32 reductions split by the thread count
+    differ in their last bits: HunyuanVideo's resumed student did at 2 threads against a 1-thread run)."""
     cut = tmp_path / "run"
     shutil.copytree(run, cut)
     for step in ("step-0000003", "step-0000004"):
         shutil.rmtree(cut / "checkpoints" / step)
-    assert cli.main(distill_argv(wan_pipeline, prompt_file, cut, "--max_steps", "4", "--resume", "auto")) == 0
+    assert cli.main(distill_argv(folder, prompt_file, cut, "--max_steps", "4", "--resume", "auto")) == 0
     meta = dcp.FileSystemReader(str(run / "checkpoints" / "step-0000004")).read_metadata().state_dict_metadata
     names = [k for k in meta if k.startswith(("student.", "critic.", "optimizer.", "critic_optimizer."))
              and hasattr(meta[k], "size")]
@@ -175,28 +178,42 @@ def test_resume_equals_uninterrupted(run, wan_pipeline, prompt_file, tmp_path):
     assert again == strip and [r["step"] for r in again] == [1, 2, 3, 4]
 
 
-def test_export_loads_in_diffusers_and_samples_in_its_steps(run, wan_pipeline, tmp_path):
-    from diffusers import WanPipeline
+def test_resume_equals_uninterrupted(run, wan_pipeline, prompt_file, tmp_path, one_thread):
+    assert_resume_exact(run, wan_pipeline, prompt_file, tmp_path)
 
+
+def export_loads(run, pipeline_class, folder, tmp_path, shift: float):
+    """The run's timesteps are the sampler's (``shift``); its ``export --format lora`` (and ``comfyui``) written,
+    loaded by ``pipeline_class``'s ``load_lora_weights`` into ``folder``'s pipeline with the student's tensors
+    exactly. Returns (that pipeline, the LoRA folder)."""
     from ditforge.diffusion.dmd import flow_student_sigmas
-    from ditforge.weights.finetuned import load_finetuned
-    from ditforge.weights.read import load_weights
 
     config = json.loads((run / "checkpoints" / "step-0000004" / "meta.json").read_text())["config"]
-    assert config["distill"]["timesteps"] == pytest.approx(flow_student_sigmas(3.0, STEPS).tolist())  # the sampler's
+    assert config["distill"]["timesteps"] == pytest.approx(flow_student_sigmas(shift, STEPS).tolist())
     out = tmp_path / "lora"
     assert cli.main(["export", "--ckpt", str(run), "--out", str(out), "--format", "lora"]) == 0
-    assert cli.main(["export", "--ckpt", str(run), "--out", str(tmp_path / "c.safetensors"), "--format", "comfyui"]) == 0
-    pipe = WanPipeline.from_pretrained(str(wan_pipeline), local_files_only=True)
+    comfy = tmp_path / "c.safetensors"
+    assert cli.main(["export", "--ckpt", str(run), "--out", str(comfy), "--format", "comfyui"]) == 0
+    pipe = pipeline_class.from_pretrained(str(folder), local_files_only=True)
     pipe.load_lora_weights(str(out))
     student = read_part(run / "checkpoints" / "step-0000004", "ema", [f"transformer.{n}".replace(
         ".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.") for n in lora_tensors(pipe.transformer,
                                                                                                   "default_0")])
     loaded = {f"transformer.{n}".replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): p
               for n, p in lora_tensors(pipe.transformer, "default_0").items()}
-    assert loaded.keys() == student.keys()
+    assert student and loaded.keys() == student.keys()
     for k in student:
         torch.testing.assert_close(loaded[k], student[k], rtol=0, atol=0)
+    return pipe, out
+
+
+def test_export_loads_in_diffusers_and_samples_in_its_steps(run, wan_pipeline, tmp_path):
+    from diffusers import WanPipeline
+
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    pipe, out = export_loads(run, WanPipeline, wan_pipeline, tmp_path, 3.0)  # the folder's UniPC flow_shift
     # the run samples as the pipeline with the exported LoRA does under --sampler student in the run's steps
     g = torch.Generator().manual_seed(3)
     x, states = torch.randn(1, 16, 2, 2, 2, generator=g), torch.randn(1, 512, 32, generator=g)
@@ -254,3 +271,119 @@ def test_fine_tuned_run_as_teacher(video_runs, wan_pipeline, prompt_file, tmp_pa
     assert any(not torch.equal(got[k], base[k]) for k in got)  # the fine-tune is in the teacher
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+# HunyuanVideo: guidance-distilled (the scale embedded in one pass, HunyuanVideoPipeline's default 6)
+HV_SCALE = 6.0
+
+
+def guidance_log(monkeypatch, seen: list) -> None:
+    """Record the ``guidance`` tensor of every call of diffusers' ``HunyuanVideoTransformer3DModel.forward``."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    forward = HunyuanVideoTransformer3DModel.forward
+
+    def recorded(self, *args, **kwargs):
+        seen.append(kwargs["guidance"].detach().clone())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(HunyuanVideoTransformer3DModel, "forward", recorded)
+
+
+@pytest.fixture(scope="module")
+def hv_run(hunyuan_video_pipeline, prompt_file, tmp_path_factory):
+    """``run``'s 4 iterations on the tiny HunyuanVideo, the default --cfg_scale (the pipeline's), recording each
+    teacher call (x_t, t, its output, the transformer calls it made) and the guidance of every transformer call."""
+    import ditforge.train.distill_pipeline as distill_pipeline
+
+    out = tmp_path_factory.mktemp("distill_hv") / "run"
+    seen = {"teacher": [], "guidance": []}
+    nets = distill_pipeline.nets
+
+    def spy(model, cond, scale, amp):
+        student, critic, teacher = nets(model, cond, scale, amp)
+
+        def watched(x, t):
+            before = len(seen["guidance"])
+            v = teacher(x, t)
+            seen["teacher"].append((x.detach().clone(), t.detach().clone(), v.detach().clone(),
+                                    len(seen["guidance"]) - before))
+            return v
+
+        return student, critic, watched
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(distill_pipeline, "nets", spy)
+            guidance_log(mp, seen["guidance"])
+            assert cli.main(distill_argv(hunyuan_video_pipeline, prompt_file, out, "--max_steps", "4")) == 0
+    finally:
+        torch.set_num_threads(before)
+    return out, seen
+
+
+def test_hunyuan_teacher_is_one_pass_with_the_embedded_scale(hv_run, hunyuan_video_pipeline):
+    """The teacher of iteration 1 equals diffusers' transformer called directly as ``HunyuanVideoPipeline.__call__``
+    calls it (``guidance = torch.tensor([guidance_scale] * B) * 1000.0``, the prompts through the pipeline's own
+    ``encode_prompt``) to 1e-5 in float32, in one transformer call; every call (student, critic, teacher) embeds
+    6; the critic starts as the teacher (its LoRA B is 0), so the first DMD gradient is exactly 0, later ones not."""
+    from diffusers import HunyuanVideoPipeline
+
+    run, seen = hv_run
+    assert seen["guidance"] and all(torch.equal(g, torch.full((BATCH,), HV_SCALE * 1000.0)) for g in seen["guidance"])
+    assert [n for *_, n in seen["teacher"]] == [1] * len(seen["teacher"]) and len(seen["teacher"]) == 2
+    pipe = HunyuanVideoPipeline.from_pretrained(str(hunyuan_video_pipeline), local_files_only=True)
+    g = torch.Generator().manual_seed(derive_seed(SEED, 1))
+    rows = torch.randint(len(PROMPTS), (BATCH,), generator=g).tolist()
+    with torch.no_grad():
+        embeds, pooled, mask = pipe.encode_prompt([PROMPTS[i] for i in rows], max_sequence_length=256)
+        x, t, got, _ = seen["teacher"][0]
+
+        def reference(scale):
+            guidance = torch.tensor([scale] * BATCH, dtype=torch.float32) * 1000.0  # the pipeline's tensor
+            return pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds,
+                                    encoder_attention_mask=mask, pooled_projections=pooled, guidance=guidance,
+                                    return_dict=False)[0]
+
+        torch.testing.assert_close(got, reference(HV_SCALE), rtol=1e-5, atol=1e-5)
+        assert (got - reference(1.0)).abs().max() > 1e-3  # the embedding matters in the tiny model
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert lines[0]["generator_loss"] == 0.0 and lines[0]["dmd_grad_norm"] == 0.0
+    assert lines[2]["dmd_grad_norm"] > 0.0
+    config = json.loads((run / "checkpoints" / "step-0000004" / "meta.json").read_text())["config"]
+    assert config["distill"]["teacher_cfg_scale"] == config["distill"]["sample_cfg_scale"] == HV_SCALE
+
+
+def test_hunyuan_resume_equals_uninterrupted(hv_run, hunyuan_video_pipeline, prompt_file, tmp_path, one_thread):
+    assert_resume_exact(hv_run[0], hunyuan_video_pipeline, prompt_file, tmp_path)
+
+
+def test_hunyuan_export_loads_and_samples_with_the_embedded_scale(hv_run, hunyuan_video_pipeline, tmp_path,
+                                                                 monkeypatch):
+    """The LoRA loads through ``HunyuanVideoPipeline.load_lora_weights``; ``sample --ckpt RUN`` and the pipeline
+    with that LoRA under ``--sampler student`` (no --cfg_scale) both embed 6 in every call and draw the same clip."""
+    import numpy as np
+    from diffusers import HunyuanVideoPipeline
+
+    _, out = export_loads(hv_run[0], HunyuanVideoPipeline, hunyuan_video_pipeline, tmp_path, 7.0)  # its shift 7
+    guidance: list = []
+    guidance_log(monkeypatch, guidance)
+    common = ["--prompt", "a cat walks", "--device", "cpu", "--num_frames", "5"]
+    assert cli.main(["sample", "--ckpt", str(hv_run[0]), "--out", str(tmp_path / "a.mp4"), "--save_npz",
+                     str(tmp_path / "a.npz"), *common]) == 0
+    assert cli.main(["sample", "--ckpt", str(hunyuan_video_pipeline), "--lora", str(out), "--sampler", "student",
+                     "--num_sampling_steps", str(STEPS), "--image_size", "16", "--out", str(tmp_path / "b.mp4"),
+                     "--save_npz", str(tmp_path / "b.npz"), *common]) == 0
+    assert len(guidance) == 2 * STEPS and all(torch.equal(g, torch.tensor([HV_SCALE * 1000.0])) for g in guidance)
+    a, b = (np.load(tmp_path / f"{n}.npz")["samples"].astype(int) for n in "ab")
+    assert a.shape == (1, 5, 16, 16, 3) and np.abs(a - b).max() <= 1
+
+
+@pytest.mark.parametrize("family, why", [("hunyuan_video_i2v", "it takes an image"),
+                                         ("cogvideox", "its latents are frames first")])
+def test_still_refused_one_line(request, family, why, prompt_file, tmp_path, capsys):
+    folder = request.getfixturevalue(f"{family}_pipeline")
+    assert_one_line_error(capsys, distill_argv(folder, prompt_file, tmp_path / "bad"), "--teacher", why)

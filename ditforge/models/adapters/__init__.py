@@ -206,6 +206,16 @@ class DiffusersDenoiser(nn.Module):
         """The conditioning tensors of ``cond``: token ids through the attached text encoder, else ``cond``."""
         return cond
 
+    def guidance_inputs(self, scale: float, batch: int, device: torch.device | None = None
+                        ) -> dict[str, torch.Tensor]:
+        """The conditioning entries a guidance-distilled family (``embedded_guidance``) takes for guidance ``scale``:
+        {"guidance": (batch,) float32 1000 x scale}, the tensor its pipeline's call passes the transformer
+        (diffusers' ``HunyuanVideoPipeline.__call__``: ``torch.tensor([guidance_scale] * B) * 1000.0``); {} for the
+        others, which guide with a second, unconditional pass."""
+        if not self.embedded_guidance:
+            return {}
+        return {"guidance": torch.full((batch,), float(scale), dtype=torch.float32, device=device) * 1000.0}
+
     @staticmethod
     def unsupported(pipe: Any, sampling: bool = False, expert: str | None = None) -> str | None:
         """Why ditforge cannot fine-tune this pipeline of the family (a variant it does not train yet), or with
