@@ -9,7 +9,7 @@ torchrun and ``mp.spawn`` start fresh interpreters that import them again: about
 ditforge, 17 s with diffusers' video pipelines, on the 2-core CI machine, and the torchrun agent 4 s more a launch.
 A process gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), which is all ditforge reads of it (``parallel.mesh``). The tests that kill
-processes (``tests/train/test_chaos.py``, ``test_dist_async_kill.py``), ``test_dist_guard.py`` and
+processes (``tests/train/test_chaos.py``, ``test_dist_async_kill.py``, ``test_dist_nodes.py``) and
 ``tests/test_sample_npz.py`` launch the real torchrun, as users do.
 """
 
@@ -108,7 +108,7 @@ def _cli_many(local_rank: int, nproc: int, port: int, work: str, runs: list, env
     bad = 0
     for i, (argv, fails) in enumerate(runs):
         print(f"=== torchrun_many run {i} ===", flush=True)
-        rc = main(argv)
+        rc = main([a.replace("{RANK}", str(local_rank)) for a in argv])
         if bool(rc) != fails:
             bad = rc or 1
             print(f"torchrun_many: run {i} exited {rc}", flush=True)
@@ -126,7 +126,7 @@ def torchrun_cli_many(nproc: int, work: Path, argvs: list[list[str]], fails: tup
                       timeout: float = 600) -> list[str]:
     """``ditforge ARGV`` in ``nproc`` processes as torchrun would run it, for each ARGV of ``argvs``, in turn in the
     same processes and process group (one start-up of the processes, module docstring). Each run is the command line
-    torchrun would run alone (its own outputs, its own seed). The runs whose index is in ``fails`` must exit non-zero
+    torchrun would run alone (its own outputs, its own seed); ``{RANK}`` in an argument becomes the process's rank. The runs whose index is in ``fails`` must exit non-zero
     (every process at the same point, a refusal), the others 0. Returns each run's output (every process's, one
     after the other)."""
     work = Path(work)

@@ -34,7 +34,7 @@ HSDP = [*TINY, "--max_steps", "5", "--plugin", "hsdp"]  # --dp_shard 0: a node's
 # 8-bit AdamW moments (bitsandbytes' blocks of 256): each shard of a copy holds whole blocks, so hsdp's 2 shards
 # step as fsdp's 2 do
 EIGHT_BIT = [*TINY, "--max_steps", "3", "--ckpt_every", "1000", "--optimizer", "adamw8bit"]
-TIMEOUT = 20  # --collective_timeout of the killed runs: heartbeats every 1 s, a peer lost after 3 s without one
+TIMEOUT = 10  # --collective_timeout of the killed runs: heartbeats every 0.5 s, a peer lost after 1.5 s without
 
 
 def agent(port: int, outputs, *args: str, nnodes: int = 2, max_restarts: int = 0) -> subprocess.Popen:

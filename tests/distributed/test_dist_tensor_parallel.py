@@ -185,7 +185,7 @@ def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path):
     weights, which a meta-built model has not)."""
     world, kw = 4, dict(text_dim=16, qk_norm=True)
     meshes = [(1, 2, "DiT-S/2", "auto", 1), (2, 2, "DiT-S/2", "auto", 1), (2, 2, "DiT-B/2", "auto", 1),
-              (1, 2, "DiT-S/2", "auto", 2), (2, 1, "DiT-B/2", "ulysses", 2)]
+              (1, 2, "DiT-S/2", "auto", 2), (2, 1, "DiT-S/2", "ulysses", 2)]
     from ditforge.errors import UserError
     from ditforge.parallel import tensor_parallel_sequence_type
 
