@@ -41,7 +41,7 @@ def predicted_x0(objective: Objective, x_t: torch.Tensor, t: torch.Tensor, out: 
     """The clean sample a model output implies at (x_t, t), in ``x_t``'s dtype (differentiable in ``out``).
 
     DDPM epsilon: x_0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t); DDPM v: x_0 = sqrt(abar_t) x_t - sqrt(1 -
-    abar_t) v (finite at a zero terminal SNR, CogVideoX's t = 999: x_0 = -v); flow: x_0 = x_t - t v (x_t = (1 - t)
+    abar_t) v (finite at a zero terminal SNR, abar_T = 0: x_0 = -v); flow: x_0 = x_t - t v (x_t = (1 - t)
     x_0 + t eps, v = eps - x_0). ``out``: (B, C or 2C, ...), its first C channels are the prediction; ``t``: the
     objective's own timesteps (int64 indices, or float in [0, 1])."""
     out = out[:, : x_t.shape[1]]

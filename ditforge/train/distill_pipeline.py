@@ -11,9 +11,9 @@ each backward (and, under gradient checkpointing, each recomputed forward) runs 
 active.
 
 The student's K timesteps are ``dmd.pipeline_student_times``: a flow pipeline's ``dmd.flow_student_sigmas`` of its
-scheduler's shift, a DDPM one's (CogVideoX: v-prediction, zero terminal SNR) T-1 - k T / K; the ones ``ditforge
+scheduler's shift, a DDPM one's (v-prediction, zero terminal SNR) T-1 - k T / K; the ones ``ditforge
 sample --sampler student`` runs (``VideoSampler._student``). Latents are (B, C, T', h, w) for every family: a
-frames-first one's adapter (CogVideoX) hands them to its transformer as (B, T', C, h, w) itself.
+frames-first one's adapter (``frames_first``) hands them to its transformer as (B, T', C, h, w) itself.
 
 The run folder is a fine-tuned pipeline run's (``weights.finetuned.load_finetuned`` reads it): ``checkpoints/
 step-*/`` (DCP, ``checkpoint.Checkpointer``) hold ``student`` and ``critic`` (their adapters' tensors), both
@@ -123,10 +123,10 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
 
 def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, int]:
     """((B, C, T', h, w) of the student's latents, height, width, frames): the flags, else the pipeline call's
-    defaults (CogVideoX's from its transformer's config, ``call_defaults``). Channels before frames for every family,
-    as fine-tuning encodes them (a frames-first adapter transposes for its transformer). Raises UserError: a frame
-    count the VAE cannot take, a side the VAE and patches do not divide, a size the model cannot take
-    (``refuse_size``: CogVideoX's learned positions)."""
+    defaults (or the adapter's ``call_defaults``, from its transformer's config). Channels before frames for every
+    family, as fine-tuning encodes them (a frames-first adapter transposes for its transformer). Raises UserError: a
+    frame count the VAE cannot take, a side the VAE and patches do not divide, a size the model cannot take
+    (``refuse_size``: learned positional tables)."""
     from ditforge.encoders import VAE
     from ditforge.models.adapters.pipeline import pipeline_defaults
 
@@ -147,7 +147,7 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
 
 def nets(model, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
     """(student, critic, teacher) callables (x_t, model timesteps) -> the model's output (a flow family's velocity,
-    CogVideoX's v-prediction), float32, for ``dmd.DMD2``: the denoiser
+    a DDPM family's v-prediction), float32, for ``dmd.DMD2``: the denoiser
     ``model`` under the adapter ``student`` / ``critic``, and with adapters disabled the guided teacher: u + scale
     (c - u) (Ho & Salimans 2022; c, u the conditional and unconditional, empty-prompt passes: the pipelines'
     ``noise_uncond + guidance_scale * (noise_pred - noise_uncond)``), or for a guidance-distilled family
