@@ -279,17 +279,22 @@ def test_fine_tuned_run_as_teacher(video_runs, wan_pipeline, prompt_file, tmp_pa
 HV_SCALE = 6.0
 
 
+def forward_log(monkeypatch, model_class, argument: str, seen: list) -> None:
+    """Record the keyword ``argument`` (a tensor) of every call of ``model_class.forward`` in ``seen``."""
+    forward = model_class.forward
+
+    def recorded(self, *args, **kwargs):
+        seen.append(kwargs[argument].detach().clone())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_class, "forward", recorded)
+
+
 def guidance_log(monkeypatch, seen: list) -> None:
     """Record the ``guidance`` tensor of every call of diffusers' ``HunyuanVideoTransformer3DModel.forward``."""
     from diffusers import HunyuanVideoTransformer3DModel
 
-    forward = HunyuanVideoTransformer3DModel.forward
-
-    def recorded(self, *args, **kwargs):
-        seen.append(kwargs["guidance"].detach().clone())
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(HunyuanVideoTransformer3DModel, "forward", recorded)
+    forward_log(monkeypatch, HunyuanVideoTransformer3DModel, "guidance", seen)
 
 
 def recorded_run(folder, prompt_file, out, *extra: str, log_calls=lambda mp, calls: None):
@@ -409,13 +414,7 @@ def timestep_log(monkeypatch, seen: list) -> None:
     """Record the ``timestep`` of every call of diffusers' ``CogVideoXTransformer3DModel.forward``."""
     from diffusers import CogVideoXTransformer3DModel
 
-    forward = CogVideoXTransformer3DModel.forward
-
-    def recorded(self, *args, **kwargs):
-        seen.append(kwargs["timestep"].detach().clone())
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(CogVideoXTransformer3DModel, "forward", recorded)
+    forward_log(monkeypatch, CogVideoXTransformer3DModel, "timestep", seen)
 
 
 @pytest.fixture(scope="module")
