@@ -302,10 +302,9 @@ class VideoSampler:
         shift s / (1 + (shift - 1) s), s = 1 - k / K, the scheduler's ``flow_shift`` / ``shift`` (Self-Forcing's
         ``warp_denoising_step``, LightX2V's 4-step list [1000, 750, 500, 250]), the model at t = 1000 sigma_k. DDPM
         (v-prediction): t_k = T-1 - k T / K (DMD2's [999, 749, 499, 249]), x0 = sqrt(abar) x - sqrt(1 - abar) v,
-        x = sqrt(abar) x0 + sqrt(1 - abar) eps; the latents (B, C, T', h, w) whatever the pipeline's layout
-        (a frames-first adapter transposes). A guidance-distilled family's student takes its embedded scale in
-        ``cond`` (``guidance_inputs``), as it was distilled. The noise and each eps are drawn from
-        ``torch.Generator(device).manual_seed(seed)`` in turn.
+        x = sqrt(abar) x0 + sqrt(1 - abar) eps; latents (B, C, T', h, w) in any layout (a frames-first adapter
+        transposes). A guidance-distilled student takes its embedded scale in ``cond`` (``guidance_inputs``). The
+        noise, then each eps, from ``torch.Generator(device).manual_seed(seed)``.
 
         Raises:
             UserError: a pipeline of two experts or an image input, guidance asked for (a student bakes it in), or a
