@@ -134,8 +134,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    "the velocity; student: a distilled student's steps (x_0 predicted, re-noised afresh; "
                    "docs/distillation.md) (default: ddpm; euler for flow models; a `ditforge distill` run: student, "
                    "its --student_steps, --cfg_scale 1 (a guidance-distilled pipeline's: the scale it embeds); a "
-                   "diffusers video pipeline uses its own scheduler, or student: 4 steps on its shifted flow sigmas, "
-                   "--cfg_scale 1 (a guidance-distilled one: its pipeline's scale, embedded))")
+                   "diffusers video pipeline uses its own scheduler, or student: 4 steps (its shifted flow sigmas, "
+                   "or a DDPM pipeline's timesteps 999, 749, 499, 249), --cfg_scale 1 (a guidance-distilled one: "
+                   "its pipeline's scale, embedded))")
     s.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0: deterministic)")
     s.add_argument("--seed", type=int, default=0, help="seed of the noise")
     s.add_argument("--batch_size", type=int, default=256, help="samples per model batch")

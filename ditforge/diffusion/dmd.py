@@ -40,14 +40,17 @@ Net = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def predicted_x0(objective: Objective, x_t: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The clean sample a model output implies at (x_t, t), in ``x_t``'s dtype (differentiable in ``out``).
 
-    DDPM: x_0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t) with eps from epsilon or v (``eps_from_output``);
-    flow: x_0 = x_t - t v (x_t = (1 - t) x_0 + t eps, v = eps - x_0). ``out``: (B, C or 2C, ...), its first C
-    channels are the prediction; ``t``: the objective's own timesteps (int64 indices, or float in [0, 1])."""
+    DDPM epsilon: x_0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t); DDPM v: x_0 = sqrt(abar_t) x_t - sqrt(1 -
+    abar_t) v (finite at a zero terminal SNR, abar_T = 0: x_0 = -v); flow: x_0 = x_t - t v (x_t = (1 - t)
+    x_0 + t eps, v = eps - x_0). ``out``: (B, C or 2C, ...), its first C channels are the prediction; ``t``: the
+    objective's own timesteps (int64 indices, or float in [0, 1])."""
     out = out[:, : x_t.shape[1]]
     if isinstance(objective, RectifiedFlow):
         tt = t.double().reshape(-1, *[1] * (x_t.ndim - 1))
         return (x_t.double() - tt * out.double()).to(x_t.dtype)
-    return objective.predict_xstart_from_eps(x_t, t, objective.eps_from_output(x_t, t, out)).to(x_t.dtype)
+    if objective.prediction_type == "v_prediction":
+        return objective.predict_xstart_from_v(x_t, t, out).to(x_t.dtype)
+    return objective.predict_xstart_from_eps(x_t, t, out).to(x_t.dtype)
 
 
 def noised(objective: Objective, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -93,6 +96,20 @@ def flow_student_shift(scheduler_config: dict) -> float:
     """The shift a flow pipeline's student runs at: its scheduler config's ``flow_shift`` (a multistep solver on flow
     sigmas), else its ``shift`` (``FlowMatchEulerDiscreteScheduler``), else 1."""
     return float(scheduler_config.get("flow_shift") or scheduler_config.get("shift") or 1.0)
+
+
+def pipeline_student_times(objective: Objective, scheduler_config: dict, steps: int, device=None) -> torch.Tensor:
+    """The K (``steps``) timesteps of a pipeline's student, noisiest first, on the objective's scale: a flow
+    pipeline's ``flow_student_sigmas`` of ``flow_student_shift(scheduler_config)`` (float32; the scheduler's own shift,
+    not a dynamic one's), a DDPM pipeline's ``student_times`` (int64 T-1 - k T / K: [999, 749, 499, 249] at K = 4).
+    The one rule of ``ditforge distill``'s pipeline students and ``ditforge sample --sampler student``.
+
+    Raises:
+        ValueError: ``student_times``'.
+    """
+    if isinstance(objective, RectifiedFlow):
+        return flow_student_sigmas(flow_student_shift(scheduler_config), steps).float().to(device)
+    return student_times(objective, steps, device)
 
 
 def student_loop(objective: Objective, student: Net, noise: torch.Tensor, times: torch.Tensor,

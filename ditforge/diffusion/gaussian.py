@@ -222,6 +222,13 @@ class GaussianDiffusion:
         return (self._extract(self.sqrt_one_minus_alphas_cumprod, t, n) * x_t.double()
                 + self._extract(self.sqrt_alphas_cumprod, t, n) * out.double())
 
+    def predict_xstart_from_v(self, x_t: torch.Tensor, t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """x_0 = sqrt(abar_t) x_t - sqrt(1 - abar_t) v (invert x_t and v; Salimans & Ho 2022), float64: finite at a
+        zero terminal SNR (abar_T = 0, x_0 = -v), where the route through eps divides by sqrt(abar_T)."""
+        n = x_t.ndim
+        return (self._extract(self.sqrt_alphas_cumprod, t, n) * x_t.double()
+                - self._extract(self.sqrt_one_minus_alphas_cumprod, t, n) * v.double())
+
     def velocity(self, x_start: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """v = sqrt(abar_t) eps - sqrt(1 - abar_t) x_0 (Salimans & Ho 2022, sec. 4; diffusers' ``get_velocity``),
         float64."""

@@ -294,45 +294,45 @@ class VideoSampler:
 
     def _student(self, cond: dict, uncond: dict | None, image_cond, shape: tuple[int, ...], seed: int,
                  steps: int) -> torch.Tensor:
-        """A K-step (``steps``) flow-matching student's latents (1, C, T', h, w) float32, no guidance (DMD2's
-        multi-step sampler, Yin et al. 2024 sec. 4.5): x = noise; at step k the student's velocity v at
-        sigma_k gives x0 = x - sigma_k v, re-noised with fresh noise to x = (1 - sigma_{k+1}) x0 + sigma_{k+1} eps;
-        the last x0 is the sample; a guidance-distilled family's student takes its embedded scale in ``cond``
-        (``guidance_inputs``), as it was distilled. sigma_k = shift s / (1 + (shift - 1) s), s = 1 - k / K: the pipeline
-        scheduler's ``flow_shift`` / ``shift`` applied to K uniform steps, as Self-Forcing's ``warp_denoising_step``
-        and LightX2V's 4-step list [1000, 750, 500, 250] map their timesteps (FastVideo's DMD denoising stage runs
-        the same step on its listed timesteps). The model sees t = 1000 sigma_k. The noise and each eps are drawn
-        from ``torch.Generator(device).manual_seed(seed)`` in turn.
+        """A K-step (``steps``) student's latents (1, C, T', h, w) float32, no guidance: DMD2's multi-step sampler
+        (Yin et al. 2024 sec. 4.5; ``dmd.student_loop``, what ``ditforge distill`` trains through) on
+        ``dmd.pipeline_student_times``, the objective the pipeline's scheduler config gives (``create_objective``).
+        x = noise; at step k the student's output at t_k gives x0, re-noised with fresh noise to t_{k+1}; the last
+        x0 is the sample. Flow matching: x0 = x - sigma_k v, x = (1 - sigma_{k+1}) x0 + sigma_{k+1} eps, sigma_k =
+        shift s / (1 + (shift - 1) s), s = 1 - k / K, the scheduler's ``flow_shift`` / ``shift`` (Self-Forcing's
+        ``warp_denoising_step``, LightX2V's 4-step list [1000, 750, 500, 250]), the model at t = 1000 sigma_k. DDPM
+        (v-prediction): t_k = T-1 - k T / K (DMD2's [999, 749, 499, 249]), x0 = sqrt(abar) x - sqrt(1 - abar) v,
+        x = sqrt(abar) x0 + sqrt(1 - abar) eps; latents (B, C, T', h, w) in any layout (a frames-first adapter
+        transposes). A guidance-distilled student takes its embedded scale in ``cond`` (``guidance_inputs``). The
+        noise, then each eps, from ``torch.Generator(device).manual_seed(seed)``.
 
         Raises:
-            UserError: a pipeline whose scheduler is not flow matching (the recipe needs x0 = x - sigma v), of two
-                experts, of frames-first latents or an image input, or guidance asked for (a student bakes it in)."""
-        config = self.pre.pipe.scheduler.config
-        flow = config.get("prediction_type", "flow_prediction") == "flow_prediction" and (
-            "flow_shift" in config or "shift" in config)
-        why = ("its scheduler is not flow matching" if not flow else "it has two experts" if self.boundary is not None
-               else "its latents are frames first" if self.experts[0].frames_first else "it takes an image"
-               if image_cond else "--cfg_scale > 1 asks for guidance; give --cfg_scale 1" if uncond is not None
-               else None)
+            UserError: a pipeline of two experts or an image input, guidance asked for (a student bakes it in), or a
+                scheduler of no objective ditforge trains (``create_objective``'s)."""
+        why = ("it has two experts" if self.boundary is not None else "it takes an image" if image_cond
+               else "--cfg_scale > 1 asks for guidance; give --cfg_scale 1" if uncond is not None else None)
         if why:
-            raise UserError(f"--sampler student: for a one-transformer text-to-video flow-matching pipeline without "
-                            f"guidance; {self.pre.pipeline_class} ({type(self.pre.pipe.scheduler).__name__}): {why}")
-        from ditforge.diffusion.dmd import flow_student_shift, flow_student_sigmas  # ditforge distill's, too
-
-        sigmas = flow_student_sigmas(flow_student_shift(config), steps).tolist() + [0.0]
+            raise UserError(f"--sampler student: for a one-transformer text-to-video pipeline without guidance; "
+                            f"{self.pre.pipeline_class} ({type(self.pre.pipe.scheduler).__name__}): {why}")
         from diffusers.utils.torch_utils import randn_tensor
 
+        from ditforge.diffusion.dmd import pipeline_student_times, student_loop  # ditforge distill's, too
+        from ditforge.diffusion.objective import create_objective
+
+        denoiser, config = self.experts[0], dict(self.pre.scheduler_config)
+        objective = create_objective("auto", denoiser.learn_sigma, config, device=self.device,
+                                     where=f"--sampler student: {self.pre.pipeline_class}'s scheduler",
+                                     **denoiser.objective_args(self.pre.pipe, None, *shape[2:]))
+        times = pipeline_student_times(objective, config, steps, self.device)
         generator = torch.Generator(self.device).manual_seed(seed)
-        latents = randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
         inputs = {k: v.to(self.dtype) for k, v in cond.items()}
+
+        def draw(x):
+            return randn_tensor(x.shape, generator=generator, device=self.device, dtype=torch.float32)
+
         with torch.no_grad():
-            for sigma, after in zip(sigmas[:-1], sigmas[1:]):
-                t = torch.full((1,), sigma * 1000.0, device=self.device)
-                v = self.experts[0].denoise(latents.to(self.dtype), t, **inputs).float()
-                x0 = latents - sigma * v
-                latents = x0 if after == 0.0 else (1 - after) * x0 + after * randn_tensor(
-                    shape, generator=generator, device=self.device, dtype=torch.float32)
-        return latents
+            return student_loop(objective, lambda x, t: denoiser.denoise(x.to(self.dtype), t, **inputs).float(),
+                                draw(torch.empty(shape)), times, draw)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the

@@ -3,14 +3,17 @@ LoRA student by DMD2 (``diffusion/dmd.py`` holds the math), data-free from promp
 
 One copy of the base weights serves the three networks (``dmd.py``'s docstring): the pipeline's denoiser carries two
 peft adapters on the family's LoRA targets, ``student`` (the generator) and ``critic`` (the fake score, trained with
-the flow loss on the student's detached samples); the teacher (the real score, guided at ``--cfg_scale``: a CFG
-pair, or for a guidance-distilled family one pass with that scale embedded, which student and critic take too) is
-the same module with the adapters disabled. ``use_adapter`` switches them: peft's ``set_adapter`` also makes the
-active adapter's parameters the ones that require gradients, so each backward (and, under gradient checkpointing,
-each recomputed forward) runs with the adapter of its own forward active.
+the family's own denoising loss, flow matching or DDPM v-prediction, on the student's detached samples); the
+teacher (the real score, guided at ``--cfg_scale``: a CFG pair, or for a guidance-distilled family one pass with that
+scale embedded, which student and critic take too) is the same module with the adapters disabled. ``use_adapter``
+switches them: peft's ``set_adapter`` also makes the active adapter's parameters the ones that require gradients, so
+each backward (and, under gradient checkpointing, each recomputed forward) runs with the adapter of its own forward
+active.
 
-The student's K timesteps are ``dmd.flow_student_sigmas`` of the pipeline scheduler's shift
-(``dmd.flow_student_shift``): the ones ``ditforge sample --sampler student`` runs (``VideoSampler._student``).
+The student's K timesteps are ``dmd.pipeline_student_times``: a flow pipeline's ``dmd.flow_student_sigmas`` of its
+scheduler's shift, a DDPM one's (v-prediction, zero terminal SNR) T-1 - k T / K; the ones ``ditforge
+sample --sampler student`` runs (``VideoSampler._student``). Latents are (B, C, T', h, w) for every family: a
+frames-first one's adapter (``frames_first``) hands them to its transformer as (B, T', C, h, w) itself.
 
 The run folder is a fine-tuned pipeline run's (``weights.finetuned.load_finetuned`` reads it): ``checkpoints/
 step-*/`` (DCP, ``checkpoint.Checkpointer``) hold ``student`` and ``critic`` (their adapters' tensors), both
@@ -38,9 +41,9 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from ditforge.config.sections import DistillConfig
 from ditforge.config.values import resolve_device, resolve_precision
 from ditforge.data.sampler import derive_seed
-from ditforge.diffusion.dmd import DMD2, flow_student_shift, flow_student_sigmas
+from ditforge.diffusion.dmd import DMD2, pipeline_student_times
 from ditforge.diffusion.flow import RectifiedFlow
-from ditforge.diffusion.objective import create_objective
+from ditforge.diffusion.objective import create_objective, objective_of_scheduler
 from ditforge.diffusion.samplers import STUDENT_SAMPLER
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
@@ -98,8 +101,8 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
 
     Raises:
         UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no one-transformer text-to-video
-            flow-matching one (``VideoSampler._student``'s rule), or without guidance information (no
-            ``--cfg_scale`` and no default scale in its call).
+            one (``VideoSampler._student``'s rule), or without guidance information (no ``--cfg_scale`` and no
+            default scale in its call).
     """
     from ditforge.models.adapters.pipeline import encoder_dtype, load_pretrained
     from ditforge.models.adapters.pipeline import pipeline_defaults
@@ -107,10 +110,9 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
     pre = load_pretrained(folder, device, encoder_dtype(device), flag=FLAG, denoiser_dtype=dtype)
     den = pre.denoiser
     why = ("it is not a video family" if not den.video else "it has two experts" if len(den.expert_models()) > 1
-           else "it takes an image" if den.image_to_video or den.takes_references
-           else "its latents are frames first" if den.frames_first else None)
+           else "it takes an image" if den.image_to_video or den.takes_references else None)
     if why:
-        raise UserError(f"{FLAG} {cfg.teacher}: distill takes one-transformer text-to-video flow-matching pipelines; "
+        raise UserError(f"{FLAG} {cfg.teacher}: distill takes one-transformer text-to-video pipelines; "
                         f"{pre.pipeline_class}: {why}")
     scale = cfg.cfg_scale if cfg.cfg_scale is not None else pipeline_defaults(pre.pipe).get("guidance_scale")
     if scale is None:
@@ -121,7 +123,10 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
 
 def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, int]:
     """((B, C, T', h, w) of the student's latents, height, width, frames): the flags, else the pipeline call's
-    defaults. Raises UserError: a frame count the VAE cannot take, a side the VAE and patches do not divide."""
+    defaults (or the adapter's ``call_defaults``, from its transformer's config). Channels before frames for every
+    family, as fine-tuning encodes them (a frames-first adapter transposes for its transformer). Raises UserError: a
+    frame count the VAE cannot take, a side the VAE and patches do not divide, a size the model cannot take
+    (``refuse_size``: learned positional tables)."""
     from ditforge.encoders import VAE
     from ditforge.models.adapters.pipeline import pipeline_defaults
 
@@ -134,13 +139,15 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
         if value % pre.side_multiple:
             raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of "
                             f"{pre.side_multiple}")
+    pre.refuse_size(height, width, frames, f"--height {height} --width {width} --num_frames {frames}")
     shape = (cfg.batch_size, den.in_channels, vae.latent_frames(frames), height // vae.downsample,
              width // vae.downsample)
     return shape, height, width, frames
 
 
 def nets(model, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
-    """(student, critic, teacher) callables (x_t, model timesteps) -> velocity, float32, for ``dmd.DMD2``: the denoiser
+    """(student, critic, teacher) callables (x_t, model timesteps) -> the model's output (a flow family's velocity,
+    a DDPM family's v-prediction), float32, for ``dmd.DMD2``: the denoiser
     ``model`` under the adapter ``student`` / ``critic``, and with adapters disabled the guided teacher: u + scale
     (c - u) (Ho & Salimans 2022; c, u the conditional and unconditional, empty-prompt passes: the pipelines'
     ``noise_uncond + guidance_scale * (noise_pred - noise_uncond)``), or for a guidance-distilled family
@@ -207,10 +214,10 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     model = model.to(device).eval()  # eval: no dropout; the student always sees its prompt
     objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, where=f"{FLAG} {cfg.teacher}",
                                  device=device, **model.objective_args(pre.pipe, None, *shape[2:]))
-    if not isinstance(objective, RectifiedFlow):
-        raise UserError(f"{FLAG} {cfg.teacher}: {type(pre.pipe.scheduler).__name__} is not flow matching; the "
-                        "student's steps (x0 = x - sigma v) need a flow-matching pipeline")
-    times = flow_student_sigmas(flow_student_shift(pre.scheduler_config), cfg.student_steps).float().to(device)
+    try:  # flow: x0 = x - sigma v; DDPM v-prediction: x0 = sqrt(abar) x - sqrt(1 - abar) v (dmd.predicted_x0)
+        times = pipeline_student_times(objective, pre.scheduler_config, cfg.student_steps, device)
+    except ValueError as e:
+        raise UserError(f"--student_steps: {e}") from None
     params = {n: list(adapter_params(model, n).values()) for n in ADAPTERS}
     opt_g = torch.optim.AdamW(params["student"], lr=cfg.lr, betas=(0.0, 0.999), weight_decay=0.0, foreach=True)
     opt_c = torch.optim.AdamW(params["critic"], lr=cfg.critic_lr or cfg.lr, betas=(0.0, 0.999), weight_decay=0.0,
@@ -277,7 +284,9 @@ def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], object
 
     den = pre.denoiser
     overrides = {"init_from": str(folder), "family": den.family, "condition": "text", "lora_rank": cfg.lora_rank,
-                 "lora_target_modules": ",".join(targets), "objective": "flow", "flow_shift": objective.shift,
+                 "lora_target_modules": ",".join(targets),
+                 "objective": objective_of_scheduler(pre.scheduler_config),
+                 "flow_shift": objective.shift if isinstance(objective, RectifiedFlow) else None,
                  "in_channels": den.in_channels, "learn_sigma": den.learn_sigma, "vae": str(folder / "vae"),
                  "image_size": height if height == width else None, "num_frames": frames, "seed": cfg.seed,
                  "batch_size": cfg.batch_size, "lr": cfg.lr, "max_steps": cfg.max_steps,

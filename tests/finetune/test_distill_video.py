@@ -155,7 +155,7 @@ def test_one_step_equals_reference_dmd2(run, wan_pipeline):
         assert any((got[name] != 0).any() for name in names if ".lora_B." in name)  # the step moved B
 
 
-def assert_resume_exact(run, folder, prompt_file, tmp_path) -> None:
+def assert_resume_exact(run, folder, prompt_file, tmp_path, *extra: str) -> None:
     """The 4-iteration ``run`` of ``folder`` cut after step 2 and resumed: adapters and metrics bit for bit. Called
     under ``one_thread``, the thread count the run was made with (float32 reductions split by the thread count
     differ in their last bits: HunyuanVideo's resumed student did at 2 threads against a 1-thread run)."""
@@ -163,7 +163,7 @@ def assert_resume_exact(run, folder, prompt_file, tmp_path) -> None:
     shutil.copytree(run, cut)
     for step in ("step-0000003", "step-0000004"):
         shutil.rmtree(cut / "checkpoints" / step)
-    assert cli.main(distill_argv(folder, prompt_file, cut, "--max_steps", "4", "--resume", "auto")) == 0
+    assert cli.main(distill_argv(folder, prompt_file, cut, "--max_steps", "4", "--resume", "auto", *extra)) == 0
     meta = dcp.FileSystemReader(str(run / "checkpoints" / "step-0000004")).read_metadata().state_dict_metadata
     names = [k for k in meta if k.startswith(("student.", "critic.", "optimizer.", "critic_optimizer."))
              and hasattr(meta[k], "size")]
@@ -182,18 +182,17 @@ def test_resume_equals_uninterrupted(run, wan_pipeline, prompt_file, tmp_path, o
     assert_resume_exact(run, wan_pipeline, prompt_file, tmp_path)
 
 
-def export_loads(run, pipeline_class, folder, tmp_path, shift: float):
-    """The run's timesteps are the sampler's (``shift``); its ``export --format lora`` (and ``comfyui``) written,
+def export_loads(run, pipeline_class, folder, tmp_path, timesteps: list, comfyui: bool = True):
+    """The run's saved timesteps are ``timesteps``; its ``export --format lora`` (and ``comfyui``: a family with an
+    original layout) written,
     loaded by ``pipeline_class``'s ``load_lora_weights`` into ``folder``'s pipeline with the student's tensors
     exactly. Returns (that pipeline, the LoRA folder)."""
-    from ditforge.diffusion.dmd import flow_student_sigmas
-
     config = json.loads((run / "checkpoints" / "step-0000004" / "meta.json").read_text())["config"]
-    assert config["distill"]["timesteps"] == pytest.approx(flow_student_sigmas(shift, STEPS).tolist())
+    assert config["distill"]["timesteps"] == pytest.approx(timesteps)
     out = tmp_path / "lora"
     assert cli.main(["export", "--ckpt", str(run), "--out", str(out), "--format", "lora"]) == 0
     comfy = tmp_path / "c.safetensors"
-    assert cli.main(["export", "--ckpt", str(run), "--out", str(comfy), "--format", "comfyui"]) == 0
+    assert not comfyui or cli.main(["export", "--ckpt", str(run), "--out", str(comfy), "--format", "comfyui"]) == 0
     pipe = pipeline_class.from_pretrained(str(folder), local_files_only=True)
     pipe.load_lora_weights(str(out))
     student = read_part(run / "checkpoints" / "step-0000004", "ema", [f"transformer.{n}".replace(
@@ -213,7 +212,10 @@ def test_export_loads_in_diffusers_and_samples_in_its_steps(run, wan_pipeline, t
     from ditforge.weights.finetuned import load_finetuned
     from ditforge.weights.read import load_weights
 
-    pipe, out = export_loads(run, WanPipeline, wan_pipeline, tmp_path, 3.0)  # the folder's UniPC flow_shift
+    from ditforge.diffusion.dmd import flow_student_sigmas
+
+    # the folder's UniPC flow_shift 3
+    pipe, out = export_loads(run, WanPipeline, wan_pipeline, tmp_path, flow_student_sigmas(3.0, STEPS).tolist())
     # the run samples as the pipeline with the exported LoRA does under --sampler student in the run's steps
     g = torch.Generator().manual_seed(3)
     x, states = torch.randn(1, 16, 2, 2, 2, generator=g), torch.randn(1, 512, 32, generator=g)
@@ -277,37 +279,41 @@ def test_fine_tuned_run_as_teacher(video_runs, wan_pipeline, prompt_file, tmp_pa
 HV_SCALE = 6.0
 
 
+def forward_log(monkeypatch, model_class, argument: str, seen: list) -> None:
+    """Record the keyword ``argument`` (a tensor) of every call of ``model_class.forward`` in ``seen``."""
+    forward = model_class.forward
+
+    def recorded(self, *args, **kwargs):
+        seen.append(kwargs[argument].detach().clone())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_class, "forward", recorded)
+
+
 def guidance_log(monkeypatch, seen: list) -> None:
     """Record the ``guidance`` tensor of every call of diffusers' ``HunyuanVideoTransformer3DModel.forward``."""
     from diffusers import HunyuanVideoTransformer3DModel
 
-    forward = HunyuanVideoTransformer3DModel.forward
-
-    def recorded(self, *args, **kwargs):
-        seen.append(kwargs["guidance"].detach().clone())
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(HunyuanVideoTransformer3DModel, "forward", recorded)
+    forward_log(monkeypatch, HunyuanVideoTransformer3DModel, "guidance", seen)
 
 
-@pytest.fixture(scope="module")
-def hv_run(hunyuan_video_pipeline, prompt_file, tmp_path_factory):
-    """``run``'s 4 iterations on the tiny HunyuanVideo, the default --cfg_scale (the pipeline's), recording each
-    teacher call (x_t, t, its output, the transformer calls it made) and the guidance of every transformer call."""
+def recorded_run(folder, prompt_file, out, *extra: str, log_calls=lambda mp, calls: None):
+    """``run``'s 4 iterations of ``folder`` (one thread) into ``out``, recording each teacher call in
+    ``seen["teacher"]`` (x_t, t, its output, how many entries ``log_calls`` (monkeypatch, list) added to
+    ``seen["calls"]`` during it). Returns (out, seen)."""
     import ditforge.train.distill_pipeline as distill_pipeline
 
-    out = tmp_path_factory.mktemp("distill_hv") / "run"
-    seen = {"teacher": [], "guidance": []}
+    seen = {"teacher": [], "calls": []}
     nets = distill_pipeline.nets
 
     def spy(model, cond, scale, amp):
         student, critic, teacher = nets(model, cond, scale, amp)
 
         def watched(x, t):
-            before = len(seen["guidance"])
+            before = len(seen["calls"])
             v = teacher(x, t)
             seen["teacher"].append((x.detach().clone(), t.detach().clone(), v.detach().clone(),
-                                    len(seen["guidance"]) - before))
+                                    len(seen["calls"]) - before))
             return v
 
         return student, critic, watched
@@ -317,11 +323,19 @@ def hv_run(hunyuan_video_pipeline, prompt_file, tmp_path_factory):
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(distill_pipeline, "nets", spy)
-            guidance_log(mp, seen["guidance"])
-            assert cli.main(distill_argv(hunyuan_video_pipeline, prompt_file, out, "--max_steps", "4")) == 0
+            log_calls(mp, seen["calls"])
+            assert cli.main(distill_argv(folder, prompt_file, out, "--max_steps", "4", *extra)) == 0
     finally:
         torch.set_num_threads(before)
     return out, seen
+
+
+@pytest.fixture(scope="module")
+def hv_run(hunyuan_video_pipeline, prompt_file, tmp_path_factory):
+    """``run``'s 4 iterations on the tiny HunyuanVideo, the default --cfg_scale (the pipeline's), recording each
+    teacher call and the guidance of every transformer call (``seen["calls"]``)."""
+    return recorded_run(hunyuan_video_pipeline, prompt_file, tmp_path_factory.mktemp("distill_hv") / "run",
+                        log_calls=guidance_log)
 
 
 def test_hunyuan_teacher_is_one_pass_with_the_embedded_scale(hv_run, hunyuan_video_pipeline):
@@ -332,7 +346,7 @@ def test_hunyuan_teacher_is_one_pass_with_the_embedded_scale(hv_run, hunyuan_vid
     from diffusers import HunyuanVideoPipeline
 
     run, seen = hv_run
-    assert seen["guidance"] and all(torch.equal(g, torch.full((BATCH,), HV_SCALE * 1000.0)) for g in seen["guidance"])
+    assert seen["calls"] and all(torch.equal(g, torch.full((BATCH,), HV_SCALE * 1000.0)) for g in seen["calls"])
     assert [n for *_, n in seen["teacher"]] == [1] * len(seen["teacher"]) and len(seen["teacher"]) == 2
     pipe = HunyuanVideoPipeline.from_pretrained(str(hunyuan_video_pipeline), local_files_only=True)
     g = torch.Generator().manual_seed(derive_seed(SEED, 1))
@@ -368,7 +382,10 @@ def test_hunyuan_export_loads_and_samples_with_the_embedded_scale(hv_run, hunyua
     import numpy as np
     from diffusers import HunyuanVideoPipeline
 
-    _, out = export_loads(hv_run[0], HunyuanVideoPipeline, hunyuan_video_pipeline, tmp_path, 7.0)  # its shift 7
+    from ditforge.diffusion.dmd import flow_student_sigmas
+
+    _, out = export_loads(hv_run[0], HunyuanVideoPipeline, hunyuan_video_pipeline, tmp_path,
+                          flow_student_sigmas(7.0, STEPS).tolist())  # its shift 7
     guidance: list = []
     guidance_log(monkeypatch, guidance)
     common = ["--prompt", "a cat walks", "--device", "cpu", "--num_frames", "5"]
@@ -382,8 +399,131 @@ def test_hunyuan_export_loads_and_samples_with_the_embedded_scale(hv_run, hunyua
     assert a.shape == (1, 5, 16, 16, 3) and np.abs(a - b).max() <= 1
 
 
+# CogVideoX: a DDPM v-prediction teacher (zero terminal SNR, SNR shift 3: the tiny pipeline's scheduler), its
+# latents frames first in the pipeline, guided by CFG at CogVideoXPipeline's default guidance_scale 6
+COG_SCALE, COG_SIZE = 6.0, ("--height", "32", "--width", "32", "--num_frames", "9")  # latents 4 x 3 x 4 x 4
+COG_TIMES = [999, 499]  # DMD2's rule T-1 - k T / K at K = 2
+
+
+def cog_rotary(pipe, frames: int):
+    """The pipeline's own rotary tables of 32 x 32 frames, ``frames`` latent frames (its ``__call__``'s)."""
+    return pipe._prepare_rotary_positional_embeddings(32, 32, frames, torch.device("cpu"))
+
+
+def timestep_log(monkeypatch, seen: list) -> None:
+    """Record the ``timestep`` of every call of diffusers' ``CogVideoXTransformer3DModel.forward``."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    forward_log(monkeypatch, CogVideoXTransformer3DModel, "timestep", seen)
+
+
+@pytest.fixture(scope="module")
+def cog_run(cogvideox_pipeline, prompt_file, tmp_path_factory):
+    """``run``'s 4 iterations on the tiny CogVideoX (LoRA student), the default --cfg_scale (the pipeline's)."""
+    return recorded_run(cogvideox_pipeline, prompt_file, tmp_path_factory.mktemp("distill_cog") / "run", *COG_SIZE,
+                        log_calls=timestep_log)
+
+
+def test_cogvideox_teacher_is_the_pipelines_guided_v(cog_run, cogvideox_pipeline):
+    """The teacher of iteration 1 equals diffusers' transformer called directly as ``CogVideoXPipeline.__call__``'s
+    loop calls it: latents frames first, [negative; prompt] states of the pipeline's ``encode_prompt`` (negative
+    "", 226 tokens), the pipeline's rotary tables, ``timestep`` for both halves, ``noise_pred.float()`` then
+    ``uncond + 6 (text - uncond)``; 1e-5 in float32, in two transformer calls. x0 from v is the scheduler's
+    ``sqrt(abar) x - sqrt(1 - abar) v`` (diffusers' ``alphas_cumprod``; -v at t = 999, zero terminal SNR), and every
+    logged loss is finite; the checkpoint keeps DMD2's timesteps and the teacher's guidance."""
+    from diffusers import CogVideoXPipeline
+
+    from ditforge.diffusion.dmd import predicted_x0
+    from ditforge.diffusion.objective import create_objective
+
+    run, seen = cog_run
+    pipe = CogVideoXPipeline.from_pretrained(str(cogvideox_pipeline), local_files_only=True)
+    g = torch.Generator().manual_seed(derive_seed(SEED, 1))
+    rows = torch.randint(len(PROMPTS), (BATCH,), generator=g).tolist()
+    x, t, got, calls = seen["teacher"][0]
+    assert x.shape == (BATCH, 4, 3, 4, 4) and t.dtype == torch.int64 and calls == 2 and len(seen["teacher"]) == 2
+    with torch.no_grad():
+        embeds, negative = pipe.encode_prompt([PROMPTS[i] for i in rows], do_classifier_free_guidance=True,
+                                              max_sequence_length=226)
+        latents = x.transpose(1, 2)  # the pipeline's (B, T', C, h, w)
+        out = pipe.transformer(hidden_states=torch.cat([latents] * 2), encoder_hidden_states=torch.cat(
+            [negative, embeds]), timestep=torch.cat([t, t]), image_rotary_emb=cog_rotary(pipe, 3),
+            return_dict=False)[0].float()
+    uncond, text = out.chunk(2)
+    torch.testing.assert_close(got, (uncond + COG_SCALE * (text - uncond)).transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert (got - text.transpose(1, 2)).abs().max() > 1e-3  # the guidance matters in the tiny model
+    objective = create_objective("auto", False, dict(pipe.scheduler.config))
+    steps = torch.tensor([999, 499, 0, int(torch.randint(1, 999, ()))])
+    x, v = torch.randn(2, 4, 4, 3, 4, 4, dtype=torch.float64)
+    abar = pipe.scheduler.alphas_cumprod.double()[steps].view(-1, 1, 1, 1, 1)
+    want = abar.sqrt() * x - (1 - abar).sqrt() * v
+    torch.testing.assert_close(predicted_x0(objective, x, steps, v), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(predicted_x0(objective, x, steps, v)[0], -v[0])
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4] and lines[0]["dmd_grad_norm"] > 0
+    assert all(torch.isfinite(torch.tensor(v)) for r in lines for v in r.values())
+    config = json.loads((run / "checkpoints" / "step-0000004" / "meta.json").read_text())["config"]
+    assert config["distill"]["teacher_cfg_scale"] == COG_SCALE and config["distill"]["sample_cfg_scale"] == 1.0
+
+
+def test_cogvideox_resume_equals_uninterrupted(cog_run, cogvideox_pipeline, prompt_file, tmp_path, one_thread):
+    assert_resume_exact(cog_run[0], cogvideox_pipeline, prompt_file, tmp_path, *COG_SIZE)
+
+
+def test_cogvideox_export_loads_and_samples_in_its_k_steps(cog_run, cogvideox_pipeline, tmp_path, monkeypatch):
+    """The LoRA loads through ``CogVideoXPipeline.load_lora_weights``; ``sample --ckpt RUN`` runs the student's 2
+    steps at t = 999, 499 without guidance (one transformer call each) and draws the clip the pipeline with that
+    LoRA draws under ``--sampler student``; its latents equal DMD2's K-step recipe written here on diffusers'
+    transformer with the LoRA and the scheduler's ``alphas_cumprod`` (1e-5)."""
+    import numpy as np
+    from diffusers import CogVideoXPipeline
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from ditforge.parallel.mesh import Dist
+    from ditforge.sample.load import SampleConfig
+    from ditforge.sample.video import VideoSampler
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    run = cog_run[0]
+    pipe, out = export_loads(run, CogVideoXPipeline, cogvideox_pipeline, tmp_path, COG_TIMES, comfyui=False)
+    shape, seed, abar = (1, 4, 3, 4, 4), 11, pipe.scheduler.alphas_cumprod.double()
+    with torch.no_grad():
+        text = pipe.encode_prompt(PROMPTS[2], do_classifier_free_guidance=False, max_sequence_length=226)[0]
+        generator = torch.Generator().manual_seed(seed)
+        x = randn_tensor(shape, generator=generator, dtype=torch.float32)
+        for k, t in enumerate(COG_TIMES):
+            v = pipe.transformer(hidden_states=x.transpose(1, 2), encoder_hidden_states=text, timestep=torch.tensor(
+                [t]), image_rotary_emb=cog_rotary(pipe, 3), return_dict=False)[0].transpose(1, 2).double()
+            x0 = abar[t].sqrt() * x.double() - (1 - abar[t]).sqrt() * v
+            if k + 1 < len(COG_TIMES):
+                a = abar[COG_TIMES[k + 1]]
+                x = (a.sqrt() * x0 + (1 - a).sqrt() * randn_tensor(shape, generator=generator)).float()
+        pre, ours, _ = load_finetuned(*load_weights(str(run)), torch.device("cpu"))
+        sampler = VideoSampler(pre, ours, Dist(), SampleConfig(ckpt=str(run), mixed_precision="fp32",
+                                                               sampler="student"))
+        got = sampler.denoise(pre.encode_prompt([PROMPTS[2]]), None, shape, seed, len(COG_TIMES), 1.0)
+    torch.testing.assert_close(got, x0.float(), rtol=0, atol=1e-5)
+    times: list = []
+    timestep_log(monkeypatch, times)
+    common = ["--prompt", PROMPTS[2], "--device", "cpu", "--num_frames", "9"]
+    assert cli.main(["sample", "--ckpt", str(run), "--out", str(tmp_path / "a.mp4"), "--save_npz",
+                     str(tmp_path / "a.npz"), *common]) == 0
+    assert cli.main(["sample", "--ckpt", str(cogvideox_pipeline), "--lora", str(out), "--sampler", "student",
+                     "--num_sampling_steps", str(STEPS), "--cfg_scale", "1", "--image_size", "32", "--out",
+                     str(tmp_path / "b.mp4"), "--save_npz", str(tmp_path / "b.npz"), *common]) == 0
+    assert [t.tolist() for t in times] == [[t] for t in COG_TIMES] * 2
+    a, b = (np.load(tmp_path / f"{n}.npz")["samples"].astype(int) for n in "ab")
+    assert a.shape == (1, 9, 32, 32, 3) and np.abs(a - b).max() <= 1
+
+
 @pytest.mark.parametrize("family, why", [("hunyuan_video_i2v", "it takes an image"),
-                                         ("cogvideox", "its latents are frames first")])
+                                         ("cogvideox_i2v", "it takes an image")])
 def test_still_refused_one_line(request, family, why, prompt_file, tmp_path, capsys):
     folder = request.getfixturevalue(f"{family}_pipeline")
-    assert_one_line_error(capsys, distill_argv(folder, prompt_file, tmp_path / "bad"), "--teacher", why)
+    assert_one_line_error(capsys, distill_argv(folder, prompt_file, tmp_path / "bad", *COG_SIZE), "--teacher", why)
+
+
+def test_cogvideox_student_steps_beyond_its_timesteps_one_line(cogvideox_pipeline, prompt_file, tmp_path, capsys):
+    assert_one_line_error(capsys, distill_argv(cogvideox_pipeline, prompt_file, tmp_path / "bad", *COG_SIZE,
+                                               "--student_steps", "1001"), "--student_steps", "1..1000")
