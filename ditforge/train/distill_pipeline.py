@@ -160,12 +160,12 @@ def first_frame_files(cfg: DistillConfig, pre) -> list[Path]:
     return files
 
 
-def conditioning(pre, texts: list[str], files: list[Path], frames: tuple[int, int, int],
+def conditioning(pre, texts: list[str], files: list[Path], size: tuple[int, int, int],
                  generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The B samples' conditioning (float32, batch-first, on the denoiser's device): the prompts ``texts``'
     (``Pretrained.encode_prompt``), and for an image-to-video teacher (``files``: B first-frame files) the image
     conditioning as fine-tuning builds a clip's (``encoders.batch.BatchEncoder.conditioning``): ``Pretrained.
-    encode_image`` of the first frames (B, 3, H, W) in [-1, 1] for clips of T frames (``frames``: (H, W, T)), the
+    encode_image`` of the first frames (B, 3, H, W) in [-1, 1] for clips of T frames (``size``: (H, W, T)), the
     prompts encoded with those frames by a ``prompt_sees_image`` family. The frames are the files as PIL RGB images
     (``open_rgb``) resized and normalised by the pipeline's own ``video_processor.preprocess`` (its call's, and
     ``ditforge sample --image``'s), the PIL images themselves going to its image encoder as the pipeline's do; a
@@ -176,7 +176,7 @@ def conditioning(pre, texts: list[str], files: list[Path], frames: tuple[int, in
         return pre.encode_prompt(texts)
     from ditforge.data.images import open_rgb
 
-    den, (height, width, num_frames) = pre.denoiser, frames
+    den, (height, width, num_frames) = pre.denoiser, size
     images = [open_rgb(f, f"--image {f}") for f in files]
     first = pre.pipe.video_processor.preprocess(images, height=height, width=width).float()
     cond = pre.encode_prompt(texts, images=first) if den.prompt_sees_image else pre.encode_prompt(texts)
