@@ -91,6 +91,33 @@ def test_dmd_gradient_of_one_step_is_its_closed_form(kind):
     torch.testing.assert_close(x.grad, expected / x.numel(), rtol=1e-9, atol=1e-12)
 
 
+def test_given_frames_are_out_of_the_dmd_loss():
+    """``DMD2.given_frames`` 1 on video latents (B, C, T', h, w), flow: with real and fake denoisers of fixed random
+    velocities, the loss is 0.5 mean(grad^2) over frames 1.. only, grad = (x0_fake - x0_real) / mean|x - x0_real|
+    there (x0 = x_t - t v at the t and eps drawn in ``_noise``'s order), and x's gradient is grad / numel on those
+    frames and exactly 0 on frame 0 (float64, 1e-12)."""
+    objective = RectifiedFlow(shift=1.0, weighting_scheme="uniform")
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    shape = (3, 2, 4, 2, 2)
+    v_real, v_fake = torch.randn(2, *shape, generator=g, dtype=DT)
+    x = torch.randn(shape, generator=g, dtype=DT, requires_grad=True)
+    seed = int(torch.randint(2**31, (), generator=g))
+    dmd = DMD2(objective, torch.tensor([1.0, 0.5]), given_frames=1)
+    loss, norm = dmd.generator_loss(x, lambda x_t, mt: v_real, lambda x_t, mt: v_fake, torch.Generator().manual_seed(
+        seed))
+    loss.backward()
+    draws = torch.Generator().manual_seed(seed)
+    u = 0.02 + 0.96 * torch.rand(3, generator=draws, dtype=DT)
+    t = u.view(-1, 1, 1, 1, 1)
+    x_t = (1 - t) * x.detach() + t * torch.randn(shape, generator=draws, dtype=DT)
+    real, fake = x_t - t * v_real, x_t - t * v_fake
+    grad = ((fake - real) / (x.detach() - real)[:, :, 1:].abs().mean(dim=(1, 2, 3, 4), keepdim=True))[:, :, 1:]
+    torch.testing.assert_close(loss, 0.5 * (grad**2).mean(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(norm, grad.flatten(1).norm(dim=1), rtol=1e-12, atol=1e-12)
+    assert torch.equal(x.grad[:, :, 0], torch.zeros_like(x.grad[:, :, 0]))
+    torch.testing.assert_close(x.grad[:, :, 1:], grad / grad.numel(), rtol=1e-12, atol=1e-15)
+
+
 class GaussianCritic(torch.nn.Module):
     """A fake score in the Gaussian family, one N(m_c, L_c L_c^T) per class, trained by the denoising loss: its
     exact flow velocity from the closed form (the optimum of that loss on Gaussian data is the data's moments)."""

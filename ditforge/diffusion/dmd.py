@@ -158,11 +158,15 @@ def dmd_loss(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 @dataclass
 class DMD2:
     """DMD2's losses for one batch. ``t_range``: the noise fractions the distribution-matching loss draws its t
-    from, uniformly (DMD2's ``min_step``, ``max_step`` = 0.02 T, 0.98 T); ``times``: ``student_times``."""
+    from, uniformly (DMD2's ``min_step``, ``max_step`` = 0.02 T, 0.98 T); ``times``: ``student_times``;
+    ``given_frames``: the first latent frames (dim 2 of a video) that the conditioning gives clean (an
+    image-to-video family's first frame, the objective's ``given_frames``): left out of the distribution-matching
+    loss and its normalisation, as the objective's loss leaves them out of the critic's."""
 
     objective: Objective
     times: torch.Tensor
     t_range: tuple[float, float] = (0.02, 0.98)
+    given_frames: int = 0
 
     def generate(self, student: Net, noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The student's training sample with backward simulation (DMD2 sec. 4.5): a step k uniform in 0..K-1
@@ -180,14 +184,17 @@ class DMD2:
                        generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(``dmd_loss`` of ``x`` (scalar), the per-sample DMD gradient's norm (B,)): x noised to t drawn in
         ``t_range``, the guided teacher's (real) and the critic's (fake) x_0 predictions at (x_t, t), without
-        gradients, then ``dmd_gradient``."""
+        gradients, then ``dmd_gradient``; both on the frames after ``given_frames``."""
         with torch.no_grad():
             x_t, t = self._noise(x.detach(), generator)
             mt = self.objective.model_timesteps(t)
             x0_real = predicted_x0(self.objective, x_t, t, teacher(x_t, mt))
             x0_fake = predicted_x0(self.objective, x_t, t, critic(x_t, mt))
-            grad = dmd_gradient(x.detach(), x0_real, x0_fake)
-        return dmd_loss(x, grad), grad.flatten(1).norm(dim=1)
+            grad = dmd_gradient(*(self._learned(v) for v in (x.detach(), x0_real, x0_fake)))
+        return dmd_loss(self._learned(x), grad), grad.flatten(1).norm(dim=1)
+
+    def _learned(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :, self.given_frames:] if self.given_frames else x
 
     def critic_loss(self, x: torch.Tensor, critic: Net, generator: torch.Generator | None) -> torch.Tensor:
         """The fake score's denoising loss on the student's detached samples ``x`` (DMD eq. 6; ``compute_loss_fake``):

@@ -303,36 +303,36 @@ class VideoSampler:
         ``warp_denoising_step``, LightX2V's 4-step list [1000, 750, 500, 250]), the model at t = 1000 sigma_k. DDPM
         (v-prediction): t_k = T-1 - k T / K (DMD2's [999, 749, 499, 249]), x0 = sqrt(abar) x - sqrt(1 - abar) v,
         x = sqrt(abar) x0 + sqrt(1 - abar) eps; latents (B, C, T', h, w) in any layout (a frames-first adapter
-        transposes). A guidance-distilled student takes its embedded scale in ``cond`` (``guidance_inputs``). The
-        noise, then each eps, from ``torch.Generator(device).manual_seed(seed)``.
-
-        Raises:
-            UserError: a pipeline of two experts or an image input, guidance asked for (a student bakes it in), or a
-                scheduler of no objective ditforge trains (``create_objective``'s)."""
-        why = ("it has two experts" if self.boundary is not None else "it takes an image" if image_cond
-               else "--cfg_scale > 1 asks for guidance; give --cfg_scale 1" if uncond is not None else None)
+        transposes). A guidance-distilled student takes its embedded scale in ``cond`` (``guidance_inputs``), an
+        image-to-video one ``image_cond`` as ``denoise`` does (the adapter's ``start``, ``finish``). Its image draws
+        (``image_from_generator``), the noise, then each eps from ``torch.Generator(device).manual_seed(seed)``.
+        Raises UserError: two experts or reference images, guidance asked for (a student bakes it in), or a
+        scheduler of no objective ditforge trains (``create_objective``'s)."""
+        why = ("it has two experts" if self.boundary is not None else "it takes reference images" if self.experts[
+            0].takes_references else "--cfg_scale > 1 asks for guidance; give --cfg_scale 1" if uncond else None)
         if why:
-            raise UserError(f"--sampler student: for a one-transformer text-to-video pipeline without guidance; "
-                            f"{self.pre.pipeline_class} ({type(self.pre.pipe.scheduler).__name__}): {why}")
+            raise UserError(f"--sampler student: for a one-transformer text- or image-to-video pipeline without "
+                            f"guidance; {self.pre.pipeline_class} ({type(self.pre.pipe.scheduler).__name__}): {why}")
         from diffusers.utils.torch_utils import randn_tensor
 
         from ditforge.diffusion.dmd import pipeline_student_times, student_loop  # ditforge distill's, too
         from ditforge.diffusion.objective import create_objective
-
         denoiser, config = self.experts[0], dict(self.pre.scheduler_config)
         objective = create_objective("auto", denoiser.learn_sigma, config, device=self.device,
                                      where=f"--sampler student: {self.pre.pipeline_class}'s scheduler",
                                      **denoiser.objective_args(self.pre.pipe, None, *shape[2:]))
         times = pipeline_student_times(objective, config, steps, self.device)
         generator = torch.Generator(self.device).manual_seed(seed)
-        inputs = {k: v.to(self.dtype) for k, v in cond.items()}
+        given = dict((image_cond(generator=generator) if callable(image_cond) else image_cond) or {})
+        inputs = {k: v.to(self.dtype) for k, v in {**cond, **given}.items()}
 
         def draw(x):
             return randn_tensor(x.shape, generator=generator, device=self.device, dtype=torch.float32)
 
         with torch.no_grad():
-            return student_loop(objective, lambda x, t: denoiser.denoise(x.to(self.dtype), t, **inputs).float(),
-                                draw(torch.empty(shape)), times, draw)
+            x0 = student_loop(objective, lambda x, t: denoiser.denoise(x.to(self.dtype), t, **inputs).float(),
+                              denoiser.start(draw(torch.empty(shape)), given), times, draw)
+        return denoiser.finish(x0, given)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1], as the pipeline decodes them: the

@@ -89,6 +89,8 @@ def distill(cfg: DistillConfig) -> Path:
     check(cfg)
     if is_pipeline_teacher(cfg.teacher):
         return distill_pipeline(cfg)
+    if cfg.image is not None:
+        raise UserError(f"--image {cfg.image}: for an image-to-video pipeline teacher; {cfg.teacher} is a DiT")
     if cfg.cfg_scale is None:  # DMD2's real score guided at 3: at 4 (what `ditforge sample` guides a DiT with) the
         # digits student's FID was 1.37x the teacher's at 250 steps, at 3 0.83x, at 2 0.54x but 98.6% class accuracy
         # (docs/distillation.md, benchmarks/results/digits_distill.json)

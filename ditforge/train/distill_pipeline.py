@@ -1,5 +1,6 @@
 """``ditforge distill`` of a diffusers pipeline of an adapted family (``models/adapters``; video first): a few-step
-LoRA student by DMD2 (``diffusion/dmd.py`` holds the math), data-free from prompts.
+LoRA student by DMD2 (``diffusion/dmd.py`` holds the math), data-free from prompts (and an image-to-video teacher's
+first frames, ``--image``: a folder of PNG / JPEG files, encoded as fine-tuning encodes a clip's, ``conditioning``).
 
 One copy of the base weights serves the three networks (``dmd.py``'s docstring): the pipeline's denoiser carries two
 peft adapters on the family's LoRA targets, ``student`` (the generator) and ``critic`` (the fake score, trained with
@@ -24,7 +25,9 @@ teacher's pipeline folder, ``--lora_rank`` the student's) with a ``distill`` sec
 timesteps, the teacher's guidance, the ``--cfg_scale`` the student samples at (``sample_cfg_scale``: 1, or a
 guidance-distilled family's embedded scale), sampler ``student``). A fine-tuned run as teacher is first written as a
 pipeline folder, ``RUN/teacher``, by the CLI (``export.pipeline_teacher``: LoRA merged). The randomness of iteration k
-derives from (seed, k) alone, so ``--resume auto`` continues exactly.
+derives from (seed, k) alone, so ``--resume auto`` continues exactly; the first frames are drawn from it as the prompts
+are. Student, critic and teacher take the same image conditioning, the teacher's unconditional pass too (what the
+image-to-video pipelines' negative branch keeps); ``ditforge sample --ckpt RUN --image IMG`` samples the student.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ log = logging.getLogger(__name__)
 
 ADAPTERS = ("student", "critic")
 FLAG = "--teacher"
+FIRST_FRAME_SUFFIXES = (".png", ".jpg", ".jpeg")  # --image: the first frames of an image-to-video teacher
 
 
 def is_pipeline_teacher(teacher: str) -> bool:
@@ -100,9 +104,9 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
     default ``guidance_scale`` (a guidance-distilled family's: the scale its one pass embeds).
 
     Raises:
-        UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no one-transformer text-to-video
-            one (``VideoSampler._student``'s rule), or without guidance information (no ``--cfg_scale`` and no
-            default scale in its call).
+        UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no one-transformer video one
+            (text- or image-to-video; ``VideoSampler._student``'s rule), one that takes reference images, or without
+            guidance information (no ``--cfg_scale`` and no default scale in its call).
     """
     from ditforge.models.adapters.pipeline import encoder_dtype, load_pretrained
     from ditforge.models.adapters.pipeline import pipeline_defaults
@@ -110,15 +114,74 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
     pre = load_pretrained(folder, device, encoder_dtype(device), flag=FLAG, denoiser_dtype=dtype)
     den = pre.denoiser
     why = ("it is not a video family" if not den.video else "it has two experts" if len(den.expert_models()) > 1
-           else "it takes an image" if den.image_to_video or den.takes_references else None)
+           else "it takes reference images" if den.takes_references else None)
     if why:
-        raise UserError(f"{FLAG} {cfg.teacher}: distill takes one-transformer text-to-video pipelines; "
+        raise UserError(f"{FLAG} {cfg.teacher}: distill takes one-transformer text- or image-to-video pipelines; "
                         f"{pre.pipeline_class}: {why}")
     scale = cfg.cfg_scale if cfg.cfg_scale is not None else pipeline_defaults(pre.pipe).get("guidance_scale")
     if scale is None:
         raise UserError(f"{FLAG} {cfg.teacher}: no guidance information ({pre.pipeline_class}'s call has no default "
                         "guidance_scale); give --cfg_scale")
     return pre, float(scale)
+
+
+def first_frame_files(cfg: DistillConfig, pre) -> list[Path]:
+    """The ``--image`` files of an image-to-video teacher (``denoiser.image_to_video``): the PNG / JPEG files
+    (``FIRST_FRAME_SUFFIXES``, any case) of the folder, sorted by name (names starting with ``.`` skipped), or the one
+    such file given; each read once here (``open_rgb``) so that a bad one stops the run before it starts. [] for a
+    text-to-video teacher.
+
+    Raises:
+        UserError (one line, naming ``--image``): ``--image`` missing for an image-to-video teacher or given to
+            another; no such file or folder; a folder without PNG / JPEG files, or a file of another kind; an
+            unreadable image.
+    """
+    from ditforge.data.images import open_rgb
+
+    if not pre.denoiser.image_to_video:
+        if cfg.image is not None:
+            raise UserError(f"--image {cfg.image}: {FLAG} {cfg.teacher} is a {pre.pipeline_class}, which takes no "
+                            "image; leave --image out")
+        return []
+    if cfg.image is None:
+        raise UserError(f"--image: {FLAG} {cfg.teacher} is an image-to-video {pre.pipeline_class}; give its first "
+                        "frames, --image DIR (a folder of PNG / JPEG files)")
+    path = Path(cfg.image)
+    if not path.exists():
+        raise UserError(f"--image {cfg.image}: no such folder or file")
+    files = ([path] if path.is_file() else
+             sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")))
+    files = [p for p in files if p.suffix.lower() in FIRST_FRAME_SUFFIXES]
+    if not files:
+        raise UserError(f"--image {cfg.image}: expected a folder of PNG / JPEG files (.png, .jpg, .jpeg) or one such "
+                        "file; found none")
+    for file in files:
+        open_rgb(file, f"--image {file}")
+    return files
+
+
+def conditioning(pre, texts: list[str], files: list[Path], size: tuple[int, int, int],
+                 generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The B samples' conditioning (float32, batch-first, on the denoiser's device): the prompts ``texts``'
+    (``Pretrained.encode_prompt``), and for an image-to-video teacher (``files``: B first-frame files) the image
+    conditioning as fine-tuning builds a clip's (``encoders.batch.BatchEncoder.conditioning``): ``Pretrained.
+    encode_image`` of the first frames (B, 3, H, W) in [-1, 1] for clips of T frames (``size``: (H, W, T)), the
+    prompts encoded with those frames by a ``prompt_sees_image`` family. The frames are the files as PIL RGB images
+    (``open_rgb``) resized and normalised by the pipeline's own ``video_processor.preprocess`` (its call's, and
+    ``ditforge sample --image``'s), the PIL images themselves going to its image encoder as the pipeline's do; a
+    family that draws its image latents (``image_from_generator``) draws them from ``generator``. Not dropped for
+    the teacher's unconditional pass (the adapters' ``drop`` replaces the prompt's tensors alone, as the pipelines'
+    negative branch keeps the image)."""
+    if not files:
+        return pre.encode_prompt(texts)
+    from ditforge.data.images import open_rgb
+
+    den, (height, width, num_frames) = pre.denoiser, size
+    images = [open_rgb(f, f"--image {f}") for f in files]
+    first = pre.pipe.video_processor.preprocess(images, height=height, width=width).float()
+    cond = pre.encode_prompt(texts, images=first) if den.prompt_sees_image else pre.encode_prompt(texts)
+    extra = {"generator": generator} if den.image_from_generator else {}
+    return cond | pre.encode_image(first, num_frames, images=images, **extra)
 
 
 def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, int]:
@@ -178,7 +241,8 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
 
     Raises:
         UserError: ``--lora_rank 0`` (a full-copy student of a pipeline is not built), no ``--prompt_file``, LoRA
-            targets that match no module, and ``load_teacher_pipeline``'s / ``latent_shape``'s errors.
+            targets that match no module, and ``load_teacher_pipeline``'s / ``first_frame_files``' /
+            ``latent_shape``'s errors.
     """
     from ditforge.data.captions import read_prompts
     from ditforge.weights.lora import add_lora, check_lora_targets
@@ -203,6 +267,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
                         "`ditforge export --format diffusers` and pass that folder")
     pre, scale = load_teacher_pipeline(cfg, folder, device, amp)
     model = pre.denoiser
+    files = first_frame_files(cfg, pre)
     shape, height, width, frames = latent_shape(pre, cfg)
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
     check_lora_targets(model.inner, targets)
@@ -232,13 +297,14 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     metrics = MetricsLog(metrics_path)
     config = run_config(cfg, pre, folder, targets, objective, times, scale, height, width, frames)
     checkpointer = Checkpointer(run_dir, cfg.keep_last, False, Dist(device=device), last_step=start or None)
-    dmd = DMD2(objective, times)
+    dmd = DMD2(objective, times, given_frames=model.given_frames)  # an I2V family's given first frame: not learned
     log.info("distilling %s into a %d-step LoRA student (rank %d), guidance %.2g, %d critic steps per generator "
              "step, %d prompts, latents %s, run folder %s", cfg.teacher, cfg.student_steps, cfg.lora_rank, scale,
              cfg.critic_steps, len(prompts), tuple(shape), run_dir)
     window, tic = [], time.perf_counter()
     for step in range(start + 1, cfg.max_steps + 1):
-        window.append(iteration(dmd, step, cfg, pre, prompts, shape, scale, amp, opt_g, opt_c, params))
+        window.append(iteration(dmd, step, cfg, pre, prompts, files, (shape, height, width, frames), scale, amp,
+                                opt_g, opt_c, params))
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
             line = mean_records(window) | {"step": step, "steps_per_sec": rate}
@@ -259,16 +325,21 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     return run_dir
 
 
-def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str], shape, scale: float,
-              amp: torch.dtype, opt_g, opt_c, params: dict) -> dict[str, float]:
+def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str], files: list[Path], sizes,
+              scale: float, amp: torch.dtype, opt_g, opt_c, params: dict) -> dict[str, float]:
     """One iteration (DMD2's two time scales, as ``distill._iteration``): every ``critic_steps``-th a generator step,
-    then a critic step. Its randomness from ``torch.Generator(device).manual_seed(derive_seed(seed, step))``, in this
-    order: the B prompts' indices (uniform), the noise (B, C, T', h, w), then ``DMD2``'s draws."""
+    then a critic step. ``sizes``: (the latents' shape (B, C, T', h, w), height, width, frames). Its randomness from
+    ``torch.Generator(device).manual_seed(derive_seed(seed, step))``, in this order: the B prompts' indices
+    (uniform), an image-to-video teacher's B first frames' indices in ``files`` (uniform) and its image latents'
+    draws (``image_from_generator``), the noise (B, C, T', h, w) (then the adapter's ``start``: the latents the
+    pipeline starts from), then ``DMD2``'s draws."""
     model, device = pre.denoiser, pre.device
+    shape, height, width, frames = sizes
     g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
     rows = torch.randint(len(prompts), (shape[0],), generator=g, device=device).tolist()
-    cond = pre.encode_prompt([prompts[i] for i in rows])
-    noise = torch.randn(shape, generator=g, device=device)
+    picks = torch.randint(len(files), (shape[0],), generator=g, device=device).tolist() if files else []
+    cond = conditioning(pre, [prompts[i] for i in rows], [files[i] for i in picks], (height, width, frames), g)
+    noise = model.start(torch.randn(shape, generator=g, device=device), cond)  # as the pipeline's first latents
     student, critic, teacher = nets(model, cond, scale, amp)
     # each backward (and its recomputed blocks under gradient checkpointing) runs under its forward's adapter
     return dmd2_iteration(dmd, step, cfg.critic_steps, student, teacher, critic, noise, g, opt_g, opt_c,
@@ -297,7 +368,7 @@ def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], object
     config["distill"] = {"teacher": cfg.teacher, "student_steps": cfg.student_steps,
                          "critic_steps": cfg.critic_steps, "timesteps": times.tolist(), "sampler": STUDENT_SAMPLER,
                          "teacher_cfg_scale": scale, "sample_cfg_scale": scale if den.embedded_guidance else 1.0,
-                         "height": height, "width": width,
+                         "height": height, "width": width, "image": cfg.image,
                          "student_lora_rank": settings["lora_rank"]}
     return config
 
