@@ -381,9 +381,10 @@ def main(argv: list[str] | None = None) -> int:
             base = read_meta(ckpt).get("config") if ckpt is not None else None
             if base is not None:
                 base["train"] = {k: v for k, v in base["train"].items() if k not in ("resume", "outputs")}
-                if "plugin" in args:  # resumed under another plugin: the saved one's HSDP layout is not this one's
-                    base["parallel"] = {k: v for k, v in base.get("parallel", {}).items()
-                                        if k not in ("dp_shard", "dp_replicate")}
+                saved = base.get("parallel", {})
+                if args.get("plugin", saved.get("plugin")) != saved.get("plugin"):
+                    # resumed under another plugin: the saved one's HSDP layout is not this one's
+                    base["parallel"] = {k: v for k, v in saved.items() if k not in ("dp_shard", "dp_replicate")}
             cfg = build_config(config_file, args, base)
             draw = None
             if cfg.data.class_data is not None and cfg.data.instance_data is not None:

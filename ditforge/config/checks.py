@@ -34,7 +34,7 @@ def _check_tensor_parallel(cfg: RunConfig) -> None:
               (f"--cpu_offload {t.cpu_offload}", t.cpu_offload != "none"),
               (f"--optimizer {t.optimizer}", t.optimizer != "adamw"),
               (f"--master_weights {t.master_weights}", t.master_weights != "fp32"),
-              (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin in ("ddp", "hsdp"))]
+              (f"--plugin {cfg.parallel.plugin}", cfg.parallel.plugin == "ddp")]
     sp_type = cfg.parallel.sequence_parallel_type
     if cfg.parallel.sequence_parallel_size > 1 and sp_type not in ("auto", "ring", "ulysses"):
         raise UserError(f"--tensor_parallel {tp} with --sequence_parallel_size: ulysses (over the heads each "

@@ -342,9 +342,11 @@ class ParallelConfig(_Freezable):
                           "LOCAL_WORLD_SIZE / (sequence x tensor parallel))")
     dp_replicate: int = _f(0, "--plugin hsdp: copies of the weights, one per group of --dp_shard processes (0: the "
                               "rest of the world size)")
-    collective_timeout: float = _f(600.0, "seconds a collective may wait for a peer (NCCL / gloo timeouts), and "
-                                          "after which a process whose heartbeat stopped counts as lost: the "
-                                          "others stop with one line naming it (restart with --resume auto)")
+    collective_timeout: float = _f(1800.0, "seconds without a finished step after which a peer whose heartbeat "
+                                           "stopped counts as lost: the others stop with one line naming it "
+                                           "(restart with --resume auto); the NCCL / gloo timeouts are a little "
+                                           "longer (parallel.heartbeat.group_timeout). Keep it above the longest "
+                                           "wait of a healthy run: rank 0's validation samples, a compile, a save")
     grad_accum_steps: int = _f(1, "micro-batches per optimizer step on each process (the global batch stays "
                                   "--batch_size)")
     grad_reduce_dtype: str = _f("fp32", "dtype of the gradient reduction across processes: fp32 | bf16",

@@ -41,6 +41,18 @@ log = logging.getLogger(__name__)
 EXIT_LOST = 1  # a peer was lost: the run stopped on an accident (RunError's exit code)
 
 
+def beat_interval(timeout: float) -> float:
+    """Seconds between two beats for a ``--collective_timeout`` of ``timeout``: timeout / 20 in [0.5, 10]."""
+    return min(10.0, max(0.5, timeout / 20))
+
+
+def group_timeout(timeout: float) -> float:
+    """The process groups' own timeout (seconds) for a ``--collective_timeout`` of ``timeout``: later than the
+    watcher's verdict (``timeout`` after the last step, then up to one interval, 3 of reading and the store host's
+    3 + 2 s of lingering), so that a hung NCCL collective is named in one line before NCCL's watchdog aborts it."""
+    return timeout + 7 * beat_interval(timeout) + 30
+
+
 class Heartbeat:
     """The beats of one process and the reading of all (module docstring).
 
@@ -59,7 +71,7 @@ class Heartbeat:
                  group: dist.ProcessGroup | None = None, announce=None):
         self.rank, self.world = d.rank, d.world_size
         self.timeout = timeout
-        self.interval = interval if interval is not None else min(10.0, max(0.5, timeout / 20))
+        self.interval = interval if interval is not None else beat_interval(timeout)
         self.address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '0')}"
         self.announce = announce or (lambda line: print(f"ditforge train: stopped: {line}", file=sys.stderr,
                                                         flush=True))
@@ -87,15 +99,25 @@ class Heartbeat:
         self._last_step = time.monotonic()
 
     def stop(self) -> None:
+        """This process ends (its run finished, or stopped on any error): marked in the store first, so that a peer
+        reading the counters meanwhile does not name it lost."""
+        self._mark("done")
         self._stop.set()
         self._thread.join(timeout=2 * self.interval + 5)
+
+    def _mark(self, why: str) -> None:
+        try:
+            with self._io:
+                self.store.set(f"{self.prefix}stopped/{self.rank}", why)
+        except Exception:
+            pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._beat()
             if time.monotonic() - self._last_step > self.timeout and not self._stop.is_set():
                 line = self.describe(beating=True)
-                if line is not None and self._said.acquire(blocking=False):
+                if line is not None and not self._stop.is_set() and self._said.acquire(blocking=False):
                     self.announce(line)
                     os._exit(EXIT_LOST)
                 self._last_step = time.monotonic()  # all beat: a slow step; look again after another timeout
@@ -140,18 +162,15 @@ class Heartbeat:
         lost = self.lost(beating)
         if lost == []:
             return None
-        try:
-            with self._io:
-                self.store.set(f"{self.prefix}stopped/{self.rank}", "lost peer")
-        except Exception:
-            pass
+        self._mark("lost peer")
         if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             # the store lives in this process (torchrun's unshared store, or no agent): it must outlast the other
             # survivors' reading, which started about when this one did, or they would find it gone
             time.sleep(3 * self.interval + 2)
         if lost is None:
-            return (f"rank {self.rank}: the rendezvous store at {self.address} stopped answering: the node that "
-                    "hosts it (torchrun's first agent, or rank 0) is lost; restart the job with --resume auto")
+            return (f"rank {self.rank}: the rendezvous store at {self.address} stopped answering: the process that "
+                    "hosts it (torchrun's first agent, or rank 0) stopped or its node is lost; restart the job with "
+                    "--resume auto")
         hosts = []
         for r in lost:
             try:

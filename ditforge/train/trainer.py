@@ -29,7 +29,7 @@ from ditforge.parallel.context import refuse_unsplittable
 from ditforge.optim.library import set_lr
 from ditforge.optim.placement import keep_states_within, out_of_memory
 from ditforge.optim.skip import settle_skip
-from ditforge.parallel.heartbeat import Heartbeat
+from ditforge.parallel.heartbeat import Heartbeat, group_timeout
 from ditforge.parallel.mesh import Dist, hsdp_replicas, init_distributed, shutdown
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train.build import (Run, build_data, build_ema_and_optimizer, build_loader, build_model,
@@ -81,16 +81,17 @@ def train(cfg: RunConfig, class_clips: Callable | None = None) -> Path:
     samples = read_validation_prompts(cfg.train.validation_prompts) if cfg.train.validation_prompts else None
     par = cfg.parallel
     replicate = 1
-    if par.plugin == "hsdp":  # before any process group: a layout that does not fit the world is bad input
-        replicate = hsdp_replicas(par.dp_shard, par.dp_replicate, int(os.environ.get("WORLD_SIZE", "1")),
-                                  int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))), sp,
-                                  par.tensor_parallel)
-    elif par.dp_shard or par.dp_replicate:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if par.plugin != "hsdp" and (par.dp_shard or par.dp_replicate):
         raise UserError(f"--dp_shard / --dp_replicate: the layout of --plugin hsdp, got --plugin {par.plugin}")
+    if par.plugin == "hsdp" and world > 1:  # before any process group: a layout that does not fit is bad input
+        # (one process: hsdp resolves to none, as a resumed hsdp checkpoint does)
+        replicate = hsdp_replicas(par.dp_shard, par.dp_replicate, world,
+                                  int(os.environ.get("LOCAL_WORLD_SIZE", world)), sp, par.tensor_parallel)
     d = init_distributed(cfg.train.device, sp,
                          group_of_one=cfg.train.cpu_offload == "all",  # FSDP2 offloads, even in one process
                          tensor_parallel_size=par.tensor_parallel, dp_replicate=replicate,
-                         collective_timeout=par.collective_timeout)
+                         collective_timeout=group_timeout(par.collective_timeout))
     # every process beats; a collective that fails or hangs on a lost peer ends the run naming it
     heartbeat = Heartbeat(d, par.collective_timeout) if d.world_size > 1 else None
     lost = None
