@@ -59,24 +59,19 @@ class Heartbeat:
     Args:
         d: this process's place; ``d.mesh`` must be set (several processes, or a group of one).
         timeout: seconds without a finished step after which the watcher looks for lost peers
-            (``--collective_timeout``).
-        interval: seconds between two beats (default: timeout / 20, clamped to [0.5, 10]).
-        group: a gloo group of every process (``Dist.gloo_group``) over which rank 0 hands out the run's key prefix
-            (a fresh one per start: a restarted group never reads the counters of the one before).
-        announce: called with the line before the watcher ends the process (default: print on stderr as the CLI
-            prints a RunError).
+            (``--collective_timeout``); the beats come every ``beat_interval(timeout)`` seconds.
+
+    Rank 0 hands out the run's key prefix over the default group, a fresh one per start: a restarted group never
+    reads the counters of the one before.
     """
 
-    def __init__(self, d: Dist, timeout: float, interval: float | None = None,
-                 group: dist.ProcessGroup | None = None, announce=None):
+    def __init__(self, d: Dist, timeout: float):
         self.rank, self.world = d.rank, d.world_size
         self.timeout = timeout
-        self.interval = interval if interval is not None else beat_interval(timeout)
+        self.interval = beat_interval(timeout)
         self.address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '0')}"
-        self.announce = announce or (lambda line: print(f"ditforge train: stopped: {line}", file=sys.stderr,
-                                                        flush=True))
         token = [secrets.token_hex(8) if d.rank == 0 else None]
-        dist.broadcast_object_list(token, src=0, group=group)
+        dist.broadcast_object_list(token, src=0)
         self.prefix = f"ditforge/heartbeat/{token[0]}/"
         host, port = self.address.rsplit(":", 1)
         # its own client: the process group's store may be blocked in a long wait of the main thread
@@ -118,7 +113,7 @@ class Heartbeat:
             if time.monotonic() - self._last_step > self.timeout and not self._stop.is_set():
                 line = self.describe(beating=True)
                 if line is not None and not self._stop.is_set() and self._said.acquire(blocking=False):
-                    self.announce(line)
+                    print(f"ditforge train: stopped: {line}", file=sys.stderr, flush=True)  # as the CLI prints it
                     os._exit(EXIT_LOST)
                 self._last_step = time.monotonic()  # all beat: a slow step; look again after another timeout
 

@@ -138,10 +138,9 @@ def hsdp_replicas(dp_shard: int, dp_replicate: int, world: int, local_world: int
     Raises:
         UserError: a layout whose product is not the world size, or a negative degree.
     """
-    per_node = max(1, local_world // (sp * tp))
-    shard = dp_shard or per_node
     if dp_shard < 0 or dp_replicate < 0:
         raise UserError(f"--dp_shard {dp_shard} --dp_replicate {dp_replicate}: expected integers >= 0 (0: default)")
+    shard = dp_shard or max(1, local_world // (sp * tp))
     replicate = dp_replicate or max(1, world // (shard * sp * tp))
     if replicate * shard * sp * tp != world:
         raise UserError(f"--plugin hsdp: --dp_replicate {replicate} x --dp_shard {shard} x --sequence_parallel_size "
