@@ -210,6 +210,10 @@ ROWS = {
     "lora32_off_budget8": [*WAN_LORA, "--offload_activations", "--gpu_memory_budget", "8GiB"],
     "lora32_fp8_off_budget8": [*WAN_LORA, "--fp8_base", "--offload_activations", "--gpu_memory_budget", "8GiB"],
     "lora32_fp8_attn_off": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base", "--offload_activations"],
+    # + --enable_flashattn: FlashAttention-4's forward and backward where faster (ops.flash4)
+    "lora32_fa4": [*WAN_LORA, "--enable_flashattn"],
+    "lora32_attn_fa4": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--enable_flashattn"],
+    "lora32_fp8_attn_fa4": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base", "--enable_flashattn"],
     # Wan-14B (--model wan14) on a 24 GB card: the budget stores the base in fp8, the checkpointed inputs go to host
     "lora32_off_budget24": [*WAN_LORA, "--offload_activations", "--gpu_memory_budget", "24GiB"],
     # + the frozen weights of the last 20 of the 40 blocks in pinned host memory, a block at a time on the GPU
@@ -232,7 +236,8 @@ ROWS = {
 }
 # rows of one name for every model whose flags differ for wan13: the anchor checkpoints every block of its full row
 WAN_ROWS = {"full": ["--grad_checkpoint"], "full_compile": ["--grad_checkpoint", "--compile"],
-            "full_attn": ["--grad_checkpoint", "attn"]}
+            "full_attn": ["--grad_checkpoint", "attn"],
+            "full_attn_fa4": ["--grad_checkpoint", "attn", "--enable_flashattn"]}
 CUDA_ONLY = ("--gpu_memory_budget",)  # rows with these flags skip on a machine without CUDA
 # lora32_val's file: one 480 x 832 x 33-frame sample, 20 steps, guidance 5 (musubi-tuner's line syntax); --tiny:
 # 16 x 32 x 5 (the tiny transformer's rotary table is 32 positions long)

@@ -35,11 +35,19 @@
     kernel) on 2 heads, for Gaussian q, k, v and for keys with a shared offset (which the kernel's smoothing
     removes): max abs and relative RMS.
 
+``exact-attention``: the exact attention kernels at Wan2.1-1.3B's 480 x 832 x 81 self-attention (B = 2, 12 heads of
+    128, 32,760 tokens, bf16), forward and forward + backward: SDPA's cuDNN and FlashAttention-2 kernels (what
+    diffusers and the anchors run) against FlashAttention-4's SM90 kernels (``flash_attn.cute.flash_attn_func`` of the
+    ``flash-attn-4`` wheel, CuTe DSL) where it imports. Median of 10 CUDA-event samples after 3 calls; TFLOPS as
+    4 B H S^2 D / time (forward; the backward counted as 2.5 forwards). Error of each output and input gradient
+    against float32 attention (SDPA's memory-efficient kernel) on 2 heads: max abs and relative RMS.
+
     PYTHONPATH=. python benchmarks/kernels.py adaln --out benchmarks/results/single_gpu/adaln_kernels.json
     PYTHONPATH=. python benchmarks/kernels.py fp8 --out benchmarks/results/sampling/quant_kernel_h100.json
     PYTHONPATH=. python benchmarks/kernels.py fp8-train --out benchmarks/results/single_gpu/fp8_train_widths.json
     PYTHONPATH=. python benchmarks/kernels.py ring-attention --out benchmarks/results/attention_blocks_h100.json
     PYTHONPATH=. python benchmarks/kernels.py attention8 --out benchmarks/results/sampling/attention8_h200.json
+    PYTHONPATH=. python benchmarks/kernels.py exact-attention --out benchmarks/results/sampling/exact_attention_h200.json
 """
 
 from __future__ import annotations
@@ -362,15 +370,79 @@ def attention8(args) -> dict:
     return dict(meta=meta, rows=rows, errors=errors)
 
 
+def exact_attention(args) -> dict:
+    B, S, H, D = 2, args.tokens, 12, 128
+    meta = dict(date=datetime.now().isoformat(timespec="minutes"), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, cudnn=torch.backends.cudnn.version(), shape=[B, S, H, D])
+    kernels = {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash2", SDPBackend.FLASH_ATTENTION)):
+        def sdpa(q, k, v, backend=backend):  # (B, S, H, D) as the flash kernels take it
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                      v.transpose(1, 2)).transpose(1, 2)
+        kernels[name] = sdpa
+    try:
+        import flash_attn.cute as fa4
+        from importlib.metadata import version
+
+        meta["flash_attn_4"] = version("flash-attn-4")
+        meta["cutlass_dsl"] = version("nvidia-cutlass-dsl")
+        kernels["fa4"] = lambda q, k, v: fa4.flash_attn_func(q, k, v)
+    except Exception as e:  # the reason it does not run here is the row
+        meta["fa4_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    print(json.dumps(meta))
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    small = [x[:1, :, :2].detach().clone().requires_grad_() for x in (q, k, v)]
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        f32 = [x.detach().float().requires_grad_() for x in small]
+        ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in f32)).transpose(1, 2)
+        ref.backward(dout[:1, :, :2].float())
+    flops = 4 * B * H * S * S * D
+    rows = []
+    for name, fn in kernels.items():
+        row = dict(kernel=name)
+        try:
+            out = fn(*small)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(dout[:1, :, :2])
+            for what, a, b in [("out", out, ref)] + [(f"d{n}", x.grad, y.grad) for n, x, y in zip("qkv", small, f32)]:
+                row[f"{what}_max_abs"] = (a.float() - b).abs().max().item()
+                row[f"{what}_rel_rms"] = ((a.float() - b).norm() / b.norm()).item()
+            for x in small:
+                x.grad = None
+            row["fwd_ms"] = cuda_median_ms(lambda fn=fn: fn(q, k, v), 10, 3)
+            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+            def step(fn=fn):
+                o = fn(qg, kg, vg)
+                (o[0] if isinstance(o, tuple) else o).backward(dout)
+            row["fwd_bwd_ms"] = cuda_median_ms(step, 10, 3)
+            row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+            row["fwd_bwd_tflops"] = 3.5 * flops / row["fwd_bwd_ms"] / 1e9
+        except Exception as e:  # a kernel that fails at this shape is a row, not the end
+            row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+        rows.append(row)
+    print("| kernel | fwd ms | fwd TFLOPS | fwd+bwd ms | fwd+bwd TFLOPS | out rel RMS | dq rel RMS |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['kernel']} | {r['error']} |")
+            continue
+        print(f"| {r['kernel']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | {r['fwd_bwd_ms']:.2f} | "
+              f"{r['fwd_bwd_tflops']:.0f} | {r['out_rel_rms']:.1e} | {r['dq_rel_rms']:.1e} |")
+    return dict(meta=meta, rows=rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="kernel", required=True)
-    for name in ("adaln", "fp8", "fp8-train", "ring-attention", "attention8"):
+    for name in ("adaln", "fp8", "fp8-train", "ring-attention", "attention8", "exact-attention"):
         s = sub.add_parser(name)
         s.add_argument("--out", help="JSON file")
         if name == "ring-attention":
             s.add_argument("--tokens", default="4096,16384,32768")
-        if name == "attention8":
+        if name in ("attention8", "exact-attention"):
             s.add_argument("--tokens", type=int, default=32760)
         if name == "fp8-train":
             s.add_argument("--widths", default="1152,2048,3072,4096")
@@ -378,7 +450,7 @@ def main() -> None:
             s.add_argument("--tokens", type=int, default=8192)
     args = p.parse_args()
     result = {"adaln": adaln, "fp8": fp8, "fp8-train": fp8_train, "ring-attention": ring_attention,
-              "attention8": attention8}[args.kernel](args)
+              "attention8": attention8, "exact-attention": exact_attention}[args.kernel](args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -98,6 +98,9 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
     export PYTHONPATH=/tmp/site:$PWD
+    # flash-attn-4's CuTe DSL: its wheel puts cutlass on the path by a .pth file, which --target installs do not run
+    dsl=/tmp/site/nvidia_cutlass_dsl/dsl_packages
+    [ -d $dsl ] && export PYTHONPATH=$PYTHONPATH:$dsl
 else
     export PYTHONPATH=$PWD
 fi

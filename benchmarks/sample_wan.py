@@ -78,10 +78,18 @@ ROWS = {
     "fp8_qattn_ts2": dict(compile="default", mixed_precision="fp8", quantized_attention=True, taylorseer_cache=2),
     "fp8_qattn_ts3": dict(compile="default", mixed_precision="fp8", quantized_attention=True, taylorseer_cache=3),
     "fp8_ts2": dict(compile="default", mixed_precision="fp8", taylorseer_cache=2),  # CogVideoX: no 8-bit attention
+    # exact, FlashAttention-4 where faster (--enable_flashattn) and the VAE decode in bf16, compiled
+    "fa4": dict(compile="default", enable_flashattn=True),
+    "fa4_vae16": dict(compile="default", enable_flashattn=True, vae_dtype="bfloat16"),
+    "fp8_qattn_vae16": dict(compile="default", mixed_precision="fp8", quantized_attention=True, vae_dtype="bfloat16"),
+    "fp8_qattn_ts3_vae16": dict(compile="default", mixed_precision="fp8", quantized_attention=True, taylorseer_cache=3,
+                                vae_dtype="bfloat16"),
     "fp32": dict(mixed_precision="fp32"),
     # a distilled student's clip (--sampler student: --student_steps steps, no guidance), every speed-up on
     "student": dict(compile="default", sampler="student"),
     "student_fp8_qattn": dict(compile="default", mixed_precision="fp8", quantized_attention=True, sampler="student"),
+    "student_fastest": dict(compile="default", mixed_precision="fp8", quantized_attention=True, vae_dtype="bfloat16",
+                            sampler="student"),
     "cfg2": dict(compile="default", cfg_parallel=True),
     "ulysses2": dict(compile="default", sequence_parallel_size=2),
     "ulysses4": dict(compile="default", sequence_parallel_size=4),

@@ -243,9 +243,21 @@ def fast_backends(device: torch.device) -> list[SDPBackend]:
     return [*fused, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 
 
+def fastest_exact(device: torch.device) -> Callable[..., torch.Tensor]:
+    """``fn(q, k, v, scale=None)`` on (B, S, H, D) inputs (the diffusers dispatcher's layout, ``route_self_attention``'s
+    kernel signature): exact attention by the faster of FlashAttention-4 and SDPA in ``fast_backends`` order at each
+    shape (``ops.flash4.exact_attention``)."""
+    from functools import partial
+
+    from ditforge.ops.flash4 import exact_attention
+
+    return partial(exact_attention, backends=tuple(b.name for b in fast_backends(device)))
+
+
 def set_attention_backend(backend: str = "auto", device: torch.device | None = None) -> str:
     """Choose the SDPA kernels behind ``attention``: ``fast`` (``--enable_flashattn``) the fastest exact kernel
-    PyTorch has on ``device`` (default: the current CUDA device, else the CPU), in ``fast_backends`` order;
+    on ``device`` (default: the current CUDA device, else the CPU): FlashAttention-4 where installed and faster at a
+    shape (``fastest_exact``), else PyTorch's in ``fast_backends`` order;
     ``math`` the unfused reference computation (materialises the N x N scores, as the original DiT code did;
     the baseline row of ``ditforge bench``); ``auto`` PyTorch's default order. Returns a description for the log.
 
@@ -274,10 +286,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
     Returns:
         (B, H, Nq, Dh) in the dtype of ``q``. Runs PyTorch's ``scaled_dot_product_attention``, with the
-        backend order set by ``set_attention_backend`` (every backend is exact; they differ in speed).
+        backend order set by ``set_attention_backend`` (every backend is exact; they differ in speed); under
+        ``fast``, an unmasked CUDA call goes to ``fastest_exact`` (FlashAttention-4 where it is faster at the shape).
     """
     attn_mask = None if mask is None else mask[:, None] if mask.dim() == 3 else mask[:, None, None, :]
     if _preferred is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    if mask is None and q.is_cuda and _preferred != [SDPBackend.MATH]:  # FlashAttention-4 where faster
+        return fastest_exact(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     with sdpa_kernel(_preferred, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)

@@ -53,6 +53,7 @@ _ATTENTION_OPS = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+_SAVED_CUSTOM_OPS = {"ditforge::flash4_forward"}  # registered on first use (ops.flash4): matched by name
 _SAVED_OPS = {"op": _ATTENTION_OPS | {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                                      torch.ops.aten.bmm.default},
               "attn": _ATTENTION_OPS}
@@ -64,7 +65,8 @@ def _selective_context(kind: str):
     saved = _SAVED_OPS[kind]
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        keep = op in saved or op.name() in _SAVED_CUSTOM_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 
@@ -266,6 +268,10 @@ def parallelize(
         State-dict keys of the plain model are reachable through torch.distributed.checkpoint.state_dict.
     """
     log.info("attention: %s", set_attention_backend(attention, dist.device))
+    if attention == "fast" and isinstance(model, DiffusersDenoiser) and dist.sp_mesh is None:
+        from ditforge.models.adapters.dispatch import route_exact_attention
+
+        route_exact_attention(model.inner, dist.device)  # its processors call diffusers' dispatcher, not the seam
     set_sequence_attention(None)
     set_frame_exchange(None)
     if dist.tp_mesh is not None:

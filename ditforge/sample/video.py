@@ -68,6 +68,8 @@ class VideoSampler:
       float8 P V; SageAttention's scaling), routed at diffusers' attention dispatcher
       (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default (a masked joint
       attention takes the kernel once unmasked, below);
+    - ``enable_flashattn`` (without ``quantized_attention``): the same routing to ``ops.flash4``'s exact attention,
+      FlashAttention-4 where it is installed and measured faster at the shape, else SDPA in ``fast_backends`` order;
     - a family whose attention always carries a mask (``masked_self_attention``: the text padding of a joint
       attention): the
       padding cropped from the conditioning (the adapter's ``trim_padding``) and, when every mask is then all True
@@ -196,6 +198,10 @@ class VideoSampler:
                 raise UserError(f"--quantized_attention: {type(transformer).__name__}'s attention processors do not "
                                 "call diffusers' attention dispatcher; drop the flag")
             log.info("quantized attention: %d self-attention modules run int8 Q K^T and float8 P V", routed)
+        elif cfg.enable_flashattn:
+            from ditforge.models.adapters.dispatch import route_exact_attention
+
+            route_exact_attention(transformer, d.device)
         if mesh is not None:  # before the unmasking, whose mask drop then comes first in each call
             split_tokens(denoiser, d, mesh)
         if denoiser.masked_self_attention:  # unmasked while trim_padding leaves the masks full (denoise)

@@ -21,6 +21,7 @@ are full (``Unmask.full``), the marked processors' calls drop them.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 
@@ -28,8 +29,11 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Intercept", "Unmask", "intercept_attention", "intercept_sdpa", "route_self_attention",
-           "unmask_full_attention"]
+log = logging.getLogger(__name__)
+
+__all__ = ["Intercept", "Unmask", "intercept_attention", "intercept_sdpa", "route_exact_attention",
+           "route_self_attention", "unmask_full_attention"]
+EXACT_HEAD_DIMS = tuple(range(8, 257, 8))  # what route_exact_attention routes; ops.flash4 names what FA4 takes
 
 
 class _Route:
@@ -102,6 +106,21 @@ def _dispatching(transformer: torch.nn.Module):
         if (processor is not None and hasattr(processor, "_attention_backend")
                 and getattr(sys.modules[type(processor).__module__], "dispatch_attention_fn", None) is not None):
             yield name, module, processor
+
+
+def route_exact_attention(transformer: torch.nn.Module, device: torch.device) -> int:
+    """``--enable_flashattn`` on a diffusers transformer: its plain self-attention calls (``route_self_attention``'s)
+    to ``ops.attention.fastest_exact`` (FlashAttention-4 where faster at the shape), when FlashAttention-4 is installed
+    (else diffusers' own SDPA call is the fastest exact kernel there is, and nothing is routed). Returns how many
+    modules were routed, and logs it."""
+    from ditforge.ops.attention import fastest_exact
+    from ditforge.ops.flash4 import fa4_installed
+
+    if device.type != "cuda" or not fa4_installed():
+        return 0
+    routed = route_self_attention(transformer, fastest_exact(device), EXACT_HEAD_DIMS)
+    log.info("exact attention: %d self-attention modules take FlashAttention-4 where it is faster", routed)
+    return routed
 
 
 def unmask_full_attention(transformer: torch.nn.Module) -> list[Unmask]:
