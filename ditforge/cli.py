@@ -210,8 +210,10 @@ def _add_sample_speed_flags(parser: argparse.ArgumentParser) -> None:
                       "model's euler (without --cfg_interval / --cfg_parallel), else one per model call; the first "
                       "batch and the first decode are slow while they compile; a video pipeline: each "
                       "transformer block and the VAE's decoder compiled, without CUDA graphs")
-    fast.add_argument("--enable_flashattn", action="store_true", help="attention through the fastest exact kernel "
-                      "(cuDNN, then Flash, on Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
+    fast.add_argument("--enable_flashattn", action="store_true", help="attention through the fastest exact kernel: "
+                      "FlashAttention-4 where installed (the fa4 extra) and measured faster at the shape (a video "
+                      "pipeline's self-attention too), else SDPA's cuDNN, then Flash, on Hopper/Blackwell with cuDNN > "
+                      "9.15; Flash first elsewhere")
     fast.add_argument("--enable_modulate_kernel", action="store_true", help="fused Triton LayerNorm + adaLN "
                       "modulate and gated-residual kernels")
     fast.add_argument("--enable_layernorm_kernel", action="store_true", help="LayerNorm as a Triton kernel")

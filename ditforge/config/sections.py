@@ -274,8 +274,10 @@ class TrainConfig(_Freezable):
                                 "ahead on a side stream (diffusion-pipe's blocks_to_swap; for a base that does not "
                                 "fit, a 14B video transformer's on 24 GB). Needs --grad_checkpoint (else the "
                                 "backward holds every block's copy) and no --compile")
-    enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs (cuDNN, then Flash, on "
-                                       "Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere)")
+    enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs: FlashAttention-4 where "
+                                       "installed (the fa4 extra) and measured faster at the shape (a diffusers "
+                                       "transformer's self-attention too), else SDPA's cuDNN, then Flash, on "
+                                       "Hopper/Blackwell with cuDNN > 9.15; Flash first elsewhere")
     enable_modulate_kernel: bool = _f(False, "fused Triton kernels: LayerNorm + adaLN modulate in one pass, "
                                              "and the gated residual")
     enable_layernorm_kernel: bool = _f(False, "LayerNorm as a Triton kernel (modulate stays in PyTorch)")

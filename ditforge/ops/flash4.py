@@ -37,6 +37,7 @@ __all__ = ["exact_attention", "fa4_installed", "fa4_unavailable", "fastest_exact
 log = logging.getLogger(__name__)
 FA4_DTYPES = (torch.float16, torch.bfloat16)
 _OPS: SimpleNamespace | None = None
+_CHOICES: dict[tuple, str] = {}  # fastest_exact_kernel's answers, for the process
 
 
 @functools.cache
@@ -49,6 +50,12 @@ def fa4_installed() -> bool:
     except Exception:  # a wheel set that does not import (another CUDA's DSL libraries) is "not installed"
         return False
     return True
+
+
+@torch._dynamo.assume_constant_result  # host facts, not traced (dynamo refuses importlib): constants of a graph
+def _device_facts(device: int) -> tuple[int, bool]:
+    """(compute capability major of CUDA device ``device``, whether FlashAttention-4 is installed)."""
+    return torch.cuda.get_device_capability(device)[0], fa4_installed()
 
 
 def fa4_unavailable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
@@ -66,13 +73,13 @@ def fa4_unavailable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         return "not a CUDA tensor"
     if q.dtype not in FA4_DTYPES:
         return f"dtype {q.dtype}"
-    major = torch.cuda.get_device_capability(q.device)[0]
+    major, installed = _device_facts(q.device.index)
     widths_ok = {9: 8 <= d <= 256, 10: 8 <= d <= 128 or d == 256}.get(major)
     if widths_ok is None:
         return f"compute capability {major}.x"
     if d % 8 or not widths_ok:
         return f"head width {d}"
-    if not fa4_installed():
+    if not installed:
         return "flash-attn-4 not installed"
     return None
 
@@ -161,16 +168,23 @@ def _median_ms(fn, calls: int = 5) -> float:
     return statistics.median(times)
 
 
-@torch._dynamo.assume_constant_result  # run once at trace time: the choice is a constant of the compiled graph
-@functools.cache
-def fastest_exact_kernel(shape: tuple[int, int, int, int], dtype: str, device: int, backward: bool,
+@torch._dynamo.assume_constant_result  # run at trace time: the choice is a constant of the compiled graph
+def fastest_exact_kernel(shape: tuple[int, int, int, int], dtype: torch.dtype, device: int, backward: bool,
                          backends: tuple[str, ...] | None) -> str:
     """``"fa4"`` or ``"sdpa"``: the faster exact attention of (B, S, H, D) inputs of ``dtype`` (its name, e.g.
     ``"bfloat16"``) on CUDA device ``device``, measured once a process per argument set on fresh Gaussian inputs:
     the forward, or with ``backward`` forward + backward; SDPA under ``backends`` (``SDPBackend`` names in order, the
     ``--enable_flashattn`` order; None: PyTorch's). A one-line log of both times."""
+    key = (shape, dtype, device, backward, backends)
+    if key not in _CHOICES:
+        _CHOICES[key] = _measure(*key)
+    return _CHOICES[key]
+
+
+def _measure(shape, dtype, device, backward, backends) -> str:
+    """``fastest_exact_kernel``'s measurement."""
     gen = torch.Generator(f"cuda:{device}").manual_seed(0)
-    q, k, v = (torch.randn(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}", generator=gen,
+    q, k, v = (torch.randn(shape, dtype=dtype, device=f"cuda:{device}", generator=gen,
                            requires_grad=backward) for _ in range(3))
     times = {}
     for name, fn in (("sdpa", lambda: _sdpa(q, k, v, backends=backends)), ("fa4", lambda: flash4_attention(q, k, v))):
@@ -190,8 +204,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     ``SDPBackend`` name (None: PyTorch's). Returns (B, S, H, D) in q's dtype."""
     if fa4_unavailable(q, k, v) is None:
         backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        kernel = fastest_exact_kernel(tuple(q.shape), str(q.dtype).removeprefix("torch."), q.device.index, backward,
-                                      backends)
+        kernel = fastest_exact_kernel(tuple(q.shape), q.dtype, q.device.index, backward, backends)
         if kernel == "fa4":
             return flash4_attention(q, k, v, scale)
     return _sdpa(q, k, v, scale, backends)

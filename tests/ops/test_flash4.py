@@ -104,6 +104,26 @@ def test_compiled_and_selectively_checkpointed(reference_library):
         torch.testing.assert_close(t.grad, e, atol=1e-5, rtol=1e-5)
 
 
+def test_choice_is_a_constant_of_the_compiled_graph(monkeypatch):
+    """The device facts and the per-shape choice run at trace time (dynamo refuses to trace importlib and a timing
+    loop), once per shape: a fullgraph compile takes them, and a second call measures nothing again."""
+    measured = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(flash4, "_measure", lambda *key: measured.append(key) or "fa4")
+    monkeypatch.setattr(flash4, "_CHOICES", {})
+
+    def f(x):
+        major, _ = flash4._device_facts(0)
+        kernel = flash4.fastest_exact_kernel(tuple(x.shape), x.dtype, 0, True, None)
+        return x * major if kernel == "fa4" else x
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), 9 * x)
+    assert measured == [((2, 3), torch.float32, 0, True, None)]
+
+
 def test_unavailable_reasons():
     """What FlashAttention-4 cannot take is named, and the seam then runs SDPA (exact_attention equals it)."""
     q, k, v, _ = _inputs(dtype=torch.float32)
@@ -130,4 +150,4 @@ def test_kernel_against_float32_attention():
     ref.backward(dout.float())
     for a, b in zip([out, *(t.grad for t in ins)], [ref, *(t.grad for t in refs)]):
         assert ((a.float() - b).norm() / b.norm()).item() < 1e-2
-    assert flash4.fastest_exact_kernel((2, 1000, 4, 128), "bfloat16", 0, True, None) in ("fa4", "sdpa")
+    assert flash4.fastest_exact_kernel((2, 1000, 4, 128), torch.bfloat16, 0, True, None) in ("fa4", "sdpa")
