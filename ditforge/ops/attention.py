@@ -270,6 +270,11 @@ def set_attention_backend(backend: str = "auto", device: torch.device | None = N
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     _preferred = {"auto": None, "fast": fast_backends(device), "math": [SDPBackend.MATH]}[backend]
+    if backend == "fast" and device.type == "cuda":
+        from ditforge.ops.flash4 import fa4_installed, ops
+
+        if fa4_installed():
+            ops()  # registered before any block compiles
     if _preferred is None:
         return "PyTorch's default SDPA order"
     return "SDPA, in order: " + ", ".join(b.name.lower() for b in _preferred)

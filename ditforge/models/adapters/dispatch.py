@@ -114,10 +114,11 @@ def route_exact_attention(transformer: torch.nn.Module, device: torch.device) ->
     (else diffusers' own SDPA call is the fastest exact kernel there is, and nothing is routed). Returns how many
     modules were routed, and logs it."""
     from ditforge.ops.attention import fastest_exact
-    from ditforge.ops.flash4 import fa4_installed
+    from ditforge.ops.flash4 import fa4_installed, ops
 
     if device.type != "cuda" or not fa4_installed():
         return 0
+    ops()  # registered before the blocks compile
     routed = route_self_attention(transformer, fastest_exact(device), EXACT_HEAD_DIMS)
     log.info("exact attention: %d self-attention modules take FlashAttention-4 where it is faster", routed)
     return routed
