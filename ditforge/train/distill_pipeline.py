@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 
 from ditforge.config.sections import DistillConfig
 from ditforge.config.values import resolve_device, resolve_precision
@@ -50,7 +51,7 @@ from ditforge.diffusion.objective import create_objective, objective_of_schedule
 from ditforge.diffusion.samplers import STUDENT_SAMPLER
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
-from ditforge.train.checkpoint import Checkpointer, find_resume, list_checkpoints
+from ditforge.train.checkpoint import Checkpointer, find_resume, keep_saved_states, list_checkpoints
 from ditforge.train.dmd_step import dmd2_iteration
 from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 
@@ -98,25 +99,45 @@ def adapter_params(model: torch.nn.Module, name: str) -> dict[str, torch.nn.Para
     return {k: p for k, p in model.named_parameters() if f".{name}." in k and ".lora_" in k}
 
 
+def route_experts(pre, objective, times: torch.Tensor) -> None:
+    """A teacher of two experts (the adapter's ``expert_boundary`` b; Wan 2.2 A14B): the denoiser's rows routed
+    (``routing_boundary`` = b x the scheduler's ``num_train_timesteps``, ``adapters.by_expert``: the pipeline's rule,
+    per row), so that teacher, critic and student each run, at every timestep they are evaluated at, on the expert
+    that owns it, with that expert's adapters; logs which experts the student's K steps (``times``, the objective's
+    timesteps) run on. Nothing for one expert."""
+    den = pre.denoiser
+    if len(den.expert_models()) == 1:
+        return
+    den.routing_boundary = float(den.expert_boundary(pre.pipe)) * int(pre.scheduler_config["num_train_timesteps"])
+    model_t = objective.model_timesteps(times)
+    sides = ["high-noise expert (transformer)" if float(t) >= den.routing_boundary else "low-noise expert "
+             "(transformer_2)" for t in model_t]
+    log.info("two experts switched at t = %g: the student's steps at t = %s run on the %s", den.routing_boundary,
+             ", ".join(f"{float(t):g}" for t in model_t), ", ".join(sides))
+
+
 def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device, dtype: torch.dtype):
     """The teacher's pipeline (``load_pretrained``: encoders on ``device``, the denoiser in ``dtype``) after the
     checks of what the student recipe takes, and the guidance scale: ``--cfg_scale``, else the pipeline call's
     default ``guidance_scale`` (a guidance-distilled family's: the scale its one pass embeds).
 
+    A pipeline of two experts (the adapter's ``expert_boundary``) loads with both (``load_pretrained``'s default
+    outside sampling: ``add_expert``), routed by ``route_experts``.
+
     Raises:
-        UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no one-transformer video one
-            (text- or image-to-video; ``VideoSampler._student``'s rule), one that takes reference images, or without
-            guidance information (no ``--cfg_scale`` and no default scale in its call).
+        UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no text- or image-to-video one
+            (``VideoSampler._student``'s rule), one that takes reference images, or without guidance information
+            (no ``--cfg_scale`` and no default scale in its call).
     """
     from ditforge.models.adapters.pipeline import encoder_dtype, load_pretrained
     from ditforge.models.adapters.pipeline import pipeline_defaults
 
     pre = load_pretrained(folder, device, encoder_dtype(device), flag=FLAG, denoiser_dtype=dtype)
     den = pre.denoiser
-    why = ("it is not a video family" if not den.video else "it has two experts" if len(den.expert_models()) > 1
-           else "it takes reference images" if den.takes_references else None)
+    why = ("it is not a video family" if not den.video else "it takes reference images" if den.takes_references
+           else None)
     if why:
-        raise UserError(f"{FLAG} {cfg.teacher}: distill takes one-transformer text- or image-to-video pipelines; "
+        raise UserError(f"{FLAG} {cfg.teacher}: distill takes text- or image-to-video pipelines; "
                         f"{pre.pipeline_class}: {why}")
     scale = cfg.cfg_scale if cfg.cfg_scale is not None else pipeline_defaults(pre.pipe).get("guidance_scale")
     if scale is None:
@@ -271,11 +292,13 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     shape, height, width, frames = latent_shape(pre, cfg)
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
     check_lora_targets(model.inner, targets)
-    torch.manual_seed(cfg.seed)  # the adapters' Gaussian A
+    torch.manual_seed(cfg.seed)  # the adapters' Gaussian A: each adapter's, in the experts' order
     for name in ADAPTERS:
-        add_lora(model.inner, cfg.lora_rank, None, targets, adapter_name=name)
+        for inner in model.expert_models():  # two experts: a student and a critic adapter each
+            add_lora(inner, cfg.lora_rank, None, targets, adapter_name=name)
     if cfg.grad_checkpoint:
-        model.inner.enable_gradient_checkpointing()
+        for inner in model.expert_models():
+            inner.enable_gradient_checkpointing()
     model = model.to(device).eval()  # eval: no dropout; the student always sees its prompt
     objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, where=f"{FLAG} {cfg.teacher}",
                                  device=device, **model.objective_args(pre.pipe, None, *shape[2:]))
@@ -283,6 +306,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         times = pipeline_student_times(objective, pre.scheduler_config, cfg.student_steps, device)
     except ValueError as e:
         raise UserError(f"--student_steps: {e}") from None
+    route_experts(pre, objective, times)
     params = {n: list(adapter_params(model, n).values()) for n in ADAPTERS}
     opt_g = torch.optim.AdamW(params["student"], lr=cfg.lr, betas=(0.0, 0.999), weight_decay=0.0, foreach=True)
     opt_c = torch.optim.AdamW(params["critic"], lr=cfg.critic_lr or cfg.lr, betas=(0.0, 0.999), weight_decay=0.0,
@@ -361,7 +385,8 @@ def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], object
                  "in_channels": den.in_channels, "learn_sigma": den.learn_sigma, "vae": str(folder / "vae"),
                  "image_size": height if height == width else None, "num_frames": frames, "seed": cfg.seed,
                  "batch_size": cfg.batch_size, "lr": cfg.lr, "max_steps": cfg.max_steps,
-                 "mixed_precision": cfg.mixed_precision, "outputs": cfg.outputs}
+                 "mixed_precision": cfg.mixed_precision, "outputs": cfg.outputs,
+                 "expert": "both" if len(den.expert_models()) == 2 else None}  # a two-expert fine-tune's layout
     config = build_config(overrides=overrides).to_dict()
     config["model"]["num_frames"] = None  # the denoiser's own frames: the flags' are data.num_frames
     settings = asdict(cfg)
@@ -383,14 +408,15 @@ def _state(model, opt_g, opt_c) -> dict:
             "ema": {k.replace(".student.", ".default."): v for k, v in student.items()}}
 
 
-def _optimizer_state(model, opt, adapter: str, state: dict | None = None) -> dict | None:
+def _optimizer_state(model, opt, adapter: str, state: dict | None = None, partial: bool = False) -> dict | None:
     """``opt``'s state by parameter name (``get_optimizer_state_dict``), or with ``state`` that state loaded into it
-    (``set_optimizer_state_dict``), under ``adapter`` active: both initialise a fresh optimizer's state for the
-    parameters that require gradients, which are the active adapter's."""
+    (``set_optimizer_state_dict``; ``partial``: some parameters' states left out, those never stepped, which then
+    start from none), under ``adapter`` active: both initialise a fresh optimizer's state for the parameters that
+    require gradients, which are the active adapter's."""
     use_adapter(model, adapter)
     if state is None:
         return get_optimizer_state_dict(model, opt)
-    set_optimizer_state_dict(model, opt, state)
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(strict=not partial))
     return None
 
 
@@ -400,6 +426,8 @@ def _resume(ckpt: Path, model, opt_g, opt_c) -> int:
 
     state = _state(model, opt_g, opt_c)
     state.pop("ema")
+    # an expert's adapter no step had reached when it was saved has no optimizer state there (two experts)
+    partial = {part: keep_saved_states(state[part], ckpt, part) for part in ("optimizer", "critic_optimizer")}
     state["student"] = {k: v.clone() for k, v in state["student"].items()}
     state["critic"] = {k: v.clone() for k, v in state["critic"].items()}
     try:
@@ -410,6 +438,6 @@ def _resume(ckpt: Path, model, opt_g, opt_c) -> int:
         for name in ADAPTERS:
             for k, p in adapter_params(model, name).items():
                 p.copy_(state[name][k])
-    _optimizer_state(model, opt_g, "student", state["optimizer"])
-    _optimizer_state(model, opt_c, "critic", state["critic_optimizer"])
+    _optimizer_state(model, opt_g, "student", state["optimizer"], partial["optimizer"])
+    _optimizer_state(model, opt_c, "critic", state["critic_optimizer"], partial["critic_optimizer"])
     return int(read_meta(ckpt)["step"])
