@@ -28,6 +28,15 @@ pipeline folder, ``RUN/teacher``, by the CLI (``export.pipeline_teacher``: LoRA 
 derives from (seed, k) alone, so ``--resume auto`` continues exactly; the first frames are drawn from it as the prompts
 are. Student, critic and teacher take the same image conditioning, the teacher's unconditional pass too (what the
 image-to-video pipelines' negative branch keeps); ``ditforge sample --ckpt RUN --image IMG`` samples the student.
+
+A pipeline of two experts (Wan 2.2 A14B: ``transformer`` at t >= ``boundary_ratio`` x 1000, ``transformer_2``
+below) loads with both, each carrying its own ``student`` and ``critic`` adapters (one LoRA per expert, as
+lightx2v's high- and low-noise LoRAs); the denoiser routes every row of every call to the expert that owns its
+timestep (``route_experts``; ``adapters.by_expert``: the pipeline's rule), so each of the student's K steps, the
+critic and the guided teacher run on the expert of the t they are evaluated at. An adapter no step has reached has
+no optimizer state yet, which resume keeps (``checkpoint.keep_saved_states``). The run is then a LoRA fine-tune of
+both experts' (``--expert both``): ``ema`` holds ``transformer.*`` and ``transformer_2.*`` adapters, which ``sample``
+runs per step on their expert and ``export --format lora`` writes as ``high_noise/`` and ``low_noise/``.
 """
 
 from __future__ import annotations
@@ -109,11 +118,9 @@ def route_experts(pre, objective, times: torch.Tensor) -> None:
     if len(den.expert_models()) == 1:
         return
     den.routing_boundary = float(den.expert_boundary(pre.pipe)) * int(pre.scheduler_config["num_train_timesteps"])
-    model_t = objective.model_timesteps(times)
-    sides = ["high-noise expert (transformer)" if float(t) >= den.routing_boundary else "low-noise expert "
-             "(transformer_2)" for t in model_t]
-    log.info("two experts switched at t = %g: the student's steps at t = %s run on the %s", den.routing_boundary,
-             ", ".join(f"{float(t):g}" for t in model_t), ", ".join(sides))
+    steps = [f"{float(t):g} ({den.pipeline_slots[int(float(t) < den.routing_boundary)]})"
+             for t in objective.model_timesteps(times)]
+    log.info("two experts switched at t = %g: the student's steps at t = %s", den.routing_boundary, ", ".join(steps))
 
 
 def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device, dtype: torch.dtype):
