@@ -5,7 +5,8 @@ guidance, one step at that t); every transformer call on the expert owning its t
 split; each expert's student adapter trained by the student's steps on its side alone; exact resume across both
 experts (one expert's student first stepping after the cut); the export as a LoRA fine-tune of both writes it;
 ``sample --ckpt RUN`` against the K-step recipe on diffusers' transformers with those LoRAs; a student whose steps
-all fall on one side."""
+all fall on one side; the two-expert image-to-video layout (Wan 2.2 I2V A14B) against
+``WanImageToVideoPipeline.__call__``."""
 
 from __future__ import annotations
 
@@ -251,3 +252,56 @@ def test_student_on_one_side_still_uses_both_experts(wan22, prompt_file, tmp_pat
     assert cli.main(["sample", "--ckpt", str(out), "--prompt", PROMPTS[0], "--device", "cpu", "--num_frames", "5",
                      "--out", str(tmp_path / "a.mp4")]) == 0
     assert [(s, t.tolist()) for s, t in calls] == [(high, [1000.0])]
+
+
+# Wan 2.2 I2V A14B's layout: a WanImageToVideoPipeline of two 36-channel experts without CLIP, boundary_ratio 0.9
+I2V_ARGS = ("--seed", "3", "--max_steps", "3")  # seed 3: both generator steps' teacher batches straddle t = 900
+
+
+@pytest.fixture(scope="module")
+def i2v_run(prompt_file, tmp_path_factory, one_thread_module):
+    """3 iterations (generator steps at 1 and 3) of the tiny two-expert image-to-video folder from two first
+    frames, recording each teacher call and the expert and timesteps of every transformer call."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("distill_wan22_i2v")
+    folder, images = make_wan22(root / "pipe", image_to_video=True), root / "images"
+    images.mkdir()
+    g = torch.Generator().manual_seed(5)
+    for name in ("a.png", "b.png"):
+        Image.fromarray(torch.randint(0, 256, (16, 16, 3), generator=g, dtype=torch.uint8).numpy()).save(images / name)
+    out, seen = recorded_run(folder, prompt_file, root / "run", "--image", str(images), *I2V_ARGS,
+                             log_calls=expert_log)
+    return folder, images, out, seen
+
+
+def test_i2v_teacher_is_the_pipelines_expert_and_guidance(i2v_run, tmp_path, monkeypatch):
+    """Both generator steps' teacher (batches straddling t = 900) equals ``WanImageToVideoPipeline.__call__`` run
+    one step at each row's t with that row's prompt and first frame (its own ``prepare_latents`` condition, expert
+    choice and guidance; float32, 1e-5); ``sample --ckpt RUN --image IMG`` runs t = 1000 on ``transformer`` and
+    t = 750 on ``transformer_2``."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    folder, images, out, seen = i2v_run
+    pipe = WanImageToVideoPipeline.from_pretrained(str(folder), local_files_only=True)
+    files = sorted(images.iterdir())
+    for step, (x, t, got, calls) in zip((1, 3), seen["teacher"]):
+        assert (t >= 900.0).any() and (t < 900.0).any() and calls == 4
+        g = torch.Generator().manual_seed(derive_seed(3, step))
+        rows = torch.randint(len(PROMPTS), (BATCH,), generator=g).tolist()
+        picks = torch.randint(len(files), (BATCH,), generator=g).tolist()
+        want = []
+        with torch.no_grad():
+            for i in range(BATCH):
+                pipe.scheduler = OneStep(t[i])
+                want.append(pipe(image=Image.open(files[picks[i]]).convert("RGB"), prompt=PROMPTS[rows[i]],
+                                 height=16, width=16, num_frames=5, latents=x[i:i + 1], guidance_scale=SCALE,
+                                 output_type="latent").frames)
+        torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+    calls: list = []
+    expert_log(monkeypatch, calls)
+    assert cli.main(["sample", "--ckpt", str(out), "--prompt", PROMPTS[0], "--image", str(files[0]), "--device",
+                     "cpu", "--num_frames", "5", "--out", str(tmp_path / "a.mp4")]) == 0
+    high, low = expert_sums(folder)
+    assert [(s, t.tolist()) for s, t in calls] == [(high, [1000.0]), (low, [750.0])]
