@@ -419,9 +419,9 @@ class DistillConfig:
     """Settings of ``ditforge distill`` (flags of the same names; see ``ditforge distill --help``)."""
 
     teacher: str = _f(None, "the teacher: a ditforge run or checkpoint folder (a class-conditional DiT), a local "
-                            "diffusers pipeline folder of an adapted video family (two experts, Wan 2.2 A14B: a "
-                            "student and a critic LoRA on each, every call on the expert of its timestep), or a run "
-                            "that fine-tuned one")
+                            "diffusers pipeline folder of an adapted video family (of two experts: a student and a "
+                            "critic LoRA on each, every call on the expert of its timestep), or a run that "
+                            "fine-tuned one")
     outputs: str = _f(None, "the student's run folder")
     student_steps: int = _f(4, "the student's sampling steps K (DMD2's 4: timesteps 999, 749, 499, 249 of a DDPM "
                                "teacher; fractions 1, 0.75, 0.5, 0.25 of a flow teacher's, shifted)")

@@ -29,7 +29,7 @@ derives from (seed, k) alone, so ``--resume auto`` continues exactly; the first 
 are. Student, critic and teacher take the same image conditioning, the teacher's unconditional pass too (what the
 image-to-video pipelines' negative branch keeps); ``ditforge sample --ckpt RUN --image IMG`` samples the student.
 
-A pipeline of two experts (Wan 2.2 A14B: ``transformer`` at t >= ``boundary_ratio`` x 1000, ``transformer_2``
+A pipeline of two experts (the adapter's ``expert_boundary`` b: ``transformer`` at t >= b x 1000, ``transformer_2``
 below) loads with both, each carrying its own ``student`` and ``critic`` adapters (one LoRA per expert, as
 lightx2v's high- and low-noise LoRAs); the denoiser routes every row of every call to the expert that owns its
 timestep (``route_experts``; ``adapters.by_expert``: the pipeline's rule), so each of the student's K steps, the
@@ -109,7 +109,7 @@ def adapter_params(model: torch.nn.Module, name: str) -> dict[str, torch.nn.Para
 
 
 def route_experts(pre, objective, times: torch.Tensor) -> None:
-    """A teacher of two experts (the adapter's ``expert_boundary`` b; Wan 2.2 A14B): the denoiser's rows routed
+    """A teacher of two experts (the adapter's ``expert_boundary`` b): the denoiser's rows routed
     (``routing_boundary`` = b x the scheduler's ``num_train_timesteps``, ``adapters.by_expert``: the pipeline's rule,
     per row), so that teacher, critic and student each run, at every timestep they are evaluated at, on the expert
     that owns it, with that expert's adapters; logs which experts the student's K steps (``times``, the objective's
