@@ -309,13 +309,13 @@ class VideoSampler:
         (``image_from_generator``), the noise, then each eps from ``torch.Generator(device).manual_seed(seed)``.
         A pipeline of two experts runs each step on the expert whose side of the boundary holds its t
         (``adapters.by_expert``, as ``denoise``), with that expert's student LoRA (merged).
-        Raises UserError: reference images, guidance asked for (a student bakes it in), or a scheduler of no
-        objective ditforge trains (``create_objective``'s)."""
-        why = ("it takes reference images" if self.experts[0].takes_references else
-               "--cfg_scale > 1 asks for guidance; give --cfg_scale 1" if uncond else None)
-        if why:
-            raise UserError(f"--sampler student: for a text- or image-to-video pipeline without guidance; "
-                            f"{self.pre.pipeline_class} ({type(self.pre.pipe.scheduler).__name__}): {why}")
+        A reference-image pipeline's control (``image_cond``) goes to every step, its prepended frames in the latents.
+        Raises UserError: guidance asked for (a student bakes it in), or a scheduler of no objective ditforge trains
+        (``create_objective``'s)."""
+        if uncond:
+            raise UserError(f"--sampler student: a student samples without guidance; {self.pre.pipeline_class} "
+                            f"({type(self.pre.pipe.scheduler).__name__}): --cfg_scale > 1 asks for guidance; give "
+                            "--cfg_scale 1")
         from diffusers.utils.torch_utils import randn_tensor
 
         from ditforge.diffusion.dmd import pipeline_student_times, student_loop  # ditforge distill's, too

@@ -132,20 +132,17 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
     outside sampling: ``add_expert``), routed by ``route_experts``.
 
     Raises:
-        UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no text- or image-to-video one
-            (``VideoSampler._student``'s rule), one that takes reference images, or without guidance information
-            (no ``--cfg_scale`` and no default scale in its call).
+        UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no video one, or without guidance
+            information (no ``--cfg_scale`` and no default scale in its call).
     """
     from ditforge.models.adapters.pipeline import encoder_dtype, load_pretrained
     from ditforge.models.adapters.pipeline import pipeline_defaults
 
     pre = load_pretrained(folder, device, encoder_dtype(device), flag=FLAG, denoiser_dtype=dtype)
     den = pre.denoiser
-    why = ("it is not a video family" if not den.video else "it takes reference images" if den.takes_references
-           else None)
-    if why:
-        raise UserError(f"{FLAG} {cfg.teacher}: distill takes text- or image-to-video pipelines; "
-                        f"{pre.pipeline_class}: {why}")
+    if not den.video:
+        raise UserError(f"{FLAG} {cfg.teacher}: distill takes video pipelines; {pre.pipeline_class}: it is not a "
+                        "video family")
     scale = cfg.cfg_scale if cfg.cfg_scale is not None else pipeline_defaults(pre.pipe).get("guidance_scale")
     if scale is None:
         raise UserError(f"{FLAG} {cfg.teacher}: no guidance information ({pre.pipeline_class}'s call has no default "
@@ -154,22 +151,26 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
 
 
 def first_frame_files(cfg: DistillConfig, pre) -> list[Path]:
-    """The ``--image`` files of an image-to-video teacher (``denoiser.image_to_video``): the PNG / JPEG files
+    """The ``--image`` files of an image-to-video teacher (``denoiser.image_to_video``: the first frames) or of a
+    reference-image one (``takes_references``: one reference image a sample; optional): the PNG / JPEG files
     (``FIRST_FRAME_SUFFIXES``, any case) of the folder, sorted by name (names starting with ``.`` skipped), or the one
     such file given; each read once here (``open_rgb``) so that a bad one stops the run before it starts. [] for a
-    text-to-video teacher.
+    text-to-video teacher, and for a reference-image one without ``--image`` (no control inputs).
 
     Raises:
         UserError (one line, naming ``--image``): ``--image`` missing for an image-to-video teacher or given to
-            another; no such file or folder; a folder without PNG / JPEG files, or a file of another kind; an
-            unreadable image.
+            a text-to-video one; no such file or folder; a folder without PNG / JPEG files, or a file of another
+            kind; an unreadable image.
     """
     from ditforge.data.images import open_rgb
 
-    if not pre.denoiser.image_to_video:
+    den = pre.denoiser
+    if not (den.image_to_video or den.takes_references):
         if cfg.image is not None:
             raise UserError(f"--image {cfg.image}: {FLAG} {cfg.teacher} is a {pre.pipeline_class}, which takes no "
                             "image; leave --image out")
+        return []
+    if cfg.image is None and den.takes_references:
         return []
     if cfg.image is None:
         raise UserError(f"--image: {FLAG} {cfg.teacher} is an image-to-video {pre.pipeline_class}; give its first "
@@ -199,7 +200,10 @@ def conditioning(pre, texts: list[str], files: list[Path], size: tuple[int, int,
     ``ditforge sample --image``'s), the PIL images themselves going to its image encoder as the pipeline's do; a
     family that draws its image latents (``image_from_generator``) draws them from ``generator``. Not dropped for
     the teacher's unconditional pass (the adapters' ``drop`` replaces the prompt's tensors alone, as the pipelines'
-    negative branch keeps the image)."""
+    negative branch keeps the image). A reference-image teacher: ``reference_control``'s control beside the
+    prompts'."""
+    if pre.denoiser.takes_references:
+        return pre.encode_prompt(texts) | reference_control(pre, files, len(texts), size)
     if not files:
         return pre.encode_prompt(texts)
     from ditforge.data.images import open_rgb
@@ -212,10 +216,26 @@ def conditioning(pre, texts: list[str], files: list[Path], size: tuple[int, int,
     return cond | pre.encode_image(first, num_frames, images=images, **extra)
 
 
+def reference_control(pre, files: list[Path], batch: int, size: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """A reference-image teacher's control for ``batch`` samples of ``size`` (H, W, T) frames, as its pipeline's call
+    builds it (the adapter's ``encode_control``, ``ditforge sample``'s too): with ``files`` (one PNG / JPEG per
+    sample, read by ``open_rgb``) each sample's one reference image, its latent frame prepended (R = 1); without,
+    no control inputs: the call's defaults (a zero control video, an all-ones mask), the same for every sample.
+    No control video or mask is drawn (``--video`` / ``--mask`` are ``ditforge sample``'s only). Returns the
+    adapter's tensors, (B, ...) float32 on the denoiser's device."""
+    from ditforge.data.images import open_rgb
+
+    den, (height, width, frames) = pre.denoiser, size
+    refs = [[open_rgb(f, f"--image {f}")] for f in files] or [[]]
+    rows = [den.encode_control(pre.pipe, r, None, None, height, width, frames, pre.device)[0] for r in refs]
+    return {k: torch.cat([r[k] for r in rows]).expand(batch, *rows[0][k].shape[1:]) for k in rows[0]}
+
+
 def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, int]:
     """((B, C, T', h, w) of the student's latents, height, width, frames): the flags, else the pipeline call's
     defaults (or the adapter's ``call_defaults``, from its transformer's config). Channels before frames for every
-    family, as fine-tuning encodes them (a frames-first adapter transposes for its transformer). Raises UserError: a
+    family, as fine-tuning encodes them (a frames-first adapter transposes for its transformer); a reference-image
+    teacher's ``--image`` prepends a latent frame (the reference's, ``reference_control``), as its pipeline does. Raises UserError: a
     frame count the VAE cannot take, a side the VAE and patches do not divide, a size the model cannot take
     (``refuse_size``: learned positional tables)."""
     from ditforge.encoders import VAE
@@ -231,7 +251,8 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
             raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of "
                             f"{pre.side_multiple}")
     pre.refuse_size(height, width, frames, f"--height {height} --width {width} --num_frames {frames}")
-    shape = (cfg.batch_size, den.in_channels, vae.latent_frames(frames), height // vae.downsample,
+    prepended = int(den.takes_references and cfg.image is not None)
+    shape = (cfg.batch_size, den.in_channels, vae.latent_frames(frames) + prepended, height // vae.downsample,
              width // vae.downsample)
     return shape, height, width, frames
 
