@@ -436,7 +436,9 @@ class DistillConfig:
     prompt_file: str | None = _f(None, "a pipeline teacher: the prompts, one per line, drawn uniformly (data-free)")
     image: str | None = _f(None, "an image-to-video pipeline teacher: the first frames, a folder of PNG / JPEG files "
                                  "(or one such file), drawn uniformly as the prompts are and resized to the frame "
-                                 "size (`ditforge sample --image`'s flag); refused for other teachers")
+                                 "size (`ditforge sample --image`'s flag); a reference-image teacher (optional): "
+                                 "one reference image a sample, drawn so (`ditforge sample --reference_image`'s); "
+                                 "refused for other teachers")
     height: int | None = _f(None, "a pipeline teacher: the frame height in pixels (default: its call's)")
     width: int | None = _f(None, "a pipeline teacher: the frame width in pixels (default: its call's)")
     num_frames: int | None = _f(None, "a video pipeline teacher: frames per clip (default: its call's)")

@@ -37,6 +37,10 @@ critic and the guided teacher run on the expert of the t they are evaluated at. 
 no optimizer state yet, which resume keeps (``checkpoint.keep_saved_states``). The run is then a LoRA fine-tune of
 both experts' (``--expert both``): ``ema`` holds ``transformer.*`` and ``transformer_2.*`` adapters, which ``sample``
 runs per step on their expert and ``export --format lora`` writes as ``high_noise/`` and ``low_noise/``.
+
+A reference-image teacher (``takes_references``) distils text-to-video with no control inputs (its call's default
+control), or with ``--image`` one reference image a sample, its latent frame prepended (``reference_control``: the
+adapter's ``encode_control``, ``ditforge sample``'s); student, critic and teacher (both passes) take the control.
 """
 
 from __future__ import annotations
