@@ -239,9 +239,9 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
     """((B, C, T', h, w) of the student's latents, height, width, frames): the flags, else the pipeline call's
     defaults (or the adapter's ``call_defaults``, from its transformer's config). Channels before frames for every
     family, as fine-tuning encodes them (a frames-first adapter transposes for its transformer); a reference-image
-    teacher's ``--image`` prepends a latent frame (the reference's, ``reference_control``), as its pipeline does. Raises UserError: a
-    frame count the VAE cannot take, a side the VAE and patches do not divide, a size the model cannot take
-    (``refuse_size``: learned positional tables)."""
+    teacher's ``--image`` prepends a latent frame (the reference's, ``reference_control``), as its pipeline does.
+    Raises UserError: a frame count the VAE cannot take, a side the VAE and patches do not divide, a size the model
+    cannot take (``refuse_size``: learned positional tables)."""
     from ditforge.encoders import VAE
     from ditforge.models.adapters.pipeline import pipeline_defaults
 

@@ -42,7 +42,8 @@ def expert_sums(folder) -> tuple[float, float]:
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(str(folder), local_files_only=True)
-    return tuple(float(m.patch_embedding.weight.detach().double().sum()) for m in (pipe.transformer, pipe.transformer_2))
+    return tuple(float(m.patch_embedding.weight.detach().double().sum())
+                 for m in (pipe.transformer, pipe.transformer_2))
 
 
 def expert_log(monkeypatch, seen: list) -> None:
