@@ -421,7 +421,9 @@ class DistillConfig:
     """Settings of ``ditforge distill`` (flags of the same names; see ``ditforge distill --help``)."""
 
     teacher: str = _f(None, "the teacher: a ditforge run or checkpoint folder (a class-conditional DiT), a local "
-                            "diffusers pipeline folder of an adapted video family, or a run that fine-tuned one")
+                            "diffusers pipeline folder of an adapted video family (of two experts: a student and a "
+                            "critic LoRA on each, every call on the expert of its timestep), or a run that "
+                            "fine-tuned one")
     outputs: str = _f(None, "the student's run folder")
     student_steps: int = _f(4, "the student's sampling steps K (DMD2's 4: timesteps 999, 749, 499, 249 of a DDPM "
                                "teacher; fractions 1, 0.75, 0.5, 0.25 of a flow teacher's, shifted)")
@@ -436,7 +438,9 @@ class DistillConfig:
     prompt_file: str | None = _f(None, "a pipeline teacher: the prompts, one per line, drawn uniformly (data-free)")
     image: str | None = _f(None, "an image-to-video pipeline teacher: the first frames, a folder of PNG / JPEG files "
                                  "(or one such file), drawn uniformly as the prompts are and resized to the frame "
-                                 "size (`ditforge sample --image`'s flag); refused for other teachers")
+                                 "size (`ditforge sample --image`'s flag); a reference-image teacher (optional): "
+                                 "one reference image a sample, drawn so (`ditforge sample --reference_image`'s); "
+                                 "refused for other teachers")
     height: int | None = _f(None, "a pipeline teacher: the frame height in pixels (default: its call's)")
     width: int | None = _f(None, "a pipeline teacher: the frame width in pixels (default: its call's)")
     num_frames: int | None = _f(None, "a video pipeline teacher: frames per clip (default: its call's)")

@@ -28,6 +28,7 @@ from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.encoders.vae import VAE
 from ditforge.errors import UserError
+from ditforge.models.adapters import by_expert
 from ditforge.models.adapters.pipeline import pipeline_defaults
 from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
 from ditforge.parallel.mesh import Dist
@@ -312,13 +313,15 @@ class VideoSampler:
         transposes). A guidance-distilled student takes its embedded scale in ``cond`` (``guidance_inputs``), an
         image-to-video one ``image_cond`` as ``denoise`` does (the adapter's ``start``, ``finish``). Its image draws
         (``image_from_generator``), the noise, then each eps from ``torch.Generator(device).manual_seed(seed)``.
-        Raises UserError: two experts or reference images, guidance asked for (a student bakes it in), or a
-        scheduler of no objective ditforge trains (``create_objective``'s)."""
-        why = ("it has two experts" if self.boundary is not None else "it takes reference images" if self.experts[
-            0].takes_references else "--cfg_scale > 1 asks for guidance; give --cfg_scale 1" if uncond else None)
-        if why:
-            raise UserError(f"--sampler student: for a one-transformer text- or image-to-video pipeline without "
-                            f"guidance; {self.pre.pipeline_class} ({type(self.pre.pipe.scheduler).__name__}): {why}")
+        A pipeline of two experts runs each step on the expert whose side of the boundary holds its t
+        (``adapters.by_expert``, as ``denoise``), with that expert's student LoRA (merged).
+        A reference-image pipeline's control (``image_cond``) goes to every step, its prepended frames in the latents.
+        Raises UserError: guidance asked for (a student bakes it in), or a scheduler of no objective ditforge trains
+        (``create_objective``'s)."""
+        if uncond:
+            raise UserError(f"--sampler student: a student samples without guidance; {self.pre.pipeline_class} "
+                            f"({type(self.pre.pipe.scheduler).__name__}): --cfg_scale > 1 asks for guidance; give "
+                            "--cfg_scale 1")
         from diffusers.utils.torch_utils import randn_tensor
 
         from ditforge.diffusion.dmd import pipeline_student_times, student_loop  # ditforge distill's, too
@@ -335,9 +338,15 @@ class VideoSampler:
         def draw(x):
             return randn_tensor(x.shape, generator=generator, device=self.device, dtype=torch.float32)
 
+        def student(x, t):
+            def on(expert: int, rows):  # the whole batch (slice(None)) or the indices of one expert's rows
+                return self.experts[expert].denoise(x[rows].to(self.dtype), t[rows],
+                                                    **{k: v[rows] for k, v in inputs.items()}).float()
+
+            return on(0, slice(None)) if self.boundary is None else by_expert(t, self.boundary, on)
+
         with torch.no_grad():
-            x0 = student_loop(objective, lambda x, t: denoiser.denoise(x.to(self.dtype), t, **inputs).float(),
-                              denoiser.start(draw(torch.empty(shape)), given), times, draw)
+            x0 = student_loop(objective, student, denoiser.start(draw(torch.empty(shape)), given), times, draw)
         return denoiser.finish(x0, given)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:

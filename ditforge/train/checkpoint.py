@@ -392,7 +392,7 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
     """
     meta = read_meta(ckpt)
     state = _own_state(model, optimizer, ema, adapters_only)
-    dropped = _keep_saved_states(state["optimizer"], ckpt)
+    dropped = keep_saved_states(state["optimizer"], ckpt)
     saved, moved = checkpoint_layout(state)
     try:
         dcp.load(saved, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(),
@@ -407,14 +407,15 @@ def load_training_state(ckpt: Path, model: nn.Module, optimizer: torch.optim.Opt
     return meta
 
 
-def _keep_saved_states(optimizer_state: dict, ckpt: Path) -> bool:
+def keep_saved_states(optimizer_state: dict, ckpt: Path, part: str = "optimizer") -> bool:
     """Drop from ``optimizer_state`` (``get_optimizer_state_dict``'s, which initialises every parameter's state) the
     parameters whose state ``ckpt`` does not hold: those that had never stepped when it was saved (an expert of two
-    that no step had drawn yet, ``train.experts``). Loaded without them, they start from no state, as they do in the
-    uninterrupted run. DCP keys are ``optimizer.state.<parameter>.<state name>``. Returns whether any was dropped."""
+    that no step had drawn yet, ``train.experts``; a distilled student's or critic's adapter of an expert no step had
+    reached yet, ``train.distill_pipeline``). Loaded without them, they start from no state, as they do in the
+    uninterrupted run. DCP keys are ``<part>.state.<parameter>.<state name>``. Returns whether any was dropped."""
     keys = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    saved = {k.rsplit(".", 1)[0] for k in keys if k.startswith("optimizer.state.")}
-    unsaved = [n for n in optimizer_state["state"] if f"optimizer.state.{n}" not in saved]
+    saved = {k.rsplit(".", 1)[0] for k in keys if k.startswith(f"{part}.state.")}
+    unsaved = [n for n in optimizer_state["state"] if f"{part}.state.{n}" not in saved]
     for name in unsaved:
         del optimizer_state["state"][name]
     return bool(unsaved)

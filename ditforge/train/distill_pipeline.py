@@ -28,6 +28,19 @@ pipeline folder, ``RUN/teacher``, by the CLI (``export.pipeline_teacher``: LoRA 
 derives from (seed, k) alone, so ``--resume auto`` continues exactly; the first frames are drawn from it as the prompts
 are. Student, critic and teacher take the same image conditioning, the teacher's unconditional pass too (what the
 image-to-video pipelines' negative branch keeps); ``ditforge sample --ckpt RUN --image IMG`` samples the student.
+
+A pipeline of two experts (the adapter's ``expert_boundary`` b: ``transformer`` at t >= b x 1000, ``transformer_2``
+below) loads with both, each carrying its own ``student`` and ``critic`` adapters (one LoRA per expert, as
+lightx2v's high- and low-noise LoRAs); the denoiser routes every row of every call to the expert that owns its
+timestep (``route_experts``; ``adapters.by_expert``: the pipeline's rule), so each of the student's K steps, the
+critic and the guided teacher run on the expert of the t they are evaluated at. An adapter no step has reached has
+no optimizer state yet, which resume keeps (``checkpoint.keep_saved_states``). The run is then a LoRA fine-tune of
+both experts' (``--expert both``): ``ema`` holds ``transformer.*`` and ``transformer_2.*`` adapters, which ``sample``
+runs per step on their expert and ``export --format lora`` writes as ``high_noise/`` and ``low_noise/``.
+
+A reference-image teacher (``takes_references``) distils text-to-video with no control inputs (its call's default
+control), or with ``--image`` one reference image a sample, its latent frame prepended (``reference_control``: the
+adapter's ``encode_control``, ``ditforge sample``'s); student, critic and teacher (both passes) take the control.
 """
 
 from __future__ import annotations
@@ -39,7 +52,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 
 from ditforge.config.sections import DistillConfig
 from ditforge.config.values import resolve_device, resolve_precision
@@ -50,7 +64,7 @@ from ditforge.diffusion.objective import create_objective, objective_of_schedule
 from ditforge.diffusion.samplers import STUDENT_SAMPLER
 from ditforge.errors import UserError
 from ditforge.parallel.mesh import Dist
-from ditforge.train.checkpoint import Checkpointer, find_resume, list_checkpoints
+from ditforge.train.checkpoint import Checkpointer, find_resume, keep_saved_states, list_checkpoints
 from ditforge.train.dmd_step import dmd2_iteration
 from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 
@@ -98,26 +112,41 @@ def adapter_params(model: torch.nn.Module, name: str) -> dict[str, torch.nn.Para
     return {k: p for k, p in model.named_parameters() if f".{name}." in k and ".lora_" in k}
 
 
+def route_experts(pre, objective, times: torch.Tensor) -> None:
+    """A teacher of two experts (the adapter's ``expert_boundary`` b): the denoiser's rows routed
+    (``routing_boundary`` = b x the scheduler's ``num_train_timesteps``, ``adapters.by_expert``: the pipeline's rule,
+    per row), so that teacher, critic and student each run, at every timestep they are evaluated at, on the expert
+    that owns it, with that expert's adapters; logs which experts the student's K steps (``times``, the objective's
+    timesteps) run on. Nothing for one expert."""
+    den = pre.denoiser
+    if len(den.expert_models()) == 1:
+        return
+    den.routing_boundary = float(den.expert_boundary(pre.pipe)) * int(pre.scheduler_config["num_train_timesteps"])
+    steps = [f"{float(t):g} ({den.pipeline_slots[int(float(t) < den.routing_boundary)]})"
+             for t in objective.model_timesteps(times)]
+    log.info("two experts switched at t = %g: the student's steps at t = %s", den.routing_boundary, ", ".join(steps))
+
+
 def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device, dtype: torch.dtype):
     """The teacher's pipeline (``load_pretrained``: encoders on ``device``, the denoiser in ``dtype``) after the
     checks of what the student recipe takes, and the guidance scale: ``--cfg_scale``, else the pipeline call's
     default ``guidance_scale`` (a guidance-distilled family's: the scale its one pass embeds).
 
+    A pipeline of two experts (the adapter's ``expert_boundary``) loads with both (``load_pretrained``'s default
+    outside sampling: ``add_expert``), routed by ``route_experts``.
+
     Raises:
-        UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no one-transformer video one
-            (text- or image-to-video; ``VideoSampler._student``'s rule), one that takes reference images, or without
-            guidance information (no ``--cfg_scale`` and no default scale in its call).
+        UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no video one, or without guidance
+            information (no ``--cfg_scale`` and no default scale in its call).
     """
     from ditforge.models.adapters.pipeline import encoder_dtype, load_pretrained
     from ditforge.models.adapters.pipeline import pipeline_defaults
 
     pre = load_pretrained(folder, device, encoder_dtype(device), flag=FLAG, denoiser_dtype=dtype)
     den = pre.denoiser
-    why = ("it is not a video family" if not den.video else "it has two experts" if len(den.expert_models()) > 1
-           else "it takes reference images" if den.takes_references else None)
-    if why:
-        raise UserError(f"{FLAG} {cfg.teacher}: distill takes one-transformer text- or image-to-video pipelines; "
-                        f"{pre.pipeline_class}: {why}")
+    if not den.video:
+        raise UserError(f"{FLAG} {cfg.teacher}: distill takes video pipelines; {pre.pipeline_class}: it is not a "
+                        "video family")
     scale = cfg.cfg_scale if cfg.cfg_scale is not None else pipeline_defaults(pre.pipe).get("guidance_scale")
     if scale is None:
         raise UserError(f"{FLAG} {cfg.teacher}: no guidance information ({pre.pipeline_class}'s call has no default "
@@ -126,22 +155,26 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
 
 
 def first_frame_files(cfg: DistillConfig, pre) -> list[Path]:
-    """The ``--image`` files of an image-to-video teacher (``denoiser.image_to_video``): the PNG / JPEG files
+    """The ``--image`` files of an image-to-video teacher (``denoiser.image_to_video``: the first frames) or of a
+    reference-image one (``takes_references``: one reference image a sample; optional): the PNG / JPEG files
     (``FIRST_FRAME_SUFFIXES``, any case) of the folder, sorted by name (names starting with ``.`` skipped), or the one
     such file given; each read once here (``open_rgb``) so that a bad one stops the run before it starts. [] for a
-    text-to-video teacher.
+    text-to-video teacher, and for a reference-image one without ``--image`` (no control inputs).
 
     Raises:
         UserError (one line, naming ``--image``): ``--image`` missing for an image-to-video teacher or given to
-            another; no such file or folder; a folder without PNG / JPEG files, or a file of another kind; an
-            unreadable image.
+            a text-to-video one; no such file or folder; a folder without PNG / JPEG files, or a file of another
+            kind; an unreadable image.
     """
     from ditforge.data.images import open_rgb
 
-    if not pre.denoiser.image_to_video:
+    den = pre.denoiser
+    if not (den.image_to_video or den.takes_references):
         if cfg.image is not None:
             raise UserError(f"--image {cfg.image}: {FLAG} {cfg.teacher} is a {pre.pipeline_class}, which takes no "
                             "image; leave --image out")
+        return []
+    if cfg.image is None and den.takes_references:
         return []
     if cfg.image is None:
         raise UserError(f"--image: {FLAG} {cfg.teacher} is an image-to-video {pre.pipeline_class}; give its first "
@@ -171,7 +204,10 @@ def conditioning(pre, texts: list[str], files: list[Path], size: tuple[int, int,
     ``ditforge sample --image``'s), the PIL images themselves going to its image encoder as the pipeline's do; a
     family that draws its image latents (``image_from_generator``) draws them from ``generator``. Not dropped for
     the teacher's unconditional pass (the adapters' ``drop`` replaces the prompt's tensors alone, as the pipelines'
-    negative branch keeps the image)."""
+    negative branch keeps the image). A reference-image teacher: ``reference_control``'s control beside the
+    prompts'."""
+    if pre.denoiser.takes_references:
+        return pre.encode_prompt(texts) | reference_control(pre, files, len(texts), size)
     if not files:
         return pre.encode_prompt(texts)
     from ditforge.data.images import open_rgb
@@ -184,12 +220,28 @@ def conditioning(pre, texts: list[str], files: list[Path], size: tuple[int, int,
     return cond | pre.encode_image(first, num_frames, images=images, **extra)
 
 
+def reference_control(pre, files: list[Path], batch: int, size: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """A reference-image teacher's control for ``batch`` samples of ``size`` (H, W, T) frames, as its pipeline's call
+    builds it (the adapter's ``encode_control``, ``ditforge sample``'s too): with ``files`` (one PNG / JPEG per
+    sample, read by ``open_rgb``) each sample's one reference image, its latent frame prepended (R = 1); without,
+    no control inputs: the call's defaults (a zero control video, an all-ones mask), the same for every sample.
+    No control video or mask is drawn (``--video`` / ``--mask`` are ``ditforge sample``'s only). Returns the
+    adapter's tensors, (B, ...) float32 on the denoiser's device."""
+    from ditforge.data.images import open_rgb
+
+    den, (height, width, frames) = pre.denoiser, size
+    refs = [[open_rgb(f, f"--image {f}")] for f in files] or [[]]
+    rows = [den.encode_control(pre.pipe, r, None, None, height, width, frames, pre.device)[0] for r in refs]
+    return {k: torch.cat([r[k] for r in rows]).expand(batch, *rows[0][k].shape[1:]) for k in rows[0]}
+
+
 def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, int]:
     """((B, C, T', h, w) of the student's latents, height, width, frames): the flags, else the pipeline call's
     defaults (or the adapter's ``call_defaults``, from its transformer's config). Channels before frames for every
-    family, as fine-tuning encodes them (a frames-first adapter transposes for its transformer). Raises UserError: a
-    frame count the VAE cannot take, a side the VAE and patches do not divide, a size the model cannot take
-    (``refuse_size``: learned positional tables)."""
+    family, as fine-tuning encodes them (a frames-first adapter transposes for its transformer); a reference-image
+    teacher's ``--image`` prepends a latent frame (the reference's, ``reference_control``), as its pipeline does.
+    Raises UserError: a frame count the VAE cannot take, a side the VAE and patches do not divide, a size the model
+    cannot take (``refuse_size``: learned positional tables)."""
     from ditforge.encoders import VAE
     from ditforge.models.adapters.pipeline import pipeline_defaults
 
@@ -203,7 +255,8 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
             raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of "
                             f"{pre.side_multiple}")
     pre.refuse_size(height, width, frames, f"--height {height} --width {width} --num_frames {frames}")
-    shape = (cfg.batch_size, den.in_channels, vae.latent_frames(frames), height // vae.downsample,
+    prepended = int(den.takes_references and cfg.image is not None)
+    shape = (cfg.batch_size, den.in_channels, vae.latent_frames(frames) + prepended, height // vae.downsample,
              width // vae.downsample)
     return shape, height, width, frames
 
@@ -271,11 +324,13 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     shape, height, width, frames = latent_shape(pre, cfg)
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
     check_lora_targets(model.inner, targets)
-    torch.manual_seed(cfg.seed)  # the adapters' Gaussian A
+    torch.manual_seed(cfg.seed)  # the adapters' Gaussian A: each adapter's, in the experts' order
     for name in ADAPTERS:
-        add_lora(model.inner, cfg.lora_rank, None, targets, adapter_name=name)
+        for inner in model.expert_models():  # two experts: a student and a critic adapter each
+            add_lora(inner, cfg.lora_rank, None, targets, adapter_name=name)
     if cfg.grad_checkpoint:
-        model.inner.enable_gradient_checkpointing()
+        for inner in model.expert_models():
+            inner.enable_gradient_checkpointing()
     model = model.to(device).eval()  # eval: no dropout; the student always sees its prompt
     objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, where=f"{FLAG} {cfg.teacher}",
                                  device=device, **model.objective_args(pre.pipe, None, *shape[2:]))
@@ -283,6 +338,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         times = pipeline_student_times(objective, pre.scheduler_config, cfg.student_steps, device)
     except ValueError as e:
         raise UserError(f"--student_steps: {e}") from None
+    route_experts(pre, objective, times)
     params = {n: list(adapter_params(model, n).values()) for n in ADAPTERS}
     opt_g = torch.optim.AdamW(params["student"], lr=cfg.lr, betas=(0.0, 0.999), weight_decay=0.0, foreach=True)
     opt_c = torch.optim.AdamW(params["critic"], lr=cfg.critic_lr or cfg.lr, betas=(0.0, 0.999), weight_decay=0.0,
@@ -361,7 +417,8 @@ def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], object
                  "in_channels": den.in_channels, "learn_sigma": den.learn_sigma, "vae": str(folder / "vae"),
                  "image_size": height if height == width else None, "num_frames": frames, "seed": cfg.seed,
                  "batch_size": cfg.batch_size, "lr": cfg.lr, "max_steps": cfg.max_steps,
-                 "mixed_precision": cfg.mixed_precision, "outputs": cfg.outputs}
+                 "mixed_precision": cfg.mixed_precision, "outputs": cfg.outputs,
+                 "expert": "both" if len(den.expert_models()) == 2 else None}  # a two-expert fine-tune's layout
     config = build_config(overrides=overrides).to_dict()
     config["model"]["num_frames"] = None  # the denoiser's own frames: the flags' are data.num_frames
     settings = asdict(cfg)
@@ -383,14 +440,15 @@ def _state(model, opt_g, opt_c) -> dict:
             "ema": {k.replace(".student.", ".default."): v for k, v in student.items()}}
 
 
-def _optimizer_state(model, opt, adapter: str, state: dict | None = None) -> dict | None:
+def _optimizer_state(model, opt, adapter: str, state: dict | None = None, partial: bool = False) -> dict | None:
     """``opt``'s state by parameter name (``get_optimizer_state_dict``), or with ``state`` that state loaded into it
-    (``set_optimizer_state_dict``), under ``adapter`` active: both initialise a fresh optimizer's state for the
-    parameters that require gradients, which are the active adapter's."""
+    (``set_optimizer_state_dict``; ``partial``: some parameters' states left out, those never stepped, which then
+    start from none), under ``adapter`` active: both initialise a fresh optimizer's state for the parameters that
+    require gradients, which are the active adapter's."""
     use_adapter(model, adapter)
     if state is None:
         return get_optimizer_state_dict(model, opt)
-    set_optimizer_state_dict(model, opt, state)
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(strict=not partial))
     return None
 
 
@@ -400,6 +458,8 @@ def _resume(ckpt: Path, model, opt_g, opt_c) -> int:
 
     state = _state(model, opt_g, opt_c)
     state.pop("ema")
+    # an expert's adapter no step had reached when it was saved has no optimizer state there (two experts)
+    partial = {part: keep_saved_states(state[part], ckpt, part) for part in ("optimizer", "critic_optimizer")}
     state["student"] = {k: v.clone() for k, v in state["student"].items()}
     state["critic"] = {k: v.clone() for k, v in state["critic"].items()}
     try:
@@ -410,6 +470,6 @@ def _resume(ckpt: Path, model, opt_g, opt_c) -> int:
         for name in ADAPTERS:
             for k, p in adapter_params(model, name).items():
                 p.copy_(state[name][k])
-    _optimizer_state(model, opt_g, "student", state["optimizer"])
-    _optimizer_state(model, opt_c, "critic", state["critic_optimizer"])
+    _optimizer_state(model, opt_g, "student", state["optimizer"], partial["optimizer"])
+    _optimizer_state(model, opt_c, "critic", state["critic_optimizer"], partial["critic_optimizer"])
     return int(read_meta(ckpt)["step"])

@@ -517,14 +517,6 @@ def test_cogvideox_export_loads_and_samples_in_its_k_steps(cog_run, cogvideox_pi
     assert a.shape == (1, 9, 32, 32, 3) and np.abs(a - b).max() <= 1
 
 
-def test_reference_image_teacher_still_refused_one_line(prompt_file, tmp_path, capsys):
-    from tiny_pipelines import make_vace
-
-    folder = make_vace(tmp_path / "vace")
-    assert_one_line_error(capsys, distill_argv(folder, prompt_file, tmp_path / "bad"), "--teacher",
-                          "it takes reference images")
-
-
 def test_cogvideox_student_steps_beyond_its_timesteps_one_line(cogvideox_pipeline, prompt_file, tmp_path, capsys):
     assert_one_line_error(capsys, distill_argv(cogvideox_pipeline, prompt_file, tmp_path / "bad", *COG_SIZE,
                                                "--student_steps", "1001"), "--student_steps", "1..1000")

@@ -31,12 +31,31 @@ network.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ditforge.models.adapters.limits import TextLimit
+
+
+def by_expert(t: torch.Tensor, boundary: float,
+              call: Callable[[int, torch.Tensor | slice], torch.Tensor]) -> torch.Tensor:
+    """A two-expert pipeline's rule, row by row: row i of a batch at model timesteps ``t`` (B,) runs on the first
+    expert (0: ``transformer``, high noise) where t_i >= ``boundary``, else on the second (1: ``transformer_2``);
+    ``boundary`` is in model timesteps, the pipeline's ``boundary_ratio`` x the scheduler's ``num_train_timesteps``
+    (diffusers' ``WanPipeline.__call__``: ``if boundary_timestep is None or t >= boundary_timestep:
+    current_model = self.transformer``, else ``transformer_2``). ``call(expert, rows)``: that expert's output
+    (rows first) for the rows ``rows`` (int64 indices), or ``slice(None)``: the whole batch, all on one side (one
+    call; indexing with it is a view, no copy). Returns (B, ...) in the batch's order: a batch that straddles the
+    boundary is two calls, their rows put back in place (differentiable). Reads the sides on the host (one sync)."""
+    first = t >= boundary
+    n_first = int(first.sum())
+    if n_first in (0, len(t)):
+        return call(0 if n_first else 1, slice(None))
+    rows = [first.nonzero().flatten(), (~first).nonzero().flatten()]
+    out = torch.cat([call(0, rows[0]), call(1, rows[1])])
+    return out[torch.argsort(torch.cat(rows))]
 
 
 class DiffusersDenoiser(nn.Module):
@@ -156,6 +175,9 @@ class DiffusersDenoiser(nn.Module):
         self.cond_keys: tuple[str, ...] = ()
         self.tokenize = None  # set by attach_text_encoder
         self.expert = 0  # which expert denoises: 0 the component, 1 the second expert (add_expert)
+        # with both experts held: forward runs each row on its side's expert (by_expert) at this boundary in model
+        # timesteps (``expert_boundary`` x num_train_timesteps); None: ``expert`` alone (fine-tuning switches it)
+        self.routing_boundary: float | None = None
         # the pipeline components the expert models fill, in ``expert_models``' order: the component itself, or the
         # low-noise expert's ``<component>_2`` when one expert of two is trained (``pipeline.load_pretrained``)
         self.pipeline_slots: tuple[str, ...] = (self.component,)
@@ -335,8 +357,17 @@ class DiffusersDenoiser(nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor, force_drop_ids: torch.Tensor | None = None,
                 **cond: torch.Tensor) -> torch.Tensor:
         """x: (B, C, H, W) latents; t: (B,) timesteps (int64 DDPM indices, or float 1000 t for flow);
-        ``cond``: the family's conditioning tensors. Returns (B, C_out, H, W) in the compute dtype."""
-        return self.denoise(x, t, **self.embed(self.drop(cond, force_drop_ids)))
+        ``cond``: the family's conditioning tensors. Returns (B, C_out, H, W) in the compute dtype. With
+        ``routing_boundary`` set, row i runs on the expert of its t_i (``by_expert``: the pipeline's rule)."""
+        cond = self.embed(self.drop(cond, force_drop_ids))
+        if self.routing_boundary is None:
+            return self.denoise(x, t, **cond)
+
+        def on(expert: int, rows: torch.Tensor | slice) -> torch.Tensor:
+            self.expert = expert
+            return self.denoise(x[rows], t[rows], **{k: v[rows] for k, v in cond.items()})
+
+        return by_expert(t, self.routing_boundary, on)
 
     def denoise(self, x: torch.Tensor, t: torch.Tensor, **cond: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
