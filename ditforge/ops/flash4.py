@@ -200,9 +200,10 @@ def _measure(shape, dtype, device, backward, backends) -> str:
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                     backends: tuple[str, ...] | None = None) -> torch.Tensor:
     """Exact softmax attention of (B, S, H, D) inputs (no mask) by the faster of FlashAttention-4 and SDPA at this
-    shape (``fastest_exact_kernel``; SDPA alone where ``fa4_unavailable``). ``backends``: SDPA's kernel order by
-    ``SDPBackend`` name (None: PyTorch's). Returns (B, S, H, D) in q's dtype."""
-    if fa4_unavailable(q, k, v) is None:
+    shape (``fastest_exact_kernel``; SDPA alone where ``fa4_unavailable``, and at a shape with a dynamic dimension).
+    ``backends``: SDPA's kernel order by ``SDPBackend`` name (None: PyTorch's). Returns (B, S, H, D) in q's dtype."""
+    # a dynamic dimension (a compiled graph's symbolic size) has no shape to measure at: SDPA takes it
+    if fa4_unavailable(q, k, v) is None and all(isinstance(n, int) for n in q.shape):
         backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         kernel = fastest_exact_kernel(tuple(q.shape), q.dtype, q.device.index, backward, backends)
         if kernel == "fa4":
