@@ -112,6 +112,8 @@ class DiffusersDenoiser(nn.Module):
             video.
         given_frames: the first latent frames the conditioning gives clean (Wan 2.2 TI2V's and LTX-Video's I2V):
             out of the loss (the objective's ``given_frames``), put back after sampling (``finish``).
+        padding_frames: a method: the latent frames the pipeline's loop puts before a clip's and drops before
+            decoding (CogVideoX 1.5's, to a multiple of its temporal patch), 0 for the others.
         frames_first: the pipeline lays its video latents out (B, T', C, h, w) (CogVideoX), not (B, C, T', h, w);
             its noise is drawn, and its scheduler steps, in that layout.
         image_noise: (mean, std) of log sigma: training noises the first frame's pixels by sigma = exp(mean + std z)
@@ -417,6 +419,13 @@ class DiffusersDenoiser(nn.Module):
         """The initial noise (B, C, T', h, w) float32 -> the latents the pipeline's loop starts from: the noise itself
         (HunyuanVideo I2V mixes in the image's latents)."""
         return latents
+
+    def padding_frames(self, latent_frames: int) -> int:
+        """Latent frames the pipeline's loop puts in front of a clip's ``latent_frames`` (its noise drawn with theirs)
+        and drops before decoding, for its transformer's patches (CogVideoX 1.5's temporal patches); 0 for the
+        others. An image-to-video family's image conditioning then covers them too (``ditforge sample`` encodes it
+        for the padded clip)."""
+        return 0
 
     @staticmethod
     def decoded_frames(pipe: Any, frames: torch.Tensor) -> torch.Tensor:
