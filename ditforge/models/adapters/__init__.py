@@ -17,8 +17,9 @@ Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL)
 ``pixart`` (PixArt-alpha / sigma, ``pixart.py``); ``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``); ``wan`` and
 ``wan_i2v`` (Wan 2.1 text-to-video and image-to-video, ``wan.py``: videos (B, C, T, H, W), ``video = True``;
 image-to-video also ``image_to_video = True``: conditioning from the first frame, ``encode_image``);
-``cogvideox`` and ``cogvideox_i2v`` (CogVideoX 1.0 text- and image-to-video, ``cogvideox.py``: a video family
-whose pipeline puts frames before channels, ``frames_first = True``); ``ltx`` and ``ltx_i2v`` (LTX-Video text- and
+``cogvideox`` and ``cogvideox_i2v`` (CogVideoX 1.0 and 1.5 text- and image-to-video, ``cogvideox.py``: a video
+family whose pipeline puts frames before channels, ``frames_first = True``; 1.5's pipelines pad the latent frames,
+``padding_frames``); ``ltx`` and ``ltx_i2v`` (LTX-Video text- and
 image-to-video, ``ltx.py``: latents packed into tokens inside the adapter, a dynamically shifted flow objective;
 image-to-video gives the first latent frame, ``given_frames``);
 ``hunyuan_video`` and ``hunyuan_video_i2v`` (HunyuanVideo text- and image-to-video, ``hunyuan.py``: guidance-distilled,
