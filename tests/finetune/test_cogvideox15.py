@@ -3,7 +3,7 @@ embedding) on the tiny random folders ``tiny_pipelines.make_cogvideox(..., patch
 latent frames, which its pipelines pad in front to 4): the denoiser's output against the transformer as the
 pipelines' own loops call it, ``ditforge sample`` of the folders against the pipelines' ``__call__``, a LoRA step
 against diffusers' arithmetic and its checkpoint sampled as the pipeline with its LoRA file samples, and ``ditforge
-distill`` of the text-to-video teacher (its teacher call, exact resume). What 1.0 and 1.5 share is in
+distill`` of the text-to-video teacher (its teacher call, exact resume, its student sampled). What 1.0 and 1.5 share is in
 test_cogvideox.py and the shared suites."""
 
 from __future__ import annotations
@@ -133,33 +133,43 @@ def test_sample_of_the_folder_is_the_pipelines_call(name, request, tmp_path, mon
     assert_frames_match(npz, frames, (1, FRAMES, SIZE, SIZE, 3))
 
 
-def test_lora_step_and_its_checkpoint_samples(cogvideox15_pipeline, tmp_path):
-    """One LoRA step (rank 4) of the text-to-video folder on the clips (32 px, 9 frames): its loss equals
-    ``references.cogvideox_loss`` (diffusers' scheduler and transformer, the v-prediction MSE weighted as
-    ``train_cogvideox_lora.py``) with the noisy latents' first frame repeated in front and its output dropped, within
-    1e-5 relative; ``sample --ckpt RUN`` (2 steps) draws the video the pipeline draws with the run's LoRA file
-    (``--format lora``, ``load_lora_weights``) from the same seed, to one uint8 level."""
-    spec, run = VIDEO["cogvideox"], tmp_path / "run"  # the 1.0 rows' geometry: 32 px, 9 frames, batch 2
-    assert cli.main(spec.argv(cogvideox15_pipeline, run, "--max_steps", "1", *KINDS["lora"])) == 0
-    pipe = _pipeline("cogvideox15", cogvideox15_pipeline)
-    forward = pipe.transformer.forward
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_lora_step_and_its_checkpoint_samples(name, request, tmp_path):
+    """One LoRA step (rank 4) of each folder on the clips (32 px, 9 frames; I2V: each clip's noised first frame). The
+    text-to-video loss equals ``references.cogvideox_loss`` (diffusers' scheduler and transformer, the v-prediction
+    MSE weighted as ``train_cogvideox_lora.py``) with the noisy latents' first frame repeated in front and its output
+    dropped, within 1e-5 relative. ``sample --ckpt RUN`` (2 steps; I2V ``--image``) draws the video the pipeline draws
+    with the run's LoRA file (``--format lora``, ``load_lora_weights``) from the same seed, to one uint8 level."""
+    folder, run = request.getfixturevalue(f"{name}_pipeline"), tmp_path / "run"
+    spec = VIDEO["cogvideox"]  # the 1.0 rows' geometry: 32 px, 9 frames, batch 2
+    assert cli.main(spec.argv(folder, run, "--max_steps", "1", *KINDS["lora"])) == 0
+    pipe, loss = _pipeline(name, folder), read_metrics(run / "metrics.jsonl")[0]["loss"]
+    if name.endswith("i2v"):
+        png, image = _image(tmp_path)
+        extra, call = ["--image", str(png)], {"image": image}
+        assert loss == loss and loss > 0
+    else:
+        extra, call = [], {}
+        forward = pipe.transformer.forward
 
-    def padded(hidden_states, **kwargs):  # frames first: the first latent frame repeated in front, then dropped
-        out = forward(hidden_states=torch.cat([hidden_states[:, :1], hidden_states], dim=1), **kwargs)
-        return (out[0][:, 1:],)
+        def padded(hidden_states, **kwargs):  # frames first: the first latent frame repeated in front, then dropped
+            out = forward(hidden_states=torch.cat([hidden_states[:, :1], hidden_states], dim=1), **kwargs)
+            return (out[0][:, 1:],)
 
-    pipe.transformer.forward = padded
-    items = _first_batch("clips", spec.size, spec.frames, spec.interval, spec.batch)
-    reference = cogvideox_loss(pipe, torch.stack([it["video"] for it in items]), [it["text"] for it in items])
-    del pipe.transformer.forward
-    assert read_metrics(run / "metrics.jsonl")[0]["loss"] == pytest.approx(reference, rel=1e-5)
+        pipe.transformer.forward = padded
+        items = _first_batch("clips", spec.size, spec.frames, spec.interval, spec.batch)
+        reference = cogvideox_loss(pipe, torch.stack([it["video"] for it in items]), [it["text"] for it in items])
+        del pipe.transformer.forward
+        assert loss == pytest.approx(reference, rel=1e-5)
     lora, npz = tmp_path / "lora", tmp_path / "s.npz"
     assert cli.main(["export", "--ckpt", str(run), "--format", "lora", "--out", str(lora)]) == 0
     assert cli.main(["sample", "--ckpt", str(run), "--prompt", PROMPT, "--num_sampling_steps", "2", "--cfg_scale",
-                     str(CFG), "--device", "cpu", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz)]) == 0
+                     str(CFG), "--device", "cpu", "--out", str(tmp_path / "clip.mp4"), "--save_npz", str(npz),
+                     *extra]) == 0
     pipe.load_lora_weights(str(lora))
     video = pipe(prompt=[PROMPT], num_inference_steps=2, guidance_scale=CFG, height=SIZE, width=SIZE,
-                 num_frames=FRAMES, generator=torch.Generator().manual_seed(derive_seed(0, 0)), output_type="np").frames
+                 num_frames=FRAMES, generator=torch.Generator().manual_seed(derive_seed(0, 0)), output_type="np",
+                 **call).frames
     assert_frames_match(npz, video, (1, FRAMES, SIZE, SIZE, 3))
 
 
@@ -195,6 +205,17 @@ def test_distill_teacher_is_the_pipelines_guided_v(cog15_run, cogvideox15_pipeli
     lines = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in lines] == [1, 2, 3, 4] and lines[0]["dmd_grad_norm"] > 0
     assert all(torch.isfinite(torch.tensor(v)) for r in lines for v in r.values())
+
+
+def test_distilled_student_samples(cog15_run, tmp_path):
+    """``sample --ckpt RUN`` runs the student's 2 steps on the clip's 3 latent frames (padded inside the adapter, as
+    distillation trained it) and writes 9 frames."""
+    import numpy as np
+
+    npz = tmp_path / "s.npz"
+    assert cli.main(["sample", "--ckpt", str(cog15_run[0]), "--prompt", PROMPT, "--device", "cpu", "--num_frames",
+                     str(FRAMES), "--out", str(tmp_path / "a.mp4"), "--save_npz", str(npz)]) == 0
+    assert np.load(npz)["samples"].shape == (1, FRAMES, SIZE, SIZE, 3)
 
 
 def test_distill_resume_equals_uninterrupted(cog15_run, cogvideox15_pipeline, prompt_file, tmp_path):  # noqa: F811
