@@ -3,8 +3,8 @@ embedding) on the tiny random folders ``tiny_pipelines.make_cogvideox(..., patch
 latent frames, which its pipelines pad in front to 4): the denoiser's output against the transformer as the
 pipelines' own loops call it, ``ditforge sample`` of the folders against the pipelines' ``__call__``, a LoRA step
 against diffusers' arithmetic and its checkpoint sampled as the pipeline with its LoRA file samples, and ``ditforge
-distill`` of the text-to-video teacher (its teacher call, exact resume, its student sampled). What 1.0 and 1.5 share is in
-test_cogvideox.py and the shared suites."""
+distill`` of the text-to-video teacher (its teacher call, exact resume, its student sampled). What 1.0 and 1.5
+share is in test_cogvideox.py and the shared suites."""
 
 from __future__ import annotations
 
