@@ -50,7 +50,7 @@ def _record_calls(monkeypatch, calls: list) -> None:
 
     def recorded(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
-        calls.append(({k: v for k, v in kwargs.items()}, out[0].detach().clone()))
+        calls.append((dict(kwargs), out[0].detach().clone()))
         return out
 
     monkeypatch.setattr(CogVideoXTransformer3DModel, "forward", recorded)
@@ -63,7 +63,8 @@ def test_denoiser_is_the_transformer_as_the_pipeline_calls_it(name, request, tmp
     ``ofs`` 2.0. ditforge's denoiser on the same latents (channels first, the image latents as ``image_condition``)
     gives the recorded output within 1e-6 (float32, the same transformer). On 3 latent frames (a training clip's)
     it equals the transformer on the first frame repeated in front, that frame's output dropped (THUDM/CogVideo's 1.5
-    fine-tuning's padding), 1e-6; I2V's ``ofs`` matters (1.0 in its place moves the output by over 1e-3)."""
+    fine-tuning's padding), I2V's image conditioning (an image latent, then zeros) that of 4 frames, 1e-6; I2V's
+    ``ofs`` matters (1.0 in its place moves the output by over 1e-3)."""
     from ditforge.models.adapters.pipeline import load_pretrained
 
     folder = request.getfixturevalue(f"{name}_pipeline")
@@ -87,18 +88,21 @@ def test_denoiser_is_the_transformer_as_the_pipeline_calls_it(name, request, tmp
         got = den(x[:, :4], kwargs["timestep"], encoder_hidden_states=kwargs["encoder_hidden_states"], **split)
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-6)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, pipe.transformer.config.in_channels, 3, 4, 4, generator=g)
+    x, latent = torch.randn(2, 4, 3, 4, 4, generator=g), torch.randn(2, 4, 1, 4, 4, generator=g)
     t, states = torch.randint(0, 1000, (2,), generator=g), torch.randn(2, 226, 32, generator=g)
     ofs = {"ofs": torch.tensor([2.0])} if image else {}
 
     def transformer(extra):
-        padded = torch.cat([x[:, :, :1], x], dim=2).transpose(1, 2)
-        return pipe.transformer(hidden_states=padded, encoder_hidden_states=states, timestep=t, return_dict=False,
+        padded = torch.cat([x[:, :, :1], x], dim=2)
+        if image:
+            padded = torch.cat([padded, torch.cat([latent, torch.zeros(2, 4, 3, 4, 4)], dim=2)], dim=1)
+        return pipe.transformer(hidden_states=padded.transpose(1, 2), encoder_hidden_states=states, timestep=t,
                                 image_rotary_emb=pipe._prepare_rotary_positional_embeddings(SIZE, SIZE, 4, x.device),
-                                **extra)[0].transpose(1, 2)[:, :, 1:]
+                                return_dict=False, **extra)[0].transpose(1, 2)[:, :, 1:]
 
+    split = {"image_condition": torch.cat([latent, torch.zeros(2, 4, 2, 4, 4)], dim=2)} if image else {}
     with torch.no_grad():
-        got = den(x[:, :4], t, encoder_hidden_states=states, **({"image_condition": x[:, 4:]} if image else {}))
+        got = den(x, t, encoder_hidden_states=states, **split)
         torch.testing.assert_close(got, transformer(ofs), rtol=0, atol=1e-6)
         if image:
             assert (got - transformer({"ofs": torch.tensor([1.0])})).abs().max() > 1e-3

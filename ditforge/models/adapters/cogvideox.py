@@ -50,9 +50,8 @@ class CogVideoXDenoiser(DiffusersDenoiser):
     21 latent frames, 22 sampled), which ``ditforge sample`` does too (``padding_frames``). Latents of another T'
     (a training clip's 21) are padded here, in front, by repeating their first frame p_t - T' mod p_t times, and those
     frames' outputs dropped: THUDM/CogVideo's own 1.5 fine-tuning pads so (``finetune/models/cogvideox_t2v/
-    lora_trainer.py``, ``compute_loss``: the clean first latent frame copied in front, ``ncopy``), as
-    ``CogVideoXImageToVideoPipeline.prepare_latents`` pads its image latents; here the copy is of the noisy frame
-    (the noise is drawn by the caller) and the loss leaves it out. Its rotary tables are the pipeline's for the
+    lora_trainer.py``, ``compute_loss``: the clean first latent frame copied in front, ``ncopy``); here the copy is
+    of the noisy frame (the noise is drawn by the caller) and the loss leaves it out. Its rotary tables are the pipeline's for the
     padded frames (``grid_type="slice"`` over the config's ``sample_height`` x ``sample_width`` grid, which bounds
     the frame size, ``size_refused``); it is exported at 16 fps (81 frames: 5 s)."""
 
@@ -143,13 +142,16 @@ class CogVideoXDenoiser(DiffusersDenoiser):
                 owner, h * self.vae_scale, w * self.vae_scale, frames, x.device)
         return self._rotary[key]
 
-    def denoise(self, x, t, encoder_hidden_states, **inputs):
-        """``inputs``: more keywords of the transformer's call (I2V 1.5's ``ofs``). Latents whose frame count is no
-        multiple of ``patch_size_t`` get their first frame repeated in front and those frames' outputs dropped
-        (the class docstring says why)."""
+    def denoise(self, x, t, encoder_hidden_states, channels: torch.Tensor | None = None, **inputs):
+        """``channels``: (B, C', T' + pad, h, w) concatenated to the latents along the channels (I2V's image
+        conditioning, of the padded clip); ``inputs``: more keywords of the transformer's call (I2V 1.5's ``ofs``).
+        Latents whose frame count is no multiple of ``patch_size_t`` get their first frame repeated in front
+        (pad frames) and those frames' outputs dropped (the class docstring says why)."""
         pad = self.padding_frames(x.shape[2])
         if pad:
             x = torch.cat([x[:, :, :1].expand(-1, -1, pad, -1, -1), x], dim=2)
+        if channels is not None:
+            x = torch.cat([x, channels.to(x.dtype)], dim=1)
         out = self.transformer(hidden_states=x.transpose(1, 2), encoder_hidden_states=encoder_hidden_states,
                                timestep=t, image_rotary_emb=self.rotary(x), return_dict=False, **inputs)[0]
         return out.transpose(1, 2)[:, :, pad:]
@@ -164,8 +166,10 @@ class CogVideoXDenoiser(DiffusersDenoiser):
 class CogVideoXI2VDenoiser(CogVideoXDenoiser):
     """CogVideoX 1.0 and 1.5 image-to-video (``CogVideoXImageToVideoPipeline``, the 5B I2V models): the transformer
     takes the noisy latents and ``image_condition`` concatenated along the channels (its ``in_channels`` 32 = 16 +
-    16), as the pipeline's loop does frames first; x and the output as ``CogVideoXDenoiser``'s (1.5's padding of the
-    frames with them). 1.5's transformer also embeds an offset (``ofs_embed_dim``), given 2.0 as the pipeline's call
+    16), as the pipeline's loop does frames first; x and the output as ``CogVideoXDenoiser``'s. 1.5's padding of a
+    clip's T' latent frames (training, distillation) gives the padded clip's conditioning: the image latent, then
+    zeros, the pipeline's for T' + pad frames (``prepare_latents``) and THUDM/CogVideo's 1.5 I2V fine-tuning's (the
+    image latent at the copied first frame). 1.5's transformer also embeds an offset (``ofs_embed_dim``), given 2.0 as the pipeline's call
     gives it (``ofs_emb``; THUDM/CogVideo's 1.5 I2V fine-tuning too). Caption dropout replaces the T5 states alone;
     the image conditioning stays, as in the pipeline's unconditional pass."""
 
@@ -181,8 +185,12 @@ class CogVideoXI2VDenoiser(CogVideoXDenoiser):
         return int(self.inner.config.out_channels)
 
     def denoise(self, x, t, encoder_hidden_states, image_condition):
+        pad = self.padding_frames(x.shape[2])
+        if pad:  # the padded clip's: the image latent, then zeros (T' + pad frames), as prepare_latents builds it
+            zeros = image_condition.new_zeros(*image_condition.shape[:2], pad, *image_condition.shape[3:])
+            image_condition = torch.cat([image_condition[:, :, :1], zeros, image_condition[:, :, 1:]], dim=2)
         ofs = {} if self.transformer.config.ofs_embed_dim is None else {"ofs": x.new_full((1,), 2.0)}
-        return super().denoise(torch.cat([x, image_condition.to(x.dtype)], dim=1), t, encoder_hidden_states, **ofs)
+        return super().denoise(x, t, encoder_hidden_states, channels=image_condition, **ofs)
 
     @classmethod
     def encode_image(cls, pipe, first: torch.Tensor, num_frames: int, images: list | None = None,
