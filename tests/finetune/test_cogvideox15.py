@@ -3,8 +3,8 @@ embedding) on the tiny random folders ``tiny_pipelines.make_cogvideox(..., patch
 latent frames, which its pipelines pad in front to 4): the denoiser's output against the transformer as the
 pipelines' own loops call it, ``ditforge sample`` of the folders against the pipelines' ``__call__``, a LoRA step
 against diffusers' arithmetic and its checkpoint sampled as the pipeline with its LoRA file samples, and ``ditforge
-distill`` of the text-to-video teacher (its teacher call, exact resume, its student sampled). What 1.0 and 1.5
-share is in test_cogvideox.py and the shared suites."""
+distill`` of the text-to-video teacher (its teacher call, exact resume, its student sampled) and of the
+image-to-video one (a smoke run). What 1.0 and 1.5 share is in test_cogvideox.py and the shared suites."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from ditforge.data.sampler import derive_seed
 from ditforge.train.logging import read_metrics
 from families import KINDS, VIDEO, assert_frames_match
 from references import _first_batch, cogvideox_loss
-from test_distill_video import COG_SIZE, SEED, assert_resume_exact, prompt_file, recorded_run  # noqa: F401
+from test_distill_video import (COG_SIZE, SEED, assert_resume_exact, distill_argv, prompt_file,  # noqa: F401
+                                recorded_run)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -224,3 +225,21 @@ def test_distilled_student_samples(cog15_run, tmp_path):
 
 def test_distill_resume_equals_uninterrupted(cog15_run, cogvideox15_pipeline, prompt_file, tmp_path):  # noqa: F811
     assert_resume_exact(cog15_run[0], cogvideox15_pipeline, prompt_file, tmp_path, *COG_SIZE)
+
+
+def test_i2v_distils_and_its_student_samples(cogvideox15_i2v_pipeline, prompt_file, tmp_path):  # noqa: F811
+    """The image-to-video folder as ``--teacher`` (one first frame, ``--image``): two iterations (a generator step,
+    then a critic step) with finite losses, and ``sample --ckpt RUN --image IMG`` in the student's steps writes 9
+    frames."""
+    import numpy as np
+
+    png, _ = _image(tmp_path)
+    run, npz = tmp_path / "run", tmp_path / "s.npz"
+    assert cli.main(distill_argv(cogvideox15_i2v_pipeline, prompt_file, run, "--max_steps", "2", "--image", str(png),
+                                 *COG_SIZE)) == 0
+    lines = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in lines] == [1, 2] and "generator_loss" in lines[0]
+    assert all(torch.isfinite(torch.tensor(v)) for r in lines for v in r.values())
+    assert cli.main(["sample", "--ckpt", str(run), "--prompt", PROMPT, "--image", str(png), "--device", "cpu",
+                     "--num_frames", str(FRAMES), "--out", str(tmp_path / "a.mp4"), "--save_npz", str(npz)]) == 0
+    assert np.load(npz)["samples"].shape == (1, FRAMES, SIZE, SIZE, 3)
