@@ -572,8 +572,10 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     ``num_sampling_steps`` steps (default: the pipeline's). ``image`` (a PIL image) is the first frame of an
     image-to-video family. A reference-image family (``takes_references``) is conditioned on ``--reference_image``,
     ``--video`` and ``--mask`` (``read_control``) through the adapter's ``encode_control``; the R latent frames it
-    prepends are dropped before decoding, as its pipeline does. ``sampler`` "student": ``VideoSampler._student``'s
-    few-step recipe (default 4 steps, ``cfg_scale`` 1; a guidance-distilled family: the pipeline's scale, embedded).
+    prepends are dropped before decoding, as its pipeline does, and so are the frames a family's pipeline pads the
+    latents with in front (the adapter's ``padding_frames``, for its temporal patches). ``sampler`` "student":
+    ``VideoSampler._student``'s few-step recipe (default 4 steps, ``cfg_scale`` 1; a guidance-distilled family: the
+    pipeline's scale, embedded).
 
     Writes (process 0): with one prompt and ``out`` a video file name (``clip.mp4``, ``.gif``, ...) that file;
     else ``out/NNN-<prompt slug>.mp4`` (default folder ``samples``) and, with ``gif``, a ``.gif`` beside it, a
@@ -606,15 +608,20 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
     conds = {i: {**{k: v.cpu() for k, v in pre.encode_prompt([prompts[i]], **seen).items()}, **embedded}
              for i in todo}  # GPU: one at a time
     uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None  # (with a black image)
-    shape = (1, denoiser.in_channels, vae.latent_frames(frames), height // vae.downsample, width // vae.downsample)
-    image_cond, prepended = None, 0
+    latent_frames = vae.latent_frames(frames)
+    # the frames the pipeline pads the latents with in front, cut before decoding as it does; a student samples the
+    # clip's own, as ditforge distill trains it (the adapter pads those inside its call)
+    prepended = 0 if cfg.sampler == "student" else denoiser.padding_frames(latent_frames)
+    shape = (1, denoiser.in_channels, latent_frames + prepended, height // vae.downsample, width // vae.downsample)
+    image_cond = None
     if denoiser.takes_references:  # the control latents lead the latents (R reference frames), cut before decoding
-        image_cond, prepended = denoiser.encode_control(pipe, *read_control(cfg, height, width, frames),
-                                                        height, width, frames, pre.device)
-        shape = (*shape[:2], shape[2] + prepended, *shape[3:])
-    if denoiser.image_to_video:
+        image_cond, references = denoiser.encode_control(pipe, *read_control(cfg, height, width, frames),
+                                                         height, width, frames, pre.device)
+        prepended += references
+        shape = (*shape[:2], shape[2] + references, *shape[3:])
+    if denoiser.image_to_video:  # for the padded clip, as the pipeline encodes it
         first = pipe.video_processor.preprocess(image, height=height, width=width)
-        image_cond = functools.partial(pre.encode_image, first, frames, images=[image])
+        image_cond = functools.partial(pre.encode_image, first, frames + prepended * vae.temporal, images=[image])
         if not denoiser.image_from_generator:  # else drawn per video from its seed's generator (VideoSampler.denoise)
             image_cond = image_cond()
     for name, module in pipe.components.items():

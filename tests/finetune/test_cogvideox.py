@@ -1,6 +1,6 @@
 """CogVideoX's own fine-tuning tests (``ditforge train --init_from COGVIDEOX_FOLDER --data clips``, ``ditforge
 sample``), end to end on the CPU with the tiny random pipelines of ``tiny_pipelines.make_cogvideox`` (32 px, 9 frames:
-latents 4 x 3 x 4 x 4): the one-line errors (the 8k + 1 frame rule, CogVideoX 1.5 folders), and image to video
+latents 4 x 3 x 4 x 4): the one-line errors (the 8k + 1 frame rule, frame sizes), and image to video
 (``CogVideoXImageToVideoPipeline``) with the clean first frame (``--no-noised_image_input``), and a transformer of
 another caption length (``max_text_seq_length`` 16: training, sampling, export). What every video family
 shares (first loss, resume, export, LoRA file, features) is in test_video_families.py, what every image-to-video
@@ -30,9 +30,9 @@ def _argv(folder: Path, out: Path, *extra: str) -> list[str]:
 
 def test_bad_input_lines(cogvideox_pipeline, tmp_path, capsys):
     """One line, exit 2, nothing written: a frame count CogVideoX's VAE does not decode back (8k + 1: 5 frames
-    give 2 latent frames, which decode to 8), naming the nearest valid counts; a CogVideoX 1.5 folder
-    (``patch_size_t``); a frame size other than a transformer's learned positions take (its config's
-    ``sample_height`` x ``sample_width``)."""
+    give 2 latent frames, which decode to 8), naming the nearest valid counts; frames larger than a CogVideoX 1.5
+    transformer's rotary grid (``patch_size_t``: its config's ``sample_height`` x ``sample_width``); a frame size other
+    than a transformer's learned positions take (the same sizes)."""
     assert_one_line_error(capsys, _argv(cogvideox_pipeline, tmp_path / "r", "--max_steps", "1", "--num_frames", "5"),
                           "--num_frames 5", "8k + 1", "1 and 9")
     assert not (tmp_path / "r").exists()
@@ -44,8 +44,9 @@ def test_bad_input_lines(cogvideox_pipeline, tmp_path, capsys):
     shutil.rmtree(folder / "transformer")
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     CogVideoXTransformer3DModel(**{**config, "patch_size_t": 2}).save_pretrained(folder / "transformer")
-    assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1"), "--init_from",
-                          "CogVideoX 1.5", "patch_size_t")
+    assert_one_line_error(capsys, _argv(folder, tmp_path / "r", "--max_steps", "1", "--image_size", "64"),
+                          "--image_size 64 --num_frames 9", "takes frames of at most 32 x 32", "rotary",
+                          "sample_height x sample_width")
     assert not (tmp_path / "r").exists() or not (tmp_path / "r" / "checkpoints").exists()
     shutil.rmtree(folder / "transformer")  # learned positions (the 5B I2V model's) take the config's size alone
     CogVideoXTransformer3DModel(**{**config, "use_learned_positional_embeddings": True}).save_pretrained(

@@ -694,7 +694,7 @@ COGVIDEOX_SCHEDULER = dict(num_train_timesteps=1000, beta_schedule="scaled_linea
                            timestep_spacing="trailing", set_alpha_to_one=True, clip_sample=False, steps_offset=0)
 
 
-def make_cogvideox(path, image_to_video: bool = False) -> Path:
+def make_cogvideox(path, image_to_video: bool = False, patch_size_t: int | None = None) -> Path:
     """A tiny CogVideoX 1.0 text-to-video ``CogVideoXPipeline`` folder, with the shapes of diffusers' own
     ``tests/pipelines/cogvideo/test_cogvideox.py`` and the 5B model's rotary positions.
 
@@ -708,6 +708,9 @@ def make_cogvideox(path, image_to_video: bool = False) -> Path:
     ``CogVideoXDPMScheduler`` with ``COGVIDEOX_SCHEDULER`` (stochastic: each step draws noise from the call's
     generator). ``image_to_video``: a ``CogVideoXImageToVideoPipeline`` as the 5B I2V model's: the transformer takes
     8 = 4 + 4 input channels (the noisy latents, then the first frame's latents padded with zero frames).
+    ``patch_size_t`` (2): a CogVideoX 1.5 folder, its transformer configured as THUDM/CogVideoX1.5-5B's (latent frames
+    patched in pairs, ``patch_bias`` off; image-to-video: the ``ofs`` embedding, ``ofs_embed_dim`` the
+    ``time_embed_dim``, 8, which it is added to), 9 frames' 3 latent frames padded to 4 by its pipeline.
 
     Returns:
         ``Path(path)``.
@@ -727,7 +730,9 @@ def make_cogvideox(path, image_to_video: bool = False) -> Path:
         num_attention_heads=2, attention_head_dim=16, in_channels=8 if image_to_video else 4, out_channels=4,
         time_embed_dim=8,
         text_embed_dim=32, num_layers=2, sample_width=4, sample_height=4, sample_frames=9, patch_size=2,
-        temporal_compression_ratio=4, max_text_seq_length=226, use_rotary_positional_embeddings=True).eval()
+        temporal_compression_ratio=4, max_text_seq_length=226, use_rotary_positional_embeddings=True,
+        **({} if patch_size_t is None else dict(patch_size_t=patch_size_t, patch_bias=False,
+                                                 ofs_embed_dim=8 if image_to_video else None))).eval()
     cls = CogVideoXImageToVideoPipeline if image_to_video else CogVideoXPipeline
     pipe = cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                scheduler=CogVideoXDPMScheduler(**COGVIDEOX_SCHEDULER))
@@ -973,6 +978,8 @@ BUILDERS = {
     "wan22_ti2v_i2v": functools.partial(make_wan22_ti2v, image_to_video=True),
     "cogvideox": make_cogvideox,
     "cogvideox_i2v": functools.partial(make_cogvideox, image_to_video=True),
+    "cogvideox15": functools.partial(make_cogvideox, patch_size_t=2),
+    "cogvideox15_i2v": functools.partial(make_cogvideox, image_to_video=True, patch_size_t=2),
     "ltx": make_ltx,
     "ltx_i2v": functools.partial(make_ltx, image_to_video=True),
     "hunyuan_video": make_hunyuan_video,

@@ -17,8 +17,9 @@ Families: ``sd`` (Stable Diffusion 1.x / 2.x) and ``sdxl`` (Stable Diffusion XL)
 ``pixart`` (PixArt-alpha / sigma, ``pixart.py``); ``sd3`` (Stable Diffusion 3 / 3.5, ``sd3.py``); ``wan`` and
 ``wan_i2v`` (Wan 2.1 text-to-video and image-to-video, ``wan.py``: videos (B, C, T, H, W), ``video = True``;
 image-to-video also ``image_to_video = True``: conditioning from the first frame, ``encode_image``);
-``cogvideox`` and ``cogvideox_i2v`` (CogVideoX 1.0 text- and image-to-video, ``cogvideox.py``: a video family
-whose pipeline puts frames before channels, ``frames_first = True``); ``ltx`` and ``ltx_i2v`` (LTX-Video text- and
+``cogvideox`` and ``cogvideox_i2v`` (CogVideoX 1.0 and 1.5 text- and image-to-video, ``cogvideox.py``: a video
+family whose pipeline puts frames before channels, ``frames_first = True``; 1.5's pipelines pad the latent frames,
+``padding_frames``); ``ltx`` and ``ltx_i2v`` (LTX-Video text- and
 image-to-video, ``ltx.py``: latents packed into tokens inside the adapter, a dynamically shifted flow objective;
 image-to-video gives the first latent frame, ``given_frames``);
 ``hunyuan_video`` and ``hunyuan_video_i2v`` (HunyuanVideo text- and image-to-video, ``hunyuan.py``: guidance-distilled,
@@ -112,6 +113,8 @@ class DiffusersDenoiser(nn.Module):
             video.
         given_frames: the first latent frames the conditioning gives clean (Wan 2.2 TI2V's and LTX-Video's I2V):
             out of the loss (the objective's ``given_frames``), put back after sampling (``finish``).
+        padding_frames: a method: the latent frames the pipeline's loop puts before a clip's and drops before
+            decoding (CogVideoX 1.5's, to a multiple of its temporal patch), 0 for the others.
         frames_first: the pipeline lays its video latents out (B, T', C, h, w) (CogVideoX), not (B, C, T', h, w);
             its noise is drawn, and its scheduler steps, in that layout.
         image_noise: (mean, std) of log sigma: training noises the first frame's pixels by sigma = exp(mean + std z)
@@ -417,6 +420,13 @@ class DiffusersDenoiser(nn.Module):
         """The initial noise (B, C, T', h, w) float32 -> the latents the pipeline's loop starts from: the noise itself
         (HunyuanVideo I2V mixes in the image's latents)."""
         return latents
+
+    def padding_frames(self, latent_frames: int) -> int:
+        """Latent frames the pipeline's loop puts in front of a clip's ``latent_frames`` (its noise drawn with theirs)
+        and drops before decoding, for its transformer's patches (CogVideoX 1.5's temporal patches); 0 for the
+        others. An image-to-video family's image conditioning then covers them too (``ditforge sample`` encodes it
+        for the padded clip)."""
+        return 0
 
     @staticmethod
     def decoded_frames(pipe: Any, frames: torch.Tensor) -> torch.Tensor:
