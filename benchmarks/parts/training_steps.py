@@ -45,21 +45,15 @@ def step_ms(model, optimizer, diffusion, shapes, capacity, plan, device, steps, 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    if device.type == "cuda":
+        return cuda_median_ms(step, steps=steps, warmup=warmup)
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
