@@ -1,4 +1,4 @@
-"""ditforge's own GPU kernels alone, each against what it replaces, at DiT-XL's shapes (width 1152, 16 heads of 72):
+"""ditforge's own GPU kernels and steps alone, each against what it replaces, mostly at DiT-XL's shapes (width 1152):
 
 ``adaln``: the fused adaLN Triton kernels (LayerNorm + modulate, gated residual) against PyTorch eager and
     ``torch.compile`` of the same reference, at DiT-XL/2 (64 x 256 tokens) and vDiT-XL/222 (8 x 2048) shapes, as
@@ -42,12 +42,48 @@
     4 B H S^2 D / time (forward; the backward counted as 2.5 forwards). Error of each output and input gradient
     against float32 attention (SDPA's memory-efficient kernel) on 2 heads: max abs and relative RMS.
 
+``packing``: sequence packing against padding to the longest sample: useful tokens per second of training steps.
+    A mixed stream of 256px images (latents 4x1x32x32: 256 tokens on vDiT-XL/222, the frame repeated for the
+    temporal patch) and 16-frame 256px videos (latents 4x16x32x32: 2,048 tokens), half and half, drawn in windows
+    of ``--window`` samples. Each window is one training step (forward + backward + AdamW) of vDiT-XL/222 under
+    bf16 autocast (fp32 weights, fused AdamW), DDPM with learned sigma (the trainer's loss,
+    ``data.packing.packed_training_losses``):
+
+    * packed: first-fit decreasing into rows of ``--pack_tokens`` tokens, block-diagonal attention by FlexAttention
+      (document mask, compiled) and, where this torch has it, the flash variable-length kernel (``varlen``) (the
+      ``--tiny`` CPU run: the dense reference, FlexAttention has no CPU backward);
+    * padded: one sample per row, every row padded to the window's longest sample, attention by SDPA with the
+      boolean mask (padding keys masked out): what training mixed sizes without packing costs.
+
+    Useful tokens/s = the window's real tokens / the step's median time (CUDA events after warm-up; on the CPU,
+    wall clock). Prints a table and writes JSON (date, device, versions) to benchmarks/results/ (``--out``).
+
+``optimizer-step``: time of one optimizer step over DiT-XL/2's parameters (675M) on a GPU. Default: the libraries'
+    kernels against the one-pass Triton step (``--fused_optimizer``), for each placement. Each row: clipping
+    (global norm, then scaling) + AdamW + EMA where the row has one. CUDA events, median of 20 steps after 5
+    warm-up steps.
+
+    ``--offload``: what ``--cpu_offload optimizer`` costs on this machine instead: pinned host <-> GPU copy
+    bandwidth (each way alone, both at once on two streams), and one step (bf16 weights, stochastic rounding, 8-bit
+    moments) with the states resident on the GPU against streamed from pinned host memory. A step alone has
+    nothing to overlap its transfers with, so the offloaded row is about the state's bytes over the bandwidth;
+    inside a backward (``--fused_backward_pass``) the transfers overlap the blocks' compute.
+
+    ``--sharded``: the one-pass step over FSDP2's shards (each DiT block and the model under ``fully_shard`` on a
+    one-GPU mesh: DTensor parameters and states, stepped shard by shard) against the same step over plain
+    tensors, with whether the weights after the timed steps are equal bit for bit.
+
+Their code is in ``parts/training_steps.py``.
+
     PYTHONPATH=. python benchmarks/kernels.py adaln --out benchmarks/results/single_gpu/adaln_kernels.json
     PYTHONPATH=. python benchmarks/kernels.py fp8 --out benchmarks/results/sampling/quant_kernel_h100.json
     PYTHONPATH=. python benchmarks/kernels.py fp8-train --out benchmarks/results/single_gpu/fp8_train_widths.json
     PYTHONPATH=. python benchmarks/kernels.py ring-attention --out benchmarks/results/attention_blocks_h100.json
     PYTHONPATH=. python benchmarks/kernels.py attention8 --out benchmarks/results/sampling/attention8_h200.json
     PYTHONPATH=. python benchmarks/kernels.py exact-attention --out benchmarks/results/sampling/exact_attention_h200.json
+    PYTHONPATH=. python benchmarks/kernels.py packing --out benchmarks/results/packing_h100.json  # vDiT-XL/222
+    PYTHONPATH=. python benchmarks/kernels.py packing --tiny          # CPU smoke test: vDiT-T/222, small latents
+    PYTHONPATH=. python benchmarks/kernels.py optimizer-step [--offload | --sharded] [--out FILE]
 """
 
 from __future__ import annotations
@@ -56,12 +92,16 @@ import argparse
 import json
 import platform
 from datetime import datetime
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from timing import cuda_median_ms, graph_us, kernel_ms_by_kind
 
+from parts.training_steps import optimizer_step, packing
+
+from ditforge.atomic import atomic_path
 from ditforge.ops.modulate import gated_residual_reference, layernorm_modulate_reference
 
 
@@ -437,9 +477,11 @@ def exact_attention(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="kernel", required=True)
-    for name in ("adaln", "fp8", "fp8-train", "ring-attention", "attention8", "exact-attention"):
+    for name in ("adaln", "fp8", "fp8-train", "ring-attention", "attention8", "exact-attention", "packing",
+                 "optimizer-step"):
         s = sub.add_parser(name)
-        s.add_argument("--out", help="JSON file")
+        s.add_argument("--out", help="JSON file" + (" (default benchmarks/results/packing_<device>.json)"
+                                                    if name == "packing" else ""))
         if name == "ring-attention":
             s.add_argument("--tokens", default="4096,16384,32768")
         if name in ("attention8", "exact-attention"):
@@ -448,12 +490,26 @@ def main() -> None:
             s.add_argument("--widths", default="1152,2048,3072,4096")
             s.add_argument("--recipes", default="tensorwise,rowwise")
             s.add_argument("--tokens", type=int, default=8192)
+        if name == "packing":
+            s.add_argument("--tiny", action="store_true",
+                           help="CPU smoke test: vDiT-T/222 on 4x1x8x8 / 4x4x8x8 latents")
+            s.add_argument("--window", type=int, default=16, help="samples per step")
+            s.add_argument("--pack_tokens", type=int, default=4096, help="tokens per packed row")
+            s.add_argument("--windows", type=int, default=3, help="different random windows, each timed")
+            s.add_argument("--steps", type=int, default=10)
+            s.add_argument("--warmup", type=int, default=3)
+        if name == "optimizer-step":
+            s.add_argument("--offload", action="store_true",
+                           help="copy bandwidth and the step resident against streamed")
+            s.add_argument("--sharded", action="store_true", help="the one-pass step over FSDP2's shards against plain")
     args = p.parse_args()
     result = {"adaln": adaln, "fp8": fp8, "fp8-train": fp8_train, "ring-attention": ring_attention,
-              "attention8": attention8, "exact-attention": exact_attention}[args.kernel](args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+              "attention8": attention8, "exact-attention": exact_attention, "packing": packing,
+              "optimizer-step": optimizer_step}[args.kernel](args)
+    if args.out:  # packing sets its default
+        with atomic_path(args.out) as tmp:
+            Path(tmp).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

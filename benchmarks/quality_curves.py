@@ -1,6 +1,7 @@
-"""Loss-curve quality checks: does a speed or memory mode train as well as the plain one? One ``ditforge train`` run
-per mode in a subprocess (kept in ``--work``: a finished mode is not run again), the per-step losses, and the verdict
-of each mode against a reference and a second seed. Two suites:
+"""Quality checks: does a speed or memory mode train as well as the plain one, does step-level reuse sample alike?
+
+Loss curves: one ``ditforge train`` run per mode in a subprocess (kept in ``--work``: a finished mode is not run
+again), the per-step losses, and the verdict of each mode against a reference and a second seed. Three suites:
 
 ``speed``: a DiT-S/2 trained from scratch for ``--steps`` steps (batch 64, lr 1e-4, EMA) on an ImageFolder made from
     the built-in digits (scikit-learn's 1,797 real 8x8 handwritten digits), upsampled to ``--image_size`` (bicubic,
@@ -75,6 +76,27 @@ The verdict compares the mean loss of each mode's last ``window`` steps with the
 
 ``report`` prints both, writes JSON (curves every step, window means) and a plot of the curves, smoothed over 100
 steps, in one figure (matplotlib).
+
+Samples of step-level reuse (FORA, PAB) and fewer solver steps on *trained* models, where ``sampling.py`` times random
+weights and so cannot tell what reuse costs in quality. Two suites:
+
+``cache-images``: the main job's model (``ditforge train`` with no arguments: a class-conditional DiT on the built-in
+    8x8 digits, on the CPU; kept under ``--work`` and reused). Each mode runs ``ditforge sample`` for
+    ``--samples_per_class`` samples per class with DDIM (``--sampling_steps``, default 50) and guidance 4 from the
+    same seed: plain, ``--fora 2``, ``--fora 3`` and ``--pab``; and fewer solver steps: DDIM at 25 and 20 steps,
+    DPM-Solver++ (2M) at 20. Per mode: PSNR and SSIM (scikit-image) of each sample's uint8 pixels against the plain
+    one's (for another step count this is how far the images moved, not an error), ``ditforge eval`` against the
+    real digits (digits-FID, precision, recall and class accuracy with the built-in extractor), and the wall time
+    of the ``ditforge sample`` command.
+``cache-video``: Pyramid Attention Broadcast on trained video models. Per model: ``ditforge train --data clips`` (the
+    built-in captioned videos; text-conditioned, pixel space at the default sizes), then ``ditforge sample`` of every
+    caption with DDIM, once plain and once with ``--pab`` (the VideoSys default schedule), same seed; PSNR and SSIM
+    of each PAB video's uint8 frames against the plain one, and the wall time of each ``ditforge sample`` command.
+    (A random-weights control of these tiny pixel-space models is degenerate: with ``sampling.py``'s
+    ``random_weights`` 96% of the pixels came out 0 or 255, with or without PAB: 72 dB.)
+
+    python benchmarks/quality_curves.py cache-images --out benchmarks/results/cache_quality_cpu.json  # 2 cores, ~10 min
+    python benchmarks/quality_curves.py cache-video --out benchmarks/results/pab_quality_cpu.json     # 2 cores, minutes
 """
 
 from __future__ import annotations
@@ -86,11 +108,14 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
 import torch
+from timing import psnr, ssim
 
 
 def add_options(ap: argparse.ArgumentParser, work: str, modes: dict[str, list[str]]) -> None:
@@ -306,6 +331,108 @@ def video(args) -> None:
            args.plot, pipe=str(pipe), image_size=args.image_size, num_frames=args.num_frames, steps=args.steps)
 
 
+CACHE_MODES = {"plain": [], "fora2": ["--fora", "2"], "fora3": ["--fora", "3"], "pab": ["--pab"],
+               # fewer solver steps (the later --num_sampling_steps wins)
+               "ddim25": ["--num_sampling_steps", "25"], "ddim20": ["--num_sampling_steps", "20"],
+               "dpm++20": ["--sampler", "dpm++", "--num_sampling_steps", "20"]}
+
+
+def write_rows(args, rows: list[dict]) -> None:
+    """A reuse suite's rows to ``--out`` (if given) with the date, torch's version and the arguments."""
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(date=datetime.datetime.now().isoformat(timespec="minutes"),
+                                                  torch=torch.__version__, args=vars(args), rows=rows), indent=1))
+
+
+def cache_images(args) -> None:
+    """The ``cache-images`` suite: each of ``--modes`` sampled from the default digits run, scored, timed."""
+    work = Path(args.work)
+    run = work / "run"
+    if not (run / "checkpoints").exists():
+        subprocess.run([sys.executable, "-m", "ditforge", "train", "--outputs", str(run)], check=True)
+    rows, plain = [], None
+    for mode in args.modes.split(","):
+        npz = work / f"{mode}.npz"
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "ditforge", "sample", "--ckpt", str(run), "--sampler", "ddim",
+                        "--num_sampling_steps", str(args.sampling_steps), "--seed", "0",
+                        "--num_samples", str(10 * args.samples_per_class), "--out", str(work / f"{mode}.png"),
+                        "--save_npz", str(npz), *CACHE_MODES[mode]], check=True)
+        seconds = time.perf_counter() - t0
+        samples = np.load(npz)["samples"]
+        plain = samples if plain is None else plain
+        scores = subprocess.run([sys.executable, "-m", "ditforge", "eval", "--samples", str(npz), "--ref", "digits"],
+                                check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        per_sample = [(psnr(a, b), ssim(a, b)) for a, b in zip(plain, samples)]
+        finite = [v for v, _ in per_sample if np.isfinite(v)]
+        rows.append(dict(mode=mode, flags=CACHE_MODES[mode], sample_s=seconds, samples=len(samples),
+                         psnr_db_min=min(v for v, _ in per_sample), psnr_db_mean=float(np.mean(finite or [np.inf])),
+                         ssim_min=min(s for _, s in per_sample), ssim_mean=float(np.mean([s for _, s in per_sample])),
+                         eval=json.loads(scores)))
+    print(f"\ndigits 8x8, DDIM {args.sampling_steps}, {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}\n")
+    print("| mode | PSNR dB vs plain (min / mean) | SSIM (min / mean) | digits-FID | accuracy | sample s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        e = r["eval"]
+        print(f"| {r['mode']} | {r['psnr_db_min']:.1f} / {r['psnr_db_mean']:.1f} | {r['ssim_min']:.4f} / "
+              f"{r['ssim_mean']:.4f} | {e['fid']:.2f} | {e['accuracy']:.3f} | {r['sample_s']:.1f} |")
+    write_rows(args, rows)
+
+
+def train_video(model: str, run: Path, args) -> None:
+    """``ditforge train --data clips`` of ``model`` into ``run``, unless it has finished there."""
+    if (run / "checkpoints" / f"step-{args.train_steps:07d}").exists():
+        return
+    subprocess.run([sys.executable, "-m", "ditforge", "train", "--data", "clips", "--model", model,
+                    "--image_size", str(args.image_size), "--num_frames", str(args.num_frames), "--frame_interval",
+                    str(args.frame_interval), "--batch_size", "3", "--max_steps", str(args.train_steps),
+                    "--sample_every", "0", "--device", args.device, "--outputs", str(run), "--resume", "auto"],
+                   check=True)
+
+
+def sample_video(run: Path, prompts: list[str], pab: bool, args, work: Path) -> tuple[np.ndarray, float]:
+    """(the videos of every prompt, (N, T, H, W, C) uint8; the command's wall time in s)."""
+    npz = work / f"{run.name}-{'pab' if pab else 'plain'}.npz"
+    cmd = [sys.executable, "-m", "ditforge", "sample", "--ckpt", str(run), "--sampler", "ddim",
+           "--num_sampling_steps", str(args.sampling_steps), "--seed", "0", "--device", args.device,
+           "--out", str(work / f"{run.name}-videos"), "--save_npz", str(npz)]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    t0 = time.perf_counter()
+    subprocess.run(cmd + (["--pab"] if pab else []), check=True)
+    return np.load(npz)["samples"], time.perf_counter() - t0
+
+
+def cache_video(args) -> None:
+    """The ``cache-video`` suite: each of ``--models`` trained on the built-in clips, sampled plain and with PAB."""
+    from ditforge.data.clips import clips_rows
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = [r["text"] for r in clips_rows()]
+    rows = []
+    for model in args.models.split(","):
+        run = work / model.replace("/", "_")
+        train_video(model, run, args)
+        plain, t_plain = sample_video(run, prompts, False, args, work)
+        cached, t_pab = sample_video(run, prompts, True, args, work)
+        per_video = [(psnr(a, b), ssim(a, b)) for a, b in zip(plain, cached)]
+        rows.append(dict(model=model, train_steps=args.train_steps, videos=len(prompts), shape=list(plain.shape[1:]),
+                         sampling_s=t_plain, sampling_pab_s=t_pab, psnr_db=[v[0] for v in per_video],
+                         ssim=[v[1] for v in per_video]))
+    print(f"\nclips, {args.image_size}px x {args.num_frames} frames, DDIM {args.sampling_steps}, "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}\n")
+    print("| model | trained steps | videos | PSNR dB (min / mean) | SSIM (min / mean) | sample s plain / PAB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        finite = [v for v in r["psnr_db"] if np.isfinite(v)] or [float("inf")]
+        print(f"| {r['model']} | {r['train_steps']} | {r['videos']} | {min(r['psnr_db']):.1f} / "
+              f"{np.mean(finite):.1f} | {min(r['ssim']):.4f} / {np.mean(r['ssim']):.4f} | {r['sampling_s']:.1f} / "
+              f"{r['sampling_pab_s']:.1f} |")
+    write_rows(args, rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="suite", required=True)
@@ -322,8 +449,25 @@ def main() -> None:
     v.add_argument("--pipe", default=None, help="a WanPipeline folder (default: the 1.3B config built in --work)")
     v.add_argument("--image_size", type=int, default=128)
     v.add_argument("--num_frames", type=int, default=9)
+    ci = sub.add_parser("cache-images", help="FORA, PAB and fewer steps on the default digits run")
+    ci.add_argument("--modes", default=",".join(CACHE_MODES))
+    ci.add_argument("--samples_per_class", type=int, default=20)
+    ci.add_argument("--sampling_steps", type=int, default=50)
+    ci.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "ditforge-cache-quality"))
+    ci.add_argument("--out")
+    cv = sub.add_parser("cache-video", help="PAB on video models trained on the built-in clips")
+    cv.add_argument("--models", default="STDiT-T/2,vDiT-T/122")
+    cv.add_argument("--image_size", type=int, default=8)
+    cv.add_argument("--num_frames", type=int, default=4)
+    cv.add_argument("--frame_interval", type=int, default=8)
+    cv.add_argument("--train_steps", type=int, default=2000)
+    cv.add_argument("--sampling_steps", type=int, default=50)
+    cv.add_argument("--device", default="auto")
+    cv.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "ditforge-pab-quality"))
+    cv.add_argument("--out")
     args = ap.parse_args()
-    {"speed": speed, "memory": memory, "video": video}[args.suite](args)
+    {"speed": speed, "memory": memory, "video": video, "cache-images": cache_images,
+     "cache-video": cache_video}[args.suite](args)
 
 
 if __name__ == "__main__":

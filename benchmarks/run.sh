@@ -14,7 +14,8 @@
 #   profile             profile_step.py of the compiled rows (b, c, e) of DiT-XL/2 and vDiT-XL/222
 #   fp8-step [RECIPE]   DiT-XL/2 rows b-g with --fp8_recipe RECIPE (default rowwise) beside the anchor
 #   t2v MODEL           text-to-video training rows b-e at 16 frames x 256px, 120 caption tokens of width 4096
-#   optimizer           the one-pass optimizer step's CUDA tests, optimizer_step.py, the anchor, bench rows b, c, e, f
+#   optimizer           the one-pass optimizer step's CUDA tests, kernels.py optimizer-step, the anchor, bench rows
+#                       b, c, e, f
 #   sampling [BATCHES] [ROWS] [STEPS]  the float8 tests (a failure stops the job: no timing of wrong code), then
 #                       sampling.py --images beside the compiled-diffusers anchor (run first, same job) at batch
 #                       BATCHES (default 8; one batch a call: on a cold machine batch 8 alone takes ~8 minutes),
@@ -160,7 +161,7 @@ t2v)
 optimizer)
     python3 -m pytest -q -p no:cacheprovider --tb=line tests/optim/test_fused_adamw.py tests/optim/test_optim.py \
         -k "not slow" 2>&1 | grep -v gemm_4bit | tail -8
-    python3 benchmarks/optimizer_step.py --out "$out/optimizer_step.json" 2>&1 | grep -v gemm_4bit
+    python3 benchmarks/kernels.py optimizer-step --out "$out/optimizer_step.json" 2>&1 | grep -v gemm_4bit
     (cd .anchors && python3 plain_dit_train.py 64 bf16_compile_ema) 2>&1 | tail -1
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 15 --warmup 5 2>&1 | rows_only
     ;;

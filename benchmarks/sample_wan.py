@@ -35,6 +35,25 @@ rebuilds the transformer from the same seed on its GPU, so every row draws the s
 the VAE's share (the caption states are given, so text encoding is outside every timed call, the anchor's too).
 ``--steps`` sets our rows' denoising steps and the anchor's; TINY=1: the anchor's tiny config on the CPU (a check of
 the script).
+
+``--model animate14 --rows pipeline``: character animation sampling (issue 64, item 3), ``WanAnimatePipeline``'s call,
+which is what ``ditforge sample`` runs for a Wan2.2-Animate folder (``models/adapters/wan_animate.py`` says why), on
+one GPU with random weights. Workload: ``WanAnimateTransformer3DModel``'s default config (diffusers' class defaults,
+the 14B shape: 40 layers, 40 heads of 128, FFN 13,824, CLIP states 1,280 wide, motion encoder at 512 px) in bf16;
+``AutoencoderKLWan``'s default config in float32; a ``CLIPVisionModel`` of ViT-H/14's shape (32 layers, 1,280 wide,
+224 px) in bf16; UniPC with flow shift 5 (diffusers' model card's); the pipeline's defaults: 20 steps (pass ``--steps
+20``), guidance 1 (no unconditional pass), ``segment_frame_length`` 77 with 1 conditioning frame; 480 x 832, a pose
+and a face video of 77 frames (one segment), random 512 x 4096 caption states (the text encoder is outside the timed
+call). One call includes the image encoder, the VAE encodes and the decode; the median of ``--repeat`` timed calls
+after one warm-up call of ``--warmup_steps`` 2 (one 20-step call of 14B at 32,760 tokens is minutes),
+CUDA-synchronised wall clock; the peak memory of the timed calls; the row keeps its own fields (``call_s``,
+``step_s``, ``peak_gib``). No anchor: ditforge's path is this call itself. Its LoRA rows: ``finetune.py --model
+animate14``.
+
+    PYTHONPATH=. python benchmarks/sample_wan.py --model animate14 --rows pipeline --steps 20 --repeat 1 \
+        --out animate.json                                                               # one H200
+    TINY=1 PYTHONPATH=. python benchmarks/sample_wan.py --model animate14 --rows pipeline --steps 2 --repeat 1 \
+        --out /tmp/a.json                                                                # the tiny config on the CPU
 """
 
 from __future__ import annotations
@@ -98,17 +117,20 @@ ROWS = {
     "cfg2_fsdp": dict(compile="default", cfg_parallel=True, plugin="fsdp"),
     "diffusers": dict(),  # the pipeline's own call (bf16 transformer), eager
     "diffusers_compiled": dict(),  # ... each repeated block compiled (fullgraph), as the Wan anchor
+    "pipeline": dict(),  # --model animate14's one row: WanAnimatePipeline's call, ditforge's path for that family
 }
 # the model's workload: frame size and count, guidance, caption states (tokens x width)
 MODELS = {"wan13": dict(height=480, width=832, frames=81, guidance=5.0, text=(512, 4096)),
           "cog5b": dict(height=480, width=720, frames=49, guidance=6.0, text=(226, 4096)),
           "hv13b": dict(height=480, width=848, frames=61, guidance=6.0, text=(256, 4096), pooled=768, prompt=40),
-          "vace13": dict(height=480, width=832, frames=81, guidance=5.0, text=(512, 4096), references=1)}
+          "vace13": dict(height=480, width=832, frames=81, guidance=5.0, text=(512, 4096), references=1),
+          "animate14": dict(height=480, width=832, frames=77, guidance=1.0, text=(512, 4096))}
 if TINY:
     MODELS = {"wan13": dict(height=32, width=32, frames=5, guidance=5.0, text=(512, 64)),
               "cog5b": dict(height=32, width=32, frames=9, guidance=6.0, text=(226, 32)),
               "hv13b": dict(height=32, width=32, frames=5, guidance=6.0, text=(256, 16), pooled=8, prompt=7),
-              "vace13": dict(height=32, width=32, frames=5, guidance=5.0, text=(512, 64), references=1)}
+              "vace13": dict(height=32, width=32, frames=5, guidance=5.0, text=(512, 64), references=1),
+              "animate14": dict(height=16, width=16, frames=5, guidance=1.0, text=(512, 4096))}
 
 
 def build_cog_pipe(device: torch.device, transformer_device: torch.device):
@@ -246,6 +268,81 @@ def reference_images(model: str) -> list:
     rng = np.random.default_rng(0)
     return [Image.fromarray(rng.integers(0, 256, (w["height"] // 2, w["width"] // 2, 3), dtype=np.uint8))
             for _ in range(w.get("references", 0))]
+
+
+def build_animate_pipe(device: torch.device):
+    """Wan2.2-Animate-14B's ``WanAnimatePipeline`` with random weights drawn after ``torch.manual_seed(0)``: the
+    transformer's class defaults (the 14B shape) in bf16, ``AutoencoderKLWan``'s default config in float32, a
+    ``CLIPVisionModel`` of ViT-H/14's shape in bf16, UniPC at flow shift 5 (TINY: a 2-layer, 24-wide model)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanAnimatePipeline, WanAnimateTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    if TINY:
+        tr = WanAnimateTransformer3DModel(
+            num_attention_heads=2, attention_head_dim=12, text_dim=4096, ffn_dim=32, num_layers=2, image_dim=4,
+            rope_max_seq_len=32, motion_encoder_size=16, motion_encoder_channel_sizes={"4": 16, "8": 16, "16": 16},
+            motion_style_dim=8, motion_dim=4, motion_encoder_dim=8, face_encoder_hidden_dim=8,
+            face_encoder_num_heads=2, inject_face_latents_blocks=2)
+        vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True])
+        clip = CLIPVisionConfig(hidden_size=4, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                                intermediate_size=16, patch_size=1)
+    else:
+        with torch.device(device):
+            tr = WanAnimateTransformer3DModel().to(torch.bfloat16)
+        vae = AutoencoderKLWan()
+        clip = CLIPVisionConfig(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, image_size=224,
+                                intermediate_size=5120, patch_size=14)
+    dtype = torch.float32 if TINY else torch.bfloat16
+    pipe = WanAnimatePipeline(
+        tokenizer=None, text_encoder=None, vae=vae.eval(),
+        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0),
+        image_processor=CLIPImageProcessor(crop_size=clip.image_size, size=clip.image_size),
+        image_encoder=CLIPVisionModel(clip).eval().to(dtype), transformer=tr.eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def animate_row(steps: int, repeat: int, warmup_steps: int, device_arg: str) -> dict:
+    """``--model animate14``'s row: ``repeat`` timed ``WanAnimatePipeline`` calls of ``steps`` steps (one segment:
+    ``segment_frame_length`` = the workload's frames, random pose and face videos and reference image, seed 0)
+    after a warm-up call of ``warmup_steps``; call_s / step_s: the median call, wall clock between
+    synchronisations; peak_gib: the timed calls' peak (reset after the warm-up)."""
+    from PIL import Image
+
+    device = torch.device(device_arg)
+    pipe = build_animate_pipe(device)
+    w = MODELS["animate14"]
+    rng = np.random.default_rng(0)
+    face = pipe.transformer.config.motion_encoder_size
+
+    def frames(n, h, w):
+        return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for _ in range(n)]
+
+    inputs = dict(image=frames(1, w["height"], w["width"])[0], pose_video=frames(w["frames"], w["height"], w["width"]),
+                  face_video=frames(w["frames"], face, face),
+                  prompt_embeds=torch.randn(1, *w["text"], device=device, dtype=pipe.transformer.dtype),
+                  height=w["height"], width=w["width"], segment_frame_length=w["frames"], guidance_scale=w["guidance"],
+                  output_type="pt")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def call(n: int) -> float:
+        sync(); start = time.perf_counter()
+        with torch.no_grad():
+            pipe(**inputs, num_inference_steps=n, generator=torch.Generator(device).manual_seed(0))
+        sync()
+        return time.perf_counter() - start
+
+    call(warmup_steps)  # kernels chosen, memory pools filled
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = [call(steps) for _ in range(max(repeat, 1))]
+    row = {"row": "pipeline", "height": w["height"], "width": w["width"], "frames": w["frames"], "steps": steps,
+           "call_s": statistics.median(times), "step_s": statistics.median(times) / steps,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 BUILDERS = {"wan13": build_pipe, "cog5b": build_cog_pipe, "hv13b": build_hv_pipe, "vace13": build_vace_pipe}
@@ -386,7 +483,7 @@ def main() -> None:
                    "(default: fp32 where run, else the first row)")
     p.add_argument("--model", default="wan13", choices=tuple(MODELS),
                    help="wan13: Wan2.1-T2V-1.3B; cog5b: CogVideoX-5B; hv13b: HunyuanVideo; vace13: "
-                   "Wan2.1-VACE-1.3B with one reference image")
+                   "Wan2.1-VACE-1.3B with one reference image; animate14: Wan2.2-Animate-14B (--rows pipeline)")
     p.add_argument("--anchor", help="../shared/anchors/wan_sampling.py, run first with --steps (wan13)")
     p.add_argument("--student_steps", type=int, default=4, help="the student rows' steps (their warm-up too)")
     p.add_argument("--device", default="cpu" if TINY else "cuda")
@@ -397,16 +494,22 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
-    if args.device == "cuda":
-        use_sampling_gemm_settings(torch.device("cuda"))
+    names = args.rows.split(",")
+    if (args.model == "animate14") != (names == ["pipeline"]):
+        raise SystemExit("--rows pipeline (WanAnimatePipeline's call) is the one row of --model animate14")
     import diffusers
 
     result = dict(date=datetime.now().isoformat(timespec="minutes"), torch=torch.__version__,
                   diffusers=diffusers.__version__, model=args.model, workload=MODELS[args.model],
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", rows=[])
+    if args.model == "animate14":  # diffusers' own call at torch's default GEMM settings; no anchor, no PSNR
+        result["rows"].append(animate_row(args.steps, args.repeat, args.warmup_steps, args.device))
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        return
+    if args.device == "cuda":
+        use_sampling_gemm_settings(torch.device("cuda"))
     if args.anchor and rank == 0:
         result["anchor"] = run_anchor(args.anchor, args.steps, out)
-    names = args.rows.split(",")
     frames = {}
     for name in names:
         repeat = 0 if name in args.untimed.split(",") else args.repeat

@@ -308,7 +308,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,8", help="images: batch sizes")
     p.add_argument("--top", type=int, default=0, help="images: print the N largest GPU kernels of one sampling loop")
     p.add_argument("--steps", type=int, default=STEPS, help="sampling steps of our rows and DiTPipeline's (the "
-                   "anchor script always runs 50): fewer steps at equal quality (see cache_quality.py)")
+                   "anchor script always runs 50): fewer steps at equal quality (see quality_curves.py cache-images)")
     p.add_argument("--anchor", help="images: run this anchor script (../shared/anchors/diffusers_dit_sampling.py) "
                    "unchanged first, in the same job, and add each row's speed-up over its compiled DiTPipeline")
     p.add_argument("--out")
