@@ -7,23 +7,23 @@
 #                       (run first, same job), rows b, c, e, f (compile without the fused kernels), then
 #                       profile_step.py of row f (kernel time by kind, GPU idle, host syncs)
 #   anchor-video        the same for vDiT-XL/222 at 16 frames x 256px, batch 8, against plain_vdit_train.py
-#   ablation-image      the kernel tests on the GPU, kernels.py adaln, `ditforge bench` DiT-XL/2 rows a-g, rows b, c,
+#   ablation-image      the kernel tests on the GPU, kernel_speed.py adaln, `ditforge bench` DiT-XL/2 rows a-g, rows b, c,
 #                       e with CUDA graphs (reduce-overhead) and with op-level activation checkpointing
 #   ablation-video      `ditforge bench` vDiT-XL/222 rows b-e, g and row c alone (fp32 + fast attention); DiT-XL/2
 #                       rows b, c, e, g (compile without the fused kernels, + FP8); DiT-XL/2 --find_max_batch
 #   profile             profile_step.py of the compiled rows (b, c, e) of DiT-XL/2 and vDiT-XL/222
 #   fp8-step [RECIPE]   DiT-XL/2 rows b-g with --fp8_recipe RECIPE (default rowwise) beside the anchor
 #   t2v MODEL           text-to-video training rows b-e at 16 frames x 256px, 120 caption tokens of width 4096
-#   optimizer           the one-pass optimizer step's CUDA tests, kernels.py optimizer-step, the anchor, bench rows
+#   optimizer           the one-pass optimizer step's CUDA tests, kernel_speed.py optimizer-step, the anchor, bench rows
 #                       b, c, e, f
 #   sampling [BATCHES] [ROWS] [STEPS]  the float8 tests (a failure stops the job: no timing of wrong code), then
 #                       sampling.py --images beside the compiled-diffusers anchor (run first, same job) at batch
 #                       BATCHES (default 8; one batch a call: on a cold machine batch 8 alone takes ~8 minutes),
 #                       rows ROWS (default fp32,compiled-no-kernels,fp8), STEPS sampling steps of our rows (default
 #                       50; the anchor always runs 50), the 15 largest kernels of each loop
-#   fp8-kernels         the float8 tests, then kernels.py fp8 (launch configurations of the quantization passes)
+#   fp8-kernels         the float8 tests, then kernel_speed.py fp8 (launch configurations of the quantization passes)
 #   speed-quality       quality_curves.py speed: 2,000-step DiT-S/2 loss curves of the speed modes against bf16
-#   fp8-train           issue 45's FP8 rows: kernels.py fp8-train (a DiT block's step in bf16 and float8 by width,
+#   fp8-train           issue 45's FP8 rows: kernel_speed.py fp8-train (a DiT block's step in bf16 and float8 by width,
 #                       the --fp8_min_width policy), then `ditforge bench --memory` vDiT-7B/222 at 8,192 tokens on one
 #                       GPU (8-bit AdamW, bf16 weights), bf16 then --mixed_precision fp8 (needs bitsandbytes, torchao)
 #   fp8-quality         quality_curves.py speed at width 4096 (DiT-7B/2 with 2 blocks, 16 px digits): 2,000-step
@@ -132,7 +132,7 @@ anchor-video)
     ;;
 ablation-image)
     python3 -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -1
-    python3 benchmarks/kernels.py adaln --out "$out/adaln_kernels.json"
+    python3 benchmarks/kernel_speed.py adaln --out "$out/adaln_kernels.json"
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --fp8_min_width 16
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --compile_mode reduce-overhead --steps 10
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bce --grad_checkpoint op --steps 10 --warmup 3
@@ -161,7 +161,7 @@ t2v)
 optimizer)
     python3 -m pytest -q -p no:cacheprovider --tb=line tests/optim/test_fused_adamw.py tests/optim/test_optim.py \
         -k "not slow" 2>&1 | grep -v gemm_4bit | tail -8
-    python3 benchmarks/kernels.py optimizer-step --out "$out/optimizer_step.json" 2>&1 | grep -v gemm_4bit
+    python3 benchmarks/kernel_speed.py optimizer-step --out "$out/optimizer_step.json" 2>&1 | grep -v gemm_4bit
     (cd .anchors && python3 plain_dit_train.py 64 bf16_compile_ema) 2>&1 | tail -1
     $bench --model DiT-XL/2 --image_size 256 --batch_size 64 --rows bcef --steps 15 --warmup 5 2>&1 | rows_only
     ;;
@@ -173,14 +173,14 @@ sampling)
     ;;
 fp8-kernels)
     fp8_tests
-    python3 benchmarks/kernels.py fp8 --out "$out/quant_kernel.json"
+    python3 benchmarks/kernel_speed.py fp8 --out "$out/quant_kernel.json"
     ;;
 speed-quality)
     python3 benchmarks/quality_curves.py speed --work /tmp/speed_quality --jobs 5 --json "$out/speed_quality.json" \
         --plot "$out/speed_quality.png"
     ;;
 fp8-train)
-    python3 benchmarks/kernels.py fp8-train --out "$out/fp8_train_widths.json"
+    python3 benchmarks/kernel_speed.py fp8-train --out "$out/fp8_train_widths.json"
     $bench --memory --model vDiT-7B/222 --image_size 512 --num_frames 16 --batch_size 1 \
         --memory_rows noema,8bit,bf16,fp8 --steps 5 --warmup 3 2>&1 | rows_only
     ;;

@@ -1,5 +1,5 @@
-"""The training-step subcommands of ``kernels.py`` (``packing``, ``optimizer-step``; what each measures is in
-``kernels.py``'s docstring): sequence packing against padding in whole training steps of vDiT-XL/222, and one
+"""The training-step subcommands of ``kernel_speed.py`` (``packing``, ``optimizer-step``; what each measures is in
+``kernel_speed.py``'s docstring): sequence packing against padding in whole training steps of vDiT-XL/222, and one
 optimizer step over DiT-XL/2's parameters by placement, offloaded and over FSDP2's shards."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName
 # --mixed_precision fp8 in training: float8 only in layers at least this wide on both sides, where it was measured
 # to pay (a DiT block's compiled forward + backward, bf16 against torchao's tensorwise float8, 8,192 tokens:
-# benchmarks/kernels.py fp8-train; docs/speed.md#fp8-training-by-width).
+# benchmarks/kernel_speed.py fp8-train; docs/speed.md#fp8-training-by-width).
 FP8_MIN_WIDTH = 2048
 SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cast for sampling
 VAE_DTYPES = ("float32", "bfloat16", "float16")  # sample --vae_dtype (musubi-tuner's name and values)

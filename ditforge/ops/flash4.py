@@ -8,7 +8,7 @@ optional extra (``pip install "ditforge[fa4]"``); without it, on the CPU, or for
 
 Measured at a 1.3B video transformer's 480 x 832 x 81 self-attention (B = 2, 32,760 tokens, 12 heads of 128,
 bf16) on one H200, 2026-12-03 (torch 2.11.0+cu130, cuDNN 9.19, flash-attn-4 4.0.0b40, nvidia-cutlass-dsl 4.8.1;
-``benchmarks/kernels.py exact-attention``): forward 19.60 ms (673 TFLOPS) against cuDNN SDPA's 23.05 ms (572) and
+``benchmarks/kernel_speed.py exact-attention``): forward 19.60 ms (673 TFLOPS) against cuDNN SDPA's 23.05 ms (572) and
 FlashAttention-2's 36.43 ms (362); forward + backward 72.41 ms (637) against 85.66 ms (539) and 140.16 ms (329); the
 output's relative RMS error against float32 attention 2.3e-3 for all three. Which kernel is fastest depends on the
 shape (short sequences, other head widths), so ``exact_attention`` measures both on the first call of each shape

@@ -85,7 +85,7 @@ def _warps(elements: int) -> int:
 def _config(D: int) -> tuple[int, int, int, int]:
     """(BLOCK_A, BLOCK_B, ROWS, num_warps) of ``rowwise_e4m3_kernel``: the row's two tiles (``_tiles``); ROWS (a
     power of two, 1 to 8) for at least 2048 elements a program, and about 32 elements a thread (``_warps``).
-    Chosen by ``benchmarks/kernels.py fp8`` (H100, 2026-11-27, ``results/sampling/quant_kernel_h100.json``): at
+    Chosen by ``benchmarks/kernel_speed.py fp8`` (H100, 2026-11-27, ``results/sampling/quant_kernel_h100.json``): at
     4096 rows, D = 1152 took 3.9 us with (2 rows, 2 warps) against 4.6 with (1, 1) and 6.6 with (2, 8); D = 4608
     with the GELU 41 us with (1, 4) against 47 with (1, 16) (``quant_kernel_h100_two_tiles_before_config.json``)."""
     block_a, block_b = _tiles(D)
@@ -97,7 +97,7 @@ def _config(D: int) -> tuple[int, int, int, int]:
 
 def _layernorm_config(D: int) -> tuple[int, int, int, int]:
     """(BLOCK_A, BLOCK_B, ROWS, num_warps) of ``layernorm_modulate_e4m3_kernel``: the row's two tiles, one row a
-    program, and a warp per 1024 columns (``_warps``). From ``benchmarks/kernels.py fp8`` (H100, 2026-11-27,
+    program, and a warp per 1024 columns (``_warps``). From ``benchmarks/kernel_speed.py fp8`` (H100, 2026-11-27,
     ``results/sampling/quant_kernel_h100.json``): at 16 x 256 x 1152 (batch 8 under guidance) a warp a row, as
     (1, 1), (2, 2), (4, 4), led: 11.0 us with the residual and 7.8 without, against 12.1 and 8.4 with (2, 2),
     which ``_config`` gives; the same at 2 x 256 rows."""

@@ -79,7 +79,7 @@ def quantize_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (ak / INT8_MAX).transpose(1, 2).contiguous(), (av.squeeze(1) / E4M3_MAX).contiguous())
 
 
-# from ``benchmarks/kernels.py attention8`` at 2 x 32,760 tokens x 12 heads of 128 (H200, 2026-11-28,
+# from ``benchmarks/kernel_speed.py attention8`` at 2 x 32,760 tokens x 12 heads of 128 (H200, 2026-11-28,
 # ``results/sampling/attention8_h200.json``): 18.05 ms against 20.40 with 3 stages, 19.05 with Hopper's imprecise
 # float8 accumulation (no PV_PRECISE_K), 21.78 with 64-key blocks, 25.60 with 128-query blocks and 8 warps, 18.22
 # with Triton's warp_specialize; cuDNN's bf16 kernel took 23.16 ms
@@ -90,7 +90,7 @@ def launch(q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Tensor, sq: torch.Tens
            sv: torch.Tensor, seq_len: int, config: dict | None = None) -> torch.Tensor:
     """The kernel over ``quantize_attention_inputs``' outputs -> out (B, S, H, D) bf16, S = ``seq_len``.
     ``config`` (default ``CONFIG``): BLOCK_M and BLOCK_N (each dividing ``KEY_BLOCK``), warps, pipeline stages,
-    and the keys between exact float32 additions of P V (``PV_PRECISE_K``), as ``benchmarks/kernels.py
+    and the keys between exact float32 additions of P V (``PV_PRECISE_K``), as ``benchmarks/kernel_speed.py
     attention8`` chose them."""
     check_triton(q8.device)
     # imported here, not at the top: Triton's interpreter must be chosen (TRITON_INTERPRET) before kernels are built

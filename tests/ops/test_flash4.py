@@ -139,7 +139,7 @@ def test_unavailable_reasons():
                     reason="FlashAttention-4 runs on Hopper / Blackwell GPUs with the flash-attn-4 wheel installed")
 def test_kernel_against_float32_attention():
     """The kernel's output and gradients against float32 SDPA: bf16 relative RMS error below 1e-2 (measured 2.3e-3
-    at Wan's shape, ``benchmarks/kernels.py exact-attention``); and the per-shape choice names a kernel."""
+    at Wan's shape, ``benchmarks/kernel_speed.py exact-attention``); and the per-shape choice names a kernel."""
     g = torch.Generator("cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     ins = [t.clone().requires_grad_() for t in (q, k, v)]

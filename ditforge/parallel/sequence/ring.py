@@ -17,7 +17,7 @@ Per-block kernels: on CUDA in fp16/bf16, blocks without padding keys run PyTorch
 backward ops, which give the block's output and lse and whose backward takes the final O and L (exactly as
 ring-flash-attention calls flash-attn): cuDNN's (``aten::_scaled_dot_product_cudnn_attention[_backward]``)
 where PyTorch's own SDPA prefers it (``ops.attention.cudnn_attention_preferred``: Hopper and Blackwell
-datacenter GPUs with cuDNN newer than 9.15.0; measured by ``benchmarks/kernels.py ring-attention`` on an H100 with
+datacenter GPUs with cuDNN newer than 9.15.0; measured by ``benchmarks/kernel_speed.py ring-attention`` on an H100 with
 cuDNN 9.19, 2026-11-23, one 16-head Dh 72 bf16 block of 32k x 32k tokens: forward 13.95 vs 20.50 ms, backward
 39.2 vs 62.9 ms), else FlashAttention-2's (``aten::_scaled_dot_product_flash_attention[_backward]``, Ampere or newer). Blocks with padding keys, float32
 inputs, older GPUs and CPUs run plain PyTorch in float32, which materialises one N_local x N_local score block

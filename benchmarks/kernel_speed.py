@@ -75,15 +75,15 @@
 
 Their code is in ``parts/training_steps.py``.
 
-    PYTHONPATH=. python benchmarks/kernels.py adaln --out benchmarks/results/single_gpu/adaln_kernels.json
-    PYTHONPATH=. python benchmarks/kernels.py fp8 --out benchmarks/results/sampling/quant_kernel_h100.json
-    PYTHONPATH=. python benchmarks/kernels.py fp8-train --out benchmarks/results/single_gpu/fp8_train_widths.json
-    PYTHONPATH=. python benchmarks/kernels.py ring-attention --out benchmarks/results/attention_blocks_h100.json
-    PYTHONPATH=. python benchmarks/kernels.py attention8 --out benchmarks/results/sampling/attention8_h200.json
-    PYTHONPATH=. python benchmarks/kernels.py exact-attention --out benchmarks/results/sampling/exact_attention_h200.json
-    PYTHONPATH=. python benchmarks/kernels.py packing --out benchmarks/results/packing_h100.json  # vDiT-XL/222
-    PYTHONPATH=. python benchmarks/kernels.py packing --tiny          # CPU smoke test: vDiT-T/222, small latents
-    PYTHONPATH=. python benchmarks/kernels.py optimizer-step [--offload | --sharded] [--out FILE]
+    PYTHONPATH=. python benchmarks/kernel_speed.py adaln --out benchmarks/results/single_gpu/adaln_kernels.json
+    PYTHONPATH=. python benchmarks/kernel_speed.py fp8 --out benchmarks/results/sampling/quant_kernel_h100.json
+    PYTHONPATH=. python benchmarks/kernel_speed.py fp8-train --out benchmarks/results/single_gpu/fp8_train_widths.json
+    PYTHONPATH=. python benchmarks/kernel_speed.py ring-attention --out benchmarks/results/attention_blocks_h100.json
+    PYTHONPATH=. python benchmarks/kernel_speed.py attention8 --out benchmarks/results/sampling/attention8_h200.json
+    PYTHONPATH=. python benchmarks/kernel_speed.py exact-attention --out benchmarks/results/sampling/exact_attention_h200.json
+    PYTHONPATH=. python benchmarks/kernel_speed.py packing --out benchmarks/results/packing_h100.json  # vDiT-XL/222
+    PYTHONPATH=. python benchmarks/kernel_speed.py packing --tiny          # CPU smoke test: vDiT-T/222, small latents
+    PYTHONPATH=. python benchmarks/kernel_speed.py optimizer-step [--offload | --sharded] [--out FILE]
 """
 
 from __future__ import annotations
