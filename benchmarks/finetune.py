@@ -673,7 +673,9 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
 # --distill (issue 65): `ditforge distill` of the pipeline folder (wan13: Wan2.1-T2V-1.3B's config, random weights) at
 # 480 x 832 x 81 (--tiny: 16 x 16 x 5), a 4-step student, 5 critic steps per generator step, every block checkpointed
 DISTILL_ROWS = {"lora32": ["--lora_rank", "32"], "lora64": ["--lora_rank", "64"],
-                "lora32_nockpt": ["--lora_rank", "32", "--no-grad_checkpoint"]}
+                "lora32_nockpt": ["--lora_rank", "32", "--no-grad_checkpoint"],
+                "lora32_fp8": ["--lora_rank", "32", "--fp8_base"], "full": ["--lora_rank", "0"],
+                "full_critic_lora32": ["--lora_rank", "0", "--critic_lora_rank", "32"]}
 DISTILL_CRITIC_STEPS = 5
 
 

@@ -301,7 +301,8 @@ def pipeline_teacher(teacher: str, outputs: str | None) -> str:
     components copied), whose path it returns; any other teacher as it is.
 
     Raises:
-        UserError: a fine-tuned run without ``--outputs``; ``export_pretrained``'s.
+        UserError: a fine-tuned run without ``--outputs``; under torchrun, a run not yet written as that folder;
+            ``export_pretrained``'s.
     """
     if (Path(teacher) / "model_index.json").is_file() or not Path(teacher).is_dir():
         return teacher
@@ -314,6 +315,9 @@ def pipeline_teacher(teacher: str, outputs: str | None) -> str:
     if outputs is None:
         raise UserError("--outputs: required")
     out = Path(outputs) / "teacher"
+    if not (out / "model_index.json").is_file() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError(f"--teacher {teacher}: under torchrun every process would write {out}; write it first "
+                        f"(ditforge export --ckpt {teacher} --format diffusers --out {out}) or run once in one process")
     if not (out / "model_index.json").is_file():
         log.info("writing the fine-tuned teacher %s as the pipeline folder %s", teacher, out)
         export_pretrained(state, config, out, "diffusers")

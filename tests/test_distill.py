@@ -225,6 +225,10 @@ def _distill(teacher, outputs, *extra):
 @pytest.mark.parametrize("flags, says", [
     (("--student_steps", "0"), "--student_steps"),
     (("--lora_rank", "4", "--lora_target_modules", "to_q"), "--lora_target_modules"),
+    (("--fp8_base",), "--fp8_base: for a pipeline teacher"),
+    (("--optimizer", "adamw8bit"), "--optimizer: for a pipeline teacher"),
+    (("--critic_lora_rank", "4"), "--critic_lora_rank: for a pipeline teacher"),
+    (("--blocks_to_swap", "-1"), "--blocks_to_swap: expected >= 0"),
 ])
 def test_bad_flags_get_one_line_and_exit_2(teachers, tmp_path, capsys, flags, says):
     assert _distill(teachers["guided"], tmp_path / "run", "--max_steps", "1", *flags) == 2

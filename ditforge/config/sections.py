@@ -21,6 +21,7 @@ VAE_DTYPES = ("float32", "bfloat16", "float16")  # sample --vae_dtype (musubi-tu
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp", "hsdp")
 SHARDED_PLUGINS = ("zero2", "fsdp", "hsdp")  # FSDP2 fully_shard: DTensor parameters
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adafactor")
+DISTILL_OPTIMIZERS = OPTIMIZERS[:4]  # DMD2's Adam at beta1 = 0; adafactor keeps no first moment to set
 LIBRARY_OPTIMIZERS = ("adamw4bit", "adamw_fp8", "adafactor")  # the libraries' own, stepped after the backward
 MASTER_WEIGHTS = ("fp32", "bf16", "bf16_sr")
 CPU_OFFLOAD = ("none", "optimizer", "all")
@@ -431,8 +432,12 @@ class DistillConfig:
     cfg_scale: float | None = _f(None, "the teacher's classifier-free guidance scale, baked into the student (1: none; "
                                        "default: 3 for a DiT, a pipeline's own call default; a guidance-distilled "
                                        "pipeline: the scale its one pass embeds, for teacher, critic and student)")
-    lora_rank: int = _f(0, "train the student as LoRA adapters of this rank on the teacher (0: a full copy; a "
-                           "pipeline teacher: its student and critic are peft adapters on its one base)")
+    lora_rank: int = _f(0, "train the student as LoRA adapters of this rank on the teacher (0: a full copy of the "
+                           "teacher's denoiser, initialised from it; a pipeline teacher's LoRA student and critic are "
+                           "peft adapters on its one base)")
+    critic_lora_rank: int | None = _f(None, "a pipeline teacher: the critic (fake score) as LoRA adapters of this "
+                                            "rank on the frozen teacher (0: a full copy, DMD2's; default: a LoRA "
+                                            "student's --lora_rank, a full student's full copy)")
     lora_target_modules: str | None = _f(None, "with --lora_rank: comma-separated module names (default: qkv,proj; "
                                               "a pipeline's family's LoRA targets)")
     prompt_file: str | None = _f(None, "a pipeline teacher: the prompts, one per line, drawn uniformly (data-free)")
@@ -448,10 +453,20 @@ class DistillConfig:
     grad_checkpoint: bool = _f(True, "a pipeline teacher: recompute the transformer's blocks in the backward "
                                      "(diffusers' gradient checkpointing)")
     max_steps: int = _f(1000, "iterations: each trains the critic, every --critic_steps-th the generator too")
-    batch_size: int = _f(64, "samples per iteration")
+    batch_size: int = _f(64, "samples per iteration (a pipeline teacher under torchrun: all processes together, "
+                              "data parallel)")
     lr: float = _f(1e-4, "the student's learning rate (AdamW, betas 0, 0.999 as DMD2)")
     critic_lr: float | None = _f(None, "the critic's learning rate (default: --lr)")
     max_grad_norm: float = _f(1.0, "clip each network's gradient norm to this")
+    optimizer: str = _f("adamw", "a pipeline teacher: the student's and critic's optimizer, as `ditforge train "
+                                 "--optimizer` (betas 0, 0.999): adamw | adamw8bit | adamw4bit | adamw_fp8",
+                        choices=DISTILL_OPTIMIZERS)
+    fp8_base: bool = _f(False, "a pipeline teacher: store the frozen teacher's transformer layers in float8 e4m3, "
+                               "each upcast to the compute dtype while it runs (`ditforge train --fp8_base`); "
+                               "adapters, norms, embedders and a full student or critic stay as they are")
+    blocks_to_swap: int = _f(0, "a pipeline teacher: the frozen teacher's weights of its last N transformer blocks "
+                                "live in pinned host memory and visit the GPU a block at a time (`ditforge train "
+                                "--blocks_to_swap`); needs --grad_checkpoint")
     seed: int = _f(0, "seed of all randomness (labels, noise, timesteps)")
     log_every: int = _f(50, "write metrics every N iterations")
     ckpt_every: int = _f(500, "save a checkpoint every N iterations (and at the end)")

@@ -161,12 +161,17 @@ class DMD2:
     from, uniformly (DMD2's ``min_step``, ``max_step`` = 0.02 T, 0.98 T); ``times``: ``student_times``;
     ``given_frames``: the first latent frames (dim 2 of a video) that the conditioning gives clean (an
     image-to-video family's first frame, the objective's ``given_frames``): left out of the distribution-matching
-    loss and its normalisation, as the objective's loss leaves them out of the critic's."""
+    loss and its normalisation, as the objective's loss leaves them out of the critic's. ``shard``: (this process's
+    index r, the processes n) of a data-parallel run whose processes each hold B of the global batch's n B rows: every
+    per-sample draw is made for the n B rows and this process keeps rows r B .. (r + 1) B - 1, so the processes
+    together draw what one process of the global batch draws (the per-batch draws, the backward simulation's step,
+    are the same in all)."""
 
     objective: Objective
     times: torch.Tensor
     t_range: tuple[float, float] = (0.02, 0.98)
     given_frames: int = 0
+    shard: tuple[int, int] = (0, 1)
 
     def generate(self, student: Net, noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The student's training sample with backward simulation (DMD2 sec. 4.5): a step k uniform in 0..K-1
@@ -176,7 +181,8 @@ class DMD2:
         k = int(torch.randint(len(self.times), (), generator=generator,
                               device=generator.device if generator is not None else None))
         with torch.no_grad():
-            x_t = student_loop(self.objective, student, noise, self.times, lambda x: _randn(x, generator), stop=k)
+            x_t = student_loop(self.objective, student, noise, self.times, lambda x: self._randn(x, generator),
+                               stop=k)
         t = self.times[k].expand(noise.shape[0])
         return predicted_x0(self.objective, x_t, t, student(x_t, self.objective.model_timesteps(t)))
 
@@ -201,15 +207,25 @@ class DMD2:
         the objective's own training loss (``training_losses``: its timestep density, epsilon / v / velocity
         target, DDPM's learned-variance term). Scalar."""
         x = x.detach()
-        t = self.objective.sample_timesteps(x.shape[0], generator, x.device)
-        return self.objective.training_losses(critic, x, t, _randn(x, generator))["loss"].mean()
+        t = self._mine(self.objective.sample_timesteps(self._rows(x), generator, x.device))
+        return self.objective.training_losses(critic, x, t, self._randn(x, generator))["loss"].mean()
 
     def _noise(self, x: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = self.t_range
-        u = lo + (hi - lo) * torch.rand(x.shape[0], generator=generator, device=x.device, dtype=torch.float64)
-        t = times_at(self.objective, u)
-        return noised(self.objective, x, t, _randn(x, generator)), t
+        u = lo + (hi - lo) * torch.rand(self._rows(x), generator=generator, device=x.device, dtype=torch.float64)
+        t = times_at(self.objective, self._mine(u))
+        return noised(self.objective, x, t, self._randn(x, generator)), t
 
+    def _rows(self, x: torch.Tensor) -> int:
+        """The global batch's rows: n times ``x``'s."""
+        return self.shard[1] * x.shape[0]
 
-def _randn(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    return torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    def _mine(self, draw: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a draw for the global batch."""
+        b = draw.shape[0] // self.shard[1]
+        return draw[self.shard[0] * b:(self.shard[0] + 1) * b]
+
+    def _randn(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """N(0, I) noise shaped like ``x``: this process's rows of the global batch's draw."""
+        return self._mine(torch.randn((self._rows(x), *x.shape[1:]), generator=generator, device=x.device,
+                                      dtype=x.dtype))

@@ -34,14 +34,16 @@ from ditforge.parallel.offload import DelayedAdamW
 def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weight_decay: float,
                     device: torch.device, master_weights: str = "fp32",
                     in_backward: bool = False, fused: bool = True, offload: str = "none",
-                    delayed_update: bool = False) -> torch.optim.Optimizer:
+                    delayed_update: bool = False, betas: tuple[float, float] = (0.9, 0.999)
+                    ) -> torch.optim.Optimizer:
     """The optimizer for ``--optimizer`` over ``params`` (bf16 ones take their updates as ``master_weights``
     says: ``bf16`` Kahan-compensated, ``bf16_sr`` stochastically rounded): ``CompensatedAdamW`` with the one-pass
     Triton step where ``fused`` (``--fused_optimizer auto``) and it runs (a CUDA device; fully_shard's DTensors
     stepped shard by shard, not tensor parallelism's); otherwise ``torch.optim.AdamW`` (fused, CUDA and CPU) for ``adamw`` over fp32
     weights stepped after the backward, else ``CompensatedAdamW`` with the libraries' kernels;
     ``LIBRARY_OPTIMIZERS``: the library's own (``library_optimizer``; ``config.checks.validate`` keeps them to the step
-    after the backward). betas (0.9, 0.999), eps 1e-8 (DiT's and diffusers' training scripts'). ``offload``
+    after the backward). ``betas`` (default (0.9, 0.999): DiT's and diffusers' training scripts'; adafactor keeps
+    no first moment and takes none), eps 1e-8. ``offload``
     ``optimizer`` (``--cpu_offload optimizer``): the states in pinned host memory; ``all``: the parameters are
     FSDP2's host shards, stepped by torch's fused AdamW on the CPU (``DelayedAdamW`` with ``delayed_update``).
 
@@ -53,18 +55,18 @@ def build_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weigh
     if optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer}")
     if optimizer in LIBRARY_OPTIMIZERS:
-        return library_optimizer(params, optimizer, lr, weight_decay)
+        return library_optimizer(params, optimizer, lr, weight_decay, betas)
     if offload == "all":  # ZeRO-Offload's CPU step, with torch's fused (vectorised, multi-threaded) CPU kernel
         kind = DelayedAdamW if delayed_update else functools.partial(torch.optim.AdamW, fused=True)
-        return kind(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999))
+        return kind(params, lr=lr, weight_decay=weight_decay, betas=betas)
     fused = fused and on_gpu_with_triton(device) and all(_sharded_by_rows(p) for p in params)
     if offload == "optimizer" and not fused:
         raise UserError(f"--cpu_offload optimizer: needs the one-pass optimizer step (a CUDA GPU with Triton, "
                         f"--fused_optimizer auto, --plugin none or ddp); here the device is {device}")
     if not fused and optimizer == "adamw" and not in_backward and all(p.dtype == torch.float32 for p in params):
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999),
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas,
                                  fused=device.type in ("cuda", "cpu"))
-    return CompensatedAdamW(params, lr=lr, weight_decay=weight_decay,
+    return CompensatedAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
                             states="8bit" if optimizer == "adamw8bit" else "fp32",
                             rounding="stochastic" if master_weights == "bf16_sr" else "kahan", fused=fused,
                             offload=offload == "optimizer")

@@ -15,10 +15,10 @@ from torch import nn
 from ditforge.errors import UserError
 
 
-def library_optimizer(params: list[nn.Parameter], optimizer: str, lr: float,
-                      weight_decay: float) -> torch.optim.Optimizer:
+def library_optimizer(params: list[nn.Parameter], optimizer: str, lr: float, weight_decay: float,
+                      betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
     """The maintained library's optimizer for ``--optimizer adamw4bit | adamw_fp8 | adafactor`` (module
-    docstring), over fp32 parameters: torchao's ``AdamW4bit`` / ``AdamWFp8`` (betas (0.9, 0.999), eps 1e-8) or
+    docstring), over fp32 parameters: torchao's ``AdamW4bit`` / ``AdamWFp8`` (``betas``, eps 1e-8) or
     ``torch.optim.Adafactor`` (its defaults: beta2 decay -0.8, eps (dtype eps, 1e-3), update clipping d = 1).
     torchao keeps each group's lr as a 0-dim tensor (``set_lr``). torchao's own bf16 stochastic rounding is not
     offered (``config.checks.validate``): it draws from the global generator, and its unquantized small tensors would
@@ -34,7 +34,7 @@ def library_optimizer(params: list[nn.Parameter], optimizer: str, lr: float,
     except ImportError:
         raise UserError(f"--optimizer {optimizer} needs torchao: pip install 'ditforge[lowmem]'") from None
     kind = AdamW4bit if optimizer == "adamw4bit" else AdamWFp8
-    return kind(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    return kind(params, lr=lr, betas=betas, eps=1e-8, weight_decay=weight_decay)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

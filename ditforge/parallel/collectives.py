@@ -1,12 +1,42 @@
 """Collectives the parallel code shares: the autograd-correct all-to-all (Ulysses, the STDiT frame exchange) and
-all-gather (the sequence gather, a joint attention's text heads), and single-tensor all-gather / reduce-scatter under
-their PyTorch >= 2.13 names with the older ones as fallback (FastSeq, the sequence gather, CFG parallelism)."""
+all-gather (the sequence gather, a joint attention's text heads), single-tensor all-gather / reduce-scatter under
+their PyTorch >= 2.13 names with the older ones as fallback (FastSeq, the sequence gather, CFG parallelism), and the
+means over all processes of logged values and of replicated parameters' gradients (the trainer's metrics, data-
+parallel distillation)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from ditforge.parallel.mesh import Dist
+
+
+def mean_over_processes(values: dict[str, torch.Tensor | float], d: Dist) -> dict[str, float]:
+    """Average 0-dim tensors (or numbers) over all processes (one all-reduce) and read them on the host."""
+    keys = sorted(values)
+    stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+    if d.mesh is not None:
+        stacked = stacked.to(d.device)
+        dist.all_reduce(stacked)
+        stacked /= d.world_size
+    return dict(zip(keys, stacked.tolist()))
+
+
+def average_gradients(params: list[torch.Tensor], d: Dist) -> None:
+    """Replace the gradients of ``params`` (replicated on every process, each gradient of its process's samples) by
+    their mean over all processes, in one all-reduce of their concatenation (gloo has no average: a sum, then / n):
+    with equal shares of the global batch, the gradient of the global batch's mean loss. Parameters without a
+    gradient are left out (the same ones on every process). A no-op in one process."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if d.mesh is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= d.world_size
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 class _AllToAll(torch.autograd.Function):

@@ -451,26 +451,26 @@ def build_model(run: Run) -> None:
     if skeleton is not None:
         init_sharded(model, skeleton, d)
     if t.blocks_to_swap:
-        _swap_blocks(run, model)
+        swap_blocks(model, t.blocks_to_swap, pre, run.d)
     run.model = model
 
 
-def _swap_blocks(run: Run, model: nn.Module) -> None:
-    """--blocks_to_swap: the last N repeated blocks' frozen weights to host memory (``parallel.offload.BlockSwap``).
+def swap_blocks(model: nn.Module, n: int, pre, d: Dist) -> None:
+    """--blocks_to_swap: the last ``n`` repeated blocks' frozen weights (those not requiring gradients now) of the
+    pipeline ``pre``'s denoiser ``model`` to host memory (``parallel.offload.BlockSwap``); also distillation's.
 
     Raises:
-        UserError: a model that is no diffusers pipeline's, or fewer blocks than asked.
+        UserError: a model that is no diffusers pipeline's (``pre`` None), or fewer blocks than asked.
     """
     from ditforge.parallel.offload import BlockSwap
 
-    n, pre = run.cfg.train.blocks_to_swap, run.pre
     if pre is None:
         raise UserError("--blocks_to_swap: swaps the blocks of a diffusers pipeline's transformer (--init_from)")
     blocks = [m for m in model.modules() if type(m).__name__ in pre.denoiser.swap_classes]
     if n > len(blocks):
         raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {len(blocks)} blocks")
-    swap = BlockSwap(blocks[len(blocks) - n:], run.d.device)  # its hooks hold it
-    if run.d.is_main:
+    swap = BlockSwap(blocks[len(blocks) - n:], d.device)  # its hooks hold it
+    if d.is_main:
         log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n, swap.host_bytes / 2**30)
 
 

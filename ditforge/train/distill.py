@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -77,8 +78,9 @@ def check(cfg: DistillConfig) -> None:
     for name in ("height", "width", "num_frames"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
-    if cfg.lora_rank < 0 or cfg.eval_every < 0:
-        raise UserError("--lora_rank / --eval_every: expected >= 0")
+    for name in ("lora_rank", "critic_lora_rank", "eval_every", "blocks_to_swap"):
+        if (getattr(cfg, name) or 0) < 0:
+            raise UserError(f"--{name}: expected >= 0, got {getattr(cfg, name)}")
 
 
 def distill(cfg: DistillConfig) -> Path:
@@ -91,6 +93,15 @@ def distill(cfg: DistillConfig) -> Path:
         return distill_pipeline(cfg)
     if cfg.image is not None:
         raise UserError(f"--image {cfg.image}: for an image-to-video pipeline teacher; {cfg.teacher} is a DiT")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError(f"--teacher {cfg.teacher}: a DiT teacher distils in one process (a pipeline teacher's run is "
+                        "data parallel under torchrun); run it without torchrun")
+    placed = [flag for flag, given in {"--critic_lora_rank": cfg.critic_lora_rank is not None,
+                                       "--fp8_base": cfg.fp8_base, "--blocks_to_swap": cfg.blocks_to_swap,
+                                       "--optimizer": cfg.optimizer != "adamw"}.items() if given]
+    if placed:
+        raise UserError(f"{placed[0]}: for a pipeline teacher; {cfg.teacher} is a DiT (its critic a full copy, "
+                        "fp32 AdamW)")
     if cfg.cfg_scale is None:  # DMD2's real score guided at 3: at 4 (what `ditforge sample` guides a DiT with) the
         # digits student's FID was 1.37x the teacher's at 250 steps, at 3 0.83x, at 2 0.54x but 98.6% class accuracy
         # (docs/distillation.md, benchmarks/results/digits_distill.json)

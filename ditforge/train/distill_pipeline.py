@@ -1,15 +1,15 @@
 """``ditforge distill`` of a diffusers pipeline of an adapted family (``models/adapters``; video first): a few-step
-LoRA student by DMD2 (``diffusion/dmd.py`` holds the math), data-free from prompts (and an image-to-video teacher's
+student by DMD2 (``diffusion/dmd.py`` holds the math), data-free from prompts (and an image-to-video teacher's
 first frames, ``--image``: a folder of PNG / JPEG files, encoded as fine-tuning encodes a clip's, ``conditioning``).
 
-One copy of the base weights serves the three networks (``dmd.py``'s docstring): the pipeline's denoiser carries two
-peft adapters on the family's LoRA targets, ``student`` (the generator) and ``critic`` (the fake score, trained with
-the family's own denoising loss, flow matching or DDPM v-prediction, on the student's detached samples); the
-teacher (the real score, guided at ``--cfg_scale``: a CFG pair, or for a guidance-distilled family one pass with that
-scale embedded, which student and critic take too) is the same module with the adapters disabled. ``use_adapter``
-switches them: peft's ``set_adapter`` also makes the active adapter's parameters the ones that require gradients, so
-each backward (and, under gradient checkpointing, each recomputed forward) runs with the adapter of its own forward
-active.
+The three networks (``distill_nets.py``): the teacher (the real score, guided at ``--cfg_scale``: a CFG pair, or for
+a guidance-distilled family one pass with that scale embedded, which student and critic take too) is the pipeline's
+denoiser with its peft adapters disabled; the student (the generator) and the critic (the fake score, trained with
+the family's own denoising loss, flow matching or DDPM v-prediction, on the student's detached samples) are adapters
+on it (``--lora_rank R``: one copy of the base weights serves the three, ``dmd.py``'s docstring) or full trainable
+copies of it (``--lora_rank 0``, ``--critic_lora_rank``). The frozen teacher is placed as fine-tuning places a LoRA
+run's base: float8 storage (``--fp8_base``), its last blocks in host memory (``--blocks_to_swap``); both optimizers
+are fine-tuning's (``--optimizer``: 8-bit, 4-bit or float8 moments).
 
 The student's K timesteps are ``dmd.pipeline_student_times``: a flow pipeline's ``dmd.flow_student_sigmas`` of its
 scheduler's shift, a DDPM one's (v-prediction, zero terminal SNR) T-1 - k T / K; the ones ``ditforge
@@ -17,17 +17,18 @@ sample --sampler student`` runs (``VideoSampler._student``). Latents are (B, C, 
 frames-first one's adapter (``frames_first``) hands them to its transformer as (B, T', C, h, w) itself.
 
 The run folder is a fine-tuned pipeline run's (``weights.finetuned.load_finetuned`` reads it): ``checkpoints/
-step-*/`` (DCP, ``checkpoint.Checkpointer``) hold ``student`` and ``critic`` (their adapters' tensors), both
-optimizers, and ``ema``: the student's adapters in peft's default naming, what a LoRA run's checkpoint holds, so
-``ditforge sample --ckpt RUN`` (its K steps, no guidance) and ``ditforge export --ckpt RUN --format lora |
-comfyui`` take it as they take a LoRA fine-tune. ``meta.json``'s config is a ``RunConfig`` (``--init_from`` the
-teacher's pipeline folder, ``--lora_rank`` the student's) with a ``distill`` section (the student's steps and
-timesteps, the teacher's guidance, the ``--cfg_scale`` the student samples at (``sample_cfg_scale``: 1, or a
-guidance-distilled family's embedded scale), sampler ``student``). A fine-tuned run as teacher is first written as a
-pipeline folder, ``RUN/teacher``, by the CLI (``export.pipeline_teacher``: LoRA merged). The randomness of iteration k
-derives from (seed, k) alone, so ``--resume auto`` continues exactly; the first frames are drawn from it as the prompts
-are. Student, critic and teacher take the same image conditioning, the teacher's unconditional pass too (what the
-image-to-video pipelines' negative branch keeps); ``ditforge sample --ckpt RUN --image IMG`` samples the student.
+step-*/`` (DCP, ``checkpoint.Checkpointer``) hold both networks, both optimizers, and ``ema``: the student as a LoRA
+or a full fine-tune's checkpoint holds it (``distill_nets.Networks.state``), so ``ditforge sample --ckpt RUN`` (its
+K steps, no guidance) and ``ditforge export --ckpt RUN`` (``--format lora | comfyui`` of a LoRA student,
+``diffusers`` of either) take it as they take that fine-tune. ``meta.json``'s config is a ``RunConfig``
+(``--init_from`` the teacher's pipeline folder, ``--lora_rank`` the student's) with a ``distill`` section (the
+student's steps and timesteps, the teacher's guidance, the ``--cfg_scale`` the student samples at
+(``sample_cfg_scale``: 1, or a guidance-distilled family's embedded scale), sampler ``student``). A fine-tuned run as
+teacher is first written as a pipeline folder, ``RUN/teacher``, by the CLI (``export.pipeline_teacher``: LoRA
+merged). The randomness of iteration k derives from (seed, k) alone, so ``--resume auto`` continues exactly; the
+first frames are drawn from it as the prompts are. Student, critic and teacher take the same image conditioning,
+the teacher's unconditional pass too (what the image-to-video pipelines' negative branch keeps); ``ditforge sample
+--ckpt RUN --image IMG`` samples the student.
 
 A pipeline of two experts (the adapter's ``expert_boundary`` b: ``transformer`` at t >= b x 1000, ``transformer_2``
 below) loads with both, each carrying its own ``student`` and ``critic`` adapters (one LoRA per expert, as
@@ -51,26 +52,24 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
 
 from ditforge.config.sections import DistillConfig
-from ditforge.config.values import resolve_device, resolve_precision
+from ditforge.config.values import resolve_precision
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion.dmd import DMD2, pipeline_student_times
 from ditforge.diffusion.flow import RectifiedFlow
 from ditforge.diffusion.objective import create_objective, objective_of_scheduler
 from ditforge.diffusion.samplers import STUDENT_SAMPLER
 from ditforge.errors import UserError
-from ditforge.parallel.mesh import Dist
-from ditforge.train.checkpoint import Checkpointer, find_resume, keep_saved_states, list_checkpoints
+from ditforge.parallel.collectives import average_gradients, mean_over_processes
+from ditforge.parallel.mesh import Dist, init_distributed, shutdown
+from ditforge.train.checkpoint import Checkpointer, find_resume, list_checkpoints
+from ditforge.train.distill_nets import Networks, critic_rank
 from ditforge.train.dmd_step import dmd2_iteration
 from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 
 log = logging.getLogger(__name__)
 
-ADAPTERS = ("student", "critic")
 FLAG = "--teacher"
 FIRST_FRAME_SUFFIXES = (".png", ".jpg", ".jpeg")  # --image: the first frames of an image-to-video teacher
 
@@ -90,26 +89,6 @@ def is_pipeline_teacher(teacher: str) -> bool:
     except UserError:
         return False  # load_teacher names what is wrong
     return bool(config and config["model"].get("family"))
-
-
-def use_adapter(model: torch.nn.Module, name: str | None) -> None:
-    """Make ``name`` (``ADAPTERS``) the active peft adapter of every LoRA layer of ``model`` (its parameters then
-    require gradients, the other's not: peft's ``set_adapter``), or with None disable the adapters (the teacher:
-    the base weights alone)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for module in model.modules():
-        if isinstance(module, BaseTunerLayer):
-            if name is None:
-                module.enable_adapters(False)
-            else:
-                module.enable_adapters(True)
-                module.set_adapter(name)
-
-
-def adapter_params(model: torch.nn.Module, name: str) -> dict[str, torch.nn.Parameter]:
-    """The parameters of adapter ``name`` by their names in ``model`` (peft's ``...lora_A.<name>.weight``)."""
-    return {k: p for k, p in model.named_parameters() if f".{name}." in k and ".lora_" in k}
 
 
 def route_experts(pre, objective, times: torch.Tensor) -> None:
@@ -261,23 +240,23 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
     return shape, height, width, frames
 
 
-def nets(model, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
+def nets(networks: Networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
     """(student, critic, teacher) callables (x_t, model timesteps) -> the model's output (a flow family's velocity,
-    a DDPM family's v-prediction), float32, for ``dmd.DMD2``: the denoiser
-    ``model`` under the adapter ``student`` / ``critic``, and with adapters disabled the guided teacher: u + scale
-    (c - u) (Ho & Salimans 2022; c, u the conditional and unconditional, empty-prompt passes: the pipelines'
-    ``noise_uncond + guidance_scale * (noise_pred - noise_uncond)``), or for a guidance-distilled family
+    a DDPM family's v-prediction), float32, for ``dmd.DMD2``: ``networks``' student and critic (an adapter on the
+    teacher's denoiser, or a full copy: ``distill_nets``), and the teacher's denoiser with adapters disabled,
+    guided: u + scale (c - u) (Ho & Salimans 2022; c, u the conditional and unconditional, empty-prompt passes: the
+    pipelines' ``noise_uncond + guidance_scale * (noise_pred - noise_uncond)``), or for a guidance-distilled family
     (``embedded_guidance``) c alone, one pass with ``scale`` embedded (``model.guidance_inputs``, its pipeline's
     call), the embedding the student and critic take too. ``cond``: the B prompts' conditioning (B, ...). Computed
     under autocast in ``amp`` (none in float32)."""
-    first = next(iter(cond.values()))
+    first, model = next(iter(cond.values())), networks.base
     device = first.device
     cond = {**cond, **model.guidance_inputs(scale, len(first), device)}  # {} unless guidance-distilled
 
-    def call(adapter: str | None, x, t, drop=None, c=cond):
-        use_adapter(model, adapter)
+    def call(name: str | None, x, t, drop=None, c=cond):
+        networks.use(name)
         with torch.autocast(device.type, dtype=amp, enabled=amp != torch.float32):
-            return model(x, t, force_drop_ids=drop, **c).float()
+            return networks.module(name)(x, t, force_drop_ids=drop, **c).float()
 
     def teacher(x, t):
         c = call(None, x, t)
@@ -290,23 +269,22 @@ def nets(model, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
 
 
 def distill_pipeline(cfg: DistillConfig) -> Path:
-    """Distil a LoRA student of a pipeline teacher (module docstring); returns the run folder.
+    """Distil a few-step student of a pipeline teacher (module docstring); returns the run folder.
 
     Raises:
-        UserError: ``--lora_rank 0`` (a full-copy student of a pipeline is not built), no ``--prompt_file``, LoRA
-            targets that match no module, and ``load_teacher_pipeline``'s / ``first_frame_files``' /
-            ``latent_shape``'s errors.
+        UserError: no ``--prompt_file``, and ``load_teacher_pipeline``'s / ``first_frame_files``' /
+            ``latent_shape``'s / ``distill_nets.build_networks``' errors.
     """
     from ditforge.data.captions import read_prompts
-    from ditforge.weights.lora import add_lora, check_lora_targets
+    from ditforge.train.distill_nets import build_networks
 
-    if not cfg.lora_rank:
-        raise UserError(f"--lora_rank: a pipeline teacher ({cfg.teacher}) distils a LoRA student (student and critic "
-                        "adapters on its one base); give --lora_rank R")
     if cfg.prompt_file is None:
         raise UserError("--prompt_file: a pipeline teacher distils from prompts; give a file of one prompt per line")
     prompts = read_prompts(None, cfg.prompt_file)
-    device = resolve_device(cfg.device)
+    d = init_distributed(cfg.device)  # under torchrun: data parallel, each process B / n of the batch
+    if cfg.batch_size % d.world_size:
+        raise UserError(f"--batch_size {cfg.batch_size}: not divisible by the {d.world_size} processes")
+    device = d.device
     amp = resolve_precision(cfg.mixed_precision, device)
     ckpt, outputs = find_resume(cfg.resume, cfg.outputs)
     run_dir = Path(outputs)
@@ -323,15 +301,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     files = first_frame_files(cfg, pre)
     shape, height, width, frames = latent_shape(pre, cfg)
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
-    check_lora_targets(model.inner, targets)
-    torch.manual_seed(cfg.seed)  # the adapters' Gaussian A: each adapter's, in the experts' order
-    for name in ADAPTERS:
-        for inner in model.expert_models():  # two experts: a student and a critic adapter each
-            add_lora(inner, cfg.lora_rank, None, targets, adapter_name=name)
-    if cfg.grad_checkpoint:
-        for inner in model.expert_models():
-            inner.enable_gradient_checkpointing()
-    model = model.to(device).eval()  # eval: no dropout; the student always sees its prompt
+    networks = build_networks(cfg, pre, targets, device, amp)
     objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, where=f"{FLAG} {cfg.teacher}",
                                  device=device, **model.objective_args(pre.pipe, None, *shape[2:]))
     try:  # flow: x0 = x - sigma v; DDPM v-prediction: x0 = sqrt(abar) x - sqrt(1 - abar) v (dmd.predicted_x0)
@@ -339,56 +309,67 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     except ValueError as e:
         raise UserError(f"--student_steps: {e}") from None
     route_experts(pre, objective, times)
-    params = {n: list(adapter_params(model, n).values()) for n in ADAPTERS}
-    opt_g = torch.optim.AdamW(params["student"], lr=cfg.lr, betas=(0.0, 0.999), weight_decay=0.0, foreach=True)
-    opt_c = torch.optim.AdamW(params["critic"], lr=cfg.critic_lr or cfg.lr, betas=(0.0, 0.999), weight_decay=0.0,
-                              foreach=True)
+    opts = networks.optimizers(cfg.optimizer, (cfg.lr, cfg.critic_lr or cfg.lr), device)
     start = 0
     if ckpt is not None:
-        start = _resume(ckpt, model, opt_g, opt_c)
+        start = networks.resume(ckpt, opts)
         log.info("resumed from %s (step %d)", ckpt, start)
-    metrics_path = run_dir / "metrics.jsonl"
-    kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if metrics_path.exists() else []
-    rewrite_metrics(metrics_path, kept)
-    metrics = MetricsLog(metrics_path)
+    metrics_path, metrics = run_dir / "metrics.jsonl", None
+    if d.is_main:
+        kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if metrics_path.exists() else []
+        rewrite_metrics(metrics_path, kept)
+        metrics = MetricsLog(metrics_path)
     config = run_config(cfg, pre, folder, targets, objective, times, scale, height, width, frames)
-    checkpointer = Checkpointer(run_dir, cfg.keep_last, False, Dist(device=device), last_step=start or None)
-    dmd = DMD2(objective, times, given_frames=model.given_frames)  # an I2V family's given first frame: not learned
-    log.info("distilling %s into a %d-step LoRA student (rank %d), guidance %.2g, %d critic steps per generator "
-             "step, %d prompts, latents %s, run folder %s", cfg.teacher, cfg.student_steps, cfg.lora_rank, scale,
+    checkpointer = Checkpointer(run_dir, cfg.keep_last, False, d, last_step=start or None)
+    # an I2V family's given first frame: not learned; the draws of the global batch, this process's rows
+    dmd = DMD2(objective, times, given_frames=model.given_frames, shard=(d.rank, d.world_size))
+    log.info("distilling %s into a %d-step student (%s), guidance %.2g, %d critic steps per generator step, %d "
+             "prompts, latents %s, run folder %s", cfg.teacher, cfg.student_steps, networks.describe(), scale,
              cfg.critic_steps, len(prompts), tuple(shape), run_dir)
     window, tic = [], time.perf_counter()
     for step in range(start + 1, cfg.max_steps + 1):
         window.append(iteration(dmd, step, cfg, pre, prompts, files, (shape, height, width, frames), scale, amp,
-                                opt_g, opt_c, params))
+                                networks, opts, d))
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
             line = mean_records(window) | {"step": step, "steps_per_sec": rate}
             if device.type == "cuda":
                 line["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            metrics.write(line)
-            if "generator_loss" in line:
-                log.info("%s | critic %.4f | dmd grad %.3g", progress_line(
-                    step, cfg.max_steps, line["generator_loss"], rate, line.get("peak_memory_gib")),
-                    line["critic_loss"], line["dmd_grad_norm"])
-            else:
-                log.info("step %d/%d | critic %.4f | %.2f steps/s", step, cfg.max_steps, line["critic_loss"], rate)
+            if metrics is not None:  # process 0 writes and logs
+                report(metrics, line, cfg.max_steps)
             window, tic = [], time.perf_counter()
         if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
-            checkpointer.save(step, _state(model, opt_g, opt_c), {"config": config})
+            checkpointer.save(step, networks.state(opts), {"config": config})
     checkpointer.wait()
-    metrics.close()
+    if metrics is not None:
+        metrics.close()
+    shutdown(d)
     return run_dir
 
 
+def report(metrics: MetricsLog, line: dict, max_steps: int) -> None:
+    """Write a metrics record (the mean of a window of iterations, ``line``) and its log line."""
+    metrics.write(line)
+    step, rate = line["step"], line["steps_per_sec"]
+    if "generator_loss" in line:
+        log.info("%s | critic %.4f | dmd grad %.3g", progress_line(
+            step, max_steps, line["generator_loss"], rate, line.get("peak_memory_gib")),
+            line["critic_loss"], line["dmd_grad_norm"])
+    else:
+        log.info("step %d/%d | critic %.4f | %.2f steps/s", step, max_steps, line["critic_loss"], rate)
+
+
 def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str], files: list[Path], sizes,
-              scale: float, amp: torch.dtype, opt_g, opt_c, params: dict) -> dict[str, float]:
+              scale: float, amp: torch.dtype, networks: Networks, opts: list, d: Dist) -> dict[str, float]:
     """One iteration (DMD2's two time scales, as ``distill._iteration``): every ``critic_steps``-th a generator step,
     then a critic step. ``sizes``: (the latents' shape (B, C, T', h, w), height, width, frames). Its randomness from
     ``torch.Generator(device).manual_seed(derive_seed(seed, step))``, in this order: the B prompts' indices
     (uniform), an image-to-video teacher's B first frames' indices in ``files`` (uniform) and its image latents'
     draws (``image_from_generator``), the noise (B, C, T', h, w) (then the adapter's ``start``: the latents the
-    pipeline starts from), then ``DMD2``'s draws."""
+    pipeline starts from), then ``DMD2``'s draws. Under data parallelism (``d``: n processes) every process makes
+    the global batch's draws and conditioning, keeps its B / n rows (``DMD2.shard``'s) and averages both networks'
+    gradients with the others' (``average_gradients``) before clipping; the returned losses are all processes'
+    means: n processes take the steps of one with the global batch."""
     model, device = pre.denoiser, pre.device
     shape, height, width, frames = sizes
     g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
@@ -396,22 +377,27 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     picks = torch.randint(len(files), (shape[0],), generator=g, device=device).tolist() if files else []
     cond = conditioning(pre, [prompts[i] for i in rows], [files[i] for i in picks], (height, width, frames), g)
     noise = model.start(torch.randn(shape, generator=g, device=device), cond)  # as the pipeline's first latents
-    student, critic, teacher = nets(model, cond, scale, amp)
+    b = shape[0] // d.world_size
+    mine = slice(d.rank * b, (d.rank + 1) * b)
+    student, critic, teacher = nets(networks, {k: v[mine] for k, v in cond.items()}, scale, amp)
     # each backward (and its recomputed blocks under gradient checkpointing) runs under its forward's adapter
-    return dmd2_iteration(dmd, step, cfg.critic_steps, student, teacher, critic, noise, g, opt_g, opt_c,
-                          params["student"], params["critic"], cfg.max_grad_norm, lambda name: use_adapter(model, name))
+    record = dmd2_iteration(dmd, step, cfg.critic_steps, student, teacher, critic, noise[mine], g, *opts,
+                            *(list(networks.params(n).values()) for n in ("student", "critic")), cfg.max_grad_norm,
+                            networks.use, lambda params: average_gradients(params, d))
+    return mean_over_processes(record, d)
 
 
 def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], objective, times, scale: float,
                height: int, width: int, frames: int) -> dict:
-    """The student run's saved config: a LoRA fine-tune's ``RunConfig`` of the teacher's pipeline (what
+    """The student run's saved config: a LoRA fine-tune's ``RunConfig`` of the teacher's pipeline (a full
+    fine-tune's for a full student, ``--lora_rank 0``: what
     ``load_finetuned`` rebuilds the student from) with the ``distill`` section ``ditforge sample`` reads (its keys
     are no ``RunConfig`` field, so ``build_config`` leaves them alone)."""
     from ditforge.config.load import build_config
 
     den = pre.denoiser
     overrides = {"init_from": str(folder), "family": den.family, "condition": "text", "lora_rank": cfg.lora_rank,
-                 "lora_target_modules": ",".join(targets),
+                 "lora_target_modules": ",".join(targets) if cfg.lora_rank else None,
                  "objective": objective_of_scheduler(pre.scheduler_config),
                  "flow_shift": objective.shift if isinstance(objective, RectifiedFlow) else None,
                  "in_channels": den.in_channels, "learn_sigma": den.learn_sigma, "vae": str(folder / "vae"),
@@ -426,50 +412,6 @@ def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], object
                          "critic_steps": cfg.critic_steps, "timesteps": times.tolist(), "sampler": STUDENT_SAMPLER,
                          "teacher_cfg_scale": scale, "sample_cfg_scale": scale if den.embedded_guidance else 1.0,
                          "height": height, "width": width, "image": cfg.image,
-                         "student_lora_rank": settings["lora_rank"]}
+                         "student_lora_rank": settings["lora_rank"], "critic_lora_rank": critic_rank(cfg),
+                         "optimizer": cfg.optimizer, "fp8_base": cfg.fp8_base, "blocks_to_swap": cfg.blocks_to_swap}
     return config
-
-
-def _state(model, opt_g, opt_c) -> dict:
-    """The checkpoint's tensors: both adapters, both optimizers (by parameter name), and ``ema``, the student's
-    adapters in peft's default naming (a LoRA fine-tune's, for sampling and export)."""
-    student = {k: p.detach() for k, p in adapter_params(model, "student").items()}
-    return {"student": student, "critic": {k: p.detach() for k, p in adapter_params(model, "critic").items()},
-            "optimizer": _optimizer_state(model, opt_g, "student"),
-            "critic_optimizer": _optimizer_state(model, opt_c, "critic"),
-            "ema": {k.replace(".student.", ".default."): v for k, v in student.items()}}
-
-
-def _optimizer_state(model, opt, adapter: str, state: dict | None = None, partial: bool = False) -> dict | None:
-    """``opt``'s state by parameter name (``get_optimizer_state_dict``), or with ``state`` that state loaded into it
-    (``set_optimizer_state_dict``; ``partial``: some parameters' states left out, those never stepped, which then
-    start from none), under ``adapter`` active: both initialise a fresh optimizer's state for the parameters that
-    require gradients, which are the active adapter's."""
-    use_adapter(model, adapter)
-    if state is None:
-        return get_optimizer_state_dict(model, opt)
-    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(strict=not partial))
-    return None
-
-
-def _resume(ckpt: Path, model, opt_g, opt_c) -> int:
-    """Load both adapters and optimizers from ``ckpt`` into ``model``; returns its step."""
-    from ditforge.weights.read import SafeFileSystemReader, _SafeLoadPlanner, read_meta
-
-    state = _state(model, opt_g, opt_c)
-    state.pop("ema")
-    # an expert's adapter no step had reached when it was saved has no optimizer state there (two experts)
-    partial = {part: keep_saved_states(state[part], ckpt, part) for part in ("optimizer", "critic_optimizer")}
-    state["student"] = {k: v.clone() for k, v in state["student"].items()}
-    state["critic"] = {k: v.clone() for k, v in state["critic"].items()}
-    try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=_SafeLoadPlanner(), no_dist=True)
-    except Exception as e:  # DCP's mismatch errors vary
-        raise UserError(f"--resume: {ckpt} does not fit this distillation ({' '.join(str(e).split())[:200]})") from None
-    with torch.no_grad():
-        for name in ADAPTERS:
-            for k, p in adapter_params(model, name).items():
-                p.copy_(state[name][k])
-    _optimizer_state(model, opt_g, "student", state["optimizer"], partial["optimizer"])
-    _optimizer_state(model, opt_c, "critic", state["critic_optimizer"], partial["critic_optimizer"])
-    return int(read_meta(ckpt)["step"])

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from ditforge.config.sections import RunConfig, freeze
 from ditforge.encoders.batch import as_batch
 from ditforge.errors import RunError, UserError
+from ditforge.parallel.collectives import mean_over_processes
 from ditforge.parallel.context import refuse_unsplittable
 from ditforge.optim.library import set_lr
 from ditforge.optim.placement import keep_states_within, out_of_memory
@@ -44,17 +45,6 @@ from ditforge.train.validation import read_validation_prompts
 from ditforge.weights import read as weights_io
 
 log = logging.getLogger(__name__)
-
-
-def _mean_over_processes(values: dict[str, torch.Tensor], d: Dist) -> dict[str, float]:
-    """Average 0-dim tensors over all processes (one all-reduce) and read them on the host."""
-    keys = sorted(values)
-    stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
-    if d.mesh is not None:
-        stacked = stacked.to(d.device)
-        dist.all_reduce(stacked)
-        stacked /= d.world_size
-    return dict(zip(keys, stacked.tolist()))
 
 
 def train(cfg: RunConfig, class_clips: Callable | None = None) -> Path:
@@ -299,7 +289,7 @@ class _Window:
     def record(self, run: Run, step: int) -> dict[str, float]:
         """The window's metrics record at ``step``: means over its good steps and all processes (one all-reduce),
         lr, throughput, epoch, skipped steps, data-wait fraction and (CUDA) peak memory."""
-        sums = _mean_over_processes(self.sums, run.d)
+        sums = mean_over_processes(self.sums, run.d)
         good = sums.pop("good_steps")  # the same on every process
         record = {k: v / good if good else math.nan for k, v in sums.items()}
         elapsed = time.perf_counter() - self.start

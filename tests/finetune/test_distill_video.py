@@ -51,19 +51,25 @@ def run(wan_pipeline, prompt_file, tmp_path_factory):
 
 
 def read_part(ckpt, part: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``part.<name>`` of a DCP checkpoint (the adapters are tiny: shapes from the reference)."""
+    """The tensors ``part.<name>`` of a DCP checkpoint, in their saved shapes and dtypes."""
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    state = {part: {n: torch.empty(meta[f"{part}.{n}"].size) for n in names}}
+    state = {part: {n: torch.empty(meta[f"{part}.{n}"].size, dtype=meta[f"{part}.{n}"].properties.dtype)
+                    for n in names}}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
     return state[part]
 
 
-def reference_step(folder):
+def trained(model, rank: int) -> list[torch.nn.Parameter]:
+    """A reference network's trained parameters: its LoRA adapters (``rank`` > 0), else all of them."""
+    return [p for n, p in model.named_parameters() if "lora_" in n or not rank]
+
+
+def reference_step(folder, student_rank: int = RANK, critic_rank: int = RANK):
     """Iteration 1 of the run, independently: diffusers' ``WanPipeline`` for the prompts and the transformer, three
     copies of it (the teacher, and peft's adapter on the student's and the critic's, Gaussian A drawn after
-    ``torch.manual_seed(SEED)`` in that order), the generator's draws in the run's order, DMD (Yin et al. 2024 eqs.
-    7-8) and the flow loss in float64, AdamW (betas 0, 0.999). Returns (generator loss, critic loss, student, critic)
-    with the adapters after their step."""
+    ``torch.manual_seed(SEED)`` in that order; a rank 0 network trains its whole copy instead), the generator's
+    draws in the run's order, DMD (Yin et al. 2024 eqs. 7-8) and the flow loss in float64, AdamW (betas 0, 0.999).
+    Returns (generator loss, critic loss, student, critic) after their step."""
     from diffusers import WanPipeline
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -71,9 +77,10 @@ def reference_step(folder):
     base = pipe.transformer.eval().requires_grad_(False)
     student, critic = copy.deepcopy(base), copy.deepcopy(base)
     torch.manual_seed(SEED)
-    for m in (student, critic):
-        inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian",
-                                           target_modules=TARGETS), m)
+    for m, rank in ((student, student_rank), (critic, critic_rank)):
+        if rank:
+            inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian",
+                                               target_modules=TARGETS), m)
     shift = 3.0  # the folder's UniPC flow_shift
     warp = lambda s: shift * s / (1 + (shift - 1) * s)  # noqa: E731
     sigma = [float(torch.tensor(warp(1 - k / STEPS)).float()) for k in range(STEPS)]
@@ -100,7 +107,7 @@ def reference_step(folder):
             t = torch.full((BATCH,), sigma[j])
             x0 = x.double() - at(t) * v(student, x, t)
             x = ((1 - sigma[j + 1]) * x0 + sigma[j + 1] * torch.randn(SHAPE, generator=g).double()).float()
-    for p in (p for n, p in student.named_parameters() if "lora_" in n):
+    for p in trained(student, student_rank):
         p.requires_grad_(True)
     t = torch.full((BATCH,), sigma[k])
     gen = (x.double() - at(t) * v(student, x, t)).float()
@@ -114,22 +121,22 @@ def reference_step(folder):
         grad = (x0_fake - x0_real) / (gen.double() - x0_real).abs().mean(dim=(1, 2, 3, 4), keepdim=True)
     gen_loss = 0.5 * ((gen.double() - (gen.double() - grad).detach()) ** 2).mean()
 
-    def step(model, loss):
-        params = [p for n, p in model.named_parameters() if "lora_" in n]
+    def step(model, loss, rank):
+        params = trained(model, rank)
         opt = torch.optim.AdamW(params, lr=LR, betas=(0.0, 0.999), weight_decay=0.0)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
 
-    step(student, gen_loss)
+    step(student, gen_loss, student_rank)
     t = warp(torch.sigmoid(torch.randn(BATCH, generator=g))).float()  # the flow loss's logit-normal times
     eps = torch.randn(SHAPE, generator=g)
     x0 = gen.detach()
     x_t = ((1 - at(t)) * x0.double() + at(t) * eps.double()).float()
-    for p in (p for n, p in critic.named_parameters() if "lora_" in n):
+    for p in trained(critic, critic_rank):
         p.requires_grad_(True)
     critic_loss = ((eps.double() - x0.double() - v(critic, x_t, t)) ** 2).mean()
-    step(critic, critic_loss)
+    step(critic, critic_loss, critic_rank)
     return float(gen_loss.detach()), float(critic_loss.detach()), student, critic
 
 
@@ -165,12 +172,13 @@ def assert_resume_exact(run, folder, prompt_file, tmp_path, *extra: str) -> None
         shutil.rmtree(cut / "checkpoints" / step)
     assert cli.main(distill_argv(folder, prompt_file, cut, "--max_steps", "4", "--resume", "auto", *extra)) == 0
     meta = dcp.FileSystemReader(str(run / "checkpoints" / "step-0000004")).read_metadata().state_dict_metadata
-    names = [k for k in meta if k.startswith(("student.", "critic.", "optimizer.", "critic_optimizer."))
-             and hasattr(meta[k], "size")]
-    for part in ("student", "critic"):
+    names = [k for k in meta if hasattr(meta[k], "size")]
+    parts = {k.split(".", 1)[0] for k in names}
+    assert {"critic", "optimizer", "critic_optimizer"} <= parts and parts & {"student", "ema"}
+    for part in parts:  # networks (a full student's as ``ema``), optimizer states
         keys = [k.split(".", 1)[1] for k in names if k.startswith(part + ".")]
         a, b = (read_part(r / "checkpoints" / "step-0000004", part, keys) for r in (run, cut))
-        assert keys and all(torch.equal(a[k], b[k]) for k in keys)
+        assert keys and all(torch.equal(a[k], b[k]) for k in keys), part
     strip = [{k: v for k, v in json.loads(line).items() if k != "steps_per_sec"}
              for line in (run / "metrics.jsonl").read_text().splitlines()]
     again = [{k: v for k, v in json.loads(line).items() if k != "steps_per_sec"}
