@@ -24,6 +24,7 @@ the same float32 operations as the pipeline's. Clips are encoded whole, in chunk
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from ditforge.encoders.frozen import FrozenModel
 from ditforge.errors import UserError
 
+log = logging.getLogger(__name__)
 FLAG = "--vae"
 DEFAULT_MICRO_BATCH = 16
 
@@ -62,6 +64,23 @@ def _check_input(x: torch.Tensor, channels: int, downsample: int, what: str, sou
     if h % downsample or w % downsample:
         raise UserError(f"--image_size: frames of {h}x{w} are not divisible by the VAE's downsample factor "
                         f"{downsample} ({FLAG} {source})")
+
+
+def _whole_or_eager(module: torch.nn.Module, whole):
+    """``module``'s call: ``whole`` (its ``fullgraph`` compiled call), or, from the first call dynamo cannot trace
+    whole (a graph break, the recompile limit), its eager call, said in one warning (``VAE.compile``)."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit, Unsupported
+
+    def call(*args, **kwargs):
+        try:
+            return whole(*args, **kwargs)
+        except (Unsupported, FailOnRecompileLimitHit) as e:
+            log.warning("VAE.compile: %s does not compile whole (%s); it runs eagerly", type(module).__name__,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            module._compiled_call_impl = None  # nn.Module's own eager call from now on
+            return module._call_impl(*args, **kwargs)
+
+    return call
 
 
 class VAE(FrozenModel):
@@ -284,14 +303,28 @@ class VAE(FrozenModel):
         return x / scale + shift
 
     def compile(self) -> VAE:
-        """``torch.compile`` the decoder in place (inductor fuses its GroupNorm + SiLU pairs); no CUDA graphs, since
-        ``decode`` keeps the outputs of several micro-batch calls. Shapes are static until a second batch size
-        appears (a shorter last micro-batch), then the batch dimension turns dynamic: one recompile, not one per
-        size. A causal 3-D VAE whose decoder runs once per latent frame with a feature cache compiles three graphs
-        at its first decode: the first frame (empty caches), the second (one-frame caches), and every later frame
-        (no graph breaks; measured on a tiny such VAE of diffusers 0.42.1, within 1e-6 of eager;
-        benchmarks/vae_decode.py times it). Returns self."""
-        self.model.decoder.compile()
+        """``torch.compile`` the decoder in place, whole (``fullgraph``): one graph per decoder call, or none.
+
+        Inductor fuses its GroupNorm + SiLU pairs; no CUDA graphs, since ``decode`` keeps the outputs of several
+        micro-batch calls. Shapes are static until a second batch size appears (a shorter last micro-batch), then
+        the batch dimension turns dynamic: one recompile, not one per size. A causal 3-D VAE whose decoder runs once
+        per latent frame with a feature cache compiles three graphs at its first decode: the first frame (empty
+        caches), the second (one-frame caches), and every later frame (its cache lengths dynamic after that second
+        size; no graph breaks: measured on a tiny such VAE of diffusers 0.42.1, within 1e-6 of eager;
+        benchmarks/vae_decode.py times it).
+
+        Why whole: were dynamo to skip the decoder's own frame (a graph break in it, at or inside the loop over the
+        up blocks), it would compile each submodule the decoder calls as a frame of its own, one graph per module
+        instance and feature-cache state, and those frames meet dynamo's recompile limit (8) within the first
+        decode. The H200 log of ``benchmarks/sample_wan.py --rows fa4_vae16`` (torch 2.11) shows that: the up
+        blocks' ``forward`` and the causal convolution's (16 and 96 input channels: the two the decoder calls
+        itself) at the limit, the decode at 43.8 s against 1.06 s alone in its process (what breaks it there is not
+        known: on the CPU, torch 2.13, the same process state compiles whole). Under ``fullgraph`` a break, or a
+        ninth graph, raises while dynamo traces, before the call has run (the feature caches untouched): the
+        decoder then runs eagerly from that call on, with one warning naming the reason. Returns self."""
+        decoder = self.model.decoder
+        decoder.compile(fullgraph=True)
+        decoder._compiled_call_impl = _whole_or_eager(decoder, decoder._compiled_call_impl)
         return self
 
     def __repr__(self) -> str:
