@@ -16,7 +16,7 @@ Rows (``ROWS``), each a fresh VAE:
   ``WanPipeline`` calls it; the reference of every PSNR;
 - ``bf16`` / ``fp16``: the VAE cast (``nn.Module.to``), the latents too;
 - ``bf16_channels_last``: bf16 with the Conv3d weights and the latents in ``torch.channels_last_3d`` (the Conv2d
-  weights ``channels_last``; ``sample.video.to_channels_last``, which ``--vae_dtype bfloat16`` applies);
+  weights ``channels_last``; ``sample.video_vae.to_channels_last``, which ``--vae_dtype bfloat16`` applies);
   ``out_channels_last`` says whether the layout survived to the output;
 - ``*_cudnn_benchmark``: ``torch.backends.cudnn.benchmark`` on for the row (cuDNN times its algorithms per shape in
   the warm-up call), off again after it;

@@ -408,7 +408,7 @@ def _sample_driven(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser
     from ditforge.data.video import probe_video, read_clip
     from ditforge.models.adapters.pipeline import generate_with_pipeline
     from ditforge.models.adapters.pipeline import pipeline_defaults
-    from ditforge.sample.video import cast_vae
+    from ditforge.sample.video_vae import cast_vae
     from ditforge.sample.write import write_videos
     from PIL import Image
 

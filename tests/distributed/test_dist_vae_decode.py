@@ -66,7 +66,7 @@ def _worker(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
     from ditforge.parallel.vae_decode import split_decoder
-    from ditforge.sample.video import enable_vae_tiles
+    from ditforge.sample.video_vae import enable_vae_tiles
 
     with gloo_dp(rank, port, 4):
         pair = dist.new_group([0, 1])

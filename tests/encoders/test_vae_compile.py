@@ -99,7 +99,7 @@ def test_a_graph_break_runs_the_decoder_eagerly_not_in_pieces(eager_backend, cap
     eager from then on (no graph compiled, in this decode or the next), its frames those of the eager decode
     exactly."""
     from ditforge.encoders.vae import VAE
-    from ditforge.sample.video import cast_vae
+    from ditforge.sample.video_vae import cast_vae
 
     vae = _vae()
     cast_vae(vae, "bfloat16")
