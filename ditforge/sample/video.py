@@ -530,9 +530,9 @@ def sample_video_family(cfg: SampleConfig, prompts: list[str], d: Dist, pre, den
              for i in todo}  # GPU: one at a time
     uncond = pre.encode_prompt([cfg.negative_prompt or ""]) if guided else None  # (with a black image)
     latent_frames = vae.latent_frames(frames)
-    # the frames the pipeline pads the latents with in front, cut before decoding as it does; a student samples the
-    # clip's own, as ditforge distill trains it (the adapter pads those inside its call)
-    prepended = 0 if cfg.sampler == "student" else denoiser.padding_frames(latent_frames)
+    # the frames the pipeline pads the latents with in front, cut before decoding as it does (ditforge distill
+    # trains a student on the same)
+    prepended = denoiser.padding_frames(latent_frames)
     shape = (1, denoiser.in_channels, latent_frames + prepended, height // vae.downsample, width // vae.downsample)
     image_cond = None
     if denoiser.takes_references:  # the control latents lead the latents (R reference frames), cut before decoding

@@ -218,7 +218,9 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
     """((B, C, T', h, w) of the student's latents, height, width, frames): the flags, else the pipeline call's
     defaults (or the adapter's ``call_defaults``, from its transformer's config). Channels before frames for every
     family, as fine-tuning encodes them (a frames-first adapter transposes for its transformer); a reference-image
-    teacher's ``--image`` prepends a latent frame (the reference's, ``reference_control``), as its pipeline does.
+    teacher's ``--image`` prepends a latent frame (the reference's, ``reference_control``), as its pipeline does,
+    and a family that patches frames in groups the frames its pipeline puts in front of the clip's (the adapter's
+    ``padding_frames``), so the student learns the latents the pipeline's own call draws, and samples them.
     Raises UserError: a frame count the VAE cannot take, a side the VAE and patches do not divide, a size the model
     cannot take (``refuse_size``: learned positional tables)."""
     from ditforge.encoders import VAE
@@ -234,7 +236,7 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
             raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of "
                             f"{pre.side_multiple}")
     pre.refuse_size(height, width, frames, f"--height {height} --width {width} --num_frames {frames}")
-    prepended = int(den.takes_references and cfg.image is not None)
+    prepended = int(den.takes_references and cfg.image is not None) + den.padding_frames(vae.latent_frames(frames))
     shape = (cfg.batch_size, den.in_channels, vae.latent_frames(frames) + prepended, height // vae.downsample,
              width // vae.downsample)
     return shape, height, width, frames
@@ -276,6 +278,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
             ``latent_shape``'s / ``distill_nets.build_networks``' errors.
     """
     from ditforge.data.captions import read_prompts
+    from ditforge.encoders import VAE
     from ditforge.train.distill_nets import build_networks
 
     if cfg.prompt_file is None:
@@ -300,6 +303,9 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     model = pre.denoiser
     files = first_frame_files(cfg, pre)
     shape, height, width, frames = latent_shape(pre, cfg)
+    vae = VAE(pre.pipe.vae, frame_factor=model.vae_frame_factor, folds_pixels=model.vae_folds_pixels)
+    # the image conditioning of an image-to-video teacher covers the padded clip, as its pipeline encodes it
+    image_frames = frames + model.padding_frames(vae.latent_frames(frames)) * vae.temporal
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
     networks = build_networks(cfg, pre, targets, device, amp)
     objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, where=f"{FLAG} {cfg.teacher}",
@@ -328,7 +334,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
              cfg.critic_steps, len(prompts), tuple(shape), run_dir)
     window, tic = [], time.perf_counter()
     for step in range(start + 1, cfg.max_steps + 1):
-        window.append(iteration(dmd, step, cfg, pre, prompts, files, (shape, height, width, frames), scale, amp,
+        window.append(iteration(dmd, step, cfg, pre, prompts, files, (shape, height, width, image_frames), scale, amp,
                                 networks, opts, d))
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
@@ -362,7 +368,8 @@ def report(metrics: MetricsLog, line: dict, max_steps: int) -> None:
 def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str], files: list[Path], sizes,
               scale: float, amp: torch.dtype, networks: Networks, opts: list, d: Dist) -> dict[str, float]:
     """One iteration (DMD2's two time scales, as ``distill._iteration``): every ``critic_steps``-th a generator step,
-    then a critic step. ``sizes``: (the latents' shape (B, C, T', h, w), height, width, frames). Its randomness from
+    then a critic step. ``sizes``: (the latents' shape (B, C, T', h, w), height, width, the frames the image
+    conditioning covers: the clip's and the pipeline's padding). Its randomness from
     ``torch.Generator(device).manual_seed(derive_seed(seed, step))``, in this order: the B prompts' indices
     (uniform), an image-to-video teacher's B first frames' indices in ``files`` (uniform) and its image latents'
     draws (``image_from_generator``), the noise (B, C, T', h, w) (then the adapter's ``start``: the latents the

@@ -186,10 +186,10 @@ def cog15_run(cogvideox15_pipeline, prompt_file, tmp_path_factory):  # noqa: F81
 
 
 def test_distill_teacher_is_the_pipelines_guided_v(cog15_run, cogvideox15_pipeline):
-    """Iteration 1's teacher, on the student's latents (B, 4, 3, 4, 4): diffusers' transformer on them with their
-    first frame repeated in front (frames first, the pipeline's rotary tables of 4 latent frames, [negative; prompt]
-    states), that frame's output dropped, guided ``uncond + 6 (text - uncond)`` (CogVideoXPipeline's default), 1e-5;
-    every logged loss finite."""
+    """Iteration 1's teacher, on the student's latents (B, 4, 4, 4, 4): the clip's 3 latent frames and the one the
+    pipeline pads them with in front (``additional_frames``), what its own call draws; diffusers' transformer on them
+    (frames first, the pipeline's rotary tables of 4 latent frames, [negative; prompt] states), guided ``uncond + 6
+    (text - uncond)`` (CogVideoXPipeline's default), 1e-5; every logged loss finite."""
     from test_distill_video import BATCH, COG_SCALE, PROMPTS
 
     run, seen = cog15_run
@@ -197,14 +197,14 @@ def test_distill_teacher_is_the_pipelines_guided_v(cog15_run, cogvideox15_pipeli
     g = torch.Generator().manual_seed(derive_seed(SEED, 1))
     rows = torch.randint(len(PROMPTS), (BATCH,), generator=g).tolist()
     x, t, got, _ = seen["teacher"][0]
-    assert x.shape == (BATCH, 4, 3, 4, 4)
+    assert x.shape == (BATCH, 4, 4, 4, 4)
     with torch.no_grad():
         embeds, negative = pipe.encode_prompt([PROMPTS[i] for i in rows], do_classifier_free_guidance=True,
                                               max_sequence_length=226)
-        latents = torch.cat([x[:, :, :1], x], dim=2).transpose(1, 2)
+        latents = x.transpose(1, 2)
         out = pipe.transformer(hidden_states=torch.cat([latents] * 2), encoder_hidden_states=torch.cat(
             [negative, embeds]), timestep=torch.cat([t, t]), return_dict=False,
-            image_rotary_emb=pipe._prepare_rotary_positional_embeddings(SIZE, SIZE, 4, x.device))[0][:, 1:].float()
+            image_rotary_emb=pipe._prepare_rotary_positional_embeddings(SIZE, SIZE, 4, x.device))[0].float()
     uncond, text = out.chunk(2)
     torch.testing.assert_close(got, (uncond + COG_SCALE * (text - uncond)).transpose(1, 2), rtol=1e-5, atol=1e-5)
     lines = read_metrics(run / "metrics.jsonl")
@@ -213,8 +213,8 @@ def test_distill_teacher_is_the_pipelines_guided_v(cog15_run, cogvideox15_pipeli
 
 
 def test_distilled_student_samples(cog15_run, tmp_path):
-    """``sample --ckpt RUN`` runs the student's 2 steps on the clip's 3 latent frames (padded inside the adapter, as
-    distillation trained it) and writes 9 frames."""
+    """``sample --ckpt RUN`` runs the student's 2 steps on the 4 latent frames it was distilled on (the clip's 3 and
+    the pipeline's padding frame, dropped before decoding) and writes 9 frames."""
     import numpy as np
 
     npz = tmp_path / "s.npz"
