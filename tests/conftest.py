@@ -44,19 +44,31 @@ def pytest_configure(config):
 # They go to the two pytest-xdist workers before any other file, so that none of them starts near the end.
 LONGEST = ("test_text_to_video.py", "optim/test_optim.py", "parallel/test_offload.py", "train/test_chaos.py",
            "test_sample_fast.py", "train/test_guard.py", "train/test_trainer.py")
+# The files that read the fine-tuning runs of the session fixtures ``video_runs`` and ``i2v_runs``
+# (tests/finetune/conftest.py): one pytest-xdist work unit, so that the runs are trained once, not once a worker.
+SHARED_RUNS = ("finetune/test_video_families.py", "finetune/test_i2v_families.py", "finetune/test_wan.py",
+               "finetune/test_hunyuan_video.py", "finetune/test_cogvideox.py", "finetune/test_export_comfyui.py",
+               "finetune/test_distill_video.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items):
-    """``LONGEST`` first (in that order), then the other files holding a test marked ``slow``, in their collected
-    order, the rest after them. Under pytest-xdist (``-n auto --dist loadfile``, pyproject's addopts: one file per
-    worker at a time, handed out in this order) the long files then overlap the many short ones instead of one of
-    them running alone at the end (tests/test_text_to_video.py, ~4 minutes, did: 1,128 s for the suite, the last
-    286 s on one worker)."""
+    """``LONGEST`` first (in that order), then ``SHARED_RUNS``, then the other files holding a test marked
+    ``slow``, in their collected order, the rest after them. Under pytest-xdist (``-n auto --dist loadgroup``,
+    pyproject's addopts) a work unit is an ``xdist_group``, which is the test's file (its module fixtures made
+    once), all of ``SHARED_RUNS`` one group; a worker takes one unit at a time, handed out in this order, so the
+    long files overlap the many short ones instead of one of them running alone at the end
+    (tests/test_text_to_video.py, ~4 minutes, did: 1,128 s for the suite, the last 286 s on one worker)."""
     here = Path(__file__).parent
     lead = {here / name: rank for rank, name in enumerate(LONGEST)}
+    shared = {here / name for name in SHARED_RUNS}
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    for item in items:
+        group = "shared_runs" if item.path in shared else item.path.relative_to(here).as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
     # stable: the collected order within each group
-    items.sort(key=lambda item: lead.get(item.path, len(LONGEST) + (item.path not in slow)))
+    items.sort(key=lambda item: lead.get(item.path, len(LONGEST) + (item.path not in shared) +
+                                         (item.path not in shared and item.path not in slow)))
 
 
 @contextlib.contextmanager

@@ -5,17 +5,28 @@ the mean of n steps is s^2 / n * (1 + 2 sum_{k<n} (1 - k/n) rho^k). At rho = 0.5
 which a per-step standard error would miss; batch means of 25 steps recover it up to their edge terms (-5%).
 """
 
+import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import quality_curves  # noqa: E402
-from quality_curves import report, run_modes  # noqa: E402
+
+def _script(name: str):
+    """``benchmarks/<name>.py`` imported by its path. Not through ``sys.path``: benchmarks/ first on it (every
+    pytest-xdist worker collects this file) would shadow installed packages for the rest of the run, e.g.
+    benchmarks/kernels.py the ``kernels`` package that transformers >= 5 imports."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+quality_curves = _script("quality_curves")
+report, run_modes = quality_curves.report, quality_curves.run_modes
 
 N, RHO = 500, 0.5
 

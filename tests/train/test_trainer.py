@@ -651,21 +651,30 @@ def test_grad_checkpoint_same_losses(train_run, every_step_run, tmp_path, policy
     assert cfg["train"]["grad_checkpoint"] == (policy[0] if policy else "full")
 
 
+ADALN_SMALL = ("--max_steps", "2", "--batch_size", "4")
+
+
+@pytest.fixture(scope="module")
+def adaln_reference(tmp_path_factory, one_thread_module, tiny_argv):
+    """``ADALN_SMALL`` without a kernel flag: the reference run of every adaLN kernel case."""
+    out = tmp_path_factory.mktemp("adaln_reference") / "run"
+    assert cli.main(tiny_argv(out, *ADALN_SMALL)) == 0
+    return out
+
+
 @pytest.mark.parametrize("flag", ["--enable_modulate_kernel", "--enable_layernorm_kernel"])
-def test_fused_adaln_kernels_same_losses(train_run, tmp_path, flag):
+def test_fused_adaln_kernels_same_losses(train_run, adaln_reference, tmp_path, flag):
     """The Triton adaLN kernels (Triton's CPU interpreter here) train like the PyTorch references: 2 steps of
     batch 4 (the interpreter's cost grows with the batch, one program column per sample), against the same run
-    without the flag. Step 1's loss and gradient norm go through the kernels' forward and backward; step 2's
-    through the weights that step 1's gradients moved."""
+    without the flag (``adaln_reference``). Step 1's loss and gradient norm go through the kernels' forward and
+    backward; step 2's through the weights that step 1's gradients moved."""
     from ditforge.ops.modulate import set_kernels
 
-    small = ("--max_steps", "2", "--batch_size", "4")
-    reference = train_run(tmp_path / "ref", *small)
     try:
-        run = train_run(tmp_path / "k", *small, flag)
+        run = train_run(tmp_path / "k", *ADALN_SMALL, flag)
     finally:
         set_kernels()
-    want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
+    want, got = read_metrics(adaln_reference / "metrics.jsonl"), read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2]
     for x, y in zip(want, got, strict=True):
         # float32 throughout; the kernels sum in another order than PyTorch's: 1e-5 relative
