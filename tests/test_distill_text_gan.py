@@ -220,13 +220,14 @@ def test_text_resume_is_exact_and_sample_draws_the_student(text_teacher, prompt_
     assert "generator_loss" in rows[0] and "gen_cls_loss" not in rows[0]
     sample = ["sample", "--ckpt", str(tmp_path / "a"), "--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--device",
               "cpu"]
-    assert main([*sample, "--out", str(tmp_path / "d.png"), "--save_npz", str(tmp_path / "d.npz")]) == 0
-    assert main([*sample, "--out", str(tmp_path / "e.png"), "--save_npz", str(tmp_path / "e.npz"), "--sampler",
-                 "student", "--num_sampling_steps", "2", "--cfg_scale", "1"]) == 0
-    assert main([*sample, "--out", str(tmp_path / "f.png"), "--save_npz", str(tmp_path / "f.npz"),
-                 "--num_sampling_steps", "3"]) == 0
-    default, explicit, other = (np.load(tmp_path / f"{n}.npz")["samples"] for n in "def")
-    assert np.array_equal(default, explicit) and not np.array_equal(default, other)
+    draws = {"default": [], "explicit": ["--sampler", "student", "--num_sampling_steps", "2", "--cfg_scale", "1"],
+             "three_steps": ["--num_sampling_steps", "3"]}
+    for name, flags in draws.items():
+        npz = tmp_path / f"{name}.npz"
+        assert main([*sample, "--out", str(tmp_path / f"{name}.png"), "--save_npz", str(npz), *flags]) == 0
+        draws[name] = np.load(npz)["samples"]
+    assert np.array_equal(draws["default"], draws["explicit"])
+    assert not np.array_equal(draws["default"], draws["three_steps"])
 
 
 @pytest.fixture(scope="module")

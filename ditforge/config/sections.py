@@ -438,11 +438,11 @@ class DistillConfig:
                                 "`ditforge train` takes it (digits, an image folder ROOT/<class>/<image>, captioned "
                                 "images), at the teacher's image size, encoded by its VAE; needs "
                                 "--gen_cls_loss_weight (default: none, data-free)")
-    gen_cls_loss_weight: float = _f(0.0, "with --data: weight of the generator's GAN loss against its DMD loss (the "
-                                         "brief's --gan_weight; DMD2's gen_cls_loss_weight: 3e-3 on ImageNet 64, "
-                                         "5e-3 on SDXL); > 0 adds the GAN head on the critic's features (0: none)")
+    gen_cls_loss_weight: float = _f(0.0, "with --data: the GAN weight, the generator's GAN loss against its DMD "
+                                         "loss (DMD2's name, gen_cls_loss_weight: 3e-3 on ImageNet 64, 5e-3 on "
+                                         "SDXL); > 0 adds the GAN head on the critic's features (0: none)")
     guidance_cls_loss_weight: float = _f(1e-2, "with the GAN head: weight of the critic's GAN (classification) loss "
-                                               "against its denoising loss (DMD2's guidance_cls_loss_weight, 1e-2)")
+                                               "against its denoising loss (DMD2's name and value)")
     image: str | None = _f(None, "an image-to-video pipeline teacher: the first frames, a folder of PNG / JPEG files "
                                  "(or one such file), drawn uniformly as the prompts are and resized to the frame "
                                  "size (`ditforge sample --image`'s flag); refused for other teachers")

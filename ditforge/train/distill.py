@@ -42,7 +42,6 @@ from ditforge.diffusion.samplers import STUDENT_SAMPLER, GuidedModel
 from ditforge.errors import UserError
 from ditforge.models import create_model_from_spec, is_video_model
 from ditforge.parallel.mesh import Dist
-from ditforge.sample.loops import sample_shape
 from ditforge.train.checkpoint import Checkpointer, find_resume
 from ditforge.train.distill_data import RealData, TextPrompts
 from ditforge.train.dmd_step import GANTerms, dmd2_iteration
@@ -228,7 +227,8 @@ def _iteration(dmd: DMD2, step: int, cfg: DistillConfig, models, opt_g, opt_c, m
     g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
     cond = ({"y": torch.randint(m["num_classes"], (cfg.batch_size,), generator=g, device=device)} if prompts is None
             else prompts.draw(cfg.batch_size, g))
-    shape = (cfg.batch_size, *sample_shape(m, is_video_model(m["model"])))
+    frames = [m["num_frames"]] if is_video_model(m["model"]) else []  # (B, C, [T,] H, W), as `ditforge sample` draws
+    shape = (cfg.batch_size, m["in_channels"], *frames, m["input_size"], m["input_size"])
     noise = torch.randn(shape, generator=g, device=device)
     gan = None
     if real is not None:
