@@ -421,9 +421,9 @@ class BenchConfig:
 class DistillConfig:
     """Settings of ``ditforge distill`` (flags of the same names; see ``ditforge distill --help``)."""
 
-    teacher: str = _f(None, "the teacher: a ditforge run or checkpoint folder (a class-conditional DiT), a local "
-                            "diffusers pipeline folder of an adapted video family (of two experts: a student and a "
-                            "critic LoRA on each, every call on the expert of its timestep), or a run that "
+    teacher: str = _f(None, "the teacher: a ditforge run or checkpoint folder (a class- or text-conditional DiT), "
+                            "a local diffusers pipeline folder of an adapted video family (of two experts: a student "
+                            "and a critic LoRA on each, every call on the expert of its timestep), or a run that "
                             "fine-tuned one")
     outputs: str = _f(None, "the student's run folder")
     student_steps: int = _f(4, "the student's sampling steps K (DMD2's 4: timesteps 999, 749, 499, 249 of a DDPM "
@@ -440,7 +440,17 @@ class DistillConfig:
                                             "student's --lora_rank, a full student's full copy)")
     lora_target_modules: str | None = _f(None, "with --lora_rank: comma-separated module names (default: qkv,proj; "
                                               "a pipeline's family's LoRA targets)")
-    prompt_file: str | None = _f(None, "a pipeline teacher: the prompts, one per line, drawn uniformly (data-free)")
+    prompt_file: str | None = _f(None, "a text-conditional DiT or a pipeline teacher: the prompts, one per line, "
+                                       "drawn uniformly (data-free), encoded by the teacher's text encoder")
+    data: str | None = _f(None, "a DiT teacher: real samples for the GAN head (DMD2 sec. 4.3), a --data spec as "
+                                "`ditforge train` takes it (digits, an image folder ROOT/<class>/<image>, captioned "
+                                "images), at the teacher's image size, encoded by its VAE; needs "
+                                "--gen_cls_loss_weight (default: none, data-free)")
+    gen_cls_loss_weight: float = _f(0.0, "with --data: the GAN weight, the generator's GAN loss against its DMD "
+                                         "loss (DMD2's name, gen_cls_loss_weight: 3e-3 on ImageNet 64, 5e-3 on "
+                                         "SDXL); > 0 adds the GAN head on the critic's features (0: none)")
+    guidance_cls_loss_weight: float = _f(1e-2, "with the GAN head: weight of the critic's GAN (classification) loss "
+                                               "against its denoising loss (DMD2's name and value)")
     image: str | None = _f(None, "an image-to-video pipeline teacher: the first frames, a folder of PNG / JPEG files "
                                  "(or one such file), drawn uniformly as the prompts are and resized to the frame "
                                  "size (`ditforge sample --image`'s flag); a reference-image teacher (optional): "

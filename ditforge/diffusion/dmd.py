@@ -4,9 +4,11 @@ distribution matches the teacher's, with a critic (the fake score) that follows 
 Sources: Yin et al. 2024, "One-step Diffusion with Distribution Matching Distillation" (DMD, CVPR 2024; eqs. 7-8:
 the distribution-matching gradient and its normalisation); Yin et al. 2024, "Improved Distribution Matching
 Distillation for Fast Image Synthesis" (DMD2, arXiv 2405.14867: two-time-scale updates (sec. 4.2), the multi-step
-student on fixed timesteps with backward simulation (sec. 4.5)); the reference implementation tianweiy/DMD2,
+student on fixed timesteps with backward simulation (sec. 4.5), the GAN head on the critic's features trained on
+real samples (secs. 4.3-4.4)); the reference implementation tianweiy/DMD2,
 ``main/sd_guidance.py`` (``compute_distribution_matching_loss``, ``compute_loss_fake``) and
-``main/sd_unified_model.py`` (the 4-step schedule [999, 749, 499, 249] and the backward simulation).
+``main/sd_unified_model.py`` (the 4-step schedule [999, 749, 499, 249] and the backward simulation),
+``main/edm/edm_guidance.py`` (``cls_pred_branch``, ``compute_cls_logits``, the GAN losses).
 
 The math is objective-agnostic: any ``Objective`` (``diffusion/objective.py``: DDPM epsilon / v, rectified flow)
 and any denoiser with ditforge's call ``forward(x, t, **cond)`` (``models/``: ``DiT``; ``models/adapters``: a
@@ -210,6 +212,15 @@ class DMD2:
         t = self._mine(self.objective.sample_timesteps(self._rows(x), generator, x.device))
         return self.objective.training_losses(critic, x, t, self._randn(x, generator))["loss"].mean()
 
+    def gan_logits(self, classify: Net, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """Realism logits (B,) of samples ``x`` (B, ...), as DMD2's diffusion GAN takes them (``compute_cls_logits``
+        with ``--diffusion_gan``, ``--diffusion_gan_max_timestep 1000``): x noised by the forward process at t of a
+        noise fraction uniform in [0, 1) (``times_at``), then ``classify(x_t, model timesteps)`` (the critic's
+        features and its head). Differentiable in ``x`` and in ``classify``'s parameters."""
+        u = torch.rand(self._rows(x), generator=generator, device=x.device, dtype=torch.float64)
+        t = times_at(self.objective, self._mine(u))
+        return classify(noised(self.objective, x, t, self._randn(x, generator)), self.objective.model_timesteps(t))
+
     def _noise(self, x: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = self.t_range
         u = lo + (hi - lo) * torch.rand(self._rows(x), generator=generator, device=x.device, dtype=torch.float64)
@@ -229,3 +240,32 @@ class DMD2:
         """N(0, I) noise shaped like ``x``: this process's rows of the global batch's draw."""
         return self._mine(torch.randn((self._rows(x), *x.shape[1:]), generator=generator, device=x.device,
                                       dtype=x.dtype))
+
+
+class GANHead(torch.nn.Module):
+    """DMD2's classifier head on the critic's intermediate features (``cls_pred_branch``, Yin et al. 2024 sec. 4.3):
+    (B, N, D) tokens -> (B,) realism logits. Each token goes through LayerNorm -> Linear(D, D) -> SiLU -> Linear(D,
+    1), and the logits are averaged over the tokens (DMD2's convolutional head reduces its 8 x 8 feature map to one
+    logit; tokens have no grid to convolve here, so each token is classified and the mean taken). Float32
+    parameters, computed in the features' dtype promoted to float32."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.LayerNorm(hidden_size), torch.nn.Linear(hidden_size, hidden_size),
+                                       torch.nn.SiLU(), torch.nn.Linear(hidden_size, 1))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.net(tokens.float()).squeeze(-1).mean(dim=1)
+
+
+def gan_critic_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> torch.Tensor:
+    """The discriminator's non-saturating GAN loss (Goodfellow et al. 2014) on realism logits (B,) of real and of
+    generated samples: mean softplus(-real) + mean softplus(fake) = -log D(real) - log(1 - D(fake)), D = sigmoid
+    (DMD2 sec. 4.3; ``edm_guidance.py``: ``compute_guidance_clean_cls_loss``). Scalar, in the logits' dtype."""
+    return torch.nn.functional.softplus(-real_logits).mean() + torch.nn.functional.softplus(fake_logits).mean()
+
+
+def gan_generator_loss(fake_logits: torch.Tensor) -> torch.Tensor:
+    """The generator's non-saturating GAN loss on the realism logits (B,) of its samples: mean softplus(-fake) =
+    -log D(G(z)) (``edm_guidance.py``: ``compute_generator_clean_cls_loss``). Scalar."""
+    return torch.nn.functional.softplus(-fake_logits).mean()

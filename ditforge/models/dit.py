@@ -417,12 +417,26 @@ class DiT(nn.Module):
             if adaln is not None:
                 raise ValueError("adaln tables are for unpacked rows")
             return self.forward_packed(x, t, y, packed, force_drop_ids, y_mask)
+        x, c, mods, grid = self._blocks(x, t, y, force_drop_ids, y_mask, adaln, len(self.blocks))
+        return self.unpatchify(self.final_layer(x, c, mods=mods[-1]), grid)
+
+    def features(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, depth: int,
+                 force_drop_ids: torch.Tensor | None = None, y_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The tokens (B, N, D) after the first ``depth`` blocks (1..depth of the model), in the blocks' dtype: the
+        intermediate features a discriminator head reads (DMD2's ``return_bottleneck``, Yin et al. 2024 sec. 4.3).
+        Arguments as ``forward``'s (unpacked rows)."""
+        x = self._blocks(x, t, y, force_drop_ids, y_mask, None, depth)[0]
+        return gated_residual(*x) if isinstance(x, GatedSum) else x
+
+    def _blocks(self, x, t, y, force_drop_ids, y_mask, adaln, depth: int):
+        """(the tokens after the first ``depth`` blocks (a tensor or a pending ``GatedSum``), c, the adaLN outputs,
+        the token grid) of ``forward``'s unpacked path."""
         grid = patch_grid(x.shape[2:], self.x_embedder.patch_shape)
         x = self.x_embedder(x) + self.pos_embed_for(grid)
         c, context, mods = self._conditioning(t, y, force_drop_ids, y_mask, adaln)
-        for block, m in zip(self.blocks, mods):
+        for block, m in zip(self.blocks[:depth], mods):
             x = block(x, c, context, mods=m)
-        return self.unpatchify(self.final_layer(x, c, mods=mods[-1]), grid)
+        return x, c, mods, grid
 
     def forward_packed(
         self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, packed: Packed,

@@ -7,11 +7,16 @@ merged into its base), the critic (``critic``), both optimizers (``optimizer``, 
 randomness of iteration k derives from (seed, k) alone, so a resumed run continues exactly. ``meta.json``'s
 config is the teacher's, with ``distill`` added: the student's timesteps (``student_times``), ``cfg_scale`` 1 (the
 guidance is baked in), the sampler ``student``; ``ditforge sample --ckpt RUN`` reads it and samples the student in
-its K steps without guidance by default.
+its K steps without guidance by default (a text teacher's student: ``--prompt``).
 
 Iteration k trains the critic; every ``--critic_steps``-th iteration trains the generator first (DMD2's
 ``dfake_gen_update_ratio``: the critic takes that many steps per generator step, sec. 4.2). Data-free: the labels
-are drawn uniformly from the classes.
+are drawn uniformly from the classes, a text teacher's prompts uniformly from ``--prompt_file`` (encoded once by its
+text encoder, ``distill_data.TextPrompts``); the teacher is guided as ``ditforge sample`` guides it
+(``samplers.GuidedModel``: u + s (c - u), u the null label's or the learned null caption's pass). With ``--data``
+(``distill_data.RealData``) and ``--gen_cls_loss_weight`` the critic carries DMD2's GAN head (``dmd.GANHead``, the
+critic's submodule ``gan_head``, in its checkpoint entry and optimizer) on its features after the first half of its
+blocks (``classifier``), trained on real against the student's samples (``dmd_step.GANTerms``).
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from ditforge.config.sections import DistillConfig
 from ditforge.config.values import resolve_device
 from ditforge.data.sampler import derive_seed
-from ditforge.diffusion.dmd import DMD2, student_times
+from ditforge.diffusion.dmd import DMD2, GANHead, Net, student_times
 from ditforge.diffusion.objective import create_objective
 from ditforge.diffusion.samplers import STUDENT_SAMPLER, GuidedModel
 from ditforge.errors import UserError
-from ditforge.models import create_model_from_spec
+from ditforge.models import create_model_from_spec, is_video_model
 from ditforge.parallel.mesh import Dist
 from ditforge.train.checkpoint import Checkpointer, find_resume
-from ditforge.train.dmd_step import dmd2_iteration
+from ditforge.train.distill_data import RealData, TextPrompts
+from ditforge.train.dmd_step import GANTerms, dmd2_iteration
 from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 from ditforge.weights.lora import add_lora, check_lora_targets, merge_lora
 from ditforge.weights.read import SafeFileSystemReader, _SafeLoadPlanner, load_weights, read_checkpoint_weights
@@ -52,17 +58,16 @@ def load_teacher(cfg: DistillConfig) -> tuple[torch.nn.Module, dict]:
 
     Raises:
         UserError: not a ditforge run (no saved config), a teacher with no null label or caption (trained without
-            label dropout: no unconditional prediction to guide with) unless ``--cfg_scale 1``, a text model.
+            label or caption dropout: no unconditional prediction to guide with) unless ``--cfg_scale 1``.
     """
     state, config = load_weights(cfg.teacher, use_ema=True)
     if config is None:
         raise UserError(f"--teacher {cfg.teacher}: no saved run config (expected a ditforge run or checkpoint folder)")
     spec = dict(config["model"])
-    if spec.get("family") or spec.get("text_dim") is not None:
-        raise UserError(f"--teacher {cfg.teacher}: distill takes ditforge's class-conditional DiT runs so far")
     if cfg.cfg_scale != 1.0 and not spec.get("class_dropout_prob"):
-        raise UserError(f"--teacher {cfg.teacher}: no guidance information (trained without label dropout, "
-                        "class_dropout_prob 0: no null label to guide with); give --cfg_scale 1")
+        null = "caption" if spec.get("text_dim") is not None else "label"
+        raise UserError(f"--teacher {cfg.teacher}: no guidance information (trained without {null} dropout, "
+                        f"class_dropout_prob 0: no null {null} to guide with); give --cfg_scale 1")
     model = create_model_from_spec(spec)
     if isinstance(state, Path):
         state = read_checkpoint_weights(state, model.state_dict(), use_ema=True)
@@ -81,6 +86,12 @@ def check(cfg: DistillConfig) -> None:
     for name in ("lora_rank", "critic_lora_rank", "eval_every", "blocks_to_swap"):
         if (getattr(cfg, name) or 0) < 0:
             raise UserError(f"--{name}: expected >= 0, got {getattr(cfg, name)}")
+    if cfg.gen_cls_loss_weight < 0 or cfg.guidance_cls_loss_weight < 0:
+        raise UserError("--gen_cls_loss_weight / --guidance_cls_loss_weight: expected >= 0")
+    if (cfg.data is None) != (cfg.gen_cls_loss_weight == 0):
+        raise UserError("--data: real samples train the GAN head; give --data and --gen_cls_loss_weight > 0 together"
+                        if cfg.data is None else "--gen_cls_loss_weight: --data's real samples train the GAN head; "
+                        "give a weight > 0 (DMD2's: 3e-3) or leave --data out")
 
 
 def distill(cfg: DistillConfig) -> Path:
@@ -90,6 +101,9 @@ def distill(cfg: DistillConfig) -> Path:
 
     check(cfg)
     if is_pipeline_teacher(cfg.teacher):
+        if cfg.data is not None:
+            raise UserError(f"--data {cfg.data}: real samples and the GAN head are for DiT teachers so far; "
+                            f"{cfg.teacher} is a pipeline")
         return distill_pipeline(cfg)
     if cfg.image is not None:
         raise UserError(f"--image {cfg.image}: for an image-to-video pipeline teacher; {cfg.teacher} is a DiT")
@@ -109,6 +123,7 @@ def distill(cfg: DistillConfig) -> Path:
     teacher, config = load_teacher(cfg)
     m = config["model"]
     device = resolve_device(cfg.device)
+    prompts, real = _inputs(cfg, config, device)
     objective = create_objective(m.get("objective") or "ddpm", m["learn_sigma"], flow_shift=m.get("flow_shift"),
                                  device=device)
     try:
@@ -123,12 +138,19 @@ def distill(cfg: DistillConfig) -> Path:
         check_lora_targets(student, targets)
         add_lora(student, cfg.lora_rank, None, targets)
     critic = copy.deepcopy(teacher).requires_grad_(True)
+    if real is not None:  # DMD2's cls_pred_branch: part of the critic (its optimizer, its checkpoint entry)
+        torch.manual_seed(cfg.seed)
+        critic.gan_head = GANHead(critic.final_layer.linear.in_features)
+    if prompts is not None:  # never used (their captions are never dropped): an Adam state that is never made
+        # would be missing from the checkpoint, which resume expects complete
+        for model in (student, critic):
+            model.y_embedder.null_caption.requires_grad_(False)
     teacher, student, critic = teacher.to(device), student.to(device), critic.to(device)
     params = [p for p in student.parameters() if p.requires_grad]
     # DMD2 trains both with Adam at beta1 = 0 (``main/train_sd.py``: betas (0.0, 0.999)): the critic's target moves
     opt_g = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.0, 0.999), weight_decay=0.0, foreach=True)
-    opt_c = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr or cfg.lr, betas=(0.0, 0.999), weight_decay=0.0,
-                              foreach=True)
+    opt_c = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic_lr or cfg.lr,
+                              betas=(0.0, 0.999), weight_decay=0.0, foreach=True)
 
     ckpt, outputs = find_resume(cfg.resume, cfg.outputs)
     run_dir = Path(outputs)
@@ -150,7 +172,7 @@ def distill(cfg: DistillConfig) -> Path:
              else "full copy", cfg.cfg_scale, cfg.critic_steps, run_dir)
     window, tic = [], time.perf_counter()
     for step in range(start + 1, cfg.max_steps + 1):
-        record = _iteration(dmd, step, cfg, teacher, student, critic, opt_g, opt_c, m, device)
+        record = _iteration(dmd, step, cfg, (teacher, student, critic), opt_g, opt_c, m, device, prompts, real)
         window.append(record)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
@@ -173,20 +195,61 @@ def distill(cfg: DistillConfig) -> Path:
     return run_dir
 
 
-def _iteration(dmd: DMD2, step: int, cfg: DistillConfig, teacher, student, critic, opt_g, opt_c, m: dict,
-               device) -> dict[str, float]:
-    """One iteration: (every ``critic_steps``-th) a generator step, then a critic step, all randomness from
-    (seed, step)."""
+def _inputs(cfg: DistillConfig, config: dict, device) -> tuple[TextPrompts | None, RealData | None]:
+    """(a text teacher's ``--prompt_file`` prompts, ``--data``'s real samples), None where not given. Raises
+    UserError: a text teacher without ``--prompt_file`` or with ``--eval_every`` (digits metrics need labels), a class
+    teacher with ``--prompt_file``, ``--data`` for a video DiT, and ``TextPrompts``' / ``RealData``'s errors."""
+    m = config["model"]
+    if m.get("text_dim") is None and cfg.prompt_file is not None:
+        raise UserError(f"--prompt_file {cfg.prompt_file}: --teacher {cfg.teacher} is class-conditional (its labels "
+                        "are drawn); leave --prompt_file out")
+    if m.get("text_dim") is not None and cfg.eval_every:
+        raise UserError(f"--eval_every: the digits metrics score a class-conditional student; --teacher {cfg.teacher} "
+                        "is text-conditional; give --eval_every 0")
+    if cfg.data is not None and is_video_model(m["model"]):
+        raise UserError(f"--data {cfg.data}: real samples are for image DiTs so far; {m['model']} is a video model")
+    prompts = TextPrompts(cfg.prompt_file, m, cfg.teacher, device) if m.get("text_dim") is not None else None
+    return prompts, RealData(cfg.data, config, device, cfg.seed) if cfg.data is not None else None
+
+
+def nets(teacher, student, critic, cond: dict[str, torch.Tensor], scale: float) -> tuple[Net, Net, Net]:
+    """(student, critic, teacher) as ``dmd.DMD2``'s callables (x_t, model timesteps) -> output, for the
+    conditions ``cond`` ({"y": labels (B,)} or {"y": caption states (B, L, D_text), "y_mask": (B, L)}): the
+    student's and the critic's conditional passes, and the teacher guided at ``scale`` as ``ditforge sample`` guides
+    it (``GuidedModel``: u + scale (c - u), u its pass with every row's label or caption dropped)."""
+    y, mask = cond["y"], cond.get("y_mask")
+    return GuidedModel(student, y, 1.0, mask), GuidedModel(critic, y, 1.0, mask), GuidedModel(teacher, y, scale, mask)
+
+
+def classifier(critic, cond: dict[str, torch.Tensor]) -> Net:
+    """(x_t, model timesteps) -> realism logits (B,): ``critic.gan_head`` on the critic's tokens after the first
+    half of its blocks, rounded up (``DiT.features``: the middle of the network, where DMD2 reads its UNet's
+    bottleneck), under the conditions ``cond`` (as ``nets``')."""
+    depth = (len(critic.blocks) + 1) // 2
+    return lambda x, t: critic.gan_head(critic.features(x, t, cond["y"], depth, y_mask=cond.get("y_mask")))
+
+
+def _iteration(dmd: DMD2, step: int, cfg: DistillConfig, models, opt_g, opt_c, m: dict, device,
+               prompts: TextPrompts | None, real: RealData | None) -> dict[str, float]:
+    """One iteration: (every ``critic_steps``-th) a generator step, then a critic step. ``models``: (teacher,
+    student, critic). Randomness from (seed, step) alone, in this order: the B labels (uniform) or prompts
+    (``TextPrompts.draw``), the noise, ``--data``'s B real samples (``RealData.draw``), then ``dmd2_iteration``'s."""
+    teacher, student, critic = models
     g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
-    y = torch.randint(m["num_classes"], (cfg.batch_size,), generator=g, device=device)
-    shape = (cfg.batch_size, m["in_channels"], m["input_size"], m["input_size"])
+    cond = ({"y": torch.randint(m["num_classes"], (cfg.batch_size,), generator=g, device=device)} if prompts is None
+            else prompts.draw(cfg.batch_size, g))
+    frames = [m["num_frames"]] if is_video_model(m["model"]) else []  # (B, C, [T,] H, W), as `ditforge sample` draws
+    shape = (cfg.batch_size, m["in_channels"], *frames, m["input_size"], m["input_size"])
     noise = torch.randn(shape, generator=g, device=device)
-    real = GuidedModel(teacher, y, cfg.cfg_scale)
-    fake = GuidedModel(critic, y, 1.0)
-    gen = GuidedModel(student, y, 1.0)
-    return dmd2_iteration(dmd, step, cfg.critic_steps, gen, real, fake, noise, g, opt_g, opt_c,
-                          [p for p in student.parameters() if p.requires_grad], list(critic.parameters()),
-                          cfg.max_grad_norm)
+    gan = None
+    if real is not None:
+        x_real, real_cond = real.draw(cfg.batch_size, g)
+        gan = GANTerms(x_real, classifier(critic, real_cond), classifier(critic, cond), cfg.gen_cls_loss_weight,
+                       cfg.guidance_cls_loss_weight)
+    gen, fake, guided = nets(teacher, student, critic, cond, cfg.cfg_scale)
+    return dmd2_iteration(dmd, step, cfg.critic_steps, gen, guided, fake, noise, g, opt_g, opt_c,
+                          [p for p in student.parameters() if p.requires_grad],
+                          [p for p in critic.parameters() if p.requires_grad], cfg.max_grad_norm, gan=gan)
 
 
 def _state(student, critic, opt_g, opt_c, lora: bool) -> dict:
