@@ -448,7 +448,8 @@ class DistillConfig:
                                 "--gen_cls_loss_weight (default: none, data-free)")
     gen_cls_loss_weight: float = _f(0.0, "with --data: the GAN weight, the generator's GAN loss against its DMD "
                                          "loss (DMD2's name, gen_cls_loss_weight: 3e-3 on ImageNet 64, 5e-3 on "
-                                         "SDXL); > 0 adds the GAN head on the critic's features (0: none)")
+                                         "its 1024 px text-to-image runs); > 0 adds the GAN head on the critic's "
+                                         "features (0: none)")
     guidance_cls_loss_weight: float = _f(1e-2, "with the GAN head: weight of the critic's GAN (classification) loss "
                                                "against its denoising loss (DMD2's name and value)")
     image: str | None = _f(None, "an image-to-video pipeline teacher: the first frames, a folder of PNG / JPEG files "
