@@ -8,6 +8,7 @@ which a per-step standard error would miss; batch means of 25 steps recover it u
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +16,13 @@ import pytest
 
 
 def _script(name: str):
-    """``benchmarks/<name>.py`` imported by its path. Not through ``sys.path``: benchmarks/ first on it (every
-    pytest-xdist worker collects this file) would shadow installed packages for the rest of the run, e.g.
-    benchmarks/kernels.py the ``kernels`` package that transformers >= 5 imports."""
+    """``benchmarks/<name>.py`` imported by its path. benchmarks/ goes last on ``sys.path`` (for its sibling
+    ``timing``), never first: every pytest-xdist worker collects this file, and a script's name there would shadow an
+    installed package for the rest of the run (benchmarks/kernels.py, since renamed, did shadow ``kernels``, which
+    transformers >= 5 imports)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
