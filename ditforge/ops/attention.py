@@ -29,6 +29,7 @@ CUDNN_ATTENTION_CAPABILITIES = ((9, 0), (9, 3), (10, 0), (10, 3))
 CUDNN_ATTENTION_MIN_VERSION = 91500
 ATTENTION_BACKENDS = ("auto", "fast", "math")
 _preferred: list[SDPBackend] | None = None
+_exact: Callable[..., torch.Tensor] | None = None  # under fast on a GPU with FlashAttention-4: fastest_exact's
 # project(x, heads) -> (q, k, v): the query, key and value projection of tokens x (B, N, D) for the heads in
 # the slice ``heads`` (None: all), each (B, h, N, Dh); see ``self_attention``.
 Projection = Callable[[torch.Tensor, "slice | None"], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -264,17 +265,19 @@ def set_attention_backend(backend: str = "auto", device: torch.device | None = N
     Raises:
         ValueError: an unknown backend name.
     """
-    global _preferred
+    global _preferred, _exact
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {ATTENTION_BACKENDS}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     _preferred = {"auto": None, "fast": fast_backends(device), "math": [SDPBackend.MATH]}[backend]
+    _exact = None
     if backend == "fast" and device.type == "cuda":
         from ditforge.ops.flash4 import fa4_installed, ops
 
         if fa4_installed():
             ops()  # registered before any block compiles
+            _exact = fastest_exact(device)  # made here, not in the (traced) attention call
     if _preferred is None:
         return "PyTorch's default SDPA order"
     return "SDPA, in order: " + ", ".join(b.name.lower() for b in _preferred)
@@ -297,7 +300,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     attn_mask = None if mask is None else mask[:, None] if mask.dim() == 3 else mask[:, None, None, :]
     if _preferred is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-    if mask is None and q.is_cuda and _preferred != [SDPBackend.MATH]:  # FlashAttention-4 where faster
-        return fastest_exact(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    if mask is None and _exact is not None:  # FlashAttention-4 where faster
+        return _exact(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     with sdpa_kernel(_preferred, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
