@@ -171,8 +171,8 @@ def _median_ms(fn, calls: int = 5) -> float:
 @torch._dynamo.assume_constant_result  # run at trace time: the choice is a constant of the compiled graph
 def fastest_exact_kernel(shape: tuple[int, int, int, int], dtype: torch.dtype, device: int, backward: bool,
                          backends: tuple[str, ...] | None) -> str:
-    """``"fa4"`` or ``"sdpa"``: the faster exact attention of (B, S, H, D) inputs of ``dtype`` (its name, e.g.
-    ``"bfloat16"``) on CUDA device ``device``, measured once a process per argument set on fresh Gaussian inputs:
+    """``"fa4"`` or ``"sdpa"``: the faster exact attention of (B, S, H, D) inputs of ``dtype`` on CUDA device
+    ``device``, measured once a process per argument set on fresh Gaussian inputs:
     the forward, or with ``backward`` forward + backward; SDPA under ``backends`` (``SDPBackend`` names in order, the
     ``--enable_flashattn`` order; None: PyTorch's). A one-line log of both times."""
     key = (shape, dtype, device, backward, backends)

@@ -214,9 +214,10 @@ def reference_control(pre, files: list[Path], batch: int, size: tuple[int, int, 
     return {k: torch.cat([r[k] for r in rows]).expand(batch, *rows[0][k].shape[1:]) for k in rows[0]}
 
 
-def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, int]:
-    """((B, C, T', h, w) of the student's latents, height, width, frames): the flags, else the pipeline call's
-    defaults (or the adapter's ``call_defaults``, from its transformer's config). Channels before frames for every
+def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, int, int]:
+    """((B, C, T', h, w) of the student's latents, height, width, frames, the frames an image-to-video teacher's
+    image conditioning covers (the clip's and the padding's, as its pipeline encodes them)): the flags, else the
+    pipeline call's defaults (or the adapter's ``call_defaults``, from its transformer's config). Channels before frames for every
     family, as fine-tuning encodes them (a frames-first adapter transposes for its transformer); a reference-image
     teacher's ``--image`` prepends a latent frame (the reference's, ``reference_control``), as its pipeline does,
     and a family that patches frames in groups the frames its pipeline puts in front of the clip's (the adapter's
@@ -236,10 +237,11 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
             raise UserError(f"{flag} {value}: {pre.pipeline_class} takes frame sides that are multiples of "
                             f"{pre.side_multiple}")
     pre.refuse_size(height, width, frames, f"--height {height} --width {width} --num_frames {frames}")
-    prepended = int(den.takes_references and cfg.image is not None) + den.padding_frames(vae.latent_frames(frames))
+    padding = den.padding_frames(vae.latent_frames(frames))
+    prepended = int(den.takes_references and cfg.image is not None) + padding
     shape = (cfg.batch_size, den.in_channels, vae.latent_frames(frames) + prepended, height // vae.downsample,
              width // vae.downsample)
-    return shape, height, width, frames
+    return shape, height, width, frames, frames + padding * vae.temporal
 
 
 def nets(networks: Networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
@@ -278,7 +280,6 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
             ``latent_shape``'s / ``distill_nets.build_networks``' errors.
     """
     from ditforge.data.captions import read_prompts
-    from ditforge.encoders import VAE
     from ditforge.train.distill_nets import build_networks
 
     if cfg.prompt_file is None:
@@ -302,10 +303,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     pre, scale = load_teacher_pipeline(cfg, folder, device, amp)
     model = pre.denoiser
     files = first_frame_files(cfg, pre)
-    shape, height, width, frames = latent_shape(pre, cfg)
-    vae = VAE(pre.pipe.vae, frame_factor=model.vae_frame_factor, folds_pixels=model.vae_folds_pixels)
-    # the image conditioning of an image-to-video teacher covers the padded clip, as its pipeline encodes it
-    image_frames = frames + model.padding_frames(vae.latent_frames(frames)) * vae.temporal
+    shape, height, width, frames, image_frames = latent_shape(pre, cfg)
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
     networks = build_networks(cfg, pre, targets, device, amp)
     objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, where=f"{FLAG} {cfg.teacher}",
