@@ -271,7 +271,7 @@ def parallelize(
     if attention == "fast" and isinstance(model, DiffusersDenoiser) and dist.sp_mesh is None:
         from ditforge.models.adapters.dispatch import route_exact_attention
 
-        route_exact_attention(model.inner, dist.device)  # its processors call diffusers' dispatcher, not the seam
+        route_exact_attention(model.inner, dist.device)  # its processors call diffusers' code, not the seam
     set_sequence_attention(None)
     set_frame_exchange(None)
     if dist.tp_mesh is not None:

@@ -66,8 +66,8 @@ class VideoSampler:
       (an interval N), diffusers' TaylorSeer cache (lite): a full pass every N steps after the first 3, and in
       between the blocks skipped and the output forecast to first order;
     - ``quantized_attention``: the transformer's self-attention through ``ops.quant_attention`` (int8 Q K^T,
-      float8 P V; SageAttention's scaling), routed at diffusers' attention dispatcher
-      (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default (a masked joint
+      float8 P V; SageAttention's scaling), routed at diffusers' attention dispatcher, or at the SDPA call of a
+      processor that calls PyTorch itself (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default (a masked joint
       attention takes the kernel once unmasked, below);
     - ``enable_flashattn`` (without ``quantized_attention``): the same routing to ``ops.flash4``'s exact attention,
       FlashAttention-4 where it is installed and measured faster at the shape, else SDPA in ``fast_backends`` order;
@@ -196,8 +196,9 @@ class VideoSampler:
             ops()  # registered before the blocks compile
             routed = route_self_attention(transformer, quantized_attention, HEAD_DIMS)
             if not routed:
-                raise UserError(f"--quantized_attention: {type(transformer).__name__}'s attention processors do not "
-                                "call diffusers' attention dispatcher; drop the flag")
+                raise UserError(f"--quantized_attention: {type(transformer).__name__}'s attention processors make no "
+                                "self-attention call ditforge can route (neither diffusers' dispatcher nor "
+                                "F.scaled_dot_product_attention); drop the flag")
             log.info("quantized attention: %d self-attention modules run int8 Q K^T and float8 P V", routed)
         elif cfg.enable_flashattn:
             from ditforge.models.adapters.dispatch import route_exact_attention

@@ -8,6 +8,12 @@ their backend. A call is routed when it carries the marker and is a plain self-a
 causal, keys as many as queries, no context-parallel config, and a head width the kernel takes. Anything else
 (cross-attention, a masked joint attention, a split sequence) runs the processor's own backend, as it would have.
 
+Processors that call PyTorch's SDPA themselves, past the dispatcher (CogVideoX's), are routed too: each gets a
+class of its own, a subclass of its class whose ``__call__`` is the same code reading the name ``F`` from a copy of
+its module's globals, where ``F`` is a copy of ``torch.nn.functional`` whose ``scaled_dot_product_attention``
+routes plain self-attention calls (``_sdpa_router``). diffusers' code runs as written and dynamo traces it whole;
+only the function the name resolves to differs.
+
 ``intercept_attention`` hands every call of a transformer's processors to a function of ditforge's (context
 parallelism of a joint text-video attention, ``parallel.context``), with the processor's own backend to call for the
 attention itself. ``intercept_sdpa`` does the same for processors that call PyTorch's SDPA themselves, past the
@@ -21,8 +27,10 @@ are full (``Unmask.full``), the marked processors' calls drop them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
+import types
 from collections.abc import Callable
 
 import torch
@@ -30,6 +38,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
+_ROUTED = itertools.count()  # names of _sdpa_routed_class's namespaces
 
 __all__ = ["Intercept", "Unmask", "intercept_attention", "intercept_sdpa", "route_exact_attention",
            "route_self_attention", "unmask_full_attention"]
@@ -78,9 +87,8 @@ def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 
             return backend.fn(query, key, value, attn_mask, attend)
         if isinstance(backend, _Route):
-            if (attn_mask is None and dropout_p == 0.0 and not is_causal and parallel_config is None
-                    and not attention_kwargs and query.shape == key.shape == value.shape
-                    and query.shape[-1] in backend.head_dims):
+            if (parallel_config is None and not attention_kwargs
+                    and _plain(query, key, value, attn_mask, dropout_p, is_causal, backend.head_dims)):
                 return backend.fn(query, key, value, scale=scale).to(query.dtype)
             backend = backend.previous  # the processor's own, as before the routing
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -89,6 +97,65 @@ def _router(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 
     dispatch_attention_fn.routes_ditforge = True
     return dispatch_attention_fn
+
+
+def _plain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask, dropout_p: float,
+           is_causal: bool, head_dims: tuple[int, ...]) -> bool:
+    """A call a route's kernel takes: no mask, no dropout, not causal, keys as many as queries (q, k, v of one
+    shape) and a head width (the last dimension) in ``head_dims``."""
+    return (attn_mask is None and dropout_p == 0.0 and not is_causal and query.shape == key.shape == value.shape
+            and query.shape[-1] in head_dims)
+
+
+def _sdpa_router(route: _Route) -> Callable[..., torch.Tensor]:
+    """PyTorch's ``scaled_dot_product_attention`` as a routed processor that calls it itself sees it: a plain call
+    (``_plain``; q, k, v (B, H, S, D)) goes to ``route.fn`` in the dispatcher's layout (B, S, H, D), any other to
+    PyTorch's as called."""
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        if not enable_gqa and _plain(query, key, value, attn_mask, dropout_p, is_causal, route.head_dims):
+            q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+            return route.fn(q, k, v, scale=scale).to(query.dtype).transpose(1, 2)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    return scaled_dot_product_attention
+
+
+def _sdpa_routed_class(cls: type, route: _Route) -> type | None:
+    """``cls`` (a processor class whose ``__call__`` calls ``F.scaled_dot_product_attention``) with that name
+    resolving to ``_sdpa_router(route)`` (module docstring); None where its ``__call__`` names no ``F`` SDPA call
+    (it reaches SDPA some other way: nothing to route). One class per route and processor class: the blocks of one
+    class then stay one compiled graph (dynamo guards on the processor's type)."""
+    call = cls.__call__
+    code = call.__code__
+    if "F" not in code.co_names or "scaled_dot_product_attention" not in code.co_names:
+        return None
+    # both namespaces are modules in sys.modules under names of their own: dynamo finds an inlined function's
+    # globals, and guards on them, through its module's name
+    name = f"{__name__}._routed{next(_ROUTED)}"
+    functional = sys.modules[f"{name}.F"] = types.ModuleType(f"{name}.F")
+    functional.__dict__.update({k: v for k, v in vars(F).items() if not k.startswith("__")})
+    functional.scaled_dot_product_attention = _sdpa_router(route)
+    home = sys.modules[name] = types.ModuleType(name)
+    home.__dict__.update({k: v for k, v in call.__globals__.items() if k != "__name__"}, F=functional)
+    routed = types.FunctionType(code, home.__dict__, call.__name__, call.__defaults__, call.__closure__)
+    routed.__kwdefaults__, routed.__qualname__ = call.__kwdefaults__, call.__qualname__
+    return type(cls.__name__, (cls,), {"__call__": routed, "_ditforge_unrouted": cls, "__module__": cls.__module__})
+
+
+def _unroute_sdpa(processor) -> None:
+    """Give a processor routed by ``_sdpa_routed_class`` its own class back (no-op for any other)."""
+    processor.__class__ = getattr(type(processor), "_ditforge_unrouted", type(processor))
+
+
+def _calling_sdpa(transformer: torch.nn.Module):
+    """(name, module, processor) of ``transformer``'s attention modules whose processor calls PyTorch itself."""
+    for name, module in transformer.named_modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and not hasattr(processor, "_attention_backend"):
+            yield name, module, processor
 
 
 def _install(processor) -> None:
@@ -190,12 +257,11 @@ def intercept_sdpa(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor]
     """Hand the SDPA calls of ``transformer``'s attention modules whose processor calls PyTorch itself (not diffusers'
     dispatcher) to ``fn`` (``Intercept``'s signature and layout). Each such module's forward runs under a
     ``_CatchSDPA`` mode, eager (``torch.compiler.disable``: a compiled block breaks its graph there). Returns how
-    many modules were wrapped."""
+    many modules were wrapped. A processor ``route_self_attention`` routed is unrouted first: a split sequence
+    attends through ``fn``."""
     wrapped = 0
-    for _, module in transformer.named_modules():
-        processor = getattr(module, "processor", None)
-        if processor is None or hasattr(processor, "_attention_backend"):
-            continue
+    for _, module, processor in _calling_sdpa(transformer):
+        _unroute_sdpa(processor)
 
         @torch.compiler.disable
         def forward(*args, _forward=module.forward, **kwargs):
@@ -209,11 +275,22 @@ def intercept_sdpa(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor]
 
 def route_self_attention(transformer: torch.nn.Module, fn: Callable[..., torch.Tensor],
                          head_dims: tuple[int, ...]) -> int:
-    """Send the self-attention of ``transformer``'s attention modules (those whose processor calls diffusers'
-    dispatcher and that are not cross-attention: ``is_cross_attention``, else not named ``attn2``) to ``fn(q, k, v,
-    scale=) -> (B, S, H, D)`` for q, k, v (B, S, H, D) of a head width in ``head_dims``. Returns how many modules were
-    routed (0: the transformer's processors do not call the dispatcher, e.g. an older diffusers)."""
+    """Send the self-attention of ``transformer``'s attention modules (not cross-attention: ``is_cross_attention``,
+    else not named ``attn2``) to ``fn(q, k, v, scale=) -> (B, S, H, D)`` for q, k, v (B, S, H, D) of a head width in
+    ``head_dims``: where the processor calls diffusers' dispatcher, through it (``_router``), where it calls PyTorch's
+    SDPA itself, through the name it calls it by (``_sdpa_routed_class``). A joint text-video attention without a
+    mask is a self-attention here. Returns how many modules were routed (0: none whose calls can be reached)."""
     routed = 0
+    classes: dict[type, type | None] = {}
+    route = _Route(fn, head_dims)
+    for name, module, processor in _calling_sdpa(transformer):
+        own = getattr(type(processor), "_ditforge_unrouted", type(processor))
+        if own not in classes:
+            classes[own] = _sdpa_routed_class(own, route)
+        if _is_cross(name, module) or classes[own] is None:
+            continue
+        processor.__class__ = classes[own]
+        routed += 1
     for name, module, processor in _dispatching(transformer):
         if _is_cross(name, module):
             continue
