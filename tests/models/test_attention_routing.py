@@ -16,12 +16,12 @@ from ditforge.models.adapters import dispatch  # noqa: E402
 LAYERS, HEADS, WIDTH, TEXT = 2, 2, 16, 226
 
 
-def _transformer():
-    """The tests' tiny CogVideoX 1.0 transformer (``tiny_pipelines.make_cogvideox``'s config), fresh random
-    weights."""
+def _transformer(width: int = WIDTH):
+    """The tests' tiny CogVideoX 1.0 transformer (``tiny_pipelines.make_cogvideox``'s config; heads ``width`` wide),
+    fresh random weights."""
     torch.manual_seed(torch.randint(1 << 30, ()).item())
     return diffusers.CogVideoXTransformer3DModel(
-        num_attention_heads=HEADS, attention_head_dim=WIDTH, in_channels=4, out_channels=4, time_embed_dim=8,
+        num_attention_heads=HEADS, attention_head_dim=width, in_channels=4, out_channels=4, time_embed_dim=8,
         text_embed_dim=32, num_layers=LAYERS, sample_width=4, sample_height=4, sample_frames=9, patch_size=2,
         temporal_compression_ratio=4, max_text_seq_length=TEXT, use_rotary_positional_embeddings=False).eval()
 
@@ -88,3 +88,26 @@ def test_routed_block_compiles_whole_and_masked_calls_go_to_pytorch():
     kv = torch.randn(1, HEADS, 5, WIDTH)
     torch.testing.assert_close(sdpa(q, kv, kv), F.scaled_dot_product_attention(q, kv, kv))
     torch.testing.assert_close(sdpa(q, k, v), -F.scaled_dot_product_attention(q, k, v))
+
+
+def test_quantized_attention_reaches_a_processor_that_calls_sdpa():
+    """``--quantized_attention``'s kernel (Triton; on the CPU its interpreter) in CogVideoX's joint attention: every
+    block's call reaches it, and the output stays within the kernel's 8-bit error of diffusers' own."""
+    from ditforge.ops import quant_attention
+
+    transformer = _transformer(32)  # the kernel's narrowest heads
+    x, text, t = _inputs()
+    with torch.no_grad():
+        plain = transformer(x, text, t, return_dict=False)[0]
+    calls: list = []
+
+    def kernel(q, k, v, scale=None):
+        calls.append(tuple(q.shape))
+        return quant_attention.quantized_attention(q, k, v, scale)
+
+    assert dispatch.route_self_attention(transformer, kernel, quant_attention.HEAD_DIMS) == LAYERS
+    with torch.no_grad():
+        routed = transformer(x, text, t, return_dict=False)[0]
+    assert calls == [(1, TEXT + 12, HEADS, 32)] * LAYERS
+    err = ((routed - plain).norm() / plain.norm()).item()
+    assert 0 < err < 5e-3  # measured 5.5e-4 (torch 2.13 CPU, Triton's interpreter); exact would be 0
