@@ -69,6 +69,13 @@ def _const(value: float, device: torch.device) -> torch.Tensor:
     return _consts[key]
 
 
+def _log2(beta: float) -> float:
+    """log2 of a moment's decay as the kernel takes it (its bias correction is ``1 - exp2(step log2 beta)``): for
+    beta 0 (no first moment, DMD2's betas (0, 0.999)) a finite stand-in for -inf, so that beta^step is 0 from step 1
+    on and 1 at step 0, as for every other beta."""
+    return math.log2(beta) if beta > 0 else -1e4
+
+
 def _check_aligned(values) -> None:
     """The kernel's loads assume every address is a multiple of 16 bytes. Raises ValueError otherwise."""
     if any(a % 16 for a in values):
@@ -174,7 +181,7 @@ class OnePassAdamW:
         code1, code2 = codes if kind.eightbit else (scale_t, scale_t)
         self.kernel[(self.chunk_t.numel(),)](
             self.table, self._grad_table, self.numels, self.indices, self.chunk_t, self.chunk_start, scale_t, skip_t,
-            code1, code2, lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps, weight_decay, ema_rate,
+            code1, code2, lr, beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay, ema_rate,
             seed % 2**31,
             W_TYPE=_tl(kind.weight), G_TYPE=_tl(kind.grad), EIGHTBIT=kind.eightbit, KAHAN=kind.rounding == "kahan",
             STOCHASTIC=kind.rounding == "stochastic", EMA=kind.ema, BLOCK=BLOCK, QBLOCK=QBLOCK, num_warps=8,

@@ -64,8 +64,8 @@ def _fused_run(params, seed, ema=True, **kw):
     return opt, shadows
 
 
-def _reference_run(params, seed):
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, foreach=True)
+def _reference_run(params, seed, betas=(0.9, 0.999)):
+    opt = torch.optim.AdamW(params, lr=LR, betas=betas, weight_decay=WD, foreach=True)
     shadows = [p.detach().clone() for p in params]
     for grads, coef in zip(_grads(seed), _coefs(seed)):
         for p, g in zip(params, grads):
@@ -84,11 +84,12 @@ def _seed():
     return int(torch.randint(0, 2**31 - 1, ()))
 
 
-def test_fp32_equals_torch_adamw_with_clipping_and_ema():
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.999)])  # AdamW's default; DMD2's, no first moment
+def test_fp32_equals_torch_adamw_with_clipping_and_ema(betas):
     seed = _seed()
     a, b = _params(torch.float32, seed), _params(torch.float32, seed)
-    opt, shadows = _fused_run(a, seed)
-    ref_ema = _reference_run(b, seed)
+    opt, shadows = _fused_run(a, seed, betas=betas)
+    ref_ema = _reference_run(b, seed, betas)
     for x, y, e, f in zip(a, b, ref_ema, (shadows[p] for p in a)):
         weights = ((x.detach() - y.detach()).abs() / fp32_adamw_drift(y.detach(), 2, STEPS, LR)).max().item()
         ema = ((f - e).abs() / fp32_adamw_drift(e, 4, STEPS, LR)).max().item()
