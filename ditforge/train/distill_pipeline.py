@@ -9,7 +9,9 @@ the family's own denoising loss, flow matching or DDPM v-prediction, on the stud
 on it (``--lora_rank R``: one copy of the base weights serves the three, ``dmd.py``'s docstring) or full trainable
 copies of it (``--lora_rank 0``, ``--critic_lora_rank``). The frozen teacher is placed as fine-tuning places a LoRA
 run's base: float8 storage (``--fp8_base``), its last blocks in host memory (``--blocks_to_swap``); both optimizers
-are fine-tuning's (``--optimizer``: 8-bit, 4-bit or float8 moments).
+are fine-tuning's (``--optimizer``: 8-bit, 4-bit or float8 moments). Under torchrun the networks are whole on every
+process (``--plugin ddp``) or sharded by fine-tuning's FSDP2 (``--plugin fsdp``), and each sample's video tokens may
+be split over ``--sequence_parallel_size`` processes (fine-tuning's context parallelism): ``distill_nets``.
 
 The student's K timesteps are ``dmd.pipeline_student_times``: a flow pipeline's ``dmd.flow_student_sigmas`` of its
 scheduler's shift, a DDPM one's (v-prediction, zero terminal SNR) T-1 - k T / K; the ones ``ditforge

@@ -42,7 +42,8 @@ def distill_argv(folder, prompts, out, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, one_thread_module):
     """{name: run folder}: the one-process references (``lora``: LoRA student and critic; ``mixed``), then in one
-    launch of 2 processes the ``RUNS`` and ``resumed`` (the mixed FSDP run to 2 iterations, then on to 3)."""
+    launch of 2 processes the ``RUNS``, ``resumed`` (the mixed FSDP run to 2 iterations, then on to 3) and
+    ``refused``, the output of a refused run (float8 storage of the sharded teacher)."""
     from ditforge import cli
 
     root = tmp_path_factory.mktemp("dist_distill")
@@ -53,11 +54,12 @@ def runs(tmp_path_factory, one_thread_module):
     for name, extra in argv.items():
         assert cli.main(distill_argv(wan, prompts, root / name, *extra)) == 0
     resumed = ("--plugin", "fsdp", *MIXED)
-    torchrun_cli_many(2, root / "work", [
+    outs = torchrun_cli_many(2, root / "work", [
         *(distill_argv(wan, prompts, root / name, *argv[ref], *extra) for name, (ref, extra) in RUNS.items()),
         distill_argv(wan, prompts, root / "resumed", *resumed, "--max_steps", "2"),
-        distill_argv(wan, prompts, root / "resumed", *resumed, "--resume", "auto")])
-    return {name: root / name for name in (*argv, *RUNS, "resumed")}
+        distill_argv(wan, prompts, root / "resumed", *resumed, "--resume", "auto"),
+        distill_argv(wan, prompts, root / "refused", "--plugin", "fsdp", "--fp8_base")], fails=(len(RUNS) + 2,))
+    return {name: root / name for name in (*argv, *RUNS, "resumed")} | {"refused": outs[-1]}
 
 
 def metrics(run) -> list[dict]:
@@ -119,3 +121,10 @@ def test_fsdp_resume_equals_the_uninterrupted_run(runs):
     assert got.keys() == want.keys() and any(k.startswith("critic_optimizer.") for k in want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_fsdp_refuses_the_whole_teacher_placements(runs):
+    """``--fp8_base`` (and ``--blocks_to_swap``, the same check) place a whole teacher on each process: refused under
+    ``--plugin fsdp`` with one line on each process."""
+    lines = [line for line in runs["refused"].splitlines() if "--fp8_base" in line]
+    assert len(lines) == 2 and all("--plugin fsdp shards it instead" in line for line in lines), lines
