@@ -6,7 +6,8 @@ the same global batch of two rows, in one launch of both processes (``torchrun_c
   block, each process one row, the gradients reduce-scattered and clipped to the global norm; a LoRA student and
   critic, and a full student with a LoRA critic; that run cut after iteration 2 and resumed under FSDP;
 - Ulysses (``--sequence_parallel_size 2``): both processes the same two rows, each row's two video tokens split one a
-  process (``parallel.context``), for teacher, critic and student.
+  process (``parallel.context``), for teacher, critic and student; with LoRA student and critic, and a full student
+  with a LoRA critic under FSDP (the shards over both processes of the one sequence-parallel group).
 
 The same metrics and networks to float32 rounding (tolerances at each assert); the resumed run equals the
 uninterrupted one."""
@@ -21,15 +22,16 @@ import torch.distributed.checkpoint as dcp
 
 from dist_helpers import finetune_module, torchrun_cli_many
 
-pytestmark = pytest.mark.slow  # two processes that import diffusers, six runs in them, two one-process references
+pytestmark = pytest.mark.slow  # two processes that import diffusers, 8 runs in them, two one-process references
 
 PROMPTS = ["a red ball rolls", "a blue cube spins", "a cat walks"]
 LR = 1e-3
 MAX_GRAD_NORM = 1e-3  # below every gradient norm of these runs (the LoRA student's first: 1.5e-3): all are clipped
 MIXED = ("--lora_rank", "0", "--critic_lora_rank", "4")  # a full-copy student (FSDP-sharded) and a LoRA critic
 # the two-process runs (each against its one-process reference) and the cut and resumed one
+ULYSSES = ("--sequence_parallel_size", "2", "--sequence_parallel_type", "ulysses")
 RUNS = {"ddp": ("lora", ()), "fsdp": ("lora", ("--plugin", "fsdp")), "fsdp_mixed": ("mixed", ("--plugin", "fsdp")),
-        "ulysses": ("lora", ("--sequence_parallel_size", "2", "--sequence_parallel_type", "ulysses"))}
+        "ulysses": ("lora", ULYSSES), "ulysses_fsdp_mixed": ("mixed", (*ULYSSES, "--plugin", "fsdp"))}
 
 
 def distill_argv(folder, prompts, out, *extra: str) -> list[str]:
@@ -79,9 +81,9 @@ def saved(run, step: int = 3) -> dict[str, torch.Tensor]:
 # memory layout: 1e-7 in a prediction) shows most in the DMD gradient, the difference of two close predictions, and
 # through it in the student's gradients: their norms and the generator's loss to 1.3e-4 (measured, the full
 # student's FSDP run; DDP's 7e-5); the student's weights then differ (below) and the critic's loss and gradient norm
-# of iterations 2-3 with them, to 3e-6 (measured; 6e-7 with a LoRA student)
-REL = {"generator_loss": 4e-4, "dmd_grad_norm": 2e-4, "critic_loss": 1e-5, "generator_grad_norm": 2e-4,
-       "critic_grad_norm": 1e-5, "step": 0}
+# of iterations 2-3 with them, to 9e-6 (measured, the full student's Ulysses run; 6e-7 with a LoRA student)
+REL = {"generator_loss": 4e-4, "dmd_grad_norm": 2e-4, "critic_loss": 3e-5, "generator_grad_norm": 2e-4,
+       "critic_grad_norm": 3e-5, "step": 0}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
