@@ -279,8 +279,11 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     """Distil a few-step student of a pipeline teacher (module docstring); returns the run folder.
 
     Raises:
-        UserError: no ``--prompt_file``, and ``load_teacher_pipeline``'s / ``first_frame_files``' /
-            ``latent_shape``'s / ``distill_nets.build_networks``' errors.
+        UserError: no ``--prompt_file``; a fine-tuned run's folder as ``--teacher``; ``--sequence_parallel_size``
+            for a family without a token split (``refuse_unsplittable``) or one that does not divide the processes
+            (``init_distributed``); a ``--batch_size`` the data-parallel groups do not divide; and
+            ``load_teacher_pipeline``'s / ``first_frame_files``' / ``latent_shape``'s /
+            ``distill_nets.build_networks``' errors.
     """
     from ditforge.data.captions import read_prompts
     from ditforge.train.distill_nets import build_networks
