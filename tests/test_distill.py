@@ -229,6 +229,8 @@ def _distill(teacher, outputs, *extra):
     (("--optimizer", "adamw8bit"), "--optimizer: for a pipeline teacher"),
     (("--critic_lora_rank", "4"), "--critic_lora_rank: for a pipeline teacher"),
     (("--blocks_to_swap", "-1"), "--blocks_to_swap: expected >= 0"),
+    (("--plugin", "fsdp"), "--plugin: for a pipeline teacher"),
+    (("--sequence_parallel_size", "0"), "--sequence_parallel_size: expected a positive integer"),
 ])
 def test_bad_flags_get_one_line_and_exit_2(teachers, tmp_path, capsys, flags, says):
     assert _distill(teachers["guided"], tmp_path / "run", "--max_steps", "1", *flags) == 2

@@ -20,6 +20,7 @@ SAMPLING_PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")  # weights are cas
 VAE_DTYPES = ("float32", "bfloat16", "float16")  # sample --vae_dtype (musubi-tuner's name and values)
 PLUGINS = ("auto", "none", "ddp", "zero2", "fsdp", "hsdp")
 SHARDED_PLUGINS = ("zero2", "fsdp", "hsdp")  # FSDP2 fully_shard: DTensor parameters
+DISTILL_PLUGINS = ("auto", "ddp", "fsdp")  # a pipeline teacher's: each process whole networks, or FSDP2's shards
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "adamw_fp8", "adafactor")
 DISTILL_OPTIMIZERS = OPTIMIZERS[:4]  # DMD2's Adam at beta1 = 0; adafactor keeps no first moment to set
 LIBRARY_OPTIMIZERS = ("adamw4bit", "adamw_fp8", "adafactor")  # the libraries' own, stepped after the backward
@@ -465,7 +466,7 @@ class DistillConfig:
                                      "(diffusers' gradient checkpointing)")
     max_steps: int = _f(1000, "iterations: each trains the critic, every --critic_steps-th the generator too")
     batch_size: int = _f(64, "samples per iteration (a pipeline teacher under torchrun: all processes together, "
-                              "data parallel)")
+                              "each sequence-parallel group its share)")
     lr: float = _f(1e-4, "the student's learning rate (AdamW, betas 0, 0.999 as DMD2)")
     critic_lr: float | None = _f(None, "the critic's learning rate (default: --lr)")
     max_grad_norm: float = _f(1.0, "clip each network's gradient norm to this")
@@ -478,6 +479,20 @@ class DistillConfig:
     blocks_to_swap: int = _f(0, "a pipeline teacher: the frozen teacher's weights of its last N transformer blocks "
                                 "live in pinned host memory and visit the GPU a block at a time (`ditforge train "
                                 "--blocks_to_swap`); needs --grad_checkpoint")
+    plugin: str = _f("auto", "a pipeline teacher under torchrun, as `ditforge train --plugin`: ddp (each process "
+                             "whole networks, gradients averaged) | fsdp (FSDP2 per transformer block: the frozen "
+                             "teacher, full-copy student and critic and the adapters sharded over the processes, "
+                             "parameters gathered for each block's forward and backward) | auto (ddp); zero2 and "
+                             "hsdp are training's only")
+    sequence_parallel_size: int = _f(1, "a pipeline teacher: split every sample's video tokens over this many "
+                                        "processes, for teacher, critic and student (`ditforge train "
+                                        "--sequence_parallel_size`: long clips); the other factor of the world "
+                                        "size is data parallelism")
+    sequence_parallel_type: str = _f("auto", "how split tokens attend (`ditforge train --sequence_parallel_type` of "
+                                             "a diffusers video transformer): ulysses (all-to-all over the heads) | "
+                                             "ring (K/V passed around a ring; CUDA) | usp or auto (Ulysses over as "
+                                             "many processes as the heads allow, ring across)",
+                                     choices=SEQUENCE_PARALLEL_TYPES)
     seed: int = _f(0, "seed of all randomness (labels, noise, timesteps)")
     log_every: int = _f(50, "write metrics every N iterations")
     ckpt_every: int = _f(500, "save a checkpoint every N iterations (and at the end)")

@@ -449,8 +449,10 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, dist: Dist) -> torch.Tensor:
-    """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm before.
+def clip_grad_norm_(model: nn.Module | list[nn.Parameter], max_norm: float, dist: Dist) -> torch.Tensor:
+    """Scale the gradients of ``model``'s parameters (or of the parameters listed: one network of several on one
+    module, as distillation's adapters) so that their global L2 norm is at most ``max_norm``; returns the norm
+    before (0-dim fp32).
 
     Under zero2/fsdp or tensor parallelism gradients are DTensor shards: the squared norms of the local shards
     are summed and all-reduced once, instead of one reduction per parameter as a DTensor-generic clip does
@@ -458,7 +460,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dist: Dist) -> torch.Tens
     plain gradient beside DTensors) counts once: weighted by 1 / its copies. Under DDP or one process the
     gradients are whole and identical on every rank. ``max_norm`` <= 0 only measures.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from ditforge.config.sections import DistillConfig
+from ditforge.config.sections import DISTILL_PLUGINS, DistillConfig
 from ditforge.config.values import resolve_device
 from ditforge.data.sampler import derive_seed
 from ditforge.diffusion.dmd import DMD2, GANHead, Net, student_times
@@ -77,7 +77,8 @@ def load_teacher(cfg: DistillConfig) -> tuple[torch.nn.Module, dict]:
 
 def check(cfg: DistillConfig) -> None:
     """The flags' own checks. Raises UserError, one line naming the flag."""
-    for name in ("student_steps", "critic_steps", "max_steps", "batch_size", "log_every", "ckpt_every", "keep_last"):
+    for name in ("student_steps", "critic_steps", "max_steps", "batch_size", "log_every", "ckpt_every", "keep_last",
+                 "sequence_parallel_size"):
         if getattr(cfg, name) < 1:
             raise UserError(f"--{name}: expected a positive integer, got {getattr(cfg, name)}")
     for name in ("height", "width", "num_frames"):
@@ -86,6 +87,9 @@ def check(cfg: DistillConfig) -> None:
     for name in ("lora_rank", "critic_lora_rank", "eval_every", "blocks_to_swap"):
         if (getattr(cfg, name) or 0) < 0:
             raise UserError(f"--{name}: expected >= 0, got {getattr(cfg, name)}")
+    if cfg.plugin not in DISTILL_PLUGINS:
+        raise UserError(f"--plugin {cfg.plugin}: distill takes {' | '.join(DISTILL_PLUGINS)} (zero2 and hsdp are "
+                        "`ditforge train`'s)")
     if cfg.gen_cls_loss_weight < 0 or cfg.guidance_cls_loss_weight < 0:
         raise UserError("--gen_cls_loss_weight / --guidance_cls_loss_weight: expected >= 0")
     if (cfg.data is None) != (cfg.gen_cls_loss_weight == 0):
@@ -109,13 +113,14 @@ def distill(cfg: DistillConfig) -> Path:
         raise UserError(f"--image {cfg.image}: for an image-to-video pipeline teacher; {cfg.teacher} is a DiT")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError(f"--teacher {cfg.teacher}: a DiT teacher distils in one process (a pipeline teacher's run is "
-                        "data parallel under torchrun); run it without torchrun")
+                        "data, FSDP or sequence parallel under torchrun); run it without torchrun")
     placed = [flag for flag, given in {"--critic_lora_rank": cfg.critic_lora_rank is not None,
                                        "--fp8_base": cfg.fp8_base, "--blocks_to_swap": cfg.blocks_to_swap,
-                                       "--optimizer": cfg.optimizer != "adamw"}.items() if given]
+                                       "--optimizer": cfg.optimizer != "adamw", "--plugin": cfg.plugin != "auto",
+                                       "--sequence_parallel_size": cfg.sequence_parallel_size > 1}.items() if given]
     if placed:
-        raise UserError(f"{placed[0]}: for a pipeline teacher; {cfg.teacher} is a DiT (its critic a full copy, "
-                        "fp32 AdamW)")
+        raise UserError(f"{placed[0]}: for a pipeline teacher; {cfg.teacher} is a DiT (one process, its critic a "
+                        "full copy, fp32 AdamW)")
     if cfg.cfg_scale is None:  # DMD2's real score guided at 3: at 4 (what `ditforge sample` guides a DiT with) the
         # digits student's FID was 1.37x the teacher's at 250 steps, at 3 0.83x, at 2 0.54x but 98.6% class accuracy
         # (docs/distillation.md, benchmarks/results/digits_distill.json)

@@ -11,9 +11,18 @@ each either a peft adapter on it (``student`` / ``critic``, ``ADAPTERS``) or a f
   adapter of rank R on the frozen teacher instead, which saves the critic's fp32 weights, gradients and AdamW
   moments (16 bytes per parameter: 21 GB for a 1.3B transformer).
 
-``use`` switches to a network before its call and its backward: peft's ``set_adapter`` makes the active adapter's
-parameters the ones that require gradients, so each backward (and, under gradient checkpointing, each recomputed
-forward) runs with the adapter of its own forward active; a full copy needs no switch.
+``use`` switches to a network before its call and its backward, so each backward (and, under gradient checkpointing,
+each recomputed forward) runs with the adapter of its own forward active; a full copy needs no switch. The switch
+changes which adapter computes, never which parameters require gradients (both adapters' always do, the base's
+never): only the active adapter is in a forward's graph, so only it gets gradients, and under FSDP2 (``--plugin
+fsdp``), which gathers each parameter with its shard's ``requires_grad``, a flag flipped on a gathered parameter
+would be lost at the next gather.
+
+Under torchrun (``distill_pipeline``) the networks are data parallel (``--plugin ddp``: whole on every process, the
+gradients averaged by the iteration) or sharded (``--plugin fsdp``: ``parallel.parallelize``, fine-tuning's FSDP2,
+over the teacher's base with both adapters in its blocks and over each full copy, one ``fully_shard`` per
+transformer block and one for the rest), and with ``--sequence_parallel_size`` each network's transformer splits
+its tokens (``parallelize``'s ``parallel.context``, fine-tuning's).
 
 Checkpoint (``state``): each network's trainable tensors by their names in their module (``student``, ``critic``),
 both optimizers by parameter name (``optimizer``, ``critic_optimizer``) and ``ema``, the student as ``ditforge
@@ -41,18 +50,22 @@ BETAS = (0.0, 0.999)  # DMD2 trains both networks with Adam at beta1 = 0 (main/t
 
 
 def use_adapter(model: nn.Module, name: str | None) -> None:
-    """Make ``name`` (``ADAPTERS``) the active peft adapter of every LoRA layer of ``model`` (its parameters then
-    require gradients, the other's not: peft's ``set_adapter``), or with None disable the adapters (the teacher:
-    the base weights alone). A model without adapters is left as it is."""
+    """Make ``name`` (``ADAPTERS``) the active peft adapter of every LoRA layer of ``model`` (peft's ``set_adapter``),
+    or with None disable the adapters (the teacher: the base weights alone). Every parameter keeps its
+    ``requires_grad`` (peft's switch sets the active adapter's and clears the others'; module docstring: why not
+    here). A model without adapters is left as it is."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
+            flags = [(p, p.requires_grad) for p in module.parameters()]
             if name is None:
                 module.enable_adapters(False)
             else:
                 module.enable_adapters(True)
                 module.set_adapter(name)
+            for p, flag in flags:
+                p.requires_grad_(flag)
 
 
 def adapter_params(model: nn.Module, name: str) -> dict[str, nn.Parameter]:
@@ -72,41 +85,52 @@ def full_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).float().requires_grad_(True)
 
 
-def build_networks(cfg, pre, targets: list[str], device: torch.device, amp: torch.dtype) -> Networks:
-    """The networks of ``cfg`` (a ``DistillConfig``) on the teacher pipeline ``pre``'s denoiser, on ``device`` in eval
-    mode (no dropout: the student always sees its prompt), placed as fine-tuning places a LoRA run's frozen base:
-    the full copies made first (gradient checkpointing on in them too), then the adapters on ``targets``
-    (Gaussian A drawn after ``torch.manual_seed(seed)``, the student's first), the teacher's frozen weights stored in
-    float8 (``--fp8_base``: ``finetune.store_base_in_fp8``) and its last ``--blocks_to_swap`` blocks in host memory
-    (``build.swap_blocks``; the adapters, trainable though one at a time requires gradients, stay on ``device``).
+def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: str) -> Networks:
+    """The networks of ``cfg`` (a ``DistillConfig``) on the teacher pipeline ``pre``'s denoiser, on ``d.device`` (``d``:
+    this process's ``parallel.mesh.Dist``) in eval mode (no dropout: the student always sees its prompt), placed as
+    fine-tuning places a LoRA run's frozen base: the full copies made first (gradient checkpointing on in them too),
+    then the adapters on ``targets`` (Gaussian A drawn after ``torch.manual_seed(seed)``, the student's first; both
+    adapters' parameters require gradients from then on, ``use_adapter``), the teacher's frozen weights stored in
+    float8 (``--fp8_base``: ``finetune.store_base_in_fp8``); then, with ``plugin`` ``fsdp`` or ``d.sp_mesh``
+    (``--sequence_parallel_size``), ``parallel.parallelize`` of the base and of each full copy (FSDP2 per block,
+    gathered in ``amp``, fp32 shards and gradient reduction; the tokens split by ``parallel.context``); last the
+    teacher's last ``--blocks_to_swap`` blocks in host memory (``build.swap_blocks``, after ``parallelize`` as in
+    fine-tuning; the adapters stay on the device).
 
     A teacher of two experts (``expert_models``) carries a student and a critic adapter on each (in the experts'
-    order); full copies and the placements are not built for it yet.
+    order); full copies, the placements, FSDP and split tokens are not built for it yet.
 
     Raises:
         UserError (one line, naming the flag): ``--critic_lora_rank 0`` with a LoRA student (its critic is an
-            adapter on the same base), ``--blocks_to_swap`` without ``--grad_checkpoint``, a full copy or a
-            placement of a two-expert teacher, LoRA targets that match no module (``check_lora_targets``),
-            ``swap_blocks``' errors.
+            adapter on the same base), ``--blocks_to_swap`` without ``--grad_checkpoint``, ``--fp8_base`` or
+            ``--blocks_to_swap`` with ``--plugin fsdp`` (each process holds a shard of the base, not the whole), a
+            full copy, a placement or a parallel plan of a two-expert teacher, LoRA targets that match no module
+            (``check_lora_targets``), ``swap_blocks``' and ``parallelize``'s errors (``parallel.context``'s: a
+            head count the group does not divide, ring attention off CUDA).
     """
-    from ditforge.parallel.mesh import Dist
+    from ditforge.parallel import parallelize
     from ditforge.train.build import swap_blocks
     from ditforge.train.finetune import store_base_in_fp8
     from ditforge.weights.lora import add_lora, check_lora_targets
 
-    model, ranks = pre.denoiser, (cfg.lora_rank, critic_rank(cfg))
+    model, ranks, device = pre.denoiser, (cfg.lora_rank, critic_rank(cfg)), d.device
     if cfg.lora_rank and not ranks[1]:
         raise UserError(f"--critic_lora_rank 0: a LoRA student's critic is an adapter on its base; give a rank or "
                         f"leave it out (default --lora_rank {cfg.lora_rank})")
     if cfg.blocks_to_swap and not cfg.grad_checkpoint:
         raise UserError("--blocks_to_swap: needs --grad_checkpoint (else the backward holds every swapped block's "
                         "device copy)")
+    placed = [flag for flag, on in (("--fp8_base", cfg.fp8_base), ("--blocks_to_swap", cfg.blocks_to_swap)) if on]
+    if plugin == "fsdp" and placed:
+        raise UserError(f"{placed[0]}: with --plugin ddp (each process holds the whole teacher); --plugin fsdp "
+                        "shards it instead")
     experts = model.expert_models()
     given = [flag for flag, on in (("--lora_rank 0", not ranks[0]), ("--critic_lora_rank 0", not ranks[1]),
-                                   ("--fp8_base", cfg.fp8_base), ("--blocks_to_swap", cfg.blocks_to_swap)) if on]
-    if len(experts) > 1 and given:
-        raise UserError(f"{given[0]}: a teacher of two experts distils LoRA students and critics on its base, "
-                        "unplaced, so far")
+                                   ("--plugin fsdp", plugin == "fsdp"),
+                                   (f"--sequence_parallel_size {d.sp_size}", d.sp_mesh is not None)) if on]
+    if len(experts) > 1 and given + placed:
+        raise UserError(f"{(given + placed)[0]}: a teacher of two experts distils LoRA students and critics on its "
+                        "base, unplaced and data parallel, so far")
     if any(ranks):
         check_lora_targets(model.inner, targets)
     if cfg.grad_checkpoint:
@@ -118,24 +142,35 @@ def build_networks(cfg, pre, targets: list[str], device: torch.device, amp: torc
     for name, rank in zip(ADAPTERS, ranks):
         for inner in experts if rank else ():  # two experts: a student and a critic adapter each
             add_lora(inner, rank, None, targets, adapter_name=name)
+    for name in ADAPTERS:  # peft's add_adapter leaves one of them trainable; use_adapter keeps the flags
+        for p in adapter_params(model, name).values():
+            p.requires_grad_(True)
     if cfg.fp8_base:
         store_base_in_fp8(model, amp, "none")
     model.to(device).eval()
+    if plugin == "fsdp" or d.sp_mesh is not None:
+        for module in (model, *copies.values()):
+            parallelize(module, d, plugin if plugin == "fsdp" else "none",
+                        param_dtype=None if amp == torch.float32 else amp,
+                        sequence_parallel_type=cfg.sequence_parallel_type)
     if cfg.blocks_to_swap:
-        adapters = [p for name in ADAPTERS if name not in copies for p in adapter_params(model, name).values()]
-        for p in adapters:  # BlockSwap moves what does not require gradients
-            p.requires_grad_(True)
-        swap_blocks(model, cfg.blocks_to_swap, pre, Dist(device=device))
+        swap_blocks(model, cfg.blocks_to_swap, pre, d)
     return Networks(model, copies)
 
 
 @dataclass
 class Networks:
     """Student, critic and teacher on the teacher's denoiser ``base`` (module docstring). ``copies``: the networks
-    (``"student"`` / ``"critic"``) that are full copies; the others are ``base``'s adapters of those names."""
+    (``"student"`` / ``"critic"``) that are full copies; the others are ``base``'s adapters of those names. Made
+    after ``parallelize``: the trainable parameters are taken then, as the optimizers take them (FSDP2's shards;
+    ``reshard``)."""
 
     base: nn.Module
     copies: dict[str, nn.Module]
+
+    def __post_init__(self):
+        self.trainable = {name: dict(self.copies[name].named_parameters()) if name in self.copies else
+                          adapter_params(self.base, name) for name in ADAPTERS}
 
     def describe(self) -> str:
         """The networks in words, for the run's first log line."""
@@ -156,10 +191,21 @@ class Networks:
             use_adapter(self.base, name)
 
     def params(self, name: str) -> dict[str, nn.Parameter]:
-        """``name``'s trainable parameters by their names in ``module(name)``."""
-        if name in self.copies:
-            return dict(self.copies[name].named_parameters())
-        return adapter_params(self.base, name)
+        """``name``'s trainable parameters by their names in ``module(name)`` (under FSDP2 the shards, which the
+        optimizer steps, also while a module holds its gathered parameters)."""
+        return self.trainable[name]
+
+    def reshard(self) -> None:
+        """Under FSDP2, every sharded module back on its shards: the root's and the last block's parameters, which
+        ``parallel._apply_fsdp`` keeps gathered from a forward to its backward, stay gathered (registered on the
+        modules in place of the shards) after a forward without backward (the guided teacher's, the student's of
+        a critic-only iteration). ``get_optimizer_state_dict`` reads the modules' parameters. No-op otherwise."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in (self.base, *self.copies.values()):
+            for m in module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def optimizers(self, optimizer: str, lrs: tuple[float, float], device: torch.device) -> list:
         """The student's and the critic's optimizers (``--optimizer``, ``optim.build_optimizer``: fp32 AdamW, or
@@ -171,6 +217,7 @@ class Networks:
 
     def state(self, opts: list) -> dict:
         """The checkpoint's tensors (module docstring) of the networks and their optimizers ``opts``."""
+        self.reshard()
         nets = {name: {k: p.detach() for k, p in self.params(name).items()} for name in ADAPTERS}
         student = nets.pop("student")
         ema = student if "student" in self.copies else {k.replace(".student.", ".default."): v

@@ -9,7 +9,9 @@ the family's own denoising loss, flow matching or DDPM v-prediction, on the stud
 on it (``--lora_rank R``: one copy of the base weights serves the three, ``dmd.py``'s docstring) or full trainable
 copies of it (``--lora_rank 0``, ``--critic_lora_rank``). The frozen teacher is placed as fine-tuning places a LoRA
 run's base: float8 storage (``--fp8_base``), its last blocks in host memory (``--blocks_to_swap``); both optimizers
-are fine-tuning's (``--optimizer``: 8-bit, 4-bit or float8 moments).
+are fine-tuning's (``--optimizer``: 8-bit, 4-bit or float8 moments). Under torchrun the networks are whole on every
+process (``--plugin ddp``) or sharded by fine-tuning's FSDP2 (``--plugin fsdp``), and each sample's video tokens may
+be split over ``--sequence_parallel_size`` processes (fine-tuning's context parallelism): ``distill_nets``.
 
 The student's K timesteps are ``dmd.pipeline_student_times``: a flow pipeline's ``dmd.flow_student_sigmas`` of its
 scheduler's shift, a DDPM one's (v-prediction, zero terminal SNR) T-1 - k T / K; the ones ``ditforge
@@ -61,6 +63,7 @@ from ditforge.diffusion.flow import RectifiedFlow
 from ditforge.diffusion.objective import create_objective, objective_of_scheduler
 from ditforge.diffusion.samplers import STUDENT_SAMPLER
 from ditforge.errors import UserError
+from ditforge.parallel import clip_grad_norm_
 from ditforge.parallel.collectives import average_gradients, mean_over_processes
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train.checkpoint import Checkpointer, find_resume, list_checkpoints
@@ -276,8 +279,11 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     """Distil a few-step student of a pipeline teacher (module docstring); returns the run folder.
 
     Raises:
-        UserError: no ``--prompt_file``, and ``load_teacher_pipeline``'s / ``first_frame_files``' /
-            ``latent_shape``'s / ``distill_nets.build_networks``' errors.
+        UserError: no ``--prompt_file``; a fine-tuned run's folder as ``--teacher``; ``--sequence_parallel_size``
+            for a family without a token split (``refuse_unsplittable``) or one that does not divide the processes
+            (``init_distributed``); a ``--batch_size`` the data-parallel groups do not divide; and
+            ``load_teacher_pipeline``'s / ``first_frame_files``' / ``latent_shape``'s /
+            ``distill_nets.build_networks``' errors.
     """
     from ditforge.data.captions import read_prompts
     from ditforge.train.distill_nets import build_networks
@@ -285,9 +291,22 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     if cfg.prompt_file is None:
         raise UserError("--prompt_file: a pipeline teacher distils from prompts; give a file of one prompt per line")
     prompts = read_prompts(None, cfg.prompt_file)
-    d = init_distributed(cfg.device)  # under torchrun: data parallel, each process B / n of the batch
-    if cfg.batch_size % d.world_size:
-        raise UserError(f"--batch_size {cfg.batch_size}: not divisible by the {d.world_size} processes")
+    folder = Path(cfg.teacher)
+    if not (folder / "model_index.json").is_file():  # the CLI writes a fine-tuned run as one (export)
+        raise UserError(f"{FLAG} {cfg.teacher}: a fine-tuned run distils from its pipeline folder; write it with "
+                        "`ditforge export --format diffusers` and pass that folder")
+    if cfg.sequence_parallel_size > 1:  # before any process group
+        from ditforge.models.adapters import family_of_pipeline
+        from ditforge.models.adapters.pipeline import read_model_index
+        from ditforge.parallel.context import refuse_unsplittable
+
+        family = family_of_pipeline(read_model_index(folder, FLAG)["_class_name"])
+        refuse_unsplittable(family, cfg.sequence_parallel_size, "leave --sequence_parallel_size out", use="train")
+    # under torchrun: each sequence-parallel group (one process without --sequence_parallel_size) B / n of the batch
+    d = init_distributed(cfg.device, cfg.sequence_parallel_size)
+    plugin = "none" if d.world_size == 1 else "fsdp" if cfg.plugin == "fsdp" else "ddp"
+    if cfg.batch_size % d.dp_size:
+        raise UserError(f"--batch_size {cfg.batch_size}: not divisible by the {d.dp_size} data-parallel groups")
     device = d.device
     amp = resolve_precision(cfg.mixed_precision, device)
     ckpt, outputs = find_resume(cfg.resume, cfg.outputs)
@@ -296,16 +315,12 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, or choose "
                         "another folder")
     run_dir.mkdir(parents=True, exist_ok=True)
-    folder = Path(cfg.teacher)
-    if not (folder / "model_index.json").is_file():  # the CLI writes a fine-tuned run as one (export)
-        raise UserError(f"{FLAG} {cfg.teacher}: a fine-tuned run distils from its pipeline folder; write it with "
-                        "`ditforge export --format diffusers` and pass that folder")
     pre, scale = load_teacher_pipeline(cfg, folder, device, amp)
     model = pre.denoiser
     files = first_frame_files(cfg, pre)
     shape, height, width, frames, image_frames = latent_shape(pre, cfg)
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
-    networks = build_networks(cfg, pre, targets, device, amp)
+    networks = build_networks(cfg, pre, targets, amp, d, plugin)
     objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, where=f"{FLAG} {cfg.teacher}",
                                  device=device, **model.objective_args(pre.pipe, None, *shape[2:]))
     try:  # flow: x0 = x - sigma v; DDPM v-prediction: x0 = sqrt(abar) x - sqrt(1 - abar) v (dmd.predicted_x0)
@@ -323,17 +338,18 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if metrics_path.exists() else []
         rewrite_metrics(metrics_path, kept)
         metrics = MetricsLog(metrics_path)
-    config = run_config(cfg, pre, folder, targets, objective, times, scale, height, width, frames)
+    config = run_config(cfg, pre, folder, targets, objective, times, scale, height, width, frames, plugin, d.sp_size)
     checkpointer = Checkpointer(run_dir, cfg.keep_last, False, d, last_step=start or None)
-    # an I2V family's given first frame: not learned; the draws of the global batch, this process's rows
-    dmd = DMD2(objective, times, given_frames=model.given_frames, shard=(d.rank, d.world_size))
+    # an I2V family's given first frame: not learned; the draws of the global batch, this process's group's rows
+    dmd = DMD2(objective, times, given_frames=model.given_frames, shard=(d.dp_rank, d.dp_size))
     log.info("distilling %s into a %d-step student (%s), guidance %.2g, %d critic steps per generator step, %d "
-             "prompts, latents %s, run folder %s", cfg.teacher, cfg.student_steps, networks.describe(), scale,
-             cfg.critic_steps, len(prompts), tuple(shape), run_dir)
+             "prompts, latents %s, %d processes (plugin %s, %d per sample), run folder %s", cfg.teacher,
+             cfg.student_steps, networks.describe(), scale, cfg.critic_steps, len(prompts), tuple(shape),
+             d.world_size, plugin, d.sp_size, run_dir)
     window, tic = [], time.perf_counter()
     for step in range(start + 1, cfg.max_steps + 1):
         window.append(iteration(dmd, step, cfg, pre, prompts, files, (shape, height, width, image_frames), scale, amp,
-                                networks, opts, d))
+                                networks, opts, d, plugin))
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
             line = mean_records(window) | {"step": step, "steps_per_sec": rate}
@@ -364,17 +380,20 @@ def report(metrics: MetricsLog, line: dict, max_steps: int) -> None:
 
 
 def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str], files: list[Path], sizes,
-              scale: float, amp: torch.dtype, networks: Networks, opts: list, d: Dist) -> dict[str, float]:
+              scale: float, amp: torch.dtype, networks: Networks, opts: list, d: Dist, plugin: str) -> dict[str, float]:
     """One iteration (DMD2's two time scales, as ``distill._iteration``): every ``critic_steps``-th a generator step,
     then a critic step. ``sizes``: (the latents' shape (B, C, T', h, w), height, width, the frames the image
     conditioning covers: the clip's and the pipeline's padding). Its randomness from
     ``torch.Generator(device).manual_seed(derive_seed(seed, step))``, in this order: the B prompts' indices
     (uniform), an image-to-video teacher's B first frames' indices in ``files`` (uniform) and its image latents'
     draws (``image_from_generator``), the noise (B, C, T', h, w) (then the adapter's ``start``: the latents the
-    pipeline starts from), then ``DMD2``'s draws. Under data parallelism (``d``: n processes) every process makes
-    the global batch's draws and conditioning, keeps its B / n rows (``DMD2.shard``'s) and averages both networks'
-    gradients with the others' (``average_gradients``) before clipping; the returned losses are all processes'
-    means: n processes take the steps of one with the global batch."""
+    pipeline starts from), then ``DMD2``'s draws. Under torchrun (``d``) every process makes the global batch's
+    draws and conditioning and keeps the B / n rows of its data-parallel rank (``DMD2.shard``'s; n = ``d.dp_size``),
+    the same on the processes of one sequence-parallel group, which split each row's tokens (``parallel.context``);
+    the gradients are averaged over all processes before clipping: by ``average_gradients`` (``plugin`` ddp), or by
+    FSDP2's reduce-scatter into each process's shards (fsdp), clipped to the global norm of the shards
+    (``parallel.clip_grad_norm_``). The returned losses and gradient norms are all processes' means: n groups take
+    the steps of one process with the global batch."""
     model, device = pre.denoiser, pre.device
     shape, height, width, frames = sizes
     g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
@@ -382,18 +401,19 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     picks = torch.randint(len(files), (shape[0],), generator=g, device=device).tolist() if files else []
     cond = conditioning(pre, [prompts[i] for i in rows], [files[i] for i in picks], (height, width, frames), g)
     noise = model.start(torch.randn(shape, generator=g, device=device), cond)  # as the pipeline's first latents
-    b = shape[0] // d.world_size
-    mine = slice(d.rank * b, (d.rank + 1) * b)
+    b = shape[0] // d.dp_size
+    mine = slice(d.dp_rank * b, (d.dp_rank + 1) * b)
     student, critic, teacher = nets(networks, {k: v[mine] for k, v in cond.items()}, scale, amp)
+    reduce = (lambda params: None) if plugin == "fsdp" else (lambda params: average_gradients(params, d))
     # each backward (and its recomputed blocks under gradient checkpointing) runs under its forward's adapter
     record = dmd2_iteration(dmd, step, cfg.critic_steps, student, teacher, critic, noise[mine], g, *opts,
                             *(list(networks.params(n).values()) for n in ("student", "critic")), cfg.max_grad_norm,
-                            networks.use, lambda params: average_gradients(params, d))
+                            networks.use, reduce, clip=lambda params, most: clip_grad_norm_(params, most, d))
     return mean_over_processes(record, d)
 
 
 def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], objective, times, scale: float,
-               height: int, width: int, frames: int) -> dict:
+               height: int, width: int, frames: int, plugin: str, sp_size: int) -> dict:
     """The student run's saved config: a LoRA fine-tune's ``RunConfig`` of the teacher's pipeline (a full
     fine-tune's for a full student, ``--lora_rank 0``: what
     ``load_finetuned`` rebuilds the student from) with the ``distill`` section ``ditforge sample`` reads (its keys
@@ -418,5 +438,6 @@ def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], object
                          "teacher_cfg_scale": scale, "sample_cfg_scale": scale if den.embedded_guidance else 1.0,
                          "height": height, "width": width, "image": cfg.image,
                          "student_lora_rank": settings["lora_rank"], "critic_lora_rank": critic_rank(cfg),
-                         "optimizer": cfg.optimizer, "fp8_base": cfg.fp8_base, "blocks_to_swap": cfg.blocks_to_swap}
+                         "optimizer": cfg.optimizer, "fp8_base": cfg.fp8_base, "blocks_to_swap": cfg.blocks_to_swap,
+                         "plugin": plugin, "sequence_parallel_size": sp_size}
     return config

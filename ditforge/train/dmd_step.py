@@ -31,19 +31,22 @@ class GANTerms:
 def dmd2_iteration(dmd: DMD2, step: int, critic_steps: int, student: Net, teacher: Net, critic: Net,
                    noise: torch.Tensor, generator: torch.Generator, opt_g, opt_c, params_g: list, params_c: list,
                    max_grad_norm: float, before_backward: Callable[[str], None] = lambda name: None,
-                   reduce: Callable[[list], None] = lambda params: None, gan: GANTerms | None = None
-                   ) -> dict[str, float]:
+                   reduce: Callable[[list], None] = lambda params: None, gan: GANTerms | None = None,
+                   clip: Callable[[list, float], torch.Tensor] = torch.nn.utils.clip_grad_norm_) -> dict[str, float]:
     """Iteration ``step`` (1-based): with ``step % critic_steps == 1 % critic_steps`` the student's sample (backward
     simulation, ``DMD2.generate``) takes a generator step on ``dmd_loss`` (``opt_g`` on ``params_g``, their gradient
     norm clipped to ``max_grad_norm``); else the sample is drawn without gradients. Then the critic takes a step on
     its denoising loss of the detached sample (``opt_c`` on ``params_c``). ``before_backward("student" |
     "critic")`` runs before each backward (a LoRA distillation switches its adapter there), ``reduce(params)`` after
-    it, before the clipping (data parallelism averages the gradients of ``params`` there). With ``gan`` the
+    it, before the clipping (data parallelism averages the gradients of ``params`` there); ``clip(params,
+    max_grad_norm)`` clips and returns their norm before (torch's ``clip_grad_norm_``; sharded gradients: the global
+    norm, ``parallel.clip_grad_norm_``). With ``gan`` the
     generator's loss adds ``gen_cls_loss_weight`` x ``gan_generator_loss`` of its sample's logits (through the
     critic's features: the critic's gradients of that backward are cleared before its own step), and the critic's
     ``guidance_cls_loss_weight`` x ``gan_critic_loss`` of the real samples' and the detached sample's logits.
     Randomness: ``generator`` alone, in that order (the GAN's noise after each loss's own draws, real before fake).
-    Returns {generator_loss, dmd_grad_norm (the per-sample mean)} of a generator step and critic_loss, host floats;
+    Returns {generator_loss, dmd_grad_norm (the per-sample mean), generator_grad_norm (the student's parameters'
+    gradient norm before clipping)} of a generator step and critic_loss, critic_grad_norm, host floats;
     with ``gan`` also gen_cls_loss, guidance_cls_loss, pred_realism_on_real / _fake (the mean sigmoid of the critic
     step's logits, DMD2's names)."""
     out: dict[str, float] = {}
@@ -59,7 +62,7 @@ def dmd2_iteration(dmd: DMD2, step: int, critic_steps: int, student: Net, teache
         opt_g.zero_grad(set_to_none=True)
         loss.backward()
         reduce(params_g)
-        torch.nn.utils.clip_grad_norm_(params_g, max_grad_norm)
+        out["generator_grad_norm"] = float(clip(params_g, max_grad_norm))
         opt_g.step()
         x = x.detach()
     else:
@@ -78,6 +81,6 @@ def dmd2_iteration(dmd: DMD2, step: int, critic_steps: int, student: Net, teache
     opt_c.zero_grad(set_to_none=True)
     closs.backward()
     reduce(params_c)
-    torch.nn.utils.clip_grad_norm_(params_c, max_grad_norm)
+    out["critic_grad_norm"] = float(clip(params_c, max_grad_norm))
     opt_c.step()
     return out

@@ -1,6 +1,16 @@
-"""``ditforge distill`` of the tiny random Wan 2.1 folder in two processes (gloo on the CPU, data parallel: each
-process one of the global batch's two rows, its own draws the rows' of the global draws, the gradients averaged)
-against one process with the same global batch: the same metrics and adapters to float32 rounding."""
+"""``ditforge distill`` of the tiny random Wan 2.1 folder in two processes (gloo on the CPU) against one process with
+the same global batch of two rows, in one launch of both processes (``torchrun_cli_many``) shared by the tests:
+
+- data parallel (``--plugin ddp``, the default): each process one row of the global draws, the gradients averaged;
+- FSDP2 (``--plugin fsdp``): the frozen teacher, both adapters on it, the full-copy student sharded per transformer
+  block, each process one row, the gradients reduce-scattered and clipped to the global norm; a LoRA student and
+  critic, and a full student with a LoRA critic; that run cut after iteration 2 and resumed under FSDP;
+- Ulysses (``--sequence_parallel_size 2``): both processes the same two rows, each row's two video tokens split one a
+  process (``parallel.context``), for teacher, critic and student; with LoRA student and critic, and a full student
+  with a LoRA critic under FSDP (the shards over both processes of the one sequence-parallel group).
+
+The same metrics and networks to float32 rounding (tolerances at each assert); the resumed run equals the
+uninterrupted one."""
 
 from __future__ import annotations
 
@@ -12,58 +22,111 @@ import torch.distributed.checkpoint as dcp
 
 from dist_helpers import finetune_module, torchrun_cli_many
 
+pytestmark = pytest.mark.slow  # two processes that import diffusers, 8 runs in them, two one-process references
+
 PROMPTS = ["a red ball rolls", "a blue cube spins", "a cat walks"]
 LR = 1e-3
-
-
-@pytest.fixture(scope="module")
-def wan(tmp_path_factory):
-    return finetune_module("tiny_pipelines").make_wan(tmp_path_factory.mktemp("dist_distill") / "wan")
+MAX_GRAD_NORM = 1e-3  # below every gradient norm of these runs (the LoRA student's first: 1.5e-3): all are clipped
+MIXED = ("--lora_rank", "0", "--critic_lora_rank", "4")  # a full-copy student (FSDP-sharded) and a LoRA critic
+# the two-process runs (each against its one-process reference) and the cut and resumed one
+ULYSSES = ("--sequence_parallel_size", "2", "--sequence_parallel_type", "ulysses")
+RUNS = {"ddp": ("lora", ()), "fsdp": ("lora", ("--plugin", "fsdp")), "fsdp_mixed": ("mixed", ("--plugin", "fsdp")),
+        "ulysses": ("lora", ULYSSES), "ulysses_fsdp_mixed": ("mixed", (*ULYSSES, "--plugin", "fsdp"))}
 
 
 def distill_argv(folder, prompts, out, *extra: str) -> list[str]:
     return ["distill", "--teacher", str(folder), "--prompt_file", str(prompts), "--student_steps", "2",
             "--lora_rank", "4", "--height", "16", "--width", "16", "--num_frames", "5", "--batch_size", "2",
             "--critic_steps", "2", "--max_steps", "3", "--lr", str(LR), "--log_every", "1", "--ckpt_every", "3",
-            "--device", "cpu", "--outputs", str(out), *extra]
+            "--max_grad_norm", str(MAX_GRAD_NORM), "--device", "cpu", "--outputs", str(out), *extra]
 
 
-def adapters(run) -> dict[str, torch.Tensor]:
-    ckpt = run / "checkpoints" / "step-0000003"
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, one_thread_module):
+    """{name: run folder}: the one-process references (``lora``: LoRA student and critic; ``mixed``), then in one
+    launch of 2 processes the ``RUNS``, ``resumed`` (the mixed FSDP run to 2 iterations, then on to 3) and
+    ``refused``, the output of a refused run (float8 storage of the sharded teacher)."""
+    from ditforge import cli
+
+    root = tmp_path_factory.mktemp("dist_distill")
+    wan = finetune_module("tiny_pipelines").make_wan(root / "wan")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    argv = {"lora": (), "mixed": MIXED}
+    for name, extra in argv.items():
+        assert cli.main(distill_argv(wan, prompts, root / name, *extra)) == 0
+    resumed = ("--plugin", "fsdp", *MIXED)
+    outs = torchrun_cli_many(2, root / "work", [
+        *(distill_argv(wan, prompts, root / name, *argv[ref], *extra) for name, (ref, extra) in RUNS.items()),
+        distill_argv(wan, prompts, root / "resumed", *resumed, "--max_steps", "2"),
+        distill_argv(wan, prompts, root / "resumed", *resumed, "--resume", "auto"),
+        distill_argv(wan, prompts, root / "refused", "--plugin", "fsdp", "--fp8_base")], fails=(len(RUNS) + 2,))
+    return {name: root / name for name in (*argv, *RUNS, "resumed")} | {"refused": outs[-1]}
+
+
+def metrics(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def saved(run, step: int = 3) -> dict[str, torch.Tensor]:
+    """The tensors of the run's checkpoint at ``step``: student, critic, ``ema`` and both optimizers' states."""
+    ckpt = run / "checkpoints" / f"step-{step:07d}"
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(v.size) for k, v in meta.items() if k.startswith(("student.", "critic."))}
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if hasattr(v, "size")}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
     return state
 
 
-@pytest.mark.slow  # two processes that import diffusers, and a one-process reference: about 40 s on 2 cores
-def test_two_processes_equal_one(wan, tmp_path, one_thread):
-    """3 iterations (generator steps at 1 and 3): the critic's losses to 1e-6, the generator's and the DMD gradient
-    norms to 1e-4, the adapters to 1e-6 but for at most 2% of their weights, those to 5% of the learning rate (the
-    two halves' mean gradient against the whole batch's: float32 products and sums in another order). Every draw
-    made otherwise would move the critic's loss by far more."""
-    from ditforge import cli
+# Float32 rounding (batch 1 against 2 in each matrix product, another token split, gathered parameters in another
+# memory layout: 1e-7 in a prediction) shows most in the DMD gradient, the difference of two close predictions, and
+# through it in the student's gradients: their norms and the generator's loss to 1.3e-4 (measured, the full
+# student's FSDP run; DDP's 7e-5); the student's weights then differ (below) and the critic's loss and gradient norm
+# of iterations 2-3 with them, to 9e-6 (measured, the full student's Ulysses run; 6e-7 with a LoRA student)
+REL = {"generator_loss": 4e-4, "dmd_grad_norm": 2e-4, "critic_loss": 3e-5, "generator_grad_norm": 2e-4,
+       "critic_grad_norm": 3e-5, "step": 0}
 
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    assert cli.main(distill_argv(wan, prompts, tmp_path / "one")) == 0
-    torchrun_cli_many(2, tmp_path / "work", [distill_argv(wan, prompts, tmp_path / "two")])
-    one, two = ([json.loads(line) for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
-                for r in ("one", "two"))
-    assert [r["step"] for r in two] == [1, 2, 3] and "generator_loss" in two[2]
-    # the DMD gradient is the difference of two close predictions, which shows their float32 rounding (batch 1 against
-    # 2 in each matrix product: 1e-6) at 3e-5 (measured); the critic's denoising loss shows it at 4e-8
-    rel = {"generator_loss": 1e-4, "dmd_grad_norm": 1e-4, "critic_loss": 1e-6, "step": 0}
-    for a, b in zip(two, one):
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_processes_equal_one(runs, name):
+    """3 iterations (generator steps at 1 and 3), every gradient clipped: the losses and the gradient norms before
+    clipping to ``REL``; the student's and critic's weights to 1e-6 but for at most 5% of them (measured: 1.1% of a
+    LoRA student's and critic's, 3.1% of a full student's and its critic's), those to a quarter of the learning
+    rate (AdamW at beta1 0 steps lr g / sqrt(v), about lr sign(g) in a first step, whose size the rounding decides
+    where g is near 0; measured 0.07 lr, in the full student). Every draw made otherwise (another row, another token
+    split) would move the critic's loss by far more, and a norm of one shard the gradient norms by about 2^-1/2."""
+    ref = RUNS[name][0]
+    got, want = metrics(runs[name]), metrics(runs[ref])
+    assert [r["step"] for r in got] == [1, 2, 3] and "generator_grad_norm" in got[2]
+    for a, b in zip(got, want):
         assert a.keys() == b.keys()
         for k in a.keys() - {"steps_per_sec"}:
-            assert a[k] == pytest.approx(b[k], rel=rel[k]), (a["step"], k)
-    got, want = adapters(tmp_path / "two"), adapters(tmp_path / "one")
-    assert got.keys() == want.keys() and len(got) == 2 * 32
-    # AdamW at beta1 0 steps lr g / (|g| + eps): a weight whose gradient is near eps moves by a fraction of lr that
-    # the gradient's rounding decides (measured up to 3.4% of lr, in one weight of 96); the others agree to 1e-6
+            assert a[k] == pytest.approx(b[k], rel=REL[k]), (a["step"], k)
+    got, want = saved(runs[name]), saved(runs[ref])
+    nets = [k for k in want if k.startswith(("student.", "critic.", "ema."))]
+    assert got.keys() == want.keys() and len(nets) > 2 * 32
     off = 0
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=0.05 * LR)
+    for k in nets:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=0.25 * LR)
         off += int(((got[k] - want[k]).abs() > 1e-6).sum())
-    assert off <= 0.02 * sum(v.numel() for v in want.values())
+    assert off <= 0.05 * sum(want[k].numel() for k in nets)
+
+
+def test_fsdp_resume_equals_the_uninterrupted_run(runs):
+    """The mixed FSDP run cut after iteration 2 (its checkpoint: each process's shards) and resumed under FSDP:
+    iteration 3's metrics and the full student, the LoRA critic and both optimizers' states (AdamW's moments and
+    step counts) at step 3 equal the uninterrupted run's exactly (the same processes, the same order of operations)."""
+    got, want = metrics(runs["resumed"]), metrics(runs["fsdp_mixed"])
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert [{k: v for k, v in r.items() if k != "steps_per_sec"} for r in got] == \
+        [{k: v for k, v in r.items() if k != "steps_per_sec"} for r in want]
+    got, want = saved(runs["resumed"]), saved(runs["fsdp_mixed"])
+    assert got.keys() == want.keys() and any(k.startswith("critic_optimizer.") for k in want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_fsdp_refuses_the_whole_teacher_placements(runs):
+    """``--fp8_base`` (and ``--blocks_to_swap``, the same check) place a whole teacher on each process: refused under
+    ``--plugin fsdp`` with one line on each process."""
+    lines = [line for line in runs["refused"].splitlines() if "--fp8_base" in line]
+    assert len(lines) == 2 and all("--plugin fsdp shards it instead" in line for line in lines), lines

@@ -44,8 +44,8 @@ def gradient_spy(mp, grads: dict) -> None:
 
     iteration = distill_pipeline.iteration
 
-    def spied(dmd, step, cfg, pre, prompts, files, sizes, scale, amp, networks, opts, d):
-        out = iteration(dmd, step, cfg, pre, prompts, files, sizes, scale, amp, networks, opts, d)
+    def spied(dmd, step, cfg, pre, prompts, files, sizes, scale, amp, networks, *rest):
+        out = iteration(dmd, step, cfg, pre, prompts, files, sizes, scale, amp, networks, *rest)
         if step == 1:
             grads.update({k: p.grad.clone() for k, p in networks.params("student").items()})
         return out
@@ -255,6 +255,8 @@ def test_adamw8bit_follows_fp32_adamw(wide_wan, prompt_file, tmp_path, one_threa
     (("--blocks_to_swap", "1", "--no-grad_checkpoint"), ["--blocks_to_swap", "--grad_checkpoint"]),
     (("--blocks_to_swap", "3"), ["--blocks_to_swap 3", "2 blocks"]),
     (("--critic_lora_rank", "-1"), ["--critic_lora_rank", ">= 0"]),
+    (("--plugin", "zero2"), ["--plugin zero2", "distill takes auto | ddp | fsdp"]),
+    (("--sequence_parallel_size", "2"), ["--sequence_parallel_size 2", "does not divide the 1 processes"]),
 ])
 def test_bad_placement_flags_one_line(flags, says, wan_pipeline, prompt_file, tmp_path, capsys):  # noqa: F811
     argv = distill_argv(wan_pipeline, prompt_file, tmp_path / "bad", "--max_steps", "1", *flags)
