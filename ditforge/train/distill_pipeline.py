@@ -50,6 +50,7 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -272,16 +273,19 @@ def nets(networks: Networks, cond: dict[str, torch.Tensor], scale: float, amp: t
     return (lambda x, t: call("student", x, t)), (lambda x, t: call("critic", x, t)), teacher
 
 
-def distill_pipeline(cfg: DistillConfig) -> Path:
-    """Distil a few-step student of a pipeline teacher (module docstring); returns the run folder.
+def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -> Path:
+    """Distil a few-step student of a pipeline teacher (module docstring); returns the run folder. ``draw_student``:
+    ``sample.student.student_videos`` for ``--eval_every`` (``distill_eval``; ``cli`` hands it over).
 
     Raises:
         UserError: no ``--prompt_file``, and ``load_teacher_pipeline``'s / ``first_frame_files``' /
-            ``latent_shape``'s / ``distill_nets.build_networks``' errors.
+            ``latent_shape``'s / ``distill_nets.build_networks``' / ``distill_eval``'s errors.
     """
     from ditforge.data.captions import read_prompts
+    from ditforge.train.distill_eval import ClipEval, check_eval_flags, eval_prompts
     from ditforge.train.distill_nets import build_networks
 
+    check_eval_flags(cfg)
     if cfg.prompt_file is None:
         raise UserError("--prompt_file: a pipeline teacher distils from prompts; give a file of one prompt per line")
     prompts = read_prompts(None, cfg.prompt_file)
@@ -303,6 +307,7 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     pre, scale = load_teacher_pipeline(cfg, folder, device, amp)
     model = pre.denoiser
     files = first_frame_files(cfg, pre)
+    samples = eval_prompts(cfg, pre) if cfg.eval_every else None
     shape, height, width, frames, image_frames = latent_shape(pre, cfg)
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
     networks = build_networks(cfg, pre, targets, device, amp)
@@ -325,6 +330,10 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         metrics = MetricsLog(metrics_path)
     config = run_config(cfg, pre, folder, targets, objective, times, scale, height, width, frames)
     checkpointer = Checkpointer(run_dir, cfg.keep_last, False, d, last_step=start or None)
+    clip_eval = None
+    if samples is not None and d.is_main:  # the teacher drawn and scored once, here
+        clip_eval = ClipEval(cfg, pre, samples, lambda cond: nets(networks, cond, scale, amp)[0], scale,
+                             (shape, height, width, frames), amp, draw_student, networks.use)
     # an I2V family's given first frame: not learned; the draws of the global batch, this process's rows
     dmd = DMD2(objective, times, given_frames=model.given_frames, shard=(d.rank, d.world_size))
     log.info("distilling %s into a %d-step student (%s), guidance %.2g, %d critic steps per generator step, %d "
@@ -334,14 +343,19 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
     for step in range(start + 1, cfg.max_steps + 1):
         window.append(iteration(dmd, step, cfg, pre, prompts, files, (shape, height, width, image_frames), scale, amp,
                                 networks, opts, d))
+        scores = {}
+        if clip_eval is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            scores = clip_eval(step)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
-            line = mean_records(window) | {"step": step, "steps_per_sec": rate}
+            line = mean_records(window) | {"step": step, "steps_per_sec": rate} | scores
             if device.type == "cuda":
                 line["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if metrics is not None:  # process 0 writes and logs
                 report(metrics, line, cfg.max_steps)
             window, tic = [], time.perf_counter()
+        elif scores:  # an evaluation between two log lines: a record of its own
+            metrics.write({"step": step, **scores})
         if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
             checkpointer.save(step, networks.state(opts), {"config": config})
     checkpointer.wait()
@@ -355,12 +369,14 @@ def report(metrics: MetricsLog, line: dict, max_steps: int) -> None:
     """Write a metrics record (the mean of a window of iterations, ``line``) and its log line."""
     metrics.write(line)
     step, rate = line["step"], line["steps_per_sec"]
+    clip = (f" | CLIP student {line['clip_score_student']:.4f} teacher {line['clip_score_teacher']:.4f}"
+            if "clip_score_student" in line else "")
     if "generator_loss" in line:
-        log.info("%s | critic %.4f | dmd grad %.3g", progress_line(
+        log.info("%s | critic %.4f | dmd grad %.3g%s", progress_line(
             step, max_steps, line["generator_loss"], rate, line.get("peak_memory_gib")),
-            line["critic_loss"], line["dmd_grad_norm"])
+            line["critic_loss"], line["dmd_grad_norm"], clip)
     else:
-        log.info("step %d/%d | critic %.4f | %.2f steps/s", step, max_steps, line["critic_loss"], rate)
+        log.info("step %d/%d | critic %.4f | %.2f steps/s%s", step, max_steps, line["critic_loss"], rate, clip)
 
 
 def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str], files: list[Path], sizes,
