@@ -432,6 +432,11 @@ class DistillConfig:
     cfg_scale: float | None = _f(None, "the teacher's classifier-free guidance scale, baked into the student (1: none; "
                                        "default: 3 for a DiT, a pipeline's own call default; a guidance-distilled "
                                        "pipeline: the scale its one pass embeds, for teacher, critic and student)")
+    cfg_scale_2: float | None = _f(None, "a pipeline teacher of two experts: the guidance scale of its low-noise "
+                                         "expert (transformer_2, the timesteps below the boundary; the pipeline "
+                                         "call's guidance_scale_2, `ditforge sample --cfg_scale_2`'s); --cfg_scale "
+                                         "then guides the high-noise one (default: the call's own default, "
+                                         "--cfg_scale's value where it leaves it None)")
     lora_rank: int = _f(0, "train the student as LoRA adapters of this rank on the teacher (0: a full copy of the "
                            "teacher's denoiser, initialised from it; a pipeline teacher's LoRA student and critic are "
                            "peft adapters on its one base)")

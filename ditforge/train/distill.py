@@ -116,6 +116,7 @@ def distill(cfg: DistillConfig, draw_student: Callable | None = None) -> Path:
     placed = [flag for flag, given in {"--critic_lora_rank": cfg.critic_lora_rank is not None,
                                        "--fp8_base": cfg.fp8_base, "--blocks_to_swap": cfg.blocks_to_swap,
                                        "--optimizer": cfg.optimizer != "adamw",
+                                       "--cfg_scale_2": cfg.cfg_scale_2 is not None,
                                        "--validation_prompts": cfg.validation_prompts is not None,
                                        "--clip": cfg.clip is not None}.items() if given]
     if placed:

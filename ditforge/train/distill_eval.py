@@ -7,7 +7,7 @@ The student draws as ``ditforge sample --ckpt RUN`` draws it (``sample.student.s
 hands over: its K steps, no guidance, video i from ``derive_seed(--seed, i)`` or its line's ``--seed``), with the
 weights being trained (its adapter active, under the run's autocast). The teacher draws through its pipeline's own
 call (``generate_with_pipeline``, its adapters disabled) in the call's default steps, guided at the run's scale
-(and a second expert's ``--cfg_scale_2``) against the empty prompt, from the same seeds; it does not change, so it
+(a second expert at its ``--cfg_scale_2``) against the empty prompt, from the same seeds; it does not change, so it
 is drawn and scored once, when the run starts. Both at the run's frame size. Process 0 draws and scores alone.
 """
 
@@ -65,12 +65,13 @@ def eval_prompts(cfg, pre) -> list:
 class ClipEval:
     """The evaluation of the module docstring for one run, on process 0: ``samples``, ``eval_prompts``' (checked
     on every process); ``student_of(cond)``: (x_t, model timesteps) -> the student's output under one prompt's
-    conditioning (``distill_pipeline.nets``' student); ``scale``: the teacher's guidance; ``sizes``: the latents'
+    conditioning (``distill_pipeline.nets``' student); ``scales``: the teacher's guidance (a two-expert
+    pipeline's low-noise one second, else None); ``sizes``: the latents'
     shape (B, C, T', h, w), height, width, frames; ``draw_student``: ``sample.student.student_videos``; ``use``:
     ``Networks.use`` (None: the teacher, adapters disabled). Raises UserError: ``clip_score``'s errors (the
     teacher's score is computed here, before any step)."""
 
-    def __init__(self, cfg, pre, samples: list, student_of: Callable, scale: float, sizes, amp: torch.dtype,
+    def __init__(self, cfg, pre, samples: list, student_of: Callable, scales: tuple, sizes, amp: torch.dtype,
                  draw_student: Callable, use: Callable[[str | None], None]):
         den = pre.denoiser
         self.cfg, self.pre, self.student_of, self.amp = cfg, pre, student_of, amp
@@ -84,11 +85,11 @@ class ClipEval:
         self.shape = (1, *shape[1:])
         self.prepended = shape[2] - vae.latent_frames(self.frames)  # the pipeline's padding frames
         tic = time.perf_counter()
-        self.teacher = self._score(self._teacher_videos(scale))
+        self.teacher = self._score(self._teacher_videos(*scales))
         log.info("CLIP evaluation: %d prompts of %s; the teacher's CLIP score %.4f (%.1f s)", len(self.prompts),
                  cfg.validation_prompts, self.teacher, time.perf_counter() - tic)
 
-    def _teacher_videos(self, scale: float):
+    def _teacher_videos(self, scale: float, scale_2: float | None):
         from ditforge.models.adapters.pipeline import generate_with_pipeline, pipeline_defaults
 
         self.use(None)
@@ -97,7 +98,7 @@ class ClipEval:
         with torch.no_grad(), torch.autocast(device.type, dtype=self.amp, enabled=self.amp != torch.float32):
             pixels = generate_with_pipeline(self.pre, self.pre.denoiser, self.prompts, self.seeds,
                                             (self.height, self.width), steps, scale, batch_size=1,
-                                            num_frames=self.frames)
+                                            num_frames=self.frames, guidance_scale_2=scale_2)
         return to_uint8(pixels)  # (N, T, H, W, 3)
 
     def _score(self, videos) -> float:
