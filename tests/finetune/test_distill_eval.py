@@ -25,14 +25,12 @@ EVAL_PROMPTS = ["a red ball rolls on the grass", "a dog runs to the sea"]
 STUDENT_TOL, TEACHER_TOL = 2e-2, 1e-4
 
 
-@pytest.fixture(scope="module")
-def eval_run(wan_pipeline, prompt_file, tiny_clip, tmp_path_factory, one_thread_module):
-    """2 iterations, an evaluation after each (the first between two log lines, the second with the log line of
-    step 2), a checkpoint after each; (run folder, the log's messages, the videos each ``clip_score`` call of the
-    run scored: the teacher's first, then the student's at steps 1 and 2)."""
+def scored_run(folder, prompt_file, clip, root, *extra: str) -> tuple:
+    """A run of ``folder`` with a CLIP evaluation every iteration on ``EVAL_PROMPTS`` into ``root / "run"``;
+    (run folder, the log's messages, the videos each ``clip_score`` call of the run scored: the teacher's first,
+    then the student's at each evaluation)."""
     from ditforge.eval import clip_score as module
 
-    root = tmp_path_factory.mktemp("distill_eval")
     lines = root / "validation.txt"
     lines.write_text("# the evaluation's prompts\n" + "\n".join(EVAL_PROMPTS) + "\n")
     out = root / "run"
@@ -51,13 +49,31 @@ def eval_run(wan_pipeline, prompt_file, tiny_clip, tmp_path_factory, one_thread_
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(module, "clip_score", recorded)
-            assert cli.main(distill_argv(wan_pipeline, prompt_file, out, "--max_steps", "2", "--log_every", "2",
-                                         "--eval_every", "1", "--validation_prompts", str(lines), "--clip",
-                                         str(tiny_clip))) == 0
+            assert cli.main(distill_argv(folder, prompt_file, out, "--eval_every", "1", "--validation_prompts",
+                                         str(lines), "--clip", str(clip), *extra)) == 0
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     return out, messages, scored
+
+
+def pipeline_videos(pipe, seed: int = SEED, **call) -> np.ndarray:
+    """The pipeline's own videos of ``EVAL_PROMPTS`` (N, 5, 16, 16, 3) uint8, prompt i from ``derive_seed(seed,
+    i)`` (the run's ``--seed``): its call's default 50 steps, guided as ``call`` says against ""."""
+    videos = []
+    for i, prompt in enumerate(EVAL_PROMPTS):
+        frames = pipe(prompt=prompt, height=16, width=16, num_frames=5, output_type="np",
+                      generator=torch.Generator().manual_seed(derive_seed(seed, i)), **call).frames
+        videos.append(np.round(np.asarray(frames[0]) * 255).astype(np.uint8))
+    return np.stack(videos)
+
+
+@pytest.fixture(scope="module")
+def eval_run(wan_pipeline, prompt_file, tiny_clip, tmp_path_factory, one_thread_module):
+    """2 iterations, an evaluation after each (the first between two log lines, the second with the log line of
+    step 2), a checkpoint after each (``scored_run``)."""
+    return scored_run(wan_pipeline, prompt_file, tiny_clip, tmp_path_factory.mktemp("distill_eval"), "--max_steps",
+                      "2", "--log_every", "2")
 
 
 def test_scores_equal_sample_ckpt_and_the_pipelines_call(eval_run, wan_pipeline, tiny_clip, tmp_path):
@@ -70,16 +86,12 @@ def test_scores_equal_sample_ckpt_and_the_pipelines_call(eval_run, wan_pipeline,
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     scored = {r["step"]: r for r in records if "clip_score_student" in r}
     assert sorted(scored) == [1, 2] and "critic_loss" not in scored[1] and "critic_loss" in scored[2]
-    pipe = WanPipeline.from_pretrained(str(wan_pipeline), local_files_only=True)
-    videos = []
-    for i, prompt in enumerate(EVAL_PROMPTS):  # the call's default 50 steps, guided at its 5 against ""
-        frames = pipe(prompt=prompt, height=16, width=16, num_frames=5, guidance_scale=SCALE, output_type="np",
-                      generator=torch.Generator().manual_seed(derive_seed(SEED, i))).frames
-        videos.append(np.round(np.asarray(frames[0]) * 255).astype(np.uint8))
+    videos = pipeline_videos(WanPipeline.from_pretrained(str(wan_pipeline), local_files_only=True),
+                             guidance_scale=SCALE)
     # the videos the run scored: the pipeline's own, and ``sample --ckpt``'s of that step (one level of 255: the
     # merged LoRA), which differ from the teacher's
-    np.testing.assert_array_equal(scored_videos[0], np.stack(videos))
-    teacher = clip_score(np.stack(videos), EVAL_PROMPTS, tiny_clip)
+    np.testing.assert_array_equal(scored_videos[0], videos)
+    teacher = clip_score(videos, EVAL_PROMPTS, tiny_clip)
     students = []
     for step in (1, 2):
         npz = tmp_path / f"student{step}.npz"

@@ -21,9 +21,10 @@ from ditforge import cli
 from ditforge.data.sampler import derive_seed
 from test_distill_video import (BATCH, PROMPTS, STEPS, assert_resume_exact, lora_tensors, prompt_file, read_part,
                                 recorded_run)
+from test_clip_score import tiny_clip
 from tiny_pipelines import make_wan22
 
-__all__ = ["prompt_file"]  # a fixture of test_distill_video's, used here
+__all__ = ["prompt_file", "tiny_clip"]  # fixtures of test_distill_video's and test_clip_score's, used here
 SCALE, BOUNDARY = 5.0, 875.0  # WanPipeline's default guidance_scale (guidance_scale_2 None: the same); 0.875 x 1000
 SCALE_2 = 2.0  # the run's --cfg_scale_2: the low-noise expert guided at another scale than the high-noise one
 # seed 7: iterations 1 and 3 (the generator steps) both evaluate the teacher on a batch straddling t = 875, and the
@@ -239,6 +240,21 @@ def test_sample_runs_each_step_on_its_expert(run, wan22, tmp_path, monkeypatch):
     high, low = expert_sums(wan22)
     assert [(s, t.tolist()) for s, t in calls] == [(high, [1000.0]), (low, [750.0])]
     assert np.load(tmp_path / "a.npz")["samples"].shape == (1, 5, 16, 16, 3)
+
+
+def test_clip_evaluation_draws_the_teacher_at_both_scales(wan22, prompt_file, tiny_clip, tmp_path, one_thread):
+    """``--eval_every`` of the two-expert teacher at ``--cfg_scale_2`` 100 (the tiny experts' guided videos move by
+    less than a level of 255 below 20): the teacher's videos the run scores are ``WanPipeline.__call__``'s own with
+    ``guidance_scale`` 5 and ``guidance_scale_2`` 100 (exactly), and not its videos at one scale."""
+    from diffusers import WanPipeline
+    from test_distill_eval import pipeline_videos, scored_run
+
+    _, _, scored = scored_run(wan22, prompt_file, tiny_clip, tmp_path, "--max_steps", "1", *ARGS, "--cfg_scale_2",
+                              "100")
+    pipe = WanPipeline.from_pretrained(str(wan22), local_files_only=True)
+    want = pipeline_videos(pipe, SEED, guidance_scale=SCALE, guidance_scale_2=100.0)
+    np.testing.assert_array_equal(scored[0], want)
+    assert (want != pipeline_videos(pipe, SEED, guidance_scale=SCALE)).mean() > 0.1
 
 
 def test_student_on_one_side_still_uses_both_experts(wan22, prompt_file, tmp_path, monkeypatch, one_thread):
