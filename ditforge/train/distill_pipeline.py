@@ -39,6 +39,10 @@ no optimizer state yet, which resume keeps (``checkpoint.keep_saved_states``). T
 both experts' (``--expert both``): ``ema`` holds ``transformer.*`` and ``transformer_2.*`` adapters, which ``sample``
 runs per step on their expert and ``export --format lora`` writes as ``high_noise/`` and ``low_noise/``.
 
+``--eval_every N`` (with ``--validation_prompts`` and ``--clip``) scores the student's and the teacher's videos by
+their CLIP score every N iterations (``distill_eval.py``; the student drawn by ``ditforge sample``'s loop, which
+``cli`` hands over as ``draw_student``).
+
 A reference-image teacher (``takes_references``) distils text-to-video with no control inputs (its call's default
 control), or with ``--image`` one reference image a sample, its latent frame prepended (``reference_control``: the
 adapter's ``encode_control``, ``ditforge sample``'s); student, critic and teacher (both passes) take the control.
@@ -363,7 +367,9 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
                                 (scale, scale_2), amp, networks, opts, d))
         scores = {}
         if clip_eval is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            began = time.perf_counter()
             scores = clip_eval(step)
+            tic += time.perf_counter() - began  # steps_per_sec counts the iterations alone
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
             line = mean_records(window) | {"step": step, "steps_per_sec": rate} | scores
