@@ -405,9 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.get(flag) is None:
                     raise UserError(f"--{flag}: required")
             from ditforge.export import pipeline_teacher
+            from ditforge.sample.student import student_videos  # a pipeline teacher's --eval_every draws
             from ditforge.train.distill import distill
 
-            distill(DistillConfig(**{**args, "teacher": pipeline_teacher(args["teacher"], args.get("outputs"))}))
+            distill(DistillConfig(**{**args, "teacher": pipeline_teacher(args["teacher"], args.get("outputs"))}),
+                    draw_student=student_videos)
         elif command == "export":
             from ditforge.export import export
 

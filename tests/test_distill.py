@@ -228,6 +228,8 @@ def _distill(teacher, outputs, *extra):
     (("--fp8_base",), "--fp8_base: for a pipeline teacher"),
     (("--optimizer", "adamw8bit"), "--optimizer: for a pipeline teacher"),
     (("--critic_lora_rank", "4"), "--critic_lora_rank: for a pipeline teacher"),
+    (("--cfg_scale_2", "3"), "--cfg_scale_2: for a pipeline teacher"),
+    (("--clip", "clip"), "--clip: for a pipeline teacher"),
     (("--blocks_to_swap", "-1"), "--blocks_to_swap: expected >= 0"),
     (("--plugin", "fsdp"), "--plugin: for a pipeline teacher"),
     (("--sequence_parallel_size", "0"), "--sequence_parallel_size: expected a positive integer"),

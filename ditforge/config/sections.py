@@ -433,6 +433,11 @@ class DistillConfig:
     cfg_scale: float | None = _f(None, "the teacher's classifier-free guidance scale, baked into the student (1: none; "
                                        "default: 3 for a DiT, a pipeline's own call default; a guidance-distilled "
                                        "pipeline: the scale its one pass embeds, for teacher, critic and student)")
+    cfg_scale_2: float | None = _f(None, "a pipeline teacher of two experts: the guidance scale of its low-noise "
+                                         "expert (transformer_2, the timesteps below the boundary; the pipeline "
+                                         "call's guidance_scale_2, `ditforge sample --cfg_scale_2`'s); --cfg_scale "
+                                         "then guides the high-noise one (default: the call's own default, "
+                                         "--cfg_scale's value where it leaves it None)")
     lora_rank: int = _f(0, "train the student as LoRA adapters of this rank on the teacher (0: a full copy of the "
                            "teacher's denoiser, initialised from it; a pipeline teacher's LoRA student and critic are "
                            "peft adapters on its one base)")
@@ -497,9 +502,17 @@ class DistillConfig:
     log_every: int = _f(50, "write metrics every N iterations")
     ckpt_every: int = _f(500, "save a checkpoint every N iterations (and at the end)")
     keep_last: int = _f(2, "keep the newest K checkpoints")
-    eval_every: int = _f(0, "every N iterations and at the end, the digits-FID, precision, recall and class "
-                            "accuracy of --eval_samples student samples (0: never)")
-    eval_samples: int = _f(1000, "samples per --eval_every evaluation")
+    eval_every: int = _f(0, "every N iterations and at the end: a class DiT teacher's student, the digits-FID, "
+                            "precision, recall and class accuracy of --eval_samples samples; a pipeline teacher's, "
+                            "the CLIP score (--clip) of its videos of --validation_prompts and the teacher's "
+                            "(0: never)")
+    eval_samples: int = _f(1000, "a DiT teacher: samples per --eval_every evaluation")
+    validation_prompts: str | None = _f(None, "a text-to-video pipeline teacher with --eval_every: the prompts the "
+                                              "student and the teacher draw, musubi-tuner's sample-prompt lines as "
+                                              "`ditforge train --validation_prompts` reads them (the options: --seed "
+                                              "alone; both draw at the run's frame size)")
+    clip: str | None = _f(None, "with --validation_prompts: a local CLIP folder (CLIPModel and CLIPProcessor, "
+                                "`ditforge eval --clip`'s) scoring every frame against its prompt")
     resume: str | None = _f(None, "'auto' (continue the run in --outputs if it has a checkpoint) or a checkpoint")
     device: str = _f("auto", "cuda | cpu | auto")
 

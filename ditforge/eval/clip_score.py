@@ -1,6 +1,7 @@
 """CLIP score of text-to-image samples against their prompts: ``max(100 * cos(E_image, E_text), 0)`` per sample,
 averaged (Hessel et al. 2021, CLIPScore, eq. 1, with w = 100 as torchmetrics and the diffusers evaluation guide
-report it), with transformers' ``CLIPModel`` and ``CLIPProcessor`` read from a local folder (e.g. a copy of
+report it); of videos, every frame's against its video's prompt, averaged over the frames (Wu et al. 2021,
+GODIVA's CLIPSIM), with transformers' ``CLIPModel`` and ``CLIPProcessor`` read from a local folder (e.g. a copy of
 openai/clip-vit-large-patch14; nothing is downloaded). torchmetrics' ``clip_score`` would be the library for it,
 but its 1.9 release breaks on transformers 5, whose ``get_image_features`` returns an output object."""
 
@@ -19,13 +20,14 @@ def clip_score(images: np.ndarray, prompts: list[str], clip: str | Path, device:
     """The CLIP score of images against their prompts.
 
     Args:
-        images: (N, H, W, C) uint8, C 1 (repeated to RGB) or 3; CLIP's processor resizes and crops them.
-        prompts: N strings, prompt i for image i.
+        images: (N, H, W, C) uint8, C 1 (repeated to RGB) or 3; CLIP's processor resizes and crops them. Videos:
+            (N, T, H, W, C), each of the T frames scored against its video's prompt.
+        prompts: N strings, prompt i for image (video) i.
         clip: a local folder holding a ``CLIPModel`` and its ``CLIPProcessor`` (``save_pretrained`` layout).
-        batch_size: images per CLIP batch.
+        batch_size: images (frames) per CLIP batch.
 
     Returns:
-        The score, in [0, 100].
+        The score, in [0, 100]: the mean over the N images, or over the N x T frames (every video has T).
 
     Raises:
         UserError: no such folder, no CLIP model or processor in it, transformers missing, or a number of prompts
@@ -33,6 +35,9 @@ def clip_score(images: np.ndarray, prompts: list[str], clip: str | Path, device:
     """
     if len(prompts) != len(images):
         raise UserError(f"--clip: {len(prompts)} prompts for {len(images)} images")
+    if images.ndim == 5:  # videos: their frames, each with its video's prompt
+        prompts = [p for p in prompts for _ in range(images.shape[1])]
+        images = images.reshape(-1, *images.shape[2:])
     folder = Path(clip)
     if not (folder / "config.json").is_file():
         raise UserError(f"--clip {clip}: not a local CLIP folder (expected config.json and the processor's files, as "

@@ -34,6 +34,7 @@ from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_m
 from ditforge.parallel.mesh import Dist
 from ditforge.sample.video_vae import cast_vae, decode, decode_split, enable_vae_tiles
 from ditforge.sample.load import SampleConfig, read_control
+from ditforge.sample.student import student_latents
 from ditforge.sample.write import video_file_out, write_video_file
 
 log = logging.getLogger(__name__)
@@ -302,53 +303,27 @@ class VideoSampler:
 
     def _student(self, cond: dict, uncond: dict | None, image_cond, shape: tuple[int, ...], seed: int,
                  steps: int) -> torch.Tensor:
-        """A K-step (``steps``) student's latents (1, C, T', h, w) float32, no guidance: DMD2's multi-step sampler
-        (Yin et al. 2024 sec. 4.5; ``dmd.student_loop``, what ``ditforge distill`` trains through) on
-        ``dmd.pipeline_student_times``, the objective the pipeline's scheduler config gives (``create_objective``).
-        x = noise; at step k the student's output at t_k gives x0, re-noised with fresh noise to t_{k+1}; the last
-        x0 is the sample. Flow matching: x0 = x - sigma_k v, x = (1 - sigma_{k+1}) x0 + sigma_{k+1} eps, sigma_k =
-        shift s / (1 + (shift - 1) s), s = 1 - k / K, the scheduler's ``flow_shift`` / ``shift`` (Self-Forcing's
-        ``warp_denoising_step``, LightX2V's 4-step list [1000, 750, 500, 250]), the model at t = 1000 sigma_k. DDPM
-        (v-prediction): t_k = T-1 - k T / K (DMD2's [999, 749, 499, 249]), x0 = sqrt(abar) x - sqrt(1 - abar) v,
-        x = sqrt(abar) x0 + sqrt(1 - abar) eps; latents (B, C, T', h, w) in any layout (a frames-first adapter
-        transposes). A guidance-distilled student takes its embedded scale in ``cond`` (``guidance_inputs``), an
-        image-to-video one ``image_cond`` as ``denoise`` does (the adapter's ``start``, ``finish``). Its image draws
-        (``image_from_generator``), the noise, then each eps from ``torch.Generator(device).manual_seed(seed)``.
-        A pipeline of two experts runs each step on the expert whose side of the boundary holds its t
+        """A K-step (``steps``) student's latents (1, C, T', h, w) float32, no guidance (``student.student_latents``:
+        DMD2's multi-step sampler, what ``ditforge distill`` trains through). A guidance-distilled student takes its
+        embedded scale in ``cond`` (``guidance_inputs``), an image-to-video one ``image_cond`` as ``denoise`` does;
+        a reference-image pipeline's control (``image_cond``) goes to every step, its prepended frames in the
+        latents. A pipeline of two experts runs each step on the expert whose side of the boundary holds its t
         (``adapters.by_expert``, as ``denoise``), with that expert's student LoRA (merged).
-        A reference-image pipeline's control (``image_cond``) goes to every step, its prepended frames in the latents.
-        Raises UserError: guidance asked for (a student bakes it in), or a scheduler of no objective ditforge trains
-        (``create_objective``'s)."""
+        Raises UserError: guidance asked for (a student bakes it in), and ``student_latents``'."""
         if uncond:
             raise UserError(f"--sampler student: a student samples without guidance; {self.pre.pipeline_class} "
                             f"({type(self.pre.pipe.scheduler).__name__}): --cfg_scale > 1 asks for guidance; give "
                             "--cfg_scale 1")
-        from diffusers.utils.torch_utils import randn_tensor
+        def student(x, t, given):
+            inputs = {k: v.to(self.dtype) for k, v in {**cond, **given}.items()}
 
-        from ditforge.diffusion.dmd import pipeline_student_times, student_loop  # ditforge distill's, too
-        from ditforge.diffusion.objective import create_objective
-        denoiser, config = self.experts[0], dict(self.pre.scheduler_config)
-        objective = create_objective("auto", denoiser.learn_sigma, config, device=self.device,
-                                     where=f"--sampler student: {self.pre.pipeline_class}'s scheduler",
-                                     **denoiser.objective_args(self.pre.pipe, None, *shape[2:]))
-        times = pipeline_student_times(objective, config, steps, self.device)
-        generator = torch.Generator(self.device).manual_seed(seed)
-        given = dict((image_cond(generator=generator) if callable(image_cond) else image_cond) or {})
-        inputs = {k: v.to(self.dtype) for k, v in {**cond, **given}.items()}
-
-        def draw(x):
-            return randn_tensor(x.shape, generator=generator, device=self.device, dtype=torch.float32)
-
-        def student(x, t):
             def on(expert: int, rows):  # the whole batch (slice(None)) or the indices of one expert's rows
                 return self.experts[expert].denoise(x[rows].to(self.dtype), t[rows],
                                                     **{k: v[rows] for k, v in inputs.items()}).float()
 
             return on(0, slice(None)) if self.boundary is None else by_expert(t, self.boundary, on)
 
-        with torch.no_grad():
-            x0 = student_loop(objective, student, denoiser.start(draw(torch.empty(shape)), given), times, draw)
-        return denoiser.finish(x0, given)
+        return student_latents(self.pre, self.experts[0], student, image_cond, shape, seed, steps, self.device)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Latents (B, C, T', h, w) -> frames (B, 3, T, H, W) float in [-1, 1] on process 0, None on the others

@@ -28,6 +28,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -98,9 +99,11 @@ def check(cfg: DistillConfig) -> None:
                         "give a weight > 0 (DMD2's: 3e-3) or leave --data out")
 
 
-def distill(cfg: DistillConfig) -> Path:
+def distill(cfg: DistillConfig, draw_student: Callable | None = None) -> Path:
     """Run the distillation; returns the run folder. A diffusers pipeline teacher (a folder, or a run that fine-tuned
-    one) goes to ``distill_pipeline.distill_pipeline``. Raises UserError on bad flags or a bad teacher."""
+    one) goes to ``distill_pipeline.distill_pipeline``, with ``draw_student`` (``sample.student.student_videos``,
+    which ``cli`` passes: its ``--eval_every`` draws the student as ``ditforge sample`` does). Raises UserError on
+    bad flags or a bad teacher."""
     from ditforge.train.distill_pipeline import distill_pipeline, is_pipeline_teacher
 
     check(cfg)
@@ -108,7 +111,7 @@ def distill(cfg: DistillConfig) -> Path:
         if cfg.data is not None:
             raise UserError(f"--data {cfg.data}: real samples and the GAN head are for DiT teachers so far; "
                             f"{cfg.teacher} is a pipeline")
-        return distill_pipeline(cfg)
+        return distill_pipeline(cfg, draw_student)
     if cfg.image is not None:
         raise UserError(f"--image {cfg.image}: for an image-to-video pipeline teacher; {cfg.teacher} is a DiT")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -117,10 +120,13 @@ def distill(cfg: DistillConfig) -> Path:
     placed = [flag for flag, given in {"--critic_lora_rank": cfg.critic_lora_rank is not None,
                                        "--fp8_base": cfg.fp8_base, "--blocks_to_swap": cfg.blocks_to_swap,
                                        "--optimizer": cfg.optimizer != "adamw", "--plugin": cfg.plugin != "auto",
-                                       "--sequence_parallel_size": cfg.sequence_parallel_size > 1}.items() if given]
+                                       "--sequence_parallel_size": cfg.sequence_parallel_size > 1,
+                                       "--cfg_scale_2": cfg.cfg_scale_2 is not None,
+                                       "--validation_prompts": cfg.validation_prompts is not None,
+                                       "--clip": cfg.clip is not None}.items() if given]
     if placed:
         raise UserError(f"{placed[0]}: for a pipeline teacher; {cfg.teacher} is a DiT (one process, its critic a "
-                        "full copy, fp32 AdamW)")
+                        "full copy, fp32 AdamW; --eval_every scores its digits)")
     if cfg.cfg_scale is None:  # DMD2's real score guided at 3: at 4 (what `ditforge sample` guides a DiT with) the
         # digits student's FID was 1.37x the teacher's at 250 steps, at 3 0.83x, at 2 0.54x but 98.6% class accuracy
         # (docs/distillation.md, benchmarks/results/digits_distill.json)

@@ -41,6 +41,10 @@ no optimizer state yet, which resume keeps (``checkpoint.keep_saved_states``). T
 both experts' (``--expert both``): ``ema`` holds ``transformer.*`` and ``transformer_2.*`` adapters, which ``sample``
 runs per step on their expert and ``export --format lora`` writes as ``high_noise/`` and ``low_noise/``.
 
+``--eval_every N`` (with ``--validation_prompts`` and ``--clip``) scores the student's and the teacher's videos by
+their CLIP score every N iterations (``distill_eval.py``; the student drawn by ``ditforge sample``'s loop, which
+``cli`` hands over as ``draw_student``).
+
 A reference-image teacher (``takes_references``) distils text-to-video with no control inputs (its call's default
 control), or with ``--image`` one reference image a sample, its latent frame prepended (``reference_control``: the
 adapter's ``encode_control``, ``ditforge sample``'s); student, critic and teacher (both passes) take the control.
@@ -52,6 +56,7 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -111,15 +116,19 @@ def route_experts(pre, objective, times: torch.Tensor) -> None:
 
 def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device, dtype: torch.dtype):
     """The teacher's pipeline (``load_pretrained``: encoders on ``device``, the denoiser in ``dtype``) after the
-    checks of what the student recipe takes, and the guidance scale: ``--cfg_scale``, else the pipeline call's
-    default ``guidance_scale`` (a guidance-distilled family's: the scale its one pass embeds).
+    checks of what the student recipe takes, and the guidance scales (s, s_2): ``--cfg_scale``, else the pipeline
+    call's default ``guidance_scale`` (a guidance-distilled family's: the scale its one pass embeds); a pipeline of
+    two experts' low-noise one ``--cfg_scale_2``, else the call's default ``guidance_scale_2``, else s (the
+    two-expert pipeline's ``__call__``: ``if guidance_scale_2 is None: guidance_scale_2 = guidance_scale``); None
+    for one expert.
 
     A pipeline of two experts (the adapter's ``expert_boundary``) loads with both (``load_pretrained``'s default
     outside sampling: ``add_expert``), routed by ``route_experts``.
 
     Raises:
         UserError (one line, naming ``--teacher`` or the flag): a pipeline that is no video one, or without guidance
-            information (no ``--cfg_scale`` and no default scale in its call).
+            information (no ``--cfg_scale`` and no default scale in its call); ``--cfg_scale_2`` for a pipeline of
+            one expert.
     """
     from ditforge.models.adapters.pipeline import encoder_dtype, load_pretrained
     from ditforge.models.adapters.pipeline import pipeline_defaults
@@ -129,11 +138,18 @@ def load_teacher_pipeline(cfg: DistillConfig, folder: Path, device: torch.device
     if not den.video:
         raise UserError(f"{FLAG} {cfg.teacher}: distill takes video pipelines; {pre.pipeline_class}: it is not a "
                         "video family")
-    scale = cfg.cfg_scale if cfg.cfg_scale is not None else pipeline_defaults(pre.pipe).get("guidance_scale")
+    defaults = pipeline_defaults(pre.pipe)
+    scale = cfg.cfg_scale if cfg.cfg_scale is not None else defaults.get("guidance_scale")
     if scale is None:
         raise UserError(f"{FLAG} {cfg.teacher}: no guidance information ({pre.pipeline_class}'s call has no default "
                         "guidance_scale); give --cfg_scale")
-    return pre, float(scale)
+    if len(den.expert_models()) == 1:
+        if cfg.cfg_scale_2 is not None:
+            raise UserError(f"--cfg_scale_2: for a teacher of two experts (its low-noise transformer_2); {FLAG} "
+                            f"{cfg.teacher} is a {pre.pipeline_class} of one")
+        return pre, float(scale), None
+    scale_2 = next((s for s in (cfg.cfg_scale_2, defaults.get("guidance_scale_2")) if s is not None), scale)
+    return pre, float(scale), float(scale_2)
 
 
 def first_frame_files(cfg: DistillConfig, pre) -> list[Path]:
@@ -247,12 +263,15 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
     return shape, height, width, frames, frames + padding * vae.temporal
 
 
-def nets(networks: Networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype):
+def nets(networks: Networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype,
+         scale_2: float | None = None):
     """(student, critic, teacher) callables (x_t, model timesteps) -> the model's output (a flow family's velocity,
     a DDPM family's v-prediction), float32, for ``dmd.DMD2``: ``networks``' student and critic (an adapter on the
     teacher's denoiser, or a full copy: ``distill_nets``), and the teacher's denoiser with adapters disabled,
     guided: u + scale (c - u) (Ho & Salimans 2022; c, u the conditional and unconditional, empty-prompt passes: the
-    pipelines' ``noise_uncond + guidance_scale * (noise_pred - noise_uncond)``), or for a guidance-distilled family
+    pipelines' ``noise_uncond + guidance_scale * (noise_pred - noise_uncond)``; a pipeline of two experts: row i at
+    ``scale`` where t_i >= the routing boundary, on the high-noise expert, else at ``scale_2``, as its pipeline's
+    ``current_guidance_scale``, by ``adapters.by_expert``'s rule), or for a guidance-distilled family
     (``embedded_guidance``) c alone, one pass with ``scale`` embedded (``model.guidance_inputs``, its pipeline's
     call), the embedding the student and critic take too. ``cond``: the B prompts' conditioning (B, ...). Computed
     under autocast in ``amp`` (none in float32)."""
@@ -270,24 +289,31 @@ def nets(networks: Networks, cond: dict[str, torch.Tensor], scale: float, amp: t
         if model.embedded_guidance:
             return c
         u = call(None, x, t, torch.ones(len(x), dtype=torch.bool, device=x.device))
-        return u + scale * (c - u)
+        if scale_2 is None or scale_2 == scale:
+            return u + scale * (c - u)
+        s = torch.where(t >= model.routing_boundary, scale, scale_2).view(-1, *[1] * (c.ndim - 1))  # (B, 1, ...)
+        return u + s * (c - u)
 
     return (lambda x, t: call("student", x, t)), (lambda x, t: call("critic", x, t)), teacher
 
 
-def distill_pipeline(cfg: DistillConfig) -> Path:
-    """Distil a few-step student of a pipeline teacher (module docstring); returns the run folder.
+def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -> Path:
+    """Distil a few-step student of a pipeline teacher (module docstring); returns the run folder. ``draw_student``:
+    ``sample.student.student_videos`` for ``--eval_every`` (``distill_eval``; ``cli`` hands it over).
 
     Raises:
         UserError: no ``--prompt_file``; a fine-tuned run's folder as ``--teacher``; ``--sequence_parallel_size``
             for a family without a token split (``refuse_unsplittable``) or one that does not divide the processes
-            (``init_distributed``); a ``--batch_size`` the data-parallel groups do not divide; and
-            ``load_teacher_pipeline``'s / ``first_frame_files``' / ``latent_shape``'s /
-            ``distill_nets.build_networks``' errors.
+            (``init_distributed``); a ``--batch_size`` the data-parallel groups do not divide; ``--eval_every``
+            under ``--plugin fsdp`` or ``--sequence_parallel_size``; and ``load_teacher_pipeline``'s /
+            ``first_frame_files``' / ``latent_shape``'s / ``distill_nets.build_networks``' / ``distill_eval``'s
+            errors.
     """
     from ditforge.data.captions import read_prompts
+    from ditforge.train.distill_eval import ClipEval, check_eval_flags, eval_prompts
     from ditforge.train.distill_nets import build_networks
 
+    check_eval_flags(cfg)
     if cfg.prompt_file is None:
         raise UserError("--prompt_file: a pipeline teacher distils from prompts; give a file of one prompt per line")
     prompts = read_prompts(None, cfg.prompt_file)
@@ -315,9 +341,14 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, or choose "
                         "another folder")
     run_dir.mkdir(parents=True, exist_ok=True)
-    pre, scale = load_teacher_pipeline(cfg, folder, device, amp)
+    if cfg.eval_every and plugin == "fsdp" or cfg.eval_every and d.sp_size > 1:
+        raise UserError("--eval_every: process 0 draws the evaluation's videos alone, which a sharded or split "
+                        "network cannot (its calls are collectives); leave --eval_every out under --plugin fsdp or "
+                        "--sequence_parallel_size")
+    pre, scale, scale_2 = load_teacher_pipeline(cfg, folder, device, amp)
     model = pre.denoiser
     files = first_frame_files(cfg, pre)
+    samples = eval_prompts(cfg, pre) if cfg.eval_every else None
     shape, height, width, frames, image_frames = latent_shape(pre, cfg)
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
     networks = build_networks(cfg, pre, targets, amp, d, plugin)
@@ -338,26 +369,39 @@ def distill_pipeline(cfg: DistillConfig) -> Path:
         kept = [r for r in read_metrics(metrics_path) if r["step"] <= start] if metrics_path.exists() else []
         rewrite_metrics(metrics_path, kept)
         metrics = MetricsLog(metrics_path)
-    config = run_config(cfg, pre, folder, targets, objective, times, scale, height, width, frames, plugin, d.sp_size)
+    config = run_config(cfg, pre, folder, targets, objective, times, (scale, scale_2), height, width, frames, plugin,
+                        d.sp_size)
     checkpointer = Checkpointer(run_dir, cfg.keep_last, False, d, last_step=start or None)
+    clip_eval = None
+    if samples is not None and d.is_main:  # the teacher drawn and scored once, here
+        clip_eval = ClipEval(cfg, pre, samples, lambda cond: nets(networks, cond, scale, amp)[0], (scale, scale_2),
+                             (shape, height, width, frames), amp, draw_student, networks.use)
     # an I2V family's given first frame: not learned; the draws of the global batch, this process's group's rows
     dmd = DMD2(objective, times, given_frames=model.given_frames, shard=(d.dp_rank, d.dp_size))
-    log.info("distilling %s into a %d-step student (%s), guidance %.2g, %d critic steps per generator step, %d "
+    log.info("distilling %s into a %d-step student (%s), guidance %.2g%s, %d critic steps per generator step, %d "
              "prompts, latents %s, %d processes (plugin %s, %d per sample), run folder %s", cfg.teacher,
-             cfg.student_steps, networks.describe(), scale, cfg.critic_steps, len(prompts), tuple(shape),
-             d.world_size, plugin, d.sp_size, run_dir)
+             cfg.student_steps, networks.describe(), scale,
+             "" if scale_2 is None else f" (low-noise expert {scale_2:.2g})", cfg.critic_steps, len(prompts),
+             tuple(shape), d.world_size, plugin, d.sp_size, run_dir)
     window, tic = [], time.perf_counter()
     for step in range(start + 1, cfg.max_steps + 1):
-        window.append(iteration(dmd, step, cfg, pre, prompts, files, (shape, height, width, image_frames), scale, amp,
-                                networks, opts, d, plugin))
+        window.append(iteration(dmd, step, cfg, pre, prompts, files, (shape, height, width, image_frames),
+                                (scale, scale_2), amp, networks, opts, d, plugin))
+        scores = {}
+        if clip_eval is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            began = time.perf_counter()
+            scores = clip_eval(step)
+            tic += time.perf_counter() - began  # steps_per_sec counts the iterations alone
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = len(window) / (time.perf_counter() - tic)
-            line = mean_records(window) | {"step": step, "steps_per_sec": rate}
+            line = mean_records(window) | {"step": step, "steps_per_sec": rate} | scores
             if device.type == "cuda":
                 line["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if metrics is not None:  # process 0 writes and logs
                 report(metrics, line, cfg.max_steps)
             window, tic = [], time.perf_counter()
+        elif scores:  # an evaluation between two log lines: a record of its own
+            metrics.write({"step": step, **scores})
         if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
             checkpointer.save(step, networks.state(opts), {"config": config})
     checkpointer.wait()
@@ -371,19 +415,23 @@ def report(metrics: MetricsLog, line: dict, max_steps: int) -> None:
     """Write a metrics record (the mean of a window of iterations, ``line``) and its log line."""
     metrics.write(line)
     step, rate = line["step"], line["steps_per_sec"]
+    clip = (f" | CLIP student {line['clip_score_student']:.4f} teacher {line['clip_score_teacher']:.4f}"
+            if "clip_score_student" in line else "")
     if "generator_loss" in line:
-        log.info("%s | critic %.4f | dmd grad %.3g", progress_line(
+        log.info("%s | critic %.4f | dmd grad %.3g%s", progress_line(
             step, max_steps, line["generator_loss"], rate, line.get("peak_memory_gib")),
-            line["critic_loss"], line["dmd_grad_norm"])
+            line["critic_loss"], line["dmd_grad_norm"], clip)
     else:
-        log.info("step %d/%d | critic %.4f | %.2f steps/s", step, max_steps, line["critic_loss"], rate)
+        log.info("step %d/%d | critic %.4f | %.2f steps/s%s", step, max_steps, line["critic_loss"], rate, clip)
 
 
 def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str], files: list[Path], sizes,
-              scale: float, amp: torch.dtype, networks: Networks, opts: list, d: Dist, plugin: str) -> dict[str, float]:
+              scales: tuple[float, float | None], amp: torch.dtype, networks: Networks, opts: list, d: Dist,
+              plugin: str) -> dict[str, float]:
     """One iteration (DMD2's two time scales, as ``distill._iteration``): every ``critic_steps``-th a generator step,
     then a critic step. ``sizes``: (the latents' shape (B, C, T', h, w), height, width, the frames the image
-    conditioning covers: the clip's and the pipeline's padding). Its randomness from
+    conditioning covers: the clip's and the pipeline's padding); ``scales``: the teacher's guidance (``nets``'
+    scale, scale_2). Its randomness from
     ``torch.Generator(device).manual_seed(derive_seed(seed, step))``, in this order: the B prompts' indices
     (uniform), an image-to-video teacher's B first frames' indices in ``files`` (uniform) and its image latents'
     draws (``image_from_generator``), the noise (B, C, T', h, w) (then the adapter's ``start``: the latents the
@@ -403,7 +451,7 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     noise = model.start(torch.randn(shape, generator=g, device=device), cond)  # as the pipeline's first latents
     b = shape[0] // d.dp_size
     mine = slice(d.dp_rank * b, (d.dp_rank + 1) * b)
-    student, critic, teacher = nets(networks, {k: v[mine] for k, v in cond.items()}, scale, amp)
+    student, critic, teacher = nets(networks, {k: v[mine] for k, v in cond.items()}, scales[0], amp, scales[1])
     reduce = (lambda params: None) if plugin == "fsdp" else (lambda params: average_gradients(params, d))
     # each backward (and its recomputed blocks under gradient checkpointing) runs under its forward's adapter
     record = dmd2_iteration(dmd, step, cfg.critic_steps, student, teacher, critic, noise[mine], g, *opts,
@@ -412,8 +460,9 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     return mean_over_processes(record, d)
 
 
-def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], objective, times, scale: float,
-               height: int, width: int, frames: int, plugin: str, sp_size: int) -> dict:
+def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], objective, times,
+               scales: tuple[float, float | None], height: int, width: int, frames: int, plugin: str,
+               sp_size: int) -> dict:
     """The student run's saved config: a LoRA fine-tune's ``RunConfig`` of the teacher's pipeline (a full
     fine-tune's for a full student, ``--lora_rank 0``: what
     ``load_finetuned`` rebuilds the student from) with the ``distill`` section ``ditforge sample`` reads (its keys
@@ -433,9 +482,11 @@ def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], object
     config = build_config(overrides=overrides).to_dict()
     config["model"]["num_frames"] = None  # the denoiser's own frames: the flags' are data.num_frames
     settings = asdict(cfg)
+    scale = scales[0]
     config["distill"] = {"teacher": cfg.teacher, "student_steps": cfg.student_steps,
                          "critic_steps": cfg.critic_steps, "timesteps": times.tolist(), "sampler": STUDENT_SAMPLER,
-                         "teacher_cfg_scale": scale, "sample_cfg_scale": scale if den.embedded_guidance else 1.0,
+                         "teacher_cfg_scale": scale, "teacher_cfg_scale_2": scales[1],
+                         "sample_cfg_scale": scale if den.embedded_guidance else 1.0,
                          "height": height, "width": width, "image": cfg.image,
                          "student_lora_rank": settings["lora_rank"], "critic_lora_rank": critic_rank(cfg),
                          "optimizer": cfg.optimizer, "fp8_base": cfg.fp8_base, "blocks_to_swap": cfg.blocks_to_swap,

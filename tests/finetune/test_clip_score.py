@@ -64,6 +64,18 @@ def test_clip_score_equals_transformers_clip(tiny_clip, tmp_path, capsys):
     assert got["clip_score"] == pytest.approx(_reference(tiny_clip, images, prompts), abs=1e-4)
 
 
+def test_clip_score_of_videos_is_the_frames_mean(tiny_clip):
+    """Videos (N, T, H, W, 3): every frame scored against its video's prompt, the N x T scores averaged (the
+    distillation's evaluation of video students); against the per-frame reference, 1e-4."""
+    from ditforge.eval.clip_score import clip_score
+
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    videos = rng.integers(0, 256, (3, 2, 20, 20, 3), dtype=np.uint8)
+    prompts = ["a red circle", "two dogs", "blue sky"]
+    want = np.mean([_reference(tiny_clip, video, [prompt] * len(video)) for video, prompt in zip(videos, prompts)])
+    assert clip_score(videos, prompts, tiny_clip, batch_size=4) == pytest.approx(want, abs=1e-4)
+
+
 def test_clip_score_bad_input(tiny_clip, tmp_path, capsys):
     images = np.zeros((3, 16, 16, 3), dtype=np.uint8) + np.arange(3, dtype=np.uint8)[:, None, None, None]
     no_prompts = tmp_path / "np.npz"

@@ -21,14 +21,16 @@ from ditforge import cli
 from ditforge.data.sampler import derive_seed
 from test_distill_video import (BATCH, PROMPTS, STEPS, assert_resume_exact, lora_tensors, prompt_file, read_part,
                                 recorded_run)
+from test_clip_score import tiny_clip
 from tiny_pipelines import make_wan22
 
-__all__ = ["prompt_file"]  # a fixture of test_distill_video's, used here
+__all__ = ["prompt_file", "tiny_clip"]  # fixtures of test_distill_video's and test_clip_score's, used here
 SCALE, BOUNDARY = 5.0, 875.0  # WanPipeline's default guidance_scale (guidance_scale_2 None: the same); 0.875 x 1000
+SCALE_2 = 2.0  # the run's --cfg_scale_2: the low-noise expert guided at another scale than the high-noise one
 # seed 7: iterations 1 and 3 (the generator steps) both evaluate the teacher on a batch straddling t = 875, and the
 # student's step k is 0 (t = 1000, the high-noise expert) at 1 and 1 (t = 750, the low-noise one) at 3, so the
 # low-noise student first steps after the resume test's cut at 2 (``test_student_steps_train_their_experts_only``)
-ARGS = ("--seed", "7")
+ARGS = ("--seed", "7", "--cfg_scale_2", str(SCALE_2))
 SEED = 7
 
 
@@ -86,22 +88,25 @@ class OneStep:
         return (out,)
 
 
-def pipeline_guided(pipe, x: torch.Tensor, t: torch.Tensor, texts: list[str]) -> torch.Tensor:
+def pipeline_guided(pipe, x: torch.Tensor, t: torch.Tensor, texts: list[str], scale_2: float | None = None
+                    ) -> torch.Tensor:
     """``WanPipeline.__call__``'s guided prediction for each row of latents x (B, 16, 2, 2, 2) at its model timestep
     t_i, one call a row: the pipeline picks the expert of t_i (its ``boundary_ratio``) and guides with its
-    ``guidance_scale`` (5) against the negative prompt "" (``encode_prompt``, 512 tokens)."""
+    ``guidance_scale`` (5) on the high-noise expert and its ``guidance_scale_2`` (``scale_2``; None: the call's
+    default, the same 5) on the low-noise one, against the negative prompt "" (``encode_prompt``, 512 tokens)."""
     rows = []
     for i, text in enumerate(texts):
         pipe.scheduler = OneStep(t[i])
         rows.append(pipe(prompt=text, height=16, width=16, num_frames=5, latents=x[i:i + 1], guidance_scale=SCALE,
-                         output_type="latent").frames)
+                         guidance_scale_2=scale_2, output_type="latent").frames)
     return torch.cat(rows)
 
 
 def test_teacher_is_the_pipelines_expert_and_guidance(run, wan22):
     """Both generator steps' teacher, each on a batch straddling t = 875 (four transformer calls: two passes on
-    each expert), equals ``WanPipeline.__call__`` at each row's t (float32, 1e-5); the two experts differ there, so
-    a row on the wrong expert would not."""
+    each expert), equals ``WanPipeline.__call__`` at each row's t with ``guidance_scale`` 5 and ``guidance_scale_2``
+    2, the run's ``--cfg_scale_2`` (float32, 1e-5); the two experts differ there, so a row on the wrong expert would
+    not, and so does the call with one scale on both, so the low-noise rows at the high-noise scale would not."""
     from diffusers import WanPipeline
 
     _, seen = run
@@ -112,12 +117,16 @@ def test_teacher_is_the_pipelines_expert_and_guidance(run, wan22):
         g = torch.Generator().manual_seed(derive_seed(SEED, step))
         rows = torch.randint(len(PROMPTS), (BATCH,), generator=g).tolist()
         with torch.no_grad():
-            want = pipeline_guided(pipe, x, t, [PROMPTS[i] for i in rows])
+            want = pipeline_guided(pipe, x, t, [PROMPTS[i] for i in rows], SCALE_2)
+            one_scale = pipeline_guided(pipe, x, t, [PROMPTS[i] for i in rows])
             states = torch.randn(BATCH, 512, 32, generator=torch.Generator().manual_seed(step))
             high, low = (m(hidden_states=x, timestep=t, encoder_hidden_states=states, return_dict=False)[0]
                          for m in (pipe.transformer, pipe.transformer_2))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert (high - low).abs().max() > 1e-2
+        low_rows = t < BOUNDARY
+        # (100 x the tolerance)
+        assert (one_scale - want)[low_rows].abs().max() > 1e-3 and (one_scale - want)[~low_rows].abs().max() == 0
 
 
 def test_every_call_runs_on_the_expert_of_its_timesteps(run, wan22):
@@ -158,6 +167,7 @@ def test_student_steps_train_their_experts_only(run):
     assert all(any(bool(v.any()) for v in part.values()) for part in critic.values())
     config = json.loads((ckpts / "step-0000004" / "meta.json").read_text())["config"]
     assert config["model"]["expert"] == "both"
+    assert (config["distill"]["teacher_cfg_scale"], config["distill"]["teacher_cfg_scale_2"]) == (SCALE, SCALE_2)
 
 
 def test_resume_equals_uninterrupted(run, wan22, prompt_file, tmp_path, one_thread):
@@ -232,6 +242,21 @@ def test_sample_runs_each_step_on_its_expert(run, wan22, tmp_path, monkeypatch):
     assert np.load(tmp_path / "a.npz")["samples"].shape == (1, 5, 16, 16, 3)
 
 
+def test_clip_evaluation_draws_the_teacher_at_both_scales(wan22, prompt_file, tiny_clip, tmp_path, one_thread):
+    """``--eval_every`` of the two-expert teacher at ``--cfg_scale_2`` 100 (the tiny experts' guided videos move by
+    less than a level of 255 below 20): the teacher's videos the run scores are ``WanPipeline.__call__``'s own with
+    ``guidance_scale`` 5 and ``guidance_scale_2`` 100 (exactly), and not its videos at one scale."""
+    from diffusers import WanPipeline
+    from test_distill_eval import pipeline_videos, scored_run
+
+    _, _, scored = scored_run(wan22, prompt_file, tiny_clip, tmp_path, "--max_steps", "1", *ARGS, "--cfg_scale_2",
+                              "100")
+    pipe = WanPipeline.from_pretrained(str(wan22), local_files_only=True)
+    want = pipeline_videos(pipe, SEED, guidance_scale=SCALE, guidance_scale_2=100.0)
+    np.testing.assert_array_equal(scored[0], want)
+    assert (want != pipeline_videos(pipe, SEED, guidance_scale=SCALE)).mean() > 0.1
+
+
 def test_student_on_one_side_still_uses_both_experts(wan22, prompt_file, tmp_path, monkeypatch, one_thread):
     """A 1-step student (t = 1000: the high-noise expert alone): the low-noise expert still serves teacher and
     critic below t = 875 (its critic adapter trains), its student adapter stays untrained (B = 0), and the sample
@@ -300,6 +325,9 @@ def test_i2v_teacher_is_the_pipelines_expert_and_guidance(i2v_run, tmp_path, mon
                                  height=16, width=16, num_frames=5, latents=x[i:i + 1], guidance_scale=SCALE,
                                  output_type="latent").frames)
         torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+    # no --cfg_scale_2: the call's default guidance_scale_2, None, which takes guidance_scale's value
+    distill = json.loads(sorted((out / "checkpoints").iterdir())[-1].joinpath("meta.json").read_text())["config"]
+    assert (distill["distill"]["teacher_cfg_scale"], distill["distill"]["teacher_cfg_scale_2"]) == (SCALE, SCALE)
     calls: list = []
     expert_log(monkeypatch, calls)
     assert cli.main(["sample", "--ckpt", str(out), "--prompt", PROMPTS[0], "--image", str(files[0]), "--device",

@@ -250,6 +250,8 @@ def test_bad_input_one_line(wan_pipeline, prompt_file, tmp_path, capsys, monkeyp
                           "--student_steps", "0")
     assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out, "--lora_target_modules", "nope"),
                           "--lora_target_modules", "nope")
+    assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out, "--cfg_scale_2", "3"),
+                          "--cfg_scale_2", "two experts", "of one")
     import ditforge.models.adapters.pipeline as pipeline
 
     defaults = pipeline.pipeline_defaults
@@ -314,8 +316,8 @@ def recorded_run(folder, prompt_file, out, *extra: str, log_calls=lambda mp, cal
     seen = {"teacher": [], "calls": []}
     nets = distill_pipeline.nets
 
-    def spy(model, cond, scale, amp):
-        student, critic, teacher = nets(model, cond, scale, amp)
+    def spy(model, cond, scale, amp, scale_2=None):
+        student, critic, teacher = nets(model, cond, scale, amp, scale_2)
 
         def watched(x, t):
             before = len(seen["calls"])

@@ -82,10 +82,12 @@ def is_adapted_pipeline(path: str | Path, replaced: tuple[str, ...] = ()) -> boo
 
 def pipeline_defaults(pipe) -> dict:
     """The defaults of the pipeline's ``__call__`` that ``ditforge sample`` falls back on: height, width,
-    num_frames, num_inference_steps, guidance_scale (a signature default, or for a default the signature leaves
-    None what the pipeline's body computes, the adapter's ``call_defaults``)."""
+    num_frames, num_inference_steps, guidance_scale, and a two-expert pipeline's guidance_scale_2 (a signature
+    default, or for a default the signature leaves None what the pipeline's body computes, the adapter's
+    ``call_defaults``; None where neither gives one: a two-expert pipeline's guidance_scale_2 then takes
+    guidance_scale's)."""
     params = inspect.signature(pipe.__call__).parameters
-    names = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
+    names = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2")
     out = {n: params[n].default for n in names if n in params}
     family = family_of_pipeline(type(pipe).__name__)
     computed = family.call_defaults(pipe) if family is not None else {}
@@ -325,7 +327,8 @@ def load_pretrained(folder: str | Path, device: torch.device, text_dtype: torch.
 def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts: list[str], seeds: list[int],
                            image_size: int | tuple[int, int], num_steps: int, guidance_scale: float,
                            batch_size: int = 8, num_frames: int | None = None, images: list | None = None,
-                           negative: str | None = None, call_inputs: dict | None = None) -> torch.Tensor:
+                           negative: str | None = None, call_inputs: dict | None = None,
+                           guidance_scale_2: float | None = None) -> torch.Tensor:
     """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (an adapter of the
     fine-tuned diffusers model; its text encoder too when it trained one) in it: row i starts from the noise of
     ``torch.Generator(device).manual_seed(seeds[i])``, so it depends on its prompt and seed only. The prompts are
@@ -337,7 +340,8 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
     (``WanImageToVideoPipeline``) takes ``images``, one PIL image per prompt, passed as the pipeline's ``image``;
     its rows are drawn one per call (the pipeline takes one image a call, ``pipeline_wan_i2v.py``). ``call_inputs``:
     more arguments of every call, for a ``driving_videos`` family (its ``driving_inputs`` and ``image``; its rows
-    are drawn one per call, and the frame count is its videos', not ``num_frames``)."""
+    are drawn one per call, and the frame count is its videos', not ``num_frames``). ``guidance_scale_2``: a
+    two-expert pipeline's low-noise scale (the call's argument; None: its default)."""
     pipe = pre.pipe
     height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
     for slot, model in zip(denoiser.pipeline_slots, denoiser.expert_models()):  # one expert of two: in its own slot
@@ -365,6 +369,8 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
                 video = {"num_frames": num_frames} if denoiser.video and call_inputs is None else {}
                 if denoiser.image_to_video:
                     video["image"] = first_images[start]
+                if guidance_scale_2 is not None:
+                    video["guidance_scale_2"] = guidance_scale_2
                 result = pipe(num_inference_steps=num_steps, guidance_scale=guidance_scale, height=height,
                               width=width, generator=gens, output_type="pt",
                               **denoiser.pipeline_inputs(cond, against), **denoiser.pipeline_kwargs, **video,
