@@ -75,8 +75,10 @@ def _whole_or_eager(module: torch.nn.Module, whole):
         try:
             return whole(*args, **kwargs)
         except (Unsupported, FailOnRecompileLimitHit) as e:
-            log.warning("VAE.compile: %s does not compile whole (%s); it runs eagerly", type(module).__name__,
-                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+            lines = str(e).splitlines()
+            where = [line.strip() for line in lines if line.strip().startswith("File ")]  # dynamo's "from user code"
+            log.warning("VAE.compile: %s does not compile whole (%s%s); it runs eagerly", type(module).__name__,
+                        lines[0] if lines else type(e).__name__, f", at {where[-1]}" if where else "")
             module._compiled_call_impl = None  # nn.Module's own eager call from now on
             return module._call_impl(*args, **kwargs)
 
