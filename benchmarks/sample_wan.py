@@ -427,6 +427,10 @@ def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, d
     if device.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         row["resident_gib"] = round(resident, 2)
+    if settings.get("enable_flashattn"):  # which exact kernel each attention shape took, and both times
+        from ditforge.ops.flash4 import measured_choices
+
+        row["exact_attention"] = measured_choices()
     if profile and device.type == "cuda" and split:
         row["profile"] = profile_loop(sampler, lambda: sampler.denoise(cond, uncond, shape, 1, 2, w["guidance"]),
                                       shape, profile, name)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 FA4_DTYPES = (torch.float16, torch.bfloat16)
 _OPS: SimpleNamespace | None = None
 _CHOICES: dict[tuple, str] = {}  # fastest_exact_kernel's answers, for the process
+_TIMES: dict[tuple, dict[str, float]] = {}  # fastest_exact_kernel's measured medians (ms), by its key
 
 
 @functools.cache
@@ -181,6 +182,14 @@ def fastest_exact_kernel(shape: tuple[int, int, int, int], dtype: torch.dtype, d
     return _CHOICES[key]
 
 
+def measured_choices() -> list[dict]:
+    """What ``fastest_exact_kernel`` measured in this process, one dict a shape: ``shape`` (B, S, H, D), ``dtype``,
+    ``backward``, ``kernel`` (``"fa4"`` | ``"sdpa"``), ``fa4_ms`` and ``sdpa_ms`` (medians); for a benchmark's
+    record of which kernel ran."""
+    return [dict(shape=list(key[0]), dtype=str(key[1]), backward=key[3], kernel=_CHOICES[key],
+                 fa4_ms=round(t["fa4"], 3), sdpa_ms=round(t["sdpa"], 3)) for key, t in _TIMES.items()]
+
+
 def _measure(shape, dtype, device, backward, backends) -> str:
     """``fastest_exact_kernel``'s measurement."""
     gen = torch.Generator(f"cuda:{device}").manual_seed(0)
@@ -192,6 +201,7 @@ def _measure(shape, dtype, device, backward, backends) -> str:
         with torch.no_grad() if not backward else torch.enable_grad():
             times[name] = _median_ms(run)
     best = min(times, key=times.get)
+    _TIMES[(shape, dtype, device, backward, backends)] = times
     log.info("exact attention at (B, S, H, D) = %s %s%s: %s (FlashAttention-4 %.2f ms, SDPA %.2f ms)", shape, dtype,
              " forward + backward" if backward else "", best, times["fa4"], times["sdpa"])
     return best
