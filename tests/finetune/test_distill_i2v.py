@@ -178,30 +178,37 @@ def test_i2v_bad_input_one_line(wan_i2v_pipeline, wan_pipeline, prompt_file, ima
     assert not (out / "checkpoints").exists()
 
 
-OTHER_I2V = {  # family -> its size flags: 32 px for the families whose tiny VAE downsamples by 8 with 2 x 2 patches
-    "cogvideox_i2v": ("--height", "32", "--width", "32", "--num_frames", "9"),
-    "ltx_i2v": ("--height", "32", "--width", "32", "--num_frames", "9"),
-    "hunyuan_video_i2v": (),
-    "hunyuan_video_i2v_33ch": (),
+OTHER_FAMILIES = {  # family -> its size flags (32 px for the families whose tiny VAE downsamples by 8 with 2 x 2
+    # patches, or folds 2 x 2 pixels as Wan 2.2 TI2V-5B's) and whether it takes a first frame (--image)
+    "cogvideox_i2v": (("--height", "32", "--width", "32", "--num_frames", "9"), True),
+    "ltx_i2v": (("--height", "32", "--width", "32", "--num_frames", "9"), True),
+    "hunyuan_video_i2v": ((), True),
+    "hunyuan_video_i2v_33ch": ((), True),
+    "ltx": (("--height", "32", "--width", "32", "--num_frames", "9"), False),
+    "wan22_ti2v": (("--height", "32", "--width", "32", "--num_frames", "9"), False),
 }
 
 
-@pytest.mark.parametrize("family", list(OTHER_I2V))
-def test_other_i2v_families_distil_and_sample(request, family, prompt_file, image_dir, tmp_path, one_thread):
-    """The same code path for the other image-to-video families (no code of theirs outside their adapters): two
-    iterations (a generator step, then a critic step) with finite losses, and ``sample --ckpt RUN --image IMG`` in
-    the student's steps. A family whose first latent frame is given (``given_frames``) leaves it out of the DMD
-    loss (``DMD2.given_frames``) and the student's sample ends with the image's frame (``finish``)."""
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_other_families_distil_and_sample(request, family, prompt_file, image_dir, tmp_path, one_thread):
+    """The same code path for the other image-to-video families, and the text-to-video ones no other test distils
+    (no code of theirs outside their adapters): two iterations (a generator step, then a critic step) with finite
+    losses, and ``sample --ckpt RUN [--image IMG]`` in the student's steps. A family whose first latent frame is
+    given (``given_frames``) leaves it out of the DMD loss (``DMD2.given_frames``) and the student's sample ends
+    with the image's frame (``finish``)."""
     folder = request.getfixturevalue(f"{family}_pipeline")
+    sizes, takes_image = OTHER_FAMILIES[family]
+    image = ("--image", str(image_dir)) if takes_image else ()
     out = tmp_path / "run"
-    argv = distill_argv(folder, prompt_file, out, "--max_steps", "2", "--image", str(image_dir), *OTHER_I2V[family])
+    argv = distill_argv(folder, prompt_file, out, "--max_steps", "2", *image, *sizes)
     assert cli.main(argv) == 0
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2] and "generator_loss" in lines[0]
     assert all(np.isfinite(v) for r in lines for v in r.values())
-    size = [v for k, v in zip(OTHER_I2V[family][::2], OTHER_I2V[family][1::2]) if k == "--num_frames"]
-    assert cli.main(["sample", "--ckpt", str(out), "--image", str(image_dir / "a.png"), "--prompt", PROMPTS[0],
-                     "--device", "cpu", "--num_frames", size[0] if size else "5", "--out", str(tmp_path / "a.mp4"),
+    size = dict(zip(sizes[::2], sizes[1::2]))
+    first = ("--image", str(image_dir / "a.png")) if takes_image else ()
+    assert cli.main(["sample", "--ckpt", str(out), *first, "--prompt", PROMPTS[0], "--device", "cpu",
+                     "--num_frames", size.get("--num_frames", "5"), "--out", str(tmp_path / "a.mp4"),
                      "--save_npz", str(tmp_path / "a.npz")]) == 0
     video = np.load(tmp_path / "a.npz")["samples"]
     assert video.ndim == 5 and video.shape[0] == 1
