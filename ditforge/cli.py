@@ -372,15 +372,15 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("command")
     try:
         if command == "train":
-            from ditforge.train.trainer import train
-
-            from ditforge.train.checkpoint import find_resume
-            from ditforge.weights.read import read_meta
-
             config_file = args.pop("config", None)
             # Resuming continues the saved run: its settings are the base; a file and flags still override.
-            ckpt, _ = find_resume(args.get("resume"), args.get("outputs"))
-            base = read_meta(ckpt).get("config") if ckpt is not None else None
+            base = None
+            if args.get("resume") is not None:
+                from ditforge.train.checkpoint import find_resume
+                from ditforge.weights.read import read_meta
+
+                ckpt, _ = find_resume(args["resume"], args.get("outputs"))
+                base = read_meta(ckpt).get("config") if ckpt is not None else None
             if base is not None:
                 base["train"] = {k: v for k, v in base["train"].items() if k not in ("resume", "outputs")}
                 saved = base.get("parallel", {})
@@ -388,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
                     # resumed under another plugin: the saved one's HSDP layout is not this one's
                     base["parallel"] = {k: v for k, v in saved.items() if k not in ("dp_shard", "dp_replicate")}
             cfg = build_config(config_file, args, base)
+            # the trainer (torch, its distributed stack) after the settings are checked: a bad flag is one line
+            # at once, not after seconds of imports
+            from ditforge.train.trainer import train
+
             draw = None
             if cfg.data.class_data is not None and cfg.data.instance_data is not None:
                 from ditforge.sample.class_clips import draw_class_clips as draw  # a video pipeline's class clips

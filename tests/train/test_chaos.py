@@ -33,6 +33,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,7 +42,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from dist_helpers import COMMON, REPO, TINY, descendants, dist_env, kill_all, rank_pid, torchrun_cmd  # noqa: E402
+from dist_helpers import (COMMON, REPO, TINY, descendants, dist_env, kill_all, rank_pid, run_single,  # noqa: E402
+                          torchrun_cmd, torchrun_many)
 
 from ditforge.weights.read import list_checkpoints  # noqa: E402
 from ditforge.train.logging import read_metrics  # noqa: E402
@@ -65,9 +67,13 @@ class Kill:
     survivor_exit_s: float | None = None  # 2 processes: seconds until torchrun and the other rank had ended
 
 
-def _launch(run: Path, procs: int, steps: int, log: Path) -> subprocess.Popen:
-    args = [*TINY, "--max_steps", str(steps), "--ckpt_every", str(CKPT_EVERY), "--keep_last", "2",
+def _args(steps: int) -> list[str]:
+    return [*TINY, "--max_steps", str(steps), "--ckpt_every", str(CKPT_EVERY), "--keep_last", "2",
             "--async_checkpoint", "--resume", "auto", "--report_to", "none"]
+
+
+def _launch(run: Path, procs: int, steps: int, log: Path) -> subprocess.Popen:
+    args = _args(steps)
     cmd = (torchrun_cmd(procs, run, *args) if procs > 1
            else [sys.executable, "-m", "ditforge", "train", *COMMON, "--outputs", str(run), *args])
     with open(log, "w") as out:  # the child keeps its own descriptor
@@ -86,6 +92,34 @@ def _wait_training(proc: subprocess.Popen, run: Path, since: float, after_step: 
             raise AssertionError(f"{run}: no step logged within {RUN_TIMEOUT:.0f} s")
         time.sleep(0.01)
     return None
+
+
+def _reference(run: Path, procs: int, steps: int) -> float:
+    """The uninterrupted run, without a start-up of processes of its own (only the killed runs need processes that
+    can be killed; a torchrun launch's agent and workers each import torch and ditforge anew): in this process (one
+    thread, as the launches' OMP_NUM_THREADS=1), or with 2 processes forked from the preloaded forkserver
+    (dist_helpers.torchrun_many: torchrun's environment, one thread a process; test_dist_nodes.py finds such a run
+    equal to torchrun's bit for bit). Returns its seconds after its first logged step."""
+    first, done = [], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set() and not first:
+            if _on_disk(run)[0] > 0:
+                first.append(time.time())
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        if procs == 1:
+            run_single(run, *_args(steps))
+        else:
+            torchrun_many(procs, [(run, _args(steps))], timeout=RUN_TIMEOUT)
+    finally:
+        done.set()
+        watcher.join()
+    assert first, f"{run}: the reference logged no step"
+    return time.time() - first[0]
 
 
 def _finish(proc: subprocess.Popen, log: Path) -> None:
@@ -162,10 +196,7 @@ def chaos(folder: Path, procs: int = 1, kills: int = 3, steps: int = 8, seed: in
     folder.mkdir(parents=True, exist_ok=True)
     started = time.time()
     ref = folder / "reference"
-    proc = _launch(ref, procs, steps, folder / "reference.log")
-    training = _wait_training(proc, ref, started, 0)
-    _finish(proc, folder / "reference.log")
-    window = (time.time() - started - (training or 0.0)) / kills  # the reference's time after its first step
+    window = _reference(ref, procs, steps) / kills  # the reference's time after its first step
 
     run, done = folder / "run", []
     for i in range(kills + 1):
