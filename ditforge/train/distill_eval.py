@@ -28,14 +28,19 @@ log = logging.getLogger(__name__)
 
 
 def check_eval_flags(cfg) -> None:
-    """``--eval_every`` / ``--validation_prompts`` / ``--clip`` of a pipeline teacher: all three or none. Raises
-    UserError (one line naming the flag): one given without the others."""
+    """``--eval_every`` / ``--validation_prompts`` / ``--clip`` of a pipeline teacher: all three or none, and not
+    with ``--plugin fsdp`` or ``--sequence_parallel_size`` (process 0 draws the evaluation's videos alone, which a
+    sharded or split network cannot: its calls are collectives). Raises UserError (one line naming the flag)."""
     given = {"--eval_every": bool(cfg.eval_every), FLAG: cfg.validation_prompts is not None,
              "--clip": cfg.clip is not None}
     if any(given.values()) and not all(given.values()):
         missing = next(flag for flag, on in given.items() if not on)
         raise UserError(f"{missing}: a pipeline teacher's --eval_every scores the student's and the teacher's videos "
                         "of --validation_prompts FILE by their CLIP score with --clip FOLDER; give all three, or none")
+    if cfg.eval_every and (cfg.plugin == "fsdp" or cfg.sequence_parallel_size > 1):
+        raise UserError("--eval_every: process 0 draws the evaluation's videos alone, which a sharded or split "
+                        "network cannot (its calls are collectives); leave --eval_every out under --plugin fsdp or "
+                        "--sequence_parallel_size")
 
 
 def eval_prompts(cfg, pre) -> list:

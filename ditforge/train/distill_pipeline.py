@@ -304,10 +304,9 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
     Raises:
         UserError: no ``--prompt_file``; a fine-tuned run's folder as ``--teacher``; ``--sequence_parallel_size``
             for a family without a token split (``refuse_unsplittable``) or one that does not divide the processes
-            (``init_distributed``); a ``--batch_size`` the data-parallel groups do not divide; ``--eval_every``
-            under ``--plugin fsdp`` or ``--sequence_parallel_size``; and ``load_teacher_pipeline``'s /
-            ``first_frame_files``' / ``latent_shape``'s / ``distill_nets.build_networks``' / ``distill_eval``'s
-            errors.
+            (``init_distributed``); a ``--batch_size`` the data-parallel groups do not divide; and
+            ``check_eval_flags``' / ``load_teacher_pipeline``'s / ``first_frame_files``' / ``latent_shape``'s /
+            ``distill_nets.build_networks``' / ``distill_eval``'s errors.
     """
     from ditforge.data.captions import read_prompts
     from ditforge.train.distill_eval import ClipEval, check_eval_flags, eval_prompts
@@ -341,10 +340,6 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
         raise UserError(f"--outputs {run_dir} already holds a run; pass --resume auto to continue it, or choose "
                         "another folder")
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.eval_every and plugin == "fsdp" or cfg.eval_every and d.sp_size > 1:
-        raise UserError("--eval_every: process 0 draws the evaluation's videos alone, which a sharded or split "
-                        "network cannot (its calls are collectives); leave --eval_every out under --plugin fsdp or "
-                        "--sequence_parallel_size")
     pre, scale, scale_2 = load_teacher_pipeline(cfg, folder, device, amp)
     model = pre.denoiser
     files = first_frame_files(cfg, pre)

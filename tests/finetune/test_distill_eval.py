@@ -127,3 +127,7 @@ def test_bad_input_one_line(wan_pipeline, prompt_file, tiny_clip, tmp_path, caps
     assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out, "--eval_every", "1",
                                                "--validation_prompts", str(lines), "--clip", str(tiny_clip)),
                           f"{lines}:1", "--width", "at most --seed")
+    lines.write_text("a cat\n")
+    assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out, "--eval_every", "1",
+                                               "--validation_prompts", str(lines), "--clip", str(tiny_clip),
+                                               "--plugin", "fsdp"), "--eval_every", "--plugin fsdp")

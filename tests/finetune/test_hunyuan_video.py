@@ -155,7 +155,9 @@ def test_sampling_crops_the_text_padding_and_drops_full_masks(monkeypatch):
         out = denoiser.denoise(x, t, **trimmed)
         assert len(markers) == 2 and masks == [None, None]
         assert (out - padded).abs().max() <= 1e-5 * padded.abs().max()
-        assert route_self_attention(denoiser.inner, exact, (32,)) == 2
+        # the two joint attentions, and the token refiner's (its processor calls PyTorch itself; its call carries the
+        # text mask, so it stays PyTorch's: two routed calls below)
+        assert route_self_attention(denoiser.inner, exact, (32,)) == 3
         masks.clear()
         out = denoiser.denoise(x, t, **trimmed)
         assert routed == [torch.Size([1, 8 + 9, 2, 32])] * 2 and masks == []
