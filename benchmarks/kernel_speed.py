@@ -36,7 +36,7 @@
     removes): max abs and relative RMS.
 
 ``exact-attention``: the exact attention kernels at Wan2.1-1.3B's 480 x 832 x 81 self-attention (B = 2, 12 heads of
-    128, 32,760 tokens, bf16), forward and forward + backward: SDPA's cuDNN and FlashAttention-2 kernels (what
+    128, 32,760 tokens, bf16; ``--tokens``, ``--heads``, ``--head_dim`` another shape), forward and forward + backward: SDPA's cuDNN and FlashAttention-2 kernels (what
     diffusers and the anchors run) against FlashAttention-4's SM90 kernels (``flash_attn.cute.flash_attn_func`` of the
     ``flash-attn-4`` wheel, CuTe DSL) where it imports. Median of 10 CUDA-event samples after 3 calls; TFLOPS as
     4 B H S^2 D / time (forward; the backward counted as 2.5 forwards). Error of each output and input gradient
@@ -361,7 +361,7 @@ ATTENTION8_CONFIGS = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st, pv_
 def attention8(args) -> dict:
     from ditforge.ops import quant_attention as qa
 
-    B, S, H, D = 2, args.tokens, 12, 128
+    B, S, H, D = 2, args.tokens, args.heads, args.head_dim
     meta = dict(date=datetime.now().isoformat(timespec="minutes"), device=torch.cuda.get_device_name(),
                 torch=torch.__version__, cudnn=torch.backends.cudnn.version(), shape=[B, S, H, D])
     print(json.dumps(meta))
@@ -411,7 +411,7 @@ def attention8(args) -> dict:
 
 
 def exact_attention(args) -> dict:
-    B, S, H, D = 2, args.tokens, 12, 128
+    B, S, H, D = 2, args.tokens, args.heads, args.head_dim
     meta = dict(date=datetime.now().isoformat(timespec="minutes"), device=torch.cuda.get_device_name(),
                 torch=torch.__version__, cudnn=torch.backends.cudnn.version(), shape=[B, S, H, D])
     kernels = {}
@@ -486,6 +486,9 @@ def main() -> None:
             s.add_argument("--tokens", default="4096,16384,32768")
         if name in ("attention8", "exact-attention"):
             s.add_argument("--tokens", type=int, default=32760)
+        if name == "exact-attention":  # Wan-1.3B's by default; CogVideoX-5B's: --tokens 17776 --heads 48 --head_dim 64
+            s.add_argument("--heads", type=int, default=12)
+            s.add_argument("--head_dim", type=int, default=128)
         if name == "fp8-train":
             s.add_argument("--widths", default="1152,2048,3072,4096")
             s.add_argument("--recipes", default="tensorwise,rowwise")
