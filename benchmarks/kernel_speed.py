@@ -36,8 +36,8 @@
     removes): max abs and relative RMS.
 
 ``exact-attention``: the exact attention kernels at Wan2.1-1.3B's 480 x 832 x 81 self-attention (B = 2, 12 heads of
-    128, 32,760 tokens, bf16; ``--tokens``, ``--heads``, ``--head_dim`` another shape), forward and forward + backward: SDPA's cuDNN and FlashAttention-2 kernels (what
-    diffusers and the anchors run) against FlashAttention-4's SM90 kernels (``flash_attn.cute.flash_attn_func`` of the
+    128, 32,760 tokens, bf16; ``--tokens``, ``--heads``, ``--head_dim`` another shape), forward and forward +
+    backward: SDPA's cuDNN and FlashAttention-2 kernels (what diffusers and the anchors run) against FlashAttention-4's SM90 kernels (``flash_attn.cute.flash_attn_func`` of the
     ``flash-attn-4`` wheel, CuTe DSL) where it imports. Median of 10 CUDA-event samples after 3 calls; TFLOPS as
     4 B H S^2 D / time (forward; the backward counted as 2.5 forwards). Error of each output and input gradient
     against float32 attention (SDPA's memory-efficient kernel) on 2 heads: max abs and relative RMS.

@@ -68,8 +68,8 @@ class VideoSampler:
       between the blocks skipped and the output forecast to first order;
     - ``quantized_attention``: the transformer's self-attention through ``ops.quant_attention`` (int8 Q K^T,
       float8 P V; SageAttention's scaling), routed at diffusers' attention dispatcher, or at the SDPA call of a
-      processor that calls PyTorch itself (``models.adapters.dispatch``); cross-attention and masked attention stay on diffusers' default (a masked joint
-      attention takes the kernel once unmasked, below);
+      processor that calls PyTorch itself (``models.adapters.dispatch``); cross-attention and masked attention
+      stay on diffusers' default (a masked joint attention takes the kernel once unmasked, below);
     - ``enable_flashattn`` (without ``quantized_attention``): the same routing to ``ops.flash4``'s exact attention,
       FlashAttention-4 where it is installed and measured faster at the shape, else SDPA in ``fast_backends`` order;
     - a family whose attention always carries a mask (``masked_self_attention``: the text padding of a joint
