@@ -125,7 +125,8 @@ class DiffusersDenoiser(nn.Module):
         masked_self_attention: every self-attention call carries a mask (sampling crops the padding it hides,
             ``trim_padding``, and drops the then full masks, ``dispatch.unmask_full_attention``).
         fps: a video family's frame rate, what ``ditforge sample`` writes its videos at by default.
-        compile_whole: ``--compile`` makes one graph for the whole model (``parallel.parallelize`` says why).
+        compile_whole: ``--compile`` makes one graph for the whole model (``parallel.parallelize`` says why); a
+            video family's blocks compile one by one instead.
         text_encoder_trainable: the family can train its text encoder (``--train_text_encoder``).
         pipeline_embeds: conditioning key -> the pipeline ``__call__``'s argument for it (``pipeline_inputs``).
         original_layouts: component (``transformer``, ``vae``) -> its original release's layout
@@ -168,7 +169,6 @@ class DiffusersDenoiser(nn.Module):
     # adapter's ``encode_driving``; () for a family that does not train on driving videos
     trained_videos: tuple[str, ...] = ()
     fps = 8  # a video family's frame rate, what ditforge sample writes its videos at by default
-    compile_whole = True  # --compile: one graph for the whole model (parallel.parallelize says why)
     original_layouts: dict[str, Any] = {}  # component -> layouts.OriginalLayout
 
     def __init__(self, model: nn.Module, vae_scale: int = 8):
@@ -184,6 +184,14 @@ class DiffusersDenoiser(nn.Module):
         # the pipeline components the expert models fill, in ``expert_models``' order: the component itself, or the
         # low-noise expert's ``<component>_2`` when one expert of two is trained (``pipeline.load_pretrained``)
         self.pipeline_slots: tuple[str, ...] = (self.component,)
+
+    @property
+    def compile_whole(self) -> bool:
+        """``--compile`` as one graph for the whole model (``parallel.parallelize`` says why an image denoiser's
+        step wants it). A video transformer's step is bound by its kernels (seconds of attention at 30k tokens), and
+        its identical blocks compile once for all, as diffusers' ``compile_repeated_blocks`` does: the whole
+        Wan-1.3B, checkpointed, did not finish compiling within 240 s (H100, 2026-11-28)."""
+        return not self.video
 
     @property
     def swap_classes(self) -> tuple[str, ...]:
