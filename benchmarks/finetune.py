@@ -29,7 +29,10 @@ Models (``--model``):
           ``lora32_fp8`` (+ --fp8_base: the frozen base stored in float8), ``lora32_fp8_attn``,
           ``lora32_fp8_budget8`` (under 8 GiB), ``lora32_off_budget8``, ``lora32_fp8_off_budget8`` (+
           --offload_activations: the checkpointed blocks' inputs in host memory), ``lora32_fp8_attn_off``,
-          ``full``, ``full_attn`` and ``full_compile``
+          ``lora32_fa4``, ``lora32_attn_fa4``, ``lora32_fp8_attn_fa4`` (+ --enable_flashattn),
+          ``lora32_attn_fa4_compile``, ``lora32_fp8_attn_fa4_compile`` (+ --compile: each block compiled),
+          ``full``, ``full_attn``, ``full_compile``, ``full_attn_fa4``, ``full_attn_fa4_compile`` (no EMA, as the
+          anchor) and ``full_attn_fa4_compile_fused`` (+ --fused_backward_pass)
           (bf16 autocast, fp32 master weights, fused AdamW, EMA, every block checkpointed as the anchor's ``full``)
   wan14   the same with Wan2.1-T2V-14B's transformer config (40 layers, 40 heads of 128, FFN 13824, 14.3B: the
           anchor's ``wan14b``), saved in bf16 (28 GB). Rows ``lora32_off_budget24`` (rank 32, every block
@@ -214,6 +217,11 @@ ROWS = {
     "lora32_fa4": [*WAN_LORA, "--enable_flashattn"],
     "lora32_attn_fa4": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--enable_flashattn"],
     "lora32_fp8_attn_fa4": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base", "--enable_flashattn"],
+    # + --compile: each block compiled (a video transformer's compile_whole is False), its copies and element-wise
+    # kernels fused
+    "lora32_attn_fa4_compile": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--enable_flashattn", "--compile"],
+    "lora32_fp8_attn_fa4_compile": [*WAN_LORA[:-1], "--grad_checkpoint", "attn", "--fp8_base", "--enable_flashattn",
+                                    "--compile"],
     # Wan-14B (--model wan14) on a 24 GB card: the budget stores the base in fp8, the checkpointed inputs go to host
     "lora32_off_budget24": [*WAN_LORA, "--offload_activations", "--gpu_memory_budget", "24GiB"],
     # + the frozen weights of the last 20 of the 40 blocks in pinned host memory, a block at a time on the GPU
@@ -237,7 +245,12 @@ ROWS = {
 # rows of one name for every model whose flags differ for wan13: the anchor checkpoints every block of its full row
 WAN_ROWS = {"full": ["--grad_checkpoint"], "full_compile": ["--grad_checkpoint", "--compile"],
             "full_attn": ["--grad_checkpoint", "attn"],
-            "full_attn_fa4": ["--grad_checkpoint", "attn", "--enable_flashattn"]}
+            "full_attn_fa4": ["--grad_checkpoint", "attn", "--enable_flashattn"],
+            # no EMA, as the anchor's full row; + the step in the backward: no whole-model gradient (the peak)
+            "full_attn_fa4_compile": ["--grad_checkpoint", "attn", "--enable_flashattn", "--compile",
+                                      "--ema_decay", "0"],
+            "full_attn_fa4_compile_fused": ["--grad_checkpoint", "attn", "--enable_flashattn", "--compile",
+                                            "--ema_decay", "0", "--fused_backward_pass"]}
 CUDA_ONLY = ("--gpu_memory_budget",)  # rows with these flags skip on a machine without CUDA
 # lora32_val's file: one 480 x 832 x 33-frame sample, 20 steps, guidance 5 (musubi-tuner's line syntax); --tiny:
 # 16 x 32 x 5 (the tiny transformer's rotary table is 32 positions long)

@@ -60,6 +60,11 @@
 #                       processes (default 1); REPEAT, WARMUP_STEPS (default 2, 2), PROFILE (N > 0: the N largest
 #                       kernels of 2 profiled steps a row, GPU time by kind) and TAG (the result file's suffix,
 #                       default 1gpu) set the rest
+#   exact-attention     kernel_speed.py exact-attention at Wan-1.3B's self-attention (2 x 32,760 tokens x 12 heads of
+#                       128) and CogVideoX-5B's (2 x 17,776 x 48 of 64): cuDNN, FlashAttention-4 and what the per-shape
+#                       choice took, into exact_attention_<shape>.json (needs ditforge[fa4]'s wheels)
+#   vae-decode [ROWS]   vae_decode.py's ROWS (default all) of the Wan VAE's 81-frame decode into vae_decode.json
+#                       (TORCH_LOGS=graph_breaks in the environment says where the decoder breaks, if it does)
 #   sample-cog [ROWS] [STEPS]  CogVideoX-5B sampling at 480 x 720 x 49 frames, guidance 6 (issue 43): sample_wan.py
 #                       --model cog5b, rows ROWS (default diffusers_compiled,compiled: diffusers' CogVideoXPipeline
 #                       with compile_repeated_blocks, then ditforge --compile) of STEPS DPM steps (default 10), one
@@ -254,6 +259,14 @@ sample-wan)
         --warmup_steps "${WARMUP_STEPS:-2}" --profile "${PROFILE:-0}" "${anchor[@]}" --out "$out/sample_wan_${TAG:-1gpu}.json") 2>&1 \
         | grep --line-buffered -v -E "gemm_4bit|enable_parallelism. is an experimental" \
         | tee "$out/sample_wan_${TAG:-1gpu}.log"
+    ;;
+exact-attention)
+    python3 benchmarks/kernel_speed.py exact-attention --out "$out/exact_attention_wan.json"
+    python3 benchmarks/kernel_speed.py exact-attention --tokens 17776 --heads 48 --head_dim 64 \
+        --out "$out/exact_attention_cog.json"
+    ;;
+vae-decode)
+    python3 benchmarks/vae_decode.py ${2:+--rows "$2"} 2>&1 | grep --line-buffered -v gemm_4bit | tail -60
     ;;
 sample-cog|sample-hv)
     model=cog5b; [ "$job" = sample-hv ] && model=hv13b
