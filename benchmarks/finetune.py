@@ -674,13 +674,16 @@ def run_row(name: str, pipe: Path, feats: Path, work: Path, batch: int, steps: i
     # bytes of --blocks_to_swap
     placement = [line.split(" INFO ", 1)[-1] for line in log.splitlines()
                  if "--gpu_memory_budget" in line or "--blocks_to_swap" in line]
+    # --enable_flashattn's per-shape choice (ops.flash4: the kernel taken, both medians)
+    attention = [line.split(" INFO ", 1)[-1] for line in log.splitlines() if "exact attention at" in line]
     # the seconds of each --validation_prompts rendering (the trainer's "validation samples in ... (X s)" lines)
     validation = [float(line.rsplit("(", 1)[1].split(" s)")[0]) for line in log.splitlines()
                   if "validation samples in" in line]
     return {"ms_per_step": round(statistics.median(windows), 1), "windows_ms": [round(w, 1) for w in windows],
             **({"validation_s": validation} if validation else {}),
             "peak_gib": round(max(r.get("peak_memory_gib", 0.0) for r in records), 2),
-            "final_loss": round(records[-1]["loss"], 4), **({"placement": placement} if placement else {})}
+            "final_loss": round(records[-1]["loss"], 4), **({"placement": placement} if placement else {}),
+            **({"exact_attention": attention} if attention else {})}
 
 
 # --distill (issue 65): `ditforge distill` of the pipeline folder (wan13: Wan2.1-T2V-1.3B's config, random weights) at
