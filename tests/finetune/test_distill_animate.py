@@ -74,13 +74,13 @@ def transformer_log(monkeypatch, seen: list) -> None:
 
 @pytest.fixture(scope="module")
 def runs(animate, prompt_file, tmp_path_factory):
-    """4 iterations (generator steps at 1 and 3) with ``--prompt_file`` (its prompts and the rows drawn apart), and
+    """4 iterations (generator steps at 1 and 3) with ``--prompt_file`` (its prompts and the rows drawn apart), and 1
     without (each row's caption its prompt), each recording its teacher calls."""
     root = tmp_path_factory.mktemp("distill_animate_runs")
     out = {"prompts": recorded_run(animate[0], prompt_file, root / "prompts", "--driving_csv", str(animate[1]),
                                    "--cfg_scale", str(SCALE), log_calls=transformer_log)}
     out["captions"] = recorded_run(animate[0], None, root / "captions", "--driving_csv", str(animate[1]),
-                                   "--cfg_scale", str(SCALE), log_calls=transformer_log)
+                                   "--cfg_scale", str(SCALE), "--max_steps", "1", log_calls=transformer_log)
     return out
 
 
@@ -99,7 +99,7 @@ def test_teacher_is_the_pipelines_guided_velocity(name, runs, animate):
     mean, std = (torch.tensor(pipe.vae.config[k]).view(view) for k in ("latents_mean", "latents_std"))
     captions = [f"a dancer {i}" for i in range(3)]
     teacher = runs[name][1]["teacher"]
-    assert len(teacher) == 2
+    assert len(teacher) == (2 if name == "prompts" else 1)
     for step, (x, t, got, calls) in zip((1, 3), teacher):
         assert x.shape == (BATCH, 16, 3, 2, 2) and calls == 2
         g = torch.Generator().manual_seed(derive_seed(SEED, step))
@@ -174,8 +174,9 @@ def test_export_loads_and_samples_in_the_students_steps(runs, animate, tmp_path,
 
 
 def test_bad_input_one_line(animate, wan_pipeline, prompt_file, tmp_path, capsys):
-    """A CSV row without its pose_video, the flag for a text-to-video teacher, a driven teacher without it: exit 2,
-    one line naming the flag."""
+    """Exit 2 and one line naming the flag: a CSV row without its pose_video; the flag for a text-to-video teacher; a
+    driven teacher without it, or with neither --prompt_file nor a text column; ``sample --sampler`` other than the
+    pipeline's scheduler or the student's, and the student's with guidance."""
     folder, csv, bad = animate
     out = tmp_path / "bad"
     assert_one_line_error(capsys, distill_argv(folder, prompt_file, out, "--driving_csv", str(bad)),
@@ -183,3 +184,13 @@ def test_bad_input_one_line(animate, wan_pipeline, prompt_file, tmp_path, capsys
     assert_one_line_error(capsys, distill_argv(wan_pipeline, prompt_file, out, "--driving_csv", str(csv)),
                           f"--driving_csv {csv}", "WanPipeline", "leave --driving_csv out")
     assert_one_line_error(capsys, distill_argv(folder, prompt_file, out), "--driving_csv:", "driven by videos")
+    uncaptioned = write_video_csv([{"image": "char0.png", "pose_video": "pose0.mp4", "face_video": "face0.mp4"}],
+                                  csv.parent / "uncaptioned.csv", COLUMNS[:3])
+    assert_one_line_error(capsys, distill_argv(folder, None, out, "--driving_csv", str(uncaptioned)),
+                          "--prompt_file:", "no text column")
+    given = ["sample", "--ckpt", str(folder), "--prompt", "a dancer", "--image", str(csv.parent / "char0.png"),
+             "--pose_video", str(csv.parent / "pose0.mp4"), "--face_video", str(csv.parent / "face0.mp4")]
+    assert_one_line_error(capsys, [*given, "--sampler", "euler"], "--sampler euler: WanAnimatePipeline steps with its "
+                          "own scheduler")
+    assert_one_line_error(capsys, [*given, "--sampler", "student", "--cfg_scale", "3"],
+                          "--sampler student: a student samples without guidance")
