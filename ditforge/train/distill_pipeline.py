@@ -200,7 +200,7 @@ def first_frame_files(cfg: DistillConfig, pre) -> list[Path]:
 
 
 def driving_rows(cfg: DistillConfig, pre) -> list[dict[str, str]]:
-    """A driven teacher's (``denoiser.trained_videos``) ``--driving_csv`` rows (``data.video.read_driving_csv``: a
+    """A driven teacher's (``denoiser.trained_videos``) ``--driving_csv`` rows (``data.driving.read_driving_csv``: a
     character image, its driving videos, a caption where the CSV has a ``text`` column); [] for other teachers.
 
     Raises:
@@ -208,7 +208,7 @@ def driving_rows(cfg: DistillConfig, pre) -> list[dict[str, str]]:
             neither ``--prompt_file`` nor a ``text`` column; ``--eval_every`` (its students are text-to-video ones);
             ``read_driving_csv``'s.
     """
-    from ditforge.data.video import read_driving_csv
+    from ditforge.data.driving import read_driving_csv
 
     den = pre.denoiser
     if not den.trained_videos:
@@ -232,9 +232,9 @@ def driving_rows(cfg: DistillConfig, pre) -> list[dict[str, str]]:
 def driving_conditioning(pre, rows: list[dict[str, str]], size: tuple[int, int, int]) -> dict[str, torch.Tensor]:
     """A driven teacher's conditioning of the B ``driving_rows`` ``rows`` for clips of ``size`` (H, W, T), (B, ...)
     float32 on the denoiser's device: each row's character image and its videos' first T frames
-    (``data.video.read_driving_row``, PIL) through the adapter's ``encode_driving`` (fine-tuning's: the pipeline's
+    (``data.driving.read_driving_row``, PIL) through the adapter's ``encode_driving`` (fine-tuning's: the pipeline's
     first segment, its own methods)."""
-    from ditforge.data.video import read_driving_row
+    from ditforge.data.driving import read_driving_row
 
     den, (height, width, frames) = pre.denoiser, size
     conds = [den.encode_driving(pre.pipe, *read_driving_row(row, den.trained_videos, frames, "--driving_csv"), height,

@@ -40,7 +40,8 @@ def animate(tmp_path_factory, one_thread_module):
     for i in range(3):
         Image.fromarray(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(root / f"char{i}.png")
         for name in ("pose", "face"):
-            write_video(rng.integers(0, 256, (FRAMES + 2 * (i == 2), 16, 16, 3), dtype=np.uint8), root / f"{name}{i}.mp4")
+            frames = rng.integers(0, 256, (FRAMES + 2 * (i == 2), 16, 16, 3), dtype=np.uint8)
+            write_video(frames, root / f"{name}{i}.mp4")
         rows.append({"image": f"char{i}.png", "pose_video": f"pose{i}.mp4", "face_video": f"face{i}.mp4",
                      "text": f"a dancer {i}"})
     csv = write_video_csv(rows, root / "driving.csv", COLUMNS)
@@ -151,9 +152,9 @@ def test_export_loads_and_samples_in_the_students_steps(runs, animate, tmp_path,
     calls: list = []
     transformer_log(monkeypatch, calls)
     args = vars(build_parser().parse_args([
-        "sample", "--ckpt", str(run), "--prompt", PROMPTS[1], "--device", "cpu", "--image", str(csv.parent / "char0.png"),
-        "--pose_video", str(csv.parent / "pose0.mp4"), "--face_video", str(csv.parent / "face0.mp4"), "--seed", "4",
-        "--out", str(tmp_path / "out")]))
+        "sample", "--ckpt", str(run), "--prompt", PROMPTS[1], "--device", "cpu", "--image",
+        str(csv.parent / "char0.png"), "--pose_video", str(csv.parent / "pose0.mp4"), "--face_video",
+        str(csv.parent / "face0.mp4"), "--seed", "4", "--out", str(tmp_path / "out")]))
     args.pop("command", None)
     ours = sample(SampleConfig(**args))
     assert calls == [[1000.0], [750.0]] and ours.shape == (1, FRAMES, 16, 16, 3)

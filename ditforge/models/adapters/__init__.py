@@ -426,8 +426,8 @@ class DiffusersDenoiser(nn.Module):
     def padding_frames(self, latent_frames: int) -> int:
         """Latent frames the pipeline's loop puts in front of a clip's ``latent_frames`` (its noise drawn with theirs)
         and drops before decoding, for its transformer's patches (CogVideoX 1.5's temporal patches) or the
-        conditioning's place (Wan2.2-Animate's character frame); 0 for the others. An image-to-video family's image conditioning then covers them too (``ditforge sample`` encodes it
-        for the padded clip)."""
+        conditioning's place (Wan2.2-Animate's character frame); 0 for the others. An image-to-video family's image
+        conditioning then covers them too (``ditforge sample`` encodes it for the padded clip)."""
         return 0
 
     @staticmethod
