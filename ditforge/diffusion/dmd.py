@@ -175,6 +175,7 @@ class StudentScheduler:
         self.timesteps, self.k = self.objective.model_timesteps(self.times).to(device), 0
 
     def step(self, model_output: torch.Tensor, timestep, sample: torch.Tensor, return_dict: bool = False):
+        # the pipelines' call, scheduler.step(noise_pred, t, latents, return_dict=False)[0]: k, not t, says the step
         x = student_step(self.objective, self.times.to(sample.device), self.k, sample, model_output, self.draw)
         self.k += 1
         return (x,)

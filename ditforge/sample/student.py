@@ -1,7 +1,8 @@
 """A ``ditforge distill`` student of a diffusers video pipeline, sampled in its K steps without guidance: the one
 loop of ``ditforge sample --ckpt RUN`` (``video.VideoSampler``, ``--sampler student``) and of the distillation's
 ``--eval_every`` (``student_videos``, which ``cli`` hands to ``train.distill_pipeline``: the training layer does not
-import the sampling one, pyproject's import contracts)."""
+import the sampling one, pyproject's import contracts); for a pipeline whose own call samples (a driven one's
+segment loop), that loop as the call's scheduler (``student_scheduler``)."""
 
 from __future__ import annotations
 

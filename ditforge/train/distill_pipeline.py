@@ -356,11 +356,11 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
     ``sample.student.student_videos`` for ``--eval_every`` (``distill_eval``; ``cli`` hands it over).
 
     Raises:
-        UserError: no ``--prompt_file``; a fine-tuned run's folder as ``--teacher``; ``--sequence_parallel_size``
-            for a family without a token split (``refuse_unsplittable``) or one that does not divide the processes
-            (``init_distributed``); a ``--batch_size`` the data-parallel groups do not divide; and
-            ``check_eval_flags``' / ``load_teacher_pipeline``'s / ``first_frame_files``' / ``latent_shape``'s /
-            ``distill_nets.build_networks``' / ``distill_eval``'s errors.
+        UserError: no ``--prompt_file`` (nor ``--driving_csv``); a fine-tuned run's folder as ``--teacher``;
+            ``--sequence_parallel_size`` for a family without a token split (``refuse_unsplittable``) or one that does
+            not divide the processes (``init_distributed``); a ``--batch_size`` the data-parallel groups do not
+            divide; and ``check_eval_flags``' / ``load_teacher_pipeline``'s / ``first_frame_files``' /
+            ``driving_rows``' / ``latent_shape``'s / ``distill_nets.build_networks``' / ``distill_eval``'s errors.
     """
     from ditforge.data.captions import read_prompts
     from ditforge.train.distill_eval import ClipEval, check_eval_flags, eval_prompts
