@@ -463,6 +463,12 @@ class DistillConfig:
                                  "size (`ditforge sample --image`'s flag); a reference-image teacher (optional): "
                                  "one reference image a sample, drawn so (`ditforge sample --reference_image`'s); "
                                  "refused for other teachers")
+    driving_csv: str | None = _f(None, "a character pipeline teacher driven by videos: a CSV of the columns image, "
+                                       "pose_video, face_video (the pipeline call's arguments; optionally text, each "
+                                       "row's prompt in place of --prompt_file's; a fine-tuning video CSV serves, its "
+                                       "clips unread), a row drawn for each sample as the prompts are; the student "
+                                       "learns one segment of the call, its first, of --num_frames frames (default "
+                                       "the call's segment_frame_length), from the videos' first frames")
     height: int | None = _f(None, "a pipeline teacher: the frame height in pixels (default: its call's)")
     width: int | None = _f(None, "a pipeline teacher: the frame width in pixels (default: its call's)")
     num_frames: int | None = _f(None, "a video pipeline teacher: frames per clip (default: its call's)")

@@ -44,23 +44,25 @@ def center_crop_arr(pil_image: Image.Image, image_size: int | tuple[int, int]) -
 CSV_EXPECTED = "expected a CSV file with a header row and the columns path,text"
 
 
-def read_csv_rows(path: str | Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
-    """A ``--data`` CSV file: its header (column names stripped and lower-cased) and its rows as (line number,
-    {column: value}), blank lines skipped; UTF-8, a BOM allowed. The video and captioned-image CSVs share it.
+def read_csv_rows(path: str | Path, flag: str = "--data", expected: str = CSV_EXPECTED
+                  ) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
+    """A ``--data`` CSV file (or ``flag``'s): its header (column names stripped and lower-cased) and its rows as (line
+    number, {column: value}), blank lines skipped; UTF-8, a BOM allowed. The video and captioned-image CSVs share it,
+    and ``distill --driving_csv``'s.
 
     Raises:
-        UserError: the file does not exist or is empty (naming ``--data`` and the file).
+        UserError: the file does not exist or is empty (naming ``flag`` and the file, then ``expected``).
     """
     import csv
 
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"--data: {path} does not exist ({CSV_EXPECTED})")
+        raise UserError(f"{flag}: {path} does not exist ({expected})")
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if not header:
-            raise UserError(f"--data: {path} is empty ({CSV_EXPECTED})")
+            raise UserError(f"{flag}: {path} is empty ({expected})")
         header = [h.strip().lower() for h in header]
         rows = [(reader.line_num, dict(zip(header, values))) for values in reader if any(v.strip() for v in values)]
     return header, rows

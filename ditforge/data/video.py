@@ -215,6 +215,11 @@ def read_video_csv(path: str | Path) -> list[dict[str, str]]:
     return [{**row, "_line": str(line)} for line, row in rows]
 
 
+def resolve_cell(base: Path, cell: str) -> Path:
+    """A CSV cell's file: relative paths against the CSV's folder ``base``, ``~`` expanded."""
+    return base / Path(cell.strip()).expanduser()
+
+
 def write_video_csv(rows: Sequence[Mapping[str, object]], path: str | Path,
                     columns: Sequence[str] = REQUIRED_COLUMNS) -> Path:
     """Write ``rows`` (dicts with at least ``columns``) as a CSV with a header row, quoted by the csv module;
@@ -312,8 +317,7 @@ class VideoDataset(Dataset):
                     reason = "image file not found"
                 elif not all(Path(r).is_file() for r in refs):
                     reason = "reference image file not found"
-                driving = {c: str(base / Path(row[c].strip()).expanduser()) for c in DRIVING_COLUMNS
-                           if (row.get(c) or "").strip()}
+                driving = {c: str(resolve_cell(base, row[c])) for c in DRIVING_COLUMNS if (row.get(c) or "").strip()}
                 missing = [c for c, f in driving.items() if not Path(f).is_file()]
                 if reason is None and missing:
                     reason = f"{missing[0]} file not found"

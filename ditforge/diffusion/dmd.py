@@ -130,12 +130,55 @@ def student_loop(objective: Objective, student: Net, noise: torch.Tensor, times:
     """
     x = noise
     for k in range(len(times) if stop is None else stop):
-        t = times[k].expand(x.shape[0])
-        x0 = predicted_x0(objective, x, t, student(x, objective.model_timesteps(t)))
-        if k + 1 == len(times):
-            return x0
-        x = noised(objective, x0, times[k + 1].expand(x.shape[0]), draw(x))
+        x = student_step(objective, times, k, x, student(x, objective.model_timesteps(times[k].expand(x.shape[0]))),
+                         draw)
     return x
+
+
+def student_step(objective: Objective, times: torch.Tensor, k: int, x: torch.Tensor, out: torch.Tensor,
+                 draw: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Step k of ``student_loop``: x_0 predicted from the student's output ``out`` at (x, times[k]); the last step
+    (k = K - 1) returns that x_0, the others x_0 noised afresh (``draw(x)``) to times[k + 1]. x: (B, C, ...); returns
+    (B, C, ...) in x's dtype."""
+    x0 = predicted_x0(objective, x, times[k].expand(x.shape[0]), out)
+    if k + 1 == len(times):
+        return x0
+    return noised(objective, x0, times[k + 1].expand(x.shape[0]), draw(x))
+
+
+class StudentScheduler:
+    """``student_loop`` as a diffusers scheduler, for a pipeline whose own call runs the denoising loop (a driven
+    pipeline's segment loop, ``models/adapters``' ``driving_videos``): ``set_timesteps(K)`` sets ``timesteps`` to the
+    student's model timesteps (``objective.model_timesteps(times)``: a flow student's 1000 sigma_k, float32) and
+    restarts the count k (the pipeline calls it again before each segment); ``step(out, t, x)`` is
+    ``student_step`` k. Such a call's ``scheduler.set_timesteps(num_inference_steps)`` takes no sigmas or
+    timesteps, and its multistep solver is no DMD2 sampler, so this object stands in for its scheduler for the
+    call; from the same x and draws it gives ``student_loop``'s x_0.
+
+    Args:
+        objective: the teacher's (``create_objective`` of the pipeline's scheduler config); times: the K
+            ``pipeline_student_times``; draw: x -> fresh N(0, I) noise shaped like x (the re-noising draws).
+
+    Raises:
+        ValueError: ``set_timesteps`` of another step count than K.
+    """
+
+    order = 1  # one model call a step (the pipelines' progress-bar arithmetic)
+
+    def __init__(self, objective: Objective, times: torch.Tensor, draw: Callable[[torch.Tensor], torch.Tensor]):
+        self.objective, self.times, self.draw = objective, times, draw
+        self.timesteps, self.k = objective.model_timesteps(times), 0
+
+    def set_timesteps(self, num_inference_steps: int, device=None) -> None:
+        if num_inference_steps != len(self.times):
+            raise ValueError(f"a {len(self.times)}-step student's scheduler, asked for {num_inference_steps} steps")
+        self.timesteps, self.k = self.objective.model_timesteps(self.times).to(device), 0
+
+    def step(self, model_output: torch.Tensor, timestep, sample: torch.Tensor, return_dict: bool = False):
+        # the pipelines' call, scheduler.step(noise_pred, t, latents, return_dict=False)[0]: k, not t, says the step
+        x = student_step(self.objective, self.times.to(sample.device), self.k, sample, model_output, self.draw)
+        self.k += 1
+        return (x,)
 
 
 def dmd_gradient(x: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,8 @@ def _sample(cfg: SampleConfig, prompts: list[str], d: Dist) -> np.ndarray:
             scale = student.get("sample_cfg_scale", 1.0) if cfg.cfg_scale is None else cfg.cfg_scale
             cfg = dataclasses.replace(cfg, sampler=cfg.sampler or student["sampler"],
                                       num_sampling_steps=cfg.num_sampling_steps or student["student_steps"],
-                                      cfg_scale=scale,
+                                      cfg_scale=scale, segment_frame_length=cfg.segment_frame_length or student.get(
+                                          "segment_frame_length"),
                                       **({} if cfg.image_size else {"height": cfg.height or student.get("height"),
                                                                     "width": cfg.width or student.get("width")}))
         return sample_pipeline(cfg, prompts, d, *load_finetuned(state, spec["run_config"], d.device, cfg.use_ema,

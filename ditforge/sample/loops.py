@@ -401,9 +401,12 @@ def _sample_driven(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser
     ``--height`` / ``--width`` (default the pipeline's), steps and guidance the pipeline's unless given; prompt i
     from seed ``derive_seed(seed, i)``. Writes ``out`` (default ``samples``) as ``NNN-<prompt>.mp4`` + ``.gif`` at
     ``--fps`` (default the family's); the pipeline's VAE in ``--vae_dtype`` when given. Returns (N, T, H, W, 3) uint8.
+    ``--sampler student`` (a ``ditforge distill`` run's default): the call steps with the student's K-step sampler
+    in place of its scheduler (``student.student_scheduler``), every segment.
 
     Raises:
-        UserError: under torchrun; a video file that is missing or unreadable; ``driving_inputs``'s (one line each).
+        UserError: under torchrun; a video file that is missing or unreadable; ``driving_inputs``'s; a ``--sampler``
+            other than student; student with ``--cfg_scale`` > 1 (one line each).
     """
     from ditforge.data.video import probe_video, read_clip
     from ditforge.models.adapters.pipeline import generate_with_pipeline
@@ -414,6 +417,9 @@ def _sample_driven(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser
 
     if d.world_size > 1:
         raise UserError(f"--sequence_parallel_size / --cfg_parallel: {pre.pipeline_class} samples in one process")
+    if cfg.sampler not in (None, STUDENT_SAMPLER):
+        raise UserError(f"--sampler {cfg.sampler}: {pre.pipeline_class} steps with its own scheduler; leave --sampler "
+                        f"out, or give --sampler {STUDENT_SAMPLER} (a distilled student's steps)")
     videos = {}
     for name in DRIVING_FLAGS:
         if (path := getattr(cfg, name)) is None:
@@ -433,10 +439,19 @@ def _sample_driven(cfg: SampleConfig, prompts: list[str], d: Dist, pre, denoiser
     defaults = pipeline_defaults(pre.pipe)
     size = (cfg.height or defaults["height"], cfg.width or defaults["width"])
     seeds = [derive_seed(cfg.seed, i) for i in range(len(prompts))]
-    pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, size,
-                                    cfg.num_sampling_steps or defaults["num_inference_steps"],
-                                    cfg.cfg_scale if cfg.cfg_scale is not None else defaults["guidance_scale"],
-                                    negative=cfg.negative_prompt, call_inputs=inputs)
+    steps = cfg.num_sampling_steps or defaults["num_inference_steps"]
+    scale = cfg.cfg_scale if cfg.cfg_scale is not None else defaults["guidance_scale"]
+    scheduler = None
+    if cfg.sampler == STUDENT_SAMPLER:
+        from ditforge.sample.student import student_scheduler
+
+        if scale > 1:
+            raise UserError(f"--sampler {STUDENT_SAMPLER}: a student samples without guidance; --cfg_scale {scale:g} "
+                            "asks for guidance; give --cfg_scale 1")
+        scheduler = student_scheduler(pre, denoiser, size, inputs.get("segment_frame_length", defaults["num_frames"]),
+                                      steps, pre.device)
+    pixels = generate_with_pipeline(pre, denoiser, prompts, seeds, size, steps, scale, negative=cfg.negative_prompt,
+                                    call_inputs=inputs, scheduler=scheduler)
     samples = to_uint8(pixels)  # (N, T, H, W, 3)
     write_videos(samples, Path(cfg.out or "samples"), [slug(p) for p in prompts], cfg.fps or denoiser.fps)
     return samples

@@ -1,7 +1,8 @@
 """A ``ditforge distill`` student of a diffusers video pipeline, sampled in its K steps without guidance: the one
 loop of ``ditforge sample --ckpt RUN`` (``video.VideoSampler``, ``--sampler student``) and of the distillation's
 ``--eval_every`` (``student_videos``, which ``cli`` hands to ``train.distill_pipeline``: the training layer does not
-import the sampling one, pyproject's import contracts)."""
+import the sampling one, pyproject's import contracts); for a pipeline whose own call samples (a driven one's
+segment loop), that loop as the call's scheduler (``student_scheduler``)."""
 
 from __future__ import annotations
 
@@ -35,25 +36,53 @@ def student_latents(pre, denoiser, student: Student, image_cond, shape: tuple[in
     ``torch.Generator(device).manual_seed(seed)``.
 
     Raises UserError: a scheduler of no objective ditforge trains (``create_objective``'s)."""
-    from diffusers.utils.torch_utils import randn_tensor
+    from ditforge.diffusion.dmd import student_loop  # ditforge distill's, too
 
-    from ditforge.diffusion.dmd import pipeline_student_times, student_loop  # ditforge distill's, too
-    from ditforge.diffusion.objective import create_objective
-    config = dict(pre.scheduler_config)
-    objective = create_objective("auto", denoiser.learn_sigma, config, device=device,
-                                 where=f"--sampler student: {pre.pipeline_class}'s scheduler",
-                                 **denoiser.objective_args(pre.pipe, None, *shape[2:]))
-    times = pipeline_student_times(objective, config, steps, device)
+    objective, times = _schedule(pre, denoiser, shape, steps, device)
     generator = torch.Generator(device).manual_seed(seed)
     given = dict((image_cond(generator=generator) if callable(image_cond) else image_cond) or {})
-
-    def draw(x):
-        return randn_tensor(x.shape, generator=generator, device=device, dtype=torch.float32)
-
+    draw = _draws(generator, device)
     with torch.no_grad():
         x0 = student_loop(objective, lambda x, t: student(x, t, given), denoiser.start(draw(torch.empty(shape)), given),
                           times, draw)
     return denoiser.finish(x0, given)
+
+
+def _schedule(pre, denoiser, shape: tuple[int, ...], steps: int, device: torch.device):
+    """(the objective of the pipeline's scheduler config, the student's K ``dmd.pipeline_student_times``) for
+    latents of ``shape`` (1, C, T', h, w). Raises UserError: ``create_objective``'s."""
+    from ditforge.diffusion.dmd import pipeline_student_times
+    from ditforge.diffusion.objective import create_objective
+
+    config = dict(pre.scheduler_config)
+    objective = create_objective("auto", denoiser.learn_sigma, config, device=device,
+                                 where=f"--sampler student: {pre.pipeline_class}'s scheduler",
+                                 **denoiser.objective_args(pre.pipe, None, *shape[2:]))
+    return objective, pipeline_student_times(objective, config, steps, device)
+
+
+def _draws(generator: torch.Generator, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> N(0, I) float32 shaped like x from ``generator`` (diffusers' ``randn_tensor``, the pipelines' draw)."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    return lambda x: randn_tensor(x.shape, generator=generator, device=device, dtype=torch.float32)
+
+
+def student_scheduler(pre, denoiser, size: tuple[int, int], frames: int, steps: int, device: torch.device
+                      ) -> Callable[[torch.Generator], object]:
+    """A pipeline whose own call samples (a driven one's segment loop, ``generate_with_pipeline``'s ``scheduler``):
+    a function of the call's generator giving ``dmd.StudentScheduler``, the K-step (``steps``) student's sampler of
+    ``student_latents`` (its objective and timesteps for segments of ``frames`` frames of ``size`` (H, W) pixels,
+    the pipeline's padding frames included, ``denoiser.padding_frames``), re-noising from that generator after the
+    call's own noise draw (``randn_tensor``, as ``student_latents`` draws). Raises UserError: ``_schedule``'s."""
+    from ditforge.diffusion.dmd import StudentScheduler
+
+    vae = VAE(pre.pipe.vae, frame_factor=denoiser.vae_frame_factor, folds_pixels=denoiser.vae_folds_pixels)
+    latent = vae.latent_frames(frames)
+    shape = (1, denoiser.in_channels, latent + denoiser.padding_frames(latent), size[0] // vae.downsample,
+             size[1] // vae.downsample)
+    objective, times = _schedule(pre, denoiser, shape, steps, device)
+    return lambda generator: StudentScheduler(objective, times, _draws(generator, device))
 
 
 def student_videos(pre, student_of: Callable[[dict], Callable], prompts: list[str], seeds: list[int],

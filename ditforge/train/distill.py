@@ -123,7 +123,8 @@ def distill(cfg: DistillConfig, draw_student: Callable | None = None) -> Path:
                                        "--sequence_parallel_size": cfg.sequence_parallel_size > 1,
                                        "--cfg_scale_2": cfg.cfg_scale_2 is not None,
                                        "--validation_prompts": cfg.validation_prompts is not None,
-                                       "--clip": cfg.clip is not None}.items() if given]
+                                       "--clip": cfg.clip is not None,
+                                       "--driving_csv": cfg.driving_csv is not None}.items() if given]
     if placed:
         raise UserError(f"{placed[0]}: for a pipeline teacher; {cfg.teacher} is a DiT (one process, its critic a "
                         "full copy, fp32 AdamW; --eval_every scores its digits)")

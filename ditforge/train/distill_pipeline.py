@@ -48,6 +48,14 @@ their CLIP score every N iterations (``distill_eval.py``; the student drawn by `
 A reference-image teacher (``takes_references``) distils text-to-video with no control inputs (its call's default
 control), or with ``--image`` one reference image a sample, its latent frame prepended (``reference_control``: the
 adapter's ``encode_control``, ``ditforge sample``'s); student, critic and teacher (both passes) take the control.
+
+A character teacher driven by videos (the adapter's ``trained_videos``) distils one segment of its call
+(``--num_frames``, default its ``segment_frame_length``), conditioned on ``--driving_csv`` rows (``driving_rows``:
+a character image and its driving videos, optionally a caption), each sample's row drawn as the prompts are and
+encoded as its first segment (``driving_conditioning``: fine-tuning's ``encode_driving``); its latents carry the
+pipeline's leading noise frame (the adapter's ``padding_frames``). Student, critic and both teacher passes take
+that conditioning (the unconditional pass the adapter's ``drop``: the pipeline's own). ``ditforge sample --ckpt
+RUN`` samples it through the pipeline's call, the student's K steps as its scheduler (``dmd.StudentScheduler``).
 """
 
 from __future__ import annotations
@@ -191,7 +199,50 @@ def first_frame_files(cfg: DistillConfig, pre) -> list[Path]:
     return files
 
 
-def conditioning(pre, texts: list[str], files: list[Path], size: tuple[int, int, int],
+def driving_rows(cfg: DistillConfig, pre) -> list[dict[str, str]]:
+    """A driven teacher's (``denoiser.trained_videos``) ``--driving_csv`` rows (``data.driving.read_driving_csv``: a
+    character image, its driving videos, a caption where the CSV has a ``text`` column); [] for other teachers.
+
+    Raises:
+        UserError (one line, naming the flag): ``--driving_csv`` for another teacher, or missing for a driven one;
+            neither ``--prompt_file`` nor a ``text`` column; ``--eval_every`` (its students are text-to-video ones);
+            ``read_driving_csv``'s.
+    """
+    from ditforge.data.driving import read_driving_csv
+
+    den = pre.denoiser
+    if not den.trained_videos:
+        if cfg.driving_csv is not None:
+            raise UserError(f"--driving_csv {cfg.driving_csv}: {FLAG} {cfg.teacher} is a {pre.pipeline_class}, which "
+                            "no videos drive; leave --driving_csv out")
+        return []
+    if cfg.driving_csv is None:
+        raise UserError(f"--driving_csv: {FLAG} {cfg.teacher} is a {pre.pipeline_class}, driven by videos; give a CSV "
+                        f"of the columns image,{','.join(den.trained_videos)}[,text]")
+    if cfg.eval_every:
+        raise UserError(f"--eval_every: {pre.pipeline_class}'s student samples through its pipeline's call, which "
+                        "the CLIP evaluation does not draw; leave --eval_every out")
+    rows = read_driving_csv(cfg.driving_csv, den.trained_videos, "--driving_csv")
+    if cfg.prompt_file is None and "text" not in rows[0]:
+        raise UserError(f"--prompt_file: --driving_csv {cfg.driving_csv} has no text column (the rows' prompts); "
+                        "give a file of one prompt per line, or the column")
+    return rows
+
+
+def driving_conditioning(pre, rows: list[dict[str, str]], size: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """A driven teacher's conditioning of the B ``driving_rows`` ``rows`` for clips of ``size`` (H, W, T), (B, ...)
+    float32 on the denoiser's device: each row's character image and its videos' first T frames
+    (``data.driving.read_driving_row``, PIL) through the adapter's ``encode_driving`` (fine-tuning's: the pipeline's
+    first segment, its own methods)."""
+    from ditforge.data.driving import read_driving_row
+
+    den, (height, width, frames) = pre.denoiser, size
+    conds = [den.encode_driving(pre.pipe, *read_driving_row(row, den.trained_videos, frames, "--driving_csv"), height,
+                                width, pre.device)[0] for row in rows]
+    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
+
+
+def conditioning(pre, texts: list[str], files: list, size: tuple[int, int, int],
                  generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The B samples' conditioning (float32, batch-first, on the denoiser's device): the prompts ``texts``'
     (``Pretrained.encode_prompt``), and for an image-to-video teacher (``files``: B first-frame files) the image
@@ -203,7 +254,9 @@ def conditioning(pre, texts: list[str], files: list[Path], size: tuple[int, int,
     family that draws its image latents (``image_from_generator``) draws them from ``generator``. Not dropped for
     the teacher's unconditional pass (the adapters' ``drop`` replaces the prompt's tensors alone, as the pipelines'
     negative branch keeps the image). A reference-image teacher: ``reference_control``'s control beside the
-    prompts'."""
+    prompts'; a driven one (``files``: B ``driving_rows``): ``driving_conditioning``'s."""
+    if pre.denoiser.trained_videos:
+        return pre.encode_prompt(texts) | driving_conditioning(pre, files, size)
     if pre.denoiser.takes_references:
         return pre.encode_prompt(texts) | reference_control(pre, files, len(texts), size)
     if not files:
@@ -260,7 +313,8 @@ def latent_shape(pre, cfg: DistillConfig) -> tuple[tuple[int, ...], int, int, in
     prepended = int(den.takes_references and cfg.image is not None) + padding
     shape = (cfg.batch_size, den.in_channels, vae.latent_frames(frames) + prepended, height // vae.downsample,
              width // vae.downsample)
-    return shape, height, width, frames, frames + padding * vae.temporal
+    # a driven pipeline's videos cover the clip alone (its padding frame is the character's place, no frames')
+    return shape, height, width, frames, frames + (0 if den.trained_videos else padding * vae.temporal)
 
 
 def nets(networks: Networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype,
@@ -302,20 +356,20 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
     ``sample.student.student_videos`` for ``--eval_every`` (``distill_eval``; ``cli`` hands it over).
 
     Raises:
-        UserError: no ``--prompt_file``; a fine-tuned run's folder as ``--teacher``; ``--sequence_parallel_size``
-            for a family without a token split (``refuse_unsplittable``) or one that does not divide the processes
-            (``init_distributed``); a ``--batch_size`` the data-parallel groups do not divide; and
-            ``check_eval_flags``' / ``load_teacher_pipeline``'s / ``first_frame_files``' / ``latent_shape``'s /
-            ``distill_nets.build_networks``' / ``distill_eval``'s errors.
+        UserError: no ``--prompt_file`` (nor ``--driving_csv``); a fine-tuned run's folder as ``--teacher``;
+            ``--sequence_parallel_size`` for a family without a token split (``refuse_unsplittable``) or one that does
+            not divide the processes (``init_distributed``); a ``--batch_size`` the data-parallel groups do not
+            divide; and ``check_eval_flags``' / ``load_teacher_pipeline``'s / ``first_frame_files``' /
+            ``driving_rows``' / ``latent_shape``'s / ``distill_nets.build_networks``' / ``distill_eval``'s errors.
     """
     from ditforge.data.captions import read_prompts
     from ditforge.train.distill_eval import ClipEval, check_eval_flags, eval_prompts
     from ditforge.train.distill_nets import build_networks
 
     check_eval_flags(cfg)
-    if cfg.prompt_file is None:
+    if cfg.prompt_file is None and cfg.driving_csv is None:  # a driven teacher's CSV may caption its rows
         raise UserError("--prompt_file: a pipeline teacher distils from prompts; give a file of one prompt per line")
-    prompts = read_prompts(None, cfg.prompt_file)
+    prompts = read_prompts(None, cfg.prompt_file) if cfg.prompt_file is not None else None
     folder = Path(cfg.teacher)
     if not (folder / "model_index.json").is_file():  # the CLI writes a fine-tuned run as one (export)
         raise UserError(f"{FLAG} {cfg.teacher}: a fine-tuned run distils from its pipeline folder; write it with "
@@ -342,7 +396,8 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
     run_dir.mkdir(parents=True, exist_ok=True)
     pre, scale, scale_2 = load_teacher_pipeline(cfg, folder, device, amp)
     model = pre.denoiser
-    files = first_frame_files(cfg, pre)
+    files = first_frame_files(cfg, pre) + driving_rows(cfg, pre)  # at most one of them
+    prompts = prompts or [row["text"] for row in files]  # no --prompt_file: the driving rows' captions
     samples = eval_prompts(cfg, pre) if cfg.eval_every else None
     shape, height, width, frames, image_frames = latent_shape(pre, cfg)
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
@@ -428,8 +483,9 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     conditioning covers: the clip's and the pipeline's padding); ``scales``: the teacher's guidance (``nets``'
     scale, scale_2). Its randomness from
     ``torch.Generator(device).manual_seed(derive_seed(seed, step))``, in this order: the B prompts' indices
-    (uniform), an image-to-video teacher's B first frames' indices in ``files`` (uniform) and its image latents'
-    draws (``image_from_generator``), the noise (B, C, T', h, w) (then the adapter's ``start``: the latents the
+    (uniform), an image-to-video teacher's B first frames' (a driven one's B driving rows') indices in ``files``
+    (uniform; a driven teacher's without ``--prompt_file``: the prompts' own, each row its caption) and its image
+    latents' draws (``image_from_generator``), the noise (B, C, T', h, w) (then the adapter's ``start``: the latents the
     pipeline starts from), then ``DMD2``'s draws. Under torchrun (``d``) every process makes the global batch's
     draws and conditioning and keeps the B / n rows of its data-parallel rank (``DMD2.shard``'s; n = ``d.dp_size``),
     the same on the processes of one sequence-parallel group, which split each row's tokens (``parallel.context``);
@@ -441,7 +497,9 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     shape, height, width, frames = sizes
     g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
     rows = torch.randint(len(prompts), (shape[0],), generator=g, device=device).tolist()
-    picks = torch.randint(len(files), (shape[0],), generator=g, device=device).tolist() if files else []
+    # driving rows without --prompt_file: each its own caption, the prompt's draw picks it
+    picks = (rows if cfg.prompt_file is None else torch.randint(len(files), (shape[0],), generator=g,
+                                                                device=device).tolist()) if files else []
     cond = conditioning(pre, [prompts[i] for i in rows], [files[i] for i in picks], (height, width, frames), g)
     noise = model.start(torch.randn(shape, generator=g, device=device), cond)  # as the pipeline's first latents
     b = shape[0] // d.dp_size
@@ -482,7 +540,9 @@ def run_config(cfg: DistillConfig, pre, folder: Path, targets: list[str], object
                          "critic_steps": cfg.critic_steps, "timesteps": times.tolist(), "sampler": STUDENT_SAMPLER,
                          "teacher_cfg_scale": scale, "teacher_cfg_scale_2": scales[1],
                          "sample_cfg_scale": scale if den.embedded_guidance else 1.0,
-                         "height": height, "width": width, "image": cfg.image,
+                         "height": height, "width": width, "image": cfg.image, "driving_csv": cfg.driving_csv,
+                         # a driven student samples in segments of the frames it learnt (the pipeline's call)
+                         "segment_frame_length": frames if den.trained_videos else None,
                          "student_lora_rank": settings["lora_rank"], "critic_lora_rank": critic_rank(cfg),
                          "optimizer": cfg.optimizer, "fp8_base": cfg.fp8_base, "blocks_to_swap": cfg.blocks_to_swap,
                          "plugin": plugin, "sequence_parallel_size": sp_size}

@@ -24,10 +24,12 @@ TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the Wan adapter's default LoRA
 
 
 def distill_argv(folder, prompts, out, *extra: str) -> list[str]:
-    return ["distill", "--teacher", str(folder), "--prompt_file", str(prompts), "--student_steps", str(STEPS),
-            "--lora_rank", str(RANK), "--height", "16", "--width", "16", "--num_frames", "5", "--batch_size",
-            str(BATCH), "--critic_steps", "2", "--lr", str(LR), "--seed", str(SEED), "--log_every", "1",
-            "--ckpt_every", "1", "--keep_last", "4", "--device", "cpu", "--outputs", str(out), *extra]
+    """The tests' ``ditforge distill`` of ``folder`` from the file ``prompts`` (None: no ``--prompt_file``)."""
+    return ["distill", "--teacher", str(folder), *(["--prompt_file", str(prompts)] if prompts else []),
+            "--student_steps", str(STEPS), "--lora_rank", str(RANK), "--height", "16", "--width", "16", "--num_frames",
+            "5", "--batch_size", str(BATCH), "--critic_steps", "2", "--lr", str(LR), "--seed", str(SEED),
+            "--log_every", "1", "--ckpt_every", "1", "--keep_last", "4", "--device", "cpu", "--outputs", str(out),
+            *extra]
 
 
 @pytest.fixture(scope="module")

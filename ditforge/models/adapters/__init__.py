@@ -114,7 +114,8 @@ class DiffusersDenoiser(nn.Module):
         given_frames: the first latent frames the conditioning gives clean (Wan 2.2 TI2V's and LTX-Video's I2V):
             out of the loss (the objective's ``given_frames``), put back after sampling (``finish``).
         padding_frames: a method: the latent frames the pipeline's loop puts before a clip's and drops before
-            decoding (CogVideoX 1.5's, to a multiple of its temporal patch), 0 for the others.
+            decoding (CogVideoX 1.5's, to a multiple of its temporal patch; Wan2.2-Animate's one, the character's
+            place), 0 for the others.
         frames_first: the pipeline lays its video latents out (B, T', C, h, w) (CogVideoX), not (B, C, T', h, w);
             its noise is drawn, and its scheduler steps, in that layout.
         image_noise: (mean, std) of log sigma: training noises the first frame's pixels by sigma = exp(mean + std z)
@@ -331,7 +332,8 @@ class DiffusersDenoiser(nn.Module):
     @staticmethod
     def call_defaults(pipe: Any) -> dict[str, int]:
         """Defaults of the pipeline call's ``height`` / ``width`` / ``num_frames`` that its signature leaves None
-        and its body computes (CogVideoX's from the transformer's config); {} for the others."""
+        and its body computes (CogVideoX's from the transformer's config), or that it names otherwise (a driven
+        pipeline's clip: one segment, ``segment_frame_length``); {} for the others."""
         return {}
 
     @staticmethod
@@ -431,9 +433,9 @@ class DiffusersDenoiser(nn.Module):
 
     def padding_frames(self, latent_frames: int) -> int:
         """Latent frames the pipeline's loop puts in front of a clip's ``latent_frames`` (its noise drawn with theirs)
-        and drops before decoding, for its transformer's patches (CogVideoX 1.5's temporal patches); 0 for the
-        others. An image-to-video family's image conditioning then covers them too (``ditforge sample`` encodes it
-        for the padded clip)."""
+        and drops before decoding, for its transformer's patches (CogVideoX 1.5's temporal patches) or the
+        conditioning's place (Wan2.2-Animate's character frame); 0 for the others. An image-to-video family's image
+        conditioning then covers them too (``ditforge sample`` encodes it for the padded clip)."""
         return 0
 
     @staticmethod

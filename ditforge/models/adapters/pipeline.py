@@ -10,7 +10,7 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -83,15 +83,16 @@ def is_adapted_pipeline(path: str | Path, replaced: tuple[str, ...] = ()) -> boo
 def pipeline_defaults(pipe) -> dict:
     """The defaults of the pipeline's ``__call__`` that ``ditforge sample`` falls back on: height, width,
     num_frames, num_inference_steps, guidance_scale, and a two-expert pipeline's guidance_scale_2 (a signature
-    default, or for a default the signature leaves None what the pipeline's body computes, the adapter's
-    ``call_defaults``; None where neither gives one: a two-expert pipeline's guidance_scale_2 then takes
-    guidance_scale's)."""
+    default, or for a default the signature leaves None (or a call without the argument: a driven pipeline's
+    num_frames) what the pipeline's body computes, the adapter's ``call_defaults``; None where neither gives one: a
+    two-expert pipeline's guidance_scale_2 then takes guidance_scale's)."""
     params = inspect.signature(pipe.__call__).parameters
     names = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale", "guidance_scale_2")
     out = {n: params[n].default for n in names if n in params}
     family = family_of_pipeline(type(pipe).__name__)
     computed = family.call_defaults(pipe) if family is not None else {}
-    return {n: computed.get(n) if v is None else v for n, v in out.items()}
+    return {n: computed.get(n) if v is None else v for n, v in out.items()} | {
+        n: v for n, v in computed.items() if n in names and n not in out}
 
 
 @dataclass
@@ -328,7 +329,7 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
                            image_size: int | tuple[int, int], num_steps: int, guidance_scale: float,
                            batch_size: int = 8, num_frames: int | None = None, images: list | None = None,
                            negative: str | None = None, call_inputs: dict | None = None,
-                           guidance_scale_2: float | None = None) -> torch.Tensor:
+                           guidance_scale_2: float | None = None, scheduler: Callable | None = None) -> torch.Tensor:
     """Images for ``prompts`` from the family's own pipeline and scheduler with ``denoiser`` (an adapter of the
     fine-tuned diffusers model; its text encoder too when it trained one) in it: row i starts from the noise of
     ``torch.Generator(device).manual_seed(seeds[i])``, so it depends on its prompt and seed only. The prompts are
@@ -341,7 +342,10 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
     its rows are drawn one per call (the pipeline takes one image a call, ``pipeline_wan_i2v.py``). ``call_inputs``:
     more arguments of every call, for a ``driving_videos`` family (its ``driving_inputs`` and ``image``; its rows
     are drawn one per call, and the frame count is its videos', not ``num_frames``). ``guidance_scale_2``: a
-    two-expert pipeline's low-noise scale (the call's argument; None: its default)."""
+    two-expert pipeline's low-noise scale (the call's argument; None: its default). ``scheduler``: a function of a
+    row's generator giving the scheduler its call steps with in place of the pipeline's (``dmd.StudentScheduler``: a
+    distilled student's sampler, whose re-noising draws follow the call's noise from that generator; rows then one
+    per call), the pipeline's own put back after; None: the pipeline's."""
     pipe = pre.pipe
     height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
     for slot, model in zip(denoiser.pipeline_slots, denoiser.expert_models()):  # one expert of two: in its own slot
@@ -356,12 +360,15 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
             return {k: v.to(device) for k, v in denoiser.tokenize(texts).items()}
         return pre.encode_prompt(texts, **seen)
 
-    if denoiser.image_to_video or call_inputs is not None:
+    if denoiser.image_to_video or call_inputs is not None or scheduler is not None:
         batch_size = 1
+    own = pipe.scheduler
     try:
         for start in range(0, len(prompts), batch_size):
             rows = slice(start, start + batch_size)
             gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[rows]]
+            if scheduler is not None:
+                pipe.scheduler = scheduler(gens[0])
             with torch.no_grad():
                 seen = {"images": [first_images[start]]} if denoiser.prompt_sees_image else {}
                 cond = encode(prompts[rows], seen)
@@ -380,4 +387,5 @@ def generate_with_pipeline(pre: Pretrained, denoiser: DiffusersDenoiser, prompts
             out.append(images.float().cpu() * 2 - 1)
     finally:
         pipe.vae.to(vae_home)
+        pipe.scheduler = own
     return torch.cat(out)

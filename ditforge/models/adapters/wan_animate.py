@@ -18,6 +18,7 @@ leads the clip's latents x0 (``encoders.batch.PREFIX``), where the pipeline's no
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -56,6 +57,17 @@ class WanAnimateDenoiser(WanDenoiser):
         if expert is not None:
             return f"--expert {expert}: for Wan 2.2 A14B's two experts; this pipeline has one transformer"
         return None
+
+    @staticmethod
+    def call_defaults(pipe) -> dict[str, int]:
+        """``num_frames``: the call's default ``segment_frame_length`` (77), the clip of one segment (what
+        ``ditforge distill`` trains a student on: the first segment's conditioning, ``encode_driving``)."""
+        return {"num_frames": inspect.signature(pipe.__call__).parameters["segment_frame_length"].default}
+
+    def padding_frames(self, latent_frames: int) -> int:
+        """1: the pipeline's noise has a latent frame before the segment's (``prepare_latents``: ``num_latent_frames
+        + 1``, the character's place), dropped before decoding (``latents[:, :, 1:]``)."""
+        return 1
 
     @property
     def in_channels(self) -> int:
