@@ -249,8 +249,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def _add_distill(sub: argparse._SubParsersAction) -> None:
     """``ditforge distill``: a flag per distill config field."""
-    d = sub.add_parser("distill", help="distil a few-step student of a DiT run by DMD2 (samples in --student_steps "
-                       "steps without guidance; docs/distillation.md)",
+    d = sub.add_parser("distill", help="distil a few-step student of a DiT run or a video pipeline by DMD2 (samples "
+                       "in --student_steps steps without guidance; docs/distillation.md)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_config_flags(d, (DistillConfig,))
 
