@@ -439,9 +439,10 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     ``torch.Generator(device).manual_seed(derive_seed(seed, step))``, in this order: the B prompts' indices
     (uniform), an image-to-video teacher's B first frames' indices in ``files`` (uniform) and its image latents'
     draws (``image_from_generator``), the noise (B, C, T', h, w) (then the adapter's ``start``: the latents the
-    pipeline starts from), ``--data``'s B real clips (``RealClips.draw``), then ``DMD2``'s draws. Under torchrun (``d``) every process makes the global batch's
-    draws and conditioning and keeps the B / n rows of its data-parallel rank (``DMD2.shard``'s; n = ``d.dp_size``),
-    the same on the processes of one sequence-parallel group, which split each row's tokens (``parallel.context``);
+    pipeline starts from), ``--data``'s B real clips (``RealClips.draw``), then ``DMD2``'s draws. Under torchrun (``d``)
+    every process makes the global batch's draws and conditioning and keeps the B / n rows of its data-parallel rank
+    (``DMD2.shard``'s; n = ``d.dp_size``), the same on the processes of one sequence-parallel group, which split each
+    row's tokens (``parallel.context``);
     the gradients are averaged over all processes before clipping: by ``average_gradients`` (``plugin`` ddp), or by
     FSDP2's reduce-scatter into each process's shards (fsdp), clipped to the global norm of the shards
     (``parallel.clip_grad_norm_``). The returned losses and gradient norms are all processes' means: n groups take

@@ -1,13 +1,13 @@
 """``ditforge distill --data`` of a pipeline teacher (``distill_pipeline.py``): real clips for DMD2's GAN head (Yin et
 al. 2024 secs. 4.3-4.4), read and encoded as ``ditforge train --init_from PIPE --data`` reads and encodes them.
 
-The data: a folder of clips with ``<stem>.txt`` captions (or a blend of such folders), or a CSV / JSONL of
-path,text rows (``data.sources.bucket_source``), read by fine-tuning's ``data.buckets.BucketDataset`` at one bucket
-of exactly the student's size (``Buckets.exact``: each clip scaled to cover the frame and centre-cropped, its
-frames at the source's ``--frame_interval`` default, consecutive for a folder) and encoded by fine-tuning's
+The data: a folder of clips with ``<stem>.txt`` captions (or a blend of such folders), or a CSV / JSONL of path,text
+rows (``data.sources.bucket_source``), read by fine-tuning's ``data.buckets.BucketDataset`` at one bucket of exactly the
+student's size (``Buckets.exact``: each clip scaled to cover the frame and centre-cropped, its frames at the stride of
+the source's ``--frame_interval`` default in ``ditforge train``: consecutive for a folder) and encoded by fine-tuning's
 ``encoders.batch.pipeline_encoder`` (the pipeline's VAE, a posterior sample; its prompt encoding of the captions; an
-image-to-video teacher's first-frame conditioning from the clip). The captions condition the real branch only, as
-DMD2's (``main/train_sd.py``: the real images' own text embeddings); the student's prompts stay ``--prompt_file``'s.
+image-to-video teacher's first-frame conditioning from the clip). The captions condition the real branch only, as DMD2's
+(``main/train_sd.py``: the real images' own text embeddings); the student's prompts stay ``--prompt_file``'s.
 
 The critic's features are its denoiser's ``features`` (the middle repeated block's hidden states, ``models/
 adapters``), into ``dmd.GANHead``, the critic's submodule ``gan_head`` (its optimizer's, its checkpoint entry's).
@@ -70,9 +70,10 @@ class RealClips:
         if (short | small).any():
             i = int((short | small).argmax())
             raise UserError(f"--data {spec}: {int((short | small).sum())} of {len(t)} clips do not fit the student's "
-                            f"{width} x {height} x {frames} frames (at --frame_interval {interval}, at least "
+                            f"{width} x {height} x {frames} frames (read at a stride of {interval}, at least "
                             f"{AREA_FRACTION:g} of its pixels), e.g. {self.dataset.paths[i]}: {int(w[i])} x "
-                            f"{int(h[i])} x {int(t[i])}; give --width / --height / --num_frames that fit or other clips")
+                            f"{int(h[i])} x {int(t[i])}; give --width / --height / --num_frames that fit, or other "
+                            "clips")
         self.encoder, self.device = pipeline_encoder(pre), pre.device
         mean, _ = self.encoder.moments(self._batch([0]), self.device)
         if tuple(mean.shape[1:]) != tuple(shape[1:]):

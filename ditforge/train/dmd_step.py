@@ -51,7 +51,8 @@ def dmd2_iteration(dmd: DMD2, step: int, critic_steps: int, student: Net, teache
     norm, ``parallel.clip_grad_norm_``). With ``gan`` the
     generator's loss adds ``gen_cls_loss_weight`` x ``gan_generator_loss`` of its sample's logits (through the
     critic's features; its gradient in the sample taken under ``before_backward("critic")``, module docstring), and
-    the critic's ``guidance_cls_loss_weight`` x ``gan_critic_loss`` of the real samples' and the detached sample's logits.
+    the critic's ``guidance_cls_loss_weight`` x ``gan_critic_loss`` of the real samples' and the detached sample's
+    logits.
     Randomness: ``generator`` alone, in that order (the GAN's noise after each loss's own draws, real before fake).
     Returns {generator_loss, dmd_grad_norm (the per-sample mean), generator_grad_norm (the student's parameters'
     gradient norm before clipping)} of a generator step and critic_loss, critic_grad_norm, host floats;
