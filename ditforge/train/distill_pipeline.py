@@ -442,11 +442,10 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     pipeline starts from), ``--data``'s B real clips (``RealClips.draw``), then ``DMD2``'s draws. Under torchrun (``d``)
     every process makes the global batch's draws and conditioning and keeps the B / n rows of its data-parallel rank
     (``DMD2.shard``'s; n = ``d.dp_size``), the same on the processes of one sequence-parallel group, which split each
-    row's tokens (``parallel.context``);
-    the gradients are averaged over all processes before clipping: by ``average_gradients`` (``plugin`` ddp), or by
-    FSDP2's reduce-scatter into each process's shards (fsdp), clipped to the global norm of the shards
-    (``parallel.clip_grad_norm_``). The returned losses and gradient norms are all processes' means: n groups take
-    the steps of one process with the global batch."""
+    row's tokens (``parallel.context``); the gradients are averaged over all processes before clipping: by
+    ``average_gradients`` (``plugin`` ddp), or by FSDP2's reduce-scatter into each process's shards (fsdp), clipped to
+    the global norm of the shards (``parallel.clip_grad_norm_``). The returned losses and gradient norms are all
+    processes' means: n groups take the steps of one process with the global batch."""
     model, device = pre.denoiser, pre.device
     shape, height, width, frames = sizes
     g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
