@@ -448,10 +448,13 @@ class DistillConfig:
                                               "a pipeline's family's LoRA targets)")
     prompt_file: str | None = _f(None, "a text-conditional DiT or a pipeline teacher: the prompts, one per line, "
                                        "drawn uniformly (data-free), encoded by the teacher's text encoder")
-    data: str | None = _f(None, "a DiT teacher: real samples for the GAN head (DMD2 sec. 4.3), a --data spec as "
-                                "`ditforge train` takes it (digits, an image folder ROOT/<class>/<image>, captioned "
-                                "images), at the teacher's image size, encoded by its VAE; needs "
-                                "--gen_cls_loss_weight (default: none, data-free)")
+    data: str | None = _f(None, "real samples for the GAN head (DMD2 sec. 4.3), needs --gen_cls_loss_weight: a DiT "
+                                "teacher's a --data spec as `ditforge train` takes it (digits, an image folder "
+                                "ROOT/<class>/<image>, captioned images), at the teacher's image size, encoded by its "
+                                "VAE; a pipeline teacher's the clips `ditforge train --init_from PIPE --data` takes (a "
+                                "folder of clips with <stem>.txt captions, a CSV / JSONL of path,text rows), each "
+                                "read at the student's --width x --height x --num_frames, its caption conditioning "
+                                "the real branch (default: none, data-free)")
     gen_cls_loss_weight: float = _f(0.0, "with --data: the GAN weight, the generator's GAN loss against its DMD "
                                          "loss (DMD2's name, gen_cls_loss_weight: 3e-3 on ImageNet 64, 5e-3 on "
                                          "its 1024 px text-to-image runs); > 0 adds the GAN head on the critic's "

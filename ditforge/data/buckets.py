@@ -180,6 +180,17 @@ class Buckets:
         self.image_size = aspect_shape(resolution_area(self.resolutions[0]), (1, 1), self.multiple)[0]
         self._cache: dict[tuple[int, int, int], tuple[int, ...]] = {}
 
+    @classmethod
+    def exact(cls, height: int, width: int, num_frames: int, frame_interval: int = 1) -> Buckets:
+        """One bucket of exactly ``height`` x ``width`` pixels and ``num_frames`` frames (a distilled student's
+        clips, ``train.distill_real``): every sample read there is scaled to cover it and centre-cropped
+        (``read_at_bucket``), whatever its aspect ratio."""
+        side = math.isqrt(height * width)  # a resolution of about the bucket's area (rule 1's size check)
+        out = cls({f"{side}px": {num_frames: (1.0, 1)}}, 1, frame_interval)
+        out.buckets = [Bucket(f"{side}px", num_frames, height, width, 1, 1.0)]
+        out._ids = {(f"{side}px", num_frames): [0]}
+        return out
+
     def candidates(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
         """The bucket ids a sample of ``height`` x ``width`` pixels and ``num_frames`` frames (1: an image) may
         go to, in the order its keep draws are tried (rule 1 and 3 of the module docstring); () when none."""

@@ -271,6 +271,18 @@ def build_video_dataset(data: str, num_frames: int, frame_interval: int, image_s
     return VideoDataset(data, num_frames, frame_interval, image_size, bad_samples_path, seed)
 
 
+def bucket_source(data: str, caption_missing: str = "skip", bad_samples_path: str | Path | None = None
+                  ) -> str | list[dict]:
+    """What ``BucketDataset`` reads for ``--data`` ``data``: a folder of clips' (or a blend of them) rows
+    (``folders.folder_rows``, its uncaptioned media per ``caption_missing``), else ``data`` itself (a CSV / JSONL
+    of path,text rows)."""
+    if source_of(data) is not CLIP_FOLDER:
+        return data
+    from ditforge.data.folders import folder_rows
+
+    return folder_rows(data, caption_missing, bad_samples_path)
+
+
 def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | None = None, pre=None):
     """The data set of a run (``cfg``, a ``RunConfig``) in buckets: ``--data`` read at the buckets of ``--buckets``,
     videos sampled at ``--frame_interval``: a ``BucketDataset`` of a CSV / JSONL or a folder of clips, or for raw
@@ -296,10 +308,8 @@ def build_bucket_dataset(cfg, bad_samples_path: str | Path | None, model: str | 
         from ditforge.data.folders import instance_rows
 
         source = instance_rows(data.instance_data, data.instance_prompt)
-    elif source_of(data.data) is CLIP_FOLDER:
-        from ditforge.data.folders import folder_rows
-
-        source = folder_rows(data.data, data.caption_missing, bad_samples_path)
+    else:
+        source = bucket_source(data.data, data.caption_missing, bad_samples_path)
     if pre is not None:
         from ditforge.encoders.batch import pipeline_vae
 

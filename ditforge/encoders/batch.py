@@ -313,10 +313,18 @@ def pipeline_batch_encoder(cfg, pre, dataset) -> tuple[BatchEncoder, dict]:
              "model.num_frames": vae.latent_frames(frames) if video else None,  # the denoiser's (latent) frames
              "model.learn_sigma": pre.denoiser.learn_sigma, "model.text_encoder": None, "model.text_dim": None,
              "model.text_max_length": None, "data.image_size": size, "data.num_frames": frames}
-    encoder = BatchEncoder("text", vae, prompt_encoder=pre.encode_prompt,
-                           class_captions=getattr(dataset, "class_captions", None),
-                           image_encoder=pre.encode_image if pre.denoiser.image_to_video else None,
-                           prompt_sees_image=pre.denoiser.prompt_sees_image,
-                           reference_encoder=pre.encode_references if pre.denoiser.takes_references else None,
-                           driving_encoder=pre.encode_driving if pre.denoiser.trained_videos else None)
-    return encoder, found
+    return pipeline_encoder(pre, vae, getattr(dataset, "class_captions", None)), found
+
+
+def pipeline_encoder(pre, vae=None, class_captions: Sequence[str] | None = None) -> BatchEncoder:
+    """The ``BatchEncoder`` of a pretrained pipeline ``pre``: its VAE (``vae``, default ``pipeline_vae(pre)``), its
+    own prompt encoding, and its family's image, reference or driving-video conditioning (the adapter's
+    ``image_to_video``, ``takes_references``, ``trained_videos``), as fine-tuning encodes a batch; the one
+    ``ditforge distill --data`` encodes real clips with (``train.distill_real``)."""
+    den = pre.denoiser
+    return BatchEncoder("text", vae or pipeline_vae(pre), prompt_encoder=pre.encode_prompt,
+                        class_captions=class_captions,
+                        image_encoder=pre.encode_image if den.image_to_video else None,
+                        prompt_sees_image=den.prompt_sees_image,
+                        reference_encoder=pre.encode_references if den.takes_references else None,
+                        driving_encoder=pre.encode_driving if den.trained_videos else None)

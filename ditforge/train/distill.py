@@ -108,9 +108,6 @@ def distill(cfg: DistillConfig, draw_student: Callable | None = None) -> Path:
 
     check(cfg)
     if is_pipeline_teacher(cfg.teacher):
-        if cfg.data is not None:
-            raise UserError(f"--data {cfg.data}: real samples and the GAN head are for DiT teachers so far; "
-                            f"{cfg.teacher} is a pipeline")
         return distill_pipeline(cfg, draw_student)
     if cfg.image is not None:
         raise UserError(f"--image {cfg.image}: for an image-to-video pipeline teacher; {cfg.teacher} is a DiT")

@@ -24,6 +24,9 @@ over the teacher's base with both adapters in its blocks and over each full copy
 transformer block and one for the rest), and with ``--sequence_parallel_size`` each network's transformer splits
 its tokens (``parallelize``'s ``parallel.context``, fine-tuning's).
 
+With ``--data`` the critic carries DMD2's GAN head (``dmd.GANHead`` as its module's submodule ``gan_head``: the
+full copy's, or a LoRA critic's base's, after the float8 storage), trained and saved with the critic's parameters.
+
 Checkpoint (``state``): each network's trainable tensors by their names in their module (``student``, ``critic``),
 both optimizers by parameter name (``optimizer``, ``critic_optimizer``) and ``ema``, the student as ``ditforge
 sample --ckpt RUN`` and ``ditforge export`` read a fine-tune of the pipeline: a LoRA student's adapters in peft's
@@ -148,6 +151,11 @@ def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: st
     if cfg.fp8_base:
         store_base_in_fp8(model, amp, "none")
     model.to(device).eval()
+    if cfg.data is not None:  # DMD2's cls_pred_branch, the critic's: in its optimizer and its checkpoint entry
+        from ditforge.diffusion.dmd import GANHead
+
+        torch.manual_seed(cfg.seed)
+        copies.get("critic", model).gan_head = GANHead(model.feature_width).to(device)
     if plugin == "fsdp" or d.sp_mesh is not None:
         for module in (model, *copies.values()):
             parallelize(module, d, plugin if plugin == "fsdp" else "none",
@@ -171,6 +179,9 @@ class Networks:
     def __post_init__(self):
         self.trainable = {name: dict(self.copies[name].named_parameters()) if name in self.copies else
                           adapter_params(self.base, name) for name in ADAPTERS}
+        head = getattr(self.base, "gan_head", None)  # a LoRA critic's head sits on the base (build_networks)
+        if head is not None:
+            self.trainable["critic"] |= {f"gan_head.{k}": p for k, p in head.named_parameters()}
 
     def describe(self) -> str:
         """The networks in words, for the run's first log line."""
@@ -179,7 +190,8 @@ class Networks:
                 return "full copy"
             return f"LoRA rank {next(iter(adapter_params(self.base, name).values())).shape[0]}"
 
-        return f"{kind('student')}; critic: {kind('critic')}"
+        head = " with a GAN head" if hasattr(self.module("critic"), "gan_head") else ""
+        return f"{kind('student')}; critic: {kind('critic')}{head}"
 
     def module(self, name: str | None) -> nn.Module:
         """The module that computes ``name`` (None: the teacher)."""

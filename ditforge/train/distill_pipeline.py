@@ -1,6 +1,8 @@
 """``ditforge distill`` of a diffusers pipeline of an adapted family (``models/adapters``; video first): a few-step
 student by DMD2 (``diffusion/dmd.py`` holds the math), data-free from prompts (and an image-to-video teacher's
-first frames, ``--image``: a folder of PNG / JPEG files, encoded as fine-tuning encodes a clip's, ``conditioning``).
+first frames, ``--image``: a folder of PNG / JPEG files, encoded as fine-tuning encodes a clip's, ``conditioning``);
+with ``--data`` and ``--gen_cls_loss_weight`` also on real clips, for DMD2's GAN head on the critic's features
+(``distill_real.py``).
 
 The three networks (``distill_nets.py``): the teacher (the real score, guided at ``--cfg_scale``: a CFG pair, or for
 a guidance-distilled family one pass with that scale embedded, which student and critic take too) is the pipeline's
@@ -81,7 +83,8 @@ from ditforge.parallel.collectives import average_gradients, mean_over_processes
 from ditforge.parallel.mesh import Dist, init_distributed, shutdown
 from ditforge.train.checkpoint import Checkpointer, find_resume, list_checkpoints
 from ditforge.train.distill_nets import Networks, critic_rank
-from ditforge.train.dmd_step import dmd2_iteration
+from ditforge.train.distill_real import RealClips, classifier, refuse_real_data
+from ditforge.train.dmd_step import GANTerms, dmd2_iteration
 from ditforge.train.logging import MetricsLog, mean_records, progress_line, read_metrics, rewrite_metrics
 
 log = logging.getLogger(__name__)
@@ -374,7 +377,9 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
     if not (folder / "model_index.json").is_file():  # the CLI writes a fine-tuned run as one (export)
         raise UserError(f"{FLAG} {cfg.teacher}: a fine-tuned run distils from its pipeline folder; write it with "
                         "`ditforge export --format diffusers` and pass that folder")
-    if cfg.sequence_parallel_size > 1:  # before any process group
+    if cfg.data is not None:  # before any process group
+        refuse_real_data(cfg)
+    if cfg.sequence_parallel_size > 1:
         from ditforge.models.adapters import family_of_pipeline
         from ditforge.models.adapters.pipeline import read_model_index
         from ditforge.parallel.context import refuse_unsplittable
@@ -400,6 +405,10 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
     prompts = prompts or [row["text"] for row in files]  # no --prompt_file: the driving rows' captions
     samples = eval_prompts(cfg, pre) if cfg.eval_every else None
     shape, height, width, frames, image_frames = latent_shape(pre, cfg)
+    real = None
+    if cfg.data is not None:
+        refuse_real_data(cfg, model)
+        real = RealClips(cfg, pre, shape, (height, width, frames), run_dir / "bad_samples.jsonl")
     targets = [t.strip() for t in (cfg.lora_target_modules or ",".join(model.default_lora_targets)).split(",")]
     networks = build_networks(cfg, pre, targets, amp, d, plugin)
     objective = create_objective("auto", model.learn_sigma, pre.scheduler_config, where=f"{FLAG} {cfg.teacher}",
@@ -436,7 +445,7 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
     window, tic = [], time.perf_counter()
     for step in range(start + 1, cfg.max_steps + 1):
         window.append(iteration(dmd, step, cfg, pre, prompts, files, (shape, height, width, image_frames),
-                                (scale, scale_2), amp, networks, opts, d, plugin))
+                                (scale, scale_2), amp, networks, opts, d, plugin, real))
         scores = {}
         if clip_eval is not None and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             began = time.perf_counter()
@@ -477,7 +486,7 @@ def report(metrics: MetricsLog, line: dict, max_steps: int) -> None:
 
 def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str], files: list[Path], sizes,
               scales: tuple[float, float | None], amp: torch.dtype, networks: Networks, opts: list, d: Dist,
-              plugin: str) -> dict[str, float]:
+              plugin: str, real: RealClips | None = None) -> dict[str, float]:
     """One iteration (DMD2's two time scales, as ``distill._iteration``): every ``critic_steps``-th a generator step,
     then a critic step. ``sizes``: (the latents' shape (B, C, T', h, w), height, width, the frames the image
     conditioning covers: the clip's and the pipeline's padding); ``scales``: the teacher's guidance (``nets``'
@@ -486,13 +495,13 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     (uniform), an image-to-video teacher's B first frames' (a driven one's B driving rows') indices in ``files``
     (uniform; a driven teacher's without ``--prompt_file``: the prompts' own, each row its caption) and its image
     latents' draws (``image_from_generator``), the noise (B, C, T', h, w) (then the adapter's ``start``: the latents the
-    pipeline starts from), then ``DMD2``'s draws. Under torchrun (``d``) every process makes the global batch's
-    draws and conditioning and keeps the B / n rows of its data-parallel rank (``DMD2.shard``'s; n = ``d.dp_size``),
-    the same on the processes of one sequence-parallel group, which split each row's tokens (``parallel.context``);
-    the gradients are averaged over all processes before clipping: by ``average_gradients`` (``plugin`` ddp), or by
-    FSDP2's reduce-scatter into each process's shards (fsdp), clipped to the global norm of the shards
-    (``parallel.clip_grad_norm_``). The returned losses and gradient norms are all processes' means: n groups take
-    the steps of one process with the global batch."""
+    pipeline starts from), ``--data``'s B real clips (``RealClips.draw``), then ``DMD2``'s draws. Under torchrun
+    (``d``) every process makes the global batch's draws and conditioning and keeps the B / n rows of its
+    data-parallel rank (``DMD2.shard``'s; n = ``d.dp_size``), the same on the processes of one sequence-parallel
+    group, which split each row's tokens (``parallel.context``); the gradients are averaged over all processes before
+    clipping: by ``average_gradients`` (``plugin`` ddp), or by FSDP2's reduce-scatter into each process's shards
+    (fsdp), clipped to the global norm of the shards (``parallel.clip_grad_norm_``). The returned losses and gradient
+    norms are all processes' means: n groups take the steps of one process with the global batch."""
     model, device = pre.denoiser, pre.device
     shape, height, width, frames = sizes
     g = torch.Generator(device).manual_seed(derive_seed(cfg.seed, step))
@@ -504,12 +513,19 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     noise = model.start(torch.randn(shape, generator=g, device=device), cond)  # as the pipeline's first latents
     b = shape[0] // d.dp_size
     mine = slice(d.dp_rank * b, (d.dp_rank + 1) * b)
-    student, critic, teacher = nets(networks, {k: v[mine] for k, v in cond.items()}, scales[0], amp, scales[1])
+    cond = {k: v[mine] for k, v in cond.items()}
+    student, critic, teacher = nets(networks, cond, scales[0], amp, scales[1])
+    gan = None
+    if real is not None:  # the real clips' own captions condition the real branch (DMD2's)
+        x_real, real_cond = real.draw(shape[0], g, (d.dp_rank, d.dp_size))
+        gan = GANTerms(x_real, classifier(networks, real_cond, scales[0], amp),
+                       classifier(networks, cond, scales[0], amp), cfg.gen_cls_loss_weight,
+                       cfg.guidance_cls_loss_weight)
     reduce = (lambda params: None) if plugin == "fsdp" else (lambda params: average_gradients(params, d))
     # each backward (and its recomputed blocks under gradient checkpointing) runs under its forward's adapter
     record = dmd2_iteration(dmd, step, cfg.critic_steps, student, teacher, critic, noise[mine], g, *opts,
                             *(list(networks.params(n).values()) for n in ("student", "critic")), cfg.max_grad_norm,
-                            networks.use, reduce, clip=lambda params, most: clip_grad_norm_(params, most, d))
+                            networks.use, reduce, gan, clip=lambda params, most: clip_grad_norm_(params, most, d))
     return mean_over_processes(record, d)
 
 

@@ -1,7 +1,15 @@
 """One DMD2 iteration of ``ditforge distill`` (a ditforge DiT's, ``distill.py``, and a pipeline's,
 ``distill_pipeline.py``): two time scales (DMD2 sec. 4.2: every ``critic_steps``-th iteration a generator step
 first, then a critic step in every one); the losses are ``diffusion.dmd.DMD2``'s, with the optional GAN terms of a
-run on real data (``GANTerms``, DMD2 secs. 4.3-4.4)."""
+run on real data (``GANTerms``, DMD2 secs. 4.3-4.4).
+
+The generator's GAN loss reaches the student's sample x through the critic's forward. Its gradient in x is taken
+first, by ``torch.autograd.grad`` on a detached copy of x with the critic active (``before_backward("critic")``),
+then added to the DMD surrogate as (x * that gradient).sum(), and the one backward into the student runs with the
+student active. One backward through both networks would recompute the critic's checkpointed blocks (gradient
+checkpointing recomputes a block in the backward under whatever is active then) with the student's adapter of a
+LoRA distillation (both adapters on one base), a wrong gradient; this way each backward runs under its forward's
+network, and the critic's parameters get no gradient from the generator's loss."""
 
 from __future__ import annotations
 
@@ -42,8 +50,9 @@ def dmd2_iteration(dmd: DMD2, step: int, critic_steps: int, student: Net, teache
     max_grad_norm)`` clips and returns their norm before (torch's ``clip_grad_norm_``; sharded gradients: the global
     norm, ``parallel.clip_grad_norm_``). With ``gan`` the
     generator's loss adds ``gen_cls_loss_weight`` x ``gan_generator_loss`` of its sample's logits (through the
-    critic's features: the critic's gradients of that backward are cleared before its own step), and the critic's
-    ``guidance_cls_loss_weight`` x ``gan_critic_loss`` of the real samples' and the detached sample's logits.
+    critic's features; its gradient in the sample taken under ``before_backward("critic")``, module docstring), and
+    the critic's ``guidance_cls_loss_weight`` x ``gan_critic_loss`` of the real samples' and the detached sample's
+    logits.
     Randomness: ``generator`` alone, in that order (the GAN's noise after each loss's own draws, real before fake).
     Returns {generator_loss, dmd_grad_norm (the per-sample mean), generator_grad_norm (the student's parameters'
     gradient norm before clipping)} of a generator step and critic_loss, critic_grad_norm, host floats;
@@ -54,9 +63,12 @@ def dmd2_iteration(dmd: DMD2, step: int, critic_steps: int, student: Net, teache
         x = dmd.generate(student, noise, generator)
         loss, grad_norm = dmd.generator_loss(x, teacher, critic, generator)
         out = {"generator_loss": float(loss.detach()), "dmd_grad_norm": float(grad_norm.mean())}
-        if gan is not None:
-            gen_cls = gan_generator_loss(dmd.gan_logits(gan.classify_fake, x, generator))
-            loss = loss + gan.gen_cls_loss_weight * gen_cls
+        if gan is not None:  # its gradient in x first, through the critic's forward under the critic (module doc)
+            probe = x.detach().requires_grad_(True)
+            gen_cls = gan_generator_loss(dmd.gan_logits(gan.classify_fake, probe, generator))
+            before_backward("critic")
+            (grad,) = torch.autograd.grad(gan.gen_cls_loss_weight * gen_cls, probe)
+            loss = loss + (x * grad.to(x.dtype)).sum()  # the surrogate whose gradient in x is that gradient
             out["gen_cls_loss"] = float(gen_cls.detach())
         before_backward("student")
         opt_g.zero_grad(set_to_none=True)

@@ -385,6 +385,31 @@ class DiffusersDenoiser(nn.Module):
     def denoise(self, x: torch.Tensor, t: torch.Tensor, **cond: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def feature_width(self) -> int:
+        """D of ``features``' tokens: the transformer's inner width, its config's heads x head dim (diffusers'
+        ``inner_dim`` of every adapted video transformer)."""
+        config = self.inner.config
+        return int(config.num_attention_heads) * int(config.attention_head_dim)
+
+    def features(self, x: torch.Tensor, t: torch.Tensor, **cond: torch.Tensor) -> torch.Tensor:
+        """The critic's features for DMD2's GAN head (Yin et al. 2024 sec. 4.3: its UNet's bottleneck; ditforge's
+        ``DiT.features``: the tokens after the first half of its blocks): the hidden states (B, N, ``feature_width``)
+        in the compute dtype that the middle one of ``inner``'s repeated blocks (``block_classes``, in module order:
+        index (n - 1) // 2 of n, the first half's last, rounded up) outputs in ``forward(x, t, **cond)`` (a block
+        that returns (hidden states, text states) gives the first), caught by a forward hook held for this call
+        only, so a backward's recompute of a checkpointed block leaves it alone. The whole forward runs (its
+        output unused); differentiable in ``x`` and the parameters before that block."""
+        blocks = [m for m in self.inner.modules() if type(m).__name__ in self.block_classes]
+        seen: list[torch.Tensor] = []
+        handle = blocks[(len(blocks) - 1) // 2].register_forward_hook(
+            lambda module, args, out: seen.append(out[0] if isinstance(out, tuple) else out))
+        try:
+            self(x, t, **cond)
+        finally:
+            handle.remove()
+        return seen[0]
+
     @staticmethod
     def encode_prompt(pipe: Any, texts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """Prompts -> the conditioning tensors, through the pipeline's own ``encode_prompt`` (no guidance); a

@@ -1,0 +1,120 @@
+"""``ditforge distill --data`` of a pipeline teacher (``distill_pipeline.py``): real clips for DMD2's GAN head (Yin et
+al. 2024 secs. 4.3-4.4), read and encoded as ``ditforge train --init_from PIPE --data`` reads and encodes them.
+
+The data: a folder of clips with ``<stem>.txt`` captions (or a blend of such folders), or a CSV / JSONL of path,text
+rows (``data.sources.bucket_source``), read by fine-tuning's ``data.buckets.BucketDataset`` at one bucket of exactly the
+student's size (``Buckets.exact``: each clip scaled to cover the frame and centre-cropped, its frames at the stride of
+the source's ``--frame_interval`` default in ``ditforge train``: consecutive for a folder) and encoded by fine-tuning's
+``encoders.batch.pipeline_encoder`` (the pipeline's VAE, a posterior sample; its prompt encoding of the captions; an
+image-to-video teacher's first-frame conditioning from the clip). The captions condition the real branch only, as DMD2's
+(``main/train_sd.py``: the real images' own text embeddings); the student's prompts stay ``--prompt_file``'s.
+
+The critic's features are its denoiser's ``features`` (the middle repeated block's hidden states, ``models/
+adapters``), into ``dmd.GANHead``, the critic's submodule ``gan_head`` (its optimizer's, its checkpoint entry's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import default_collate
+
+from ditforge.diffusion.dmd import Net
+from ditforge.errors import UserError
+
+
+def refuse_real_data(cfg, den=None) -> None:
+    """Raise UserError (one line, naming ``--data``) where real clips do not run yet: ``--plugin fsdp`` or
+    ``--sequence_parallel_size`` (the head's unsharded parameters, the features of split tokens); with the teacher's
+    denoiser ``den``, a teacher of two experts (a call's rows split over two transformers), a reference-image or
+    driven teacher (its latents lead with conditioning frames)."""
+    why = ("--plugin fsdp" if cfg.plugin == "fsdp" else
+           f"--sequence_parallel_size {cfg.sequence_parallel_size}" if cfg.sequence_parallel_size > 1 else
+           None if den is None else
+           "a teacher of two experts" if len(den.expert_models()) > 1 else
+           "a reference-image teacher" if den.takes_references else
+           "a driven teacher" if den.trained_videos else None)
+    if why is not None:
+        raise UserError(f"--data {cfg.data}: real clips and the GAN head run with one expert's text- or "
+                        f"image-to-video teacher, one process or --plugin ddp, so far; not with {why}")
+
+
+class RealClips:
+    """``--data``'s real clips at the student's size (module docstring), drawn uniformly.
+
+    Args:
+        cfg: the ``DistillConfig``; pre: the teacher's ``Pretrained``; shape: the student's latents (B, C, T', h, w);
+        size: (height, width, frames) of its clips; bad_samples_path: where unreadable clips are recorded.
+
+    Raises:
+        UserError (one line, naming ``--data``): data of another kind (features, shards, image folders); a clip of
+            fewer frames than the student's at the stride, or under ``AREA_FRACTION`` of its frame's pixels;
+            latents of another shape than the student's; and ``BucketDataset``'s (no usable row).
+    """
+
+    def __init__(self, cfg, pre, shape: tuple[int, ...], size: tuple[int, int, int], bad_samples_path):
+        from ditforge.data.buckets import AREA_FRACTION, BucketDataset, Buckets
+        from ditforge.data.sources import CLIP_FOLDER, bucket_source, source_of
+        from ditforge.encoders.batch import pipeline_encoder
+
+        spec, (height, width, frames) = cfg.data, size
+        source = source_of(spec)
+        if source is not CLIP_FOLDER and not spec.lower().endswith((".csv", ".jsonl")):
+            raise UserError(f"--data {spec}: a pipeline teacher's real clips are a folder of clips with <stem>.txt "
+                            f"captions or a .csv / .jsonl of path,text rows, not {source.name}")
+        interval = source.frame_interval
+        self.dataset = BucketDataset(bucket_source(spec, "skip", bad_samples_path),
+                                     Buckets.exact(height, width, frames, interval), bad_samples_path, cfg.seed)
+        h, w, t = self.dataset.sizes.T
+        short = (t - 1) < (frames - 1) * interval
+        small = h * w < AREA_FRACTION * height * width
+        if (short | small).any():
+            i = int((short | small).argmax())
+            raise UserError(f"--data {spec}: {int((short | small).sum())} of {len(t)} clips do not fit the student's "
+                            f"{width} x {height} x {frames} frames (read at a stride of {interval}, at least "
+                            f"{AREA_FRACTION:g} of its pixels), e.g. {self.dataset.paths[i]}: {int(w[i])} x "
+                            f"{int(h[i])} x {int(t[i])}; give --width / --height / --num_frames that fit, or other "
+                            "clips")
+        self.encoder, self.device = pipeline_encoder(pre), pre.device
+        mean, _ = self.encoder.moments(self._batch([0]), self.device)
+        if tuple(mean.shape[1:]) != tuple(shape[1:]):
+            raise UserError(f"--data {spec}: its clips' latents are {tuple(mean.shape[1:])}, the student's "
+                            f"{tuple(shape[1:])}")
+
+    def _batch(self, rows: list[int]) -> dict:
+        from ditforge.encoders.batch import as_batch
+
+        return as_batch(default_collate([self.dataset[(i, 0)] for i in rows]))
+
+    @torch.no_grad()
+    def draw(self, n: int, generator: torch.Generator, shard: tuple[int, int] = (0, 1)
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rows ``shard`` (this process's index r, the processes k: rows r n / k .. (r + 1) n / k - 1) of ``n``
+        real clips drawn uniformly (``generator``: the n indices, then the posterior's noise for the n clips' latents):
+        (x_0 (n / k, C, T', h, w) float32 on the device, their conditioning: the captions' and, for an image-to-video
+        teacher, the clips' first frames' (``BatchEncoder.conditioning``))."""
+        from ditforge.encoders.batch import BatchEncoder
+
+        rows = torch.randint(len(self.dataset), (n,), generator=generator, device=generator.device).tolist()
+        b = n // shard[1]
+        mine = slice(shard[0] * b, (shard[0] + 1) * b)
+        batch = self._batch(rows[mine])
+        mean, std = self.encoder.moments(batch, self.device)
+        eps = torch.randn((n, *mean.shape[1:]), generator=generator, device=generator.device)[mine].to(self.device)
+        return BatchEncoder.draw(mean, std, eps), self.encoder.conditioning(batch, self.device)
+
+
+def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype) -> Net:
+    """(x_t, model timesteps) -> realism logits (B,) float32: the critic (``networks.use("critic")``, its module's
+    ``features`` under autocast in ``amp``) under the conditions ``cond`` (the B rows' conditioning; a
+    guidance-distilled family's embedded ``scale`` added, as ``distill_pipeline.nets`` adds it), into its
+    ``gan_head``."""
+    module, first = networks.module("critic"), next(iter(cond.values()))
+    cond = {**cond, **module.guidance_inputs(scale, len(first), first.device)}  # {} unless guidance-distilled
+
+    def classify(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        networks.use("critic")
+        with torch.autocast(x.device.type, dtype=amp, enabled=amp != torch.float32):
+            tokens = module.features(x, t, **cond)
+        return module.gan_head(tokens)
+
+    return classify

@@ -1,0 +1,162 @@
+"""``ditforge distill --data`` of a pipeline teacher (``train/distill_real.py``) on the tiny Wan 2.1 folder
+(``wan_pipeline``) and a folder of three captioned mp4 clips written here: the GAN head's features are the middle
+block's hidden states of diffusers' own transformer and its losses DMD2's, written out in float64; the same
+iteration with and without gradient checkpointing gives the same gradients (LoRA student and critic on one base,
+and full copies); a cut-and-resumed run equals the uninterrupted one, head and its optimizer included; the
+one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ditforge import cli
+from families import assert_one_line_error
+from test_clip_folder import _write_mp4, smooth_pixels
+from test_distill_video import PROMPTS, assert_resume_exact, distill_argv
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+WEIGHT = 0.5  # --gen_cls_loss_weight: large, so that the GAN term moves the gradients measurably
+
+
+def clip_folder(root, frames: int, side: int):
+    """ROOT/: three mp4 clips of ``frames`` frames of ``side`` x ``side`` pixels (smooth random), captioned."""
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        _write_mp4(root / f"clip{i}.mp4", smooth_pixels(rng, frames, side, side))
+        (root / f"clip{i}.txt").write_text(f"real clip {i}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    return clip_folder(tmp_path_factory.mktemp("real") / "clips", 6, 32)  # read at the student's 16 x 16 x 5
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("real_prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def real_argv(pipe, prompts, clips, out, *extra):
+    return distill_argv(pipe, prompts, out, "--data", str(clips), "--gen_cls_loss_weight", str(WEIGHT), *extra)
+
+
+@pytest.fixture(scope="module")
+def run(wan_pipeline, prompts, clips, tmp_path_factory):
+    """4 iterations with the GAN head; the first iteration's ``features`` calls and head calls recorded."""
+    from ditforge.diffusion.dmd import GANHead
+    from ditforge.models.adapters import DiffusersDenoiser
+
+    calls = []
+    features, head = DiffusersDenoiser.features, GANHead.forward
+
+    def seen_features(self, x, t, **cond):
+        out = features(self, x, t, **cond)
+        calls.append({"x": x.detach().clone(), "t": t.clone(), "cond": {k: v.clone() for k, v in cond.items()},
+                      "tokens": out.detach().clone()})
+        return out
+
+    def seen_head(self, tokens):
+        calls[-1]["head"] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        return head(self, tokens)
+
+    out = tmp_path_factory.mktemp("real_run") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DiffusersDenoiser, "features", seen_features)
+        mp.setattr(GANHead, "forward", seen_head)
+        assert cli.main(real_argv(wan_pipeline, prompts, clips, out, "--max_steps", "4")) == 0
+    return out, calls[:3]  # iteration 1: the generator's fake, then the critic's real and fake
+
+
+def logits64(tokens: torch.Tensor, w: dict) -> torch.Tensor:
+    """DMD2's head by hand in float64: LayerNorm, Linear, SiLU, Linear per token, the mean over the tokens."""
+    h = F.layer_norm(tokens.double(), tokens.shape[-1:], w["net.0.weight"].double(), w["net.0.bias"].double())
+    h = F.silu(h @ w["net.1.weight"].double().T + w["net.1.bias"].double())
+    return (h @ w["net.3.weight"].double().T + w["net.3.bias"].double()).squeeze(-1).mean(1)
+
+
+def test_gan_losses_are_dmd2s_on_the_middle_blocks_features(run, wan_pipeline):
+    from diffusers import WanTransformer3DModel
+
+    out, calls = run
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    # the critic's LoRA B is zero until its first step: diffusers' transformer itself, its block 0 of 2 the middle
+    model = WanTransformer3DModel.from_pretrained(str(wan_pipeline / "transformer"), local_files_only=True).eval()
+    for call in calls:
+        kept = []
+        hook = model.blocks[0].register_forward_hook(lambda m, a, o: kept.append(o))
+        with torch.no_grad():
+            model(hidden_states=call["x"], timestep=call["t"], encoder_hidden_states=call["cond"][
+                "encoder_hidden_states"], return_dict=False)
+        hook.remove()
+        torch.testing.assert_close(call["tokens"], kept[0], rtol=1e-5, atol=1e-6)
+        assert call["tokens"].shape[1:] == (2 * 1 * 1, model.config.num_attention_heads *
+                                            model.config.attention_head_dim)  # (T' / 1) x (h / 2) x (w / 2) tokens
+    fake_g, real, fake = (logits64(c["tokens"], c["head"]) for c in calls)
+    assert first["gen_cls_loss"] == pytest.approx(float(F.softplus(-fake_g).mean()), rel=1e-5)
+    assert first["guidance_cls_loss"] == pytest.approx(float(F.softplus(-real).mean() + F.softplus(fake).mean()),
+                                                       rel=1e-5)
+    assert first["pred_realism_on_real"] == pytest.approx(float(real.sigmoid().mean()), rel=1e-5)
+    assert first["pred_realism_on_fake"] == pytest.approx(float(fake.sigmoid().mean()), rel=1e-5)
+    # the real branch is the clips' captions' conditioning, not the prompts'
+    assert not torch.equal(calls[1]["cond"]["encoder_hidden_states"], calls[2]["cond"]["encoder_hidden_states"])
+
+
+def test_resume_with_the_head_equals_uninterrupted(run, wan_pipeline, prompts, clips, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    out, _ = run
+    meta = dcp.FileSystemReader(str(out / "checkpoints" / "step-0000004")).read_metadata().state_dict_metadata
+    assert any(k.startswith("critic.gan_head.") for k in meta)
+    assert any(k.startswith("critic_optimizer.state.gan_head.") for k in meta)
+    assert_resume_exact(out, wan_pipeline, prompts, tmp_path, "--data", str(clips), "--gen_cls_loss_weight",
+                        str(WEIGHT))
+
+
+@pytest.mark.parametrize("rank", [4, 0])  # LoRA student and critic on one base; full copies of both
+def test_checkpointed_gradients_equal_unchecked(rank, wan_pipeline, prompts, clips, tmp_path, monkeypatch):
+    """Two iterations, each a generator step with the GAN loss, then a critic step (the second's with both
+    adapters moved off the base: at the first both LoRA B are zero, and a recompute under the wrong adapter would
+    go unseen): the gradients each network's clip sees, with ``--grad_checkpoint`` and without, equal to float32
+    rounding (rtol 1e-5, atol 1e-7)."""
+    from ditforge.train import distill_pipeline
+
+    clip = distill_pipeline.clip_grad_norm_
+    grads = {}
+
+    def seen(params, most, d):
+        grads[flag].append([p.grad.detach().clone() for p in params])
+        return clip(params, most, d)
+
+    monkeypatch.setattr(distill_pipeline, "clip_grad_norm_", seen)
+    for flag in ("--grad_checkpoint", "--no-grad_checkpoint"):
+        grads[flag] = []
+        assert cli.main(real_argv(wan_pipeline, prompts, clips, tmp_path / flag, "--max_steps", "2", "--critic_steps",
+                                  "1", "--lora_rank", str(rank), flag)) == 0
+    on, off = grads.values()
+    assert len(on) == len(off) == 4  # the student's, then the critic's (its head's included), twice
+    for a, b in zip(on, off):
+        assert len(a) == len(b) and any(g.abs().max() > 0 for g in a)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_real_data_one_line(wan_pipeline, prompts, clips, tmp_path, capsys):
+    short = clip_folder(tmp_path / "short", 3, 16)  # 3 frames, the student takes 5
+    small = clip_folder(tmp_path / "small", 6, 8)  # 8 x 8 pixels, the student's frames are 16 x 16
+    for folder, needle in ((short, "3 of 3 clips do not fit the student's 16 x 16 x 5"),
+                           (small, "8 x 8 x 6")):
+        assert_one_line_error(capsys, real_argv(wan_pipeline, prompts, folder, tmp_path / "out"), f"--data {folder}",
+                              needle)
+    argv = distill_argv(wan_pipeline, prompts, tmp_path / "out", "--data", str(clips))
+    assert_one_line_error(capsys, argv, "--data", "--gen_cls_loss_weight")
+    assert_one_line_error(capsys, real_argv(wan_pipeline, prompts, clips, tmp_path / "out", "--plugin", "fsdp"),
+                          f"--data {clips}", "--plugin fsdp")
