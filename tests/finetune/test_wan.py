@@ -88,6 +88,33 @@ def test_sample_base_with_lora_file_equals_the_lora_run(wan_pipeline, video_runs
     assert len(err) == 1 and f"error: --lora {bad}: holds no LoRA weights" in err[0], err
 
 
+def _lora_denoiser(folder: Path, seed: int):
+    """The tiny Wan's denoiser with rank-4 LoRA on the attention projections, B random (so A's gradients are not
+    zero); and the generator that drew them, for the inputs."""
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.weights.lora import add_lora
+
+    den = load_pretrained(folder, torch.device("cpu")).denoiser
+    add_lora(den.inner, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in den.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return den, g
+
+
+def _outputs_and_grads(models, x, t, states):
+    """Each model's output and trainable gradients (names without compile's ``._orig_mod``) of mean(out^2)."""
+    outs, grads = [], []
+    for model in models:
+        out = model.denoise(x, t, states)
+        out.square().mean().backward()
+        outs.append(out.detach())
+        grads.append({n.replace("._orig_mod", ""): p.grad for n, p in model.named_parameters() if p.requires_grad})
+    return outs, grads
+
+
 def test_fp8_base_gives_the_gradients_of_fp8_rounded_weights(wan_pipeline):
     """--fp8_base (``store_base_in_fp8``): the frozen attention and FFN layers of the transformer are stored in
     float8 e4m3 (one byte each: the memory), while the adapters, norms and embedders keep float32. Independent
@@ -96,17 +123,9 @@ def test_fp8_base_gives_the_gradients_of_fp8_rounded_weights(wan_pipeline):
     compute in float32 with exactly the stored values, and every layer is restored after its forward."""
     import copy
 
-    from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.train.finetune import store_base_in_fp8
-    from ditforge.weights.lora import add_lora
 
-    den = load_pretrained(wan_pipeline, torch.device("cpu")).denoiser
-    add_lora(den.inner, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in den.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    den, g = _lora_denoiser(wan_pipeline, 3)
     ref = copy.deepcopy(den)
     store_base_in_fp8(den, torch.float32, "none")
     stored = {n: p.dtype for n, p in den.named_parameters()}
@@ -121,12 +140,7 @@ def test_fp8_base_gives_the_gradients_of_fp8_rounded_weights(wan_pipeline):
     x = torch.randn(2, 16, 2, 2, 2, generator=g)
     t = torch.rand(2, generator=g) * 1000
     states = torch.randn(2, 7, den.inner.config.text_dim, generator=g)
-    outs, grads = [], []
-    for model in (den, ref):
-        out = model.denoise(x, t, states)
-        out.square().mean().backward()
-        outs.append(out.detach())
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    outs, grads = _outputs_and_grads((den, ref), x, t, states)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 16 * len(den.inner.blocks)  # 8 layers, A and B
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     for n in grads[1]:
@@ -473,10 +487,8 @@ def test_compile_compiles_each_block_and_trains_as_eager(wan_pipeline, monkeypat
     the GPU; the ``aot_eager`` backend skips inductor's CPU code generation (25 s), not the tracing."""
     import copy
 
-    from ditforge.models.adapters.pipeline import load_pretrained
     from ditforge.parallel import parallelize
     from ditforge.parallel.mesh import Dist
-    from ditforge.weights.lora import add_lora
 
     compiled, real_compile = [], torch.nn.Module.compile
 
@@ -485,25 +497,14 @@ def test_compile_compiles_each_block_and_trains_as_eager(wan_pipeline, monkeypat
         real_compile(module, backend="aot_eager", mode=mode)
 
     monkeypatch.setattr(torch.nn.Module, "compile", compile_aot_eager)
-    den = load_pretrained(wan_pipeline, torch.device("cpu")).denoiser
-    add_lora(den.inner, 4, None, ["to_q", "to_k", "to_v", "to_out.0"])
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, p in den.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    den, g = _lora_denoiser(wan_pipeline, 11)
     ref = copy.deepcopy(den)
     parallelize(ref, Dist(), grad_checkpoint="attn")
     parallelize(den, Dist(), grad_checkpoint="attn", compile="default")
     assert not den.compile_whole and len(compiled) == len(den.inner.blocks)
     x, t = torch.randn(2, 16, 2, 2, 2, generator=g), torch.rand(2, generator=g) * 1000
     states = torch.randn(2, 7, den.inner.config.text_dim, generator=g)
-    outs, grads = [], []
-    for model in (den, ref):
-        out = model.denoise(x, t, states)
-        out.square().mean().backward()
-        outs.append(out.detach())
-        grads.append({n.replace("._orig_mod", ""): p.grad for n, p in model.named_parameters() if p.requires_grad})
+    outs, grads = _outputs_and_grads((den, ref), x, t, states)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 16 * len(den.inner.blocks)
     for n in grads[1]:
