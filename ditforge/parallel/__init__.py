@@ -233,7 +233,7 @@ def parallelize(
         compile: ``torch.compile`` mode for each block, compiled in place (after checkpointing, before
             sharding, as torchtitan orders them; every block has the same code, so it compiles once), or
             ``none``. ``reduce-overhead`` / ``max-autotune`` add CUDA graphs (static shapes). A model that sets
-            ``compile_whole`` (the adapters of diffusers models) compiles as one module instead, under the
+            ``compile_whole`` (the adapters of diffusers image models) compiles as one module instead, under the
             none / ddp plugins.
         attention: SDPA kernels behind ``ops.attention``: ``auto`` | ``fast`` (``--enable_flashattn``) |
             ``math``.
