@@ -457,7 +457,8 @@ def build_model(run: Run) -> None:
 
 def swap_blocks(model: nn.Module, n: int, pre, d: Dist) -> None:
     """--blocks_to_swap: the last ``n`` repeated blocks' frozen weights (those not requiring gradients now) of the
-    pipeline ``pre``'s denoiser ``model`` to host memory (``parallel.offload.BlockSwap``); also distillation's.
+    pipeline ``pre``'s denoiser ``model`` to host memory (``parallel.offload.BlockSwap``), of each expert of a
+    two-expert one (``expert_models``); also distillation's.
 
     Raises:
         UserError: a model that is no diffusers pipeline's (``pre`` None), or fewer blocks than asked.
@@ -466,12 +467,14 @@ def swap_blocks(model: nn.Module, n: int, pre, d: Dist) -> None:
 
     if pre is None:
         raise UserError("--blocks_to_swap: swaps the blocks of a diffusers pipeline's transformer (--init_from)")
-    blocks = [m for m in model.modules() if type(m).__name__ in pre.denoiser.swap_classes]
-    if n > len(blocks):
-        raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {len(blocks)} blocks")
-    swap = BlockSwap(blocks[len(blocks) - n:], d.device)  # its hooks hold it
+    host = 0
+    for inner in unwrap(model).expert_models():  # two experts: each one's last n, a swap of its own (in its order)
+        blocks = [m for m in inner.modules() if type(m).__name__ in pre.denoiser.swap_classes]
+        if n > len(blocks):
+            raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {len(blocks)} blocks")
+        host += BlockSwap(blocks[len(blocks) - n:], d.device).host_bytes  # its hooks hold it
     if d.is_main:
-        log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n, swap.host_bytes / 2**30)
+        log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n, host / 2**30)
 
 
 def build_ema_and_optimizer(run: Run) -> None:

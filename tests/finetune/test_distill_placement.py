@@ -168,23 +168,27 @@ def test_blocks_to_swap_equals_the_unplaced_run(run, wan_pipeline, prompt_file, 
         assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part])
 
 
-def rounded_teacher(folder, out):
-    """A copy of the pipeline ``folder`` whose transformer weights that ``--fp8_base`` stores in float8 (those
-    diffusers' ``enable_layerwise_casting`` casts) are rounded to float8 e4m3 and stored back in float32."""
+def rounded_teacher(folder, out, components: tuple[str, ...] = ("transformer",)):
+    """A copy of the pipeline ``folder`` whose transformers' (``components``) weights that ``--fp8_base`` stores in
+    float8 (those diffusers' ``enable_layerwise_casting`` casts) are rounded to float8 e4m3 and stored back in
+    float32; returns (the copy, how many weights of the first are rounded)."""
     from diffusers import WanTransformer3DModel
 
     shutil.copytree(folder, out)
-    cast = WanTransformer3DModel.from_pretrained(str(folder), subfolder="transformer")
-    cast.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-    fp8 = {n for n, p in cast.named_parameters() if p.dtype == torch.float8_e4m3fn}
-    model = WanTransformer3DModel.from_pretrained(str(folder), subfolder="transformer")
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n in fp8:
-                p.copy_(p.to(torch.float8_e4m3fn).float())
-    shutil.rmtree(out / "transformer")
-    model.save_pretrained(str(out / "transformer"))
-    return out, len(fp8)
+    counts = []
+    for name in components:
+        cast = WanTransformer3DModel.from_pretrained(str(folder), subfolder=name)
+        cast.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+        fp8 = {n for n, p in cast.named_parameters() if p.dtype == torch.float8_e4m3fn}
+        model = WanTransformer3DModel.from_pretrained(str(folder), subfolder=name)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in fp8:
+                    p.copy_(p.to(torch.float8_e4m3fn).float())
+        shutil.rmtree(out / name)
+        model.save_pretrained(str(out / name))
+        counts.append(len(fp8))
+    return out, counts[0]
 
 
 def test_fp8_base_equals_the_run_of_a_float8_rounded_teacher(run, wan_pipeline, prompt_file, tmp_path,
