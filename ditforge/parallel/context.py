@@ -259,7 +259,8 @@ MAX_TRAINING_RING = 2  # diffusers 0.42.1's ring backward passes each K/V chunk'
 def apply_context_parallel(denoiser: nn.Module, d: Dist, kind: str) -> None:
     """Fine-tuning: the tokens of ``denoiser``'s diffusers transformer (a ``DiffusersDenoiser`` of a family that
     ``refuse_unsplittable`` passes; of two experts, ``expert_models``, each one's) split over ``d``'s ``sp`` groups
-    (``token_mesh``, ``split_tokens``), its gradients scaled so that the data-parallel average over every process is one process's gradient.
+    (``token_mesh``, ``split_tokens``), its gradients scaled so that the data-parallel average over every process
+    is one process's gradient.
 
     Raises:
         UserError: ``token_mesh``'s, or a ring of more than ``MAX_TRAINING_RING`` processes.

@@ -109,8 +109,8 @@ def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: st
         UserError (one line, naming the flag): ``--critic_lora_rank 0`` with a LoRA student (its critic is an
             adapter on the same base), ``--blocks_to_swap`` without ``--grad_checkpoint``, ``--fp8_base`` or
             ``--blocks_to_swap`` with ``--plugin fsdp`` (each process holds a shard of the base, not the whole), a
-            full copy of a two-expert teacher (``--lora_rank 0`` / ``--critic_lora_rank 0``), LoRA targets that match no module
-            (``check_lora_targets``), ``swap_blocks``' and ``parallelize``'s errors (``parallel.context``'s: a
+            full copy of a two-expert teacher (``--lora_rank 0`` / ``--critic_lora_rank 0``), LoRA targets that
+            match no module (``check_lora_targets``), ``swap_blocks``' and ``parallelize``'s errors (``parallel.context``'s: a
             head count the group does not divide, ring attention off CUDA).
     """
     from ditforge.parallel import parallelize
@@ -134,7 +134,7 @@ def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: st
     if len(experts) > 1 and full:
         raise UserError(f"{full[0]}: a teacher of two experts distils LoRA students and critics (a full copy of both "
                         "experts would train twice the weights, with fp32 AdamW moments 16 bytes a parameter: 448 GB "
-                        "for Wan 2.2 A14B); give a LoRA rank")
+                        "for two 14B experts); give a LoRA rank")
     if len(experts) > 1 and d.world_size > 1:  # every process calls the experts any process's rows need (by_expert)
         from ditforge.parallel.collectives import sum_over_processes
 
