@@ -10,7 +10,7 @@ the same global batch of two rows, in one launch of both processes (``torchrun_c
   with a LoRA critic under FSDP (the shards over both processes of the one sequence-parallel group).
 
 The tiny two-expert Wan 2.2 A14B folder (``make_wan22``: a student and a critic LoRA on each expert, every row on
-the expert of its t) under FSDP2 (both experts sharded) and Ulysses, each against its one process; its FSDP run cut
+the expert of its t) under DDP, FSDP2 (both experts sharded) and Ulysses, each against its one process; its FSDP run cut
 after iteration 2 and resumed in one process, and the one-process run cut there resumed in two under FSDP (DCP
 reshards the checkpoint to the other process count).
 
@@ -37,7 +37,8 @@ MIXED = ("--lora_rank", "0", "--critic_lora_rank", "4")  # a full-copy student (
 ULYSSES = ("--sequence_parallel_size", "2", "--sequence_parallel_type", "ulysses")
 RUNS = {"ddp": ("lora", ()), "fsdp": ("lora", ("--plugin", "fsdp")), "fsdp_mixed": ("mixed", ("--plugin", "fsdp")),
         "ulysses": ("lora", ULYSSES), "ulysses_fsdp_mixed": ("mixed", (*ULYSSES, "--plugin", "fsdp")),
-        "experts_fsdp": ("experts", ("--plugin", "fsdp")), "experts_ulysses": ("experts", ULYSSES)}
+        "experts_ddp": ("experts", ()), "experts_fsdp": ("experts", ("--plugin", "fsdp")),
+        "experts_ulysses": ("experts", ULYSSES)}
 BOUNDARY = 875.0  # make_wan22's boundary_ratio 0.875 x 1000
 
 
@@ -71,8 +72,8 @@ def runs(tmp_path_factory, one_thread_module):
     argv = {"lora": (), "mixed": MIXED, "experts": ("--ckpt_every", "2")}
     calls, forward = [], DiffusersDenoiser.forward
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DiffusersDenoiser, "forward", lambda self, x, t, *a, **k: calls.append(t) or forward(
-            self, x, t, *a, **k))
+        mp.setattr(DiffusersDenoiser, "forward", lambda self, x, t, *a, **k: (
+            len(self.expert_models()) == 2 and calls.append(t)) or forward(self, x, t, *a, **k))
         for name, extra in argv.items():
             assert cli.main(distill_argv(teachers[name], prompts, root / name, *extra)) == 0
     up = root / "experts_up"
@@ -186,8 +187,8 @@ def test_fsdp_refuses_the_whole_teacher_placements(runs):
 def test_two_expert_batches_straddle_the_processes(runs):
     """The two-expert runs' batches put the processes' rows on different experts (row 0 on one side of t = 875, row
     1 on the other) in some call: the process without rows for an expert calls it on a stand-in row
-    (``adapters.by_expert``'s ``agree``), else FSDP2's gathers would hang; ``test_two_processes_equal_one`` checks
-    those runs."""
+    (``adapters.by_expert``'s ``agree``), else FSDP2's gathers would hang and DDP's all-reduce of the gradients would
+    differ in size; ``test_two_processes_equal_one`` checks those runs."""
     assert any(len(t) == 2 and bool((t[0] >= BOUNDARY) != (t[1] >= BOUNDARY)) for t in runs["calls"])
 
 
