@@ -56,7 +56,8 @@ def runs(tmp_path_factory, one_thread_module):
     in one launch of 2 processes the ``RUNS``, ``resumed`` (the mixed FSDP run to 2 iterations, then on to 3),
     ``refused``, the output of a refused run (float8 storage of the sharded teacher), ``experts_up`` (``experts``
     cut at 2, resumed under FSDP) and ``experts_cut`` (the two-expert FSDP run to 2), which one process then resumes
-    to 3 (``experts_down``, the networks and optimizers right after its resume in ``loaded``)."""
+    to 3 (``experts_down``, the networks and optimizers right after its resume in ``loaded``), as it resumes the
+    DDP run's checkpoint at 2 (``experts_ddp_down``)."""
     import shutil
 
     from ditforge import cli
@@ -89,8 +90,11 @@ def runs(tmp_path_factory, one_thread_module):
         distill_argv(wan22, prompts, up, "--plugin", "fsdp", "--resume", "auto"),
         distill_argv(wan22, prompts, root / "experts_cut", "--plugin", "fsdp", "--max_steps", "2")],
         fails=(len(RUNS) + 2,))
-    down = root / "experts_down"
+    down, ddp_down = root / "experts_down", root / "experts_ddp_down"
     shutil.copytree(root / "experts_cut", down)
+    shutil.copytree(root / "experts_ddp", ddp_down)
+    shutil.rmtree(ddp_down / "checkpoints" / "step-0000003")
+    assert cli.main(distill_argv(wan22, prompts, ddp_down, "--resume", "auto")) == 0
     loaded, resume = {}, Networks.resume
 
     def spied(self, ckpt, opts):
@@ -101,7 +105,8 @@ def runs(tmp_path_factory, one_thread_module):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Networks, "resume", spied)
         assert cli.main(distill_argv(wan22, prompts, down, "--resume", "auto")) == 0
-    return ({name: root / name for name in (*argv, *RUNS, "resumed", "experts_up", "experts_cut", "experts_down")}
+    cut = ("experts_up", "experts_cut", "experts_down", "experts_ddp_down")
+    return ({name: root / name for name in (*argv, *RUNS, "resumed", *cut)}
             | {"refused": outs[len(RUNS) + 2], "calls": calls, "loaded": loaded})
 
 
@@ -193,13 +198,13 @@ def test_two_expert_batches_straddle_the_processes(runs):
 
 
 def test_resume_on_another_process_count(runs):
-    """A two-expert distillation checkpointed at iteration 2 under FSDP in 2 processes and resumed in 1
-    (``experts_down``), and one checkpointed in 1 process and resumed under FSDP in 2 (``experts_up``): DCP reshards
-    the checkpoint. Right after the resume in 1 process, both networks and both optimizers' states (moments, step
-    counts) equal the saved ones bit for bit; the iteration after it is the global batch's, whose draws derive from
-    (seed, 3) alone and are split into each process's rows (``DMD2.shard``), so the resumed run equals the
-    uninterrupted run at the other process count to float32 rounding (``REL``, the networks as
-    ``test_two_processes_equal_one`` compares them): exact is bit for bit only against a run of the same process
+    """A two-expert distillation checkpointed at iteration 2 under FSDP (``experts_down``) or DDP
+    (``experts_ddp_down``) in 2 processes and resumed in 1, and one checkpointed in 1 process and resumed under FSDP
+    in 2 (``experts_up``): DCP reshards the checkpoint. Right after the resume in 1 process, both networks and both
+    optimizers' states (moments, step counts) equal the saved ones bit for bit; the iteration after it is the global
+    batch's, whose draws derive from (seed, 3) alone and are split into each process's rows (``DMD2.shard``), so the
+    resumed run equals the uninterrupted run at the other process count to float32 rounding (``REL``, the networks
+    as ``test_two_processes_equal_one`` compares them): exact is bit for bit only against a run of the same process
     count from the same state, as the gradients of one process's batch and of its rows reduced over processes round
     apart."""
     want = saved(runs["experts_cut"], 2)
@@ -207,7 +212,8 @@ def test_resume_on_another_process_count(runs):
     assert want.keys() <= loaded.keys() and any(k.startswith("critic_optimizer.state.") for k in want)
     for k in want:
         assert torch.equal(loaded[k], want[k]), k
-    for name, ref in (("experts_down", "experts_fsdp"), ("experts_up", "experts")):
+    pairs = (("experts_down", "experts_fsdp"), ("experts_ddp_down", "experts_ddp"), ("experts_up", "experts"))
+    for name, ref in pairs:
         got, want = metrics(runs[name]), metrics(runs[ref])
         assert [r["step"] for r in got] == [1, 2, 3]
         for k in got[2].keys() - {"steps_per_sec"}:
