@@ -110,8 +110,8 @@ def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: st
             adapter on the same base), ``--blocks_to_swap`` without ``--grad_checkpoint``, ``--fp8_base`` or
             ``--blocks_to_swap`` with ``--plugin fsdp`` (each process holds a shard of the base, not the whole), a
             full copy of a two-expert teacher (``--lora_rank 0`` / ``--critic_lora_rank 0``), LoRA targets that
-            match no module (``check_lora_targets``), ``swap_blocks``' and ``parallelize``'s errors (``parallel.context``'s: a
-            head count the group does not divide, ring attention off CUDA).
+            match no module (``check_lora_targets``), ``swap_blocks``' and ``parallelize``'s errors
+            (``parallel.context``'s: a head count the group does not divide, ring attention off CUDA).
     """
     from ditforge.parallel import parallelize
     from ditforge.train.build import swap_blocks

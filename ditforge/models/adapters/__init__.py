@@ -198,7 +198,8 @@ class DiffusersDenoiser(nn.Module):
         # with both experts held: forward runs each row on its side's expert (by_expert) at this boundary in model
         # timesteps (``expert_boundary`` x num_train_timesteps); None: ``expert`` alone (fine-tuning switches it)
         self.routing_boundary: float | None = None
-        self.routing_agree = None  # by_expert's ``agree``: set from outside under data parallelism
+        # by_expert's ``agree``: set from outside where processes hold different rows (``train.distill_nets``)
+        self.routing_agree: Callable[[list[int]], list[int]] | None = None
         # the pipeline components the expert models fill, in ``expert_models``' order: the component itself, or the
         # low-noise expert's ``<component>_2`` when one expert of two is trained (``pipeline.load_pretrained``)
         self.pipeline_slots: tuple[str, ...] = (self.component,)
