@@ -491,6 +491,7 @@ class DistillConfig:
                                "each upcast to the compute dtype while it runs (`ditforge train --fp8_base`); "
                                "adapters, norms, embedders and a full student or critic stay as they are")
     blocks_to_swap: int = _f(0, "a pipeline teacher: the frozen teacher's weights of its last N transformer blocks "
+                                "(of each expert of two) "
                                 "live in pinned host memory and visit the GPU a block at a time (`ditforge train "
                                 "--blocks_to_swap`); needs --grad_checkpoint")
     plugin: str = _f("auto", "a pipeline teacher under torchrun, as `ditforge train --plugin`: ddp (each process "

@@ -387,7 +387,8 @@ def _apply_fsdp(model: nn.Module, blocks: list[nn.Module], dist: Dist, reshard: 
     ZeRO-3; hsdp) frees the gathered parameters after the forward, else (zero2) they stay through the backward.
     Under hsdp the mesh is 2-D (``dp_replicate``, ``dp_shard``): FSDP2's HSDP, each parameter ``Replicate()`` over
     the copies and ``Shard(0)`` within one; the gradients are reduce-scattered within a copy, then all-reduced
-    across the copies (the only traffic between nodes)."""
+    across the copies (the only traffic between nodes). A denoiser of two experts: each expert's parameters
+    outside its blocks one unit more."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if cpu_offload else OffloadPolicy()
     for i, block in enumerate(blocks):
@@ -397,6 +398,12 @@ def _apply_fsdp(model: nn.Module, blocks: list[nn.Module], dist: Dist, reshard: 
     if reshard:  # gather two blocks ahead in the backward, so each gather hides behind more compute
         for i, block in enumerate(blocks):
             block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
+    # Two experts (an adapter's ``expert_models``, called one at a time): each one's own parameters (embedders, final
+    # layer) a unit of its own, gathered only for that expert's calls, as its blocks are.
+    experts = model.expert_models() if isinstance(model, DiffusersDenoiser) else []
+    for expert in experts if len(experts) > 1 else ():
+        fully_shard(expert, mesh=dist.shard_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=offload)
     # The root's own parameters (embedders, final layer) are used last in the forward: keep them.
     fully_shard(model, mesh=dist.shard_mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
 

@@ -24,6 +24,15 @@ def mean_over_processes(values: dict[str, torch.Tensor | float], d: Dist) -> dic
     return dict(zip(keys, stacked.tolist()))
 
 
+def sum_over_processes(counts: list[int], d: Dist) -> list[int]:
+    """Integers summed over all processes (one all-reduce, read on the host): a two-expert batch's rows per expert
+    (``adapters.by_expert``'s ``agree``)."""
+    total = torch.tensor(counts, dtype=torch.int64, device=d.device)
+    if d.mesh is not None:
+        dist.all_reduce(total)
+    return total.tolist()
+
+
 def average_gradients(params: list[torch.Tensor], d: Dist) -> None:
     """Replace the gradients of ``params`` (replicated on every process, each gradient of its process's samples) by
     their mean over all processes, in one all-reduce of their concatenation (gloo has no average: a sum, then / n):

@@ -258,8 +258,9 @@ MAX_TRAINING_RING = 2  # diffusers 0.42.1's ring backward passes each K/V chunk'
 
 def apply_context_parallel(denoiser: nn.Module, d: Dist, kind: str) -> None:
     """Fine-tuning: the tokens of ``denoiser``'s diffusers transformer (a ``DiffusersDenoiser`` of a family that
-    ``refuse_unsplittable`` passes) split over ``d``'s ``sp`` groups (``token_mesh``, ``split_tokens``), its
-    gradients scaled so that the data-parallel average over every process is one process's gradient.
+    ``refuse_unsplittable`` passes; of two experts, ``expert_models``, each one's) split over ``d``'s ``sp`` groups
+    (``token_mesh``, ``split_tokens``), its gradients scaled so that the data-parallel average over every process
+    is one process's gradient.
 
     Raises:
         UserError: ``token_mesh``'s, or a ring of more than ``MAX_TRAINING_RING`` processes.
@@ -270,5 +271,9 @@ def apply_context_parallel(denoiser: nn.Module, d: Dist, kind: str) -> None:
                         f"{mesh['ring'].size()} processes, whose backward in diffusers 0.42.1 is wrong beyond "
                         f"{MAX_TRAINING_RING}; use a size whose Ulysses part divides the "
                         f"{denoiser.inner.config.num_attention_heads} heads with a ring of at most {MAX_TRAINING_RING}")
-    split_tokens(denoiser, d, mesh)
-    scale_gradient(denoiser.inner, d.sp_size)
+    current = denoiser.expert
+    for expert, transformer in enumerate(denoiser.expert_models()):  # two experts: both split over the same mesh
+        denoiser.expert = expert
+        split_tokens(denoiser, d, mesh)
+        scale_gradient(transformer, d.sp_size)
+    denoiser.expert = current

@@ -45,6 +45,7 @@ from ditforge.optim import build_optimizer
 from ditforge.optim.backward import StepInBackward
 from ditforge.optim.placement import cap_gpu_memory
 from ditforge.parallel.heartbeat import Heartbeat
+from ditforge.parallel.offload import BlockSwap
 from ditforge.parallel.mesh import Dist
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -457,21 +458,20 @@ def build_model(run: Run) -> None:
 
 def swap_blocks(model: nn.Module, n: int, pre, d: Dist) -> None:
     """--blocks_to_swap: the last ``n`` repeated blocks' frozen weights (those not requiring gradients now) of the
-    pipeline ``pre``'s denoiser ``model`` to host memory (``parallel.offload.BlockSwap``); also distillation's.
+    pipeline ``pre``'s denoiser ``model`` (of each expert of two) to host memory (``parallel.offload.BlockSwap``).
 
     Raises:
         UserError: a model that is no diffusers pipeline's (``pre`` None), or fewer blocks than asked.
     """
-    from ditforge.parallel.offload import BlockSwap
-
     if pre is None:
         raise UserError("--blocks_to_swap: swaps the blocks of a diffusers pipeline's transformer (--init_from)")
-    blocks = [m for m in model.modules() if type(m).__name__ in pre.denoiser.swap_classes]
-    if n > len(blocks):
-        raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {len(blocks)} blocks")
-    swap = BlockSwap(blocks[len(blocks) - n:], d.device)  # its hooks hold it
+    experts = [[m for m in inner.modules() if type(m).__name__ in pre.denoiser.swap_classes]
+               for inner in unwrap(model).expert_models()]  # two experts: each one's last n, in a swap of its own
+    if n > (fewest := min(len(blocks) for blocks in experts)):
+        raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {fewest} blocks")
+    host = sum(BlockSwap(blocks[len(blocks) - n:], d.device).host_bytes for blocks in experts)  # hooks hold them
     if d.is_main:
-        log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n, swap.host_bytes / 2**30)
+        log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n, host / 2**30)
 
 
 def build_ema_and_optimizer(run: Run) -> None:

@@ -101,15 +101,20 @@ def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: st
     fine-tuning; the adapters stay on the device).
 
     A teacher of two experts (``expert_models``) carries a student and a critic adapter on each (in the experts'
-    order); full copies, the placements, FSDP and split tokens are not built for it yet.
+    order), and is placed and parallelised as one: both experts' bases in float8, each one's last
+    ``--blocks_to_swap`` blocks swapped (``swap_blocks``), each one's blocks and the rest of it FSDP2 units of their
+    own (``parallel._apply_fsdp``: an expert's weights gathered only for its calls), each one's tokens split. Under
+    torchrun every process calls the experts that any process's rows of a call need (``adapters.by_expert``'s
+    ``agree``, ``routing_agree``): FSDP2's gathers and the gradients' reduction are collectives every process must
+    enter alike.
 
     Raises:
         UserError (one line, naming the flag): ``--critic_lora_rank 0`` with a LoRA student (its critic is an
             adapter on the same base), ``--blocks_to_swap`` without ``--grad_checkpoint``, ``--fp8_base`` or
             ``--blocks_to_swap`` with ``--plugin fsdp`` (each process holds a shard of the base, not the whole), a
-            full copy, a placement or a parallel plan of a two-expert teacher, LoRA targets that match no module
-            (``check_lora_targets``), ``swap_blocks``' and ``parallelize``'s errors (``parallel.context``'s: a
-            head count the group does not divide, ring attention off CUDA).
+            full copy of a two-expert teacher (``--lora_rank 0`` / ``--critic_lora_rank 0``), LoRA targets that
+            match no module (``check_lora_targets``), ``swap_blocks``' and ``parallelize``'s errors
+            (``parallel.context``'s: a head count the group does not divide, ring attention off CUDA).
     """
     from ditforge.parallel import parallelize
     from ditforge.train.build import swap_blocks
@@ -128,12 +133,15 @@ def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: st
         raise UserError(f"{placed[0]}: with --plugin ddp (each process holds the whole teacher); --plugin fsdp "
                         "shards it instead")
     experts = model.expert_models()
-    given = [flag for flag, on in (("--lora_rank 0", not ranks[0]), ("--critic_lora_rank 0", not ranks[1]),
-                                   ("--plugin fsdp", plugin == "fsdp"),
-                                   (f"--sequence_parallel_size {d.sp_size}", d.sp_mesh is not None)) if on]
-    if len(experts) > 1 and given + placed:
-        raise UserError(f"{(given + placed)[0]}: a teacher of two experts distils LoRA students and critics on its "
-                        "base, unplaced and data parallel, so far")
+    full = [flag for flag, on in (("--lora_rank 0", not ranks[0]), ("--critic_lora_rank 0", not ranks[1])) if on]
+    if len(experts) > 1 and full:
+        raise UserError(f"{full[0]}: a teacher of two experts distils LoRA students and critics (a full copy of both "
+                        "experts would train twice the weights, with fp32 AdamW moments 16 bytes a parameter: 448 GB "
+                        "for two 14B experts); give a LoRA rank")
+    if len(experts) > 1 and d.world_size > 1:  # every process calls the experts any process's rows need (by_expert)
+        from ditforge.parallel.collectives import sum_over_processes
+
+        model.routing_agree = lambda counts: sum_over_processes(counts, d)
     if any(ranks):
         check_lora_targets(model.inner, targets)
     if cfg.grad_checkpoint:

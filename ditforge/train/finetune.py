@@ -166,7 +166,7 @@ def store_base_in_fp8(model: nn.Module, compute_dtype: torch.dtype, plugin: str)
     skips keep peft's adapters, the model's norms and embedders and its ``_skip_layerwise_casting_patterns`` as they
     are). A stored weight w becomes ``w.to(float8_e4m3fn)``: 3 mantissa bits, a relative rounding of at most 2^-4;
     one read as float8 from a single file stays as it was, a scaled one (``scale_weight``) upcast times its scale.
-    Call after ``add_lora_to_denoiser``.
+    A denoiser of two experts (``expert_models``) stores both so. Call after ``add_lora_to_denoiser``.
 
     Raises:
         UserError: a DiT (not a diffusers pipeline's transformer), or a sharded ``plugin`` (zero2 / fsdp).
@@ -176,16 +176,22 @@ def store_base_in_fp8(model: nn.Module, compute_dtype: torch.dtype, plugin: str)
                         "keeps its base in bf16")
     if plugin not in ("none", "ddp"):
         raise UserError(f"--fp8_base: with --plugin none or ddp (each process holds the whole base), got {plugin}")
+    for inner in model.expert_models():  # a pipeline of two experts: both
+        _store_in_fp8(inner, compute_dtype)
+
+
+def _store_in_fp8(inner: nn.Module, compute_dtype: torch.dtype) -> None:
+    """``store_base_in_fp8`` of one diffusers model ``inner``."""
     from diffusers.hooks import HookRegistry
 
-    scaled = [m for m in model.inner.modules() if getattr(m, "scale_weight", None) is not None]
+    scaled = [m for m in inner.modules() if getattr(m, "scale_weight", None) is not None]
     for module in scaled:  # registered first, so that it runs inside the casting, on the upcast weight
         HookRegistry.check_if_exists_or_initialize(module).register_hook(_scaled_weight_hook(module.scale_weight),
                                                                          _SCALED_HOOK)
-    model.inner.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype)
+    inner.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype)
     # A float8 file's tensors are float8 in the layers the casting skips too (norms, embedders): nothing would
     # upcast them, so they are stored in the compute dtype (their scale applied) as the casting keeps those layers.
-    for module in model.inner.modules():
+    for module in inner.modules():
         hooks = getattr(module, "_diffusers_hook", None)
         if hooks is None or hooks.get_hook("layerwise_casting") is None:
             if hooks is not None and hooks.get_hook(_SCALED_HOOK) is not None:

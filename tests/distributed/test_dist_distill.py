@@ -9,6 +9,11 @@ the same global batch of two rows, in one launch of both processes (``torchrun_c
   process (``parallel.context``), for teacher, critic and student; with LoRA student and critic, and a full student
   with a LoRA critic under FSDP (the shards over both processes of the one sequence-parallel group).
 
+The tiny two-expert Wan 2.2 A14B folder (``make_wan22``: a student and a critic LoRA on each expert, every row on
+the expert of its t) under DDP, FSDP2 (both experts sharded) and Ulysses, each against its one process; its FSDP run cut
+after iteration 2 and resumed in one process, and the one-process run cut there resumed in two under FSDP (DCP
+reshards the checkpoint to the other process count).
+
 The same metrics and networks to float32 rounding (tolerances at each assert); the resumed run equals the
 uninterrupted one."""
 
@@ -31,7 +36,10 @@ MIXED = ("--lora_rank", "0", "--critic_lora_rank", "4")  # a full-copy student (
 # the two-process runs (each against its one-process reference) and the cut and resumed one
 ULYSSES = ("--sequence_parallel_size", "2", "--sequence_parallel_type", "ulysses")
 RUNS = {"ddp": ("lora", ()), "fsdp": ("lora", ("--plugin", "fsdp")), "fsdp_mixed": ("mixed", ("--plugin", "fsdp")),
-        "ulysses": ("lora", ULYSSES), "ulysses_fsdp_mixed": ("mixed", (*ULYSSES, "--plugin", "fsdp"))}
+        "ulysses": ("lora", ULYSSES), "ulysses_fsdp_mixed": ("mixed", (*ULYSSES, "--plugin", "fsdp")),
+        "experts_ddp": ("experts", ()), "experts_fsdp": ("experts", ("--plugin", "fsdp")),
+        "experts_ulysses": ("experts", ULYSSES)}
+BOUNDARY = 875.0  # make_wan22's boundary_ratio 0.875 x 1000
 
 
 def distill_argv(folder, prompts, out, *extra: str) -> list[str]:
@@ -43,25 +51,74 @@ def distill_argv(folder, prompts, out, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, one_thread_module):
-    """{name: run folder}: the one-process references (``lora``: LoRA student and critic; ``mixed``), then in one
-    launch of 2 processes the ``RUNS``, ``resumed`` (the mixed FSDP run to 2 iterations, then on to 3) and
-    ``refused``, the output of a refused run (float8 storage of the sharded teacher)."""
+    """{name: run folder}: the one-process references (``lora``: LoRA student and critic; ``mixed``; ``experts``:
+    the two-expert teacher's, checkpointed at 2 and 3, its transformer calls' timesteps recorded in ``calls``), then
+    in one launch of 2 processes the ``RUNS``, ``resumed`` (the mixed FSDP run to 2 iterations, then on to 3),
+    ``refused``, the output of a refused run (float8 storage of the sharded teacher), ``experts_up`` (``experts``
+    cut at 2, resumed under FSDP) and ``experts_cut`` (the two-expert FSDP run to 2), which one process then resumes
+    to 3 (``experts_down``, the networks and optimizers right after its resume in ``loaded``), as it resumes the
+    DDP run's checkpoint at 2 (``experts_ddp_down``)."""
+    import shutil
+
     from ditforge import cli
+    from ditforge.models.adapters import DiffusersDenoiser
+    from ditforge.train.distill_nets import Networks
 
     root = tmp_path_factory.mktemp("dist_distill")
-    wan = finetune_module("tiny_pipelines").make_wan(root / "wan")
+    pipes = finetune_module("tiny_pipelines")
+    teachers = {"lora": pipes.make_wan(root / "wan"), "experts": pipes.make_wan22(root / "wan22")}
+    teachers["mixed"] = teachers["lora"]
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    argv = {"lora": (), "mixed": MIXED}
-    for name, extra in argv.items():
-        assert cli.main(distill_argv(wan, prompts, root / name, *extra)) == 0
+    argv = {"lora": (), "mixed": MIXED, "experts": ("--ckpt_every", "2")}
+    calls, forward = [], DiffusersDenoiser.forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DiffusersDenoiser, "forward", lambda self, x, t, *a, **k: (
+            len(self.expert_models()) == 2 and calls.append(t)) or forward(self, x, t, *a, **k))
+        for name, extra in argv.items():
+            assert cli.main(distill_argv(teachers[name], prompts, root / name, *extra)) == 0
+    up = root / "experts_up"
+    shutil.copytree(root / "experts", up)
+    shutil.rmtree(up / "checkpoints" / "step-0000003")
     resumed = ("--plugin", "fsdp", *MIXED)
+    wan, wan22 = teachers["lora"], teachers["experts"]
     outs = torchrun_cli_many(2, root / "work", [
-        *(distill_argv(wan, prompts, root / name, *argv[ref], *extra) for name, (ref, extra) in RUNS.items()),
+        *(distill_argv(teachers[ref], prompts, root / name, *argv[ref], *extra) for name, (ref, extra) in RUNS.items()),
         distill_argv(wan, prompts, root / "resumed", *resumed, "--max_steps", "2"),
         distill_argv(wan, prompts, root / "resumed", *resumed, "--resume", "auto"),
-        distill_argv(wan, prompts, root / "refused", "--plugin", "fsdp", "--fp8_base")], fails=(len(RUNS) + 2,))
-    return {name: root / name for name in (*argv, *RUNS, "resumed")} | {"refused": outs[-1]}
+        distill_argv(wan, prompts, root / "refused", "--plugin", "fsdp", "--fp8_base"),
+        distill_argv(wan22, prompts, up, "--plugin", "fsdp", "--resume", "auto"),
+        distill_argv(wan22, prompts, root / "experts_cut", "--plugin", "fsdp", "--max_steps", "2")],
+        fails=(len(RUNS) + 2,))
+    down, ddp_down = root / "experts_down", root / "experts_ddp_down"
+    shutil.copytree(root / "experts_cut", down)
+    shutil.copytree(root / "experts_ddp", ddp_down)
+    shutil.rmtree(ddp_down / "checkpoints" / "step-0000003")
+    assert cli.main(distill_argv(wan22, prompts, ddp_down, "--resume", "auto")) == 0
+    loaded, resume = {}, Networks.resume
+
+    def spied(self, ckpt, opts):
+        step = resume(self, ckpt, opts)
+        loaded.update({k: v.clone() if torch.is_tensor(v) else v for k, v in flat(self.state(opts)).items()})
+        return step
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Networks, "resume", spied)
+        assert cli.main(distill_argv(wan22, prompts, down, "--resume", "auto")) == 0
+    cut = ("experts_up", "experts_cut", "experts_down", "experts_ddp_down")
+    return ({name: root / name for name in (*argv, *RUNS, "resumed", *cut)}
+            | {"refused": outs[len(RUNS) + 2], "calls": calls, "loaded": loaded})
+
+
+def flat(state: dict, prefix: str = "") -> dict:
+    """A nested state dict's leaves by their dotted names (DCP's flattening)."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out |= flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def metrics(run) -> list[dict]:
@@ -130,3 +187,38 @@ def test_fsdp_refuses_the_whole_teacher_placements(runs):
     ``--plugin fsdp`` with one line on each process."""
     lines = [line for line in runs["refused"].splitlines() if "--fp8_base" in line]
     assert len(lines) == 2 and all("--plugin fsdp shards it instead" in line for line in lines), lines
+
+
+def test_two_expert_batches_straddle_the_processes(runs):
+    """The two-expert runs' batches put the processes' rows on different experts (row 0 on one side of t = 875, row
+    1 on the other) in some call: the process without rows for an expert calls it on a stand-in row
+    (``adapters.by_expert``'s ``agree``), else FSDP2's gathers would hang and DDP's all-reduce of the gradients would
+    differ in size; ``test_two_processes_equal_one`` checks those runs."""
+    assert any(len(t) == 2 and bool((t[0] >= BOUNDARY) != (t[1] >= BOUNDARY)) for t in runs["calls"])
+
+
+def test_resume_on_another_process_count(runs):
+    """A two-expert distillation checkpointed at iteration 2 under FSDP (``experts_down``) or DDP
+    (``experts_ddp_down``) in 2 processes and resumed in 1, and one checkpointed in 1 process and resumed under FSDP
+    in 2 (``experts_up``): DCP reshards the checkpoint. Right after the resume in 1 process, both networks and both
+    optimizers' states (moments, step counts) equal the saved ones bit for bit; the iteration after it is the global
+    batch's, whose draws derive from (seed, 3) alone and are split into each process's rows (``DMD2.shard``), so the
+    resumed run equals the uninterrupted run at the other process count to float32 rounding (``REL``, the networks
+    as ``test_two_processes_equal_one`` compares them): exact is bit for bit only against a run of the same process
+    count from the same state, as the gradients of one process's batch and of its rows reduced over processes round
+    apart."""
+    want = saved(runs["experts_cut"], 2)
+    loaded = runs["loaded"]
+    assert want.keys() <= loaded.keys() and any(k.startswith("critic_optimizer.state.") for k in want)
+    for k in want:
+        assert torch.equal(loaded[k], want[k]), k
+    pairs = (("experts_down", "experts_fsdp"), ("experts_ddp_down", "experts_ddp"), ("experts_up", "experts"))
+    for name, ref in pairs:
+        got, want = metrics(runs[name]), metrics(runs[ref])
+        assert [r["step"] for r in got] == [1, 2, 3]
+        for k in got[2].keys() - {"steps_per_sec"}:
+            assert got[2][k] == pytest.approx(want[2][k], rel=REL[k]), (name, k)
+        got, want = saved(runs[name]), saved(runs[ref])
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=0.25 * LR)

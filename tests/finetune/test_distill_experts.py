@@ -19,9 +19,10 @@ import torch
 
 from ditforge import cli
 from ditforge.data.sampler import derive_seed
-from test_distill_video import (BATCH, PROMPTS, STEPS, assert_resume_exact, lora_tensors, prompt_file, read_part,
-                                recorded_run)
+from test_distill_video import (BATCH, PROMPTS, STEPS, assert_resume_exact, distill_argv, lora_tensors, prompt_file,
+                                read_part, recorded_run)
 from test_clip_score import tiny_clip
+from test_distill_placement import assert_fp8_run_is_the_rounded_teachers, rounded_teacher
 from tiny_pipelines import make_wan22
 
 __all__ = ["prompt_file", "tiny_clip"]  # fixtures of test_distill_video's and test_clip_score's, used here
@@ -174,6 +175,28 @@ def test_resume_equals_uninterrupted(run, wan22, prompt_file, tmp_path, one_thre
     assert_resume_exact(run[0], wan22, prompt_file, tmp_path, *ARGS)
 
 
+def test_fp8_base_and_block_swap_place_both_experts(run, wan22, prompt_file, tmp_path, one_thread):
+    """``--fp8_base --blocks_to_swap 1`` on two experts: both experts' frozen layers stored in float8 e4m3 and the
+    last block of each swapped to host memory (a ``BlockSwap`` per expert). As fine-tuning's placement tests
+    (``test_distill_placement``): 2 iterations equal the unplaced run of a teacher folder whose two transformers were
+    rounded to float8 beforehand (metrics to 1e-5, adapters to 1e-5 / 1e-6; the swap changes no number), while the
+    rounding moves the critic's losses off ``run``'s, the unrounded teacher's (a low-noise expert left unrounded in
+    the placed run, which every critic step calls, would put it off the rounded run's)."""
+    from ditforge.parallel.offload import BlockSwap
+
+    folder, _ = rounded_teacher(wan22, tmp_path / "rounded", ("transformer", "transformer_2"))
+    out, ref, swaps = tmp_path / "placed", tmp_path / "ref", []
+    init = BlockSwap.__init__
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(BlockSwap, "__init__", lambda self, blocks, device: swaps.append(len(blocks)) or init(
+            self, blocks, device))
+        assert cli.main(distill_argv(wan22, prompt_file, out, *ARGS, "--max_steps", "2", "--fp8_base",
+                                     "--blocks_to_swap", "1")) == 0
+    assert swaps == [1, 1]
+    assert cli.main(distill_argv(folder, prompt_file, ref, *ARGS, "--max_steps", "2")) == 0
+    assert_fp8_run_is_the_rounded_teachers(out, ref, run[0], 2)
+
+
 def test_export_writes_a_lora_of_both_experts(run, wan22, tmp_path):
     """``export --format lora`` writes what a LoRA fine-tune of both experts writes, ``OUT/high_noise`` and
     ``OUT/low_noise``, loaded by ``WanPipeline.load_lora_weights`` (the second ``load_into_transformer_2``) with each
@@ -261,8 +284,6 @@ def test_student_on_one_side_still_uses_both_experts(wan22, prompt_file, tmp_pat
     """A 1-step student (t = 1000: the high-noise expert alone): the low-noise expert still serves teacher and
     critic below t = 875 (its critic adapter trains), its student adapter stays untrained (B = 0), and the sample
     runs on ``transformer`` alone."""
-    from test_distill_video import distill_argv
-
     calls: list = []
     expert_log(monkeypatch, calls)
     out = tmp_path / "run"

@@ -40,8 +40,8 @@ from torch import nn
 from ditforge.models.adapters.limits import TextLimit
 
 
-def by_expert(t: torch.Tensor, boundary: float,
-              call: Callable[[int, torch.Tensor | slice], torch.Tensor]) -> torch.Tensor:
+def by_expert(t: torch.Tensor, boundary: float, call: Callable[[int, torch.Tensor | slice], torch.Tensor],
+              agree: Callable[[list[int]], list[int]] | None = None) -> torch.Tensor:
     """A two-expert pipeline's rule, row by row: row i of a batch at model timesteps ``t`` (B,) runs on the first
     expert (0: ``transformer``, high noise) where t_i >= ``boundary``, else on the second (1: ``transformer_2``);
     ``boundary`` is in model timesteps, the pipeline's ``boundary_ratio`` x the scheduler's ``num_train_timesteps``
@@ -49,14 +49,31 @@ def by_expert(t: torch.Tensor, boundary: float,
     current_model = self.transformer``, else ``transformer_2``). ``call(expert, rows)``: that expert's output
     (rows first) for the rows ``rows`` (int64 indices), or ``slice(None)``: the whole batch, all on one side (one
     call; indexing with it is a view, no copy). Returns (B, ...) in the batch's order: a batch that straddles the
-    boundary is two calls, their rows put back in place (differentiable). Reads the sides on the host (one sync)."""
+    boundary is two calls, their rows put back in place (differentiable). Reads the sides on the host (one sync).
+
+    ``agree`` (set from outside where processes of one data-parallel run hold different rows and each expert's
+    call holds collectives, FSDP2's gathers or the gradients' all-reduce: ``train.distill_nets``): maps this batch's
+    row counts per expert [n_0, n_1] to every process's sums; an expert that another process's rows need but none of
+    this batch's runs on one stand-in row (the first) whose output enters the result times 0, so that every process
+    calls the same experts in the same order and holds gradients (zero) for the same parameters."""
     first = t >= boundary
     n_first = int(first.sum())
-    if n_first in (0, len(t)):
-        return call(0 if n_first else 1, slice(None))
+    mine = [n_first, len(t) - n_first]
+    runs = mine if agree is None else agree(mine)
+    if mine[0] == len(t) and not runs[1]:
+        return call(0, slice(None))
+    if mine[1] == len(t) and not runs[0]:
+        return call(1, slice(None))
     rows = [first.nonzero().flatten(), (~first).nonzero().flatten()]
-    out = torch.cat([call(0, rows[0]), call(1, rows[1])])
-    return out[torch.argsort(torch.cat(rows))]
+    parts, stand_in = [], None
+    for expert in (0, 1):
+        if mine[expert]:
+            parts.append((rows[expert], call(expert, slice(None) if mine[expert] == len(t) else rows[expert])))
+        elif runs[expert]:  # another process's rows need it: one row of this batch's, weighted 0
+            stand_in = 0 * call(expert, rows[1 - expert][:1]).sum()
+    out = parts[0][1] if len(parts) == 1 else torch.cat([o for _, o in parts])[
+        torch.argsort(torch.cat([r for r, _ in parts]))]
+    return out if stand_in is None else out + stand_in
 
 
 class DiffusersDenoiser(nn.Module):
@@ -182,6 +199,8 @@ class DiffusersDenoiser(nn.Module):
         # with both experts held: forward runs each row on its side's expert (by_expert) at this boundary in model
         # timesteps (``expert_boundary`` x num_train_timesteps); None: ``expert`` alone (fine-tuning switches it)
         self.routing_boundary: float | None = None
+        # by_expert's ``agree``: set from outside where processes hold different rows (``train.distill_nets``)
+        self.routing_agree: Callable[[list[int]], list[int]] | None = None
         # the pipeline components the expert models fill, in ``expert_models``' order: the component itself, or the
         # low-noise expert's ``<component>_2`` when one expert of two is trained (``pipeline.load_pretrained``)
         self.pipeline_slots: tuple[str, ...] = (self.component,)
@@ -380,7 +399,7 @@ class DiffusersDenoiser(nn.Module):
             self.expert = expert
             return self.denoise(x[rows], t[rows], **{k: v[rows] for k, v in cond.items()})
 
-        return by_expert(t, self.routing_boundary, on)
+        return by_expert(t, self.routing_boundary, on, self.routing_agree)
 
     def denoise(self, x: torch.Tensor, t: torch.Tensor, **cond: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
