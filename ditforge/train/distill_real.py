@@ -22,20 +22,14 @@ from ditforge.diffusion.dmd import Net
 from ditforge.errors import UserError
 
 
-def refuse_real_data(cfg, den=None) -> None:
-    """Raise UserError (one line, naming ``--data``) where real clips do not run yet: ``--plugin fsdp`` or
-    ``--sequence_parallel_size`` (the head's unsharded parameters, the features of split tokens); with the teacher's
-    denoiser ``den``, a teacher of two experts (a call's rows split over two transformers), a reference-image or
-    driven teacher (its latents lead with conditioning frames)."""
-    why = ("--plugin fsdp" if cfg.plugin == "fsdp" else
-           f"--sequence_parallel_size {cfg.sequence_parallel_size}" if cfg.sequence_parallel_size > 1 else
-           None if den is None else
-           "a teacher of two experts" if len(den.expert_models()) > 1 else
-           "a reference-image teacher" if den.takes_references else
+def refuse_real_data(cfg, den) -> None:
+    """Raise UserError (one line, naming ``--data``) where real clips do not run yet: a reference-image or driven
+    teacher ``den`` (its latents lead with conditioning frames)."""
+    why = ("a reference-image teacher" if den.takes_references else
            "a driven teacher" if den.trained_videos else None)
     if why is not None:
-        raise UserError(f"--data {cfg.data}: real clips and the GAN head run with one expert's text- or "
-                        f"image-to-video teacher, one process or --plugin ddp, so far; not with {why}")
+        raise UserError(f"--data {cfg.data}: real clips and the GAN head run with text- or image-to-video teachers "
+                        f"(one expert or two), so far; not with {why}")
 
 
 class RealClips:
@@ -103,18 +97,42 @@ class RealClips:
         return BatchEncoder.draw(mean, std, eps), self.encoder.conditioning(batch, self.device)
 
 
-def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype) -> Net:
+def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype,
+               group=None) -> Net:
     """(x_t, model timesteps) -> realism logits (B,) float32: the critic (``networks.use("critic")``, its module's
     ``features`` under autocast in ``amp``) under the conditions ``cond`` (the B rows' conditioning; a
     guidance-distilled family's embedded ``scale`` added, as ``distill_pipeline.nets`` adds it), into its
-    ``gan_head``."""
+    ``gan_head``.
+
+    ``group``: the sequence-parallel group (``--sequence_parallel_size``) whose processes hold the same rows and
+    each a slice of their tokens (``parallel.context``): the head's per-token logits are gathered over it
+    (``gather_dim1``, whose backward is a reduce-scatter) before their mean, which is then the one process's mean over
+    all tokens, on every process. Each process's gradients are then the group's P losses' through its slice: its
+    parameters' shares sum over the group to P times one process's gradient, as ``parallel.context``'s
+    ``scale_gradient`` makes the prediction's (the average over all processes divides by P again); ``x``, which the
+    group's processes hold alike, gets its gradient's mean over the group (``mean_gradient``: one process's).
+
+    A teacher of two experts: ``features`` are each row's expert's (the critic adapter on the expert owning its t,
+    ``adapters.by_expert``, with ``forward``'s ``agree`` under torchrun), into one head for both. DMD2 has one
+    discriminator, and the realism it learns is the clips', the same at every t; the head's LayerNorm takes each
+    token's scale out of either expert's features, and the experts (of one architecture and width, trained from one
+    model) are nearer than two heads' separate halves of the real rows, each head then learning from the rows on
+    its own side only."""
     module, first = networks.module("critic"), next(iter(cond.values()))
     cond = {**cond, **module.guidance_inputs(scale, len(first), first.device)}  # {} unless guidance-distilled
+    gather = None
+    if group is not None:
+        from ditforge.parallel.collectives import gather_dim1, mean_gradient
+
+        def gather(logits: torch.Tensor) -> torch.Tensor:
+            return gather_dim1(logits, group)
 
     def classify(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         networks.use("critic")
+        if group is not None:
+            x = mean_gradient(x, group)
         with torch.autocast(x.device.type, dtype=amp, enabled=amp != torch.float32):
             tokens = module.features(x, t, **cond)
-        return module.gan_head(tokens)
+        return module.gan_head(tokens, gather=gather)
 
     return classify
