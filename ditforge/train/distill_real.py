@@ -127,12 +127,27 @@ def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch
         def gather(logits: torch.Tensor) -> torch.Tensor:
             return gather_dim1(logits, group)
 
+    from torch.distributed.fsdp import FSDPModule
+
+    # two experts under FSDP2: each one's own unit (its embedders, parallel._apply_fsdp) is resharded after its
+    # forward and gathered again by its pre-backward hook, which sits on its output; the backward of the features
+    # reaches its embedders through the middle block's output instead, so the unit stays gathered from the forward
+    # to its post-backward (the input's gradient's, or FSDP2's final callback's)
+    experts = [m for m in module.expert_models() if isinstance(m, FSDPModule)] if len(module.expert_models()) > 1 \
+        else []
+
     def classify(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         networks.use("critic")
         if group is not None:
             x = mean_gradient(x, group)
-        with torch.autocast(x.device.type, dtype=amp, enabled=amp != torch.float32):
-            tokens = module.features(x, t, **cond)
+        for unit in experts:
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            with torch.autocast(x.device.type, dtype=amp, enabled=amp != torch.float32):
+                tokens = module.features(x, t, **cond)
+        finally:
+            for unit in experts:
+                unit.set_reshard_after_forward(True, recurse=False)
         return module.gan_head(tokens, gather=gather)
 
     return classify

@@ -9,33 +9,22 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ditforge import cli
 from families import assert_one_line_error
-from test_clip_folder import _write_mp4, smooth_pixels
+from tiny_pipelines import captioned_clips
 from test_distill_video import PROMPTS, assert_resume_exact, distill_argv
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 WEIGHT = 0.5  # --gen_cls_loss_weight: large, so that the GAN term moves the gradients measurably
 
 
-def clip_folder(root, frames: int, side: int):
-    """ROOT/: three mp4 clips of ``frames`` frames of ``side`` x ``side`` pixels (smooth random), captioned."""
-    root.mkdir(parents=True)
-    rng = np.random.default_rng(1)
-    for i in range(3):
-        _write_mp4(root / f"clip{i}.mp4", smooth_pixels(rng, frames, side, side))
-        (root / f"clip{i}.txt").write_text(f"real clip {i}")
-    return root
-
-
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory):
-    return clip_folder(tmp_path_factory.mktemp("real") / "clips", 6, 32)  # read at the student's 16 x 16 x 5
+    return captioned_clips(tmp_path_factory.mktemp("real") / "clips", 6, 32)  # read at the student's 16 x 16 x 5
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +210,8 @@ def test_checkpointed_gradients_equal_unchecked(rank, wan_pipeline, prompts, cli
 
 
 def test_bad_real_data_one_line(wan_pipeline, prompts, clips, tmp_path, capsys):
-    short = clip_folder(tmp_path / "short", 3, 16)  # 3 frames, the student takes 5
-    small = clip_folder(tmp_path / "small", 6, 8)  # 8 x 8 pixels, the student's frames are 16 x 16
+    short = captioned_clips(tmp_path / "short", 3, 16)  # 3 frames, the student takes 5
+    small = captioned_clips(tmp_path / "small", 6, 8)  # 8 x 8 pixels, the student's frames are 16 x 16
     for folder, needle in ((short, "3 of 3 clips do not fit the student's 16 x 16 x 5"),
                            (small, "8 x 8 x 6")):
         assert_one_line_error(capsys, real_argv(wan_pipeline, prompts, folder, tmp_path / "out"), f"--data {folder}",

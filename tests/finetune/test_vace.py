@@ -164,11 +164,11 @@ def test_a_folder_of_clips_reads_its_ref_pngs(vace, tmp_path):
     from ditforge.data.buckets import BucketDataset, data_buckets
     from ditforge.data.folders import folder_rows
     from ditforge.data.images import center_crop_arr
-    from test_clip_folder import _write_mp4, smooth_pixels
+    from tiny_pipelines import smooth_pixels, write_mp4
 
     rng = np.random.default_rng(3)
     for j in range(2):
-        _write_mp4(tmp_path / f"clip{j}.mp4", smooth_pixels(rng, FRAMES, SIZE, SIZE))
+        write_mp4(tmp_path / f"clip{j}.mp4", smooth_pixels(rng, FRAMES, SIZE, SIZE))
         (tmp_path / f"clip{j}.txt").write_text(f"clip {j}")
         Image.fromarray(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(tmp_path / f"clip{j}.ref.png")
     rows = folder_rows(str(tmp_path))

@@ -426,7 +426,8 @@ class DiffusersDenoiser(nn.Module):
         seen: list[list[torch.Tensor]] = [[] for _ in experts]
         handles = []
         for model, kept in zip(experts, seen):
-            blocks = [m for m in model.modules() if type(m).__name__ in self.block_classes]
+            # by the classes' names in the MRO: FSDP2's fully_shard makes a block's class a subclass FSDP<name>
+            blocks = [m for m in model.modules() if any(c.__name__ in self.block_classes for c in type(m).__mro__)]
             handles.append(blocks[(len(blocks) - 1) // 2].register_forward_hook(
                 lambda module, args, out, kept=kept: kept.append(out[0] if isinstance(out, tuple) else out)))
         try:
