@@ -10,7 +10,10 @@ image-to-video teacher's first-frame conditioning from the clip). The captions c
 (``main/train_sd.py``: the real images' own text embeddings); the student's prompts stay ``--prompt_file``'s.
 
 The critic's features are its denoiser's ``features`` (the middle repeated block's hidden states, ``models/
-adapters``), into ``dmd.GANHead``, the critic's submodule ``gan_head`` (its optimizer's, its checkpoint entry's).
+adapters``), into ``dmd.GANHead``, the critic's submodule ``gan_head`` (its optimizer's, its checkpoint entry's;
+under ``--plugin fsdp`` an FSDP2 unit of its own, ``distill_nets.build_networks``). Under ``--sequence_parallel_size``
+its token logits are gathered over the group, and with two experts each row's features are its expert's
+(``classifier``).
 """
 
 from __future__ import annotations
