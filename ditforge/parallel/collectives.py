@@ -119,20 +119,24 @@ def gather_dim1(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _GatherDim1.apply(x, group)
 
 
-class _MeanGradient(torch.autograd.Function):
-    """Identity forward; backward: the gradient's mean over ``group`` (one all-reduce: gloo has no average, a sum
-    then / P)."""
+class MapGradient(torch.autograd.Function):
+    """Identity forward; backward: ``fn(gradient)`` (``MapGradient.apply(x, fn)``: ``mean_gradient``'s, and
+    ``parallel.context.scale_gradient``'s gradient times the group size)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, fn) -> torch.Tensor:
+        ctx.fn = fn
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad / dist.get_world_size(ctx.group), None
+        return ctx.fn(grad), None
+
+
+def _group_mean(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    grad = grad.contiguous()
+    dist.all_reduce(grad, group=group)  # gloo has no average: a sum, then / P
+    return grad / dist.get_world_size(group)
 
 
 @torch.compiler.disable  # eager, as all_to_all
@@ -143,4 +147,4 @@ def mean_gradient(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     process's gradient of ``x`` is the gradient of the group's P losses through its part of the computation, and
     their sum P times the gradient of one loss; the mean is that gradient, the same on every process, as a tensor
     every process holds alike needs (the gradient of the generator's GAN loss in its sample, ``distill_real``)."""
-    return _MeanGradient.apply(x, group)
+    return MapGradient.apply(x, lambda grad: _group_mean(grad, group))
