@@ -1,9 +1,9 @@
 """Collectives the parallel code shares: the autograd-correct all-to-all (Ulysses, the STDiT frame exchange) and
 all-gather (the sequence gather, a joint attention's text heads, the GAN head's token logits), the gradient mean of
-a tensor every process of a group holds alike (the GAN head's input under context parallelism), single-tensor all-gather / reduce-scatter under
-their PyTorch >= 2.13 names with the older ones as fallback (FastSeq, the sequence gather, CFG parallelism), and the
-means over all processes of logged values and of replicated parameters' gradients (the trainer's metrics, data-
-parallel distillation)."""
+a tensor every process of a group holds alike (the GAN head's input under context parallelism), single-tensor
+all-gather / reduce-scatter under their PyTorch >= 2.13 names with the older ones as fallback (FastSeq, the sequence
+gather, CFG parallelism), and the means over all processes of logged values and of replicated parameters' gradients
+(the trainer's metrics, data-parallel distillation)."""
 
 from __future__ import annotations
 

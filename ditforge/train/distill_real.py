@@ -18,6 +18,8 @@ its token logits are gathered over the group, and with two experts each row's fe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.data import default_collate
 
@@ -100,8 +102,7 @@ class RealClips:
         return BatchEncoder.draw(mean, std, eps), self.encoder.conditioning(batch, self.device)
 
 
-def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype,
-               group=None) -> Net:
+def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype, group=None) -> Net:
     """(x_t, model timesteps) -> realism logits (B,) float32: the critic (``networks.use("critic")``, its module's
     ``features`` under autocast in ``amp``) under the conditions ``cond`` (the B rows' conditioning; a
     guidance-distilled family's embedded ``scale`` added, as ``distill_pipeline.nets`` adds it), into its
@@ -123,21 +124,16 @@ def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch
     its own side only."""
     module, first = networks.module("critic"), next(iter(cond.values()))
     cond = {**cond, **module.guidance_inputs(scale, len(first), first.device)}  # {} unless guidance-distilled
-    gather = None
-    if group is not None:
-        from ditforge.parallel.collectives import gather_dim1, mean_gradient
-
-        def gather(logits: torch.Tensor) -> torch.Tensor:
-            return gather_dim1(logits, group)
-
     from torch.distributed.fsdp import FSDPModule
 
-    # two experts under FSDP2: each one's own unit (its embedders, parallel._apply_fsdp) is resharded after its
-    # forward and gathered again by its pre-backward hook, which sits on its output; the backward of the features
-    # reaches its embedders through the middle block's output instead, so the unit stays gathered from the forward
-    # to its post-backward (the input's gradient's, or FSDP2's final callback's)
-    experts = [m for m in module.expert_models() if isinstance(m, FSDPModule)] if len(module.expert_models()) > 1 \
-        else []
+    from ditforge.parallel.collectives import gather_dim1, mean_gradient
+
+    gather = None if group is None else functools.partial(gather_dim1, group=group)
+    # two experts under FSDP2: each one's own unit (its embedders, parallel._apply_fsdp; one expert has none) is
+    # resharded after its forward and gathered again by its pre-backward hook, which sits on its output; the backward
+    # of the features reaches its embedders through the middle block's output instead, so the unit stays gathered
+    # from the forward to its post-backward (the input's gradient's, or FSDP2's final callback's)
+    experts = [m for m in module.expert_models() if isinstance(m, FSDPModule)]
 
     def classify(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         networks.use("critic")
