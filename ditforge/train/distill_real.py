@@ -28,13 +28,11 @@ from ditforge.errors import UserError
 
 
 def refuse_real_data(cfg, den) -> None:
-    """Raise UserError (one line, naming ``--data``) where real clips do not run yet: a reference-image or driven
-    teacher ``den`` (its latents lead with conditioning frames)."""
-    why = ("a reference-image teacher" if den.takes_references else
-           "a driven teacher" if den.trained_videos else None)
-    if why is not None:
-        raise UserError(f"--data {cfg.data}: real clips and the GAN head run with text- or image-to-video teachers "
-                        f"(one expert or two), so far; not with {why}")
+    """Raise UserError (one line, naming ``--data``) where real clips do not run yet: a driven teacher ``den`` (its
+    latents lead with the character's frame, its conditioning the driving videos')."""
+    if den.trained_videos:
+        raise UserError(f"--data {cfg.data}: real clips and the GAN head run with text-, image-to-video and "
+                        "reference-image teachers (one expert or two), so far; not with a driven teacher")
 
 
 class RealClips:
@@ -47,7 +45,14 @@ class RealClips:
     Raises:
         UserError (one line, naming ``--data``): data of another kind (features, shards, image folders); a clip of
             fewer frames than the student's at the stride, or under ``AREA_FRACTION`` of its frame's pixels;
-            latents of another shape than the student's; and ``BucketDataset``'s (no usable row).
+            latents of another shape than the student's (a reference-image teacher's: its references' frames and
+            the clip's); and ``BucketDataset``'s (no usable row).
+
+    A reference-image teacher (``takes_references``): each clip's references as fine-tuning reads them (a folder's
+    ``<stem>.ref*.png``, a CSV's ``reference_image`` column, else ``data.video.default_reference`` of the clip,
+    one), their latent frames before the clip's in x_0 and the control they build in its conditioning
+    (``BatchEncoder.conditioning``'s ``PREFIX``, fine-tuning's step); the student's latents lead with one
+    reference's frame only with ``--image``, so its clips then name one reference each (or none).
     """
 
     def __init__(self, cfg, pre, shape: tuple[int, ...], size: tuple[int, int, int], bad_samples_path):
@@ -74,15 +79,35 @@ class RealClips:
                             f"{int(h[i])} x {int(t[i])}; give --width / --height / --num_frames that fit, or other "
                             "clips")
         self.encoder, self.device = pipeline_encoder(pre), pre.device
-        mean, _ = self.encoder.moments(self._batch([0]), self.device)
+        self.references, self.seed = pre.denoiser.takes_references, cfg.seed
+        mean, _, _ = self._latents(self._batch([0]))
         if tuple(mean.shape[1:]) != tuple(shape[1:]):
+            hint = (" (a reference-image teacher's clips lead with their references' latent frames, its student's "
+                    "with --image's one)") if self.references else ""
             raise UserError(f"--data {spec}: its clips' latents are {tuple(mean.shape[1:])}, the student's "
-                            f"{tuple(shape[1:])}")
+                            f"{tuple(shape[1:])}{hint}")
 
     def _batch(self, rows: list[int]) -> dict:
+        from ditforge.data.video import default_references
         from ditforge.encoders.batch import as_batch
 
-        return as_batch(default_collate([self.dataset[(i, 0)] for i in rows]))
+        batch = as_batch(default_collate([self.dataset[(i, 0)] for i in rows]))
+        if self.references and "references" not in batch:  # fine-tuning's default (train.step)
+            batch["references"] = default_references(batch["x"], batch["index"], self.seed)
+        return batch
+
+    def _latents(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """(the posterior's mean and std (B, C, R + T', h, w), the conditioning) of ``batch``: a reference-image
+        teacher's R reference frames (``PREFIX``) lead, clean (std 0), as fine-tuning's step puts them."""
+        from ditforge.encoders.batch import PREFIX
+
+        cond = self.encoder.conditioning(batch, self.device)
+        mean, std = self.encoder.moments(batch, self.device)
+        prefix = cond.pop(PREFIX, None)
+        if prefix is not None:
+            mean = torch.cat([prefix, mean], dim=2)
+            std = None if std is None else torch.cat([torch.zeros_like(prefix), std], dim=2)
+        return mean, std, cond
 
     @torch.no_grad()
     def draw(self, n: int, generator: torch.Generator, shard: tuple[int, int] = (0, 1)
@@ -90,16 +115,15 @@ class RealClips:
         """The rows ``shard`` (this process's index r, the processes k: rows r n / k .. (r + 1) n / k - 1) of ``n``
         real clips drawn uniformly (``generator``: the n indices, then the posterior's noise for the n clips' latents):
         (x_0 (n / k, C, T', h, w) float32 on the device, their conditioning: the captions' and, for an image-to-video
-        teacher, the clips' first frames' (``BatchEncoder.conditioning``))."""
+        teacher, the clips' first frames', for a reference-image one its references' control (``_latents``)))."""
         from ditforge.encoders.batch import BatchEncoder
 
         rows = torch.randint(len(self.dataset), (n,), generator=generator, device=generator.device).tolist()
         b = n // shard[1]
         mine = slice(shard[0] * b, (shard[0] + 1) * b)
-        batch = self._batch(rows[mine])
-        mean, std = self.encoder.moments(batch, self.device)
+        mean, std, cond = self._latents(self._batch(rows[mine]))
         eps = torch.randn((n, *mean.shape[1:]), generator=generator, device=generator.device)[mine].to(self.device)
-        return BatchEncoder.draw(mean, std, eps), self.encoder.conditioning(batch, self.device)
+        return BatchEncoder.draw(mean, std, eps), cond
 
 
 def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype, group=None) -> Net:

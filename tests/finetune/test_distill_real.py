@@ -173,6 +173,42 @@ def test_two_experts_features_are_each_rows_experts(experts_run):
         torch.testing.assert_close(g.double(), ref, rtol=1e-4, atol=1e-9)
 
 
+def test_reference_image_teacher_reads_each_clips_reference(prompts, tmp_path_factory, capsys):
+    """A reference-image teacher (Wan2.1-VACE, ``make_vace``) with ``--image`` (one reference a sample) and clips
+    each with a random 16 x 16 ``<stem>.ref.png``: the real branch's rows lead with one reference latent frame, as
+    the student's (1 + T' frames), each row's control that of one clip's reference as ``WanVACEPipeline.__call__``
+    builds it (``test_vace.pipeline_control``: not ``--image``'s, nor a frame's default crop); the GAN losses DMD2's
+    in float64 on the recorded features (rel 1e-5). Without ``--image`` the student's latents have no reference
+    frame: refused in one line."""
+    from diffusers import WanVACEPipeline
+    from PIL import Image
+
+    from test_vace import pipeline_control
+    from tiny_pipelines import make_vace
+
+    root = tmp_path_factory.mktemp("real_vace")
+    clips, images = captioned_clips(root / "clips", 6, 32), root / "images"
+    images.mkdir()
+    g = torch.Generator().manual_seed(4)
+    refs = [torch.randint(0, 256, (16, 16, 3), generator=g, dtype=torch.uint8) for _ in range(4)]
+    for i, ref in enumerate(refs[:3]):
+        Image.fromarray(ref.numpy()).save(clips / f"clip{i}.ref.png")
+    Image.fromarray(refs[3].numpy()).save(images / "student.png")
+    folder = make_vace(root / "pipe")
+    calls = recorded_run(folder, prompts, clips, root / "run", "--max_steps", "1", "--image", str(images))
+    pipe = WanVACEPipeline.from_pretrained(str(folder), local_files_only=True)
+    with torch.no_grad():
+        want = [pipeline_control(pipe, (ref.permute(2, 0, 1)[None].float() / 127.5 - 1))[0] for ref in refs]
+    real = calls[1]
+    assert real["x"].shape[2] == calls[0]["x"].shape[2] == 1 + 2  # the reference's frame, then T' = 2
+    for row in real["cond"]["control_hidden_states"]:
+        assert [torch.allclose(row[None], w, rtol=1e-5, atol=1e-6) for w in want].count(True) == 1
+        assert not torch.allclose(row[None], want[3], rtol=1e-5, atol=1e-6)
+    assert_dmd2_gan_metrics(json.loads((root / "run" / "metrics.jsonl").read_text().splitlines()[0]), calls)
+    assert_one_line_error(capsys, real_argv(folder, prompts, clips, root / "plain"), f"--data {clips}",
+                          "with --image's one")
+
+
 def test_resume_with_the_head_equals_uninterrupted(run, wan_pipeline, prompts, clips, tmp_path):
     import torch.distributed.checkpoint as dcp
 
