@@ -2,7 +2,8 @@
 (``wan_pipeline``) and a folder of three captioned mp4 clips (``tiny_pipelines.captioned_clips``): the GAN head's
 features are the middle block's hidden states of diffusers' own transformer and its losses DMD2's, written out in
 float64; with the two-expert Wan 2.2 A14B folder (``make_wan22``) each row's expert's, into one head whose loss and
-gradient are the float64 head's on those rows; the same
+gradient are the float64 head's on those rows; with Wan2.1-VACE (``make_vace``) each real row's control that of its
+clip's reference, as ``WanVACEPipeline`` builds it; the same
 iteration with and without gradient checkpointing gives the same gradients (LoRA student and critic on one base,
 and full copies); a cut-and-resumed run equals the uninterrupted one, head and its optimizer included; the
 one-line refusals of bad clips. The multi-process runs (FSDP2, Ulysses, two experts) are
