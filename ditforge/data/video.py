@@ -446,6 +446,12 @@ def default_reference(clip: torch.Tensor, seed: int, index: int) -> torch.Tensor
     return torch.nn.functional.interpolate(crop, size=(H, W), mode="bicubic", align_corners=False)[0].clamp(-1, 1)
 
 
+def default_references(clips: torch.Tensor, indices, seed: int) -> torch.Tensor:
+    """The batch's references where its rows name none: each clip's ``default_reference`` (its data index from
+    ``indices``, B ints), (B, 1, 3, H, W) float32 in [-1, 1] for clips (B, 3, T, H, W)."""
+    return torch.stack([default_reference(clip, seed, int(i))[None] for clip, i in zip(clips, indices)])
+
+
 def display_scale(height: int, width: int) -> int:
     """The integer factor k by which ``write_video`` and ``write_gif`` enlarge frames of ``height`` x ``width``:
     the smallest k >= 1 with ``k * min(height, width) >= 64`` (8 px -> 8, 12 px -> 6, 64 px and up -> 1)."""

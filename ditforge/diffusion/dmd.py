@@ -290,15 +290,19 @@ class GANHead(torch.nn.Module):
     (B, N, D) tokens -> (B,) realism logits. Each token goes through LayerNorm -> Linear(D, D) -> SiLU -> Linear(D,
     1), and the logits are averaged over the tokens (DMD2's convolutional head reduces its 8 x 8 feature map to one
     logit; tokens have no grid to convolve here, so each token is classified and the mean taken). Float32
-    parameters, computed in the features' dtype promoted to float32."""
+    parameters, computed in the features' dtype promoted to float32. ``gather``: where each process holds a slice
+    of every sample's tokens (context parallelism), (B, n) per-token logits -> the (B, N) of the whole sample
+    (``parallel.collectives.gather_dim1``), so that the mean is over all N tokens."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.LayerNorm(hidden_size), torch.nn.Linear(hidden_size, hidden_size),
                                        torch.nn.SiLU(), torch.nn.Linear(hidden_size, 1))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.net(tokens.float()).squeeze(-1).mean(dim=1)
+    def forward(self, tokens: torch.Tensor,
+                gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        logits = self.net(tokens.float()).squeeze(-1)
+        return (logits if gather is None else gather(logits)).mean(dim=1)
 
 
 def gan_critic_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Collectives the parallel code shares: the autograd-correct all-to-all (Ulysses, the STDiT frame exchange) and
-all-gather (the sequence gather, a joint attention's text heads), single-tensor all-gather / reduce-scatter under
-their PyTorch >= 2.13 names with the older ones as fallback (FastSeq, the sequence gather, CFG parallelism), and the
-means over all processes of logged values and of replicated parameters' gradients (the trainer's metrics, data-
-parallel distillation)."""
+all-gather (the sequence gather, a joint attention's text heads, the GAN head's token logits), the gradient mean of
+a tensor every process of a group holds alike (the GAN head's input under context parallelism), single-tensor
+all-gather / reduce-scatter under their PyTorch >= 2.13 names with the older ones as fallback (FastSeq, the sequence
+gather, CFG parallelism), and the means over all processes of logged values and of replicated parameters' gradients
+(the trainer's metrics, data-parallel distillation)."""
 
 from __future__ import annotations
 
@@ -116,3 +117,34 @@ class _GatherDim1(torch.autograd.Function):
 def gather_dim1(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Autograd-aware all-gather of ``x`` (B, n, ...) along dim 1 over ``group``, see ``_GatherDim1``."""
     return _GatherDim1.apply(x, group)
+
+
+class MapGradient(torch.autograd.Function):
+    """Identity forward; backward: ``fn(gradient)`` (``MapGradient.apply(x, fn)``: ``mean_gradient``'s, and
+    ``parallel.context.scale_gradient``'s gradient times the group size)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fn) -> torch.Tensor:
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.fn(grad), None
+
+
+def _group_mean(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    grad = grad.contiguous()
+    dist.all_reduce(grad, group=group)  # gloo has no average: a sum, then / P
+    return grad / dist.get_world_size(group)
+
+
+@torch.compiler.disable  # eager, as all_to_all
+def mean_gradient(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``x`` (any shape), which every process of ``group`` holds alike, with its gradient averaged over the group.
+    Where such a tensor enters a computation split over the group whose collectives' backwards are their adjoints
+    (``all_to_all``, ``gather_dim1``'s reduce-scatter) and every process computes the same loss from the result, each
+    process's gradient of ``x`` is the gradient of the group's P losses through its part of the computation, and
+    their sum P times the gradient of one loss; the mean is that gradient, the same on every process, as a tensor
+    every process holds alike needs (the gradient of the generator's GAN loss in its sample, ``distill_real``)."""
+    return MapGradient.apply(x, lambda grad: _group_mean(grad, group))

@@ -215,27 +215,19 @@ def _divisible_check(size: int, patch, frames_first: bool = False):
     return check
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; the gradient times ``factor`` (the module docstring says why)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
-
-
 def scale_gradient(transformer: nn.Module, factor: int) -> None:
     """A forward hook on ``transformer``: its output (the prediction, or a tuple that starts with it: the adapters
     call with ``return_dict=False``) passes through unchanged and its gradient comes back ``factor`` times larger."""
 
+    from ditforge.parallel.collectives import MapGradient
+
+    def scaled(grad: torch.Tensor) -> torch.Tensor:
+        return grad * factor
+
     def hook(module, args, out):
         if isinstance(out, tuple):
-            return (_ScaleGradient.apply(out[0], factor), *out[1:])
-        return _ScaleGradient.apply(out, factor)
+            return (MapGradient.apply(out[0], scaled), *out[1:])
+        return MapGradient.apply(out, scaled)
 
     transformer.register_forward_hook(hook)
 

@@ -25,7 +25,10 @@ transformer block and one for the rest), and with ``--sequence_parallel_size`` e
 its tokens (``parallelize``'s ``parallel.context``, fine-tuning's).
 
 With ``--data`` the critic carries DMD2's GAN head (``dmd.GANHead`` as its module's submodule ``gan_head``: the
-full copy's, or a LoRA critic's base's, after the float8 storage), trained and saved with the critic's parameters.
+full copy's, or a LoRA critic's base's, after the float8 storage), trained and saved with the critic's parameters;
+under ``--plugin fsdp`` an FSDP2 unit of its own (``build_networks`` says why), its shards in the critic's optimizer
+and checkpoint as the critic's other shards are. One head serves both experts of a two-expert teacher
+(``distill_real``'s docstring says why).
 
 Checkpoint (``state``): each network's trainable tensors by their names in their module (``student``, ``critic``),
 both optimizers by parameter name (``optimizer``, ``critic_optimizer``) and ``ema``, the student as ``ditforge
@@ -163,7 +166,15 @@ def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: st
         from ditforge.diffusion.dmd import GANHead
 
         torch.manual_seed(cfg.seed)
-        copies.get("critic", model).gan_head = GANHead(model.feature_width).to(device)
+        head = copies.get("critic", model).gan_head = GANHead(model.feature_width).to(device)
+        if plugin == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            # sharded as the house shards every parameter outside the blocks (the root's, each expert's), but a unit
+            # of its own: gathered in float32 (the head computes in float32; the root's unit gathers in the compute
+            # dtype) and by its own call, which runs after its module's forward, so its own hooks gather it for its
+            # backward and reduce-scatter its gradients (FSDP2's defaults: float32 parameters and reduction)
+            fully_shard(head, mesh=d.shard_mesh)
     if plugin == "fsdp" or d.sp_mesh is not None:
         for module in (model, *copies.values()):
             parallelize(module, d, plugin if plugin == "fsdp" else "none",

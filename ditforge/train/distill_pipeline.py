@@ -377,8 +377,6 @@ def distill_pipeline(cfg: DistillConfig, draw_student: Callable | None = None) -
     if not (folder / "model_index.json").is_file():  # the CLI writes a fine-tuned run as one (export)
         raise UserError(f"{FLAG} {cfg.teacher}: a fine-tuned run distils from its pipeline folder; write it with "
                         "`ditforge export --format diffusers` and pass that folder")
-    if cfg.data is not None:  # before any process group
-        refuse_real_data(cfg)
     if cfg.sequence_parallel_size > 1:
         from ditforge.models.adapters import family_of_pipeline
         from ditforge.models.adapters.pipeline import read_model_index
@@ -517,9 +515,10 @@ def iteration(dmd: DMD2, step: int, cfg: DistillConfig, pre, prompts: list[str],
     student, critic, teacher = nets(networks, cond, scales[0], amp, scales[1])
     gan = None
     if real is not None:  # the real clips' own captions condition the real branch (DMD2's)
-        x_real, real_cond = real.draw(shape[0], g, (d.dp_rank, d.dp_size))
-        gan = GANTerms(x_real, classifier(networks, real_cond, scales[0], amp),
-                       classifier(networks, cond, scales[0], amp), cfg.gen_cls_loss_weight,
+        x_real, real_cond = real.draw(shape[0], g, (d.dp_rank, d.dp_size))  # as the generated rows: split alike
+        group = None if d.sp_mesh is None else d.sp_mesh["sp"].get_group()  # each row's tokens split over it
+        gan = GANTerms(x_real, classifier(networks, real_cond, scales[0], amp, group),
+                       classifier(networks, cond, scales[0], amp, group), cfg.gen_cls_loss_weight,
                        cfg.guidance_cls_loss_weight)
     reduce = (lambda params: None) if plugin == "fsdp" else (lambda params: average_gradients(params, d))
     # each backward (and its recomputed blocks under gradient checkpointing) runs under its forward's adapter

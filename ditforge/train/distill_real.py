@@ -10,10 +10,15 @@ image-to-video teacher's first-frame conditioning from the clip). The captions c
 (``main/train_sd.py``: the real images' own text embeddings); the student's prompts stay ``--prompt_file``'s.
 
 The critic's features are its denoiser's ``features`` (the middle repeated block's hidden states, ``models/
-adapters``), into ``dmd.GANHead``, the critic's submodule ``gan_head`` (its optimizer's, its checkpoint entry's).
+adapters``), into ``dmd.GANHead``, the critic's submodule ``gan_head`` (its optimizer's, its checkpoint entry's;
+under ``--plugin fsdp`` an FSDP2 unit of its own, ``distill_nets.build_networks``). Under ``--sequence_parallel_size``
+its token logits are gathered over the group, and with two experts each row's features are its expert's
+(``classifier``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.utils.data import default_collate
@@ -22,20 +27,12 @@ from ditforge.diffusion.dmd import Net
 from ditforge.errors import UserError
 
 
-def refuse_real_data(cfg, den=None) -> None:
-    """Raise UserError (one line, naming ``--data``) where real clips do not run yet: ``--plugin fsdp`` or
-    ``--sequence_parallel_size`` (the head's unsharded parameters, the features of split tokens); with the teacher's
-    denoiser ``den``, a teacher of two experts (a call's rows split over two transformers), a reference-image or
-    driven teacher (its latents lead with conditioning frames)."""
-    why = ("--plugin fsdp" if cfg.plugin == "fsdp" else
-           f"--sequence_parallel_size {cfg.sequence_parallel_size}" if cfg.sequence_parallel_size > 1 else
-           None if den is None else
-           "a teacher of two experts" if len(den.expert_models()) > 1 else
-           "a reference-image teacher" if den.takes_references else
-           "a driven teacher" if den.trained_videos else None)
-    if why is not None:
-        raise UserError(f"--data {cfg.data}: real clips and the GAN head run with one expert's text- or "
-                        f"image-to-video teacher, one process or --plugin ddp, so far; not with {why}")
+def refuse_real_data(cfg, den) -> None:
+    """Raise UserError (one line, naming ``--data``) where real clips do not run yet: a driven teacher ``den`` (its
+    latents lead with the character's frame, its conditioning the driving videos')."""
+    if den.trained_videos:
+        raise UserError(f"--data {cfg.data}: real clips and the GAN head run with text-, image-to-video and "
+                        "reference-image teachers (one expert or two), so far; not with a driven teacher")
 
 
 class RealClips:
@@ -48,7 +45,14 @@ class RealClips:
     Raises:
         UserError (one line, naming ``--data``): data of another kind (features, shards, image folders); a clip of
             fewer frames than the student's at the stride, or under ``AREA_FRACTION`` of its frame's pixels;
-            latents of another shape than the student's; and ``BucketDataset``'s (no usable row).
+            latents of another shape than the student's (a reference-image teacher's: its references' frames and
+            the clip's); and ``BucketDataset``'s (no usable row).
+
+    A reference-image teacher (``takes_references``): each clip's references as fine-tuning reads them (a folder's
+    ``<stem>.ref*.png``, a CSV's ``reference_image`` column, else ``data.video.default_reference`` of the clip,
+    one), their latent frames before the clip's in x_0 and the control they build in its conditioning
+    (``BatchEncoder.conditioning``'s ``PREFIX``, fine-tuning's step); the student's latents lead with one
+    reference's frame only with ``--image``, so its clips then name one reference each (or none).
     """
 
     def __init__(self, cfg, pre, shape: tuple[int, ...], size: tuple[int, int, int], bad_samples_path):
@@ -75,15 +79,35 @@ class RealClips:
                             f"{int(h[i])} x {int(t[i])}; give --width / --height / --num_frames that fit, or other "
                             "clips")
         self.encoder, self.device = pipeline_encoder(pre), pre.device
-        mean, _ = self.encoder.moments(self._batch([0]), self.device)
+        self.references, self.seed = pre.denoiser.takes_references, cfg.seed
+        mean, _, _ = self._latents(self._batch([0]))
         if tuple(mean.shape[1:]) != tuple(shape[1:]):
+            hint = (" (a reference-image teacher's clips lead with their references' latent frames, its student's "
+                    "with --image's one)") if self.references else ""
             raise UserError(f"--data {spec}: its clips' latents are {tuple(mean.shape[1:])}, the student's "
-                            f"{tuple(shape[1:])}")
+                            f"{tuple(shape[1:])}{hint}")
 
     def _batch(self, rows: list[int]) -> dict:
+        from ditforge.data.video import default_references
         from ditforge.encoders.batch import as_batch
 
-        return as_batch(default_collate([self.dataset[(i, 0)] for i in rows]))
+        batch = as_batch(default_collate([self.dataset[(i, 0)] for i in rows]))
+        if self.references and "references" not in batch:  # fine-tuning's default (train.step)
+            batch["references"] = default_references(batch["x"], batch["index"], self.seed)
+        return batch
+
+    def _latents(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """(the posterior's mean and std (B, C, R + T', h, w), the conditioning) of ``batch``: a reference-image
+        teacher's R reference frames (``PREFIX``) lead, clean (std 0), as fine-tuning's step puts them."""
+        from ditforge.encoders.batch import PREFIX
+
+        cond = self.encoder.conditioning(batch, self.device)
+        mean, std = self.encoder.moments(batch, self.device)
+        prefix = cond.pop(PREFIX, None)
+        if prefix is not None:
+            mean = torch.cat([prefix, mean], dim=2)
+            std = None if std is None else torch.cat([torch.zeros_like(prefix), std], dim=2)
+        return mean, std, cond
 
     @torch.no_grad()
     def draw(self, n: int, generator: torch.Generator, shard: tuple[int, int] = (0, 1)
@@ -91,30 +115,62 @@ class RealClips:
         """The rows ``shard`` (this process's index r, the processes k: rows r n / k .. (r + 1) n / k - 1) of ``n``
         real clips drawn uniformly (``generator``: the n indices, then the posterior's noise for the n clips' latents):
         (x_0 (n / k, C, T', h, w) float32 on the device, their conditioning: the captions' and, for an image-to-video
-        teacher, the clips' first frames' (``BatchEncoder.conditioning``))."""
+        teacher, the clips' first frames', for a reference-image one its references' control (``_latents``)))."""
         from ditforge.encoders.batch import BatchEncoder
 
         rows = torch.randint(len(self.dataset), (n,), generator=generator, device=generator.device).tolist()
         b = n // shard[1]
         mine = slice(shard[0] * b, (shard[0] + 1) * b)
-        batch = self._batch(rows[mine])
-        mean, std = self.encoder.moments(batch, self.device)
+        mean, std, cond = self._latents(self._batch(rows[mine]))
         eps = torch.randn((n, *mean.shape[1:]), generator=generator, device=generator.device)[mine].to(self.device)
-        return BatchEncoder.draw(mean, std, eps), self.encoder.conditioning(batch, self.device)
+        return BatchEncoder.draw(mean, std, eps), cond
 
 
-def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype) -> Net:
+def classifier(networks, cond: dict[str, torch.Tensor], scale: float, amp: torch.dtype, group=None) -> Net:
     """(x_t, model timesteps) -> realism logits (B,) float32: the critic (``networks.use("critic")``, its module's
     ``features`` under autocast in ``amp``) under the conditions ``cond`` (the B rows' conditioning; a
     guidance-distilled family's embedded ``scale`` added, as ``distill_pipeline.nets`` adds it), into its
-    ``gan_head``."""
+    ``gan_head``.
+
+    ``group``: the sequence-parallel group (``--sequence_parallel_size``) whose processes hold the same rows and
+    each a slice of their tokens (``parallel.context``): the head's per-token logits are gathered over it
+    (``gather_dim1``, whose backward is a reduce-scatter) before their mean, which is then the one process's mean over
+    all tokens, on every process. Each process's gradients are then the group's P losses' through its slice: its
+    parameters' shares sum over the group to P times one process's gradient, as ``parallel.context``'s
+    ``scale_gradient`` makes the prediction's (the average over all processes divides by P again); ``x``, which the
+    group's processes hold alike, gets its gradient's mean over the group (``mean_gradient``: one process's).
+
+    A teacher of two experts: ``features`` are each row's expert's (the critic adapter on the expert owning its t,
+    ``adapters.by_expert``, with ``forward``'s ``agree`` under torchrun), into one head for both. DMD2 has one
+    discriminator, and the realism it learns is the clips', the same at every t; the head's LayerNorm takes each
+    token's scale out of either expert's features, and the experts (of one architecture and width, trained from one
+    model) are nearer than two heads' separate halves of the real rows, each head then learning from the rows on
+    its own side only."""
     module, first = networks.module("critic"), next(iter(cond.values()))
     cond = {**cond, **module.guidance_inputs(scale, len(first), first.device)}  # {} unless guidance-distilled
+    from torch.distributed.fsdp import FSDPModule
+
+    from ditforge.parallel.collectives import gather_dim1, mean_gradient
+
+    gather = None if group is None else functools.partial(gather_dim1, group=group)
+    # two experts under FSDP2: each one's own unit (its embedders, parallel._apply_fsdp; one expert has none) is
+    # resharded after its forward and gathered again by its pre-backward hook, which sits on its output; the backward
+    # of the features reaches its embedders through the middle block's output instead, so the unit stays gathered
+    # from the forward to its post-backward (the input's gradient's, or FSDP2's final callback's)
+    experts = [m for m in module.expert_models() if isinstance(m, FSDPModule)]
 
     def classify(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         networks.use("critic")
-        with torch.autocast(x.device.type, dtype=amp, enabled=amp != torch.float32):
-            tokens = module.features(x, t, **cond)
-        return module.gan_head(tokens)
+        if group is not None:
+            x = mean_gradient(x, group)
+        for unit in experts:
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            with torch.autocast(x.device.type, dtype=amp, enabled=amp != torch.float32):
+                tokens = module.features(x, t, **cond)
+        finally:
+            for unit in experts:
+                unit.set_reshard_after_forward(True, recurse=False)
+        return module.gan_head(tokens, gather=gather)
 
     return classify

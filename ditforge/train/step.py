@@ -18,7 +18,7 @@ from torch import nn
 from ditforge.config.sections import RunConfig
 from ditforge.data.packing import packed_training_losses
 from ditforge.data.sampler import derive_seed
-from ditforge.data.video import default_reference
+from ditforge.data.video import default_references
 from ditforge.encoders.batch import PREFIX
 from ditforge.diffusion.objective import Objective
 from ditforge.parallel import clip_coefficient, clip_grad_norm_, gradient_sync
@@ -190,8 +190,7 @@ def make_micro_batches(run: Run, batch: dict, position: int) -> tuple[list[tuple
         first = d.dp_rank * len(batch["x"])
         noise_seeds = [derive_seed(t.seed, IMAGE_NOISE_STREAM, position, first + i) for i in range(len(batch["x"]))]
     if run.pre is not None and run.pre.denoiser.takes_references and "x" in batch and "references" not in batch:
-        batch["references"] = torch.stack([default_reference(clip, t.seed, int(i))[None]  # (B, 1, 3, H, W)
-                                           for clip, i in zip(batch["x"], batch["index"])])
+        batch["references"] = default_references(batch["x"], batch["index"], t.seed)
     cond = inputs.conditioning(batch, device, noise_seeds)
     if run.mixed:
         x, rnd = mixed_step_inputs(inputs, batch["x"], device, t.seed, position, run.diffusion, m.class_dropout_prob,

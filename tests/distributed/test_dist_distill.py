@@ -14,6 +14,12 @@ the expert of its t) under DDP, FSDP2 (both experts sharded) and Ulysses, each a
 after iteration 2 and resumed in one process, and the one-process run cut there resumed in two under FSDP (DCP
 reshards the checkpoint to the other process count).
 
+The LoRA runs of both teachers read real clips (``--data``: a folder of three tiny captioned clips) for DMD2's GAN
+head on the critic's middle-block features, which is then under DDP, FSDP2 (the head an FSDP2 unit of its own) and
+Ulysses (each row's tokens split, the head's token logits gathered before their mean), on both experts (its calls'
+rows straddling the boundary) and in every resume above; the LoRA FSDP run is also cut after iteration 2 and resumed
+under FSDP. The mixed runs stay data-free.
+
 The same metrics and networks to float32 rounding (tolerances at each assert); the resumed run equals the
 uninterrupted one."""
 
@@ -27,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 from dist_helpers import finetune_module, torchrun_cli_many
 
-pytestmark = pytest.mark.slow  # two processes that import diffusers, 8 runs in them, two one-process references
+pytestmark = pytest.mark.slow  # two processes that import diffusers, 15 runs in them; three one-process references
 
 PROMPTS = ["a red ball rolls", "a blue cube spins", "a cat walks"]
 LR = 1e-3
@@ -39,6 +45,7 @@ RUNS = {"ddp": ("lora", ()), "fsdp": ("lora", ("--plugin", "fsdp")), "fsdp_mixed
         "ulysses": ("lora", ULYSSES), "ulysses_fsdp_mixed": ("mixed", (*ULYSSES, "--plugin", "fsdp")),
         "experts_ddp": ("experts", ()), "experts_fsdp": ("experts", ("--plugin", "fsdp")),
         "experts_ulysses": ("experts", ULYSSES)}
+WEIGHT = "0.5"  # --gen_cls_loss_weight: large, so that the GAN term moves the student's gradients measurably
 BOUNDARY = 875.0  # make_wan22's boundary_ratio 0.875 x 1000
 
 
@@ -52,8 +59,10 @@ def distill_argv(folder, prompts, out, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, one_thread_module):
     """{name: run folder}: the one-process references (``lora``: LoRA student and critic; ``mixed``; ``experts``:
-    the two-expert teacher's, checkpointed at 2 and 3, its transformer calls' timesteps recorded in ``calls``), then
-    in one launch of 2 processes the ``RUNS``, ``resumed`` (the mixed FSDP run to 2 iterations, then on to 3),
+    the two-expert teacher's, checkpointed at 2 and 3; ``lora`` and ``experts`` with ``--data`` and the GAN head;
+    each run's transformer calls' timesteps recorded in ``calls[name]``, its ``features`` calls' in ``gan[name]``),
+    then in one launch of 2 processes the ``RUNS``, ``resumed`` (the mixed FSDP run to 2 iterations, then on to 3),
+    ``lora_resumed`` (the LoRA FSDP run's, likewise),
     ``refused``, the output of a refused run (float8 storage of the sharded teacher), ``experts_up`` (``experts``
     cut at 2, resumed under FSDP) and ``experts_cut`` (the two-expert FSDP run to 2), which one process then resumes
     to 3 (``experts_down``, the networks and optimizers right after its resume in ``loaded``), as it resumes the
@@ -70,12 +79,16 @@ def runs(tmp_path_factory, one_thread_module):
     teachers["mixed"] = teachers["lora"]
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    argv = {"lora": (), "mixed": MIXED, "experts": ("--ckpt_every", "2")}
-    calls, forward = [], DiffusersDenoiser.forward
+    real = ("--data", str(pipes.captioned_clips(root / "clips", 6, 32)), "--gen_cls_loss_weight", WEIGHT)
+    argv = {"lora": real, "mixed": MIXED, "experts": ("--ckpt_every", "2", *real)}
+    calls, gan, forward, features = {}, {}, DiffusersDenoiser.forward, DiffusersDenoiser.features
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(DiffusersDenoiser, "forward", lambda self, x, t, *a, **k: (
-            len(self.expert_models()) == 2 and calls.append(t)) or forward(self, x, t, *a, **k))
+            len(self.expert_models()) == 2 and calls[name].append(t)) or forward(self, x, t, *a, **k))
+        mp.setattr(DiffusersDenoiser, "features", lambda self, x, t, **k: gan[name].append(t) or features(
+            self, x, t, **k))
         for name, extra in argv.items():
+            calls[name], gan[name] = [], []
             assert cli.main(distill_argv(teachers[name], prompts, root / name, *extra)) == 0
     up = root / "experts_up"
     shutil.copytree(root / "experts", up)
@@ -87,14 +100,16 @@ def runs(tmp_path_factory, one_thread_module):
         distill_argv(wan, prompts, root / "resumed", *resumed, "--max_steps", "2"),
         distill_argv(wan, prompts, root / "resumed", *resumed, "--resume", "auto"),
         distill_argv(wan, prompts, root / "refused", "--plugin", "fsdp", "--fp8_base"),
-        distill_argv(wan22, prompts, up, "--plugin", "fsdp", "--resume", "auto"),
-        distill_argv(wan22, prompts, root / "experts_cut", "--plugin", "fsdp", "--max_steps", "2")],
+        distill_argv(wan22, prompts, up, *real, "--plugin", "fsdp", "--resume", "auto"),
+        distill_argv(wan22, prompts, root / "experts_cut", *real, "--plugin", "fsdp", "--max_steps", "2"),
+        distill_argv(wan, prompts, root / "lora_resumed", *real, "--plugin", "fsdp", "--max_steps", "2"),
+        distill_argv(wan, prompts, root / "lora_resumed", *real, "--plugin", "fsdp", "--resume", "auto")],
         fails=(len(RUNS) + 2,))
     down, ddp_down = root / "experts_down", root / "experts_ddp_down"
     shutil.copytree(root / "experts_cut", down)
     shutil.copytree(root / "experts_ddp", ddp_down)
     shutil.rmtree(ddp_down / "checkpoints" / "step-0000003")
-    assert cli.main(distill_argv(wan22, prompts, ddp_down, "--resume", "auto")) == 0
+    assert cli.main(distill_argv(wan22, prompts, ddp_down, *real, "--resume", "auto")) == 0
     loaded, resume = {}, Networks.resume
 
     def spied(self, ckpt, opts):
@@ -104,10 +119,10 @@ def runs(tmp_path_factory, one_thread_module):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Networks, "resume", spied)
-        assert cli.main(distill_argv(wan22, prompts, down, "--resume", "auto")) == 0
+        assert cli.main(distill_argv(wan22, prompts, down, *real, "--resume", "auto")) == 0
     cut = ("experts_up", "experts_cut", "experts_down", "experts_ddp_down")
-    return ({name: root / name for name in (*argv, *RUNS, "resumed", *cut)}
-            | {"refused": outs[len(RUNS) + 2], "calls": calls, "loaded": loaded})
+    return ({name: root / name for name in (*argv, *RUNS, "resumed", "lora_resumed", *cut)}
+            | {"refused": outs[len(RUNS) + 2], "calls": calls, "gan": gan, "loaded": loaded})
 
 
 def flat(state: dict, prefix: str = "") -> dict:
@@ -138,9 +153,13 @@ def saved(run, step: int = 3) -> dict[str, torch.Tensor]:
 # memory layout: 1e-7 in a prediction) shows most in the DMD gradient, the difference of two close predictions, and
 # through it in the student's gradients: their norms and the generator's loss to 1.3e-4 (measured, the full
 # student's FSDP run; DDP's 7e-5); the student's weights then differ (below) and the critic's loss and gradient norm
-# of iterations 2-3 with them, to 9e-6 (measured, the full student's Ulysses run; 6e-7 with a LoRA student)
+# of iterations 2-3 with them, to 9e-6 (measured, the full student's Ulysses run; 6e-7 with a LoRA student). The GAN
+# head's losses and realisms: 1.3e-7 (measured, the LoRA runs); a head's mean over one process's tokens alone, or
+# the generator's GAN gradient in its sample kept per process (Ulysses), moves them or the gradient norms by 1e-6
+# to 1 (measured: the student's gradient norm by 110% without ``mean_gradient``)
 REL = {"generator_loss": 4e-4, "dmd_grad_norm": 2e-4, "critic_loss": 3e-5, "generator_grad_norm": 2e-4,
-       "critic_grad_norm": 3e-5, "step": 0}
+       "critic_grad_norm": 3e-5, "gen_cls_loss": 1e-5, "guidance_cls_loss": 1e-5, "pred_realism_on_real": 1e-5,
+       "pred_realism_on_fake": 1e-5, "step": 0}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -168,16 +187,19 @@ def test_two_processes_equal_one(runs, name):
     assert off <= 0.05 * sum(want[k].numel() for k in nets)
 
 
-def test_fsdp_resume_equals_the_uninterrupted_run(runs):
-    """The mixed FSDP run cut after iteration 2 (its checkpoint: each process's shards) and resumed under FSDP:
-    iteration 3's metrics and the full student, the LoRA critic and both optimizers' states (AdamW's moments and
-    step counts) at step 3 equal the uninterrupted run's exactly (the same processes, the same order of operations)."""
-    got, want = metrics(runs["resumed"]), metrics(runs["fsdp_mixed"])
+@pytest.mark.parametrize("name, ref", [("resumed", "fsdp_mixed"), ("lora_resumed", "fsdp")])
+def test_fsdp_resume_equals_the_uninterrupted_run(runs, name, ref):
+    """The mixed FSDP run (and the LoRA one, with the GAN head) cut after iteration 2 (its checkpoint:
+    each process's shards) and resumed under FSDP: iteration 3's metrics and the student, the critic (its head) and
+    both optimizers' states (AdamW's moments and step counts, the head's) at step 3 equal the uninterrupted run's
+    exactly (the same processes, the same order of operations)."""
+    got, want = metrics(runs[name]), metrics(runs[ref])
     assert [r["step"] for r in got] == [1, 2, 3]
     assert [{k: v for k, v in r.items() if k != "steps_per_sec"} for r in got] == \
         [{k: v for k, v in r.items() if k != "steps_per_sec"} for r in want]
-    got, want = saved(runs["resumed"]), saved(runs["fsdp_mixed"])
+    got, want = saved(runs[name]), saved(runs[ref])
     assert got.keys() == want.keys() and any(k.startswith("critic_optimizer.") for k in want)
+    assert ref != "fsdp" or any(k.startswith("critic_optimizer.state.gan_head.") for k in want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
 
@@ -193,15 +215,17 @@ def test_two_expert_batches_straddle_the_processes(runs):
     """The two-expert runs' batches put the processes' rows on different experts (row 0 on one side of t = 875, row
     1 on the other) in some call: the process without rows for an expert calls it on a stand-in row
     (``adapters.by_expert``'s ``agree``), else FSDP2's gathers would hang and DDP's all-reduce of the gradients would
-    differ in size; ``test_two_processes_equal_one`` checks those runs."""
-    assert any(len(t) == 2 and bool((t[0] >= BOUNDARY) != (t[1] >= BOUNDARY)) for t in runs["calls"])
+    differ in size; ``test_two_processes_equal_one`` checks those runs. The GAN head's features calls straddle too."""
+    for seen in (runs["calls"], runs["gan"]):
+        assert any(len(t) == 2 and bool((t[0] >= BOUNDARY) != (t[1] >= BOUNDARY)) for t in seen["experts"])
 
 
 def test_resume_on_another_process_count(runs):
     """A two-expert distillation checkpointed at iteration 2 under FSDP (``experts_down``) or DDP
     (``experts_ddp_down``) in 2 processes and resumed in 1, and one checkpointed in 1 process and resumed under FSDP
-    in 2 (``experts_up``): DCP reshards the checkpoint. Right after the resume in 1 process, both networks and both
-    optimizers' states (moments, step counts) equal the saved ones bit for bit; the iteration after it is the global
+    in 2 (``experts_up``): DCP reshards the checkpoint, the GAN head's FSDP2 shards and their AdamW state included.
+    Right after the resume in 1 process, both networks and both optimizers' states (moments, step counts) equal the
+    saved ones bit for bit; the iteration after it is the global
     batch's, whose draws derive from (seed, 3) alone and are split into each process's rows (``DMD2.shard``), so the
     resumed run equals the uninterrupted run at the other process count to float32 rounding (``REL``, the networks
     as ``test_two_processes_equal_one`` compares them): exact is bit for bit only against a run of the same process
@@ -209,7 +233,7 @@ def test_resume_on_another_process_count(runs):
     apart."""
     want = saved(runs["experts_cut"], 2)
     loaded = runs["loaded"]
-    assert want.keys() <= loaded.keys() and any(k.startswith("critic_optimizer.state.") for k in want)
+    assert want.keys() <= loaded.keys() and any(k.startswith("critic_optimizer.state.gan_head.") for k in want)
     for k in want:
         assert torch.equal(loaded[k], want[k]), k
     pairs = (("experts_down", "experts_fsdp"), ("experts_ddp_down", "experts_ddp"), ("experts_up", "experts"))

@@ -11,7 +11,6 @@ import json
 import shutil
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 import torch
@@ -24,6 +23,7 @@ from ditforge.data.buckets import BucketBatchSampler, BucketDataset, data_bucket
 from ditforge.data.folders import folder_rows
 from ditforge.train.logging import read_metrics
 from families import VIDEO, assert_one_line_error, video_train_argv
+from tiny_pipelines import smooth_pixels, write_mp4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,24 +31,6 @@ SIZE, INTERVAL, BATCH = 32, 1, 2  # --image_size 32: buckets of about 32 x 32 pi
 SHAPES = {"tall": (64, 32), "square": (32, 32), "wide": (32, 64)}  # (height, width) of each sub-folder's media
 FRAMES = (9, 17)  # 4k + 1 (Wan) and 8k + 1 (the tiny CogVideoX's VAE); images are 1-frame clips
 UNCAPTIONED = "no_caption_here.mp4"
-
-
-def _write_mp4(path: Path, frames: np.ndarray) -> None:
-    """(T, H, W, 3) uint8 frames as an MPEG-4 part 2 video (in every FFmpeg build), 8 fps."""
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=8)
-        stream.width, stream.height, stream.pix_fmt, stream.bit_rate = frames.shape[2], frames.shape[1], "yuv420p", 4e6
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-
-
-def smooth_pixels(rng: np.random.Generator, frames: int, h: int, w: int) -> np.ndarray:
-    """(frames, h, w, 3) uint8 smooth random frames (noise at 1/8 the size, upsampled bilinearly), which the
-    codec keeps."""
-    coarse = torch.from_numpy(rng.random((frames, 3, h // 8, w // 8), dtype=np.float32))
-    fine = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear")
-    return (fine * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 @pytest.fixture(scope="session")
@@ -68,10 +50,10 @@ def clip_folder(tmp_path_factory) -> Path:
             if frames == 1:
                 Image.fromarray(pixels(1, h, w)[0]).save(path)
             else:
-                _write_mp4(path, pixels(frames, h, w))
+                write_mp4(path, pixels(frames, h, w))
             path.with_suffix(".txt").write_text(f"{kind} {n}")
             n += 1
-    _write_mp4(root / UNCAPTIONED, pixels(9, 32, 32))
+    write_mp4(root / UNCAPTIONED, pixels(9, 32, 32))
     return root
 
 

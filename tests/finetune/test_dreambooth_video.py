@@ -21,7 +21,7 @@ from ditforge.data.buckets import BucketBatchSampler, BucketDataset, data_bucket
 from ditforge.data.folders import instance_rows
 from ditforge.train.logging import read_metrics
 from families import KINDS, VIDEO, assert_one_line_error, video_train_argv
-from test_clip_folder import _write_mp4, smooth_pixels
+from tiny_pipelines import smooth_pixels, write_mp4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,7 +40,7 @@ def instance_folder(tmp_path_factory) -> Path:
         (root / kind).mkdir()
         for j in range(2):
             Image.fromarray(pixels(1, h, w)[0]).save(root / kind / f"still_{j}.png")
-        _write_mp4(root / kind / "clip.mp4", pixels(9, h, w))
+        write_mp4(root / kind / "clip.mp4", pixels(9, h, w))
     return root
 
 
@@ -141,7 +141,7 @@ def test_prior_preservation_draws_class_clips_and_weights_their_loss(wan_pipelin
     instance.mkdir()
     rng = np.random.default_rng(1)
     for j in range(2):
-        _write_mp4(instance / f"clip{j}.mp4", smooth_pixels(rng, 9, 32, 32))
+        write_mp4(instance / f"clip{j}.mp4", smooth_pixels(rng, 9, 32, 32))
     out, weight = tmp_path / "run", 0.5
     argv = _argv(wan_pipeline, instance, out, "--max_steps", "1", "--seed", str(SEED), "--num_frames", "5",
                  "--class_data", str(classes), "--class_prompt", "a video of a man", "--num_class_images", "2",

@@ -53,6 +53,16 @@ def vace(tmp_path_factory, one_thread_module):
     return {"folder": folder, "csv": str(csv), "runs": runs, "root": root}
 
 
+def pipeline_control(pipe, refs: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """The control (1, 96, R + T', h, w) ``WanVACEPipeline.__call__`` builds from the references ``refs`` (R, 3, H, W)
+    in [-1, 1] alone, for a ``SIZE`` x ``SIZE`` x ``FRAMES`` video (``preprocess_conditions``,
+    ``prepare_video_latents``, ``prepare_masks``), and the preprocessed references."""
+    video, mask, ref = pipe.preprocess_conditions(None, None, [as_pil(refs)], 1, SIZE, SIZE, FRAMES, torch.float32,
+                                                  "cpu")
+    latents = pipe.prepare_video_latents(video, mask, ref, None, "cpu")
+    return torch.cat([latents, pipe.prepare_masks(mask, ref, None)], dim=1), ref
+
+
 def vace_first_loss(folder: Path, data: str) -> float:
     """Step 0's loss from diffusers' pieces: the run's first batch (``GlobalBatchSampler``, seed 0) of ``data``,
     each clip's reference its ``references`` (else ``default_reference``); the control of each clip as
@@ -74,10 +84,8 @@ def vace_first_loss(folder: Path, data: str) -> float:
         controls, leads = [], []
         for it in items:
             refs = it["references"] if "references" in it else default_reference(it["video"], 0, it["index"])[None]
-            video, mask, ref = pipe.preprocess_conditions(None, None, [as_pil(refs)], 1, SIZE, SIZE, FRAMES,
-                                                          torch.float32, "cpu")
-            latents = pipe.prepare_video_latents(video, mask, ref, None, "cpu")
-            controls.append(torch.cat([latents, pipe.prepare_masks(mask, ref, None)], dim=1))
+            control, ref = pipeline_control(pipe, refs)
+            controls.append(control)
             mode = pipe.vae.encode(ref[0][0][None, :, None]).latent_dist.mode()  # (3, H, W) -> (1, 16, 1, h, w)
             leads.append((mode - mean) * inv_std)
         post = pipe.vae.encode(torch.stack([it["video"] for it in items])).latent_dist
@@ -164,11 +172,11 @@ def test_a_folder_of_clips_reads_its_ref_pngs(vace, tmp_path):
     from ditforge.data.buckets import BucketDataset, data_buckets
     from ditforge.data.folders import folder_rows
     from ditforge.data.images import center_crop_arr
-    from test_clip_folder import _write_mp4, smooth_pixels
+    from tiny_pipelines import smooth_pixels, write_mp4
 
     rng = np.random.default_rng(3)
     for j in range(2):
-        _write_mp4(tmp_path / f"clip{j}.mp4", smooth_pixels(rng, FRAMES, SIZE, SIZE))
+        write_mp4(tmp_path / f"clip{j}.mp4", smooth_pixels(rng, FRAMES, SIZE, SIZE))
         (tmp_path / f"clip{j}.txt").write_text(f"clip {j}")
         Image.fromarray(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(tmp_path / f"clip{j}.ref.png")
     rows = folder_rows(str(tmp_path))

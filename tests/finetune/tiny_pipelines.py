@@ -68,6 +68,7 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # Training text of every tokenizer (and a source of prompts for the tests).
@@ -986,3 +987,33 @@ BUILDERS = {
     "hunyuan_video_i2v": make_hunyuan_video_i2v,
     "hunyuan_video_i2v_33ch": functools.partial(make_hunyuan_video_i2v, condition="latent_concat"),
 }
+
+
+def write_mp4(path: Path, frames: np.ndarray) -> None:
+    """(T, H, W, 3) uint8 frames as an MPEG-4 part 2 video (in every FFmpeg build), 8 fps."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt, stream.bit_rate = frames.shape[2], frames.shape[1], "yuv420p", 4e6
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def smooth_pixels(rng: np.random.Generator, frames: int, h: int, w: int) -> np.ndarray:
+    """(frames, h, w, 3) uint8 smooth random frames (noise at 1/8 the size, upsampled bilinearly), which the
+    codec keeps."""
+    coarse = torch.from_numpy(rng.random((frames, 3, h // 8, w // 8), dtype=np.float32))
+    fine = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear")
+    return (fine * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def captioned_clips(root, frames: int, side: int):
+    """ROOT/: three mp4 clips of ``frames`` frames of ``side`` x ``side`` pixels (smooth random), captioned."""
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        write_mp4(root / f"clip{i}.mp4", smooth_pixels(rng, frames, side, side))
+        (root / f"clip{i}.txt").write_text(f"real clip {i}")
+    return root

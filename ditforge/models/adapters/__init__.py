@@ -414,20 +414,34 @@ class DiffusersDenoiser(nn.Module):
     def features(self, x: torch.Tensor, t: torch.Tensor, **cond: torch.Tensor) -> torch.Tensor:
         """The critic's features for DMD2's GAN head (Yin et al. 2024 sec. 4.3: its UNet's bottleneck; ditforge's
         ``DiT.features``: the tokens after the first half of its blocks): the hidden states (B, N, ``feature_width``)
-        in the compute dtype that the middle one of ``inner``'s repeated blocks (``block_classes``, in module order:
-        index (n - 1) // 2 of n, the first half's last, rounded up) outputs in ``forward(x, t, **cond)`` (a block
-        that returns (hidden states, text states) gives the first), caught by a forward hook held for this call
-        only, so a backward's recompute of a checkpointed block leaves it alone. The whole forward runs (its
-        output unused); differentiable in ``x`` and the parameters before that block."""
-        blocks = [m for m in self.inner.modules() if type(m).__name__ in self.block_classes]
-        seen: list[torch.Tensor] = []
-        handle = blocks[(len(blocks) - 1) // 2].register_forward_hook(
-            lambda module, args, out: seen.append(out[0] if isinstance(out, tuple) else out))
+        in the compute dtype that the middle one of the transformer's repeated blocks (``block_classes``, in module
+        order: index (n - 1) // 2 of n, the first half's last, rounded up) outputs in ``forward(x, t, **cond)`` (a
+        block that returns (hidden states, text states) gives the first), caught by forward hooks held for this call
+        only, so a backward's recompute of a checkpointed block leaves them alone. The whole forward runs (its
+        output unused); differentiable in ``x`` and the parameters before that block. With ``routing_boundary`` set
+        (two experts), row i's are the middle block's of the expert owning t_i, put back in the batch's order as
+        ``by_expert`` puts the outputs; a stand-in row's (``agree``: an expert this batch has no rows for) enters
+        times 0, as in ``forward``. Under context parallelism N is this process's tokens."""
+        experts = self.expert_models() if self.routing_boundary is not None else [self.inner]
+        seen: list[list[torch.Tensor]] = [[] for _ in experts]
+        handles = []
+        for model, kept in zip(experts, seen):
+            # by the classes' names in the MRO: FSDP2's fully_shard makes a block's class a subclass FSDP<name>
+            blocks = [m for m in model.modules() if any(c.__name__ in self.block_classes for c in type(m).__mro__)]
+            handles.append(blocks[(len(blocks) - 1) // 2].register_forward_hook(
+                lambda module, args, out, kept=kept: kept.append(out[0] if isinstance(out, tuple) else out)))
         try:
             self(x, t, **cond)
         finally:
-            handle.remove()
-        return seen[0]
+            for handle in handles:
+                handle.remove()
+        if len(experts) == 1:
+            return seen[0][0]
+        # forward called each expert at most once, in by_expert's order: replayed without agree, the calls its own
+        # rows made; what is left is a stand-in's
+        out = by_expert(t, self.routing_boundary, lambda expert, rows: seen[expert].pop(0))
+        stand_ins = [kept[0] for kept in seen if kept]
+        return out if not stand_ins else out + sum(0 * s.sum() for s in stand_ins)
 
     @staticmethod
     def encode_prompt(pipe: Any, texts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
