@@ -15,14 +15,15 @@ Offload: where ``--gpu_memory_budget`` is given, or the two experts' weights tak
 idle expert's frozen weights (the whole base of a LoRA run) wait in (pinned) host memory, and a switch of sides
 brings the active one's in: one host-to-device copy of its frozen weights a switch (the host keeps their copy, so
 parking one costs no transfer). Trainable weights, their optimizer state and EMA stay on the device. Not under
-``--plugin fsdp``: each process holds a shard of both experts, whose storage FSDP2 owns (``parallel._apply_fsdp``:
-an expert's units are gathered for its calls alone, so the idle one's are never gathered). ``--blocks_to_swap``'s
-blocks (each expert's last N, ``parallel.offload.swap_blocks``) are BlockSwap's alone to move (``keep_out``).
+``--plugin zero2 | fsdp``: each process holds a shard of both experts, whose storage FSDP2 owns
+(``parallel._apply_fsdp``: an expert's units are gathered for its calls alone, so the idle one's never are).
+``--blocks_to_swap``'s blocks (each expert's last N, ``parallel.offload.swap_blocks``) are BlockSwap's alone to
+move (``keep_out``).
 
-Data and sequence parallelism (``--plugin ddp | fsdp``, ``--sequence_parallel_size``): the side is a function of
-(seed, position) alone, never of the rank, so every process trains the same expert each step and enters the same
-collectives (DDP's all-reduce of that expert's gradients, FSDP2's gathers and reduce-scatters of its units, the
-split tokens' exchanges, which ``parallel.context`` sets up in both experts).
+Data and sequence parallelism (``--plugin ddp | zero2 | fsdp``, ``--sequence_parallel_size``): the side is a
+function of (seed, position) alone, never of the rank, so every process trains the same expert each step and enters
+the same collectives (DDP's all-reduce of that expert's gradients, FSDP2's gathers and reduce-scatters of its units,
+the exchanges of the split tokens, which ``parallel.context`` sets up in both experts).
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def refuse_unsupported(cfg) -> None:
     """The settings ``--expert both`` does not run with yet, one line each.
 
     Raises:
-        UserError: a plugin other than none, ddp or fsdp, tensor parallelism, CPU offload, the fused backward pass,
-            or a trained text encoder.
+        UserError: a plugin other than none, ddp, zero2 or fsdp (hsdp), tensor parallelism, CPU offload, the
+            fused backward pass, or a trained text encoder.
     """
     t, m, par = cfg.train, cfg.model, cfg.parallel
-    refused = [(par.plugin not in ("none", "ddp", "fsdp"), f"--plugin {par.plugin} (none, ddp or fsdp)"),
+    refused = [(par.plugin == "hsdp", "--plugin hsdp (none, ddp, zero2 or fsdp)"),
                (par.tensor_parallel > 1, f"--tensor_parallel {par.tensor_parallel}"),
                (t.cpu_offload != "none", f"--cpu_offload {t.cpu_offload}"),
                (t.fused_backward_pass, "--fused_backward_pass"), (m.train_text_encoder, "--train_text_encoder")]
