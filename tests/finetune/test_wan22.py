@@ -464,6 +464,42 @@ def test_both_experts_lora_files_load_into_both_transformers(wan22, both_lora, t
                 assert (base - mine).abs().max() > 1e-3 * mine.abs().max()
 
 
+def test_fsdp_gathers_the_trained_experts_units_alone(wan22, monkeypatch):
+    """Both experts under FSDP2 (``parallel.parallelize``, a process group of one): a forward and backward of one
+    expert gathers units of that expert (and the root) alone, none of the idle one's, either way round; a two-block
+    backward prefetch over one chain of both experts' blocks would gather the high-noise expert's last blocks in a
+    low-noise step. Gathers are recorded at ``FSDPParamGroup.unshard``, which FSDP2's hooks and prefetches call."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel import parallelize
+    from ditforge.parallel.mesh import init_distributed, shutdown
+
+    gathered = []
+    unshard = FSDPParamGroup.unshard
+
+    def spy(group, *args, **kwargs):
+        gathered.extend(group.modules)
+        return unshard(group, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", spy)
+    d = init_distributed("cpu", group_of_one=True)
+    try:
+        model = parallelize(load_pretrained(wan22, d.device, expert="both").denoiser, d, "fsdp", "none", "none",
+                            "auto")
+        experts = model.expert_models()
+        g = torch.Generator().manual_seed(5)
+        for active in (1, 0):
+            gathered.clear()
+            model.expert = active
+            x, t = torch.randn(2, 16, 2, 2, 2, generator=g), torch.rand(2, generator=g) * 1000
+            model(x, t, encoder_hidden_states=torch.randn(2, 512, 32, generator=g)).square().mean().backward()
+            owner = [[any(m is n for n in expert.modules()) for expert in experts] for m in gathered]
+            assert any(inside[active] for inside in owner) and not any(inside[1 - active] for inside in owner)
+    finally:
+        shutdown(d)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the idle expert is offloaded from a GPU")
 def test_both_experts_offloaded_is_the_same_run(wan22, tmp_path, caplog):
     """On a GPU, a bf16 LoRA run of both under --gpu_memory_budget (the idle expert's frozen base in host memory,
