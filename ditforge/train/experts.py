@@ -104,11 +104,15 @@ class TwoExperts:
         """The build's move to ``device``: every weight but, when offloading, the second expert's frozen ones,
         which stay in host memory. Offloads under a memory ``budget``, or on a GPU where the experts' weights take
         more than half of its memory; never when the experts are to be ``sharded`` (FSDP2 owns the storage of its
-        shards: module docstring)."""
+        shards: module docstring), and then moves nothing: ``fully_shard`` moves each unit's weights to the device
+        as it shards them, so the second expert, loaded in host memory, is never whole on the GPU (a 14B expert
+        takes 56 GB in fp32: two do not fit an 80 GB GPU)."""
         weights = sum(p.numel() * p.element_size() for p in self.denoiser.parameters())
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
         self.offload = device.type != "cpu" and not sharded and (budget is not None or weights > total / 2)
         self.device = device
+        if sharded:
+            return
         idle = set(self._frozen(1)) if self.offload else set()
         for p in self.denoiser.parameters():
             p.data = p.data.to("cpu" if p in idle else device)
