@@ -4,7 +4,7 @@ repeated blocks are what ``fully_shard`` wraps); the tiny pipeline of every text
 suite (``tests/finetune/families.VIDEO``: Wan 2.1, CogVideoX, LTX-Video, HunyuanVideo) on the built-in clips with
 their tokens split over the 2 processes (``--sequence_parallel_size 2``: context parallelism, Ulysses over their
 heads, ``parallel.context``); a tiny Wan 2.2 A14B pipeline's two experts in one run under DDP, FSDP2 and with their
-tokens split, the FSDP2 run cut and resumed in two processes and in one. Tolerances: ``dist_helpers``."""
+tokens split, the FSDP2 run's checkpoint resumed in two processes and in one. Tolerances: ``dist_helpers``."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 CASES = [("fsdp", ()), ("zero2", ()), ("fsdp", ("--lora_rank", "4")), ("fsdp", ("--cpu_offload", "all"))]
 # Wan 2.2 A14B's two experts in one run (--expert both): data parallel, both sharded, their tokens split (zero2)
-BOTH = {"wan22_both": ("--plugin", "ddp"), "wan22_both_fsdp": ("--plugin", "fsdp"),
+BOTH = {"wan22_both": ("--plugin", "ddp"), "wan22_both_fsdp": ("--plugin", "fsdp", "--ckpt_every", "2"),
         "wan22_both_sp": ("--sequence_parallel_size", "2")}
 # Their weights' tolerance: Adam's first steps move an element of gradient g by lr g / (|g| + eps), so where g is
 # near 0 a float32 rounding of it (the order of the processes' sums) moves the element by a fraction of lr (1e-3
@@ -101,9 +101,10 @@ def wan22(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def two_process_runs(setup, video_folders, wan22, tmp_path_factory):
     """The run folder of every case of ``CASES``, then of every family's run with its tokens split (keyed by the
-    family, ``FAMILIES``), of the runs of Wan 2.2 A14B's two experts (``BOTH``; ``"wan22_both_cut"``: the FSDP2
-    one to step 2, then resumed to 3), and the stderr of a Wan run whose token count 2 processes cannot halve
-    (``"odd"``), all made by one launch of 2 processes that runs the command lines in turn (``torchrun_cli_many``)."""
+    family, ``FAMILIES``), of the runs of Wan 2.2 A14B's two experts (``BOTH``; ``"wan22_both_resumed"``: the
+    FSDP2 one's step-2 checkpoint resumed to step 3), and the stderr of a Wan run whose token count 2 processes
+    cannot halve (``"odd"``), all made by one launch of 2 processes that runs the command lines in turn
+    (``torchrun_cli_many``)."""
     from dist_helpers import COMMON, torchrun_cli_many
 
     pipe, data = setup
@@ -114,14 +115,15 @@ def two_process_runs(setup, video_folders, wan22, tmp_path_factory):
               for family in FAMILIES]
     both = ["--init_from", str(wan22), *VIDEO, "--num_frames", "5"]
     argvs += [(root / name, [*both, *extra]) for name, extra in BOTH.items()]
-    argvs += [(root / "wan22_both_cut", [*both, "--plugin", "fsdp", *cut]) for cut in (("--max_steps", "2"),
-                                                                                       ("--resume", "auto"))]
+    argvs.append((root / "wan22_both_resumed", [*both, "--plugin", "fsdp", "--resume",
+                                                 str(root / "wan22_both_fsdp" / "checkpoints" / "step-0000002")]))
     # one latent frame of 3 x 3 tokens at 48 px: 9 tokens, which 2 processes cannot halve
     argvs.append((root / "odd", [*_video_args("wan", video_folders["wan"]), "--num_frames", "1", "--image_size",
                                  "48", "--sequence_parallel_size", "2"]))
     err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
                             fails=(len(argvs) - 1,))
-    return dict(zip([*CASES, *FAMILIES, *BOTH, "wan22_both_cut"], [out for out, _ in argvs])) | {"odd": err[-1]}
+    names = [*CASES, *FAMILIES, *BOTH, "wan22_both_resumed"]
+    return dict(zip(names, [out for out, _ in argvs])) | {"odd": err[-1]}
 
 
 def _assert_equal_runs(run: Path, ref: Path, steps: list[int], atol: float = WEIGHT_ATOL) -> dict[str, torch.Tensor]:
@@ -225,17 +227,17 @@ def test_two_experts_equal_single_process(name, wan22, wan22_single, two_process
 
 
 def test_two_experts_fsdp_resume_exact_and_in_one_process(wan22, wan22_single, two_process_runs, tmp_path):
-    """The two-expert FSDP2 run cut after step 2 (the high-noise expert not yet stepped: no optimizer state of it in
-    the distributed checkpoint) and resumed in its two processes to step 3 (a high-noise step) logs and saves the
-    uninterrupted FSDP2 run's loss and weights exactly; its step-2 checkpoint resumed in one process (DCP reshards
-    it) equals the one-process run (``dist_helpers``' tolerances; the weights ``BOTH_ATOL``)."""
+    """The two-expert FSDP2 run's step-2 checkpoint (the high-noise expert not yet stepped: no optimizer state of it
+    in the distributed checkpoint) resumed in two processes to step 3 (a high-noise step) logs and saves the
+    uninterrupted run's loss and weights exactly; resumed in one process (DCP reshards it) it equals the
+    one-process run (``dist_helpers``' tolerances; the weights ``BOTH_ATOL``)."""
     from dist_helpers import run_single
 
-    cut, whole = two_process_runs["wan22_both_cut"], two_process_runs["wan22_both_fsdp"]
-    assert [r["loss"] for r in read_metrics(cut / "metrics.jsonl")] == [
-        r["loss"] for r in read_metrics(whole / "metrics.jsonl")]
-    resumed, uninterrupted = _weights(cut), _weights(whole)
-    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+    resumed, whole = two_process_runs["wan22_both_resumed"], two_process_runs["wan22_both_fsdp"]
+    assert [r["loss"] for r in read_metrics(resumed / "metrics.jsonl")] == [
+        r["loss"] for r in read_metrics(whole / "metrics.jsonl")][2:]
+    got, want = _weights(resumed), _weights(whole)
+    assert all(torch.equal(got[k], want[k]) for k in want)
     down = run_single(tmp_path / "down", "--init_from", str(wan22), *VIDEO, "--num_frames", "5", "--resume",
-                      str(cut / "checkpoints" / "step-0000002"))
+                      str(whole / "checkpoints" / "step-0000002"))
     _assert_equal_runs(down, wan22_single, [3], BOTH_ATOL)
