@@ -130,7 +130,7 @@ class ModelConfig(_Freezable):
                                   "timestep, whose side picks the expert that trains on the whole global batch, with "
                                   "times drawn from that side; the idle expert's frozen weights wait in host memory "
                                   "under --gpu_memory_budget or where both do not fit on the GPU (plugin none or "
-                                  "ddp for now)",
+                                  "ddp; zero2 / fsdp shard both instead)",
                             choices=EXPERTS)
     train_text_encoder: bool = _f(False, "train the --init_from pipeline's text encoder too (Stable Diffusion 1.x / "
                                          "2.x; with --lora_rank, LoRA on its attention projections)")
@@ -274,8 +274,8 @@ class TrainConfig(_Freezable):
     blocks_to_swap: int = _f(0, "LoRA on a diffusers pipeline: the frozen weights of the last N transformer blocks "
                                 "live in pinned host memory and visit the GPU one block at a time, copied a block "
                                 "ahead on a side stream (diffusion-pipe's blocks_to_swap; for a base that does not "
-                                "fit, a 14B video transformer's on 24 GB). Needs --grad_checkpoint (else the "
-                                "backward holds every block's copy) and no --compile")
+                                "fit, a 14B video transformer's on 24 GB; of two experts, each one's last N). Needs "
+                                "--grad_checkpoint (else the backward holds every block's copy) and no --compile")
     enable_flashattn: bool = _f(False, "attention through the fastest exact kernel on GPUs: FlashAttention-4 where "
                                        "installed (the fa4 extra) and measured faster at the shape (a diffusers "
                                        "transformer's self-attention too), else SDPA's cuDNN, then Flash, on "

@@ -388,19 +388,23 @@ def _apply_fsdp(model: nn.Module, blocks: list[nn.Module], dist: Dist, reshard: 
     Under hsdp the mesh is 2-D (``dp_replicate``, ``dp_shard``): FSDP2's HSDP, each parameter ``Replicate()`` over
     the copies and ``Shard(0)`` within one; the gradients are reduce-scattered within a copy, then all-reduced
     across the copies (the only traffic between nodes). A denoiser of two experts: each expert's parameters
-    outside its blocks one unit more."""
+    outside its blocks one unit more, and each one's blocks prefetched among themselves alone."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if cpu_offload else OffloadPolicy()
-    for i, block in enumerate(blocks):
-        # The last block is the first one the backward needs: resharding it would only gather it again.
-        fully_shard(block, mesh=dist.shard_mesh, reshard_after_forward=reshard and i < len(blocks) - 1, mp_policy=mp,
-                    offload_policy=offload)
-    if reshard:  # gather two blocks ahead in the backward, so each gather hides behind more compute
-        for i, block in enumerate(blocks):
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
-    # Two experts (an adapter's ``expert_models``, called one at a time): each one's own parameters (embedders, final
-    # layer) a unit of its own, gathered only for that expert's calls, as its blocks are.
+    # Two experts (an adapter's ``expert_models``, called one at a time): each one's blocks a chain of their own, so
+    # that a backward through one expert never prefetches the other's (the idle expert's units are never gathered).
     experts = model.expert_models() if isinstance(model, DiffusersDenoiser) else []
+    chains = [[b for b in blocks if any(b is m for m in expert.modules())] for expert in experts] if len(
+        experts) > 1 else [blocks]
+    for chain in chains:
+        for i, block in enumerate(chain):
+            # The last block is the first one the backward needs: resharding it would only gather it again.
+            fully_shard(block, mesh=dist.shard_mesh, reshard_after_forward=reshard and i < len(chain) - 1,
+                        mp_policy=mp, offload_policy=offload)
+        if reshard:  # gather two blocks ahead in the backward, so each gather hides behind more compute
+            for i, block in enumerate(chain):
+                block.set_modules_to_backward_prefetch(chain[max(0, i - 2) : i][::-1])
+    # Each expert's own parameters (embedders, final layer) a unit of its own, gathered only for its calls.
     for expert in experts if len(experts) > 1 else ():
         fully_shard(expert, mesh=dist.shard_mesh, reshard_after_forward=reshard, mp_policy=mp,
                     offload_policy=offload)

@@ -26,12 +26,18 @@ steps on the CPU, and torchao's ``CPUOffloadOptimizer`` also steps on the host.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
 from torch.optim.adamw import adamw
 
+from ditforge.errors import UserError
+from ditforge.parallel import unwrap
 from ditforge.parallel.ema import local_shard
+from ditforge.parallel.mesh import Dist
+
+log = logging.getLogger(__name__)
 
 ALIGN = 256  # bytes: every view in the ring starts at a multiple (the kernel needs 16)
 RING_BYTES = 256 * 2**20  # the ring's default size
@@ -367,3 +373,24 @@ class BlockSwap:
         for p, h in zip(self.params[i], self.host[i]):
             p.data = h
         self.resident.discard(i)
+
+
+def swap_blocks(model: torch.nn.Module, n: int, pre, d: Dist) -> list[BlockSwap]:
+    """--blocks_to_swap: the last ``n`` repeated blocks' frozen weights (those not requiring gradients now) of the
+    pipeline ``pre``'s denoiser ``model`` (of each expert of two) to host memory, computed on ``d.device``: a
+    ``BlockSwap`` an expert (in ``expert_models``' order), returned (their hooks hold them too).
+
+    Raises:
+        UserError: a model that is no diffusers pipeline's (``pre`` None), or fewer blocks than asked.
+    """
+    if pre is None:
+        raise UserError("--blocks_to_swap: swaps the blocks of a diffusers pipeline's transformer (--init_from)")
+    experts = [[m for m in inner.modules() if type(m).__name__ in pre.denoiser.swap_classes]
+               for inner in unwrap(model).expert_models()]  # two experts: each one's last n, in a swap of its own
+    if n > (fewest := min(len(blocks) for blocks in experts)):
+        raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {fewest} blocks")
+    swaps = [BlockSwap(blocks[len(blocks) - n:], d.device) for blocks in experts]
+    if d.is_main:
+        log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n,
+                 sum(swap.host_bytes for swap in swaps) / 2**30)
+    return swaps

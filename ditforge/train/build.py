@@ -45,7 +45,7 @@ from ditforge.optim import build_optimizer
 from ditforge.optim.backward import StepInBackward
 from ditforge.optim.placement import cap_gpu_memory
 from ditforge.parallel.heartbeat import Heartbeat
-from ditforge.parallel.offload import BlockSwap
+from ditforge.parallel.offload import swap_blocks
 from ditforge.parallel.mesh import Dist
 from ditforge.train import checkpoint as ckpt_io
 from ditforge.train import finetune
@@ -432,7 +432,7 @@ def build_model(run: Run) -> None:
     if m.fp8_base:
         finetune.store_base_in_fp8(model, amp_dtype, plugin)
     if run.experts is not None:  # the idle expert's frozen weights may stay in host memory
-        run.experts.place(home, run.budget)
+        run.experts.place(home, run.budget, sharded=plugin in SHARDED_PLUGINS)
     elif skeleton is None:
         model.to(home)
     model.train()
@@ -452,26 +452,10 @@ def build_model(run: Run) -> None:
     if skeleton is not None:
         init_sharded(model, skeleton, d)
     if t.blocks_to_swap:
-        swap_blocks(model, t.blocks_to_swap, pre, run.d)
+        swaps = swap_blocks(model, t.blocks_to_swap, pre, run.d)
+        if run.experts is not None:  # BlockSwap's alone to move (TwoExperts.keep_out)
+            run.experts.keep_out(p for swap in swaps for block in swap.params for p in block)
     run.model = model
-
-
-def swap_blocks(model: nn.Module, n: int, pre, d: Dist) -> None:
-    """--blocks_to_swap: the last ``n`` repeated blocks' frozen weights (those not requiring gradients now) of the
-    pipeline ``pre``'s denoiser ``model`` (of each expert of two) to host memory (``parallel.offload.BlockSwap``).
-
-    Raises:
-        UserError: a model that is no diffusers pipeline's (``pre`` None), or fewer blocks than asked.
-    """
-    if pre is None:
-        raise UserError("--blocks_to_swap: swaps the blocks of a diffusers pipeline's transformer (--init_from)")
-    experts = [[m for m in inner.modules() if type(m).__name__ in pre.denoiser.swap_classes]
-               for inner in unwrap(model).expert_models()]  # two experts: each one's last n, in a swap of its own
-    if n > (fewest := min(len(blocks) for blocks in experts)):
-        raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {fewest} blocks")
-    host = sum(BlockSwap(blocks[len(blocks) - n:], d.device).host_bytes for blocks in experts)  # hooks hold them
-    if d.is_main:
-        log.info("--blocks_to_swap %d: %.2f GiB of frozen weights in host memory", n, host / 2**30)
 
 
 def build_ema_and_optimizer(run: Run) -> None:

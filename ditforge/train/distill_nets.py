@@ -100,8 +100,8 @@ def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: st
     float8 (``--fp8_base``: ``finetune.store_base_in_fp8``); then, with ``plugin`` ``fsdp`` or ``d.sp_mesh``
     (``--sequence_parallel_size``), ``parallel.parallelize`` of the base and of each full copy (FSDP2 per block,
     gathered in ``amp``, fp32 shards and gradient reduction; the tokens split by ``parallel.context``); last the
-    teacher's last ``--blocks_to_swap`` blocks in host memory (``build.swap_blocks``, after ``parallelize`` as in
-    fine-tuning; the adapters stay on the device).
+    teacher's last ``--blocks_to_swap`` blocks in host memory (``parallel.offload.swap_blocks``, after
+    ``parallelize`` as in fine-tuning; the adapters stay on the device).
 
     A teacher of two experts (``expert_models``) carries a student and a critic adapter on each (in the experts'
     order), and is placed and parallelised as one: both experts' bases in float8, each one's last
@@ -120,7 +120,7 @@ def build_networks(cfg, pre, targets: list[str], amp: torch.dtype, d, plugin: st
             (``parallel.context``'s: a head count the group does not divide, ring attention off CUDA).
     """
     from ditforge.parallel import parallelize
-    from ditforge.train.build import swap_blocks
+    from ditforge.parallel.offload import swap_blocks
     from ditforge.train.finetune import store_base_in_fp8
     from ditforge.weights.lora import add_lora, check_lora_targets
 

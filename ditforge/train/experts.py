@@ -14,7 +14,16 @@ stay as they are; the EMA follows every trainable weight each step, as it does f
 Offload: where ``--gpu_memory_budget`` is given, or the two experts' weights take more than half of the GPU, the
 idle expert's frozen weights (the whole base of a LoRA run) wait in (pinned) host memory, and a switch of sides
 brings the active one's in: one host-to-device copy of its frozen weights a switch (the host keeps their copy, so
-parking one costs no transfer). Trainable weights, their optimizer state and EMA stay on the device.
+parking one costs no transfer). Trainable weights, their optimizer state and EMA stay on the device. Not under
+``--plugin zero2 | fsdp``: each process holds a shard of both experts, whose storage FSDP2 owns
+(``parallel._apply_fsdp``: an expert's units are gathered for its calls alone, so the idle one's never are).
+``--blocks_to_swap``'s blocks (each expert's last N, ``parallel.offload.swap_blocks``) are BlockSwap's alone to
+move (``keep_out``).
+
+Data and sequence parallelism (``--plugin ddp | zero2 | fsdp``, ``--sequence_parallel_size``): the side is a
+function of (seed, position) alone, never of the rank, so every process trains the same expert each step and enters
+the same collectives (DDP's all-reduce of that expert's gradients, FSDP2's gathers and reduce-scatters of its units,
+the exchanges of the split tokens, which ``parallel.context`` sets up in both experts).
 """
 
 from __future__ import annotations
@@ -38,16 +47,14 @@ def refuse_unsupported(cfg) -> None:
     """The settings ``--expert both`` does not run with yet, one line each.
 
     Raises:
-        UserError: a plugin other than none or ddp, sequence or tensor parallelism, CPU offload, the fused backward
-            pass, block swap, or a trained text encoder.
+        UserError: a plugin other than none, ddp, zero2 or fsdp (hsdp), tensor parallelism, CPU offload, the
+            fused backward pass, or a trained text encoder.
     """
     t, m, par = cfg.train, cfg.model, cfg.parallel
-    refused = [(par.plugin not in ("none", "ddp"), f"--plugin {par.plugin} (none or ddp for now)"),
-               (par.sequence_parallel_size > 1, f"--sequence_parallel_size {par.sequence_parallel_size}"),
+    refused = [(par.plugin == "hsdp", "--plugin hsdp (none, ddp, zero2 or fsdp)"),
                (par.tensor_parallel > 1, f"--tensor_parallel {par.tensor_parallel}"),
                (t.cpu_offload != "none", f"--cpu_offload {t.cpu_offload}"),
-               (t.fused_backward_pass, "--fused_backward_pass"), (bool(t.blocks_to_swap), "--blocks_to_swap"),
-               (m.train_text_encoder, "--train_text_encoder")]
+               (t.fused_backward_pass, "--fused_backward_pass"), (m.train_text_encoder, "--train_text_encoder")]
     for bad, what in refused:
         if bad:
             raise UserError(f"--expert both: not with {what}; train one expert a run (--expert high_noise, then "
@@ -71,6 +78,7 @@ class TwoExperts:
         self.offload = False
         self.device: torch.device | None = None
         self.host: dict[nn.Parameter, torch.Tensor] = {}  # frozen weights' host copies (they never change)
+        self.kept_out: set[nn.Parameter] = set()  # frozen weights another placement moves (keep_out)
         self.active = 0
 
     def side(self, seed: int, position: int) -> int:
@@ -80,15 +88,31 @@ class TwoExperts:
         return 0 if float(self.full.sample_timesteps(1, g, torch.device("cpu"))[0]) >= self.boundary else 1
 
     def _frozen(self, index: int) -> list[nn.Parameter]:
-        return [p for p in self.denoiser.expert_models()[index].parameters() if not p.requires_grad]
+        """Expert ``index``'s frozen weights that the switch parks and brings (``kept_out`` left to their own)."""
+        return [p for p in self.denoiser.expert_models()[index].parameters()
+                if not p.requires_grad and p not in self.kept_out]
 
-    def place(self, device: torch.device, budget: int | None) -> None:
+    def keep_out(self, params) -> None:
+        """Leave the frozen weights ``params`` to another placement: ``--blocks_to_swap``'s swapped blocks, whose
+        ``parallel.offload.BlockSwap`` keeps them in host memory whichever expert is active and points each block's
+        at a device copy for its forward alone. Parked by the switch they would be parked already (on the host);
+        brought, each would get a second, whole-block device copy that lives until BlockSwap's next hook points the
+        weight back at its own host tensor: the transfer and memory that the swap exists to save."""
+        self.kept_out.update(params)
+
+    def place(self, device: torch.device, budget: int | None, sharded: bool = False) -> None:
         """The build's move to ``device``: every weight but, when offloading, the second expert's frozen ones,
         which stay in host memory. Offloads under a memory ``budget``, or on a GPU where the experts' weights take
-        more than half of its memory."""
+        more than half of its memory; never when the experts are to be ``sharded`` (FSDP2 owns the storage of its
+        shards: module docstring), and then moves nothing: ``fully_shard`` moves each unit's weights to the device
+        as it shards them, so the second expert, loaded in host memory, is never whole on the GPU (a 14B expert
+        takes 56 GB in fp32: two do not fit an 80 GB GPU)."""
         weights = sum(p.numel() * p.element_size() for p in self.denoiser.parameters())
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
-        self.offload, self.device = device.type != "cpu" and (budget is not None or weights > total / 2), device
+        self.offload = device.type != "cpu" and not sharded and (budget is not None or weights > total / 2)
+        self.device = device
+        if sharded:
+            return
         idle = set(self._frozen(1)) if self.offload else set()
         for p in self.denoiser.parameters():
             p.data = p.data.to("cpu" if p in idle else device)

@@ -3,7 +3,8 @@ fine-tuning) and FSDP with LoRA on 2 gloo processes, a tiny SD pipeline on capti
 repeated blocks are what ``fully_shard`` wraps); the tiny pipeline of every text-to-video row of the fine-tuning
 suite (``tests/finetune/families.VIDEO``: Wan 2.1, CogVideoX, LTX-Video, HunyuanVideo) on the built-in clips with
 their tokens split over the 2 processes (``--sequence_parallel_size 2``: context parallelism, Ulysses over their
-heads, ``parallel.context``); a tiny Wan 2.2 A14B pipeline's two experts in one run under DDP. Tolerances: ``dist_helpers``."""
+heads, ``parallel.context``); a tiny Wan 2.2 A14B pipeline's two experts in one run under DDP, FSDP2 and with their
+tokens split, the FSDP2 run's checkpoint resumed in two processes and in one. Tolerances: ``dist_helpers``."""
 
 from __future__ import annotations
 
@@ -73,6 +74,14 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 CASES = [("fsdp", ()), ("zero2", ()), ("fsdp", ("--lora_rank", "4")), ("fsdp", ("--cpu_offload", "all"))]
+# Wan 2.2 A14B's two experts in one run (--expert both): data parallel, both sharded, their tokens split (zero2)
+BOTH = {"wan22_both": ("--plugin", "ddp"), "wan22_both_fsdp": ("--plugin", "fsdp", "--ckpt_every", "2"),
+        "wan22_both_sp": ("--sequence_parallel_size", "2")}
+# Their weights' tolerance: Adam's first steps move an element of gradient g by lr g / (|g| + eps), so where g is
+# near 0 a float32 rounding of it (the order of the processes' sums) moves the element by a fraction of lr (1e-3
+# here): 6.5e-6 under DDP, 1.6e-5 under FSDP2, both largest in the low-noise expert's blocks.0.attn2.to_q. A wrong
+# side or a stepped idle expert would be off by lr itself.
+BOTH_ATOL = 4 * WEIGHT_ATOL
 # 2 latent frames of 4 x 4 latents in 2 x 2 patches: 8 tokens, 4 a process; lr 1e-3 moves the weights visibly
 VIDEO = ("--data", "clips", "--frame_interval", "2", "--image_size", "32", "--batch_size", "2", "--max_steps", "3",
          "--ckpt_every", "1000", "--class_dropout_prob", "0", "--lr", "1e-3")
@@ -92,9 +101,10 @@ def wan22(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def two_process_runs(setup, video_folders, wan22, tmp_path_factory):
     """The run folder of every case of ``CASES``, then of every family's run with its tokens split (keyed by the
-    family, ``FAMILIES``), of a DDP run of Wan 2.2 A14B's two experts (``"wan22_both"``), and the stderr of a Wan
-    run whose token count 2 processes cannot halve (``"odd"``), all made by one launch of 2 processes that runs the
-    command lines in turn (``torchrun_cli_many``)."""
+    family, ``FAMILIES``), of the runs of Wan 2.2 A14B's two experts (``BOTH``; ``"wan22_both_resumed"``: the
+    FSDP2 one's step-2 checkpoint resumed to step 3), and the stderr of a Wan run whose token count 2 processes
+    cannot halve (``"odd"``), all made by one launch of 2 processes that runs the command lines in turn
+    (``torchrun_cli_many``)."""
     from dist_helpers import COMMON, torchrun_cli_many
 
     pipe, data = setup
@@ -103,24 +113,28 @@ def two_process_runs(setup, video_folders, wan22, tmp_path_factory):
              enumerate(CASES)]
     argvs += [(root / family, [*_video_args(family, video_folders[family]), "--sequence_parallel_size", "2"])
               for family in FAMILIES]
-    argvs.append((root / "wan22_both", ["--init_from", str(wan22), *VIDEO, "--num_frames", "5", "--plugin", "ddp"]))
+    both = ["--init_from", str(wan22), *VIDEO, "--num_frames", "5"]
+    argvs += [(root / name, [*both, *extra]) for name, extra in BOTH.items()]
+    argvs.append((root / "wan22_both_resumed", [*both, "--plugin", "fsdp", "--resume",
+                                                 str(root / "wan22_both_fsdp" / "checkpoints" / "step-0000002")]))
     # one latent frame of 3 x 3 tokens at 48 px: 9 tokens, which 2 processes cannot halve
     argvs.append((root / "odd", [*_video_args("wan", video_folders["wan"]), "--num_frames", "1", "--image_size",
                                  "48", "--sequence_parallel_size", "2"]))
     err = torchrun_cli_many(2, root, [["train", *COMMON, "--outputs", str(out), *args] for out, args in argvs],
                             fails=(len(argvs) - 1,))
-    return dict(zip([*CASES, *FAMILIES, "wan22_both"], [out for out, _ in argvs])) | {"odd": err[-1]}
+    names = [*CASES, *FAMILIES, *BOTH, "wan22_both_resumed"]
+    return dict(zip(names, [out for out, _ in argvs])) | {"odd": err[-1]}
 
 
-def _assert_equal_runs(run: Path, ref: Path, steps: list[int]) -> dict[str, torch.Tensor]:
+def _assert_equal_runs(run: Path, ref: Path, steps: list[int], atol: float = WEIGHT_ATOL) -> dict[str, torch.Tensor]:
     """``run``'s losses and gradient norms of ``steps`` and its final weights equal the one-process run ``ref``'s
-    (``dist_helpers``' tolerances); returns ``ref``'s weights."""
+    (``dist_helpers``' tolerances; the weights' within ``atol``); returns ``ref``'s weights."""
     assert_same_losses([{**r, "vb": 0} for r in read_metrics(run / "metrics.jsonl")],
                        [{**r, "vb": 0} for r in read_metrics(ref / "metrics.jsonl")], steps=steps)
     got, want = _weights(run), _weights(ref)
     assert got.keys() == want.keys()
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
-    assert worst <= WEIGHT_ATOL, worst
+    assert worst <= atol, worst
     return want
 
 
@@ -181,19 +195,49 @@ def test_tokens_two_processes_cannot_halve_are_one_line(two_process_runs):
     assert odd and "--sequence_parallel_size 2: a video of 9 tokens" in odd[0], two_process_runs["odd"][-2000:]
 
 
-def test_two_experts_under_ddp_equal_single_process(wan22, two_process_runs, tmp_path):
-    """Both experts of Wan 2.2 A14B in one run under DDP (one sample a process; each step's expert drawn from
-    (seed, step) alike on both, the idle expert's parameters found unused, the frozen weights outside DDP) equals
-    one plain process: the losses and gradient norms of 3 steps (the sides low, low, high) and both experts' weights
-    after them; each expert moved."""
-    import diffusers
-
+@pytest.fixture(scope="module")
+def wan22_single(wan22, tmp_path_factory) -> Path:
+    """The one-process run of both experts that every two-process run of them equals (``BOTH``)."""
     from dist_helpers import run_single
 
-    ref = run_single(tmp_path / "ref", "--init_from", str(wan22), *VIDEO, "--num_frames", "5")
-    want = _assert_equal_runs(two_process_runs["wan22_both"], ref, [1, 2, 3])
+    return run_single(tmp_path_factory.mktemp("wan22_single") / "run", "--init_from", str(wan22), *VIDEO,
+                      "--num_frames", "5")
+
+
+@pytest.mark.parametrize("name", list(BOTH))
+def test_two_experts_equal_single_process(name, wan22, wan22_single, two_process_runs):
+    """Both experts of Wan 2.2 A14B in one run, in two processes, equal one plain process: the losses and gradient
+    norms of 3 steps (the sides low, low, high) and both experts' weights after them; each expert moved. Each step's
+    expert is drawn from (seed, step) alone, the same on both processes (were it not, the processes would pair
+    different experts' collectives: a hang, or other gradients).
+
+    - DDP (one sample a process): the idle expert's parameters found unused, the frozen weights outside DDP.
+    - FSDP2 (one sample a process): both experts sharded, each one's blocks and the rest of it units of their own,
+      gathered for that expert's steps alone (``parallel._apply_fsdp``).
+    - ``--sequence_parallel_size 2`` (both samples on both processes, each one half of every clip's tokens; ZeRO-2
+      over the one data-parallel process): both experts split (``parallel.context.apply_context_parallel``)."""
+    import diffusers
+
+    want = _assert_equal_runs(two_process_runs[name], wan22_single, [1, 2, 3], BOTH_ATOL)
     base = diffusers.WanPipeline.from_pretrained(str(wan22), local_files_only=True)
-    for name in ("transformer", "transformer_2"):
-        moved = _moved({k: v for k, v in want.items() if k.startswith(f"{name}.")},
-                       getattr(base, name).state_dict(), name)
-        assert moved > 20 * WEIGHT_ATOL, (name, moved)
+    for component in ("transformer", "transformer_2"):
+        moved = _moved({k: v for k, v in want.items() if k.startswith(f"{component}.")},
+                       getattr(base, component).state_dict(), component)
+        assert moved > 20 * WEIGHT_ATOL, (component, moved)
+
+
+def test_two_experts_fsdp_resume_exact_and_in_one_process(wan22, wan22_single, two_process_runs, tmp_path):
+    """The two-expert FSDP2 run's step-2 checkpoint (the high-noise expert not yet stepped: no optimizer state of it
+    in the distributed checkpoint) resumed in two processes to step 3 (a high-noise step) logs and saves the
+    uninterrupted run's loss and weights exactly; resumed in one process (DCP reshards it) it equals the
+    one-process run (``dist_helpers``' tolerances; the weights ``BOTH_ATOL``)."""
+    from dist_helpers import run_single
+
+    resumed, whole = two_process_runs["wan22_both_resumed"], two_process_runs["wan22_both_fsdp"]
+    assert [r["loss"] for r in read_metrics(resumed / "metrics.jsonl")] == [
+        r["loss"] for r in read_metrics(whole / "metrics.jsonl")][2:]
+    got, want = _weights(resumed), _weights(whole)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    down = run_single(tmp_path / "down", "--init_from", str(wan22), *VIDEO, "--num_frames", "5", "--resume",
+                      str(whole / "checkpoints" / "step-0000002"))
+    _assert_equal_runs(down, wan22_single, [3], BOTH_ATOL)

@@ -351,33 +351,80 @@ def test_both_experts_export_and_sample_like_the_pipeline(both, base, tmp_path):
     _assert_samples_like_the_pipeline(both, pipe, tmp_path)
 
 
+LORA_BOTH = ("--max_steps", "4", "--lora_rank", "4", "--lr", "1e-2")
+LORA_SIDES = [*SIDES, "low_noise"]  # seed 0's side draws at positions 0-3
+
+
 @pytest.fixture(scope="module")
 def both_lora(wan22, tmp_path_factory, one_thread_module) -> Path:
-    """3 steps (``SIDES``) of both experts with LoRA (rank 4, lr 1e-2), a checkpoint after steps 2 and 3."""
+    """4 steps (``LORA_SIDES``: a switch each way) of both experts with LoRA (rank 4, lr 1e-2), a checkpoint after
+    steps 2 and 4."""
     run = tmp_path_factory.mktemp("wan22_both_lora") / "run"
-    assert cli.main(_argv(wan22, run, "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2", "--ckpt_every", "2",
-                          "--keep_last", "2")) == 0
+    assert cli.main(_argv(wan22, run, *LORA_BOTH, "--ckpt_every", "2", "--keep_last", "2")) == 0
     return run
+
+
+def _adapters(run: Path, use_ema: bool) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of both experts (their names' first part ``transformer`` or ``transformer_2``) of the
+    run's last checkpoint, or their EMA."""
+    from ditforge.weights.finetuned import load_finetuned
+    from ditforge.weights.read import load_weights
+
+    _, denoiser, _ = load_finetuned(*load_weights(run), torch.device("cpu"))
+    like = {n: p.detach() for n, p in denoiser.named_parameters() if p.requires_grad}
+    assert {n.split(".")[0] for n in like} == {"transformer", "transformer_2"}
+    return _weights(run, like, use_ema)
 
 
 def test_both_experts_resume_equals_the_uninterrupted_run(wan22, both_lora, tmp_path):
     """Resumed from the LoRA run's step-2 checkpoint (the high-noise expert not yet stepped: no optimizer state of
-    it there) into a new folder, to step 3 (a high-noise step): its loss and the last adapters and their EMA equal
+    it there) into a new folder, to step 4 (high, then low): its losses and the last adapters and their EMA equal
     the uninterrupted run's, exactly."""
-    from ditforge.weights.finetuned import load_finetuned
-    from ditforge.weights.read import load_weights
-
     run = tmp_path / "run"
-    assert cli.main(_argv(wan22, run, "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2", "--resume",
-                          str(both_lora / "checkpoints" / "step-0000002"))) == 0
+    assert cli.main(_argv(wan22, run, *LORA_BOTH, "--resume", str(both_lora / "checkpoints" / "step-0000002"))) == 0
     assert [r["loss"] for r in read_metrics(run / "metrics.jsonl")] == [
         r["loss"] for r in read_metrics(both_lora / "metrics.jsonl")][2:]
-    _, denoiser, _ = load_finetuned(*load_weights(both_lora), torch.device("cpu"))
-    like = {n: p.detach() for n, p in denoiser.named_parameters() if p.requires_grad}  # the adapters of both
-    assert {n.split(".")[0] for n in like} == {"transformer", "transformer_2"}
     for use_ema in (False, True):
-        resumed, whole = _weights(run, like, use_ema), _weights(both_lora, like, use_ema)
+        resumed, whole = _adapters(run, use_ema), _adapters(both_lora, use_ema)
         assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+def test_both_experts_blocks_to_swap_is_the_unswapped_run(wan22, both_lora, tmp_path, monkeypatch):
+    """``--blocks_to_swap 1 --grad_checkpoint`` on both experts (each expert's last block's frozen weights in host
+    memory, a ``BlockSwap`` of its own; the sides of ``LORA_SIDES``, a switch each way) logs the losses and saves
+    the adapters and their EMA of the unswapped run (``both_lora``), exactly (on the CPU the copies and the
+    recomputation are exact); and the experts' switch leaves the swapped weights, and those alone, to BlockSwap:
+    none is among what it parks and brings (``TwoExperts._frozen``), every other frozen weight is."""
+    from ditforge.parallel import offload
+    from ditforge.train.experts import TwoExperts
+
+    assert _sides(wan22, 4) == LORA_SIDES
+    seen = {}
+    swap_blocks = offload.swap_blocks
+
+    def swap(model, n, pre, d):
+        seen["swaps"] = swap_blocks(model, n, pre, d)
+        return seen["swaps"]
+
+    def keep_out(experts, params):
+        seen["experts"] = experts
+        keep(experts, params)
+
+    keep = TwoExperts.keep_out
+    monkeypatch.setattr("ditforge.train.build.swap_blocks", swap)
+    monkeypatch.setattr(TwoExperts, "keep_out", keep_out)
+    run = tmp_path / "swapped"
+    assert cli.main(_argv(wan22, run, *LORA_BOTH, "--grad_checkpoint", "--blocks_to_swap", "1")) == 0
+    assert [r["loss"] for r in read_metrics(run / "metrics.jsonl")] == [
+        r["loss"] for r in read_metrics(both_lora / "metrics.jsonl")]
+    for use_ema in (False, True):
+        swapped, whole = _adapters(run, use_ema), _adapters(both_lora, use_ema)
+        assert all(torch.equal(swapped[k], whole[k]) for k in whole)
+    experts, swaps = seen["experts"], seen["swaps"]
+    for index, (model, swap) in enumerate(zip(experts.denoiser.expert_models(), swaps)):
+        held = {p for block in swap.params for p in block}
+        frozen = {p for p in model.parameters() if not p.requires_grad}
+        assert held and held < frozen and set(experts._frozen(index)) == frozen - held
 
 
 def test_both_experts_lora_files_load_into_both_transformers(wan22, both_lora, tmp_path):
@@ -417,24 +464,62 @@ def test_both_experts_lora_files_load_into_both_transformers(wan22, both_lora, t
                 assert (base - mine).abs().max() > 1e-3 * mine.abs().max()
 
 
+def test_fsdp_gathers_the_trained_experts_units_alone(wan22, monkeypatch):
+    """Both experts under FSDP2 (``parallel.parallelize``, a process group of one): a forward and backward of one
+    expert gathers units of that expert (and the root) alone, none of the idle one's, either way round; a two-block
+    backward prefetch over one chain of both experts' blocks would gather the high-noise expert's last blocks in a
+    low-noise step. Gathers are recorded at ``FSDPParamGroup.unshard``, which FSDP2's hooks and prefetches call."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel import parallelize
+    from ditforge.parallel.mesh import init_distributed, shutdown
+
+    gathered = []
+    unshard = FSDPParamGroup.unshard
+
+    def spy(group, *args, **kwargs):
+        gathered.extend(group.modules)
+        return unshard(group, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", spy)
+    d = init_distributed("cpu", group_of_one=True)
+    try:
+        model = parallelize(load_pretrained(wan22, d.device, expert="both").denoiser, d, "fsdp", "none", "none",
+                            "auto")
+        experts = model.expert_models()
+        g = torch.Generator().manual_seed(5)
+        for active in (1, 0):
+            gathered.clear()
+            model.expert = active
+            x, t = torch.randn(2, 16, 2, 2, 2, generator=g), torch.rand(2, generator=g) * 1000
+            model(x, t, encoder_hidden_states=torch.randn(2, 512, 32, generator=g)).square().mean().backward()
+            owner = [[any(m is n for n in expert.modules()) for expert in experts] for m in gathered]
+            assert any(inside[active] for inside in owner) and not any(inside[1 - active] for inside in owner)
+    finally:
+        shutdown(d)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the idle expert is offloaded from a GPU")
 def test_both_experts_offloaded_is_the_same_run(wan22, tmp_path, caplog):
     """On a GPU, a bf16 LoRA run of both under --gpu_memory_budget (the idle expert's frozen base in host memory,
-    two switches over the 3 steps of ``SIDES``) logs the losses and saves the weights of the same run without a
-    budget (both experts on the GPU), exactly."""
+    two switches over the 3 steps of ``SIDES``), and that run with --blocks_to_swap 1 too (each expert's last block
+    BlockSwap's, the rest the switch's), log the losses and save the weights of the same run without a budget
+    (both experts on the GPU), exactly."""
+    budget = ["--gpu_memory_budget", "8GiB"]
     runs = {}
-    for name, extra in (("resident", []), ("offloaded", ["--gpu_memory_budget", "8GiB"])):
+    for name, extra in (("resident", []), ("offloaded", budget), ("swapped", [*budget, "--blocks_to_swap", "1"])):
         runs[name] = tmp_path / name
         with caplog.at_level("INFO"):
             assert cli.main(_argv(wan22, runs[name], "--max_steps", "3", "--lora_rank", "4", "--lr", "1e-2",
-                                  "--device", "cuda", "--mixed_precision", "bf16", *extra)) == 0
-        assert ("frozen weights wait in host memory" in caplog.text) == (name == "offloaded")
+                                  "--device", "cuda", "--mixed_precision", "bf16", "--grad_checkpoint", *extra)) == 0
+        assert ("frozen weights wait in host memory" in caplog.text) == (name != "resident")
         caplog.clear()
-    assert [r["loss"] for r in read_metrics(runs["resident"] / "metrics.jsonl")] == [
-        r["loss"] for r in read_metrics(runs["offloaded"] / "metrics.jsonl")]
+    losses = [[r["loss"] for r in read_metrics(run / "metrics.jsonl")] for run in runs.values()]
+    assert losses[1] == losses[0] and losses[2] == losses[0]
     from ditforge.weights.finetuned import load_finetuned
     from ditforge.weights.read import load_weights
 
-    a, b = (load_finetuned(*load_weights(run, use_ema=False), torch.device("cpu"), use_ema=False)[1].state_dict()
-            for run in runs.values())
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    a, *others = (load_finetuned(*load_weights(run, use_ema=False), torch.device("cpu"), use_ema=False)[1]
+                  .state_dict() for run in runs.values())
+    assert all(torch.equal(a[k], b[k]) for b in others for k in a)
