@@ -112,6 +112,18 @@ class BatchEncoder:
         """Latents x0 = mean + std * eps (the reparameterised posterior sample; ``mean`` when std is None)."""
         return mean if std is None else mean + std * eps
 
+    @staticmethod
+    def lead_with_prefix(mean: torch.Tensor, std: torch.Tensor | None, cond: dict[str, torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The posterior ``mean`` and ``std`` (B, C, T', h, w) with the conditioning's ``PREFIX`` frames (B, C, R, h,
+        w; popped from ``cond``, a reference-image family's) leading them, clean (std 0): then noised and learned
+        as x0 as the clip's are. Returns (mean, std, R); R = 0 and the inputs unchanged without a prefix."""
+        prefix = cond.pop(PREFIX, None)
+        if prefix is None:
+            return mean, std, 0
+        std = None if std is None else torch.cat([torch.zeros_like(prefix), std], dim=2)
+        return torch.cat([prefix, mean], dim=2), std, prefix.shape[2]
+
     CACHE_SIZE = 1024  # captions; data sets with few distinct captions (UCF101: 101) are encoded once each
 
     @torch.no_grad()

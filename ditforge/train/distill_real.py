@@ -99,14 +99,8 @@ class RealClips:
     def _latents(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """(the posterior's mean and std (B, C, R + T', h, w), the conditioning) of ``batch``: a reference-image
         teacher's R reference frames (``PREFIX``) lead, clean (std 0), as fine-tuning's step puts them."""
-        from ditforge.encoders.batch import PREFIX
-
         cond = self.encoder.conditioning(batch, self.device)
-        mean, std = self.encoder.moments(batch, self.device)
-        prefix = cond.pop(PREFIX, None)
-        if prefix is not None:
-            mean = torch.cat([prefix, mean], dim=2)
-            std = None if std is None else torch.cat([torch.zeros_like(prefix), std], dim=2)
+        mean, std, _ = self.encoder.lead_with_prefix(*self.encoder.moments(batch, self.device), cond)
         return mean, std, cond
 
     @torch.no_grad()

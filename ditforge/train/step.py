@@ -19,7 +19,6 @@ from ditforge.config.sections import RunConfig
 from ditforge.data.packing import packed_training_losses
 from ditforge.data.sampler import derive_seed
 from ditforge.data.video import default_references
-from ditforge.encoders.batch import PREFIX
 from ditforge.diffusion.objective import Objective
 from ditforge.parallel import clip_coefficient, clip_grad_norm_, gradient_sync
 from ditforge.optim.backward import StepInBackward
@@ -196,12 +195,8 @@ def make_micro_batches(run: Run, batch: dict, position: int) -> tuple[list[tuple
         x, rnd = mixed_step_inputs(inputs, batch["x"], device, t.seed, position, run.diffusion, m.class_dropout_prob,
                                    d.dp_rank * len(batch["x"]))
     else:
-        mean, std = inputs.moments(batch, device)
-        prefix = cond.pop(PREFIX, None)
-        run.lead_frames = 0 if prefix is None else prefix.shape[2]
-        if prefix is not None:  # reference frames lead the clip's: clean (std 0), then noised and learned as x0
-            mean = torch.cat([prefix, mean], dim=2)
-            std = None if std is None else torch.cat([torch.zeros_like(prefix), std], dim=2)
+        # reference frames lead the clip's: clean (std 0), then noised and learned as x0
+        mean, std, run.lead_frames = inputs.lead_with_prefix(*inputs.moments(batch, device), cond)
         # the global batch and its shape: this step's bucket's with --buckets
         rnd = step_randomness(t.seed, position, len(mean) * d.dp_size, tuple(mean.shape[1:]), run.objective_of(mean),
                               m.class_dropout_prob, device, d.dp_rank, d.dp_size, latent_noise=std is not None)
