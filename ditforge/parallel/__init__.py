@@ -394,8 +394,9 @@ def _apply_fsdp(model: nn.Module, blocks: list[nn.Module], dist: Dist, reshard: 
     # Two experts (an adapter's ``expert_models``, called one at a time): each one's blocks a chain of their own, so
     # that a backward through one expert never prefetches the other's (the idle expert's units are never gathered).
     experts = model.expert_models() if isinstance(model, DiffusersDenoiser) else []
-    chains = [[b for b in blocks if any(b is m for m in expert.modules())] for expert in experts] if len(
-        experts) > 1 else [blocks]
+    chains = [blocks]
+    if len(experts) > 1:
+        chains = [[b for b in blocks if any(b is m for m in expert.modules())] for expert in experts]
     for chain in chains:
         for i, block in enumerate(chain):
             # The last block is the first one the backward needs: resharding it would only gather it again.
