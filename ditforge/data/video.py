@@ -24,6 +24,7 @@ from pathlib import Path
 import av
 import numpy as np
 import torch
+from av.video.reformatter import VideoReformatter
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -138,6 +139,10 @@ def _decode(path: str | Path | bytes, wanted: list[int], seek: bool) -> tuple[li
     first, last, want = wanted[0], wanted[-1], set(wanted)
     out: dict[int, np.ndarray] = {}
     idx = -1
+    # A converter of this call's own, not the one per thread that PyAV 18 keeps for frame.to_ndarray: that one's
+    # swscale slice threads (FFmpeg 8), started in the parent, do not exist in a forked DataLoader worker, whose
+    # first conversion then waits on them forever
+    rgb = VideoReformatter()
     with _open(path) as container:
         stream = _video_stream(container)
         rate, tb, t0 = _rate(stream), stream.time_base, stream.start_time or 0
@@ -155,7 +160,7 @@ def _decode(path: str | Path | bytes, wanted: list[int], seek: bool) -> tuple[li
             else:
                 idx = k
             if idx in want:
-                out[idx] = frame.to_ndarray(format="rgb24")
+                out[idx] = rgb.reformat(frame, format="rgb24").to_ndarray()
             if idx >= last:
                 break
     if len(out) == len(wanted):

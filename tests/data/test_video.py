@@ -125,6 +125,21 @@ def test_stride_picks_the_expected_frames(tmp_path):
     assert idx == [17, 19, 21, 23] and frames.shape == (4, 32, 48, 3) and frames.dtype == np.uint8
 
 
+def test_a_forked_loader_worker_decodes_what_the_parent_decoded(tmp_path):
+    """A DataLoader worker is a fork of a process that may have converted frames already: PyAV 18 keeps one
+    converter a thread, whose swscale slice threads (FFmpeg 8) the fork does not copy, so a worker converting
+    through it waited for them forever (CI hung so on 2026-12-08 with av 18.1.1). Here the parent has used that
+    converter on the same video; the worker's clip must come back within 60 s, equal to the parent's."""
+    video = write_video(tmp_path / "v.mp4", 24)
+    with av.open(str(video)) as c:  # PyAV's per-thread converter, in use here with the reader's sizes and format
+        next(c.decode(video=0)).to_ndarray(format="rgb24")
+    csv_file = write_csv(tmp_path / "d.csv", ["path", "text"], [["v.mp4", "grey"]])
+    ds = VideoDataset(csv_file, 4, 2, 16, random_start=False)
+    want = ds[0]["video"]
+    loader = DataLoader(ds, batch_size=1, num_workers=1, timeout=60, multiprocessing_context="fork")
+    assert torch.equal(next(iter(loader))["video"][0], want)
+
+
 @pytest.mark.parametrize("n,stride,expect", [(6, 3, [1, 2, 3, 4]), (10, 4, [0, 3, 6, 9]), (4, 2, [0, 1, 2, 3])])
 def test_short_video_falls_back_to_a_smaller_stride(tmp_path, n, stride, expect):
     write_video(tmp_path / "v.mp4", n)
