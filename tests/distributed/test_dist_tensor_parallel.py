@@ -105,13 +105,41 @@ def _build(name, kw, d, seed, variant="auto"):
     return model
 
 
+def _reference_file(tmp: str, name: str) -> Path:
+    return Path(tmp) / f"reference-{name.replace('/', '')}.pt"
+
+
+def _references(names: set[str], kw: dict, tmp: str, checkpointed: str) -> None:
+    """The one-process run of each model of ``names``, trained once here for every process and mesh: its two
+    steps' (loss, gradient norm) and ``_full_state`` after them, to ``_reference_file``; for ``checkpointed``,
+    also its step-2 checkpoint (``tmp``/one) and its state after a third step."""
+    from ditforge.parallel.mesh import Dist
+    from ditforge.train import checkpoint as ckpt_io
+
+    for name in sorted(names):
+        x, cond, shape = _data(kw)
+        torch.manual_seed(3)
+        reference = _create(name, kw, "cpu")  # drawn as a meta build draws
+        parts = _trainer(reference)
+        terms = _train(reference, parts, Dist(), x, cond, shape, range(2))
+        # cloned: one process's full state is its live tensors, which the third step changes
+        out = {"terms": terms, "state2": {k: v.clone() for k, v in _full_state(reference, parts).items()}}
+        if name == checkpointed:
+            ckpt_io.Checkpointer(Path(tmp) / "one", 1, False, Dist()).save(
+                2, ckpt_io.training_state(reference, parts[1], parts[2]), {})
+            _train(reference, parts, Dist(), x, cond, shape, [2])
+            out["state3"] = _full_state(reference, parts)
+        torch.save(out, _reference_file(tmp, name))
+
+
 def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str, variant: str = "auto",
           replicate: int = 1) -> None:
     """One mesh on this process: dp x sp x tp = world, FSDP2 over dp x sp (HSDP with ``replicate`` > 1: that many
-    copies, each sharded over the rest of dp x sp), the model meta-built, sequence parallelism ``variant``."""
+    copies, each sharded over the rest of dp x sp), the model meta-built, sequence parallelism ``variant``,
+    against the one-process run ``_references`` saved."""
     import torch.distributed as dist
 
-    from ditforge.parallel.mesh import Dist, init_distributed, shutdown
+    from ditforge.parallel.mesh import init_distributed, shutdown
     from ditforge.train import checkpoint as ckpt_io
 
     d = init_distributed("cpu", sequence_parallel_size=sp, tensor_parallel_size=tp, dp_replicate=replicate)
@@ -119,9 +147,7 @@ def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str
         assert d.tp_size == tp and d.dp_size == world // (sp * tp)
         assert d.shard_mesh.shape == ((replicate, world // (replicate * tp)) if replicate > 1 else (world // tp,))
         x, cond, shape = _data(kw)
-        torch.manual_seed(3)
-        reference = _create(name, kw, "cpu")  # drawn as a meta build draws
-        ref_parts = _trainer(reference)
+        want = torch.load(_reference_file(tmp, name))
         model = _build(name, kw, d, 3, variant)
         if sp > 1:  # the variant auto took: Ulysses where sp divides the heads each process holds
             import importlib
@@ -130,37 +156,30 @@ def _case(rank: int, world: int, sp: int, tp: int, name: str, kw: dict, tmp: str
             assert took == ("ulysses" if (model.num_heads // tp) % sp == 0 else "ring"), took
         parts = _trainer(model)
         local = sum(p.to_local().numel() for p in model.parameters())
-        assert local < 0.8 * sum(p.numel() for p in reference.parameters()), local  # sharded
+        assert local < 0.8 * sum(p.numel() for p in _create(name, kw, "meta").parameters()), local  # sharded
         seen = []  # under sequence parallelism the blocks see this process's half of the 16 tokens
         model.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
         got = _train(model, parts, d, x, cond, shape, range(2))
         assert seen == [16 // sp] * 2, seen
-        want = _train(reference, ref_parts, Dist(), x, cond, shape, range(2))
-        for (loss, norm), (loss_1, norm_1) in zip(got, want):
+        for (loss, norm), (loss_1, norm_1) in zip(got, want["terms"], strict=True):
             loss = loss.clone()
             dist.all_reduce(loss)  # every process's mean over its samples; tp and sp copies are alike
             torch.testing.assert_close(loss / world, loss_1, atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(norm, norm_1, atol=1e-6, rtol=1e-5)
-        _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
+        _assert_states_equal(_full_state(model, parts), want["state2"])
         if sp > 1 or replicate > 1:
             return
 
-        # one process's checkpoint -> a fresh tensor-parallel model (other seed), one more step on each
-        if rank == 0:
-            ckpt_io.Checkpointer(Path(tmp) / "one", 1, False, Dist()).save(
-                2, ckpt_io.training_state(reference, ref_parts[1], ref_parts[2]), {})
-        dist.barrier()
+        # one process's checkpoint -> a fresh tensor-parallel model (other seed), one more step, as one more
+        # step of the one-process run
         model = _build(name, kw, d, 11)
         parts = _trainer(model)
         ckpt_io.load_training_state(Path(tmp) / "one" / "checkpoints" / "step-0000002", model, parts[1], parts[2])
-        _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
+        _assert_states_equal(_full_state(model, parts), want["state2"])
         _train(model, parts, d, x, cond, shape, [2])
-        _train(reference, ref_parts, Dist(), x, cond, shape, [2])
-        _assert_states_equal(_full_state(model, parts), _full_state(reference, ref_parts))
+        _assert_states_equal(_full_state(model, parts), want["state3"])
         # ... and its checkpoint, for the parent to load into one process
         ckpt_io.Checkpointer(Path(tmp) / "tp", 1, False, d).save(3, ckpt_io.training_state(model, *parts[1:]), {})
-        if rank == 0:
-            torch.save(_full_state(reference, ref_parts), Path(tmp) / "want.pt")
     finally:
         shutdown(d)
 
@@ -175,7 +194,7 @@ def _worker(rank: int, ports: list[int], world: int, meshes: list[tuple], kw: di
         _case(rank, world, sp, tp, name, kw, tmp, variant, replicate)
 
 
-def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path):
+def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path, one_thread):
     """dp 2 x tp 2 (with the checkpoints both ways), then sp 2 x tp 2: tensor parallelism with ring attention
     over the sequence halves (DiT-S: 3 heads a process, which 2 do not divide, so ``auto`` takes ring), and with
     Ulysses over the heads each process holds (DiT-B: 6 of its 12; ``auto`` takes Ulysses), FSDP2 over the
@@ -194,13 +213,14 @@ def test_tensor_parallel_training_and_checkpoints_equal_one_process(tmp_path):
         tensor_parallel_sequence_type("ulysses", 6, 2, 2)
     from ditforge.train import checkpoint as ckpt_io
 
+    name = meshes[0][2]
+    _references({mesh[2] for mesh in meshes}, kw, str(tmp_path), name)
     ports = [free_port() for _ in meshes]
     spawn(_worker, args=(ports, world, meshes, kw, str(tmp_path)), nprocs=world)
-    name = meshes[0][2]
     model = _create(name, kw, "cpu")
     parts = _trainer(model)
     ckpt_io.load_training_state(tmp_path / "tp" / "checkpoints" / "step-0000003", model, parts[1], parts[2])
-    _assert_states_equal(_full_state(model, parts), torch.load(tmp_path / "want.pt"))
+    _assert_states_equal(_full_state(model, parts), torch.load(_reference_file(str(tmp_path), name))["state3"])
 
 
 @pytest.mark.parametrize("fields,flag", [({"parallel.sequence_parallel_size": 2,
