@@ -39,11 +39,20 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# The files that take longest on the 2-core CI machine, longest first (a full run of 2026-12-02, pytest --durations:
-# text-to-video's one test ~770 s, the optimizer modes' resume tests ~300 s, then 120-190 s each, the machine loaded).
-# They go to the two pytest-xdist workers before any other file, so that none of them starts near the end.
-LONGEST = ("test_text_to_video.py", "optim/test_optim.py", "parallel/test_offload.py", "train/test_chaos.py",
-           "test_sample_fast.py", "train/test_guard.py", "train/test_trainer.py")
+# The files that take longest on the 2-core CI machine, longest first: they go to the two pytest-xdist workers before
+# any other file, so that the end of the run is many short files, which even the two workers out. Estimated from a
+# fresh-clone CI run of 2026-12-08 (692 s; its --durations=80, each other test taken at 0.34 s, the mean that fills
+# the two workers' 2 x 677 s): test_dist_nodes.py 103 s, test_chaos.py 101 s, test_text_to_video.py 94 s, the
+# tensor-parallel test ~41 s (its references now trained once), test_dist_distill.py 48 s, test_sample.py and
+# test_cli.py ~35 s each, then 20-35 s each. A simulation of xdist's loadgroup hand-out (a worker takes the next file
+# when 2 of its tests are left) over those estimates ends the two workers within 2 s of each other in the old order
+# and this one alike, but the old order handed test_sample.py (37 s, one test 17 s) out 48 s before the end, where
+# an underestimate of the files after it idles a worker; now the last file over 15 s ends 41 s before it.
+LONGEST = ("train/test_chaos.py", "test_text_to_video.py", "distributed/test_dist_nodes.py",
+           "distributed/test_dist_tensor_parallel.py", "distributed/test_dist_distill.py", "test_sample.py",
+           "test_cli.py", "distributed/test_dist_equality.py", "distributed/test_dist_finetune.py",
+           "optim/test_optim.py", "train/test_trainer.py", "parallel/test_offload.py", "test_sample_fast.py",
+           "train/test_guard.py")
 # The files that read the fine-tuning runs of the session fixtures ``video_runs`` and ``i2v_runs``
 # (tests/finetune/conftest.py): one pytest-xdist work unit, so that the runs are trained once, not once a worker.
 SHARED_RUNS = ("finetune/test_video_families.py", "finetune/test_i2v_families.py", "finetune/test_wan.py",
@@ -58,7 +67,7 @@ def pytest_collection_modifyitems(items):
     pyproject's addopts) a work unit is an ``xdist_group``, which is the test's file (its module fixtures made
     once), all of ``SHARED_RUNS`` one group; a worker takes one unit at a time, handed out in this order, so the
     long files overlap the many short ones instead of one of them running alone at the end
-    (tests/test_text_to_video.py, ~4 minutes, did: 1,128 s for the suite, the last 286 s on one worker)."""
+    (tests/test_text_to_video.py, then ~4 minutes, once did: 1,128 s for the suite, the last 286 s on one worker)."""
     here = Path(__file__).parent
     lead = {here / name: rank for rank, name in enumerate(LONGEST)}
     shared = {here / name for name in SHARED_RUNS}
