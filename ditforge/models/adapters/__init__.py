@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ditforge.models import is_block
 from ditforge.models.adapters.limits import TextLimit
 
 
@@ -426,8 +427,7 @@ class DiffusersDenoiser(nn.Module):
         seen: list[list[torch.Tensor]] = [[] for _ in experts]
         handles = []
         for model, kept in zip(experts, seen):
-            # by the classes' names in the MRO: FSDP2's fully_shard makes a block's class a subclass FSDP<name>
-            blocks = [m for m in model.modules() if any(c.__name__ in self.block_classes for c in type(m).__mro__)]
+            blocks = [m for m in model.modules() if is_block(m, self.block_classes)]  # sharded or not
             handles.append(blocks[(len(blocks) - 1) // 2].register_forward_hook(
                 lambda module, args, out, kept=kept: kept.append(out[0] if isinstance(out, tuple) else out)))
         try:
