@@ -73,6 +73,7 @@ import numpy as np
 import torch
 
 from ditforge.data.images import to_uint8
+from ditforge.models import is_block
 from ditforge.models.adapters.pipeline import Pretrained
 from ditforge.models.adapters.wan import WanDenoiser
 from ditforge.parallel.mesh import init_distributed
@@ -381,7 +382,7 @@ def run_row(model: str, name: str, steps: int, repeat: int, warmup_steps: int, d
             pipe.transformer.compile_repeated_blocks(fullgraph=True)
         elif name == "diffusers_compiled":  # CogVideoX's class names no repeated blocks (diffusers 0.42.1): each
             for block in pipe.transformer.modules():  # block compiled, as compile_repeated_blocks compiles them
-                if type(block).__name__ in pre.denoiser.block_classes:
+                if is_block(block, pre.denoiser.block_classes):
                     block.compile(fullgraph=True)
         sampler = None
 

@@ -8,7 +8,7 @@ Image models ``DiT-{T,S,B,L,XL}/{p}`` take (B, C, H, W); video models ``vDiT-{T,
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -167,16 +167,25 @@ def _materialize(build: Callable[[], nn.Module], device, block_ready) -> nn.Modu
     return model
 
 
+def is_block(module: nn.Module, classes: Iterable[str]) -> bool:
+    """Whether ``module`` is a repeated block of a diffusers model: a class in its MRO is named in ``classes`` (an
+    adapter's ``block_classes`` or ``swap_classes``, diffusers' class names). By the MRO, not the class's own name:
+    FSDP2's ``fully_shard`` gives a sharded block a class of its own, ``FSDP<name>``, a subclass of the block's, and
+    the blocks are looked for after sharding too (the critic's ``features``); diffusers subclasses none of the named
+    blocks, so on an unsharded model the two tests agree."""
+    return any(c.__name__ in classes for c in type(module).__mro__)
+
+
 def block_paths(model: nn.Module) -> list[str]:
     """Qualified names of a denoiser's repeated blocks, the units activation checkpointing, compile and FSDP
     wrap: ``blocks.0 .. blocks.N-1`` for ditforge's models; for an adapter of a diffusers model
-    (``ditforge.models.adapters``), every outermost module whose class is one of its ``block_classes``."""
+    (``ditforge.models.adapters``), every outermost module that ``is_block`` of its ``block_classes``."""
     classes = getattr(model, "block_classes", None)
     if classes is None:
         return [f"blocks.{i}" for i in range(len(model.blocks))]
     paths: list[str] = []
     for name, module in model.named_modules():
-        if type(module).__name__ in classes and not any(name.startswith(p + ".") for p in paths):
+        if is_block(module, classes) and not any(name.startswith(p + ".") for p in paths):
             paths.append(name)
     return paths
 
@@ -189,6 +198,7 @@ def replace_block(model: nn.Module, path: str, new: nn.Module) -> None:
 
 __all__ = [
     "block_paths",
+    "is_block",
     "replace_block",
     "DiT",
     "VideoDiT",

@@ -271,7 +271,8 @@ def parallelize(
     if attention == "fast" and isinstance(model, DiffusersDenoiser) and dist.sp_mesh is None:
         from ditforge.models.adapters.dispatch import route_exact_attention
 
-        route_exact_attention(model.inner, dist.device)  # its processors call diffusers' code, not the seam
+        for expert in model.expert_models():  # its processors call diffusers' code, not the seam; both experts'
+            route_exact_attention(expert, dist.device)
     set_sequence_attention(None)
     set_frame_exchange(None)
     if dist.tp_mesh is not None:

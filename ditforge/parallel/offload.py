@@ -33,6 +33,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from ditforge.errors import UserError
+from ditforge.models import is_block
 from ditforge.parallel import unwrap
 from ditforge.parallel.ema import local_shard
 from ditforge.parallel.mesh import Dist
@@ -385,7 +386,7 @@ def swap_blocks(model: torch.nn.Module, n: int, pre, d: Dist) -> list[BlockSwap]
     """
     if pre is None:
         raise UserError("--blocks_to_swap: swaps the blocks of a diffusers pipeline's transformer (--init_from)")
-    experts = [[m for m in inner.modules() if type(m).__name__ in pre.denoiser.swap_classes]
+    experts = [[m for m in inner.modules() if is_block(m, pre.denoiser.swap_classes)]
                for inner in unwrap(model).expert_models()]  # two experts: each one's last n, in a swap of its own
     if n > (fewest := min(len(blocks) for blocks in experts)):
         raise UserError(f"--blocks_to_swap {n}: {pre.pipeline_class}'s transformer has {fewest} blocks")

@@ -28,6 +28,7 @@ from ditforge.data.images import to_uint8
 from ditforge.data.sampler import derive_seed
 from ditforge.encoders.vae import VAE
 from ditforge.errors import UserError
+from ditforge.models import is_block
 from ditforge.models.adapters import by_expert
 from ditforge.models.adapters.pipeline import pipeline_defaults
 from ditforge.parallel.context import refuse_unsplittable, split_tokens, token_mesh
@@ -170,8 +171,7 @@ class VideoSampler:
     def _prepare(self, denoiser, d: Dist, cfg: SampleConfig, mesh) -> None:
         """One expert made fast, in place: dtype, shards, fp8, context parallelism, First Block Cache, compile."""
         transformer = denoiser.inner
-        # found before sharding, which renames the classes (FSDP<block class>)
-        blocks = [m for m in transformer.modules() if type(m).__name__ in denoiser.block_classes]
+        blocks = [m for m in transformer.modules() if is_block(m, denoiser.block_classes)]
         denoiser.to(dtype=self.dtype).eval().requires_grad_(False)
         if self.shard:  # before the move: the whole model never is on one GPU
             from torch.distributed.fsdp import fully_shard

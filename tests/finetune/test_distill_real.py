@@ -1,9 +1,9 @@
 """``ditforge distill --data`` of a pipeline teacher (``train/distill_real.py``) on the tiny Wan 2.1 folder
 (``wan_pipeline``) and a folder of three captioned mp4 clips (``tiny_pipelines.captioned_clips``): the GAN head's
-features are the middle block's hidden states of diffusers' own transformer and its losses DMD2's, written out in
-float64; with the two-expert Wan 2.2 A14B folder (``make_wan22``) each row's expert's, into one head whose loss and
-gradient are the float64 head's on those rows; with Wan2.1-VACE (``make_vace``) each real row's control that of its
-clip's reference, as ``WanVACEPipeline`` builds it; the same
+features are the middle block's hidden states of diffusers' own transformer (the blocks after it not run) and its
+losses DMD2's, written out in float64; with the two-expert Wan 2.2 A14B folder (``make_wan22``) each row's
+expert's, into one head whose loss and gradient are the float64 head's on those rows; with Wan2.1-VACE
+(``make_vace``) each real row's control that of its clip's reference, as ``WanVACEPipeline`` builds it; the same
 iteration with and without gradient checkpointing gives the same gradients (LoRA student and critic on one base,
 and full copies); a cut-and-resumed run equals the uninterrupted one, head and its optimizer included; the
 one-line refusals of bad clips. The multi-process runs (FSDP2, Ulysses, two experts) are
@@ -44,9 +44,11 @@ def real_argv(pipe, prompts, clips, out, *extra):
 
 def recorded_run(pipe, prompts, clips, out, *extra, grads: list | None = None) -> list[dict]:
     """``real_argv``'s run of ``pipe`` to ``out``; returns its first iteration's ``features`` calls (input, timesteps,
-    conditioning, tokens, the head's weights at its call): the generator's fake, then the critic's real and fake.
-    ``grads``: each clip's gradients appended (the student's, then the critic's, its head's last)."""
+    conditioning, tokens, the head's weights at its call, and ``ran``: the (expert, block index in module order) of
+    each repeated block call the features made, counted by forward pre-hooks): the generator's fake, then the critic's
+    real and fake. ``grads``: each clip's gradients appended (the student's, then the critic's, its head's last)."""
     from ditforge.diffusion.dmd import GANHead
+    from ditforge.models import is_block
     from ditforge.models.adapters import DiffusersDenoiser
     from ditforge.train import distill_pipeline
 
@@ -54,9 +56,17 @@ def recorded_run(pipe, prompts, clips, out, *extra, grads: list | None = None) -
     features, head, clip = DiffusersDenoiser.features, GANHead.forward, distill_pipeline.clip_grad_norm_
 
     def seen_features(self, x, t, **cond):
-        out = features(self, x, t, **cond)
+        ran = []
+        blocks = [[m for m in model.modules() if is_block(m, self.block_classes)] for model in self.expert_models()]
+        hooks = [block.register_forward_pre_hook(lambda module, args, key=(e, i): ran.append(key))
+                 for e, chain in enumerate(blocks) for i, block in enumerate(chain)]
+        try:
+            out = features(self, x, t, **cond)
+        finally:
+            for hook in hooks:
+                hook.remove()
         calls.append({"x": x.detach().clone(), "t": t.clone(), "cond": {k: v.clone() for k, v in cond.items()},
-                      "tokens": out.detach().clone()})
+                      "tokens": out.detach().clone(), "ran": ran})
         return out
 
     def seen_head(self, tokens, **kwargs):
@@ -125,6 +135,7 @@ def test_gan_losses_are_dmd2s_on_the_middle_blocks_features(run, wan_pipeline):
         assert call["tokens"].shape[1:] == (2 * 1 * 1, model.config.num_attention_heads *
                                             model.config.attention_head_dim)  # (T' / 1) x (h / 2) x (w / 2) tokens
     assert_dmd2_gan_metrics(first, calls)
+    assert all(call["ran"] == [(0, 0)] for call in calls)  # the middle block once; block 1, after it, not at all
     # the real branch is the clips' captions' conditioning, not the prompts'
     assert not torch.equal(calls[1]["cond"]["encoder_hidden_states"], calls[2]["cond"]["encoder_hidden_states"])
 
@@ -163,6 +174,8 @@ def test_two_experts_features_are_each_rows_experts(experts_run):
             want = middle_states(experts[int(t < BOUNDARY)], call["x"][i:i + 1], t.view(1),
                                  call["cond"]["encoder_hidden_states"][i:i + 1])
             torch.testing.assert_close(call["tokens"][i:i + 1], want, rtol=1e-5, atol=1e-6)
+        # each expert with rows runs its middle block (0 of 2) once, in by_expert's order, and not its block 1
+        assert call["ran"] == [(e, 0) for e in (0, 1) if (call["t"] < BOUNDARY).eq(bool(e)).any()]
     assert_dmd2_gan_metrics(json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), calls)
     w = {k: v.double().requires_grad_(True) for k, v in calls[1]["head"].items()}
     loss = 1e-2 * (F.softplus(-logits64(calls[1]["tokens"], w)).mean() +

@@ -500,6 +500,56 @@ def test_fsdp_gathers_the_trained_experts_units_alone(wan22, monkeypatch):
         shutdown(d)
 
 
+def test_enable_flashattn_routes_both_experts(wan22, monkeypatch):
+    """``--enable_flashattn`` of a fine-tuning run of both experts (``parallel.parallelize``, ``attention="fast"``):
+    each expert's self-attention modules (``attn1``; not the cross-attention ``attn2``) carry the route to
+    ``fastest_exact``, each expert's calls reach it, and each expert's output equals the unrouted model's (rtol 1e-5 of
+    its largest entry: float32 SDPA in another kernel order). FlashAttention-4 is GPU-only: its availability is forced
+    (``dispatch._fa4_runs``) and the tiny heads' width 12 allowed, so the route's kernel falls back to PyTorch's SDPA
+    (``ops.flash4.exact_attention``), which is what the CPU can check: the routing, not the GPU kernel."""
+    import importlib
+
+    from ditforge.models.adapters import dispatch
+    from ditforge.models.adapters.pipeline import load_pretrained
+    from ditforge.parallel import parallelize
+    from ditforge.parallel.mesh import init_distributed
+
+    attention = importlib.import_module("ditforge.ops.attention")  # ditforge.ops.attention is a function too
+
+    model = load_pretrained(wan22, torch.device("cpu"), expert="both").denoiser
+    g = torch.Generator().manual_seed(6)
+    x, t, text = torch.randn(2, 16, 2, 2, 2, generator=g), torch.rand(2, generator=g) * 1000, torch.randn(
+        2, 512, 32, generator=g)
+    with torch.no_grad():
+        plain = []
+        for expert in (0, 1):
+            model.expert = expert
+            plain.append(model(x, t, encoder_hidden_states=text))
+    calls, fastest = [], attention.fastest_exact
+
+    def counted(device):
+        kernel = fastest(device)
+        return lambda q, k, v, scale=None: calls.append(model.expert) or kernel(q, k, v, scale=scale)
+
+    monkeypatch.setattr(dispatch, "_fa4_runs", lambda device: True)
+    monkeypatch.setattr(dispatch, "EXACT_HEAD_DIMS", (12,))  # the tiny Wan's 2 heads x 12
+    monkeypatch.setattr(attention, "fastest_exact", counted)
+    try:
+        model = parallelize(model, init_distributed("cpu"), attention="fast")
+    finally:
+        attention.set_attention_backend()
+    for expert in model.expert_models():
+        assert all(isinstance(b.attn1.processor._attention_backend, dispatch._Route) for b in expert.blocks)
+        assert not any(isinstance(b.attn2.processor._attention_backend, dispatch._Route) for b in expert.blocks)
+    with torch.no_grad():
+        for expert in (0, 1):
+            calls.clear()
+            model.expert = expert
+            routed = model(x, t, encoder_hidden_states=text)
+            assert calls == [expert] * 2  # one self-attention call a block, each block's routed
+            torch.testing.assert_close(routed, plain[expert], rtol=0, atol=1e-5 * plain[expert].abs().max().item())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the idle expert is offloaded from a GPU")
 def test_both_experts_offloaded_is_the_same_run(wan22, tmp_path, caplog):
     """On a GPU, a bf16 LoRA run of both under --gpu_memory_budget (the idle expert's frozen base in host memory,

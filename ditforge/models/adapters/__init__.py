@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ditforge.models import is_block
 from ditforge.models.adapters.limits import TextLimit
 
 
@@ -74,6 +75,14 @@ def by_expert(t: torch.Tensor, boundary: float, call: Callable[[int, torch.Tenso
     out = parts[0][1] if len(parts) == 1 else torch.cat([o for _, o in parts])[
         torch.argsort(torch.cat([r for r, _ in parts]))]
     return out if stand_in is None else out + stand_in
+
+
+class _Stop(Exception):
+    """Ends a forward at ``features``' middle block: ``hook`` raises it with its output, ``forward`` returns that."""
+
+    @staticmethod
+    def hook(module: nn.Module, args, out) -> None:  # a block's (hidden states, text states): the first
+        raise _Stop(out[0] if isinstance(out, tuple) else out)
 
 
 class DiffusersDenoiser(nn.Module):
@@ -393,13 +402,19 @@ class DiffusersDenoiser(nn.Module):
         ``routing_boundary`` set, row i runs on the expert of its t_i (``by_expert``: the pipeline's rule)."""
         cond = self.embed(self.drop(cond, force_drop_ids))
         if self.routing_boundary is None:
-            return self.denoise(x, t, **cond)
+            return self._denoise(x, t, cond)
 
         def on(expert: int, rows: torch.Tensor | slice) -> torch.Tensor:
             self.expert = expert
-            return self.denoise(x[rows], t[rows], **{k: v[rows] for k, v in cond.items()})
+            return self._denoise(x[rows], t[rows], {k: v[rows] for k, v in cond.items()})
 
         return by_expert(t, self.routing_boundary, on, self.routing_agree)
+
+    def _denoise(self, x: torch.Tensor, t: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        try:  # features' _Stop, caught inside forward: the other expert's rows still run, FSDP2's root hooks see it end
+            return self.denoise(x, t, **cond)
+        except _Stop as stop:
+            return stop.args[0]
 
     def denoise(self, x: torch.Tensor, t: torch.Tensor, **cond: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -416,32 +431,20 @@ class DiffusersDenoiser(nn.Module):
         ``DiT.features``: the tokens after the first half of its blocks): the hidden states (B, N, ``feature_width``)
         in the compute dtype that the middle one of the transformer's repeated blocks (``block_classes``, in module
         order: index (n - 1) // 2 of n, the first half's last, rounded up) outputs in ``forward(x, t, **cond)`` (a
-        block that returns (hidden states, text states) gives the first), caught by forward hooks held for this call
-        only, so a backward's recompute of a checkpointed block leaves them alone. The whole forward runs (its
-        output unused); differentiable in ``x`` and the parameters before that block. With ``routing_boundary`` set
-        (two experts), row i's are the middle block's of the expert owning t_i, put back in the batch's order as
-        ``by_expert`` puts the outputs; a stand-in row's (``agree``: an expert this batch has no rows for) enters
-        times 0, as in ``forward``. Under context parallelism N is this process's tokens."""
+        block that returns (hidden states, text states) gives the first). A forward hook held for this call only (a
+        backward's recompute of a checkpointed block then runs it whole) ends the transformer's forward there
+        (``_Stop``): the blocks after it do not run. Differentiable in ``x`` and the parameters before that block.
+        With ``routing_boundary`` set (two experts), row i's are the middle block's of the expert owning t_i, put
+        back in the batch's order by ``forward``'s ``by_expert``; a stand-in row's (``agree``: an expert this batch
+        has no rows for) enters times 0, as in ``forward``. Under context parallelism N is this process's tokens."""
         experts = self.expert_models() if self.routing_boundary is not None else [self.inner]
-        seen: list[list[torch.Tensor]] = [[] for _ in experts]
-        handles = []
-        for model, kept in zip(experts, seen):
-            # by the classes' names in the MRO: FSDP2's fully_shard makes a block's class a subclass FSDP<name>
-            blocks = [m for m in model.modules() if any(c.__name__ in self.block_classes for c in type(m).__mro__)]
-            handles.append(blocks[(len(blocks) - 1) // 2].register_forward_hook(
-                lambda module, args, out, kept=kept: kept.append(out[0] if isinstance(out, tuple) else out)))
+        blocks = [[m for m in model.modules() if is_block(m, self.block_classes)] for model in experts]
+        handles = [chain[(len(chain) - 1) // 2].register_forward_hook(_Stop.hook) for chain in blocks]
         try:
-            self(x, t, **cond)
+            return self(x, t, **cond)
         finally:
             for handle in handles:
                 handle.remove()
-        if len(experts) == 1:
-            return seen[0][0]
-        # forward called each expert at most once, in by_expert's order: replayed without agree, the calls its own
-        # rows made; what is left is a stand-in's
-        out = by_expert(t, self.routing_boundary, lambda expert, rows: seen[expert].pop(0))
-        stand_ins = [kept[0] for kept in seen if kept]
-        return out if not stand_ins else out + sum(0 * s.sum() for s in stand_ins)
 
     @staticmethod
     def encode_prompt(pipe: Any, texts: list[str], device: torch.device) -> dict[str, torch.Tensor]:

@@ -181,14 +181,22 @@ def route_exact_attention(transformer: torch.nn.Module, device: torch.device) ->
     (else diffusers' own SDPA call is the fastest exact kernel there is, and nothing is routed). Returns how many
     modules were routed, and logs it."""
     from ditforge.ops.attention import fastest_exact
-    from ditforge.ops.flash4 import fa4_installed, ops
+    from ditforge.ops.flash4 import ops
 
-    if device.type != "cuda" or not fa4_installed():
+    if not _fa4_runs(device):
         return 0
     ops()  # registered before the blocks compile
     routed = route_self_attention(transformer, fastest_exact(device), EXACT_HEAD_DIMS)
     log.info("exact attention: %d self-attention modules take FlashAttention-4 where it is faster", routed)
     return routed
+
+
+def _fa4_runs(device: torch.device) -> bool:
+    """FlashAttention-4 can take ``device``'s calls: a CUDA device, the wheel installed. Apart so that a CPU test can
+    route anyway, the kernel then falling back to SDPA (``ops.flash4.exact_attention``)."""
+    from ditforge.ops.flash4 import fa4_installed
+
+    return device.type == "cuda" and fa4_installed()
 
 
 def unmask_full_attention(transformer: torch.nn.Module) -> list[Unmask]:
