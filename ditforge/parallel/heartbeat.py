@@ -80,11 +80,19 @@ class Heartbeat:
         self.store.set(f"{self.prefix}host/{self.rank}", os.uname().nodename)
         self.store.add(self._key(self.rank), 1)
         self._last_step = time.monotonic()
+        self._signal: str | None = None  # stopped_by's
         self._stop = threading.Event()
         self._said = threading.Lock()
         self._io = threading.Lock()  # one store operation at a time: the watcher and a main thread's ``lost``
         self._thread = threading.Thread(target=self._run, name="ditforge-heartbeat", daemon=True)
         self._thread.start()
+
+    def stopped_by(self, signal_name: str) -> None:
+        """A stop signal (``"SIGTERM"``, ``"SIGINT"``) came while the run was still training: torchrun (on another
+        worker's failure) or the scheduler is ending the job, within a grace period (torchrun's: 30 s, then SIGKILL)
+        shorter than reading the beats may take (``lost``: 3 beats, up to 30 s). ``describe`` then answers at once:
+        the launcher already names the process that failed."""
+        self._signal = signal_name
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}beat/{rank}"
@@ -153,7 +161,12 @@ class Heartbeat:
             return None
 
     def describe(self, beating: bool = False) -> str | None:
-        """One line naming the lost ranks and their hosts, or None when every peer still beats (``lost``)."""
+        """One line naming the lost ranks and their hosts, or None when every peer still beats (``lost``); after
+        ``stopped_by``, at once a line saying so."""
+        if self._signal is not None:
+            self._mark("stopped")
+            return (f"rank {self.rank}: {self._signal} came and then a collective failed: the job is being stopped "
+                    "(torchrun names the process that failed); --resume auto continues from the newest checkpoint")
         lost = self.lost(beating)
         if lost == []:
             return None

@@ -255,6 +255,8 @@ def _loop(run: Run) -> int:
         raise
     finally:
         interrupted.restore()
+        if interrupted.pending and run.heartbeat is not None:  # a collective that fails now is the job ending
+            run.heartbeat.stopped_by(interrupted.pending)
         if run.metrics is not None:
             run.metrics.close()
     bar.close()
@@ -412,7 +414,7 @@ class _DeferredInterrupt:
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
-        self.pending = False
+        self.pending: str | None = None  # the first signal's name
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
@@ -420,16 +422,15 @@ class _DeferredInterrupt:
     def _handle(self, signum, frame) -> None:
         if self.pending:
             raise KeyboardInterrupt
-        self.pending = True
-        log.warning("%s: finishing this step and saving a checkpoint (again to stop at once)",
-                    signal.Signals(signum).name)
+        self.pending = signal.Signals(signum).name
+        log.warning("%s: finishing this step and saving a checkpoint (again to stop at once)", self.pending)
 
     def check(self, writing: bool, group: dist.ProcessGroup | None = None) -> bool:
         """Between two steps: raise KeyboardInterrupt on every rank if any rank was interrupted (torchrun may
         signal only some ranks, e.g. only one host's); else return whether a background save is still being
         written on any rank (``writing``: this rank's ``Checkpointer.writing()``). One tiny all-reduce on ``group``
         (gloo, host tensors: no device sync) per step makes the ranks agree on both."""
-        flags = torch.tensor([int(self.pending), int(writing)])
+        flags = torch.tensor([int(self.pending is not None), int(writing)])
         if group is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         interrupt, writing = flags.tolist()

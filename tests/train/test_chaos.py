@@ -48,7 +48,9 @@ from dist_helpers import (COMMON, REPO, TINY, descendants, dist_env, kill_all, r
 from ditforge.weights.read import list_checkpoints  # noqa: E402
 from ditforge.train.logging import read_metrics  # noqa: E402
 
-HANG_TIMEOUT = 60.0  # seconds the surviving rank (and torchrun) may take to end after the other rank is killed
+# seconds the surviving rank (and torchrun) may take to end after the other rank is killed: about 1 s; 30 s (until
+# torchrun's SIGKILL) when a survivor read the peers' beats after torchrun's SIGTERM (Heartbeat.stopped_by)
+HANG_TIMEOUT = 20.0
 RUN_TIMEOUT = 900.0  # seconds one launch may take to finish or to reach its kill
 CKPT_EVERY = 2
 TIMING_KEYS = {"samples_per_sec", "data_wait_fraction", "peak_memory_gib"}  # differ between any two runs
