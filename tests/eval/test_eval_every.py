@@ -49,8 +49,8 @@ def test_undertrained_run_has_a_clearly_worse_fid(tmp_path):
     cores)."""
     default = json.loads((REPO / "benchmarks/results/digits_quality.json").read_text())["eval_at_end"]
     run = tmp_path / "run"
-    assert cli.main(["train", "--outputs", str(run), "--max_steps", "25", "--eval_every", "25", "--eval_samples", "150", "--sample_every",
-                     "0", "--device", "cpu", "--num_workers", "0"]) == 0
+    assert cli.main(["train", "--outputs", str(run), "--max_steps", "25", "--eval_every", "25", "--eval_samples", "150",
+                     "--sample_every", "0", "--device", "cpu", "--num_workers", "0"]) == 0
     short = _records(run)[-1]
     assert short["step"] == 25
     assert short["digits_fid"] > 3 * default["digits_fid"], (short, default)
